@@ -1,0 +1,245 @@
+"""Defaults and validation of a run's configuration.
+
+Experiment files (experiments/*.py) start from `defaults()` and change what
+they need. `validate()` runs once, at the boundary, before anything is
+compiled: every problem becomes a `ConfigError` naming the key and the fix,
+and downstream code reads fields directly (no `.get(key, default)` chains).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import ml_collections
+
+from triax.errors import ConfigError
+
+MESH_AXES = ('data', 'tensor', 'pipe')
+SCHEDULES = ('gpipe', '1f1b', 'interleaved_1f1b')
+REMAT_POLICIES = ('none', 'full', 'selective')
+DTYPES = ('float32', 'bfloat16', 'float16')
+ATTENTION_IMPLS = ('xla', 'cudnn')
+
+
+def defaults() -> ml_collections.ConfigDict:
+  """Every key a run may set, with a one-line reason for each default."""
+  c = ml_collections.ConfigDict()
+
+  c.mesh = ml_collections.ConfigDict()
+  # Data-parallel degree; -1 takes whatever devices the other axes leave.
+  c.mesh.data = -1
+  # Tensor (Megatron) parallel degree: heads and MLP columns are split this many ways.
+  c.mesh.tensor = 1
+  # Pipeline degree: number of pipeline stages.
+  c.mesh.pipe = 1
+  # Data-centre-network factor of each axis (multi-slice / multi-host); 1 = single slice.
+  c.mesh.dcn_data = 1
+  # DCN factor of the tensor axis; keep 1 unless you know your network.
+  c.mesh.dcn_tensor = 1
+  # DCN factor of the pipe axis; pipelining tolerates slow links, so this is the usual one.
+  c.mesh.dcn_pipe = 1
+
+  c.model = ml_collections.ConfigDict()
+  # Number of transformer blocks.
+  c.model.num_layers = 4
+  # Residual stream width (h in the Megatron FLOPs formula).
+  c.model.d_model = 128
+  # Attention heads; must divide by mesh.tensor.
+  c.model.num_heads = 4
+  # MLP hidden width; must divide by mesh.tensor.
+  c.model.d_ff = 512
+  # Vocabulary size; 256 for the byte-level corpus.
+  c.model.vocab_size = 256
+  # Tokens per sequence (learned position embeddings of this length).
+  c.model.seq_len = 128
+  # Compute dtype of activations and matmuls.
+  c.model.dtype = 'float32'
+  # Storage dtype of parameters (and of the optimizer state).
+  c.model.param_dtype = 'float32'
+  # Activation recomputation: none, full (per layer), selective (keep matmul outputs).
+  c.model.remat = 'none'
+  # Attention kernel: xla everywhere, or cudnn (fused, GPU only).
+  c.model.attention = 'xla'
+
+  c.pipeline = ml_collections.ConfigDict()
+  # Pipeline schedule: gpipe, 1f1b or interleaved_1f1b (used when mesh.pipe > 1).
+  c.pipeline.schedule = '1f1b'
+  # Micro-batches per step (m); the global batch is split into this many.
+  c.pipeline.microbatches = 1
+  # Virtual stages per device (v): model chunks each pipeline device holds.
+  c.pipeline.virtual_stages = 1
+
+  c.train = ml_collections.ConfigDict()
+  # Optimizer steps to run in total (a resumed run stops at the same step).
+  c.train.steps = 200
+  # Sequences per optimizer step, over all data-parallel replicas.
+  c.train.global_batch_size = 32
+  # Peak learning rate reached after warmup.
+  c.train.learning_rate = 3e-3
+  # Linear warmup steps before the cosine decay.
+  c.train.warmup_steps = 20
+  # Final learning rate of the cosine decay, as a fraction of the peak.
+  c.train.min_lr_ratio = 0.1
+  # AdamW decoupled weight decay.
+  c.train.weight_decay = 0.1
+  # Adam first-moment decay.
+  c.train.adam_b1 = 0.9
+  # Adam second-moment decay.
+  c.train.adam_b2 = 0.95
+  # Global-norm gradient clipping threshold; 0 disables clipping.
+  c.train.grad_clip_norm = 1.0
+  # Seed for parameters and data order: the same seed gives identical losses.
+  c.train.seed = 0
+  # Evaluate the validation loss every this many steps (and at the end).
+  c.train.eval_every = 50
+  # Validation batches per evaluation.
+  c.train.eval_batches = 4
+  # Write a metrics line every this many steps.
+  c.train.log_every = 10
+
+  c.data = ml_collections.ConfigDict()
+  # stdlib: Python's own standard-library source (no download); text: data.path.
+  c.data.source = 'stdlib'
+  # A text file or directory, used when data.source=text.
+  c.data.path = ''
+
+  c.checkpoint = ml_collections.ConfigDict()
+  # Save a checkpoint every this many steps (and at the end); 0 saves only at the end.
+  c.checkpoint.every_steps = 100
+  # Checkpoints to keep; older ones are deleted once a newer one is complete.
+  c.checkpoint.keep = 3
+
+  c.hardware = ml_collections.ConfigDict()
+  # Peak FLOP/s of one device for MFU; 0 looks it up from the device kind (none on CPU).
+  c.hardware.peak_flops_per_device = 0.0
+
+  c.sharding = ml_collections.ConfigDict()
+  # Logical axis -> mesh axis (or None = replicated). The model names only logical axes.
+  c.sharding.logical_axis_rules = (
+      ('batch', 'data'),
+      ('vocab', 'tensor'),
+      ('heads', 'tensor'),
+      ('mlp', 'tensor'),
+      ('kv', None),
+      ('embed', None),
+      ('seq', None),
+      ('layers', None),
+      ('stage', 'pipe'),
+      ('virtual', None),
+  )
+  return c
+
+
+def _positive(cfg, group: str, key: str):
+  value = cfg[group][key]
+  if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+    raise ConfigError(f'{group}.{key}', f'must be a positive integer, got {value!r}')
+
+
+def resolve_mesh_shape(mesh_cfg, num_devices: int) -> tuple[int, int, int]:
+  """Mesh sizes (data, tensor, pipe) with a -1 entry resolved to the rest."""
+  sizes = [mesh_cfg[a] for a in MESH_AXES]
+  for axis, size in zip(MESH_AXES, sizes):
+    if not isinstance(size, int) or size == 0 or size < -1:
+      raise ConfigError(f'mesh.{axis}', f'must be a positive integer or -1, got {size!r}')
+  free = [i for i, s in enumerate(sizes) if s == -1]
+  if len(free) > 1:
+    raise ConfigError(f'mesh.{MESH_AXES[free[1]]}', 'only one mesh axis may be -1')
+  known = math.prod(s for s in sizes if s != -1)
+  if free:
+    if num_devices % known:
+      raise ConfigError(
+          f'mesh.{MESH_AXES[free[0]]}',
+          f'-1 cannot fill {num_devices} devices: the other axes multiply to {known}')
+    sizes[free[0]] = num_devices // known
+  if math.prod(sizes) != num_devices:
+    raise ConfigError(
+        'mesh', f'data*tensor*pipe = {"*".join(map(str, sizes))} = {math.prod(sizes)} '
+        f'but there are {num_devices} devices; make the product {num_devices} '
+        '(or set one axis to -1)')
+  return tuple(sizes)
+
+
+def validate(cfg: ml_collections.ConfigDict, num_devices: int) -> ml_collections.ConfigDict:
+  """Checks `cfg` against itself and the device count; returns it with the mesh resolved.
+
+  Raises:
+    ConfigError: naming the first offending key and how to fix it.
+  """
+  cfg = ml_collections.ConfigDict(cfg.to_dict())  # unlocked copy; caller's stays as given
+  data, tensor, pipe = resolve_mesh_shape(cfg.mesh, num_devices)
+  cfg.mesh.data, cfg.mesh.tensor, cfg.mesh.pipe = data, tensor, pipe
+  for axis in MESH_AXES:
+    dcn = cfg.mesh[f'dcn_{axis}']
+    if not isinstance(dcn, int) or dcn <= 0 or cfg.mesh[axis] % dcn:
+      raise ConfigError(f'mesh.dcn_{axis}',
+                        f'must be a positive divisor of mesh.{axis}={cfg.mesh[axis]}, got {dcn!r}')
+
+  for key in ('num_layers', 'd_model', 'num_heads', 'd_ff', 'vocab_size', 'seq_len'):
+    _positive(cfg, 'model', key)
+  m = cfg.model
+  if m.d_model % m.num_heads:
+    raise ConfigError('model.num_heads', f'must divide model.d_model={m.d_model}, got {m.num_heads}')
+  if m.num_heads % tensor:
+    raise ConfigError('model.num_heads',
+                      f'{m.num_heads} heads cannot be split over mesh.tensor={tensor}; '
+                      'use a multiple of mesh.tensor')
+  if m.d_ff % tensor:
+    raise ConfigError('model.d_ff', f'{m.d_ff} is not divisible by mesh.tensor={tensor}')
+  if m.vocab_size % tensor:
+    raise ConfigError('model.vocab_size',
+                      f'{m.vocab_size} is not divisible by mesh.tensor={tensor} '
+                      '(the embedding and output layer are vocabulary-parallel)')
+  if m.vocab_size < 256 and cfg.data.source in ('stdlib', 'text'):
+    raise ConfigError('model.vocab_size', f'the byte-level corpus needs 256, got {m.vocab_size}')
+  for key, choices in (('dtype', DTYPES), ('param_dtype', DTYPES), ('remat', REMAT_POLICIES),
+                       ('attention', ATTENTION_IMPLS)):
+    if m[key] not in choices:
+      raise ConfigError(f'model.{key}', f'unknown value {m[key]!r}; choose one of {", ".join(choices)}')
+
+  p = cfg.pipeline
+  if p.schedule not in SCHEDULES:
+    raise ConfigError('pipeline.schedule',
+                      f'unknown schedule {p.schedule!r}; choose one of {", ".join(SCHEDULES)}')
+  _positive(cfg, 'pipeline', 'microbatches')
+  _positive(cfg, 'pipeline', 'virtual_stages')
+  v = p.virtual_stages
+  if p.schedule == '1f1b' and v != 1:
+    raise ConfigError('pipeline.virtual_stages',
+                      f'1f1b runs one chunk per device (got {v}); use interleaved_1f1b for v > 1')
+  if m.num_layers % (pipe * v):
+    raise ConfigError('model.num_layers',
+                      f'{m.num_layers} layers cannot be cut into mesh.pipe*pipeline.virtual_stages'
+                      f' = {pipe}*{v} equal chunks; use a multiple of {pipe * v}')
+  if p.schedule == 'interleaved_1f1b' and pipe > 1 and p.microbatches % pipe:
+    raise ConfigError('pipeline.microbatches',
+                      f'interleaved_1f1b needs a multiple of mesh.pipe={pipe}, got {p.microbatches}')
+
+  t = cfg.train
+  for key in ('steps', 'global_batch_size', 'eval_every', 'eval_batches', 'log_every'):
+    _positive(cfg, 'train', key)
+  if t.global_batch_size % (data * p.microbatches):
+    raise ConfigError('train.global_batch_size',
+                      f'{t.global_batch_size} must divide into mesh.data*pipeline.microbatches = '
+                      f'{data}*{p.microbatches} equal micro-batch shards')
+  for key in ('learning_rate', 'weight_decay', 'grad_clip_norm', 'min_lr_ratio'):
+    if not isinstance(t[key], (int, float)) or t[key] < 0:
+      raise ConfigError(f'train.{key}', f'must be a non-negative number, got {t[key]!r}')
+  if not isinstance(t.warmup_steps, int) or t.warmup_steps < 0:
+    raise ConfigError('train.warmup_steps', f'must be a non-negative integer, got {t.warmup_steps!r}')
+  if not isinstance(cfg.checkpoint.every_steps, int) or cfg.checkpoint.every_steps < 0:
+    raise ConfigError('checkpoint.every_steps', 'must be >= 0 (0 = only at the end)')
+  _positive(cfg, 'checkpoint', 'keep')
+  if cfg.hardware.peak_flops_per_device < 0:
+    raise ConfigError('hardware.peak_flops_per_device', 'must be >= 0 (0 = look up)')
+  _check_rules(cfg.sharding.logical_axis_rules)
+  return cfg
+
+
+def _check_rules(rules: Sequence) -> None:
+  for rule in rules:
+    if len(rule) != 2 or (rule[1] is not None and rule[1] not in MESH_AXES):
+      raise ConfigError('sharding.logical_axis_rules',
+                        f'rule {tuple(rule)!r} must map a logical axis to one of '
+                        f'{", ".join(MESH_AXES)} or None')

@@ -1,0 +1,14 @@
+"""The one error type that user-facing input problems raise.
+
+Entry points catch it, print its one line and exit with status 2, so a bad
+config key, flag or file never produces a traceback or touches the workdir.
+"""
+
+
+class ConfigError(ValueError):
+  """Invalid user input. `key` names the config key, flag or file at fault."""
+
+  def __init__(self, key: str, message: str):
+    self.key = key
+    self.message = message
+    super().__init__(f'{key}: {message}')

@@ -1,0 +1,240 @@
+"""Runs a lowered pipeline schedule as one SPMD program.
+
+`shard_map` is manual over `pipe` only; `data` and `tensor` stay automatic
+(GSPMD) inside each stage. A `lax.scan` walks the schedule's ticks. In each
+tick every device reads its own row of the schedule table and:
+
+  phase 0  forward of (micro-batch, chunk) under `lax.cond`, so idle slots
+           execute nothing. `jax.vjp` gives the chunk's output and a
+           residual pytree; its array leaves go into a slot of the stash.
+           On the last chunk the loss and its gradient are computed at once
+           (so the head's residuals are never stashed).
+  phase 1  backward: the residuals are read back from their slot, unflattened
+           into the vjp function and applied to the arriving gradient; the
+           weight gradient is accumulated, the input gradient sent on.
+  phase 2  `ppermute` moves activations to stage s+1 and gradients to stage
+           s-1 (cyclically, which is how interleaved schedules hand chunk
+           outputs from the last device back to the first); arrivals are
+           written into the buffer slot the schedule assigned.
+
+Stash, activation and gradient buffers have as many slots as the schedule's
+lowering says, so activation memory is bounded by the schedule, not by the
+number of micro-batches. Residual leaves that are the chunk's own weights
+(forwarded by JAX, not copies) are not stashed: they are re-sliced from the
+parameters at the backward.
+
+The executor does not import the model: it receives the three functions it
+places (`StageFns`) and the lowered `Program`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, PartitionSpec as P
+
+from triax.pipeline import schedule as sched
+
+Params = Any
+
+
+@dataclasses.dataclass(frozen=True)
+class StageFns:
+  """What the executor places on stages.
+
+  embed(embed_params, tokens[mb, s]) -> x[mb, s, d]       first chunk's input
+  chunk(chunk_params, x) -> y                              one chunk's layers
+  head_loss(head_params, y, targets[mb, s]) -> scalar     summed token loss
+  """
+  embed: Callable[[Params, jax.Array], jax.Array]
+  chunk: Callable[[Params, jax.Array], jax.Array]
+  head_loss: Callable[[Params, jax.Array, jax.Array], jax.Array]
+
+
+def _varying(tree):
+  """Marks fresh carries as varying over `pipe` (each stage holds its own)."""
+  def cast(a):
+    aval = jax.typeof(a)
+    # jax 0.10 names the varying axes `manual_axis_type.varying`, older ones `vma`.
+    varying = getattr(aval, 'vma', None)
+    if varying is None:
+      varying = aval.manual_axis_type.varying
+    if 'pipe' in varying:
+      return a
+    return jax.lax.pcast(a, ('pipe',), to='varying')
+  return jax.tree.map(cast, tree)
+
+
+def _zeros_like_varying(tree):
+  return _varying(jax.tree.map(jnp.zeros_like, tree))
+
+
+def _take(tree, index):
+  return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, index, 0, keepdims=False), tree)
+
+
+def _put(buffers, index, values):
+  return [b.at[index].set(v) for b, v in zip(buffers, values)]
+
+
+def pipeline_loss_and_grad(fns: StageFns, program: 'sched.Program', mesh: Mesh,
+                           act_shape: tuple[int, ...], act_dtype: Any, loss_scale: float,
+                           act_spec: P = P()):
+  """Builds f(stage_params, embed_params, head_params, inputs, targets).
+
+  Args:
+    fns: the functions to place.
+    program: the lowered schedule (ticks, slot tables, buffer sizes).
+    mesh: the mesh; `pipe` must have `program.schedule.stages` devices.
+    act_shape: one micro-batch's activation shape [mb, s, d] (global mb).
+    act_dtype: activation dtype.
+    loss_scale: multiplies the summed loss (1 / global token count), so that
+      gradients are those of the mean loss, as on one device.
+    act_spec: how one activation [mb, s, d] is split over the automatic axes
+      (e.g. P('data')). Every branch output and buffer is pinned to it: XLA
+      requires a conditional's branches to agree on their outputs' sharding.
+
+  Returns:
+    f(stage_params, embed_params, head_params, inputs, targets) ->
+    (loss, (stage_grads, embed_grads, head_grads)). `stage_params` leaves are
+    [pipe, v, layers_per_chunk, ...] sharded over `pipe`; inputs and targets
+    are [m, mb, s].
+  """
+  schedule = program.schedule
+  p, v = schedule.stages, schedule.virtual_stages
+  last_chunk = p * v - 1
+  if mesh.shape['pipe'] != p:
+    raise ValueError(f'mesh has pipe={mesh.shape["pipe"]} but the schedule has {p} stages')
+  # One spare slot at the end of each receive buffer takes writes the table
+  # marks as "nothing arrives", so arrivals need no branch.
+  n_act, n_grad = program.num_act_slots + 1, program.num_grad_slots + 1
+  fwd_table = jnp.asarray(program.fwd, jnp.int32)
+  bwd_table = jnp.asarray(program.bwd, jnp.int32)
+  recv_table = np.array(program.recv, np.int32)
+  recv_table[..., sched.R_ACT] = np.where(recv_table[..., sched.R_ACT] < 0, n_act - 1,
+                                          recv_table[..., sched.R_ACT])
+  recv_table[..., sched.R_GRAD] = np.where(recv_table[..., sched.R_GRAD] < 0, n_grad - 1,
+                                           recv_table[..., sched.R_GRAD])
+  recv_table = jnp.asarray(recv_table)
+  to_next = [(i, (i + 1) % p) for i in range(p)]
+  to_prev = [(i, (i - 1) % p) for i in range(p)]
+
+  def pin(x):
+    return jax.lax.with_sharding_constraint(x, act_spec)
+
+  def pin_buffer(x):
+    return jax.lax.with_sharding_constraint(x, P(None, *act_spec))
+
+  def scaled_head_loss(head_params, y, targets):
+    return fns.head_loss(head_params, y, targets) * loss_scale
+
+  def body(stage_params, embed_params, head_params, inputs, targets):
+    local = jax.tree.map(lambda a: a[0], stage_params)     # [v, layers_per_chunk, ...]
+    # Replicated weights become per-stage values here, outside any branch: a
+    # vjp inside a branch w.r.t. a pipe-invariant value would transpose into
+    # a psum over `pipe` that only some stages reach (a deadlock).
+    embed_params, head_params = _varying((embed_params, head_params))
+    stage = jax.lax.axis_index('pipe')
+    x_zero = pin(_varying(jnp.zeros(act_shape, act_dtype)))
+
+    # Trace one chunk's vjp abstractly to learn the residual structure: which
+    # leaves are the chunk's own weights (not stashed) and the shapes of the rest.
+    layout = {}
+
+    def probe(chunk_params, x):
+      _, vjp_fn = jax.vjp(fns.chunk, chunk_params, x)
+      leaves, layout['treedef'] = jax.tree.flatten(vjp_fn)
+      weights = jax.tree.leaves(chunk_params)
+      layout['weight_of'] = [next((j for j, w in enumerate(weights) if w is leaf), None)
+                             for leaf in leaves]
+      return [leaf for leaf, j in zip(leaves, layout['weight_of']) if j is None]
+
+    stash_shapes = jax.eval_shape(probe, _take(local, 0), x_zero)
+    stash = _varying([jnp.zeros((program.num_stash_slots,) + s.shape, s.dtype)
+                      for s in stash_shapes])
+
+    def split_residuals(vjp_fn):
+      leaves = jax.tree.leaves(vjp_fn)
+      return [leaf for leaf, j in zip(leaves, layout['weight_of']) if j is None]
+
+    def join_residuals(stashed, chunk_params):
+      weights, stashed = jax.tree.leaves(chunk_params), iter(stashed)
+      leaves = [next(stashed) if j is None else weights[j] for j in layout['weight_of']]
+      return jax.tree.unflatten(layout['treedef'], leaves)
+
+    carry0 = dict(
+        act=pin_buffer(_varying(jnp.zeros((n_act,) + act_shape, act_dtype))),
+        grad=pin_buffer(_varying(jnp.zeros((n_grad,) + act_shape, act_dtype))),
+        stash=stash,
+        g_stage=_zeros_like_varying(local),
+        g_embed=_zeros_like_varying(embed_params),
+        g_head=_zeros_like_varying(head_params),
+        loss=_varying(jnp.zeros((), jnp.float32)),
+    )
+
+    def forward(c, row):
+      mb, chunk = row[sched.F_MB], row[sched.F_CHUNK]
+      chunk_params = _take(local, chunk // p)
+      x = jax.lax.cond(chunk == 0,
+                       lambda: pin(fns.embed(embed_params, inputs[mb]).astype(act_dtype)),
+                       lambda: pin(c['act'][row[sched.F_ACT]]))
+      y, vjp_fn = jax.vjp(fns.chunk, chunk_params, x)
+      c = dict(c, stash=_put(c['stash'], row[sched.F_STASH], split_residuals(vjp_fn)))
+
+      def loss_and_seed(c):
+        loss, (g_head, dy) = jax.value_and_grad(scaled_head_loss, argnums=(0, 1))(
+            head_params, y, targets[mb])
+        return dict(c, loss=c['loss'] + loss,
+                    g_head=jax.tree.map(jnp.add, c['g_head'], g_head),
+                    grad=c['grad'].at[row[sched.F_GRAD]].set(pin(dy.astype(act_dtype))))
+
+      c = jax.lax.cond(chunk == last_chunk, loss_and_seed, lambda c: c, c)
+      return c, pin(y.astype(act_dtype))
+
+    def backward(c, row):
+      mb, chunk = row[sched.B_MB], row[sched.B_CHUNK]
+      local_chunk = chunk // p
+      stashed = [s[row[sched.B_STASH]] for s in c['stash']]
+      vjp_fn = join_residuals(stashed, _take(local, local_chunk))
+      g_chunk, dx = vjp_fn(pin(c['grad'][row[sched.B_GRAD]]))
+      g_stage = jax.tree.map(lambda g, d: g.at[local_chunk].add(d), c['g_stage'], g_chunk)
+      c = dict(c, g_stage=g_stage)
+
+      def embed_backward(c):
+        _, embed_vjp = jax.vjp(lambda e: fns.embed(e, inputs[mb]).astype(act_dtype),
+                               embed_params)
+        (g_embed,) = embed_vjp(dx)
+        return dict(c, g_embed=jax.tree.map(jnp.add, c['g_embed'], g_embed))
+
+      c = jax.lax.cond(chunk == 0, embed_backward, lambda c: c, c)
+      return c, pin(dx.astype(act_dtype))
+
+    def idle(c, row):
+      del row
+      return c, x_zero
+
+    def tick(c, rows):
+      f_row, b_row, r_row = (r[stage] for r in rows)
+      c, y = jax.lax.cond(f_row[sched.F_VALID] > 0, forward, idle, c, f_row)
+      c, dx = jax.lax.cond(b_row[sched.B_VALID] > 0, backward, idle, c, b_row)
+      y = jax.lax.ppermute(y, 'pipe', to_next)
+      dx = jax.lax.ppermute(dx, 'pipe', to_prev)
+      c = dict(c, act=c['act'].at[r_row[sched.R_ACT]].set(y),
+               grad=c['grad'].at[r_row[sched.R_GRAD]].set(dx))
+      return c, None
+
+    c, _ = jax.lax.scan(tick, carry0, (fwd_table, bwd_table, recv_table))
+    loss = jax.lax.psum(c['loss'], 'pipe')
+    g_embed = jax.lax.psum(c['g_embed'], 'pipe')
+    g_head = jax.lax.psum(c['g_head'], 'pipe')
+    g_stage = jax.tree.map(lambda g: g[None], c['g_stage'])
+    return loss, (g_stage, g_embed, g_head)
+
+  return jax.shard_map(
+      body, mesh=mesh, axis_names={'pipe'},
+      in_specs=(P('pipe'), P(), P(), P(), P()),
+      out_specs=(P(), (P('pipe'), P(), P())))

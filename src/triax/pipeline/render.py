@@ -1,0 +1,126 @@
+"""Pictures of a schedule: a text grid, a Gantt chart and a Chrome trace.
+
+matplotlib is imported inside `gantt_png` only: the planner and the CLI
+without --plot never pay for it, and we draw on an Agg canvas of our own
+instead of pyplot so no global backend state changes under other callers.
+"""
+
+from __future__ import annotations
+
+from triax.pipeline import schedule as sched
+from triax.pipeline import simulate
+from triax.pipeline.schedule import Program, Schedule
+
+# Colour per action kind; darker shades mark later local chunks.
+_COLOURS = {
+    sched.FORWARD: (0.30, 0.45, 0.69),
+    sched.BACKWARD: (0.33, 0.66, 0.41),
+    sched.WEIGHT: (0.87, 0.52, 0.32),
+}
+
+
+def text_grid(program: Program) -> str:
+  """Stages as bands of F and B rows, ticks as columns.
+
+  A cell like `F3.1` is micro-batch 3 through global chunk 1; `.` is idle.
+  """
+  s = program.schedule
+  head = (f'{s.name}: stages={s.stages} microbatches={s.microbatches} '
+          f'virtual_stages={s.virtual_stages}, {program.ticks} lockstep ticks '
+          '(cell = kind micro-batch.chunk)')
+  return head + '\n' + sched.format_grid(program.grid, s.stages)
+
+
+def gantt_png(schedule: Schedule, program: Program,
+              costs: simulate.CostsLike, path: str) -> None:
+  """Writes a two-panel Gantt chart: lockstep (executor) and asynchronous.
+
+  Boxes are coloured by kind, shaded by local chunk, and labelled with the
+  micro-batch. Both panels share the time axis so their lengths compare.
+  """
+  from matplotlib.backends.backend_agg import FigureCanvasAgg
+  from matplotlib.figure import Figure
+  from matplotlib.patches import Patch
+
+  results = (simulate.simulate_lockstep(program, costs),
+             simulate.simulate_async(schedule, costs))
+  longest = max(r.total_time for r in results)
+  n = sum(len(o) for o in schedule.orders) / schedule.stages
+  fig = Figure(figsize=(min(40.0, max(8.0, 0.3 * n)),
+                        1.2 + 0.9 * schedule.stages))
+  FigureCanvasAgg(fig)
+  axes = fig.subplots(2, 1, sharex=True)
+  for ax, result in zip(axes, results):
+    _draw(ax, result)
+    ax.set_xlim(0, longest * 1.01 if longest > 0 else 1)
+  axes[-1].set_xlabel('time')
+  kinds = {a.kind for order in schedule.orders for a in order}
+  fig.legend(handles=[Patch(color=_COLOURS[k], label=k) for k in _COLOURS
+                      if k in kinds], loc='upper right', fontsize=8)
+  fig.suptitle(f'{schedule.name}: p={schedule.stages} '
+               f'm={schedule.microbatches} v={schedule.virtual_stages}')
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+
+
+def _draw(ax, result: simulate.Result) -> None:
+  s = result.schedule
+  for span in result.timeline:
+    a = span.action
+    width = span.end - span.start
+    ax.broken_barh([(span.start, width)], (span.stage - 0.4, 0.8),
+                   facecolors=_shade(a.kind, a.chunk // s.stages,
+                                     s.virtual_stages),
+                   edgecolors='white', linewidth=0.5)
+    ax.text(span.start + width / 2, span.stage, str(a.microbatch),
+            ha='center', va='center', fontsize=7, color='white')
+  title = {'lockstep': 'lockstep (what the executor runs)',
+           'async': 'asynchronous (the papers\' model)'}[result.model]
+  ticks = f', {result.ticks} ticks' if result.ticks is not None else ''
+  ax.set_title(f'{title}: time {result.total_time:g}{ticks}, bubble '
+               f'{result.bubble_fraction:.1%}, peak in-flight '
+               f'{list(result.peak_inflight)}', fontsize=9)
+  ax.set_yticks(range(s.stages), [f'stage {i}' for i in range(s.stages)])
+  ax.set_ylim(s.stages - 0.5, -0.5)
+
+
+def _shade(kind: str, local_chunk: int,
+           virtual_stages: int) -> tuple[float, float, float]:
+  r, g, b = _COLOURS.get(kind, (0.5, 0.5, 0.5))
+  darken = 1.0 - 0.45 * local_chunk / max(1, virtual_stages - 1)
+  return (r * darken, g * darken, b * darken)
+
+
+def chrome_trace(result: simulate.Result,
+                 time_scale: float = 1e6) -> dict:
+  """The timeline in Chrome's trace event format (chrome://tracing,
+  Perfetto): one thread per stage, one complete event per action.
+
+  Args:
+    result: a simulation result.
+    time_scale: trace microseconds per cost unit; the default reads costs as
+      seconds.
+  """
+  s = result.schedule
+  events: list[dict] = [{
+      'name': 'process_name', 'ph': 'M', 'pid': 0,
+      'args': {'name': f'{s.name} ({result.model})'}}]
+  events += [{'name': 'thread_name', 'ph': 'M', 'pid': 0, 'tid': stage,
+              'args': {'name': f'stage {stage}'}}
+             for stage in range(s.stages)]
+  for span in result.timeline:
+    a = span.action
+    events.append({
+        'name': str(a), 'cat': a.kind, 'ph': 'X', 'pid': 0,
+        'tid': span.stage, 'ts': span.start * time_scale,
+        'dur': (span.end - span.start) * time_scale,
+        'args': {'microbatch': a.microbatch, 'chunk': a.chunk,
+                 'local_chunk': a.chunk // s.stages}})
+  return {'traceEvents': events, 'displayTimeUnit': 'ms',
+          'otherData': _summary(result)}
+
+
+def _summary(result: simulate.Result) -> dict:
+  return {'model': result.model, 'total_time': result.total_time,
+          'bubble_fraction': result.bubble_fraction,
+          'peak_inflight': list(result.peak_inflight)}

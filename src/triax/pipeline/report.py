@@ -1,0 +1,191 @@
+"""What `python -m triax.schedule` does: build, lower, check, time, show.
+
+The entry point only parses flags into a `Request` and calls `main`; this
+module is importable and tested without subprocesses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+from typing import TextIO
+
+from triax.errors import ConfigError
+from triax.pipeline import render
+from triax.pipeline import schedule as sched
+from triax.pipeline import simulate
+from triax.pipeline import validate
+
+# Builder errors name config keys; on the command line we name the flag.
+_FLAG_OF_KEY = {
+    'pipeline.schedule': '--schedule',
+    'mesh.pipe': '--stages',
+    'pipeline.microbatches': '--microbatches',
+    'pipeline.virtual_stages': '--virtual_stages',
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+  """One CLI invocation.
+
+  Attributes:
+    schedule: schedule name, a key of `schedule.SCHEDULES`.
+    stages: pipeline stages p.
+    microbatches: micro-batches m.
+    virtual_stages: model chunks per stage v.
+    t_forward: forward time of one micro-batch through one stage.
+    t_backward: backward time likewise.
+    t_transfer: time to send one activation or gradient to a neighbour.
+    plot: PNG path for the Gantt chart, or None.
+  """
+  schedule: str = '1f1b'
+  stages: int = 4
+  microbatches: int = 8
+  virtual_stages: int = 1
+  t_forward: float = 1.0
+  t_backward: float = 1.0
+  t_transfer: float = 0.0
+  plot: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Analysis:
+  """Everything computed for one request."""
+  request: Request
+  costs: simulate.Costs
+  schedule: sched.Schedule
+  program: sched.Program
+  problems: tuple[str, ...]
+  lockstep: simulate.Result
+  asynchronous: simulate.Result
+
+
+def analyse(request: Request) -> Analysis:
+  """Builds, lowers, validates and times the requested schedule.
+
+  Raises:
+    ConfigError: for invalid flags, keyed by the flag name.
+  """
+  costs = _costs(request)
+  try:
+    schedule = sched.build(request.schedule, request.stages,
+                           request.microbatches, request.virtual_stages)
+  except ConfigError as e:
+    raise ConfigError(_FLAG_OF_KEY.get(e.key, e.key), e.message) from None
+  program = sched.lower(schedule)
+  return Analysis(request=request, costs=costs, schedule=schedule,
+                  program=program,
+                  problems=tuple(validate.validate(schedule, program)),
+                  lockstep=simulate.simulate_lockstep(program, costs),
+                  asynchronous=simulate.simulate_async(schedule, costs))
+
+
+def _costs(request: Request) -> simulate.Costs:
+  for name in ('t_forward', 't_backward', 't_transfer'):
+    value = getattr(request, name)
+    if not value >= 0 or value == float('inf'):
+      raise ConfigError(f'--{name}', f'must be a finite number >= 0; got '
+                        f'{value}')
+  return simulate.Costs(t_forward=request.t_forward,
+                        t_backward=request.t_backward,
+                        t_transfer=request.t_transfer)
+
+
+def summary(analysis: Analysis) -> dict:
+  """The JSON-able report; top-level timing is the lockstep (executor) one."""
+  s, program = analysis.schedule, analysis.program
+  return {
+      'schedule': s.name,
+      'stages': s.stages,
+      'microbatches': s.microbatches,
+      'virtual_stages': s.virtual_stages,
+      'ticks': program.ticks,
+      'bubble_fraction': analysis.lockstep.bubble_fraction,
+      'peak_inflight': list(analysis.lockstep.peak_inflight),
+      'valid': not analysis.problems,
+      'problems': list(analysis.problems),
+      'models': {
+          'lockstep': _model(analysis.lockstep),
+          'async': _model(analysis.asynchronous),
+      },
+      'stash_slots': program.num_stash_slots,
+      'act_slots': program.num_act_slots,
+      'grad_slots': program.num_grad_slots,
+  }
+
+
+def _model(result: simulate.Result) -> dict:
+  out = {'total_time': result.total_time,
+         'bubble_fraction': result.bubble_fraction,
+         'peak_inflight': list(result.peak_inflight)}
+  if result.ticks is not None:
+    out['ticks'] = result.ticks
+  return out
+
+
+def text(analysis: Analysis) -> str:
+  """The grid and a few summary lines, for people."""
+  lock, asy = analysis.lockstep, analysis.asynchronous
+  program = analysis.program
+  lines = [render.text_grid(program), '',
+           f'lockstep (the executor): {program.ticks} ticks, time '
+           f'{lock.total_time:g}, bubble {lock.bubble_fraction:.2%}, peak '
+           f'in-flight per stage {list(lock.peak_inflight)}',
+           f'asynchronous (the papers): time {asy.total_time:g}, bubble '
+           f'{asy.bubble_fraction:.2%}, peak in-flight per stage '
+           f'{list(asy.peak_inflight)}',
+           f'buffer slots per stage: stash {program.num_stash_slots}, act '
+           f'{program.num_act_slots}, grad {program.num_grad_slots} '
+           f'(in-flight counts micro-batch-chunks, each 1/v of a stage)',
+           'valid' if not analysis.problems else
+           'INVALID:\n  ' + '\n  '.join(analysis.problems)]
+  return '\n'.join(lines)
+
+
+def run(request: Request, as_json: bool = False,
+        out: TextIO | None = None) -> dict:
+  """Analyses, writes the plot if asked, prints text or one JSON object.
+
+  Returns:
+    The summary dict (also what --json prints).
+
+  Raises:
+    ConfigError: for invalid flags.
+  """
+  out = out or sys.stdout
+  if request.plot is not None:
+    _check_plot_path(request.plot)
+  analysis = analyse(request)
+  report = summary(analysis)
+  if request.plot is not None:
+    render.gantt_png(analysis.schedule, analysis.program, analysis.costs,
+                     request.plot)
+    report['plot'] = request.plot
+  if as_json:
+    print(json.dumps(report), file=out)
+  else:
+    print(text(analysis), file=out)
+    if request.plot is not None:
+      print(f'wrote {request.plot}', file=out)
+  return report
+
+
+def _check_plot_path(path: str) -> None:
+  if not path.endswith('.png'):
+    raise ConfigError('--plot', f'must name a .png file; got {path}')
+  folder = os.path.dirname(path) or '.'
+  if not os.path.isdir(folder):
+    raise ConfigError('--plot', f'folder {folder} does not exist')
+
+
+def main(request: Request, as_json: bool = False) -> int:
+  """Runs the request; returns the exit status (2 for bad input)."""
+  try:
+    report = run(request, as_json=as_json)
+  except ConfigError as e:
+    print(f'error: {e.key}: {e.message}', file=sys.stderr)
+    return 2
+  return 0 if report['valid'] else 1

@@ -1,0 +1,55 @@
+"""Show, time and plot a pipeline schedule without any devices.
+
+  python -m triax.schedule --schedule=interleaved_1f1b --stages=4 \
+      --microbatches=8 --virtual_stages=2 [--json] [--plot=grid.png] \
+      [--t_forward=1 --t_backward=2 --t_transfer=0]
+
+Bad input prints one `error: <flag>: <message>` line and exits with 2.
+"""
+
+import sys
+
+from absl import app
+from absl import flags
+
+from triax.pipeline import report
+from triax.pipeline.schedule import SCHEDULES
+
+_SCHEDULE = flags.DEFINE_string(
+    'schedule', '1f1b', f'Schedule: one of {", ".join(SCHEDULES)}.')
+_STAGES = flags.DEFINE_integer('stages', 4, 'Pipeline stages p.')
+_MICROBATCHES = flags.DEFINE_integer('microbatches', 8, 'Micro-batches m.')
+_VIRTUAL_STAGES = flags.DEFINE_integer(
+    'virtual_stages', 1, 'Model chunks per stage v (interleaved schedules).')
+_T_FORWARD = flags.DEFINE_float(
+    't_forward', 1.0, 'Forward time of one micro-batch through one stage.')
+_T_BACKWARD = flags.DEFINE_float(
+    't_backward', 1.0, 'Backward time of one micro-batch through one stage.')
+_T_TRANSFER = flags.DEFINE_float(
+    't_transfer', 0.0, 'Time to send one activation or gradient.')
+_JSON = flags.DEFINE_bool('json', False, 'Print one JSON object.')
+_PLOT = flags.DEFINE_string('plot', None, 'Write a Gantt chart PNG here.')
+
+
+def _parse(argv: list[str]) -> list[str]:
+  # absl would print usage and exit 1; a bad flag is bad input like any other.
+  try:
+    return flags.FLAGS(argv)
+  except flags.Error as e:
+    print(f'error: flags: {e}', file=sys.stderr)
+    sys.exit(2)
+
+
+def main(argv: list[str]) -> int:
+  if len(argv) > 1:
+    print(f'error: argv: unexpected arguments {argv[1:]}', file=sys.stderr)
+    return 2
+  return report.main(report.Request(
+      schedule=_SCHEDULE.value, stages=_STAGES.value,
+      microbatches=_MICROBATCHES.value, virtual_stages=_VIRTUAL_STAGES.value,
+      t_forward=_T_FORWARD.value, t_backward=_T_BACKWARD.value,
+      t_transfer=_T_TRANSFER.value, plot=_PLOT.value), as_json=_JSON.value)
+
+
+if __name__ == '__main__':
+  app.run(main, flags_parser=_parse)

@@ -1,0 +1,83 @@
+"""Logical axis names -> mesh PartitionSpecs, by the rules in the config.
+
+The model names axes by meaning ('batch', 'heads', 'mlp', 'vocab', ...); the
+config's `sharding.logical_axis_rules` says which mesh axis, if any, each one
+is split over. Changing a layout is a config change, not a model change.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from typing import Any, Iterator, Sequence
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from triax.errors import ConfigError
+
+Rules = Sequence[tuple[str, str | None]]
+_ACTIVE_RULES: contextvars.ContextVar[Rules | None] = contextvars.ContextVar(
+    'triax_axis_rules', default=None)
+
+
+def logical_to_spec(axes: Sequence[str | None], rules: Rules) -> PartitionSpec:
+  """PartitionSpec for one array whose dimensions carry the logical `axes`.
+
+  A mesh axis is used at most once per array: a later dimension that maps to
+  an axis already taken stays replicated (as in flax and MaxText).
+  """
+  mapping = dict(rules)
+  used, spec = set(), []
+  for axis in axes:
+    if axis is None:
+      spec.append(None)
+      continue
+    if axis not in mapping:
+      raise ConfigError('sharding.logical_axis_rules',
+                        f'no rule for logical axis {axis!r}; add ({axis!r}, MESH_AXIS_OR_None)')
+    mesh_axis = mapping[axis]
+    if mesh_axis in used:
+      mesh_axis = None
+    if mesh_axis is not None:
+      used.add(mesh_axis)
+    spec.append(mesh_axis)
+  return PartitionSpec(*spec)
+
+
+def _is_axes(x: Any) -> bool:
+  return isinstance(x, tuple) and all(a is None or isinstance(a, str) for a in x)
+
+
+def tree_specs(logical_tree: Any, rules: Rules) -> Any:
+  """Maps a tree of logical-axis tuples to a tree of PartitionSpecs."""
+  return jax.tree.map(lambda axes: logical_to_spec(axes, rules), logical_tree, is_leaf=_is_axes)
+
+
+def tree_shardings(logical_tree: Any, mesh: Mesh, rules: Rules) -> Any:
+  """Maps a tree of logical-axis tuples to a tree of NamedShardings on `mesh`."""
+  return jax.tree.map(lambda spec: NamedSharding(mesh, spec), tree_specs(logical_tree, rules),
+                      is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+@contextlib.contextmanager
+def axis_rules(rules: Rules | None) -> Iterator[None]:
+  """Makes `rules` the ones `constrain` uses while tracing inside this block."""
+  token = _ACTIVE_RULES.set(tuple(tuple(r) for r in rules) if rules is not None else None)
+  try:
+    yield
+  finally:
+    _ACTIVE_RULES.reset(token)
+
+
+def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
+  """Pins an activation's sharding by logical axes; a no-op without active rules.
+
+  Used at the few points where GSPMD would otherwise guess (the residual
+  stream after a row-parallel matmul, the logits), so tensor parallelism
+  compiles to Megatron's all-reduces rather than to gathers.
+  """
+  rules = _ACTIVE_RULES.get()
+  if rules is None:
+    return x
+  return jax.lax.with_sharding_constraint(x, logical_to_spec(axes, rules))

@@ -1,0 +1,166 @@
+"""Train state, optimizer and the jitted SPMD train / eval steps.
+
+With mesh.pipe == 1 and one micro-batch the gradient comes from one
+`value_and_grad` of the model; otherwise from the pipeline executor running
+the configured schedule. Either way the optimizer sees the same global
+gradient, so clipping and AdamW behave as on one device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import flax
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from triax import sharding
+from triax.model.transformer import GPT, ModelSpec
+from triax.pipeline import executor, layout
+from triax.pipeline import schedule as sched
+
+_NO_DECAY = ('attn_norm', 'mlp_norm', 'norm', 'positions')
+
+
+@flax.struct.dataclass
+class TrainState:
+  step: jax.Array
+  params: Any
+  opt_state: Any
+
+
+def learning_rate_schedule(train_cfg) -> optax.Schedule:
+  """Linear warmup to the peak, then cosine decay to min_lr_ratio * peak."""
+  peak = train_cfg.learning_rate
+  return optax.warmup_cosine_decay_schedule(
+      init_value=0.0, peak_value=peak, warmup_steps=train_cfg.warmup_steps,
+      decay_steps=max(train_cfg.steps, train_cfg.warmup_steps + 1),
+      end_value=peak * train_cfg.min_lr_ratio)
+
+
+def make_optimizer(train_cfg) -> optax.GradientTransformation:
+  """AdamW with global-norm clipping; norms and position embeddings are not decayed."""
+  decay_mask = lambda params: jax.tree_util.tree_map_with_path(
+      lambda path, _: getattr(path[-1], 'key', None) not in _NO_DECAY, params)
+  parts = []
+  if train_cfg.grad_clip_norm > 0:
+    parts.append(optax.clip_by_global_norm(train_cfg.grad_clip_norm))
+  parts.append(optax.adamw(learning_rate_schedule(train_cfg), b1=train_cfg.adam_b1,
+                           b2=train_cfg.adam_b2, weight_decay=train_cfg.weight_decay,
+                           mask=decay_mask))
+  return optax.chain(*parts)
+
+
+def pipeline_axes(model_axes: Any) -> Any:
+  """Logical axes of parameters in pipeline layout ([stage, virtual, layers, ...])."""
+  return {**model_axes, layout.LAYERS_KEY: jax.tree.map(
+      lambda axes: ('stage', 'virtual') + axes, model_axes[layout.LAYERS_KEY],
+      is_leaf=lambda a: isinstance(a, tuple))}
+
+
+@dataclasses.dataclass
+class Trainer:
+  """Everything compiled for one run: shardings, init, train and eval steps."""
+  cfg: Any
+  mesh: Mesh
+  model: GPT
+  optimizer: optax.GradientTransformation
+  program: 'sched.Program | None'
+  state_shardings: Any
+  batch_sharding: NamedSharding
+  init_state: Callable[[jax.Array], TrainState]
+  train_step: Callable[[TrainState, dict], tuple[TrainState, dict]]
+  eval_loss: Callable[[Any, dict], jax.Array]
+
+  @property
+  def rules(self):
+    return self.cfg.sharding.logical_axis_rules
+
+  def abstract_state(self) -> TrainState:
+    shapes = jax.eval_shape(self.init_state, jax.random.key(0))
+    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                        shapes, self.state_shardings)
+
+
+def build_trainer(cfg, mesh: Mesh) -> Trainer:
+  """Builds the model, optimizer, schedule program and jitted steps for `cfg` (validated)."""
+  spec = ModelSpec.from_config(cfg.model)
+  model = GPT(spec)
+  rules = cfg.sharding.logical_axis_rules
+  p, v = cfg.mesh.pipe, cfg.pipeline.virtual_stages
+  m = cfg.pipeline.microbatches
+  program = None
+  if p > 1 or m > 1:
+    schedule = sched.build(cfg.pipeline.schedule, p, m, v)
+    program = sched.lower(schedule)
+  optimizer = make_optimizer(cfg.train)
+
+  param_axes = pipeline_axes(model.logical_axes())
+  param_shardings = sharding.tree_shardings(param_axes, mesh, rules)
+  replicated = NamedSharding(mesh, P())
+
+  def init_params(rng):
+    params = model.init(rng)
+    return layout.tree_to_pipeline(params, p, v)
+
+  param_shapes = jax.eval_shape(init_params, jax.random.key(0))
+  opt_shapes = jax.eval_shape(optimizer.init, param_shapes)
+  opt_shardings = optax.tree_map_params(
+      optimizer, lambda _, s: s, opt_shapes, param_shardings,
+      transform_non_params=lambda _: replicated)
+  state_shardings = TrainState(step=replicated, params=param_shardings, opt_state=opt_shardings)
+
+  def init_state(rng):
+    params = init_params(rng)
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                      opt_state=optimizer.init(params))
+
+  batch_sharding = NamedSharding(mesh, P('data', None))
+  global_batch, seq = cfg.train.global_batch_size, spec.seq_len
+  act_dtype = jnp.dtype(spec.dtype)
+
+  if program is None:
+    def loss_and_grad(params, inputs, targets):
+      flat = layout.tree_to_model_order(params)
+      loss, grads = jax.value_and_grad(model.loss)(flat, inputs, targets)
+      return loss, layout.tree_to_pipeline(grads, 1, 1)
+  else:
+    fns = executor.StageFns(embed=model.embed, chunk=model.layers, head_loss=model.head_loss)
+    mb = global_batch // m
+    run = executor.pipeline_loss_and_grad(
+        fns, program, mesh, act_shape=(mb, seq, spec.d_model), act_dtype=act_dtype,
+        loss_scale=1.0 / (global_batch * seq),
+        act_spec=sharding.logical_to_spec(('batch', 'seq', 'embed'), rules))
+
+    def loss_and_grad(params, inputs, targets):
+      # Micro-batch j takes rows j, j+m, ...: each micro-batch spans every data shard.
+      split = lambda a: jnp.swapaxes(a.reshape((mb, m) + a.shape[1:]), 0, 1)
+      loss, (g_layers, g_embed, g_head) = run(params['layers'], params['embed'],
+                                              params['head'], split(inputs), split(targets))
+      return loss, {'embed': g_embed, 'layers': g_layers, 'head': g_head}
+
+  def train_step(state: TrainState, batch: dict):
+    with sharding.axis_rules(rules):
+      loss, grads = loss_and_grad(state.params, batch['inputs'], batch['targets'])
+    grad_norm = optax.global_norm(grads)
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state)
+    return new_state, {'loss': loss, 'grad_norm': grad_norm}
+
+  def eval_loss(params, batch):
+    with sharding.axis_rules(rules):
+      return model.loss(layout.tree_to_model_order(params), batch['inputs'], batch['targets'])
+
+  with jax.set_mesh(mesh):
+    jit_init = jax.jit(init_state, out_shardings=state_shardings)
+    jit_train = jax.jit(train_step, in_shardings=(state_shardings, batch_sharding),
+                        out_shardings=(state_shardings, replicated), donate_argnums=0)
+    jit_eval = jax.jit(eval_loss, in_shardings=(param_shardings, batch_sharding),
+                       out_shardings=replicated)
+  return Trainer(cfg=cfg, mesh=mesh, model=model, optimizer=optimizer, program=program,
+                 state_shardings=state_shardings, batch_sharding=batch_sharding,
+                 init_state=jit_init, train_step=jit_train, eval_loss=jit_eval)
