@@ -111,12 +111,14 @@ def test_every_builder_gives_a_valid_schedule():
 
 
 def test_registry_lists_the_builders():
-  assert list(sched.SCHEDULES) == ['gpipe', '1f1b', 'interleaved_1f1b']
+  assert list(sched.SCHEDULES) == ['gpipe', '1f1b', 'interleaved_1f1b',
+                                   'bpipe', 'zb_h1']
 
 
 @pytest.mark.parametrize('args, key, words', [
     (('pipedream', 4, 8), 'pipeline.schedule',
-     'unknown schedule pipedream; choose one of gpipe, 1f1b, interleaved_1f1b'),
+     'unknown schedule pipedream; choose one of gpipe, 1f1b, '
+     'interleaved_1f1b, bpipe, zb_h1'),
     (('1f1b', 0, 8), 'mesh.pipe', 'at least 1'),
     (('gpipe', 4, 0), 'pipeline.microbatches', 'at least 1'),
     (('gpipe', 4, 8, 0), 'pipeline.virtual_stages', 'at least 1'),
@@ -257,11 +259,16 @@ def test_lowering_reports_a_deadlock_with_the_grid():
   assert any('deadlock' in x for x in validate(s))
 
 
-def test_lowering_rejects_reserved_kinds():
+def test_lowering_runs_a_weight_action_in_the_tick_of_its_backward():
   s = Schedule('zb', 1, 1, 1, ((F(0, 0), B(0, 0), Action('W', 0, 0)),))
-  assert validate(s) == []
-  with pytest.raises(NotImplementedError):
-    sched.lower(s)
+  program = sched.lower(s)
+  assert validate(s, program) == []
+  assert program.grid == (((F(0, 0), B(0, 0), Action('W', 0, 0)),),)
+  assert program.split_backward
+  np.testing.assert_array_equal(program.wgt, [[[1, 0, 0, 0, 0]]])
+  # B reads the slots W frees, so both point at the same entries.
+  assert program.bwd[0, 0, sched.B_STASH] == program.wgt[0, 0, sched.W_STASH]
+  assert program.bwd[0, 0, sched.B_GRAD] == program.wgt[0, 0, sched.W_GRAD]
 
 
 # ---------------------------------------------------------------- validator
@@ -426,7 +433,9 @@ def test_report_text_and_plot(tmp_path, capsys):
     (report.Request(plot='x.svg'), '--plot'),
     (report.Request(t_transfer=-1.0), '--t_transfer'),
     (report.Request(virtual_stages=2), '--virtual_stages'),
-    (report.Request(schedule='bpipe'), '--schedule'),
+    (report.Request(schedule='pipedream'), '--schedule'),
+    (report.Request(schedule='zb_h1', virtual_stages=2), '--virtual_stages'),
+    (report.Request(t_evict=-1.0), '--t_evict'),
 ])
 def test_report_names_the_flag(request_, key, capsys):
   assert report.main(request_) == 2

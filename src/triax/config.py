@@ -131,6 +131,30 @@ def defaults() -> ml_collections.ConfigDict:
   return c
 
 
+def parse_arg(arg: str | None, **defaults) -> dict:
+  """Parses a config file's `key=value,key=value` argument (big_vision style).
+
+  Values are read as Python literals where they parse (ints, floats, True),
+  else kept as strings. Keys must be among `defaults`, whose values they replace.
+  """
+  import ast
+  out = dict(defaults)
+  for item in filter(None, (arg or '').split(',')):
+    key, sep, value = item.partition('=')
+    key = key.strip()
+    if key not in defaults:
+      raise ConfigError('--config', f'unknown config argument {key!r}; known: '
+                        f'{", ".join(sorted(defaults))}')
+    if not sep:
+      out[key] = True
+      continue
+    try:
+      out[key] = ast.literal_eval(value.strip())
+    except (ValueError, SyntaxError):
+      out[key] = value.strip()
+  return out
+
+
 def _positive(cfg, group: str, key: str):
   value = cfg[group][key]
   if not isinstance(value, int) or isinstance(value, bool) or value <= 0:

@@ -2,7 +2,7 @@
 
   python -m triax.schedule --schedule=interleaved_1f1b --stages=4 \
       --microbatches=8 --virtual_stages=2 [--json] [--plot=grid.png] \
-      [--t_forward=1 --t_backward=2 --t_transfer=0]
+      [--t_forward=1 --t_backward=2 --t_transfer=0 --t_weight=1 --t_evict=0]
 
 Bad input prints one `error: <flag>: <message>` line and exits with 2.
 """
@@ -27,6 +27,13 @@ _T_BACKWARD = flags.DEFINE_float(
     't_backward', 1.0, 'Backward time of one micro-batch through one stage.')
 _T_TRANSFER = flags.DEFINE_float(
     't_transfer', 0.0, 'Time to send one activation or gradient.')
+_T_WEIGHT = flags.DEFINE_float(
+    't_weight', 1.0, 'Weight-gradient (W) time of one micro-batch through one '
+    'stage, for schedules that split the backward (zb_h1: B then costs '
+    '--t_backward for the input gradient only).')
+_T_EVICT = flags.DEFINE_float(
+    't_evict', 0.0, 'Time to move one residual set to or from the partner '
+    'stage (bpipe).')
 _JSON = flags.DEFINE_bool('json', False, 'Print one JSON object.')
 _PLOT = flags.DEFINE_string('plot', None, 'Write a Gantt chart PNG here.')
 
@@ -48,7 +55,8 @@ def main(argv: list[str]) -> int:
       schedule=_SCHEDULE.value, stages=_STAGES.value,
       microbatches=_MICROBATCHES.value, virtual_stages=_VIRTUAL_STAGES.value,
       t_forward=_T_FORWARD.value, t_backward=_T_BACKWARD.value,
-      t_transfer=_T_TRANSFER.value, plot=_PLOT.value), as_json=_JSON.value)
+      t_transfer=_T_TRANSFER.value, t_weight=_T_WEIGHT.value,
+      t_evict=_T_EVICT.value, plot=_PLOT.value), as_json=_JSON.value)
 
 
 if __name__ == '__main__':

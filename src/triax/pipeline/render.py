@@ -16,19 +16,25 @@ _COLOURS = {
     sched.FORWARD: (0.30, 0.45, 0.69),
     sched.BACKWARD: (0.33, 0.66, 0.41),
     sched.WEIGHT: (0.87, 0.52, 0.32),
+    sched.EVICT: (0.51, 0.38, 0.70),
+    sched.LOAD: (0.80, 0.33, 0.47),
 }
 
 
 def text_grid(program: Program) -> str:
-  """Stages as bands of F and B rows, ticks as columns.
+  """Stages as bands of F and B rows (and W, X rows where used), ticks as
+  columns.
 
   A cell like `F3.1` is micro-batch 3 through global chunk 1; `.` is idle.
+  In X rows `E3.0`/`L3.0` send an EVICT/LOAD of that residual set to the
+  partner at the end of the tick and `e3.0`/`l3.0` receive one.
   """
   s = program.schedule
   head = (f'{s.name}: stages={s.stages} microbatches={s.microbatches} '
           f'virtual_stages={s.virtual_stages}, {program.ticks} lockstep ticks '
           '(cell = kind micro-batch.chunk)')
-  return head + '\n' + sched.format_grid(program.grid, s.stages)
+  return head + '\n' + sched.format_grid(program.grid, s.stages,
+                                         program.partner)
 
 
 def gantt_png(schedule: Schedule, program: Program,
@@ -36,7 +42,9 @@ def gantt_png(schedule: Schedule, program: Program,
   """Writes a two-panel Gantt chart: lockstep (executor) and asynchronous.
 
   Boxes are coloured by kind, shaded by local chunk, and labelled with the
-  micro-batch. Both panels share the time axis so their lengths compare.
+  micro-batch; EVICT/LOAD run on the sender's copy stream and are drawn as
+  a thin bar under its compute row. Both panels share the time axis so
+  their lengths compare.
   """
   from matplotlib.backends.backend_agg import FigureCanvasAgg
   from matplotlib.figure import Figure
@@ -68,12 +76,17 @@ def _draw(ax, result: simulate.Result) -> None:
   for span in result.timeline:
     a = span.action
     width = span.end - span.start
-    ax.broken_barh([(span.start, width)], (span.stage - 0.4, 0.8),
+    copy = a.kind in sched.COPY_KINDS
+    # Copies share the row with compute they overlap: a band below it.
+    low, height = (span.stage + 0.2, 0.25) if copy else (span.stage - 0.4,
+                                                         0.6)
+    ax.broken_barh([(span.start, width)], (low, height),
                    facecolors=_shade(a.kind, a.chunk // s.stages,
                                      s.virtual_stages),
                    edgecolors='white', linewidth=0.5)
-    ax.text(span.start + width / 2, span.stage, str(a.microbatch),
-            ha='center', va='center', fontsize=7, color='white')
+    if not copy:
+      ax.text(span.start + width / 2, low + height / 2, str(a.microbatch),
+              ha='center', va='center', fontsize=7, color='white')
   title = {'lockstep': 'lockstep (what the executor runs)',
            'async': 'asynchronous (the papers\' model)'}[result.model]
   ticks = f', {result.ticks} ticks' if result.ticks is not None else ''
@@ -96,23 +109,33 @@ def chrome_trace(result: simulate.Result,
   """The timeline in Chrome's trace event format (chrome://tracing,
   Perfetto): one thread per stage, one complete event per action.
 
+  EVICT/LOAD go to a second thread per sending stage ('stage s copy',
+  tid p+s), present only if the schedule moves residuals.
+
   Args:
     result: a simulation result.
     time_scale: trace microseconds per cost unit; the default reads costs as
       seconds.
   """
   s = result.schedule
+  copies = any(x.action.kind in sched.COPY_KINDS for x in result.timeline)
   events: list[dict] = [{
       'name': 'process_name', 'ph': 'M', 'pid': 0,
       'args': {'name': f'{s.name} ({result.model})'}}]
   events += [{'name': 'thread_name', 'ph': 'M', 'pid': 0, 'tid': stage,
               'args': {'name': f'stage {stage}'}}
              for stage in range(s.stages)]
+  if copies:
+    events += [{'name': 'thread_name', 'ph': 'M', 'pid': 0,
+                'tid': s.stages + stage,
+                'args': {'name': f'stage {stage} copy'}}
+               for stage in range(s.stages)]
   for span in result.timeline:
     a = span.action
+    tid = span.stage + (s.stages if a.kind in sched.COPY_KINDS else 0)
     events.append({
         'name': str(a), 'cat': a.kind, 'ph': 'X', 'pid': 0,
-        'tid': span.stage, 'ts': span.start * time_scale,
+        'tid': tid, 'ts': span.start * time_scale,
         'dur': (span.end - span.start) * time_scale,
         'args': {'microbatch': a.microbatch, 'chunk': a.chunk,
                  'local_chunk': a.chunk // s.stages}})

@@ -37,8 +37,12 @@ class Request:
     microbatches: micro-batches m.
     virtual_stages: model chunks per stage v.
     t_forward: forward time of one micro-batch through one stage.
-    t_backward: backward time likewise.
+    t_backward: backward time likewise (the input-gradient part only for
+      schedules that split the backward, see `simulate.Costs`).
     t_transfer: time to send one activation or gradient to a neighbour.
+    t_weight: weight-gradient (W) time, for schedules that split the
+      backward (zb_h1); the default 1 is ZB-H1's t_F = t_B = t_W.
+    t_evict: time to move one residual set to or from the partner (bpipe).
     plot: PNG path for the Gantt chart, or None.
   """
   schedule: str = '1f1b'
@@ -49,6 +53,8 @@ class Request:
   t_backward: float = 1.0
   t_transfer: float = 0.0
   plot: str | None = None
+  t_weight: float = 1.0
+  t_evict: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,20 +90,30 @@ def analyse(request: Request) -> Analysis:
 
 
 def _costs(request: Request) -> simulate.Costs:
-  for name in ('t_forward', 't_backward', 't_transfer'):
+  for name in ('t_forward', 't_backward', 't_transfer', 't_weight',
+               't_evict'):
     value = getattr(request, name)
     if not value >= 0 or value == float('inf'):
       raise ConfigError(f'--{name}', f'must be a finite number >= 0; got '
                         f'{value}')
   return simulate.Costs(t_forward=request.t_forward,
                         t_backward=request.t_backward,
-                        t_transfer=request.t_transfer)
+                        t_weight=request.t_weight,
+                        t_transfer=request.t_transfer,
+                        t_evict=request.t_evict)
 
 
 def summary(analysis: Analysis) -> dict:
-  """The JSON-able report; top-level timing is the lockstep (executor) one."""
+  """The JSON-able report; top-level timing is the lockstep (executor) one.
+
+  `peak_inflight` is the lockstep model's per-stage peak, `peak_stash` the
+  program's (the same counts, from the slot assignment); `stash_slots` is
+  the pool every device allocates. Schedules that move residuals (bpipe)
+  add `evictions_per_step` (residual sets evicted, each loaded back once)
+  and `transfers_per_step`.
+  """
   s, program = analysis.schedule, analysis.program
-  return {
+  out = {
       'schedule': s.name,
       'stages': s.stages,
       'microbatches': s.microbatches,
@@ -114,7 +130,18 @@ def summary(analysis: Analysis) -> dict:
       'stash_slots': program.num_stash_slots,
       'act_slots': program.num_act_slots,
       'grad_slots': program.num_grad_slots,
+      'peak_stash': list(program.peak_stash),
+      'stash_cap': s.stash_cap,
+      'split_backward': program.split_backward,
   }
+  if s.partner is not None:
+    moved = sched.transfers_per_step(program)
+    out['partner'] = list(s.partner)
+    out['evictions_per_step'] = sum(moved['evictions'])
+    out['transfers_per_step'] = {'evictions': list(moved['evictions']),
+                                 'loads': list(moved['loads']),
+                                 'total': moved['total']}
+  return out
 
 
 def _model(result: simulate.Result) -> dict:
@@ -139,9 +166,18 @@ def text(analysis: Analysis) -> str:
            f'{list(asy.peak_inflight)}',
            f'buffer slots per stage: stash {program.num_stash_slots}, act '
            f'{program.num_act_slots}, grad {program.num_grad_slots} '
-           f'(in-flight counts micro-batch-chunks, each 1/v of a stage)',
-           'valid' if not analysis.problems else
-           'INVALID:\n  ' + '\n  '.join(analysis.problems)]
+           f'(in-flight counts micro-batch-chunks, each 1/v of a stage)']
+  if program.split_backward:
+    lines.append(f'backward split into B (t_backward={analysis.costs.t_backward:g})'
+                 f' and W (t_weight={analysis.costs.t_weight:g})')
+  if analysis.schedule.partner is not None:
+    moved = sched.transfers_per_step(program)
+    lines.append(f'stash cap {analysis.schedule.stash_cap}; residual sets '
+                 f'moved per step {moved["total"]} (evictions per stage '
+                 f'{list(moved["evictions"])}, loads per stage '
+                 f'{list(moved["loads"])}); bytes = sets x one stash slot')
+  lines.append('valid' if not analysis.problems else
+               'INVALID:\n  ' + '\n  '.join(analysis.problems))
   return '\n'.join(lines)
 
 

@@ -74,6 +74,11 @@ class Trainer:
   init_state: Callable[[jax.Array], TrainState]
   train_step: Callable[[TrainState, dict], tuple[TrainState, dict]]
   eval_loss: Callable[[Any, dict], jax.Array]
+  loss_and_grad: Callable[[Any, dict], tuple[jax.Array, Any]]   # no update: for parity checks
+  optimizer_schedule: optax.Schedule
+  canonical_shardings: Any   # the state in model layer order (what checkpoints hold)
+  to_canonical: Callable[[TrainState], TrainState]
+  from_canonical: Callable[[TrainState], TrainState]
 
   @property
   def rules(self):
@@ -83,6 +88,11 @@ class Trainer:
     shapes = jax.eval_shape(self.init_state, jax.random.key(0))
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                         shapes, self.state_shardings)
+
+  def abstract_canonical_state(self) -> TrainState:
+    shapes = jax.eval_shape(self.to_canonical, self.abstract_state())
+    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                        shapes, self.canonical_shardings)
 
 
 def build_trainer(cfg, mesh: Mesh) -> Trainer:
@@ -102,16 +112,22 @@ def build_trainer(cfg, mesh: Mesh) -> Trainer:
   param_shardings = sharding.tree_shardings(param_axes, mesh, rules)
   replicated = NamedSharding(mesh, P())
 
+  def state_shardings_for(param_shardings, param_shapes):
+    opt_shapes = jax.eval_shape(optimizer.init, param_shapes)
+    opt_shardings = optax.tree_map_params(
+        optimizer, lambda _, s: s, opt_shapes, param_shardings,
+        transform_non_params=lambda _: replicated)
+    return TrainState(step=replicated, params=param_shardings, opt_state=opt_shardings)
+
   def init_params(rng):
     params = model.init(rng)
     return layout.tree_to_pipeline(params, p, v)
 
-  param_shapes = jax.eval_shape(init_params, jax.random.key(0))
-  opt_shapes = jax.eval_shape(optimizer.init, param_shapes)
-  opt_shardings = optax.tree_map_params(
-      optimizer, lambda _, s: s, opt_shapes, param_shardings,
-      transform_non_params=lambda _: replicated)
-  state_shardings = TrainState(step=replicated, params=param_shardings, opt_state=opt_shardings)
+  state_shardings = state_shardings_for(param_shardings,
+                                       jax.eval_shape(init_params, jax.random.key(0)))
+  canonical_shardings = state_shardings_for(
+      sharding.tree_shardings(model.logical_axes(), mesh, rules),
+      jax.eval_shape(model.init, jax.random.key(0)))
 
   def init_state(rng):
     params = init_params(rng)
@@ -123,7 +139,7 @@ def build_trainer(cfg, mesh: Mesh) -> Trainer:
   act_dtype = jnp.dtype(spec.dtype)
 
   if program is None:
-    def loss_and_grad(params, inputs, targets):
+    def raw_loss_and_grad(params, inputs, targets):
       flat = layout.tree_to_model_order(params)
       loss, grads = jax.value_and_grad(model.loss)(flat, inputs, targets)
       return loss, layout.tree_to_pipeline(grads, 1, 1)
@@ -135,17 +151,20 @@ def build_trainer(cfg, mesh: Mesh) -> Trainer:
         loss_scale=1.0 / (global_batch * seq),
         act_spec=sharding.logical_to_spec(('batch', 'seq', 'embed'), rules))
 
-    def loss_and_grad(params, inputs, targets):
+    def raw_loss_and_grad(params, inputs, targets):
       # Micro-batch j takes rows j, j+m, ...: each micro-batch spans every data shard.
       split = lambda a: jnp.swapaxes(a.reshape((mb, m) + a.shape[1:]), 0, 1)
       loss, (g_layers, g_embed, g_head) = run(params['layers'], params['embed'],
                                               params['head'], split(inputs), split(targets))
       return loss, {'embed': g_embed, 'layers': g_layers, 'head': g_head}
 
-  def train_step(state: TrainState, batch: dict):
+  def loss_and_grad(params, inputs, targets):
     with sharding.axis_rules(rules):
-      loss, grads = loss_and_grad(state.params, batch['inputs'], batch['targets'])
-    grad_norm = optax.global_norm(grads)
+      return raw_loss_and_grad(params, inputs, targets)
+
+  def train_step(state: TrainState, batch: dict):
+    loss, grads = loss_and_grad(state.params, batch['inputs'], batch['targets'])
+    grad_norm = optax.tree.norm(grads)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state)
@@ -161,6 +180,18 @@ def build_trainer(cfg, mesh: Mesh) -> Trainer:
                         out_shardings=(state_shardings, replicated), donate_argnums=0)
     jit_eval = jax.jit(eval_loss, in_shardings=(param_shardings, batch_sharding),
                        out_shardings=replicated)
+    jit_grad = jax.jit(lambda params, batch: loss_and_grad(params, batch['inputs'],
+                                                           batch['targets']),
+                       in_shardings=(param_shardings, batch_sharding),
+                       out_shardings=(replicated, param_shardings))
+    to_canonical = jax.jit(layout.tree_to_model_order, in_shardings=(state_shardings,),
+                           out_shardings=canonical_shardings)
+    from_canonical = jax.jit(lambda s: layout.tree_to_pipeline(s, p, v),
+                             in_shardings=(canonical_shardings,), out_shardings=state_shardings)
   return Trainer(cfg=cfg, mesh=mesh, model=model, optimizer=optimizer, program=program,
                  state_shardings=state_shardings, batch_sharding=batch_sharding,
-                 init_state=jit_init, train_step=jit_train, eval_loss=jit_eval)
+                 init_state=jit_init, train_step=jit_train, eval_loss=jit_eval,
+                 loss_and_grad=jit_grad,
+                 optimizer_schedule=learning_rate_schedule(cfg.train),
+                 canonical_shardings=canonical_shardings, to_canonical=to_canonical,
+                 from_canonical=from_canonical)

@@ -1,0 +1,32 @@
+# Sourced by the other scripts: creates or updates .venv and activates it.
+# Usage: source scripts/env.sh [EXTRA]   (EXTRA=test installs the test extra)
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+extra="${1:-}"
+# jax 0.10.2 is what triax is tested with on CPU; it wants Python >= 3.11.
+PY="${TRIAX_PYTHON:-}"
+if [ -z "$PY" ]; then
+  for candidate in python3.11 python3.12 python3; do
+    if command -v "$candidate" >/dev/null 2>&1 &&
+       "$candidate" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else 1)' 2>/dev/null; then
+      PY="$candidate"; break
+    fi
+  done
+fi
+if [ -z "$PY" ]; then
+  echo "error: scripts/env.sh: need Python >= 3.11 (set TRIAX_PYTHON=/path/to/python)" >&2
+  exit 2
+fi
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+# Reinstall only when the package metadata changed (or the extra is new).
+stamp=".venv/.triax-installed${extra:+-$extra}"
+want="$(cat setup.cfg pyproject.toml | sha1sum | cut -d' ' -f1)"
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+  .venv/bin/python -m pip install --quiet --upgrade pip
+  .venv/bin/python -m pip install --quiet -e ".${extra:+[$extra]}"
+  echo "$want" > "$stamp"
+fi
+export PATH="$ROOT/.venv/bin:$PATH"

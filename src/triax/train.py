@@ -1,0 +1,67 @@
+"""Trains a GPT as configured: `python -m triax.train --config=FILE[:ARG] --workdir=DIR`.
+
+Kept to flag parsing and one library call (triax.training.loop), so the
+logic stays importable and testable. Config files are Python code and are
+executed as such: only run config files you trust.
+"""
+
+import os
+import sys
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+from triax import cli, mesh
+
+_CONFIG = config_flags.DEFINE_config_file(
+    'config', None, 'Experiment config file (Python, get_config(arg)); FILE[:ARG].',
+    lock_config=True)
+_WORKDIR = flags.DEFINE_string('workdir', None, 'Directory for metrics, TensorBoard logs and '
+                               'checkpoints; an existing one is resumed.')
+_CPU_DEVICES = flags.DEFINE_integer('cpu_devices', None, 'Force this many CPU devices (set '
+                                    'before JAX starts; ignored when an accelerator is present).')
+_COMPILE_ONLY = flags.DEFINE_bool('compile_only', False, 'Compile the train step, write '
+                                  'WORKDIR/compile_stats.json and exit.')
+_PROFILE_STEPS = flags.DEFINE_string('profile_steps', '', 'A:B: write a jax.profiler trace of '
+                                     'steps A..B to WORKDIR/profile.')
+_PROGRESS = flags.DEFINE_bool('progress', True, 'Show a progress bar.')
+
+
+def main(argv):
+  if len(argv) > 1:
+    cli.fail('flags', f'unexpected arguments {argv[1:]}; flags look like --name=value')
+  if _CONFIG.value is None:
+    cli.fail('--config', 'is required, e.g. --config=experiments/gpt_tiny.py')
+  if not _WORKDIR.value:
+    cli.fail('--workdir', 'is required: where metrics and checkpoints go')
+  cli.force_cpu_devices(_CPU_DEVICES.value)
+  mesh.maybe_initialize_distributed()
+  cli.warn_if_accelerator(_CPU_DEVICES.value)
+  from triax.training import loop  # after the device count is set: importing jax is fine, starting it is not
+  with cli.config_errors_exit():
+    summary = loop.train_and_evaluate(_CONFIG.value, _WORKDIR.value,
+                                      compile_only=_COMPILE_ONLY.value,
+                                      profile_steps=_PROFILE_STEPS.value,
+                                      progress=_PROGRESS.value)
+  workdir = os.path.abspath(_WORKDIR.value)
+  if _COMPILE_ONLY.value:
+    print(f'compile stats: {workdir}/compile_stats.json '
+          f'(temp {summary["temp_bytes"] / 2**20:.1f} MiB per device)')
+    return
+  print(f'metrics:     {workdir}/metrics.jsonl')
+  print(f'tensorboard: tensorboard --logdir {workdir}/tb')
+  print(f'checkpoints: {workdir}/checkpoints')
+  if summary['first_eval_loss'] is not None:
+    print(f'eval loss {summary["first_eval_loss"]:.3f} -> {summary["final_eval_loss"]:.3f} nats '
+          f'(unigram baseline of the corpus: {summary["unigram_entropy_nats"]:.3f})')
+  else:
+    print(f'eval loss {summary["final_eval_loss"]:.3f} nats (resumed at step {summary["start_step"]})')
+
+
+def run():
+  logging.set_verbosity(logging.WARNING)
+  app.run(main, flags_parser=cli.parse_flags)
+
+
+if __name__ == '__main__':
+  run()

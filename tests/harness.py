@@ -1,0 +1,91 @@
+"""Shared test helpers: tiny configs, trainers on device subsets, relative errors."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from triax import config
+from triax.mesh import build_mesh
+from triax.pipeline import layout
+from triax.training.step import build_trainer
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), '..'))
+
+
+def tiny_config(**overrides):
+  """A model small enough to compile in seconds; dotted overrides like 'mesh.pipe'."""
+  c = config.defaults()
+  c.model.num_layers = 8
+  c.model.d_model = 32
+  c.model.num_heads = 8
+  c.model.d_ff = 64
+  c.model.seq_len = 16
+  c.train.global_batch_size = 32
+  c.train.warmup_steps = 1
+  c.train.learning_rate = 1e-2
+  for key, value in overrides.items():
+    group, name = key.split('.')
+    c[group][name] = value
+  return c
+
+
+def make_trainer(cfg):
+  n = cfg.mesh.data * cfg.mesh.tensor * cfg.mesh.pipe
+  if min(cfg.mesh[a] for a in config.MESH_AXES) < 0:
+    n = jax.device_count()
+  cfg = config.validate(cfg, n)
+  mesh = build_mesh(cfg.mesh, jax.devices()[:n])
+  return build_trainer(cfg, mesh)
+
+
+def random_batch(cfg, seed=0):
+  rng = np.random.default_rng(seed)
+  toks = rng.integers(0, cfg.model.vocab_size,
+                      (cfg.train.global_batch_size, cfg.model.seq_len + 1))
+  return {'inputs': toks[:, :-1].astype(np.int32), 'targets': toks[:, 1:].astype(np.int32)}
+
+
+def loss_and_grads(cfg, seed=0):
+  """Loss and gradients at initialisation, gradients in model layer order (host arrays)."""
+  trainer = make_trainer(cfg)
+  with jax.set_mesh(trainer.mesh):
+    state = trainer.init_state(jax.random.key(cfg.train.seed))
+    batch = jax.device_put(random_batch(cfg, seed), trainer.batch_sharding)
+    loss, grads = trainer.loss_and_grad(state.params, batch)
+  return float(loss), jax.device_get(layout.tree_to_model_order(grads))
+
+
+def train_losses(cfg, steps, seed=0):
+  trainer = make_trainer(cfg)
+  losses = []
+  with jax.set_mesh(trainer.mesh):
+    state = trainer.init_state(jax.random.key(cfg.train.seed))
+    for i in range(steps):
+      batch = jax.device_put(random_batch(cfg, seed), trainer.batch_sharding)
+      state, out = trainer.train_step(state, batch)
+      losses.append(float(out['loss']))
+  return losses
+
+
+def max_rel_err(a, b) -> float:
+  """Largest over leaves of max|a-b| / max|a| (a is the reference)."""
+  errs = jax.tree.map(
+      lambda x, y: float(np.max(np.abs(np.asarray(x) - np.asarray(y))) /
+                         max(float(np.max(np.abs(np.asarray(x)))), 1e-30)), a, b)
+  return max(jax.tree.leaves(errs))
+
+
+def run_cli(module: str, *args: str, timeout: int = 600, env_extra=None):
+  """Runs `python -m module args` in a fresh process (its own device count)."""
+  env = dict(os.environ)
+  env['PYTHONPATH'] = os.path.join(ROOT, 'src') + os.pathsep + env.get('PYTHONPATH', '')
+  env.pop('XLA_FLAGS', None)  # the CLI's --cpu_devices decides
+  env.update(env_extra or {})
+  return subprocess.run([sys.executable, '-m', module, *args], cwd=ROOT, env=env,
+                        capture_output=True, text=True, timeout=timeout)
