@@ -1,8 +1,9 @@
 """Every schedule gives one device's loss and gradients (fp32, <= 1e-5 relative).
 
-The grid covers each schedule with pipe in {2, 4, 8}, v in {1, 2},
-m in {p, 2p, 4p}, the 3-D meshes (2,2,2), (1,2,4), (2,1,4), (4,1,2), and
-both remat policies, without running the full product (each case compiles).
+The grid covers each schedule with pipe in {2, 4, 8}, v in {1, 2} where the
+schedule has chunks, m in {p, 2p, 4p}, the 3-D meshes (2,2,2), (1,2,4),
+(2,1,4), (4,1,2), and both remat policies, without running the full product
+(each case compiles). bpipe and zb_h1 (v = 1 only) run with data and tensor axes too.
 """
 
 import functools
@@ -26,6 +27,15 @@ CASES = [
     ('interleaved_1f1b', (1, 2, 4), 2, 16, 'selective', 8),
     ('interleaved_1f1b', (2, 1, 4), 1, 4, 'none', 8),
     ('interleaved_1f1b', (1, 1, 8), 2, 8, 'none', 16),
+    ('bpipe', (1, 1, 2), 1, 8, 'none', 8),
+    ('bpipe', (2, 2, 2), 1, 4, 'none', 8),
+    ('bpipe', (1, 2, 4), 1, 16, 'full', 8),
+    ('bpipe', (1, 1, 8), 1, 16, 'none', 8),
+    ('bpipe', (1, 1, 8), 1, 8, 'none', 8),
+    ('zb_h1', (1, 1, 2), 1, 2, 'none', 8),
+    ('zb_h1', (2, 1, 4), 1, 8, 'selective', 8),
+    ('zb_h1', (2, 2, 2), 1, 8, 'none', 8),
+    ('zb_h1', (1, 1, 8), 1, 32, 'none', 8),
 ]
 
 

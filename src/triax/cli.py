@@ -28,14 +28,57 @@ def parse_flags(argv: list[str]) -> list[str]:
   try:
     return flags.FLAGS(argv)
   except flags.Error as e:
+    # A ConfigError raised by a config file's get_config arrives wrapped
+    # (absl re-raises it with a traceback as text): report the original.
+    cause, original = e, None
+    while cause is not None:
+      if isinstance(cause, ConfigError):
+        original = cause
+      cause = cause.__cause__ or cause.__context__
+    if original is not None:
+      fail(original.key, original.message)
     first_line = str(e).strip().splitlines()[0] if str(e).strip() else repr(e)
     fail('flags', f'{first_line} (see --helpfull)')
   except ConfigError as e:
     fail(e.key, e.message)
-  except (FileNotFoundError, IsADirectoryError, SyntaxError, ImportError, AttributeError,
-          TypeError, ValueError, KeyError) as e:
+  except (AttributeError, KeyError) as e:
+    # A misspelt --config.x override (the config is locked) or a config file bug.
+    text = _unquote(str(e))
+    for arg in argv[1:]:
+      name = arg.split('=', 1)[0]
+      parts = name[len('--config.'):].split('.')
+      if name.startswith('--config.') and any(f"'{part}'" in text for part in parts):
+        hint = text.splitlines()[-1] if 'Did you mean' in text else 'check the spelling'
+        fail(name, f'unknown config key ({hint})')
+    fail('--config', f'{type(e).__name__}: {text.splitlines()[0] if text else e!r}')
+  except (FileNotFoundError, IsADirectoryError, SyntaxError, ImportError, TypeError,
+          ValueError) as e:
     # config_flags executes the config file while parsing: report the file.
     fail('--config', f'{type(e).__name__}: {str(e).splitlines()[0] if str(e) else e!r}')
+
+
+def config_value(holder):
+  """The parsed config of a config_flags flag; a file that failed to load exits 2.
+
+  config_flags defers a load failure until the value is first read.
+  """
+  try:
+    cfg = holder.value
+    if cfg is not None:
+      cfg.keys()   # touching it raises the deferred error
+    return cfg
+  except (OSError, SyntaxError, ImportError, AttributeError, TypeError, ValueError) as e:
+    lines = [l.strip() for l in str(e).splitlines() if l.strip()]
+    detail = lines[-1] if lines else repr(e)
+    fail('--config', f'could not load the config file: {detail}')
+
+
+def _unquote(text: str) -> str:
+  # KeyError/AttributeError messages arrive repr()-quoted, sometimes twice.
+  for _ in range(3):
+    if len(text) > 1 and text[0] == text[-1] and text[0] in '\'"':
+      text = text[1:-1].encode().decode('unicode_escape')
+  return text
 
 
 @contextlib.contextmanager

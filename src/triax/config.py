@@ -14,9 +14,10 @@ from typing import Sequence
 import ml_collections
 
 from triax.errors import ConfigError
+from triax.pipeline import schedule as sched
 
 MESH_AXES = ('data', 'tensor', 'pipe')
-SCHEDULES = ('gpipe', '1f1b', 'interleaved_1f1b')
+SCHEDULES = tuple(sched.SCHEDULES)
 REMAT_POLICIES = ('none', 'full', 'selective')
 DTYPES = ('float32', 'bfloat16', 'float16')
 ATTENTION_IMPLS = ('xla', 'cudnn')
@@ -63,7 +64,7 @@ def defaults() -> ml_collections.ConfigDict:
   c.model.attention = 'xla'
 
   c.pipeline = ml_collections.ConfigDict()
-  # Pipeline schedule: gpipe, 1f1b or interleaved_1f1b (used when mesh.pipe > 1).
+  # Pipeline schedule: gpipe, 1f1b, interleaved_1f1b, bpipe or zb_h1 (see triax.pipeline.schedule).
   c.pipeline.schedule = '1f1b'
   # Micro-batches per step (m); the global batch is split into this many.
   c.pipeline.microbatches = 1
@@ -229,16 +230,12 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int) -> ml_collections
   _positive(cfg, 'pipeline', 'microbatches')
   _positive(cfg, 'pipeline', 'virtual_stages')
   v = p.virtual_stages
-  if p.schedule == '1f1b' and v != 1:
-    raise ConfigError('pipeline.virtual_stages',
-                      f'1f1b runs one chunk per device (got {v}); use interleaved_1f1b for v > 1')
+  # The builder knows each schedule's rules (v allowed, m a multiple of p, ...).
+  sched.build(p.schedule, pipe, p.microbatches, v)
   if m.num_layers % (pipe * v):
     raise ConfigError('model.num_layers',
                       f'{m.num_layers} layers cannot be cut into mesh.pipe*pipeline.virtual_stages'
                       f' = {pipe}*{v} equal chunks; use a multiple of {pipe * v}')
-  if p.schedule == 'interleaved_1f1b' and pipe > 1 and p.microbatches % pipe:
-    raise ConfigError('pipeline.microbatches',
-                      f'interleaved_1f1b needs a multiple of mesh.pipe={pipe}, got {p.microbatches}')
 
   t = cfg.train
   for key in ('steps', 'global_batch_size', 'eval_every', 'eval_batches', 'log_every'):

@@ -30,7 +30,8 @@ _PROGRESS = flags.DEFINE_bool('progress', True, 'Show a progress bar.')
 def main(argv):
   if len(argv) > 1:
     cli.fail('flags', f'unexpected arguments {argv[1:]}; flags look like --name=value')
-  if _CONFIG.value is None:
+  cfg = cli.config_value(_CONFIG)
+  if cfg is None:
     cli.fail('--config', 'is required, e.g. --config=experiments/gpt_tiny.py')
   if not _WORKDIR.value:
     cli.fail('--workdir', 'is required: where metrics and checkpoints go')
@@ -39,7 +40,7 @@ def main(argv):
   cli.warn_if_accelerator(_CPU_DEVICES.value)
   from triax.training import loop  # after the device count is set: importing jax is fine, starting it is not
   with cli.config_errors_exit():
-    summary = loop.train_and_evaluate(_CONFIG.value, _WORKDIR.value,
+    summary = loop.train_and_evaluate(cfg, _WORKDIR.value,
                                       compile_only=_COMPILE_ONLY.value,
                                       profile_steps=_PROFILE_STEPS.value,
                                       progress=_PROGRESS.value)

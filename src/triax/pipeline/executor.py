@@ -12,10 +12,16 @@ tick every device reads its own row of the schedule table and:
   phase 1  backward: the residuals are read back from their slot, unflattened
            into the vjp function and applied to the arriving gradient; the
            weight gradient is accumulated, the input gradient sent on.
-  phase 2  `ppermute` moves activations to stage s+1 and gradients to stage
+           Zero-bubble schedules split it: B keeps only the input gradient
+           (XLA drops the unused weight-gradient matmuls), and
+  phase 2  W re-applies the same residuals and output gradient later and
+           keeps only the weight gradient.
+  phase 3  `ppermute` moves activations to stage s+1 and gradients to stage
            s-1 (cyclically, which is how interleaved schedules hand chunk
            outputs from the last device back to the first); arrivals are
-           written into the buffer slot the schedule assigned.
+           written into the buffer slot the schedule assigned. BPipe's
+           evictions and loads move whole residual sets between partner
+           stages (s <-> p-1-s) in the same phase, into the shared stash pool.
 
 Stash, activation and gradient buffers have as many slots as the schedule's
 lowering says, so activation memory is bounded by the schedule, not by the
@@ -109,19 +115,25 @@ def pipeline_loss_and_grad(fns: StageFns, program: 'sched.Program', mesh: Mesh,
   last_chunk = p * v - 1
   if mesh.shape['pipe'] != p:
     raise ValueError(f'mesh has pipe={mesh.shape["pipe"]} but the schedule has {p} stages')
-  # One spare slot at the end of each receive buffer takes writes the table
-  # marks as "nothing arrives", so arrivals need no branch.
+  # One spare slot at the end of each receiving buffer takes writes the table
+  # marks as "nothing arrives" (-1), so arrivals need no branch.
+  moves = program.partner is not None
   n_act, n_grad = program.num_act_slots + 1, program.num_grad_slots + 1
-  fwd_table = jnp.asarray(program.fwd, jnp.int32)
-  bwd_table = jnp.asarray(program.bwd, jnp.int32)
-  recv_table = np.array(program.recv, np.int32)
-  recv_table[..., sched.R_ACT] = np.where(recv_table[..., sched.R_ACT] < 0, n_act - 1,
-                                          recv_table[..., sched.R_ACT])
-  recv_table[..., sched.R_GRAD] = np.where(recv_table[..., sched.R_GRAD] < 0, n_grad - 1,
-                                           recv_table[..., sched.R_GRAD])
-  recv_table = jnp.asarray(recv_table)
+  n_stash = program.num_stash_slots
+  spare = lambda table, n: jnp.asarray(np.where(table < 0, n - 1, table), jnp.int32)
+  recv = np.asarray(program.recv)
+  tables = dict(
+      fwd=jnp.asarray(program.fwd, jnp.int32), bwd=jnp.asarray(program.bwd, jnp.int32),
+      recv_act=spare(recv[..., sched.R_ACT], n_act),
+      recv_grad=spare(recv[..., sched.R_GRAD], n_grad))
+  if program.split_backward:
+    tables['wgt'] = jnp.asarray(program.wgt, jnp.int32)
+  if moves:
+    tables.update(_residual_moves(program))
+    partner_pairs = [(s, q) for s, q in enumerate(program.partner) if s != q]
   to_next = [(i, (i + 1) % p) for i in range(p)]
   to_prev = [(i, (i - 1) % p) for i in range(p)]
+  info = {}
 
   def pin(x):
     return jax.lax.with_sharding_constraint(x, act_spec)
@@ -154,8 +166,8 @@ def pipeline_loss_and_grad(fns: StageFns, program: 'sched.Program', mesh: Mesh,
       return [leaf for leaf, j in zip(leaves, layout['weight_of']) if j is None]
 
     stash_shapes = jax.eval_shape(probe, _take(local, 0), x_zero)
-    stash = _varying([jnp.zeros((program.num_stash_slots,) + s.shape, s.dtype)
-                      for s in stash_shapes])
+    stash = _varying([jnp.zeros((n_stash,) + s.shape, s.dtype) for s in stash_shapes])
+    info['residual_bytes'] = sum(s.size * s.dtype.itemsize for s in stash_shapes)
 
     def split_residuals(vjp_fn):
       leaves = jax.tree.leaves(vjp_fn)
@@ -175,6 +187,9 @@ def pipeline_loss_and_grad(fns: StageFns, program: 'sched.Program', mesh: Mesh,
         g_head=_zeros_like_varying(head_params),
         loss=_varying(jnp.zeros((), jnp.float32)),
     )
+    if moves:
+      carry0['landing'] = _varying([jnp.zeros(s.shape, s.dtype) for s in stash_shapes])
+      carry0['landing_slot'] = _varying(jnp.int32(-1))
 
     def forward(c, row):
       mb, chunk = row[sched.F_MB], row[sched.F_CHUNK]
@@ -195,14 +210,26 @@ def pipeline_loss_and_grad(fns: StageFns, program: 'sched.Program', mesh: Mesh,
       c = jax.lax.cond(chunk == last_chunk, loss_and_seed, lambda c: c, c)
       return c, pin(y.astype(act_dtype))
 
+    def apply_vjp(c, local_chunk, stash_slot, grad_slot):
+      stashed = [s[stash_slot] for s in c['stash']]
+      vjp_fn = join_residuals(stashed, _take(local, local_chunk))
+      return vjp_fn(pin(c['grad'][grad_slot]))
+
+    def accumulate(c, local_chunk, g_chunk):
+      return dict(c, g_stage=jax.tree.map(lambda g, d: g.at[local_chunk].add(d),
+                                          c['g_stage'], g_chunk))
+
+    def weight_grad(c, row):
+      local_chunk = row[sched.W_CHUNK] // p
+      g_chunk, _ = apply_vjp(c, local_chunk, row[sched.W_STASH], row[sched.W_GRAD])
+      return accumulate(c, local_chunk, g_chunk)
+
     def backward(c, row):
       mb, chunk = row[sched.B_MB], row[sched.B_CHUNK]
       local_chunk = chunk // p
-      stashed = [s[row[sched.B_STASH]] for s in c['stash']]
-      vjp_fn = join_residuals(stashed, _take(local, local_chunk))
-      g_chunk, dx = vjp_fn(pin(c['grad'][row[sched.B_GRAD]]))
-      g_stage = jax.tree.map(lambda g, d: g.at[local_chunk].add(d), c['g_stage'], g_chunk)
-      c = dict(c, g_stage=g_stage)
+      g_chunk, dx = apply_vjp(c, local_chunk, row[sched.B_STASH], row[sched.B_GRAD])
+      if not program.split_backward:
+        c = accumulate(c, local_chunk, g_chunk)
 
       def embed_backward(c):
         _, embed_vjp = jax.vjp(lambda e: fns.embed(e, inputs[mb]).astype(act_dtype),
@@ -218,23 +245,88 @@ def pipeline_loss_and_grad(fns: StageFns, program: 'sched.Program', mesh: Mesh,
       return c, x_zero
 
     def tick(c, rows):
-      f_row, b_row, r_row = (r[stage] for r in rows)
-      c, y = jax.lax.cond(f_row[sched.F_VALID] > 0, forward, idle, c, f_row)
-      c, dx = jax.lax.cond(b_row[sched.B_VALID] > 0, backward, idle, c, b_row)
+      row = {name: table[stage] for name, table in rows.items()}
+      if moves:
+        c = jax.lax.cond(c['landing_slot'] >= 0, land, lambda c: c, c)
+      c, y = jax.lax.cond(row['fwd'][sched.F_VALID] > 0, forward, idle, c, row['fwd'])
+      c, dx = jax.lax.cond(row['bwd'][sched.B_VALID] > 0, backward, idle, c, row['bwd'])
+      if program.split_backward:
+        c = jax.lax.cond(row['wgt'][sched.W_VALID] > 0, weight_grad, lambda c, _: c,
+                         c, row['wgt'])
       y = jax.lax.ppermute(y, 'pipe', to_next)
       dx = jax.lax.ppermute(dx, 'pipe', to_prev)
-      c = dict(c, act=c['act'].at[r_row[sched.R_ACT]].set(y),
-               grad=c['grad'].at[r_row[sched.R_GRAD]].set(dx))
+      c = dict(c, act=c['act'].at[row['recv_act']].set(y),
+               grad=c['grad'].at[row['recv_grad']].set(dx))
+      if moves:
+        # Whether anything moves in this tick is the same on every device, so
+        # the collective inside this branch is reached by all or by none.
+        landing, slot = jax.lax.cond(rows['move_any'][0] > 0, move_residuals, no_move,
+                                     c['stash'], row)
+        c = dict(c, landing=landing, landing_slot=slot)
       return c, None
 
-    c, _ = jax.lax.scan(tick, carry0, (fwd_table, bwd_table, recv_table))
+    def land(c):
+      """Stores the residual set that arrived at the end of the previous tick.
+
+      Written now rather than then: the stash is then never sliced (to send)
+      and updated (to receive) in one step, which would make XLA copy the
+      whole pool; and a slot sent last tick may be the one received into.
+      """
+      return dict(c, stash=_put(c['stash'], c['landing_slot'], c['landing']))
+
+    def move_residuals(stash, row):
+      # BPipe never has a stage evict and load in the same tick, so one
+      # ppermute over the partner pairs carries either direction.
+      sent = [s[row['move_send']] for s in stash]
+      return jax.lax.ppermute(sent, 'pipe', partner_pairs), row['move_recv']
+
+    def no_move(stash, row):
+      del row
+      return [jnp.zeros_like(s[0]) for s in stash], _varying(jnp.int32(-1))
+
+    c, _ = jax.lax.scan(tick, carry0, tables)
     loss = jax.lax.psum(c['loss'], 'pipe')
     g_embed = jax.lax.psum(c['g_embed'], 'pipe')
     g_head = jax.lax.psum(c['g_head'], 'pipe')
     g_stage = jax.tree.map(lambda g: g[None], c['g_stage'])
     return loss, (g_stage, g_embed, g_head)
 
-  return jax.shard_map(
+  run = jax.shard_map(
       body, mesh=mesh, axis_names={'pipe'},
       in_specs=(P('pipe'), P(), P(), P(), P()),
       out_specs=(P(), (P('pipe'), P(), P())))
+  return PipelineStep(run, info)
+
+
+def _residual_moves(program: 'sched.Program') -> dict:
+  """BPipe's evict and load tables folded into one send/receive table."""
+  evict, load = np.asarray(program.evict), np.asarray(program.load)
+  for col, what in ((sched.X_SEND, 'sends'), (sched.X_RECV, 'receives')):
+    if ((evict[..., col] >= 0) & (load[..., col] >= 0)).any():
+      raise NotImplementedError(f'a stage both evicts and loads (it {what} two residual sets) '
+                                'in one tick; the executor moves one set per tick')
+  send = np.where(evict[..., sched.X_SEND] >= 0, evict[..., sched.X_SEND], load[..., sched.X_SEND])
+  recv = np.where(evict[..., sched.X_RECV] >= 0, evict[..., sched.X_RECV], load[..., sched.X_RECV])
+  any_move = (send >= 0).any(axis=1, keepdims=True)
+  return dict(move_send=jnp.asarray(np.maximum(send, 0), jnp.int32),
+              move_recv=jnp.asarray(recv, jnp.int32),
+              move_any=jnp.asarray(np.repeat(any_move, send.shape[1], axis=1), jnp.int32))
+
+
+class PipelineStep:
+  """The shard_mapped pipeline function, with facts learnt when it is traced.
+
+  `residual_bytes`: bytes of one stash slot (one micro-batch's residuals of
+  one chunk, global shape), known once the function has been traced; BPipe's
+  bytes moved per step are this times `schedule.transfers_per_step`.
+  """
+
+  def __init__(self, fn, info: dict):
+    self._fn, self._info = fn, info
+
+  def __call__(self, *args):
+    return self._fn(*args)
+
+  @property
+  def residual_bytes(self) -> int | None:
+    return self._info.get('residual_bytes')

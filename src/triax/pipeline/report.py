@@ -168,8 +168,9 @@ def text(analysis: Analysis) -> str:
            f'{program.num_act_slots}, grad {program.num_grad_slots} '
            f'(in-flight counts micro-batch-chunks, each 1/v of a stage)']
   if program.split_backward:
-    lines.append(f'backward split into B (t_backward={analysis.costs.t_backward:g})'
-                 f' and W (t_weight={analysis.costs.t_weight:g})')
+    costs = analysis.costs
+    lines.append(f'backward split into B (t_backward={costs.t_backward:g}) '
+                 f'and W (t_weight={costs.t_weight:g})')
   if analysis.schedule.partner is not None:
     moved = sched.transfers_per_step(program)
     lines.append(f'stash cap {analysis.schedule.stash_cap}; residual sets '

@@ -206,9 +206,9 @@ def _check_program(schedule: Schedule, program: Program) -> list[str]:
   if len(program.grid) != t or any(len(row) != p for row in program.grid):
     problems.append(f'program.grid is not {t} ticks x {p} stages')
   if program.split_backward != schedule.split_backward:
+    has = 'has' if schedule.split_backward else 'has no'
     problems.append(f'program.split_backward is {program.split_backward} but '
-                    f'the schedule {"has" if schedule.split_backward else "has no"}'
-                    ' W actions')
+                    f'the schedule {has} W actions')
   moves = bool((program.evict >= 0).any() or (program.load >= 0).any())
   if moves and program.partner != schedule.partner:
     problems.append(f'program.partner {program.partner} differs from the '

@@ -19,6 +19,7 @@ from triax.data.corpus import load_corpus, unigram_entropy_nats
 from triax.errors import ConfigError
 from triax.mesh import build_mesh
 from triax.model.flops import megatron_flops_per_step, peak_flops
+from triax.pipeline import schedule as sched
 from triax.training.checkpoint import Checkpointer
 from triax.training.metrics import MetricsWriter
 from triax.training.step import Trainer, build_trainer
@@ -92,7 +93,12 @@ def compile_stats(trainer: Trainer) -> tuple[object, dict]:
         'name': prog.schedule.name, 'stages': prog.schedule.stages,
         'microbatches': prog.schedule.microbatches,
         'virtual_stages': prog.schedule.virtual_stages, 'ticks': prog.ticks,
-        'stash_slots': prog.num_stash_slots, 'peak_stash': list(prog.peak_stash)}
+        'stash_slots': prog.num_stash_slots, 'peak_stash': list(prog.peak_stash),
+        'residual_bytes_per_slot': trainer.pipeline.residual_bytes}
+    moved = sched.transfers_per_step(prog)['total']
+    # Residual sets BPipe moves between partners per step (global bytes,
+    # summed over the data/tensor shards of each set).
+    stats['schedule']['residual_bytes_moved_per_step'] = moved * trainer.pipeline.residual_bytes
   return compiled, stats
 
 

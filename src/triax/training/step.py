@@ -69,6 +69,7 @@ class Trainer:
   model: GPT
   optimizer: optax.GradientTransformation
   program: 'sched.Program | None'
+  pipeline: 'executor.PipelineStep | None'   # the traced executor (residual sizes)
   state_shardings: Any
   batch_sharding: NamedSharding
   init_state: Callable[[jax.Array], TrainState]
@@ -102,7 +103,7 @@ def build_trainer(cfg, mesh: Mesh) -> Trainer:
   rules = cfg.sharding.logical_axis_rules
   p, v = cfg.mesh.pipe, cfg.pipeline.virtual_stages
   m = cfg.pipeline.microbatches
-  program = None
+  program, run = None, None
   if p > 1 or m > 1:
     schedule = sched.build(cfg.pipeline.schedule, p, m, v)
     program = sched.lower(schedule)
@@ -189,6 +190,7 @@ def build_trainer(cfg, mesh: Mesh) -> Trainer:
     from_canonical = jax.jit(lambda s: layout.tree_to_pipeline(s, p, v),
                              in_shardings=(canonical_shardings,), out_shardings=state_shardings)
   return Trainer(cfg=cfg, mesh=mesh, model=model, optimizer=optimizer, program=program,
+                 pipeline=run,
                  state_shardings=state_shardings, batch_sharding=batch_sharding,
                  init_state=jit_init, train_step=jit_train, eval_loss=jit_eval,
                  loss_and_grad=jit_grad,

@@ -1,0 +1,358 @@
+"""Cluster specs: device groups, nodes and links, read from YAML and checked.
+
+A spec (experiments/clusters/*.yaml) names what the planner may use:
+
+  name: heterog_testbed
+  groups:                  # one entry per device type
+    - name: v100
+      type: Tesla V100-PCIE-16GB
+      count: 2
+      peak_flops: {bfloat16: 112 TFLOP/s, float32: 14 TFLOP/s}
+      memory: 16 GB
+      memory_bandwidth: 900 GB/s
+  nodes:                   # where the devices sit
+    - name: n0
+      devices: {v100: 2}
+      nic_bandwidth: 100 Gb/s     # optional; caps links to other nodes
+  links:
+    intra_node: {bandwidth: 12 GB/s, latency: 10 us}
+    inter_node: {bandwidth: 100 Gb/s, latency: 25 us}
+
+Quantities are numbers in SI base units (bytes, bytes/s, FLOP/s, seconds)
+or strings with a unit ('16 GB', '16 GiB', '100 Gb/s', '12 GB/s',
+'125 TFLOP/s', '10 us'), because datasheets mix bits and bytes and a
+silent factor of 8 is the classic planning bug.
+
+A group marked `profile: local` is the machine the planner runs on: its
+times are measured, not derived, and its `peak_flops` / `memory_bandwidth`
+may say `measured`. A node's `shared_cores: N` says its devices share N
+physical cores (forced XLA CPU devices do), so at most N of them compute at
+full speed at once; the simulator honours it.
+
+Every problem raises ConfigError('--cluster', '<file>: <what, how to fix>').
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+from typing import Any
+
+from triax.errors import ConfigError
+
+# dtype names of config.model.dtype that a group's peak_flops may list.
+DTYPES = ('bfloat16', 'float16', 'float32')
+MEASURED = 'measured'
+
+_UNITS = {
+    'bytes': {'B': 1, 'KB': 1e3, 'MB': 1e6, 'GB': 1e9, 'TB': 1e12,
+              'KiB': 2**10, 'MiB': 2**20, 'GiB': 2**30, 'TiB': 2**40},
+    'bandwidth': {'B/s': 1, 'KB/s': 1e3, 'MB/s': 1e6, 'GB/s': 1e9, 'TB/s': 1e12,
+                  'GiB/s': 2**30, 'b/s': 1 / 8, 'Kb/s': 1e3 / 8, 'Mb/s': 1e6 / 8,
+                  'Gb/s': 1e9 / 8, 'Tb/s': 1e12 / 8, 'Gbps': 1e9 / 8, 'Mbps': 1e6 / 8},
+    'flops': {'FLOP/s': 1, 'GFLOP/s': 1e9, 'TFLOP/s': 1e12, 'PFLOP/s': 1e15},
+    'seconds': {'s': 1, 'ms': 1e-3, 'us': 1e-6, 'ns': 1e-9},
+}
+_EXAMPLE = {'bytes': "'16 GB'", 'bandwidth': "'100 Gb/s' or '12 GB/s'",
+            'flops': "'125 TFLOP/s'", 'seconds': "'10 us'"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Link:
+  """A point-to-point path: time(bytes) = latency + bytes / bandwidth."""
+  bandwidth: float
+  latency: float
+
+  def time(self, nbytes: float) -> float:
+    return self.latency + nbytes / self.bandwidth if nbytes > 0 else 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Group:
+  """One device type and how many of it the cluster has.
+
+  Attributes:
+    name: short id used by nodes and plans.
+    type: the device's marketing name, for people.
+    count: devices of this type in the cluster.
+    peak_flops: dtype -> dense peak FLOP/s (None where `measured`).
+    memory: bytes per device.
+    memory_bandwidth: bytes/s per device (None where `measured`).
+    local: times come from measuring this machine, not from the roofline.
+    efficiency: optional fixed roofline efficiency; None = calibrate on the
+      local measurement.
+    overhead_per_layer: seconds added per layer action (kernel launches),
+      a floor the roofline cannot see for small layers.
+  """
+  name: str
+  type: str
+  count: int
+  peak_flops: dict[str, float | None]
+  memory: float
+  memory_bandwidth: float | None
+  local: bool = False
+  efficiency: float | None = None
+  overhead_per_layer: float = 0.0
+
+  def peak(self, dtype: str) -> float | None:
+    """Peak FLOP/s at the compute dtype (float16 falls back to bfloat16)."""
+    if dtype in self.peak_flops:
+      return self.peak_flops[dtype]
+    if dtype == 'float16' and 'bfloat16' in self.peak_flops:
+      return self.peak_flops['bfloat16']
+    raise KeyError(dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class Node:
+  """A host: which devices it holds and what its network can do."""
+  name: str
+  devices: dict[str, int]
+  nic_bandwidth: float | None = None
+  intra_bandwidth: float | None = None
+  shared_cores: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Device:
+  """One device, numbered 0..N-1 in node order, then group order."""
+  index: int
+  group: str
+  node: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Cluster:
+  """A validated spec. `devices` lists every device once."""
+  name: str
+  description: str
+  path: str
+  groups: dict[str, Group]
+  nodes: tuple[Node, ...]
+  intra_node: Link
+  inter_node: Link
+  devices: tuple[Device, ...]
+
+  @property
+  def num_devices(self) -> int:
+    return len(self.devices)
+
+  def node(self, name: str) -> Node:
+    return next(n for n in self.nodes if n.name == name)
+
+  def link(self, a: int, b: int) -> Link:
+    """The path between devices a and b (index), node NICs included."""
+    da, db = self.devices[a], self.devices[b]
+    if da.node == db.node:
+      bw = self.node(da.node).intra_bandwidth or self.intra_node.bandwidth
+      return Link(bw, self.intra_node.latency)
+    bws = [self.inter_node.bandwidth] + [
+        n.nic_bandwidth for n in (self.node(da.node), self.node(db.node))
+        if n.nic_bandwidth]
+    return Link(min(bws), self.inter_node.latency)
+
+  def slowest_link(self, devices) -> Link:
+    """The weakest link among a set of devices (a collective's bottleneck)."""
+    devices = list(devices)
+    links = [self.link(a, b) for i, a in enumerate(devices) for b in devices[i + 1:]]
+    if not links:
+      return Link(math.inf, 0.0)
+    return min(links, key=lambda l: (l.bandwidth, -l.latency))
+
+  def shared_cores(self, node: str) -> int | None:
+    return self.node(node).shared_cores
+
+  @property
+  def heterogeneous(self) -> bool:
+    return len(self.groups) > 1
+
+
+def load(path: str) -> Cluster:
+  """Reads and validates a cluster spec.
+
+  Raises:
+    ConfigError: key '--cluster', message '<path>: <problem and fix>'.
+  """
+  import yaml  # only the planner needs YAML
+
+  if not os.path.isfile(path):
+    raise ConfigError('--cluster', f'{path}: no such file; ship specs under '
+                      'experiments/clusters/ (e.g. experiments/clusters/h100_8x_nvlink.yaml)')
+  try:
+    with open(path) as f:
+      raw = yaml.safe_load(f)
+  except yaml.YAMLError as e:
+    first = str(e).strip().splitlines()[0]
+    raise ConfigError('--cluster', f'{path}: not valid YAML ({first})') from None
+  return parse(raw, path)
+
+
+def parse(raw: Any, path: str = '<spec>') -> Cluster:
+  """Validates an already-parsed spec (a dict); see `load`."""
+
+  def bad(message: str):
+    return ConfigError('--cluster', f'{path}: {message}')
+
+  if not isinstance(raw, dict):
+    raise bad('want a mapping with name, groups, nodes and links at the top')
+  unknown = set(raw) - {'name', 'description', 'groups', 'nodes', 'links'}
+  if unknown:
+    raise bad(f'unknown top-level key(s) {", ".join(sorted(unknown))}; allowed: '
+              'name, description, groups, nodes, links')
+  for key in ('name', 'groups', 'nodes', 'links'):
+    if key not in raw:
+      raise bad(f'missing top-level key {key!r}')
+
+  groups = {}
+  if not isinstance(raw['groups'], list) or not raw['groups']:
+    raise bad('groups: want a non-empty list of device groups')
+  for i, g in enumerate(raw['groups']):
+    group = _group(g, f'groups[{i}]', bad)
+    if group.name in groups:
+      raise bad(f'groups[{i}]: duplicate group name {group.name!r}')
+    groups[group.name] = group
+
+  if not isinstance(raw['nodes'], list) or not raw['nodes']:
+    raise bad('nodes: want a non-empty list of nodes, each with name and devices')
+  nodes, placed = [], {name: 0 for name in groups}
+  for i, n in enumerate(raw['nodes']):
+    node = _node(n, f'nodes[{i}]', groups, bad)
+    if any(node.name == other.name for other in nodes):
+      raise bad(f'nodes[{i}]: duplicate node name {node.name!r}')
+    for g, count in node.devices.items():
+      placed[g] += count
+    nodes.append(node)
+  for name, group in groups.items():
+    if placed[name] != group.count:
+      raise bad(f'group {name!r} has count {group.count} but the nodes place '
+                f'{placed[name]}; make them agree')
+
+  links = raw['links']
+  if not isinstance(links, dict) or set(links) != {'intra_node', 'inter_node'}:
+    raise bad('links: want exactly intra_node and inter_node, each {bandwidth, latency}')
+  intra = _link(links['intra_node'], 'links.intra_node', bad)
+  inter = _link(links['inter_node'], 'links.inter_node', bad)
+
+  devices = []
+  for node in nodes:
+    for g, count in node.devices.items():
+      for _ in range(count):
+        devices.append(Device(len(devices), g, node.name))
+  return Cluster(name=str(raw['name']), description=str(raw.get('description', '')),
+                 path=path, groups=groups, nodes=tuple(nodes), intra_node=intra,
+                 inter_node=inter, devices=tuple(devices))
+
+
+def _group(g: Any, where: str, bad) -> Group:
+  allowed = {'name', 'type', 'count', 'peak_flops', 'memory', 'memory_bandwidth',
+             'profile', 'efficiency', 'overhead_per_layer'}
+  if not isinstance(g, dict):
+    raise bad(f'{where}: want a mapping')
+  unknown = set(g) - allowed
+  if unknown:
+    raise bad(f'{where}: unknown key(s) {", ".join(sorted(unknown))}; allowed: '
+              f'{", ".join(sorted(allowed))}')
+  for key in ('name', 'type', 'count', 'peak_flops', 'memory', 'memory_bandwidth'):
+    if key not in g:
+      raise bad(f'{where}: missing {key!r}')
+  local = g.get('profile') == 'local'
+  if 'profile' in g and not local:
+    raise bad(f"{where}.profile: only 'local' is known (this machine, measured)")
+  count = g['count']
+  if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+    raise bad(f'{where}.count: want a positive integer, got {count!r}')
+  peaks = g['peak_flops']
+  if not isinstance(peaks, dict) or 'bfloat16' not in peaks or 'float32' not in peaks:
+    raise bad(f'{where}.peak_flops: want a mapping with at least bfloat16 and float32, '
+              "e.g. {bfloat16: '312 TFLOP/s', float32: '156 TFLOP/s'}")
+  peak_flops = {}
+  for dtype, value in peaks.items():
+    if dtype not in DTYPES:
+      raise bad(f'{where}.peak_flops: unknown dtype {dtype!r}; use {", ".join(DTYPES)}')
+    peak_flops[dtype] = _maybe_measured(value, 'flops', f'{where}.peak_flops.{dtype}',
+                                        local, bad)
+  efficiency = g.get('efficiency')
+  if efficiency is not None and not (isinstance(efficiency, (int, float))
+                                     and 0 < efficiency <= 1):
+    raise bad(f'{where}.efficiency: want a fraction in (0, 1], got {efficiency!r}')
+  overhead = _quantity(g.get('overhead_per_layer', 0), 'seconds',
+                       f'{where}.overhead_per_layer', bad, allow_zero=True)
+  return Group(name=str(g['name']), type=str(g['type']), count=count,
+               peak_flops=peak_flops,
+               memory=_quantity(g['memory'], 'bytes', f'{where}.memory', bad),
+               memory_bandwidth=_maybe_measured(g['memory_bandwidth'], 'bandwidth',
+                                                f'{where}.memory_bandwidth', local, bad),
+               local=local, efficiency=efficiency, overhead_per_layer=overhead)
+
+
+def _node(n: Any, where: str, groups: dict, bad) -> Node:
+  allowed = {'name', 'devices', 'nic_bandwidth', 'intra_bandwidth', 'shared_cores'}
+  if not isinstance(n, dict) or 'name' not in n or 'devices' not in n:
+    raise bad(f'{where}: want a mapping with name and devices ({{group: count}})')
+  unknown = set(n) - allowed
+  if unknown:
+    raise bad(f'{where}: unknown key(s) {", ".join(sorted(unknown))}; allowed: '
+              f'{", ".join(sorted(allowed))}')
+  devices = n['devices']
+  if not isinstance(devices, dict) or not devices:
+    raise bad(f'{where}.devices: want a non-empty mapping {{group: count}}')
+  for g, count in devices.items():
+    if g not in groups:
+      raise bad(f'{where}.devices: unknown group {g!r}; known: {", ".join(groups)}')
+    if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+      raise bad(f'{where}.devices.{g}: want a positive integer, got {count!r}')
+  cores = n.get('shared_cores')
+  if cores is not None and (not isinstance(cores, int) or isinstance(cores, bool)
+                            or cores < 1):
+    raise bad(f'{where}.shared_cores: want a positive integer (physical cores the '
+              f'devices share), got {cores!r}')
+  optional = {key: _quantity(n[key], 'bandwidth', f'{where}.{key}', bad)
+              for key in ('nic_bandwidth', 'intra_bandwidth') if key in n}
+  return Node(name=str(n['name']), devices=dict(devices), shared_cores=cores, **optional)
+
+
+def _link(raw: Any, where: str, bad) -> Link:
+  if not isinstance(raw, dict) or set(raw) != {'bandwidth', 'latency'}:
+    raise bad(f'{where}: want {{bandwidth: ..., latency: ...}}')
+  return Link(_quantity(raw['bandwidth'], 'bandwidth', f'{where}.bandwidth', bad),
+              _quantity(raw['latency'], 'seconds', f'{where}.latency', bad, allow_zero=True))
+
+
+def _maybe_measured(value: Any, kind: str, where: str, local: bool, bad) -> float | None:
+  if value == MEASURED:
+    if not local:
+      raise bad(f"{where}: 'measured' needs profile: local on the group "
+                '(only this machine can be measured)')
+    return None
+  return _quantity(value, kind, where, bad)
+
+
+def _quantity(value: Any, kind: str, where: str, bad, allow_zero: bool = False) -> float:
+  """A number, or a string '<number> <unit>' of the given kind, in base units."""
+  if isinstance(value, bool):
+    raise bad(f'{where}: want a number or e.g. {_EXAMPLE[kind]}, got {value!r}')
+  if isinstance(value, (int, float)):
+    number = float(value)
+  elif isinstance(value, str):
+    m = re.fullmatch(r'\s*([0-9.eE+-]+)\s*([A-Za-z/]+)?\s*', value)
+    units = _UNITS[kind]
+    if not m:
+      raise bad(f'{where}: cannot read {value!r}; write e.g. {_EXAMPLE[kind]}')
+    try:
+      number = float(m.group(1))
+    except ValueError:
+      raise bad(f'{where}: cannot read {value!r}; write e.g. {_EXAMPLE[kind]}') from None
+    unit = m.group(2)
+    if unit is not None:
+      if unit not in units:
+        raise bad(f'{where}: unknown unit {unit!r} in {value!r}; use one of '
+                  f'{", ".join(units)}')
+      number *= units[unit]
+  else:
+    raise bad(f'{where}: want a number or e.g. {_EXAMPLE[kind]}, got {value!r}')
+  if not math.isfinite(number) or number < 0 or (number == 0 and not allow_zero):
+    raise bad(f'{where}: must be {"non-negative" if allow_zero else "positive"}, '
+              f'got {value!r}')
+  return number

@@ -1,0 +1,590 @@
+"""Measures the configured model on the local backend: what a plan is made of.
+
+For each tensor degree t the planner considers, a *shard* of one transformer
+layer is what one device of a t-way tensor-parallel group computes: the real
+`Block` of triax.model with num_heads/t heads (of the full model's head
+width), d_ff/t MLP columns and vocab_size/t vocabulary rows, run on one
+device. This is a proxy: the Megatron all-reduces between shards are not in
+it; the simulator adds them from the link model.
+
+What is measured here, warm and jitted, median of a few runs:
+  - a model chunk's forward and backward (the executor's `model.layers`, a
+    `lax.scan` over a 2-layer stack, divided by 2: on XLA:CPU a scanned layer
+    costs ~1.5x an unscanned one, so the scan is what we time);
+  - the embedding's forward+backward and the head's loss+gradient, which the
+    executor runs inside the first and last chunk's actions;
+  - this backend's dense-matmul rate and copy bandwidth (its roofline);
+  - with several local devices: how much slower a device computes when the
+    others compute too (forced CPU devices share cores), and ppermute /
+    all-reduce times on the local mesh, fitted as latency + bytes/bandwidth.
+
+From XLA's cost analysis of the lowered functions (no execution) come FLOPs
+and bytes accessed per shard, linear in the micro-batch size b; from
+`jax.eval_shape` of the chunk's vjp come the residual bytes the executor
+stashes per micro-batch (leaves that are the chunk's own weights excluded,
+as the executor does), for each remat policy.
+
+Times at shapes not measured, and on other device types, follow one model:
+
+  time = c0 + k * max(flops / peak, bytes / bandwidth)
+
+with (c0, k) fitted per function on the local measurements (peak and
+bandwidth: the local ones). Other devices use their spec's peak and
+bandwidth with the same k, i.e. every device is assumed to reach the same
+fraction 1/k of its roofline as this machine does (the report prints it).
+
+Results are cached in memory per (model, tensor degrees, micro-batch sizes).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import functools
+import math
+import time
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from triax.plan.cluster import Link
+
+# Residual policies the model knows; kept in step with transformer._REMAT_POLICIES.
+REMATS = ('none', 'selective', 'full')
+# Functions whose time is fitted: chunk forward and backward per layer, the
+# embedding's forward+backward, the head's loss+gradient.
+FUNCTIONS = ('layer_fwd', 'layer_bwd', 'embed', 'head')
+# Runs per timing (after one warm-up); the median is kept.
+_RUNS = 5
+# Largest micro-batch measured, in tokens: keeps profiling to seconds.
+_MAX_MEASURED_TOKENS = 2048
+
+
+@dataclasses.dataclass(frozen=True)
+class Work:
+  """FLOPs and bytes of one function on a micro-batch of b sequences.
+
+  XLA's counts are linear in b at a fixed shard: flops = b * flops_per_seq,
+  bytes = bytes_fixed (weights) + b * bytes_per_seq (activations).
+  """
+  flops_per_seq: float
+  bytes_fixed: float
+  bytes_per_seq: float
+
+  def flops(self, b: int) -> float:
+    return b * self.flops_per_seq
+
+  def bytes(self, b: int) -> float:
+    return self.bytes_fixed + b * self.bytes_per_seq
+
+
+@dataclasses.dataclass(frozen=True)
+class Shard:
+  """Cost figures of one tensor shard (degree `tensor`).
+
+  Attributes:
+    tensor: the tensor-parallel degree t.
+    work: function name (FUNCTIONS) -> Work; layer_* are per layer.
+    layer_param_bytes: parameters of one layer's shard.
+    edge_param_bytes: embedding + head parameters' shard (every pipeline stage
+      holds them: the executor replicates them over `pipe`).
+    stash_per_seq: remat policy -> residual bytes per layer per sequence.
+    stash_fixed_per_seq: residual bytes per chunk per sequence not tied to a
+      layer (the chunk's input).
+    act_per_seq: bytes of one activation [s, d] (a pipeline transfer, a
+      Megatron all-reduce, an act/grad buffer slot), per sequence.
+    attention_fraction: share of a layer's forward FLOPs in the attention
+      core, which selective remat recomputes in the backward.
+  """
+  tensor: int
+  work: dict[str, Work]
+  layer_param_bytes: float
+  edge_param_bytes: float
+  stash_per_seq: dict[str, float]
+  stash_fixed_per_seq: float
+  act_per_seq: float
+  attention_fraction: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Fit:
+  """time = c0 + k * roofline_time; 1/k is the roofline efficiency."""
+  c0: float
+  k: float
+
+  @property
+  def efficiency(self) -> float:
+    return 1.0 / self.k
+
+
+@dataclasses.dataclass(frozen=True)
+class Machine:
+  """The local backend as measured.
+
+  Attributes:
+    backend: jax.default_backend().
+    device_kind: jax.devices()[0].device_kind.
+    num_devices: local devices.
+    matmul_flops: FLOP/s of a large dense matmul at the model dtype.
+    memory_bandwidth: bytes/s of a large elementwise copy.
+    effective_cores: devices' worth of compute when all local devices run at
+      once (N * solo / together); equals N when devices do not share.
+    solo_factor: slowdown of one device computing inside a lockstep program
+      while the others idle, relative to the solo jitted function.
+    tick_latency: one lockstep tick's fixed cost (cond + ppermute
+      rendezvous) with nothing to compute.
+    p2p: ppermute fit on the local mesh.
+    allreduce: ring all-reduce fit on the local mesh (latency per step,
+      bus bandwidth), see `allreduce_time`.
+  """
+  backend: str
+  device_kind: str
+  num_devices: int
+  matmul_flops: float
+  memory_bandwidth: float
+  effective_cores: float
+  solo_factor: float
+  tick_latency: float
+  p2p: Link
+  allreduce: Link
+
+
+@dataclasses.dataclass(frozen=True)
+class Point:
+  """One measurement and what the fitted model says for it."""
+  function: str
+  microbatch: int
+  tensor: int
+  seconds: float
+  fitted: float
+  flops: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Profile:
+  """Everything the simulator needs to know about the model and this machine.
+
+  Plain data: tests build synthetic ones, and it prints as JSON.
+
+  Attributes:
+    seq_len, d_model, num_layers, dtype_bytes: from the model config.
+    shards: tensor degree -> Shard.
+    fits: function -> Fit (local time model).
+    machine: the local backend.
+    points: the measurements behind the fits.
+    wall_s: seconds the profiling took (0 if from the cache).
+  """
+  seq_len: int
+  d_model: int
+  num_layers: int
+  dtype: str
+  shards: dict[int, Shard]
+  fits: dict[str, Fit]
+  machine: Machine
+  points: tuple[Point, ...] = ()
+  wall_s: float = 0.0
+
+  def local_seconds(self, function: str, b: int, t: int) -> float:
+    """Fitted time of `function` on b sequences at degree t on this machine."""
+    w = self.shards[t].work[function]
+    fit = self.fits[function]
+    return fit.c0 + fit.k * max(w.flops(b) / self.machine.matmul_flops,
+                                w.bytes(b) / self.machine.memory_bandwidth)
+
+
+def allreduce_time(link: Link, n: int, nbytes: float) -> float:
+  """Ring all-reduce of nbytes over n devices: 2(n-1) steps of nbytes/n."""
+  if n <= 1 or nbytes <= 0:
+    return 0.0
+  return 2 * (n - 1) * link.latency + 2 * (n - 1) / n * nbytes / link.bandwidth
+
+
+# ---------------------------------------------------------------- measuring
+
+
+def measure(model_cfg, tensors: Sequence[int], microbatches: Sequence[int]) -> Profile:
+  """Profiles `model_cfg` (config.model) for the given degrees and sizes.
+
+  Args:
+    model_cfg: the model config group (num_layers, d_model, ...).
+    tensors: tensor degrees t the search considers (each divides heads, d_ff
+      and vocab).
+    microbatches: per-replica micro-batch sizes b the search considers.
+
+  Returns:
+    A Profile; repeated calls with the same arguments return the cached one.
+  """
+  key = (_model_key(model_cfg), tuple(sorted(set(tensors))),
+         tuple(sorted(set(microbatches))))
+  return _measure_cached(*key)
+
+
+def _model_key(model_cfg) -> tuple:
+  return tuple((k, model_cfg[k]) for k in ('num_layers', 'd_model', 'num_heads', 'd_ff',
+                                             'vocab_size', 'seq_len', 'dtype', 'param_dtype',
+                                             'attention'))
+
+
+@functools.lru_cache(maxsize=16)
+def _measure_cached(model_key: tuple, tensors: tuple[int, ...],
+                    microbatches: tuple[int, ...]) -> Profile:
+  started = time.perf_counter()
+  spec = dict(model_key)
+  prof = _Profiler(spec)
+  shards = {t: prof.shard(t) for t in tensors}
+  machine = prof.machine()
+  points = prof.time_points(_points_to_measure(tensors, microbatches, spec['seq_len']))
+  roof = {p: shards[p[2]].work[p[0]] for p in points}
+  fits = {}
+  for function in FUNCTIONS:
+    mine = [(p, s) for p, s in points.items() if p[0] == function]
+    xs = [max(roof[p].flops(p[1]) / machine.matmul_flops,
+              roof[p].bytes(p[1]) / machine.memory_bandwidth) for p, _ in mine]
+    fits[function] = _fit(xs, [s for _, s in mine])
+  profile = Profile(seq_len=spec['seq_len'], d_model=spec['d_model'],
+                    num_layers=spec['num_layers'], dtype=spec['dtype'], shards=shards,
+                    fits=fits, machine=machine)
+  rows = tuple(Point(function=f, microbatch=b, tensor=t, seconds=s,
+                     fitted=profile.local_seconds(f, b, t),
+                     flops=shards[t].work[f].flops(b))
+               for (f, b, t), s in sorted(points.items()))
+  return dataclasses.replace(profile, points=rows, wall_s=time.perf_counter() - started)
+
+
+def _points_to_measure(tensors, microbatches, seq_len) -> list[tuple[str, int, int]]:
+  """A few (function, b, t) points that pin the fits: the layer at small and
+  large b at the smallest t, and at the largest t (the smallest matmuls, where
+  efficiency drops); compiles dominate profiling, so few points it is."""
+  cap = max(1, _MAX_MEASURED_TOKENS // seq_len)
+  bs = sorted({min(b, cap) for b in microbatches})
+  lo, hi = bs[0], bs[-1]
+  t_max = max(tensors)
+  pairs = {(lo, min(tensors)), (hi, min(tensors)), (hi, t_max)}
+  out = []
+  for b, t in sorted(pairs):
+    out += [('layer_fwd', b, t), ('layer_bwd', b, t)]
+  # The embedding and head are small and linear in b: one point each.
+  out += [('embed', hi, min(tensors)), ('head', hi, min(tensors))]
+  return out
+
+
+def _fit(roofline: Sequence[float], seconds: Sequence[float]) -> Fit:
+  """Least squares on relative error for time = c0 + k * roofline; c0 >= 0, k > 0."""
+  x, y = np.asarray(roofline, float), np.asarray(seconds, float)
+  if len(x) == 1 or np.ptp(x) <= 1e-12 * max(x.max(), 1e-30):
+    return Fit(0.0, float(np.mean(y / x)))
+  w = 1.0 / y                                        # relative-error weights
+  a = np.stack([w, w * x], axis=1)
+  c0, k = np.linalg.lstsq(a, np.ones_like(y), rcond=None)[0]
+  if c0 < 0 or k <= 0:
+    return Fit(0.0, float(np.sum(x * y * w * w) / np.sum(x * x * w * w)))
+  return Fit(float(c0), float(k))
+
+
+class _Profiler:
+  """The JAX side: builds shard models, lowers, compiles and times them."""
+
+  def __init__(self, spec: dict):
+    import jax
+    self.jax = jax
+    self.spec = spec
+
+  # -- shapes and cost analysis (lowering only: cheap) --
+
+  def _model(self, t: int):
+    from triax.model.transformer import GPT
+    return GPT(_shard_spec(self.spec, t))
+
+  def _stack(self, model, layers: int):
+    jax = self.jax
+    _, x = model._dummy()
+    one = jax.eval_shape(lambda k: model._block.init(k, x)['params'], jax.random.key(0))
+    import flax.linen as nn
+    one = nn.unbox(one)
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct((layers,) + a.shape, a.dtype), one)
+
+  def _act(self, b: int):
+    import jax.numpy as jnp
+    return self.jax.ShapeDtypeStruct((b, self.spec['seq_len'], self.spec['d_model']),
+                                     jnp.dtype(self.spec['dtype']))
+
+  def _tokens(self, b: int):
+    import jax.numpy as jnp
+    return self.jax.ShapeDtypeStruct((b, self.spec['seq_len']), jnp.int32)
+
+  @functools.lru_cache(maxsize=None)
+  def functions(self, t: int, b: int, layers: int = 1) -> dict[str, tuple[Callable, tuple]]:
+    """name -> (function, abstract args) for the four timed functions."""
+    jax = self.jax
+    model = self._model(t)
+    stack = self._stack(model, layers)
+    x, tok = self._act(b), self._tokens(b)
+    edges = jax.eval_shape(model.init, jax.random.key(0))
+    fwd = lambda p, x: jax.vjp(model.layers, p, x)
+    y, vjp_fn = jax.eval_shape(fwd, stack, x)
+
+    def embed(e, tokens):
+      y, back = jax.vjp(lambda e: model.embed(e, tokens), e)
+      return back(y)
+
+    head = jax.value_and_grad(model.head_loss, argnums=(0, 1))
+    return {'layer_fwd': (fwd, (stack, x)),
+            'layer_bwd': (lambda f, g: f(g), (vjp_fn, y)),
+            'embed': (embed, (edges['embed'], tok)),
+            'head': (head, (edges['head'], x, tok))}
+
+  def _work(self, t: int, function: str) -> Work:
+    def cost(b):
+      fn, args = self.functions(t, b)[function]
+      c = self.jax.jit(fn).lower(*args).cost_analysis()
+      c = c[0] if isinstance(c, (list, tuple)) else c
+      return float(c.get('flops', 0.0)), float(c.get('bytes accessed', 0.0))
+    (f1, b1), (f2, b2) = cost(1), cost(2)
+    per_seq = max(b2 - b1, 0.0)
+    return Work(flops_per_seq=f2 / 2, bytes_fixed=max(b1 - per_seq, 0.0),
+                bytes_per_seq=per_seq)
+
+  def _stash_bytes(self, t: int, remat: str, layers: int, b: int = 1) -> float:
+    """Residual bytes the executor stashes for a chunk of `layers` layers."""
+    jax = self.jax
+    spec = dataclasses.replace(_shard_spec(self.spec, t), remat=remat)
+    from triax.model.transformer import GPT
+    model = GPT(spec)
+
+    def probe(params, x):
+      _, vjp_fn = jax.vjp(model.layers, params, x)
+      weights = jax.tree.leaves(params)
+      return [leaf for leaf in jax.tree.leaves(vjp_fn)
+              if not any(leaf is w for w in weights)]
+
+    shapes = jax.eval_shape(probe, self._stack(model, layers), self._act(b))
+    return float(sum(math.prod(s.shape) * s.dtype.itemsize for s in shapes))
+
+  def shard(self, t: int) -> Shard:
+    jax = self.jax
+    model = self._model(t)
+    nbytes = lambda tree: float(sum(math.prod(a.shape) * a.dtype.itemsize
+                                    for a in jax.tree.leaves(tree)))
+    edges = jax.eval_shape(model.init, jax.random.key(0))
+    stash = {}
+    fixed = 0.0
+    for remat in REMATS:
+      one, two = self._stash_bytes(t, remat, 1), self._stash_bytes(t, remat, 2)
+      stash[remat] = two - one
+      if remat == 'none':
+        fixed = max(one - (two - one), 0.0)
+    s, d = self.spec['seq_len'], self.spec['d_model']
+    heads_t, hd = self.spec['num_heads'] // t, d // self.spec['num_heads']
+    d_ff_t = self.spec['d_ff'] // t
+    matmuls = 2 * s * d * (4 * heads_t * hd + 2 * d_ff_t)
+    attention = 4 * s * s * heads_t * hd
+    dtype_bytes = np.dtype(self.spec['dtype']).itemsize
+    return Shard(tensor=t, work={f: self._work(t, f) for f in FUNCTIONS},
+                 layer_param_bytes=nbytes(self._stack(model, 1)),
+                 edge_param_bytes=nbytes(edges['embed']) + nbytes(edges['head']),
+                 stash_per_seq=stash, stash_fixed_per_seq=fixed,
+                 act_per_seq=float(s * d * dtype_bytes),
+                 attention_fraction=attention / (matmuls + attention))
+
+  # -- timing (compiles: the expensive part) --
+
+  def _compile_all(self, jobs: dict) -> dict:
+    """Compiles in threads: XLA releases the GIL, and compiles dominate."""
+    jax = self.jax
+
+    def compile_one(item):
+      fn, args = item
+      return jax.jit(fn).lower(*args).compile()
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=4) as pool:
+      return dict(zip(jobs, pool.map(compile_one, jobs.values())))
+
+  def _concrete(self, args):
+    jax = self.jax
+    import jax.numpy as jnp
+    leaves, tree = jax.tree.flatten(args)
+    out = []
+    for i, a in enumerate(leaves):
+      if jnp.issubdtype(a.dtype, jnp.integer):
+        out.append(jnp.asarray(np.arange(math.prod(a.shape)).reshape(a.shape) % 7, a.dtype))
+      else:
+        out.append(jnp.asarray(np.random.default_rng(i).normal(0, 0.02, a.shape), a.dtype))
+    return jax.tree.unflatten(tree, out)
+
+  def time_points(self, points: Sequence[tuple[str, int, int]]) -> dict:
+    """(function, b, t) -> median seconds per layer (layer_*) or per call.
+
+    Compiles in two concurrent rounds: everything but the backwards, then the
+    backwards, whose real vjp functions come from the compiled forwards.
+    """
+    layers = min(2, self.spec['num_layers'])
+    jobs, args = {}, {}
+    for function, b, t in points:
+      if function == 'layer_bwd':
+        continue
+      fn, abstract = self.functions(t, b, layers if function == 'layer_fwd' else 1)[function]
+      jobs[(function, b, t)] = (fn, abstract)
+      args[(function, b, t)] = self._concrete(abstract)
+    compiled = self._compile_all(jobs)
+    back_jobs = {}
+    for function, b, t in points:
+      if function == 'layer_bwd':
+        fwd_key = ('layer_fwd', b, t)
+        y, vjp_fn = compiled[fwd_key](*args[fwd_key])
+        fn, _ = self.functions(t, b, layers)['layer_bwd']
+        back_jobs[(function, b, t)] = (fn, (vjp_fn, y))
+        args[(function, b, t)] = (vjp_fn, y)
+    compiled.update(self._compile_all(back_jobs))
+    out = {}
+    for key, exe in compiled.items():
+      seconds = _median_time(exe, args[key])
+      out[key] = seconds / layers if key[0].startswith('layer') else seconds
+    return out
+
+  def machine(self) -> Machine:
+    jax = self.jax
+    import jax.numpy as jnp
+    dtype = jnp.dtype(self.spec['dtype'])
+    n = 1024
+    a = jnp.ones((n, n), dtype)
+    mm = jax.jit(lambda a, b: a @ b)
+    matmul_flops = 2 * n ** 3 / _median_time(mm.lower(a, a).compile(), (a, a))
+    big = jnp.ones((16 * 2 ** 20 // 4,), jnp.float32)
+    cp = jax.jit(lambda x: x * 1.0001 + 1.0)
+    bandwidth = 2 * big.nbytes / _median_time(cp.lower(big).compile(), (big,))
+    devices = jax.local_devices()
+    sharing = _measure_sharing(self, devices) if len(devices) > 1 else None
+    p2p, allreduce = _measure_collectives(devices) if len(devices) > 1 else (
+        Link(math.inf, 0.0), Link(math.inf, 0.0))
+    cores, solo, tick = sharing or (1.0, 1.0, 0.0)
+    return Machine(backend=jax.default_backend(), device_kind=devices[0].device_kind,
+                   num_devices=len(devices), matmul_flops=matmul_flops,
+                   memory_bandwidth=bandwidth, effective_cores=cores, solo_factor=solo,
+                   tick_latency=tick, p2p=p2p, allreduce=allreduce)
+
+
+def _shard_spec(spec: dict, t: int):
+  """The full model's ModelSpec, or one tensor shard of it (t > 1)."""
+  from triax.model.transformer import ModelSpec
+
+  @dataclasses.dataclass(frozen=True)
+  class ShardSpec(ModelSpec):
+    # Heads keep the full model's width: a shard has fewer heads, not thinner ones.
+    full_head_dim: int = 0
+
+    @property
+    def head_dim(self) -> int:
+      return self.full_head_dim
+
+  fields = {k: spec[k] for k in ('num_layers', 'd_model', 'num_heads', 'd_ff', 'vocab_size',
+                                 'seq_len', 'dtype', 'param_dtype', 'attention')}
+  full_head_dim = spec['d_model'] // spec['num_heads']
+  if t == 1:
+    return ModelSpec(**fields)
+  fields.update(num_heads=spec['num_heads'] // t, d_ff=spec['d_ff'] // t,
+                vocab_size=spec['vocab_size'] // t)
+  return ShardSpec(full_head_dim=full_head_dim, **fields)
+
+
+def _median_time(exe, args, runs: int = _RUNS) -> float:
+  import jax
+  jax.block_until_ready(exe(*args))
+  times = []
+  for _ in range(runs):
+    start = time.perf_counter()
+    jax.block_until_ready(exe(*args))
+    times.append(time.perf_counter() - start)
+  return float(np.median(times))
+
+
+def _measure_sharing(prof: _Profiler, devices) -> tuple[float, float, float]:
+  """How local devices slow each other down in a lockstep program.
+
+  Runs one program over all local devices: a scan of ticks, each a `cond`
+  that computes one layer forward on the first k devices, then a ring
+  ppermute (as the executor's ticks do), for k = 0, 1 and N.
+
+  Returns:
+    (effective_cores, solo_factor, tick_latency): N devices computing at
+    once take N * solo / effective_cores; one device computing alone inside
+    the lockstep program takes solo_factor * solo; a tick with no compute
+    costs tick_latency.
+  """
+  jax = prof.jax
+  import jax.numpy as jnp
+  from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+  n, ticks = len(devices), 6
+  b = max(1, min(4, _MAX_MEASURED_TOKENS // prof.spec['seq_len']))
+  model = prof._model(1)
+  fn, (stack, x) = prof.functions(1, b, 1)['layer_fwd']
+  params = prof._concrete(jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype),
+                                       stack))
+  layer = lambda p, h: model.layer(p, h)
+  solo_exe = jax.jit(layer).lower(params, prof._concrete(x)).compile()
+  solo = _median_time(solo_exe, (params, prof._concrete(x)))
+  mesh = jax.make_mesh((n,), ('x',), axis_types=(AxisType.Explicit,), devices=devices)
+  ring = [(i, (i + 1) % n) for i in range(n)]
+
+  def body(p, h, k):
+    h, k = h[0], k[0]
+    me = jax.lax.axis_index('x')
+
+    def tick(h, _):
+      h = jax.lax.cond(me < k, lambda h: layer(p, h), lambda h: h, h)
+      return jax.lax.ppermute(h, 'x', ring), None
+
+    return jax.lax.scan(tick, h, None, length=ticks)[0][None]
+
+  program = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P('x'), P('x')),
+                                  out_specs=P('x')))
+  hs = jax.device_put(jnp.stack([prof._concrete(x)] * n), NamedSharding(mesh, P('x')))
+  ps = jax.device_put(params, NamedSharding(mesh, P()))
+  times = {}
+  exe = None
+  for k in (0, 1, n):
+    ks = jax.device_put(jnp.full((n,), k, jnp.int32), NamedSharding(mesh, P('x')))
+    if exe is None:
+      exe = program.lower(ps, hs, ks).compile()
+    times[k] = _median_time(exe, (ps, hs, ks)) / ticks
+  tick = times[0]
+  solo_factor = max(1.0, (times[1] - tick) / solo)
+  cores = min(float(n), max(0.25, n * solo / max(times[n] - tick, 1e-12)))
+  return cores, solo_factor, tick
+
+
+def _measure_collectives(devices) -> tuple[Link, Link]:
+  """ppermute and all-reduce on the local mesh at two sizes -> (p2p, ring) fits."""
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+  n, reps = len(devices), 8
+  mesh = jax.make_mesh((n,), ('x',), axis_types=(AxisType.Explicit,), devices=devices)
+  ring = [(i, (i + 1) % n) for i in range(n)]
+  sizes = (256, 2 ** 20)   # floats per device: 1 KiB and 4 MiB
+
+  def program(op):
+    def body(x):
+      return jax.lax.fori_loop(0, reps, lambda _, y: op(y) * 0.5, x)
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P('x'), out_specs=P('x')))
+
+  p2p = program(lambda y: jax.lax.ppermute(y, 'x', ring))
+  # psum's result is the same on every device; the loop carry must stay per-device.
+  psum = program(lambda y: jax.lax.pcast(jax.lax.psum(y, 'x'), ('x',), to='varying'))
+  out = {}
+  for name, prog in (('p2p', p2p), ('psum', psum)):
+    for size in sizes:
+      x = jax.device_put(jnp.ones((n * size,), jnp.float32), NamedSharding(mesh, P('x')))
+      out[(name, size)] = _median_time(prog.lower(x).compile(), (x,)) / reps
+  (s0, s1) = sizes
+  nbytes = (4 * s0, 4 * s1)
+
+  def fit(t0, t1, scale, steps):
+    # t = steps * latency + scale * bytes / bandwidth
+    slope = max((t1 - t0) / (nbytes[1] - nbytes[0]), 1e-15)
+    latency = max((t0 - slope * nbytes[0]) / steps, 0.0)
+    return Link(bandwidth=scale / slope, latency=latency)
+
+  p2p_link = fit(out[('p2p', s0)], out[('p2p', s1)], 1.0, 1)
+  ring_steps = 2 * (n - 1)
+  ar_link = fit(out[('psum', s0)], out[('psum', s1)], 2 * (n - 1) / n, ring_steps)
+  return p2p_link, ar_link
