@@ -12,7 +12,6 @@ import numpy as np
 
 from triax import config
 from triax.mesh import build_mesh
-from triax.pipeline import layout
 from triax.training.step import build_trainer
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), '..'))
@@ -58,7 +57,7 @@ def loss_and_grads(cfg, seed=0):
     state = trainer.init_state(jax.random.key(cfg.train.seed))
     batch = jax.device_put(random_batch(cfg, seed), trainer.batch_sharding)
     loss, grads = trainer.loss_and_grad(state.params, batch)
-  return float(loss), jax.device_get(layout.tree_to_model_order(grads))
+  return float(loss), jax.device_get(trainer.layout.tree_to_model_order(grads))
 
 
 def train_losses(cfg, steps, seed=0):

@@ -15,6 +15,7 @@ import ml_collections
 
 from triax.errors import ConfigError
 from triax.pipeline import schedule as sched
+from triax.pipeline.layout import StackLayout
 
 MESH_AXES = ('data', 'tensor', 'pipe')
 SCHEDULES = tuple(sched.SCHEDULES)
@@ -70,6 +71,8 @@ def defaults() -> ml_collections.ConfigDict:
   c.pipeline.microbatches = 1
   # Virtual stages per device (v): model chunks each pipeline device holds.
   c.pipeline.virtual_stages = 1
+  # Layers of each model chunk in chunk order (p*v ints summing to num_layers); () = even split.
+  c.pipeline.layers_per_stage = ()
 
   c.train = ml_collections.ConfigDict()
   # Optimizer steps to run in total (a resumed run stops at the same step).
@@ -232,10 +235,7 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int) -> ml_collections
   v = p.virtual_stages
   # The builder knows each schedule's rules (v allowed, m a multiple of p, ...).
   sched.build(p.schedule, pipe, p.microbatches, v)
-  if m.num_layers % (pipe * v):
-    raise ConfigError('model.num_layers',
-                      f'{m.num_layers} layers cannot be cut into mesh.pipe*pipeline.virtual_stages'
-                      f' = {pipe}*{v} equal chunks; use a multiple of {pipe * v}')
+  StackLayout.build(m.num_layers, pipe, v, tuple(p.layers_per_stage or ()))
 
   t = cfg.train
   for key in ('steps', 'global_batch_size', 'eval_every', 'eval_batches', 'log_every'):

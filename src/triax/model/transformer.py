@@ -182,13 +182,27 @@ class GPT:
   def layer(self, layer_params: Params, x: jax.Array) -> jax.Array:
     return self._block.apply({'params': layer_params}, x)
 
-  def layers(self, stacked_params: Params, x: jax.Array) -> jax.Array:
-    """Runs a stack of layers (leading axis) in order, with the configured remat."""
+  def layers(self, stacked_params: Params, x: jax.Array,
+             num_active: jax.Array | None = None) -> jax.Array:
+    """Runs a stack of layers (leading axis) in order, with the configured remat.
+
+    With `num_active`, only the first `num_active` layers run; the rest are
+    padding (uneven pipeline splits) and are skipped under `cond`.
+    """
     layer = self.layer
     policy = _REMAT_POLICIES[self.spec.remat]
     if self.spec.remat != 'none':
       layer = jax.checkpoint(layer, policy=policy)
-    x, _ = jax.lax.scan(lambda h, p: (layer(p, h), None), x, stacked_params)
+    if num_active is None:
+      x, _ = jax.lax.scan(lambda h, p: (layer(p, h), None), x, stacked_params)
+      return x
+
+    def step(h, args):
+      p, i = args
+      return jax.lax.cond(i < num_active, layer, lambda p, h: h, p, h), None
+
+    depth = jax.tree.leaves(stacked_params)[0].shape[0]
+    x, _ = jax.lax.scan(step, x, (stacked_params, jnp.arange(depth)))
     return x
 
   def head_loss(self, head_params: Params, x: jax.Array, targets: jax.Array) -> jax.Array:

@@ -53,7 +53,8 @@ class StageFns:
   """What the executor places on stages.
 
   embed(embed_params, tokens[mb, s]) -> x[mb, s, d]       first chunk's input
-  chunk(chunk_params, x) -> y                              one chunk's layers
+  chunk(chunk_params, x[, num_layers]) -> y                one chunk's layers (the
+      first num_layers of its padded stack, when the split is uneven)
   head_loss(head_params, y, targets[mb, s]) -> scalar     summed token loss
   """
   embed: Callable[[Params, jax.Array], jax.Array]
@@ -89,7 +90,7 @@ def _put(buffers, index, values):
 
 def pipeline_loss_and_grad(fns: StageFns, program: 'sched.Program', mesh: Mesh,
                            act_shape: tuple[int, ...], act_dtype: Any, loss_scale: float,
-                           act_spec: P = P()):
+                           act_spec: P = P(), chunk_layers: tuple[int, ...] | None = None):
   """Builds f(stage_params, embed_params, head_params, inputs, targets).
 
   Args:
@@ -103,6 +104,8 @@ def pipeline_loss_and_grad(fns: StageFns, program: 'sched.Program', mesh: Mesh,
     act_spec: how one activation [mb, s, d] is split over the automatic axes
       (e.g. P('data')). Every branch output and buffer is pinned to it: XLA
       requires a conditional's branches to agree on their outputs' sharding.
+    chunk_layers: layers of each model chunk when the split is uneven (the
+      stacks are padded to the longest); None for an even split.
 
   Returns:
     f(stage_params, embed_params, head_params, inputs, targets) ->
@@ -134,6 +137,12 @@ def pipeline_loss_and_grad(fns: StageFns, program: 'sched.Program', mesh: Mesh,
   to_next = [(i, (i + 1) % p) for i in range(p)]
   to_prev = [(i, (i - 1) % p) for i in range(p)]
   info = {}
+  counts = None if chunk_layers is None else jnp.asarray(chunk_layers, jnp.int32)
+
+  def run_chunk(chunk_params, x, chunk):
+    if counts is None:
+      return fns.chunk(chunk_params, x)
+    return fns.chunk(chunk_params, x, counts[chunk])
 
   def pin(x):
     return jax.lax.with_sharding_constraint(x, act_spec)
@@ -157,15 +166,20 @@ def pipeline_loss_and_grad(fns: StageFns, program: 'sched.Program', mesh: Mesh,
     # leaves are the chunk's own weights (not stashed) and the shapes of the rest.
     layout = {}
 
-    def probe(chunk_params, x):
-      _, vjp_fn = jax.vjp(fns.chunk, chunk_params, x)
+    def chunk_vjp(chunk_params, x, chunk):
+      return jax.vjp(lambda cp, h: run_chunk(cp, h, chunk), chunk_params, x)
+
+    def probe(chunk_params, x, chunk):
+      _, vjp_fn = chunk_vjp(chunk_params, x, chunk)
       leaves, layout['treedef'] = jax.tree.flatten(vjp_fn)
       weights = jax.tree.leaves(chunk_params)
       layout['weight_of'] = [next((j for j, w in enumerate(weights) if w is leaf), None)
                              for leaf in leaves]
       return [leaf for leaf, j in zip(leaves, layout['weight_of']) if j is None]
 
-    stash_shapes = jax.eval_shape(probe, _take(local, 0), x_zero)
+    # The chunk index is traced here as in the real forward, so an uneven
+    # split's layer count is a residual in both (same residual structure).
+    stash_shapes = jax.eval_shape(probe, _take(local, 0), x_zero, stage)
     stash = _varying([jnp.zeros((n_stash,) + s.shape, s.dtype) for s in stash_shapes])
     info['residual_bytes'] = sum(s.size * s.dtype.itemsize for s in stash_shapes)
 
@@ -197,7 +211,7 @@ def pipeline_loss_and_grad(fns: StageFns, program: 'sched.Program', mesh: Mesh,
       x = jax.lax.cond(chunk == 0,
                        lambda: pin(fns.embed(embed_params, inputs[mb]).astype(act_dtype)),
                        lambda: pin(c['act'][row[sched.F_ACT]]))
-      y, vjp_fn = jax.vjp(fns.chunk, chunk_params, x)
+      y, vjp_fn = chunk_vjp(chunk_params, x, chunk)
       c = dict(c, stash=_put(c['stash'], row[sched.F_STASH], split_residuals(vjp_fn)))
 
       def loss_and_seed(c):

@@ -1,50 +1,111 @@
-"""Layer-stack layouts: model order [L, ...] vs pipeline order [p, v, L/(p v), ...].
+"""Layer-stack layouts: model order [L, ...] vs pipeline order [p, v, Lmax, ...].
 
-Model chunk c (layers c*Lc .. c*Lc+Lc-1) lives on stage c mod p as its
-local chunk c div p (Megatron's interleaving: device d holds d, d+p, ...).
+Model chunk c lives on stage c mod p as its local chunk c div p (Megatron's
+interleaving: device d holds chunks d, d+p, ...). Chunks hold `counts[c]`
+consecutive layers; with an uneven split (pipeline.layers_per_stage, e.g.
+from the planner for mixed devices) shorter chunks are padded to the longest
+with zero layers that the model skips under `cond`, so they cost nothing.
+
 Training state is kept in pipeline order so that no step moves weights
 between devices; checkpoints are written in model order so that any
-(data, tensor, pipe, v) layout can restore them.
+(data, tensor, pipe, v, split) layout can restore them.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+from triax.errors import ConfigError
 
 LAYERS_KEY = 'layers'
 
 
-def to_pipeline(stack: jax.Array, stages: int, virtual: int) -> jax.Array:
-  """[L, ...] in model order -> [p, v, L/(p v), ...]."""
-  lc = stack.shape[0] // (stages * virtual)
-  x = stack.reshape((virtual, stages, lc) + stack.shape[1:])   # chunk c = vi * p + d
-  return jnp.swapaxes(x, 0, 1)
+@dataclasses.dataclass(frozen=True)
+class StackLayout:
+  """How the L layers are cut into p*v chunks and stored per stage."""
+  stages: int
+  virtual: int
+  counts: tuple[int, ...]   # layers of each chunk, in chunk (= model) order
 
+  @classmethod
+  def build(cls, num_layers: int, stages: int, virtual: int,
+            layers_per_stage: Sequence[int] = ()) -> 'StackLayout':
+    chunks = stages * virtual
+    if not layers_per_stage:
+      if num_layers % chunks:
+        raise ConfigError('model.num_layers',
+                          f'{num_layers} layers cannot be cut into mesh.pipe*pipeline.'
+                          f'virtual_stages = {stages}*{virtual} equal chunks; use a multiple of '
+                          f'{chunks} or set pipeline.layers_per_stage')
+      return cls(stages, virtual, (num_layers // chunks,) * chunks)
+    counts = tuple(layers_per_stage)
+    if len(counts) != chunks:
+      raise ConfigError('pipeline.layers_per_stage',
+                        f'needs one count per model chunk (mesh.pipe*pipeline.virtual_stages = '
+                        f'{chunks}), got {len(counts)}')
+    if any(not isinstance(n, int) or n < 1 for n in counts):
+      raise ConfigError('pipeline.layers_per_stage', f'counts must be integers >= 1, got {counts}')
+    if sum(counts) != num_layers:
+      raise ConfigError('pipeline.layers_per_stage',
+                        f'counts sum to {sum(counts)} but model.num_layers = {num_layers}')
+    return cls(stages, virtual, counts)
 
-def to_model_order(stack: jax.Array) -> jax.Array:
-  """[p, v, Lc, ...] -> [L, ...] in model order."""
-  p, v, lc = stack.shape[:3]
-  return jnp.swapaxes(stack, 0, 1).reshape((p * v * lc,) + stack.shape[3:])
+  @property
+  def even(self) -> bool:
+    return len(set(self.counts)) == 1
+
+  @property
+  def max_layers(self) -> int:
+    return max(self.counts)
+
+  @property
+  def num_layers(self) -> int:
+    return sum(self.counts)
+
+  def counts_by_stage(self) -> np.ndarray:
+    """[p, v] layer counts: entry (d, i) is chunk i*p + d."""
+    return np.asarray(self.counts).reshape(self.virtual, self.stages).T
+
+  def _index(self) -> np.ndarray:
+    """[p, v, Lmax] model layer of each stored slot; L (a zero row) for padding."""
+    starts = np.concatenate([[0], np.cumsum(self.counts)[:-1]])
+    index = np.full((self.stages, self.virtual, self.max_layers), self.num_layers)
+    for c, (start, n) in enumerate(zip(starts, self.counts)):
+      index[c % self.stages, c // self.stages, :n] = np.arange(start, start + n)
+    return index
+
+  def to_pipeline(self, stack: jax.Array) -> jax.Array:
+    """[L, ...] in model order -> [p, v, Lmax, ...]."""
+    p, v = self.stages, self.virtual
+    if self.even:
+      x = stack.reshape((v, p, self.max_layers) + stack.shape[1:])   # chunk c = vi * p + d
+      return jnp.swapaxes(x, 0, 1)
+    padded = jnp.concatenate([stack, jnp.zeros_like(stack[:1])])
+    return padded[self._index()]
+
+  def to_model_order(self, stack: jax.Array) -> jax.Array:
+    """[p, v, Lmax, ...] -> [L, ...] in model order."""
+    if self.even:
+      return jnp.swapaxes(stack, 0, 1).reshape((self.num_layers,) + stack.shape[3:])
+    flat = stack.reshape((-1,) + stack.shape[3:])
+    index = self._index().reshape(-1)
+    where = np.argsort(index, kind='stable')[:self.num_layers]   # slot of each model layer
+    return flat[where]
+
+  def tree_to_pipeline(self, tree: Any) -> Any:
+    """Applies `to_pipeline` to every leaf under a 'layers' key (params and Adam moments)."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, a: self.to_pipeline(a) if _under_layers(path) else a, tree)
+
+  def tree_to_model_order(self, tree: Any) -> Any:
+    return jax.tree_util.tree_map_with_path(
+        lambda path, a: self.to_model_order(a) if _under_layers(path) else a, tree)
 
 
 def _under_layers(path) -> bool:
   return any(getattr(k, 'key', None) == LAYERS_KEY for k in path)
-
-
-def tree_to_pipeline(tree: Any, stages: int, virtual: int) -> Any:
-  """Applies `to_pipeline` to every leaf stored under a 'layers' key.
-
-  Works for parameters and for optimizer states that mirror them (Adam's
-  moments), whatever optax wraps around them.
-  """
-  return jax.tree_util.tree_map_with_path(
-      lambda path, a: to_pipeline(a, stages, virtual) if _under_layers(path) else a, tree)
-
-
-def tree_to_model_order(tree: Any) -> Any:
-  """Inverse of `tree_to_pipeline`."""
-  return jax.tree_util.tree_map_with_path(
-      lambda path, a: to_model_order(a) if _under_layers(path) else a, tree)

@@ -93,6 +93,7 @@ class Shard:
       layer (the chunk's input).
     act_per_seq: bytes of one activation [s, d] (a pipeline transfer, a
       Megatron all-reduce, an act/grad buffer slot), per sequence.
+    logits_per_seq: bytes of one sequence's fp32 logits shard [s, V/t].
     attention_fraction: share of a layer's forward FLOPs in the attention
       core, which selective remat recomputes in the backward.
   """
@@ -103,6 +104,7 @@ class Shard:
   stash_per_seq: dict[str, float]
   stash_fixed_per_seq: float
   act_per_seq: float
+  logits_per_seq: float
   attention_fraction: float
 
 
@@ -197,6 +199,33 @@ def allreduce_time(link: Link, n: int, nbytes: float) -> float:
   if n <= 1 or nbytes <= 0:
     return 0.0
   return 2 * (n - 1) * link.latency + 2 * (n - 1) / n * nbytes / link.bandwidth
+
+
+def synthetic(*, layer_fwd: float = 1.0, layer_bwd: float = 2.0, embed: float = 0.0,
+              head: float = 0.0, tensors: Sequence[int] = (1,), num_layers: int = 4,
+              layer_param_bytes: float = 0.0, edge_param_bytes: float = 0.0,
+              stash_per_seq: float = 0.0, act_per_seq: float = 0.0,
+              machine: Machine | None = None) -> Profile:
+  """A made-up profile for tests and what-ifs: each function takes the given
+  seconds per sequence at t=1 (1/t of it at degree t) and its FLOPs are that
+  many "FLOPs" on a machine of 1 FLOP/s; bytes are the given sizes."""
+  machine = machine or Machine(
+      backend='synthetic', device_kind='synthetic', num_devices=1, matmul_flops=1.0,
+      memory_bandwidth=math.inf, effective_cores=1.0, solo_factor=1.0, tick_latency=0.0,
+      p2p=Link(math.inf, 0.0), allreduce=Link(math.inf, 0.0))
+  seconds = dict(layer_fwd=layer_fwd, layer_bwd=layer_bwd, embed=embed, head=head)
+  shards = {t: Shard(tensor=t,
+                     work={f: Work(flops_per_seq=x / t * machine.matmul_flops,
+                                   bytes_fixed=0.0, bytes_per_seq=0.0)
+                           for f, x in seconds.items()},
+                     layer_param_bytes=layer_param_bytes / t,
+                     edge_param_bytes=edge_param_bytes / t,
+                     stash_per_seq={r: stash_per_seq for r in REMATS},
+                     stash_fixed_per_seq=0.0, act_per_seq=act_per_seq,
+                     logits_per_seq=0.0, attention_fraction=0.0)
+            for t in tensors}
+  return Profile(seq_len=1, d_model=1, num_layers=num_layers, dtype='float32',
+                 shards=shards, fits={f: Fit(0.0, 1.0) for f in FUNCTIONS}, machine=machine)
 
 
 # ---------------------------------------------------------------- measuring
@@ -384,6 +413,7 @@ class _Profiler:
                  edge_param_bytes=nbytes(edges['embed']) + nbytes(edges['head']),
                  stash_per_seq=stash, stash_fixed_per_seq=fixed,
                  act_per_seq=float(s * d * dtype_bytes),
+                 logits_per_seq=float(s * self.spec['vocab_size'] // t * 4),
                  attention_fraction=attention / (matmuls + attention))
 
   # -- timing (compiles: the expensive part) --

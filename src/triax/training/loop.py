@@ -151,9 +151,14 @@ def _run(cfg, trainer: Trainer, data: Data, workdir: str, compile_only: bool,
   main_process = jax.process_index() == 0
   ckpt = Checkpointer(workdir, cfg)
   if ckpt.latest_step() is not None:
-    state = ckpt.restore(trainer)
+    state = ckpt.restore(trainer)   # checks the checkpoint's model before anything is written
   else:
     state = trainer.init_state(jax.random.key(cfg.train.seed))
+  if main_process:
+    # What the run was (for triax.sample and for people): the validated config.
+    with open(os.path.join(workdir, 'config.json.tmp'), 'w') as f:
+      f.write(cfg.to_json(indent=2))
+    os.replace(os.path.join(workdir, 'config.json.tmp'), os.path.join(workdir, 'config.json'))
   start = int(jax.device_get(state.step))
   compiled, stats = compile_stats(trainer)
   if main_process:

@@ -19,7 +19,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from triax import sharding
 from triax.model.transformer import GPT, ModelSpec
-from triax.pipeline import executor, layout
+from triax.pipeline import executor
+from triax.pipeline import layout as layout_lib
 from triax.pipeline import schedule as sched
 
 _NO_DECAY = ('attn_norm', 'mlp_norm', 'norm', 'positions')
@@ -56,8 +57,8 @@ def make_optimizer(train_cfg) -> optax.GradientTransformation:
 
 def pipeline_axes(model_axes: Any) -> Any:
   """Logical axes of parameters in pipeline layout ([stage, virtual, layers, ...])."""
-  return {**model_axes, layout.LAYERS_KEY: jax.tree.map(
-      lambda axes: ('stage', 'virtual') + axes, model_axes[layout.LAYERS_KEY],
+  return {**model_axes, layout_lib.LAYERS_KEY: jax.tree.map(
+      lambda axes: ('stage', 'virtual') + axes, model_axes[layout_lib.LAYERS_KEY],
       is_leaf=lambda a: isinstance(a, tuple))}
 
 
@@ -69,6 +70,7 @@ class Trainer:
   model: GPT
   optimizer: optax.GradientTransformation
   program: 'sched.Program | None'
+  layout: layout_lib.StackLayout   # how layers are cut into chunks and stored
   pipeline: 'executor.PipelineStep | None'   # the traced executor (residual sizes)
   state_shardings: Any
   batch_sharding: NamedSharding
@@ -103,6 +105,7 @@ def build_trainer(cfg, mesh: Mesh) -> Trainer:
   rules = cfg.sharding.logical_axis_rules
   p, v = cfg.mesh.pipe, cfg.pipeline.virtual_stages
   m = cfg.pipeline.microbatches
+  layout = layout_lib.StackLayout.build(spec.num_layers, p, v, cfg.pipeline.layers_per_stage)
   program, run = None, None
   if p > 1 or m > 1:
     schedule = sched.build(cfg.pipeline.schedule, p, m, v)
@@ -122,7 +125,7 @@ def build_trainer(cfg, mesh: Mesh) -> Trainer:
 
   def init_params(rng):
     params = model.init(rng)
-    return layout.tree_to_pipeline(params, p, v)
+    return layout.tree_to_pipeline(params)
 
   state_shardings = state_shardings_for(param_shardings,
                                        jax.eval_shape(init_params, jax.random.key(0)))
@@ -143,14 +146,16 @@ def build_trainer(cfg, mesh: Mesh) -> Trainer:
     def raw_loss_and_grad(params, inputs, targets):
       flat = layout.tree_to_model_order(params)
       loss, grads = jax.value_and_grad(model.loss)(flat, inputs, targets)
-      return loss, layout.tree_to_pipeline(grads, 1, 1)
+      return loss, layout.tree_to_pipeline(grads)
   else:
     fns = executor.StageFns(embed=model.embed, chunk=model.layers, head_loss=model.head_loss)
+    counts = None if layout.even else layout.counts
     mb = global_batch // m
     run = executor.pipeline_loss_and_grad(
         fns, program, mesh, act_shape=(mb, seq, spec.d_model), act_dtype=act_dtype,
         loss_scale=1.0 / (global_batch * seq),
-        act_spec=sharding.logical_to_spec(('batch', 'seq', 'embed'), rules))
+        act_spec=sharding.logical_to_spec(('batch', 'seq', 'embed'), rules),
+        chunk_layers=counts)
 
     def raw_loss_and_grad(params, inputs, targets):
       # Micro-batch j takes rows j, j+m, ...: each micro-batch spans every data shard.
@@ -187,9 +192,10 @@ def build_trainer(cfg, mesh: Mesh) -> Trainer:
                        out_shardings=(replicated, param_shardings))
     to_canonical = jax.jit(layout.tree_to_model_order, in_shardings=(state_shardings,),
                            out_shardings=canonical_shardings)
-    from_canonical = jax.jit(lambda s: layout.tree_to_pipeline(s, p, v),
+    from_canonical = jax.jit(layout.tree_to_pipeline,
                              in_shardings=(canonical_shardings,), out_shardings=state_shardings)
   return Trainer(cfg=cfg, mesh=mesh, model=model, optimizer=optimizer, program=program,
+                 layout=layout,
                  pipeline=run,
                  state_shardings=state_shardings, batch_sharding=batch_sharding,
                  init_state=jit_init, train_step=jit_train, eval_loss=jit_eval,

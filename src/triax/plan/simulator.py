@@ -1,0 +1,498 @@
+"""Predicts one plan's step time and per-device memory on a cluster.
+
+A `Plan` fixes the degrees (data, tensor, pipe), the schedule, micro-batches,
+virtual stages, remat, which cluster devices form each pipeline stage and
+how many layers each stage holds. `simulate` turns it into per-action costs
+and times the schedule two ways:
+
+- lockstep (the default, what triax's executor runs): our own tick model
+  over `schedule.lower(...).grid`, which agrees with
+  `triax.pipeline.simulate.simulate_lockstep` when there is no communication
+  and no core sharing (a test holds it to that), and adds what the executor
+  does: per-chunk costs (the embedding runs inside chunk 0's actions, the
+  head's loss and gradient inside the last chunk's forward), both ppermutes
+  in every tick (the executor sends zeros when idle), and devices that share
+  cores (a tick's compute on a node takes at least the node's total busy
+  device-time over its effective core count).
+- asynchronous (the papers' model): `simulate.simulate_async` with one
+  Costs per stage (its chunks' average), then floored by the same core
+  sharing bound over the whole step.
+
+Both then add what follows the pipeline: the psum of the embedding and head
+gradients over `pipe`, the data-parallel gradient all-reduce when it is
+modelled per step, and the optimizer update. By default the data-parallel
+all-reduce is charged per micro-batch inside each backward, because that is
+where GSPMD puts it in triax's executor (the weight-gradient accumulator is
+replicated over `data`, so each backward's contribution is reduced at once).
+
+Memory per device: parameters, their gradient accumulator and Adam's two
+moments (4x the parameter bytes: 16 B/param in fp32), the stashed residuals
+(the executor allocates `num_stash_slots` slots of the largest chunk on
+every stage; uneven splits store padded stacks) and the activation/gradient
+ring buffers, plus one layer's backward workspace and the head's logits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Sequence
+
+from triax.pipeline import schedule as sched
+from triax.pipeline import simulate
+from triax.pipeline.schedule import Action
+from triax.plan import roofline
+from triax.plan.cluster import Cluster
+from triax.plan.comm import Comm
+from triax.plan.profile import Profile
+
+MODELS = ('lockstep', 'async')
+DP_ALLREDUCE = ('per_microbatch', 'per_step')
+# Share of a fused backward that a split schedule's B (input gradient) and W
+# (weight gradient) each take: the two halves of the backward GEMMs.
+SPLIT_BACKWARD_SHARE = 0.5
+# Bytes the optimizer reads and writes per parameter byte: params, grads and
+# both Adam moments read, params and moments written, grads read again by
+# the global-norm clip.
+OPTIMIZER_TRAFFIC = 8.0
+# Parameter, gradient accumulator, Adam mu and nu, each the parameter's size.
+STATE_COPIES = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """One candidate parallel layout.
+
+  Attributes:
+    data, tensor, pipe: mesh degrees; their product is the device count.
+    schedule: a key of schedule.SCHEDULES.
+    microbatches: m, micro-batches per step.
+    virtual_stages: v, model chunks per pipeline device.
+    remat: 'none', 'selective' or 'full'.
+    layers: layers per pipeline stage (p entries, each a multiple of v:
+      a stage's chunks are equal).
+    stages: per pipeline stage, the cluster device indices of its
+      data x tensor devices, replica-major (replica i = devices[i*t:(i+1)*t]).
+    global_batch: sequences per step.
+  """
+  data: int
+  tensor: int
+  pipe: int
+  schedule: str
+  microbatches: int
+  virtual_stages: int
+  remat: str
+  layers: tuple[int, ...]
+  stages: tuple[tuple[int, ...], ...]
+  global_batch: int
+
+  def __post_init__(self):
+    p, v = self.pipe, self.virtual_stages
+    if len(self.layers) != p or len(self.stages) != p:
+      raise ValueError(f'want {p} layer counts and {p} stage device lists, got '
+                       f'{self.layers} and {len(self.stages)}')
+    if any(n < v or n % v for n in self.layers):
+      raise ValueError(f'each stage needs a positive multiple of v={v} layers: {self.layers}')
+    if any(len(s) != self.data * self.tensor for s in self.stages):
+      raise ValueError(f'each stage needs data*tensor={self.data * self.tensor} devices')
+    if self.global_batch % (self.data * self.microbatches):
+      raise ValueError(f'global batch {self.global_batch} does not split into '
+                       f'data*microbatches = {self.data}*{self.microbatches}')
+
+  @property
+  def microbatch_size(self) -> int:
+    """Sequences per micro-batch per data replica (what one device computes)."""
+    return self.global_batch // (self.data * self.microbatches)
+
+  @property
+  def num_layers(self) -> int:
+    return sum(self.layers)
+
+  @property
+  def chunk_layers(self) -> tuple[int, ...]:
+    """Layers of each model chunk in chunk order (chunk c on stage c % p)."""
+    p, v = self.pipe, self.virtual_stages
+    return tuple(self.layers[c % p] // v for c in range(p * v))
+
+  @property
+  def even(self) -> bool:
+    return len(set(self.layers)) == 1
+
+  @property
+  def devices(self) -> tuple[int, ...]:
+    return tuple(d for stage in self.stages for d in stage)
+
+  def describe(self) -> str:
+    split = '' if self.even else ' layers=' + '/'.join(map(str, self.layers))
+    return (f'd{self.data} t{self.tensor} p{self.pipe} {self.schedule} m={self.microbatches}'
+            f' v={self.virtual_stages} mb={self.microbatch_size} remat={self.remat}{split}')
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+  """What the simulator predicts for one plan (seconds, bytes).
+
+  Attributes:
+    plan: the plan.
+    step_time: the predicted step time under `model`.
+    model: 'lockstep' or 'async'.
+    lockstep_time, async_time: step time under each model.
+    pipeline_time: the schedule's part of step_time (under `model`).
+    bubble_fraction: of the lockstep (or async) pipeline.
+    tail_time: after the pipeline: edge-gradient psum over pipe, per-step
+      data-parallel all-reduce (if so modelled) and the optimizer.
+    dp_allreduce_time: data-parallel all-reduce per step, wherever charged.
+    memory: per stage, peak bytes per device.
+    capacity: per stage, the usable bytes of its smallest device.
+    oom: True if any stage's memory exceeds its capacity.
+    result: the timeline of `model` (a simulate.Result) for traces.
+  """
+  plan: Plan
+  step_time: float
+  model: str
+  lockstep_time: float
+  async_time: float
+  pipeline_time: float
+  bubble_fraction: float
+  tail_time: float
+  dp_allreduce_time: float
+  memory: tuple[float, ...]
+  capacity: tuple[float, ...]
+  oom: bool
+  result: simulate.Result
+
+  @property
+  def peak_memory(self) -> float:
+    return max(self.memory)
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+  """Simulator choices.
+
+  Attributes:
+    model: which time model step_time reports ('lockstep' for triax plans).
+    dp_allreduce: 'per_microbatch' (triax's executor today) or 'per_step'
+      (accumulate locally, reduce once, as the papers assume).
+    memory_fraction: share of a device's memory a plan may use (runtime,
+      fragmentation and XLA's own buffers take the rest).
+    padded: True = memory as the executor stores uneven splits (every stage
+      holds the largest chunk's stack and stash slots); False = each stage
+      only its own.
+  """
+  model: str = 'lockstep'
+  dp_allreduce: str = 'per_microbatch'
+  memory_fraction: float = 0.9
+  padded: bool = True
+
+  def __post_init__(self):
+    if self.model not in MODELS:
+      raise ValueError(f'model must be one of {MODELS}, got {self.model!r}')
+    if self.dp_allreduce not in DP_ALLREDUCE:
+      raise ValueError(f'dp_allreduce must be one of {DP_ALLREDUCE}')
+
+
+@functools.lru_cache(maxsize=4096)
+def program(name: str, p: int, m: int, v: int) -> sched.Program:
+  """The lowered schedule (cached: the search asks for the same ones often)."""
+  return sched.lower(sched.build(name, p, m, v))
+
+
+@dataclasses.dataclass(frozen=True)
+class ActionCosts:
+  """Seconds per chunk action and per transfer, for one plan.
+
+  chunk[c][kind] is the duration of `kind` for chunk c on its stage;
+  transfer[s] one activation (or gradient) ppermute out of stage s; evict[s]
+  one chunk's residual set moved to or from stage s's partner.
+  """
+  chunk: tuple[dict[str, float], ...]
+  transfer: tuple[float, ...]
+  evict: tuple[float, ...]
+  tick_transfer: float
+
+  def of(self, a: Action) -> float:
+    return self.chunk[a.chunk][a.kind]
+
+
+def action_costs(plan: Plan, profile: Profile, cluster: Cluster,
+                 options: Options = Options()) -> ActionCosts:
+  """Per-chunk F/B/W durations on each stage's slowest device, with the
+  tensor-parallel all-reduces (2 per layer forward, 2 backward, Megatron)
+  and, per micro-batch, the data-parallel gradient all-reduce."""
+  comm = Comm(cluster, profile)
+  p, t, b = plan.pipe, plan.tensor, plan.microbatch_size
+  shard = profile.shards[t]
+  last = p * plan.virtual_stages - 1
+  act = shard.act_per_seq * b
+
+  def slowest(stage: int, function: str) -> float:
+    groups = {cluster.devices[d].group for d in plan.stages[stage]}
+    return max(roofline.seconds(profile, cluster.groups[g], function, b, t) for g in groups)
+
+  def tensor_groups(stage):
+    devs = plan.stages[stage]
+    return [devs[i * t:(i + 1) * t] for i in range(plan.data)]
+
+  def data_groups(stage):
+    devs = plan.stages[stage]
+    return [devs[j::t] for j in range(t)]
+
+  per_stage = []
+  for s in range(p):
+    fwd, bwd = slowest(s, 'layer_fwd'), slowest(s, 'layer_bwd')
+    if plan.remat == 'full':
+      bwd += fwd
+    elif plan.remat == 'selective':
+      bwd += fwd * shard.attention_fraction
+    tp = max(comm.allreduce(g, act) for g in tensor_groups(s))
+    dp_layer = 0.0
+    if options.dp_allreduce == 'per_microbatch':
+      dp_layer = max(comm.allreduce(g, shard.layer_param_bytes) for g in data_groups(s))
+    edge_dp = 0.0
+    if options.dp_allreduce == 'per_microbatch':
+      edge_dp = max(comm.allreduce(g, shard.edge_param_bytes / 2) for g in data_groups(s))
+    per_stage.append(dict(fwd=fwd + 2 * tp, bwd=bwd + 2 * tp, dp=dp_layer,
+                          embed=slowest(s, 'embed'), head=slowest(s, 'head'),
+                          edge_dp=edge_dp))
+  split = sched.build(plan.schedule, p, plan.microbatches, plan.virtual_stages).split_backward
+  chunks = []
+  for c, n in enumerate(plan.chunk_layers):
+    x = per_stage[c % p]
+    f = n * x['fwd'] + (x['embed'] / 3 if c == 0 else 0.0)
+    if c == last:
+      f += x['head'] + x['edge_dp']
+    b_full = n * (x['bwd'] + x['dp']) + (2 * x['embed'] / 3 + x['edge_dp'] if c == 0 else 0.0)
+    if split:
+      chunks.append({sched.FORWARD: f, sched.BACKWARD: b_full * SPLIT_BACKWARD_SHARE,
+                     sched.WEIGHT: b_full * (1 - SPLIT_BACKWARD_SHARE)})
+    else:
+      chunks.append({sched.FORWARD: f, sched.BACKWARD: b_full, sched.WEIGHT: 0.0})
+  transfer, evict = [], []
+  stash_set = _chunk_stash(plan, profile, max(plan.chunk_layers))
+  partner = [p - 1 - s for s in range(p)]
+  for s in range(p):
+    neighbours = [plan.stages[(s + 1) % p], plan.stages[(s - 1) % p]]
+    transfer.append(max(comm.p2p(a, z, act) for other in neighbours
+                        for a, z in zip(plan.stages[s], other)) if p > 1 else 0.0)
+    evict.append(max(comm.p2p(a, z, stash_set)
+                     for a, z in zip(plan.stages[s], plan.stages[partner[s]])))
+  # Both ppermutes (activations forward, gradients backward) run every tick.
+  tick_transfer = 2 * max(transfer) if p > 1 else 0.0
+  return ActionCosts(chunk=tuple(chunks), transfer=tuple(transfer), evict=tuple(evict),
+                     tick_transfer=tick_transfer)
+
+
+def _chunk_stash(plan: Plan, profile: Profile, layers: int) -> float:
+  shard = profile.shards[plan.tensor]
+  return plan.microbatch_size * (layers * shard.stash_per_seq[plan.remat] +
+                                 shard.stash_fixed_per_seq)
+
+
+@dataclasses.dataclass(frozen=True)
+class Sharing:
+  """Devices that share cores: per node, its effective cores and, per stage,
+  how many of the stage's devices sit on that node."""
+  nodes: tuple[tuple[float, tuple[int, ...]], ...]
+  solo_factor: float
+
+  def tick(self, work: Sequence[float]) -> float:
+    """Compute time of a tick whose stages are busy for `work` seconds each."""
+    longest = max(work, default=0.0)
+    if not self.nodes:
+      return longest
+    busy = sum(1 for w in work if w > 0)
+    solo = self.solo_factor if busy < len(work) else 1.0
+    crowded = max(sum(n * w for n, w in zip(per_stage, work)) / cores
+                  for cores, per_stage in self.nodes)
+    return max(longest * solo, crowded)
+
+
+def sharing(plan: Plan, profile: Profile, cluster: Cluster) -> Sharing:
+  """The core-sharing model of the plan's nodes (empty when none share)."""
+  nodes = []
+  measured = all(g.local for g in cluster.groups.values())
+  for node in cluster.nodes:
+    if not node.shared_cores:
+      continue
+    per_stage = tuple(sum(cluster.devices[d].node == node.name for d in stage)
+                      for stage in plan.stages)
+    if not any(per_stage):
+      continue
+    # Measured on this machine: the effective cores; else the spec's count.
+    cores = (min(profile.machine.effective_cores, node.shared_cores) if measured
+             else node.shared_cores)
+    nodes.append((cores, per_stage))
+  solo = profile.machine.solo_factor if measured and nodes else 1.0
+  return Sharing(nodes=tuple(nodes), solo_factor=solo)
+
+
+def simulate_lockstep(program_: sched.Program, costs: ActionCosts,
+                      share: Sharing = Sharing((), 1.0)) -> simulate.Result:
+  """Times the executor's lockstep ticks with per-chunk costs.
+
+  Per tick: each stage runs its F, B and W back to back; the tick's compute
+  lasts as long as the busiest stage, or longer where stages share cores;
+  then both ppermutes, or the evict/load ppermute if that is longer.
+  """
+  schedule = program_.schedule
+  p = schedule.stages
+  spans, now = [], 0.0
+  for row in program_.grid:
+    work = [sum(costs.of(a) for a in cell if a.kind in sched.COMPUTE_KINDS) for cell in row]
+    compute = share.tick(work)
+    stretch = compute / max(work) if max(work, default=0.0) > 0 else 1.0
+    copying = 0.0
+    for s, cell in enumerate(row):
+      t = now
+      for a in cell:
+        if a.kind in sched.COPY_KINDS:
+          continue
+        d = costs.of(a) * stretch
+        spans.append(simulate.Span(s, a, t, t + d))
+        t += d
+    for s, cell in enumerate(row):
+      for a in cell:
+        if a.kind in sched.COPY_KINDS:
+          d = costs.evict[s]
+          spans.append(simulate.Span(s, a, now + compute, now + compute + d))
+          copying = max(copying, d)
+    now += compute + (max(costs.tick_transfer, copying) if p > 1 else 0.0)
+  return _result(schedule, spans, now, program_)
+
+
+def _result(schedule: sched.Schedule, spans: list, total: float,
+            program_: sched.Program) -> simulate.Result:
+  busy = [0.0] * schedule.stages
+  for span in spans:
+    if span.action.kind in sched.COMPUTE_KINDS:
+      busy[span.stage] += span.end - span.start
+  capacity = schedule.stages * total
+  return simulate.Result(
+      model='lockstep', schedule=schedule, total_time=total,
+      bubble_fraction=1.0 - sum(busy) / capacity if capacity > 0 else 0.0,
+      busy=tuple(busy), peak_inflight=program_.peak_stash,
+      timeline=tuple(sorted(spans, key=lambda x: (x.stage, x.start, x.end))),
+      ticks=program_.ticks)
+
+
+def simulate_async(plan: Plan, costs: ActionCosts,
+                   share: Sharing = Sharing((), 1.0)) -> simulate.Result:
+  """The papers' model: simulate.simulate_async with each stage's average
+  chunk costs, floored by the core-sharing bound over the whole step."""
+  p, v = plan.pipe, plan.virtual_stages
+  schedule = sched.build(plan.schedule, p, plan.microbatches, v)
+  per = []
+  for s in range(p):
+    mine = [costs.chunk[c] for c in range(p * v) if c % p == s]
+    per.append(simulate.Costs(
+        t_forward=sum(x[sched.FORWARD] for x in mine),
+        t_backward=sum(x[sched.BACKWARD] for x in mine),
+        t_weight=sum(x[sched.WEIGHT] for x in mine),
+        t_transfer=costs.transfer[s], t_evict=costs.evict[s] * v))
+  result = simulate.simulate_async(schedule, per)
+  if share.nodes:
+    m = plan.microbatches
+    work = [m * (c.t_forward + c.t_backward + c.t_weight) for c in per]
+    floor = share.tick(work)
+    if floor > result.total_time:
+      result = dataclasses.replace(result, total_time=floor)
+  return result
+
+
+def memory(plan: Plan, profile: Profile, cluster: Cluster, options: Options,
+           program_: sched.Program | None) -> tuple[tuple[float, ...], tuple[float, ...]]:
+  """Per stage: peak bytes per device, and the usable bytes of its smallest device."""
+  shard = profile.shards[plan.tensor]
+  b, v = plan.microbatch_size, plan.virtual_stages
+  widest = max(plan.chunk_layers)
+  # The head's logits, their softmax and gradient live at once in its backward.
+  logits = 3 * b * shard.logits_per_seq
+  out, cap = [], []
+  for s in range(plan.pipe):
+    own = plan.layers[s] // v
+    held = widest if options.padded else own
+    params = shard.layer_param_bytes * held * v + shard.edge_param_bytes
+    if program_ is None:   # no pipeline: one value_and_grad over the whole model
+      stash = _chunk_stash(plan, profile, plan.num_layers)
+      buffers = 0.0
+    else:
+      slots = program_.num_stash_slots if options.padded else program_.peak_stash[s]
+      stash = slots * _chunk_stash(plan, profile, held)
+      buffers = (program_.num_act_slots + program_.num_grad_slots + 2) * shard.act_per_seq * b
+    workspace = 2 * b * shard.stash_per_seq['none'] + logits
+    out.append(STATE_COPIES * params + stash + buffers + workspace)
+    cap.append(min(cluster.groups[cluster.devices[d].group].memory for d in plan.stages[s])
+               * options.memory_fraction)
+  return tuple(out), tuple(cap)
+
+
+def simulate_plan(plan: Plan, profile: Profile, cluster: Cluster,
+                  options: Options = Options()) -> Estimate:
+  """Predicts step time (both models) and memory of `plan` on `cluster`."""
+  p, m, v = plan.pipe, plan.microbatches, plan.virtual_stages
+  uses_executor = p > 1 or m > 1
+  prog = program(plan.schedule, p, m, v)
+  costs = action_costs(plan, profile, cluster, options)
+  share = sharing(plan, profile, cluster)
+  lock = simulate_lockstep(prog, costs, share)
+  asy = simulate_async(plan, costs, share)
+  tail, dp_total = _tail(plan, profile, cluster, options, share)
+  if options.dp_allreduce == 'per_microbatch':
+    comm = Comm(cluster, profile)
+    shard = profile.shards[plan.tensor]
+    dp_total = m * max(
+        comm.allreduce(stage[j::plan.tensor], shard.layer_param_bytes * plan.layers[s])
+        for s, stage in enumerate(plan.stages) for j in range(plan.tensor))
+  mem, cap = memory(plan, profile, cluster, options, prog if uses_executor else None)
+  chosen = lock if options.model == 'lockstep' else asy
+  return Estimate(plan=plan, step_time=chosen.total_time + tail, model=options.model,
+                  lockstep_time=lock.total_time + tail, async_time=asy.total_time + tail,
+                  pipeline_time=chosen.total_time, bubble_fraction=chosen.bubble_fraction,
+                  tail_time=tail, dp_allreduce_time=dp_total, memory=mem, capacity=cap,
+                  oom=any(x > c for x, c in zip(mem, cap)), result=chosen)
+
+
+def _tail(plan: Plan, profile: Profile, cluster: Cluster, options: Options,
+          share: Sharing) -> tuple[float, float]:
+  """Seconds after the pipeline, and the per-step DP all-reduce within them."""
+  comm = Comm(cluster, profile)
+  shard = profile.shards[plan.tensor]
+  p, t = plan.pipe, plan.tensor
+  # The executor psums the embedding and head gradients over `pipe`.
+  edge = 0.0
+  if p > 1:
+    ranks = len(plan.stages[0])
+    edge = max(comm.allreduce([stage[r] for stage in plan.stages], shard.edge_param_bytes)
+               for r in range(ranks))
+  dp = 0.0
+  if options.dp_allreduce == 'per_step':
+    dp = max(comm.allreduce(stage[j::t], shard.layer_param_bytes * plan.layers[s] +
+                            shard.edge_param_bytes)
+             for s, stage in enumerate(plan.stages) for j in range(t))
+  widest = max(plan.chunk_layers) if options.padded else None
+  opt = []
+  for s, stage in enumerate(plan.stages):
+    held = (widest * plan.virtual_stages) if widest else plan.layers[s]
+    nbytes = OPTIMIZER_TRAFFIC * (shard.layer_param_bytes * held + shard.edge_param_bytes)
+    opt.append(max(nbytes / roofline.bandwidth(profile, cluster.groups[cluster.devices[d].group])
+                   for d in stage))
+  optimizer = share.tick(opt) if share.nodes else max(opt)
+  return edge + dp + optimizer, dp
+
+
+def chrome_trace(estimate: Estimate) -> dict:
+  """The predicted step in Chrome's trace format (Perfetto): the pipeline
+  timeline of render.chrome_trace, then a 'tail' event per stage."""
+  from triax.pipeline import render
+  trace = render.chrome_trace(estimate.result)
+  end = estimate.pipeline_time
+  for s in range(estimate.plan.pipe):
+    trace['traceEvents'].append({
+        'name': 'grad sync + optimizer', 'cat': 'tail', 'ph': 'X', 'pid': 0, 'tid': s,
+        'ts': end * 1e6, 'dur': estimate.tail_time * 1e6,
+        'args': {'dp_allreduce_s': estimate.dp_allreduce_time}})
+  trace['otherData'].update(plan=estimate.plan.describe(), step_time_s=estimate.step_time,
+                            memory_bytes=list(estimate.memory), oom=estimate.oom)
+  return trace
