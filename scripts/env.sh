@@ -25,8 +25,9 @@ fi
 stamp=".venv/.triax-installed${extra:+-$extra}"
 want="$(cat setup.cfg pyproject.toml | sha1sum | cut -d' ' -f1)"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
-  .venv/bin/python -m pip install --quiet --upgrade pip
-  .venv/bin/python -m pip install --quiet -e ".${extra:+[$extra]}"
+  # grep drops this machine's pip warnings about index locations it cannot use.
+  .venv/bin/python -m pip install --quiet --upgrade pip 2>&1 | { grep -v 'is ignored' || true; }
+  .venv/bin/python -m pip install --quiet -e ".${extra:+[$extra]}" 2>&1 | { grep -v 'is ignored' || true; }
   echo "$want" > "$stamp"
 fi
 export PATH="$ROOT/.venv/bin:$PATH"

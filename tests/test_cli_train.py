@@ -78,7 +78,7 @@ BAD_INPUT = [
     ('batch-vs-data', ['--config.train.global_batch_size=12'], 'train.global_batch_size'),
     ('non-positive-layers', ['--config.model.num_layers=0'], 'model.num_layers'),
     ('non-positive-steps', ['--config.train.steps=-1'], 'train.steps'),
-    ('unknown-key', ['--config.model.num_layer=4'], 'flags'),
+    ('unknown-key', ['--config.model.num_layer=4'], '--config.model.num_layer'),
     ('missing-data-path', ['--config.data.source=text', '--config.data.path=/no/such/file'],
      'data.path'),
     ('too-little-text', _too_little_text, 'data.path'),

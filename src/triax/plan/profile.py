@@ -54,8 +54,11 @@ REMATS = ('none', 'selective', 'full')
 # Functions whose time is fitted: chunk forward and backward per layer, the
 # embedding's forward+backward, the head's loss+gradient.
 FUNCTIONS = ('layer_fwd', 'layer_bwd', 'embed', 'head')
-# Runs per timing (after one warm-up); the median is kept.
-_RUNS = 5
+# Runs per timing (after one warm-up); the median is kept. On XLA:CPU a
+# function's time is bimodal (fresh output buffers fault their pages in or
+# not), so a layer needs a few more runs than a micro-benchmark does.
+_RUNS = 9
+_QUICK_RUNS = 3
 # Largest micro-batch measured, in tokens: keeps profiling to seconds.
 _MAX_MEASURED_TOKENS = 2048
 
@@ -362,16 +365,31 @@ class _Profiler:
             'embed': (embed, (edges['embed'], tok)),
             'head': (head, (edges['head'], x, tok))}
 
-  def _work(self, t: int, function: str) -> Work:
-    def cost(b):
+  def _work(self, t: int, function: str, stash_per_seq: float, act_per_seq: float,
+            layer_params: float, edge_params: float) -> Work:
+    """FLOPs from XLA's cost analysis of the lowered function (at b = 1 and 2);
+    bytes from the tensors a fused kernel must move: the unoptimised HLO's
+    "bytes accessed" counts every intermediate and would make any layer look
+    memory-bound."""
+    def flops(b):
       fn, args = self.functions(t, b)[function]
       c = self.jax.jit(fn).lower(*args).cost_analysis()
       c = c[0] if isinstance(c, (list, tuple)) else c
-      return float(c.get('flops', 0.0)), float(c.get('bytes accessed', 0.0))
-    (f1, b1), (f2, b2) = cost(1), cost(2)
-    per_seq = max(b2 - b1, 0.0)
-    return Work(flops_per_seq=f2 / 2, bytes_fixed=max(b1 - per_seq, 0.0),
-                bytes_per_seq=per_seq)
+      return float(c.get('flops', 0.0))
+    logits = self.spec['seq_len'] * self.spec['vocab_size'] // t * 4
+    fixed, per_seq = {
+        # weights read; input read, output and residuals written
+        'layer_fwd': (layer_params, 2 * act_per_seq + stash_per_seq),
+        # weights read, weight gradients written; residuals, output gradient
+        # read, input gradient written
+        'layer_bwd': (2 * layer_params, 2 * act_per_seq + stash_per_seq),
+        # table rows gathered, then scattered back as gradients
+        'embed': (edge_params / 2, 3 * act_per_seq),
+        # output layer read and its gradient written; logits and their
+        # gradient written and read
+        'head': (edge_params, 2 * act_per_seq + 4 * logits),
+    }[function]
+    return Work(flops_per_seq=flops(2) / 2, bytes_fixed=fixed, bytes_per_seq=per_seq)
 
   def _stash_bytes(self, t: int, remat: str, layers: int, b: int = 1) -> float:
     """Residual bytes the executor stashes for a chunk of `layers` layers."""
@@ -408,18 +426,21 @@ class _Profiler:
     matmuls = 2 * s * d * (4 * heads_t * hd + 2 * d_ff_t)
     attention = 4 * s * s * heads_t * hd
     dtype_bytes = np.dtype(self.spec['dtype']).itemsize
-    return Shard(tensor=t, work={f: self._work(t, f) for f in FUNCTIONS},
-                 layer_param_bytes=nbytes(self._stack(model, 1)),
-                 edge_param_bytes=nbytes(edges['embed']) + nbytes(edges['head']),
-                 stash_per_seq=stash, stash_fixed_per_seq=fixed,
-                 act_per_seq=float(s * d * dtype_bytes),
+    act = float(s * d * dtype_bytes)
+    layer_params = nbytes(self._stack(model, 1))
+    edge_params = nbytes(edges['embed']) + nbytes(edges['head'])
+    work = {f: self._work(t, f, stash['none'], act, layer_params, edge_params)
+            for f in FUNCTIONS}
+    return Shard(tensor=t, work=work, layer_param_bytes=layer_params,
+                 edge_param_bytes=edge_params, stash_per_seq=stash,
+                 stash_fixed_per_seq=fixed, act_per_seq=act,
                  logits_per_seq=float(s * self.spec['vocab_size'] // t * 4),
                  attention_fraction=attention / (matmuls + attention))
 
   # -- timing (compiles: the expensive part) --
 
   def _compile_all(self, jobs: dict) -> dict:
-    """Compiles in threads: XLA releases the GIL, and compiles dominate."""
+    """Compiles in threads (XLA compiles outside the GIL; helps where cores are free)."""
     jax = self.jax
 
     def compile_one(item):
@@ -478,10 +499,10 @@ class _Profiler:
     n = 1024
     a = jnp.ones((n, n), dtype)
     mm = jax.jit(lambda a, b: a @ b)
-    matmul_flops = 2 * n ** 3 / _median_time(mm.lower(a, a).compile(), (a, a))
+    matmul_flops = 2 * n ** 3 / _median_time(mm.lower(a, a).compile(), (a, a), _QUICK_RUNS)
     big = jnp.ones((16 * 2 ** 20 // 4,), jnp.float32)
     cp = jax.jit(lambda x: x * 1.0001 + 1.0)
-    bandwidth = 2 * big.nbytes / _median_time(cp.lower(big).compile(), (big,))
+    bandwidth = 2 * big.nbytes / _median_time(cp.lower(big).compile(), (big,), _QUICK_RUNS)
     devices = jax.local_devices()
     sharing = _measure_sharing(self, devices) if len(devices) > 1 else None
     p2p, allreduce = _measure_collectives(devices) if len(devices) > 1 else (
@@ -543,15 +564,15 @@ def _measure_sharing(prof: _Profiler, devices) -> tuple[float, float, float]:
   jax = prof.jax
   import jax.numpy as jnp
   from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
-  n, ticks = len(devices), 6
-  b = max(1, min(4, _MAX_MEASURED_TOKENS // prof.spec['seq_len']))
+  n, ticks = len(devices), 4
+  b = max(1, min(2, _MAX_MEASURED_TOKENS // prof.spec['seq_len']))
   model = prof._model(1)
   fn, (stack, x) = prof.functions(1, b, 1)['layer_fwd']
   params = prof._concrete(jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype),
                                        stack))
   layer = lambda p, h: model.layer(p, h)
   solo_exe = jax.jit(layer).lower(params, prof._concrete(x)).compile()
-  solo = _median_time(solo_exe, (params, prof._concrete(x)))
+  solo = _median_time(solo_exe, (params, prof._concrete(x)), _QUICK_RUNS)
   mesh = jax.make_mesh((n,), ('x',), axis_types=(AxisType.Explicit,), devices=devices)
   ring = [(i, (i + 1) % n) for i in range(n)]
 
@@ -575,7 +596,7 @@ def _measure_sharing(prof: _Profiler, devices) -> tuple[float, float, float]:
     ks = jax.device_put(jnp.full((n,), k, jnp.int32), NamedSharding(mesh, P('x')))
     if exe is None:
       exe = program.lower(ps, hs, ks).compile()
-    times[k] = _median_time(exe, (ps, hs, ks)) / ticks
+    times[k] = _median_time(exe, (ps, hs, ks), _QUICK_RUNS) / ticks
   tick = times[0]
   solo_factor = max(1.0, (times[1] - tick) / solo)
   cores = min(float(n), max(0.25, n * solo / max(times[n] - tick, 1e-12)))
@@ -587,7 +608,7 @@ def _measure_collectives(devices) -> tuple[Link, Link]:
   import jax
   import jax.numpy as jnp
   from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
-  n, reps = len(devices), 8
+  n, reps = len(devices), 4
   mesh = jax.make_mesh((n,), ('x',), axis_types=(AxisType.Explicit,), devices=devices)
   ring = [(i, (i + 1) % n) for i in range(n)]
   sizes = (256, 2 ** 20)   # floats per device: 1 KiB and 4 MiB
@@ -604,7 +625,7 @@ def _measure_collectives(devices) -> tuple[Link, Link]:
   for name, prog in (('p2p', p2p), ('psum', psum)):
     for size in sizes:
       x = jax.device_put(jnp.ones((n * size,), jnp.float32), NamedSharding(mesh, P('x')))
-      out[(name, size)] = _median_time(prog.lower(x).compile(), (x,)) / reps
+      out[(name, size)] = _median_time(prog.lower(x).compile(), (x,), _QUICK_RUNS) / reps
   (s0, s1) = sizes
   nbytes = (4 * s0, 4 * s1)
 

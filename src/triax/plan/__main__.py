@@ -1,0 +1,65 @@
+"""Plans data x tensor x pipeline parallelism for a model on a cluster.
+
+  python -m triax.plan --config=experiments/gpt_tiny.py \
+      --cluster=experiments/clusters/heterog_testbed.yaml \
+      [--top=5] [--json] [--out=plan.py] [--trace=trace.json]
+
+Profiles the model on this machine, simulates candidate plans on the
+cluster and prints the best ones beside baselines. Bad input prints one
+`error: KEY: message` line and exits with 2. (This is `triax/plan/__main__.py`
+rather than `triax/plan.py`: a module beside the `triax/plan/` package of
+the same name would never be imported.)
+"""
+
+import sys
+
+from absl import app, flags
+from ml_collections import config_flags
+
+from triax import cli
+from triax.plan import report
+
+_CONFIG = config_flags.DEFINE_config_file(
+    'config', None, 'Experiment config file (Python, get_config(arg)); FILE[:ARG].',
+    lock_config=True)
+_CLUSTER = flags.DEFINE_string('cluster', None, 'Cluster spec (YAML), e.g. '
+                               'experiments/clusters/heterog_testbed.yaml.')
+_TOP = flags.DEFINE_integer('top', 5, 'How many plans to show.')
+_JSON = flags.DEFINE_bool('json', False, 'Print one JSON object instead of tables.')
+_OUT = flags.DEFINE_string('out', None, 'Write the best plan as a config file (.py) here.')
+_TRACE = flags.DEFINE_string('trace', None, 'Write the best plan\'s predicted timeline as '
+                             'a Chrome trace (.json, opens in Perfetto) here.')
+_MODEL = flags.DEFINE_enum('model', 'lockstep', ['lockstep', 'async'],
+                           'Time model that ranks plans: lockstep (triax\'s executor) or '
+                           'async (the papers\').')
+_DP = flags.DEFINE_enum('dp_allreduce', 'per_microbatch', ['per_microbatch', 'per_step'],
+                        'Where the data-parallel gradient all-reduce is charged: '
+                        'per_microbatch (triax\'s executor today) or per_step.')
+
+
+def main(argv):
+  if len(argv) > 1:
+    cli.fail('flags', f'unexpected arguments {argv[1:]}; flags look like --name=value')
+  if _CONFIG.value is None:
+    cli.fail('--config', 'is required, e.g. --config=experiments/gpt_tiny.py')
+  if not _CLUSTER.value:
+    cli.fail('--cluster', 'is required, e.g. --cluster=experiments/clusters/h100_8x_nvlink.yaml')
+  with cli.config_errors_exit():
+    # Profiling this machine as a spec's `profile: local` group needs its
+    # device count before JAX starts (forced CPU devices).
+    cli.force_cpu_devices(report.local_devices(_CLUSTER.value))
+  try:
+    cfg = _CONFIG.value
+    cfg.to_dict()   # a config file that failed to load raises on first use
+  except Exception as e:  # pylint: disable=broad-except
+    cli.fail('--config', f'{type(e).__name__}: {str(e).splitlines()[0] if str(e) else e!r}')
+  request = report.Request(
+      cfg=cfg, config_path=config_flags.get_config_filename(flags.FLAGS['config']),
+      config_overrides=config_flags.get_override_values(flags.FLAGS['config']),
+      cluster=_CLUSTER.value, top=_TOP.value, out=_OUT.value, trace=_TRACE.value,
+      model=_MODEL.value, dp_allreduce=_DP.value)
+  sys.exit(report.main(request, as_json=_JSON.value))
+
+
+if __name__ == '__main__':
+  app.run(main, flags_parser=cli.parse_flags)

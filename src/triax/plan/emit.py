@@ -1,0 +1,150 @@
+"""Writes a plan as a config file that `python -m triax.train` runs.
+
+The file imports the base experiment by path (importlib), so it stays a few
+lines long and follows later edits of the base; it then applies the keys
+the planner was given on the command line (`--config.*`) and the plan's own:
+
+  mesh.data / tensor / pipe, pipeline.schedule / microbatches /
+  virtual_stages / layers_per_stage, model.remat, train.global_batch_size
+
+`pipeline.layers_per_stage` lists the layers of each model chunk in chunk
+order (chunk c runs on pipeline device c % pipe); an even split writes ().
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from typing import Any
+
+from triax.plan.simulator import Estimate, Plan
+
+LAYERS_KEY = 'pipeline.layers_per_stage'
+
+
+def overrides(plan: Plan) -> dict[str, Any]:
+  """The dotted config keys a plan sets, with their values."""
+  return {
+      'mesh.data': plan.data,
+      'mesh.tensor': plan.tensor,
+      'mesh.pipe': plan.pipe,
+      'pipeline.schedule': plan.schedule,
+      'pipeline.microbatches': plan.microbatches,
+      'pipeline.virtual_stages': plan.virtual_stages,
+      LAYERS_KEY: () if plan.even else tuple(plan.chunk_layers),
+      'model.remat': plan.remat,
+      'train.global_batch_size': plan.global_batch,
+  }
+
+
+def flatten(cfg, prefix: str = '') -> dict[str, Any]:
+  """A ConfigDict (or dict) as {dotted key: leaf value}."""
+  out = {}
+  for key, value in cfg.items():
+    name = f'{prefix}{key}'
+    if hasattr(value, 'items'):
+      out.update(flatten(value, name + '.'))
+    else:
+      out[name] = value
+  return out
+
+
+def apply(cfg, values: dict[str, Any]):
+  """Sets dotted keys on a ConfigDict in place (adding new leaves if
+  unlocked) and returns it. `pipeline.layers_per_stage` is only set where
+  this triax knows the key, unless the split is uneven (then it must be)."""
+  for key, value in values.items():
+    *path, name = key.split('.')
+    node = cfg
+    for part in path:
+      node = node[part]
+    if key == LAYERS_KEY and name not in node:
+      if not value:
+        continue
+      raise ValueError(f'this plan splits layers unevenly ({key}={value}) but this triax '
+                       f'config has no {key}; update triax or plan with an even split')
+    node[name] = value
+  return cfg
+
+
+def write(path: str, estimate: Estimate, base_path: str, base_arg: str | None,
+          base_overrides: dict[str, Any], cluster_name: str, command: str = '') -> str:
+  """Writes the plan file; returns its text.
+
+  Args:
+    path: the .py file to write.
+    estimate: the chosen plan and its prediction.
+    base_path: the experiment file the planner loaded (FILE of FILE[:ARG]).
+    base_arg: its ARG, or None.
+    base_overrides: dotted keys the planner's config had beyond the base
+      file's (the --config.* flags), written into the plan.
+    cluster_name: for the docstring.
+    command: the planner command line, for the docstring.
+  """
+  plan = estimate.plan
+  folder = os.path.dirname(os.path.abspath(path))
+  base_rel = os.path.relpath(os.path.abspath(base_path), folder)
+  gb = estimate.peak_memory / 2**30
+  stages = '\n'.join(f'  stage {s}: devices {list(devs)}, {plan.layers[s]} layers'
+                     for s, devs in enumerate(plan.stages))
+  plan_values = overrides(plan)
+  text = f'''"""Plan for cluster {cluster_name}: {plan.describe()}.
+
+Written by `python -m triax.plan` on {datetime.date.today().isoformat()}{f' ({command})' if command else ''}.
+Predicted by the simulator ({estimate.model} model; a prediction, not a
+measurement): step {estimate.step_time * 1e3:.2f} ms, peak {gb:.2f} GiB per device.
+Run it:
+
+  python -m triax.train --config={path} --workdir=DIR
+
+Pipeline stages and the cluster devices the plan assumes for them (the
+trainer builds its mesh in device order: data x tensor x pipe):
+{stages}
+"""
+
+import importlib.util
+import os
+
+# The base experiment, relative to this file, and its config argument.
+BASE = {base_rel!r}
+BASE_ARG = {base_arg!r}
+# Keys the planner's config set beyond BASE (its --config.* flags).
+BASE_OVERRIDES = {_literal(base_overrides)}
+# The plan.
+PLAN = {_literal(plan_values)}
+
+
+def _apply(cfg, values):
+  for key, value in values.items():
+    *path, name = key.split('.')
+    node = cfg
+    for part in path:
+      node = node[part]
+    if key == 'pipeline.layers_per_stage' and name not in node:
+      if value:
+        raise ValueError('this plan splits layers unevenly but this triax has no '
+                         'pipeline.layers_per_stage; update triax or re-plan')
+      continue
+    node[name] = value
+  return cfg
+
+
+def get_config(arg=None):
+  path = os.path.join(os.path.dirname(os.path.abspath(__file__)), BASE)
+  spec = importlib.util.spec_from_file_location('triax_plan_base', path)
+  base = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(base)
+  arg = BASE_ARG if arg is None else arg
+  cfg = base.get_config(arg) if arg is not None else base.get_config()
+  return _apply(_apply(cfg, BASE_OVERRIDES), PLAN)
+'''
+  with open(path, 'w') as f:
+    f.write(text)
+  return text
+
+
+def _literal(values: dict[str, Any]) -> str:
+  if not values:
+    return '{}'
+  lines = ''.join(f'\n    {k!r}: {v!r},' for k, v in values.items())
+  return '{' + lines + '\n}'

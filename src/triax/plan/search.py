@@ -1,0 +1,333 @@
+"""The strategy maker: enumerate layouts, balance layers, simulate, rank.
+
+For a model config and a cluster it tries every
+
+  data x tensor x pipe  whose product is the device count (tensor must
+                        divide heads, d_ff and vocabulary),
+  micro-batches m       dividing the per-replica batch (size = B / (d m)),
+  virtual stages v,     schedule (every entry of schedule.SCHEDULES the
+                        config validator accepts for those sizes),
+  assignment            of devices to pipeline stages: by speed, fastest
+                        first or last, or in node order,
+  layer partition       the even split and the dynamic program's
+                        (partition.balance) under each stage's memory,
+  remat                 'none', or 'selective' / 'full' only where 'none'
+                        runs out of memory (recomputation never speeds up),
+
+simulates each (lockstep, the executor's model) and keeps the fastest
+plans that fit in memory. Baselines, always reported beside the winner:
+the same degrees and schedule with an even layer split; data parallel only;
+and the best plan found when every device is assumed to be the slowest
+type, evaluated on the real cluster.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Iterator
+
+from triax import config as config_lib
+from triax.errors import ConfigError
+from triax.pipeline import schedule as sched
+from triax.plan import partition, profile as profile_lib, roofline
+from triax.plan.cluster import Cluster, Group
+from triax.plan.simulator import Estimate, Options, Plan, simulate_plan
+
+REMATS = ('none', 'selective', 'full')
+# Largest micro-batch count tried: beyond it, ticks cost more than bubbles save.
+MAX_MICROBATCHES = 64
+MAX_VIRTUAL_STAGES = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """Degrees and schedule sizes, before devices and layers are placed."""
+  data: int
+  tensor: int
+  pipe: int
+  schedule: str
+  microbatches: int
+  virtual_stages: int
+
+
+@dataclasses.dataclass(frozen=True)
+class SearchResult:
+  """The ranked plans, the baselines and what the search cost.
+
+  Attributes:
+    top: best plans first (no OOM), at most `top_k`.
+    baselines: 'even_split' (the winner's degrees and schedule, even
+      layers), 'data_parallel', 'homogeneous_slowest' (the plan chosen as if
+      every device were the slowest type, timed on this cluster); None when
+      there is no such plan that fits.
+    evaluated: candidate plans simulated.
+    search_s: seconds spent searching (profiling excluded).
+    profile: the profile used.
+    cluster: the cluster planned for.
+  """
+  top: tuple[Estimate, ...]
+  baselines: dict[str, Estimate | None]
+  evaluated: int
+  search_s: float
+  profile: profile_lib.Profile
+  cluster: Cluster
+
+  def speedup(self, baseline: str) -> float | None:
+    base = self.baselines.get(baseline)
+    if base is None or not self.top:
+      return None
+    return base.step_time / self.top[0].step_time
+
+
+def _divisors(n: int) -> list[int]:
+  return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def layouts(cfg, num_devices: int) -> Iterator[Layout]:
+  """Every (d, t, p, schedule, m, v) the config validator accepts."""
+  model = cfg.model
+  batch = cfg.train.global_batch_size
+  for d in _divisors(num_devices):
+    for t in _divisors(num_devices // d):
+      p = num_devices // (d * t)
+      if model.num_heads % t or model.d_ff % t or model.vocab_size % t:
+        continue
+      if p > model.num_layers or batch % d:
+        continue
+      for m in _divisors(batch // d):
+        if m > MAX_MICROBATCHES or (p == 1 and m > 1 and m not in (2, 4, 8)):
+          continue
+        # One micro-batch or one stage: every schedule runs the same ticks.
+        names = ('1f1b',) if p == 1 or m == 1 else tuple(sched.SCHEDULES)
+        for name in names:
+          for v in (1, 2, 4, 8):
+            if v > MAX_VIRTUAL_STAGES or p * v > model.num_layers or (p == 1 and v > 1):
+              continue
+            if name == 'interleaved_1f1b' and v == 1:
+              continue   # the builder returns 1f1b itself
+            if _buildable(name, p, m, v):
+              yield Layout(d, t, p, name, m, v)
+
+
+_BUILDABLE: dict = {}
+
+
+def _buildable(name: str, p: int, m: int, v: int) -> bool:
+  key = (name, p, m, v)
+  if key not in _BUILDABLE:
+    try:
+      sched.lower(sched.build(name, p, m, v))
+      _BUILDABLE[key] = True
+    except (ConfigError, NotImplementedError, sched.ScheduleDeadlock, ValueError):
+      _BUILDABLE[key] = False
+  return _BUILDABLE[key]
+
+
+def _speed(profile: profile_lib.Profile, group: Group, b: int, t: int) -> float:
+  """Seconds of one layer's forward + backward: lower is faster."""
+  return (roofline.seconds(profile, group, 'layer_fwd', b, t) +
+          roofline.seconds(profile, group, 'layer_bwd', b, t))
+
+
+def assignments(cluster: Cluster, profile: profile_lib.Profile, layout: Layout,
+                b: int) -> list[tuple[tuple[int, ...], ...]]:
+  """Ways to form the pipeline stages from the cluster's devices.
+
+  Devices are sorted (fastest first, slowest first, or left in node order)
+  and cut into consecutive groups of data*tensor: a stage gets devices of
+  one speed where it can (it runs at its slowest), and consecutive devices
+  mostly share a node (tensor groups want the fast intra-node links).
+  """
+  size = layout.data * layout.tensor
+  speed = {name: _speed(profile, g, b, layout.tensor) for name, g in cluster.groups.items()}
+  node_order = [d.index for d in cluster.devices]
+  fast_first = sorted(node_order, key=lambda i: (speed[cluster.devices[i].group], i))
+  slow_first = sorted(node_order, key=lambda i: (-speed[cluster.devices[i].group], i))
+  out = []
+  for order in (fast_first, node_order, slow_first):
+    stages = tuple(tuple(order[k * size:(k + 1) * size]) for k in range(layout.pipe))
+    if stages not in out:
+      out.append(stages)
+  return out
+
+
+def _partitions(layout: Layout, stages, profile, cluster, options, remat, num_layers,
+                batch) -> list[tuple[int, ...]]:
+  """The even split (if any) and the balanced one for these stages."""
+  p, v, t = layout.pipe, layout.virtual_stages, layout.tensor
+  b = batch // (layout.data * layout.microbatches)
+  out = []
+  even = partition.even(num_layers, p, v)
+  if even:
+    out.append(even)
+  if p == 1:
+    return out or [(num_layers,)]
+  groups = [[cluster.groups[cluster.devices[d].group] for d in stage] for stage in stages]
+  per_layer = [max(_speed(profile, g, b, t) for g in gs) for gs in groups]
+  edge = [0.0] * p
+  edge[0] += max(roofline.seconds(profile, g, 'embed', b, t) for g in groups[0])
+  edge[-1] += max(roofline.seconds(profile, g, 'head', b, t) for g in groups[-1])
+  shard = profile.shards[t]
+  stash = b * (shard.stash_per_seq[remat] + shard.stash_fixed_per_seq)
+  capacity = [min(g.memory for g in gs) * options.memory_fraction for gs in groups]
+  # Memory of a stage holding n layers, its stash slots taken as p (1F1B's
+  # steady state): a screen only; the simulator checks the real program.
+  def allowed(s, n):
+    params = 4 * (shard.layer_param_bytes * n + shard.edge_param_bytes)
+    return params + p * stash * n / v <= capacity[s]
+  balanced = partition.balance(num_layers, p, lambda s, n: edge[s] + n * per_layer[s],
+                               allowed, unit=v)
+  if balanced and balanced[0] not in out:
+    out.append(balanced[0])
+  return out
+
+
+def _plan_config_ok(cfg, plan: Plan, num_devices: int) -> bool:
+  """Whether triax's config validator accepts the plan (sizes, schedule rules)."""
+  try:
+    config_lib.validate(with_plan(cfg, plan), num_devices)
+    return True
+  except (ConfigError, ValueError):
+    return False
+
+
+def layers_key_supported(cfg) -> bool:
+  """Whether this triax's config has pipeline.layers_per_stage (uneven splits)."""
+  return 'layers_per_stage' in cfg.pipeline
+
+
+def with_plan(cfg, plan: Plan):
+  """A copy of cfg with the plan's overrides applied.
+
+  Where this triax has no pipeline.layers_per_stage yet, an uneven plan is
+  checked with num_layers = p*v instead (everything but the split), so that
+  it can still be ranked; its plan file will refuse to load until the key
+  exists.
+  """
+  import ml_collections
+  from triax.plan import emit
+  out = ml_collections.ConfigDict(cfg.to_dict())
+  values = emit.overrides(plan)
+  if not layers_key_supported(out):
+    del values[emit.LAYERS_KEY]
+    if not plan.even:
+      out.model.num_layers = plan.pipe * plan.virtual_stages
+  return emit.apply(out, values)
+
+
+def search(cfg, cluster: Cluster, top_k: int = 5, options: Options = Options(),
+           profile: profile_lib.Profile | None = None) -> SearchResult:
+  """Finds the fastest plans for `cfg` (a config) on `cluster`.
+
+  Args:
+    cfg: the experiment config (model, train.global_batch_size, ...).
+    cluster: the cluster spec.
+    top_k: how many plans to return.
+    options: simulator options.
+    profile: a profile to use; by default the model is profiled here for
+      every tensor degree and micro-batch size the candidates need.
+
+  Returns:
+    A SearchResult.
+
+  Raises:
+    ConfigError('--cluster', ...) if no layout fits the device count.
+  """
+  n = cluster.num_devices
+  all_layouts = list(layouts(cfg, n))
+  if not all_layouts:
+    raise ConfigError('--cluster', f'{cluster.path}: no data x tensor x pipe layout of '
+                      f'{n} devices suits this model (heads {cfg.model.num_heads}, '
+                      f'layers {cfg.model.num_layers}, batch {cfg.train.global_batch_size})')
+  batch = cfg.train.global_batch_size
+  if profile is None:
+    profile = profile_lib.measure(
+        cfg.model, sorted({l.tensor for l in all_layouts}),
+        sorted({batch // (l.data * l.microbatches) for l in all_layouts}))
+  started = time.perf_counter()
+  fast = dataclasses.replace(options, model='lockstep')
+  found = _evaluate(cfg, cluster, profile, fast, all_layouts)
+  evaluated = len(found)
+  fitting = sorted((e for e in found if not e.oom), key=lambda e: e.step_time)
+  top = []
+  for e in fitting:
+    if len(top) == top_k:
+      break
+    if _plan_config_ok(cfg, e.plan, n):
+      top.append(simulate_plan(e.plan, profile, cluster, options))
+  top.sort(key=lambda e: e.step_time)
+  baselines = _baselines(cfg, cluster, profile, options, top, found, all_layouts)
+  return SearchResult(top=tuple(top), baselines=baselines, evaluated=evaluated,
+                      search_s=time.perf_counter() - started, profile=profile,
+                      cluster=cluster)
+
+
+def _evaluate(cfg, cluster, profile, options, all_layouts) -> list[Estimate]:
+  found = []
+  batch, layers = cfg.train.global_batch_size, cfg.model.num_layers
+  for layout in all_layouts:
+    b = batch // (layout.data * layout.microbatches)
+    for stages in assignments(cluster, profile, layout, b):
+      for remat in REMATS:
+        fits = False
+        for split in _partitions(layout, stages, profile, cluster, options, remat,
+                                 layers, batch):
+          plan = Plan(data=layout.data, tensor=layout.tensor, pipe=layout.pipe,
+                      schedule=layout.schedule, microbatches=layout.microbatches,
+                      virtual_stages=layout.virtual_stages, remat=remat, layers=split,
+                      stages=stages, global_batch=batch)
+          estimate = simulate_plan(plan, profile, cluster, options)
+          found.append(estimate)
+          fits |= not estimate.oom
+        if fits:
+          break   # more recomputation would only be slower
+  return found
+
+
+def _baselines(cfg, cluster, profile, options, top, found, all_layouts) -> dict:
+  out: dict[str, Estimate | None] = {'even_split': None, 'data_parallel': None,
+                                     'homogeneous_slowest': None}
+  n = cluster.num_devices
+  if top:
+    best = top[0].plan
+    even = [e for e in found if not e.oom and e.plan.even and
+            (e.plan.data, e.plan.tensor, e.plan.pipe, e.plan.schedule, e.plan.microbatches,
+             e.plan.virtual_stages, e.plan.stages) ==
+            (best.data, best.tensor, best.pipe, best.schedule, best.microbatches,
+             best.virtual_stages, best.stages)]
+    if even:
+      out['even_split'] = simulate_plan(min(even, key=lambda e: e.step_time).plan,
+                                        profile, cluster, options)
+  dp = [e for e in found if not e.oom and e.plan.data == n]
+  if dp:
+    out['data_parallel'] = simulate_plan(min(dp, key=lambda e: e.step_time).plan,
+                                         profile, cluster, options)
+  slow = homogenized(cluster, profile, cfg)
+  fast = dataclasses.replace(options, model='lockstep')
+  assumed = sorted((e for e in _evaluate(cfg, slow, profile, fast, all_layouts) if not e.oom),
+                   key=lambda e: e.step_time)
+  for e in assumed:
+    if _plan_config_ok(cfg, e.plan, n):
+      real = simulate_plan(e.plan, profile, cluster, options)
+      if not real.oom:
+        out['homogeneous_slowest'] = real
+        break
+  return out
+
+
+def homogenized(cluster: Cluster, profile: profile_lib.Profile, cfg) -> Cluster:
+  """The cluster with every device replaced by its slowest type (same nodes
+  and links): what a planner that ignores heterogeneity would see."""
+  batch = cfg.train.global_batch_size
+  slowest = max(cluster.groups.values(),
+                key=lambda g: (_speed(profile, g, max(1, batch // cluster.num_devices), 1),
+                               -g.memory))
+  group = dataclasses.replace(slowest, count=cluster.num_devices,
+                              memory=min(g.memory for g in cluster.groups.values()))
+  nodes = tuple(dataclasses.replace(node, devices={group.name: sum(node.devices.values())})
+                for node in cluster.nodes)
+  devices = tuple(dataclasses.replace(d, group=group.name) for d in cluster.devices)
+  return dataclasses.replace(cluster, groups={group.name: group}, nodes=nodes,
+                             devices=devices)

@@ -1,0 +1,118 @@
+"""The planner end to end: profiling a tiny model here, the CLI, its errors."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from triax import config
+from triax.errors import ConfigError
+from triax.plan import profile, report
+
+ROOT = os.path.join(os.path.dirname(__file__), '..')
+CPU = os.path.join(ROOT, 'experiments', 'clusters', 'cpu_forced_8.yaml')
+H100 = os.path.join(ROOT, 'experiments', 'clusters', 'h100_8x_nvlink.yaml')
+BASE = '''from triax import config
+
+
+def get_config(arg=None):
+  c = config.defaults()
+  c.model.num_layers, c.model.d_model, c.model.num_heads = 4, 32, 4
+  c.model.d_ff, c.model.seq_len = 64, 16
+  c.train.global_batch_size = 8
+  return c
+'''
+
+
+def tiny():
+  cfg = config.defaults()
+  cfg.model.num_layers, cfg.model.d_model, cfg.model.num_heads = 4, 32, 4
+  cfg.model.d_ff, cfg.model.seq_len = 64, 16
+  cfg.train.global_batch_size = 8
+  return cfg
+
+
+def test_profile_of_a_tiny_model():
+  cfg = tiny()
+  prof = profile.measure(cfg.model, [1, 2], [1, 4])
+  assert prof is profile.measure(cfg.model, [2, 1], [4, 1])   # cached in memory
+  assert prof.machine.num_devices == 8
+  assert 0 < prof.machine.effective_cores <= 8
+  assert prof.machine.p2p.bandwidth > 0 and prof.machine.allreduce.bandwidth > 0
+  d, f, s = 32, 64, 16
+  layer_params = (4 * d * d + 2 * d * f + 2 * d) * 4
+  assert prof.shards[1].layer_param_bytes == layer_params
+  assert prof.shards[2].layer_param_bytes == (4 * d * d + 2 * d * f) * 4 / 2 + 2 * d * 4
+  matmul = 2 * s * (4 * d * d + 2 * d * f) + 4 * s * s * d
+  assert prof.shards[1].work['layer_fwd'].flops(1) == pytest.approx(matmul, rel=0.2)
+  assert prof.shards[2].work['layer_fwd'].flops(4) < prof.shards[1].work['layer_fwd'].flops(4)
+  stash = prof.shards[1].stash_per_seq
+  assert stash['none'] > stash['selective'] > 0 and stash['full'] >= 0
+  assert stash['full'] <= stash['selective']
+  for point in prof.points:
+    assert point.seconds > 0 and point.fitted > 0
+  assert all(fit.k > 0 and fit.c0 >= 0 for fit in prof.fits.values())
+
+
+def test_cli_plans_writes_a_runnable_plan_and_a_trace(tmp_path, capsys):
+  base = tmp_path / 'tiny.py'
+  base.write_text(BASE)
+  out, trace = tmp_path / 'plan.py', tmp_path / 'trace.json'
+  from triax.plan.emit import flatten  # noqa: F401  (the module the CLI uses)
+  spec = __import__('importlib.util').util.spec_from_file_location('tiny_base', str(base))
+  module = __import__('importlib.util').util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  request = report.Request(cfg=module.get_config(), config_path=str(base),
+                           config_overrides={'train.steps': 3}, cluster=CPU, top=3,
+                           out=str(out), trace=str(trace))
+  summary = report.run(request, as_json=True)
+  printed = json.loads(capsys.readouterr().out)
+  assert printed['top'][0]['plan'] == summary['top'][0]['plan']
+  assert printed['simulated'] is True and printed['devices'] == 8
+  assert set(printed['speedups']) == {'even_split', 'data_parallel', 'homogeneous_slowest'}
+  best = printed['top'][0]
+  assert best['data'] * best['tensor'] * best['pipe'] == 8 and sum(best['layers']) == 4
+  events = json.loads(trace.read_text())['traceEvents']
+  assert any(e['ph'] == 'X' for e in events)
+  spec = __import__('importlib.util').util.spec_from_file_location('the_plan', str(out))
+  plan = __import__('importlib.util').util.module_from_spec(spec)
+  spec.loader.exec_module(plan)
+  cfg = plan.get_config()
+  assert (cfg.mesh.data, cfg.mesh.tensor, cfg.mesh.pipe) == (best['data'], best['tensor'],
+                                                            best['pipe'])
+  assert cfg.train.steps == 3
+  config.validate(cfg, 8)
+  # The same model on another cluster: the roofline derives H100 times.
+  text_request = report.Request(cfg=module.get_config(), config_path=str(base),
+                                config_overrides={}, cluster=H100, top=2)
+  report.run(text_request)
+  text = capsys.readouterr().out
+  assert 'baselines' in text and 'Roofline assumption' in text and 'SIMULATED' in text
+
+
+def test_bad_flags_are_config_errors(tmp_path):
+  request = report.Request(cfg=tiny(), config_path='x.py', config_overrides={}, cluster=CPU,
+                           top=0)
+  with pytest.raises(ConfigError, match='--top'):
+    report.run(request)
+  with pytest.raises(ConfigError, match='--out'):
+    report.run(report.Request(cfg=tiny(), config_path='x.py', config_overrides={},
+                              cluster=CPU, out=str(tmp_path / 'plan.txt')))
+  assert report.main(report.Request(cfg=tiny(), config_path='x.py', config_overrides={},
+                                    cluster=str(tmp_path / 'none.yaml'))) == 2
+
+
+def test_cli_exit_code_2_on_a_missing_cluster_file(tmp_path):
+  base = tmp_path / 'tiny.py'
+  base.write_text(BASE)
+  env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, 'src'))
+  proc = subprocess.run(
+      [sys.executable, '-m', 'triax.plan', f'--config={base}',
+       f'--cluster={tmp_path / "missing.yaml"}'],
+      capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+  assert proc.returncode == 2
+  lines = proc.stderr.strip().splitlines()
+  assert lines[-1].startswith('error: --cluster: ') and 'missing.yaml' in lines[-1]
+  assert 'Traceback' not in proc.stderr

@@ -1,0 +1,167 @@
+"""The planner's simulator: analytic cases, communication, memory, traces.
+
+Plain Python over synthetic profiles: nothing here compiles.
+"""
+
+import json
+import math
+
+import pytest
+
+from triax.pipeline import schedule as sched
+from triax.pipeline import simulate
+from triax.plan import cluster as cluster_lib
+from triax.plan import profile, simulator
+from triax.plan.simulator import Options, Plan, simulate_plan
+
+FAST = '1e30'   # bytes/s: communication that takes no time
+
+
+def make_cluster(groups=(('gpu', 8, 1.0, '80 GB'),), nodes=None, bandwidth=FAST,
+                 latency='0 s', shared_cores=None):
+  """A spec whose group g computes `speed` FLOP/s (profile 'FLOPs' = seconds)."""
+  raw = {'name': 'test', 'groups': [], 'nodes': [],
+         'links': {'intra_node': {'bandwidth': bandwidth, 'latency': latency},
+                   'inter_node': {'bandwidth': bandwidth, 'latency': latency}}}
+  for name, count, speed, memory in groups:
+    raw['groups'].append({'name': name, 'type': name, 'count': count,
+                          'peak_flops': {'bfloat16': speed, 'float32': speed},
+                          'memory': memory, 'memory_bandwidth': FAST})
+  if nodes is None:
+    node = {'name': 'n0', 'devices': {g[0]: g[1] for g in groups}}
+    if shared_cores:
+      node['shared_cores'] = shared_cores
+    nodes = [node]
+  raw['nodes'] = nodes
+  return cluster_lib.parse(raw, 'test.yaml')
+
+
+def make_plan(p=4, m=8, d=1, t=1, v=1, name='1f1b', layers=None, remat='none', order=None):
+  n = d * t * p
+  order = order or list(range(n))
+  size = d * t
+  stages = tuple(tuple(order[s * size:(s + 1) * size]) for s in range(p))
+  return Plan(data=d, tensor=t, pipe=p, schedule=name, microbatches=m, virtual_stages=v,
+              remat=remat, layers=layers or (v,) * p, stages=stages, global_batch=m * d)
+
+
+@pytest.mark.parametrize('p, m', [(2, 2), (4, 8), (4, 3), (8, 16)])
+def test_1f1b_analytic_step(p, m):
+  # Uniform stages, zero communication: (m + p - 1)(t_F + t_B).
+  prof = profile.synthetic(layer_fwd=1.0, layer_bwd=2.0)
+  est = simulate_plan(make_plan(p=p, m=m), prof, make_cluster(groups=(('gpu', p, 1.0, '80 GB'),)))
+  assert est.step_time == pytest.approx((m + p - 1) * 3.0)
+  assert est.async_time == pytest.approx((m + p - 1) * 3.0)
+  assert est.bubble_fraction == pytest.approx((p - 1) / (m + p - 1))
+
+
+@pytest.mark.parametrize('name, p, m, v', [('gpipe', 4, 8, 1), ('1f1b', 4, 8, 1),
+                                           ('interleaved_1f1b', 4, 8, 2), ('zb_h1', 4, 8, 1),
+                                           ('gpipe', 2, 4, 2)])
+def test_lockstep_agrees_with_the_pipeline_simulator(name, p, m, v):
+  """Without communication or core sharing our tick model is simulate_lockstep's."""
+  prog = sched.lower(sched.build(name, p, m, v))
+  split = prog.schedule.split_backward
+  per = [simulate.Costs(t_forward=1.0 + s, t_backward=2.0 + s,
+                        t_weight=(1.0 + s) if split else 0.0) for s in range(p)]
+  chunk = tuple({sched.FORWARD: per[c % p].t_forward / v,
+                 sched.BACKWARD: per[c % p].t_backward / v,
+                 sched.WEIGHT: per[c % p].t_weight / v} for c in range(p * v))
+  ours = simulator.simulate_lockstep(
+      prog, simulator.ActionCosts(chunk=chunk, transfer=(0.0,) * p, evict=(0.0,) * p,
+                                  tick_transfer=0.0))
+  theirs = simulate.simulate_lockstep(prog, per)
+  assert ours.total_time == pytest.approx(theirs.total_time)
+  assert ours.busy == pytest.approx(theirs.busy)
+
+
+def test_heterogeneous_stages_the_slow_one_dominates():
+  prof = profile.synthetic(layer_fwd=1.0, layer_bwd=2.0)
+  spec = make_cluster(groups=(('fast', 1, 1.0, '80 GB'), ('slow', 1, 0.5, '80 GB')))
+  p, m = 2, 8
+  est = simulate_plan(make_plan(p=p, m=m), prof, spec)
+  # Steady state runs at the slow stage's 6 s per micro-batch.
+  assert est.step_time == pytest.approx(m * 6.0 + 3.0)
+  uniform_slow = simulate_plan(make_plan(p=p, m=m), prof,
+                               make_cluster(groups=(('slow', 2, 0.5, '80 GB'),)))
+  uniform_fast = simulate_plan(make_plan(p=p, m=m), prof,
+                               make_cluster(groups=(('fast', 2, 1.0, '80 GB'),)))
+  assert uniform_fast.step_time < est.step_time < uniform_slow.step_time
+  # Giving the fast stage more layers balances it: 2 layers at 3 s vs 1 at 6 s.
+  balanced = simulate_plan(make_plan(p=p, m=m, layers=(2, 1)), prof, spec)
+  assert balanced.step_time == pytest.approx((m + 1) * 6.0)
+
+
+def test_data_parallel_allreduce_adds_latency_plus_bytes_over_bandwidth():
+  nbytes, bandwidth, latency = 1e9, 1e10, 1e-3
+  prof = profile.synthetic(layer_fwd=1.0, layer_bwd=2.0, layer_param_bytes=nbytes,
+                           num_layers=1)
+  alone = make_cluster(groups=(('gpu', 2, 1.0, '80 GB'),))
+  linked = make_cluster(groups=(('gpu', 2, 1.0, '80 GB'),), bandwidth=bandwidth,
+                        latency=latency)
+  plan = make_plan(p=1, m=1, d=2, layers=(1,))
+  for mode in ('per_step', 'per_microbatch'):
+    opts = Options(dp_allreduce=mode)
+    a = simulate_plan(plan, prof, alone, opts)
+    b = simulate_plan(plan, prof, linked, opts)
+    # Ring over 2 devices: 2 steps of latency and nbytes / 2 each way.
+    assert b.step_time - a.step_time == pytest.approx(2 * latency + nbytes / bandwidth)
+    assert b.dp_allreduce_time == pytest.approx(2 * latency + nbytes / bandwidth)
+
+
+def test_pipeline_transfers_cost_every_tick():
+  prof = profile.synthetic(layer_fwd=1.0, layer_bwd=2.0, act_per_seq=1e6)
+  linked = make_cluster(groups=(('gpu', 4, 1.0, '80 GB'),), bandwidth=1e9, latency=1e-3)
+  plan = make_plan(p=4, m=8)
+  base = simulate_plan(plan, prof, make_cluster(groups=(('gpu', 4, 1.0, '80 GB'),)))
+  est = simulate_plan(plan, prof, linked)
+  ticks = sched.lower(sched.build('1f1b', 4, 8)).ticks
+  # The executor ppermutes both ways in every tick, idle or not.
+  assert est.step_time - base.step_time == pytest.approx(ticks * 2 * (1e-3 + 1e6 / 1e9))
+
+
+def test_shared_cores_bound_concurrent_compute():
+  prof = profile.synthetic(layer_fwd=1.0, layer_bwd=2.0, num_layers=1)
+  plan = make_plan(p=1, m=1, d=8, layers=(1,))
+  free = simulate_plan(plan, prof, make_cluster())
+  shared = simulate_plan(plan, prof, make_cluster(shared_cores=2))
+  assert free.step_time == pytest.approx(3.0)
+  # 8 devices busy for 3 s each on 2 cores.
+  assert shared.step_time == pytest.approx(8 * 3.0 / 2)
+
+
+def test_memory_and_oom_flag():
+  prof = profile.synthetic(layer_param_bytes=1e9, stash_per_seq=1e8)
+  plan = make_plan(p=4, m=8)
+  big = simulate_plan(plan, prof, make_cluster(groups=(('gpu', 4, 1.0, '80 GB'),)))
+  small = simulate_plan(plan, prof, make_cluster(groups=(('gpu', 4, 1.0, '4 GB'),)))
+  assert not big.oom and small.oom
+  # Parameters, gradients and Adam moments: 4 copies of 1 GB, plus stash.
+  stash_slots = sched.lower(sched.build('1f1b', 4, 8)).num_stash_slots
+  assert big.memory[0] == pytest.approx(4e9 + stash_slots * 1e8 + 2e8)
+  assert small.capacity[0] == pytest.approx(0.9 * 4e9)
+  # Full remat stashes (here: the same synthetic bytes) but recomputes the forward.
+  full = simulate_plan(make_plan(p=4, m=8, remat='full'), prof,
+                       make_cluster(groups=(('gpu', 4, 1.0, '80 GB'),)))
+  assert full.step_time == pytest.approx((8 + 3) * 4.0)
+
+
+def test_chrome_trace_is_perfetto_json():
+  prof = profile.synthetic(layer_fwd=1.0, layer_bwd=2.0)
+  est = simulate_plan(make_plan(p=2, m=4), prof, make_cluster(groups=(('gpu', 2, 1.0, '80 GB'),)))
+  trace = json.loads(json.dumps(simulator.chrome_trace(est)))
+  spans = [e for e in trace['traceEvents'] if e['ph'] == 'X']
+  assert len([e for e in spans if e['cat'] in 'FB']) == 2 * 4 * 2
+  assert trace['otherData']['step_time_s'] == pytest.approx(est.step_time)
+  assert max(e['ts'] + e['dur'] for e in spans) == pytest.approx(est.step_time * 1e6)
+
+
+def test_plan_checks_itself():
+  with pytest.raises(ValueError, match='multiple of v'):
+    make_plan(p=2, v=2, layers=(3, 1))
+  with pytest.raises(ValueError, match='global batch'):
+    Plan(data=2, tensor=1, pipe=1, schedule='1f1b', microbatches=3, virtual_stages=1,
+         remat='none', layers=(4,), stages=((0, 1),), global_batch=8)
+  plan = make_plan(p=2, v=2, layers=(4, 2), m=4)
+  assert plan.chunk_layers == (2, 1, 2, 1)
+  assert not plan.even and math.isclose(plan.microbatch_size, 1)
