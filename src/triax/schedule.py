@@ -7,11 +7,10 @@
 Bad input prints one `error: <flag>: <message>` line and exits with 2.
 """
 
-import sys
-
 from absl import app
 from absl import flags
 
+from triax import cli
 from triax.pipeline import report
 from triax.pipeline.schedule import SCHEDULES
 
@@ -38,19 +37,9 @@ _JSON = flags.DEFINE_bool('json', False, 'Print one JSON object.')
 _PLOT = flags.DEFINE_string('plot', None, 'Write a Gantt chart PNG here.')
 
 
-def _parse(argv: list[str]) -> list[str]:
-  # absl would print usage and exit 1; a bad flag is bad input like any other.
-  try:
-    return flags.FLAGS(argv)
-  except flags.Error as e:
-    print(f'error: flags: {e}', file=sys.stderr)
-    sys.exit(2)
-
-
 def main(argv: list[str]) -> int:
   if len(argv) > 1:
-    print(f'error: argv: unexpected arguments {argv[1:]}', file=sys.stderr)
-    return 2
+    cli.fail('flags', f'unexpected arguments {argv[1:]}; flags look like --name=value')
   return report.main(report.Request(
       schedule=_SCHEDULE.value, stages=_STAGES.value,
       microbatches=_MICROBATCHES.value, virtual_stages=_VIRTUAL_STAGES.value,
@@ -59,5 +48,9 @@ def main(argv: list[str]) -> int:
       t_evict=_T_EVICT.value, plot=_PLOT.value), as_json=_JSON.value)
 
 
+def run():
+  app.run(main, flags_parser=cli.parse_flags)
+
+
 if __name__ == '__main__':
-  app.run(main, flags_parser=_parse)
+  run()

@@ -90,7 +90,8 @@ def _put(buffers, index, values):
 
 def pipeline_loss_and_grad(fns: StageFns, program: 'sched.Program', mesh: Mesh,
                            act_shape: tuple[int, ...], act_dtype: Any, loss_scale: float,
-                           act_spec: P = P(), chunk_layers: tuple[int, ...] | None = None):
+                           act_spec: P = P(), chunk_layers: tuple[int, ...] | None = None,
+                           compute_idle: bool = False):
   """Builds f(stage_params, embed_params, head_params, inputs, targets).
 
   Args:
@@ -106,6 +107,10 @@ def pipeline_loss_and_grad(fns: StageFns, program: 'sched.Program', mesh: Mesh,
       requires a conditional's branches to agree on their outputs' sharding.
     chunk_layers: layers of each model chunk when the split is uneven (the
       stacks are padded to the longest); None for an even split.
+    compute_idle: an ablation for benchmarks: idle slots run the forward or
+      backward on a placeholder row and discard the result, as pipelines
+      that differentiate through a scan do (MaxText, praxis). Same numbers,
+      more work.
 
   Returns:
     f(stage_params, embed_params, head_params, inputs, targets) ->
@@ -258,12 +263,26 @@ def pipeline_loss_and_grad(fns: StageFns, program: 'sched.Program', mesh: Mesh,
       del row
       return c, x_zero
 
+    def run_slot(valid, work, c, row, placeholder):
+      """Runs `work` when the slot is valid; the ablation computes it anyway."""
+      if not compute_idle:
+        return jax.lax.cond(valid, work, idle, c, row)
+      c_new, out = work(c, jnp.where(valid, row, placeholder))
+      keep = lambda new, old: jnp.where(valid, new, old)
+      return jax.tree.map(keep, c_new, c), keep(out, x_zero)
+
+    # A row an idle slot may compute in the ablation: this stage's first
+    # chunk, slots 0 (the results are discarded).
+    placeholder = {
+        'fwd': jnp.array([1, 0, 0, 0, 0, 0], jnp.int32).at[sched.F_CHUNK].set(stage),
+        'bwd': jnp.array([1, 0, 0, 0, 0], jnp.int32).at[sched.B_CHUNK].set(stage)}
+
     def tick(c, rows):
       row = {name: table[stage] for name, table in rows.items()}
       if moves:
         c = jax.lax.cond(c['landing_slot'] >= 0, land, lambda c: c, c)
-      c, y = jax.lax.cond(row['fwd'][sched.F_VALID] > 0, forward, idle, c, row['fwd'])
-      c, dx = jax.lax.cond(row['bwd'][sched.B_VALID] > 0, backward, idle, c, row['bwd'])
+      c, y = run_slot(row['fwd'][sched.F_VALID] > 0, forward, c, row['fwd'], placeholder['fwd'])
+      c, dx = run_slot(row['bwd'][sched.B_VALID] > 0, backward, c, row['bwd'], placeholder['bwd'])
       if program.split_backward:
         c = jax.lax.cond(row['wgt'][sched.W_VALID] > 0, weight_grad, lambda c, _: c,
                          c, row['wgt'])

@@ -98,8 +98,11 @@ class Trainer:
                         shapes, self.canonical_shardings)
 
 
-def build_trainer(cfg, mesh: Mesh) -> Trainer:
-  """Builds the model, optimizer, schedule program and jitted steps for `cfg` (validated)."""
+def build_trainer(cfg, mesh: Mesh, *, compute_idle: bool = False) -> Trainer:
+  """Builds the model, optimizer, schedule program and jitted steps for `cfg` (validated).
+
+  `compute_idle` is the benchmarks' ablation (see executor.pipeline_loss_and_grad).
+  """
   spec = ModelSpec.from_config(cfg.model)
   model = GPT(spec)
   rules = cfg.sharding.logical_axis_rules
@@ -155,7 +158,7 @@ def build_trainer(cfg, mesh: Mesh) -> Trainer:
         fns, program, mesh, act_shape=(mb, seq, spec.d_model), act_dtype=act_dtype,
         loss_scale=1.0 / (global_batch * seq),
         act_spec=sharding.logical_to_spec(('batch', 'seq', 'embed'), rules),
-        chunk_layers=counts)
+        chunk_layers=counts, compute_idle=compute_idle)
 
     def raw_loss_and_grad(params, inputs, targets):
       # Micro-batch j takes rows j, j+m, ...: each micro-batch spans every data shard.

@@ -1,0 +1,57 @@
+"""Compile and time one configuration in-process: what benchmarks and tools measure.
+
+Memory comes from XLA's compiled memory analysis (deterministic); time is
+the median wall time of a few warm steps on random tokens (noisy on shared
+CPUs: compare ratios measured in one run, never absolute numbers).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+
+import jax
+import numpy as np
+
+from triax import config as config_lib
+from triax.mesh import build_mesh
+from triax.training.loop import compile_stats
+from triax.training.step import Trainer, build_trainer
+
+
+@dataclasses.dataclass
+class Measurement:
+  stats: dict            # compile_stats(): temp/argument/output bytes, flops, schedule
+  step_time_s: float     # median of the timed steps
+  trainer: Trainer
+
+  @property
+  def peak_bytes(self) -> int:
+    """Per-device bytes live at the peak: temporaries plus un-aliased arguments and outputs."""
+    s = self.stats
+    return s['temp_bytes'] + s['argument_bytes'] + s['output_bytes'] - s['alias_bytes']
+
+
+def measure(cfg, *, steps: int = 5, warmup: int = 2, compute_idle: bool = False,
+            devices=None) -> Measurement:
+  """Validates `cfg` for `devices` (default: all), compiles its train step and times it."""
+  devices = list(jax.devices() if devices is None else devices)
+  cfg = config_lib.validate(cfg, len(devices))
+  trainer = build_trainer(cfg, build_mesh(cfg.mesh, devices), compute_idle=compute_idle)
+  rng = np.random.default_rng(0)
+  shape = (cfg.train.global_batch_size, cfg.model.seq_len + 1)
+  tokens = rng.integers(0, cfg.model.vocab_size, shape).astype(np.int32)
+  with jax.set_mesh(trainer.mesh):
+    compiled, stats = compile_stats(trainer)
+    batch = jax.device_put({'inputs': tokens[:, :-1], 'targets': tokens[:, 1:]},
+                           trainer.batch_sharding)
+    state = trainer.init_state(jax.random.key(0))
+    times = []
+    for i in range(warmup + steps):
+      start = time.perf_counter()
+      state, out = compiled(state, batch)
+      jax.block_until_ready(out)
+      if i >= warmup:
+        times.append(time.perf_counter() - start)
+  return Measurement(stats=stats, step_time_s=statistics.median(times), trainer=trainer)
