@@ -188,8 +188,13 @@ def pipeline_loss_and_grad(fns: StageFns, program: 'sched.Program', mesh: Mesh,
     stash = _varying([jnp.zeros((n_stash,) + s.shape, s.dtype) for s in stash_shapes])
     info['residual_bytes'] = sum(s.size * s.dtype.itemsize for s in stash_shapes)
 
-    def split_residuals(vjp_fn):
-      leaves = jax.tree.leaves(vjp_fn)
+    def split_residuals(vjp_fn, chunk_params):
+      leaves, weights = jax.tree.leaves(vjp_fn), jax.tree.leaves(chunk_params)
+      # The probe's structure must hold for this trace too, or the stash would
+      # silently pair residuals with the wrong slots.
+      if len(leaves) != len(layout['weight_of']) or any(
+          j is not None and leaf is not weights[j] for leaf, j in zip(leaves, layout['weight_of'])):
+        raise AssertionError('chunk vjp residuals differ from the probe trace')
       return [leaf for leaf, j in zip(leaves, layout['weight_of']) if j is None]
 
     def join_residuals(stashed, chunk_params):
@@ -217,7 +222,8 @@ def pipeline_loss_and_grad(fns: StageFns, program: 'sched.Program', mesh: Mesh,
                        lambda: pin(fns.embed(embed_params, inputs[mb]).astype(act_dtype)),
                        lambda: pin(c['act'][row[sched.F_ACT]]))
       y, vjp_fn = chunk_vjp(chunk_params, x, chunk)
-      c = dict(c, stash=_put(c['stash'], row[sched.F_STASH], split_residuals(vjp_fn)))
+      c = dict(c, stash=_put(c['stash'], row[sched.F_STASH],
+                             split_residuals(vjp_fn, chunk_params)))
 
       def loss_and_seed(c):
         loss, (g_head, dy) = jax.value_and_grad(scaled_head_loss, argnums=(0, 1))(
