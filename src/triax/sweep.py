@@ -18,6 +18,7 @@ import sys
 from absl import app, flags, logging
 
 from triax import cli
+from triax.sweeps import runner
 
 _CONFIG = flags.DEFINE_string('config', None, 'Config file defining get_config(arg) and '
                               'sweep(add, arg=None); FILE[:ARG].')
@@ -39,7 +40,6 @@ def main(argv):
     cli.fail('--config', 'is required, e.g. --config=experiments/mesh_sweep.py')
   if not _WORKDIR.value:
     cli.fail('--workdir', 'is required: where the runs and the results go')
-  from triax.sweeps import runner  # after flag checks: a bad flag answers without imports
   command = ' '.join(['python -m triax.sweep'] + [shlex.quote(a) for a in sys.argv[1:]])
   with cli.config_errors_exit():
     summary = runner.run_sweep(_CONFIG.value, _WORKDIR.value, parallel=_PARALLEL.value,

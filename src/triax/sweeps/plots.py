@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 
 from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
 from triax.sweeps.results import Row
 
@@ -28,6 +29,7 @@ def loss_curves(rows: list[Row], path: str, title: str = '') -> None:
       steps, losses = zip(*row.run.eval_curve)
       ax.plot(steps, losses, 'o', color=color, markersize=4)
   ax.set_xlabel('step')
+  ax.xaxis.set_major_locator(MaxNLocator(integer=True))
   ax.set_ylabel('loss (nats/token): train solid, eval dots')
   ax.set_title(f'{title}: loss' if title else 'loss')
   ax.grid(alpha=0.3)

@@ -259,8 +259,8 @@ def benchmark_report(workdir: str) -> str:
   lines = [f'tokens/s:    {run.tokens_per_sec:,.0f}  (median of {max(n - 1, 1)} logged windows '
            'after the first)',
            f'step time:   {run.step_time_s * 1e3:.1f} ms',
-           f'model FLOPs: {stats["model_flops_per_step"] / 1e12:.2f} TFLOP per step (Megatron '
-           'formula, no recompute)']
+           f'model FLOPs: {stats["model_flops_per_step"]:.3g} per step (Megatron formula, '
+           'recomputation not counted)']
   if run.mfu is not None:
     lines.append(f'MFU:         {100 * run.mfu:.1f}%')
   else:

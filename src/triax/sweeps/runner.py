@@ -13,17 +13,20 @@ a new --workdir.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import hashlib
 import importlib.util
 import json
 import os
 import re
+import shlex
+import signal
 import subprocess
 import sys
 import threading
 import time
-from typing import Union
+from typing import Iterator, Union
 
 import ml_collections
 from tqdm import tqdm
@@ -41,7 +44,6 @@ _MAX_NAME = 120
 @dataclasses.dataclass(frozen=True)
 class Point:
   """One run of a sweep."""
-  index: int                                 # position in the order sweep() added it
   overrides: tuple[tuple[str, Scalar], ...]  # (dotted key, value), as added
   name: str                                  # directory name under the sweep's workdir
   steps: int                                 # train.steps of this point: its final step
@@ -162,6 +164,9 @@ def load_sweep(spec: str) -> Sweep:
       raise ConfigError('--config', f'{path} defines no {usage}; a sweep file needs both '
                         '(see triax.sweeps)')
   base = _call(module.get_config, arg, 'get_config()', path)
+  if not isinstance(base, ml_collections.ConfigDict):
+    raise ConfigError('--config', f'get_config() of {path} returned {type(base).__name__}, '
+                      'not an ml_collections.ConfigDict')
   added: list[tuple[tuple[str, Scalar], ...]] = []
 
   def add(*args, **overrides):
@@ -193,7 +198,7 @@ def load_sweep(spec: str) -> Sweep:
       raise ConfigError('--config', f'points {names[name] + 1} and {index + 1} of sweep() in '
                         f'{os.path.basename(path)} are both {name!r}; add each point once')
     names[name] = index
-    points.append(Point(index=index, overrides=overrides, name=name, steps=int(cfg.train.steps)))
+    points.append(Point(overrides=overrides, name=name, steps=int(cfg.train.steps)))
   return Sweep(path=path, arg=arg, points=tuple(points))
 
 
@@ -270,6 +275,25 @@ def _run_point(sweep: Sweep, point: Point, workdir: str, cpu_devices: int,
   return status
 
 
+@contextlib.contextmanager
+def _sigterm_exits() -> Iterator[None]:
+  """Inside: SIGTERM (a job scheduler, `kill`) raises SystemExit as Ctrl-C raises
+  KeyboardInterrupt, so the sweep stops its training processes instead of orphaning them."""
+  if threading.current_thread() is not threading.main_thread():
+    yield   # only the main thread may set signal handlers
+    return
+  previous = signal.signal(signal.SIGTERM, lambda signum, _: sys.exit(128 + signum))
+  try:
+    yield
+  finally:
+    signal.signal(signal.SIGTERM, previous)
+
+
+def _say(bar: tqdm, line: str) -> None:
+  bar.write(line)
+  sys.stdout.flush()   # a sweep's log is often a file: show each point as it ends
+
+
 def check_workdir(workdir: str) -> None:
   if os.path.exists(workdir) and not os.path.isdir(workdir):
     raise ConfigError('--workdir', f'{workdir} is a file; give a directory')
@@ -308,32 +332,34 @@ def run_sweep(spec: str, workdir: str, *, parallel: int = 1, cpu_devices: int = 
   workdir = os.path.abspath(workdir)
   if dry_run:
     for point in sweep.points:
-      print(f'{point.name}: {" ".join(train_command(sweep, point, os.path.join(workdir, point.name), cpu_devices))}')
+      command = train_command(sweep, point, os.path.join(workdir, point.name), cpu_devices)
+      print(f'{point.name}: {" ".join(shlex.quote(c) for c in command)}')
     return {'points': len(sweep.points), 'ran': 0, 'skipped': 0, 'failed': [], 'dry_run': True}
 
   os.makedirs(workdir, exist_ok=True)
   todo = [p for p in sweep.points if not is_complete(p, os.path.join(workdir, p.name))]
   skipped = len(sweep.points) - len(todo)
-  failed: list[str] = []
+  failures = 0
   bar = tqdm(total=len(sweep.points), initial=skipped, disable=not progress, unit='point',
              desc=f'sweep {sweep.name}', dynamic_ncols=True)
   if skipped:
-    bar.write(f'skipping {skipped} complete point(s) in {workdir}')
+    _say(bar, f'skipping {skipped} complete point(s) in {workdir}')
   processes = _Processes()
   pool = concurrent.futures.ThreadPoolExecutor(max_workers=parallel)
   try:
-    futures = {pool.submit(_run_point, sweep, p, workdir, cpu_devices, processes): p
-               for p in todo}
-    for future in concurrent.futures.as_completed(futures):
-      point, status = futures[future], future.result()
-      if status['returncode'] == 0:
-        bar.write(f'ok      {point.name} ({status["seconds"]:.0f} s)')
-      else:
-        failed.append(point.name)
-        bar.write(f'FAILED  {point.name} (exit {status["returncode"]}): {status["error"]}')
-      bar.update(1)
-      bar.set_postfix(failed=len(failed))
-  except BaseException:
+    with _sigterm_exits():
+      futures = {pool.submit(_run_point, sweep, p, workdir, cpu_devices, processes): p
+                 for p in todo}
+      for future in concurrent.futures.as_completed(futures):
+        point, status = futures[future], future.result()
+        if status['returncode'] == 0:
+          _say(bar, f'ok      {point.name} ({status["seconds"]:.0f} s)')
+        else:
+          failures += 1
+          _say(bar, f'FAILED  {point.name} (exit {status["returncode"]}): {status["error"]}')
+        bar.update(1)
+        bar.set_postfix(failed=failures)
+  except BaseException:   # Ctrl-C, or SIGTERM (see _sigterm_exits)
     processes.terminate_all()   # only the training processes this sweep started
     pool.shutdown(wait=True, cancel_futures=True)
     raise
@@ -349,6 +375,5 @@ def run_sweep(spec: str, workdir: str, *, parallel: int = 1, cpu_devices: int = 
   if readme:
     results.replace_readme_block(readme, sweep.name, results.markdown(rows, caption))
     paths['readme'] = os.path.abspath(readme)
-  failed_rows = [r.name for r in rows if r.status != 'ok']
   return {'points': len(sweep.points), 'ran': len(todo), 'skipped': skipped,
-          'failed': failed_rows, **paths}
+          'failed': [r.name for r in rows if r.status != 'ok'], **paths}

@@ -1,0 +1,163 @@
+"""Text from a trained run: restore its latest parameters and sample bytes.
+
+A run's workdir holds its validated config (config.json) and checkpoints in
+model layer order (see triax.training.checkpoint), so the parameters restore
+onto one device whatever (data, tensor, pipe, schedule) wrote them; only the
+params are read, not the optimizer state.
+
+Generation is one jitted loop over a fixed buffer of model.seq_len tokens:
+each new token reruns the whole buffer through the model (no KV cache:
+simple, and plenty for the small byte-level models triax trains on a host).
+Once the buffer is full it slides, so the model always sees the last seq_len
+tokens at the positions it was trained on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import orbax.checkpoint as ocp
+
+from triax.errors import ConfigError
+from triax.model.transformer import GPT, ModelSpec
+from triax.training.checkpoint import Checkpointer
+
+CONFIG_FILE = 'config.json'
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+  """How to pick each next token."""
+  max_new_tokens: int = 200
+  temperature: float = 0.8   # 0 = greedy (argmax)
+  top_k: int = 0             # 0 = the whole vocabulary
+  seed: int = 0
+
+  def check(self, vocab_size: int | None = None) -> None:
+    if self.max_new_tokens < 1:
+      raise ConfigError('--max_new_tokens', f'must be >= 1, got {self.max_new_tokens}')
+    if not self.temperature >= 0:
+      raise ConfigError('--temperature', f'must be >= 0 (0 = greedy), got {self.temperature}')
+    if self.top_k < 0 or (vocab_size is not None and self.top_k > vocab_size):
+      raise ConfigError('--top_k', f'must be in [0, {vocab_size or "vocab_size"}] '
+                        f'(0 = no cut), got {self.top_k}')
+    if self.seed < 0:
+      raise ConfigError('--seed', f'must be >= 0, got {self.seed}')
+
+
+def load_run_config(workdir: str) -> ml_collections.ConfigDict:
+  """The config a training run saved in its workdir."""
+  path = os.path.join(workdir, CONFIG_FILE)
+  if not os.path.isdir(workdir):
+    raise ConfigError('--workdir', f'{workdir}: no such directory')
+  if not os.path.isfile(path):
+    raise ConfigError('--workdir', f'{workdir} has no {CONFIG_FILE}: give the --workdir of a '
+                      'triax.train run')
+  with open(path) as f:
+    return ml_collections.ConfigDict(json.load(f))
+
+
+def encode_prompt(prompt: str, seq_len: int) -> list[int]:
+  """The prompt's UTF-8 bytes (the corpus is byte-level: one token per byte)."""
+  tokens = list(prompt.encode('utf-8'))
+  if not tokens:
+    raise ConfigError('--prompt', 'is empty; give at least one character to continue from')
+  if len(tokens) > seq_len:
+    raise ConfigError('--prompt', f'is {len(tokens)} bytes, longer than the model\'s context '
+                      f'of model.seq_len={seq_len} bytes; shorten it')
+  return tokens
+
+
+def decode(tokens) -> str:
+  return bytes(int(t) for t in tokens).decode('utf-8', errors='replace')
+
+
+def latest_checkpoint(workdir: str, cfg) -> int:
+  """The step of the run's newest intact checkpoint."""
+  step = Checkpointer(workdir, cfg).latest_step()
+  if step is None:
+    raise ConfigError('--workdir', f'{workdir} has no checkpoints yet: train first '
+                      f'(python -m triax.train ... --workdir={workdir})')
+  return step
+
+
+def restore_params(workdir: str, cfg, step: int):
+  """The params of checkpoint `step`, on the first device."""
+  model = GPT(ModelSpec.from_config(cfg.model))
+  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  target = {'params': jax.tree.map(
+      lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=device),
+      jax.eval_shape(model.init, jax.random.key(0)))}
+  path = os.path.join(os.path.abspath(workdir), 'checkpoints', str(step), 'state')
+  with ocp.PyTreeCheckpointer() as checkpointer:
+    restored = checkpointer.restore(path, args=ocp.args.PyTreeRestore(
+        item=target, restore_args=jax.tree.map(lambda _: ocp.ArrayRestoreArgs(sharding=device),
+                                               target),
+        partial_restore=True))  # just the params: the optimizer state is twice their size
+  return restored['params']
+
+
+def sampling_model(cfg):
+  """The run's model as inference runs it: its own dtype, cuDNN attention only on GPU."""
+  spec = ModelSpec.from_config(cfg.model)
+  attention = spec.attention if jax.default_backend() == 'gpu' else 'xla'
+  return GPT(dataclasses.replace(spec, attention=attention, remat='none'))
+
+
+def generate(model, params, prompt: list[int], sampling: Sampling):
+  """The `sampling.max_new_tokens` tokens after `prompt` (host int array)."""
+  seq_len = model.spec.seq_len
+  greedy, top_k = sampling.temperature == 0, sampling.top_k
+
+  def pick(logits, key):
+    if greedy:
+      return jnp.argmax(logits).astype(jnp.int32)
+    if top_k:
+      kth = jax.lax.top_k(logits, top_k)[0][-1]
+      logits = jnp.where(logits < kth, -jnp.inf, logits)
+    return jax.random.categorical(key, logits / sampling.temperature).astype(jnp.int32)
+
+  @jax.jit
+  def run(params, buffer, length, key):
+    def step(i, carry):
+      buffer, length, key, out = carry
+      logits = model.logits(params, buffer[None])[0]
+      key, sub = jax.random.split(key)
+      token = pick(logits[jnp.minimum(length, seq_len) - 1], sub)
+      # Full buffer: slide left by one and append, so positions stay in range.
+      full = length >= seq_len
+      buffer = jnp.where(full, jnp.roll(buffer, -1), buffer)
+      buffer = buffer.at[jnp.minimum(length, seq_len - 1)].set(token)
+      return buffer, length + 1, key, out.at[i].set(token)
+
+    out = jnp.zeros((sampling.max_new_tokens,), jnp.int32)
+    return jax.lax.fori_loop(0, sampling.max_new_tokens, step, (buffer, length, key, out))[-1]
+
+  buffer = np.zeros((seq_len,), np.int32)
+  buffer[:len(prompt)] = prompt
+  out = run(params, buffer, jnp.int32(len(prompt)), jax.random.key(sampling.seed))
+  return np.asarray(jax.device_get(out))
+
+
+def sample(workdir: str, prompt: str, sampling: Sampling) -> dict:
+  """Restores a run's latest params and continues `prompt`.
+
+  Everything about the input (workdir, checkpoint, prompt, sampling flags) is
+  checked before JAX starts compiling.
+
+  Returns:
+    {'text': prompt + continuation, 'step': checkpoint step, 'tokens': new tokens}
+  """
+  cfg = load_run_config(workdir)
+  prompt_tokens = encode_prompt(prompt, cfg.model.seq_len)
+  sampling.check(cfg.model.vocab_size)
+  step = latest_checkpoint(workdir, cfg)
+  params = restore_params(workdir, cfg, step)
+  new = generate(sampling_model(cfg), params, prompt_tokens, sampling)
+  return {'text': decode(prompt_tokens + new.tolist()), 'step': step, 'tokens': new}
