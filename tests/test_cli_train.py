@@ -1,9 +1,7 @@
-"""The training command line end to end, and its answers to bad input."""
+"""The training command line end to end (its answers to bad input: test_bad_input.py)."""
 
 import json
 import os
-
-import pytest
 
 import harness
 
@@ -61,42 +59,4 @@ def test_compile_only_writes_stats_and_does_not_train(tmp_path):
   assert not os.path.exists(os.path.join(workdir, 'metrics.jsonl'))
 
 
-def _too_little_text(tmp_path):
-  path = tmp_path / 'tiny.txt'
-  path.write_text('hello world\n')
-  return ['--config.data.source=text', f'--config.data.path={path}']
-
-
-BAD_INPUT = [
-    # (id, flags, key expected in the message)
-    ('mesh-product', ['--config.mesh.data=3', '--config.mesh.tensor=1', '--config.mesh.pipe=1'],
-     'mesh'),
-    ('heads-vs-tensor', ['--config.mesh.data=1', '--config.mesh.tensor=8',
-                         '--config.mesh.pipe=1', '--config.model.num_heads=4'],
-     'model.num_heads'),
-    ('d_ff-vs-tensor', ['--config.model.d_ff=65'], 'model.d_ff'),
-    ('batch-vs-data', ['--config.train.global_batch_size=12'], 'train.global_batch_size'),
-    ('non-positive-layers', ['--config.model.num_layers=0'], 'model.num_layers'),
-    ('non-positive-steps', ['--config.train.steps=-1'], 'train.steps'),
-    ('unknown-key', ['--config.model.num_layer=4'], '--config.model.num_layer'),
-    ('missing-data-path', ['--config.data.source=text', '--config.data.path=/no/such/file'],
-     'data.path'),
-    ('too-little-text', _too_little_text, 'data.path'),
-    ('layers-vs-chunks', ['--config.model.num_layers=6'], 'model.num_layers'),
-    ('interleaved-microbatches', ['--config.pipeline.microbatches=3',
-                                  '--config.train.global_batch_size=12'],
-     'pipeline.microbatches'),
-    ('unknown-schedule', ['--config.pipeline.schedule=zigzag'], 'pipeline.schedule'),
-]
-
-
-@pytest.mark.parametrize('flags,key', [b[1:] for b in BAD_INPUT], ids=[b[0] for b in BAD_INPUT])
-def test_bad_input_exits_2_naming_the_key(tmp_path, flags, key):
-  if callable(flags):
-    flags = flags(tmp_path)
-  workdir = tmp_path / 'w'
-  result = _train(str(workdir), *flags)
-  assert result.returncode == 2, (result.returncode, result.stderr[-2000:])
-  lines = [l for l in result.stderr.splitlines() if l.startswith('error:')]
-  assert len(lines) == 1 and key in lines[0], result.stderr[-2000:]
-  assert not workdir.exists()   # nothing written before the input was checked
+# Bad input (config values, keys, flags, files, checkpoints): tests/test_bad_input.py.

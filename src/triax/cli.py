@@ -7,7 +7,6 @@ fix, and exit status 2; nothing on disk is touched first.
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 from typing import Iterator, NoReturn
 
@@ -47,7 +46,8 @@ def parse_flags(argv: list[str]) -> list[str]:
     for arg in argv[1:]:
       name = arg.split('=', 1)[0]
       parts = name[len('--config.'):].split('.')
-      if name.startswith('--config.') and any(f"'{part}'" in text for part in parts):
+      if name.startswith('--config.') and any(f"'{part}'" in text or part == text
+                                              for part in parts):
         hint = text.splitlines()[-1] if 'Did you mean' in text else 'check the spelling'
         fail(name, f'unknown config key ({hint})')
     fail('--config', f'{type(e).__name__}: {text.splitlines()[0] if text else e!r}')

@@ -101,6 +101,10 @@ def defaults() -> ml_collections.ConfigDict:
   c.train.eval_batches = 4
   # Write a metrics line every this many steps.
   c.train.log_every = 10
+  # NaN/Inf steps to skip (state kept, logged as skipped_nonfinite) before stopping; 0 stops at the first.
+  c.train.skip_nonfinite_steps = 0
+  # Write DIR/samples.jsonl: the window ids of each step's global batch (data accounting).
+  c.train.record_sample_ids = False
 
   c.data = ml_collections.ConfigDict()
   # stdlib: Python's own standard-library source (no download); text: data.path.
@@ -247,8 +251,9 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int) -> ml_collections
   for key in ('learning_rate', 'weight_decay', 'grad_clip_norm', 'min_lr_ratio'):
     if not isinstance(t[key], (int, float)) or t[key] < 0:
       raise ConfigError(f'train.{key}', f'must be a non-negative number, got {t[key]!r}')
-  if not isinstance(t.warmup_steps, int) or t.warmup_steps < 0:
-    raise ConfigError('train.warmup_steps', f'must be a non-negative integer, got {t.warmup_steps!r}')
+  for key in ('warmup_steps', 'skip_nonfinite_steps'):
+    if not isinstance(t[key], int) or isinstance(t[key], bool) or t[key] < 0:
+      raise ConfigError(f'train.{key}', f'must be a non-negative integer, got {t[key]!r}')
   if not isinstance(cfg.checkpoint.every_steps, int) or cfg.checkpoint.every_steps < 0:
     raise ConfigError('checkpoint.every_steps', 'must be >= 0 (0 = only at the end)')
   _positive(cfg, 'checkpoint', 'keep')

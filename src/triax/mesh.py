@@ -7,6 +7,7 @@ its own shard_map.
 
 from __future__ import annotations
 
+import math
 import os
 
 import jax
@@ -16,6 +17,7 @@ from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
 from triax.config import MESH_AXES
+from triax.errors import ConfigError
 
 
 def build_mesh(mesh_cfg, devices=None) -> Mesh:
@@ -29,16 +31,53 @@ def build_mesh(mesh_cfg, devices=None) -> Mesh:
   shape = tuple(mesh_cfg[a] for a in MESH_AXES)
   dcn = tuple(mesh_cfg[f'dcn_{a}'] for a in MESH_AXES)
   if any(d > 1 for d in dcn):
-    ici = tuple(s // d for s, d in zip(shape, dcn))
-    grid = mesh_utils.create_hybrid_device_mesh(
-        ici, dcn, devices, allow_split_physical_axes=True)
+    grid = _hybrid_grid(shape, dcn, devices)
   else:
-    try:
-      grid = mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
-    except (ValueError, NotImplementedError):
-      # Topology unknown to mesh_utils (e.g. forced CPU devices): plain order.
-      grid = np.asarray(devices).reshape(shape)
+    grid = _grid(shape, devices)
   return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+def _grid(shape: tuple[int, ...], devices: list) -> np.ndarray:
+  try:
+    return mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
+  except (ValueError, NotImplementedError):
+    # Topology unknown to mesh_utils (e.g. forced CPU devices): plain order.
+    grid = np.empty(len(devices), dtype=object)
+    grid[:] = devices
+    return grid.reshape(shape)
+
+
+def _hybrid_grid(shape: tuple[int, ...], dcn: tuple[int, ...], devices: list) -> np.ndarray:
+  """Axes split into a fast (within-granule) part and a slow (between-granule) part.
+
+  A granule is a TPU slice when there are several, else a run of consecutive
+  processes (one host, when processes are numbered host by host as SLURM and
+  TPU VMs do). An axis of size n with dcn factor k is k blocks of n/k
+  devices, each block inside one granule: only the dcn part crosses the slow
+  network.
+  """
+  count = math.prod(dcn)
+  if len({getattr(d, 'slice_index', 0) for d in devices}) > 1:
+    key, what = (lambda d: d.slice_index), 'slices'
+    if len({d.slice_index for d in devices}) != count:
+      raise ConfigError('mesh', f'dcn factors {"*".join(map(str, dcn))} = {count} must equal '
+                        f'the number of TPU slices ({len({d.slice_index for d in devices})})')
+  else:
+    processes = sorted({d.process_index for d in devices})
+    if len(processes) % count:
+      raise ConfigError('mesh', f'dcn factors {"*".join(map(str, dcn))} = {count} must divide '
+                        f'the number of processes ({len(processes)}); set mesh.dcn_* to 1 '
+                        'within one host')
+    per = len(processes) // count
+    key = lambda d: processes.index(d.process_index) // per
+  groups: dict[int, list] = {}
+  for device in devices:
+    groups.setdefault(key(device), []).append(device)
+  ici = tuple(s // d for s, d in zip(shape, dcn))
+  blocks = np.empty(dcn, dtype=object)
+  for index, granule in zip(np.ndindex(*dcn), (groups[k] for k in sorted(groups))):
+    blocks[index] = _grid(ici, granule)
+  return np.block(blocks.tolist())
 
 
 def maybe_initialize_distributed() -> None:
@@ -55,7 +94,10 @@ def maybe_initialize_distributed() -> None:
     jax.distributed.initialize(
         coordinator_address=coordinator,
         num_processes=int(os.environ['TRIAX_NUM_PROCESSES']),
-        process_id=int(os.environ['TRIAX_PROCESS_ID']))
+        process_id=int(os.environ['TRIAX_PROCESS_ID']),
+        # JAX's default binds the coordinator on every interface ([::]:port);
+        # bind only the address given (127.0.0.1 for scripts/launch_local.sh).
+        coordinator_bind_address=coordinator)
   elif os.environ.get('TRIAX_DISTRIBUTED') == 'auto':
     jax.distributed.initialize()
   else:

@@ -39,11 +39,19 @@ def main(argv):
   mesh.maybe_initialize_distributed()
   cli.warn_if_accelerator(_CPU_DEVICES.value)
   from triax.training import loop  # after the device count is set: importing jax is fine, starting it is not
-  with cli.config_errors_exit():
-    summary = loop.train_and_evaluate(cfg, _WORKDIR.value,
-                                      compile_only=_COMPILE_ONLY.value,
-                                      profile_steps=_PROFILE_STEPS.value,
-                                      progress=_PROGRESS.value)
+  try:
+    with cli.config_errors_exit():
+      summary = loop.train_and_evaluate(cfg, _WORKDIR.value,
+                                        compile_only=_COMPILE_ONLY.value,
+                                        profile_steps=_PROFILE_STEPS.value,
+                                        progress=_PROGRESS.value)
+  except loop.NonFiniteError as e:
+    # Not bad input (exit 2): the run itself diverged. The last checkpoint stays the last good one.
+    print(f'error: {e}', file=sys.stderr)
+    sys.exit(1)
+  import jax
+  if jax.process_index() != 0:
+    return   # process 0 speaks for a multi-process run
   workdir = os.path.abspath(_WORKDIR.value)
   if _COMPILE_ONLY.value:
     print(f'compile stats: {workdir}/compile_stats.json '
@@ -52,7 +60,13 @@ def main(argv):
   print(f'metrics:     {workdir}/metrics.jsonl')
   print(f'tensorboard: tensorboard --logdir {workdir}/tb')
   print(f'checkpoints: {workdir}/checkpoints')
-  if summary['first_eval_loss'] is not None:
+  if summary['skipped_nonfinite']:
+    print(f'skipped {len(summary["skipped_nonfinite"])} non-finite steps: '
+          f'{summary["skipped_nonfinite"]} (see skipped_nonfinite in metrics.jsonl)')
+  if summary['final_eval_loss'] is None:
+    print(f'nothing to do: the checkpoint is at step {summary["start_step"]} and '
+          f'train.steps={summary["steps"]}')
+  elif summary['first_eval_loss'] is not None:
     print(f'eval loss {summary["first_eval_loss"]:.3f} -> {summary["final_eval_loss"]:.3f} nats '
           f'(unigram baseline of the corpus: {summary["unigram_entropy_nats"]:.3f})')
   else:

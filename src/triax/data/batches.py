@@ -5,7 +5,11 @@ sample g is window perm_e[g % N] of epoch e = g // N, where perm_e is drawn
 from the seed and the epoch alone, and step s holds samples s*B ... s*B+B-1.
 A batch is therefore a pure function of the step: resuming needs only the step
 number, so a checkpoint stores the step and nothing else about the data, and
-every process computes its own rows without talking to the others.
+every process computes the batch without talking to the others. The
+training loop has each process compute the whole global batch
+(process_count=1) and hands every device its block of it
+(training.loop.global_batch), which is right for any mesh; the per-process
+rows below suit a mesh whose data axis splits exactly along processes.
 """
 
 from __future__ import annotations

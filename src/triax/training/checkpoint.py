@@ -1,15 +1,33 @@
-"""Checkpoints in a layout that does not depend on the parallel layout.
+"""Checkpoints that move between parallel layouts and survive crashes.
 
 The train state is written in model layer order ([L, ...] stacks) with
 orbax, next to a small JSON record of the model shape, so a checkpoint
 written under one (data, tensor, pipe, v, schedule) restores under any
 other valid one for the same model. The data stream needs nothing beyond
 the step: batches are a pure function of it.
+
+What makes a step directory a checkpoint:
+* orbax writes a step into a temporary directory and renames it when every
+  process has finished; just before the rename, process 0 adds
+  `triax_manifest.json`, the size of every file. A checkpoint is *intact*
+  when each file of its manifest is there with that size, so an unfinished
+  save, a truncated file or a deleted one is detected without reading data.
+* Restore takes the newest intact checkpoint that also reads back. Newer
+  damaged ones are named in one warning and moved to DIR/checkpoints_damaged/
+  before training writes again (orbax refuses to save over a step).
+* Retention is ours, not orbax's `max_to_keep` (which picks what to delete
+  counting the save in flight as kept, deletes even when that save's final
+  error check failed, and would count a damaged step as kept): older
+  checkpoints are deleted only once `keep` newer ones are complete and
+  intact, so the last good checkpoint always survives.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import re
+import shutil
 
 import jax
 import orbax.checkpoint as ocp
@@ -20,54 +38,257 @@ from triax.training.step import TrainState, Trainer
 
 _MODEL_KEYS = ('num_layers', 'd_model', 'num_heads', 'd_ff', 'vocab_size', 'seq_len',
                'param_dtype')
+MANIFEST = 'triax_manifest.json'
+DAMAGED_DIR = 'checkpoints_damaged'
+# orbax's name for a step being written (`8.orbax-checkpoint-tmp-<time>`).
+_UNFINISHED = re.compile(r'^(\d+)\.orbax-checkpoint-tmp')
 
 
 def model_record(cfg) -> dict:
-  """What must match between a checkpoint and the run restoring it."""
+  """What must match between a checkpoint and the run restoring it (besides the state's tree)."""
   return {k: cfg.model[k] for k in _MODEL_KEYS}
 
 
+def state_paths(trainer: Trainer) -> list[str]:
+  """The key paths of the canonical train state: optimizer settings (clipping, say) change them."""
+  leaves = jax.tree_util.tree_flatten_with_path(trainer.abstract_canonical_state())[0]
+  return [jax.tree_util.keystr(path) for path, _ in leaves]
+
+
+def _step_of(name: str) -> int | None:
+  return int(name) if name.isdigit() else None
+
+
+def _first_line(error: BaseException) -> str:
+  text = str(error).strip()
+  return f'{type(error).__name__}: {text.splitlines()[0][:200] if text else ""}'.rstrip(': ')
+
+
 class Checkpointer:
-  """Saves and restores the train state of one workdir."""
+  """Saves and restores the train state of one workdir.
+
+  Construction and `restore` only read; the first `save` (or `prepare_to_write`)
+  starts writing. Call `restore` first: it decides which newer, damaged
+  steps must be moved aside.
+  """
 
   def __init__(self, workdir: str, cfg):
-    self.directory = os.path.join(os.path.abspath(workdir), 'checkpoints')
+    """Checks that DIR/checkpoints, if present, holds only triax checkpoints.
+
+    Raises:
+      ConfigError: the path is a file or holds something else.
+    """
+    self.workdir = os.path.abspath(workdir)
+    self.directory = os.path.join(self.workdir, 'checkpoints')
     self.cfg = cfg
-    if os.path.exists(self.directory) and not os.path.isdir(self.directory):
-      raise ConfigError('--workdir', f'{self.directory} exists and is not a directory; '
-                        'choose another --workdir')
-    options = ocp.CheckpointManagerOptions(
-        max_to_keep=cfg.checkpoint.keep, create=True, enable_async_checkpointing=True)
-    self.manager = ocp.CheckpointManager(self.directory, options=options)
+    self.keep = cfg.checkpoint.keep
+    self.restored_step: int | None = None
+    self.restored_progress: dict = {}
+    self.damaged: list[tuple[int, str]] = []   # newer than the restored step
+    self._manager = None
+    self._saving_step: int | None = None
+    self._state_paths: list[str] | None = None
+    self._check_directory()
+
+  @property
+  def _main(self) -> bool:
+    return jax.process_index() == 0
+
+  def _check_directory(self) -> None:
+    if not os.path.exists(self.directory):
+      return
+    fix = 'choose another --workdir, or move it away to start afresh'
+    if not os.path.isdir(self.directory):
+      raise ConfigError('--workdir', f'{self.directory} exists and is not a directory; {fix}')
+    for name in sorted(os.listdir(self.directory)):
+      path = os.path.join(self.directory, name)
+      if (_step_of(name) is not None or _UNFINISHED.match(name)) and os.path.isdir(path):
+        continue
+      raise ConfigError('--workdir', f'{path} is not a triax checkpoint, so this is not a '
+                        f'triax workdir; {fix}')
+
+  def _step_dir(self, step: int) -> str:
+    return os.path.join(self.directory, str(step))
+
+  def steps(self) -> list[int]:
+    """Step directories on disk, intact or not, ascending."""
+    if not os.path.isdir(self.directory):
+      return []
+    return sorted(s for s in map(_step_of, os.listdir(self.directory))
+                  if s is not None and os.path.isdir(self._step_dir(s)))
+
+  def verify(self, step: int) -> str | None:
+    """None if checkpoint `step` is intact, else what is wrong with it (cheap: no data read)."""
+    path = self._step_dir(step)
+    try:
+      with open(os.path.join(path, MANIFEST)) as f:
+        files = json.load(f)['files']
+    except FileNotFoundError:
+      return f'{MANIFEST} is missing (an unfinished save, or not a triax checkpoint)'
+    except (OSError, ValueError, KeyError, TypeError) as e:
+      return f'{MANIFEST} is unreadable ({_first_line(e)})'
+    for rel, size in sorted(files.items()):
+      try:
+        actual = os.path.getsize(os.path.join(path, rel))
+      except OSError:
+        return f'{rel} is missing'
+      if actual != size:
+        return f'{rel} has {actual} bytes, the manifest says {size}'
+    return None
 
   def latest_step(self) -> int | None:
-    return self.manager.latest_step()
+    """The newest intact checkpoint's step (None if there is none)."""
+    intact = [s for s in self.steps() if self.verify(s) is None]
+    return intact[-1] if intact else None
 
-  def save(self, trainer: Trainer, state: TrainState, *, force: bool = False) -> None:
-    step = int(jax.device_get(state.step))
-    canonical = trainer.to_canonical(state)
-    self.manager.save(step, args=ocp.args.Composite(
-        state=ocp.args.StandardSave(canonical),
-        model=ocp.args.JsonSave(model_record(self.cfg))), force=force)
+  def restore(self, trainer: Trainer) -> TrainState | None:
+    """The newest intact checkpoint's state, or None when the workdir has none yet.
 
-  def restore(self, trainer: Trainer, step: int | None = None) -> TrainState:
-    step = self.latest_step() if step is None else step
-    record = self.manager.restore(step, args=ocp.args.Composite(
-        model=ocp.args.JsonRestore()))['model']
-    expected = model_record(self.cfg)
-    for key, value in expected.items():
+    A newer checkpoint that is damaged (fails the manifest check or does not
+    read back) is skipped with one warning naming it and the one restored;
+    it is moved aside by the first save.
+
+    Raises:
+      ConfigError: the checkpoint is of another model, or no checkpoint is intact.
+    """
+    steps = self.steps()
+    if not steps:
+      return None
+    damaged = []
+    for step in reversed(steps):
+      reason = self.verify(step)
+      if reason is None:
+        try:
+          items = self._read(step, model=ocp.args.JsonRestore(),
+                             progress=ocp.args.JsonRestore())
+        except Exception as e:  # pylint: disable=broad-except  # anything unreadable is damage
+          reason = f'unreadable ({_first_line(e)})'
+      if reason is None:
+        self._check_model(step, items['model'], trainer)
+        try:
+          state = self._read(step, state=ocp.args.StandardRestore(
+              trainer.abstract_canonical_state()))['state']
+        except Exception as e:  # pylint: disable=broad-except
+          reason = f'unreadable ({_first_line(e)})'
+      if reason is not None:
+        damaged.append((step, reason))
+        continue
+      self.restored_step, self.restored_progress, self.damaged = step, items['progress'], damaged
+      if damaged and self._main:
+        named = '; '.join(f'{self._step_dir(s)} ({r})' for s, r in damaged)
+        logging.warning('damaged checkpoint %s: resuming from %s instead (the damaged one moves '
+                        'to %s)', named, self._step_dir(step),
+                        os.path.join(self.workdir, DAMAGED_DIR))
+      logging.info('restored step %d from %s', step, self.directory)
+      return trainer.from_canonical(state)
+    found = '; '.join(f'{s}: {r}' for s, r in damaged)
+    raise ConfigError('--workdir', f'{self.directory} holds no intact checkpoint ({found}); '
+                      'move it away to start afresh, or choose another --workdir')
+
+  def _read(self, step: int, **items) -> dict:
+    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as reader:
+      return reader.restore(self._step_dir(step), args=ocp.args.Composite(**items))
+
+  def _check_model(self, step: int, record: dict, trainer: Trainer) -> None:
+    for key, value in model_record(self.cfg).items():
       if record.get(key) != value:
         raise ConfigError(f'model.{key}',
-                          f'checkpoint {self.directory}/{step} has {key}={record.get(key)!r} '
+                          f'checkpoint {self._step_dir(step)} has {key}={record.get(key)!r} '
                           f'but the config says {value!r}; use the same model or a new --workdir')
-    restored = self.manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(trainer.abstract_canonical_state())))['state']
-    logging.info('restored step %d from %s', step, self.directory)
-    return trainer.from_canonical(restored)
+    saved, wanted = record.get('state_paths'), self._paths(trainer)
+    if saved is not None and saved != wanted:
+      odd = sorted(set(saved) ^ set(wanted))
+      raise ConfigError('train.grad_clip_norm',
+                        f'checkpoint {self._step_dir(step)} holds an optimizer state of another '
+                        f'structure (e.g. {odd[0] if odd else "leaf order"}); clipping on or off '
+                        'changes it: use the setting it was written with, or a new --workdir')
+
+  def _paths(self, trainer: Trainer) -> list[str]:
+    if self._state_paths is None:
+      self._state_paths = state_paths(trainer)
+    return self._state_paths
+
+  def prepare_to_write(self) -> None:
+    """Moves damaged newer steps aside and opens orbax (which removes unfinished saves)."""
+    if self._manager is not None:
+      return
+    self._sync('triax_checkpoint_restored')   # every process has read what it needs
+    if self._main:
+      os.makedirs(self.directory, exist_ok=True)
+      for step, _ in self.damaged:
+        target = os.path.join(self.workdir, DAMAGED_DIR, str(step))
+        suffix = 0
+        while os.path.exists(target + (f'-{suffix}' if suffix else '')):
+          suffix += 1
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        os.replace(self._step_dir(step), target + (f'-{suffix}' if suffix else ''))
+    self._sync('triax_checkpoint_prepare')
+    options = ocp.CheckpointManagerOptions(
+        max_to_keep=None, create=True, enable_async_checkpointing=True,
+        cleanup_tmp_directories=True,
+        async_options=ocp.AsyncOptions(post_finalization_callback=self._write_manifest))
+    self._manager = ocp.CheckpointManager(self.directory, options=options)
+
+  def save(self, trainer: Trainer, state: TrainState, *, progress: dict | None = None) -> None:
+    """Starts an asynchronous save of `state` (after the previous one has finished).
+
+    `progress` is a small JSON record restored with the state (`restored_progress`).
+    """
+    self.prepare_to_write()
+    self._manager.wait_until_finished()
+    self._prune()
+    step = int(jax.device_get(state.step))
+    canonical = trainer.to_canonical(state)
+    self._saving_step = step
+    self._manager.save(step, args=ocp.args.Composite(
+        state=ocp.args.StandardSave(canonical),
+        model=ocp.args.JsonSave({**model_record(self.cfg), 'state_paths': self._paths(trainer)}),
+        progress=ocp.args.JsonSave(progress or {})), force=True)
+
+  def _write_manifest(self) -> None:
+    # orbax calls this on process 0 once every process has written its part,
+    # just before the directory gets its final name: the manifest commits with it.
+    step = self._saving_step
+    unfinished = [os.path.join(self.directory, n) for n in os.listdir(self.directory)
+                  if (m := _UNFINISHED.match(n)) and int(m.group(1)) == step]
+    path = max(unfinished, key=os.path.getmtime) if unfinished else self._step_dir(step)
+    files = {}
+    for root, _, names in os.walk(path):
+      for name in names:
+        rel = os.path.relpath(os.path.join(root, name), path)
+        if os.sep in rel:   # items' files; orbax rewrites its top-level files after this
+          files[rel] = os.path.getsize(os.path.join(root, name))
+    if not files:
+      raise RuntimeError(f'checkpoint step {step}: found no files to list under {path}')
+    with open(os.path.join(path, MANIFEST), 'w') as f:
+      json.dump({'step': step, 'files': files}, f, indent=1, sort_keys=True)
+      f.flush()
+      os.fsync(f.fileno())
+
+  def _prune(self) -> None:
+    """Deletes steps older than the newest `keep` intact ones (no save is in flight)."""
+    if self._main:
+      steps = self.steps()
+      intact = [s for s in steps if self.verify(s) is None]
+      if len(intact) > self.keep:
+        for step in steps:
+          if step < intact[-self.keep]:
+            shutil.rmtree(self._step_dir(step), ignore_errors=True)
+    self._sync('triax_checkpoint_prune')
+
+  def _sync(self, name: str) -> None:
+    if jax.process_count() > 1:
+      from jax.experimental import multihost_utils
+      multihost_utils.sync_global_devices(name)
 
   def wait(self) -> None:
-    self.manager.wait_until_finished()
+    """Blocks until the last save is complete; then applies retention."""
+    if self._manager is not None:
+      self._manager.wait_until_finished()
+      self._prune()
 
   def close(self) -> None:
-    self.manager.wait_until_finished()
-    self.manager.close()
+    if self._manager is not None:
+      self.wait()
+      self._manager.close()
+      self._manager = None

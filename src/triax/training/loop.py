@@ -1,4 +1,11 @@
-"""The training loop: config -> data -> mesh -> compiled step -> steps, evals, checkpoints."""
+"""The training loop: config -> data -> mesh -> compiled step -> steps, evals, checkpoints.
+
+A run is resumable at any moment: batches are a pure function of the step,
+checkpoints are written asynchronously and count only once complete
+(training/checkpoint.py), and metrics and sample logs are cut back to the
+restored step, so a killed run, started again with the same command, goes on
+to the same losses as one never interrupted.
+"""
 
 from __future__ import annotations
 
@@ -9,8 +16,8 @@ import os
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
-from absl import logging
 from tqdm import tqdm
 
 from triax import config as config_lib
@@ -21,12 +28,18 @@ from triax.mesh import build_mesh
 from triax.model.flops import megatron_flops_per_step, peak_flops
 from triax.pipeline import schedule as sched
 from triax.training.checkpoint import Checkpointer
-from triax.training.metrics import MetricsWriter
-from triax.training.step import Trainer, build_trainer
+from triax.training.metrics import JsonLines, MetricsWriter
+from triax.training.step import Trainer, TrainState, build_trainer
 
 
 class NonFiniteError(RuntimeError):
   """The loss or gradient became NaN/Inf; the state of that step is not saved."""
+
+  def __init__(self, step: int, loss: float, grad_norm: float):
+    self.step = step
+    super().__init__(f'step {step}: loss={loss} grad_norm={grad_norm} is not finite; stopped '
+                     'without saving this step (lower train.learning_rate, or let '
+                     'train.skip_nonfinite_steps=N skip such steps)')
 
 
 @dataclasses.dataclass
@@ -38,11 +51,16 @@ class Data:
 
 
 def load_data(cfg) -> Data:
-  """Reads the corpus and checks it holds at least one batch (before any compile)."""
+  """Reads the corpus and checks it holds at least one batch (before any compile).
+
+  Every process computes the whole global batch (B x seq_len bytes: cheap)
+  and `global_batch` hands each device its block, so batches are right
+  whatever devices each process holds (with mesh.data=1, for one, every
+  process needs every row).
+  """
   corpus = load_corpus(cfg.data.source, cfg.data.path)
   args = dict(seq_len=cfg.model.seq_len, global_batch_size=cfg.train.global_batch_size,
-              seed=cfg.train.seed, process_index=jax.process_index(),
-              process_count=jax.process_count())
+              seed=cfg.train.seed)
   train = BatchStream(corpus.train, split_name='train', **args)
   val = BatchStream(corpus.val, split_name='validation', **args)
   return Data(train=train, eval_batches=val.eval_batches(cfg.train.eval_batches),
@@ -50,9 +68,31 @@ def load_data(cfg) -> Data:
               unigram_entropy=unigram_entropy_nats(corpus.train))
 
 
-def _global_batch(trainer: Trainer, batch: dict) -> dict:
-  return {k: jax.make_array_from_process_local_data(trainer.batch_sharding, batch[k])
+def global_batch(trainer: Trainer, batch: dict) -> dict:
+  """The global batch (host arrays, all rows) as arrays sharded by `trainer.batch_sharding`."""
+  return {k: jax.make_array_from_callback(batch[k].shape, trainer.batch_sharding,
+                                          lambda index, a=batch[k]: a[index])
           for k in ('inputs', 'targets')}
+
+
+def skipping_train_step(trainer: Trainer):
+  """The train step, but a step whose loss or gradient is not finite leaves the state as it was.
+
+  Parameters and optimizer state (and so Adam's step count) are selected
+  inside the jit: the step donates its state, so the host cannot keep the
+  old one. `state.step` still advances, as the batch position does.
+  """
+  replicated = jax.sharding.NamedSharding(trainer.mesh, jax.sharding.PartitionSpec())
+
+  def step(state: TrainState, batch: dict):
+    new, out = trainer.train_step(state, batch)
+    ok = jnp.isfinite(out['loss']) & jnp.isfinite(out['grad_norm'])
+    keep = lambda n, o: jnp.where(ok, n, o)
+    return new.replace(params=jax.tree.map(keep, new.params, state.params),
+                       opt_state=jax.tree.map(keep, new.opt_state, state.opt_state)), out
+
+  return jax.jit(step, in_shardings=(trainer.state_shardings, trainer.batch_sharding),
+                 out_shardings=(trainer.state_shardings, replicated), donate_argnums=0)
 
 
 def _cost(compiled) -> dict:
@@ -62,15 +102,15 @@ def _cost(compiled) -> dict:
   return cost or {}
 
 
-def compile_stats(trainer: Trainer) -> tuple[object, dict]:
-  """Lowers and compiles the train step; XLA's per-device memory and cost figures."""
+def compile_stats(trainer: Trainer, step_fn=None) -> tuple[object, dict]:
+  """Lowers and compiles the train step (or `step_fn`); XLA's per-device memory and cost figures."""
   cfg = trainer.cfg
   b, s = cfg.train.global_batch_size, cfg.model.seq_len
   batch = {k: jax.ShapeDtypeStruct((b, s), np.int32, sharding=trainer.batch_sharding)
            for k in ('inputs', 'targets')}
   started = time.perf_counter()
   with jax.set_mesh(trainer.mesh):
-    compiled = trainer.train_step.lower(trainer.abstract_state(), batch).compile()
+    compiled = (step_fn or trainer.train_step).lower(trainer.abstract_state(), batch).compile()
   mem = compiled.memory_analysis()
   stats = {
       'temp_bytes': int(mem.temp_size_in_bytes),
@@ -121,20 +161,38 @@ def _parse_profile_steps(spec: str, last_step: int) -> tuple[int, int] | None:
   return first, last
 
 
+def _check_workdir(workdir: str) -> None:
+  """The workdir is a directory, or can become one (its nearest existing ancestor is one)."""
+  if os.path.exists(workdir) and not os.path.isdir(workdir):
+    raise ConfigError('--workdir', f'{workdir} is a file; give a directory')
+  ancestor = os.path.dirname(os.path.abspath(workdir))
+  while not os.path.exists(ancestor):
+    ancestor = os.path.dirname(ancestor)
+  if not os.path.isdir(ancestor):
+    raise ConfigError('--workdir', f'cannot create {workdir}: {ancestor} is a file; '
+                      'give a directory path')
+  if not os.access(ancestor if not os.path.isdir(workdir) else workdir, os.W_OK):
+    raise ConfigError('--workdir', f'{workdir} is not writable; choose another --workdir')
+
+
 def train_and_evaluate(cfg, workdir: str, *, compile_only: bool = False,
                        profile_steps: str = '', progress: bool = True) -> dict:
   """Runs (or resumes) training as configured; returns a summary of the run.
 
   Everything that can be wrong with the input is checked before the workdir
-  is touched: config, data, profile range, and an existing checkpoint's model.
+  is touched: config, data, profile range, and an existing checkpoint
+  directory (its contents and its model).
+
+  Raises:
+    ConfigError: bad input (nothing written).
+    NonFiniteError: a NaN/Inf step beyond train.skip_nonfinite_steps (its state is not saved).
   """
   cfg = config_lib.validate(cfg, jax.device_count())
   profile = _parse_profile_steps(profile_steps, cfg.train.steps)
+  _check_workdir(workdir)
   data = load_data(cfg)
   mesh = build_mesh(cfg.mesh)
   trainer = build_trainer(cfg, mesh)
-  if os.path.exists(workdir) and not os.path.isdir(workdir):
-    raise ConfigError('--workdir', f'{workdir} is a file; give a directory')
 
   with jax.set_mesh(mesh):  # jitted functions trace on first call: they need the mesh
     return _run(cfg, trainer, data, workdir, compile_only, profile, progress)
@@ -142,34 +200,42 @@ def train_and_evaluate(cfg, workdir: str, *, compile_only: bool = False,
 
 def _run(cfg, trainer: Trainer, data: Data, workdir: str, compile_only: bool,
          profile: tuple[int, int] | None, progress: bool) -> dict:
+  main_process = jax.process_index() == 0
   if compile_only:
-    os.makedirs(workdir, exist_ok=True)
     _, stats = compile_stats(trainer)
-    _write_json(os.path.join(workdir, 'compile_stats.json'), stats)
+    if main_process:
+      os.makedirs(workdir, exist_ok=True)
+      _write_json(os.path.join(workdir, 'compile_stats.json'), stats)
     return stats
 
-  main_process = jax.process_index() == 0
-  ckpt = Checkpointer(workdir, cfg)
-  if ckpt.latest_step() is not None:
-    state = ckpt.restore(trainer)   # checks the checkpoint's model before anything is written
-  else:
+  ckpt = Checkpointer(workdir, cfg)   # only reads until the first save
+  state = ckpt.restore(trainer)       # the newest intact checkpoint; checks its model
+  if state is None:
     state = trainer.init_state(jax.random.key(cfg.train.seed))
+  skipped = list(ckpt.restored_progress.get('skipped_nonfinite', []))
+  # Input is checked; from here on the workdir is written.
+  if main_process:
+    os.makedirs(workdir, exist_ok=True)
+  ckpt.prepare_to_write()
   if main_process:
     # What the run was (for triax.sample and for people): the validated config.
     with open(os.path.join(workdir, 'config.json.tmp'), 'w') as f:
       f.write(cfg.to_json(indent=2))
     os.replace(os.path.join(workdir, 'config.json.tmp'), os.path.join(workdir, 'config.json'))
   start = int(jax.device_get(state.step))
-  compiled, stats = compile_stats(trainer)
+  skip_limit = cfg.train.skip_nonfinite_steps
+  compiled, stats = compile_stats(trainer, skipping_train_step(trainer) if skip_limit else None)
   if main_process:
     _write_json(os.path.join(workdir, 'compile_stats.json'), stats)
   metrics = MetricsWriter(workdir, start, enabled=main_process)
+  samples = JsonLines(os.path.join(workdir, 'samples.jsonl'), start,
+                      enabled=main_process and cfg.train.record_sample_ids)
   peak = peak_flops(jax.devices()[0].device_kind, cfg.hardware.peak_flops_per_device)
   tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_len
   lr = trainer.optimizer_schedule
 
   def evaluate(step: int) -> float:
-    losses = [trainer.eval_loss(state.params, _global_batch(trainer, b))
+    losses = [trainer.eval_loss(state.params, global_batch(trainer, b))
               for b in data.eval_batches]
     value = float(np.mean(jax.device_get(losses)))
     metrics.write({'step': step, 'eval_loss': value})
@@ -185,8 +251,8 @@ def _run(cfg, trainer: Trainer, data: Data, workdir: str, compile_only: bool,
     for step in range(start + 1, cfg.train.steps + 1):
       if profile and step == profile[0]:
         jax.profiler.start_trace(os.path.join(workdir, 'profile'))
-      batch = _global_batch(trainer, data.train.batch(step - 1))
-      new_state, out = compiled(state, batch)
+      host_batch = data.train.batch(step - 1)
+      new_state, out = compiled(state, global_batch(trainer, host_batch))
       window_steps += 1
       log_now = step % cfg.train.log_every == 0 or step == cfg.train.steps
       if profile and step == profile[1]:
@@ -197,8 +263,13 @@ def _run(cfg, trainer: Trainer, data: Data, workdir: str, compile_only: bool,
       out = jax.device_get(out)
       loss, grad_norm = float(out['loss']), float(out['grad_norm'])
       if not (math.isfinite(loss) and math.isfinite(grad_norm)):
-        raise NonFiniteError(f'step {step}: loss={loss} grad_norm={grad_norm} is not finite; '
-                             'stopped without saving this step (lower train.learning_rate?)')
+        if len(skipped) >= skip_limit:
+          raise NonFiniteError(step, loss, grad_norm)
+        skipped.append(step)   # new_state holds the previous parameters (skipping_train_step)
+        metrics.write({'step': step, 'skipped_nonfinite': True, 'loss': loss,
+                       'grad_norm': grad_norm, 'skipped_so_far': len(skipped)})
+        log_now = False
+      samples.write({'step': step, 'sample_ids': host_batch['sample_ids'].tolist()})
       if log_now:
         elapsed = time.perf_counter() - window_start
         step_time = elapsed / window_steps
@@ -218,7 +289,7 @@ def _run(cfg, trainer: Trainer, data: Data, workdir: str, compile_only: bool,
         window_start = time.perf_counter()
       every = cfg.checkpoint.every_steps
       if (every and step % every == 0) or step == cfg.train.steps:
-        ckpt.save(trainer, state)
+        ckpt.save(trainer, state, progress={'skipped_nonfinite': skipped})
         window_start = time.perf_counter()
   finally:
     bar.close()
@@ -227,4 +298,5 @@ def _run(cfg, trainer: Trainer, data: Data, workdir: str, compile_only: bool,
   return {'workdir': os.path.abspath(workdir), 'start_step': start, 'steps': cfg.train.steps,
           'first_eval_loss': first_eval, 'final_eval_loss': last_eval, 'final_loss': last_loss,
           'unigram_entropy_nats': data.unigram_entropy, 'data': data.description,
-          'temp_bytes': stats['temp_bytes']}
+          'temp_bytes': stats['temp_bytes'], 'skipped_nonfinite': skipped,
+          'restored_step': ckpt.restored_step, 'damaged_checkpoints': ckpt.damaged}
