@@ -12,12 +12,18 @@ with the profile measured in this process):
   (its measured time over the measured-best plan's).
 
   .venv/bin/python scripts/bench_planner.py [--out=runs/bench_planner.md]
-      [--config=experiments/gpt_tiny.py] [--steps=8] [--only=0,3,5] [--predict_only]
+      [--config=experiments/gpt_tiny.py] [--steps=6] [--repeats=2] [--only=0,3,5]
+      [--predict_only]
 
 Uneven layer splits need the trainer's `pipeline.layers_per_stage`; without
 it they are predicted but not run (the table says so). A plan the trainer
 rejects or that crashes is reported with its error and left out of the
-statistics. Takes ~30 s per plan on 2 cores.
+statistics. Takes ~30-90 s per plan on 2 cores.
+
+Other processes on the machine distort both the profile and the runs (two
+busy cores halve everything, unevenly): by default each measurement first
+waits (up to --quiet_wait_s) until the CPUs are less than --quiet_busy busy
+over 3 s, and the table records how busy they were just before each run.
 """
 
 from __future__ import annotations
@@ -90,6 +96,45 @@ def spearman(xs, ys) -> float:
   return cov / (sx * sy) if sx and sy else float('nan')
 
 
+def cpu_busy(window_s: float = 3.0) -> float:
+  """Fraction of the machine's CPU time spent busy over the next window_s."""
+  def read():
+    with open('/proc/stat') as f:
+      values = [int(x) for x in f.readline().split()[1:]]
+    idle = values[3] + values[4]   # idle + iowait
+    return sum(values), idle
+  total0, idle0 = read()
+  time.sleep(window_s)
+  total1, idle1 = read()
+  return 1.0 - (idle1 - idle0) / max(total1 - total0, 1)
+
+
+def wait_for_quiet(threshold: float, limit_s: float) -> float:
+  """Waits until other processes leave the CPUs mostly idle (or limit_s);
+  returns the busy fraction measured last."""
+  deadline = time.time() + limit_s
+  busy = cpu_busy()
+  while busy > threshold and time.time() < deadline:
+    busy = cpu_busy()
+  return busy
+
+
+def speed_index() -> float:
+  """Seconds of a fixed small matmul loop on one device: how fast the machine
+  is right now, given whatever else runs on it."""
+  import jax
+  import jax.numpy as jnp
+  loop = jax.jit(lambda m: jax.lax.fori_loop(0, 40, lambda _, m: jnp.tanh(m @ m), m))
+  m = jnp.full((384, 384), 0.01, jnp.float32)
+  jax.block_until_ready(loop(m))
+  times = []
+  for _ in range(7):
+    start = time.perf_counter()
+    jax.block_until_ready(loop(m))
+    times.append(time.perf_counter() - start)
+  return sorted(times)[3]
+
+
 def measure(plan_file: str, workdir: str, steps: int) -> tuple[float | None, str]:
   """Runs the trainer; returns (median step_time_s after the first step, error)."""
   cmd = [sys.executable, '-m', 'triax.train', f'--config={plan_file}',
@@ -119,9 +164,15 @@ def main() -> int:
   parser.add_argument('--config', default='experiments/gpt_tiny.py')
   parser.add_argument('--cluster', default='experiments/clusters/cpu_forced_8.yaml')
   parser.add_argument('--out', default='runs/bench_planner.md')
-  parser.add_argument('--steps', type=int, default=8)
+  parser.add_argument('--steps', type=int, default=6)
   parser.add_argument('--only', default='', help='comma-separated plan indices')
   parser.add_argument('--predict_only', action='store_true')
+  parser.add_argument('--quiet_busy', type=float, default=0.25,
+                      help='wait until the CPUs are less busy than this before measuring')
+  parser.add_argument('--quiet_wait_s', type=float, default=300)
+  parser.add_argument('--repeats', type=int, default=2,
+                      help='rounds over all plans; each plan keeps its fastest round '
+                           '(other processes only ever slow a run down)')
   args = parser.parse_args()
 
   import importlib.util
@@ -145,28 +196,42 @@ def main() -> int:
                                     virtual_stages=v, remat=remat, layers=layers,
                                     stages=stages,
                                     global_batch=cfg.train.global_batch_size)))
+  wait_for_quiet(args.quiet_busy, args.quiet_wait_s)
   started = time.perf_counter()
   prof = profile.measure(cfg.model, sorted({p.tensor for _, p in plans}),
                          sorted({p.microbatch_size for _, p in plans}))
   print(f'profiled in {time.perf_counter() - started:.1f} s', flush=True)
+  speed_at_profile = speed_index()
   rows = []
+  estimates = {i: simulator.simulate_plan(plan, prof, cluster) for i, plan in plans}
+  for i, plan in plans:
+    est = estimates[i]
+    rows.append(dict(index=i, plan=plan.describe(), predicted=est.step_time,
+                     predicted_async=est.async_time, measured=None, note='', load='',
+                     corrected=None))
+    if not plan.even and not uneven_ok:
+      rows[-1]['note'] = 'not run: trainer has no pipeline.layers_per_stage'
   with tempfile.TemporaryDirectory() as tmp:
-    for i, plan in plans:
-      est = simulator.simulate_plan(plan, prof, cluster)
-      row = dict(index=i, plan=plan.describe(), predicted=est.step_time,
-                 predicted_async=est.async_time, measured=None, note='')
-      if not plan.even and not uneven_ok:
-        row['note'] = 'not run: trainer has no pipeline.layers_per_stage'
-      elif not args.predict_only:
+    for round_ in range(0 if args.predict_only else args.repeats):
+      for row, (i, plan) in zip(rows, plans):
+        if row['note'].startswith('not run'):
+          continue
         plan_file = os.path.join(tmp, f'plan{i}.py')
-        emit.write(plan_file, est, os.path.join(ROOT, args.config), None,
+        emit.write(plan_file, estimates[i], os.path.join(ROOT, args.config), None,
                    dict(BENCH_OVERRIDES), cluster.name)
-        row['measured'], row['note'] = measure(plan_file, os.path.join(tmp, f'run{i}'),
-                                               args.steps)
-      rows.append(row)
-      shown = f'{row["measured"] * 1e3:8.1f}' if row['measured'] else '       -'
-      print(f'{i:2d} {plan.describe():55s} predicted {est.step_time * 1e3:8.1f} ms '
-            f'measured {shown} ms {row["note"]}', flush=True)
+        before = wait_for_quiet(args.quiet_busy, args.quiet_wait_s)
+        # The machine's speed now relative to when it was profiled (others' load).
+        slowdown = speed_index() / speed_at_profile
+        measured, note = measure(plan_file, os.path.join(tmp, f'run{i}_{round_}'), args.steps)
+        if measured is not None and (row['measured'] is None or measured < row['measured']):
+          row.update(measured=measured, corrected=row['predicted'] * slowdown,
+                     load=f'{before:.0%}', note=note)
+        elif measured is None and row['measured'] is None:
+          row['note'] = note
+        shown = f'{measured * 1e3:8.1f}' if measured else '       -'
+        print(f'round {round_} {i:2d} {plan.describe():55s} predicted '
+              f'{row["predicted"] * 1e3:8.1f} ms (x{slowdown:.2f} load) measured {shown} ms '
+              f'{note}', flush=True)
   report = _report(rows, prof, args)
   os.makedirs(os.path.dirname(os.path.join(ROOT, args.out)) or '.', exist_ok=True)
   with open(os.path.join(ROOT, args.out), 'w') as f:
@@ -182,29 +247,38 @@ def _report(rows, prof, args) -> str:
   lines = [f'# Planner validation on {prof.machine.num_devices} forced CPU devices '
            f'({prof.machine.effective_cores:.2f} effective cores measured)', '',
            f'Config {args.config} with {BENCH_OVERRIDES}; {args.steps} steps per run, '
-           'median step_time_s after step 1. Predicted: lockstep model (the executor\'s), '
-           f'profile measured in {prof.wall_s:.1f} s.', '',
-           '| # | plan | predicted ms | async ms | measured ms | error | note |',
-           '|---|---|---|---|---|---|---|']
+           f'median step_time_s after step 1, fastest of {args.repeats} rounds. Predicted: '
+           'lockstep model (the executor\'s), profile measured in '
+           f'{prof.wall_s:.1f} s.', '',
+           'Busy: share of the 2 cores other processes used in the 3 s before a run. '
+           'Load-corrected: the prediction times the ratio of a fixed matmul loop\'s time '
+           'just before the run to its time at profiling (other processes\' load).', '',
+           '| # | plan | predicted ms | load-corrected ms | async ms | measured ms | error '
+           '| error (corrected) | busy | note |',
+           '|---|---|---|---|---|---|---|---|---|---|']
+  def err(key, r):
+    return (f'{(r[key] - r["measured"]) / r["measured"]:+.1%}'
+            if r['measured'] and r[key] else '-')
+
   for r in rows:
     measured = f'{r["measured"] * 1e3:.1f}' if r['measured'] else '-'
-    error = (f'{(r["predicted"] - r["measured"]) / r["measured"]:+.1%}'
-             if r['measured'] else '-')
-    lines.append(f'| {r["index"]} | {r["plan"]} | {r["predicted"] * 1e3:.1f} | '
-                 f'{r["predicted_async"] * 1e3:.1f} | {measured} | {error} | {r["note"]} |')
+    corrected = f'{r["corrected"] * 1e3:.1f}' if r['corrected'] else '-'
+    lines.append(f'| {r["index"]} | {r["plan"]} | {r["predicted"] * 1e3:.1f} | {corrected} | '
+                 f'{r["predicted_async"] * 1e3:.1f} | {measured} | {err("predicted", r)} | '
+                 f'{err("corrected", r)} | {r["load"]} | {r["note"]} |')
   lines.append('')
   if len(done) >= 2:
-    pred = [r['predicted'] for r in done]
     meas = [r['measured'] for r in done]
-    mape = sum(abs(p - m) / m for p, m in zip(pred, meas)) / len(done)
-    rho = spearman(pred, meas)
-    best_pred = min(done, key=lambda r: r['predicted'])
-    regret = best_pred['measured'] / min(meas)
-    lines += [f'- plans measured: {len(done)} of {len(rows)}',
-              f'- MAPE: {mape:.1%} (target <= 15%)',
-              f'- Spearman rank correlation: {rho:.3f} (target >= 0.9)',
-              f'- regret of the predicted-best plan (#{best_pred["index"]}): '
-              f'{regret:.3f}x the measured best']
+    lines.append(f'- plans measured: {len(done)} of {len(rows)}')
+    for key, name in (('predicted', 'prediction'), ('corrected', 'load-corrected prediction')):
+      pred = [r[key] for r in done]
+      mape = sum(abs(p - m) / m for p, m in zip(pred, meas)) / len(done)
+      rho = spearman(pred, meas)
+      best = min(done, key=lambda r: r[key])
+      regret = best['measured'] / min(meas)
+      lines.append(f'- {name}: MAPE {mape:.1%} (target <= 15%), Spearman {rho:.3f} '
+                   f'(target >= 0.9), regret of its best plan (#{best["index"]}) '
+                   f'{regret:.3f}x the measured best')
   else:
     lines.append('- too few plans measured for statistics')
   return '\n'.join(lines) + '\n'

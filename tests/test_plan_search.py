@@ -6,7 +6,7 @@ import random
 import pytest
 
 from triax import config
-from triax.plan import emit, partition, profile, search, simulator
+from triax.plan import emit, partition, profile, search
 from triax.plan.simulator import simulate_plan
 
 from test_plan_simulator import make_cluster, make_plan
@@ -89,14 +89,12 @@ def test_search_gives_fast_devices_more_layers():
 def test_search_uses_remat_only_when_memory_demands_it():
   cfg = small_config(layers=4, batch=8)
   prof = profile.synthetic(layer_fwd=1.0, layer_bwd=2.0, tensors=(1,),
-                           layer_param_bytes=1e8, stash_per_seq=1e9)
+                           layer_param_bytes=1e8, stash_per_seq=2e8)
+  prof.shards[1].stash_per_seq.update(selective=1e7, full=1e6)
   plenty = search.search(cfg, make_cluster(groups=(('gpu', 2, 1.0, '80 GB'),)), profile=prof)
   assert plenty.top[0].plan.remat == 'none'
-  # Without remat one sequence's stash no longer fits: recompute.
-  prof = profile.synthetic(layer_fwd=1.0, layer_bwd=2.0, tensors=(1,),
-                           layer_param_bytes=1e8, stash_per_seq=1e9)
-  prof.shards[1].stash_per_seq.update(selective=1e7, full=1e6)
-  tight = search.search(cfg, make_cluster(groups=(('gpu', 2, 1.0, '3 GB'),)), profile=prof)
+  # Without remat the stashed residuals no longer fit: recompute.
+  tight = search.search(cfg, make_cluster(groups=(('gpu', 2, 1.0, '2 GB'),)), profile=prof)
   assert tight.top and tight.top[0].plan.remat in ('selective', 'full')
   assert all(not e.oom for e in tight.top)
 

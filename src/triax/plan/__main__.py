@@ -1,7 +1,7 @@
 """Plans data x tensor x pipeline parallelism for a model on a cluster.
 
-  python -m triax.plan --config=experiments/gpt_tiny.py \
-      --cluster=experiments/clusters/heterog_testbed.yaml \
+  python -m triax.plan --config=experiments/gpt_tiny.py
+      --cluster=experiments/clusters/heterog_testbed.yaml
       [--top=5] [--json] [--out=plan.py] [--trace=trace.json]
 
 Profiles the model on this machine, simulates candidate plans on the
@@ -11,6 +11,7 @@ rather than `triax/plan.py`: a module beside the `triax/plan/` package of
 the same name would never be imported.)
 """
 
+import os
 import sys
 
 from absl import app, flags
@@ -44,6 +45,9 @@ def main(argv):
     cli.fail('--config', 'is required, e.g. --config=experiments/gpt_tiny.py')
   if not _CLUSTER.value:
     cli.fail('--cluster', 'is required, e.g. --cluster=experiments/clusters/h100_8x_nvlink.yaml')
+  config_path = config_flags.get_config_filename(flags.FLAGS['config'])
+  if not os.path.isfile(config_path.partition(':')[0]):
+    cli.fail('--config', f'{config_path}: no such file')
   with cli.config_errors_exit():
     # Profiling this machine as a spec's `profile: local` group needs its
     # device count before JAX starts (forced CPU devices).
@@ -54,7 +58,7 @@ def main(argv):
   except Exception as e:  # pylint: disable=broad-except
     cli.fail('--config', f'{type(e).__name__}: {str(e).splitlines()[0] if str(e) else e!r}')
   request = report.Request(
-      cfg=cfg, config_path=config_flags.get_config_filename(flags.FLAGS['config']),
+      cfg=cfg, config_path=config_path,
       config_overrides=config_flags.get_override_values(flags.FLAGS['config']),
       cluster=_CLUSTER.value, top=_TOP.value, out=_OUT.value, trace=_TRACE.value,
       model=_MODEL.value, dp_allreduce=_DP.value)

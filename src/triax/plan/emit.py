@@ -88,17 +88,19 @@ def write(path: str, estimate: Estimate, base_path: str, base_arg: str | None,
   stages = '\n'.join(f'  stage {s}: devices {list(devs)}, {plan.layers[s]} layers'
                      for s, devs in enumerate(plan.stages))
   plan_values = overrides(plan)
+  origin = f' ({command})' if command else ''
   text = f'''"""Plan for cluster {cluster_name}: {plan.describe()}.
 
-Written by `python -m triax.plan` on {datetime.date.today().isoformat()}{f' ({command})' if command else ''}.
+Written by `python -m triax.plan` on {datetime.date.today().isoformat()}{origin}.
 Predicted by the simulator ({estimate.model} model; a prediction, not a
 measurement): step {estimate.step_time * 1e3:.2f} ms, peak {gb:.2f} GiB per device.
 Run it:
 
   python -m triax.train --config={path} --workdir=DIR
 
-Pipeline stages and the cluster devices the plan assumes for them (the
-trainer builds its mesh in device order: data x tensor x pipe):
+Pipeline stages and the cluster devices the prediction assumes for them
+(triax's mesh takes no device order yet: on a mixed cluster, check which
+devices land on which stage):
 {stages}
 """
 

@@ -43,7 +43,7 @@ import dataclasses
 import functools
 import math
 import time
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -59,6 +59,7 @@ FUNCTIONS = ('layer_fwd', 'layer_bwd', 'embed', 'head')
 # not), so a layer needs a few more runs than a micro-benchmark does.
 _RUNS = 9
 _QUICK_RUNS = 3
+_TIMING_BUDGET_S = 1.0
 # Largest micro-batch measured, in tokens: keeps profiling to seconds.
 _MAX_MEASURED_TOKENS = 2048
 
@@ -131,13 +132,13 @@ class Machine:
     device_kind: jax.devices()[0].device_kind.
     num_devices: local devices.
     matmul_flops: FLOP/s of a large dense matmul at the model dtype.
-    memory_bandwidth: bytes/s of a large elementwise copy.
-    effective_cores: devices' worth of compute when all local devices run at
-      once (N * solo / together); equals N when devices do not share.
-    solo_factor: slowdown of one device computing inside a lockstep program
-      while the others idle, relative to the solo jitted function.
-    tick_latency: one lockstep tick's fixed cost (cond + ppermute
-      rendezvous) with nothing to compute.
+    memory_bandwidth: bytes/s one device reads plus writes in a large
+      elementwise op (64 MiB, past the caches) into a fresh output.
+    node_bandwidth: the same, summed over all local devices doing it at once:
+      equal to memory_bandwidth when devices share one memory system (forced
+      CPU devices), N times it when each has its own.
+    effective_cores: devices' worth of in-cache compute when all local
+      devices compute at once (N * solo time / together time).
     p2p: ppermute fit on the local mesh.
     allreduce: ring all-reduce fit on the local mesh (latency per step,
       bus bandwidth), see `allreduce_time`.
@@ -147,9 +148,8 @@ class Machine:
   num_devices: int
   matmul_flops: float
   memory_bandwidth: float
+  node_bandwidth: float
   effective_cores: float
-  solo_factor: float
-  tick_latency: float
   p2p: Link
   allreduce: Link
 
@@ -214,7 +214,7 @@ def synthetic(*, layer_fwd: float = 1.0, layer_bwd: float = 2.0, embed: float = 
   many "FLOPs" on a machine of 1 FLOP/s; bytes are the given sizes."""
   machine = machine or Machine(
       backend='synthetic', device_kind='synthetic', num_devices=1, matmul_flops=1.0,
-      memory_bandwidth=math.inf, effective_cores=1.0, solo_factor=1.0, tick_latency=0.0,
+      memory_bandwidth=math.inf, node_bandwidth=math.inf, effective_cores=1.0,
       p2p=Link(math.inf, 0.0), allreduce=Link(math.inf, 0.0))
   seconds = dict(layer_fwd=layer_fwd, layer_bwd=layer_bwd, embed=embed, head=head)
   shards = {t: Shard(tensor=t,
@@ -320,6 +320,7 @@ class _Profiler:
     import jax
     self.jax = jax
     self.spec = spec
+    self._functions = {}
 
   # -- shapes and cost analysis (lowering only: cheap) --
 
@@ -344,9 +345,14 @@ class _Profiler:
     import jax.numpy as jnp
     return self.jax.ShapeDtypeStruct((b, self.spec['seq_len']), jnp.int32)
 
-  @functools.lru_cache(maxsize=None)
   def functions(self, t: int, b: int, layers: int = 1) -> dict[str, tuple[Callable, tuple]]:
-    """name -> (function, abstract args) for the four timed functions."""
+    """name -> (function, abstract args) for the four timed functions (cached:
+    tracing the model for shapes is the slow part of building them)."""
+    if (t, b, layers) not in self._functions:
+      self._functions[(t, b, layers)] = self._build_functions(t, b, layers)
+    return self._functions[(t, b, layers)]
+
+  def _build_functions(self, t: int, b: int, layers: int) -> dict:
     jax = self.jax
     model = self._model(t)
     stack = self._stack(model, layers)
@@ -500,18 +506,14 @@ class _Profiler:
     a = jnp.ones((n, n), dtype)
     mm = jax.jit(lambda a, b: a @ b)
     matmul_flops = 2 * n ** 3 / _median_time(mm.lower(a, a).compile(), (a, a), _QUICK_RUNS)
-    big = jnp.ones((16 * 2 ** 20 // 4,), jnp.float32)
-    cp = jax.jit(lambda x: x * 1.0001 + 1.0)
-    bandwidth = 2 * big.nbytes / _median_time(cp.lower(big).compile(), (big,), _QUICK_RUNS)
     devices = jax.local_devices()
-    sharing = _measure_sharing(self, devices) if len(devices) > 1 else None
+    bandwidth, node_bandwidth, cores = _measure_sharing(devices)
     p2p, allreduce = _measure_collectives(devices) if len(devices) > 1 else (
         Link(math.inf, 0.0), Link(math.inf, 0.0))
-    cores, solo, tick = sharing or (1.0, 1.0, 0.0)
     return Machine(backend=jax.default_backend(), device_kind=devices[0].device_kind,
                    num_devices=len(devices), matmul_flops=matmul_flops,
-                   memory_bandwidth=bandwidth, effective_cores=cores, solo_factor=solo,
-                   tick_latency=tick, p2p=p2p, allreduce=allreduce)
+                   memory_bandwidth=bandwidth, node_bandwidth=node_bandwidth,
+                   effective_cores=cores, p2p=p2p, allreduce=allreduce)
 
 
 def _shard_spec(spec: dict, t: int):
@@ -538,69 +540,71 @@ def _shard_spec(spec: dict, t: int):
 
 
 def _median_time(exe, args, runs: int = _RUNS) -> float:
+  """Median seconds of `runs` calls after a warm-up; fewer (at least 3) when
+  one call is slow enough that the runs would take over _TIMING_BUDGET_S."""
   import jax
   jax.block_until_ready(exe(*args))
   times = []
-  for _ in range(runs):
+  while len(times) < runs:
     start = time.perf_counter()
     jax.block_until_ready(exe(*args))
     times.append(time.perf_counter() - start)
+    if len(times) == 1:
+      runs = max(3, min(runs, int(_TIMING_BUDGET_S / max(times[0], 1e-9))))
   return float(np.median(times))
 
 
-def _measure_sharing(prof: _Profiler, devices) -> tuple[float, float, float]:
-  """How local devices slow each other down in a lockstep program.
+def _measure_sharing(devices) -> tuple[float, float, float]:
+  """What local devices share: memory bandwidth and cores.
 
-  Runs one program over all local devices: a scan of ticks, each a `cond`
-  that computes one layer forward on the first k devices, then a ring
-  ppermute (as the executor's ticks do), for k = 0, 1 and N.
+  A copy of 64 MiB into a fresh buffer (memory-bound) on one device, then on
+  all at once; and a chain of small in-cache matmuls (compute-bound) on the
+  first k devices of one program (k a runtime input, so one compile serves
+  k = 1 and k = N; the others skip it under `cond`, whose pass-through copy
+  of 64 KiB is negligible, unlike a pass-through of the copy's 64 MiB).
 
   Returns:
-    (effective_cores, solo_factor, tick_latency): N devices computing at
-    once take N * solo / effective_cores; one device computing alone inside
-    the lockstep program takes solo_factor * solo; a tick with no compute
-    costs tick_latency.
+    (memory_bandwidth of one device, total bandwidth of all N at once,
+    effective cores: N * solo compute time / all-N compute time).
   """
-  jax = prof.jax
+  import jax
   import jax.numpy as jnp
   from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
-  n, ticks = len(devices), 4
-  b = max(1, min(2, _MAX_MEASURED_TOKENS // prof.spec['seq_len']))
-  model = prof._model(1)
-  fn, (stack, x) = prof.functions(1, b, 1)['layer_fwd']
-  params = prof._concrete(jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype),
-                                       stack))
-  layer = lambda p, h: model.layer(p, h)
-  solo_exe = jax.jit(layer).lower(params, prof._concrete(x)).compile()
-  solo = _median_time(solo_exe, (params, prof._concrete(x)), _QUICK_RUNS)
+  n = len(devices)
+  words = 16 * 2 ** 20                                  # 64 MiB of float32
   mesh = jax.make_mesh((n,), ('x',), axis_types=(AxisType.Explicit,), devices=devices)
-  ring = [(i, (i + 1) % n) for i in range(n)]
 
-  def body(p, h, k):
-    h, k = h[0], k[0]
-    me = jax.lax.axis_index('x')
+  def copy(x):
+    return x * 1.0001 + 1.0
 
-    def tick(h, _):
-      h = jax.lax.cond(me < k, lambda h: layer(p, h), lambda h: h, h)
-      return jax.lax.ppermute(h, 'x', ring), None
+  def compute(m):
+    # 128x128 stays in cache: no memory traffic to speak of.
+    return jax.lax.fori_loop(0, 64, lambda _, m: jnp.tanh(m @ m), m)
 
-    return jax.lax.scan(tick, h, None, length=ticks)[0][None]
+  def on_first_k(work):
+    def body(x, k):
+      me = jax.lax.axis_index('x')
+      return jax.lax.cond(me < k[0], lambda: work(x[0]), lambda: x[0])[None]
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P('x'), P('x')),
+                                 out_specs=P('x')))
 
-  program = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P('x'), P('x')),
-                                  out_specs=P('x')))
-  hs = jax.device_put(jnp.stack([prof._concrete(x)] * n), NamedSharding(mesh, P('x')))
-  ps = jax.device_put(params, NamedSharding(mesh, P()))
-  times = {}
-  exe = None
-  for k in (0, 1, n):
-    ks = jax.device_put(jnp.full((n,), k, jnp.int32), NamedSharding(mesh, P('x')))
-    if exe is None:
-      exe = program.lower(ps, hs, ks).compile()
-    times[k] = _median_time(exe, (ps, hs, ks), _QUICK_RUNS) / ticks
-  tick = times[0]
-  solo_factor = max(1.0, (times[1] - tick) / solo)
-  cores = min(float(n), max(0.25, n * solo / max(times[n] - tick, 1e-12)))
-  return cores, solo_factor, tick
+  put = lambda x: jax.device_put(x, NamedSharding(mesh, P('x')))
+  ks = {k: put(jnp.full((n,), k, jnp.int32)) for k in sorted({1, n})}
+  t = {}
+  one = jax.device_put(jnp.ones((words,), jnp.float32), devices[0])
+  t[('copy', 1)] = _median_time(jax.jit(copy).lower(one).compile(), (one,), _QUICK_RUNS)
+  every = put(jnp.ones((n, words), jnp.float32))
+  exe = jax.jit(jax.shard_map(copy, mesh=mesh, in_specs=P('x'), out_specs=P('x')))
+  t[('copy', n)] = _median_time(exe.lower(every).compile(), (every,), _QUICK_RUNS)
+  small = put(jnp.full((n, 128, 128), 0.01, jnp.float32))
+  exe = on_first_k(compute).lower(small, ks[1]).compile()
+  for k, kk in ks.items():
+    t[('compute', k)] = _median_time(exe, (small, kk), _QUICK_RUNS)
+  nbytes = 2 * 4 * words
+  bandwidth = nbytes / t[('copy', 1)]
+  node_bandwidth = n * nbytes / t[('copy', n)]
+  cores = min(float(n), n * t[('compute', 1)] / t[('compute', n)])
+  return bandwidth, node_bandwidth, cores
 
 
 def _measure_collectives(devices) -> tuple[Link, Link]:

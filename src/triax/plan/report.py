@@ -154,7 +154,7 @@ def to_json(result: search_lib.SearchResult, cfg) -> dict:
       'profile': {
           'backend': m.backend, 'devices': m.num_devices, 'wall_s': prof.wall_s,
           'matmul_flops': m.matmul_flops, 'memory_bandwidth': m.memory_bandwidth,
-          'effective_cores': m.effective_cores, 'solo_factor': m.solo_factor,
+          'node_bandwidth': m.node_bandwidth, 'effective_cores': m.effective_cores,
           'p2p': dataclasses.asdict(m.p2p), 'allreduce': dataclasses.asdict(m.allreduce),
           'fits': {f: dataclasses.asdict(x) for f, x in prof.fits.items()},
           'points': [dataclasses.asdict(p) for p in prof.points],
@@ -183,7 +183,8 @@ def text(result: search_lib.SearchResult, cfg, request: Request | None = None) -
       f'{mc.d_ff}, vocab {mc.vocab_size}, seq {mc.seq_len}, {mc.dtype}; global batch '
       f'{cfg.train.global_batch_size}',
       f'profile ({m.backend}, {m.num_devices} local devices, {prof.wall_s:.1f} s): matmul '
-      f'{m.matmul_flops / 1e9:.1f} GFLOP/s, copy {m.memory_bandwidth / 1e9:.1f} GB/s, '
+      f'{m.matmul_flops / 1e9:.1f} GFLOP/s, copy {m.memory_bandwidth / 1e9:.1f} GB/s '
+      f'({m.node_bandwidth / 1e9:.1f} GB/s with all devices copying), '
       f'{m.effective_cores:.2f} effective cores when all devices compute',
   ]
   for p in prof.points:

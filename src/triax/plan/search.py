@@ -14,8 +14,9 @@ For a model config and a cluster it tries every
   remat                 'none', or 'selective' / 'full' only where 'none'
                         runs out of memory (recomputation never speeds up),
 
-simulates each (lockstep, the executor's model) and keeps the fastest
-plans that fit in memory. Baselines, always reported beside the winner:
+simulates each (ranking by the lockstep model, the executor's, unless
+asked otherwise) and keeps the fastest plans that fit in memory and that
+triax's config validator accepts. Baselines, always reported beside the winner:
 the same degrees and schedule with an even layer split; data parallel only;
 and the best plan found when every device is assumed to be the slowest
 type, evaluated on the real cluster.
@@ -24,7 +25,6 @@ type, evaluated on the real cluster.
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from typing import Iterator
 
@@ -246,18 +246,21 @@ def search(cfg, cluster: Cluster, top_k: int = 5, options: Options = Options(),
     profile = profile_lib.measure(
         cfg.model, sorted({l.tensor for l in all_layouts}),
         sorted({batch // (l.data * l.microbatches) for l in all_layouts}))
+  else:   # a given profile bounds the tensor degrees
+    all_layouts = [l for l in all_layouts if l.tensor in profile.shards]
   started = time.perf_counter()
-  fast = dataclasses.replace(options, model='lockstep')
-  found = _evaluate(cfg, cluster, profile, fast, all_layouts)
+  found = _evaluate(cfg, cluster, profile, options, all_layouts)
   evaluated = len(found)
   fitting = sorted((e for e in found if not e.oom), key=lambda e: e.step_time)
-  top = []
+  top, seen = [], set()
   for e in fitting:
     if len(top) == top_k:
       break
-    if _plan_config_ok(cfg, e.plan, n):
-      top.append(simulate_plan(e.plan, profile, cluster, options))
-  top.sort(key=lambda e: e.step_time)
+    # Device orders that change nothing predicted (e.g. one stage) show once.
+    key = (e.plan.describe(), round(e.step_time, 12))
+    if key not in seen and _plan_config_ok(cfg, e.plan, n):
+      seen.add(key)
+      top.append(e)
   baselines = _baselines(cfg, cluster, profile, options, top, found, all_layouts)
   return SearchResult(top=tuple(top), baselines=baselines, evaluated=evaluated,
                       search_s=time.perf_counter() - started, profile=profile,
@@ -298,15 +301,12 @@ def _baselines(cfg, cluster, profile, options, top, found, all_layouts) -> dict:
             (best.data, best.tensor, best.pipe, best.schedule, best.microbatches,
              best.virtual_stages, best.stages)]
     if even:
-      out['even_split'] = simulate_plan(min(even, key=lambda e: e.step_time).plan,
-                                        profile, cluster, options)
+      out['even_split'] = min(even, key=lambda e: e.step_time)
   dp = [e for e in found if not e.oom and e.plan.data == n]
   if dp:
-    out['data_parallel'] = simulate_plan(min(dp, key=lambda e: e.step_time).plan,
-                                         profile, cluster, options)
+    out['data_parallel'] = min(dp, key=lambda e: e.step_time)
   slow = homogenized(cluster, profile, cfg)
-  fast = dataclasses.replace(options, model='lockstep')
-  assumed = sorted((e for e in _evaluate(cfg, slow, profile, fast, all_layouts) if not e.oom),
+  assumed = sorted((e for e in _evaluate(cfg, slow, profile, options, all_layouts) if not e.oom),
                    key=lambda e: e.step_time)
   for e in assumed:
     if _plan_config_ok(cfg, e.plan, n):

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import Sequence
 
 from triax.pipeline import schedule as sched
@@ -58,6 +57,13 @@ SPLIT_BACKWARD_SHARE = 0.5
 OPTIMIZER_TRAFFIC = 8.0
 # Parameter, gradient accumulator, Adam mu and nu, each the parameter's size.
 STATE_COPIES = 4
+# Times a step moves each byte of a device's temporary memory (stash pool,
+# ring buffers, workspace) beyond what the measured functions already move:
+# the allocator hands out fresh pages (the kernel zeroes them: one pass),
+# the executor initialises its buffers (one pass) and copies residuals in
+# and out of their slots (one pass). Negligible on HBM; on a VM whose
+# devices share ~3 GB/s it is what separates plans (see bench_planner.py).
+FOOTPRINT_PASSES = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,17 +209,23 @@ def program(name: str, p: int, m: int, v: int) -> sched.Program:
 class ActionCosts:
   """Seconds per chunk action and per transfer, for one plan.
 
-  chunk[c][kind] is the duration of `kind` for chunk c on its stage;
-  transfer[s] one activation (or gradient) ppermute out of stage s; evict[s]
-  one chunk's residual set moved to or from stage s's partner.
+  chunk[c][kind] is the duration of `kind` for chunk c on its stage and
+  memory[c][kind] the part of it spent moving bytes (what devices sharing a
+  memory system cannot overlap); transfer[s] one activation (or gradient)
+  ppermute out of stage s; evict[s] one chunk's residual set moved to or
+  from stage s's partner.
   """
   chunk: tuple[dict[str, float], ...]
   transfer: tuple[float, ...]
   evict: tuple[float, ...]
   tick_transfer: float
+  memory: tuple[dict[str, float], ...] | None = None
 
   def of(self, a: Action) -> float:
     return self.chunk[a.chunk][a.kind]
+
+  def memory_of(self, a: Action) -> float:
+    return self.memory[a.chunk][a.kind] if self.memory else 0.0
 
 
 def action_costs(plan: Plan, profile: Profile, cluster: Cluster,
@@ -227,9 +239,12 @@ def action_costs(plan: Plan, profile: Profile, cluster: Cluster,
   last = p * plan.virtual_stages - 1
   act = shard.act_per_seq * b
 
-  def slowest(stage: int, function: str) -> float:
+  def slowest(stage: int, function: str) -> tuple[float, float]:
+    """(seconds, memory seconds) on the stage's slowest device."""
     groups = {cluster.devices[d].group for d in plan.stages[stage]}
-    return max(roofline.seconds(profile, cluster.groups[g], function, b, t) for g in groups)
+    return max((roofline.seconds(profile, cluster.groups[g], function, b, t),
+                roofline.memory_seconds(profile, cluster.groups[g], function, b, t))
+               for g in groups)
 
   def tensor_groups(stage):
     devs = plan.stages[stage]
@@ -241,11 +256,12 @@ def action_costs(plan: Plan, profile: Profile, cluster: Cluster,
 
   per_stage = []
   for s in range(p):
-    fwd, bwd = slowest(s, 'layer_fwd'), slowest(s, 'layer_bwd')
+    (fwd, fwd_mem), (bwd, bwd_mem) = slowest(s, 'layer_fwd'), slowest(s, 'layer_bwd')
     if plan.remat == 'full':
-      bwd += fwd
+      bwd, bwd_mem = bwd + fwd, bwd_mem + fwd_mem
     elif plan.remat == 'selective':
       bwd += fwd * shard.attention_fraction
+      bwd_mem += fwd_mem * shard.attention_fraction
     tp = max(comm.allreduce(g, act) for g in tensor_groups(s))
     dp_layer = 0.0
     if options.dp_allreduce == 'per_microbatch':
@@ -253,22 +269,27 @@ def action_costs(plan: Plan, profile: Profile, cluster: Cluster,
     edge_dp = 0.0
     if options.dp_allreduce == 'per_microbatch':
       edge_dp = max(comm.allreduce(g, shard.edge_param_bytes / 2) for g in data_groups(s))
-    per_stage.append(dict(fwd=fwd + 2 * tp, bwd=bwd + 2 * tp, dp=dp_layer,
-                          embed=slowest(s, 'embed'), head=slowest(s, 'head'),
-                          edge_dp=edge_dp))
+    (embed, embed_mem), (head, head_mem) = slowest(s, 'embed'), slowest(s, 'head')
+    per_stage.append(dict(fwd=fwd + 2 * tp, bwd=bwd + 2 * tp, dp=dp_layer, embed=embed,
+                          head=head, edge_dp=edge_dp, fwd_mem=fwd_mem, bwd_mem=bwd_mem,
+                          embed_mem=embed_mem, head_mem=head_mem))
   split = sched.build(plan.schedule, p, plan.microbatches, plan.virtual_stages).split_backward
-  chunks = []
+  chunks, memory = [], []
   for c, n in enumerate(plan.chunk_layers):
     x = per_stage[c % p]
-    f = n * x['fwd'] + (x['embed'] / 3 if c == 0 else 0.0)
-    if c == last:
+    first, final = c == 0, c == last
+    f = n * x['fwd'] + (x['embed'] / 3 if first else 0.0)
+    f_mem = n * x['fwd_mem'] + (x['embed_mem'] / 3 if first else 0.0)
+    if final:
       f += x['head'] + x['edge_dp']
-    b_full = n * (x['bwd'] + x['dp']) + (2 * x['embed'] / 3 + x['edge_dp'] if c == 0 else 0.0)
-    if split:
-      chunks.append({sched.FORWARD: f, sched.BACKWARD: b_full * SPLIT_BACKWARD_SHARE,
-                     sched.WEIGHT: b_full * (1 - SPLIT_BACKWARD_SHARE)})
-    else:
-      chunks.append({sched.FORWARD: f, sched.BACKWARD: b_full, sched.WEIGHT: 0.0})
+      f_mem += x['head_mem']
+    b_full = n * (x['bwd'] + x['dp']) + (2 * x['embed'] / 3 + x['edge_dp'] if first else 0.0)
+    b_mem = n * x['bwd_mem'] + (2 * x['embed_mem'] / 3 if first else 0.0)
+    share = SPLIT_BACKWARD_SHARE if split else 1.0
+    chunks.append({sched.FORWARD: f, sched.BACKWARD: b_full * share,
+                   sched.WEIGHT: b_full * (1 - share)})
+    memory.append({sched.FORWARD: f_mem, sched.BACKWARD: b_mem * share,
+                   sched.WEIGHT: b_mem * (1 - share)})
   transfer, evict = [], []
   stash_set = _chunk_stash(plan, profile, max(plan.chunk_layers))
   partner = [p - 1 - s for s in range(p)]
@@ -281,7 +302,7 @@ def action_costs(plan: Plan, profile: Profile, cluster: Cluster,
   # Both ppermutes (activations forward, gradients backward) run every tick.
   tick_transfer = 2 * max(transfer) if p > 1 else 0.0
   return ActionCosts(chunk=tuple(chunks), transfer=tuple(transfer), evict=tuple(evict),
-                     tick_transfer=tick_transfer)
+                     tick_transfer=tick_transfer, memory=tuple(memory))
 
 
 def _chunk_stash(plan: Plan, profile: Profile, layers: int) -> float:
@@ -292,27 +313,36 @@ def _chunk_stash(plan: Plan, profile: Profile, layers: int) -> float:
 
 @dataclasses.dataclass(frozen=True)
 class Sharing:
-  """Devices that share cores: per node, its effective cores and, per stage,
-  how many of the stage's devices sit on that node."""
-  nodes: tuple[tuple[float, tuple[int, ...]], ...]
-  solo_factor: float
+  """Devices that share cores (and then one memory system).
 
-  def tick(self, work: Sequence[float]) -> float:
-    """Compute time of a tick whose stages are busy for `work` seconds each."""
+  nodes: per sharing node, (cores, bus, devices of each stage on it): the
+  node's compute is `cores` devices' worth, and moving a byte with all its
+  devices at once takes `bus` times as long as one device alone (its solo
+  bandwidth over the node's total).
+  """
+  nodes: tuple[tuple[float, float, tuple[int, ...]], ...]
+
+  def tick(self, work: Sequence[float], memory: Sequence[float] | None = None) -> float:
+    """Time of a phase in which stage s is busy work[s] seconds (memory[s] of
+    them moving bytes) if it had its devices to itself."""
     longest = max(work, default=0.0)
-    if not self.nodes:
-      return longest
-    busy = sum(1 for w in work if w > 0)
-    solo = self.solo_factor if busy < len(work) else 1.0
-    crowded = max(sum(n * w for n, w in zip(per_stage, work)) / cores
-                  for cores, per_stage in self.nodes)
-    return max(longest * solo, crowded)
+    memory = memory or [0.0] * len(work)
+    crowded = [sum(n * ((w - m) / cores + m * bus)
+                   for n, w, m in zip(per_stage, work, memory))
+               for cores, bus, per_stage in self.nodes]
+    return max([longest] + crowded)
 
 
 def sharing(plan: Plan, profile: Profile, cluster: Cluster) -> Sharing:
-  """The core-sharing model of the plan's nodes (empty when none share)."""
+  """The core-sharing model of the plan's nodes (empty when none share).
+
+  On this machine (every group `profile: local`) cores and memory sharing
+  are the profiler's measurements, cores capped at the spec's shared_cores;
+  elsewhere the spec's shared_cores and one memory system per node.
+  """
   nodes = []
   measured = all(g.local for g in cluster.groups.values())
+  m = profile.machine
   for node in cluster.nodes:
     if not node.shared_cores:
       continue
@@ -320,16 +350,17 @@ def sharing(plan: Plan, profile: Profile, cluster: Cluster) -> Sharing:
                       for stage in plan.stages)
     if not any(per_stage):
       continue
-    # Measured on this machine: the effective cores; else the spec's count.
-    cores = (min(profile.machine.effective_cores, node.shared_cores) if measured
-             else node.shared_cores)
-    nodes.append((cores, per_stage))
-  solo = profile.machine.solo_factor if measured and nodes else 1.0
-  return Sharing(nodes=tuple(nodes), solo_factor=solo)
+    if measured:
+      cores = min(m.effective_cores, node.shared_cores)
+      bus = m.memory_bandwidth / m.node_bandwidth
+    else:
+      cores, bus = node.shared_cores, 1.0
+    nodes.append((cores, bus, per_stage))
+  return Sharing(nodes=tuple(nodes))
 
 
 def simulate_lockstep(program_: sched.Program, costs: ActionCosts,
-                      share: Sharing = Sharing((), 1.0)) -> simulate.Result:
+                      share: Sharing = Sharing(())) -> simulate.Result:
   """Times the executor's lockstep ticks with per-chunk costs.
 
   Per tick: each stage runs its F, B and W back to back; the tick's compute
@@ -341,7 +372,9 @@ def simulate_lockstep(program_: sched.Program, costs: ActionCosts,
   spans, now = [], 0.0
   for row in program_.grid:
     work = [sum(costs.of(a) for a in cell if a.kind in sched.COMPUTE_KINDS) for cell in row]
-    compute = share.tick(work)
+    moving = [sum(costs.memory_of(a) for a in cell if a.kind in sched.COMPUTE_KINDS)
+              for cell in row]
+    compute = share.tick(work, moving)
     stretch = compute / max(work) if max(work, default=0.0) > 0 else 1.0
     copying = 0.0
     for s, cell in enumerate(row):
@@ -378,7 +411,7 @@ def _result(schedule: sched.Schedule, spans: list, total: float,
 
 
 def simulate_async(plan: Plan, costs: ActionCosts,
-                   share: Sharing = Sharing((), 1.0)) -> simulate.Result:
+                   share: Sharing = Sharing(())) -> simulate.Result:
   """The papers' model: simulate.simulate_async with each stage's average
   chunk costs, floored by the core-sharing bound over the whole step."""
   p, v = plan.pipe, plan.virtual_stages
@@ -395,21 +428,25 @@ def simulate_async(plan: Plan, costs: ActionCosts,
   if share.nodes:
     m = plan.microbatches
     work = [m * (c.t_forward + c.t_backward + c.t_weight) for c in per]
-    floor = share.tick(work)
+    moving = [m * sum(sum(costs.memory[c].values()) for c in range(p * v) if c % p == s)
+              for s in range(p)] if costs.memory else None
+    floor = share.tick(work, moving)
     if floor > result.total_time:
       result = dataclasses.replace(result, total_time=floor)
   return result
 
 
 def memory(plan: Plan, profile: Profile, cluster: Cluster, options: Options,
-           program_: sched.Program | None) -> tuple[tuple[float, ...], tuple[float, ...]]:
-  """Per stage: peak bytes per device, and the usable bytes of its smallest device."""
+           program_: sched.Program | None) -> tuple[tuple[float, ...], ...]:
+  """Per stage: peak bytes per device, the usable bytes of its smallest
+  device, and the temporary part of the peak (all but parameters and
+  optimizer state)."""
   shard = profile.shards[plan.tensor]
   b, v = plan.microbatch_size, plan.virtual_stages
   widest = max(plan.chunk_layers)
   # The head's logits, their softmax and gradient live at once in its backward.
   logits = 3 * b * shard.logits_per_seq
-  out, cap = [], []
+  out, cap, temp = [], [], []
   for s in range(plan.pipe):
     own = plan.layers[s] // v
     held = widest if options.padded else own
@@ -423,9 +460,10 @@ def memory(plan: Plan, profile: Profile, cluster: Cluster, options: Options,
       buffers = (program_.num_act_slots + program_.num_grad_slots + 2) * shard.act_per_seq * b
     workspace = 2 * b * shard.stash_per_seq['none'] + logits
     out.append(STATE_COPIES * params + stash + buffers + workspace)
+    temp.append(stash + buffers + workspace)
     cap.append(min(cluster.groups[cluster.devices[d].group].memory for d in plan.stages[s])
                * options.memory_fraction)
-  return tuple(out), tuple(cap)
+  return tuple(out), tuple(cap), tuple(temp)
 
 
 def simulate_plan(plan: Plan, profile: Profile, cluster: Cluster,
@@ -438,14 +476,14 @@ def simulate_plan(plan: Plan, profile: Profile, cluster: Cluster,
   share = sharing(plan, profile, cluster)
   lock = simulate_lockstep(prog, costs, share)
   asy = simulate_async(plan, costs, share)
-  tail, dp_total = _tail(plan, profile, cluster, options, share)
+  mem, cap, temp = memory(plan, profile, cluster, options, prog if uses_executor else None)
+  tail, dp_total = _tail(plan, profile, cluster, options, share, temp)
   if options.dp_allreduce == 'per_microbatch':
     comm = Comm(cluster, profile)
     shard = profile.shards[plan.tensor]
     dp_total = m * max(
         comm.allreduce(stage[j::plan.tensor], shard.layer_param_bytes * plan.layers[s])
         for s, stage in enumerate(plan.stages) for j in range(plan.tensor))
-  mem, cap = memory(plan, profile, cluster, options, prog if uses_executor else None)
   chosen = lock if options.model == 'lockstep' else asy
   return Estimate(plan=plan, step_time=chosen.total_time + tail, model=options.model,
                   lockstep_time=lock.total_time + tail, async_time=asy.total_time + tail,
@@ -455,8 +493,14 @@ def simulate_plan(plan: Plan, profile: Profile, cluster: Cluster,
 
 
 def _tail(plan: Plan, profile: Profile, cluster: Cluster, options: Options,
-          share: Sharing) -> tuple[float, float]:
-  """Seconds after the pipeline, and the per-step DP all-reduce within them."""
+          share: Sharing, temp: Sequence[float]) -> tuple[float, float]:
+  """Seconds outside the pipeline's ticks, and the per-step DP all-reduce in them.
+
+  The embedding/head gradient psum over `pipe`, the per-step DP all-reduce
+  (if so modelled), the optimizer update and the memory footprint's
+  traffic (FOOTPRINT_PASSES over each device's temporaries). The last two
+  move bytes only, which devices sharing a memory system do one at a time.
+  """
   comm = Comm(cluster, profile)
   shard = profile.shards[plan.tensor]
   p, t = plan.pipe, plan.tensor
@@ -472,14 +516,16 @@ def _tail(plan: Plan, profile: Profile, cluster: Cluster, options: Options,
                             shard.edge_param_bytes)
              for s, stage in enumerate(plan.stages) for j in range(t))
   widest = max(plan.chunk_layers) if options.padded else None
-  opt = []
+  moving = []
   for s, stage in enumerate(plan.stages):
     held = (widest * plan.virtual_stages) if widest else plan.layers[s]
-    nbytes = OPTIMIZER_TRAFFIC * (shard.layer_param_bytes * held + shard.edge_param_bytes)
-    opt.append(max(nbytes / roofline.bandwidth(profile, cluster.groups[cluster.devices[d].group])
-                   for d in stage))
-  optimizer = share.tick(opt) if share.nodes else max(opt)
-  return edge + dp + optimizer, dp
+    nbytes = (OPTIMIZER_TRAFFIC * (shard.layer_param_bytes * held + shard.edge_param_bytes)
+              + FOOTPRINT_PASSES * temp[s])
+    moving.append(max(nbytes / roofline.bandwidth(profile,
+                                                  cluster.groups[cluster.devices[d].group])
+                      for d in stage))
+  memory_time = share.tick(moving, moving) if share.nodes else max(moving)
+  return edge + dp + memory_time, dp
 
 
 def chrome_trace(estimate: Estimate) -> dict:
