@@ -34,7 +34,7 @@ if [ -e "$workdir" ]; then
   exit 2
 fi
 if [ -z "${TRIAX_SKIP_ENV:-}" ]; then
-  source "$ROOT/scripts/env.sh"
+  source "$ROOT/scripts/env.sh" ""   # "": the sourced script must not see our arguments
 else
   cd "$ROOT"
 fi
