@@ -15,26 +15,20 @@ collective is overhead. Each point runs 20 steps (about a minute on a
 ARG: `steps=N` changes the length, e.g. --config=experiments/mesh_sweep.py:steps=60
 """
 
-import importlib.util
 import itertools
 import os
 
 from triax import config
 
+# Builds on the default experiment beside this file.
+_BASE = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'gpt_tiny.py')
+
 _DEVICES = 8
-
-
-def _gpt_tiny():
-  path = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'gpt_tiny.py')
-  spec = importlib.util.spec_from_file_location('gpt_tiny', path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
 
 
 def get_config(arg=None):
   args = config.parse_arg(arg, steps=20)
-  c = _gpt_tiny().get_config(f'steps={args["steps"]}')
+  c = config.from_file(_BASE, f'steps={args["steps"]}')
   c.model.num_layers = 8
   c.model.num_heads = 8
   c.train.warmup_steps = 5

@@ -14,26 +14,20 @@ columns to compare are time per step and peak memory per device.
 ARG: `steps=N` changes the length, e.g. --config=experiments/schedule_sweep.py:steps=10
 """
 
-import importlib.util
 import os
 
 from triax import config
+
+# Builds on the default experiment beside this file.
+_BASE = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'gpt_tiny.py')
 
 SCHEDULES = ('gpipe', '1f1b', 'interleaved_1f1b', 'bpipe', 'zb_h1')
 MICROBATCHES = (4, 8, 16)
 
 
-def _gpt_tiny():
-  path = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'gpt_tiny.py')
-  spec = importlib.util.spec_from_file_location('gpt_tiny', path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
-
-
 def get_config(arg=None):
   args = config.parse_arg(arg, steps=30)
-  c = _gpt_tiny().get_config(f'steps={args["steps"]}')
+  c = config.from_file(_BASE, f'steps={args["steps"]}')
   c.mesh.data, c.mesh.tensor, c.mesh.pipe = 2, 1, 4
   c.model.num_layers = 8
   c.model.d_model = 64

@@ -163,6 +163,34 @@ def parse_arg(arg: str | None, **defaults) -> dict:
   return out
 
 
+def load_module(path: str):
+  """Executes a config file (it is Python code) and returns it as a module.
+
+  Raises:
+    ConfigError: naming the file, when it is missing or fails to run.
+  """
+  import importlib.util
+  import os
+  import re
+  if not os.path.isfile(path):
+    raise ConfigError('--config', f'{path}: no such file')
+  name = 'triax_config_' + re.sub(r'\W', '_', os.path.splitext(os.path.basename(path))[0])
+  spec = importlib.util.spec_from_file_location(name, path)
+  module = importlib.util.module_from_spec(spec)
+  try:
+    spec.loader.exec_module(module)
+  except ConfigError:
+    raise
+  except Exception as e:  # a config file is user code: report any failure as bad input
+    raise ConfigError('--config', f'could not load {path}: {type(e).__name__}: {e}') from None
+  return module
+
+
+def from_file(path: str, arg: str | None = None) -> ml_collections.ConfigDict:
+  """`get_config(arg)` of another config file, for files that build on it."""
+  return load_module(path).get_config(arg)
+
+
 def _positive(cfg, group: str, key: str):
   value = cfg[group][key]
   if not isinstance(value, int) or isinstance(value, bool) or value <= 0:

@@ -16,7 +16,6 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import hashlib
-import importlib.util
 import json
 import os
 import re
@@ -32,6 +31,7 @@ import ml_collections
 from tqdm import tqdm
 
 import triax
+from triax import config as config_lib
 from triax.errors import ConfigError
 from triax.sweeps import plots, results
 
@@ -103,18 +103,7 @@ def _split_spec(spec: str) -> tuple[str, str | None]:
 
 
 def _load_module(path: str):
-  if not os.path.isfile(path):
-    raise ConfigError('--config', f'{path}: no such file')
-  module_name = 'triax_sweep_' + re.sub(r'\W', '_', os.path.splitext(os.path.basename(path))[0])
-  spec = importlib.util.spec_from_file_location(module_name, path)
-  module = importlib.util.module_from_spec(spec)
-  try:
-    spec.loader.exec_module(module)
-  except ConfigError:
-    raise
-  except Exception as e:  # a config file is user code: report any failure as bad input
-    raise ConfigError('--config', f'could not load {path}: {type(e).__name__}: {e}') from None
-  return module
+  return config_lib.load_module(path)
 
 
 def _call(fn, arg, what: str, path: str):
