@@ -16,7 +16,6 @@ import os
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
@@ -75,26 +74,6 @@ def global_batch(trainer: Trainer, batch: dict) -> dict:
           for k in ('inputs', 'targets')}
 
 
-def skipping_train_step(trainer: Trainer):
-  """The train step, but a step whose loss or gradient is not finite leaves the state as it was.
-
-  Parameters and optimizer state (and so Adam's step count) are selected
-  inside the jit: the step donates its state, so the host cannot keep the
-  old one. `state.step` still advances, as the batch position does.
-  """
-  replicated = jax.sharding.NamedSharding(trainer.mesh, jax.sharding.PartitionSpec())
-
-  def step(state: TrainState, batch: dict):
-    new, out = trainer.train_step(state, batch)
-    ok = jnp.isfinite(out['loss']) & jnp.isfinite(out['grad_norm'])
-    keep = lambda n, o: jnp.where(ok, n, o)
-    return new.replace(params=jax.tree.map(keep, new.params, state.params),
-                       opt_state=jax.tree.map(keep, new.opt_state, state.opt_state)), out
-
-  return jax.jit(step, in_shardings=(trainer.state_shardings, trainer.batch_sharding),
-                 out_shardings=(trainer.state_shardings, replicated), donate_argnums=0)
-
-
 def _cost(compiled) -> dict:
   cost = compiled.cost_analysis()
   if isinstance(cost, (list, tuple)):  # older jax returns one dict per program
@@ -102,15 +81,15 @@ def _cost(compiled) -> dict:
   return cost or {}
 
 
-def compile_stats(trainer: Trainer, step_fn=None) -> tuple[object, dict]:
-  """Lowers and compiles the train step (or `step_fn`); XLA's per-device memory and cost figures."""
+def compile_stats(trainer: Trainer) -> tuple[object, dict]:
+  """Lowers and compiles the train step; XLA's per-device memory and cost figures."""
   cfg = trainer.cfg
   b, s = cfg.train.global_batch_size, cfg.model.seq_len
   batch = {k: jax.ShapeDtypeStruct((b, s), np.int32, sharding=trainer.batch_sharding)
            for k in ('inputs', 'targets')}
   started = time.perf_counter()
   with jax.set_mesh(trainer.mesh):
-    compiled = (step_fn or trainer.train_step).lower(trainer.abstract_state(), batch).compile()
+    compiled = trainer.train_step.lower(trainer.abstract_state(), batch).compile()
   mem = compiled.memory_analysis()
   stats = {
       'temp_bytes': int(mem.temp_size_in_bytes),
@@ -224,7 +203,7 @@ def _run(cfg, trainer: Trainer, data: Data, workdir: str, compile_only: bool,
     os.replace(os.path.join(workdir, 'config.json.tmp'), os.path.join(workdir, 'config.json'))
   start = int(jax.device_get(state.step))
   skip_limit = cfg.train.skip_nonfinite_steps
-  compiled, stats = compile_stats(trainer, skipping_train_step(trainer) if skip_limit else None)
+  compiled, stats = compile_stats(trainer)
   if main_process:
     _write_json(os.path.join(workdir, 'compile_stats.json'), stats)
   metrics = MetricsWriter(workdir, start, enabled=main_process)
@@ -265,7 +244,7 @@ def _run(cfg, trainer: Trainer, data: Data, workdir: str, compile_only: bool,
       if not (math.isfinite(loss) and math.isfinite(grad_norm)):
         if len(skipped) >= skip_limit:
           raise NonFiniteError(step, loss, grad_norm)
-        skipped.append(step)   # new_state holds the previous parameters (skipping_train_step)
+        skipped.append(step)   # new_state holds the previous parameters (see training.step)
         metrics.write({'step': step, 'skipped_nonfinite': True, 'loss': loss,
                        'grad_norm': grad_norm, 'skipped_so_far': len(skipped)})
         log_now = False

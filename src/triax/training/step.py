@@ -176,6 +176,14 @@ def build_trainer(cfg, mesh: Mesh, *, compute_idle: bool = False) -> Trainer:
     grad_norm = optax.tree.norm(grads)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
+    if cfg.train.skip_nonfinite_steps:
+      # A NaN/Inf step leaves parameters and optimizer state (so Adam's count)
+      # as they were; the state is donated, so only the step can keep the old
+      # values. `step` still advances, as the batch position does.
+      ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+      keep = lambda new, old: jnp.where(ok, new, old)
+      params = jax.tree.map(keep, params, state.params)
+      opt_state = jax.tree.map(keep, opt_state, state.opt_state)
     new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state)
     return new_state, {'loss': loss, 'grad_norm': grad_norm}
 
