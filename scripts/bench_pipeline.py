@@ -21,7 +21,7 @@ from absl import app, flags  # noqa: E402
 from triax import config  # noqa: E402
 from triax.pipeline import schedule as sched  # noqa: E402
 from triax.pipeline import simulate  # noqa: E402
-from triax.training.measure import measure  # noqa: E402
+from triax.training.measure import measure, write_report  # noqa: E402
 
 _OUT = flags.DEFINE_string('out', 'docs/bench_pipeline.md', 'Markdown table to write.')
 _MICROBATCHES = flags.DEFINE_list('microbatches', ['4', '8', '16', '32'], 'm values.')
@@ -76,10 +76,7 @@ def main(argv):
   for name, m, ticks, lock, asyn, temp, rel, rel_idle in rows:
     lines.append(f'| {name} | {m} | {ticks} | {lock:.3f} | {asyn:.3f} | {temp / 2**20:.1f} '
                  f'| {rel:.2f} | {rel_idle:.2f} |')
-  os.makedirs(os.path.dirname(_OUT.value) or '.', exist_ok=True)
-  with open(_OUT.value, 'w') as f:
-    f.write('\n'.join(lines) + '\n')
-  print('\n'.join(lines))
+  write_report(_OUT.value, lines)
 
 
 if __name__ == '__main__':

@@ -23,7 +23,7 @@ from absl import app, flags  # noqa: E402
 from triax import config  # noqa: E402
 from triax.pipeline import schedule as sched  # noqa: E402
 from triax.pipeline import simulate  # noqa: E402
-from triax.training.measure import measure  # noqa: E402
+from triax.training.measure import measure, write_report  # noqa: E402
 
 _OUT = flags.DEFINE_string('out', 'docs/bench_schedules.md', 'Markdown table to write.')
 _MICROBATCHES = flags.DEFINE_list('microbatches', ['4', '8', '16', '32'], 'm values.')
@@ -82,10 +82,7 @@ def main(argv):
   for name, m, ticks, lock, asyn, temp, hi, lo, moved, rel in rows:
     lines.append(f'| {name} | {m} | {ticks} | {lock:.3f} | {asyn:.3f} | {temp / 2**20:.1f} '
                  f'| {hi / 2**20:.1f} / {lo / 2**20:.1f} | {moved / 2**20:.1f} | {rel:.2f} |')
-  os.makedirs(os.path.dirname(_OUT.value) or '.', exist_ok=True)
-  with open(_OUT.value, 'w') as f:
-    f.write('\n'.join(lines) + '\n')
-  print('\n'.join(lines))
+  write_report(_OUT.value, lines)
 
 
 if __name__ == '__main__':

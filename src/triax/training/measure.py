@@ -8,6 +8,7 @@ CPUs: compare ratios measured in one run, never absolute numbers).
 from __future__ import annotations
 
 import dataclasses
+import os
 import statistics
 import time
 
@@ -55,3 +56,11 @@ def measure(cfg, *, steps: int = 5, warmup: int = 2, compute_idle: bool = False,
       if i >= warmup:
         times.append(time.perf_counter() - start)
   return Measurement(stats=stats, step_time_s=statistics.median(times), trainer=trainer)
+
+
+def write_report(path: str, lines: list[str]) -> None:
+  """Writes a benchmark's markdown lines to `path` and echoes them."""
+  os.makedirs(os.path.dirname(path) or '.', exist_ok=True)
+  with open(path, 'w') as f:
+    f.write('\n'.join(lines) + '\n')
+  print('\n'.join(lines))
