@@ -13,7 +13,12 @@ with the profile measured in this process):
 
   .venv/bin/python scripts/bench_planner.py [--out=runs/bench_planner.md]
       [--config=experiments/gpt_tiny.py] [--steps=6] [--repeats=2] [--only=0,3,5]
-      [--predict_only]
+      [--predict_only] [--clusters_only]
+
+Then, for every shipped cluster spec (experiments/clusters/*.yaml), the
+strategy maker's best plan and its SIMULATED speedup over the baselines
+(even split, data parallel only, planned as if all devices were the
+slowest type), with the same profile (--clusters_only: just this part).
 
 Uneven layer splits need the trainer's `pipeline.layers_per_stage`; without
 it they are predicted but not run (the table says so). A plan the trainer
@@ -61,6 +66,9 @@ PLANS = (
     (2, 1, 4, '1f1b', 8, 1, 'full', None),
     (2, 1, 4, '1f1b', 8, 1, 'none', (3, 2, 2, 1)),
     (4, 1, 2, '1f1b', 4, 1, 'none', (5, 3)),
+    (8, 1, 1, '1f1b', 1, 1, 'full', None),
+    (2, 1, 4, '1f1b', 8, 1, 'selective', None),
+    (2, 2, 2, 'interleaved_1f1b', 4, 2, 'full', None),
 )
 # What every benchmark run sets besides the plan: 8 layers so that pipe=8
 # and uneven splits exist, few steps, no evaluation or checkpoints between.
@@ -167,6 +175,8 @@ def main() -> int:
   parser.add_argument('--steps', type=int, default=6)
   parser.add_argument('--only', default='', help='comma-separated plan indices')
   parser.add_argument('--predict_only', action='store_true')
+  parser.add_argument('--clusters_only', action='store_true',
+                      help='only the per-cluster search table (simulated speedups)')
   parser.add_argument('--quiet_busy', type=float, default=0.25,
                       help='wait until the CPUs are less busy than this before measuring')
   parser.add_argument('--quiet_wait_s', type=float, default=300)
@@ -196,10 +206,14 @@ def main() -> int:
                                     virtual_stages=v, remat=remat, layers=layers,
                                     stages=stages,
                                     global_batch=cfg.train.global_batch_size)))
+  if args.clusters_only:
+    plans, args.predict_only = [], True
   wait_for_quiet(args.quiet_busy, args.quiet_wait_s)
   started = time.perf_counter()
-  prof = profile.measure(cfg.model, sorted({p.tensor for _, p in plans}),
-                         sorted({p.microbatch_size for _, p in plans}))
+  # The tensor degrees and micro-batch sizes of the plans (of the cluster
+  # search too: every shipped cluster has 8 devices, as the plans do).
+  prof = profile.measure(cfg.model, sorted({p.tensor for _, p in plans} | {1, 2, 4}),
+                         sorted({p.microbatch_size for _, p in plans} | {1, 2, 4, 8, 16}))
   print(f'profiled in {time.perf_counter() - started:.1f} s', flush=True)
   speed_at_profile = speed_index()
   rows = []
@@ -232,7 +246,15 @@ def main() -> int:
         print(f'round {round_} {i:2d} {plan.describe():55s} predicted '
               f'{row["predicted"] * 1e3:8.1f} ms (x{slowdown:.2f} load) measured {shown} ms '
               f'{note}', flush=True)
-  report = _report(rows, prof, args)
+  clusters = _clusters_report(cfg, prof)
+  if args.clusters_only:
+    path = os.path.join(ROOT, args.out).rsplit('.', 1)[0] + '_clusters.md'
+    os.makedirs(os.path.dirname(path) or '.', exist_ok=True)
+    with open(path, 'w') as f:
+      f.write(clusters)
+    print(clusters)
+    return 0
+  report = _report(rows, prof, args) + '\n' + clusters
   os.makedirs(os.path.dirname(os.path.join(ROOT, args.out)) or '.', exist_ok=True)
   with open(os.path.join(ROOT, args.out), 'w') as f:
     f.write(report)
@@ -240,6 +262,33 @@ def main() -> int:
     json.dump({'rows': rows, 'profile_wall_s': prof.wall_s}, f, indent=1)
   print(report)
   return 0
+
+
+def _clusters_report(cfg, prof) -> str:
+  """The strategy maker on every shipped cluster, with this profile."""
+  import glob
+  from triax.plan import cluster as cluster_lib, search
+  lines = ['## Strategy maker on the shipped clusters (SIMULATED)', '',
+           f'Model: the benchmark config ({BENCH_OVERRIDES}); the profile above '
+           '(tensor degrees 1, 2, 4), other device types by the roofline. Speedup = the '
+           'baseline\'s predicted step time over the best plan\'s.', '',
+           '| cluster | best plan | predicted ms | vs even split | vs data parallel '
+           '| vs planned-as-slowest | plans | search s |',
+           '|---|---|---|---|---|---|---|---|']
+  for path in sorted(glob.glob(os.path.join(ROOT, 'experiments', 'clusters', '*.yaml'))):
+    cluster = cluster_lib.load(path)
+    result = search.search(cfg, cluster, top_k=1, profile=prof)
+    if not result.top:
+      lines.append(f'| {cluster.name} | no plan fits | | | | | {result.evaluated} | '
+                   f'{result.search_s:.1f} |')
+      continue
+    best = result.top[0]
+    speed = lambda k: (f'{result.speedup(k):.2f}x' if result.speedup(k) else '-')
+    lines.append(f'| {cluster.name} | {best.plan.describe()} | {best.step_time * 1e3:.2f} | '
+                 f'{speed("even_split")} | {speed("data_parallel")} | '
+                 f'{speed("homogeneous_slowest")} | {result.evaluated} | '
+                 f'{result.search_s:.1f} |')
+  return '\n'.join(lines) + '\n'
 
 
 def _report(rows, prof, args) -> str:

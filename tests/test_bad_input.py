@@ -87,6 +87,8 @@ CASES = [
      'train.skip_nonfinite_steps'),
     ('layers-per-stage-sum', train('--config.pipeline.layers_per_stage=(1,1,1,2)'),
      'pipeline.layers_per_stage'),
+    ('device-order-not-a-permutation', train('--config.mesh.device_order=(0,1,2,3,4,5,6,6)'),
+     'mesh.device_order'),
     # -- unknown keys, flags, values of the wrong type
     ('unknown-key', train('--config.model.num_layer=4'), '--config.model.num_layer'),
     ('unknown-group', train('--config.optimizer.lr=1'), '--config.optimizer.lr'),

@@ -62,7 +62,20 @@ def test_profile_of_a_tiny_model():
   assert stash['full'] <= stash['selective']
   for point in prof.points:
     assert point.seconds > 0 and point.fitted > 0
+    # Every function is timed again with all 8 devices running it at once:
+    # they share this machine's cores, so that takes longer than alone.
+    assert point.concurrent > point.seconds
   assert all(fit.k > 0 and fit.c0 >= 0 for fit in prof.fits.values())
+  # Layer costs are measured under every remat policy, with their sharing.
+  for remat in ('none', 'selective', 'full'):
+    for function in profile.LAYER_FUNCTIONS:
+      fit = prof.fits[profile.variant(function, remat)]
+      assert 1.0 <= fit.cores <= 8
+  # Interpolation reproduces the measured points and grows with the batch.
+  for point in prof.points:
+    assert prof.local_seconds(point.function, point.microbatch, point.tensor) == \
+        pytest.approx(point.seconds)
+  assert prof.local_seconds('layer_fwd', 8, 1) > prof.local_seconds('layer_fwd', 1, 1)
 
 
 def test_cli_plans_writes_a_runnable_plan_and_a_trace(tmp_path, capsys):

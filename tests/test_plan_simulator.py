@@ -130,6 +130,43 @@ def test_shared_cores_bound_concurrent_compute():
   assert shared.step_time == pytest.approx(8 * 3.0 / 2)
 
 
+def test_measured_sharing_is_per_function_and_remat_is_measured():
+  """On this machine's local group, a tick on a shared node costs what the
+  profiler measured with every device running the function at once, and a
+  measured remat policy replaces the on-paper recompute."""
+  import dataclasses
+  base = profile.synthetic(layer_fwd=1.0, layer_bwd=2.0, num_layers=1)
+  machine = dataclasses.replace(base.machine, num_devices=8)
+  fits = dict(base.fits)
+  fits['layer_fwd/full'] = fits['layer_bwd/full'] = profile.Fit(0.0, 1.0)
+  # Alone: fwd 1 s, bwd 2 s. All 8 at once: fwd 4 s (2 devices' worth run
+  # together), bwd 16 s (1 device's worth). Full remat, measured: fwd 0.5 s,
+  # bwd 1 s alone, 2 s and 4 s together (cheaper than on paper here).
+  points = tuple(profile.Point(function=f, microbatch=1, tensor=1, seconds=solo, fitted=solo,
+                               flops=solo, concurrent=together)
+                 for f, solo, together in (('layer_fwd', 1.0, 4.0), ('layer_bwd', 2.0, 16.0),
+                                           ('layer_fwd/full', 0.5, 2.0),
+                                           ('layer_bwd/full', 1.0, 4.0)))
+  prof = dataclasses.replace(base, machine=machine, fits=fits, points=points)
+  raw_group = {'name': 'cpu', 'type': 'cpu', 'count': 8, 'profile': 'local',
+               'peak_flops': {'bfloat16': 'measured', 'float32': 'measured'},
+               'memory': '80 GB', 'memory_bandwidth': 'measured'}
+  raw = {'name': 'local', 'groups': [raw_group],
+         'nodes': [{'name': 'host', 'devices': {'cpu': 8}, 'shared_cores': 2}],
+         'links': {'intra_node': {'bandwidth': FAST, 'latency': '0 s'},
+                   'inter_node': {'bandwidth': FAST, 'latency': '0 s'}}}
+  local = cluster_lib.parse(raw, 'local.yaml')
+  plain = simulate_plan(make_plan(p=1, m=1, d=8, layers=(1,)), prof, local)
+  # 8 devices each take 4/8 + 16/8 s of the node.
+  assert plain.step_time == pytest.approx(8 * (4.0 + 16.0) / 8)
+  full = simulate_plan(make_plan(p=1, m=1, d=8, layers=(1,), remat='full'), prof, local)
+  assert full.step_time == pytest.approx(8 * (2.0 + 4.0) / 8)
+  # A policy not measured is priced on paper: the forward again in the backward.
+  selective = simulate_plan(make_plan(p=1, m=1, d=8, layers=(1,), remat='selective'), prof,
+                            local)
+  assert selective.step_time == pytest.approx(plain.step_time)   # attention_fraction = 0
+
+
 def test_memory_and_oom_flag():
   prof = profile.synthetic(layer_param_bytes=1e9, stash_per_seq=1e8)
   plan = make_plan(p=4, m=8)

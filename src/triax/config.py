@@ -41,6 +41,8 @@ def defaults() -> ml_collections.ConfigDict:
   c.mesh.dcn_tensor = 1
   # DCN factor of the pipe axis; pipelining tolerates slow links, so this is the usual one.
   c.mesh.dcn_pipe = 1
+  # jax.devices() indices in mesh order (data, tensor, pipe; row-major); () = default placement.
+  c.mesh.device_order = ()
 
   c.model = ml_collections.ConfigDict()
   # Number of transformer blocks.
@@ -221,6 +223,23 @@ def resolve_mesh_shape(mesh_cfg, num_devices: int) -> tuple[int, int, int]:
   return tuple(sizes)
 
 
+def _check_device_order(mesh_cfg, num_devices: int) -> None:
+  """mesh.device_order: empty, or each device index exactly once."""
+  order = mesh_cfg.device_order
+  if not order:
+    return
+  if (not isinstance(order, (list, tuple)) or
+      not all(isinstance(i, int) and not isinstance(i, bool) for i in order) or
+      sorted(order) != list(range(num_devices))):
+    raise ConfigError('mesh.device_order',
+                      f'must list each of the {num_devices} device indices 0..{num_devices - 1} '
+                      f'once (mesh order: data, tensor, pipe), or be () for the default; '
+                      f'got {order!r}')
+  if any(mesh_cfg[f'dcn_{a}'] > 1 for a in MESH_AXES):
+    raise ConfigError('mesh.device_order', 'cannot be combined with mesh.dcn_* > 1 (the '
+                      'hybrid mesh places devices itself); set one of them to its default')
+
+
 def validate(cfg: ml_collections.ConfigDict, num_devices: int) -> ml_collections.ConfigDict:
   """Checks `cfg` against itself and the device count; returns it with the mesh resolved.
 
@@ -235,6 +254,7 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int) -> ml_collections
     if not isinstance(dcn, int) or dcn <= 0 or cfg.mesh[axis] % dcn:
       raise ConfigError(f'mesh.dcn_{axis}',
                         f'must be a positive divisor of mesh.{axis}={cfg.mesh[axis]}, got {dcn!r}')
+  _check_device_order(cfg.mesh, num_devices)
 
   for key in ('num_layers', 'd_model', 'num_heads', 'd_ff', 'vocab_size', 'seq_len'):
     _positive(cfg, 'model', key)

@@ -25,12 +25,20 @@ def build_mesh(mesh_cfg, devices=None) -> Mesh:
 
   With dcn factors > 1 the axes are split into a within-slice (ICI/NVLink)
   part and a between-slice (data-centre network) part, so that the axis that
-  crosses slow links is the one asked for.
+  crosses slow links is the one asked for. `mesh.device_order` (a plan's
+  stage placement) overrides both.
   """
   devices = list(jax.devices() if devices is None else devices)
   shape = tuple(mesh_cfg[a] for a in MESH_AXES)
   dcn = tuple(mesh_cfg[f'dcn_{a}'] for a in MESH_AXES)
-  if any(d > 1 for d in dcn):
+  order = mesh_cfg.get('device_order') or ()
+  if order:
+    # A planner's placement (e.g. fast devices on the heavy pipeline stages):
+    # position k of the mesh, row-major over (data, tensor, pipe), is devices[order[k]].
+    grid = np.empty(len(order), dtype=object)
+    grid[:] = [devices[i] for i in order]
+    grid = grid.reshape(shape)
+  elif any(d > 1 for d in dcn):
     grid = _hybrid_grid(shape, dcn, devices)
   else:
     grid = _grid(shape, devices)

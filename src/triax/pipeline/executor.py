@@ -1,8 +1,9 @@
 """Runs a lowered pipeline schedule as one SPMD program.
 
-`shard_map` is manual over `pipe` only; `data` and `tensor` stay automatic
-(GSPMD) inside each stage. A `lax.scan` walks the schedule's ticks. In each
-tick every device reads its own row of the schedule table and:
+`shard_map` is manual over `pipe`, and over `data` when the trainer asks
+(`data_axis`); `tensor` stays automatic (GSPMD) inside each stage. A
+`lax.scan` walks the schedule's ticks. In each tick every device reads its
+own row of the schedule table and:
 
   phase 0  forward of (micro-batch, chunk) under `lax.cond`, so idle slots
            execute nothing. `jax.vjp` gives the chunk's output and a
@@ -28,6 +29,13 @@ lowering says, so activation memory is bounded by the schedule, not by the
 number of micro-batches. Residual leaves that are the chunk's own weights
 (forwarded by JAX, not copies) are not stashed: they are re-sliced from the
 parameters at the backward.
+
+Data parallelism: with `data` manual, each replica's weight gradients
+accumulate unreduced over the step's micro-batches and are summed over
+`data` once, after the scan (the papers' and Megatron's one all-reduce per
+step). Left automatic, GSPMD would all-reduce every micro-batch's
+contribution inside its backward, m times per step: the accumulator is
+replicated over `data`, so each addition to it must be.
 
 The executor does not import the model: it receives the three functions it
 places (`StageFns`) and the lowered `Program`.
@@ -62,22 +70,24 @@ class StageFns:
   head_loss: Callable[[Params, jax.Array, jax.Array], jax.Array]
 
 
-def _varying(tree):
-  """Marks fresh carries as varying over `pipe` (each stage holds its own)."""
+def _varying(tree, axes=('pipe',)):
+  """Marks values as varying over the manual `axes` (each device holds its
+  own): fresh carries, and weights whose gradients must stay per device."""
   def cast(a):
     aval = jax.typeof(a)
     # jax 0.10 names the varying axes `manual_axis_type.varying`, older ones `vma`.
     varying = getattr(aval, 'vma', None)
     if varying is None:
       varying = aval.manual_axis_type.varying
-    if 'pipe' in varying:
+    missing = tuple(x for x in axes if x not in varying)
+    if not missing:
       return a
-    return jax.lax.pcast(a, ('pipe',), to='varying')
+    return jax.lax.pcast(a, missing, to='varying')
   return jax.tree.map(cast, tree)
 
 
-def _zeros_like_varying(tree):
-  return _varying(jax.tree.map(jnp.zeros_like, tree))
+def _zeros_like_varying(tree, axes=('pipe',)):
+  return _varying(jax.tree.map(jnp.zeros_like, tree), axes)
 
 
 def _take(tree, index):
@@ -91,7 +101,7 @@ def _put(buffers, index, values):
 def pipeline_loss_and_grad(fns: StageFns, program: 'sched.Program', mesh: Mesh,
                            act_shape: tuple[int, ...], act_dtype: Any, loss_scale: float,
                            act_spec: P = P(), chunk_layers: tuple[int, ...] | None = None,
-                           compute_idle: bool = False):
+                           compute_idle: bool = False, data_axis: str | None = None):
   """Builds f(stage_params, embed_params, head_params, inputs, targets).
 
   Args:
@@ -111,6 +121,10 @@ def pipeline_loss_and_grad(fns: StageFns, program: 'sched.Program', mesh: Mesh,
       backward on a placeholder row and discard the result, as pipelines
       that differentiate through a scan do (MaxText, praxis). Same numbers,
       more work.
+    data_axis: the mesh axis the batch is split over, made manual too so
+      that weight gradients are reduced over it once per step; the
+      functions in `fns` then see one replica's rows, and act_spec must not
+      name it. None: left to GSPMD (reduced per micro-batch).
 
   Returns:
     f(stage_params, embed_params, head_params, inputs, targets) ->
@@ -123,6 +137,13 @@ def pipeline_loss_and_grad(fns: StageFns, program: 'sched.Program', mesh: Mesh,
   last_chunk = p * v - 1
   if mesh.shape['pipe'] != p:
     raise ValueError(f'mesh has pipe={mesh.shape["pipe"]} but the schedule has {p} stages')
+  manual = ('pipe',) + ((data_axis,) if data_axis else ())
+  if data_axis:
+    replicas = mesh.shape[data_axis]
+    if act_shape[0] % replicas:
+      raise ValueError(f'micro-batch of {act_shape[0]} rows does not split over '
+                       f'{data_axis}={replicas}')
+    act_shape = (act_shape[0] // replicas,) + tuple(act_shape[1:])
   # One spare slot at the end of each receiving buffer takes writes the table
   # marks as "nothing arrives" (-1), so arrivals need no branch.
   moves = program.partner is not None
@@ -160,12 +181,16 @@ def pipeline_loss_and_grad(fns: StageFns, program: 'sched.Program', mesh: Mesh,
 
   def body(stage_params, embed_params, head_params, inputs, targets):
     local = jax.tree.map(lambda a: a[0], stage_params)     # [v, layers_per_chunk, ...]
-    # Replicated weights become per-stage values here, outside any branch: a
-    # vjp inside a branch w.r.t. a pipe-invariant value would transpose into
-    # a psum over `pipe` that only some stages reach (a deadlock).
-    embed_params, head_params = _varying((embed_params, head_params))
+    # Replicated weights become per-device values here, outside any branch
+    # and the scan: a vjp inside a branch w.r.t. a pipe-invariant value would
+    # transpose into a psum over `pipe` that only some stages reach (a
+    # deadlock), and one w.r.t. a data-invariant value into a psum over
+    # `data` in every backward. Cast here, they transpose into one psum each,
+    # after the scan.
+    local = _varying(local, manual)
+    embed_params, head_params = _varying((embed_params, head_params), manual)
     stage = jax.lax.axis_index('pipe')
-    x_zero = pin(_varying(jnp.zeros(act_shape, act_dtype)))
+    x_zero = pin(_varying(jnp.zeros(act_shape, act_dtype), manual))
 
     # Trace one chunk's vjp abstractly to learn the residual structure: which
     # leaves are the chunk's own weights (not stashed) and the shapes of the rest.
@@ -185,7 +210,7 @@ def pipeline_loss_and_grad(fns: StageFns, program: 'sched.Program', mesh: Mesh,
     # The chunk index is traced here as in the real forward, so an uneven
     # split's layer count is a residual in both (same residual structure).
     stash_shapes = jax.eval_shape(probe, _take(local, 0), x_zero, stage)
-    stash = _varying([jnp.zeros((n_stash,) + s.shape, s.dtype) for s in stash_shapes])
+    stash = _varying([jnp.zeros((n_stash,) + s.shape, s.dtype) for s in stash_shapes], manual)
     info['residual_bytes'] = sum(s.size * s.dtype.itemsize for s in stash_shapes)
 
     def split_residuals(vjp_fn, chunk_params):
@@ -203,17 +228,17 @@ def pipeline_loss_and_grad(fns: StageFns, program: 'sched.Program', mesh: Mesh,
       return jax.tree.unflatten(layout['treedef'], leaves)
 
     carry0 = dict(
-        act=pin_buffer(_varying(jnp.zeros((n_act,) + act_shape, act_dtype))),
-        grad=pin_buffer(_varying(jnp.zeros((n_grad,) + act_shape, act_dtype))),
+        act=pin_buffer(_varying(jnp.zeros((n_act,) + act_shape, act_dtype), manual)),
+        grad=pin_buffer(_varying(jnp.zeros((n_grad,) + act_shape, act_dtype), manual)),
         stash=stash,
-        g_stage=_zeros_like_varying(local),
-        g_embed=_zeros_like_varying(embed_params),
-        g_head=_zeros_like_varying(head_params),
-        loss=_varying(jnp.zeros((), jnp.float32)),
+        g_stage=_zeros_like_varying(local, manual),
+        g_embed=_zeros_like_varying(embed_params, manual),
+        g_head=_zeros_like_varying(head_params, manual),
+        loss=_varying(jnp.zeros((), jnp.float32), manual),
     )
     if moves:
-      carry0['landing'] = _varying([jnp.zeros(s.shape, s.dtype) for s in stash_shapes])
-      carry0['landing_slot'] = _varying(jnp.int32(-1))
+      carry0['landing'] = _varying([jnp.zeros(s.shape, s.dtype) for s in stash_shapes], manual)
+      carry0['landing_slot'] = _varying(jnp.int32(-1), manual)
 
     def forward(c, row):
       mb, chunk = row[sched.F_MB], row[sched.F_CHUNK]
@@ -294,14 +319,15 @@ def pipeline_loss_and_grad(fns: StageFns, program: 'sched.Program', mesh: Mesh,
                          c, row['wgt'])
       y = jax.lax.ppermute(y, 'pipe', to_next)
       dx = jax.lax.ppermute(dx, 'pipe', to_prev)
+      if moves:
+        # Every tick, outside any branch (a stage with nothing to move sends
+        # a slot it does not need and the receiver drops it): inside a cond,
+        # XLA:CPU (jax 0.10.2) mixed this ppermute's rendezvous up (NaN
+        # gradients, or a check failure counting 5 participants of 4).
+        landing, slot = move_residuals(c['stash'], row)
+        c = dict(c, landing=landing, landing_slot=slot)
       c = dict(c, act=c['act'].at[row['recv_act']].set(y),
                grad=c['grad'].at[row['recv_grad']].set(dx))
-      if moves:
-        # Whether anything moves in this tick is the same on every device, so
-        # the collective inside this branch is reached by all or by none.
-        landing, slot = jax.lax.cond(rows['move_any'][0] > 0, move_residuals, no_move,
-                                     c['stash'], row)
-        c = dict(c, landing=landing, landing_slot=slot)
       return c, None
 
     def land(c):
@@ -317,22 +343,25 @@ def pipeline_loss_and_grad(fns: StageFns, program: 'sched.Program', mesh: Mesh,
       # BPipe never has a stage evict and load in the same tick, so one
       # ppermute over the partner pairs carries either direction.
       sent = [s[row['move_send']] for s in stash]
-      return jax.lax.ppermute(sent, 'pipe', partner_pairs), row['move_recv']
-
-    def no_move(stash, row):
-      del row
-      return [jnp.zeros_like(s[0]) for s in stash], _varying(jnp.int32(-1))
+      return jax.lax.ppermute(sent, 'pipe', partner_pairs), _varying(row['move_recv'], manual)
 
     c, _ = jax.lax.scan(tick, carry0, tables)
-    loss = jax.lax.psum(c['loss'], 'pipe')
-    g_embed = jax.lax.psum(c['g_embed'], 'pipe')
-    g_head = jax.lax.psum(c['g_head'], 'pipe')
-    g_stage = jax.tree.map(lambda g: g[None], c['g_stage'])
+    # The step's only reductions: over every manual axis for the loss and the
+    # replicated embedding/head, over `data` for the stage's own layers.
+    replicas = manual[1:]
+    loss = jax.lax.psum(c['loss'], manual)
+    g_embed = jax.lax.psum(c['g_embed'], manual)
+    g_head = jax.lax.psum(c['g_head'], manual)
+    g_stage = c['g_stage']
+    if replicas:
+      g_stage = jax.lax.psum(g_stage, replicas)
+    g_stage = jax.tree.map(lambda g: g[None], g_stage)
     return loss, (g_stage, g_embed, g_head)
 
+  rows = P(None, data_axis) if data_axis else P()
   run = jax.shard_map(
-      body, mesh=mesh, axis_names={'pipe'},
-      in_specs=(P('pipe'), P(), P(), P(), P()),
+      body, mesh=mesh, axis_names=set(manual),
+      in_specs=(P('pipe'), P(), P(), rows, rows),
       out_specs=(P(), (P('pipe'), P(), P())))
   return PipelineStep(run, info)
 
@@ -346,10 +375,8 @@ def _residual_moves(program: 'sched.Program') -> dict:
                                 'in one tick; the executor moves one set per tick')
   send = np.where(evict[..., sched.X_SEND] >= 0, evict[..., sched.X_SEND], load[..., sched.X_SEND])
   recv = np.where(evict[..., sched.X_RECV] >= 0, evict[..., sched.X_RECV], load[..., sched.X_RECV])
-  any_move = (send >= 0).any(axis=1, keepdims=True)
   return dict(move_send=jnp.asarray(np.maximum(send, 0), jnp.int32),
-              move_recv=jnp.asarray(recv, jnp.int32),
-              move_any=jnp.asarray(np.repeat(any_move, send.shape[1], axis=1), jnp.int32))
+              move_recv=jnp.asarray(recv, jnp.int32))
 
 
 class PipelineStep:

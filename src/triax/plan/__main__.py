@@ -33,9 +33,9 @@ _TRACE = flags.DEFINE_string('trace', None, 'Write the best plan\'s predicted ti
 _MODEL = flags.DEFINE_enum('model', 'lockstep', ['lockstep', 'async'],
                            'Time model that ranks plans: lockstep (triax\'s executor) or '
                            'async (the papers\').')
-_DP = flags.DEFINE_enum('dp_allreduce', 'per_microbatch', ['per_microbatch', 'per_step'],
+_DP = flags.DEFINE_enum('dp_allreduce', 'per_step', ['per_microbatch', 'per_step'],
                         'Where the data-parallel gradient all-reduce is charged: '
-                        'per_microbatch (triax\'s executor today) or per_step.')
+                        'per_step (triax\'s executor) or per_microbatch.')
 
 
 def main(argv):

@@ -22,9 +22,21 @@ from triax.plan.simulator import Estimate, Plan
 LAYERS_KEY = 'pipeline.layers_per_stage'
 
 
-def overrides(plan: Plan) -> dict[str, Any]:
-  """The dotted config keys a plan sets, with their values."""
-  return {
+def device_order(plan: Plan) -> tuple[int, ...]:
+  """The plan's placement as `mesh.device_order`: mesh position (i, j, s)
+  (data replica i, tensor rank j, pipeline stage s; row-major) holds the
+  cluster's device stages[s][i * tensor + j]. Cluster device k is
+  jax.devices()[k] on the run (the cluster spec lists devices in that order)."""
+  t = plan.tensor
+  return tuple(plan.stages[s][i * t + j] for i in range(plan.data) for j in range(t)
+               for s in range(plan.pipe))
+
+
+def overrides(plan: Plan, heterogeneous: bool = False) -> dict[str, Any]:
+  """The dotted config keys a plan sets, with their values. On a cluster
+  of mixed device types the placement matters, so it is written as
+  mesh.device_order; otherwise the mesh keeps its own topology-aware order."""
+  values = {
       'mesh.data': plan.data,
       'mesh.tensor': plan.tensor,
       'mesh.pipe': plan.pipe,
@@ -35,6 +47,9 @@ def overrides(plan: Plan) -> dict[str, Any]:
       'model.remat': plan.remat,
       'train.global_batch_size': plan.global_batch,
   }
+  if heterogeneous:
+    values['mesh.device_order'] = device_order(plan)
+  return values
 
 
 def flatten(cfg, prefix: str = '') -> dict[str, Any]:
@@ -68,7 +83,8 @@ def apply(cfg, values: dict[str, Any]):
 
 
 def write(path: str, estimate: Estimate, base_path: str, base_arg: str | None,
-          base_overrides: dict[str, Any], cluster_name: str, command: str = '') -> str:
+          base_overrides: dict[str, Any], cluster_name: str, command: str = '',
+          heterogeneous: bool = False) -> str:
   """Writes the plan file; returns its text.
 
   Args:
@@ -80,6 +96,7 @@ def write(path: str, estimate: Estimate, base_path: str, base_arg: str | None,
       file's (the --config.* flags), written into the plan.
     cluster_name: for the docstring.
     command: the planner command line, for the docstring.
+    heterogeneous: the cluster mixes device types: write mesh.device_order.
   """
   plan = estimate.plan
   folder = os.path.dirname(os.path.abspath(path))
@@ -87,8 +104,10 @@ def write(path: str, estimate: Estimate, base_path: str, base_arg: str | None,
   gb = estimate.peak_memory / 2**30
   stages = '\n'.join(f'  stage {s}: devices {list(devs)}, {plan.layers[s]} layers'
                      for s, devs in enumerate(plan.stages))
-  plan_values = overrides(plan)
+  plan_values = overrides(plan, heterogeneous)
   origin = f' ({command})' if command else ''
+  placement = ('placed by PLAN\'s mesh.device_order' if heterogeneous else
+               'one device type: the mesh keeps its own order')
   text = f'''"""Plan for cluster {cluster_name}: {plan.describe()}.
 
 Written by `python -m triax.plan` on {datetime.date.today().isoformat()}{origin}.
@@ -99,8 +118,7 @@ Run it:
   python -m triax.train --config={path} --workdir=DIR
 
 Pipeline stages and the cluster devices the prediction assumes for them
-(triax's mesh takes no device order yet: on a mixed cluster, check which
-devices land on which stage):
+(cluster device k is jax.devices()[k]; {placement}):
 {stages}
 """
 
@@ -122,10 +140,10 @@ def _apply(cfg, values):
     node = cfg
     for part in path:
       node = node[part]
-    if key == 'pipeline.layers_per_stage' and name not in node:
+    if key in ('pipeline.layers_per_stage', 'mesh.device_order') and name not in node:
       if value:
-        raise ValueError('this plan splits layers unevenly but this triax has no '
-                         'pipeline.layers_per_stage; update triax or re-plan')
+        raise ValueError(f'this plan sets {{key}} but this triax has no such key; '
+                         'update triax or re-plan')
       continue
     node[name] = value
   return cfg

@@ -37,7 +37,7 @@ class Request:
     out: write the best plan as a config file here, or None.
     trace: write the best plan's predicted timeline (Chrome trace) here.
     model: 'lockstep' (triax's executor) or 'async' ranks the plans.
-    dp_allreduce: 'per_microbatch' (triax's executor) or 'per_step'.
+    dp_allreduce: 'per_step' (triax's executor) or 'per_microbatch'.
   """
   cfg: Any
   config_path: str
@@ -47,7 +47,7 @@ class Request:
   out: str | None = None
   trace: str | None = None
   model: str = 'lockstep'
-  dp_allreduce: str = 'per_microbatch'
+  dp_allreduce: str = 'per_step'
 
 
 def local_devices(cluster_path: str) -> int | None:
@@ -100,7 +100,8 @@ def run(request: Request, as_json: bool = False, out: TextIO | None = None) -> d
     base_path, _, base_arg = request.config_path.partition(':')
     emit.write(request.out, best, base_path, base_arg or None,
                _base_overrides(request, base_path, base_arg or None, cfg), cluster.name,
-               command=f'--config={request.config_path} --cluster={request.cluster}')
+               command=f'--config={request.config_path} --cluster={request.cluster}',
+               heterogeneous=cluster.heterogeneous)
     summary['out'] = request.out
   if request.trace:
     with open(request.trace, 'w') as f:
@@ -117,7 +118,7 @@ def _base_overrides(request: Request, base_path: str, base_arg: str | None, cfg)
   """Dotted keys where the planner's config differs from the base file's
   get_config (the --config.* flags), minus those the plan sets itself."""
   del base_path, base_arg, cfg
-  plan_keys = set(emit.overrides(_dummy_plan()))
+  plan_keys = set(emit.overrides(_dummy_plan(), heterogeneous=True))
   return {k: v for k, v in request.config_overrides.items() if k not in plan_keys}
 
 
@@ -185,11 +186,13 @@ def text(result: search_lib.SearchResult, cfg, request: Request | None = None) -
       f'profile ({m.backend}, {m.num_devices} local devices, {prof.wall_s:.1f} s): matmul '
       f'{m.matmul_flops / 1e9:.1f} GFLOP/s, copy {m.memory_bandwidth / 1e9:.1f} GB/s '
       f'({m.node_bandwidth / 1e9:.1f} GB/s with all devices copying), '
-      f'{m.effective_cores:.2f} effective cores when all devices compute',
+      f'{m.effective_cores:.2f} effective cores when all devices run a small matmul',
   ]
   for p in prof.points:
-    lines.append(f'  measured {p.function:9s} b={p.microbatch:<3d} t={p.tensor}: '
-                 f'{p.seconds * 1e3:8.3f} ms (fit {p.fitted * 1e3:8.3f} ms, '
+    together = (f', {p.concurrent * 1e3:8.3f} ms with all {m.num_devices} at once'
+                if p.concurrent else '')
+    lines.append(f'  measured {p.function:19s} b={p.microbatch:<3d} t={p.tensor}: '
+                 f'{p.seconds * 1e3:8.3f} ms alone{together} (fit {p.fitted * 1e3:8.3f} ms, '
                  f'{p.flops / 1e6:.0f} MFLOP)')
   lines.append(roofline.assumption(prof))
   lines.append(f'searched {result.evaluated} plans in {result.search_s:.2f} s; times are '

@@ -1,6 +1,8 @@
 """Compute time of one function on one device type, from the local profile.
 
-This machine's groups (`profile: local`) use the local fit directly:
+This machine's groups (`profile: local`) use the local measurements
+(interpolated in the micro-batch size; see Profile.local_seconds), or where
+a tensor degree was not measured the local fit:
 
   time = c0 + k * max(flops / local_peak, bytes / local_bandwidth)
 
@@ -17,27 +19,55 @@ same fraction of its roofline as this one — is what `assumption()` prints.
 from __future__ import annotations
 
 from triax.plan.cluster import Group
-from triax.plan.profile import FUNCTIONS, Profile
+from triax.plan.profile import FUNCTIONS, LAYER_FUNCTIONS, Profile, variant
 
 
 def seconds(profile: Profile, group: Group, function: str, b: int, t: int) -> float:
-  """Time of `function` (a profile.FUNCTIONS name) on b sequences at degree t."""
+  """Time of `function` (a profile fits key) on b sequences at degree t."""
   if group.local:
     return profile.local_seconds(function, b, t)
-  work = profile.shards[t].work[function]
-  fit = profile.fits[function]
+  base = function.split('/')[0]
+  work = profile.shards[t].work[base]
+  fit = profile.fits[base]
   efficiency = group.efficiency or min(1.0, fit.efficiency)
   roof = max(work.flops(b) / group.peak(profile.dtype),
              work.bytes(b) / group.memory_bandwidth)
-  overhead = group.overhead_per_layer if function.startswith('layer') else 0.0
+  overhead = group.overhead_per_layer if base in LAYER_FUNCTIONS else 0.0
   return overhead + roof / efficiency
 
 
-def memory_seconds(profile: Profile, group: Group, function: str, b: int, t: int) -> float:
-  """The part of `seconds` spent moving bytes (at most all of it): what
-  devices sharing one memory system cannot overlap."""
-  total = seconds(profile, group, function, b, t)
-  return min(total, profile.shards[t].work[function].bytes(b) / bandwidth(profile, group))
+def layer_seconds(profile: Profile, group: Group, b: int, t: int,
+                  remat: str) -> tuple[float, float]:
+  """(forward, backward) seconds of one layer under a remat policy.
+
+  Measured on this machine when the profile holds the policy; otherwise
+  the recomputation is priced on paper: full remat reruns the forward in
+  the backward, selective its attention core.
+  """
+  if group.local and variant('layer_bwd', remat) in profile.fits:
+    return (seconds(profile, group, variant('layer_fwd', remat), b, t),
+            seconds(profile, group, variant('layer_bwd', remat), b, t))
+  fwd = seconds(profile, group, 'layer_fwd', b, t)
+  bwd = seconds(profile, group, 'layer_bwd', b, t)
+  if remat == 'full':
+    bwd += fwd
+  elif remat == 'selective':
+    bwd += fwd * profile.shards[t].attention_fraction
+  return fwd, bwd
+
+
+def node_share(profile: Profile, group: Group, function: str, b: int, t: int,
+               shared_cores: int | None) -> float:
+  """Seconds of a shared node's capacity one device running `function`
+  takes: on this machine, the measured time with every local device running
+  it divided by their number; on a spec'd node with `shared_cores`, its
+  time over that core count; 0 where devices do not share."""
+  if not shared_cores:
+    return 0.0
+  if group.local and profile.machine.num_devices > 1:
+    return (profile.local_seconds(function, b, t, concurrent=True) /
+            profile.machine.num_devices)
+  return seconds(profile, group, function, b, t) / shared_cores
 
 
 def bandwidth(profile: Profile, group: Group) -> float:

@@ -12,7 +12,9 @@ For a model config and a cluster it tries every
   layer partition       the even split and the dynamic program's
                         (partition.balance) under each stage's memory,
   remat                 'none', or 'selective' / 'full' only where 'none'
-                        runs out of memory (recomputation never speeds up),
+                        runs out of memory (on paper recomputation never
+                        speeds up); all three where they were measured on
+                        this machine (on XLA:CPU full remat can be faster),
 
 simulates each (ranking by the lockstep model, the executor's, unless
 asked otherwise) and keeps the fastest plans that fit in memory and that
@@ -284,9 +286,16 @@ def _evaluate(cfg, cluster, profile, options, all_layouts) -> list[Estimate]:
           estimate = simulate_plan(plan, profile, cluster, options)
           found.append(estimate)
           fits |= not estimate.oom
-        if fits:
-          break   # more recomputation would only be slower
+        if fits and not _remat_measured(profile, cluster):
+          break   # on paper, more recomputation would only be slower
   return found
+
+
+def _remat_measured(profile: profile_lib.Profile, cluster: Cluster) -> bool:
+  """Whether every group's remat costs were measured (this machine with
+  every policy profiled): then recomputation may be faster, and is tried."""
+  return all(g.local for g in cluster.groups.values()) and all(
+      profile_lib.variant('layer_bwd', r) in profile.fits for r in REMATS)
 
 
 def _baselines(cfg, cluster, profile, options, top, found, all_layouts) -> dict:

@@ -12,18 +12,22 @@ and times the schedule two ways:
   does: per-chunk costs (the embedding runs inside chunk 0's actions, the
   head's loss and gradient inside the last chunk's forward), both ppermutes
   in every tick (the executor sends zeros when idle), and devices that share
-  cores (a tick's compute on a node takes at least the node's total busy
-  device-time over its effective core count).
+  cores (a tick's compute on a node takes at least the sum of the node
+  capacity its busy devices take: measured per function on this machine
+  by running it on every local device at once; a spec'd node's
+  shared_cores elsewhere).
 - asynchronous (the papers' model): `simulate.simulate_async` with one
   Costs per stage (its chunks' average), then floored by the same core
   sharing bound over the whole step.
 
 Both then add what follows the pipeline: the psum of the embedding and head
 gradients over `pipe`, the data-parallel gradient all-reduce when it is
-modelled per step, and the optimizer update. By default the data-parallel
-all-reduce is charged per micro-batch inside each backward, because that is
-where GSPMD puts it in triax's executor (the weight-gradient accumulator is
-replicated over `data`, so each backward's contribution is reduced at once).
+modelled per step (the default: triax's executor accumulates each replica's
+gradients unreduced and reduces them once, after its tick loop), and the
+optimizer update. `Options(dp_allreduce='per_microbatch')` charges it inside
+every backward instead, as a pipeline whose gradient accumulator is
+replicated over `data` pays it (triax before the executor made `data`
+manual; frameworks that differentiate through a scan).
 
 Memory per device: parameters, their gradient accumulator and Adam's two
 moments (4x the parameter bytes: 16 B/param in fp32), the stashed residuals
@@ -41,7 +45,7 @@ from typing import Sequence
 from triax.pipeline import schedule as sched
 from triax.pipeline import simulate
 from triax.pipeline.schedule import Action
-from triax.plan import roofline
+from triax.plan import profile as profile_lib, roofline
 from triax.plan.cluster import Cluster
 from triax.plan.comm import Comm
 from triax.plan.profile import Profile
@@ -57,13 +61,6 @@ SPLIT_BACKWARD_SHARE = 0.5
 OPTIMIZER_TRAFFIC = 8.0
 # Parameter, gradient accumulator, Adam mu and nu, each the parameter's size.
 STATE_COPIES = 4
-# Times a step moves each byte of a device's temporary memory (stash pool,
-# ring buffers, workspace) beyond what the measured functions already move:
-# the allocator hands out fresh pages (the kernel zeroes them: one pass),
-# the executor initialises its buffers (one pass) and copies residuals in
-# and out of their slots (one pass). Negligible on HBM; on a VM whose
-# devices share ~3 GB/s it is what separates plans (see bench_planner.py).
-FOOTPRINT_PASSES = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,8 +176,8 @@ class Options:
 
   Attributes:
     model: which time model step_time reports ('lockstep' for triax plans).
-    dp_allreduce: 'per_microbatch' (triax's executor today) or 'per_step'
-      (accumulate locally, reduce once, as the papers assume).
+    dp_allreduce: 'per_step' (accumulate locally, reduce once: triax's
+      executor, and the papers' assumption) or 'per_microbatch'.
     memory_fraction: share of a device's memory a plan may use (runtime,
       fragmentation and XLA's own buffers take the rest).
     padded: True = memory as the executor stores uneven splits (every stage
@@ -188,7 +185,7 @@ class Options:
       only its own.
   """
   model: str = 'lockstep'
-  dp_allreduce: str = 'per_microbatch'
+  dp_allreduce: str = 'per_step'
   memory_fraction: float = 0.9
   padded: bool = True
 
@@ -210,22 +207,23 @@ class ActionCosts:
   """Seconds per chunk action and per transfer, for one plan.
 
   chunk[c][kind] is the duration of `kind` for chunk c on its stage and
-  memory[c][kind] the part of it spent moving bytes (what devices sharing a
-  memory system cannot overlap); transfer[s] one activation (or gradient)
-  ppermute out of stage s; evict[s] one chunk's residual set moved to or
-  from stage s's partner.
+  share[c][kind] the seconds of a shared node's capacity one of the stage's
+  devices takes to run it (0 where devices do not share cores; see
+  roofline.node_share); transfer[s] one activation (or gradient) ppermute
+  out of stage s; evict[s] one chunk's residual set moved to or from stage
+  s's partner.
   """
   chunk: tuple[dict[str, float], ...]
   transfer: tuple[float, ...]
   evict: tuple[float, ...]
   tick_transfer: float
-  memory: tuple[dict[str, float], ...] | None = None
+  share: tuple[dict[str, float], ...] | None = None
 
   def of(self, a: Action) -> float:
     return self.chunk[a.chunk][a.kind]
 
-  def memory_of(self, a: Action) -> float:
-    return self.memory[a.chunk][a.kind] if self.memory else 0.0
+  def share_of(self, a: Action) -> float:
+    return self.share[a.chunk][a.kind] if self.share else 0.0
 
 
 def action_costs(plan: Plan, profile: Profile, cluster: Cluster,
@@ -239,12 +237,27 @@ def action_costs(plan: Plan, profile: Profile, cluster: Cluster,
   last = p * plan.virtual_stages - 1
   act = shard.act_per_seq * b
 
-  def slowest(stage: int, function: str) -> tuple[float, float]:
-    """(seconds, memory seconds) on the stage's slowest device."""
-    groups = {cluster.devices[d].group for d in plan.stages[stage]}
-    return max((roofline.seconds(profile, cluster.groups[g], function, b, t),
-                roofline.memory_seconds(profile, cluster.groups[g], function, b, t))
-               for g in groups)
+  def slowest(stage: int, costs) -> tuple[float, ...]:
+    """costs(group, shared_cores) on the stage's slowest device type."""
+    found = {(cluster.devices[d].group, cluster.shared_cores(cluster.devices[d].node))
+             for d in plan.stages[stage]}
+    return max(costs(cluster.groups[g], cores) for g, cores in found)
+
+  def layer(group, cores):
+    fwd, bwd = roofline.layer_seconds(profile, group, b, t, plan.remat)
+    # A policy not measured here shares the node as its plain layer does.
+    base = roofline.layer_seconds(profile, group, b, t, 'none')
+    ratio = [roofline.node_share(profile, group, f, b, t, cores) / max(x, 1e-30)
+             for f, x in (('layer_fwd', base[0]), ('layer_bwd', base[1]))]
+    if group.local and profile_lib.variant('layer_bwd', plan.remat) in profile.fits:
+      ratio = [roofline.node_share(profile, group, profile_lib.variant(f, plan.remat), b, t,
+                                   cores) / max(x, 1e-30)
+               for f, x in (('layer_fwd', fwd), ('layer_bwd', bwd))]
+    return fwd, bwd, fwd * ratio[0], bwd * ratio[1]
+
+  def edge(function):
+    return lambda group, cores: (roofline.seconds(profile, group, function, b, t),
+                                 roofline.node_share(profile, group, function, b, t, cores))
 
   def tensor_groups(stage):
     devs = plan.stages[stage]
@@ -256,12 +269,7 @@ def action_costs(plan: Plan, profile: Profile, cluster: Cluster,
 
   per_stage = []
   for s in range(p):
-    (fwd, fwd_mem), (bwd, bwd_mem) = slowest(s, 'layer_fwd'), slowest(s, 'layer_bwd')
-    if plan.remat == 'full':
-      bwd, bwd_mem = bwd + fwd, bwd_mem + fwd_mem
-    elif plan.remat == 'selective':
-      bwd += fwd * shard.attention_fraction
-      bwd_mem += fwd_mem * shard.attention_fraction
+    fwd, bwd, fwd_share, bwd_share = slowest(s, layer)
     tp = max(comm.allreduce(g, act) for g in tensor_groups(s))
     dp_layer = 0.0
     if options.dp_allreduce == 'per_microbatch':
@@ -269,27 +277,28 @@ def action_costs(plan: Plan, profile: Profile, cluster: Cluster,
     edge_dp = 0.0
     if options.dp_allreduce == 'per_microbatch':
       edge_dp = max(comm.allreduce(g, shard.edge_param_bytes / 2) for g in data_groups(s))
-    (embed, embed_mem), (head, head_mem) = slowest(s, 'embed'), slowest(s, 'head')
+    (embed, embed_share), (head, head_share) = slowest(s, edge('embed')), slowest(s, edge('head'))
     per_stage.append(dict(fwd=fwd + 2 * tp, bwd=bwd + 2 * tp, dp=dp_layer, embed=embed,
-                          head=head, edge_dp=edge_dp, fwd_mem=fwd_mem, bwd_mem=bwd_mem,
-                          embed_mem=embed_mem, head_mem=head_mem))
+                          head=head, edge_dp=edge_dp, fwd_share=fwd_share,
+                          bwd_share=bwd_share, embed_share=embed_share,
+                          head_share=head_share))
   split = sched.build(plan.schedule, p, plan.microbatches, plan.virtual_stages).split_backward
-  chunks, memory = [], []
+  chunks, shares = [], []
   for c, n in enumerate(plan.chunk_layers):
     x = per_stage[c % p]
     first, final = c == 0, c == last
     f = n * x['fwd'] + (x['embed'] / 3 if first else 0.0)
-    f_mem = n * x['fwd_mem'] + (x['embed_mem'] / 3 if first else 0.0)
+    f_share = n * x['fwd_share'] + (x['embed_share'] / 3 if first else 0.0)
     if final:
       f += x['head'] + x['edge_dp']
-      f_mem += x['head_mem']
+      f_share += x['head_share']
     b_full = n * (x['bwd'] + x['dp']) + (2 * x['embed'] / 3 + x['edge_dp'] if first else 0.0)
-    b_mem = n * x['bwd_mem'] + (2 * x['embed_mem'] / 3 if first else 0.0)
-    share = SPLIT_BACKWARD_SHARE if split else 1.0
-    chunks.append({sched.FORWARD: f, sched.BACKWARD: b_full * share,
-                   sched.WEIGHT: b_full * (1 - share)})
-    memory.append({sched.FORWARD: f_mem, sched.BACKWARD: b_mem * share,
-                   sched.WEIGHT: b_mem * (1 - share)})
+    b_share = n * x['bwd_share'] + (2 * x['embed_share'] / 3 if first else 0.0)
+    part = SPLIT_BACKWARD_SHARE if split else 1.0
+    chunks.append({sched.FORWARD: f, sched.BACKWARD: b_full * part,
+                   sched.WEIGHT: b_full * (1 - part)})
+    shares.append({sched.FORWARD: f_share, sched.BACKWARD: b_share * part,
+                   sched.WEIGHT: b_share * (1 - part)})
   transfer, evict = [], []
   stash_set = _chunk_stash(plan, profile, max(plan.chunk_layers))
   partner = [p - 1 - s for s in range(p)]
@@ -302,7 +311,7 @@ def action_costs(plan: Plan, profile: Profile, cluster: Cluster,
   # Both ppermutes (activations forward, gradients backward) run every tick.
   tick_transfer = 2 * max(transfer) if p > 1 else 0.0
   return ActionCosts(chunk=tuple(chunks), transfer=tuple(transfer), evict=tuple(evict),
-                     tick_transfer=tick_transfer, memory=tuple(memory))
+                     tick_transfer=tick_transfer, share=tuple(shares))
 
 
 def _chunk_stash(plan: Plan, profile: Profile, layers: int) -> float:
@@ -315,47 +324,33 @@ def _chunk_stash(plan: Plan, profile: Profile, layers: int) -> float:
 class Sharing:
   """Devices that share cores (and then one memory system).
 
-  nodes: per sharing node, (cores, bus, devices of each stage on it): the
-  node's compute is `cores` devices' worth, and moving a byte with all its
-  devices at once takes `bus` times as long as one device alone (its solo
-  bandwidth over the node's total).
+  nodes: per sharing node, how many devices of each stage are on it. A
+  phase on such a node lasts at least the sum, over its busy devices, of
+  the node capacity each takes (ActionCosts.share).
   """
-  nodes: tuple[tuple[float, float, tuple[int, ...]], ...]
+  nodes: tuple[tuple[int, ...], ...]
 
-  def tick(self, work: Sequence[float], memory: Sequence[float] | None = None) -> float:
-    """Time of a phase in which stage s is busy work[s] seconds (memory[s] of
-    them moving bytes) if it had its devices to itself."""
+  def tick(self, work: Sequence[float], share: Sequence[float] | None = None) -> float:
+    """Time of a phase in which stage s is busy work[s] seconds if it had its
+    devices to itself, taking share[s] seconds of its node's capacity per
+    device."""
     longest = max(work, default=0.0)
-    memory = memory or [0.0] * len(work)
-    crowded = [sum(n * ((w - m) / cores + m * bus)
-                   for n, w, m in zip(per_stage, work, memory))
-               for cores, bus, per_stage in self.nodes]
+    if not share:
+      return longest
+    crowded = [sum(n * x for n, x in zip(per_stage, share)) for per_stage in self.nodes]
     return max([longest] + crowded)
 
 
-def sharing(plan: Plan, profile: Profile, cluster: Cluster) -> Sharing:
-  """The core-sharing model of the plan's nodes (empty when none share).
-
-  On this machine (every group `profile: local`) cores and memory sharing
-  are the profiler's measurements, cores capped at the spec's shared_cores;
-  elsewhere the spec's shared_cores and one memory system per node.
-  """
+def sharing(plan: Plan, cluster: Cluster) -> Sharing:
+  """The plan's devices per stage on each node whose devices share cores."""
   nodes = []
-  measured = all(g.local for g in cluster.groups.values())
-  m = profile.machine
   for node in cluster.nodes:
     if not node.shared_cores:
       continue
     per_stage = tuple(sum(cluster.devices[d].node == node.name for d in stage)
                       for stage in plan.stages)
-    if not any(per_stage):
-      continue
-    if measured:
-      cores = min(m.effective_cores, node.shared_cores)
-      bus = m.memory_bandwidth / m.node_bandwidth
-    else:
-      cores, bus = node.shared_cores, 1.0
-    nodes.append((cores, bus, per_stage))
+    if any(per_stage):
+      nodes.append(per_stage)
   return Sharing(nodes=tuple(nodes))
 
 
@@ -372,9 +367,9 @@ def simulate_lockstep(program_: sched.Program, costs: ActionCosts,
   spans, now = [], 0.0
   for row in program_.grid:
     work = [sum(costs.of(a) for a in cell if a.kind in sched.COMPUTE_KINDS) for cell in row]
-    moving = [sum(costs.memory_of(a) for a in cell if a.kind in sched.COMPUTE_KINDS)
+    shares = [sum(costs.share_of(a) for a in cell if a.kind in sched.COMPUTE_KINDS)
               for cell in row]
-    compute = share.tick(work, moving)
+    compute = share.tick(work, shares)
     stretch = compute / max(work) if max(work, default=0.0) > 0 else 1.0
     copying = 0.0
     for s, cell in enumerate(row):
@@ -391,6 +386,9 @@ def simulate_lockstep(program_: sched.Program, costs: ActionCosts,
           d = costs.evict[s]
           spans.append(simulate.Span(s, a, now + compute, now + compute + d))
           copying = max(copying, d)
+    if program_.partner is not None:
+      # The executor's residual ppermute runs in every tick (see executor).
+      copying = max(costs.evict)
     now += compute + (max(costs.tick_transfer, copying) if p > 1 else 0.0)
   return _result(schedule, spans, now, program_)
 
@@ -428,9 +426,9 @@ def simulate_async(plan: Plan, costs: ActionCosts,
   if share.nodes:
     m = plan.microbatches
     work = [m * (c.t_forward + c.t_backward + c.t_weight) for c in per]
-    moving = [m * sum(sum(costs.memory[c].values()) for c in range(p * v) if c % p == s)
-              for s in range(p)] if costs.memory else None
-    floor = share.tick(work, moving)
+    shares = [m * sum(sum(costs.share[c].values()) for c in range(p * v) if c % p == s)
+              for s in range(p)] if costs.share else None
+    floor = share.tick(work, shares)
     if floor > result.total_time:
       result = dataclasses.replace(result, total_time=floor)
   return result
@@ -473,11 +471,12 @@ def simulate_plan(plan: Plan, profile: Profile, cluster: Cluster,
   uses_executor = p > 1 or m > 1
   prog = program(plan.schedule, p, m, v)
   costs = action_costs(plan, profile, cluster, options)
-  share = sharing(plan, profile, cluster)
+  share = sharing(plan, cluster)
   lock = simulate_lockstep(prog, costs, share)
   asy = simulate_async(plan, costs, share)
   mem, cap, temp = memory(plan, profile, cluster, options, prog if uses_executor else None)
-  tail, dp_total = _tail(plan, profile, cluster, options, share, temp)
+  tail, dp_total = _tail(plan, profile, cluster, options, share,
+                         prog if uses_executor else None)
   if options.dp_allreduce == 'per_microbatch':
     comm = Comm(cluster, profile)
     shard = profile.shards[plan.tensor]
@@ -493,13 +492,15 @@ def simulate_plan(plan: Plan, profile: Profile, cluster: Cluster,
 
 
 def _tail(plan: Plan, profile: Profile, cluster: Cluster, options: Options,
-          share: Sharing, temp: Sequence[float]) -> tuple[float, float]:
+          share: Sharing, program_: sched.Program | None) -> tuple[float, float]:
   """Seconds outside the pipeline's ticks, and the per-step DP all-reduce in them.
 
   The embedding/head gradient psum over `pipe`, the per-step DP all-reduce
-  (if so modelled), the optimizer update and the memory footprint's
-  traffic (FOOTPRINT_PASSES over each device's temporaries). The last two
-  move bytes only, which devices sharing a memory system do one at a time.
+  (if so modelled), the optimizer update, and the executor's buffer traffic
+  that the profiled functions do not include: its stash pool and ring
+  buffers zeroed at the start of each step, and each forward's residual set
+  copied into its stash slot. The last two move bytes only, which devices
+  sharing a memory system do one at a time (the node's total bandwidth).
   """
   comm = Comm(cluster, profile)
   shard = profile.shards[plan.tensor]
@@ -515,16 +516,24 @@ def _tail(plan: Plan, profile: Profile, cluster: Cluster, options: Options,
     dp = max(comm.allreduce(stage[j::t], shard.layer_param_bytes * plan.layers[s] +
                             shard.edge_param_bytes)
              for s, stage in enumerate(plan.stages) for j in range(t))
-  widest = max(plan.chunk_layers) if options.padded else None
-  moving = []
+  widest = max(plan.chunk_layers)
+  v, b = plan.virtual_stages, plan.microbatch_size
+  moving, shares = [], []
   for s, stage in enumerate(plan.stages):
-    held = (widest * plan.virtual_stages) if widest else plan.layers[s]
-    nbytes = (OPTIMIZER_TRAFFIC * (shard.layer_param_bytes * held + shard.edge_param_bytes)
-              + FOOTPRINT_PASSES * temp[s])
-    moving.append(max(nbytes / roofline.bandwidth(profile,
-                                                  cluster.groups[cluster.devices[d].group])
-                      for d in stage))
-  memory_time = share.tick(moving, moving) if share.nodes else max(moving)
+    held = widest * v if options.padded else plan.layers[s]
+    nbytes = OPTIMIZER_TRAFFIC * (shard.layer_param_bytes * held + shard.edge_param_bytes)
+    if program_ is not None:
+      chunk = widest if options.padded else plan.layers[s] // v
+      slots = program_.num_stash_slots if options.padded else program_.peak_stash[s]
+      buffers = (program_.num_act_slots + program_.num_grad_slots + 2) * shard.act_per_seq * b
+      nbytes += (slots + plan.microbatches * v) * _chunk_stash(plan, profile, chunk) + buffers
+    groups = [cluster.groups[cluster.devices[d].group] for d in stage]
+    moving.append(max(nbytes / roofline.bandwidth(profile, g) for g in groups))
+    # On a node whose devices share one memory system, all of them together
+    # move bytes at the node's bandwidth (measured here; the spec's otherwise).
+    shares.append(max(nbytes / (profile.machine.node_bandwidth if g.local
+                                else g.memory_bandwidth) for g in groups))
+  memory_time = share.tick(moving, shares) if share.nodes else max(moving)
   return edge + dp + memory_time, dp
 
 

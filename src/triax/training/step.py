@@ -151,14 +151,28 @@ def build_trainer(cfg, mesh: Mesh, *, compute_idle: bool = False) -> Trainer:
       loss, grads = jax.value_and_grad(model.loss)(flat, inputs, targets)
       return loss, layout.tree_to_pipeline(grads)
   else:
-    fns = executor.StageFns(embed=model.embed, chunk=model.layers, head_loss=model.head_loss)
+    # The batch's mesh axis turns manual inside the executor, so that weight
+    # gradients are reduced over it once per step; inside, the model sees
+    # one replica's rows and its constraints must not name that axis.
+    data_axis = dict(rules).get('batch')
+    data_axis = data_axis if data_axis == 'data' else None
+    inner_rules = tuple((name, None if axis == data_axis else axis) for name, axis in rules)
+
+    def inside(fn):
+      def call(*args):
+        with sharding.axis_rules(inner_rules):
+          return fn(*args)
+      return call
+
+    fns = executor.StageFns(embed=inside(model.embed), chunk=inside(model.layers),
+                            head_loss=inside(model.head_loss))
     counts = None if layout.even else layout.counts
     mb = global_batch // m
     run = executor.pipeline_loss_and_grad(
         fns, program, mesh, act_shape=(mb, seq, spec.d_model), act_dtype=act_dtype,
         loss_scale=1.0 / (global_batch * seq),
-        act_spec=sharding.logical_to_spec(('batch', 'seq', 'embed'), rules),
-        chunk_layers=counts, compute_idle=compute_idle)
+        act_spec=sharding.logical_to_spec(('batch', 'seq', 'embed'), inner_rules),
+        chunk_layers=counts, compute_idle=compute_idle, data_axis=data_axis)
 
     def raw_loss_and_grad(params, inputs, targets):
       # Micro-batch j takes rows j, j+m, ...: each micro-batch spans every data shard.
