@@ -76,6 +76,12 @@ def test_profile_of_a_tiny_model():
     assert prof.local_seconds(point.function, point.microbatch, point.tensor) == \
         pytest.approx(point.seconds)
   assert prof.local_seconds('layer_fwd', 8, 1) > prof.local_seconds('layer_fwd', 1, 1)
+  # The executor's variants of a layer, as ratios to its plain pair: a split
+  # backward's halves, a layer under cond and a skipped (padding) one.
+  assert set(prof.ratios) == set(profile.EXECUTOR_RATIOS)
+  for alone, together in prof.ratios.values():
+    assert alone > 0 and together > 0
+  assert prof.ratios['cond_skipped'][0] < prof.ratios['cond_active'][0]
 
 
 def test_cli_plans_writes_a_runnable_plan_and_a_trace(tmp_path, capsys):

@@ -18,6 +18,9 @@ What is measured here, warm and jitted, median of a few runs:
     bytes written and read back), which no FLOP count predicts;
   - the embedding's forward+backward and the head's loss+gradient, which the
     executor runs inside the first and last chunk's actions;
+  - once, the executor's variants of a layer as ratios to its plain pair
+    (EXECUTOR_RATIOS): zero-bubble B and W, a layer under an uneven split's
+    `cond`, a skipped padding layer;
   - with several local devices, each of the above again on all of them at
     once (one copy per device under shard_map): the function's *effective
     cores*, N * solo time / all-N time. Forced CPU devices share the host's
@@ -82,6 +85,14 @@ _RUNS = 9
 _QUICK_RUNS = 3
 # Rounds over every timed function (the fastest round is kept).
 _ROUNDS = 2
+# Executor variants of a layer, timed once (largest size, smallest degree,
+# no remat) as ratios to its plain forward+backward:
+#   split_b / split_w: a zero-bubble B (input gradient only) and W (weight
+#     gradient only), each the pair's backward part (XLA drops only some of
+#     the other half: B + W can exceed one backward);
+#   cond_active / cond_skipped: a layer of an uneven split's padded stack,
+#     run under `cond` (forward+backward), and a padding layer it skips.
+EXECUTOR_RATIOS = ('split_b', 'split_w', 'cond_active', 'cond_skipped')
 _TIMING_BUDGET_S = 1.0
 # Largest micro-batch measured, in tokens: keeps profiling to seconds.
 _MAX_MEASURED_TOKENS = 2048
@@ -224,6 +235,10 @@ class Profile:
   machine: Machine
   points: tuple[Point, ...] = ()
   wall_s: float = 0.0
+  # What the executor does beyond plain layers, as ratios to one layer's
+  # forward+backward measured alongside (alone, all devices at once); see
+  # EXECUTOR_RATIOS. Empty: not measured (synthetic profiles).
+  ratios: dict = dataclasses.field(default_factory=dict)
 
   def fitted_seconds(self, function: str, b: int, t: int) -> float:
     """The fit's time of `function` (a fits key) on b sequences at degree t;
@@ -332,6 +347,8 @@ def _measure_cached(model_key: tuple, tensors: tuple[int, ...],
   shards = {t: prof.shard(t) for t in tensors}
   machine = prof.machine()
   points = prof.time_points(_points_to_measure(tensors, microbatches, spec['seq_len'], remats))
+  executor = prof.executor_ratios(min(tensors), min(max(microbatches),
+                                                  max(1, _MAX_MEASURED_TOKENS // spec['seq_len'])))
   roof = {p: shards[p[2]].work[p[0].split('/')[0]] for p in points}
   fits = {}
   n = machine.num_devices
@@ -354,7 +371,8 @@ def _measure_cached(model_key: tuple, tensors: tuple[int, ...],
                      fitted=profile.fitted_seconds(f, b, t),
                      flops=shards[t].work[f.split('/')[0]].flops(b), concurrent=conc)
                for (f, b, t), (solo, conc) in sorted(points.items()))
-  return dataclasses.replace(profile, points=rows, wall_s=time.perf_counter() - started)
+  return dataclasses.replace(profile, points=rows, ratios=executor,
+                             wall_s=time.perf_counter() - started)
 
 
 def _points_to_measure(tensors, microbatches, seq_len,
@@ -437,6 +455,7 @@ class _Profiler:
 
   def _build_functions(self, t: int, b: int, layers: int, remat: str) -> dict:
     jax = self.jax
+    import jax.numpy as jnp
     model = self._model(t, remat)
     stack = self._stack(model, layers)
     x, tok = self._act(b), self._tokens(b)
@@ -451,9 +470,25 @@ class _Profiler:
       y, back = jax.vjp(lambda e: model.embed(e, tokens), e)
       return back(y)
 
+    def only(index):
+      def pair(p, x):
+        y, back = jax.vjp(model.layers, p, x)
+        return back(y)[index]
+      return pair
+
+    def under_cond(active):
+      def pair(p, x):
+        y, back = jax.vjp(lambda p, x: model.layers(p, x, jnp.int32(active)), p, x)
+        return back(y)
+      return pair
+
     head = jax.value_and_grad(model.head_loss, argnums=(0, 1))
     return {'layer_fwd': (fwd, (stack, x)),
             'layer_fwd_bwd': (fwd_bwd, (stack, x)),
+            'split_b': (only(1), (stack, x)),
+            'split_w': (only(0), (stack, x)),
+            'cond_active': (under_cond(layers), (stack, x)),
+            'cond_skipped': (under_cond(0), (stack, x)),
             'embed': (embed, (edges['embed'], tok)),
             'head': (head, (edges['head'], x, tok))}
 
@@ -606,6 +641,35 @@ class _Profiler:
       else:
         out[(function, b, t)] = timed[(base, b, t, remat)]
     return out
+
+  def executor_ratios(self, t: int, b: int) -> dict:
+    """EXECUTOR_RATIOS at (b, t), remat none: name -> (alone, all at once)."""
+    layers = min(2, self.spec['num_layers'])
+    names = ('layer_fwd', 'layer_fwd_bwd') + EXECUTOR_RATIOS
+    built = self.functions(t, b, layers)
+    jobs = {k: built[k] for k in names}
+    n = len(self.jax.local_devices())
+    args = {k: self._concrete(a) for k, (_, a) in jobs.items()}
+    stacked = {k: self._stacked(a) for k, a in args.items()} if n > 1 else {}
+    compiled = self._compile_all(jobs)
+    shared = self._compile_all({k: (self._on_every_device(fn), stacked[k])
+                                for k, (fn, _) in jobs.items()}) if n > 1 else {}
+    timed = {}
+    for _ in range(_ROUNDS):
+      for k in jobs:
+        solo = _median_time(compiled[k], args[k])
+        together = _median_time(shared[k], stacked[k]) if n > 1 else solo
+        old = timed.get(k, (math.inf, math.inf))
+        timed[k] = (min(old[0], solo), min(old[1], together))
+    out = {}
+    for i in range(2):
+      fwd, pair = timed['layer_fwd'][i], timed['layer_fwd_bwd'][i]
+      bwd = max(pair - fwd, 0.2 * pair)
+      for k in ('split_b', 'split_w'):
+        out.setdefault(k, [0.0, 0.0])[i] = max(timed[k][i] - fwd, 0.1 * bwd) / bwd
+      for k in ('cond_active', 'cond_skipped'):
+        out.setdefault(k, [0.0, 0.0])[i] = timed[k][i] / pair
+    return {k: tuple(v) for k, v in out.items()}
 
   def _on_every_device(self, fn: Callable) -> Callable:
     """fn run by every local device at once on its own copy of the arguments

@@ -159,6 +159,7 @@ def to_json(result: search_lib.SearchResult, cfg) -> dict:
           'p2p': dataclasses.asdict(m.p2p), 'allreduce': dataclasses.asdict(m.allreduce),
           'fits': {f: dataclasses.asdict(x) for f, x in prof.fits.items()},
           'points': [dataclasses.asdict(p) for p in prof.points],
+          'executor_ratios': {k: list(v) for k, v in prof.ratios.items()},
           'assumption': roofline.assumption(prof),
       },
       'search_s': result.search_s, 'evaluated': result.evaluated,
@@ -194,6 +195,9 @@ def text(result: search_lib.SearchResult, cfg, request: Request | None = None) -
     lines.append(f'  measured {p.function:19s} b={p.microbatch:<3d} t={p.tensor}: '
                  f'{p.seconds * 1e3:8.3f} ms alone{together} (fit {p.fitted * 1e3:8.3f} ms, '
                  f'{p.flops / 1e6:.0f} MFLOP)')
+  if prof.ratios:
+    lines.append('  executor variants / plain layer pair (alone, all devices at once): ' +
+                 ', '.join(f'{k} {a:.2f}/{b:.2f}' for k, (a, b) in prof.ratios.items()))
   lines.append(roofline.assumption(prof))
   lines.append(f'searched {result.evaluated} plans in {result.search_s:.2f} s; times are '
                'SIMULATED predictions (lockstep = what triax\'s executor runs; async = the '

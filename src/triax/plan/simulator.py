@@ -283,22 +283,39 @@ def action_costs(plan: Plan, profile: Profile, cluster: Cluster,
                           bwd_share=bwd_share, embed_share=embed_share,
                           head_share=head_share))
   split = sched.build(plan.schedule, p, plan.microbatches, plan.virtual_stages).split_backward
+  # The executor's own variants of a layer, measured on this machine (see
+  # profile.EXECUTOR_RATIOS); elsewhere: a split backward halves, a layer
+  # under cond costs a plain one, a skipped one nothing.
+  measured = profile.ratios if all(g.local for g in cluster.groups.values()) else {}
+  ratio = lambda name, i, default: measured[name][i] if name in measured else default
+  widest = max(plan.chunk_layers)
   chunks, shares = [], []
   for c, n in enumerate(plan.chunk_layers):
     x = per_stage[c % p]
     first, final = c == 0, c == last
-    f = n * x['fwd'] + (x['embed'] / 3 if first else 0.0)
-    f_share = n * x['fwd_share'] + (x['embed_share'] / 3 if first else 0.0)
+    # An uneven split runs every chunk's padded stack under cond (see
+    # model.layers): n layers that compute, widest - n that are skipped.
+    pad = 0 if plan.even else widest - n
+    active = [1.0 if plan.even else ratio('cond_active', i, 1.0) for i in (0, 1)]
+    skipped = [ratio('cond_skipped', i, 0.0) for i in (0, 1)]
+    layer_f = [n * active[i] + pad * skipped[i] for i in (0, 1)]
+    f = layer_f[0] * x['fwd'] + (x['embed'] / 3 if first else 0.0)
+    f_share = layer_f[1] * x['fwd_share'] + (x['embed_share'] / 3 if first else 0.0)
     if final:
       f += x['head'] + x['edge_dp']
       f_share += x['head_share']
-    b_full = n * (x['bwd'] + x['dp']) + (2 * x['embed'] / 3 + x['edge_dp'] if first else 0.0)
-    b_share = n * x['bwd_share'] + (2 * x['embed_share'] / 3 if first else 0.0)
-    part = SPLIT_BACKWARD_SHARE if split else 1.0
-    chunks.append({sched.FORWARD: f, sched.BACKWARD: b_full * part,
-                   sched.WEIGHT: b_full * (1 - part)})
-    shares.append({sched.FORWARD: f_share, sched.BACKWARD: b_share * part,
-                   sched.WEIGHT: b_share * (1 - part)})
+    b_full = (layer_f[0] * x['bwd'] + n * x['dp'] +
+              (2 * x['embed'] / 3 + x['edge_dp'] if first else 0.0))
+    b_share = layer_f[1] * x['bwd_share'] + (2 * x['embed_share'] / 3 if first else 0.0)
+    if split:
+      parts = [(ratio('split_b', i, SPLIT_BACKWARD_SHARE),
+                ratio('split_w', i, 1 - SPLIT_BACKWARD_SHARE)) for i in (0, 1)]
+    else:
+      parts = [(1.0, 0.0)] * 2
+    chunks.append({sched.FORWARD: f, sched.BACKWARD: b_full * parts[0][0],
+                   sched.WEIGHT: b_full * parts[0][1]})
+    shares.append({sched.FORWARD: f_share, sched.BACKWARD: b_share * parts[1][0],
+                   sched.WEIGHT: b_share * parts[1][1]})
   transfer, evict = [], []
   stash_set = _chunk_stash(plan, profile, max(plan.chunk_layers))
   partner = [p - 1 - s for s in range(p)]
