@@ -168,6 +168,11 @@ class Cluster:
   def heterogeneous(self) -> bool:
     return len(self.groups) > 1
 
+  @property
+  def local(self) -> bool:
+    """Every group is this machine (`profile: local`): costs are measured here."""
+    return all(g.local for g in self.groups.values())
+
 
 def load(path: str) -> Cluster:
   """Reads and validates a cluster spec.

@@ -418,6 +418,9 @@ class _Profiler:
     self.jax = jax
     self.spec = spec
     self._functions = {}
+    # (name, b, t, remat) -> (alone, all devices at once) seconds per call,
+    # of every function timed so far (executor_ratios reuses the layer pair).
+    self._timed = {}
 
   # -- shapes and cost analysis (lowering only: cheap) --
 
@@ -612,23 +615,10 @@ class _Profiler:
       stack = layers if base in LAYER_FUNCTIONS else 1
       jobs[(name, b, t, remat)] = self.functions(t, b, stack, remat)[name]
     n = len(self.jax.local_devices())
-    args = {k: self._concrete(abstract) for k, (_, abstract) in jobs.items()}
-    stacked = {k: self._stacked(a) for k, a in args.items()} if n > 1 else {}
-    compiled = self._compile_all(jobs)
-    shared = self._compile_all({k: (self._on_every_device(fn), stacked[k])
-                                for k, (fn, _) in jobs.items()}) if n > 1 else {}
-    timed = {}
-    # Rounds over all functions, keeping each one's fastest round: other
-    # processes and the scheduling of 8 device threads on a few cores only
-    # ever slow a run down, and in separate rounds they rarely hit the same
-    # function twice (one round's medians varied by up to 25% here).
-    for _ in range(_ROUNDS):
-      for key in jobs:
-        solo = _median_time(compiled[key], args[key])
-        together = _median_time(shared[key], stacked[key]) if n > 1 else 0.0
-        per = layers if key[0].startswith('layer') else 1
-        old = timed.get(key, (math.inf, math.inf))
-        timed[key] = (min(old[0], solo / per), min(old[1], together / per))
+    timed = self._time_all(jobs)
+    for key, (solo, together) in timed.items():
+      per = layers if key[0].startswith('layer') else 1
+      timed[key] = (solo / per, together / per if n > 1 else 0.0)
     out = {}
     for function, b, t in points:
       base, _, remat = function.partition('/')
@@ -642,25 +632,47 @@ class _Profiler:
         out[(function, b, t)] = timed[(base, b, t, remat)]
     return out
 
-  def executor_ratios(self, t: int, b: int) -> dict:
-    """EXECUTOR_RATIOS at (b, t), remat none: name -> (alone, all at once)."""
-    layers = min(2, self.spec['num_layers'])
-    names = ('layer_fwd', 'layer_fwd_bwd') + EXECUTOR_RATIOS
-    built = self.functions(t, b, layers)
-    jobs = {k: built[k] for k in names}
+  def _time_all(self, jobs: dict) -> dict:
+    """key -> (alone, all local devices at once; inf with one device) seconds
+    per call of each (function, abstract args) in `jobs`, compiled both ways.
+
+    Rounds over all functions, keeping each one's fastest round: other
+    processes and the scheduling of 8 device threads on a few cores only
+    ever slow a run down, and in separate rounds they rarely hit the same
+    function twice (one round's medians varied by up to 25% here).
+    """
     n = len(self.jax.local_devices())
-    args = {k: self._concrete(a) for k, (_, a) in jobs.items()}
+    args = {k: self._concrete(abstract) for k, (_, abstract) in jobs.items()}
     stacked = {k: self._stacked(a) for k, a in args.items()} if n > 1 else {}
     compiled = self._compile_all(jobs)
     shared = self._compile_all({k: (self._on_every_device(fn), stacked[k])
                                 for k, (fn, _) in jobs.items()}) if n > 1 else {}
     timed = {}
     for _ in range(_ROUNDS):
-      for k in jobs:
-        solo = _median_time(compiled[k], args[k])
-        together = _median_time(shared[k], stacked[k]) if n > 1 else solo
-        old = timed.get(k, (math.inf, math.inf))
-        timed[k] = (min(old[0], solo), min(old[1], together))
+      for key in jobs:
+        solo = _median_time(compiled[key], args[key])
+        together = _median_time(shared[key], stacked[key]) if n > 1 else math.inf
+        old = timed.get(key, (math.inf, math.inf))
+        timed[key] = (min(old[0], solo), min(old[1], together))
+    self._timed.update(timed)
+    return dict(timed)
+
+  def executor_ratios(self, t: int, b: int) -> dict:
+    """EXECUTOR_RATIOS at (b, t), remat none: name -> (alone, all at once).
+
+    The plain layer pair comes from time_points' measurement at (b, t) when
+    it made one (it does: the largest size at every degree)."""
+    layers = min(2, self.spec['num_layers'])
+    built = self.functions(t, b, layers)
+    names = ('layer_fwd', 'layer_fwd_bwd') + EXECUTOR_RATIOS
+    missing = {(k, b, t, 'none'): built[k] for k in names
+               if (k, b, t, 'none') not in self._timed}
+    self._time_all(missing)
+    single = len(self.jax.local_devices()) == 1
+    timed = {}
+    for k in names:
+      solo, together = self._timed[(k, b, t, 'none')]
+      timed[k] = (solo, solo if single else together)
     out = {}
     for i in range(2):
       fwd, pair = timed['layer_fwd'][i], timed['layer_fwd_bwd'][i]

@@ -294,7 +294,7 @@ def _evaluate(cfg, cluster, profile, options, all_layouts) -> list[Estimate]:
 def _remat_measured(profile: profile_lib.Profile, cluster: Cluster) -> bool:
   """Whether every group's remat costs were measured (this machine with
   every policy profiled): then recomputation may be faster, and is tried."""
-  return all(g.local for g in cluster.groups.values()) and all(
+  return cluster.local and all(
       profile_lib.variant('layer_bwd', r) in profile.fits for r in REMATS)
 
 

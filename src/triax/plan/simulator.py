@@ -245,14 +245,13 @@ def action_costs(plan: Plan, profile: Profile, cluster: Cluster,
 
   def layer(group, cores):
     fwd, bwd = roofline.layer_seconds(profile, group, b, t, plan.remat)
-    # A policy not measured here shares the node as its plain layer does.
-    base = roofline.layer_seconds(profile, group, b, t, 'none')
-    ratio = [roofline.node_share(profile, group, f, b, t, cores) / max(x, 1e-30)
-             for f, x in (('layer_fwd', base[0]), ('layer_bwd', base[1]))]
-    if group.local and profile_lib.variant('layer_bwd', plan.remat) in profile.fits:
-      ratio = [roofline.node_share(profile, group, profile_lib.variant(f, plan.remat), b, t,
-                                   cores) / max(x, 1e-30)
-               for f, x in (('layer_fwd', fwd), ('layer_bwd', bwd))]
+    remat = plan.remat
+    if not (group.local and profile_lib.variant('layer_bwd', remat) in profile.fits):
+      # A policy not measured here shares the node as its plain layer does.
+      remat = 'none'
+    base = roofline.layer_seconds(profile, group, b, t, remat)
+    ratio = [roofline.node_share(profile, group, profile_lib.variant(f, remat), b, t, cores) /
+             max(x, 1e-30) for f, x in zip(profile_lib.LAYER_FUNCTIONS, base)]
     return fwd, bwd, fwd * ratio[0], bwd * ratio[1]
 
   def edge(function):
@@ -286,7 +285,7 @@ def action_costs(plan: Plan, profile: Profile, cluster: Cluster,
   # The executor's own variants of a layer, measured on this machine (see
   # profile.EXECUTOR_RATIOS); elsewhere: a split backward halves, a layer
   # under cond costs a plain one, a skipped one nothing.
-  measured = profile.ratios if all(g.local for g in cluster.groups.values()) else {}
+  measured = profile.ratios if cluster.local else {}
   ratio = lambda name, i, default: measured[name][i] if name in measured else default
   widest = max(plan.chunk_layers)
   chunks, shares = [], []
