@@ -9,10 +9,12 @@ the first) with the simulator's prediction (lockstep model, the executor's,
 with the profile measured in this process):
 
   MAPE, Spearman rank correlation, and the regret of the predicted-best plan
-  (its measured time over the measured-best plan's).
+  (its measured time over the measured-best plan's); beside them the noise
+  floor: how well the rounds' measurements rank alike (no predictor can
+  rank-correlate with a measurement better than the machine repeats it).
 
   .venv/bin/python scripts/bench_planner.py [--out=runs/bench_planner.md]
-      [--config=experiments/gpt_tiny.py] [--steps=6] [--repeats=2] [--only=0,3,5]
+      [--config=experiments/gpt_tiny.py] [--steps=6] [--repeats=3] [--only=0,3,5]
       [--predict_only] [--clusters_only]
 
 Then, for every shipped cluster spec (experiments/clusters/*.yaml), the
@@ -180,7 +182,7 @@ def main() -> int:
   parser.add_argument('--quiet_busy', type=float, default=0.25,
                       help='wait until the CPUs are less busy than this before measuring')
   parser.add_argument('--quiet_wait_s', type=float, default=300)
-  parser.add_argument('--repeats', type=int, default=2,
+  parser.add_argument('--repeats', type=int, default=3,
                       help='rounds over all plans; each plan keeps its fastest round '
                            '(other processes only ever slow a run down)')
   args = parser.parse_args()
@@ -222,7 +224,7 @@ def main() -> int:
     est = estimates[i]
     rows.append(dict(index=i, plan=plan.describe(), predicted=est.step_time,
                      predicted_async=est.async_time, measured=None, note='', load='',
-                     corrected=None))
+                     corrected=None, rounds=[]))
     if not plan.even and not uneven_ok:
       rows[-1]['note'] = 'not run: trainer has no pipeline.layers_per_stage'
   with tempfile.TemporaryDirectory() as tmp:
@@ -237,6 +239,7 @@ def main() -> int:
         # The machine's speed now relative to when it was profiled (others' load).
         slowdown = speed_index() / speed_at_profile
         measured, note = measure(plan_file, os.path.join(tmp, f'run{i}_{round_}'), args.steps)
+        row['rounds'].append(measured)
         if measured is not None and (row['measured'] is None or measured < row['measured']):
           row.update(measured=measured, corrected=row['predicted'] * slowdown,
                      load=f'{before:.0%}', note=note)
@@ -328,9 +331,27 @@ def _report(rows, prof, args) -> str:
       lines.append(f'- {name}: MAPE {mape:.1%} (target <= 15%), Spearman {rho:.3f} '
                    f'(target >= 0.9), regret of its best plan (#{best["index"]}) '
                    f'{regret:.3f}x the measured best')
+    lines.append(repeatability([r['rounds'] for r in done]))
   else:
     lines.append('- too few plans measured for statistics')
   return '\n'.join(lines) + '\n'
+
+
+def repeatability(rounds) -> str:
+  """How well the machine agrees with itself: the Spearman correlation of
+  one round's measurements with another's (the ceiling for any predictor's
+  rank correlation against them) and each plan's spread over its rounds."""
+  n = min(len(r) for r in rounds)
+  full = [r[:n] for r in rounds if all(x is not None for x in r[:n])]
+  if n < 2 or len(full) < 2:
+    return '- repeatability: needs two rounds that measured every plan'
+  pairs = [(a, b) for a in range(n) for b in range(a + 1, n)]
+  rhos = [spearman([r[a] for r in full], [r[b] for r in full]) for a, b in pairs]
+  spread = sorted(max(r) / min(r) - 1 for r in full)
+  return (f'- repeatability (the noise floor): Spearman between rounds '
+          f'{min(rhos):.3f}-{max(rhos):.3f} over {len(pairs)} pairs of rounds; a plan\'s '
+          f'slowest round over its fastest: median +{spread[len(spread) // 2]:.0%}, '
+          f'worst +{spread[-1]:.0%}')
 
 
 if __name__ == '__main__':

@@ -202,3 +202,30 @@ def test_plan_checks_itself():
   plan = make_plan(p=2, v=2, layers=(4, 2), m=4)
   assert plan.chunk_layers == (2, 1, 2, 1)
   assert not plan.even and math.isclose(plan.microbatch_size, 1)
+
+
+def test_profile_measures_every_size_at_the_smallest_degree():
+  """Every micro-batch size the search considers is measured at the smallest
+  tensor degree (log-spaced beyond _MAX_SIZES); other degrees at the ends."""
+  points = profile._points_to_measure([1, 2, 4], [1, 2, 4, 8, 16], seq_len=128)
+  layer = {(b, t) for f, b, t in points if f == 'layer_fwd'}
+  assert layer == {(b, 1) for b in (1, 2, 4, 8, 16)} | {(b, t) for b in (1, 16) for t in (2, 4)}
+  many = profile._points_to_measure([1], list(range(1, 17)), seq_len=128)
+  sizes = sorted(b for f, b, t in many if f == 'layer_fwd')
+  assert len(sizes) <= profile._MAX_SIZES and sizes[0] == 1 and sizes[-1] == 16
+
+
+def test_a_degree_measured_at_its_ends_borrows_the_smallest_degrees_curve():
+  """t=2 measured at b=1 and 4 only; t=1 at 1, 2, 4 with a kink at b=2. The
+  t=2 time at b=2 follows t=1's kink, scaled by t=2's own ratio to t=1."""
+  import dataclasses
+  base = profile.synthetic(layer_fwd=1.0, layer_bwd=2.0, num_layers=1, tensors=(1, 2))
+  rows = [('layer_fwd', 1, 1, 1.0), ('layer_fwd', 2, 1, 3.0), ('layer_fwd', 4, 1, 4.0),
+          ('layer_fwd', 1, 2, 0.5), ('layer_fwd', 4, 2, 3.0)]
+  points = tuple(profile.Point(function=f, microbatch=b, tensor=t, seconds=s, fitted=s,
+                               flops=s, concurrent=0.0) for f, b, t, s in rows)
+  prof = dataclasses.replace(base, points=points)
+  assert prof.local_seconds('layer_fwd', 2, 1) == pytest.approx(3.0)
+  # Ratio to t=1: 0.5 at b=1, 0.75 at b=4 -> 0.5 + 0.25/3 at b=2.
+  assert prof.local_seconds('layer_fwd', 2, 2) == pytest.approx((0.5 + 0.25 / 3) * 3.0)
+  assert prof.local_seconds('layer_fwd', 4, 2) == pytest.approx(3.0)

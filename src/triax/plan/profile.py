@@ -96,6 +96,8 @@ EXECUTOR_RATIOS = ('split_b', 'split_w', 'cond_active', 'cond_skipped')
 _TIMING_BUDGET_S = 1.0
 # Largest micro-batch measured, in tokens: keeps profiling to seconds.
 _MAX_MEASURED_TOKENS = 2048
+# Micro-batch sizes measured at the smallest tensor degree, at most.
+_MAX_SIZES = 6
 
 
 @dataclasses.dataclass(frozen=True)
@@ -255,12 +257,24 @@ class Profile:
 
     Where that degree was measured, the measurements are interpolated
     linearly in b (extrapolated along the nearest two sizes; one size:
-    scaled as the fit scales); elsewhere the fit, slowed by the function's
-    measured core sharing when concurrent.
+    scaled as the fit scales). A degree measured at fewer sizes than the
+    smallest one borrows that degree's curve: its own ratio to it,
+    interpolated between its sizes, times the smallest degree's time at b.
+    Elsewhere: the fit, slowed by the function's measured core sharing when
+    concurrent.
     """
-    measured = sorted((pt.microbatch, pt.concurrent if concurrent else pt.seconds)
-                      for pt in self.points if pt.function == function and pt.tensor == t)
-    measured = [(x, y) for x, y in measured if y > 0]
+    def curve(t_):
+      found = sorted((pt.microbatch, pt.concurrent if concurrent else pt.seconds)
+                     for pt in self.points if pt.function == function and pt.tensor == t_)
+      return [(x, y) for x, y in found if y > 0]
+
+    def line(points, b):
+      xs = [x for x, _ in points]
+      i = min(max(np.searchsorted(xs, b) - 1, 0), len(points) - 2)
+      (b0, y0), (b1, y1) = points[i], points[i + 1]
+      return max(y0 + (y1 - y0) * (b - b0) / (b1 - b0), 0.1 * min(y0, y1))
+
+    measured = curve(t)
     fit = self.fitted_seconds(function, b, t)
     if not measured:
       cores = self.fits[function].cores
@@ -269,9 +283,11 @@ class Profile:
     if len(measured) == 1:
       (b0, y0), = measured
       return y0 * fit / self.fitted_seconds(function, b0, t)
-    i = min(max(np.searchsorted([x for x, _ in measured], b) - 1, 0), len(measured) - 2)
-    (b0, y0), (b1, y1) = measured[i], measured[i + 1]
-    return max(y0 + (y1 - y0) * (b - b0) / (b1 - b0), 0.1 * min(y0, y1))
+    base = curve(min(pt.tensor for pt in self.points if pt.function == function))
+    shape = dict(base)
+    if len(base) > len(measured) and all(x in shape for x, _ in measured):
+      return line([(x, y / shape[x]) for x, y in measured], b) * line(base, b)
+    return line(measured, b)
 
 
 def allreduce_time(link: Link, n: int, nbytes: float) -> float:
@@ -377,17 +393,23 @@ def _measure_cached(model_key: tuple, tensors: tuple[int, ...],
 
 def _points_to_measure(tensors, microbatches, seq_len,
                        remats=('none',)) -> list[tuple[str, int, int]]:
-  """A few (function, b, t) points that pin the fits: the layer at small and
-  large b at every t, under each remat policy (the simulator interpolates
-  between them on this machine); compiles dominate profiling, so few sizes
-  it is."""
+  """The (function, b, t) points that pin the fits: the layer at small and
+  large b at every t and at every size at the smallest t, under each remat
+  policy (the simulator interpolates between them on this machine);
+  compiles dominate profiling, so few sizes elsewhere."""
   cap = max(1, _MAX_MEASURED_TOKENS // seq_len)
   bs = sorted({min(b, cap) for b in microbatches})
   lo, hi = bs[0], bs[-1]
-  # Per-sequence cost is not flat in b on a cache-bound CPU: one size in
-  # between (the geometric middle) at the smallest degree, where most plans are.
-  mid = min(bs, key=lambda b: abs(math.log(b) - (math.log(lo) + math.log(hi)) / 2))
-  pairs = {(b, t) for b in (lo, hi) for t in tensors} | {(mid, min(tensors))}
+  # Per-sequence cost is not flat in b on a cache-bound CPU, nor smooth: a
+  # line from b=1 to b=4 missed the measured b=2 by 10% (remat none) to 35%
+  # (full remat's backward). So every size the search considers is measured
+  # at the smallest degree, where most plans are (at most _MAX_SIZES,
+  # spread evenly in log b); other degrees get the two ends.
+  if len(bs) > _MAX_SIZES:
+    logs = [math.log(b) for b in bs]
+    want = [logs[0] + (logs[-1] - logs[0]) * i / (_MAX_SIZES - 1) for i in range(_MAX_SIZES)]
+    bs = sorted({min(bs, key=lambda b: abs(math.log(b) - w)) for w in want})
+  pairs = {(b, t) for b in (lo, hi) for t in tensors} | {(b, min(tensors)) for b in bs}
   out = []
   for remat in remats:
     for b, t in sorted(pairs):
