@@ -71,11 +71,19 @@ def test_profile_of_a_tiny_model():
     for function in profile.LAYER_FUNCTIONS:
       fit = prof.fits[profile.variant(function, remat)]
       assert 1.0 <= fit.cores <= 8
-  # Interpolation reproduces the measured points and grows with the batch.
+  # Every size asked for is measured at the smallest degree, the ends at the
+  # others; interpolation reproduces the measured points and stays between
+  # its neighbours elsewhere. (Which size is faster is wall-clock, not asserted:
+  # at these widths a layer takes under a millisecond and the other test
+  # worker shares the cores.)
+  sizes = {(pt.microbatch, pt.tensor) for pt in prof.points if pt.function == 'layer_fwd'}
+  assert sizes == {(b, 1) for b in (1, 2, 4, 8)} | {(b, t) for b in (1, 8) for t in (2, 4)}
   for point in prof.points:
     assert prof.local_seconds(point.function, point.microbatch, point.tensor) == \
         pytest.approx(point.seconds)
-  assert prof.local_seconds('layer_fwd', 8, 1) > prof.local_seconds('layer_fwd', 1, 1)
+  at = {pt.microbatch: pt.seconds for pt in prof.points
+        if pt.function == 'layer_fwd' and pt.tensor == 1}
+  assert min(at[4], at[8]) <= prof.local_seconds('layer_fwd', 6, 1) <= max(at[4], at[8])
   # The executor's variants of a layer, as ratios to its plain pair: a split
   # backward's halves, a layer under cond and a skipped (padding) one.
   assert set(prof.ratios) == set(profile.EXECUTOR_RATIOS)
