@@ -45,8 +45,8 @@ def tiny():
 def test_profile_of_a_tiny_model():
   cfg = tiny()
   # The degrees and sizes the CLI test's search asks for: one profile serves both.
-  prof = profile.measure(cfg.model, [1, 2, 4], [1, 2, 4, 8])
-  assert prof is profile.measure(cfg.model, [4, 2, 1], [8, 4, 2, 1])   # cached in memory
+  prof = profile.measure(cfg.model, [1, 2, 4], [1, 2, 8])
+  assert prof is profile.measure(cfg.model, [4, 2, 1], [8, 2, 1])   # cached in memory
   assert prof.machine.num_devices == 8
   assert 0 < prof.machine.effective_cores <= 8
   assert prof.machine.p2p.bandwidth > 0 and prof.machine.allreduce.bandwidth > 0
@@ -77,13 +77,13 @@ def test_profile_of_a_tiny_model():
   # at these widths a layer takes under a millisecond and the other test
   # worker shares the cores.)
   sizes = {(pt.microbatch, pt.tensor) for pt in prof.points if pt.function == 'layer_fwd'}
-  assert sizes == {(b, 1) for b in (1, 2, 4, 8)} | {(b, t) for b in (1, 8) for t in (2, 4)}
+  assert sizes == {(b, 1) for b in (1, 2, 8)} | {(b, t) for b in (1, 8) for t in (2, 4)}
   for point in prof.points:
     assert prof.local_seconds(point.function, point.microbatch, point.tensor) == \
         pytest.approx(point.seconds)
   at = {pt.microbatch: pt.seconds for pt in prof.points
         if pt.function == 'layer_fwd' and pt.tensor == 1}
-  assert min(at[4], at[8]) <= prof.local_seconds('layer_fwd', 6, 1) <= max(at[4], at[8])
+  assert min(at[2], at[8]) <= prof.local_seconds('layer_fwd', 5, 1) <= max(at[2], at[8])
   # The executor's variants of a layer, as ratios to its plain pair: a split
   # backward's halves, a layer under cond and a skipped (padding) one.
   assert set(prof.ratios) == set(profile.EXECUTOR_RATIOS)
