@@ -647,9 +647,7 @@ class _Profiler:
       remat = remat or 'none'
       if base == 'layer_bwd':
         both, fwd = timed[('layer_fwd_bwd', b, t, remat)], timed[('layer_fwd', b, t, remat)]
-        # Timing noise could make the difference tiny or negative; a backward
-        # is never cheaper than a fifth of the pair.
-        out[(function, b, t)] = tuple(max(x - y, 0.2 * x) for x, y in zip(both, fwd))
+        out[(function, b, t)] = tuple(_backward_part(x, y) for x, y in zip(both, fwd))
       else:
         out[(function, b, t)] = timed[(base, b, t, remat)]
     return out
@@ -698,7 +696,7 @@ class _Profiler:
     out = {}
     for i in range(2):
       fwd, pair = timed['layer_fwd'][i], timed['layer_fwd_bwd'][i]
-      bwd = max(pair - fwd, 0.2 * pair)
+      bwd = _backward_part(pair, fwd)
       for k in ('split_b', 'split_w'):
         out.setdefault(k, [0.0, 0.0])[i] = max(timed[k][i] - fwd, 0.1 * bwd) / bwd
       for k in ('cond_active', 'cond_skipped'):
@@ -770,6 +768,13 @@ def _shard_spec(spec: dict, t: int):
   fields.update(num_heads=spec['num_heads'] // t, d_ff=spec['d_ff'] // t,
                 vocab_size=spec['vocab_size'] // t)
   return ShardSpec(full_head_dim=full_head_dim, **fields)
+
+
+def _backward_part(pair: float, fwd: float) -> float:
+  """A backward's time: its forward+backward program's minus the forward's.
+  Timing noise could make the difference tiny or negative; a backward is
+  never cheaper than a fifth of the pair."""
+  return max(pair - fwd, 0.2 * pair)
 
 
 def _median_time(exe, args, runs: int = _RUNS) -> float:
