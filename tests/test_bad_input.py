@@ -75,6 +75,9 @@ CASES = [
                                        '--config.train.global_batch_size=12'),
      'pipeline.microbatches'),
     ('unknown-schedule', train('--config.pipeline.schedule=zigzag'), 'pipeline.schedule'),
+    ('schedule-file-bad-cell', train('--config.pipeline.schedule_file={d}/bad.csv',
+                                     setup=write('bad.csv', '0F0,0X1\r\n')),
+     'pipeline.schedule_file'),
     ('unknown-dtype', train('--config.model.dtype=float8'), 'model.dtype'),
     ('negative-learning-rate', train('--config.train.learning_rate=-1'),
      'train.learning_rate'),
@@ -140,6 +143,8 @@ CASES = [
      '--cluster'),
     ('schedule-no-stages', command('triax.schedule', '--stages=0'), '--stages'),
     ('schedule-unknown', command('triax.schedule', '--schedule=zigzag'), 'schedule'),
+    ('schedule-file-missing', command('triax.schedule', '--schedule_file={d}/none.csv'),
+     '--schedule_file'),
 ]
 IDS = [c[0] for c in CASES]
 assert len(set(IDS)) == len(IDS) >= 25

@@ -55,3 +55,29 @@ def test_bpipe_train_steps_match_one_device(data, pipe):
   got = harness.train_losses(harness.tiny_config(**overrides, **{
       'mesh.data': data, 'mesh.pipe': pipe, 'pipeline.schedule': 'bpipe'}), 3)
   assert all(abs(a - b) <= 1e-5 * abs(a) for a, b in zip(ref, got)), (ref, got)
+
+
+def _permute_operands(cfg) -> list[tuple[int, ...]]:
+  """Shapes (per device) of the collective-permutes in the compiled step."""
+  trainer = harness.make_trainer(cfg)
+  with jax.set_mesh(trainer.mesh):
+    state = trainer.init_state(jax.random.key(0))
+    batch = jax.device_put(harness.random_batch(cfg), trainer.batch_sharding)
+    hlo = trainer.train_step.lower(state, batch).compile().as_text()
+  shapes = re.findall(r'= \w+\[([\d,]+)\]\{[^}]*\} collective-permute(?:-start)?\(', hlo)
+  shapes += [s for s in re.findall(
+      r'= \(\w+\[([\d,]+)\]\{[^}]*\}, [^)]*\) collective-permute-start\(', hlo)]
+  return [tuple(int(x) for x in s.split(',')) for s in shapes]
+
+
+@pytest.mark.parametrize('scatter', [True, False])
+def test_pipeline_transfers_travel_split_over_tensor(scatter):
+  """Megatron's scatter/gather (PTD-P 4.1): with tensor=2 each rank sends half
+  of a [mb, s, d] activation, split along d, and the receiver gathers it."""
+  cfg = harness.tiny_config(**{'mesh.data': 1, 'mesh.tensor': 2, 'mesh.pipe': 4,
+                               'pipeline.schedule': '1f1b', 'pipeline.microbatches': 4,
+                               'pipeline.scatter_gather': scatter})
+  mb, s, d = cfg.train.global_batch_size // 4, cfg.model.seq_len, cfg.model.d_model
+  shapes = _permute_operands(cfg)
+  assert shapes, 'the pipeline must send activations'
+  assert set(shapes) == {(mb, s, d // 2) if scatter else (mb, s, d)}, shapes

@@ -1,40 +1,37 @@
 """Every schedule gives one device's loss and gradients (fp32, <= 1e-5 relative).
 
-The grid covers each schedule with pipe in {2, 4, 8}, v in {1, 2} where the
-schedule has chunks, m in {p, 2p, 4p}, the 3-D meshes (2,2,2), (1,2,4),
-(2,1,4), (4,1,2), and both remat policies, without running the full product
-(each case compiles). bpipe and zb_h1 (v = 1 only) run with data and tensor axes too.
+The grid runs every builder in the registry on the meshes (data, tensor,
+pipe) = (1,1,4), (2,1,4), (1,2,4), (1,1,8), with v = 2 where the schedule
+has chunks, and the remat policies spread over them; the extra cases cover
+3-D meshes, circular GPipe, interleaving with m not a multiple of p, more
+micro-batches, uneven layer splits, and a schedule read from a CSV file
+written by torch.distributed.pipelining (tests/data/).
 """
 
 import functools
+import os
 
 import pytest
 
 import harness
+from triax.pipeline import schedule as sched
+
+_MESHES = [((1, 1, 4), 'none'), ((2, 1, 4), 'selective'), ((1, 2, 4), 'full'),
+           ((1, 1, 8), 'none')]
+_CHUNKED = {'interleaved_1f1b', 'interleaved_zb', 'zb_v'}
 
 # (schedule, (data, tensor, pipe), virtual stages, micro-batches, remat, layers)
-CASES = [
-    ('gpipe', (1, 1, 2), 1, 2, 'none', 8),
-    ('gpipe', (2, 1, 4), 1, 8, 'none', 8),
+CASES = [(name, mesh, 2 if name in _CHUNKED else 1, 2 * mesh[2], remat,
+          16 if name in _CHUNKED and mesh[2] == 8 else 8)
+         for name in sched.SCHEDULES for mesh, remat in _MESHES]
+CASES += [
     ('gpipe', (4, 1, 2), 2, 4, 'full', 8),
-    ('gpipe', (1, 1, 8), 2, 8, 'none', 16),
-    ('1f1b', (1, 1, 2), 1, 8, 'none', 8),
-    ('1f1b', (1, 2, 4), 1, 4, 'full', 8),
     ('1f1b', (2, 2, 2), 1, 4, 'selective', 8),
-    ('1f1b', (1, 1, 8), 1, 16, 'none', 8),
     ('interleaved_1f1b', (2, 2, 2), 2, 4, 'none', 8),
-    ('interleaved_1f1b', (4, 1, 2), 2, 8, 'full', 8),
-    ('interleaved_1f1b', (1, 2, 4), 2, 16, 'selective', 8),
-    ('interleaved_1f1b', (2, 1, 4), 1, 4, 'none', 8),
-    ('interleaved_1f1b', (1, 1, 8), 2, 8, 'none', 16),
-    ('bpipe', (1, 1, 2), 1, 8, 'none', 8),
+    ('interleaved_1f1b', (1, 1, 4), 2, 6, 'none', 8),
+    ('interleaved_zb', (1, 2, 2), 2, 3, 'none', 8),
+    ('zb_v', (2, 2, 2), 2, 4, 'full', 8),
     ('bpipe', (2, 2, 2), 1, 4, 'none', 8),
-    ('bpipe', (1, 2, 4), 1, 16, 'full', 8),
-    ('bpipe', (1, 1, 8), 1, 16, 'none', 8),
-    ('bpipe', (1, 1, 8), 1, 8, 'none', 8),
-    ('zb_h1', (1, 1, 2), 1, 2, 'none', 8),
-    ('zb_h1', (2, 1, 4), 1, 8, 'selective', 8),
-    ('zb_h1', (2, 2, 2), 1, 8, 'none', 8),
     ('zb_h1', (1, 1, 8), 1, 32, 'none', 8),
 ]
 
@@ -43,21 +40,28 @@ def _config(layers, **overrides):
   return harness.tiny_config(**{'model.num_layers': layers, **overrides})
 
 
+def _batch(m: int) -> int:
+  """Global batch: 32 rows, or 8 per micro-batch when m does not divide 32."""
+  return 32 if 32 % m == 0 else 8 * m
+
+
 @functools.lru_cache(maxsize=None)
-def _reference(layers):
-  return harness.loss_and_grads(_config(layers, **{'mesh.data': 1}))
+def _reference(layers, batch=32):
+  return harness.loss_and_grads(_config(layers, **{'mesh.data': 1,
+                                                   'train.global_batch_size': batch}))
 
 
 @pytest.mark.parametrize('schedule,mesh,v,m,remat,layers', CASES,
                          ids=[f'{c[0]}-{"x".join(map(str, c[1]))}-v{c[2]}-m{c[3]}-{c[4]}'
                               for c in CASES])
 def test_loss_and_gradients_match_one_device(schedule, mesh, v, m, remat, layers):
-  ref_loss, ref_grads = _reference(layers)
+  ref_loss, ref_grads = _reference(layers, _batch(m))
   data, tensor, pipe = mesh
   cfg = _config(layers, **{
       'mesh.data': data, 'mesh.tensor': tensor, 'mesh.pipe': pipe,
       'pipeline.schedule': schedule, 'pipeline.virtual_stages': v,
-      'pipeline.microbatches': m, 'model.remat': remat})
+      'pipeline.microbatches': m, 'model.remat': remat,
+      'train.global_batch_size': _batch(m)})
   loss, grads = harness.loss_and_grads(cfg)
   assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss), (loss, ref_loss)
   assert harness.max_rel_err(ref_grads, grads) <= 1e-5
@@ -70,6 +74,7 @@ UNEVEN = [
     ('interleaved_1f1b', (2, 1, 2), 2, 4, (1, 3, 2, 2)),
     ('bpipe', (1, 2, 4), 1, 8, (1, 2, 2, 3)),
     ('zb_h1', (1, 1, 2), 1, 4, (5, 3)),
+    ('zb_v', (1, 1, 2), 2, 4, (3, 1, 2, 2)),
 ]
 
 
@@ -82,6 +87,29 @@ def test_uneven_split_matches_one_device(schedule, mesh, v, m, split):
       'mesh.data': data, 'mesh.tensor': tensor, 'mesh.pipe': pipe,
       'pipeline.schedule': schedule, 'pipeline.virtual_stages': v,
       'pipeline.microbatches': m, 'pipeline.layers_per_stage': split})
+  loss, grads = harness.loss_and_grads(cfg)
+  assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss), (loss, ref_loss)
+  assert harness.max_rel_err(ref_grads, grads) <= 1e-5
+
+
+# Schedules written by another tool: torch.distributed.pipelining's own
+# orders, dumped with its CSV writer (scripts/torch_schedule_csv.py).
+FILES = [
+    ('torch_zbv_p4_v2_m8.csv', (1, 1, 4), 2, 8),
+    ('torch_interleaved_1f1b_p4_v2_m6.csv', (2, 1, 4), 2, 6),
+    ('torch_interleaved_zb_p4_v2_m8.csv', (1, 2, 4), 2, 8),
+]
+
+
+@pytest.mark.parametrize('name,mesh,v,m', FILES, ids=[c[0] for c in FILES])
+def test_schedule_from_a_torch_csv_matches_one_device(name, mesh, v, m):
+  ref_loss, ref_grads = _reference(8, _batch(m))
+  data, tensor, pipe = mesh
+  cfg = _config(8, **{
+      'mesh.data': data, 'mesh.tensor': tensor, 'mesh.pipe': pipe,
+      'pipeline.schedule_file': os.path.join(harness.ROOT, 'tests', 'data', name),
+      'pipeline.virtual_stages': v, 'pipeline.microbatches': m,
+      'train.global_batch_size': _batch(m)})
   loss, grads = harness.loss_and_grads(cfg)
   assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss), (loss, ref_loss)
   assert harness.max_rel_err(ref_grads, grads) <= 1e-5

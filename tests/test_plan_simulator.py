@@ -5,6 +5,9 @@ Plain Python over synthetic profiles: nothing here compiles.
 
 import json
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -15,6 +18,7 @@ from triax.plan import profile, simulator
 from triax.plan.simulator import Options, Plan, simulate_plan
 
 FAST = '1e30'   # bytes/s: communication that takes no time
+SRC = os.path.join(os.path.dirname(os.path.dirname(__file__)), 'src')
 
 
 def make_cluster(groups=(('gpu', 8, 1.0, '80 GB'),), nodes=None, bandwidth=FAST,
@@ -47,32 +51,68 @@ def make_plan(p=4, m=8, d=1, t=1, v=1, name='1f1b', layers=None, remat='none', o
 
 @pytest.mark.parametrize('p, m', [(2, 2), (4, 8), (4, 3), (8, 16)])
 def test_1f1b_analytic_step(p, m):
-  # Uniform stages, zero communication: (m + p - 1)(t_F + t_B).
+  # Uniform stages, zero communication. Lockstep: the fused backward (2 s)
+  # runs as B then W of 1 s each, one action a tick, 3m + 2(p-1) ticks.
+  # Asynchronous (the papers'): (m + p - 1)(t_F + t_B).
   prof = profile.synthetic(layer_fwd=1.0, layer_bwd=2.0)
   est = simulate_plan(make_plan(p=p, m=m), prof, make_cluster(groups=(('gpu', p, 1.0, '80 GB'),)))
-  assert est.step_time == pytest.approx((m + p - 1) * 3.0)
+  assert est.step_time == est.lockstep_time == pytest.approx(3 * m + 2 * (p - 1))
   assert est.async_time == pytest.approx((m + p - 1) * 3.0)
-  assert est.bubble_fraction == pytest.approx((p - 1) / (m + p - 1))
+  assert est.bubble_fraction == pytest.approx(2 * (p - 1) / (3 * m + 2 * (p - 1)))
+  assert est.result.ticks == 3 * m + 2 * (p - 1)
 
 
 @pytest.mark.parametrize('name, p, m, v', [('gpipe', 4, 8, 1), ('1f1b', 4, 8, 1),
                                            ('interleaved_1f1b', 4, 8, 2), ('zb_h1', 4, 8, 1),
                                            ('gpipe', 2, 4, 2)])
 def test_lockstep_agrees_with_the_pipeline_simulator(name, p, m, v):
-  """Without communication or core sharing our tick model is simulate_lockstep's."""
+  """Without core sharing, the planner's costs and simulate.Costs time the
+  same program alike: both run the one lockstep model."""
   prog = sched.lower(sched.build(name, p, m, v))
-  split = prog.schedule.split_backward
+  fused = not prog.source.split_backward
   per = [simulate.Costs(t_forward=1.0 + s, t_backward=2.0 + s,
-                        t_weight=(1.0 + s) if split else 0.0) for s in range(p)]
-  chunk = tuple({sched.FORWARD: per[c % p].t_forward / v,
-                 sched.BACKWARD: per[c % p].t_backward / v,
-                 sched.WEIGHT: per[c % p].t_weight / v} for c in range(p * v))
+                        t_weight=0.0 if fused else 1.0 + s, t_transfer=0.1 * s)
+         for s in range(p)]
+  chunk = tuple({k: per[prog.schedule.stage_of(c)].lockstep(k, v, fused) for k in 'FBW'}
+                for c in range(p * v))
   ours = simulator.simulate_lockstep(
-      prog, simulator.ActionCosts(chunk=chunk, transfer=(0.0,) * p, evict=(0.0,) * p,
-                                  tick_transfer=0.0))
+      prog, simulator.ActionCosts(chunk=chunk, transfer=tuple(c.t_transfer for c in per),
+                                  evict=(0.0,) * p, tick_transfer=0.0))
   theirs = simulate.simulate_lockstep(prog, per)
   assert ours.total_time == pytest.approx(theirs.total_time)
   assert ours.busy == pytest.approx(theirs.busy)
+
+
+def test_cli_and_planner_agree_on_the_lockstep_time():
+  """One lockstep model: the schedule CLI (simulate.Costs) and the planner
+  (ActionCosts) time 1f1b p=4 m=8 alike given the same per-action costs:
+  F = 1, the fused backward 2 run as B = W = 1, and 0.1 per message. 28 of
+  the 30 ticks send one (the last two run only chunk 0's B and W's)."""
+  out = subprocess.run(
+      [sys.executable, '-m', 'triax.schedule', '--schedule=1f1b', '--stages=4',
+       '--microbatches=8', '--t_forward=1', '--t_backward=2', '--t_weight=1',
+       '--t_transfer=0.1', '--json'],
+      env=dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get('PYTHONPATH', '')),
+      capture_output=True, text=True, timeout=60)
+  assert out.returncode == 0, out.stderr
+  cli = json.loads(out.stdout)['models']['lockstep']['total_time']
+  p = 4
+  costs = simulator.ActionCosts(
+      chunk=({sched.FORWARD: 1.0, sched.BACKWARD: 1.0, sched.WEIGHT: 1.0},) * p,
+      transfer=(0.1,) * p, evict=(0.0,) * p, tick_transfer=0.0)
+  planner = simulator.simulate_lockstep(simulator.program('1f1b', p, 8, 1), costs)
+  assert planner.ticks == 30
+  assert cli == pytest.approx(planner.total_time) == pytest.approx(30 + 28 * 0.1)
+
+
+def test_placement_sets_the_chunk_layers():
+  assert make_plan(p=2, v=2, m=4, layers=(4, 2), name='interleaved_1f1b').chunk_layers == (
+      2, 1, 2, 1)
+  if 'zb_v' in sched.SCHEDULES:
+    # A V: chunks 0 and 3 on stage 0, 1 and 2 on stage 1.
+    plan = make_plan(p=2, v=2, m=4, layers=(4, 2), name='zb_v')
+    assert plan.placement == (0, 1, 1, 0)
+    assert plan.chunk_layers == (2, 1, 1, 2)
 
 
 def test_heterogeneous_stages_the_slow_one_dominates():
@@ -80,16 +120,19 @@ def test_heterogeneous_stages_the_slow_one_dominates():
   spec = make_cluster(groups=(('fast', 1, 1.0, '80 GB'), ('slow', 1, 0.5, '80 GB')))
   p, m = 2, 8
   est = simulate_plan(make_plan(p=p, m=m), prof, spec)
-  # Steady state runs at the slow stage's 6 s per micro-batch.
-  assert est.step_time == pytest.approx(m * 6.0 + 3.0)
+  # The slow stage is busy 6 s per micro-batch (F, B, W of 2 s each, one a
+  # tick), plus the first and last ticks, where only the fast one works.
+  assert est.step_time == pytest.approx(m * 6.0 + 2 * 1.0)
   uniform_slow = simulate_plan(make_plan(p=p, m=m), prof,
                                make_cluster(groups=(('slow', 2, 0.5, '80 GB'),)))
   uniform_fast = simulate_plan(make_plan(p=p, m=m), prof,
                                make_cluster(groups=(('fast', 2, 1.0, '80 GB'),)))
   assert uniform_fast.step_time < est.step_time < uniform_slow.step_time
-  # Giving the fast stage more layers balances it: 2 layers at 3 s vs 1 at 6 s.
+  # Giving the fast stage a second layer balances it: 2 layers at 3 s vs 1
+  # at 6 s, so every tick lasts 2 s (the papers': (m + 1) 6 s).
   balanced = simulate_plan(make_plan(p=p, m=m, layers=(2, 1)), prof, spec)
-  assert balanced.step_time == pytest.approx((m + 1) * 6.0)
+  assert balanced.step_time == pytest.approx((3 * m + 2 * (p - 1)) * 2.0)
+  assert balanced.async_time == pytest.approx((m + 1) * 6.0)
 
 
 def test_data_parallel_allreduce_adds_latency_plus_bytes_over_bandwidth():
@@ -118,6 +161,12 @@ def test_pipeline_transfers_cost_every_tick():
   ticks = sched.lower(sched.build('1f1b', 4, 8)).ticks
   # The executor ppermutes both ways in every tick, idle or not.
   assert est.step_time - base.step_time == pytest.approx(ticks * 2 * (1e-3 + 1e6 / 1e9))
+  # At p = 2 both neighbours are the one other stage: one ppermute a tick.
+  pair = make_cluster(groups=(('gpu', 2, 1.0, '80 GB'),), bandwidth=1e9, latency=1e-3)
+  alone = simulate_plan(make_plan(p=2, m=4), prof, make_cluster(groups=(('gpu', 2, 1.0, '80 GB'),)))
+  est = simulate_plan(make_plan(p=2, m=4), prof, pair)
+  ticks = sched.lower(sched.build('1f1b', 2, 4)).ticks
+  assert est.step_time - alone.step_time == pytest.approx(ticks * (1e-3 + 1e6 / 1e9))
 
 
 def test_shared_cores_bound_concurrent_compute():
@@ -173,14 +222,19 @@ def test_memory_and_oom_flag():
   big = simulate_plan(plan, prof, make_cluster(groups=(('gpu', 4, 1.0, '80 GB'),)))
   small = simulate_plan(plan, prof, make_cluster(groups=(('gpu', 4, 1.0, '4 GB'),)))
   assert not big.oom and small.oom
-  # Parameters, gradients and Adam moments: 4 copies of 1 GB, plus stash.
-  stash_slots = sched.lower(sched.build('1f1b', 4, 8)).num_stash_slots
-  assert big.memory[0] == pytest.approx(4e9 + stash_slots * 1e8 + 2e8)
+  # Parameters, gradients and Adam moments: 4 copies of 1 GB, plus stash
+  # and cut slots (a cut estimated as one unrematerialised stash set).
+  slots = sched.lower(sched.build('1f1b', 4, 8)).slots
+  assert (slots['stash'], slots['cut']) == (4, 1)
+  assert big.memory[0] == pytest.approx(4e9 + (4 + 1) * 1e8 + 2e8)
   assert small.capacity[0] == pytest.approx(0.9 * 4e9)
-  # Full remat stashes (here: the same synthetic bytes) but recomputes the forward.
+  # Full remat stashes (here: the same synthetic bytes) but recomputes the
+  # forward, in B: F 1 s, B 1 + 1 s, W 1 s (the papers': (m + p - 1) 4 s).
   full = simulate_plan(make_plan(p=4, m=8, remat='full'), prof,
                        make_cluster(groups=(('gpu', 4, 1.0, '80 GB'),)))
-  assert full.step_time == pytest.approx((8 + 3) * 4.0)
+  spans = {(x.stage, str(x.action)): x.end - x.start for x in full.result.timeline}
+  assert (spans[(0, 'F0.0')], spans[(0, 'B0.0')], spans[(0, 'W0.0')]) == (1, 2, 1)
+  assert full.async_time == pytest.approx((8 + 3) * 4.0)
 
 
 def test_chrome_trace_is_perfetto_json():
@@ -199,7 +253,7 @@ def test_plan_checks_itself():
   with pytest.raises(ValueError, match='global batch'):
     Plan(data=2, tensor=1, pipe=1, schedule='1f1b', microbatches=3, virtual_stages=1,
          remat='none', layers=(4,), stages=((0, 1),), global_batch=8)
-  plan = make_plan(p=2, v=2, layers=(4, 2), m=4)
+  plan = make_plan(p=2, v=2, layers=(4, 2), m=4, name='interleaved_1f1b')
   assert plan.chunk_layers == (2, 1, 2, 1)
   assert not plan.even and math.isclose(plan.microbatch_size, 1)
 

@@ -8,11 +8,13 @@ import math
 
 import pytest
 
+from triax.errors import ConfigError
 from triax.pipeline import render
 from triax.pipeline import schedule as sched
 from triax.pipeline.schedule import Action, Schedule
 from triax.pipeline.simulate import Costs, per_stage, simulate_async
-from triax.pipeline.simulate import simulate_lockstep
+from triax.pipeline.simulate import simulate_lockstep, ticks
+from triax.pipeline.validate import validate
 
 GRID = [(p, m, v) for p in (2, 4, 8) for m in (p, 2 * p, 4 * p)
         for v in (1, 2, 4)]
@@ -95,40 +97,49 @@ def test_async_zero_bubble_weight_actions_hold_the_stash():
 # ---------------------------------------------------------------- lockstep
 
 
+def lockstep_bubble(p, m, v=1):
+  """Fused t_B = 2 t_F run as B = W = t_F: 3mv busy ticks of 3mv + 2(p-1)."""
+  return 2 * (p - 1) / (3 * m * v + 2 * (p - 1))
+
+
 @pytest.mark.parametrize('p, m, v', GRID)
 def test_lockstep_models(p, m, v):
+  costs = Costs(1, 2)   # every lockstep action then costs one tick of 1 / v
   if v == 1:
     program = sched.lower(sched.build('1f1b', p, m))
-    result = simulate_lockstep(program)
-    assert result.ticks == m + 2 * (p - 1)
-    assert result.peak_inflight == tuple(min(2 * (p - 1 - s) + 1, m)
-                                         for s in range(p))
-    assert math.isclose(result.bubble_fraction, bubble(p, m))
+    result = simulate_lockstep(program, costs)
+    assert result.ticks == 3 * m + 2 * (p - 1)
+    assert math.isclose(result.total_time, result.ticks)
+    assert result.peak_inflight == tuple(min(p - s, m) for s in range(p))
+    assert math.isclose(result.bubble_fraction, lockstep_bubble(p, m))
+    # Smaller than the papers' (p-1)/(m+p-1): the B chain moves a stage a
+    # tick, half a fused backward.
+    assert result.bubble_fraction < bubble(p, m)
 
-    result = simulate_lockstep(sched.lower(sched.build('gpipe', p, m)))
-    # One tick runs the last stage's last forward and first backward.
-    assert result.ticks == 2 * (m + p - 1) - 1
-    assert math.isclose(result.total_time, 2 * (m + p - 1))
-    assert math.isclose(result.bubble_fraction, bubble(p, m))
+    result = simulate_lockstep(sched.lower(sched.build('gpipe', p, m)), costs)
+    assert result.ticks == 3 * m + 2 * (p - 1)
+    assert math.isclose(result.bubble_fraction, lockstep_bubble(p, m))
     assert result.peak_inflight == (m,) * p
-  # Our lowering keeps interleaving's bubble: forwards stream every tick.
   program = sched.lower(sched.build('interleaved_1f1b', p, m, v))
-  result = simulate_lockstep(program)
-  assert math.isclose(result.bubble_fraction, bubble(p, m, v))
-  assert result.ticks == m * v + p * v + p - 2
+  result = simulate_lockstep(program, costs)
+  assert result.ticks == 3 * m * v + 2 * (p - 1)
+  assert math.isclose(result.total_time, result.ticks / v)
+  assert math.isclose(result.bubble_fraction, lockstep_bubble(p, m, v))
   assert result.peak_inflight == program.peak_stash
 
 
 def test_lockstep_ticks_last_as_long_as_the_slowest_stage():
   program = sched.lower(sched.build('1f1b', 2, 2))
-  # t0: s0 F | t1: s0 F, s1 F+B | t2: s0 B, s1 F+B | t3: s0 B.
+  # s0: F0 F1 . B0 W0 . B1 W1; s1: . F0 B0 W0 F1 B1 W1 . (t_B = 1 runs as
+  # B = W = 0.5 on stage 0, t_B = 2 as B = W = 1 on stage 1).
   result = simulate_lockstep(program, [Costs(1, 1), Costs(2, 2)])
-  assert result.total_time == 1 + 4 + 4 + 1
+  assert result.total_time == 1 + 2 + 1 + 1 + 2 + 1 + 1 + 0.5
   assert result.busy == (4, 8)
-  # t0 sends F0.0's output, t1 F1.0's and B0.1's, t2 B1.1's; t3 runs only
-  # B1.0, whose chunk 0 has no predecessor to send to.
+  # Transfers: t0 sends F0.0's output, t1 F1.0's (F0.1 is the last chunk:
+  # its loss gradient stays), t2 B0.1's, t5 B1.1's; B0.0 and B1.0 (chunk 0)
+  # and W's send nothing.
   result = simulate_lockstep(program, Costs(t_transfer=0.25))
-  assert result.total_time == 1.25 + 2.25 + 2.25 + 1
+  assert result.total_time == 1.25 + 1.25 + 0.75 + 0.5 + 1 + 0.75 + 0.5 + 0.5
 
 
 def test_lockstep_with_one_stage_has_no_transfers():
@@ -136,6 +147,119 @@ def test_lockstep_with_one_stage_has_no_transfers():
   result = simulate_lockstep(program, Costs(t_transfer=5.0))
   assert math.isclose(result.total_time, 4.0)
   assert result.bubble_fraction == 0
+
+
+def test_fused_backward_costs_in_the_lockstep_program():
+  assert (Costs(1, 2).lockstep('B', 1, True), Costs(1, 2).lockstep('W', 1, True)) == (1, 1)
+  # A measured W share of the fused backward is used as it is ...
+  assert Costs(1, 2, t_weight=0.5).lockstep('B', 1, True) == 1.5
+  assert Costs(1, 2, t_weight=0.5).lockstep('W', 2, True) == 0.25
+  # ... unless it is no share of it: then half.
+  assert Costs(1, 2, t_weight=3).lockstep('W', 1, True) == 1
+  # A split schedule's B and W cost what they say.
+  assert (Costs(1, 2, t_weight=3).lockstep('B', 1, False),
+          Costs(1, 2, t_weight=3).lockstep('W', 1, False)) == (2, 3)
+  program = sched.lower(sched.build('1f1b', 2, 2))
+  spans = {str(x.action): x.end - x.start
+           for x in simulate_lockstep(program, Costs(1, 2, t_weight=0.5)).timeline}
+  assert (spans['F0.0'], spans['B0.0'], spans['W0.0']) == (1, 1.5, 0.5)
+
+
+def test_lockstep_and_async_agree_on_the_work():
+  """The lowering splits a fused B without changing the work: per stage the
+  lockstep busy time is the asynchronous model's."""
+  for name, v in (('gpipe', 2), ('1f1b', 1), ('interleaved_1f1b', 2), ('bpipe', 1)):
+    s = sched.build(name, 4, 8, v)
+    costs = Costs(1.0, 2.5, t_weight=0.75)
+    assert simulate_lockstep(sched.lower(s), costs).busy == pytest.approx(
+        simulate_async(s, costs).busy)
+
+
+def builds():
+  """(name, p, m, v) for every builder, p in 2, 4, 8 and m in p, 2p, 4p; v = 2
+  for builders that need chunks, and none of the sizes a builder rejects."""
+  for name in sched.SCHEDULES:
+    for p in (2, 4, 8):
+      for m in (p, 2 * p, 4 * p):
+        for v in (1, 2):
+          try:
+            sched.build(name, p, m, v)
+          except ConfigError:
+            continue
+          yield name, p, m, v
+          break
+
+
+@pytest.mark.parametrize('name, p, m, v', list(builds()))
+def test_lowered_programs_keep_the_papers_memory_and_time(name, p, m, v):
+  """Our issue's acceptance facts, for every builder.
+
+  Costs t_F = 1 and a fused t_B = 2 (the lowering runs it as B = W = 1), or
+  F = B = W = 1 for a schedule built split: the lockstep program stashes no
+  more than the asynchronous schedule, takes at most 5% longer, and is
+  valid."""
+  s = sched.build(name, p, m, v)
+  program = sched.lower(s)
+  assert validate(s, program) == []
+  costs = Costs(1, 1, t_weight=1) if s.split_backward else Costs(1, 2)
+  lock, asy = simulate_lockstep(program, costs), simulate_async(s, costs)
+  assert all(x <= y for x, y in zip(program.peaks['stash'], asy.peak_inflight)), (
+      program.peaks['stash'], asy.peak_inflight)
+  assert lock.peak_inflight == program.peaks['stash']
+  assert lock.total_time <= 1.05 * asy.total_time
+  if (name, p, m) == ('1f1b', 4, 8):
+    assert program.peaks['stash'] == (4, 3, 2, 1) == asy.peak_inflight
+    assert (lock.total_time, asy.total_time) == (30, 33)
+  if (name, p, m) == ('zb_h1', 4, 8):
+    assert program.peaks['stash'] == (4, 4, 4, 4) == asy.peak_inflight
+    assert lock.total_time == asy.total_time == 27
+
+
+def test_builds_cover_every_builder():
+  assert {name for name, *_ in builds()} == set(sched.SCHEDULES)
+
+
+class Stretched:
+  """A TickCosts whose ticks with two busy stages take 50% longer (two
+  devices sharing cores) and whose every tick pays a 0.1 ppermute."""
+
+  def duration(self, stage, action):
+    return {'F': 1.0, 'B': 1.0, 'W': 1.0}[action.kind]
+
+  def tick_time(self, tick, work):
+    busy = sum(1 for a in tick.compute if a is not None)
+    return max(work) * (1.5 if busy > 1 else 1.0)
+
+  def transfer(self, tick):
+    return 0.1
+
+  def copy(self, stage, action):
+    return 0.0
+
+
+def test_lockstep_takes_any_tick_cost_model():
+  program = sched.lower(sched.build('1f1b', 2, 2))
+  result = simulate_lockstep(program, Stretched())
+  both = sum(all(a is not None for a in t.compute) for t in ticks(program))
+  assert both == 4   # ticks 1, 3, 4 and 6
+  assert math.isclose(result.total_time, program.ticks * 1.1 + 0.5 * both)
+  # A stretched tick stretches every stage's action alike.
+  spans = {str(x.action): x.end - x.start for x in result.timeline}
+  assert spans['F1.0'] == spans['F0.1'] == 1.5 and spans['F0.0'] == 1.0
+  assert result.busy == (6 + 0.5 * both, 6 + 0.5 * both)
+
+
+def test_ticks_list_what_crosses_stages():
+  program = sched.lower(sched.build('1f1b', 2, 2))
+  got = [(t.compute, t.messages, t.copies, t.movers) for t in ticks(program)[:3]]
+  assert got == [((Action('F', 0, 0), None), ((0, 1),), (), ()),
+                 ((Action('F', 1, 0), Action('F', 0, 1)), ((0, 1),), (), ()),
+                 ((None, Action('B', 0, 1)), ((1, 0),), (), ())]
+  # Under BPipe the executor's residual ppermute runs in every tick.
+  bpipe = sched.lower(sched.build('bpipe', 4, 8))
+  assert all(t.movers == (0, 1, 2, 3) for t in ticks(bpipe))
+  assert all(t.movers == (0, 1, 3, 4) for t in ticks(sched.lower(sched.build('bpipe', 5, 10))))
+  assert sum(len(t.copies) for t in ticks(bpipe)) == 4
 
 
 def test_costs_are_checked():

@@ -67,14 +67,20 @@ def defaults() -> ml_collections.ConfigDict:
   c.model.attention = 'xla'
 
   c.pipeline = ml_collections.ConfigDict()
-  # Pipeline schedule: gpipe, 1f1b, interleaved_1f1b, bpipe or zb_h1 (see triax.pipeline.schedule).
+  # Pipeline schedule: gpipe, 1f1b, interleaved_1f1b, bpipe, zb_h1, interleaved_zb or zb_v
+  # (one file each in triax/pipeline/schedules/).
   c.pipeline.schedule = '1f1b'
+  # A schedule file to run instead (torch's compute-only .csv or triax's .json); '' = by name.
+  c.pipeline.schedule_file = ''
   # Micro-batches per step (m); the global batch is split into this many.
   c.pipeline.microbatches = 1
   # Virtual stages per device (v): model chunks each pipeline device holds.
   c.pipeline.virtual_stages = 1
   # Layers of each model chunk in chunk order (p*v ints summing to num_layers); () = even split.
   c.pipeline.layers_per_stage = ()
+  # Megatron's scatter/gather: an activation or gradient crossing stages travels (and waits)
+  # split over `tensor`, 1/t per rank, and is all-gathered where it is used.
+  c.pipeline.scatter_gather = True
 
   c.train = ml_collections.ConfigDict()
   # Optimizer steps to run in total (a resumed run stops at the same step).
@@ -284,9 +290,12 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int) -> ml_collections
                       f'unknown schedule {p.schedule!r}; choose one of {", ".join(SCHEDULES)}')
   _positive(cfg, 'pipeline', 'microbatches')
   _positive(cfg, 'pipeline', 'virtual_stages')
+  if not isinstance(p.scatter_gather, bool):
+    raise ConfigError('pipeline.scatter_gather', f'must be true or false; got {p.scatter_gather!r}')
   v = p.virtual_stages
-  # The builder knows each schedule's rules (v allowed, m a multiple of p, ...).
-  sched.build(p.schedule, pipe, p.microbatches, v)
+  # The builder knows each schedule's rules (v allowed, m a multiple of p, ...);
+  # a schedule file is read, checked against p, m, v and lowered here.
+  sched.from_config(p, pipe, p.microbatches, v)
   StackLayout.build(m.num_layers, pipe, v, tuple(p.layers_per_stage or ()))
 
   t = cfg.train

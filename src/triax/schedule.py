@@ -2,7 +2,13 @@
 
   python -m triax.schedule --schedule=interleaved_1f1b --stages=4 \
       --microbatches=8 --virtual_stages=2 [--json] [--plot=grid.png] \
+      [--write_csv=order.csv] \
       [--t_forward=1 --t_backward=2 --t_transfer=0 --t_weight=1 --t_evict=0]
+  python -m triax.schedule --schedule_file=order.csv [--stages=4 ...] [--json]
+
+--schedule_file reads torch's compute-only CSV or triax's JSON (see
+triax.pipeline.files) instead of building by name; the sizes come from the
+file, and any of --stages, --microbatches, --virtual_stages given must match.
 
 Bad input prints one `error: <flag>: <message>` line and exits with 2.
 """
@@ -33,19 +39,33 @@ _T_WEIGHT = flags.DEFINE_float(
 _T_EVICT = flags.DEFINE_float(
     't_evict', 0.0, 'Time to move one residual set to or from the partner '
     'stage (bpipe).')
+_SCHEDULE_FILE = flags.DEFINE_string(
+    'schedule_file', None, "Analyse this schedule file instead of --schedule: torch's "
+    "compute-only .csv or triax's .json.")
 _JSON = flags.DEFINE_bool('json', False, 'Print one JSON object.')
 _PLOT = flags.DEFINE_string('plot', None, 'Write a Gantt chart PNG here.')
+_WRITE_CSV = flags.DEFINE_string(
+    'write_csv', None, "Write the schedule here as torch's compute-only CSV.")
 
 
 def main(argv: list[str]) -> int:
   if len(argv) > 1:
     cli.fail('flags', f'unexpected arguments {argv[1:]}; flags look like --name=value')
+  from_file = bool(_SCHEDULE_FILE.value)
+  if from_file and _SCHEDULE.present:
+    cli.fail('--schedule_file', 'give --schedule or --schedule_file, not both')
+
+  def size(holder):
+    # A file brings its own sizes; the flags then only check them if given.
+    return holder.value if holder.present or not from_file else None
+
   return report.main(report.Request(
-      schedule=_SCHEDULE.value, stages=_STAGES.value,
-      microbatches=_MICROBATCHES.value, virtual_stages=_VIRTUAL_STAGES.value,
+      schedule=_SCHEDULE.value, stages=size(_STAGES),
+      microbatches=size(_MICROBATCHES), virtual_stages=size(_VIRTUAL_STAGES),
       t_forward=_T_FORWARD.value, t_backward=_T_BACKWARD.value,
       t_transfer=_T_TRANSFER.value, t_weight=_T_WEIGHT.value,
-      t_evict=_T_EVICT.value, plot=_PLOT.value), as_json=_JSON.value)
+      t_evict=_T_EVICT.value, plot=_PLOT.value,
+      schedule_file=_SCHEDULE_FILE.value, write_csv=_WRITE_CSV.value), as_json=_JSON.value)
 
 
 def run():

@@ -2,32 +2,34 @@
 
 `shard_map` is manual over `pipe`, and over `data` when the trainer asks
 (`data_axis`); `tensor` stays automatic (GSPMD) inside each stage. A
-`lax.scan` walks the schedule's ticks. In each tick every device reads its
-own row of the schedule table and:
+`lax.scan` walks the program's ticks (see lower.py). In each tick every
+device reads its own row of the tables and runs one branch of a
+`lax.switch`, so idle slots execute nothing:
 
-  phase 0  forward of (micro-batch, chunk) under `lax.cond`, so idle slots
-           execute nothing. `jax.vjp` gives the chunk's output and a
-           residual pytree; its array leaves go into a slot of the stash.
-           On the last chunk the loss and its gradient are computed at once
-           (so the head's residuals are never stashed).
-  phase 1  backward: the residuals are read back from their slot, unflattened
-           into the vjp function and applied to the arriving gradient; the
-           weight gradient is accumulated, the input gradient sent on.
-           Zero-bubble schedules split it: B keeps only the input gradient
-           (XLA drops the unused weight-gradient matmuls), and
-  phase 2  W re-applies the same residuals and output gradient later and
-           keeps only the weight gradient.
-  phase 3  `ppermute` moves activations to stage s+1 and gradients to stage
-           s-1 (cyclically, which is how interleaved schedules hand chunk
-           outputs from the last device back to the first); arrivals are
-           written into the buffer slot the schedule assigned. BPipe's
-           evictions and loads move whole residual sets between partner
-           stages (s <-> p-1-s) in the same phase, into the shared stash pool.
+  F  forward of (micro-batch, chunk). `jax.vjp` gives the chunk's output and
+     a residual pytree; its array leaves go into a slot of the stash. On the
+     last chunk the loss and its gradient are computed at once (so the
+     head's residuals are never stashed) and the gradient is put in the
+     message pool for the B.
+  B  the input gradient: the residuals are read back from their slot and
+     the B half of the chunk's backward (split_backward.py) runs on the
+     arriving gradient; its cut (the cotangents the weight gradients need)
+     goes into a cut slot.
+  W  the weight gradient: the W half runs on the same residuals and the cut
+     and accumulates the chunk's weight gradients. B and W together execute
+     the fused backward's equations once each.
 
-Stash, activation and gradient buffers have as many slots as the schedule's
-lowering says, so activation memory is bounded by the schedule, not by the
-number of micro-batches. Residual leaves that are the chunk's own weights
-(forwarded by JAX, not copies) are not stashed: they are re-sliced from the
+The tick's output (an F's activation or a B's input gradient) is then sent
+by one `ppermute` per stage offset the placement uses (+1 for a forward
+chain around the ring, -1 for a backward one; a chunk whose neighbour is on
+its own stage keeps it locally) and written into the message slot the
+receiver's table names. BPipe's evictions and loads move whole residual
+sets between partner stages (s <-> p-1-s) in one more ppermute.
+
+Stash, message and cut pools have as many slots as the lowering says, so
+activation memory is bounded by the schedule, not by the number of
+micro-batches. Residual leaves that are the chunk's own weights (forwarded
+by JAX, not copies) are not stashed: they are re-sliced from the
 parameters at the backward.
 
 Data parallelism: with `data` manual, each replica's weight gradients
@@ -51,7 +53,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
-from triax.pipeline import schedule as sched
+from triax.pipeline import lower as lower_lib
+from triax.pipeline.split_backward import SplitBackward
 
 Params = Any
 
@@ -95,13 +98,17 @@ def _take(tree, index):
 
 
 def _put(buffers, index, values):
-  return [b.at[index].set(v) for b, v in zip(buffers, values)]
+  # A one-slot pool is replaced, not updated: XLA then keeps the new value's
+  # buffer instead of copying it into the old one (one cut set less at the
+  # peak of 1f1b, whose W follows its B at once).
+  return [v[None].astype(b.dtype) if b.shape[0] == 1 else b.at[index].set(v)
+          for b, v in zip(buffers, values)]
 
 
-def pipeline_loss_and_grad(fns: StageFns, program: 'sched.Program', mesh: Mesh,
+def pipeline_loss_and_grad(fns: StageFns, program: 'lower_lib.Program', mesh: Mesh,
                            act_shape: tuple[int, ...], act_dtype: Any, loss_scale: float,
                            act_spec: P = P(), chunk_layers: tuple[int, ...] | None = None,
-                           compute_idle: bool = False, data_axis: str | None = None):
+                           data_axis: str | None = None, transfer_spec: P | None = None):
   """Builds f(stage_params, embed_params, head_params, inputs, targets).
 
   Args:
@@ -113,28 +120,29 @@ def pipeline_loss_and_grad(fns: StageFns, program: 'sched.Program', mesh: Mesh,
     loss_scale: multiplies the summed loss (1 / global token count), so that
       gradients are those of the mean loss, as on one device.
     act_spec: how one activation [mb, s, d] is split over the automatic axes
-      (e.g. P('data')). Every branch output and buffer is pinned to it: XLA
-      requires a conditional's branches to agree on their outputs' sharding.
+      (e.g. P('tensor') nowhere, by default). Every branch output and buffer
+      is pinned to it: XLA requires a conditional's branches to agree on
+      their outputs' sharding.
     chunk_layers: layers of each model chunk when the split is uneven (the
       stacks are padded to the longest); None for an even split.
-    compute_idle: an ablation for benchmarks: idle slots run the forward or
-      backward on a placeholder row and discard the result, as pipelines
-      that differentiate through a scan do (MaxText, praxis). Same numbers,
-      more work.
     data_axis: the mesh axis the batch is split over, made manual too so
       that weight gradients are reduced over it once per step; the
       functions in `fns` then see one replica's rows, and act_spec must not
       name it. None: left to GSPMD (reduced per micro-batch).
+    transfer_spec: how an activation or gradient is split while it travels
+      between stages and waits in the message pool (Megatron's
+      scatter/gather, e.g. P(None, None, 'tensor'): each tensor rank sends
+      1/t of it, and the reader all-gathers it); None: as act_spec.
 
   Returns:
     f(stage_params, embed_params, head_params, inputs, targets) ->
     (loss, (stage_grads, embed_grads, head_grads)). `stage_params` leaves are
-    [pipe, v, layers_per_chunk, ...] sharded over `pipe`; inputs and targets
-    are [m, mb, s].
+    [pipe, v, layers_per_chunk, ...] sharded over `pipe`, local chunk i of
+    stage s at [s, i]; inputs and targets are [m, mb, s].
   """
   schedule = program.schedule
-  p, v = schedule.stages, schedule.virtual_stages
-  last_chunk = p * v - 1
+  p = schedule.stages
+  last_chunk = schedule.num_chunks - 1
   if mesh.shape['pipe'] != p:
     raise ValueError(f'mesh has pipe={mesh.shape["pipe"]} but the schedule has {p} stages')
   manual = ('pipe',) + ((data_axis,) if data_axis else ())
@@ -144,24 +152,19 @@ def pipeline_loss_and_grad(fns: StageFns, program: 'sched.Program', mesh: Mesh,
       raise ValueError(f'micro-batch of {act_shape[0]} rows does not split over '
                        f'{data_axis}={replicas}')
     act_shape = (act_shape[0] // replicas,) + tuple(act_shape[1:])
-  # One spare slot at the end of each receiving buffer takes writes the table
+  # One spare slot at the end of the message pool takes the writes the table
   # marks as "nothing arrives" (-1), so arrivals need no branch.
   moves = program.partner is not None
-  n_act, n_grad = program.num_act_slots + 1, program.num_grad_slots + 1
-  n_stash = program.num_stash_slots
-  spare = lambda table, n: jnp.asarray(np.where(table < 0, n - 1, table), jnp.int32)
-  recv = np.asarray(program.recv)
-  tables = dict(
-      fwd=jnp.asarray(program.fwd, jnp.int32), bwd=jnp.asarray(program.bwd, jnp.int32),
-      recv_act=spare(recv[..., sched.R_ACT], n_act),
-      recv_grad=spare(recv[..., sched.R_GRAD], n_grad))
-  if program.split_backward:
-    tables['wgt'] = jnp.asarray(program.wgt, jnp.int32)
+  n_msg = program.slots['msg'] + 1
+  n_stash, n_cut = program.slots['stash'], program.slots['cut']
+  spare = lambda table: jnp.asarray(np.where(table < 0, n_msg - 1, table), jnp.int32)
+  tables = {name: jnp.asarray(np.maximum(program.table[name], 0), jnp.int32)
+            for name in ('kind', 'mb', 'chunk', 'local', 'src', 'loss', 'stash', 'cut')}
+  tables.update({f'recv{o}': spare(program.recv[o]) for o in program.offsets})
   if moves:
-    tables.update(_residual_moves(program))
+    tables['move_send'] = jnp.asarray(np.maximum(program.table['move_send'], 0), jnp.int32)
+    tables['move_recv'] = jnp.asarray(program.table['move_recv'], jnp.int32)
     partner_pairs = [(s, q) for s, q in enumerate(program.partner) if s != q]
-  to_next = [(i, (i + 1) % p) for i in range(p)]
-  to_prev = [(i, (i - 1) % p) for i in range(p)]
   info = {}
   counts = None if chunk_layers is None else jnp.asarray(chunk_layers, jnp.int32)
 
@@ -173,8 +176,13 @@ def pipeline_loss_and_grad(fns: StageFns, program: 'sched.Program', mesh: Mesh,
   def pin(x):
     return jax.lax.with_sharding_constraint(x, act_spec)
 
+  message_spec = act_spec if transfer_spec is None else transfer_spec
+
+  def pin_message(x):
+    return jax.lax.with_sharding_constraint(x, message_spec)
+
   def pin_buffer(x):
-    return jax.lax.with_sharding_constraint(x, P(None, *act_spec))
+    return jax.lax.with_sharding_constraint(x, P(None, *message_spec))
 
   def scaled_head_loss(head_params, y, targets):
     return fns.head_loss(head_params, y, targets) * loss_scale
@@ -192,142 +200,131 @@ def pipeline_loss_and_grad(fns: StageFns, program: 'sched.Program', mesh: Mesh,
     stage = jax.lax.axis_index('pipe')
     x_zero = pin(_varying(jnp.zeros(act_shape, act_dtype), manual))
 
-    # Trace one chunk's vjp abstractly to learn the residual structure: which
-    # leaves are the chunk's own weights (not stashed) and the shapes of the rest.
-    layout = {}
-
     def chunk_vjp(chunk_params, x, chunk):
       return jax.vjp(lambda cp, h: run_chunk(cp, h, chunk), chunk_params, x)
 
-    def probe(chunk_params, x, chunk):
-      _, vjp_fn = chunk_vjp(chunk_params, x, chunk)
-      leaves, layout['treedef'] = jax.tree.flatten(vjp_fn)
-      weights = jax.tree.leaves(chunk_params)
-      layout['weight_of'] = [next((j for j, w in enumerate(weights) if w is leaf), None)
-                             for leaf in leaves]
-      return [leaf for leaf, j in zip(leaves, layout['weight_of']) if j is None]
-
-    # The chunk index is traced here as in the real forward, so an uneven
-    # split's layer count is a residual in both (same residual structure).
-    stash_shapes = jax.eval_shape(probe, _take(local, 0), x_zero, stage)
-    stash = _varying([jnp.zeros((n_stash,) + s.shape, s.dtype) for s in stash_shapes], manual)
+    # Trace one chunk's vjp to learn the residual structure (which leaves are
+    # the chunk's own weights, not stashed; the shapes of the rest) and to
+    # split its backward program into B and W. The chunk index is traced as
+    # in the real forward, so an uneven split's layer count is a residual in
+    # both. The probe's values are unused (XLA drops them).
+    probe_params = _take(local, 0)
+    y_probe, vjp_probe = chunk_vjp(probe_params, x_zero, stage)
+    res_leaves, treedef = jax.tree.flatten(vjp_probe)
+    weights = jax.tree.leaves(probe_params)
+    weight_of = [next((j for j, w in enumerate(weights) if w is leaf), None)
+                 for leaf in res_leaves]
+    stash_shapes = [leaf for leaf, j in zip(res_leaves, weight_of) if j is None]
+    split = SplitBackward(lambda res, g: jax.tree.unflatten(treedef, res)(g),
+                          res_leaves, pin(y_probe.astype(act_dtype)))
+    cut_leaves, cut_tree = jax.tree.flatten(split.cut_shapes)
     info['residual_bytes'] = sum(s.size * s.dtype.itemsize for s in stash_shapes)
+    info['cut_bytes'] = sum(s.size * s.dtype.itemsize for s in cut_leaves)
 
     def split_residuals(vjp_fn, chunk_params):
       leaves, weights = jax.tree.leaves(vjp_fn), jax.tree.leaves(chunk_params)
       # The probe's structure must hold for this trace too, or the stash would
       # silently pair residuals with the wrong slots.
-      if len(leaves) != len(layout['weight_of']) or any(
-          j is not None and leaf is not weights[j] for leaf, j in zip(leaves, layout['weight_of'])):
+      if len(leaves) != len(weight_of) or any(
+          j is not None and leaf is not weights[j] for leaf, j in zip(leaves, weight_of)):
         raise AssertionError('chunk vjp residuals differ from the probe trace')
-      return [leaf for leaf, j in zip(leaves, layout['weight_of']) if j is None]
+      return [leaf for leaf, j in zip(leaves, weight_of) if j is None]
 
     def join_residuals(stashed, chunk_params):
       weights, stashed = jax.tree.leaves(chunk_params), iter(stashed)
-      leaves = [next(stashed) if j is None else weights[j] for j in layout['weight_of']]
-      return jax.tree.unflatten(layout['treedef'], leaves)
+      return [next(stashed) if j is None else weights[j] for j in weight_of]
 
+    pool = lambda n, shapes: _varying([jnp.zeros((n,) + s.shape, s.dtype) for s in shapes],
+                                      manual)
     carry0 = dict(
-        act=pin_buffer(_varying(jnp.zeros((n_act,) + act_shape, act_dtype), manual)),
-        grad=pin_buffer(_varying(jnp.zeros((n_grad,) + act_shape, act_dtype), manual)),
-        stash=stash,
+        msg=pin_buffer(_varying(jnp.zeros((n_msg,) + act_shape, act_dtype), manual)),
+        stash=pool(n_stash, stash_shapes),
+        cut=pool(n_cut, cut_leaves),
         g_stage=_zeros_like_varying(local, manual),
         g_embed=_zeros_like_varying(embed_params, manual),
         g_head=_zeros_like_varying(head_params, manual),
         loss=_varying(jnp.zeros((), jnp.float32), manual),
     )
     if moves:
-      carry0['landing'] = _varying([jnp.zeros(s.shape, s.dtype) for s in stash_shapes], manual)
+      carry0['landing'] = pool(1, stash_shapes)
+      carry0['landing'] = [a[0] for a in carry0['landing']]
       carry0['landing_slot'] = _varying(jnp.int32(-1), manual)
 
     def forward(c, row):
-      mb, chunk = row[sched.F_MB], row[sched.F_CHUNK]
-      chunk_params = _take(local, chunk // p)
+      mb, chunk = row['mb'], row['chunk']
+      chunk_params = _take(local, row['local'])
       x = jax.lax.cond(chunk == 0,
                        lambda: pin(fns.embed(embed_params, inputs[mb]).astype(act_dtype)),
-                       lambda: pin(c['act'][row[sched.F_ACT]]))
+                       lambda: pin(c['msg'][row['src']]))
       y, vjp_fn = chunk_vjp(chunk_params, x, chunk)
-      c = dict(c, stash=_put(c['stash'], row[sched.F_STASH],
-                             split_residuals(vjp_fn, chunk_params)))
+      c = dict(c, stash=_put(c['stash'], row['stash'], split_residuals(vjp_fn, chunk_params)))
 
       def loss_and_seed(c):
         loss, (g_head, dy) = jax.value_and_grad(scaled_head_loss, argnums=(0, 1))(
             head_params, y, targets[mb])
         return dict(c, loss=c['loss'] + loss,
                     g_head=jax.tree.map(jnp.add, c['g_head'], g_head),
-                    grad=c['grad'].at[row[sched.F_GRAD]].set(pin(dy.astype(act_dtype))))
+                    msg=c['msg'].at[row['loss']].set(pin_message(dy.astype(act_dtype))))
 
       c = jax.lax.cond(chunk == last_chunk, loss_and_seed, lambda c: c, c)
       return c, pin(y.astype(act_dtype))
 
-    def apply_vjp(c, local_chunk, stash_slot, grad_slot):
-      stashed = [s[stash_slot] for s in c['stash']]
-      vjp_fn = join_residuals(stashed, _take(local, local_chunk))
-      return vjp_fn(pin(c['grad'][grad_slot]))
-
-    def accumulate(c, local_chunk, g_chunk):
-      return dict(c, g_stage=jax.tree.map(lambda g, d: g.at[local_chunk].add(d),
-                                          c['g_stage'], g_chunk))
-
-    def weight_grad(c, row):
-      local_chunk = row[sched.W_CHUNK] // p
-      g_chunk, _ = apply_vjp(c, local_chunk, row[sched.W_STASH], row[sched.W_GRAD])
-      return accumulate(c, local_chunk, g_chunk)
+    def residuals(c, row):
+      return join_residuals([s[row['stash']] for s in c['stash']], _take(local, row['local']))
 
     def backward(c, row):
-      mb, chunk = row[sched.B_MB], row[sched.B_CHUNK]
-      local_chunk = chunk // p
-      g_chunk, dx = apply_vjp(c, local_chunk, row[sched.B_STASH], row[sched.B_GRAD])
-      if not program.split_backward:
-        c = accumulate(c, local_chunk, g_chunk)
+      mb, chunk = row['mb'], row['chunk']
+      dx, cut = split.b(residuals(c, row), pin(c['msg'][row['src']]))
+      c = dict(c, cut=_put(c['cut'], row['cut'], jax.tree.leaves(cut)))
 
       def embed_backward(c):
         _, embed_vjp = jax.vjp(lambda e: fns.embed(e, inputs[mb]).astype(act_dtype),
                                embed_params)
-        (g_embed,) = embed_vjp(dx)
+        (g_embed,) = embed_vjp(dx.astype(act_dtype))
         return dict(c, g_embed=jax.tree.map(jnp.add, c['g_embed'], g_embed))
 
       c = jax.lax.cond(chunk == 0, embed_backward, lambda c: c, c)
       return c, pin(dx.astype(act_dtype))
 
-    def idle(c, row):
-      del row
+    def weight(c, row):
+      cut = jax.tree.unflatten(cut_tree, [s[row['cut']] for s in c['cut']])
+      g_chunk = split.w(residuals(c, row), cut)
+      c = dict(c, g_stage=jax.tree.map(lambda g, d: g.at[row['local']].add(d),
+                                       c['g_stage'], g_chunk))
       return c, x_zero
 
-    def run_slot(valid, work, c, row, placeholder):
-      """Runs `work` when the slot is valid; the ablation computes it anyway."""
-      if not compute_idle:
-        return jax.lax.cond(valid, work, idle, c, row)
-      c_new, out = work(c, jnp.where(valid, row, placeholder))
-      keep = lambda new, old: jnp.where(valid, new, old)
-      return jax.tree.map(keep, c_new, c), keep(out, x_zero)
-
-    # A row an idle slot may compute in the ablation: this stage's first
-    # chunk, slots 0 (the results are discarded).
-    placeholder = {
-        'fwd': jnp.array([1, 0, 0, 0, 0, 0], jnp.int32).at[sched.F_CHUNK].set(stage),
-        'bwd': jnp.array([1, 0, 0, 0, 0], jnp.int32).at[sched.B_CHUNK].set(stage)}
+    def idle(c, row):
+      return c, x_zero
 
     def tick(c, rows):
       row = {name: table[stage] for name, table in rows.items()}
       if moves:
         c = jax.lax.cond(c['landing_slot'] >= 0, land, lambda c: c, c)
-      c, y = run_slot(row['fwd'][sched.F_VALID] > 0, forward, c, row['fwd'], placeholder['fwd'])
-      c, dx = run_slot(row['bwd'][sched.B_VALID] > 0, backward, c, row['bwd'], placeholder['bwd'])
-      if program.split_backward:
-        c = jax.lax.cond(row['wgt'][sched.W_VALID] > 0, weight_grad, lambda c, _: c,
-                         c, row['wgt'])
-      y = jax.lax.ppermute(y, 'pipe', to_next)
-      dx = jax.lax.ppermute(dx, 'pipe', to_prev)
+      # One cond per kind rather than one switch over all four: a switch whose
+      # branches write (F) and read (B, W) the stash made XLA copy the whole
+      # pool (measured: 1f1b p=4 temp 132 MB -> see tests/test_pipeline_memory.py).
+      kind = row['kind']
+      c, y = jax.lax.cond(kind == lower_lib.RUN_F, forward, idle, c, row)
+      c, dx = jax.lax.cond(kind == lower_lib.RUN_B, backward, idle, c, row)
+      c, _ = jax.lax.cond(kind == lower_lib.RUN_W, weight, idle, c, row)
+      out = jnp.where(kind == lower_lib.RUN_F, y, dx)
+      msg = c['msg']
+      # Scatter: each tensor rank keeps (and sends) its 1/t of the output; the
+      # reader's pin() above all-gathers it.
+      out = pin_message(out)
+      for o in program.offsets:
+        arrived = out if o == 0 else jax.lax.ppermute(
+            out, 'pipe', [(i, (i + o) % p) for i in range(p)])
+        msg = msg.at[row[f'recv{o}']].set(arrived)
+      c = dict(c, msg=msg)
       if moves:
         # Every tick, outside any branch (a stage with nothing to move sends
         # a slot it does not need and the receiver drops it): inside a cond,
         # XLA:CPU (jax 0.10.2) mixed this ppermute's rendezvous up (NaN
         # gradients, or a check failure counting 5 participants of 4).
-        landing, slot = move_residuals(c['stash'], row)
-        c = dict(c, landing=landing, landing_slot=slot)
-      c = dict(c, act=c['act'].at[row['recv_act']].set(y),
-               grad=c['grad'].at[row['recv_grad']].set(dx))
+        sent = [s[row['move_send']] for s in c['stash']]
+        c = dict(c, landing=jax.lax.ppermute(sent, 'pipe', partner_pairs),
+                 landing_slot=_varying(row['move_recv'], manual))
       return c, None
 
     def land(c):
@@ -338,12 +335,6 @@ def pipeline_loss_and_grad(fns: StageFns, program: 'sched.Program', mesh: Mesh,
       whole pool; and a slot sent last tick may be the one received into.
       """
       return dict(c, stash=_put(c['stash'], c['landing_slot'], c['landing']))
-
-    def move_residuals(stash, row):
-      # BPipe never has a stage evict and load in the same tick, so one
-      # ppermute over the partner pairs carries either direction.
-      sent = [s[row['move_send']] for s in stash]
-      return jax.lax.ppermute(sent, 'pipe', partner_pairs), _varying(row['move_recv'], manual)
 
     c, _ = jax.lax.scan(tick, carry0, tables)
     # The step's only reductions: over every manual axis for the loss and the
@@ -365,20 +356,6 @@ def pipeline_loss_and_grad(fns: StageFns, program: 'sched.Program', mesh: Mesh,
       out_specs=(P(), (P('pipe'), P(), P())))
   return PipelineStep(run, info)
 
-
-def _residual_moves(program: 'sched.Program') -> dict:
-  """BPipe's evict and load tables folded into one send/receive table."""
-  evict, load = np.asarray(program.evict), np.asarray(program.load)
-  for col, what in ((sched.X_SEND, 'sends'), (sched.X_RECV, 'receives')):
-    if ((evict[..., col] >= 0) & (load[..., col] >= 0)).any():
-      raise NotImplementedError(f'a stage both evicts and loads (it {what} two residual sets) '
-                                'in one tick; the executor moves one set per tick')
-  send = np.where(evict[..., sched.X_SEND] >= 0, evict[..., sched.X_SEND], load[..., sched.X_SEND])
-  recv = np.where(evict[..., sched.X_RECV] >= 0, evict[..., sched.X_RECV], load[..., sched.X_RECV])
-  return dict(move_send=jnp.asarray(np.maximum(send, 0), jnp.int32),
-              move_recv=jnp.asarray(recv, jnp.int32))
-
-
 class PipelineStep:
   """The shard_mapped pipeline function, with facts learnt when it is traced.
 
@@ -396,3 +373,8 @@ class PipelineStep:
   @property
   def residual_bytes(self) -> int | None:
     return self._info.get('residual_bytes')
+
+  @property
+  def cut_bytes(self) -> int | None:
+    """Bytes of one cut slot (what a B hands its W), once traced."""
+    return self._info.get('cut_bytes')

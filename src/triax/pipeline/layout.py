@@ -1,7 +1,9 @@
 """Layer-stack layouts: model order [L, ...] vs pipeline order [p, v, Lmax, ...].
 
-Model chunk c lives on stage c mod p as its local chunk c div p (Megatron's
-interleaving: device d holds chunks d, d+p, ...). Chunks hold `counts[c]`
+Model chunk c lives on the stage the schedule's placement names, as that
+stage's local chunk i (its rank among the stage's chunks in layer order):
+with Megatron's interleaving, stage c mod p and local chunk c div p; with
+ZB-V's V, stage c or 2p-1-c. Chunks hold `counts[c]`
 consecutive layers; with an uneven split (pipeline.layers_per_stage, e.g.
 from the planner for mixed devices) shorter chunks are padded to the longest
 with zero layers that the model skips under `cond`, so they cost nothing.
@@ -31,10 +33,25 @@ class StackLayout:
   stages: int
   virtual: int
   counts: tuple[int, ...]   # layers of each chunk, in chunk (= model) order
+  placement: tuple[int, ...] | None = None   # stage of each chunk; None: c mod p
+
+  def __post_init__(self):
+    if self.placement is None:
+      object.__setattr__(self, 'placement',
+                         tuple(c % self.stages for c in range(self.stages * self.virtual)))
 
   @classmethod
   def build(cls, num_layers: int, stages: int, virtual: int,
-            layers_per_stage: Sequence[int] = ()) -> 'StackLayout':
+            layers_per_stage: Sequence[int] = (),
+            placement: Sequence[int] | None = None) -> 'StackLayout':
+    layout = cls._build(num_layers, stages, virtual, layers_per_stage)
+    if placement is None:
+      return layout
+    return dataclasses.replace(layout, placement=tuple(placement))
+
+  @classmethod
+  def _build(cls, num_layers: int, stages: int, virtual: int,
+             layers_per_stage: Sequence[int] = ()) -> 'StackLayout':
     chunks = stages * virtual
     if not layers_per_stage:
       if num_layers % chunks:
@@ -60,6 +77,16 @@ class StackLayout:
     return len(set(self.counts)) == 1
 
   @property
+  def interleaved(self) -> bool:
+    """Megatron's placement (chunk c on stage c mod p): a reshape converts."""
+    return self.placement == tuple(c % self.stages for c in range(self.stages * self.virtual))
+
+  def slot_of(self, chunk: int) -> tuple[int, int]:
+    """(stage, local chunk) where chunk `chunk` is stored."""
+    stage = self.placement[chunk]
+    return stage, self.placement[:chunk].count(stage)
+
+  @property
   def max_layers(self) -> int:
     return max(self.counts)
 
@@ -68,21 +95,24 @@ class StackLayout:
     return sum(self.counts)
 
   def counts_by_stage(self) -> np.ndarray:
-    """[p, v] layer counts: entry (d, i) is chunk i*p + d."""
-    return np.asarray(self.counts).reshape(self.virtual, self.stages).T
+    """[p, v] layer counts: entry (d, i) is stage d's local chunk i."""
+    out = np.zeros((self.stages, self.virtual), np.int64)
+    for c, n in enumerate(self.counts):
+      out[self.slot_of(c)] = n
+    return out
 
   def _index(self) -> np.ndarray:
     """[p, v, Lmax] model layer of each stored slot; L (a zero row) for padding."""
     starts = np.concatenate([[0], np.cumsum(self.counts)[:-1]])
     index = np.full((self.stages, self.virtual, self.max_layers), self.num_layers)
     for c, (start, n) in enumerate(zip(starts, self.counts)):
-      index[c % self.stages, c // self.stages, :n] = np.arange(start, start + n)
+      index[self.slot_of(c) + (slice(0, n),)] = np.arange(start, start + n)
     return index
 
   def to_pipeline(self, stack: jax.Array) -> jax.Array:
     """[L, ...] in model order -> [p, v, Lmax, ...]."""
     p, v = self.stages, self.virtual
-    if self.even:
+    if self.even and self.interleaved:
       x = stack.reshape((v, p, self.max_layers) + stack.shape[1:])   # chunk c = vi * p + d
       return jnp.swapaxes(x, 0, 1)
     padded = jnp.concatenate([stack, jnp.zeros_like(stack[:1])])
@@ -90,7 +120,7 @@ class StackLayout:
 
   def to_model_order(self, stack: jax.Array) -> jax.Array:
     """[p, v, Lmax, ...] -> [L, ...] in model order."""
-    if self.even:
+    if self.even and self.interleaved:
       return jnp.swapaxes(stack, 0, 1).reshape((self.num_layers,) + stack.shape[3:])
     flat = stack.reshape((-1,) + stack.shape[3:])
     index = self._index().reshape(-1)

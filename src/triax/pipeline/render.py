@@ -25,7 +25,8 @@ def text_grid(program: Program) -> str:
   """Stages as bands of F and B rows (and W, X rows where used), ticks as
   columns.
 
-  A cell like `F3.1` is micro-batch 3 through global chunk 1; `.` is idle.
+  A cell like `F3.1` is micro-batch 3 through global chunk 1 (on the stage
+  `placement` gives it); `.` is idle.
   In X rows `E3.0`/`L3.0` send an EVICT/LOAD of that residual set to the
   partner at the end of the tick and `e3.0`/`l3.0` receive one.
   """
@@ -81,7 +82,7 @@ def _draw(ax, result: simulate.Result) -> None:
     low, height = (span.stage + 0.2, 0.25) if copy else (span.stage - 0.4,
                                                          0.6)
     ax.broken_barh([(span.start, width)], (low, height),
-                   facecolors=_shade(a.kind, a.chunk // s.stages,
+                   facecolors=_shade(a.kind, s.local_of(a.chunk),
                                      s.virtual_stages),
                    edgecolors='white', linewidth=0.5)
     if not copy:
@@ -138,7 +139,7 @@ def chrome_trace(result: simulate.Result,
         'tid': tid, 'ts': span.start * time_scale,
         'dur': (span.end - span.start) * time_scale,
         'args': {'microbatch': a.microbatch, 'chunk': a.chunk,
-                 'local_chunk': a.chunk // s.stages}})
+                 'local_chunk': s.local_of(a.chunk)}})
   return {'traceEvents': events, 'displayTimeUnit': 'ms',
           'otherData': _summary(result)}
 

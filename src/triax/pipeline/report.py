@@ -1,4 +1,4 @@
-"""What `python -m triax.schedule` does: build, lower, check, time, show.
+"""What `python -m triax.schedule` does: build or load, lower, check, time, show.
 
 The entry point only parses flags into a `Request` and calls `main`; this
 module is importable and tested without subprocesses.
@@ -13,6 +13,7 @@ import sys
 from typing import TextIO
 
 from triax.errors import ConfigError
+from triax.pipeline import files
 from triax.pipeline import render
 from triax.pipeline import schedule as sched
 from triax.pipeline import simulate
@@ -21,6 +22,7 @@ from triax.pipeline import validate
 # Builder errors name config keys; on the command line we name the flag.
 _FLAG_OF_KEY = {
     'pipeline.schedule': '--schedule',
+    'pipeline.schedule_file': '--schedule_file',
     'mesh.pipe': '--stages',
     'pipeline.microbatches': '--microbatches',
     'pipeline.virtual_stages': '--virtual_stages',
@@ -33,9 +35,9 @@ class Request:
 
   Attributes:
     schedule: schedule name, a key of `schedule.SCHEDULES`.
-    stages: pipeline stages p.
-    microbatches: micro-batches m.
-    virtual_stages: model chunks per stage v.
+    stages: pipeline stages p; with `schedule_file`, None takes the file's.
+    microbatches: micro-batches m; likewise.
+    virtual_stages: model chunks per stage v; likewise.
     t_forward: forward time of one micro-batch through one stage.
     t_backward: backward time likewise (the input-gradient part only for
       schedules that split the backward, see `simulate.Costs`).
@@ -44,17 +46,23 @@ class Request:
       backward (zb_h1); the default 1 is ZB-H1's t_F = t_B = t_W.
     t_evict: time to move one residual set to or from the partner (bpipe).
     plot: PNG path for the Gantt chart, or None.
+    schedule_file: a schedule file (see `files.load`) to analyse instead of
+      the named schedule, or None.
+    write_csv: path to write the schedule to as torch's compute-only CSV, or
+      None.
   """
   schedule: str = '1f1b'
-  stages: int = 4
-  microbatches: int = 8
-  virtual_stages: int = 1
+  stages: int | None = 4
+  microbatches: int | None = 8
+  virtual_stages: int | None = 1
   t_forward: float = 1.0
   t_backward: float = 1.0
   t_transfer: float = 0.0
   plot: str | None = None
   t_weight: float = 1.0
   t_evict: float = 0.0
+  schedule_file: str | None = None
+  write_csv: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,15 +78,21 @@ class Analysis:
 
 
 def analyse(request: Request) -> Analysis:
-  """Builds, lowers, validates and times the requested schedule.
+  """Builds or loads, lowers, validates and times the requested schedule.
 
   Raises:
-    ConfigError: for invalid flags, keyed by the flag name.
+    ConfigError: for invalid flags or a bad schedule file, keyed by the flag
+      name.
   """
   costs = _costs(request)
   try:
-    schedule = sched.build(request.schedule, request.stages,
-                           request.microbatches, request.virtual_stages)
+    if request.schedule_file:
+      schedule = files.load(request.schedule_file, request.stages, request.microbatches,
+                            request.virtual_stages,
+                            size_keys=[_FLAG_OF_KEY[k] for k in files.SIZE_KEYS])
+    else:
+      schedule = sched.build(request.schedule, request.stages,
+                             request.microbatches, request.virtual_stages)
   except ConfigError as e:
     raise ConfigError(_FLAG_OF_KEY.get(e.key, e.key), e.message) from None
   program = sched.lower(schedule)
@@ -106,18 +120,21 @@ def _costs(request: Request) -> simulate.Costs:
 def summary(analysis: Analysis) -> dict:
   """The JSON-able report; top-level timing is the lockstep (executor) one.
 
-  `peak_inflight` is the lockstep model's per-stage peak, `peak_stash` the
-  program's (the same counts, from the slot assignment); `stash_slots` is
-  the pool every device allocates. Schedules that move residuals (bpipe)
-  add `evictions_per_step` (residual sets evicted, each loaded back once)
-  and `transfers_per_step`.
+  `models` has both time models (total time, bubble, peak in-flight per
+  stage, and the lockstep ticks). `slots` are the buffer entries every
+  device allocates (messages, stashed residual sets, B-to-W cuts), `peaks`
+  each stage's own most in use. `residual_sets_moved` counts EVICTs and
+  LOADs per step; schedules that move residuals (bpipe) add their
+  `partner` and the per-stage `transfers_per_step`.
   """
   s, program = analysis.schedule, analysis.program
+  moved = sched.transfers_per_step(program)
   out = {
       'schedule': s.name,
       'stages': s.stages,
       'microbatches': s.microbatches,
       'virtual_stages': s.virtual_stages,
+      'placement': list(s.placement),
       'ticks': program.ticks,
       'bubble_fraction': analysis.lockstep.bubble_fraction,
       'peak_inflight': list(analysis.lockstep.peak_inflight),
@@ -127,17 +144,16 @@ def summary(analysis: Analysis) -> dict:
           'lockstep': _model(analysis.lockstep),
           'async': _model(analysis.asynchronous),
       },
-      'stash_slots': program.num_stash_slots,
-      'act_slots': program.num_act_slots,
-      'grad_slots': program.num_grad_slots,
-      'peak_stash': list(program.peak_stash),
+      'slots': dict(program.slots),
+      'peaks': {buf: list(peaks) for buf, peaks in program.peaks.items()},
       'stash_cap': s.stash_cap,
       'split_backward': program.split_backward,
+      'residual_sets_moved': moved['total'],
   }
+  if analysis.request.schedule_file:
+    out['schedule_file'] = analysis.request.schedule_file
   if s.partner is not None:
-    moved = sched.transfers_per_step(program)
     out['partner'] = list(s.partner)
-    out['evictions_per_step'] = sum(moved['evictions'])
     out['transfers_per_step'] = {'evictions': list(moved['evictions']),
                                  'loads': list(moved['loads']),
                                  'total': moved['total']}
@@ -164,9 +180,9 @@ def text(analysis: Analysis) -> str:
            f'asynchronous (the papers): time {asy.total_time:g}, bubble '
            f'{asy.bubble_fraction:.2%}, peak in-flight per stage '
            f'{list(asy.peak_inflight)}',
-           f'buffer slots per stage: stash {program.num_stash_slots}, act '
-           f'{program.num_act_slots}, grad {program.num_grad_slots} '
-           f'(in-flight counts micro-batch-chunks, each 1/v of a stage)']
+           'buffer slots per stage: ' +
+           ', '.join(f'{buf} {n}' for buf, n in program.slots.items()) +
+           ' (in-flight counts micro-batch-chunks, each 1/v of a stage)']
   if program.split_backward:
     costs = analysis.costs
     lines.append(f'backward split into B (t_backward={costs.t_backward:g}) '
@@ -194,9 +210,17 @@ def run(request: Request, as_json: bool = False,
   """
   out = out or sys.stdout
   if request.plot is not None:
-    _check_plot_path(request.plot)
+    _check_out_path('--plot', request.plot, '.png')
+  if request.write_csv is not None:
+    _check_out_path('--write_csv', request.write_csv, '.csv')
   analysis = analyse(request)
   report = summary(analysis)
+  if request.write_csv is not None:
+    try:
+      files.write_csv(analysis.schedule, request.write_csv)
+    except (ValueError, OSError) as e:  # BPipe's copies have no CSV form
+      raise ConfigError('--write_csv', str(e)) from None
+    report['csv'] = request.write_csv
   if request.plot is not None:
     render.gantt_png(analysis.schedule, analysis.program, analysis.costs,
                      request.plot)
@@ -205,17 +229,19 @@ def run(request: Request, as_json: bool = False,
     print(json.dumps(report), file=out)
   else:
     print(text(analysis), file=out)
-    if request.plot is not None:
-      print(f'wrote {request.plot}', file=out)
+    for flag in ('write_csv', 'plot'):
+      if getattr(request, flag) is not None:
+        print(f'wrote {getattr(request, flag)}', file=out)
   return report
 
 
-def _check_plot_path(path: str) -> None:
-  if not path.endswith('.png'):
-    raise ConfigError('--plot', f'must name a .png file; got {path}')
+def _check_out_path(flag: str, path: str, ext: str) -> None:
+  """Before any work: the file to write has the right extension and folder."""
+  if not path.endswith(ext):
+    raise ConfigError(flag, f'must name a {ext} file; got {path}')
   folder = os.path.dirname(path) or '.'
   if not os.path.isdir(folder):
-    raise ConfigError('--plot', f'folder {folder} does not exist')
+    raise ConfigError(flag, f'folder {folder} does not exist')
 
 
 def main(request: Request, as_json: bool = False) -> int:

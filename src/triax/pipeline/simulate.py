@@ -2,23 +2,28 @@
 
 Two models, because the papers and our executor run schedules differently:
 
-- lockstep (`simulate_lockstep`): what triax's SPMD executor does. All
-  stages advance tick by tick; a tick lasts as long as its slowest stage
-  (F, then B, then W, back to back), plus its transfer phase if anything is
-  sent in it.
-- asynchronous (`simulate_async`): what the papers draw. Each stage runs the
-  compute actions (F, B, W) of its order as soon as its compute stream is
-  free and the inputs have arrived. EVICT/LOAD (BPipe) run on a separate
-  copy stream of the sending stage, which overlaps compute: a copy starts
-  once the compute actions before it in the order are done, its input is
-  there and the previous copy of that stage has finished; the B that needs
-  a loaded set waits for the LOAD to end.
+- lockstep (`simulate_lockstep`): what triax's SPMD executor does with the
+  lowered program (lower.py). All stages advance tick by tick, each running
+  at most one compute action a tick (a fused backward runs as B then W); a
+  tick lasts as long as its slowest stage's action, plus its send phase.
+  What an action and a send phase cost is the cost model's (`TickCosts`):
+  `Costs` here, the planner's measured per-chunk costs, shared cores and
+  per-tick ppermutes in plan/simulator.py. Both use this one tick loop.
+- asynchronous (`simulate_async`): what the papers draw, run on the
+  schedule as built. Each stage runs the compute actions (F, B, W) of its
+  order as soon as its compute stream is free and the inputs have arrived.
+  EVICT/LOAD (BPipe) run on a separate copy stream of the sending stage,
+  which overlaps compute: a copy starts once the compute actions before it
+  in the order are done, its input is there and the previous copy of that
+  stage has finished; the B that needs a loaded set waits for the LOAD to
+  end.
 
 Memory is counted as in-flight micro-batch-chunks: residual sets a stage
 stashes, its own waiting for their backward (their W, if the schedule splits
-the backward) and, under BPipe, its partner's evicted ones (each set is 1/v
-of a stage's activations for one micro-batch). Transfer and copy time is
-not busy time: the bubble counts compute only.
+the backward; always their W in the lockstep program) and, under BPipe, its
+partner's evicted ones (each set is 1/v of a stage's activations for one
+micro-batch). Transfer and copy time is not busy time: the bubble counts
+compute only.
 
 Plain Python: the planner times schedules without devices.
 """
@@ -29,6 +34,7 @@ import dataclasses
 import math
 import numbers
 from collections.abc import Sequence
+from typing import Protocol
 
 from triax.pipeline import schedule as sched
 from triax.pipeline.schedule import Action, Program, Schedule
@@ -38,21 +44,26 @@ from triax.pipeline.schedule import Action, Program, Schedule
 class Costs:
   """Durations on one stage, in any consistent time unit.
 
-  Schedules that split the backward (zb_h1) charge B t_backward (input
-  gradient only) and W t_weight (weight gradient); the others charge B
-  t_backward for the whole backward and never run W. To compare the two
-  like with like from one measured backward time T_bwd, give a fused
-  schedule t_backward = T_bwd and a split one t_backward + t_weight = T_bwd;
-  for matmul-dominated layers the input- and weight-gradient GEMMs cost the
-  same FLOPs, so t_backward ~ t_weight ~ T_bwd / 2 (ZB-H1's design point
-  t_F = t_B = t_W is a fused backward of twice the forward).
+  Schedules built with a split backward (zb_h1) charge B t_backward (input
+  gradient only) and W t_weight (weight gradient). Schedules built with a
+  fused backward (gpipe, 1f1b, interleaved_1f1b, bpipe) charge B
+  t_backward for the whole backward in the asynchronous model; their
+  lockstep program runs each B as B then W (lower.py), which `lockstep`
+  charges t_backward - w and w, with w = t_weight if 0 < t_weight <
+  t_backward, else t_backward / 2 (the input- and weight-gradient GEMMs of
+  a matmul-dominated layer cost the same FLOPs). To compare the two like
+  with like from one measured backward time T_bwd, give a fused schedule
+  t_backward = T_bwd and a split one t_backward + t_weight = T_bwd (ZB-H1's
+  design point t_F = t_B = t_W is a fused backward of twice the forward).
 
   Attributes:
     t_forward: forward of one micro-batch through all layers of one pipeline
       stage; a chunk's forward takes t_forward / v.
     t_backward: backward (input and weight gradient; input gradient only in
       schedules with W actions) likewise.
-    t_weight: weight-gradient-only action (zero-bubble W) likewise.
+    t_weight: weight-gradient-only action (zero-bubble W) likewise; for a
+      fused schedule, the W part of t_backward its lockstep program runs
+      (0 = half).
     t_transfer: sending one activation or gradient to a neighbour stage.
     t_evict: moving one stage's residual set for one micro-batch to or from
       its partner (BPipe EVICT or LOAD); a chunk's set takes t_evict / v.
@@ -72,7 +83,7 @@ class Costs:
                          f'got {value!r}')
 
   def of(self, kind: str, virtual_stages: int) -> float:
-    """Duration of one chunk action of this kind."""
+    """Duration of one chunk action of this kind, as the schedule has it."""
     per_stage = {sched.FORWARD: self.t_forward,
                  sched.BACKWARD: self.t_backward,
                  sched.WEIGHT: self.t_weight,
@@ -81,6 +92,28 @@ class Costs:
     if kind not in per_stage:
       raise NotImplementedError(f'no time model for {kind} actions')
     return per_stage[kind] / virtual_stages
+
+  @property
+  def weight_part(self) -> float:
+    """The W share of a fused t_backward when the lowering splits it."""
+    if 0 < self.t_weight < self.t_backward:
+      return self.t_weight
+    return self.t_backward / 2
+
+  def lockstep(self, kind: str, virtual_stages: int, fused: bool) -> float:
+    """Duration of one chunk action in the lockstep program.
+
+    Args:
+      kind: 'F', 'B' or 'W'.
+      virtual_stages: v.
+      fused: True if the schedule was built with a fused backward, whose
+        B the program runs as B then W.
+    """
+    if fused and kind == sched.BACKWARD:
+      return (self.t_backward - self.weight_part) / virtual_stages
+    if fused and kind == sched.WEIGHT:
+      return self.weight_part / virtual_stages
+    return self.of(kind, virtual_stages)
 
 
 CostsLike = Costs | Sequence[Costs]
@@ -179,74 +212,165 @@ def _peak_inflight(sequences: Sequence[Sequence[Action]],
   return peaks
 
 
-def _lockstep_peaks(program: Program) -> list[int]:
-  """Replays the grid phase by phase: F stashes, the freeing B or W frees,
-  a copy frees on its sender when the transfer phase reads it and stashes on
-  its receiver when the phase writes it."""
+@dataclasses.dataclass(frozen=True)
+class Tick:
+  """One lockstep tick, as a cost model sees it.
+
+  Attributes:
+    index: the tick, 0..T-1.
+    compute: per stage, the compute action it runs, or None (idle).
+    messages: (sender, receiver) of each activation or gradient that
+      crosses stages in the tick's send phase (one whose neighbouring chunk
+      is on the same stage stays there and is not listed).
+    copies: (sender, action) of each EVICT or LOAD sent in the tick.
+    movers: the stages that send a residual set in the tick's partner
+      ppermute: in a program that moves residuals (`program.partner` set),
+      every paired stage in every tick, idle or not, because the executor
+      runs that ppermute outside any branch; else none.
+  """
+  index: int
+  compute: tuple[Action | None, ...]
+  messages: tuple[tuple[int, int], ...]
+  copies: tuple[tuple[int, Action], ...]
+  movers: tuple[int, ...]
+
+
+def send_phase(tick: Tick, transfer: Sequence[float], evict: Sequence[float],
+               floor: float = 0.0) -> float:
+  """The send phase of one tick: the longest of its ppermutes.
+
+  The neighbour and partner ppermutes run side by side (other links,
+  except at p = 2), so the phase takes the longest of them, not their sum.
+
+  Args:
+    tick: the tick.
+    transfer: per stage, one activation or gradient sent to another stage;
+      charged for each message the tick sends across stages.
+    evict: per stage, one residual set sent to its partner; charged for
+      each of the tick's movers.
+    floor: what the tick's neighbour ppermutes cost whatever they carry
+      (the executor runs one per stage offset in every tick); 0 charges
+      only the messages.
+  """
+  return max([floor] + [transfer[s] for s, _ in tick.messages] +
+             [evict[s] for s in tick.movers])
+
+
+class TickCosts(Protocol):
+  """What `simulate_lockstep` asks of a cost model.
+
+  `Costs` (one per stage or for all) is the simple one (see `StageCosts`);
+  the planner's per-chunk costs with shared cores and the executor's
+  per-tick ppermutes are another (plan/simulator.py).
+  """
+
+  def duration(self, stage: int, action: Action) -> float:
+    """The time `stage` takes for one compute action, with its devices to itself."""
+
+  def tick_time(self, tick: Tick, work: Sequence[float]) -> float:
+    """The compute phase of `tick`, given each stage's duration (0 if idle):
+    at least the slowest stage's, more where stages share cores."""
+
+  def transfer(self, tick: Tick) -> float:
+    """The send phase of `tick`: its ppermutes, which run side by side."""
+
+  def copy(self, stage: int, action: Action) -> float:
+    """One EVICT or LOAD sent by `stage` (drawn on its timeline only; the
+    time it costs the step is in `transfer`)."""
+
+
+class StageCosts:
+  """`Costs` (one for every stage or one per stage) as a lockstep cost model.
+
+  Compute actions cost their kind's time over v (`Costs.lockstep`: a fused
+  backward runs as B then W). The send phase (`send_phase`) lasts the
+  slowest sender's t_transfer if an activation or gradient crosses stages
+  in the tick, or, if longer, t_evict / v while residuals move: in every
+  tick once the program moves any, because the executor's residual
+  ppermute runs in every tick.
+  """
+
+  def __init__(self, program: Program, costs: CostsLike):
+    schedule = program.schedule
+    self._per = per_stage(costs, schedule.stages)
+    self._v = schedule.virtual_stages
+    self._fused = not program.source.split_backward
+    self._transfer = [c.t_transfer for c in self._per]
+    self._evict = [c.t_evict / self._v for c in self._per]
+
+  def duration(self, stage: int, action: Action) -> float:
+    return self._per[stage].lockstep(action.kind, self._v, self._fused)
+
+  def tick_time(self, tick: Tick, work: Sequence[float]) -> float:
+    return max(work, default=0.0)
+
+  def transfer(self, tick: Tick) -> float:
+    return send_phase(tick, self._transfer, self._evict)
+
+  def copy(self, stage: int, action: Action) -> float:
+    return self._per[stage].of(action.kind, self._v)
+
+
+def ticks(program: Program) -> list[Tick]:
+  """The program's ticks as cost models see them."""
   schedule = program.schedule
-  has_w = _frees(schedule)
-  held = [0] * schedule.stages
-  peak = [0] * schedule.stages
-  for row in program.grid:
-    arriving = []
+  last = schedule.num_chunks - 1
+  movers = () if program.partner is None else tuple(
+      s for s, q in enumerate(program.partner) if q != s)
+  out = []
+  for t, row in enumerate(program.grid):
+    compute, messages, copies = [], [], []
     for s, cell in enumerate(row):
-      for a in cell:
-        key = (a.microbatch, a.chunk)
-        if a.kind == sched.FORWARD:
-          held[s] += 1
-          peak[s] = max(peak[s], held[s])
-        elif a.kind == sched.WEIGHT or (a.kind == sched.BACKWARD and
-                                        key not in has_w):
-          held[s] -= 1
-        elif a.kind in sched.COPY_KINDS:
-          held[s] -= 1
-          home = schedule.stage_of(a.chunk)
-          arriving.append(schedule.partner[home] if a.kind == sched.EVICT
-                          else home)
-    for s in arriving:
-      held[s] += 1
-      peak[s] = max(peak[s], held[s])
-  return peak
+      run = [a for a in cell if a.kind in sched.COMPUTE_KINDS]
+      compute.append(run[0] if run else None)
+      copies += [(s, a) for a in cell if a.kind in sched.COPY_KINDS]
+      for a in run:
+        if a.kind == sched.FORWARD and a.chunk < last:
+          to = schedule.stage_of(a.chunk + 1)
+        elif a.kind == sched.BACKWARD and a.chunk > 0:
+          to = schedule.stage_of(a.chunk - 1)
+        else:
+          continue
+        if to != s:
+          messages.append((s, to))
+    out.append(Tick(index=t, compute=tuple(compute), messages=tuple(messages),
+                    copies=tuple(copies), movers=movers))
+  return out
 
 
-def simulate_lockstep(program: Program, costs: CostsLike = Costs()) -> Result:
+def simulate_lockstep(program: Program,
+                      costs: CostsLike | TickCosts = Costs()) -> Result:
   """Times the lockstep program the executor runs.
 
-  A stage runs its tick's F, B and W back to back; the tick lasts as long as
-  the busiest stage, plus its transfer phase: the largest sender's
-  t_transfer if an activation or gradient crosses stages in it (with one
-  stage the ppermute is the identity), or the largest t_evict of its EVICTs
-  and LOADs if that is longer. The evict/load ppermutes run beside the
-  neighbour ones in that phase (other links, except at p = 2), so the phase
-  takes the longest of them, not their sum.
+  Each tick lasts its compute phase (`costs.tick_time`: for `Costs`, the
+  slowest stage's one compute action) plus its send phase
+  (`costs.transfer`). Where sharing stretches a tick's compute beyond the
+  slowest stage, every stage's action is drawn stretched alike. Peak
+  in-flight is the program's stash peak: a residual set is held from its F
+  until its W frees it, and an evicted set on the partner while away.
+
+  Args:
+    program: the lowered schedule.
+    costs: a `Costs`, one per stage, or any `TickCosts`.
   """
-  schedule = program.schedule
-  p, v, last = schedule.stages, schedule.virtual_stages, schedule.num_chunks - 1
-  per = per_stage(costs, p)
+  if isinstance(costs, Costs) or (not hasattr(costs, 'duration') and
+                                  isinstance(costs, Sequence)):
+    costs = StageCosts(program, costs)
   spans, now = [], 0.0
-  for row in program.grid:
-    longest, transfer, copying = 0.0, 0.0, 0.0
-    copies = []
-    for s, cell in enumerate(row):
-      t = now
-      for a in cell:
-        if a.kind in sched.COPY_KINDS:
-          copies.append((s, a))
-          copying = max(copying, per[s].of(a.kind, v))
-          continue
-        spans.append(Span(s, a, t, t + per[s].of(a.kind, v)))
-        t = spans[-1].end
-        sends = (a.kind == sched.FORWARD and a.chunk != last) or (
-            a.kind == sched.BACKWARD and a.chunk > 0)
-        if sends and p > 1:
-          transfer = max(transfer, per[s].t_transfer)
-      longest = max(longest, t - now)
-    for s, a in copies:
-      start = now + longest
-      spans.append(Span(s, a, start, start + per[s].of(a.kind, v)))
-    now += longest + max(transfer, copying)
-  return _result('lockstep', schedule, spans, now, _lockstep_peaks(program),
-                 program.ticks)
+  for tick in ticks(program):
+    work = [0.0 if a is None else costs.duration(s, a)
+            for s, a in enumerate(tick.compute)]
+    compute = costs.tick_time(tick, work)
+    longest = max(work, default=0.0)
+    stretch = compute / longest if longest > 0 else 1.0
+    for s, a in enumerate(tick.compute):
+      if a is not None:
+        spans.append(Span(s, a, now, now + work[s] * stretch))
+    for s, a in tick.copies:
+      spans.append(Span(s, a, now + compute, now + compute + costs.copy(s, a)))
+    now += compute + costs.transfer(tick)
+  return _result('lockstep', program.schedule, spans, now,
+                 program.peaks['stash'], program.ticks)
 
 
 def simulate_async(schedule: Schedule, costs: CostsLike = Costs()) -> Result:

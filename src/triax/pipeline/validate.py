@@ -1,14 +1,18 @@
 """Checks that a schedule, and the lockstep program lowered from it, are sound.
 
-A schedule is sound when every (micro-batch, chunk) is run forward and
-backward exactly once on the stage that holds the chunk (and, if the
-schedule splits the backward, its weight gradient W exactly once, after its
-B), every EVICT has one LOAD, partners are consistent, and the per-stage
-orders can all run to completion. A program is sound when the lockstep table
-respects the dependencies and every buffer write and read the executor will
-do finds the tensor it expects: the validator replays the table phase by
-phase against per-stage slot contents, so a slot conflict, a dropped message
-or a read of an empty slot shows up with its tick, stage and action. That
+A schedule is sound when its placement gives every stage v chunks, every
+(micro-batch, chunk) is run forward and backward exactly once on the stage
+that holds the chunk (and, if the schedule splits the backward, its weight
+gradient W exactly once, after its B), every EVICT has one LOAD, partners
+are consistent, and the per-stage orders can all run to completion.
+
+A program (lower.py) is sound when its tables say what its grid says, each
+stage runs at most one compute action a tick and in its order, every input
+was produced in an earlier tick, and every buffer write and read the
+executor does finds the value it expects. The validator replays the tables
+tick by tick in the executor's phases (land, compute, send, receive)
+against per-stage slot contents, so a slot conflict, a dropped message or a
+read of an empty slot shows up with its tick, stage and action. That
 includes residuals moving between partners: the replay follows each set to
 the partner and back, and holds the stash pool to the schedule's cap.
 
@@ -18,7 +22,11 @@ Plain Python and numpy, like the IR.
 from __future__ import annotations
 
 import collections
+from collections.abc import Sequence
 
+import numpy as np
+
+from triax.pipeline import lower as lower_lib
 from triax.pipeline import schedule as sched
 from triax.pipeline.schedule import Action, Program, Schedule
 
@@ -26,6 +34,8 @@ from triax.pipeline.schedule import Action, Program, Schedule
 def validate(schedule: Schedule, program: Program | None = None) -> list[str]:
   """Returns every problem found; an empty list means valid.
 
+  `schedule` is the schedule as built (or as run: the program's own
+  `schedule`); its `stash_cap` is the promise the program is held to.
   Program checks run only once the schedule itself is valid, because they
   compare the program against the schedule's actions.
   """
@@ -53,14 +63,14 @@ def check(schedule: Schedule, program: Program | None = None) -> None:
 
 
 def _check_layout(schedule: Schedule) -> list[str]:
-  """Sizes, kinds, ranges and placement of every action."""
+  """Sizes, placement, kinds, ranges and stage of every action."""
   p, m, n = schedule.stages, schedule.microbatches, schedule.num_chunks
   if min(p, m, schedule.virtual_stages) < 1:
     return [f'sizes must be >= 1: stages={p} microbatches={m} '
             f'virtual_stages={schedule.virtual_stages}']
   if len(schedule.orders) != p:
     return [f'{len(schedule.orders)} orders for {p} stages']
-  problems = _check_partner(schedule)
+  problems = _check_placement(schedule) or _check_partner(schedule)
   if problems:
     return problems
   for s, order in enumerate(schedule.orders):
@@ -87,13 +97,29 @@ def _check_layout(schedule: Schedule) -> list[str]:
   return problems
 
 
+def _check_placement(schedule: Schedule) -> list[str]:
+  """One stage per chunk, and v chunks on every stage."""
+  p, v, placement = schedule.stages, schedule.virtual_stages, schedule.placement
+  if len(placement) != p * v:
+    return [f'placement {placement} has {len(placement)} entries for '
+            f'p*v = {p * v} chunks']
+  problems = [f'placement puts chunk {c} on stage {s}, outside 0..{p - 1}'
+              for c, s in enumerate(placement) if not 0 <= s < p]
+  if problems:
+    return problems
+  held = collections.Counter(placement)
+  return [f'placement puts {held[s]} chunks on stage {s} '
+          f'({list(schedule.chunks_of(s))}); every stage holds v = {v}'
+          for s in range(p) if held[s] != v]
+
+
 def _check_partner(schedule: Schedule) -> list[str]:
   """A partner pairing, if any, maps every stage to a stage and back."""
   partner, p = schedule.partner, schedule.stages
   if partner is None:
     return []
   if len(partner) != p or not all(
-      isinstance(x, int) and 0 <= x < p for x in partner):
+      isinstance(x, (int, np.integer)) and 0 <= x < p for x in partner):
     return [f'partner {partner} is not one stage in 0..{p - 1} per stage']
   return [f'partner of stage {s} is {x}, whose partner is {partner[x]} '
           '(partners must pair up)'
@@ -194,157 +220,214 @@ def _ready(a: Action, schedule: Schedule, done: set[Action]) -> bool:
 
 # ---------------------------------------------------------------- program
 
-
-_SHAPES = {'fwd': 6, 'bwd': 5, 'recv': 2, 'wgt': 5, 'evict': 2, 'load': 2}
+# The buffer each slot-valued table indexes.
+_BUFFER_OF = {'src': 'msg', 'loss': 'msg', 'stash': 'stash', 'cut': 'cut',
+              'move_send': 'stash', 'move_recv': 'stash'}
+_BUFFERS = ('msg', 'stash', 'cut')
+_KIND_OF_CODE = {code: kind for kind, code in lower_lib.KIND_CODE.items()}
+# The per-action tables each compute kind uses; the others must be -1.
+_USES = {sched.FORWARD: {'src', 'loss', 'stash'},
+         sched.BACKWARD: {'src', 'stash', 'cut'},
+         sched.WEIGHT: {'stash', 'cut'}}
+_PER_ACTION = ('mb', 'chunk', 'local', 'src', 'loss', 'stash', 'cut')
 
 
 def _check_program(schedule: Schedule, program: Program) -> list[str]:
-  p, t = schedule.stages, program.ticks
-  problems = [f'program.{name} has shape {getattr(program, name).shape}; '
-              f'want {(t, p, width)}' for name, width in _SHAPES.items()
-              if getattr(program, name).shape != (t, p, width)]
-  if len(program.grid) != t or any(len(row) != p for row in program.grid):
-    problems.append(f'program.grid is not {t} ticks x {p} stages')
-  if program.split_backward != schedule.split_backward:
-    has = 'has' if schedule.split_backward else 'has no'
-    problems.append(f'program.split_backward is {program.split_backward} but '
-                    f'the schedule {has} W actions')
-  moves = bool((program.evict >= 0).any() or (program.load >= 0).any())
-  if moves and program.partner != schedule.partner:
-    problems.append(f'program.partner {program.partner} differs from the '
-                    f'schedule\'s {schedule.partner}')
+  run = sched.with_split_backward(schedule)
+  problems = _check_shapes(run, program)
   if problems:
     return problems
-  problems += _check_grid(schedule, program)
-  problems += _check_lockstep_dependencies(schedule, program)
-  problems += _check_slot_counts(program)
+  problems = _check_slot_ranges(program)
+  if problems:
+    return problems
+  problems = _check_grid(run, program)
+  problems += _check_lockstep_dependencies(run, program)
   if not problems:
     problems += _replay_buffers(schedule, program)
   return problems
 
 
-def _decode(program: Program, t: int, s: int) -> tuple[Action, ...]:
-  """The compute actions the fwd/bwd/wgt tables say stage s runs at tick t."""
-  actions = []
-  for kind, table, valid, mb, chunk in (
-      (sched.FORWARD, program.fwd, sched.F_VALID, sched.F_MB, sched.F_CHUNK),
-      (sched.BACKWARD, program.bwd, sched.B_VALID, sched.B_MB, sched.B_CHUNK),
-      (sched.WEIGHT, program.wgt, sched.W_VALID, sched.W_MB, sched.W_CHUNK)):
-    row = table[t, s]
-    if row[valid]:
-      actions.append(Action(kind, int(row[mb]), int(row[chunk])))
-  return tuple(actions)
+def _check_shapes(run: Schedule, program: Program) -> list[str]:
+  """The program runs this schedule, and its tables have [T, p] int shape."""
+  p, t = run.stages, program.ticks
+  ran = program.schedule
+  if (ran.stages, ran.microbatches, ran.virtual_stages, ran.placement,
+      ran.orders, ran.partner) != (run.stages, run.microbatches,
+                                   run.virtual_stages, run.placement,
+                                   run.orders, run.partner):
+    return [f'program.schedule ({ran.name}) is not the schedule validated '
+            f'with every fused B split into B then W ({run.name})']
+  problems = []
+  if sched.with_split_backward(program.source).orders != ran.orders:
+    problems.append(f'program.source ({program.source.name}) does not split '
+                    'into program.schedule')
+  for name in lower_lib.TABLES:
+    table = program.table.get(name)
+    if table is None:
+      problems.append(f'program.table has no {name!r} table')
+    elif table.shape != (t, p) or not np.issubdtype(table.dtype, np.integer):
+      problems.append(f'program.table[{name!r}] is {table.dtype} {table.shape}; '
+                      f'want int {(t, p)}')
+  for o, table in program.recv.items():
+    if not 0 <= o < p:
+      problems.append(f'program.recv has offset {o}, outside 0..{p - 1}')
+    if table.shape != (t, p) or not np.issubdtype(table.dtype, np.integer):
+      problems.append(f'program.recv[{o}] is {table.dtype} {table.shape}; '
+                      f'want int {(t, p)}')
+  if len(program.grid) != t or any(len(row) != p for row in program.grid):
+    problems.append(f'program.grid is not {t} ticks x {p} stages')
+  for buf in _BUFFERS:
+    if program.slots.get(buf, 0) < 1:
+      problems.append(f"program.slots[{buf!r}] is {program.slots.get(buf)}; "
+                      'want >= 1 (the executor allocates at least one)')
+    if len(program.peaks.get(buf, ())) != p:
+      problems.append(f"program.peaks[{buf!r}] is not one count per stage")
+  moves = any(a.kind in sched.COPY_KINDS for row in program.grid for cell in row
+              for a in cell)
+  if moves and program.partner != run.partner:
+    problems.append(f'program.partner {program.partner} differs from the '
+                    f"schedule's {run.partner}")
+  return problems
+
+
+def _check_slot_ranges(program: Program) -> list[str]:
+  """Kinds are known codes and every slot index is -1 or within `slots`."""
+  problems = []
+  kind = program.table['kind']
+  for t, s in zip(*(~np.isin(kind, list(_KIND_OF_CODE) + [lower_lib.IDLE])).nonzero()):
+    problems.append(f'tick {t} stage {s}: kind {kind[t, s]} is not IDLE, '
+                    'RUN_F, RUN_B or RUN_W')
+  columns = [(name, program.table[name], _BUFFER_OF[name]) for name in _BUFFER_OF]
+  columns += [(f'recv[{o}]', program.recv[o], 'msg') for o in sorted(program.recv)]
+  for name, values, buf in columns:
+    count = program.slots[buf]
+    for t, s in zip(*((values >= count) | (values < -1)).nonzero()):
+      problems.append(f'tick {t} stage {s}: {name} names {buf} slot '
+                      f'{values[t, s]}, outside 0..{count - 1}')
+  return problems
+
+
+def _decode(schedule: Schedule, program: Program, t: int, s: int,
+            problems: list[str] | None = None) -> Action | None:
+  """The compute action the tables say stage s runs at tick t, or None.
+
+  With `problems`, also reports per-action entries that do not fit it: a
+  chunk held elsewhere, a wrong local index, or a slot the kind never uses.
+  """
+  table = program.table
+  code = int(table['kind'][t, s])
+  where = f'tick {t} stage {s}'
+  if code == lower_lib.IDLE:
+    if problems is not None:
+      for name in _PER_ACTION:
+        if table[name][t, s] != -1:
+          problems.append(f'{where}: idle, but {name} is {table[name][t, s]}')
+    return None
+  a = Action(_KIND_OF_CODE[code], int(table['mb'][t, s]), int(table['chunk'][t, s]))
+  if problems is None:
+    return a
+  if not (0 <= a.microbatch < schedule.microbatches and
+          0 <= a.chunk < schedule.num_chunks):
+    problems.append(f'{where}: the tables run {a}, outside the schedule')
+    return a
+  if schedule.stage_of(a.chunk) != s:
+    problems.append(f'{where}: the tables run {a}, whose chunk lives on '
+                    f'stage {schedule.stage_of(a.chunk)}')
+  if table['local'][t, s] != schedule.local_of(a.chunk):
+    problems.append(f'{where}: {a} names local chunk {table["local"][t, s]}; '
+                    f'chunk {a.chunk} is local {schedule.local_of(a.chunk)}')
+  for name in ('src', 'loss', 'stash', 'cut'):
+    if name not in _USES[a.kind] and table[name][t, s] != -1:
+      problems.append(f'{where}: {a} does not use {name}, but it is '
+                      f'{table[name][t, s]}')
+  return a
 
 
 def _check_grid(schedule: Schedule, program: Program) -> list[str]:
-  """One action of each kind per cell at most, in phase order, tables
-  agree, each action once."""
+  """At most one compute and one copy action per cell, each on its stage;
+  the tables say what the grid says; every action runs once, and each
+  stage's compute actions run in its order."""
   problems = []
   seen = collections.Counter()
+  ran = [[] for _ in range(schedule.stages)]
   for t, row in enumerate(program.grid):
     for s, cell in enumerate(row):
       where = f'tick {t} stage {s}'
-      kinds = collections.Counter(a.kind for a in cell)
-      for kind, n in kinds.items():
-        if kind not in sched.KINDS:
-          problems.append(f'{where}: lockstep cannot run {kind} actions')
-        elif n > 1:
-          problems.append(f'{where}: runs {n} {kind} actions '
-                          f'({", ".join(map(str, cell))})')
-      if any(kind not in sched.KINDS for kind in kinds):
+      unknown = [a for a in cell if a.kind not in sched.KINDS]
+      if unknown:
+        problems.append(f'{where}: lockstep cannot run {list(map(str, unknown))}')
         continue
-      ranks = [sched.KINDS.index(a.kind) for a in cell]
-      if ranks != sorted(ranks):
-        problems.append(f'{where}: actions out of phase order in '
-                        f'{list(map(str, cell))}')
-      compute = tuple(sorted((a for a in cell
-                              if a.kind in sched.COMPUTE_KINDS),
-                             key=lambda a: sched.KINDS.index(a.kind)))
-      decoded = _decode(program, t, s)
-      if decoded != compute:
+      compute = [a for a in cell if a.kind in sched.COMPUTE_KINDS]
+      copies = [a for a in cell if a.kind in sched.COPY_KINDS]
+      if len(compute) > 1:
+        problems.append(f'{where}: runs {len(compute)} compute actions '
+                        f'({", ".join(map(str, compute))}); a tick runs one')
+      if len(copies) > 1:
+        problems.append(f'{where}: sends {len(copies)} residual sets '
+                        f'({", ".join(map(str, copies))}); a tick sends one')
+      decoded = _decode(schedule, program, t, s, problems)
+      if (decoded,) != tuple(compute[:1] or [None]):
         problems.append(f'{where}: grid says {list(map(str, compute))} but '
-                        f'the tables say {list(map(str, decoded))}')
-      for kind, table in ((sched.EVICT, program.evict),
-                          (sched.LOAD, program.load)):
-        sends = table[t, s, sched.X_SEND] >= 0
-        if sends != (kind in kinds):
-          problems.append(f'{where}: grid {"has no" if sends else "has"} '
-                          f'{kind} but the {kind.lower()} table '
-                          f'{"sends" if sends else "sends nothing"}')
+                        f'the tables say {[str(decoded)] if decoded else []}')
+      sends = program.table['move_send'][t, s] >= 0
+      if sends != bool(copies):
+        problems.append(f'{where}: grid {"has no" if sends else "has"} '
+                        f'residual move but move_send is '
+                        f'{program.table["move_send"][t, s]}')
       for a in cell:
         seen[a] += 1
         if schedule.stage_of_action(a) != s:
           problems.append(f'{where}: {a} belongs on stage '
                           f'{schedule.stage_of_action(a)}')
+      ran[s] += compute
   wanted = collections.Counter(a for o in schedule.orders for a in o)
   for a in sorted(set(seen) | set(wanted), key=str):
     if seen[a] != wanted[a]:
       problems.append(f'{a} runs {seen[a]} times in the program, '
                       f'{wanted[a]} in the schedule')
+  if problems:
+    return problems
+  for s, order in enumerate(schedule.orders):
+    want = [a for a in order if a.kind in sched.COMPUTE_KINDS]
+    if ran[s] != want:
+      k = next(i for i, (x, y) in enumerate(zip(ran[s], want)) if x != y)
+      problems.append(f'stage {s}: its compute action {k} is {ran[s][k]} in '
+                      f'the program but {want[k]} in its order')
   return problems
 
 
-def _check_lockstep_dependencies(schedule: Schedule,
-                                 program: Program) -> list[str]:
-  """Every input is produced in an earlier tick, or earlier in the same
-  tick when it never leaves the stage (F -> B, B -> W, F -> EVICT of one
-  micro-batch-chunk); everything else crosses a transfer phase, which ends
-  the tick."""
-  tick = {a: t for t, row in enumerate(program.grid)
-          for cell in row for a in cell}
+def _check_lockstep_dependencies(schedule: Schedule, program: Program) -> list[str]:
+  """Every input is produced in an earlier tick: compute outputs cross a
+  send phase, which ends the tick. Residuals that moved must be back before
+  the B: a LOAD sent at tick t lands at the start of tick t+1. An EVICT
+  sends its F's residuals at the end of the F's tick or later, and a LOAD
+  sends them back at least a tick after they arrived."""
+  tick = {a: t for t, row in enumerate(program.grid) for cell in row for a in cell}
   problems = []
-  for a, t in sorted(tick.items(), key=lambda x: x[1]):
+  for a, t in sorted(tick.items(), key=lambda x: (x[1], str(x[0]))):
     for d in sched.dependencies(a, schedule):
       td = tick.get(d)
-      same_tick_ok = ((d.microbatch, d.chunk) == (a.microbatch, a.chunk) and
-                      d.kind in sched.COMPUTE_KINDS and
-                      sched.PHASE_OF_KIND[d.kind] < sched.PHASE_OF_KIND[a.kind])
-      if td is None or td > t or (td == t and not same_tick_ok):
+      late = td is None or (td > t if a.kind == sched.EVICT else td >= t)
+      if late:
         problems.append(f'tick {t} stage {schedule.stage_of_action(a)}: {a} '
                         f'runs before its input from {d} '
                         f'(tick {"never" if td is None else td})')
   return problems
 
 
-def _check_slot_counts(program: Program) -> list[str]:
-  problems = []
-  act, grad, stash = (program.num_act_slots, program.num_grad_slots,
-                      program.num_stash_slots)
-  columns = (('act', program.fwd[..., sched.F_ACT], act),
-             ('stash', program.fwd[..., sched.F_STASH], stash),
-             ('grad', program.fwd[..., sched.F_GRAD], grad),
-             ('stash', program.bwd[..., sched.B_STASH], stash),
-             ('grad', program.bwd[..., sched.B_GRAD], grad),
-             ('stash', program.wgt[..., sched.W_STASH], stash),
-             ('grad', program.wgt[..., sched.W_GRAD], grad),
-             ('act', program.recv[..., sched.R_ACT], act),
-             ('grad', program.recv[..., sched.R_GRAD], grad),
-             ('stash', program.evict[..., sched.X_SEND], stash),
-             ('stash', program.evict[..., sched.X_RECV], stash),
-             ('stash', program.load[..., sched.X_SEND], stash),
-             ('stash', program.load[..., sched.X_RECV], stash))
-  for buf, count in (('act', act), ('grad', grad), ('stash', stash)):
-    if count < 1:
-      problems.append(f'num_{buf}_slots is {count}; want >= 1')
-  for buf, values, count in columns:
-    for t, s in zip(*((values >= count) | (values < -1)).nonzero()):
-      problems.append(f'tick {t} stage {s}: {buf} slot {values[t, s]} '
-                      f'outside 0..{count - 1}')
-  return problems
-
-
 class _Buffers:
-  """What each slot of one stage's act, grad and stash buffers holds.
+  """What each slot of one stage's msg, stash and cut buffers holds.
 
-  Entries are tagged Action('', micro-batch, chunk), printed as 'j.c': a
-  buffer entry belongs to a (micro-batch, chunk), not to an action kind.
+  Values are named by what they are: 'act j.c' (chunk c's input activation),
+  'grad j.c' (chunk c's output gradient), 'set j.c' (residuals) and
+  'cut j.c'.
   """
 
   def __init__(self):
-    self.held = {'act': {}, 'grad': {}, 'stash': {}}
-    self.peak_stash = 0
+    self.held = {buf: {} for buf in _BUFFERS}
+    self.peak = {buf: 0 for buf in _BUFFERS}
 
-  def write(self, buf: str, slot: int, value: Action, where: str,
+  def write(self, buf: str, slot: int, value: str, where: str,
             problems: list[str]) -> None:
     if slot < 0:
       problems.append(f'{where}: no {buf} slot to write {value} to')
@@ -352,158 +435,177 @@ class _Buffers:
     old = self.held[buf].get(slot)
     if old is not None:
       problems.append(f'{where}: {buf} slot {slot} still holds {old} '
-                      '(slot conflict)')
+                      f'(overwritten by {value})')
     self.held[buf][slot] = value
-    self.peak_stash = max(self.peak_stash, len(self.held['stash']))
+    self.peak[buf] = max(self.peak[buf], len(self.held[buf]))
 
-  def read(self, buf: str, slot: int, want: Action, where: str,
-           problems: list[str], free: bool = True) -> Action | None:
+  def read(self, buf: str, slot: int, want: str, where: str,
+           problems: list[str], free: bool = True) -> None:
     """Checks that `slot` holds `want`; frees it unless `free` is False."""
     if slot < 0:
       problems.append(f'{where}: no {buf} slot to read {want} from')
-      return None
+      return
     got = (self.held[buf].pop if free else self.held[buf].get)(slot, None)
     if got is None:
       problems.append(f'{where}: {buf} slot {slot} is empty (no producer '
                       f'for {want})')
     elif got != want:
-      problems.append(f'{where}: {buf} slot {slot} holds {got}, not {want} '
-                      '(slot conflict)')
-    return got
+      problems.append(f'{where}: {buf} slot {slot} holds {got}, not {want}')
 
 
 def _replay_buffers(schedule: Schedule, program: Program) -> list[str]:
-  """Replays every buffer write and read in executor order."""
-  p, last = schedule.stages, schedule.num_chunks - 1
+  """Replays every buffer write and read in the executor's phases."""
+  run = program.schedule
+  p = run.stages
   buffers = [_Buffers() for _ in range(p)]
   problems: list[str] = []
-  split = program.split_backward
+  landing: list[tuple[int, str] | None] = [None] * p
   for t in range(program.ticks):
-    for s in range(p):
-      f = program.fwd[t, s]
-      if f[sched.F_VALID]:
-        _replay_forward(f, buffers[s], last, f'tick {t} stage {s}', problems)
-    # Phase 1 B reads its slots; without W it frees them. Phase 2 W frees.
-    for kind, table, cols, frees in (
-        (sched.BACKWARD, program.bwd,
-         (sched.B_VALID, sched.B_MB, sched.B_CHUNK, sched.B_STASH,
-          sched.B_GRAD), not split),
-        (sched.WEIGHT, program.wgt,
-         (sched.W_VALID, sched.W_MB, sched.W_CHUNK, sched.W_STASH,
-          sched.W_GRAD), True)):
-      valid, mb, chunk, stash, grad = cols
-      for s in range(p):
-        row = table[t, s]
-        if row[valid]:
-          a = Action(kind, int(row[mb]), int(row[chunk]))
-          where = f'tick {t} stage {s}: {a}'
-          key = Action('', a.microbatch, a.chunk)
-          buffers[s].read('stash', int(row[stash]), key, where, problems,
-                          free=frees)
-          buffers[s].read('grad', int(row[grad]), key, where, problems,
-                          free=frees)
-    _replay_copies(schedule, program, t, buffers, problems)
-    for s in range(p):
-      _replay_receive(program, t, s, buffers[s], last, problems)
+    for s in range(p):   # land: last tick's arriving set goes into its slot
+      if landing[s] is not None:
+        slot, value = landing[s]
+        buffers[s].write('stash', slot, value, f'tick {t} stage {s}: landing {value}',
+                         problems)
+        landing[s] = None
+    actions = [_decode(run, program, t, s) for s in range(p)]
+    for s, a in enumerate(actions):
+      if a is not None:
+        _replay_compute(run, program, t, s, a, buffers[s], problems)
+    landing = _replay_moves(program, t, buffers, problems)
+    _replay_messages(run, program, t, actions, buffers, problems)
+  for s, value in enumerate(landing):
+    if value is not None:
+      problems.append(f'stage {s}: {value[1]} arrives after the last tick')
   for s, buf in enumerate(buffers):
     for name, held in buf.held.items():
       for slot, value in sorted(held.items()):
         problems.append(f'stage {s}: {name} slot {slot} still holds {value} '
-                        'after the last tick (sent but never consumed)')
-  peaks = tuple(b.peak_stash for b in buffers)
-  if not problems and peaks != tuple(program.peak_stash):
-    problems.append(f'program.peak_stash is {tuple(program.peak_stash)} but '
-                    f'the tables hold at most {peaks}')
+                        'after the last tick (never consumed)')
+  if problems:
+    return problems
+  for name in _BUFFERS:
+    peaks = tuple(b.peak[name] for b in buffers)
+    if peaks != tuple(program.peaks[name]):
+      problems.append(f"program.peaks[{name!r}] is {tuple(program.peaks[name])} "
+                      f'but the tables hold at most {peaks}')
   cap = schedule.stash_cap
+  peaks = tuple(b.peak['stash'] for b in buffers)
   if cap is not None and max(peaks, default=0) > cap:
     problems.append(f'stash pools need {max(peaks)} slots (per stage '
-                    f'{peaks}), more than the schedule\'s cap of {cap}')
-  if cap is not None and program.num_stash_slots > max(cap, 1):
-    problems.append(f'num_stash_slots is {program.num_stash_slots}, more '
-                    f'than the schedule\'s cap of {cap}')
+                    f"{peaks}), more than the schedule's cap of {cap}")
+  if cap is not None and program.slots['stash'] > max(cap, 1):
+    problems.append(f"program.slots['stash'] is {program.slots['stash']}, more "
+                    f"than the schedule's cap of {cap}")
   return problems
 
 
-def _replay_copies(schedule: Schedule, program: Program, t: int,
-                   buffers: list[_Buffers], problems: list[str]) -> None:
-  """The transfer phase's evict and load ppermutes: every send slot is read
-  (and freed) before any receive slot is written."""
-  p = schedule.stages
-  sent = {}  # (kind, sender) -> the set sent
-  for kind, table in ((sched.EVICT, program.evict),
-                      (sched.LOAD, program.load)):
-    for s in range(p):
-      slot = int(table[t, s, sched.X_SEND])
-      if slot < 0:
+def _replay_compute(run: Schedule, program: Program, t: int, s: int, a: Action,
+                    buffers: _Buffers, problems: list[str]) -> None:
+  """One F, B or W: the reads and writes of its branch in the executor."""
+  row = {name: int(program.table[name][t, s]) for name in ('src', 'loss', 'stash', 'cut')}
+  j, c = a.microbatch, a.chunk
+  where = f'tick {t} stage {s}: {a}'
+  mine = f'{j}.{c}'
+  if a.kind == sched.FORWARD:
+    if c > 0:
+      buffers.read('msg', row['src'], f'act {mine}', where, problems)
+    elif row['src'] != -1:
+      problems.append(f'{where}: chunk 0 embeds, but src is {row["src"]}')
+    buffers.write('stash', row['stash'], f'set {mine}', where, problems)
+    if c == run.num_chunks - 1:
+      # Written after the input is read: the executor computes the loss
+      # gradient from the chunk's output.
+      buffers.write('msg', row['loss'], f'grad {mine}', where, problems)
+    elif row['loss'] != -1:
+      problems.append(f'{where}: not the last chunk, but loss is {row["loss"]}')
+  elif a.kind == sched.BACKWARD:
+    buffers.read('stash', row['stash'], f'set {mine}', where, problems, free=False)
+    buffers.read('msg', row['src'], f'grad {mine}', where, problems)
+    buffers.write('cut', row['cut'], f'cut {mine}', where, problems)
+  else:
+    buffers.read('stash', row['stash'], f'set {mine}', where, problems)
+    buffers.read('cut', row['cut'], f'cut {mine}', where, problems)
+
+
+def _replay_moves(program: Program, t: int, buffers: Sequence[_Buffers],
+                  problems: list[str]) -> list[tuple[int, str] | None]:
+  """The send phase's residual ppermute over partner pairs.
+
+  Returns, per stage, the (slot, set) that lands at the start of the next
+  tick. Every sent slot is read (and freed) here; the arriving sets are
+  written next tick, so a slot sent from may be landed into.
+  """
+  p = len(buffers)
+  send, recv = program.table['move_send'], program.table['move_recv']
+  partner = program.partner
+  landing: list[tuple[int, str] | None] = [None] * p
+  arriving: dict[int, tuple[int, str]] = {}
+  for s in range(p):
+    slot = int(send[t, s])
+    copies = [a for a in program.grid[t][s] if a.kind in sched.COPY_KINDS]
+    if slot < 0 or not copies:
+      continue   # a table/grid mismatch is _check_grid's to report
+    a = copies[0]
+    value = f'set {a.microbatch}.{a.chunk}'
+    where = f'tick {t} stage {s}: {a}'
+    buffers[s].read('stash', slot, value, where, problems)
+    if partner is None:
+      problems.append(f'{where}: sends a residual set, but the program has no '
+                      'partner pairing')
+      continue
+    arriving[partner[s]] = (s, value)
+  for r in range(p):
+    slot = int(recv[t, r])
+    where = f'tick {t} stage {r}'
+    if r not in arriving:
+      if slot != -1:
+        source = 'no partner' if partner is None else f'stage {partner[r]}'
+        problems.append(f'{where}: lands a residual set in stash slot {slot}, '
+                        f'but {source} sends nothing (no producer)')
+      continue
+    source, value = arriving[r]
+    if slot == -1:
+      problems.append(f'{where}: drops {value} from stage {source} (move_recv '
+                      'is -1: no consumer slot)')
+      continue
+    landing[r] = (slot, value)
+  return landing
+
+
+def _replay_messages(run: Schedule, program: Program, t: int,
+                     actions: Sequence[Action | None], buffers: Sequence[_Buffers],
+                     problems: list[str]) -> None:
+  """The receive phase: each F's activation and B's input gradient lands in
+  the slot its receiver's recv table names, for the offset it travels."""
+  p, last = run.stages, run.num_chunks - 1
+  sent = {}   # (offset, receiver) -> (value, sender)
+  for s, a in enumerate(actions):
+    if a is None:
+      continue
+    j, c = a.microbatch, a.chunk
+    if a.kind == sched.FORWARD and c < last:
+      to, value = run.stage_of(c + 1), f'act {j}.{c + 1}'
+    elif a.kind == sched.BACKWARD and c > 0:
+      to, value = run.stage_of(c - 1), f'grad {j}.{c - 1}'
+    else:
+      continue
+    sent[((to - s) % p, to)] = (value, s)
+  for o in sorted(program.recv):
+    for r in range(p):
+      slot = int(program.recv[o][t, r])
+      where = f'tick {t} stage {r}'
+      if (o, r) not in sent:
+        if slot != -1:
+          problems.append(f'{where}: stores into msg slot {slot} from offset {o}, '
+                          f'but stage {(r - o) % p} sends nothing there (no producer)')
         continue
-      actions = [a for a in program.grid[t][s] if a.kind == kind]
-      where = f'tick {t} stage {s}: {kind} send'
-      if not actions:
-        continue  # _check_grid reported the table/grid mismatch
-      key = Action('', actions[0].microbatch, actions[0].chunk)
-      buffers[s].read('stash', slot, key, f'{where} of {key}', problems)
-      sent[(kind, s)] = key
-  for kind, table in ((sched.EVICT, program.evict),
-                      (sched.LOAD, program.load)):
-    for s in range(p):
-      slot = int(table[t, s, sched.X_RECV])
-      source = program.partner[s] if program.partner is not None else None
-      arriving = sent.get((kind, source)) if source is not None else None
-      where = f'tick {t} stage {s}'
-      if source is None and slot != -1:
-        problems.append(f'{where}: stores a {kind} into stash slot {slot} '
-                        'but the program has no partner pairing')
+      value, source = sent.pop((o, r))
+      if slot == -1:
+        problems.append(f'{where}: drops {value} from stage {source} (no '
+                        'consumer slot)')
         continue
-      _store(buffers[s], 'stash', slot, arriving, f'{where}: {kind}', source,
-             problems)
-
-
-def _replay_forward(f, buffers: _Buffers, last: int, where: str,
-                    problems: list[str]) -> None:
-  j, c = int(f[sched.F_MB]), int(f[sched.F_CHUNK])
-  where = f'{where}: F{j}.{c}'
-  key = Action('', j, c)
-  if c > 0:
-    buffers.read('act', int(f[sched.F_ACT]), key, where, problems)
-  elif f[sched.F_ACT] != -1:
-    problems.append(f'{where}: chunk 0 reads act slot {f[sched.F_ACT]}')
-  buffers.write('stash', int(f[sched.F_STASH]), key, where, problems)
-  if c == last:
-    buffers.write('grad', int(f[sched.F_GRAD]), key, where, problems)
-  elif f[sched.F_GRAD] != -1:
-    problems.append(f'{where}: not the last chunk but writes loss-gradient '
-                    f'slot {f[sched.F_GRAD]}')
-
-
-def _replay_receive(program: Program, t: int, s: int, buffers: _Buffers,
-                    last: int, problems: list[str]) -> None:
-  """Transfer phase: what stage s must store from its neighbours at tick t."""
-  p = program.fwd.shape[1]
-  f = program.fwd[t, (s - 1) % p]
-  arriving = None
-  if f[sched.F_VALID] and f[sched.F_CHUNK] != last:
-    arriving = Action('', int(f[sched.F_MB]), int(f[sched.F_CHUNK]) + 1)
-  _store(buffers, 'act', int(program.recv[t, s, sched.R_ACT]), arriving,
-         f'tick {t} stage {s}', (s - 1) % p, problems)
-  b = program.bwd[t, (s + 1) % p]
-  arriving = None
-  if b[sched.B_VALID] and b[sched.B_CHUNK] > 0:
-    arriving = Action('', int(b[sched.B_MB]), int(b[sched.B_CHUNK]) - 1)
-  _store(buffers, 'grad', int(program.recv[t, s, sched.R_GRAD]), arriving,
-         f'tick {t} stage {s}', (s + 1) % p, problems)
-
-
-def _store(buffers: _Buffers, buf: str, slot: int, arriving: Action | None,
-           where: str, source: int, problems: list[str]) -> None:
-  if arriving is None:
-    if slot != -1:
-      problems.append(f'{where}: stores into {buf} slot {slot} but stage '
-                      f'{source} sends nothing (no producer)')
-    return
-  if slot == -1:
-    problems.append(f'{where}: drops {buf} {arriving} from stage {source} '
-                    '(no consumer slot)')
-    return
-  buffers.write(buf, slot, arriving,
-                f'{where}: receiving {buf} {arriving} from stage {source}',
-                problems)
+      buffers[r].write('msg', slot, value,
+                       f'{where}: receiving {value} from stage {source}', problems)
+  for (o, r), (value, source) in sorted(sent.items()):
+    problems.append(f'tick {t} stage {r}: drops {value} from stage {source} '
+                    f'(the program has no recv table for offset {o})')

@@ -5,19 +5,21 @@ virtual stages, remat, which cluster devices form each pipeline stage and
 how many layers each stage holds. `simulate` turns it into per-action costs
 and times the schedule two ways:
 
-- lockstep (the default, what triax's executor runs): our own tick model
-  over `schedule.lower(...).grid`, which agrees with
-  `triax.pipeline.simulate.simulate_lockstep` when there is no communication
-  and no core sharing (a test holds it to that), and adds what the executor
-  does: per-chunk costs (the embedding runs inside chunk 0's actions, the
-  head's loss and gradient inside the last chunk's forward), both ppermutes
-  in every tick (the executor sends zeros when idle), and devices that share
-  cores (a tick's compute on a node takes at least the sum of the node
-  capacity its busy devices take: measured per function on this machine
-  by running it on every local device at once; a spec'd node's
-  shared_cores elsewhere).
-- asynchronous (the papers' model): `simulate.simulate_async` with one
-  Costs per stage (its chunks' average), then floored by the same core
+- lockstep (the default, what triax's executor runs):
+  `triax.pipeline.simulate.simulate_lockstep`, the one tick model the CLI
+  uses too, over the lowered program (one compute action per stage per
+  tick, every backward run as B then W), with this plan's cost model
+  (`PlanTickCosts`): per-chunk costs (the embedding runs inside chunk 0's
+  actions, the head's loss and gradient inside the last chunk's forward),
+  the neighbour ppermutes in every tick (one per stage offset the
+  placement uses; the executor sends zeros when idle) and the residual one
+  under BPipe, and devices that share cores (a tick's compute on a node
+  takes at least the sum of the node capacity its busy devices take:
+  measured per function on this machine by running it on every local
+  device at once; a spec'd node's shared_cores elsewhere).
+- asynchronous (the papers' model): `simulate.simulate_async` of the
+  schedule as built (a fused schedule's B is its whole backward) with one
+  Costs per stage (the sum over its chunks), then floored by the same core
   sharing bound over the whole step.
 
 Both then add what follows the pipeline: the psum of the embedding and head
@@ -31,9 +33,11 @@ manual; frameworks that differentiate through a scan).
 
 Memory per device: parameters, their gradient accumulator and Adam's two
 moments (4x the parameter bytes: 16 B/param in fp32), the stashed residuals
-(the executor allocates `num_stash_slots` slots of the largest chunk on
-every stage; uneven splits store padded stacks) and the activation/gradient
-ring buffers, plus one layer's backward workspace and the head's logits.
+(the executor allocates `slots['stash']` slots of the largest chunk on
+every stage; uneven splits store padded stacks), the cuts B hands its W
+(`slots['cut']`, each estimated as one unrematerialised stash set: the
+profile does not measure them) and the message pool of activations and
+gradients, plus one layer's backward workspace and the head's logits.
 """
 
 from __future__ import annotations
@@ -52,8 +56,9 @@ from triax.plan.profile import Profile
 
 MODELS = ('lockstep', 'async')
 DP_ALLREDUCE = ('per_microbatch', 'per_step')
-# Share of a fused backward that a split schedule's B (input gradient) and W
-# (weight gradient) each take: the two halves of the backward GEMMs.
+# Share of a backward that its B (input gradient) and W (weight gradient)
+# each take where the profile has not measured them: the two halves of the
+# backward GEMMs. Every lockstep program runs its backwards as B then W.
 SPLIT_BACKWARD_SHARE = 0.5
 # Bytes the optimizer reads and writes per parameter byte: params, grads and
 # both Adam moments read, params and moments written, grads read again by
@@ -113,10 +118,15 @@ class Plan:
     return sum(self.layers)
 
   @property
+  def placement(self) -> tuple[int, ...]:
+    """placement[c]: the stage holding chunk c, as the schedule places it."""
+    return program(self.schedule, self.pipe, self.microbatches,
+                   self.virtual_stages).schedule.placement
+
+  @property
   def chunk_layers(self) -> tuple[int, ...]:
-    """Layers of each model chunk in chunk order (chunk c on stage c % p)."""
-    p, v = self.pipe, self.virtual_stages
-    return tuple(self.layers[c % p] // v for c in range(p * v))
+    """Layers of each model chunk in chunk order (a stage's chunks are equal)."""
+    return tuple(self.layers[s] // self.virtual_stages for s in self.placement)
 
   @property
   def even(self) -> bool:
@@ -206,24 +216,34 @@ def program(name: str, p: int, m: int, v: int) -> sched.Program:
 class ActionCosts:
   """Seconds per chunk action and per transfer, for one plan.
 
-  chunk[c][kind] is the duration of `kind` for chunk c on its stage and
-  share[c][kind] the seconds of a shared node's capacity one of the stage's
-  devices takes to run it (0 where devices do not share cores; see
-  roofline.node_share); transfer[s] one activation (or gradient) ppermute
-  out of stage s; evict[s] one chunk's residual set moved to or from stage
-  s's partner.
+  chunk[c][kind] is the duration of `kind` for chunk c on its stage as the
+  lockstep program runs it: F, and every backward as B then W (lower.py
+  splits a fused one too). fused[c] is chunk c's backward as one action,
+  what a schedule built fused runs in the asynchronous model (None: its B
+  plus W). share[c][kind] is the seconds of a shared node's capacity one
+  of the stage's devices takes to run it (0 where devices do not share
+  cores; see roofline.node_share). transfer[s] is one activation (or
+  gradient) ppermute out of stage s; evict[s] one chunk's residual set
+  moved to or from stage s's partner; tick_transfer what the executor's
+  neighbour ppermutes cost in every tick, whatever they carry.
   """
   chunk: tuple[dict[str, float], ...]
   transfer: tuple[float, ...]
   evict: tuple[float, ...]
   tick_transfer: float
   share: tuple[dict[str, float], ...] | None = None
+  fused: tuple[float, ...] | None = None
 
   def of(self, a: Action) -> float:
     return self.chunk[a.chunk][a.kind]
 
   def share_of(self, a: Action) -> float:
     return self.share[a.chunk][a.kind] if self.share else 0.0
+
+  def fused_backward(self, chunk: int) -> float:
+    if self.fused is not None:
+      return self.fused[chunk]
+    return self.chunk[chunk][sched.BACKWARD] + self.chunk[chunk][sched.WEIGHT]
 
 
 def action_costs(plan: Plan, profile: Profile, cluster: Cluster,
@@ -252,7 +272,9 @@ def action_costs(plan: Plan, profile: Profile, cluster: Cluster,
     base = roofline.layer_seconds(profile, group, b, t, remat)
     ratio = [roofline.node_share(profile, group, profile_lib.variant(f, remat), b, t, cores) /
              max(x, 1e-30) for f, x in zip(profile_lib.LAYER_FUNCTIONS, base)]
-    return fwd, bwd, fwd * ratio[0], bwd * ratio[1]
+    # What remat adds to the backward: the forward it reruns.
+    recompute = max(bwd - roofline.layer_seconds(profile, group, b, t, 'none')[1], 0.0)
+    return fwd, bwd, fwd * ratio[0], bwd * ratio[1], recompute, recompute * ratio[1]
 
   def edge(function):
     return lambda group, cores: (roofline.seconds(profile, group, function, b, t),
@@ -268,7 +290,7 @@ def action_costs(plan: Plan, profile: Profile, cluster: Cluster,
 
   per_stage = []
   for s in range(p):
-    fwd, bwd, fwd_share, bwd_share = slowest(s, layer)
+    fwd, bwd, fwd_share, bwd_share, recompute, recompute_share = slowest(s, layer)
     tp = max(comm.allreduce(g, act) for g in tensor_groups(s))
     dp_layer = 0.0
     if options.dp_allreduce == 'per_microbatch':
@@ -280,17 +302,22 @@ def action_costs(plan: Plan, profile: Profile, cluster: Cluster,
     per_stage.append(dict(fwd=fwd + 2 * tp, bwd=bwd + 2 * tp, dp=dp_layer, embed=embed,
                           head=head, edge_dp=edge_dp, fwd_share=fwd_share,
                           bwd_share=bwd_share, embed_share=embed_share,
+                          recompute=recompute, recompute_share=recompute_share,
                           head_share=head_share))
-  split = sched.build(plan.schedule, p, plan.microbatches, plan.virtual_stages).split_backward
+  placement = plan.placement
   # The executor's own variants of a layer, measured on this machine (see
-  # profile.EXECUTOR_RATIOS); elsewhere: a split backward halves, a layer
-  # under cond costs a plain one, a skipped one nothing.
+  # profile.EXECUTOR_RATIOS); elsewhere: a backward splits in halves, a
+  # layer under cond costs a plain one, a skipped one nothing.
   measured = profile.ratios if cluster.local else {}
   ratio = lambda name, i, default: measured[name][i] if name in measured else default
+  # Every lockstep program runs its backwards as B then W (lower.py), a
+  # fused schedule's too: charge each part, whatever the schedule built.
+  parts = [(ratio('split_b', i, SPLIT_BACKWARD_SHARE),
+            ratio('split_w', i, 1 - SPLIT_BACKWARD_SHARE)) for i in (0, 1)]
   widest = max(plan.chunk_layers)
-  chunks, shares = [], []
+  chunks, shares, fused = [], [], []
   for c, n in enumerate(plan.chunk_layers):
-    x = per_stage[c % p]
+    x = per_stage[placement[c]]
     first, final = c == 0, c == last
     # An uneven split runs every chunk's padded stack under cond (see
     # model.layers): n layers that compute, widest - n that are skipped.
@@ -303,18 +330,19 @@ def action_costs(plan: Plan, profile: Profile, cluster: Cluster,
     if final:
       f += x['head'] + x['edge_dp']
       f_share += x['head_share']
-    b_full = (layer_f[0] * x['bwd'] + n * x['dp'] +
-              (2 * x['embed'] / 3 + x['edge_dp'] if first else 0.0))
-    b_share = layer_f[1] * x['bwd_share'] + (2 * x['embed_share'] / 3 if first else 0.0)
-    if split:
-      parts = [(ratio('split_b', i, SPLIT_BACKWARD_SHARE),
-                ratio('split_w', i, 1 - SPLIT_BACKWARD_SHARE)) for i in (0, 1)]
-    else:
-      parts = [(1.0, 0.0)] * 2
-    chunks.append({sched.FORWARD: f, sched.BACKWARD: b_full * parts[0][0],
-                   sched.WEIGHT: b_full * parts[0][1]})
-    shares.append({sched.FORWARD: f_share, sched.BACKWARD: b_share * parts[1][0],
-                   sched.WEIGHT: b_share * parts[1][1]})
+    # B reruns what remat dropped (once: W gets what it needs in the cut)
+    # and runs the embedding's backward in chunk 0 (it needs the input
+    # gradient); a per-micro-batch gradient all-reduce follows the weight
+    # gradients, in W. The rest of the backward splits by `parts`.
+    rerun = [layer_f[0] * x['recompute'], layer_f[1] * x['recompute_share']]
+    rest = [layer_f[0] * x['bwd'] - rerun[0], layer_f[1] * x['bwd_share'] - rerun[1]]
+    edge_b = [2 * x['embed'] / 3 + x['edge_dp'], 2 * x['embed_share'] / 3] if first else [0.0] * 2
+    b_part = [rest[i] * parts[i][0] + rerun[i] + edge_b[i] for i in (0, 1)]
+    w_part = [rest[0] * parts[0][1] + n * x['dp'], rest[1] * parts[1][1]]
+    fused.append(rest[0] + rerun[0] + edge_b[0] + n * x['dp'])
+    chunks.append({sched.FORWARD: f, sched.BACKWARD: b_part[0], sched.WEIGHT: w_part[0]})
+    shares.append({sched.FORWARD: f_share, sched.BACKWARD: b_part[1],
+                   sched.WEIGHT: w_part[1]})
   transfer, evict = [], []
   stash_set = _chunk_stash(plan, profile, max(plan.chunk_layers))
   partner = [p - 1 - s for s in range(p)]
@@ -324,16 +352,40 @@ def action_costs(plan: Plan, profile: Profile, cluster: Cluster,
                         for a, z in zip(plan.stages[s], other)) if p > 1 else 0.0)
     evict.append(max(comm.p2p(a, z, stash_set)
                      for a, z in zip(plan.stages[s], plan.stages[partner[s]])))
-  # Both ppermutes (activations forward, gradients backward) run every tick.
-  tick_transfer = 2 * max(transfer) if p > 1 else 0.0
+  # One ppermute per stage offset the placement uses (+1 and -1 around the
+  # ring: one at p = 2) runs in every tick, one after the other.
+  offsets = [o for o in program(plan.schedule, p, plan.microbatches,
+                                plan.virtual_stages).offsets if o]
+  tick_transfer = len(offsets) * max(transfer) if p > 1 else 0.0
   return ActionCosts(chunk=tuple(chunks), transfer=tuple(transfer), evict=tuple(evict),
-                     tick_transfer=tick_transfer, share=tuple(shares))
+                     tick_transfer=tick_transfer, share=tuple(shares), fused=tuple(fused))
 
 
 def _chunk_stash(plan: Plan, profile: Profile, layers: int) -> float:
   shard = profile.shards[plan.tensor]
   return plan.microbatch_size * (layers * shard.stash_per_seq[plan.remat] +
                                  shard.stash_fixed_per_seq)
+
+
+def _chunk_cut(plan: Plan, profile: Profile, layers: int) -> float:
+  """Bytes of one cut (what a B hands its W: the cotangents at the weight
+  matmuls' outputs), estimated as the residuals those matmuls keep without
+  remat, which remat does not shrink: B recomputes what it needs."""
+  return plan.microbatch_size * layers * profile.shards[plan.tensor].stash_per_seq['none']
+
+
+def _pools(plan: Plan, profile: Profile, options: Options, program_: sched.Program,
+           stage: int, layers: int) -> dict[str, float]:
+  """Bytes of stage `stage`'s executor pools for chunks of `layers` layers:
+  'stash' and 'cut' (all slots if padded, else the stage's own peak) and
+  'msg' (the message pool, its spare slot, and the two activations a tick
+  has in flight)."""
+  def slots(buf: str) -> int:
+    return program_.slots[buf] if options.padded else program_.peaks[buf][stage]
+  act = profile.shards[plan.tensor].act_per_seq * plan.microbatch_size
+  return {'stash': slots('stash') * _chunk_stash(plan, profile, layers),
+          'cut': slots('cut') * _chunk_cut(plan, profile, layers),
+          'msg': (program_.slots['msg'] + 1 + 2) * act}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -370,79 +422,66 @@ def sharing(plan: Plan, cluster: Cluster) -> Sharing:
   return Sharing(nodes=tuple(nodes))
 
 
+class PlanTickCosts:
+  """A plan's ActionCosts and core sharing as a lockstep cost model
+  (`simulate.TickCosts`).
+
+  A stage's action costs its chunk's time; a tick's compute lasts as long
+  as the busiest stage, or longer where stages share cores (`Sharing.tick`);
+  its send phase is `simulate.send_phase` with the executor's per-tick
+  neighbour ppermutes (`tick_transfer`) as the floor.
+  """
+
+  def __init__(self, costs: ActionCosts, share: Sharing = Sharing(())):
+    self.costs, self.share = costs, share
+
+  def duration(self, stage: int, action: Action) -> float:
+    return self.costs.of(action)
+
+  def tick_time(self, tick: simulate.Tick, work: Sequence[float]) -> float:
+    shares = [0.0 if a is None else self.costs.share_of(a) for a in tick.compute]
+    return self.share.tick(work, shares)
+
+  def transfer(self, tick: simulate.Tick) -> float:
+    return simulate.send_phase(tick, self.costs.transfer, self.costs.evict,
+                               self.costs.tick_transfer)
+
+  def copy(self, stage: int, action: Action) -> float:
+    return self.costs.evict[stage]
+
+
 def simulate_lockstep(program_: sched.Program, costs: ActionCosts,
                       share: Sharing = Sharing(())) -> simulate.Result:
-  """Times the executor's lockstep ticks with per-chunk costs.
-
-  Per tick: each stage runs its F, B and W back to back; the tick's compute
-  lasts as long as the busiest stage, or longer where stages share cores;
-  then both ppermutes, or the evict/load ppermute if that is longer.
-  """
-  schedule = program_.schedule
-  p = schedule.stages
-  spans, now = [], 0.0
-  for row in program_.grid:
-    work = [sum(costs.of(a) for a in cell if a.kind in sched.COMPUTE_KINDS) for cell in row]
-    shares = [sum(costs.share_of(a) for a in cell if a.kind in sched.COMPUTE_KINDS)
-              for cell in row]
-    compute = share.tick(work, shares)
-    stretch = compute / max(work) if max(work, default=0.0) > 0 else 1.0
-    copying = 0.0
-    for s, cell in enumerate(row):
-      t = now
-      for a in cell:
-        if a.kind in sched.COPY_KINDS:
-          continue
-        d = costs.of(a) * stretch
-        spans.append(simulate.Span(s, a, t, t + d))
-        t += d
-    for s, cell in enumerate(row):
-      for a in cell:
-        if a.kind in sched.COPY_KINDS:
-          d = costs.evict[s]
-          spans.append(simulate.Span(s, a, now + compute, now + compute + d))
-          copying = max(copying, d)
-    if program_.partner is not None:
-      # The executor's residual ppermute runs in every tick (see executor).
-      copying = max(costs.evict)
-    now += compute + (max(costs.tick_transfer, copying) if p > 1 else 0.0)
-  return _result(schedule, spans, now, program_)
-
-
-def _result(schedule: sched.Schedule, spans: list, total: float,
-            program_: sched.Program) -> simulate.Result:
-  busy = [0.0] * schedule.stages
-  for span in spans:
-    if span.action.kind in sched.COMPUTE_KINDS:
-      busy[span.stage] += span.end - span.start
-  capacity = schedule.stages * total
-  return simulate.Result(
-      model='lockstep', schedule=schedule, total_time=total,
-      bubble_fraction=1.0 - sum(busy) / capacity if capacity > 0 else 0.0,
-      busy=tuple(busy), peak_inflight=program_.peak_stash,
-      timeline=tuple(sorted(spans, key=lambda x: (x.stage, x.start, x.end))),
-      ticks=program_.ticks)
+  """Times the executor's lockstep ticks with this plan's costs: the one
+  lockstep model (`simulate.simulate_lockstep`) over `PlanTickCosts`."""
+  return simulate.simulate_lockstep(program_, PlanTickCosts(costs, share))
 
 
 def simulate_async(plan: Plan, costs: ActionCosts,
                    share: Sharing = Sharing(())) -> simulate.Result:
-  """The papers' model: simulate.simulate_async with each stage's average
-  chunk costs, floored by the core-sharing bound over the whole step."""
+  """The papers' model: simulate.simulate_async of the schedule as built,
+  with each stage's chunk costs summed (a fused schedule's B is the whole
+  backward, `ActionCosts.fused`), floored by the core-sharing bound over the
+  whole step."""
   p, v = plan.pipe, plan.virtual_stages
   schedule = sched.build(plan.schedule, p, plan.microbatches, v)
   per = []
   for s in range(p):
-    mine = [costs.chunk[c] for c in range(p * v) if c % p == s]
+    mine = schedule.chunks_of(s)
+    if schedule.split_backward:
+      backward = sum(costs.chunk[c][sched.BACKWARD] for c in mine)
+      weight = sum(costs.chunk[c][sched.WEIGHT] for c in mine)
+    else:
+      backward, weight = sum(costs.fused_backward(c) for c in mine), 0.0
     per.append(simulate.Costs(
-        t_forward=sum(x[sched.FORWARD] for x in mine),
-        t_backward=sum(x[sched.BACKWARD] for x in mine),
-        t_weight=sum(x[sched.WEIGHT] for x in mine),
+        t_forward=sum(costs.chunk[c][sched.FORWARD] for c in mine),
+        t_backward=backward, t_weight=weight,
         t_transfer=costs.transfer[s], t_evict=costs.evict[s] * v))
   result = simulate.simulate_async(schedule, per)
   if share.nodes:
     m = plan.microbatches
     work = [m * (c.t_forward + c.t_backward + c.t_weight) for c in per]
-    shares = [m * sum(sum(costs.share[c].values()) for c in range(p * v) if c % p == s)
+    shares = [m * sum(sum(costs.share[c].values()) for c in schedule.chunks_of(s))
               for s in range(p)] if costs.share else None
     floor = share.tick(work, shares)
     if floor > result.total_time:
@@ -469,9 +508,8 @@ def memory(plan: Plan, profile: Profile, cluster: Cluster, options: Options,
       stash = _chunk_stash(plan, profile, plan.num_layers)
       buffers = 0.0
     else:
-      slots = program_.num_stash_slots if options.padded else program_.peak_stash[s]
-      stash = slots * _chunk_stash(plan, profile, held)
-      buffers = (program_.num_act_slots + program_.num_grad_slots + 2) * shard.act_per_seq * b
+      pools = _pools(plan, profile, options, program_, s, held)
+      stash, buffers = pools['stash'], pools['cut'] + pools['msg']
     workspace = 2 * b * shard.stash_per_seq['none'] + logits
     out.append(STATE_COPIES * params + stash + buffers + workspace)
     temp.append(stash + buffers + workspace)
@@ -540,9 +578,11 @@ def _tail(plan: Plan, profile: Profile, cluster: Cluster, options: Options,
     nbytes = OPTIMIZER_TRAFFIC * (shard.layer_param_bytes * held + shard.edge_param_bytes)
     if program_ is not None:
       chunk = widest if options.padded else plan.layers[s] // v
-      slots = program_.num_stash_slots if options.padded else program_.peak_stash[s]
-      buffers = (program_.num_act_slots + program_.num_grad_slots + 2) * shard.act_per_seq * b
-      nbytes += (slots + plan.microbatches * v) * _chunk_stash(plan, profile, chunk) + buffers
+      # Every pool zeroed once, and each F's residuals and each B's cut
+      # written into their slots.
+      nbytes += sum(_pools(plan, profile, options, program_, s, chunk).values())
+      nbytes += plan.microbatches * v * (_chunk_stash(plan, profile, chunk) +
+                                         _chunk_cut(plan, profile, chunk))
     groups = [cluster.groups[cluster.devices[d].group] for d in stage]
     moving.append(max(nbytes / roofline.bandwidth(profile, g) for g in groups))
     # On a node whose devices share one memory system, all of them together

@@ -113,7 +113,9 @@ def compile_stats(trainer: Trainer) -> tuple[object, dict]:
         'microbatches': prog.schedule.microbatches,
         'virtual_stages': prog.schedule.virtual_stages, 'ticks': prog.ticks,
         'stash_slots': prog.num_stash_slots, 'peak_stash': list(prog.peak_stash),
-        'residual_bytes_per_slot': trainer.pipeline.residual_bytes}
+        'message_slots': prog.slots['msg'], 'cut_slots': prog.slots['cut'],
+        'residual_bytes_per_slot': trainer.pipeline.residual_bytes,
+        'cut_bytes_per_slot': trainer.pipeline.cut_bytes}
     moved = sched.transfers_per_step(prog)['total']
     # Residual sets BPipe moves between partners per step (global bytes,
     # summed over the data/tensor shards of each set).

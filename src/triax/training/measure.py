@@ -34,12 +34,11 @@ class Measurement:
     return s['temp_bytes'] + s['argument_bytes'] + s['output_bytes'] - s['alias_bytes']
 
 
-def measure(cfg, *, steps: int = 5, warmup: int = 2, compute_idle: bool = False,
-            devices=None) -> Measurement:
+def measure(cfg, *, steps: int = 5, warmup: int = 2, devices=None) -> Measurement:
   """Validates `cfg` for `devices` (default: all), compiles its train step and times it."""
   devices = list(jax.devices() if devices is None else devices)
   cfg = config_lib.validate(cfg, len(devices))
-  trainer = build_trainer(cfg, build_mesh(cfg.mesh, devices), compute_idle=compute_idle)
+  trainer = build_trainer(cfg, build_mesh(cfg.mesh, devices))
   rng = np.random.default_rng(0)
   shape = (cfg.train.global_batch_size, cfg.model.seq_len + 1)
   tokens = rng.integers(0, cfg.model.vocab_size, shape).astype(np.int32)

@@ -62,6 +62,22 @@ def pipeline_axes(model_axes: Any) -> Any:
       is_leaf=lambda a: isinstance(a, tuple))}
 
 
+def _transfer_spec(cfg, mesh: Mesh, act_spec: P) -> P | None:
+  """Megatron's scatter/gather split of pipeline transfers, where it applies.
+
+  An activation between layers is replicated over `tensor`; sent whole, each
+  of the t tensor ranks would send the same bytes to the next stage. Split
+  along the hidden dimension, each sends 1/t and the receiver gathers over
+  its fast tensor links (PTD-P, section 4.1).
+  """
+  t = mesh.shape['tensor']
+  used = {a for entry in act_spec for a in ((entry,) if isinstance(entry, str) else entry or ())}
+  if not cfg.pipeline.scatter_gather or t == 1 or 'tensor' in used or cfg.model.d_model % t:
+    return None
+  spec = tuple(act_spec) + (None,) * (3 - len(act_spec))
+  return P(spec[0], spec[1], 'tensor')
+
+
 @dataclasses.dataclass
 class Trainer:
   """Everything compiled for one run: shardings, init, train and eval steps."""
@@ -98,21 +114,20 @@ class Trainer:
                         shapes, self.canonical_shardings)
 
 
-def build_trainer(cfg, mesh: Mesh, *, compute_idle: bool = False) -> Trainer:
-  """Builds the model, optimizer, schedule program and jitted steps for `cfg` (validated).
-
-  `compute_idle` is the benchmarks' ablation (see executor.pipeline_loss_and_grad).
-  """
+def build_trainer(cfg, mesh: Mesh) -> Trainer:
+  """Builds the model, optimizer, schedule program and jitted steps for `cfg` (validated)."""
   spec = ModelSpec.from_config(cfg.model)
   model = GPT(spec)
   rules = cfg.sharding.logical_axis_rules
   p, v = cfg.mesh.pipe, cfg.pipeline.virtual_stages
   m = cfg.pipeline.microbatches
-  layout = layout_lib.StackLayout.build(spec.num_layers, p, v, cfg.pipeline.layers_per_stage)
-  program, run = None, None
+  program, run, placement = None, None, None
   if p > 1 or m > 1:
-    schedule = sched.build(cfg.pipeline.schedule, p, m, v)
+    schedule = sched.from_config(cfg.pipeline, p, m, v)
     program = sched.lower(schedule)
+    placement = schedule.placement
+  layout = layout_lib.StackLayout.build(spec.num_layers, p, v, cfg.pipeline.layers_per_stage,
+                                        placement)
   optimizer = make_optimizer(cfg.train)
 
   param_axes = pipeline_axes(model.logical_axes())
@@ -168,11 +183,13 @@ def build_trainer(cfg, mesh: Mesh, *, compute_idle: bool = False) -> Trainer:
                             head_loss=inside(model.head_loss))
     counts = None if layout.even else layout.counts
     mb = global_batch // m
+    act_spec = sharding.logical_to_spec(('batch', 'seq', 'embed'), inner_rules)
     run = executor.pipeline_loss_and_grad(
         fns, program, mesh, act_shape=(mb, seq, spec.d_model), act_dtype=act_dtype,
         loss_scale=1.0 / (global_batch * seq),
-        act_spec=sharding.logical_to_spec(('batch', 'seq', 'embed'), inner_rules),
-        chunk_layers=counts, compute_idle=compute_idle, data_axis=data_axis)
+        act_spec=act_spec,
+        chunk_layers=counts, data_axis=data_axis,
+        transfer_spec=_transfer_spec(cfg, mesh, act_spec))
 
     def raw_loss_and_grad(params, inputs, targets):
       # Micro-batch j takes rows j, j+m, ...: each micro-batch spans every data shard.

@@ -1,0 +1,391 @@
+"""Lowers a schedule to the lockstep program the executor runs.
+
+The executor advances every stage in lockstep ticks. In one tick each stage
+runs at most one compute action of its order, in the order's sequence:
+
+  land      (BPipe) the residual set that arrived at the end of the last
+            tick is written into its stash slot;
+  compute   one F, B or W; every compute action costs about one forward,
+            because a fused backward (B without W, as in gpipe, 1f1b,
+            interleaved_1f1b, bpipe) is run split: B computes the input
+            gradient and W, in the next action of the stage's order, the
+            weight gradients (`ir.with_split_backward`, and
+            `split_backward.py` for how one backward program is cut in two
+            without doing any work twice);
+  send      the action's output (an F's activation or a B's input gradient)
+            goes to the stage holding the neighbouring chunk: one ppermute
+            per stage offset the placement uses (+1 and -1 around the ring,
+            or none when the chunk stays on its stage), plus BPipe's
+            evict/load ppermute over partner pairs;
+  receive   arrivals are written into the buffer slots assigned below.
+
+An action runs in the first tick after everything it needs has arrived, so
+the lockstep program is the asynchronous schedule with unit costs: its
+ticks, peak in-flight micro-batches and bubble are the papers' (1F1B stage
+s holds p-s; ZB-H1 takes 3m+p-1 ticks). Every value that waits (an arriving
+activation or gradient, a loss gradient, a stashed residual set, a B's cut
+for its W) gets a buffer slot by interval colouring, so buffers are as
+small as the schedule allows. Activations and gradients have one shape and
+share one message pool.
+
+Plain Python and numpy: the planner and the CLI use this without devices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+from collections.abc import Sequence
+
+import numpy as np
+
+from triax.pipeline import grid as grid_lib
+from triax.pipeline.ir import (BACKWARD, COMPUTE_KINDS, COPY_KINDS, EVICT, FORWARD, KINDS, LOAD,
+                               WEIGHT, Action, Schedule, ScheduleDeadlock, dependencies,
+                               with_split_backward)
+
+# Values of the `kind` table.
+IDLE, RUN_F, RUN_B, RUN_W = range(4)
+KIND_CODE = {FORWARD: RUN_F, BACKWARD: RUN_B, WEIGHT: RUN_W}
+
+# Event times inside a tick; a buffer event at tick t happens at
+# _PHASES * t + phase. A slot read at x is free for a write at any y > x.
+_LAND, _COMPUTE, _SEND, _RECV = range(4)
+_PHASES = 4
+
+# The per-tick tables every program has, [ticks, stages] int32 each; -1 = none.
+TABLES = ('kind', 'mb', 'chunk', 'local', 'src', 'loss', 'stash', 'cut',
+          'move_send', 'move_recv')
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Program:
+  """A schedule lowered to lockstep ticks, with buffer slots assigned.
+
+  `eq=False` because numpy arrays have no single truth value; compare fields.
+
+  Attributes:
+    schedule: the schedule as run: the built one with every fused B split
+      into B then W (see `ir.with_split_backward`).
+    source: the schedule as built.
+    ticks: T, the number of lockstep ticks.
+    grid: [tick][stage] -> the actions the stage runs (at most one compute
+      action, then the copies it sends).
+    table: name -> int32 [T, p]: `kind` (IDLE, RUN_F, RUN_B, RUN_W), `mb`,
+      `chunk` (global), `local` (the chunk's index on its stage), `src`
+      (message slot read: an F's input activation, -1 for chunk 0, which
+      embeds; a B's output gradient), `loss` (message slot the last chunk's
+      F writes its loss gradient to), `stash` (residual slot F writes, B and
+      W read, W frees), `cut` (slot B writes its cut to, W reads),
+      `move_send` (stash slot sent to the partner this tick), `move_recv`
+      (stash slot the set arriving from the partner lands in, next tick).
+    recv: stage offset o -> int32 [T, p]: message slot where the output
+      sent by stage (s - o) mod p this tick lands on stage s; -1 none.
+      Offset 0 is a stage's own output (a chunk whose successor is on the
+      same stage), which needs no collective.
+    slots: buffer -> entries the executor allocates (max over stages, >= 1):
+      'msg' (activations and gradients), 'stash', 'cut'.
+    peaks: buffer -> per stage, the most slots in use at once.
+    partner: the partner pairing for residual moves, or None.
+  """
+  schedule: Schedule
+  source: Schedule
+  ticks: int
+  grid: tuple[tuple[tuple[Action, ...], ...], ...]
+  table: dict[str, np.ndarray]
+  recv: dict[int, np.ndarray]
+  slots: dict[str, int]
+  peaks: dict[str, tuple[int, ...]]
+  partner: tuple[int, ...] | None
+
+  @property
+  def num_stash_slots(self) -> int:
+    return self.slots['stash']
+
+  @property
+  def peak_stash(self) -> tuple[int, ...]:
+    return self.peaks['stash']
+
+  @property
+  def offsets(self) -> tuple[int, ...]:
+    return tuple(sorted(self.recv))
+
+  @property
+  def split_backward(self) -> bool:
+    """True iff the built schedule itself splits its backward (zero-bubble)."""
+    return self.source.split_backward
+
+
+def lower(schedule: Schedule) -> Program:
+  """Lowers a schedule to lockstep ticks and assigns buffer slots.
+
+  The schedule must be valid (see validate.py): one F and one B per
+  (micro-batch, chunk), at most one W and one EVICT/LOAD pair.
+
+  Raises:
+    ScheduleDeadlock: if no stage can run its next action while actions
+      remain (an order that waits on itself).
+    ValueError: for copies the table cannot hold (an F and its B less than
+      two ticks apart, an eviction to a stage's own self, more than one
+      copy a tick from one stage).
+  """
+  run = with_split_backward(schedule)
+  at = compute_ticks(run)
+  at.update(_copy_ticks(run, at))
+  ticks = max(at.values(), default=-1) + 1
+  grid = [[[] for _ in range(run.stages)] for _ in range(ticks)]
+  for a, t in at.items():
+    grid[t][run.stage_of_action(a)].append(a)
+  grid = tuple(tuple(tuple(sorted(cell, key=lambda a: KINDS.index(a.kind))) for cell in row)
+               for row in grid)
+  slots, counts = _assign_slots(run, at)
+  return _tabulate(run, schedule, grid, at, slots, counts)
+
+
+def compute_ticks(schedule: Schedule) -> dict[Action, int]:
+  """Each stage's compute actions in order, one per tick, each in the first
+  tick after its inputs were produced (a copy's LOAD counts as arriving in
+  the tick before the B that needs it, see `_copy_ticks`)."""
+  p = schedule.stages
+  streams = [[a for a in o if a.kind in COMPUTE_KINDS] for o in schedule.orders]
+  nxt = [0] * p
+  at: dict[Action, int] = {}
+  remaining = sum(len(x) for x in streams)
+  t = 0
+  while remaining:
+    ran = []
+    for s in range(p):
+      if nxt[s] == len(streams[s]):
+        continue
+      a = streams[s][nxt[s]]
+      if all(_done_before(d, at, t) for d in dependencies(a, schedule)):
+        ran.append((s, a))
+    if not ran:
+      heads = [streams[s][nxt[s]] for s in range(p) if nxt[s] < len(streams[s])]
+      if any(_waits_only_for_a_copy(a, schedule, at) for a in heads):
+        t += 1    # an idle tick: an evicted set comes back in the next one
+        continue
+      heads = [[streams[s][nxt[s]]] if nxt[s] < len(streams[s]) else [] for s in range(p)]
+      raise _deadlock(schedule, at, t, heads)
+    for s, a in ran:
+      at[a] = t
+      nxt[s] += 1
+    remaining -= len(ran)
+    t += 1
+  return at
+
+
+def _waits_only_for_a_copy(a: Action, schedule: Schedule, at: dict[Action, int]) -> bool:
+  """True if `a`'s only missing input is residuals that are on their way back."""
+  deps = dependencies(a, schedule)
+  return (any(d.kind in COPY_KINDS for d in deps) and
+          all(d in at for d in deps if d.kind not in COPY_KINDS))
+
+
+def _done_before(dep: Action, at: dict[Action, int], t: int) -> bool:
+  if dep.kind in COPY_KINDS:
+    # The residuals come back in time if their F is at least two ticks
+    # before the B (checked when copies are placed).
+    return Action(FORWARD, dep.microbatch, dep.chunk) in at and \
+        at[Action(FORWARD, dep.microbatch, dep.chunk)] < t - 1
+  return dep in at and at[dep] < t
+
+
+def _deadlock(schedule: Schedule, at: dict[Action, int], t: int,
+              heads: Sequence[Sequence[Action]]) -> ScheduleDeadlock:
+  rows = [[[] for _ in range(schedule.stages)] for _ in range(t)]
+  for a, tick in at.items():
+    rows[tick][schedule.stage_of(a.chunk)].append(a)
+  waiting = [f'stage {s} waits on {" and ".join(map(str, h)) or "nothing"}'
+             for s, h in enumerate(heads)]
+  return ScheduleDeadlock(
+      f'{schedule.name}: lockstep lowering makes no progress at tick {t}; grid so far:\n'
+      f'{grid_lib.format_grid(rows, schedule.stages)}\n' + '\n'.join(waiting))
+
+
+def _copy_ticks(schedule: Schedule, at: dict[Action, int]) -> dict[Action, int]:
+  """EVICT in its F's tick; LOAD as late as possible before its B's tick.
+
+  The residuals leave as early and return as late as the table allows (the
+  orders' positions of copies matter to the asynchronous model only). A
+  stage sends at most one set a tick (one ppermute over the partner pairs),
+  so a LOAD that would share its tick moves earlier.
+  """
+  placed: dict[Action, int] = {}
+  busy: set[tuple[int, int]] = set()
+  evicts = [a for o in schedule.orders for a in o if a.kind == EVICT]
+  for a in sorted(evicts, key=lambda a: at[Action(FORWARD, a.microbatch, a.chunk)]):
+    j, c = a.microbatch, a.chunk
+    s = schedule.stage_of(c)
+    if schedule.partner is None or schedule.partner[s] == s:
+      raise ValueError(f'{schedule.name}: {a}: stage {s} has no partner to move residuals to')
+    t = at[Action(FORWARD, j, c)]
+    if (s, t) in busy:
+      raise ValueError(f'{schedule.name}: stage {s} would send two sets at tick {t}')
+    placed[a] = t
+    busy.add((s, t))
+  for a in sorted(evicts, key=lambda a: -at[Action(BACKWARD, a.microbatch, a.chunk)]):
+    j, c = a.microbatch, a.chunk
+    tf, tb = at[Action(FORWARD, j, c)], at[Action(BACKWARD, j, c)]
+    sender = schedule.partner[schedule.stage_of(c)]
+    for t in range(tb - 1, tf, -1):
+      if (sender, t) not in busy:
+        break
+    else:
+      raise ValueError(
+          f'{schedule.name}: cannot evict {j}.{c}: its F (tick {tf}) and B (tick {tb}) '
+          'leave no tick for the residuals to come back')
+    placed[Action(LOAD, j, c)] = t
+    busy.add((sender, t))
+  return placed
+
+
+def _time(tick: int, phase: int) -> int:
+  return _PHASES * tick + phase
+
+
+def _intervals(schedule: Schedule, at: dict[Action, int]) -> dict:
+  """Per stage and buffer, the [write, read] event times of each entry.
+
+  Stash keys are (micro-batch, chunk, segment): segment 0 from the F until
+  the set is freed or evicted, 1 on the partner while evicted, 2 back home
+  from the LOAD until W frees it. Message keys are ('x', j, c) for chunk
+  c's input activation and ('g', j, c) for its output gradient; cut keys
+  (j, c).
+  """
+  p, last = schedule.stages, schedule.num_chunks - 1
+  out = {(s, buf): [] for s in range(p) for buf in ('msg', 'stash', 'cut')}
+  for a, tf in at.items():
+    if a.kind != FORWARD:
+      continue
+    j, c = a.microbatch, a.chunk
+    s = schedule.stage_of(c)
+    tb, tw = at[Action(BACKWARD, j, c)], at[Action(WEIGHT, j, c)]
+    freed = _time(tw, _COMPUTE)
+    evict = Action(EVICT, j, c)
+    if evict in at:
+      te, tl = at[evict], at[Action(LOAD, j, c)]
+      guest = schedule.partner[s]
+      out[(s, 'stash')].append((_time(tf, _COMPUTE), _time(te, _SEND), (j, c, 0)))
+      out[(guest, 'stash')].append((_time(te + 1, _LAND), _time(tl, _SEND), (j, c, 1)))
+      out[(s, 'stash')].append((_time(tl + 1, _LAND), freed, (j, c, 2)))
+    else:
+      out[(s, 'stash')].append((_time(tf, _COMPUTE), freed, (j, c, 0)))
+    out[(s, 'cut')].append((_time(tb, _COMPUTE), freed, (j, c)))
+    if c > 0:
+      out[(s, 'msg')].append((_time(at[Action(FORWARD, j, c - 1)], _RECV),
+                              _time(tf, _COMPUTE), ('x', j, c)))
+    # The last chunk's F writes its loss gradient while it computes; it must
+    # not take the slot its own input is read from, so it counts from just
+    # after the read.
+    written = (_time(tf, _COMPUTE) + 0.5 if c == last else
+               _time(at[Action(BACKWARD, j, c + 1)], _RECV))
+    out[(s, 'msg')].append((written, _time(tb, _COMPUTE), ('g', j, c)))
+  return out
+
+
+def _colour_intervals(intervals: Sequence[tuple[float, float, tuple]]) -> tuple[dict, int]:
+  """Greedy interval colouring by write time, lowest free slot first.
+
+  Returns key -> slot and the number of slots used (the maximum overlap,
+  optimal for interval graphs).
+  """
+  slot_of = {}
+  busy: list[tuple[float, int]] = []  # (read time, slot)
+  free: list[int] = []
+  used = 0
+  for write, read, key in sorted(intervals, key=lambda x: (x[0], x[1])):
+    while busy and busy[0][0] < write:
+      heapq.heappush(free, heapq.heappop(busy)[1])
+    if free:
+      slot = heapq.heappop(free)
+    else:
+      slot, used = used, used + 1
+    slot_of[key] = slot
+    heapq.heappush(busy, (read, slot))
+  return slot_of, used
+
+
+def _assign_slots(schedule: Schedule, at: dict[Action, int]) -> tuple[dict, dict]:
+  slots, counts = {}, {}
+  for where, xs in _intervals(schedule, at).items():
+    slots[where], counts[where] = _colour_intervals(xs)
+  return slots, counts
+
+
+def _tabulate(run: Schedule, source: Schedule, grid: tuple, at: dict[Action, int],
+              slot: dict, counts: dict) -> Program:
+  p, last, ticks = run.stages, run.num_chunks - 1, len(grid)
+  table = {name: np.full((ticks, p), -1, np.int32) for name in TABLES}
+  table['kind'][:] = IDLE
+  recv: dict[int, np.ndarray] = {}
+
+  def arrive(t: int, src: int, dst: int, key: tuple) -> None:
+    o = (dst - src) % p
+    if o not in recv:
+      recv[o] = np.full((ticks, p), -1, np.int32)
+    recv[o][t, dst] = slot[(dst, 'msg')][key]
+
+  def home(j: int, c: int) -> int:
+    """The stash slot B and W read: back from the partner if evicted."""
+    return slot[(run.stage_of(c), 'stash')][(j, c, 2 if (j, c) in run.evicted else 0)]
+
+  for a, t in at.items():
+    j, c = a.microbatch, a.chunk
+    s = run.stage_of(c)
+    if a.kind in KIND_CODE:
+      table['kind'][t, s] = KIND_CODE[a.kind]
+      table['mb'][t, s], table['chunk'][t, s] = j, c
+      table['local'][t, s] = run.local_of(c)
+    if a.kind == FORWARD:
+      table['stash'][t, s] = slot[(s, 'stash')][(j, c, 0)]
+      if c > 0:
+        table['src'][t, s] = slot[(s, 'msg')][('x', j, c)]
+      if c == last:
+        table['loss'][t, s] = slot[(s, 'msg')][('g', j, c)]
+      else:
+        arrive(t, s, run.stage_of(c + 1), ('x', j, c + 1))
+    elif a.kind == BACKWARD:
+      table['stash'][t, s] = home(j, c)
+      table['src'][t, s] = slot[(s, 'msg')][('g', j, c)]
+      table['cut'][t, s] = slot[(s, 'cut')][(j, c)]
+      if c > 0:
+        arrive(t, s, run.stage_of(c - 1), ('g', j, c - 1))
+    elif a.kind == WEIGHT:
+      table['stash'][t, s] = home(j, c)
+      table['cut'][t, s] = slot[(s, 'cut')][(j, c)]
+    elif a.kind == EVICT:
+      guest = run.partner[s]
+      table['move_send'][t, s] = slot[(s, 'stash')][(j, c, 0)]
+      table['move_recv'][t, guest] = slot[(guest, 'stash')][(j, c, 1)]
+    elif a.kind == LOAD:
+      guest = run.partner[s]
+      table['move_send'][t, guest] = slot[(guest, 'stash')][(j, c, 1)]
+      table['move_recv'][t, s] = slot[(s, 'stash')][(j, c, 2)]
+
+  def most(buf: str) -> int:
+    return max([1] + [counts[(s, buf)] for s in range(p)])
+
+  return Program(
+      schedule=run, source=source, ticks=ticks, grid=grid, table=table, recv=recv,
+      slots={buf: most(buf) for buf in ('msg', 'stash', 'cut')},
+      peaks={buf: tuple(counts[(s, buf)] for s in range(p)) for buf in ('msg', 'stash', 'cut')},
+      partner=run.partner if run.evicted else None)
+
+
+def transfers_per_step(program: Program) -> dict:
+  """Residual sets moved between partner stages in one step.
+
+  Returns {'evictions': per stage, EVICTs it sends; 'loads': per stage,
+  LOADs it sends; 'total': all sets moved}. Bytes per step = total x the
+  bytes of one stash slot, which the executor knows.
+  """
+  p = program.schedule.stages
+  sent = {EVICT: [0] * p, LOAD: [0] * p}
+  for row in program.grid:
+    for s, cell in enumerate(row):
+      for a in cell:
+        if a.kind in sent:
+          sent[a.kind][s] += 1
+  return {'evictions': tuple(sent[EVICT]), 'loads': tuple(sent[LOAD]),
+          'total': sum(sent[EVICT]) + sum(sent[LOAD])}

@@ -1,0 +1,406 @@
+"""Splits a backward pass into its input-gradient (B) and weight-gradient (W) halves.
+
+Zero-bubble schedules run a chunk's backward in two actions: B computes the
+gradient w.r.t. the chunk's input (on the critical path: the previous stage
+waits for it), W the gradients w.r.t. its weights (deferrable into bubbles).
+Calling the chunk's `vjp` twice and keeping one half each time does not give
+that split: the weight gradient of layer i needs the output cotangent of
+layer i, so a W that starts from the chunk's output gradient re-runs the
+whole input-gradient chain through every layer of the chunk (and its
+attention backwards), and B+W cost about twice one fused backward.
+
+This module splits the backward *program* instead. It traces the fused
+backward once to a jaxpr and partitions its equations: everything the input
+gradient depends on is B; what only the weight gradients need is W; the
+values B computes that W reads (the cotangents at each weight matmul's
+output, a layer's output gradient) are B's extra outputs, the "cut", which
+the executor keeps in a buffer from the B to the W. Higher-order equations
+are split recursively: a `scan` (the layer stack) becomes a B scan that
+also emits each iteration's cut as stacked outputs and a W scan that
+consumes them; a `cond` (a padded layer of an uneven split) a B switch and
+a W switch; a nested `jit` or `checkpoint` is inlined. Every equation runs
+exactly once, in B or in W, so B + W execute the fused backward's FLOPs.
+
+The split is generic: it needs no cooperation from the model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from jax.extend import core
+
+_B, _W, _DEAD, _SPLIT = 'B', 'W', '-', 'S'
+
+
+@dataclasses.dataclass
+class _Plan:
+  """How one jaxpr's equations divide between B and W.
+
+  Attributes:
+    jaxpr: the (open) jaxpr.
+    consts: values of its constvars (a closed jaxpr's consts), or ().
+    need_b, need_w: outvar indices B, resp. W, must produce (disjoint).
+    roles: per equation, B, W, dead or split.
+    subs: equation index -> the rule's plan for a split equation.
+    b_in, w_in: invar indices the B, resp. W, part reads.
+    cuts: vars B defines and W reads, in a fixed order.
+  """
+  jaxpr: Any
+  consts: tuple
+  need_b: tuple[int, ...]
+  need_w: tuple[int, ...]
+  roles: list[str]
+  subs: dict[int, Any]
+  b_in: set[int]
+  w_in: set[int]
+  cuts: list[Any]
+
+
+def _is_var(v) -> bool:
+  return not isinstance(v, core.Literal)
+
+
+def _analyze(jaxpr, consts, need_b, need_w) -> _Plan:
+  """Assigns every equation to B or W by backward reachability."""
+  need_w = tuple(sorted(set(need_w) - set(need_b)))
+  need_b = tuple(sorted(need_b))
+  live_b = {jaxpr.outvars[i] for i in need_b if _is_var(jaxpr.outvars[i])}
+  live_w = {jaxpr.outvars[i] for i in need_w if _is_var(jaxpr.outvars[i])}
+  roles: list[str] = [_DEAD] * len(jaxpr.eqns)
+  subs: dict[int, Any] = {}
+  defined_b: set = set()
+  for n in reversed(range(len(jaxpr.eqns))):
+    eqn = jaxpr.eqns[n]
+    ob = {k for k, v in enumerate(eqn.outvars) if v in live_b}
+    ow = {k for k, v in enumerate(eqn.outvars) if v in live_w} - ob
+    rule = _RULES.get(eqn.primitive.name)
+    if ob and ow and rule is not None:
+      sub, ins_b, ins_w = rule.analyze(eqn, ob, ow)
+      roles[n], subs[n] = _SPLIT, sub
+      live_b |= {eqn.invars[i] for i in ins_b if _is_var(eqn.invars[i])}
+      live_w |= {eqn.invars[i] for i in ins_w if _is_var(eqn.invars[i])}
+      defined_b |= {eqn.outvars[k] for k in ob}
+    elif ob:
+      roles[n] = _B
+      live_b |= {v for v in eqn.invars if _is_var(v)}
+      defined_b |= set(eqn.outvars)
+    elif ow:
+      roles[n] = _W
+      live_w |= {v for v in eqn.invars if _is_var(v)}
+  cuts = sorted((v for v in live_w if v in defined_b), key=_order(jaxpr))
+  return _Plan(jaxpr, tuple(consts), need_b, need_w, roles, subs,
+               {i for i, v in enumerate(jaxpr.invars) if v in live_b},
+               {i for i, v in enumerate(jaxpr.invars) if v in live_w}, cuts)
+
+
+def _order(jaxpr) -> Callable:
+  position = {}
+  for n, eqn in enumerate(jaxpr.eqns):
+    for k, v in enumerate(eqn.outvars):
+      position[v] = (n, k)
+  return lambda v: position[v]
+
+
+def _read(env, v):
+  return v.val if isinstance(v, core.Literal) else env[v]
+
+
+def _bind(eqn, invals):
+  # As jax's own eval_jaxpr binds an equation (jax 0.10: no subfuns).
+  params = eqn.primitive.get_bind_params(eqn.params)
+  with eqn.ctx.manager:
+    outs = eqn.primitive.bind(*invals, **params)
+  return outs if eqn.primitive.multiple_results else [outs]
+
+
+def _env(plan: _Plan, invals: dict[int, Any]) -> dict:
+  env = dict(zip(plan.jaxpr.constvars, plan.consts))
+  for i, val in invals.items():
+    env[plan.jaxpr.invars[i]] = val
+  return env
+
+
+def _run_b(plan: _Plan, invals: dict[int, Any]):
+  """Runs the B part: (outputs need_b -> value, cut pytree)."""
+  env = _env(plan, invals)
+  sub_cuts = {}
+  for n, eqn in enumerate(plan.jaxpr.eqns):
+    role = plan.roles[n]
+    if role == _B:
+      outs = _bind(eqn, [_read(env, v) for v in eqn.invars])
+      env.update(zip(eqn.outvars, outs))
+    elif role == _SPLIT:
+      rule = _RULES[eqn.primitive.name]
+      outs, sub_cuts[n] = rule.run_b(plan.subs[n], eqn, [
+          _read(env, v) if i in plan.subs[n].ins_b else None
+          for i, v in enumerate(eqn.invars)])
+      env.update({eqn.outvars[k]: val for k, val in outs.items()})
+  outs = {i: _read(env, plan.jaxpr.outvars[i]) for i in plan.need_b}
+  return outs, ([env[v] for v in plan.cuts], sub_cuts)
+
+
+def _run_w(plan: _Plan, invals: dict[int, Any], cuts) -> dict[int, Any]:
+  """Runs the W part from its inputs and B's cut: outputs need_w -> value."""
+  env = _env(plan, invals)
+  cut_vals, sub_cuts = cuts
+  env.update(zip(plan.cuts, cut_vals))
+  for n, eqn in enumerate(plan.jaxpr.eqns):
+    role = plan.roles[n]
+    if role == _W:
+      outs = _bind(eqn, [_read(env, v) for v in eqn.invars])
+      env.update(zip(eqn.outvars, outs))
+    elif role == _SPLIT:
+      rule = _RULES[eqn.primitive.name]
+      outs = rule.run_w(plan.subs[n], eqn, [
+          _read(env, v) if i in plan.subs[n].ins_w else None
+          for i, v in enumerate(eqn.invars)], sub_cuts[n])
+      env.update({eqn.outvars[k]: val for k, val in outs.items()})
+  return {i: _read(env, plan.jaxpr.outvars[i]) for i in plan.need_w}
+
+
+# ------------------------------------------------------------------ rules
+
+
+@dataclasses.dataclass
+class _Sub:
+  """A split equation's plan: its body plan(s) and which invars each part reads."""
+  plans: Any
+  ins_b: set[int]
+  ins_w: set[int]
+  extra: dict = dataclasses.field(default_factory=dict)
+
+
+class _Inline:
+  """`jit` and `checkpoint`: the inner jaxpr's parts run inline."""
+
+  @staticmethod
+  def _inner(eqn):
+    inner = eqn.params['jaxpr']
+    if isinstance(inner, core.ClosedJaxpr):
+      return inner.jaxpr, inner.consts
+    return inner, ()
+
+  def analyze(self, eqn, ob, ow):
+    jaxpr, consts = self._inner(eqn)
+    plan = _analyze(jaxpr, consts, ob, ow)
+    return _Sub(plan, set(plan.b_in), set(plan.w_in)), plan.b_in, plan.w_in
+
+  def run_b(self, sub, eqn, invals):
+    return _run_b(sub.plans, {i: invals[i] for i in sub.ins_b})
+
+  def run_w(self, sub, eqn, invals, cuts):
+    return _run_w(sub.plans, {i: invals[i] for i in sub.ins_w}, cuts)
+
+
+class _Scan:
+  """`scan`: a B scan emitting each iteration's cut, then a W scan reading it."""
+
+  def analyze(self, eqn, ob, ow):
+    nc, nk = eqn.params['num_consts'], eqn.params['num_carry']
+    body = eqn.params['jaxpr']
+    kb = {k for k in ob if k < nk}
+    yb = {k for k in ob if k >= nk}
+    # Carries B needs: those whose results it reads, closed under the body's
+    # dependencies (a carry feeding a B carry is B's too).
+    while True:
+      plan = _analyze(body.jaxpr, body.consts, kb | yb, ())
+      more = {i - nc for i in plan.b_in if nc <= i < nc + nk} - kb
+      if not more:
+        break
+      kb |= more
+    kw = {k for k in ow if k < nk} - kb
+    yw = {k for k in ow if k >= nk}
+    while True:
+      plan = _analyze(body.jaxpr, body.consts, kb | yb, kw | yw)
+      more = {i - nc for i in plan.w_in if nc <= i < nc + nk} - kb - kw
+      if not more:
+        break
+      kw |= more
+    consts_b = {i for i in plan.b_in if i < nc}
+    consts_w = {i for i in plan.w_in if i < nc}
+    xs_b = {i for i in plan.b_in if i >= nc + nk}
+    xs_w = {i for i in plan.w_in if i >= nc + nk}
+    # B carries W reads inside the body: each iteration's value is cut.
+    carries_cut = sorted(i for i in plan.w_in if nc <= i < nc + nk and i - nc in kb)
+    ins_b = consts_b | {nc + k for k in kb} | xs_b
+    ins_w = consts_w | {nc + k for k in kw} | xs_w
+    sub = _Sub(plan, ins_b, ins_w, dict(
+        kb=sorted(kb), yb=sorted(yb), kw=sorted(kw), yw=sorted(yw), consts_b=sorted(consts_b),
+        consts_w=sorted(consts_w), xs_b=sorted(xs_b), xs_w=sorted(xs_w),
+        carries_cut=carries_cut))
+    return sub, ins_b, ins_w
+
+  def run_b(self, sub, eqn, invals):
+    x, plan = sub.extra, sub.plans
+    nc = eqn.params['num_consts']
+    consts = {i: invals[i] for i in x['consts_b']}
+
+    def body(carry, xs):
+      vals = dict(consts)
+      vals.update({nc + k: c for k, c in zip(x['kb'], carry)})
+      vals.update(zip(x['xs_b'], xs))
+      outs, cuts = _run_b(plan, vals)
+      return ([outs[k] for k in x['kb']],
+              ([outs[y] for y in x['yb']], cuts, [vals[i] for i in x['carries_cut']]))
+
+    carry, (ys, cuts, carried) = jax.lax.scan(
+        body, [invals[nc + k] for k in x['kb']], [invals[i] for i in x['xs_b']],
+        length=eqn.params['length'], reverse=eqn.params['reverse'],
+        unroll=eqn.params['unroll'])
+    outs = dict(zip(x['kb'], carry))
+    outs.update(zip(x['yb'], ys))
+    return outs, (cuts, carried)
+
+  def run_w(self, sub, eqn, invals, cuts):
+    x, plan = sub.extra, sub.plans
+    nc = eqn.params['num_consts']
+    consts = {i: invals[i] for i in x['consts_w']}
+
+    def body(carry, xs):
+      own, (cut, carried) = xs
+      vals = dict(consts)
+      vals.update({nc + k: c for k, c in zip(x['kw'], carry)})
+      vals.update(zip(x['xs_w'], own))
+      vals.update(zip(x['carries_cut'], carried))
+      outs = _run_w(plan, vals, cut)
+      return [outs[k] for k in x['kw']], [outs[y] for y in x['yw']]
+
+    carry, ys = jax.lax.scan(
+        body, [invals[nc + k] for k in x['kw']], ([invals[i] for i in x['xs_w']], cuts),
+        length=eqn.params['length'], reverse=eqn.params['reverse'],
+        unroll=eqn.params['unroll'])
+    outs = dict(zip(x['kw'], carry))
+    outs.update(zip(x['yw'], ys))
+    return outs
+
+
+def _zeros(aval):
+  z = jnp.zeros(aval.shape, aval.dtype)
+  varying = getattr(aval, 'vma', None)
+  if varying is None and hasattr(aval, 'manual_axis_type'):
+    varying = aval.manual_axis_type.varying
+  if varying:
+    z = jax.lax.pcast(z, tuple(varying), to='varying')
+  return z
+
+
+def _cut_avals(plan: _Plan, length: int | None = None):
+  """The abstract values of a plan's cut pytree (stacked `length` deep in a scan)."""
+  avals = [v.aval for v in plan.cuts]
+  subs = {}
+  for n, role in enumerate(plan.roles):
+    if role == _SPLIT:
+      eqn = plan.jaxpr.eqns[n]
+      subs[n] = _RULES[eqn.primitive.name].cut_avals(plan.subs[n], eqn)
+  return avals, subs
+
+
+class _Cond:
+  """`cond`: a B switch returning every branch's cut (zeros for the others)."""
+
+  def analyze(self, eqn, ob, ow):
+    plans = [_analyze(br.jaxpr, br.consts, ob, ow) for br in eqn.params['branches']]
+    ins_b = {0} | {1 + i for p in plans for i in p.b_in}
+    ins_w = {0} | {1 + i for p in plans for i in p.w_in}
+    return _Sub(plans, ins_b, ins_w), ins_b, ins_w
+
+  def run_b(self, sub, eqn, invals):
+    plans = sub.plans
+    ops = {i - 1: invals[i] for i in sub.ins_b if i > 0}
+    cut_avals = [_cut_avals(p) for p in plans]
+    need = plans[0].need_b
+
+    def branch(b):
+      def fn(ops):
+        outs, cuts = _run_b(plans[b], {i: ops[i] for i in plans[b].b_in})
+        all_cuts = [cuts if c == b else jax.tree.map(_zeros, cut_avals[c])
+                    for c in range(len(plans))]
+        return [outs[i] for i in need], all_cuts
+      return fn
+
+    outs, cuts = jax.lax.switch(invals[0], [branch(b) for b in range(len(plans))], ops)
+    return dict(zip(need, outs)), cuts
+
+  def run_w(self, sub, eqn, invals, cuts):
+    plans = sub.plans
+    ops = {i - 1: invals[i] for i in sub.ins_w if i > 0}
+    need = plans[0].need_w
+
+    def branch(b):
+      def fn(ops, cuts):
+        outs = _run_w(plans[b], {i: ops[i] for i in plans[b].w_in}, cuts[b])
+        return [outs[i] for i in need]
+      return fn
+
+    outs = jax.lax.switch(invals[0], [branch(b) for b in range(len(plans))], ops, cuts)
+    return dict(zip(need, outs))
+
+
+def _inline_cut_avals(sub, eqn):
+  return _cut_avals(sub.plans)
+
+
+def _scan_cut_avals(sub, eqn):
+  length = eqn.params['length']
+  stack = lambda a: jax.core.ShapedArray((length,) + a.shape, a.dtype, **_vma_kw(a))
+  plan = sub.plans
+  carried = [plan.jaxpr.invars[i].aval for i in sub.extra['carries_cut']]
+  return jax.tree.map(stack, (_cut_avals(plan), carried),
+                      is_leaf=lambda a: isinstance(a, jax.core.ShapedArray))
+
+
+def _cond_cut_avals(sub, eqn):
+  return [_cut_avals(p) for p in sub.plans]
+
+
+def _vma_kw(aval) -> dict:
+  vma = getattr(aval, 'vma', None)
+  return {'vma': vma} if vma else {}
+
+
+_Inline.cut_avals = staticmethod(_inline_cut_avals)
+_Scan.cut_avals = staticmethod(_scan_cut_avals)
+_Cond.cut_avals = staticmethod(_cond_cut_avals)
+
+_RULES = {'jit': _Inline(), 'pjit': _Inline(), 'checkpoint': _Inline(), 'remat2': _Inline(),
+          'scan': _Scan(), 'cond': _Cond()}
+
+
+class SplitBackward:
+  """A backward function bwd(residuals, g) -> (weight grads, input grad), split.
+
+  b(residuals, g) -> (input grad, cut) and w(residuals, cut) -> weight grads
+  together compute bwd's outputs, each equation once. `cut` is a pytree of
+  arrays whose structure is fixed at construction (`cut_shapes`).
+  """
+
+  def __init__(self, bwd: Callable, residuals: list, g):
+    closed, out_shape = jax.make_jaxpr(bwd, return_shape=True)(residuals, g)
+    self._out_tree = jax.tree.structure(out_shape)
+    n_out = len(closed.jaxpr.outvars)
+    self._n_res = len(residuals)
+    dx_index = n_out - 1      # bwd returns (weight grads, input grad): dx is last
+    self._plan = _analyze(closed.jaxpr, closed.consts, {dx_index}, set(range(dx_index)))
+    self._dx = dx_index
+    self._g_in_w = self._n_res in self._plan.w_in
+    self.cut_shapes = jax.eval_shape(lambda r, g: self.b(r, g)[1], residuals, g)
+
+  def b(self, residuals, g):
+    invals = {i: residuals[i] for i in self._plan.b_in if i < self._n_res}
+    if self._n_res in self._plan.b_in:
+      invals[self._n_res] = g
+    outs, cuts = _run_b(self._plan, invals)
+    return outs[self._dx], (g if self._g_in_w else None, cuts)
+
+  def w(self, residuals, cut):
+    g, cuts = cut
+    invals = {i: residuals[i] for i in self._plan.w_in if i < self._n_res}
+    if self._g_in_w:
+      invals[self._n_res] = g
+    outs = _run_w(self._plan, invals, cuts)
+    leaves = [outs[i] for i in range(self._dx)]
+    return jax.tree.unflatten(self._out_tree, leaves + [None])[0]
