@@ -1,41 +1,47 @@
-"""Schedule comparison (issue 4): gpipe, 1f1b, interleaved_1f1b v=2, bpipe, zb_h1 at p = 4.
+"""Schedule comparison at p = 4: the lockstep lowering beside the one it replaced.
 
-  PYTHONPATH=src .venv/bin/python scripts/bench_schedules.py [--out=docs/bench_schedules.md]
+  PYTHONPATH=src .venv/bin/python scripts/bench_schedules.py [--out=docs/bench_schedules.md] \
+      [--baseline=650fb8b] [--microbatches=4,8,16,32] [--steps=4] [--ab_rounds=5]
 
-Per schedule and m in {4, 8, 16, 32}: simulated bubble in both time models
-(t_B = 2 t_F; zb_h1 splits it into B = W = t_F), lockstep ticks, compiled
-per-device temp bytes (every device compiles the same buffers in SPMD), the
-residual bytes live at each stage's peak (max and min over stages: peak
-stash sets x bytes per set per device), residual bytes moved between stages
-per step (BPipe's evictions and loads), and the step time relative to 1f1b
-measured in the same run on 8 forced CPU devices (ratios only: the devices
-share this machine's cores).
+Per schedule and m: lockstep ticks, simulated bubble in the executor's
+lockstep model and in the papers' asynchronous one (t_F = 1 and a fused
+t_B = 2, which the lowering runs as B = W = 1; split schedules F = B = W = 1),
+compiled per-device temp bytes, the residual sets each stage holds at its
+peak, and the step time relative to 1f1b measured in the same process on 8
+forced CPU devices (ratios only: the devices share this machine's cores).
+
+The "old" columns come from the baseline commit (the lowering that ran F and
+B in one tick, F ahead of B): the script checks it out into a temporary git
+worktree and measures the same points there in a subprocess, so both sides
+are measured by their own code on the same config.
+
+A second table times zb_h1 against 1f1b at m = 16 in alternating rounds
+(A, B, A, B, ...), the ratio of the medians: zero-bubble must not cost more
+than the bubble it removes.
 """
 
+import json
 import os
+import statistics
+import subprocess
 import sys
+import tempfile
+import time
 
 os.environ.setdefault('XLA_FLAGS', '--xla_force_host_platform_device_count=8')
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), '..', 'src'))
-
-from absl import app, flags  # noqa: E402
-
-from triax import config  # noqa: E402
-from triax.pipeline import schedule as sched  # noqa: E402
-from triax.pipeline import simulate  # noqa: E402
-from triax.training.measure import measure, write_report  # noqa: E402
-
-_OUT = flags.DEFINE_string('out', 'docs/bench_schedules.md', 'Markdown table to write.')
-_MICROBATCHES = flags.DEFINE_list('microbatches', ['4', '8', '16', '32'], 'm values.')
-_STEPS = flags.DEFINE_integer('steps', 4, 'Timed steps per point (after 2 warm-up steps).')
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), '..'))
+if __name__ == '__main__' and '--_point' not in ' '.join(sys.argv):
+  sys.path.insert(0, os.path.join(ROOT, 'src'))
 
 P, DATA = 4, 2
-SCHEDULES = (('gpipe', 1), ('1f1b', 1), ('interleaved_1f1b', 2), ('bpipe', 1), ('zb_h1', 1))
+NEW = (('gpipe', 1), ('1f1b', 1), ('interleaved_1f1b', 2), ('bpipe', 1), ('zb_h1', 1),
+       ('interleaved_zb', 2), ('zb_v', 2))
+OLD = {'gpipe', '1f1b', 'interleaved_1f1b', 'bpipe', 'zb_h1'}
 
 
-def bench_config(m, name, v):
+def bench_config(config, m, name, v):
   c = config.defaults()
-  # Activation-heavy on purpose (long sequences, narrow model): where BPipe matters.
+  # Activation-heavy on purpose (long sequences, narrow model): where memory matters.
   c.model.num_layers, c.model.d_model, c.model.num_heads = 8, 64, 4
   c.model.d_ff, c.model.seq_len = 256, 128
   c.mesh.data, c.mesh.pipe = DATA, P
@@ -44,46 +50,141 @@ def bench_config(m, name, v):
   return c
 
 
-def simulated(name, m, v):
-  program = sched.lower(sched.build(name, P, m, v))
-  if program.split_backward:
-    costs = simulate.Costs(t_forward=1.0, t_backward=1.0, t_weight=1.0)
-  else:
-    costs = simulate.Costs(t_forward=1.0, t_backward=2.0)
-  return (program, simulate.simulate_lockstep(program, costs).bubble_fraction,
-          simulate.simulate_async(program.schedule, costs).bubble_fraction)
+def measure_point(name: str, m: int, v: int, steps: int) -> dict:
+  """One point, measured by whichever triax is on sys.path (new or baseline)."""
+  from triax import config
+  from triax.pipeline import schedule as sched
+  from triax.pipeline import simulate
+  from triax.training.measure import measure
+  schedule = sched.build(name, P, m, v)
+  program = sched.lower(schedule)
+  split = schedule.split_backward
+  costs = (simulate.Costs(t_forward=1.0, t_backward=1.0, t_weight=1.0) if split else
+           simulate.Costs(t_forward=1.0, t_backward=2.0))
+  result = measure(bench_config(config, m, name, v), steps=steps)
+  return {'ticks': program.ticks,
+          'lockstep': simulate.simulate_lockstep(program, costs).bubble_fraction,
+          'async': simulate.simulate_async(schedule, costs).bubble_fraction,
+          'temp': result.stats['temp_bytes'], 'peak': list(program.peak_stash),
+          'step': result.step_time_s}
+
+
+def baseline_points(rev: str, points, steps: int) -> dict:
+  """Measures `points` with the code of commit `rev`, in a worktree and subprocess."""
+  out = {}
+  with tempfile.TemporaryDirectory() as tmp:
+    tree = os.path.join(tmp, 'baseline')
+    subprocess.run(['git', '-C', ROOT, 'worktree', 'add', '--detach', tree, rev], check=True,
+                   capture_output=True)
+    try:
+      env = dict(os.environ, PYTHONPATH=os.path.join(tree, 'src'))
+      for name, m, v in points:
+        run = subprocess.run([sys.executable, os.path.abspath(__file__), '--_point',
+                              f'{name}:{m}:{v}:{steps}'], env=env, cwd=tree, check=True,
+                             capture_output=True, text=True)
+        out[(name, m)] = json.loads(run.stdout.strip().splitlines()[-1])
+        print('baseline', name, m, out[(name, m)], flush=True)
+    finally:
+      subprocess.run(['git', '-C', ROOT, 'worktree', 'remove', '--force', tree],
+                     capture_output=True)
+  return out
+
+
+def alternate(m: int, rounds: int, steps: int) -> tuple[float, float]:
+  """Median step times of 1f1b and zb_h1, timed in alternating rounds."""
+  import jax
+  import numpy as np
+  from triax import config as config_lib
+  from triax.mesh import build_mesh
+  from triax.training.loop import compile_stats
+  from triax.training.step import build_trainer
+  runs = {}
+  for name in ('1f1b', 'zb_h1'):
+    cfg = config_lib.validate(bench_config(config_lib, m, name, 1), jax.device_count())
+    trainer = build_trainer(cfg, build_mesh(cfg.mesh, jax.devices()))
+    tokens = np.random.default_rng(0).integers(
+        0, cfg.model.vocab_size, (cfg.train.global_batch_size, cfg.model.seq_len + 1))
+    with jax.set_mesh(trainer.mesh):
+      compiled, _ = compile_stats(trainer)
+      batch = jax.device_put({'inputs': tokens[:, :-1].astype(np.int32),
+                              'targets': tokens[:, 1:].astype(np.int32)},
+                             trainer.batch_sharding)
+      state = trainer.init_state(jax.random.key(0))
+      state, out = compiled(state, batch)
+      jax.block_until_ready(out)
+    runs[name] = [trainer, compiled, state, batch, []]
+  for _ in range(rounds):
+    for name in ('1f1b', 'zb_h1'):
+      trainer, compiled, state, batch, times = runs[name]
+      with jax.set_mesh(trainer.mesh):
+        for _ in range(steps):
+          start = time.perf_counter()
+          state, out = compiled(state, batch)
+          jax.block_until_ready(out)
+          times.append(time.perf_counter() - start)
+      runs[name][2] = state
+  return statistics.median(runs['1f1b'][4]), statistics.median(runs['zb_h1'][4])
 
 
 def main(argv):
   del argv
-  rows = []
-  for m in map(int, _MICROBATCHES.value):
-    times = {}
-    for name, v in SCHEDULES:
-      result = measure(bench_config(m, name, v), steps=_STEPS.value)
-      program, lock, asyn = simulated(name, m, v)
-      per_set = result.stats['schedule']['residual_bytes_per_slot'] / DATA  # per device
-      live = [n * per_set for n in program.peak_stash]
-      moved = result.stats['schedule']['residual_bytes_moved_per_step']
-      times[name] = result.step_time_s
-      rows.append([name + (f' v={v}' if v > 1 else ''), m, program.ticks, lock, asyn,
-                   result.stats['temp_bytes'], max(live), min(live), moved, name])
-      print(rows[-1], flush=True)
-    for row in rows[-len(SCHEDULES):]:
-      row[-1] = times[row[-1]] / times['1f1b']
+  from triax.training.measure import write_report
+  ms = [int(x) for x in _MICROBATCHES.value]
+  new = {}
+  for m in ms:
+    for name, v in NEW:
+      new[(name, m)] = measure_point(name, m, v, _STEPS.value)
+      print('new', name, m, new[(name, m)], flush=True)
+  old = baseline_points(_BASELINE.value, [(n, m, v) for m in ms for n, v in NEW if n in OLD],
+                        _STEPS.value) if _BASELINE.value else {}
   lines = [
       f'Schedules at p={P}, data={DATA}: 8 layers of width 64, 128 tokens x 4 sequences per '
-      'micro-batch per data shard, fp32, 8 forced CPU devices on '
-      f'{os.cpu_count()} cores. Bubbles simulated with t_B = 2 t_F (zb_h1: B = W = t_F).',
+      f'micro-batch per data shard, fp32, 8 forced CPU devices on {os.cpu_count()} cores. '
+      'Bubbles simulated with t_F = 1 and a fused t_B = 2 (split schedules: F = B = W = 1). '
+      f'"old": the lockstep lowering of commit {_BASELINE.value} (F and B in one tick), '
+      'measured by its own code; "new": one action per stage per tick, fused backwards run '
+      'as B then W. Step times are relative to 1f1b of the same side, measured in one run.',
       '',
-      '| schedule | m | ticks | bubble lockstep | bubble async | temp MiB/device '
-      '| live stash MiB max / min over stages | MiB moved/step | step time / 1f1b |',
-      '|---|---|---|---|---|---|---|---|---|']
-  for name, m, ticks, lock, asyn, temp, hi, lo, moved, rel in rows:
-    lines.append(f'| {name} | {m} | {ticks} | {lock:.3f} | {asyn:.3f} | {temp / 2**20:.1f} '
-                 f'| {hi / 2**20:.1f} / {lo / 2**20:.1f} | {moved / 2**20:.1f} | {rel:.2f} |')
+      '| schedule | m | ticks old / new | bubble lockstep old / new | bubble async '
+      '| temp MiB old / new | peak stash per stage old / new | step time / 1f1b old / new |',
+      '|---|---|---|---|---|---|---|---|']
+  fmt = lambda x, f: '-' if x is None else format(x, f)
+  for m in ms:
+    for name, v in NEW:
+      n, o = new[(name, m)], old.get((name, m))
+      get = lambda d, k: None if d is None else d[k]
+      rel_new = n['step'] / new[('1f1b', m)]['step']
+      rel_old = None if o is None else o['step'] / old[('1f1b', m)]['step']
+      label = name + (f' v={v}' if v > 1 else '')
+      peak_old = '-' if o is None else ','.join(map(str, o['peak']))
+      lines.append(
+          f'| {label} | {m} | {fmt(get(o, "ticks"), "d")} / {n["ticks"]} '
+          f'| {fmt(get(o, "lockstep"), ".3f")} / {n["lockstep"]:.3f} | {n["async"]:.3f} '
+          f'| {fmt(None if o is None else o["temp"] / 2**20, ".1f")} / {n["temp"] / 2**20:.1f} '
+          f'| {peak_old} / {",".join(map(str, n["peak"]))} '
+          f'| {fmt(rel_old, ".2f")} / {rel_new:.2f} |')
+  if _AB_ROUNDS.value:
+    a, b = alternate(16, _AB_ROUNDS.value, _STEPS.value)
+    lines += [
+        '',
+        f'zb_h1 against 1f1b at m=16, {_AB_ROUNDS.value} alternating rounds of '
+        f'{_STEPS.value} steps each (medians): 1f1b {a * 1e3:.0f} ms, zb_h1 {b * 1e3:.0f} ms, '
+        f'ratio **{b / a:.3f}**.']
   write_report(_OUT.value, lines)
 
 
 if __name__ == '__main__':
-  app.run(main)
+  if len(sys.argv) == 3 and sys.argv[1] == '--_point':
+    name, m, v, steps = sys.argv[2].split(':')
+    sys.path.insert(0, os.path.join(os.getcwd(), 'src'))
+    print(json.dumps(measure_point(name, int(m), int(v), int(steps))))
+  else:
+    from absl import app, flags
+    _OUT = flags.DEFINE_string('out', 'docs/bench_schedules.md', 'Markdown table to write.')
+    _MICROBATCHES = flags.DEFINE_list('microbatches', ['4', '8', '16', '32'], 'm values.')
+    _STEPS = flags.DEFINE_integer('steps', 4, 'Timed steps per point (after 2 warm-up steps).')
+    _BASELINE = flags.DEFINE_string('baseline', '650fb8b',
+                                    'Commit whose lowering the "old" columns measure; '
+                                    "'' to skip them.")
+    _AB_ROUNDS = flags.DEFINE_integer('ab_rounds', 5, 'Alternating zb_h1/1f1b rounds; 0 skips.')
+    app.run(main)

@@ -346,10 +346,16 @@ def action_costs(plan: Plan, profile: Profile, cluster: Cluster,
   transfer, evict = [], []
   stash_set = _chunk_stash(plan, profile, max(plan.chunk_layers))
   partner = [p - 1 - s for s in range(p)]
+  # Megatron's scatter/gather (the executor's default, pipeline.scatter_gather):
+  # each of a stage's t tensor ranks sends 1/t of an activation to its
+  # counterpart, and the receiving tensor group all-gathers it (half a ring
+  # all-reduce's steps) over its own links.
+  sent = act / t
   for s in range(p):
     neighbours = [plan.stages[(s + 1) % p], plan.stages[(s - 1) % p]]
-    transfer.append(max(comm.p2p(a, z, act) for other in neighbours
-                        for a, z in zip(plan.stages[s], other)) if p > 1 else 0.0)
+    gather = max(comm.allreduce(g, act) for g in tensor_groups(s)) / 2 if t > 1 else 0.0
+    transfer.append(max(comm.p2p(a, z, sent) for other in neighbours
+                        for a, z in zip(plan.stages[s], other)) + gather if p > 1 else 0.0)
     evict.append(max(comm.p2p(a, z, stash_set)
                      for a, z in zip(plan.stages[s], plan.stages[partner[s]])))
   # One ppermute per stage offset the placement uses (+1 and -1 around the
