@@ -48,12 +48,12 @@ def get_config(arg=None):
   # A benchmark: evaluate only at the start and the end, on one batch.
   c.train.eval_every = 10_000
   c.train.eval_batches = 1
-  c.checkpoint.every_steps = 0     # one checkpoint, at the end
+  c.checkpoint.every_steps = 0  # one checkpoint, at the end
   c.checkpoint.keep = 1
   if args['smoke']:
     c.model.num_layers, c.model.d_model, c.model.num_heads = 2, 64, 4
     c.model.d_ff, c.model.seq_len = 256, 64
-    c.model.attention = 'xla'      # cuDNN attention exists only on GPU
+    c.model.attention = 'xla'  # cuDNN attention exists only on GPU
     c.train.global_batch_size = 4
     c.train.steps = 6
     c.train.warmup_steps = 1

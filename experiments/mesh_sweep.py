@@ -37,20 +37,29 @@ def get_config(arg=None):
   c.pipeline.schedule = '1f1b'
   c.pipeline.virtual_stages = 1
   c.pipeline.microbatches = 1
-  c.train.eval_every = c.train.steps     # one evaluation at the end (and one at step 0)
-  c.checkpoint.every_steps = 0           # only the final checkpoint
+  c.train.eval_every = c.train.steps  # one evaluation at the end (and one at step 0)
+  c.checkpoint.every_steps = 0  # only the final checkpoint
   return c
 
 
 def factorisations(n):
   """(data, tensor, pipe) with data * tensor * pipe = n, data-major."""
   divisors = [d for d in range(1, n + 1) if n % d == 0]
-  return [(d, t, n // (d * t)) for d, t in itertools.product(reversed(divisors), repeat=2)
-          if n % (d * t) == 0]
+  return [
+    (d, t, n // (d * t))
+    for d, t in itertools.product(reversed(divisors), repeat=2)
+    if n % (d * t) == 0
+  ]
 
 
 def sweep(add, arg=None):
-  del arg   # the same points at any length
+  del arg  # the same points at any length
   for data, tensor, pipe in factorisations(_DEVICES):
-    add(**{'mesh.data': data, 'mesh.tensor': tensor, 'mesh.pipe': pipe,
-           'pipeline.microbatches': 2 * pipe if pipe > 1 else 1})
+    add(
+      **{
+        'mesh.data': data,
+        'mesh.tensor': tensor,
+        'mesh.pipe': pipe,
+        'pipeline.microbatches': 2 * pipe if pipe > 1 else 1,
+      }
+    )

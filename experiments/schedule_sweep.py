@@ -40,14 +40,19 @@ def get_config(arg=None):
   c.train.global_batch_size = 32
   c.train.warmup_steps = 5
   c.train.log_every = 5
-  c.train.eval_every = c.train.steps     # evaluate at step 0 and at the end only
-  c.checkpoint.every_steps = 0           # only the final checkpoint
+  c.train.eval_every = c.train.steps  # evaluate at step 0 and at the end only
+  c.checkpoint.every_steps = 0  # only the final checkpoint
   return c
 
 
 def sweep(add, arg=None):
-  del arg   # the same points at any length
+  del arg  # the same points at any length
   for schedule in SCHEDULES:
     for m in MICROBATCHES:
-      add(**{'pipeline.schedule': schedule, 'pipeline.microbatches': m,
-             'pipeline.virtual_stages': 2 if schedule == 'interleaved_1f1b' else 1})
+      add(
+        **{
+          'pipeline.schedule': schedule,
+          'pipeline.microbatches': m,
+          'pipeline.virtual_stages': 2 if schedule == 'interleaved_1f1b' else 1,
+        }
+      )

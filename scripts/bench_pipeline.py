@@ -46,8 +46,11 @@ def bench_config(**overrides):
 def bubbles(name, m, v):
   program = sched.lower(sched.build(name, P, m, v))
   costs = simulate.Costs(t_forward=1.0, t_backward=2.0)
-  return (program.ticks, simulate.simulate_lockstep(program, costs).bubble_fraction,
-          simulate.simulate_async(program.schedule, costs).bubble_fraction)
+  return (
+    program.ticks,
+    simulate.simulate_lockstep(program, costs).bubble_fraction,
+    simulate.simulate_async(program.schedule, costs).bubble_fraction,
+  )
 
 
 def main(argv):
@@ -56,25 +59,43 @@ def main(argv):
   rows = []
   for m in map(int, _MICROBATCHES.value):
     for name, v in SCHEDULES:
-      cfg = bench_config(**{'mesh.data': 2, 'mesh.pipe': P, 'pipeline.schedule': name,
-                            'pipeline.virtual_stages': v, 'pipeline.microbatches': m})
+      cfg = bench_config(
+        **{
+          'mesh.data': 2,
+          'mesh.pipe': P,
+          'pipeline.schedule': name,
+          'pipeline.virtual_stages': v,
+          'pipeline.microbatches': m,
+        }
+      )
       skip = measure(cfg, steps=_STEPS.value)
       ticks, lock, asyn = bubbles(name, m, v)
-      rows.append((f'{name}' + (f' v={v}' if v > 1 else ''), m, ticks, lock, asyn,
-                   skip.stats['temp_bytes'], skip.step_time_s / base.step_time_s))
+      rows.append(
+        (
+          f'{name}' + (f' v={v}' if v > 1 else ''),
+          m,
+          ticks,
+          lock,
+          asyn,
+          skip.stats['temp_bytes'],
+          skip.step_time_s / base.step_time_s,
+        )
+      )
       print(rows[-1], flush=True)
   lines = [
-      f'Pipeline benchmark: p={P}, mesh data=2 x pipe=4 vs data=8 x pipe=1 (baseline step '
-      f'{base.step_time_s * 1e3:.0f} ms, temp {base.stats["temp_bytes"] / 2**20:.1f} MiB), '
-      'global batch 64 x 64 tokens, 8 layers of width 128, fp32, 8 forced CPU devices on '
-      f'{os.cpu_count()} cores. Bubbles simulated with t_B = 2 t_F.',
-      '',
-      '| schedule | m | ticks | bubble (lockstep) | bubble (async) | temp MiB/device '
-      '| step time / pipe=1 |',
-      '|---|---|---|---|---|---|---|']
+    f'Pipeline benchmark: p={P}, mesh data=2 x pipe=4 vs data=8 x pipe=1 (baseline step '
+    f'{base.step_time_s * 1e3:.0f} ms, temp {base.stats["temp_bytes"] / 2**20:.1f} MiB), '
+    'global batch 64 x 64 tokens, 8 layers of width 128, fp32, 8 forced CPU devices on '
+    f'{os.cpu_count()} cores. Bubbles simulated with t_B = 2 t_F.',
+    '',
+    '| schedule | m | ticks | bubble (lockstep) | bubble (async) | temp MiB/device '
+    '| step time / pipe=1 |',
+    '|---|---|---|---|---|---|---|',
+  ]
   for name, m, ticks, lock, asyn, temp, rel in rows:
-    lines.append(f'| {name} | {m} | {ticks} | {lock:.3f} | {asyn:.3f} | {temp / 2**20:.1f} '
-                 f'| {rel:.2f} |')
+    lines.append(
+      f'| {name} | {m} | {ticks} | {lock:.3f} | {asyn:.3f} | {temp / 2**20:.1f} | {rel:.2f} |'
+    )
   write_report(_OUT.value, lines)
 
 

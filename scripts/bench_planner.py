@@ -47,41 +47,42 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, 'src'))
 DEVICES = 8
-os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
-                           f' --xla_force_host_platform_device_count={DEVICES}').strip()
+os.environ['XLA_FLAGS'] = (
+  os.environ.get('XLA_FLAGS', '') + f' --xla_force_host_platform_device_count={DEVICES}'
+).strip()
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 
 # (data, tensor, pipe, schedule, microbatches, virtual_stages, remat, layers per stage or None)
 PLANS = (
-    (8, 1, 1, '1f1b', 1, 1, 'none', None),
-    (4, 2, 1, '1f1b', 1, 1, 'none', None),
-    (2, 4, 1, '1f1b', 1, 1, 'none', None),
-    (1, 1, 8, '1f1b', 8, 1, 'none', None),
-    (1, 1, 8, 'gpipe', 8, 1, 'none', None),
-    (2, 1, 4, '1f1b', 4, 1, 'none', None),
-    (2, 1, 4, '1f1b', 16, 1, 'none', None),
-    (2, 1, 4, 'gpipe', 8, 1, 'none', None),
-    (2, 1, 4, 'interleaved_1f1b', 8, 2, 'none', None),
-    (2, 2, 2, '1f1b', 4, 1, 'none', None),
-    (4, 1, 2, 'zb_h1', 4, 1, 'none', None),
-    (2, 1, 4, 'bpipe', 8, 1, 'none', None),
-    (2, 1, 4, '1f1b', 8, 1, 'full', None),
-    (2, 1, 4, '1f1b', 8, 1, 'none', (3, 2, 2, 1)),
-    (4, 1, 2, '1f1b', 4, 1, 'none', (5, 3)),
-    (8, 1, 1, '1f1b', 1, 1, 'full', None),
-    (2, 1, 4, '1f1b', 8, 1, 'selective', None),
-    (2, 2, 2, 'interleaved_1f1b', 4, 2, 'full', None),
+  (8, 1, 1, '1f1b', 1, 1, 'none', None),
+  (4, 2, 1, '1f1b', 1, 1, 'none', None),
+  (2, 4, 1, '1f1b', 1, 1, 'none', None),
+  (1, 1, 8, '1f1b', 8, 1, 'none', None),
+  (1, 1, 8, 'gpipe', 8, 1, 'none', None),
+  (2, 1, 4, '1f1b', 4, 1, 'none', None),
+  (2, 1, 4, '1f1b', 16, 1, 'none', None),
+  (2, 1, 4, 'gpipe', 8, 1, 'none', None),
+  (2, 1, 4, 'interleaved_1f1b', 8, 2, 'none', None),
+  (2, 2, 2, '1f1b', 4, 1, 'none', None),
+  (4, 1, 2, 'zb_h1', 4, 1, 'none', None),
+  (2, 1, 4, 'bpipe', 8, 1, 'none', None),
+  (2, 1, 4, '1f1b', 8, 1, 'full', None),
+  (2, 1, 4, '1f1b', 8, 1, 'none', (3, 2, 2, 1)),
+  (4, 1, 2, '1f1b', 4, 1, 'none', (5, 3)),
+  (8, 1, 1, '1f1b', 1, 1, 'full', None),
+  (2, 1, 4, '1f1b', 8, 1, 'selective', None),
+  (2, 2, 2, 'interleaved_1f1b', 4, 2, 'full', None),
 )
 # What every benchmark run sets besides the plan: 8 layers so that pipe=8
 # and uneven splits exist, few steps, no evaluation or checkpoints between.
 BENCH_OVERRIDES = {
-    'model.num_layers': 8,
-    'train.global_batch_size': 32,
-    'train.eval_every': 10_000,
-    'train.eval_batches': 1,
-    'train.log_every': 1,
-    'train.warmup_steps': 1,
-    'checkpoint.every_steps': 0,
+  'model.num_layers': 8,
+  'train.global_batch_size': 32,
+  'train.eval_every': 10_000,
+  'train.eval_batches': 1,
+  'train.log_every': 1,
+  'train.warmup_steps': 1,
+  'checkpoint.every_steps': 0,
 }
 
 
@@ -98,6 +99,7 @@ def spearman(xs, ys) -> float:
         r[order[k]] = (i + j) / 2
       i = j + 1
     return r
+
   rx, ry = ranks(xs), ranks(ys)
   mx, my = sum(rx) / len(rx), sum(ry) / len(ry)
   cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
@@ -108,11 +110,13 @@ def spearman(xs, ys) -> float:
 
 def cpu_busy(window_s: float = 3.0) -> float:
   """Fraction of the machine's CPU time spent busy over the next window_s."""
+
   def read():
     with open('/proc/stat') as f:
       values = [int(x) for x in f.readline().split()[1:]]
-    idle = values[3] + values[4]   # idle + iowait
+    idle = values[3] + values[4]  # idle + iowait
     return sum(values), idle
+
   total0, idle0 = read()
   time.sleep(window_s)
   total1, idle1 = read()
@@ -134,6 +138,7 @@ def speed_index() -> float:
   is right now, given whatever else runs on it."""
   import jax
   import jax.numpy as jnp
+
   loop = jax.jit(lambda m: jax.lax.fori_loop(0, 40, lambda _, m: jnp.tanh(m @ m), m))
   m = jnp.full((384, 384), 0.01, jnp.float32)
   jax.block_until_ready(loop(m))
@@ -147,11 +152,18 @@ def speed_index() -> float:
 
 def measure(plan_file: str, workdir: str, steps: int) -> tuple[float | None, str]:
   """Runs the trainer; returns (median step_time_s after the first step, error)."""
-  cmd = [sys.executable, '-m', 'triax.train', f'--config={plan_file}',
-         f'--workdir={workdir}', f'--cpu_devices={DEVICES}', '--noprogress',
-         f'--config.train.steps={steps}']
+  cmd = [
+    sys.executable,
+    '-m',
+    'triax.train',
+    f'--config={plan_file}',
+    f'--workdir={workdir}',
+    f'--cpu_devices={DEVICES}',
+    '--noprogress',
+    f'--config.train.steps={steps}',
+  ]
   env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, 'src'))
-  env.pop('XLA_FLAGS', None)   # the trainer's --cpu_devices sets the count
+  env.pop('XLA_FLAGS', None)  # the trainer's --cpu_devices sets the count
   proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
   if proc.returncode:
     tail = (proc.stderr.strip().splitlines() or ['?'])[-1]
@@ -177,19 +189,32 @@ def main() -> int:
   parser.add_argument('--steps', type=int, default=6)
   parser.add_argument('--only', default='', help='comma-separated plan indices')
   parser.add_argument('--predict_only', action='store_true')
-  parser.add_argument('--clusters_only', action='store_true',
-                      help='only the per-cluster search table (simulated speedups)')
-  parser.add_argument('--quiet_busy', type=float, default=0.25,
-                      help='wait until the CPUs are less busy than this before measuring')
+  parser.add_argument(
+    '--clusters_only',
+    action='store_true',
+    help='only the per-cluster search table (simulated speedups)',
+  )
+  parser.add_argument(
+    '--quiet_busy',
+    type=float,
+    default=0.25,
+    help='wait until the CPUs are less busy than this before measuring',
+  )
   parser.add_argument('--quiet_wait_s', type=float, default=300)
-  parser.add_argument('--repeats', type=int, default=3,
-                      help='rounds over all plans; each plan keeps its fastest round '
-                           '(other processes only ever slow a run down)')
+  parser.add_argument(
+    '--repeats',
+    type=int,
+    default=3,
+    help='rounds over all plans; each plan keeps its fastest round '
+    '(other processes only ever slow a run down)',
+  )
   args = parser.parse_args()
 
   import importlib.util
+
   from triax import config as config_lib
-  from triax.plan import cluster as cluster_lib, emit, profile, simulator
+  from triax.plan import cluster as cluster_lib
+  from triax.plan import emit, profile, simulator
 
   spec = importlib.util.spec_from_file_location('bench_base', os.path.join(ROOT, args.config))
   base = importlib.util.module_from_spec(spec)
@@ -204,27 +229,53 @@ def main() -> int:
     layers = split or (cfg.model.num_layers // p,) * p
     devices = list(range(DEVICES))
     stages = tuple(tuple(devices[s + p * k] for k in range(d * t)) for s in range(p))
-    plans.append((i, simulator.Plan(data=d, tensor=t, pipe=p, schedule=name, microbatches=m,
-                                    virtual_stages=v, remat=remat, layers=layers,
-                                    stages=stages,
-                                    global_batch=cfg.train.global_batch_size)))
+    plans.append(
+      (
+        i,
+        simulator.Plan(
+          data=d,
+          tensor=t,
+          pipe=p,
+          schedule=name,
+          microbatches=m,
+          virtual_stages=v,
+          remat=remat,
+          layers=layers,
+          stages=stages,
+          global_batch=cfg.train.global_batch_size,
+        ),
+      )
+    )
   if args.clusters_only:
     plans, args.predict_only = [], True
   wait_for_quiet(args.quiet_busy, args.quiet_wait_s)
   started = time.perf_counter()
   # The tensor degrees and micro-batch sizes of the plans (of the cluster
   # search too: every shipped cluster has 8 devices, as the plans do).
-  prof = profile.measure(cfg.model, sorted({p.tensor for _, p in plans} | {1, 2, 4}),
-                         sorted({p.microbatch_size for _, p in plans} | {1, 2, 4, 8, 16}))
+  prof = profile.measure(
+    cfg.model,
+    sorted({p.tensor for _, p in plans} | {1, 2, 4}),
+    sorted({p.microbatch_size for _, p in plans} | {1, 2, 4, 8, 16}),
+  )
   print(f'profiled in {time.perf_counter() - started:.1f} s', flush=True)
   speed_at_profile = speed_index()
   rows = []
   estimates = {i: simulator.simulate_plan(plan, prof, cluster) for i, plan in plans}
   for i, plan in plans:
     est = estimates[i]
-    rows.append(dict(index=i, plan=plan.describe(), predicted=est.step_time,
-                     predicted_async=est.async_time, measured=None, note='', load='',
-                     corrected=None, rounds=[]))
+    rows.append(
+      dict(
+        index=i,
+        plan=plan.describe(),
+        predicted=est.step_time,
+        predicted_async=est.async_time,
+        measured=None,
+        note='',
+        load='',
+        corrected=None,
+        rounds=[],
+      )
+    )
     if not plan.even and not uneven_ok:
       rows[-1]['note'] = 'not run: trainer has no pipeline.layers_per_stage'
   with tempfile.TemporaryDirectory() as tmp:
@@ -233,22 +284,35 @@ def main() -> int:
         if row['note'].startswith('not run'):
           continue
         plan_file = os.path.join(tmp, f'plan{i}.py')
-        emit.write(plan_file, estimates[i], os.path.join(ROOT, args.config), None,
-                   dict(BENCH_OVERRIDES), cluster.name)
+        emit.write(
+          plan_file,
+          estimates[i],
+          os.path.join(ROOT, args.config),
+          None,
+          dict(BENCH_OVERRIDES),
+          cluster.name,
+        )
         before = wait_for_quiet(args.quiet_busy, args.quiet_wait_s)
         # The machine's speed now relative to when it was profiled (others' load).
         slowdown = speed_index() / speed_at_profile
         measured, note = measure(plan_file, os.path.join(tmp, f'run{i}_{round_}'), args.steps)
         row['rounds'].append(measured)
         if measured is not None and (row['measured'] is None or measured < row['measured']):
-          row.update(measured=measured, corrected=row['predicted'] * slowdown,
-                     load=f'{before:.0%}', note=note)
+          row.update(
+            measured=measured,
+            corrected=row['predicted'] * slowdown,
+            load=f'{before:.0%}',
+            note=note,
+          )
         elif measured is None and row['measured'] is None:
           row['note'] = note
         shown = f'{measured * 1e3:8.1f}' if measured else '       -'
-        print(f'round {round_} {i:2d} {plan.describe():55s} predicted '
-              f'{row["predicted"] * 1e3:8.1f} ms (x{slowdown:.2f} load) measured {shown} ms '
-              f'{note}', flush=True)
+        print(
+          f'round {round_} {i:2d} {plan.describe():55s} predicted '
+          f'{row["predicted"] * 1e3:8.1f} ms (x{slowdown:.2f} load) measured {shown} ms '
+          f'{note}',
+          flush=True,
+        )
   clusters = _clusters_report(cfg, prof)
   if args.clusters_only:
     path = os.path.join(ROOT, args.out).rsplit('.', 1)[0] + '_clusters.md'
@@ -270,54 +334,71 @@ def main() -> int:
 def _clusters_report(cfg, prof) -> str:
   """The strategy maker on every shipped cluster, with this profile."""
   import glob
-  from triax.plan import cluster as cluster_lib, search
-  lines = ['## Strategy maker on the shipped clusters (SIMULATED)', '',
-           f'Model: the benchmark config ({BENCH_OVERRIDES}); the profile above '
-           '(tensor degrees 1, 2, 4), other device types by the roofline. Speedup = the '
-           'baseline\'s predicted step time over the best plan\'s.', '',
-           '| cluster | best plan | predicted ms | vs even split | vs data parallel '
-           '| vs planned-as-slowest | plans | search s |',
-           '|---|---|---|---|---|---|---|---|']
+
+  from triax.plan import cluster as cluster_lib
+  from triax.plan import search
+
+  lines = [
+    '## Strategy maker on the shipped clusters (SIMULATED)',
+    '',
+    f'Model: the benchmark config ({BENCH_OVERRIDES}); the profile above '
+    '(tensor degrees 1, 2, 4), other device types by the roofline. Speedup = the '
+    "baseline's predicted step time over the best plan's.",
+    '',
+    '| cluster | best plan | predicted ms | vs even split | vs data parallel '
+    '| vs planned-as-slowest | plans | search s |',
+    '|---|---|---|---|---|---|---|---|',
+  ]
   for path in sorted(glob.glob(os.path.join(ROOT, 'experiments', 'clusters', '*.yaml'))):
     cluster = cluster_lib.load(path)
     result = search.search(cfg, cluster, top_k=1, profile=prof)
     if not result.top:
-      lines.append(f'| {cluster.name} | no plan fits | | | | | {result.evaluated} | '
-                   f'{result.search_s:.1f} |')
+      lines.append(
+        f'| {cluster.name} | no plan fits | | | | | {result.evaluated} | {result.search_s:.1f} |'
+      )
       continue
     best = result.top[0]
-    speed = lambda k: (f'{result.speedup(k):.2f}x' if result.speedup(k) else '-')
-    lines.append(f'| {cluster.name} | {best.plan.describe()} | {best.step_time * 1e3:.2f} | '
-                 f'{speed("even_split")} | {speed("data_parallel")} | '
-                 f'{speed("homogeneous_slowest")} | {result.evaluated} | '
-                 f'{result.search_s:.1f} |')
+    speed = lambda k, r=result: f'{r.speedup(k):.2f}x' if r.speedup(k) else '-'
+    lines.append(
+      f'| {cluster.name} | {best.plan.describe()} | {best.step_time * 1e3:.2f} | '
+      f'{speed("even_split")} | {speed("data_parallel")} | '
+      f'{speed("homogeneous_slowest")} | {result.evaluated} | '
+      f'{result.search_s:.1f} |'
+    )
   return '\n'.join(lines) + '\n'
 
 
 def _report(rows, prof, args) -> str:
   done = [r for r in rows if r['measured']]
-  lines = [f'# Planner validation on {prof.machine.num_devices} forced CPU devices '
-           f'({prof.machine.effective_cores:.2f} effective cores measured)', '',
-           f'Config {args.config} with {BENCH_OVERRIDES}; {args.steps} steps per run, '
-           f'median step_time_s after step 1, fastest of {args.repeats} rounds. Predicted: '
-           'lockstep model (the executor\'s), profile measured in '
-           f'{prof.wall_s:.1f} s.', '',
-           'Busy: share of the 2 cores other processes used in the 3 s before a run. '
-           'Load-corrected: the prediction times the ratio of a fixed matmul loop\'s time '
-           'just before the run to its time at profiling (other processes\' load).', '',
-           '| # | plan | predicted ms | load-corrected ms | async ms | measured ms | error '
-           '| error (corrected) | busy | note |',
-           '|---|---|---|---|---|---|---|---|---|---|']
+  lines = [
+    f'# Planner validation on {prof.machine.num_devices} forced CPU devices '
+    f'({prof.machine.effective_cores:.2f} effective cores measured)',
+    '',
+    f'Config {args.config} with {BENCH_OVERRIDES}; {args.steps} steps per run, '
+    f'median step_time_s after step 1, fastest of {args.repeats} rounds. Predicted: '
+    "lockstep model (the executor's), profile measured in "
+    f'{prof.wall_s:.1f} s.',
+    '',
+    'Busy: share of the 2 cores other processes used in the 3 s before a run. '
+    "Load-corrected: the prediction times the ratio of a fixed matmul loop's time "
+    "just before the run to its time at profiling (other processes' load).",
+    '',
+    '| # | plan | predicted ms | load-corrected ms | async ms | measured ms | error '
+    '| error (corrected) | busy | note |',
+    '|---|---|---|---|---|---|---|---|---|---|',
+  ]
+
   def err(key, r):
-    return (f'{(r[key] - r["measured"]) / r["measured"]:+.1%}'
-            if r['measured'] and r[key] else '-')
+    return f'{(r[key] - r["measured"]) / r["measured"]:+.1%}' if r['measured'] and r[key] else '-'
 
   for r in rows:
     measured = f'{r["measured"] * 1e3:.1f}' if r['measured'] else '-'
     corrected = f'{r["corrected"] * 1e3:.1f}' if r['corrected'] else '-'
-    lines.append(f'| {r["index"]} | {r["plan"]} | {r["predicted"] * 1e3:.1f} | {corrected} | '
-                 f'{r["predicted_async"] * 1e3:.1f} | {measured} | {err("predicted", r)} | '
-                 f'{err("corrected", r)} | {r["load"]} | {r["note"]} |')
+    lines.append(
+      f'| {r["index"]} | {r["plan"]} | {r["predicted"] * 1e3:.1f} | {corrected} | '
+      f'{r["predicted_async"] * 1e3:.1f} | {measured} | {err("predicted", r)} | '
+      f'{err("corrected", r)} | {r["load"]} | {r["note"]} |'
+    )
   lines.append('')
   if len(done) >= 2:
     meas = [r['measured'] for r in done]
@@ -328,9 +409,11 @@ def _report(rows, prof, args) -> str:
       rho = spearman(pred, meas)
       best = min(done, key=lambda r: r[key])
       regret = best['measured'] / min(meas)
-      lines.append(f'- {name}: MAPE {mape:.1%} (target <= 15%), Spearman {rho:.3f} '
-                   f'(target >= 0.9), regret of its best plan (#{best["index"]}) '
-                   f'{regret:.3f}x the measured best')
+      lines.append(
+        f'- {name}: MAPE {mape:.1%} (target <= 15%), Spearman {rho:.3f} '
+        f'(target >= 0.9), regret of its best plan (#{best["index"]}) '
+        f'{regret:.3f}x the measured best'
+      )
     lines.append(repeatability([r['rounds'] for r in done]))
   else:
     lines.append('- too few plans measured for statistics')
@@ -348,10 +431,12 @@ def repeatability(rounds) -> str:
   pairs = [(a, b) for a in range(n) for b in range(a + 1, n)]
   rhos = [spearman([r[a] for r in full], [r[b] for r in full]) for a, b in pairs]
   spread = sorted(max(r) / min(r) - 1 for r in full)
-  return (f'- repeatability (the noise floor): Spearman between rounds '
-          f'{min(rhos):.3f}-{max(rhos):.3f} over {len(pairs)} pairs of rounds; a plan\'s '
-          f'slowest round over its fastest: median +{spread[len(spread) // 2]:.0%}, '
-          f'worst +{spread[-1]:.0%}')
+  return (
+    f'- repeatability (the noise floor): Spearman between rounds '
+    f"{min(rhos):.3f}-{max(rhos):.3f} over {len(pairs)} pairs of rounds; a plan's "
+    f'slowest round over its fastest: median +{spread[len(spread) // 2]:.0%}, '
+    f'worst +{spread[-1]:.0%}'
+  )
 
 
 if __name__ == '__main__':

@@ -34,8 +34,15 @@ if __name__ == '__main__' and '--_point' not in ' '.join(sys.argv):
   sys.path.insert(0, os.path.join(ROOT, 'src'))
 
 P, DATA = 4, 2
-NEW = (('gpipe', 1), ('1f1b', 1), ('interleaved_1f1b', 2), ('bpipe', 1), ('zb_h1', 1),
-       ('interleaved_zb', 2), ('zb_v', 2))
+NEW = (
+  ('gpipe', 1),
+  ('1f1b', 1),
+  ('interleaved_1f1b', 2),
+  ('bpipe', 1),
+  ('zb_h1', 1),
+  ('interleaved_zb', 2),
+  ('zb_v', 2),
+)
 OLD = {'gpipe', '1f1b', 'interleaved_1f1b', 'bpipe', 'zb_h1'}
 
 
@@ -46,7 +53,7 @@ def bench_config(config, m, name, v):
   c.model.d_ff, c.model.seq_len = 256, 128
   c.mesh.data, c.mesh.pipe = DATA, P
   c.pipeline.schedule, c.pipeline.virtual_stages, c.pipeline.microbatches = name, v, m
-  c.train.global_batch_size = 4 * DATA * m   # fixed micro-batch of 4 sequences per data shard
+  c.train.global_batch_size = 4 * DATA * m  # fixed micro-batch of 4 sequences per data shard
   return c
 
 
@@ -56,17 +63,24 @@ def measure_point(name: str, m: int, v: int, steps: int) -> dict:
   from triax.pipeline import schedule as sched
   from triax.pipeline import simulate
   from triax.training.measure import measure
+
   schedule = sched.build(name, P, m, v)
   program = sched.lower(schedule)
   split = schedule.split_backward
-  costs = (simulate.Costs(t_forward=1.0, t_backward=1.0, t_weight=1.0) if split else
-           simulate.Costs(t_forward=1.0, t_backward=2.0))
+  costs = (
+    simulate.Costs(t_forward=1.0, t_backward=1.0, t_weight=1.0)
+    if split
+    else simulate.Costs(t_forward=1.0, t_backward=2.0)
+  )
   result = measure(bench_config(config, m, name, v), steps=steps)
-  return {'ticks': program.ticks,
-          'lockstep': simulate.simulate_lockstep(program, costs).bubble_fraction,
-          'async': simulate.simulate_async(schedule, costs).bubble_fraction,
-          'temp': result.stats['temp_bytes'], 'peak': list(program.peak_stash),
-          'step': result.step_time_s}
+  return {
+    'ticks': program.ticks,
+    'lockstep': simulate.simulate_lockstep(program, costs).bubble_fraction,
+    'async': simulate.simulate_async(schedule, costs).bubble_fraction,
+    'temp': result.stats['temp_bytes'],
+    'peak': list(program.peak_stash),
+    'step': result.step_time_s,
+  }
 
 
 def baseline_points(rev: str, points, steps: int) -> dict:
@@ -74,19 +88,26 @@ def baseline_points(rev: str, points, steps: int) -> dict:
   out = {}
   with tempfile.TemporaryDirectory() as tmp:
     tree = os.path.join(tmp, 'baseline')
-    subprocess.run(['git', '-C', ROOT, 'worktree', 'add', '--detach', tree, rev], check=True,
-                   capture_output=True)
+    subprocess.run(
+      ['git', '-C', ROOT, 'worktree', 'add', '--detach', tree, rev], check=True, capture_output=True
+    )
     try:
       env = dict(os.environ, PYTHONPATH=os.path.join(tree, 'src'))
       for name, m, v in points:
-        run = subprocess.run([sys.executable, os.path.abspath(__file__), '--_point',
-                              f'{name}:{m}:{v}:{steps}'], env=env, cwd=tree, check=True,
-                             capture_output=True, text=True)
+        run = subprocess.run(
+          [sys.executable, os.path.abspath(__file__), '--_point', f'{name}:{m}:{v}:{steps}'],
+          env=env,
+          cwd=tree,
+          check=True,
+          capture_output=True,
+          text=True,
+        )
         out[(name, m)] = json.loads(run.stdout.strip().splitlines()[-1])
         print('baseline', name, m, out[(name, m)], flush=True)
     finally:
-      subprocess.run(['git', '-C', ROOT, 'worktree', 'remove', '--force', tree],
-                     capture_output=True)
+      subprocess.run(
+        ['git', '-C', ROOT, 'worktree', 'remove', '--force', tree], capture_output=True
+      )
   return out
 
 
@@ -94,21 +115,25 @@ def alternate(m: int, rounds: int, steps: int) -> tuple[float, float]:
   """Median step times of 1f1b and zb_h1, timed in alternating rounds."""
   import jax
   import numpy as np
+
   from triax import config as config_lib
   from triax.mesh import build_mesh
   from triax.training.loop import compile_stats
   from triax.training.step import build_trainer
+
   runs = {}
   for name in ('1f1b', 'zb_h1'):
     cfg = config_lib.validate(bench_config(config_lib, m, name, 1), jax.device_count())
     trainer = build_trainer(cfg, build_mesh(cfg.mesh, jax.devices()))
     tokens = np.random.default_rng(0).integers(
-        0, cfg.model.vocab_size, (cfg.train.global_batch_size, cfg.model.seq_len + 1))
+      0, cfg.model.vocab_size, (cfg.train.global_batch_size, cfg.model.seq_len + 1)
+    )
     with jax.set_mesh(trainer.mesh):
       compiled, _ = compile_stats(trainer)
-      batch = jax.device_put({'inputs': tokens[:, :-1].astype(np.int32),
-                              'targets': tokens[:, 1:].astype(np.int32)},
-                             trainer.batch_sharding)
+      batch = jax.device_put(
+        {'inputs': tokens[:, :-1].astype(np.int32), 'targets': tokens[:, 1:].astype(np.int32)},
+        trainer.batch_sharding,
+      )
       state = trainer.init_state(jax.random.key(0))
       state, out = compiled(state, batch)
       jax.block_until_ready(out)
@@ -129,25 +154,32 @@ def alternate(m: int, rounds: int, steps: int) -> tuple[float, float]:
 def main(argv):
   del argv
   from triax.training.measure import write_report
+
   ms = [int(x) for x in _MICROBATCHES.value]
   new = {}
   for m in ms:
     for name, v in NEW:
       new[(name, m)] = measure_point(name, m, v, _STEPS.value)
       print('new', name, m, new[(name, m)], flush=True)
-  old = baseline_points(_BASELINE.value, [(n, m, v) for m in ms for n, v in NEW if n in OLD],
-                        _STEPS.value) if _BASELINE.value else {}
+  old = (
+    baseline_points(
+      _BASELINE.value, [(n, m, v) for m in ms for n, v in NEW if n in OLD], _STEPS.value
+    )
+    if _BASELINE.value
+    else {}
+  )
   lines = [
-      f'Schedules at p={P}, data={DATA}: 8 layers of width 64, 128 tokens x 4 sequences per '
-      f'micro-batch per data shard, fp32, 8 forced CPU devices on {os.cpu_count()} cores. '
-      'Bubbles simulated with t_F = 1 and a fused t_B = 2 (split schedules: F = B = W = 1). '
-      f'"old": the lockstep lowering of commit {_BASELINE.value} (F and B in one tick), '
-      'measured by its own code; "new": one action per stage per tick, fused backwards run '
-      'as B then W. Step times are relative to 1f1b of the same side, measured in one run.',
-      '',
-      '| schedule | m | ticks old / new | bubble lockstep old / new | bubble async '
-      '| temp MiB old / new | peak stash per stage old / new | step time / 1f1b old / new |',
-      '|---|---|---|---|---|---|---|---|']
+    f'Schedules at p={P}, data={DATA}: 8 layers of width 64, 128 tokens x 4 sequences per '
+    f'micro-batch per data shard, fp32, 8 forced CPU devices on {os.cpu_count()} cores. '
+    'Bubbles simulated with t_F = 1 and a fused t_B = 2 (split schedules: F = B = W = 1). '
+    f'"old": the lockstep lowering of commit {_BASELINE.value} (F and B in one tick), '
+    'measured by its own code; "new": one action per stage per tick, fused backwards run '
+    'as B then W. Step times are relative to 1f1b of the same side, measured in one run.',
+    '',
+    '| schedule | m | ticks old / new | bubble lockstep old / new | bubble async '
+    '| temp MiB old / new | peak stash per stage old / new | step time / 1f1b old / new |',
+    '|---|---|---|---|---|---|---|---|',
+  ]
   fmt = lambda x, f: '-' if x is None else format(x, f)
   for m in ms:
     for name, v in NEW:
@@ -158,18 +190,20 @@ def main(argv):
       label = name + (f' v={v}' if v > 1 else '')
       peak_old = '-' if o is None else ','.join(map(str, o['peak']))
       lines.append(
-          f'| {label} | {m} | {fmt(get(o, "ticks"), "d")} / {n["ticks"]} '
-          f'| {fmt(get(o, "lockstep"), ".3f")} / {n["lockstep"]:.3f} | {n["async"]:.3f} '
-          f'| {fmt(None if o is None else o["temp"] / 2**20, ".1f")} / {n["temp"] / 2**20:.1f} '
-          f'| {peak_old} / {",".join(map(str, n["peak"]))} '
-          f'| {fmt(rel_old, ".2f")} / {rel_new:.2f} |')
+        f'| {label} | {m} | {fmt(get(o, "ticks"), "d")} / {n["ticks"]} '
+        f'| {fmt(get(o, "lockstep"), ".3f")} / {n["lockstep"]:.3f} | {n["async"]:.3f} '
+        f'| {fmt(None if o is None else o["temp"] / 2**20, ".1f")} / {n["temp"] / 2**20:.1f} '
+        f'| {peak_old} / {",".join(map(str, n["peak"]))} '
+        f'| {fmt(rel_old, ".2f")} / {rel_new:.2f} |'
+      )
   if _AB_ROUNDS.value:
     a, b = alternate(16, _AB_ROUNDS.value, _STEPS.value)
     lines += [
-        '',
-        f'zb_h1 against 1f1b at m=16, {_AB_ROUNDS.value} alternating rounds of '
-        f'{_STEPS.value} steps each (medians): 1f1b {a * 1e3:.0f} ms, zb_h1 {b * 1e3:.0f} ms, '
-        f'ratio **{b / a:.3f}**.']
+      '',
+      f'zb_h1 against 1f1b at m=16, {_AB_ROUNDS.value} alternating rounds of '
+      f'{_STEPS.value} steps each (medians): 1f1b {a * 1e3:.0f} ms, zb_h1 {b * 1e3:.0f} ms, '
+      f'ratio **{b / a:.3f}**.',
+    ]
   write_report(_OUT.value, lines)
 
 
@@ -180,11 +214,12 @@ if __name__ == '__main__':
     print(json.dumps(measure_point(name, int(m), int(v), int(steps))))
   else:
     from absl import app, flags
+
     _OUT = flags.DEFINE_string('out', 'docs/bench_schedules.md', 'Markdown table to write.')
     _MICROBATCHES = flags.DEFINE_list('microbatches', ['4', '8', '16', '32'], 'm values.')
     _STEPS = flags.DEFINE_integer('steps', 4, 'Timed steps per point (after 2 warm-up steps).')
-    _BASELINE = flags.DEFINE_string('baseline', '650fb8b',
-                                    'Commit whose lowering the "old" columns measure; '
-                                    "'' to skip them.")
+    _BASELINE = flags.DEFINE_string(
+      'baseline', '650fb8b', 'Commit whose lowering the "old" columns measure; \'\' to skip them.'
+    )
     _AB_ROUNDS = flags.DEFINE_integer('ab_rounds', 5, 'Alternating zb_h1/1f1b rounds; 0 skips.')
     app.run(main)

@@ -54,12 +54,12 @@ class _SizesOnlyStage(_PipelineStageBase):
 
 # file stem -> (torch schedule class name, ranks p, stages per rank v, micro-batches m)
 FIXTURES = {
-    'torch_gpipe_p4_m8': ('ScheduleGPipe', 4, 1, 8),
-    'torch_1f1b_p4_m8': ('Schedule1F1B', 4, 1, 8),
-    'torch_interleaved_1f1b_p4_v2_m8': ('ScheduleInterleaved1F1B', 4, 2, 8),
-    'torch_interleaved_1f1b_p4_v2_m6': ('ScheduleInterleaved1F1B', 4, 2, 6),
-    'torch_interleaved_zb_p4_v2_m8': ('ScheduleInterleavedZeroBubble', 4, 2, 8),
-    'torch_zbv_p4_v2_m8': ('ScheduleZBVZeroBubble', 4, 2, 8),
+  'torch_gpipe_p4_m8': ('ScheduleGPipe', 4, 1, 8),
+  'torch_1f1b_p4_m8': ('Schedule1F1B', 4, 1, 8),
+  'torch_interleaved_1f1b_p4_v2_m8': ('ScheduleInterleaved1F1B', 4, 2, 8),
+  'torch_interleaved_1f1b_p4_v2_m6': ('ScheduleInterleaved1F1B', 4, 2, 6),
+  'torch_interleaved_zb_p4_v2_m8': ('ScheduleInterleavedZeroBubble', 4, 2, 8),
+  'torch_zbv_p4_v2_m8': ('ScheduleZBVZeroBubble', 4, 2, 8),
 }
 
 

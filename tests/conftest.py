@@ -7,7 +7,8 @@ tests/cli_helpers.py).
 import os
 import sys
 
-os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
-                           ' --xla_force_host_platform_device_count=8').strip()
+os.environ['XLA_FLAGS'] = (
+  os.environ.get('XLA_FLAGS', '') + ' --xla_force_host_platform_device_count=8'
+).strip()
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), '..', 'src'))

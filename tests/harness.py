@@ -7,7 +7,6 @@ import subprocess
 import sys
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from triax import config
@@ -45,8 +44,7 @@ def make_trainer(cfg):
 
 def random_batch(cfg, seed=0):
   rng = np.random.default_rng(seed)
-  toks = rng.integers(0, cfg.model.vocab_size,
-                      (cfg.train.global_batch_size, cfg.model.seq_len + 1))
+  toks = rng.integers(0, cfg.model.vocab_size, (cfg.train.global_batch_size, cfg.model.seq_len + 1))
   return {'inputs': toks[:, :-1].astype(np.int32), 'targets': toks[:, 1:].astype(np.int32)}
 
 
@@ -65,7 +63,7 @@ def train_losses(cfg, steps, seed=0):
   losses = []
   with jax.set_mesh(trainer.mesh):
     state = trainer.init_state(jax.random.key(cfg.train.seed))
-    for i in range(steps):
+    for _ in range(steps):
       batch = jax.device_put(random_batch(cfg, seed), trainer.batch_sharding)
       state, out = trainer.train_step(state, batch)
       losses.append(float(out['loss']))
@@ -75,8 +73,13 @@ def train_losses(cfg, steps, seed=0):
 def max_rel_err(a, b) -> float:
   """Largest over leaves of max|a-b| / max|a| (a is the reference)."""
   errs = jax.tree.map(
-      lambda x, y: float(np.max(np.abs(np.asarray(x) - np.asarray(y))) /
-                         max(float(np.max(np.abs(np.asarray(x)))), 1e-30)), a, b)
+    lambda x, y: float(
+      np.max(np.abs(np.asarray(x) - np.asarray(y)))
+      / max(float(np.max(np.abs(np.asarray(x)))), 1e-30)
+    ),
+    a,
+    b,
+  )
   return max(jax.tree.leaves(errs))
 
 
@@ -86,5 +89,11 @@ def run_cli(module: str, *args: str, timeout: int = 600, env_extra=None):
   env['PYTHONPATH'] = os.path.join(ROOT, 'src') + os.pathsep + env.get('PYTHONPATH', '')
   env.pop('XLA_FLAGS', None)  # the CLI's --cpu_devices decides
   env.update(env_extra or {})
-  return subprocess.run([sys.executable, '-m', module, *args], cwd=ROOT, env=env,
-                        capture_output=True, text=True, timeout=timeout)
+  return subprocess.run(
+    [sys.executable, '-m', module, *args],
+    cwd=ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=timeout,
+  )

@@ -10,9 +10,9 @@ import json
 import os
 import shutil
 
+import harness
 import pytest
 
-import harness
 from triax.training import checkpoint as ckpt_lib
 
 SMOKE = 'experiments/gpt_tiny.py:smoke'
@@ -21,6 +21,7 @@ TRAIN_FLAGS = ['--cpu_devices=8', '--progress=false']
 
 def train(*flags, config=f'--config={SMOKE}', workdir='{d}/w', trained=False, setup=None):
   """A `python -m triax.train` case; `{d}` in flags is the case's own directory."""
+
   def build(d, trained_dir):
     if trained:
       shutil.copytree(trained_dir, os.path.join(d, 'w'))
@@ -28,6 +29,7 @@ def train(*flags, config=f'--config={SMOKE}', workdir='{d}/w', trained=False, se
       setup(d)
     args = ([config] if config else []) + ([f'--workdir={workdir}'] if workdir else [])
     return 'triax.train', [a.format(d=d) for a in args + TRAIN_FLAGS + list(flags)]
+
   return build
 
 
@@ -36,6 +38,7 @@ def command(module, *args, setup=None):
     if setup:
       setup(d)
     return module, [a.format(d=d) for a in args]
+
   return build
 
 
@@ -45,6 +48,7 @@ def write(relpath, text):
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, 'w') as f:
       f.write(text)
+
   return setup
 
 
@@ -59,93 +63,151 @@ def fake_checkpoint(d):
 
 
 CASES = [
-    # id, how to run it, what the error line must name
-    # -- config values
-    ('mesh-product', train('--config.mesh.data=3', '--config.mesh.tensor=1',
-                           '--config.mesh.pipe=1'), 'mesh'),
-    ('heads-vs-tensor', train('--config.mesh.data=1', '--config.mesh.tensor=8',
-                              '--config.mesh.pipe=1', '--config.model.num_heads=4'),
-     'model.num_heads'),
-    ('d_ff-vs-tensor', train('--config.model.d_ff=65'), 'model.d_ff'),
-    ('batch-vs-data', train('--config.train.global_batch_size=12'), 'train.global_batch_size'),
-    ('non-positive-layers', train('--config.model.num_layers=0'), 'model.num_layers'),
-    ('non-positive-steps', train('--config.train.steps=-1'), 'train.steps'),
-    ('layers-vs-chunks', train('--config.model.num_layers=6'), 'model.num_layers'),
-    # m = 5 at p = 2 makes 2 rounds of 2.5 micro-batches: torch refuses it too.
-    ('interleaved-microbatches', train('--config.pipeline.microbatches=5',
-                                       '--config.train.global_batch_size=20'),
-     'pipeline.microbatches'),
-    ('unknown-schedule', train('--config.pipeline.schedule=zigzag'), 'pipeline.schedule'),
-    ('schedule-file-bad-cell', train('--config.pipeline.schedule_file={d}/bad.csv',
-                                     setup=write('bad.csv', '0F0,0X1\r\n')),
-     'pipeline.schedule_file'),
-    ('unknown-dtype', train('--config.model.dtype=float8'), 'model.dtype'),
-    ('negative-learning-rate', train('--config.train.learning_rate=-1'),
-     'train.learning_rate'),
-    ('keep-no-checkpoints', train('--config.checkpoint.keep=0'), 'checkpoint.keep'),
-    ('dcn-not-a-divisor', train('--config.mesh.dcn_pipe=3'), 'mesh.dcn_pipe'),
-    ('dcn-without-processes', train('--config.mesh.dcn_pipe=2'), 'mesh'),
-    ('two-free-mesh-axes', train('--config.mesh.data=-1', '--config.mesh.tensor=-1'),
-     'mesh.tensor'),
-    ('negative-skip-nonfinite', train('--config.train.skip_nonfinite_steps=-1'),
-     'train.skip_nonfinite_steps'),
-    ('layers-per-stage-sum', train('--config.pipeline.layers_per_stage=(1,1,1,2)'),
-     'pipeline.layers_per_stage'),
-    ('device-order-not-a-permutation', train('--config.mesh.device_order=(0,1,2,3,4,5,6,6)'),
-     'mesh.device_order'),
-    # -- unknown keys, flags, values of the wrong type
-    ('unknown-key', train('--config.model.num_layer=4'), '--config.model.num_layer'),
-    ('unknown-group', train('--config.optimizer.lr=1'), '--config.optimizer.lr'),
-    ('not-an-integer', train('--config.train.steps=abc'), '--config.train.steps'),
-    ('not-a-boolean', train('--config.train.record_sample_ids=maybe'),
-     '--config.train.record_sample_ids'),
-    ('unknown-flag', train('--nosuchflag'), 'nosuchflag'),
-    ('positional-argument', train('extra'), 'flags'),
-    ('no-config', train(config=None), '--config'),
-    ('no-workdir', train(workdir=None), '--workdir'),
-    ('profile-steps-malformed', train('--profile_steps=abc'), '--profile_steps'),
-    ('profile-steps-out-of-range', train('--profile_steps=0:99'), '--profile_steps'),
-    ('no-cpu-devices', train('--cpu_devices=0'), '--cpu_devices'),
-    # -- config files
-    ('config-file-missing', train(config='--config={d}/no_such_config.py'), '--config'),
-    ('config-file-syntax', train(config='--config={d}/broken.py',
-                                 setup=write('broken.py', 'def get_config(arg=None:\n  pass\n')),
-     '--config'),
-    ('config-argument-unknown', train(config='--config=experiments/gpt_tiny.py:fast=1'),
-     '--config'),
-    # -- data
-    ('data-path-missing', train('--config.data.source=text', '--config.data.path=/no/such/file'),
-     'data.path'),
-    ('data-too-little-text', train('--config.data.source=text', '--config.data.path={d}/tiny.txt',
-                                   setup=write('tiny.txt', 'hello world\n')), 'data.path'),
-    ('data-source-unknown', train('--config.data.source=web'), 'data.source'),
-    ('data-text-without-path', train('--config.data.source=text'), 'data.path'),
-    # -- workdirs and checkpoint directories
-    ('workdir-is-a-file', train(setup=write('w', 'a file')), '--workdir'),
-    ('workdir-under-a-file', train(workdir='{d}/afile/w', setup=write('afile', 'x')),
-     '--workdir'),
-    ('checkpoints-is-a-file', train(setup=write('w/checkpoints', 'a file')), '--workdir'),
-    ('checkpoints-hold-junk', train(setup=write('w/checkpoints/notes.txt', 'mine')), '--workdir'),
-    ('checkpoint-foreign-step', train(setup=write('w/checkpoints/5/data', 'junk')), '--workdir'),
-    ('checkpoint-unreadable', train(setup=fake_checkpoint), '--workdir'),
-    ('checkpoint-other-model', train('--config.model.d_model=64', trained=True), 'model.d_model'),
-    ('checkpoint-other-optimizer', train('--config.train.grad_clip_norm=0', trained=True),
-     'train.grad_clip_norm'),
-    # -- the planner and the schedule tool
-    ('plan-cluster-missing', command('triax.plan', '--config=experiments/gpt_tiny.py',
-                                     '--cluster={d}/no_such.yaml'), '--cluster'),
-    ('plan-cluster-malformed-yaml', command('triax.plan', '--config=experiments/gpt_tiny.py',
-                                            '--cluster={d}/bad.yaml',
-                                            setup=write('bad.yaml', 'name: x\ngroups: [a, b\n')),
-     '--cluster'),
-    ('plan-cluster-without-groups', command('triax.plan', '--config=experiments/gpt_tiny.py',
-                                            '--cluster={d}/nogroups.yaml',
-                                            setup=write('nogroups.yaml', 'name: x\n')),
-     '--cluster'),
-    ('schedule-no-stages', command('triax.schedule', '--stages=0'), '--stages'),
-    ('schedule-unknown', command('triax.schedule', '--schedule=zigzag'), 'schedule'),
-    ('schedule-file-missing', command('triax.schedule', '--schedule_file={d}/none.csv'),
-     '--schedule_file'),
+  # id, how to run it, what the error line must name
+  # -- config values
+  (
+    'mesh-product',
+    train('--config.mesh.data=3', '--config.mesh.tensor=1', '--config.mesh.pipe=1'),
+    'mesh',
+  ),
+  (
+    'heads-vs-tensor',
+    train(
+      '--config.mesh.data=1',
+      '--config.mesh.tensor=8',
+      '--config.mesh.pipe=1',
+      '--config.model.num_heads=4',
+    ),
+    'model.num_heads',
+  ),
+  ('d_ff-vs-tensor', train('--config.model.d_ff=65'), 'model.d_ff'),
+  ('batch-vs-data', train('--config.train.global_batch_size=12'), 'train.global_batch_size'),
+  ('non-positive-layers', train('--config.model.num_layers=0'), 'model.num_layers'),
+  ('non-positive-steps', train('--config.train.steps=-1'), 'train.steps'),
+  ('layers-vs-chunks', train('--config.model.num_layers=6'), 'model.num_layers'),
+  # m = 5 at p = 2 makes 2 rounds of 2.5 micro-batches: torch refuses it too.
+  (
+    'interleaved-microbatches',
+    train('--config.pipeline.microbatches=5', '--config.train.global_batch_size=20'),
+    'pipeline.microbatches',
+  ),
+  ('unknown-schedule', train('--config.pipeline.schedule=zigzag'), 'pipeline.schedule'),
+  (
+    'schedule-file-bad-cell',
+    train('--config.pipeline.schedule_file={d}/bad.csv', setup=write('bad.csv', '0F0,0X1\r\n')),
+    'pipeline.schedule_file',
+  ),
+  ('unknown-dtype', train('--config.model.dtype=float8'), 'model.dtype'),
+  ('negative-learning-rate', train('--config.train.learning_rate=-1'), 'train.learning_rate'),
+  ('keep-no-checkpoints', train('--config.checkpoint.keep=0'), 'checkpoint.keep'),
+  ('dcn-not-a-divisor', train('--config.mesh.dcn_pipe=3'), 'mesh.dcn_pipe'),
+  ('dcn-without-processes', train('--config.mesh.dcn_pipe=2'), 'mesh'),
+  ('two-free-mesh-axes', train('--config.mesh.data=-1', '--config.mesh.tensor=-1'), 'mesh.tensor'),
+  (
+    'negative-skip-nonfinite',
+    train('--config.train.skip_nonfinite_steps=-1'),
+    'train.skip_nonfinite_steps',
+  ),
+  (
+    'layers-per-stage-sum',
+    train('--config.pipeline.layers_per_stage=(1,1,1,2)'),
+    'pipeline.layers_per_stage',
+  ),
+  (
+    'device-order-not-a-permutation',
+    train('--config.mesh.device_order=(0,1,2,3,4,5,6,6)'),
+    'mesh.device_order',
+  ),
+  # -- unknown keys, flags, values of the wrong type
+  ('unknown-key', train('--config.model.num_layer=4'), '--config.model.num_layer'),
+  ('unknown-group', train('--config.optimizer.lr=1'), '--config.optimizer.lr'),
+  ('not-an-integer', train('--config.train.steps=abc'), '--config.train.steps'),
+  (
+    'not-a-boolean',
+    train('--config.train.record_sample_ids=maybe'),
+    '--config.train.record_sample_ids',
+  ),
+  ('unknown-flag', train('--nosuchflag'), 'nosuchflag'),
+  ('positional-argument', train('extra'), 'flags'),
+  ('no-config', train(config=None), '--config'),
+  ('no-workdir', train(workdir=None), '--workdir'),
+  ('profile-steps-malformed', train('--profile_steps=abc'), '--profile_steps'),
+  ('profile-steps-out-of-range', train('--profile_steps=0:99'), '--profile_steps'),
+  ('no-cpu-devices', train('--cpu_devices=0'), '--cpu_devices'),
+  # -- config files
+  ('config-file-missing', train(config='--config={d}/no_such_config.py'), '--config'),
+  (
+    'config-file-syntax',
+    train(
+      config='--config={d}/broken.py',
+      setup=write('broken.py', 'def get_config(arg=None:\n  pass\n'),
+    ),
+    '--config',
+  ),
+  ('config-argument-unknown', train(config='--config=experiments/gpt_tiny.py:fast=1'), '--config'),
+  # -- data
+  (
+    'data-path-missing',
+    train('--config.data.source=text', '--config.data.path=/no/such/file'),
+    'data.path',
+  ),
+  (
+    'data-too-little-text',
+    train(
+      '--config.data.source=text',
+      '--config.data.path={d}/tiny.txt',
+      setup=write('tiny.txt', 'hello world\n'),
+    ),
+    'data.path',
+  ),
+  ('data-source-unknown', train('--config.data.source=web'), 'data.source'),
+  ('data-text-without-path', train('--config.data.source=text'), 'data.path'),
+  # -- workdirs and checkpoint directories
+  ('workdir-is-a-file', train(setup=write('w', 'a file')), '--workdir'),
+  ('workdir-under-a-file', train(workdir='{d}/afile/w', setup=write('afile', 'x')), '--workdir'),
+  ('checkpoints-is-a-file', train(setup=write('w/checkpoints', 'a file')), '--workdir'),
+  ('checkpoints-hold-junk', train(setup=write('w/checkpoints/notes.txt', 'mine')), '--workdir'),
+  ('checkpoint-foreign-step', train(setup=write('w/checkpoints/5/data', 'junk')), '--workdir'),
+  ('checkpoint-unreadable', train(setup=fake_checkpoint), '--workdir'),
+  ('checkpoint-other-model', train('--config.model.d_model=64', trained=True), 'model.d_model'),
+  (
+    'checkpoint-other-optimizer',
+    train('--config.train.grad_clip_norm=0', trained=True),
+    'train.grad_clip_norm',
+  ),
+  # -- the planner and the schedule tool
+  (
+    'plan-cluster-missing',
+    command('triax.plan', '--config=experiments/gpt_tiny.py', '--cluster={d}/no_such.yaml'),
+    '--cluster',
+  ),
+  (
+    'plan-cluster-malformed-yaml',
+    command(
+      'triax.plan',
+      '--config=experiments/gpt_tiny.py',
+      '--cluster={d}/bad.yaml',
+      setup=write('bad.yaml', 'name: x\ngroups: [a, b\n'),
+    ),
+    '--cluster',
+  ),
+  (
+    'plan-cluster-without-groups',
+    command(
+      'triax.plan',
+      '--config=experiments/gpt_tiny.py',
+      '--cluster={d}/nogroups.yaml',
+      setup=write('nogroups.yaml', 'name: x\n'),
+    ),
+    '--cluster',
+  ),
+  ('schedule-no-stages', command('triax.schedule', '--stages=0'), '--stages'),
+  ('schedule-unknown', command('triax.schedule', '--schedule=zigzag'), 'schedule'),
+  (
+    'schedule-file-missing',
+    command('triax.schedule', '--schedule_file={d}/none.csv'),
+    '--schedule_file',
+  ),
 ]
 IDS = [c[0] for c in CASES]
 assert len(set(IDS)) == len(IDS) >= 25
@@ -166,8 +228,13 @@ def snapshot(root):
 def trained(tmp_path_factory):
   """A workdir with a 2-step checkpoint of the smoke config."""
   workdir = str(tmp_path_factory.mktemp('trained') / 'w')
-  result = harness.run_cli('triax.train', f'--config={SMOKE}', f'--workdir={workdir}',
-                           *TRAIN_FLAGS, '--config.train.steps=2')
+  result = harness.run_cli(
+    'triax.train',
+    f'--config={SMOKE}',
+    f'--workdir={workdir}',
+    *TRAIN_FLAGS,
+    '--config.train.steps=2',
+  )
   assert result.returncode == 0, result.stderr[-3000:]
   return workdir
 
@@ -175,11 +242,17 @@ def trained(tmp_path_factory):
 @pytest.fixture(scope='module')
 def outcomes(request, tmp_path_factory):
   """Runs the selected cases, three at a time; case id -> (result, before, after)."""
-  selected = {item.callspec.params['case'] for item in request.session.items
-              if item.module is request.module and hasattr(item, 'callspec')}
+  selected = {
+    item.callspec.params['case']
+    for item in request.session.items
+    if item.module is request.module and hasattr(item, 'callspec')
+  }
   cases = [c for c in CASES if c[0] in selected]
-  trained_dir = (request.getfixturevalue('trained')
-                 if any(c[0].startswith('checkpoint-other') for c in cases) else None)
+  trained_dir = (
+    request.getfixturevalue('trained')
+    if any(c[0].startswith('checkpoint-other') for c in cases)
+    else None
+  )
 
   def run(case):
     case_id, build, _ = case
@@ -201,6 +274,8 @@ def test_bad_input_exits_2_with_one_line_and_touches_nothing(case, outcomes):
   errors = [l for l in result.stderr.splitlines() if l.startswith('error:')]
   assert len(errors) == 1, result.stderr[-3000:]
   assert key in errors[0], errors[0]
-  assert len(errors[0]) > len(f'error: {key}: ') + 15, errors[0]   # says what is wrong and what to do
+  assert len(errors[0]) > len(f'error: {key}: ') + 15, errors[
+    0
+  ]  # says what is wrong and what to do
   assert 'Traceback' not in result.stderr, result.stderr[-3000:]
   assert after == before, sorted(set(after.items()) ^ set(before.items()))

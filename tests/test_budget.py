@@ -1,14 +1,22 @@
 """The memory-budget tool answers with measured peaks, and its answer follows them."""
 
 import harness
+
 from triax.training import budget
 
 
 def test_budget_ranks_candidates_by_measured_memory():
   # Activation-heavy and deep enough per stage that recompute and BPipe both save memory.
-  cfg = harness.tiny_config(**{
-      'mesh.data': 2, 'mesh.pipe': 4, 'pipeline.microbatches': 8,
-      'train.global_batch_size': 32, 'model.seq_len': 64, 'model.num_heads': 4})
+  cfg = harness.tiny_config(
+    **{
+      'mesh.data': 2,
+      'mesh.pipe': 4,
+      'pipeline.microbatches': 8,
+      'train.global_batch_size': 32,
+      'model.seq_len': 64,
+      'model.num_heads': 4,
+    }
+  )
   cands = {c.name.split(' (')[0]: c for c in budget.evaluate(cfg, steps=1)}
   ref = cands['1f1b, no remat']
   assert not any(c.error for c in cands.values()), cands

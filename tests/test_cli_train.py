@@ -9,8 +9,14 @@ SMOKE = 'experiments/gpt_tiny.py:smoke'
 
 
 def _train(workdir, *flags):
-  return harness.run_cli('triax.train', f'--config={SMOKE}', f'--workdir={workdir}',
-                         '--cpu_devices=8', '--progress=false', *flags)
+  return harness.run_cli(
+    'triax.train',
+    f'--config={SMOKE}',
+    f'--workdir={workdir}',
+    '--cpu_devices=8',
+    '--progress=false',
+    *flags,
+  )
 
 
 def _records(workdir):
@@ -35,7 +41,7 @@ def test_train_writes_metrics_checkpoints_and_resumes(tmp_path):
   second = _train(workdir, '--config.train.steps=6')
   assert second.returncode == 0, second.stderr
   steps = [r['step'] for r in _records(workdir) if 'loss' in r]
-  assert steps == [1, 2, 3, 4, 5, 6]   # resumed at 5, nothing repeated or lost
+  assert steps == [1, 2, 3, 4, 5, 6]  # resumed at 5, nothing repeated or lost
 
 
 def test_same_command_twice_gives_identical_losses(tmp_path):

@@ -6,8 +6,7 @@ import numpy as np
 import pytest
 
 from triax.data.batches import BatchStream
-from triax.data.corpus import SEPARATOR, load_corpus, unigram_entropy_bits
-from triax.data.corpus import unigram_entropy_nats
+from triax.data.corpus import SEPARATOR, load_corpus, unigram_entropy_bits, unigram_entropy_nats
 from triax.errors import ConfigError
 
 
@@ -27,7 +26,6 @@ def stdlib():
 
 
 class TestBatchStream:
-
   def test_shapes_and_dtypes(self):
     batch = BatchStream(_tokens(), 16, 8, seed=0).batch(3)
     assert batch['inputs'].shape == (8, 16)
@@ -52,10 +50,9 @@ class TestBatchStream:
     tokens = _tokens()
     stream = BatchStream(tokens, 16, 8, seed=0)
     batch = stream.batch(2)
-    np.testing.assert_array_equal(batch['inputs'][:, 1:],
-                                  batch['targets'][:, :-1])
+    np.testing.assert_array_equal(batch['inputs'][:, 1:], batch['targets'][:, :-1])
     for row, k in enumerate(batch['sample_ids']):
-      window = tokens[k * 16:k * 16 + 17]
+      window = tokens[k * 16 : k * 16 + 17]
       np.testing.assert_array_equal(batch['inputs'][row], window[:-1])
       np.testing.assert_array_equal(batch['targets'][row], window[1:])
 
@@ -65,35 +62,35 @@ class TestBatchStream:
     # batches); either way each epoch's samples are a permutation of range(N).
     stream = BatchStream(_tokens(size), 16, 8, seed=3)
     n = stream.num_windows
-    ids = np.concatenate([stream.batch(s)['sample_ids']
-                          for s in range(3 * n // 8 + 1)])
+    ids = np.concatenate([stream.batch(s)['sample_ids'] for s in range(3 * n // 8 + 1)])
     for epoch in range(3):
-      got = np.sort(ids[epoch * n:(epoch + 1) * n])
+      got = np.sort(ids[epoch * n : (epoch + 1) * n])
       np.testing.assert_array_equal(got, np.arange(n))
     # A fresh permutation each epoch, not the same order repeated.
-    assert not np.array_equal(ids[:n], ids[n:2 * n])
+    assert not np.array_equal(ids[:n], ids[n : 2 * n])
 
   @pytest.mark.parametrize('processes', [2, 4])
   def test_process_shards_partition_global_batch(self, processes):
     tokens = _tokens(83 * 16 + 1)  # N = 83: some batches straddle epochs
     whole = BatchStream(tokens, 16, 8, seed=2)
-    shards = [BatchStream(tokens, 16, 8, seed=2, process_index=i,
-                          process_count=processes)
-              for i in range(processes)]
+    shards = [
+      BatchStream(tokens, 16, 8, seed=2, process_index=i, process_count=processes)
+      for i in range(processes)
+    ]
     for step in (0, 9, 10, 11, 500):
       want = whole.batch(step)
       parts = [s.batch(step) for s in shards]
       for key in want:
         np.testing.assert_array_equal(
-            np.concatenate([p[key] for p in parts]), want[key], err_msg=key)
+          np.concatenate([p[key] for p in parts]), want[key], err_msg=key
+        )
 
   def test_resume_equals_uninterrupted(self):
     tokens = _tokens()
     run = BatchStream(tokens, 16, 8, seed=4)
     history = [run.batch(s) for s in range(200)]  # crosses two epochs (N=625)
     for k in (0, 1, 78, 79, 150, 199):
-      _assert_batches_equal(BatchStream(tokens, 16, 8, seed=4).batch(k),
-                            history[k])
+      _assert_batches_equal(BatchStream(tokens, 16, 8, seed=4).batch(k), history[k])
     # Going back after the cache moved on still gives the same batch.
     _assert_batches_equal(run.batch(3), history[3])
 
@@ -113,8 +110,10 @@ class TestBatchStream:
   def test_eval_batches_sharded(self):
     tokens = _tokens()
     whole = BatchStream(tokens, 16, 8, seed=0).eval_batches(2)
-    halves = [BatchStream(tokens, 16, 8, seed=0, process_index=i,
-                          process_count=2).eval_batches(2) for i in range(2)]
+    halves = [
+      BatchStream(tokens, 16, 8, seed=0, process_index=i, process_count=2).eval_batches(2)
+      for i in range(2)
+    ]
     for i, want in enumerate(whole):
       got = np.concatenate([halves[0][i]['inputs'], halves[1][i]['inputs']])
       np.testing.assert_array_equal(got, want['inputs'])
@@ -134,7 +133,6 @@ class TestBatchStream:
 
 
 class TestCorpus:
-
   def test_stdlib_is_substantial(self, stdlib):
     assert stdlib.train.dtype == np.uint8
     assert stdlib.val.dtype == np.uint8
@@ -146,9 +144,10 @@ class TestCorpus:
   def test_stdlib_split_by_file(self, stdlib):
     assert stdlib.val_files
     assert not set(stdlib.train_files) & set(stdlib.val_files)
-    assert not any('site-packages' in n or '__pycache__' in n
-                   or '/test/' in n or n.startswith('test/')
-                   for n in stdlib.train_files + stdlib.val_files)
+    assert not any(
+      'site-packages' in n or '__pycache__' in n or '/test/' in n or n.startswith('test/')
+      for n in stdlib.train_files + stdlib.val_files
+    )
     # Validation is roughly 5% of the files.
     assert 0.01 < len(stdlib.val_files) / stdlib.files < 0.15
 
@@ -160,10 +159,8 @@ class TestCorpus:
   def test_max_bytes_caps_in_sorted_order(self, stdlib):
     small = load_corpus('stdlib', '', max_bytes=200_000)
     names = small.train_files + small.val_files
-    assert sorted(names) == sorted(stdlib.train_files + stdlib.val_files)[
-        :len(names)]
-    assert small.train.size + small.val.size <= (
-        200_000 + len(SEPARATOR) * small.files)
+    assert sorted(names) == sorted(stdlib.train_files + stdlib.val_files)[: len(names)]
+    assert small.train.size + small.val.size <= (200_000 + len(SEPARATOR) * small.files)
 
   def test_text_file_byte_split(self, tmp_path):
     text = b'hello world\n' * 1000
@@ -190,9 +187,9 @@ class TestCorpus:
 
   def test_text_errors(self, tmp_path):
     cases = [
-        ('', 'data.path'),
-        (str(tmp_path / 'missing.txt'), 'data.path'),
-        (str(tmp_path), 'data.path'),  # empty directory: no text
+      ('', 'data.path'),
+      (str(tmp_path / 'missing.txt'), 'data.path'),
+      (str(tmp_path), 'data.path'),  # empty directory: no text
     ]
     for path, key in cases:
       with pytest.raises(ConfigError) as info:
@@ -212,7 +209,6 @@ class TestCorpus:
 
 
 class TestEntropy:
-
   def test_uniform_is_eight_bits(self):
     tokens = np.tile(np.arange(256, dtype=np.uint8), 100)
     assert unigram_entropy_bits(tokens) == pytest.approx(8.0)

@@ -7,9 +7,9 @@ import re
 import subprocess
 import sys
 
+import harness
 import jax
 
-import harness
 from triax import config
 from triax.model.transformer import GPT, ModelSpec
 
@@ -18,13 +18,14 @@ SCRIPT = os.path.join(harness.ROOT, 'scripts', 'gpu_bench.sh')
 
 def _bench(*args):
   env = dict(os.environ)
-  env.pop('XLA_FLAGS', None)   # --cpu_devices decides
+  env.pop('XLA_FLAGS', None)  # --cpu_devices decides
   # This venv is set up already: skip scripts/env.sh (its pip install) and use this python.
   env['TRIAX_SKIP_ENV'] = '1'
   env['PATH'] = os.path.dirname(sys.executable) + os.pathsep + env['PATH']
   env['PYTHONPATH'] = os.path.join(harness.ROOT, 'src') + os.pathsep + env.get('PYTHONPATH', '')
-  return subprocess.run(['bash', SCRIPT, *args], cwd=harness.ROOT, env=env,
-                        capture_output=True, text=True, timeout=300)
+  return subprocess.run(
+    ['bash', SCRIPT, *args], cwd=harness.ROOT, env=env, capture_output=True, text=True, timeout=300
+  )
 
 
 def test_smoke_benchmark_prints_tokens_per_second_and_mfu_line(tmp_path):
@@ -32,7 +33,7 @@ def test_smoke_benchmark_prints_tokens_per_second_and_mfu_line(tmp_path):
   assert result.returncode == 0, result.stderr[-3000:]
   tokens = re.search(r'^tokens/s:\s+([\d,]+)', result.stdout, re.M)
   assert tokens and int(tokens.group(1).replace(',', '')) > 0, result.stdout
-  assert re.search(r'^MFU:\s+n/a', result.stdout, re.M), result.stdout   # no peak known for CPU
+  assert re.search(r'^MFU:\s+n/a', result.stdout, re.M), result.stdout  # no peak known for CPU
   assert re.search(r'^peak memory:', result.stdout, re.M)
 
 
@@ -44,13 +45,17 @@ def test_existing_workdir_is_refused(tmp_path):
 
 def test_full_config_is_a_valid_one_device_1b_model():
   spec = importlib.util.spec_from_file_location(
-      'gpt_1b', os.path.join(harness.ROOT, 'experiments', 'gpt_1b.py'))
+    'gpt_1b', os.path.join(harness.ROOT, 'experiments', 'gpt_1b.py')
+  )
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   cfg = config.validate(module.get_config(), 1)
   assert (cfg.mesh.data, cfg.mesh.tensor, cfg.mesh.pipe) == (1, 1, 1)
   assert (cfg.model.dtype, cfg.model.param_dtype, cfg.model.attention) == (
-      'bfloat16', 'float32', 'cudnn')
+    'bfloat16',
+    'float32',
+    'cudnn',
+  )
   # Shapes only (cuDNN attention cannot be traced on CPU: count with the XLA kernel).
   model = GPT(dataclasses.replace(ModelSpec.from_config(cfg.model), attention='xla'))
   count = sum(leaf.size for leaf in jax.tree.leaves(jax.eval_shape(model.init, jax.random.key(0))))

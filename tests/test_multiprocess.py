@@ -13,12 +13,19 @@ import socket
 import subprocess
 import time
 
-import pytest
-
 import harness
-from test_reliability import (assert_each_window_once_per_epoch, assert_same_losses, cli_env,
-                              compile_cache, losses, read_jsonl, sample_ids, start_train,
-                              write_corpus)
+import pytest
+from test_reliability import (
+  assert_each_window_once_per_epoch,
+  assert_same_losses,
+  cli_env,
+  losses,
+  read_jsonl,
+  sample_ids,
+  start_train,
+  write_corpus,
+)
+
 from triax.data.batches import BatchStream
 from triax.data.corpus import load_corpus
 
@@ -46,7 +53,7 @@ def _listening(port):
           if width == 8:
             found.append(socket.inet_ntop(socket.AF_INET, raw[::-1]))
           else:
-            words = b''.join(raw[i:i + 4][::-1] for i in range(0, 16, 4))
+            words = b''.join(raw[i : i + 4][::-1] for i in range(0, 16, 4))
             found.append(socket.inet_ntop(socket.AF_INET6, words))
   return found
 
@@ -55,9 +62,20 @@ def _launch(workdir, flags, env_extra, port=None):
   env = cli_env(env_extra)
   env['TRIAX_PORT'] = str(port or _free_port())
   return subprocess.Popen(
-      [LAUNCH, '2', '--config=experiments/gpt_tiny.py:smoke', f'--workdir={workdir}',
-       '--progress=false', *flags],
-      cwd=harness.ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    [
+      LAUNCH,
+      '2',
+      '--config=experiments/gpt_tiny.py:smoke',
+      f'--workdir={workdir}',
+      '--progress=false',
+      *flags,
+    ],
+    cwd=harness.ROOT,
+    env=env,
+    stdout=subprocess.PIPE,
+    stderr=subprocess.STDOUT,
+    text=True,
+  )
 
 
 def _finish(proc, timeout=600):
@@ -79,10 +97,15 @@ def _copy_until(source, target, last_step):
 def runs(tmp_path_factory, compile_cache):
   root = tmp_path_factory.mktemp('mp')
   corpus = write_corpus(root / 'corpus.txt')
-  flags = ['--config.data.source=text', f'--config.data.path={corpus}',
-           '--config.train.steps=24', '--config.checkpoint.every_steps=4',
-           '--config.checkpoint.keep=10', '--config.train.eval_every=8',
-           '--config.train.record_sample_ids=true']
+  flags = [
+    '--config.data.source=text',
+    f'--config.data.path={corpus}',
+    '--config.train.steps=24',
+    '--config.checkpoint.every_steps=4',
+    '--config.checkpoint.keep=10',
+    '--config.train.eval_every=8',
+    '--config.train.record_sample_ids=true',
+  ]
   single = str(root / 'single')
   proc = start_train(single, flags, single, compile_cache)
   assert proc.wait(timeout=600) == 0, open(single + '.err').read()[-3000:]
@@ -96,24 +119,36 @@ def runs(tmp_path_factory, compile_cache):
     time.sleep(0.05)
   out = _finish(proc)
   windows = BatchStream(load_corpus('text', corpus).train, 32, 8, seed=0).num_windows
-  return dict(root=root, flags=flags, single=single, two=two, two_output=out, env=compile_cache,
-              coordinator_addresses=addresses, windows=windows)
+  return dict(
+    root=root,
+    flags=flags,
+    single=single,
+    two=two,
+    two_output=out,
+    env=compile_cache,
+    coordinator_addresses=addresses,
+    windows=windows,
+  )
 
 
 def test_two_processes_train_exactly_as_one(runs):
   worst = assert_same_losses(losses(runs['two']), losses(runs['single']))
-  print(f'2 processes x 4 devices vs 1 x 8 (mesh 2x2x2, interleaved): max |loss diff| = {worst:.3g}')
+  print(
+    f'2 processes x 4 devices vs 1 x 8 (mesh 2x2x2, interleaved): max |loss diff| = {worst:.3g}'
+  )
   assert sample_ids(runs['two']) == sample_ids(runs['single'])
   out = runs['two_output']
-  assert '[0] metrics:' in out and '[1] metrics:' not in out   # process 0 speaks
+  assert '[0] metrics:' in out and '[1] metrics:' not in out  # process 0 speaks
   # One writer: as many metric lines as the one-process run, no duplicates.
   assert len(read_jsonl(os.path.join(runs['two'], 'metrics.jsonl'))) == len(
-      read_jsonl(os.path.join(runs['single'], 'metrics.jsonl')))
+    read_jsonl(os.path.join(runs['single'], 'metrics.jsonl'))
+  )
   assert os.path.exists(os.path.join(runs['two'], 'config.json'))
   # The coordinator listened on loopback only.
   assert runs['coordinator_addresses'], 'never saw the coordinator listening'
-  assert all(a in ('127.0.0.1', '::ffff:127.0.0.1') for a in runs['coordinator_addresses']), \
-      runs['coordinator_addresses']
+  assert all(a in ('127.0.0.1', '::ffff:127.0.0.1') for a in runs['coordinator_addresses']), runs[
+    'coordinator_addresses'
+  ]
 
 
 def test_checkpoint_of_two_processes_restores_in_one(runs):
@@ -131,13 +166,25 @@ def test_two_processes_without_data_parallelism_resume_on_another_mesh(runs):
   # (mesh.dcn_pipe=2: the slow network). Resumed from step 8 of the 2x2x2 run.
   workdir = str(runs['root'] / 'tensor_pipe')
   _copy_until(runs['two'], workdir, 8)
-  out = _finish(_launch(workdir, runs['flags'] + [
-      '--config.mesh.data=1', '--config.mesh.tensor=4', '--config.mesh.pipe=2',
-      '--config.mesh.dcn_pipe=2'], runs['env']))
+  out = _finish(
+    _launch(
+      workdir,
+      runs['flags']
+      + [
+        '--config.mesh.data=1',
+        '--config.mesh.tensor=4',
+        '--config.mesh.pipe=2',
+        '--config.mesh.dcn_pipe=2',
+      ],
+      runs['env'],
+    )
+  )
   assert 'resumed at step 8)' in out
   worst = assert_same_losses(losses(workdir), losses(runs['single']), tol=1e-5)
-  print(f'2 processes, mesh 1x4x2 (pipe over processes) resumed from 2x2x2: '
-        f'max |loss diff| = {worst:.3g}')
+  print(
+    f'2 processes, mesh 1x4x2 (pipe over processes) resumed from 2x2x2: '
+    f'max |loss diff| = {worst:.3g}'
+  )
   ids = sample_ids(workdir)
   assert ids == sample_ids(runs['single'])
   assert_each_window_once_per_epoch(ids, runs['windows'])
@@ -146,40 +193,46 @@ def test_two_processes_without_data_parallelism_resume_on_another_mesh(runs):
 def test_dcn_factor_keeps_each_block_of_an_axis_inside_one_host():
   from triax import mesh as mesh_lib
   from triax.errors import ConfigError
+
   # 8 fake devices, 2 per process; 2 hosts: processes 0-1 and 2-3.
   Device = collections.namedtuple('Device', 'id process_index slice_index device_kind platform')
   devices = [Device(i, i // 2, 0, 'cpu', 'cpu') for i in range(8)]
   grid = mesh_lib._hybrid_grid((2, 2, 2), (1, 1, 2), devices)  # pylint: disable=protected-access
   assert grid.shape == (2, 2, 2)
-  assert {d.process_index for d in grid[:, :, 0].flat} == {0, 1}   # pipe stage 0: host 0
+  assert {d.process_index for d in grid[:, :, 0].flat} == {0, 1}  # pipe stage 0: host 0
   assert {d.process_index for d in grid[:, :, 1].flat} == {2, 3}
-  with pytest.raises(ConfigError):   # 3 processes do not split into 2 hosts
+  with pytest.raises(ConfigError):  # 3 processes do not split into 2 hosts
     mesh_lib._hybrid_grid((2, 3, 1), (2, 1, 1), devices[:6])  # pylint: disable=protected-access
 
 
 def test_launcher_prefixes_output_and_stops_the_others_when_one_fails(tmp_path):
   # A stand-in for python: process 1 fails at once, process 0 would wait a minute.
   fake = tmp_path / 'python'
-  fake.write_text(f'''#!/usr/bin/env bash
+  fake.write_text(f"""#!/usr/bin/env bash
 echo "coordinator $TRIAX_COORDINATOR of $TRIAX_NUM_PROCESSES, args $*"
 if [ "$TRIAX_PROCESS_ID" = 1 ]; then echo "error: boom" >&2; exit 3; fi
 sleep 60 &
 echo $! > {tmp_path}/sleeper.pid
 wait
-''')
+""")
   fake.chmod(0o755)
   started = time.monotonic()
-  result = subprocess.run([LAUNCH, '2', '--config=x.py', '--workdir=w'], cwd=harness.ROOT,
-                          env=cli_env({'PYTHON': str(fake), 'TRIAX_PORT': str(_free_port())}),
-                          capture_output=True, text=True,
-                          timeout=60)
+  result = subprocess.run(
+    [LAUNCH, '2', '--config=x.py', '--workdir=w'],
+    cwd=harness.ROOT,
+    env=cli_env({'PYTHON': str(fake), 'TRIAX_PORT': str(_free_port())}),
+    capture_output=True,
+    text=True,
+    timeout=60,
+  )
   assert result.returncode == 3, (result.stdout, result.stderr)
   assert time.monotonic() - started < 30
   assert '[1] error: boom' in result.stderr.splitlines()
   lines = [l for l in result.stdout.splitlines() if 'coordinator' in l]
   assert sorted(l[:4] for l in lines) == ['[0] ', '[1] ']
-  assert all('coordinator 127.0.0.1:' in l and 'of 2,' in l and '--cpu_devices=4' in l
-             for l in lines), lines
+  assert all(
+    'coordinator 127.0.0.1:' in l and 'of 2,' in l and '--cpu_devices=4' in l for l in lines
+  ), lines
   with open(tmp_path / 'sleeper.pid') as f:
     sleeper = int(f.read())
   assert _gone(sleeper), 'process 0 was left running'
@@ -190,7 +243,7 @@ def _gone(pid, wait=10):
   while time.monotonic() < deadline:
     try:
       with open(f'/proc/{pid}/stat') as f:
-        if f.read().rsplit(')', 1)[1].split()[0] in 'ZX':   # a zombie has stopped running
+        if f.read().rsplit(')', 1)[1].split()[0] in 'ZX':  # a zombie has stopped running
           return True
     except FileNotFoundError:
       return True

@@ -2,12 +2,11 @@
 
 import functools
 
+import harness
 import pytest
 
-import harness
 
-
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _reference():
   cfg = harness.tiny_config(**{'mesh.data': 1})
   return harness.loss_and_grads(cfg), harness.train_losses(cfg, 5)

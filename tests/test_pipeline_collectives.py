@@ -7,10 +7,9 @@ computation but the entry one (the loop body and its branches are others).
 
 import re
 
+import harness
 import jax
 import pytest
-
-import harness
 
 
 def _all_reduces_by_computation(hlo: str) -> dict[str, int]:
@@ -23,12 +22,20 @@ def _all_reduces_by_computation(hlo: str) -> dict[str, int]:
   return out
 
 
-@pytest.mark.parametrize('schedule, v', [('1f1b', 1), ('interleaved_1f1b', 2), ('zb_h1', 1),
-                                         ('bpipe', 1)])
+@pytest.mark.parametrize(
+  'schedule, v', [('1f1b', 1), ('interleaved_1f1b', 2), ('zb_h1', 1), ('bpipe', 1)]
+)
 def test_data_parallel_gradients_are_reduced_once_per_step(schedule, v):
-  cfg = harness.tiny_config(**{'mesh.data': 2, 'mesh.tensor': 1, 'mesh.pipe': 4,
-                               'pipeline.schedule': schedule, 'pipeline.microbatches': 8,
-                               'pipeline.virtual_stages': v})
+  cfg = harness.tiny_config(
+    **{
+      'mesh.data': 2,
+      'mesh.tensor': 1,
+      'mesh.pipe': 4,
+      'pipeline.schedule': schedule,
+      'pipeline.microbatches': 8,
+      'pipeline.virtual_stages': v,
+    }
+  )
   trainer = harness.make_trainer(cfg)
   with jax.set_mesh(trainer.mesh):
     state = trainer.init_state(jax.random.key(0))
@@ -48,12 +55,23 @@ def test_bpipe_train_steps_match_one_device(data, pipe):
   # gpt_tiny's widths: the failure this guards against (XLA:CPU pairing the
   # residual ppermute's rendezvous with another collective's, when `data` is
   # manual too) did not show at the harness's tiny widths.
-  overrides = {'mesh.tensor': 1, 'pipeline.microbatches': 8, 'model.d_model': 128,
-               'model.num_heads': 4, 'model.d_ff': 512, 'model.seq_len': 128}
-  ref = harness.train_losses(harness.tiny_config(**overrides, **{'mesh.data': 1,
-                                                                'mesh.pipe': 1}), 3)
-  got = harness.train_losses(harness.tiny_config(**overrides, **{
-      'mesh.data': data, 'mesh.pipe': pipe, 'pipeline.schedule': 'bpipe'}), 3)
+  overrides = {
+    'mesh.tensor': 1,
+    'pipeline.microbatches': 8,
+    'model.d_model': 128,
+    'model.num_heads': 4,
+    'model.d_ff': 512,
+    'model.seq_len': 128,
+  }
+  ref = harness.train_losses(
+    harness.tiny_config(**overrides, **{'mesh.data': 1, 'mesh.pipe': 1}), 3
+  )
+  got = harness.train_losses(
+    harness.tiny_config(
+      **overrides, **{'mesh.data': data, 'mesh.pipe': pipe, 'pipeline.schedule': 'bpipe'}
+    ),
+    3,
+  )
   assert all(abs(a - b) <= 1e-5 * abs(a) for a, b in zip(ref, got)), (ref, got)
 
 
@@ -65,8 +83,9 @@ def _permute_operands(cfg) -> list[tuple[int, ...]]:
     batch = jax.device_put(harness.random_batch(cfg), trainer.batch_sharding)
     hlo = trainer.train_step.lower(state, batch).compile().as_text()
   shapes = re.findall(r'= \w+\[([\d,]+)\]\{[^}]*\} collective-permute(?:-start)?\(', hlo)
-  shapes += [s for s in re.findall(
-      r'= \(\w+\[([\d,]+)\]\{[^}]*\}, [^)]*\) collective-permute-start\(', hlo)]
+  shapes += [
+    s for s in re.findall(r'= \(\w+\[([\d,]+)\]\{[^}]*\}, [^)]*\) collective-permute-start\(', hlo)
+  ]
   return [tuple(int(x) for x in s.split(',')) for s in shapes]
 
 
@@ -74,9 +93,16 @@ def _permute_operands(cfg) -> list[tuple[int, ...]]:
 def test_pipeline_transfers_travel_split_over_tensor(scatter):
   """Megatron's scatter/gather (PTD-P 4.1): with tensor=2 each rank sends half
   of a [mb, s, d] activation, split along d, and the receiver gathers it."""
-  cfg = harness.tiny_config(**{'mesh.data': 1, 'mesh.tensor': 2, 'mesh.pipe': 4,
-                               'pipeline.schedule': '1f1b', 'pipeline.microbatches': 4,
-                               'pipeline.scatter_gather': scatter})
+  cfg = harness.tiny_config(
+    **{
+      'mesh.data': 1,
+      'mesh.tensor': 2,
+      'mesh.pipe': 4,
+      'pipeline.schedule': '1f1b',
+      'pipeline.microbatches': 4,
+      'pipeline.scatter_gather': scatter,
+    }
+  )
   mb, s, d = cfg.train.global_batch_size // 4, cfg.model.seq_len, cfg.model.d_model
   shapes = _permute_operands(cfg)
   assert shapes, 'the pipeline must send activations'

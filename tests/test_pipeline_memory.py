@@ -7,21 +7,30 @@ residual sets on stage s (PipeDream-Flush's bound), not the 2(p-1-s)+1 of
 the earlier lockstep lowering, and the compiled bytes show it.
 """
 
+import harness
 import jax
 import pytest
 
-import harness
 from triax.training.loop import compile_stats
 
 P = 4
 
 
 def _temp_bytes(schedule, v, m):
-  cfg = harness.tiny_config(**{
-      'mesh.data': 1, 'mesh.tensor': 2, 'mesh.pipe': P, 'pipeline.schedule': schedule,
-      'pipeline.virtual_stages': v, 'pipeline.microbatches': m,
-      'train.global_batch_size': 2 * m, 'model.seq_len': 64, 'model.d_model': 64,
-      'model.d_ff': 256})
+  cfg = harness.tiny_config(
+    **{
+      'mesh.data': 1,
+      'mesh.tensor': 2,
+      'mesh.pipe': P,
+      'pipeline.schedule': schedule,
+      'pipeline.virtual_stages': v,
+      'pipeline.microbatches': m,
+      'train.global_batch_size': 2 * m,
+      'model.seq_len': 64,
+      'model.d_model': 64,
+      'model.d_ff': 256,
+    }
+  )
   trainer = harness.make_trainer(cfg)
   with jax.set_mesh(trainer.mesh):
     return compile_stats(trainer)[1]['temp_bytes']
@@ -39,10 +48,21 @@ def test_gpipe_memory_grows_with_microbatches():
 
 
 def _stats(schedule, m, **overrides):
-  cfg = harness.tiny_config(**{
-      'mesh.data': 1, 'mesh.tensor': 1, 'mesh.pipe': P, 'pipeline.schedule': schedule,
-      'pipeline.microbatches': m, 'train.global_batch_size': 4 * m, 'model.seq_len': 128,
-      'model.d_model': 64, 'model.d_ff': 256, 'model.num_heads': 4, **overrides})
+  cfg = harness.tiny_config(
+    **{
+      'mesh.data': 1,
+      'mesh.tensor': 1,
+      'mesh.pipe': P,
+      'pipeline.schedule': schedule,
+      'pipeline.microbatches': m,
+      'train.global_batch_size': 4 * m,
+      'model.seq_len': 128,
+      'model.d_model': 64,
+      'model.d_ff': 256,
+      'model.num_heads': 4,
+      **overrides,
+    }
+  )
   trainer = harness.make_trainer(cfg)
   with jax.set_mesh(trainer.mesh):
     return compile_stats(trainer)[1]

@@ -11,28 +11,36 @@ written by torch.distributed.pipelining (tests/data/).
 import functools
 import os
 
+import harness
 import pytest
 
-import harness
 from triax.pipeline import schedule as sched
 
-_MESHES = [((1, 1, 4), 'none'), ((2, 1, 4), 'selective'), ((1, 2, 4), 'full'),
-           ((1, 1, 8), 'none')]
+_MESHES = [((1, 1, 4), 'none'), ((2, 1, 4), 'selective'), ((1, 2, 4), 'full'), ((1, 1, 8), 'none')]
 _CHUNKED = {'interleaved_1f1b', 'interleaved_zb', 'zb_v'}
 
 # (schedule, (data, tensor, pipe), virtual stages, micro-batches, remat, layers)
-CASES = [(name, mesh, 2 if name in _CHUNKED else 1, 2 * mesh[2], remat,
-          16 if name in _CHUNKED and mesh[2] == 8 else 8)
-         for name in sched.SCHEDULES for mesh, remat in _MESHES]
+CASES = [
+  (
+    name,
+    mesh,
+    2 if name in _CHUNKED else 1,
+    2 * mesh[2],
+    remat,
+    16 if name in _CHUNKED and mesh[2] == 8 else 8,
+  )
+  for name in sched.SCHEDULES
+  for mesh, remat in _MESHES
+]
 CASES += [
-    ('gpipe', (4, 1, 2), 2, 4, 'full', 8),
-    ('1f1b', (2, 2, 2), 1, 4, 'selective', 8),
-    ('interleaved_1f1b', (2, 2, 2), 2, 4, 'none', 8),
-    ('interleaved_1f1b', (1, 1, 4), 2, 6, 'none', 8),
-    ('interleaved_zb', (1, 2, 2), 2, 3, 'none', 8),
-    ('zb_v', (2, 2, 2), 2, 4, 'full', 8),
-    ('bpipe', (2, 2, 2), 1, 4, 'none', 8),
-    ('zb_h1', (1, 1, 8), 1, 32, 'none', 8),
+  ('gpipe', (4, 1, 2), 2, 4, 'full', 8),
+  ('1f1b', (2, 2, 2), 1, 4, 'selective', 8),
+  ('interleaved_1f1b', (2, 2, 2), 2, 4, 'none', 8),
+  ('interleaved_1f1b', (1, 1, 4), 2, 6, 'none', 8),
+  ('interleaved_zb', (1, 2, 2), 2, 3, 'none', 8),
+  ('zb_v', (2, 2, 2), 2, 4, 'full', 8),
+  ('bpipe', (2, 2, 2), 1, 4, 'none', 8),
+  ('zb_h1', (1, 1, 8), 1, 32, 'none', 8),
 ]
 
 
@@ -45,23 +53,34 @@ def _batch(m: int) -> int:
   return 32 if 32 % m == 0 else 8 * m
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _reference(layers, batch=32):
-  return harness.loss_and_grads(_config(layers, **{'mesh.data': 1,
-                                                   'train.global_batch_size': batch}))
+  return harness.loss_and_grads(
+    _config(layers, **{'mesh.data': 1, 'train.global_batch_size': batch})
+  )
 
 
-@pytest.mark.parametrize('schedule,mesh,v,m,remat,layers', CASES,
-                         ids=[f'{c[0]}-{"x".join(map(str, c[1]))}-v{c[2]}-m{c[3]}-{c[4]}'
-                              for c in CASES])
+@pytest.mark.parametrize(
+  'schedule,mesh,v,m,remat,layers',
+  CASES,
+  ids=[f'{c[0]}-{"x".join(map(str, c[1]))}-v{c[2]}-m{c[3]}-{c[4]}' for c in CASES],
+)
 def test_loss_and_gradients_match_one_device(schedule, mesh, v, m, remat, layers):
   ref_loss, ref_grads = _reference(layers, _batch(m))
   data, tensor, pipe = mesh
-  cfg = _config(layers, **{
-      'mesh.data': data, 'mesh.tensor': tensor, 'mesh.pipe': pipe,
-      'pipeline.schedule': schedule, 'pipeline.virtual_stages': v,
-      'pipeline.microbatches': m, 'model.remat': remat,
-      'train.global_batch_size': _batch(m)})
+  cfg = _config(
+    layers,
+    **{
+      'mesh.data': data,
+      'mesh.tensor': tensor,
+      'mesh.pipe': pipe,
+      'pipeline.schedule': schedule,
+      'pipeline.virtual_stages': v,
+      'pipeline.microbatches': m,
+      'model.remat': remat,
+      'train.global_batch_size': _batch(m),
+    },
+  )
   loss, grads = harness.loss_and_grads(cfg)
   assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss), (loss, ref_loss)
   assert harness.max_rel_err(ref_grads, grads) <= 1e-5
@@ -70,23 +89,32 @@ def test_loss_and_gradients_match_one_device(schedule, mesh, v, m, remat, layers
 # Uneven layer partitions (pipeline.layers_per_stage, what the planner emits
 # for mixed devices): shorter chunks are padded and their padding skipped.
 UNEVEN = [
-    ('1f1b', (1, 1, 4), 1, 4, (3, 2, 2, 1)),
-    ('interleaved_1f1b', (2, 1, 2), 2, 4, (1, 3, 2, 2)),
-    ('bpipe', (1, 2, 4), 1, 8, (1, 2, 2, 3)),
-    ('zb_h1', (1, 1, 2), 1, 4, (5, 3)),
-    ('zb_v', (1, 1, 2), 2, 4, (3, 1, 2, 2)),
+  ('1f1b', (1, 1, 4), 1, 4, (3, 2, 2, 1)),
+  ('interleaved_1f1b', (2, 1, 2), 2, 4, (1, 3, 2, 2)),
+  ('bpipe', (1, 2, 4), 1, 8, (1, 2, 2, 3)),
+  ('zb_h1', (1, 1, 2), 1, 4, (5, 3)),
+  ('zb_v', (1, 1, 2), 2, 4, (3, 1, 2, 2)),
 ]
 
 
-@pytest.mark.parametrize('schedule,mesh,v,m,split', UNEVEN,
-                         ids=[f'{c[0]}-{"-".join(map(str, c[4]))}' for c in UNEVEN])
+@pytest.mark.parametrize(
+  'schedule,mesh,v,m,split', UNEVEN, ids=[f'{c[0]}-{"-".join(map(str, c[4]))}' for c in UNEVEN]
+)
 def test_uneven_split_matches_one_device(schedule, mesh, v, m, split):
   ref_loss, ref_grads = _reference(8)
   data, tensor, pipe = mesh
-  cfg = _config(8, **{
-      'mesh.data': data, 'mesh.tensor': tensor, 'mesh.pipe': pipe,
-      'pipeline.schedule': schedule, 'pipeline.virtual_stages': v,
-      'pipeline.microbatches': m, 'pipeline.layers_per_stage': split})
+  cfg = _config(
+    8,
+    **{
+      'mesh.data': data,
+      'mesh.tensor': tensor,
+      'mesh.pipe': pipe,
+      'pipeline.schedule': schedule,
+      'pipeline.virtual_stages': v,
+      'pipeline.microbatches': m,
+      'pipeline.layers_per_stage': split,
+    },
+  )
   loss, grads = harness.loss_and_grads(cfg)
   assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss), (loss, ref_loss)
   assert harness.max_rel_err(ref_grads, grads) <= 1e-5
@@ -95,9 +123,9 @@ def test_uneven_split_matches_one_device(schedule, mesh, v, m, split):
 # Schedules written by another tool: torch.distributed.pipelining's own
 # orders, dumped with its CSV writer (scripts/torch_schedule_csv.py).
 FILES = [
-    ('torch_zbv_p4_v2_m8.csv', (1, 1, 4), 2, 8),
-    ('torch_interleaved_1f1b_p4_v2_m6.csv', (2, 1, 4), 2, 6),
-    ('torch_interleaved_zb_p4_v2_m8.csv', (1, 2, 4), 2, 8),
+  ('torch_zbv_p4_v2_m8.csv', (1, 1, 4), 2, 8),
+  ('torch_interleaved_1f1b_p4_v2_m6.csv', (2, 1, 4), 2, 6),
+  ('torch_interleaved_zb_p4_v2_m8.csv', (1, 2, 4), 2, 8),
 ]
 
 
@@ -105,11 +133,18 @@ FILES = [
 def test_schedule_from_a_torch_csv_matches_one_device(name, mesh, v, m):
   ref_loss, ref_grads = _reference(8, _batch(m))
   data, tensor, pipe = mesh
-  cfg = _config(8, **{
-      'mesh.data': data, 'mesh.tensor': tensor, 'mesh.pipe': pipe,
+  cfg = _config(
+    8,
+    **{
+      'mesh.data': data,
+      'mesh.tensor': tensor,
+      'mesh.pipe': pipe,
       'pipeline.schedule_file': os.path.join(harness.ROOT, 'tests', 'data', name),
-      'pipeline.virtual_stages': v, 'pipeline.microbatches': m,
-      'train.global_batch_size': _batch(m)})
+      'pipeline.virtual_stages': v,
+      'pipeline.microbatches': m,
+      'train.global_batch_size': _batch(m),
+    },
+  )
   loss, grads = harness.loss_and_grads(cfg)
   assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss), (loss, ref_loss)
   assert harness.max_rel_err(ref_grads, grads) <= 1e-5

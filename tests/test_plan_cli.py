@@ -15,7 +15,7 @@ from triax.plan import profile, report
 ROOT = os.path.join(os.path.dirname(__file__), '..')
 CPU = os.path.join(ROOT, 'experiments', 'clusters', 'cpu_forced_8.yaml')
 H100 = os.path.join(ROOT, 'experiments', 'clusters', 'h100_8x_nvlink.yaml')
-BASE = '''from triax import config
+BASE = """from triax import config
 
 
 def get_config(arg=None):
@@ -24,7 +24,7 @@ def get_config(arg=None):
   c.model.d_ff, c.model.seq_len = 64, 16
   c.train.global_batch_size = 8
   return c
-'''
+"""
 
 
 def _load(path, name):
@@ -46,7 +46,7 @@ def test_profile_of_a_tiny_model():
   cfg = tiny()
   # The degrees and sizes the CLI test's search asks for: one profile serves both.
   prof = profile.measure(cfg.model, [1, 2, 4], [1, 2, 8])
-  assert prof is profile.measure(cfg.model, [4, 2, 1], [8, 2, 1])   # cached in memory
+  assert prof is profile.measure(cfg.model, [4, 2, 1], [8, 2, 1])  # cached in memory
   assert prof.machine.num_devices == 8
   assert 0 < prof.machine.effective_cores <= 8
   assert prof.machine.p2p.bandwidth > 0 and prof.machine.allreduce.bandwidth > 0
@@ -79,10 +79,12 @@ def test_profile_of_a_tiny_model():
   sizes = {(pt.microbatch, pt.tensor) for pt in prof.points if pt.function == 'layer_fwd'}
   assert sizes == {(b, 1) for b in (1, 2, 8)} | {(b, t) for b in (1, 8) for t in (2, 4)}
   for point in prof.points:
-    assert prof.local_seconds(point.function, point.microbatch, point.tensor) == \
-        pytest.approx(point.seconds)
-  at = {pt.microbatch: pt.seconds for pt in prof.points
-        if pt.function == 'layer_fwd' and pt.tensor == 1}
+    assert prof.local_seconds(point.function, point.microbatch, point.tensor) == pytest.approx(
+      point.seconds
+    )
+  at = {
+    pt.microbatch: pt.seconds for pt in prof.points if pt.function == 'layer_fwd' and pt.tensor == 1
+  }
   assert min(at[2], at[8]) <= prof.local_seconds('layer_fwd', 5, 1) <= max(at[2], at[8])
   # The executor's variants of a layer, as ratios to its plain pair: a split
   # backward's halves, a layer under cond and a skipped (padding) one.
@@ -97,9 +99,15 @@ def test_cli_plans_writes_a_runnable_plan_and_a_trace(tmp_path, capsys):
   base.write_text(BASE)
   out, trace = tmp_path / 'plan.py', tmp_path / 'trace.json'
   module = _load(base, 'tiny_base')
-  request = report.Request(cfg=module.get_config(), config_path=str(base),
-                           config_overrides={'train.steps': 3}, cluster=CPU, top=3,
-                           out=str(out), trace=str(trace))
+  request = report.Request(
+    cfg=module.get_config(),
+    config_path=str(base),
+    config_overrides={'train.steps': 3},
+    cluster=CPU,
+    top=3,
+    out=str(out),
+    trace=str(trace),
+  )
   summary = report.run(request, as_json=True)
   printed = json.loads(capsys.readouterr().out)
   assert printed['top'][0]['plan'] == summary['top'][0]['plan']
@@ -110,28 +118,44 @@ def test_cli_plans_writes_a_runnable_plan_and_a_trace(tmp_path, capsys):
   events = json.loads(trace.read_text())['traceEvents']
   assert any(e['ph'] == 'X' for e in events)
   cfg = _load(out, 'the_plan').get_config()
-  assert (cfg.mesh.data, cfg.mesh.tensor, cfg.mesh.pipe) == (best['data'], best['tensor'],
-                                                            best['pipe'])
+  assert (cfg.mesh.data, cfg.mesh.tensor, cfg.mesh.pipe) == (
+    best['data'],
+    best['tensor'],
+    best['pipe'],
+  )
   assert cfg.train.steps == 3
   config.validate(cfg, 8)
   # The same model on another cluster: the roofline derives H100 times.
-  text_request = report.Request(cfg=module.get_config(), config_path=str(base),
-                                config_overrides={}, cluster=H100, top=2)
+  text_request = report.Request(
+    cfg=module.get_config(), config_path=str(base), config_overrides={}, cluster=H100, top=2
+  )
   report.run(text_request)
   text = capsys.readouterr().out
   assert 'baselines' in text and 'Roofline assumption' in text and 'SIMULATED' in text
 
 
 def test_bad_flags_are_config_errors(tmp_path):
-  request = report.Request(cfg=tiny(), config_path='x.py', config_overrides={}, cluster=CPU,
-                           top=0)
+  request = report.Request(cfg=tiny(), config_path='x.py', config_overrides={}, cluster=CPU, top=0)
   with pytest.raises(ConfigError, match='--top'):
     report.run(request)
   with pytest.raises(ConfigError, match='--out'):
-    report.run(report.Request(cfg=tiny(), config_path='x.py', config_overrides={},
-                              cluster=CPU, out=str(tmp_path / 'plan.txt')))
-  assert report.main(report.Request(cfg=tiny(), config_path='x.py', config_overrides={},
-                                    cluster=str(tmp_path / 'none.yaml'))) == 2
+    report.run(
+      report.Request(
+        cfg=tiny(),
+        config_path='x.py',
+        config_overrides={},
+        cluster=CPU,
+        out=str(tmp_path / 'plan.txt'),
+      )
+    )
+  assert (
+    report.main(
+      report.Request(
+        cfg=tiny(), config_path='x.py', config_overrides={}, cluster=str(tmp_path / 'none.yaml')
+      )
+    )
+    == 2
+  )
 
 
 def test_cli_exit_code_2_on_a_missing_cluster_file(tmp_path):
@@ -139,9 +163,19 @@ def test_cli_exit_code_2_on_a_missing_cluster_file(tmp_path):
   base.write_text(BASE)
   env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, 'src'))
   proc = subprocess.run(
-      [sys.executable, '-m', 'triax.plan', f'--config={base}',
-       f'--cluster={tmp_path / "missing.yaml"}'],
-      capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+    [
+      sys.executable,
+      '-m',
+      'triax.plan',
+      f'--config={base}',
+      f'--cluster={tmp_path / "missing.yaml"}',
+    ],
+    capture_output=True,
+    text=True,
+    env=env,
+    cwd=ROOT,
+    timeout=120,
+  )
   assert proc.returncode == 2
   lines = proc.stderr.strip().splitlines()
   assert lines[-1].startswith('error: --cluster: ') and 'missing.yaml' in lines[-1]

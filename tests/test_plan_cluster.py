@@ -35,8 +35,12 @@ def _write(tmp_path, text, name='spec.yaml'):
 
 def test_shipped_specs_load():
   names = {os.path.basename(p) for p in SHIPPED}
-  assert {'heterog_testbed.yaml', 'a100_v100_mixed.yaml', 'h100_8x_nvlink.yaml',
-          'cpu_forced_8.yaml'} <= names
+  assert {
+    'heterog_testbed.yaml',
+    'a100_v100_mixed.yaml',
+    'h100_8x_nvlink.yaml',
+    'cpu_forced_8.yaml',
+  } <= names
   for path in SHIPPED:
     spec = cluster.load(path)
     assert spec.num_devices == 8, path
@@ -69,25 +73,32 @@ def test_units_and_links(tmp_path):
   assert [d.group for d in spec.devices] == ['a', 'a', 'b']
   assert spec.link(0, 1).bandwidth == 12e9
   assert spec.link(0, 1).latency == pytest.approx(10e-6)
-  assert spec.link(0, 2).bandwidth == 50e9 / 8   # n0's NIC caps it
+  assert spec.link(0, 2).bandwidth == 50e9 / 8  # n0's NIC caps it
   assert spec.link(0, 2).latency == pytest.approx(25e-6)
   assert spec.link(0, 2).time(0) == 0.0
   assert spec.link(0, 1).time(12e9) == pytest.approx(1 + 10e-6)
 
 
-@pytest.mark.parametrize('edit, message', [
-    (lambda t: t.replace('count: 2', 'count: 3'), "count 3 but the nodes place 2"),
+@pytest.mark.parametrize(
+  'edit, message',
+  [
+    (lambda t: t.replace('count: 2', 'count: 3'), 'count 3 but the nodes place 2'),
     (lambda t: t.replace('16 GiB', '16 GiBs'), "unknown unit 'GiBs'"),
     (lambda t: t.replace('memory: 8 GB,', ''), "missing 'memory'"),
     (lambda t: t.replace('{a: 2}', '{c: 2}'), "unknown group 'c'"),
     (lambda t: t.replace('bfloat16: 1e13, ', ''), 'at least bfloat16 and float32'),
-    (lambda t: t.replace('500 GB/s', 'measured'), "needs profile: local"),
+    (lambda t: t.replace('500 GB/s', 'measured'), 'needs profile: local'),
     (lambda t: t.replace('latency: 25 us', 'latency: -1'), 'must be non-negative'),
-    (lambda t: t + 'extra: 1\n', "unknown top-level key(s) extra"),
-    (lambda t: t.replace('name: n1, devices: {b: 1}',
-                         'name: n1, devices: {b: 1}, shared_cores: 0'), 'shared_cores'),
+    (lambda t: t + 'extra: 1\n', 'unknown top-level key(s) extra'),
+    (
+      lambda t: t.replace(
+        'name: n1, devices: {b: 1}', 'name: n1, devices: {b: 1}, shared_cores: 0'
+      ),
+      'shared_cores',
+    ),
     (lambda t: 'name: [unclosed', 'not valid YAML'),
-])
+  ],
+)
 def test_bad_specs_name_the_file_and_the_fix(tmp_path, edit, message):
   path = _write(tmp_path, edit(GOOD))
   with pytest.raises(ConfigError) as info:

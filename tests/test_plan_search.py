@@ -4,12 +4,11 @@ import importlib.util
 import random
 
 import pytest
+from test_plan_simulator import make_cluster, make_plan
 
 from triax import config
 from triax.plan import emit, partition, profile, search
 from triax.plan.simulator import simulate_plan
-
-from test_plan_simulator import make_cluster, make_plan
 
 
 @pytest.mark.parametrize('seed', range(40))
@@ -49,8 +48,14 @@ def small_config(layers=4, batch=8):
 
 def test_search_returns_valid_plans_and_baselines():
   cfg = small_config(layers=8, batch=16)
-  prof = profile.synthetic(layer_fwd=1.0, layer_bwd=2.0, head=1.0, tensors=(1, 2, 4),
-                           layer_param_bytes=1e6, act_per_seq=1e5)
+  prof = profile.synthetic(
+    layer_fwd=1.0,
+    layer_bwd=2.0,
+    head=1.0,
+    tensors=(1, 2, 4),
+    layer_param_bytes=1e6,
+    act_per_seq=1e5,
+  )
   spec = make_cluster(groups=(('gpu', 8, 1.0, '80 GB'),), bandwidth=1e9, latency='10 us')
   result = search.search(cfg, spec, top_k=4, profile=prof)
   assert 1 <= len(result.top) <= 4
@@ -72,9 +77,10 @@ def test_search_returns_valid_plans_and_baselines():
 def test_search_gives_fast_devices_more_layers():
   cfg = small_config(layers=8, batch=8)
   prof = profile.synthetic(layer_fwd=1.0, layer_bwd=2.0, tensors=(1, 2))
-  spec = make_cluster(groups=(('slow', 1, 1.0, '80 GB'), ('fast', 1, 3.0, '80 GB')),
-                      nodes=[{'name': 'a', 'devices': {'slow': 1}},
-                             {'name': 'b', 'devices': {'fast': 1}}])
+  spec = make_cluster(
+    groups=(('slow', 1, 1.0, '80 GB'), ('fast', 1, 3.0, '80 GB')),
+    nodes=[{'name': 'a', 'devices': {'slow': 1}}, {'name': 'b', 'devices': {'fast': 1}}],
+  )
   result = search.search(cfg, spec, top_k=3, profile=prof)
   best = result.top[0].plan
   assert best.pipe == 2
@@ -88,8 +94,9 @@ def test_search_gives_fast_devices_more_layers():
 
 def test_search_uses_remat_only_when_memory_demands_it():
   cfg = small_config(layers=4, batch=8)
-  prof = profile.synthetic(layer_fwd=1.0, layer_bwd=2.0, tensors=(1,),
-                           layer_param_bytes=1e8, stash_per_seq=2e8)
+  prof = profile.synthetic(
+    layer_fwd=1.0, layer_bwd=2.0, tensors=(1,), layer_param_bytes=1e8, stash_per_seq=2e8
+  )
   prof.shards[1].stash_per_seq.update(selective=1e7, full=1e6)
   plenty = search.search(cfg, make_cluster(groups=(('gpu', 2, 1.0, '80 GB'),)), profile=prof)
   assert plenty.top[0].plan.remat == 'none'
@@ -109,9 +116,11 @@ def _load(path):
 def test_plan_file_round_trips(tmp_path):
   base = tmp_path / 'experiments' / 'base.py'
   base.parent.mkdir()
-  base.write_text('from triax import config\n\n\ndef get_config(arg=None):\n'
-                  '  c = config.defaults()\n  c.model.num_layers = 8\n'
-                  '  c.model.d_model = 64 if arg == "wide" else 32\n  return c\n')
+  base.write_text(
+    'from triax import config\n\n\ndef get_config(arg=None):\n'
+    '  c = config.defaults()\n  c.model.num_layers = 8\n'
+    '  c.model.d_model = 64 if arg == "wide" else 32\n  return c\n'
+  )
   plan = make_plan(p=2, m=4, d=2, t=2, name='gpipe', remat='selective', layers=(4, 4))
   prof = profile.synthetic(tensors=(2,))
   est = simulate_plan(plan, prof, make_cluster())
@@ -124,7 +133,7 @@ def test_plan_file_round_trips(tmp_path):
   assert cfg.pipeline.schedule == 'gpipe' and cfg.pipeline.microbatches == 4
   assert cfg.pipeline.virtual_stages == 1 and cfg.model.remat == 'selective'
   assert cfg.train.global_batch_size == plan.global_batch and cfg.train.steps == 7
-  assert cfg.model.d_model == 64 and cfg.model.num_layers == 8   # the base, with its arg
+  assert cfg.model.d_model == 64 and cfg.model.num_layers == 8  # the base, with its arg
   if 'layers_per_stage' in config.defaults().pipeline:
     assert tuple(cfg.pipeline.layers_per_stage) == ()
   config.validate(cfg, 8)
@@ -134,8 +143,10 @@ def test_plan_file_round_trips(tmp_path):
 
 def test_uneven_plan_file_names_its_chunks(tmp_path):
   base = tmp_path / 'base.py'
-  base.write_text('from triax import config\n\n\ndef get_config():\n'
-                  '  c = config.defaults()\n  c.model.num_layers = 6\n  return c\n')
+  base.write_text(
+    'from triax import config\n\n\ndef get_config():\n'
+    '  c = config.defaults()\n  c.model.num_layers = 6\n  return c\n'
+  )
   plan = make_plan(p=2, m=2, v=2, name='interleaved_1f1b', layers=(4, 2))
   est = simulate_plan(plan, profile.synthetic(), make_cluster())
   out = tmp_path / 'plan.py'

@@ -17,20 +17,34 @@ from triax.plan import cluster as cluster_lib
 from triax.plan import profile, simulator
 from triax.plan.simulator import Options, Plan, simulate_plan
 
-FAST = '1e30'   # bytes/s: communication that takes no time
+FAST = '1e30'  # bytes/s: communication that takes no time
 SRC = os.path.join(os.path.dirname(os.path.dirname(__file__)), 'src')
 
 
-def make_cluster(groups=(('gpu', 8, 1.0, '80 GB'),), nodes=None, bandwidth=FAST,
-                 latency='0 s', shared_cores=None):
+def make_cluster(
+  groups=(('gpu', 8, 1.0, '80 GB'),), nodes=None, bandwidth=FAST, latency='0 s', shared_cores=None
+):
   """A spec whose group g computes `speed` FLOP/s (profile 'FLOPs' = seconds)."""
-  raw = {'name': 'test', 'groups': [], 'nodes': [],
-         'links': {'intra_node': {'bandwidth': bandwidth, 'latency': latency},
-                   'inter_node': {'bandwidth': bandwidth, 'latency': latency}}}
+  raw = {
+    'name': 'test',
+    'groups': [],
+    'nodes': [],
+    'links': {
+      'intra_node': {'bandwidth': bandwidth, 'latency': latency},
+      'inter_node': {'bandwidth': bandwidth, 'latency': latency},
+    },
+  }
   for name, count, speed, memory in groups:
-    raw['groups'].append({'name': name, 'type': name, 'count': count,
-                          'peak_flops': {'bfloat16': speed, 'float32': speed},
-                          'memory': memory, 'memory_bandwidth': FAST})
+    raw['groups'].append(
+      {
+        'name': name,
+        'type': name,
+        'count': count,
+        'peak_flops': {'bfloat16': speed, 'float32': speed},
+        'memory': memory,
+        'memory_bandwidth': FAST,
+      }
+    )
   if nodes is None:
     node = {'name': 'n0', 'devices': {g[0]: g[1] for g in groups}}
     if shared_cores:
@@ -44,9 +58,19 @@ def make_plan(p=4, m=8, d=1, t=1, v=1, name='1f1b', layers=None, remat='none', o
   n = d * t * p
   order = order or list(range(n))
   size = d * t
-  stages = tuple(tuple(order[s * size:(s + 1) * size]) for s in range(p))
-  return Plan(data=d, tensor=t, pipe=p, schedule=name, microbatches=m, virtual_stages=v,
-              remat=remat, layers=layers or (v,) * p, stages=stages, global_batch=m * d)
+  stages = tuple(tuple(order[s * size : (s + 1) * size]) for s in range(p))
+  return Plan(
+    data=d,
+    tensor=t,
+    pipe=p,
+    schedule=name,
+    microbatches=m,
+    virtual_stages=v,
+    remat=remat,
+    layers=layers or (v,) * p,
+    stages=stages,
+    global_batch=m * d,
+  )
 
 
 @pytest.mark.parametrize('p, m', [(2, 2), (4, 8), (4, 3), (8, 16)])
@@ -62,22 +86,36 @@ def test_1f1b_analytic_step(p, m):
   assert est.result.ticks == 3 * m + 2 * (p - 1)
 
 
-@pytest.mark.parametrize('name, p, m, v', [('gpipe', 4, 8, 1), ('1f1b', 4, 8, 1),
-                                           ('interleaved_1f1b', 4, 8, 2), ('zb_h1', 4, 8, 1),
-                                           ('gpipe', 2, 4, 2)])
+@pytest.mark.parametrize(
+  'name, p, m, v',
+  [
+    ('gpipe', 4, 8, 1),
+    ('1f1b', 4, 8, 1),
+    ('interleaved_1f1b', 4, 8, 2),
+    ('zb_h1', 4, 8, 1),
+    ('gpipe', 2, 4, 2),
+  ],
+)
 def test_lockstep_agrees_with_the_pipeline_simulator(name, p, m, v):
   """Without core sharing, the planner's costs and simulate.Costs time the
   same program alike: both run the one lockstep model."""
   prog = sched.lower(sched.build(name, p, m, v))
   fused = not prog.source.split_backward
-  per = [simulate.Costs(t_forward=1.0 + s, t_backward=2.0 + s,
-                        t_weight=0.0 if fused else 1.0 + s, t_transfer=0.1 * s)
-         for s in range(p)]
-  chunk = tuple({k: per[prog.schedule.stage_of(c)].lockstep(k, v, fused) for k in 'FBW'}
-                for c in range(p * v))
+  per = [
+    simulate.Costs(
+      t_forward=1.0 + s, t_backward=2.0 + s, t_weight=0.0 if fused else 1.0 + s, t_transfer=0.1 * s
+    )
+    for s in range(p)
+  ]
+  chunk = tuple(
+    {k: per[prog.schedule.stage_of(c)].lockstep(k, v, fused) for k in 'FBW'} for c in range(p * v)
+  )
   ours = simulator.simulate_lockstep(
-      prog, simulator.ActionCosts(chunk=chunk, transfer=tuple(c.t_transfer for c in per),
-                                  evict=(0.0,) * p, tick_transfer=0.0))
+    prog,
+    simulator.ActionCosts(
+      chunk=chunk, transfer=tuple(c.t_transfer for c in per), evict=(0.0,) * p, tick_transfer=0.0
+    ),
+  )
   theirs = simulate.simulate_lockstep(prog, per)
   assert ours.total_time == pytest.approx(theirs.total_time)
   assert ours.busy == pytest.approx(theirs.busy)
@@ -89,17 +127,33 @@ def test_cli_and_planner_agree_on_the_lockstep_time():
   F = 1, the fused backward 2 run as B = W = 1, and 0.1 per message. 28 of
   the 30 ticks send one (the last two run only chunk 0's B and W's)."""
   out = subprocess.run(
-      [sys.executable, '-m', 'triax.schedule', '--schedule=1f1b', '--stages=4',
-       '--microbatches=8', '--t_forward=1', '--t_backward=2', '--t_weight=1',
-       '--t_transfer=0.1', '--json'],
-      env=dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get('PYTHONPATH', '')),
-      capture_output=True, text=True, timeout=60)
+    [
+      sys.executable,
+      '-m',
+      'triax.schedule',
+      '--schedule=1f1b',
+      '--stages=4',
+      '--microbatches=8',
+      '--t_forward=1',
+      '--t_backward=2',
+      '--t_weight=1',
+      '--t_transfer=0.1',
+      '--json',
+    ],
+    env=dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get('PYTHONPATH', '')),
+    capture_output=True,
+    text=True,
+    timeout=60,
+  )
   assert out.returncode == 0, out.stderr
   cli = json.loads(out.stdout)['models']['lockstep']['total_time']
   p = 4
   costs = simulator.ActionCosts(
-      chunk=({sched.FORWARD: 1.0, sched.BACKWARD: 1.0, sched.WEIGHT: 1.0},) * p,
-      transfer=(0.1,) * p, evict=(0.0,) * p, tick_transfer=0.0)
+    chunk=({sched.FORWARD: 1.0, sched.BACKWARD: 1.0, sched.WEIGHT: 1.0},) * p,
+    transfer=(0.1,) * p,
+    evict=(0.0,) * p,
+    tick_transfer=0.0,
+  )
   planner = simulator.simulate_lockstep(simulator.program('1f1b', p, 8, 1), costs)
   assert planner.ticks == 30
   assert cli == pytest.approx(planner.total_time) == pytest.approx(30 + 28 * 0.1)
@@ -107,7 +161,11 @@ def test_cli_and_planner_agree_on_the_lockstep_time():
 
 def test_placement_sets_the_chunk_layers():
   assert make_plan(p=2, v=2, m=4, layers=(4, 2), name='interleaved_1f1b').chunk_layers == (
-      2, 1, 2, 1)
+    2,
+    1,
+    2,
+    1,
+  )
   if 'zb_v' in sched.SCHEDULES:
     # A V: chunks 0 and 3 on stage 0, 1 and 2 on stage 1.
     plan = make_plan(p=2, v=2, m=4, layers=(4, 2), name='zb_v')
@@ -123,10 +181,12 @@ def test_heterogeneous_stages_the_slow_one_dominates():
   # The slow stage is busy 6 s per micro-batch (F, B, W of 2 s each, one a
   # tick), plus the first and last ticks, where only the fast one works.
   assert est.step_time == pytest.approx(m * 6.0 + 2 * 1.0)
-  uniform_slow = simulate_plan(make_plan(p=p, m=m), prof,
-                               make_cluster(groups=(('slow', 2, 0.5, '80 GB'),)))
-  uniform_fast = simulate_plan(make_plan(p=p, m=m), prof,
-                               make_cluster(groups=(('fast', 2, 1.0, '80 GB'),)))
+  uniform_slow = simulate_plan(
+    make_plan(p=p, m=m), prof, make_cluster(groups=(('slow', 2, 0.5, '80 GB'),))
+  )
+  uniform_fast = simulate_plan(
+    make_plan(p=p, m=m), prof, make_cluster(groups=(('fast', 2, 1.0, '80 GB'),))
+  )
   assert uniform_fast.step_time < est.step_time < uniform_slow.step_time
   # Giving the fast stage a second layer balances it: 2 layers at 3 s vs 1
   # at 6 s, so every tick lasts 2 s (the papers': (m + 1) 6 s).
@@ -137,11 +197,9 @@ def test_heterogeneous_stages_the_slow_one_dominates():
 
 def test_data_parallel_allreduce_adds_latency_plus_bytes_over_bandwidth():
   nbytes, bandwidth, latency = 1e9, 1e10, 1e-3
-  prof = profile.synthetic(layer_fwd=1.0, layer_bwd=2.0, layer_param_bytes=nbytes,
-                           num_layers=1)
+  prof = profile.synthetic(layer_fwd=1.0, layer_bwd=2.0, layer_param_bytes=nbytes, num_layers=1)
   alone = make_cluster(groups=(('gpu', 2, 1.0, '80 GB'),))
-  linked = make_cluster(groups=(('gpu', 2, 1.0, '80 GB'),), bandwidth=bandwidth,
-                        latency=latency)
+  linked = make_cluster(groups=(('gpu', 2, 1.0, '80 GB'),), bandwidth=bandwidth, latency=latency)
   plan = make_plan(p=1, m=1, d=2, layers=(1,))
   for mode in ('per_step', 'per_microbatch'):
     opts = Options(dp_allreduce=mode)
@@ -184,6 +242,7 @@ def test_measured_sharing_is_per_function_and_remat_is_measured():
   profiler measured with every device running the function at once, and a
   measured remat policy replaces the on-paper recompute."""
   import dataclasses
+
   base = profile.synthetic(layer_fwd=1.0, layer_bwd=2.0, num_layers=1)
   machine = dataclasses.replace(base.machine, num_devices=8)
   fits = dict(base.fits)
@@ -191,19 +250,36 @@ def test_measured_sharing_is_per_function_and_remat_is_measured():
   # Alone: fwd 1 s, bwd 2 s. All 8 at once: fwd 4 s (2 devices' worth run
   # together), bwd 16 s (1 device's worth). Full remat, measured: fwd 0.5 s,
   # bwd 1 s alone, 2 s and 4 s together (cheaper than on paper here).
-  points = tuple(profile.Point(function=f, microbatch=1, tensor=1, seconds=solo, fitted=solo,
-                               flops=solo, concurrent=together)
-                 for f, solo, together in (('layer_fwd', 1.0, 4.0), ('layer_bwd', 2.0, 16.0),
-                                           ('layer_fwd/full', 0.5, 2.0),
-                                           ('layer_bwd/full', 1.0, 4.0)))
+  points = tuple(
+    profile.Point(
+      function=f, microbatch=1, tensor=1, seconds=solo, fitted=solo, flops=solo, concurrent=together
+    )
+    for f, solo, together in (
+      ('layer_fwd', 1.0, 4.0),
+      ('layer_bwd', 2.0, 16.0),
+      ('layer_fwd/full', 0.5, 2.0),
+      ('layer_bwd/full', 1.0, 4.0),
+    )
+  )
   prof = dataclasses.replace(base, machine=machine, fits=fits, points=points)
-  raw_group = {'name': 'cpu', 'type': 'cpu', 'count': 8, 'profile': 'local',
-               'peak_flops': {'bfloat16': 'measured', 'float32': 'measured'},
-               'memory': '80 GB', 'memory_bandwidth': 'measured'}
-  raw = {'name': 'local', 'groups': [raw_group],
-         'nodes': [{'name': 'host', 'devices': {'cpu': 8}, 'shared_cores': 2}],
-         'links': {'intra_node': {'bandwidth': FAST, 'latency': '0 s'},
-                   'inter_node': {'bandwidth': FAST, 'latency': '0 s'}}}
+  raw_group = {
+    'name': 'cpu',
+    'type': 'cpu',
+    'count': 8,
+    'profile': 'local',
+    'peak_flops': {'bfloat16': 'measured', 'float32': 'measured'},
+    'memory': '80 GB',
+    'memory_bandwidth': 'measured',
+  }
+  raw = {
+    'name': 'local',
+    'groups': [raw_group],
+    'nodes': [{'name': 'host', 'devices': {'cpu': 8}, 'shared_cores': 2}],
+    'links': {
+      'intra_node': {'bandwidth': FAST, 'latency': '0 s'},
+      'inter_node': {'bandwidth': FAST, 'latency': '0 s'},
+    },
+  }
   local = cluster_lib.parse(raw, 'local.yaml')
   plain = simulate_plan(make_plan(p=1, m=1, d=8, layers=(1,)), prof, local)
   # 8 devices each take 4/8 + 16/8 s of the node.
@@ -211,9 +287,8 @@ def test_measured_sharing_is_per_function_and_remat_is_measured():
   full = simulate_plan(make_plan(p=1, m=1, d=8, layers=(1,), remat='full'), prof, local)
   assert full.step_time == pytest.approx(8 * (2.0 + 4.0) / 8)
   # A policy not measured is priced on paper: the forward again in the backward.
-  selective = simulate_plan(make_plan(p=1, m=1, d=8, layers=(1,), remat='selective'), prof,
-                            local)
-  assert selective.step_time == pytest.approx(plain.step_time)   # attention_fraction = 0
+  selective = simulate_plan(make_plan(p=1, m=1, d=8, layers=(1,), remat='selective'), prof, local)
+  assert selective.step_time == pytest.approx(plain.step_time)  # attention_fraction = 0
 
 
 def test_memory_and_oom_flag():
@@ -230,8 +305,9 @@ def test_memory_and_oom_flag():
   assert small.capacity[0] == pytest.approx(0.9 * 4e9)
   # Full remat stashes (here: the same synthetic bytes) but recomputes the
   # forward, in B: F 1 s, B 1 + 1 s, W 1 s (the papers': (m + p - 1) 4 s).
-  full = simulate_plan(make_plan(p=4, m=8, remat='full'), prof,
-                       make_cluster(groups=(('gpu', 4, 1.0, '80 GB'),)))
+  full = simulate_plan(
+    make_plan(p=4, m=8, remat='full'), prof, make_cluster(groups=(('gpu', 4, 1.0, '80 GB'),))
+  )
   spans = {(x.stage, str(x.action)): x.end - x.start for x in full.result.timeline}
   assert (spans[(0, 'F0.0')], spans[(0, 'B0.0')], spans[(0, 'W0.0')]) == (1, 2, 1)
   assert full.async_time == pytest.approx((8 + 3) * 4.0)
@@ -251,8 +327,18 @@ def test_plan_checks_itself():
   with pytest.raises(ValueError, match='multiple of v'):
     make_plan(p=2, v=2, layers=(3, 1))
   with pytest.raises(ValueError, match='global batch'):
-    Plan(data=2, tensor=1, pipe=1, schedule='1f1b', microbatches=3, virtual_stages=1,
-         remat='none', layers=(4,), stages=((0, 1),), global_batch=8)
+    Plan(
+      data=2,
+      tensor=1,
+      pipe=1,
+      schedule='1f1b',
+      microbatches=3,
+      virtual_stages=1,
+      remat='none',
+      layers=(4,),
+      stages=((0, 1),),
+      global_batch=8,
+    )
   plan = make_plan(p=2, v=2, layers=(4, 2), m=4, name='interleaved_1f1b')
   assert plan.chunk_layers == (2, 1, 2, 1)
   assert not plan.even and math.isclose(plan.microbatch_size, 1)
@@ -273,11 +359,19 @@ def test_a_degree_measured_at_its_ends_borrows_the_smallest_degrees_curve():
   """t=2 measured at b=1 and 4 only; t=1 at 1, 2, 4 with a kink at b=2. The
   t=2 time at b=2 follows t=1's kink, scaled by t=2's own ratio to t=1."""
   import dataclasses
+
   base = profile.synthetic(layer_fwd=1.0, layer_bwd=2.0, num_layers=1, tensors=(1, 2))
-  rows = [('layer_fwd', 1, 1, 1.0), ('layer_fwd', 2, 1, 3.0), ('layer_fwd', 4, 1, 4.0),
-          ('layer_fwd', 1, 2, 0.5), ('layer_fwd', 4, 2, 3.0)]
-  points = tuple(profile.Point(function=f, microbatch=b, tensor=t, seconds=s, fitted=s,
-                               flops=s, concurrent=0.0) for f, b, t, s in rows)
+  rows = [
+    ('layer_fwd', 1, 1, 1.0),
+    ('layer_fwd', 2, 1, 3.0),
+    ('layer_fwd', 4, 1, 4.0),
+    ('layer_fwd', 1, 2, 0.5),
+    ('layer_fwd', 4, 2, 3.0),
+  ]
+  points = tuple(
+    profile.Point(function=f, microbatch=b, tensor=t, seconds=s, fitted=s, flops=s, concurrent=0.0)
+    for f, b, t, s in rows
+  )
   prof = dataclasses.replace(base, points=points)
   assert prof.local_seconds('layer_fwd', 2, 1) == pytest.approx(3.0)
   # Ratio to t=1: 0.5 at b=1, 0.75 at b=4 -> 0.5 + 0.25/3 at b=2.

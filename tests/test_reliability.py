@@ -14,12 +14,12 @@ import subprocess
 import sys
 import time
 
+import harness
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import harness
 from triax.data.batches import BatchStream
 from triax.data.corpus import load_corpus
 from triax.errors import ConfigError
@@ -30,6 +30,7 @@ SMOKE = 'experiments/gpt_tiny.py:smoke'
 
 
 # ---------------------------------------------------------------- helpers
+
 
 def write_corpus(path, size=5700, seed=0):
   """A text file whose training split is ~21 steps of the smoke config (one epoch)."""
@@ -54,8 +55,11 @@ def compile_cache(tmp_path_factory):
   root = base.parent if os.environ.get('PYTEST_XDIST_WORKER') else base
   path = root / 'jax-compilation-cache'
   path.mkdir(exist_ok=True)
-  return {'JAX_COMPILATION_CACHE_DIR': str(path), 'JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS': '0',
-          'JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES': '0'}
+  return {
+    'JAX_COMPILATION_CACHE_DIR': str(path),
+    'JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS': '0',
+    'JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES': '0',
+  }
 
 
 def cli_env(extra=None):
@@ -70,9 +74,21 @@ def start_train(workdir, flags, log, env_extra=None):
   """Starts `python -m triax.train` (stdout and stderr to `log`.out/.err)."""
   with open(f'{log}.out', 'w') as out, open(f'{log}.err', 'w') as err:
     return subprocess.Popen(
-        [sys.executable, '-m', 'triax.train', f'--config={SMOKE}', f'--workdir={workdir}',
-         '--cpu_devices=8', '--progress=false', *flags],
-        cwd=harness.ROOT, env=cli_env(env_extra), stdout=out, stderr=err)
+      [
+        sys.executable,
+        '-m',
+        'triax.train',
+        f'--config={SMOKE}',
+        f'--workdir={workdir}',
+        '--cpu_devices=8',
+        '--progress=false',
+        *flags,
+      ],
+      cwd=harness.ROOT,
+      env=cli_env(env_extra),
+      stdout=out,
+      stderr=err,
+    )
 
 
 def kill_when(proc, condition, timeout=300):
@@ -91,15 +107,19 @@ def kill_when(proc, condition, timeout=300):
 
 def read_jsonl(path):
   """Strict JSON lines (NaN/Infinity are not JSON and fail here)."""
+
   def reject(name):
     raise ValueError(f'{path}: non-JSON constant {name}')
+
   with open(path) as f:
     return [json.loads(line, parse_constant=reject) for line in f if line.strip()]
 
 
 def losses(workdir):
-  return {(r['step'], 'loss' if 'loss' in r else 'eval_loss'): r.get('loss', r.get('eval_loss'))
-          for r in read_jsonl(os.path.join(workdir, 'metrics.jsonl'))}
+  return {
+    (r['step'], 'loss' if 'loss' in r else 'eval_loss'): r.get('loss', r.get('eval_loss'))
+    for r in read_jsonl(os.path.join(workdir, 'metrics.jsonl'))
+  }
 
 
 def sample_ids(workdir):
@@ -117,7 +137,7 @@ def assert_each_window_once_per_epoch(ids_by_step, num_windows):
   flat = [i for step in sorted(ids_by_step) for i in ids_by_step[step]]
   assert sorted(ids_by_step) == list(range(1, len(ids_by_step) + 1))
   for start in range(0, len(flat), num_windows):
-    epoch = flat[start:start + num_windows]
+    epoch = flat[start : start + num_windows]
     assert len(set(epoch)) == len(epoch), 'a window repeats within an epoch'
     if len(epoch) == num_windows:
       assert sorted(epoch) == list(range(num_windows))
@@ -125,8 +145,11 @@ def assert_each_window_once_per_epoch(ids_by_step, num_windows):
 
 def intact_steps(workdir):
   directory = os.path.join(workdir, 'checkpoints')
-  return sorted(int(n) for n in os.listdir(directory)
-                if n.isdigit() and os.path.exists(os.path.join(directory, n, ckpt_lib.MANIFEST)))
+  return sorted(
+    int(n)
+    for n in os.listdir(directory)
+    if n.isdigit() and os.path.exists(os.path.join(directory, n, ckpt_lib.MANIFEST))
+  )
 
 
 def largest_file(directory):
@@ -141,10 +164,18 @@ def truncate_half(path):
 
 # ---------------------------------------------- canonical checkpoints (in-process)
 
+
 def _layout(data, tensor, pipe, schedule='1f1b', v=1, m=1):
-  return harness.tiny_config(**{
-      'mesh.data': data, 'mesh.tensor': tensor, 'mesh.pipe': pipe, 'pipeline.schedule': schedule,
-      'pipeline.virtual_stages': v, 'pipeline.microbatches': m})
+  return harness.tiny_config(
+    **{
+      'mesh.data': data,
+      'mesh.tensor': tensor,
+      'mesh.pipe': pipe,
+      'pipeline.schedule': schedule,
+      'pipeline.virtual_stages': v,
+      'pipeline.microbatches': m,
+    }
+  )
 
 
 def _put(trainer, batch):
@@ -173,13 +204,16 @@ def test_checkpoint_restores_under_other_layouts(tmp_path):
       _, out = trainer.train_step(restored, _put(trainer, batches[3]))
     assert int(got.step) == 3
     diffs = jax.tree.leaves(jax.tree.map(lambda a, b: float(np.max(np.abs(a - b))), want, got))
-    assert max(diffs) == 0.0   # restoring moves data; it computes nothing
+    assert max(diffs) == 0.0  # restoring moves data; it computes nothing
     assert abs(float(out['loss']) - want_loss) <= 1e-6, (cfg.mesh, float(out['loss']), want_loss)
-    print(f'restored on mesh {tuple(trainer.cfg.mesh[a] for a in ("data", "tensor", "pipe"))}: '
-          f'state diff {max(diffs)}, next-step loss diff {abs(float(out["loss"]) - want_loss):.3g}')
+    print(
+      f'restored on mesh {tuple(trainer.cfg.mesh[a] for a in ("data", "tensor", "pipe"))}: '
+      f'state diff {max(diffs)}, next-step loss diff {abs(float(out["loss"]) - want_loss):.3g}'
+    )
 
 
 # ------------------------------------------------ damaged checkpoints (in-process)
+
 
 @pytest.fixture(scope='module')
 def small_trainer():
@@ -216,7 +250,7 @@ def test_damaged_latest_checkpoint_falls_back_to_previous(tmp_path, small_traine
     warnings = [r.getMessage() for r in caplog.records if 'damaged checkpoint' in r.getMessage()]
     assert len(warnings) == 1 and latest in warnings[0] and latest[:-1] + '4' in warnings[0]
     assert '\n' not in warnings[0]
-    ckpt.prepare_to_write()   # moves the damaged step aside so step 6 can be written again
+    ckpt.prepare_to_write()  # moves the damaged step aside so step 6 can be written again
     assert os.path.isdir(os.path.join(workdir, ckpt_lib.DAMAGED_DIR, '6'))
     ckpt.save(small_trainer, restored.replace(step=jnp.asarray(6, jnp.int32)))
     ckpt.close()
@@ -236,7 +270,8 @@ def test_no_intact_checkpoint_is_an_input_error(tmp_path, small_trainer):
 
 
 def test_retention_keeps_the_last_good_checkpoint_until_a_newer_one_is_intact(
-    tmp_path, small_trainer):
+  tmp_path, small_trainer
+):
   workdir = str(tmp_path)
   cfg = _save_steps(small_trainer, workdir, [2], keep=1)
   directory = os.path.join(workdir, 'checkpoints')
@@ -248,9 +283,9 @@ def test_retention_keeps_the_last_good_checkpoint_until_a_newer_one_is_intact(
     ckpt = Checkpointer(workdir, cfg)
     state = small_trainer.init_state(jax.random.key(0))
     ckpt.save(small_trainer, state.replace(step=jnp.asarray(6, jnp.int32)))
-    assert os.path.isdir(os.path.join(directory, '2'))   # 6 may still be in flight
+    assert os.path.isdir(os.path.join(directory, '2'))  # 6 may still be in flight
     ckpt.wait()
-    assert sorted(os.listdir(directory)) == ['6']   # 6 is intact: now 2 (and damaged 4) go
+    assert sorted(os.listdir(directory)) == ['6']  # 6 is intact: now 2 (and damaged 4) go
     ckpt.close()
 
 
@@ -264,45 +299,69 @@ def test_foreign_checkpoint_directory_is_refused(tmp_path, small_trainer):
 
 # ---------------------------------------------------------------- non-finite steps
 
-BLOW_UP = ['--config.train.learning_rate=1e30', '--config.train.grad_clip_norm=0',
-           '--config.train.warmup_steps=0', '--config.checkpoint.every_steps=1']
+BLOW_UP = [
+  '--config.train.learning_rate=1e30',
+  '--config.train.grad_clip_norm=0',
+  '--config.train.warmup_steps=0',
+  '--config.checkpoint.every_steps=1',
+]
 
 
 def test_nonfinite_step_stops_with_one_line_and_is_not_saved(tmp_path, compile_cache):
   # Step 1 moves every weight by ~1e30; the gradient of step 2 is NaN.
   workdir = str(tmp_path / 'run')
-  result = harness.run_cli('triax.train', f'--config={SMOKE}', f'--workdir={workdir}',
-                           '--cpu_devices=8', '--progress=false', *BLOW_UP,
-                           env_extra=compile_cache)
+  result = harness.run_cli(
+    'triax.train',
+    f'--config={SMOKE}',
+    f'--workdir={workdir}',
+    '--cpu_devices=8',
+    '--progress=false',
+    *BLOW_UP,
+    env_extra=compile_cache,
+  )
   assert result.returncode == 1, result.stderr[-3000:]
   errors = [l for l in result.stderr.splitlines() if l.startswith('error:')]
   assert len(errors) == 1 and errors[0].startswith('error: step 2:'), result.stderr[-3000:]
   assert 'skip_nonfinite_steps' in errors[0] and 'Traceback' not in result.stderr
-  assert intact_steps(workdir) == [1]   # step 2's state was not saved
+  assert intact_steps(workdir) == [1]  # step 2's state was not saved
   read_jsonl(os.path.join(workdir, 'metrics.jsonl'))
 
 
 def read_state(step_dir):
   """A checkpoint's train state as saved (nested dicts of arrays), without a trainer."""
   import orbax.checkpoint as ocp
+
   with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as reader:
-    return jax.device_get(reader.restore(step_dir, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore()))['state'])
+    return jax.device_get(
+      reader.restore(step_dir, args=ocp.args.Composite(state=ocp.args.StandardRestore()))['state']
+    )
 
 
 def test_skip_nonfinite_steps_keeps_the_state_then_stops(tmp_path):
   from triax.training import loop
+
   corpus = write_corpus(tmp_path / 'corpus.txt', size=20000)
-  cfg = harness.tiny_config(**{
-      'mesh.data': -1, 'train.learning_rate': 1e30, 'train.grad_clip_norm': 0.0,
-      'train.warmup_steps': 0, 'train.steps': 4, 'checkpoint.every_steps': 1,
-      'checkpoint.keep': 10, 'data.source': 'text', 'data.path': corpus,
-      'train.eval_every': 100, 'train.log_every': 1, 'train.global_batch_size': 8,
-      'train.skip_nonfinite_steps': 1})
+  cfg = harness.tiny_config(
+    **{
+      'mesh.data': -1,
+      'train.learning_rate': 1e30,
+      'train.grad_clip_norm': 0.0,
+      'train.warmup_steps': 0,
+      'train.steps': 4,
+      'checkpoint.every_steps': 1,
+      'checkpoint.keep': 10,
+      'data.source': 'text',
+      'data.path': corpus,
+      'train.eval_every': 100,
+      'train.log_every': 1,
+      'train.global_batch_size': 8,
+      'train.skip_nonfinite_steps': 1,
+    }
+  )
   workdir = str(tmp_path / 'run')
   with pytest.raises(loop.NonFiniteError) as error:
     loop.train_and_evaluate(cfg, workdir, progress=False)
-  assert error.value.step == 3   # step 2 was skipped, the second non-finite step stops
+  assert error.value.step == 3  # step 2 was skipped, the second non-finite step stops
   records = read_jsonl(os.path.join(workdir, 'metrics.jsonl'))
   assert [r['step'] for r in records if r.get('skipped_nonfinite')] == [2]
   assert intact_steps(workdir) == [1, 2]
@@ -316,14 +375,20 @@ def test_skip_nonfinite_steps_keeps_the_state_then_stops(tmp_path):
 
 # ------------------------------------------ crash, resume, damage, data accounting
 
+
 @pytest.fixture(scope='module')
 def crash_setup(tmp_path_factory, compile_cache):
   """The flags of a 24-step run over ~1.15 epochs of a small text, and its uninterrupted result."""
   root = tmp_path_factory.mktemp('crash')
   corpus = write_corpus(root / 'corpus.txt')
-  flags = ['--config.data.source=text', f'--config.data.path={corpus}',
-           '--config.train.steps=24', '--config.checkpoint.every_steps=4',
-           '--config.train.eval_every=8', '--config.train.record_sample_ids=true']
+  flags = [
+    '--config.data.source=text',
+    f'--config.data.path={corpus}',
+    '--config.train.steps=24',
+    '--config.checkpoint.every_steps=4',
+    '--config.train.eval_every=8',
+    '--config.train.record_sample_ids=true',
+  ]
   reference = str(root / 'reference')
   proc = start_train(reference, flags, str(root / 'reference'), compile_cache)
   assert proc.wait(timeout=600) == 0, open(str(root / 'reference') + '.err').read()[-3000:]
@@ -339,19 +404,25 @@ def test_sigkill_anywhere_then_resume_gives_the_same_run(crash_setup):
   # 1. Killed during the asynchronous save of step 8: its directory exists, unfinished.
   def saving_8():
     return os.path.isdir(directory) and any(
-        (m := ckpt_lib._UNFINISHED.match(n)) and m.group(1) == '8' for n in os.listdir(directory))
+      (m := ckpt_lib._UNFINISHED.match(n)) and m.group(1) == '8' for n in os.listdir(directory)
+    )
+
   kill_when(start_train(workdir, flags, str(root / 'run1'), env), saving_8)
   assert not os.path.exists(os.path.join(directory, '8')), 'the save finished before the kill'
   assert intact_steps(workdir) == [4]
 
   # 2. The same command resumes from 4; killed at a seeded-random step, between saves.
   kill_step = random.Random(6).choice([13, 14, 15, 17, 18, 19])
+
   def reached():
     try:
-      return any(r.get('step', 0) >= kill_step and 'loss' in r
-                 for r in read_jsonl(os.path.join(workdir, 'metrics.jsonl')))
+      return any(
+        r.get('step', 0) >= kill_step and 'loss' in r
+        for r in read_jsonl(os.path.join(workdir, 'metrics.jsonl'))
+      )
     except (OSError, ValueError):
-      return False   # absent, or a line being written
+      return False  # absent, or a line being written
+
   kill_when(start_train(workdir, flags, str(root / 'run2'), env), reached)
   assert intact_steps(workdir)[-1] >= 12
 
@@ -361,8 +432,9 @@ def test_sigkill_anywhere_then_resume_gives_the_same_run(crash_setup):
   truncate_half(largest_file(os.path.join(directory, str(latest), 'state')))
   proc = start_train(workdir, flags, str(root / 'run3'), env)
   assert proc.wait(timeout=600) == 0, open(str(root / 'run3.err')).read()[-3000:]
-  warned = [l for l in open(str(root / 'run3.err')).read().splitlines()
-            if 'damaged checkpoint' in l]
+  warned = [
+    l for l in open(str(root / 'run3.err')).read().splitlines() if 'damaged checkpoint' in l
+  ]
   assert len(warned) == 1, warned
   assert all(os.path.join(directory, str(s)) in warned[0] for s in (latest, previous)), warned
   assert f'resumed at step {previous})' in open(str(root / 'run3.out')).read()
@@ -370,8 +442,10 @@ def test_sigkill_anywhere_then_resume_gives_the_same_run(crash_setup):
   assert intact_steps(workdir) == [16, 20, 24]
 
   worst = assert_same_losses(losses(workdir), losses(reference))
-  print(f'crash/resume: max |loss - uninterrupted| = {worst:.3g} (killed mid-save of 8 and at '
-        f'step >= {kill_step}; resumed from 4, then from {previous} past damaged {latest})')
+  print(
+    f'crash/resume: max |loss - uninterrupted| = {worst:.3g} (killed mid-save of 8 and at '
+    f'step >= {kill_step}; resumed from 4, then from {previous} past damaged {latest})'
+  )
   assert sample_ids(workdir) == sample_ids(reference)
   assert_each_window_once_per_epoch(sample_ids(workdir), windows)
 
@@ -386,6 +460,6 @@ def test_no_pickle_in_checkpoints_or_metrics(crash_setup):
         head = f.read(2)
       assert head not in (b'\x80\x02', b'\x80\x03', b'\x80\x04', b'\x80\x05'), path
   for name in ('metrics.jsonl', 'samples.jsonl'):
-    assert read_jsonl(os.path.join(reference, name))   # strict JSON, every line
+    assert read_jsonl(os.path.join(reference, name))  # strict JSON, every line
   with open(os.path.join(reference, 'config.json')) as f:
     json.load(f)

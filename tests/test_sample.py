@@ -4,18 +4,19 @@ import importlib.util
 import os
 import shutil
 
+import harness
 import jax
 import numpy as np
 import pytest
 
-import harness
 from triax import generation
 from triax.model.transformer import GPT, ModelSpec
 
 
 def _gpt_tiny_smoke():
   spec = importlib.util.spec_from_file_location(
-      'gpt_tiny', os.path.join(harness.ROOT, 'experiments', 'gpt_tiny.py'))
+    'gpt_tiny', os.path.join(harness.ROOT, 'experiments', 'gpt_tiny.py')
+  )
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   return module.get_config('smoke')
@@ -25,6 +26,7 @@ def _gpt_tiny_smoke():
 def trained(tmp_path_factory):
   """A 2-step run of the smoke config (data=2 x tensor=2 x pipe=2, interleaved), in process."""
   from triax.training import loop
+
   cfg = _gpt_tiny_smoke()
   cfg.train.steps = 2
   workdir = str(tmp_path_factory.mktemp('sample') / 'run')
@@ -39,7 +41,7 @@ def _sample(workdir, *flags):
 def test_sample_prints_the_prompt_and_a_seeded_continuation(trained):
   result = _sample(trained, '--prompt=def ', '--max_new_tokens=40', '--seed=3')
   assert result.returncode == 0, result.stderr[-2000:]
-  text = result.stdout[:-1]   # print's newline
+  text = result.stdout[:-1]  # print's newline
   assert text.startswith('def ') and len(text) > len('def ')
   assert '[checkpoint step 2 of' in result.stderr
   # The same seed gives the same text here too (8 devices; the CLI had 1); another seed differs.
@@ -54,19 +56,21 @@ def test_greedy_generation_matches_step_by_step_argmax_through_the_sliding_buffe
   model = GPT(spec)
   params = model.init(jax.random.key(1))
   prompt = [100, 101, 32]
-  new = generation.generate(model, params, prompt,
-                            generation.Sampling(max_new_tokens=12, temperature=0.0))
+  new = generation.generate(
+    model, params, prompt, generation.Sampling(max_new_tokens=12, temperature=0.0)
+  )
   logits = jax.jit(model.logits)
   tokens = list(prompt)
-  for _ in range(12):   # 3 + 12 > seq_len: the last 7 tokens see a full, sliding window
-    window = tokens[-spec.seq_len:]
-    padded = np.zeros((1, spec.seq_len), np.int32)   # causal: what follows cannot matter
-    padded[0, :len(window)] = window
+  for _ in range(12):  # 3 + 12 > seq_len: the last 7 tokens see a full, sliding window
+    window = tokens[-spec.seq_len :]
+    padded = np.zeros((1, spec.seq_len), np.int32)  # causal: what follows cannot matter
+    padded[0, : len(window)] = window
     tokens.append(int(np.argmax(logits(params, padded)[0, len(window) - 1])))
-  assert new.tolist() == tokens[len(prompt):]
+  assert new.tolist() == tokens[len(prompt) :]
   # Sampling among the top 1 is greedy whatever the temperature.
-  top1 = generation.generate(model, params, prompt,
-                             generation.Sampling(max_new_tokens=12, temperature=2.0, top_k=1))
+  top1 = generation.generate(
+    model, params, prompt, generation.Sampling(max_new_tokens=12, temperature=2.0, top_k=1)
+  )
   assert top1.tolist() == new.tolist()
 
 
@@ -77,12 +81,12 @@ def test_workdir_without_checkpoints_exits_2_naming_workdir(trained, tmp_path):
   for directory in (workdir, tmp_path / 'missing'):
     result = _sample(directory, '--prompt=def ')
     assert result.returncode == 2
-    line, = result.stderr.strip().splitlines()
+    (line,) = result.stderr.strip().splitlines()
     assert line.startswith('error: --workdir:'), line
 
 
 def test_prompt_longer_than_the_context_exits_2_naming_prompt(trained):
-  result = _sample(trained, '--prompt=' + 'x' * 33)   # the smoke model's seq_len is 32
+  result = _sample(trained, '--prompt=' + 'x' * 33)  # the smoke model's seq_len is 32
   assert result.returncode == 2
-  line, = result.stderr.strip().splitlines()
+  (line,) = result.stderr.strip().splitlines()
   assert line.startswith('error: --prompt:') and 'model.seq_len=32' in line

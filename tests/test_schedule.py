@@ -13,10 +13,8 @@ import numpy as np
 import pytest
 
 from triax.errors import ConfigError
-from triax.pipeline import report
 from triax.pipeline import lower as lower_lib
-from triax.pipeline import render
-from triax.pipeline import simulate
+from triax.pipeline import render, report, simulate
 from triax.pipeline import schedule as sched
 from triax.pipeline.schedule import Action, Schedule
 from triax.pipeline.validate import check, validate
@@ -50,17 +48,19 @@ def sizes():
 
 
 def env():
-  return dict(os.environ, PYTHONPATH=SRC + os.pathsep +
-              os.environ.get('PYTHONPATH', ''))
+  return dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get('PYTHONPATH', ''))
 
 
 def test_plain_python_modules_do_not_import_jax_or_matplotlib():
-  code = ('import sys; import triax.pipeline.schedule, triax.pipeline.validate,'
-          ' triax.pipeline.simulate, triax.pipeline.render, '
-          'triax.pipeline.report; '
-          'print(sorted(m for m in ("jax", "matplotlib") if m in sys.modules))')
-  out = subprocess.run([sys.executable, '-c', code], env=env(), check=True,
-                       capture_output=True, text=True).stdout
+  code = (
+    'import sys; import triax.pipeline.schedule, triax.pipeline.validate,'
+    ' triax.pipeline.simulate, triax.pipeline.render, '
+    'triax.pipeline.report; '
+    'print(sorted(m for m in ("jax", "matplotlib") if m in sys.modules))'
+  )
+  out = subprocess.run(
+    [sys.executable, '-c', code], env=env(), check=True, capture_output=True, text=True
+  ).stdout
   assert out.strip() == '[]'
 
 
@@ -69,13 +69,27 @@ def test_plain_python_modules_do_not_import_jax_or_matplotlib():
 
 def test_1f1b_orders():
   s = sched.build('1f1b', 4, 8)
-  assert s.orders[0] == (F(0, 0), F(1, 0), F(2, 0), F(3, 0), B(0, 0),
-                         F(4, 0), B(1, 0), F(5, 0), B(2, 0), F(6, 0), B(3, 0),
-                         F(7, 0), B(4, 0), B(5, 0), B(6, 0), B(7, 0))
+  assert s.orders[0] == (
+    F(0, 0),
+    F(1, 0),
+    F(2, 0),
+    F(3, 0),
+    B(0, 0),
+    F(4, 0),
+    B(1, 0),
+    F(5, 0),
+    B(2, 0),
+    F(6, 0),
+    B(3, 0),
+    F(7, 0),
+    B(4, 0),
+    B(5, 0),
+    B(6, 0),
+    B(7, 0),
+  )
   assert s.orders[3] == tuple(x for j in range(8) for x in (F(j, 3), B(j, 3)))
   # Fewer micro-batches than warm-up slots: warm-up is capped at m.
-  assert sched.build('1f1b', 4, 2).orders[0] == (F(0, 0), F(1, 0), B(0, 0),
-                                                 B(1, 0))
+  assert sched.build('1f1b', 4, 2).orders[0] == (F(0, 0), F(1, 0), B(0, 0), B(1, 0))
 
 
 def test_gpipe_orders():
@@ -83,57 +97,88 @@ def test_gpipe_orders():
   assert s.orders[1] == (F(0, 1), F(1, 1), F(2, 1), B(0, 1), B(1, 1), B(2, 1))
   # Circular: chunk-major forwards, backwards in reverse chunk order.
   s = sched.build('gpipe', 2, 2, 2)
-  assert s.orders[0] == (F(0, 0), F(1, 0), F(0, 2), F(1, 2),
-                         B(0, 2), B(1, 2), B(0, 0), B(1, 0))
+  assert s.orders[0] == (F(0, 0), F(1, 0), F(0, 2), F(1, 2), B(0, 2), B(1, 2), B(0, 0), B(1, 0))
 
 
 def test_interleaved_orders_follow_megatron():
   s = sched.build('interleaved_1f1b', 2, 4, 2)
   # Device 0 warms up with (p-0-1)*2 + (v-1)*p = 4 forwards.
   assert s.orders[0] == (
-      F(0, 0), F(1, 0), F(0, 2), F(1, 2),
-      F(2, 0), B(0, 2), F(3, 0), B(1, 2), F(2, 2), B(0, 0), F(3, 2), B(1, 0),
-      B(2, 2), B(3, 2), B(2, 0), B(3, 0))
+    F(0, 0),
+    F(1, 0),
+    F(0, 2),
+    F(1, 2),
+    F(2, 0),
+    B(0, 2),
+    F(3, 0),
+    B(1, 2),
+    F(2, 2),
+    B(0, 0),
+    F(3, 2),
+    B(1, 0),
+    B(2, 2),
+    B(3, 2),
+    B(2, 0),
+    B(3, 0),
+  )
   assert s.orders[1] == (
-      F(0, 1), F(1, 1),
-      F(0, 3), B(0, 3), F(1, 3), B(1, 3), F(2, 1), B(0, 1), F(3, 1), B(1, 1),
-      F(2, 3), B(2, 3), F(3, 3), B(3, 3),
-      B(2, 1), B(3, 1))
+    F(0, 1),
+    F(1, 1),
+    F(0, 3),
+    B(0, 3),
+    F(1, 3),
+    B(1, 3),
+    F(2, 1),
+    B(0, 1),
+    F(3, 1),
+    B(1, 1),
+    F(2, 3),
+    B(2, 3),
+    F(3, 3),
+    B(3, 3),
+    B(2, 1),
+    B(3, 1),
+  )
 
 
 @pytest.mark.parametrize('p', [1, 2, 4, 8])
 @pytest.mark.parametrize('m', [1, 3, 8, 16])
 def test_interleaved_with_one_chunk_is_1f1b(p, m):
-  assert (sched.build('interleaved_1f1b', p, m).orders ==
-          sched.build('1f1b', p, m).orders)
+  assert sched.build('interleaved_1f1b', p, m).orders == sched.build('1f1b', p, m).orders
 
 
 def test_every_builder_gives_a_valid_schedule():
   for name, p, m, v in sizes():
     s = sched.build(name, p, m, v)
-    assert (s.name, s.stages, s.microbatches, s.virtual_stages) == (name, p,
-                                                                     m, v)
+    assert (s.name, s.stages, s.microbatches, s.virtual_stages) == (name, p, m, v)
     assert validate(s) == [], (name, p, m, v)
 
 
 def test_registry_lists_the_builders():
   # Others may follow; these five come first, in this order.
-  assert list(sched.SCHEDULES)[:5] == ['gpipe', '1f1b', 'interleaved_1f1b',
-                                       'bpipe', 'zb_h1']
+  assert list(sched.SCHEDULES)[:5] == ['gpipe', '1f1b', 'interleaved_1f1b', 'bpipe', 'zb_h1']
 
 
-@pytest.mark.parametrize('args, key, words', [
-    (('pipedream', 4, 8), 'pipeline.schedule',
-     'unknown schedule pipedream; choose one of gpipe, 1f1b, '
-     'interleaved_1f1b, bpipe, zb_h1'),   # a prefix: more may be listed
+@pytest.mark.parametrize(
+  'args, key, words',
+  [
+    (
+      ('pipedream', 4, 8),
+      'pipeline.schedule',
+      'unknown schedule pipedream; choose one of gpipe, 1f1b, interleaved_1f1b, bpipe, zb_h1',
+    ),  # a prefix: more may be listed
     (('1f1b', 0, 8), 'mesh.pipe', 'at least 1'),
     (('gpipe', 4, 0), 'pipeline.microbatches', 'at least 1'),
     (('gpipe', 4, 8, 0), 'pipeline.virtual_stages', 'at least 1'),
     (('gpipe', 2.0, 8), 'mesh.pipe', 'integer'),
     (('1f1b', 4, 8, 2), 'pipeline.virtual_stages', 'interleaved_1f1b'),
-    (('interleaved_1f1b', 4, 9, 2), 'pipeline.microbatches',
-     'interleaved_1f1b with virtual stages runs micro-batches in equal rounds'),
-])
+    (
+      ('interleaved_1f1b', 4, 9, 2),
+      'pipeline.microbatches',
+      'interleaved_1f1b with virtual stages runs micro-batches in equal rounds',
+    ),
+  ],
+)
 def test_bad_arguments_name_the_key(args, key, words):
   with pytest.raises(ConfigError) as e:
     sched.build(*args)
@@ -145,8 +190,7 @@ def test_bad_arguments_name_the_key(args, key, words):
 
 
 def ticks_of(program):
-  return {a: t for t, row in enumerate(program.grid) for cell in row
-          for a in cell}
+  return {a: t for t, row in enumerate(program.grid) for cell in row for a in cell}
 
 
 @pytest.mark.parametrize('p', [1, 2, 4, 8])
@@ -197,7 +241,7 @@ def test_every_fused_backward_runs_as_b_then_w():
 
 def test_1f1b_tables_by_hand():
   program = sched.lower(sched.build('1f1b', 2, 2))
-  t = {name: x.T.tolist() for name, x in program.table.items()}   # [stage][tick]
+  t = {name: x.T.tolist() for name, x in program.table.items()}  # [stage][tick]
   assert t['kind'] == [[1, 1, 0, 2, 3, 0, 2, 3], [0, 1, 2, 3, 1, 2, 3, 0]]
   assert t['mb'] == [[0, 1, -1, 0, 0, -1, 1, 1], [-1, 0, 0, 0, 1, 1, 1, -1]]
   assert t['chunk'] == [[0, 0, -1, 0, 0, -1, 0, 0], [-1, 1, 1, 1, 1, 1, 1, -1]]
@@ -211,7 +255,8 @@ def test_1f1b_tables_by_hand():
   assert t['move_send'] == t['move_recv'] == [[-1] * 8] * 2
   # Both neighbours are offset 1 at p = 2 (+1 = -1 mod 2).
   assert {o: x.T.tolist() for o, x in program.recv.items()} == {
-      1: [[-1, -1, 0, -1, -1, 0, -1, -1], [0, 1, -1, -1, -1, -1, -1, -1]]}
+    1: [[-1, -1, 0, -1, -1, 0, -1, -1], [0, 1, -1, -1, -1, -1, -1, -1]]
+  }
   assert all(x.dtype == np.int32 for x in program.table.values())
   assert program.slots == {'msg': 2, 'stash': 2, 'cut': 1}
   assert program.peaks == {'msg': (1, 2), 'stash': (2, 1), 'cut': (1, 1)}
@@ -261,7 +306,7 @@ def test_lowered_programs_are_valid_and_use_the_fewest_slots():
     program = sched.lower(s)
     assert validate(s, program) == [], (name, p, m, v)
     if s.evicted:
-      continue   # moving sets: the validator's replay checks those peaks
+      continue  # moving sets: the validator's replay checks those peaks
     need = {buf: 1 for buf in ('msg', 'stash', 'cut')}
     for (stage, buf), xs in buffer_intervals(program).items():
       need[buf] = max(need[buf], max_overlap(xs))
@@ -276,12 +321,11 @@ def test_lockstep_is_the_split_schedule_run_asynchronously_at_unit_cost():
   for name, p, m, v in sizes():
     s = sched.build(name, p, m, v)
     if s.evicted:
-      continue   # copies ride the copy stream there, not the ticks
+      continue  # copies ride the copy stream there, not the ticks
     program = sched.lower(s)
     unit = simulate.Costs(t_forward=v, t_backward=v, t_weight=v)
     result = simulate.simulate_async(program.schedule, unit)
-    assert {x.action: x.start for x in result.timeline} == ticks_of(program), (
-        name, p, m, v)
+    assert {x.action: x.start for x in result.timeline} == ticks_of(program), (name, p, m, v)
 
 
 def test_lockstep_keeps_each_stage_in_its_order():
@@ -295,9 +339,9 @@ def test_lockstep_keeps_each_stage_in_its_order():
 
 def test_lowering_reports_a_deadlock_with_the_grid():
   # Stage 0 wants chunk 2 of micro-batch 0 before chunk 0 feeds it.
-  s = Schedule('broken', 2, 1, 2, (
-      (F(0, 2), F(0, 0), B(0, 2), B(0, 0)),
-      (F(0, 1), F(0, 3), B(0, 3), B(0, 1))))
+  s = Schedule(
+    'broken', 2, 1, 2, ((F(0, 2), F(0, 0), B(0, 2), B(0, 0)), (F(0, 1), F(0, 3), B(0, 3), B(0, 1)))
+  )
   with pytest.raises(RuntimeError, match='no progress at tick 0'):
     sched.lower(s)
   assert any('deadlock' in x for x in validate(s))
@@ -321,8 +365,10 @@ def v_shaped(m=2):
   orders = []
   for s in range(p):
     mine = [c for c in range(4) if placement[c] == s]
-    orders.append([F(j, c) for c in mine for j in range(m)] +
-                  [B(j, c) for c in reversed(mine) for j in range(m)])
+    orders.append(
+      [F(j, c) for c in mine for j in range(m)]
+      + [B(j, c) for c in reversed(mine) for j in range(m)]
+    )
   return Schedule('v', p, m, 2, tuple(map(tuple, orders)), placement=placement)
 
 
@@ -336,8 +382,8 @@ def test_a_v_placement_lowers_and_validates():
   # cross 0 <-> 1.
   assert set(program.offsets) == {0, 1}
   tick = ticks_of(program)
-  assert program.recv[0][tick[F(0, 1)], 1] >= 0     # kept on stage 1
-  assert program.recv[1][tick[F(0, 2)], 0] >= 0     # sent on to stage 0
+  assert program.recv[0][tick[F(0, 1)], 1] >= 0  # kept on stage 1
+  assert program.recv[1][tick[F(0, 2)], 0] >= 0  # sent on to stage 0
   assert program.table['local'][tick[F(0, 3)], 0] == 1
 
 
@@ -354,8 +400,7 @@ def test_validator_rejects_backward_before_forward():
   s = sched.build('1f1b', 2, 2)
   broken = replace_order(s, 1, (B(0, 1), F(0, 1), F(1, 1), B(1, 1)))
   problems = validate(broken)
-  assert 'stage 1 position 0: B0.1 runs before its F0.1 (position 1)' in (
-      problems)
+  assert 'stage 1 position 0: B0.1 runs before its F0.1 (position 1)' in (problems)
   with pytest.raises(ValueError, match='B0.1 runs before'):
     check(broken)
 
@@ -363,38 +408,42 @@ def test_validator_rejects_backward_before_forward():
 def test_validator_rejects_a_missing_backward():
   s = sched.build('1f1b', 2, 2)
   broken = replace_order(s, 0, [a for a in s.orders[0] if a != B(1, 0)])
-  assert validate(broken) == [
-      'stage 0: B1.0 runs 0 times (want exactly 1)']
+  assert validate(broken) == ['stage 0: B1.0 runs 0 times (want exactly 1)']
 
 
 def test_validator_rejects_a_duplicated_forward():
   s = sched.build('gpipe', 2, 2)
   broken = replace_order(s, 0, (F(0, 0),) + s.orders[0])
-  assert validate(broken) == [
-      'stage 0: F0.0 runs 2 times (want exactly 1)']
+  assert validate(broken) == ['stage 0: F0.0 runs 2 times (want exactly 1)']
 
 
 def test_validator_rejects_misplaced_and_out_of_range_actions():
   s = sched.build('gpipe', 2, 2)
-  assert any('lives on stage 1' in x for x in validate(
-      replace_order(s, 0, s.orders[0] + (F(0, 1),))))
-  assert any('micro-batch outside' in x for x in validate(
-      replace_order(s, 0, s.orders[0] + (F(5, 0),))))
+  assert any(
+    'lives on stage 1' in x for x in validate(replace_order(s, 0, s.orders[0] + (F(0, 1),)))
+  )
+  assert any(
+    'micro-batch outside' in x for x in validate(replace_order(s, 0, s.orders[0] + (F(5, 0),)))
+  )
   # Under a V, chunk 3 lives on stage 0, not on stage 3 mod 2 = 1.
   v = v_shaped()
-  assert any('chunk 3 lives on stage 0' in x
-             for x in validate(replace_order(v, 1, v.orders[1] + (F(0, 3),))))
+  assert any(
+    'chunk 3 lives on stage 0' in x for x in validate(replace_order(v, 1, v.orders[1] + (F(0, 3),)))
+  )
 
 
 def test_validator_checks_the_placement():
   s = v_shaped()
   assert validate(dataclasses.replace(s, placement=(0, 1, 1))) == [
-      'placement (0, 1, 1) has 3 entries for p*v = 4 chunks']
+    'placement (0, 1, 1) has 3 entries for p*v = 4 chunks'
+  ]
   assert validate(dataclasses.replace(s, placement=(0, 1, 1, 1))) == [
-      'placement puts 1 chunks on stage 0 ([0]); every stage holds v = 2',
-      'placement puts 3 chunks on stage 1 ([1, 2, 3]); every stage holds v = 2']
+    'placement puts 1 chunks on stage 0 ([0]); every stage holds v = 2',
+    'placement puts 3 chunks on stage 1 ([1, 2, 3]); every stage holds v = 2',
+  ]
   assert validate(dataclasses.replace(s, placement=(0, 1, 2, 0))) == [
-      'placement puts chunk 2 on stage 2, outside 0..1']
+    'placement puts chunk 2 on stage 2, outside 0..1'
+  ]
 
 
 def with_tables(program, changes, grid=None):
@@ -419,8 +468,9 @@ def test_validator_rejects_an_overwritten_live_stash_slot():
   assert first != second
   broken = with_tables(program, {('stash', (1, 0)): first})
   problems = validate(s, broken)
-  assert problems[0] == (f'tick 1 stage 0: F1.0: stash slot {first} still holds '
-                         'set 0.0 (overwritten by set 1.0)')
+  assert problems[0] == (
+    f'tick 1 stage 0: F1.0: stash slot {first} still holds set 0.0 (overwritten by set 1.0)'
+  )
 
 
 def test_validator_rejects_an_overwritten_live_message():
@@ -431,8 +481,9 @@ def test_validator_rejects_an_overwritten_live_message():
   assert program.recv[1][1, 1] == 1 and program.table['loss'][1, 1] == 0
   broken = with_tables(program, {(('recv', 1), (1, 1)): 0})
   assert validate(s, broken)[0] == (
-      'tick 1 stage 1: receiving act 1.1 from stage 0: msg slot 0 still holds '
-      'grad 0.1 (overwritten by act 1.1)')
+    'tick 1 stage 1: receiving act 1.1 from stage 0: msg slot 0 still holds '
+    'grad 0.1 (overwritten by act 1.1)'
+  )
 
 
 def test_validator_rejects_a_read_from_the_wrong_slot():
@@ -441,19 +492,20 @@ def test_validator_rejects_a_read_from_the_wrong_slot():
   # B0.1 (tick 2) reads its gradient from slot 0; slot 1 holds act 1.1.
   assert program.table['src'][2, 1] == 0
   broken = with_tables(program, {('src', (2, 1)): 1})
-  assert validate(s, broken)[0] == (
-      'tick 2 stage 1: B0.1: msg slot 1 holds act 1.1, not grad 0.1')
+  assert validate(s, broken)[0] == ('tick 2 stage 1: B0.1: msg slot 1 holds act 1.1, not grad 0.1')
 
 
 def test_validator_rejects_a_dropped_message_and_a_phantom_receive():
   s = sched.build('1f1b', 2, 2)
   program = sched.lower(s)
   dropped = with_tables(program, {(('recv', 1), (0, 1)): -1})
-  assert ('tick 0 stage 1: drops act 0.1 from stage 0 (no consumer slot)'
-          in validate(s, dropped))
+  assert 'tick 0 stage 1: drops act 0.1 from stage 0 (no consumer slot)' in validate(s, dropped)
   phantom = with_tables(program, {(('recv', 1), (7, 1)): 0})
-  assert any('tick 7 stage 1: stores into msg slot 0 from offset 1, but stage 0 '
-             'sends nothing there (no producer)' == x for x in validate(s, phantom))
+  assert any(
+    'tick 7 stage 1: stores into msg slot 0 from offset 1, but stage 0 '
+    'sends nothing there (no producer)' == x
+    for x in validate(s, phantom)
+  )
 
 
 def test_validator_rejects_slots_beyond_the_count():
@@ -474,8 +526,7 @@ def test_validator_rejects_a_dependency_moved_into_its_tick():
     changes[(name, (0, 1))] = x[1, 1]
     changes[(name, (1, 1))] = 0 if name == 'kind' else -1
   broken = with_tables(program, changes, grid)
-  assert 'tick 0 stage 1: F0.1 runs before its input from F0.0 (tick 0)' in (
-      validate(s, broken))
+  assert 'tick 0 stage 1: F0.1 runs before its input from F0.0 (tick 0)' in (validate(s, broken))
 
 
 def test_validator_rejects_two_compute_actions_in_a_tick():
@@ -490,10 +541,10 @@ def test_validator_rejects_two_compute_actions_in_a_tick():
 
 def test_validator_rejects_a_stage_out_of_its_order():
   s = sched.build('gpipe', 1, 2)
-  program = sched.lower(s)   # F0 F1 B0 W0 B1 W1
+  program = sched.lower(s)  # F0 F1 B0 W0 B1 W1
   order = [a for row in program.grid for cell in row for a in cell]
   assert order == [F(0, 0), F(1, 0), B(0, 0), W(0, 0), B(1, 0), W(1, 0)]
-  swapped = [2, 4, 3, 5]   # B0 B1 W0 W1: each input still comes first
+  swapped = [2, 4, 3, 5]  # B0 B1 W0 W1: each input still comes first
   grid = [list(row) for row in program.grid]
   changes = {}
   for t, u in zip([2, 3, 4, 5], swapped):
@@ -501,19 +552,16 @@ def test_validator_rejects_a_stage_out_of_its_order():
     for name, x in program.table.items():
       changes[(name, (t, 0))] = x[u, 0]
   problems = validate(s, with_tables(program, changes, grid))
-  assert problems == ['stage 0: its compute action 3 is B1.0 in the program but '
-                      'W0.0 in its order']
+  assert problems == ['stage 0: its compute action 3 is B1.0 in the program but W0.0 in its order']
 
 
 def test_validator_rejects_grid_and_tables_that_disagree():
   s = sched.build('1f1b', 2, 2)
   program = sched.lower(s)
   broken = with_tables(program, {('mb', (0, 0)): 1})
-  assert "tick 0 stage 0: grid says ['F0.0'] but the tables say ['F1.0']" in (
-      validate(s, broken))
+  assert "tick 0 stage 0: grid says ['F0.0'] but the tables say ['F1.0']" in (validate(s, broken))
   broken = with_tables(program, {('local', (0, 0)): 1})
-  assert ('tick 0 stage 0: F0.0 names local chunk 1; chunk 0 is local 0'
-          in validate(s, broken))
+  assert 'tick 0 stage 0: F0.0 names local chunk 1; chunk 0 is local 0' in validate(s, broken)
 
 
 def test_validator_checks_the_peaks_the_program_claims():
@@ -521,15 +569,17 @@ def test_validator_checks_the_peaks_the_program_claims():
   program = sched.lower(s)
   lying = dataclasses.replace(program, peaks=dict(program.peaks, stash=(3, 3, 2, 1)))
   assert validate(s, lying) == [
-      "program.peaks['stash'] is (3, 3, 2, 1) but the tables hold at most (4, 3, 2, 1)"]
+    "program.peaks['stash'] is (3, 3, 2, 1) but the tables hold at most (4, 3, 2, 1)"
+  ]
 
 
 def test_validator_rejects_a_program_of_another_schedule():
   s = sched.build('1f1b', 2, 2)
   other = sched.lower(sched.build('gpipe', 2, 2))
   assert validate(s, other) == [
-      'program.schedule (gpipe) is not the schedule validated with every '
-      'fused B split into B then W (1f1b)']
+    'program.schedule (gpipe) is not the schedule validated with every '
+    'fused B split into B then W (1f1b)'
+  ]
 
 
 # ---------------------------------------------------------------- render, CLI
@@ -547,25 +597,31 @@ def test_text_grid_is_readable():
 
 
 def run_cli(*args):
-  return subprocess.run([sys.executable, '-m', 'triax.schedule', *args],
-                        env=env(), capture_output=True, text=True, timeout=60)
+  return subprocess.run(
+    [sys.executable, '-m', 'triax.schedule', *args],
+    env=env(),
+    capture_output=True,
+    text=True,
+    timeout=60,
+  )
 
 
 def test_cli_json():
-  out = run_cli('--schedule=interleaved_1f1b', '--stages=4',
-                '--microbatches=8', '--virtual_stages=2', '--json')
+  out = run_cli(
+    '--schedule=interleaved_1f1b', '--stages=4', '--microbatches=8', '--virtual_stages=2', '--json'
+  )
   assert out.returncode == 0, out.stderr
   report_ = json.loads(out.stdout)
   assert report_['schedule'] == 'interleaved_1f1b'
-  assert (report_['stages'], report_['microbatches'],
-          report_['virtual_stages']) == (4, 8, 2)
+  assert (report_['stages'], report_['microbatches'], report_['virtual_stages']) == (4, 8, 2)
   assert report_['valid'] is True
   assert report_['ticks'] == 3 * 8 * 2 + 2 * 3
   assert report_['peak_inflight'] == [11, 9, 7, 5]
   assert report_['slots']['stash'] == 11
-  # CLI defaults t_F = t_B = 1: chunk F 1/2, its fused B split 1/4 + 1/4.
-  assert report_['models']['lockstep']['total_time'] == pytest.approx(22.75)
-  assert report_['bubble_fraction'] == pytest.approx(27 / 91)
+  # CLI defaults t_F = 1 and a fused t_B = 2: chunk F 1/2, its B split into
+  # B and W of 1/2 each, so every one of the 54 ticks lasts 1/2.
+  assert report_['models']['lockstep']['total_time'] == pytest.approx(27.0)
+  assert report_['bubble_fraction'] == pytest.approx(3 / 27)
   assert set(report_['models']) == {'lockstep', 'async'}
   for model in report_['models'].values():
     assert set(model) >= {'total_time', 'bubble_fraction', 'peak_inflight'}
@@ -576,7 +632,8 @@ def test_cli_rejects_bad_input_with_exit_code_2():
   assert out.returncode == 2
   assert out.stdout == ''
   assert out.stderr.strip().splitlines() == [
-      'error: --stages: pipeline stages must be at least 1; got 0']
+    'error: --stages: pipeline stages must be at least 1; got 0'
+  ]
   out = run_cli('--stages=two')
   assert out.returncode == 2
   assert out.stderr.strip().startswith('error: flags:')
@@ -584,8 +641,7 @@ def test_cli_rejects_bad_input_with_exit_code_2():
 
 def test_report_text_and_plot(tmp_path, capsys):
   path = str(tmp_path / 'gantt.png')
-  summary = report.run(report.Request('gpipe', 2, 4, t_backward=2.0,
-                                      plot=path))
+  summary = report.run(report.Request('gpipe', 2, 4, t_backward=2.0, plot=path))
   text = capsys.readouterr().out
   assert 'lockstep (the executor): 14 ticks' in text and 'valid' in text
   assert summary['plot'] == path
@@ -593,14 +649,17 @@ def test_report_text_and_plot(tmp_path, capsys):
     assert f.read(8) == b'\x89PNG\r\n\x1a\n'
 
 
-@pytest.mark.parametrize('request_, key', [
+@pytest.mark.parametrize(
+  'request_, key',
+  [
     (report.Request(plot='x.svg'), '--plot'),
     (report.Request(t_transfer=-1.0), '--t_transfer'),
     (report.Request(virtual_stages=2), '--virtual_stages'),
     (report.Request(schedule='pipedream'), '--schedule'),
     (report.Request(schedule='zb_h1', virtual_stages=2), '--virtual_stages'),
     (report.Request(t_evict=-1.0), '--t_evict'),
-])
+  ],
+)
 def test_report_names_the_flag(request_, key, capsys):
   assert report.main(request_) == 2
   assert capsys.readouterr().err.startswith(f'error: {key}: ')

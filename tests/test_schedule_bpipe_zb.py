@@ -18,7 +18,7 @@ from triax.errors import ConfigError
 from triax.pipeline import lower as lower_lib
 from triax.pipeline import render
 from triax.pipeline import schedule as sched
-from triax.pipeline.schedule import Action, Schedule
+from triax.pipeline.schedule import Action
 from triax.pipeline.simulate import Costs, simulate_async, simulate_lockstep
 from triax.pipeline.validate import validate
 
@@ -39,8 +39,7 @@ def W(j, c):
 
 
 def ticks_of(program):
-  return {a: t for t, row in enumerate(program.grid) for cell in row
-          for a in cell}
+  return {a: t for t, row in enumerate(program.grid) for cell in row for a in cell}
 
 
 def replace_tables(program, changes, grid=None):
@@ -55,8 +54,9 @@ def replace_tables(program, changes, grid=None):
 def moves_grid(program, action, to):
   """program.grid with `action` moved from its tick to tick `to`."""
   grid = [list(map(list, row)) for row in program.grid]
-  (t, stage), = [(t, q) for t, row in enumerate(grid) for q, cell in enumerate(row)
-                 if action in cell]
+  ((t, stage),) = [
+    (t, q) for t, row in enumerate(grid) for q, cell in enumerate(row) if action in cell
+  ]
   grid[t][stage].remove(action)
   grid[to][stage].append(action)
   return grid
@@ -68,18 +68,50 @@ def moves_grid(program, action, to):
 def test_zb_h1_orders_lag_weight_gradients_by_the_stage_index():
   s = sched.build('zb_h1', 4, 6)
   # Stage 0: 1F1B with each W right behind its B.
-  assert s.orders[0] == (F(0, 0), F(1, 0), F(2, 0), F(3, 0),
-                         B(0, 0), W(0, 0), F(4, 0), B(1, 0), W(1, 0),
-                         F(5, 0), B(2, 0), W(2, 0),
-                         B(3, 0), W(3, 0), B(4, 0), W(4, 0), B(5, 0), W(5, 0))
+  assert s.orders[0] == (
+    F(0, 0),
+    F(1, 0),
+    F(2, 0),
+    F(3, 0),
+    B(0, 0),
+    W(0, 0),
+    F(4, 0),
+    B(1, 0),
+    W(1, 0),
+    F(5, 0),
+    B(2, 0),
+    W(2, 0),
+    B(3, 0),
+    W(3, 0),
+    B(4, 0),
+    W(4, 0),
+    B(5, 0),
+    W(5, 0),
+  )
   # Stage 3: W(k) follows B(k+3); the last three W's close the step.
-  assert s.orders[3] == (F(0, 3), B(0, 3), F(1, 3), B(1, 3), F(2, 3), B(2, 3),
-                         F(3, 3), B(3, 3), W(0, 3), F(4, 3), B(4, 3), W(1, 3),
-                         F(5, 3), B(5, 3), W(2, 3), W(3, 3), W(4, 3), W(5, 3))
+  assert s.orders[3] == (
+    F(0, 3),
+    B(0, 3),
+    F(1, 3),
+    B(1, 3),
+    F(2, 3),
+    B(2, 3),
+    F(3, 3),
+    B(3, 3),
+    W(0, 3),
+    F(4, 3),
+    B(4, 3),
+    W(1, 3),
+    F(5, 3),
+    B(5, 3),
+    W(2, 3),
+    W(3, 3),
+    W(4, 3),
+    W(5, 3),
+  )
   # Without the W's the order is 1F1B's.
   for stage, order in enumerate(s.orders):
-    assert tuple(a for a in order if a.kind != 'W') == (
-        sched.build('1f1b', 4, 6).orders[stage])
+    assert tuple(a for a in order if a.kind != 'W') == (sched.build('1f1b', 4, 6).orders[stage])
 
 
 @pytest.mark.parametrize('p', [1, 2, 3, 4, 8])
@@ -89,7 +121,7 @@ def test_zb_h1_is_valid_and_lowers_to_its_papers_ticks(p, m):
   program = sched.lower(s)
   assert validate(s, program) == []
   assert program.split_backward and program.partner is None
-  assert program.schedule == s   # already split: run as built
+  assert program.schedule == s  # already split: run as built
   one = sched.lower(sched.build('1f1b', p, m))
   if m >= p:
     # The paper's 3m + p - 1 (t_F = t_B = t_W = 1 tick) against 1F1B's
@@ -115,7 +147,10 @@ def test_zb_h1_weight_rows_match_the_grid():
       continue
     c = a.chunk
     assert (table['kind'][t, c], table['mb'][t, c], table['chunk'][t, c]) == (
-        lower_lib.RUN_W, a.microbatch, c)
+      lower_lib.RUN_W,
+      a.microbatch,
+      c,
+    )
     tb = tick[B(a.microbatch, c)]
     assert table['stash'][t, c] == table['stash'][tb, c]
     assert table['cut'][t, c] == table['cut'][tb, c]
@@ -193,11 +228,13 @@ def test_validator_wants_one_weight_action_per_backward_when_split():
   orders = list(s.orders)
   orders[0] = tuple(a for a in orders[0] if a != W(1, 0))
   assert validate(dataclasses.replace(s, orders=tuple(orders))) == [
-      'stage 0: W1.0 runs 0 times (want exactly 1)']
+    'stage 0: W1.0 runs 0 times (want exactly 1)'
+  ]
   orders = list(s.orders)
   orders[1] = (W(0, 1),) + tuple(a for a in orders[1] if a != W(0, 1))
-  assert ('stage 1 position 0: W0.1 runs before its B0.1 (position 2)' in
-          validate(dataclasses.replace(s, orders=tuple(orders))))
+  assert 'stage 1 position 0: W0.1 runs before its B0.1 (position 2)' in validate(
+    dataclasses.replace(s, orders=tuple(orders))
+  )
 
 
 def test_validator_rejects_a_weight_action_before_its_backward_tick():
@@ -207,30 +244,30 @@ def test_validator_rejects_a_weight_action_before_its_backward_tick():
   tw, tb = tick[W(0, 0)], tick[B(0, 0)]
   assert (tb, tw) == (3, 4) and program.grid[2][0] == ()
   changes = {(name, (2, 0)): x[tw, 0] for name, x in program.table.items()}
-  changes.update({(name, (tw, 0)): lower_lib.IDLE if name == 'kind' else -1
-                  for name in program.table})
+  changes.update(
+    {(name, (tw, 0)): lower_lib.IDLE if name == 'kind' else -1 for name in program.table}
+  )
   broken = replace_tables(program, changes, moves_grid(program, W(0, 0), 2))
   problems = validate(s, broken)
   assert 'tick 2 stage 0: W0.0 runs before its input from B0.0 (tick 3)' in problems
-  assert ('stage 0: its compute action 2 is W0.0 in the program but B0.0 in its '
-          'order') in problems
+  assert ('stage 0: its compute action 2 is W0.0 in the program but B0.0 in its order') in problems
 
 
 def test_validator_sees_that_split_backwards_keep_their_slots():
   s = sched.build('zb_h1', 2, 4)
   program = sched.lower(s)
   # Point a W at a slot nothing was stashed in.
-  t = next(t for t in range(program.ticks)
-           if program.table['kind'][t, 1] == lower_lib.RUN_W)
+  t = next(t for t in range(program.ticks) if program.table['kind'][t, 1] == lower_lib.RUN_W)
   spare = program.slots['stash']
   broken = dataclasses.replace(
-      replace_tables(program, {('stash', (t, 1)): spare}),
-      slots=dict(program.slots, stash=spare + 1))
+    replace_tables(program, {('stash', (t, 1)): spare}), slots=dict(program.slots, stash=spare + 1)
+  )
   assert any(f'stash slot {spare} is empty' in x for x in validate(s, broken))
   # And a W at a cut its B did not write.
   broken = dataclasses.replace(
-      replace_tables(program, {('cut', (t, 1)): program.slots['cut']}),
-      slots=dict(program.slots, cut=program.slots['cut'] + 1))
+    replace_tables(program, {('cut', (t, 1)): program.slots['cut']}),
+    slots=dict(program.slots, cut=program.slots['cut'] + 1),
+  )
   assert any(f'cut slot {program.slots["cut"]} is empty' in x for x in validate(s, broken))
 
 
@@ -245,7 +282,7 @@ def own_peaks_1f1b(p, m):
   held = np.zeros((one.ticks, p), int)
   for j in range(m):
     for s in range(p):
-      held[tick[F(j, s)]:tick[W(j, s)] + 1, s] += 1
+      held[tick[F(j, s)] : tick[W(j, s)] + 1, s] += 1
   return held
 
 
@@ -263,9 +300,11 @@ def test_bpipe_properties(p, m):
   # And no pairing can do with less under 1F1B's ticks: a pair holds
   # held[s] + held[p-1-s] sets at once and each side has cap slots.
   held = own_peaks_1f1b(p, m)
-  least = max(math.ceil((held[t, q] + held[t, p - 1 - q]) / 2)
-              if q != p - 1 - q else held[t, q]
-              for t in range(held.shape[0]) for q in range(p))
+  least = max(
+    math.ceil((held[t, q] + held[t, p - 1 - q]) / 2) if q != p - 1 - q else held[t, q]
+    for t in range(held.shape[0])
+    for q in range(p)
+  )
   assert cap == least
   # Same ticks, same F/B/W placement as 1F1B lockstep.
   one = sched.lower(sched.build('1f1b', p, m))
@@ -281,14 +320,14 @@ def test_bpipe_properties(p, m):
   # The program names the pairing only when something moves, so the
   # executor can leave out the residual ppermute otherwise.
   assert program.partner == (s.partner if s.evicted else None)
-  assert bool(s.evicted) == (p > 2)   # at p = 2 the pair (2, 1) fits in 2
+  assert bool(s.evicted) == (p > 2)  # at p = 2 the pair (2, 1) fits in 2
 
 
 def test_bpipe_evicts_from_heavy_to_light_only():
   for p, m in PM + [(3, 9), (5, 20)]:
     s = sched.build('bpipe', p, m)
     program = sched.lower(s)
-    for j, c in s.evicted:
+    for _, c in s.evicted:
       assert c < p - 1 - c  # the heavy stage of its pair
     send, recv = program.table['move_send'], program.table['move_recv']
     for t, row in enumerate(program.grid):
@@ -308,7 +347,10 @@ def test_bpipe_transfers_per_step():
   # Stage 1 (3 sets) and 2 (2) already fit the cap of 3; stage 0 (4) does not.
   assert moved == {'evictions': (5, 0, 0, 0), 'loads': (0, 0, 0, 5), 'total': 10}
   assert sched.transfers_per_step(sched.lower(sched.build('1f1b', 4, 16))) == {
-      'evictions': (0,) * 4, 'loads': (0,) * 4, 'total': 0}
+    'evictions': (0,) * 4,
+    'loads': (0,) * 4,
+    'total': 0,
+  }
 
 
 def test_bpipe_lands_into_a_slot_sent_from_in_the_same_tick():
@@ -334,19 +376,18 @@ def test_validator_rejects_an_eviction_without_its_load():
   orders = s.orders[:3] + (tuple(a for a in s.orders[3] if a != loads[0]),)
   problems = validate(dataclasses.replace(s, orders=orders))
   a = loads[0]
-  assert problems == [f'{a.microbatch}.{a.chunk} is evicted 1 times but '
-                      'loaded 0 times']
+  assert problems == [f'{a.microbatch}.{a.chunk} is evicted 1 times but loaded 0 times']
 
 
 def test_validator_rejects_bad_partners():
   s = sched.build('bpipe', 4, 8)
   assert validate(dataclasses.replace(s, partner=(1, 2, 3, 0))) == [
-      'partner of stage 0 is 1, whose partner is 2 (partners must pair up)',
-      'partner of stage 1 is 2, whose partner is 3 (partners must pair up)',
-      'partner of stage 2 is 3, whose partner is 0 (partners must pair up)',
-      'partner of stage 3 is 0, whose partner is 1 (partners must pair up)']
-  assert any('no partner pairing' in x
-             for x in validate(dataclasses.replace(s, partner=None)))
+    'partner of stage 0 is 1, whose partner is 2 (partners must pair up)',
+    'partner of stage 1 is 2, whose partner is 3 (partners must pair up)',
+    'partner of stage 2 is 3, whose partner is 0 (partners must pair up)',
+    'partner of stage 3 is 0, whose partner is 1 (partners must pair up)',
+  ]
+  assert any('no partner pairing' in x for x in validate(dataclasses.replace(s, partner=None)))
   # A stage paired with itself has nowhere to evict to.
   selfish = dataclasses.replace(s, partner=(0, 1, 2, 3))
   assert any('is its own partner' in x for x in validate(selfish))
@@ -360,13 +401,20 @@ def test_validator_rejects_a_load_in_the_tick_of_its_backward():
   t = tick[load]
   assert t == tick[B(2, 0)] - 1 == 12
   send, recv = program.table['move_send'], program.table['move_recv']
-  broken = replace_tables(program, {
-      ('move_send', (t, 3)): -1, ('move_recv', (t, 0)): -1,
-      ('move_send', (t + 1, 3)): send[t, 3], ('move_recv', (t + 1, 0)): recv[t, 0]},
-      moves_grid(program, load, t + 1))
+  broken = replace_tables(
+    program,
+    {
+      ('move_send', (t, 3)): -1,
+      ('move_recv', (t, 0)): -1,
+      ('move_send', (t + 1, 3)): send[t, 3],
+      ('move_recv', (t + 1, 0)): recv[t, 0],
+    },
+    moves_grid(program, load, t + 1),
+  )
   problems = validate(s, broken)
-  assert (f'tick {t + 1} stage 0: B2.0 runs before its input from LOAD2.0 '
-          f'(tick {t + 1})') in problems
+  assert (
+    f'tick {t + 1} stage 0: B2.0 runs before its input from LOAD2.0 (tick {t + 1})'
+  ) in problems
 
 
 def test_validator_replays_evictions():
@@ -375,19 +423,20 @@ def test_validator_replays_evictions():
   t = next(t for t in range(program.ticks) if program.table['move_send'][t, 0] >= 0)
   assert program.grid[t][0] == (F(2, 0), Action('EVICT', 2, 0))
   dropped = replace_tables(program, {('move_recv', (t, 3)): -1})
-  assert (f'tick {t} stage 3: drops set 2.0 from stage 0 (move_recv is -1: no '
-          'consumer slot)') in validate(s, dropped)
+  assert (
+    f'tick {t} stage 3: drops set 2.0 from stage 0 (move_recv is -1: no consumer slot)'
+  ) in validate(s, dropped)
   phantom = replace_tables(program, {('move_send', (t, 1)): 0})
-  assert (f'tick {t} stage 1: grid has no residual move but move_send is 0'
-          in validate(s, phantom))
+  assert f'tick {t} stage 1: grid has no residual move but move_send is 0' in validate(s, phantom)
   # Landing on a live set: EVICT5.0 (tick 12) lands on stage 3 at tick 13,
   # while set 3.3 (F at 12, W at 14) is held there.
   assert tick_of(program, Action('EVICT', 5, 0)) == tick_of(program, F(3, 3)) == 12
   live = program.table['stash'][12, 3]
   clobber = replace_tables(program, {('move_recv', (12, 3)): live})
   assert validate(s, clobber)[0] == (
-      f'tick 13 stage 3: landing set 5.0: stash slot {live} still holds set 3.3 '
-      '(overwritten by set 5.0)')
+    f'tick 13 stage 3: landing set 5.0: stash slot {live} still holds set 3.3 '
+    '(overwritten by set 5.0)'
+  )
 
 
 def tick_of(program, action):
@@ -399,8 +448,10 @@ def test_validator_holds_programs_to_the_stash_cap():
   program = sched.lower(s)
   tight = dataclasses.replace(s, stash_cap=2)
   problems = validate(tight, program)
-  assert "stash pools need 3 slots (per stage (3, 3, 2, 2)), more than the schedule's " \
-         'cap of 2' in problems
+  assert (
+    "stash pools need 3 slots (per stage (3, 3, 2, 2)), more than the schedule's "
+    'cap of 2' in problems
+  )
   # 1F1B's program, which keeps every set at home, does not fit a cap of 3.
   one = dataclasses.replace(sched.build('1f1b', 4, 8), stash_cap=3)
   assert any('stash pools need 4 slots' in x for x in validate(one, sched.lower(one)))
@@ -412,8 +463,10 @@ def test_lowering_waits_for_an_evicted_set_to_come_back():
   # run at tick 2 (the set is away for a tick at least) and nothing else
   # can run then either; at tick 3 it can: EVICT at 1, LOAD at 2.
   one = sched.build('1f1b', 2, 2)
-  orders = (one.orders[0][:2] + (Action('LOAD', 0, 1),) + one.orders[0][2:],
-            (F(0, 1), Action('EVICT', 0, 1), B(0, 1), F(1, 1), B(1, 1)))
+  orders = (
+    one.orders[0][:2] + (Action('LOAD', 0, 1),) + one.orders[0][2:],
+    (F(0, 1), Action('EVICT', 0, 1), B(0, 1), F(1, 1), B(1, 1)),
+  )
   s = dataclasses.replace(one, orders=orders, partner=(1, 0))
   assert validate(s) == []
   program = sched.lower(s)
@@ -432,11 +485,9 @@ def test_bpipe_costs_only_transfer_time(p, m):
   one = sched.build('1f1b', p, m)
   costs = Costs(1, 2)
   # Free copies: exactly 1F1B in both models.
-  assert simulate_async(s, costs).total_time == (
-      simulate_async(one, costs).total_time)
+  assert simulate_async(s, costs).total_time == (simulate_async(one, costs).total_time)
   lock = simulate_lockstep(program, costs)
-  assert lock.total_time == simulate_lockstep(sched.lower(one),
-                                              costs).total_time
+  assert lock.total_time == simulate_lockstep(sched.lower(one), costs).total_time
   assert lock.peak_inflight == program.peak_stash
   # Lockstep: the executor's residual ppermute runs in every tick once the
   # program moves any set, so every tick grows by t_evict (no neighbour
@@ -458,11 +509,12 @@ def test_async_copies_run_on_the_copy_stream():
   # Issued after the light stage's own B of the micro-batch.
   assert load.stage == 3 and load.start >= spans['B2.3'].end
   # The light stage keeps computing while its copy stream loads.
-  assert any(x.stage == 3 and x.action.kind in 'FBW' and
-             x.start < load.end and x.end > load.start for x in result.timeline)
+  assert any(
+    x.stage == 3 and x.action.kind in 'FBW' and x.start < load.end and x.end > load.start
+    for x in result.timeline
+  )
   assert spans['B2.0'].start >= load.end
-  assert result.busy == simulate_async(sched.build('1f1b', 4, 8),
-                                       Costs(1, 2)).busy
+  assert result.busy == simulate_async(sched.build('1f1b', 4, 8), Costs(1, 2)).busy
 
 
 def test_costs_time_copies():
@@ -492,28 +544,30 @@ def test_gantt_and_trace_show_new_kinds(tmp_path):
   for name in ('bpipe', 'zb_h1'):
     s = sched.build(name, 4, 8)
     path = tmp_path / f'{name}.png'
-    render.gantt_png(s, sched.lower(s), Costs(1, 1, 1, t_evict=0.25),
-                     str(path))
+    render.gantt_png(s, sched.lower(s), Costs(1, 1, 1, t_evict=0.25), str(path))
     assert path.read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
-  trace = render.chrome_trace(simulate_async(
-      sched.build('bpipe', 4, 8), Costs(t_evict=0.5)), time_scale=1.0)
-  names = {e['args']['name'] for e in trace['traceEvents']
-           if e['name'] == 'thread_name'}
+  trace = render.chrome_trace(
+    simulate_async(sched.build('bpipe', 4, 8), Costs(t_evict=0.5)), time_scale=1.0
+  )
+  names = {e['args']['name'] for e in trace['traceEvents'] if e['name'] == 'thread_name'}
   assert 'stage 0 copy' in names
   copies = [e for e in trace['traceEvents'] if e.get('cat') == 'EVICT']
-  assert copies and all(e['tid'] == 4 for e in copies)   # stage 0's copy thread
+  assert copies and all(e['tid'] == 4 for e in copies)  # stage 0's copy thread
 
 
 def run_cli(*args):
-  env = dict(os.environ, PYTHONPATH=SRC + os.pathsep +
-             os.environ.get('PYTHONPATH', ''))
-  return subprocess.run([sys.executable, '-m', 'triax.schedule', *args],
-                        env=env, capture_output=True, text=True, timeout=60)
+  env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get('PYTHONPATH', ''))
+  return subprocess.run(
+    [sys.executable, '-m', 'triax.schedule', *args],
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=60,
+  )
 
 
 def test_cli_bpipe_json():
-  out = run_cli('--schedule=bpipe', '--stages=4', '--microbatches=16',
-                '--json')
+  out = run_cli('--schedule=bpipe', '--stages=4', '--microbatches=16', '--json')
   assert out.returncode == 0, out.stderr
   report = json.loads(out.stdout)
   assert report['valid'] is True
@@ -522,13 +576,15 @@ def test_cli_bpipe_json():
   assert report['peak_inflight'] == report['peaks']['stash'] == [3, 3, 2, 2]
   assert report['residual_sets_moved'] == 10
   assert report['transfers_per_step'] == {
-      'evictions': [5, 0, 0, 0], 'loads': [0, 0, 0, 5], 'total': 10}
+    'evictions': [5, 0, 0, 0],
+    'loads': [0, 0, 0, 5],
+    'total': 10,
+  }
   assert report['partner'] == [3, 2, 1, 0]
 
 
 def test_cli_zb_h1_json():
-  out = run_cli('--schedule=zb_h1', '--stages=4', '--microbatches=8',
-                '--json')
+  out = run_cli('--schedule=zb_h1', '--stages=4', '--microbatches=8', '--json')
   assert out.returncode == 0, out.stderr
   report = json.loads(out.stdout)
   assert report['valid'] is True and report['split_backward'] is True

@@ -113,12 +113,13 @@ def megatron_orders(p, m, v):
     order = fwd[:warmup]
     for i in range(m * v - warmup):
       order += [fwd[warmup + i], bwd[i]]
-    orders.append(tuple(order + bwd[m * v - warmup:]))
+    orders.append(tuple(order + bwd[m * v - warmup :]))
   return tuple(orders)
 
 
-@pytest.mark.parametrize('p, m, v', [(p, k * p, v) for p in (2, 3, 4, 8) for k in (1, 2, 3, 4)
-                                     for v in (2, 3, 4)])
+@pytest.mark.parametrize(
+  'p, m, v', [(p, k * p, v) for p in (2, 3, 4, 8) for k in (1, 2, 3, 4) for v in (2, 3, 4)]
+)
 def test_interleaved_keeps_megatron_order_when_p_divides_m(p, m, v):
   assert sched.build('interleaved_1f1b', p, m, v).orders == megatron_orders(p, m, v)
 
@@ -126,22 +127,42 @@ def test_interleaved_keeps_megatron_order_when_p_divides_m(p, m, v):
 def test_interleaved_small_megatron_case():
   s = sched.build('interleaved_1f1b', 2, 2, 2)
   # Stage 0 warms up with 2(p-1) + (v-1)p = 4 forwards: all of them.
-  assert s.orders[0] == (F(0, 0), F(1, 0), F(0, 2), F(1, 2),
-                         B(0, 2), B(1, 2), B(0, 0), B(1, 0))
-  assert s.orders[1] == (F(0, 1), F(1, 1), F(0, 3), B(0, 3), F(1, 3), B(1, 3),
-                         B(0, 1), B(1, 1))
+  assert s.orders[0] == (F(0, 0), F(1, 0), F(0, 2), F(1, 2), B(0, 2), B(1, 2), B(0, 0), B(1, 0))
+  assert s.orders[1] == (F(0, 1), F(1, 1), F(0, 3), B(0, 3), F(1, 3), B(1, 3), B(0, 1), B(1, 1))
 
 
 def test_interleaved_rounds_when_p_does_not_divide_m():
   # p=2, m=3: one round of r=3 micro-batches per chunk; stage 0 warms up
   # with (v-1)r + 2(p-1) = 5 forwards, stage 1 with 3 (torch's orders).
   s = sched.build('interleaved_1f1b', 2, 3, 2)
-  assert s.orders[0] == (F(0, 0), F(1, 0), F(2, 0), F(0, 2), F(1, 2),
-                         F(2, 2), B(0, 2),
-                         B(1, 2), B(2, 2), B(0, 0), B(1, 0), B(2, 0))
-  assert s.orders[1] == (F(0, 1), F(1, 1), F(2, 1),
-                         F(0, 3), B(0, 3), F(1, 3), B(1, 3), F(2, 3), B(2, 3),
-                         B(0, 1), B(1, 1), B(2, 1))
+  assert s.orders[0] == (
+    F(0, 0),
+    F(1, 0),
+    F(2, 0),
+    F(0, 2),
+    F(1, 2),
+    F(2, 2),
+    B(0, 2),
+    B(1, 2),
+    B(2, 2),
+    B(0, 0),
+    B(1, 0),
+    B(2, 0),
+  )
+  assert s.orders[1] == (
+    F(0, 1),
+    F(1, 1),
+    F(2, 1),
+    F(0, 3),
+    B(0, 3),
+    F(1, 3),
+    B(1, 3),
+    F(2, 3),
+    B(2, 3),
+    B(0, 1),
+    B(1, 1),
+    B(2, 1),
+  )
 
 
 @pytest.mark.parametrize('name', ['interleaved_1f1b', 'interleaved_zb'])
@@ -175,16 +196,41 @@ def test_interleaved_zb_small_case():
   s = sched.build('interleaved_zb', 2, 2, 2)
   # Warm-up (v-1)r + (p-d-1): 3 on stage 0, 2 on stage 1; W trails its B by
   # d backwards.
-  assert s.orders[0] == (F(0, 0), F(1, 0), F(0, 2),
-                         F(1, 2), B(0, 2), W(0, 2),
-                         B(1, 2), W(1, 2), B(0, 0), W(0, 0), B(1, 0), W(1, 0))
-  assert s.orders[1] == (F(0, 1), F(1, 1),
-                         F(0, 3), B(0, 3), F(1, 3), B(1, 3), W(0, 3),
-                         B(0, 1), W(1, 3), B(1, 1), W(0, 1), W(1, 1))
+  assert s.orders[0] == (
+    F(0, 0),
+    F(1, 0),
+    F(0, 2),
+    F(1, 2),
+    B(0, 2),
+    W(0, 2),
+    B(1, 2),
+    W(1, 2),
+    B(0, 0),
+    W(0, 0),
+    B(1, 0),
+    W(1, 0),
+  )
+  assert s.orders[1] == (
+    F(0, 1),
+    F(1, 1),
+    F(0, 3),
+    B(0, 3),
+    F(1, 3),
+    B(1, 3),
+    W(0, 3),
+    B(0, 1),
+    W(1, 3),
+    B(1, 1),
+    W(0, 1),
+    W(1, 1),
+  )
 
 
-@pytest.mark.parametrize('p, m, v', [(p, m, v) for p in (2, 4, 8) for m in (p, 2 * p, 4 * p)
-                                     for v in (2, 4)] + [(4, m, 2) for m in (3, 5, 6, 7, 10)])
+@pytest.mark.parametrize(
+  'p, m, v',
+  [(p, m, v) for p in (2, 4, 8) for m in (p, 2 * p, 4 * p) for v in (2, 4)]
+  + [(4, m, 2) for m in (3, 5, 6, 7, 10)],
+)
 def test_interleaved_zb_bubble_is_below_interleaved_1f1b(p, m, v):
   # Same 3mv unit actions per stage in both lockstep programs, so fewer
   # ticks is a smaller bubble.
@@ -213,17 +259,51 @@ def test_zb_v_needs_two_chunks_per_stage(v):
 def test_zb_v_small_case():
   # p=2, m=3 = 2p-1, the fewest micro-batches that fill the V (torch's orders).
   s = sched.build('zb_v', 2, 3, 2)
-  assert s.orders[0] == (F(0, 0), F(1, 0), F(2, 0),
-                         F(0, 3), B(0, 3), W(0, 3), F(1, 3), B(1, 3), W(1, 3),
-                         B(0, 0), W(0, 0), F(2, 3), B(2, 3), W(2, 3),
-                         B(1, 0), W(1, 0), B(2, 0), W(2, 0))
-  assert s.orders[1] == (F(0, 1), F(0, 2), F(1, 1), F(1, 2), B(0, 2), W(0, 2),
-                         F(2, 1), B(0, 1), W(0, 1), F(2, 2), B(1, 2), W(1, 2),
-                         B(1, 1), B(2, 2), B(2, 1), W(1, 1), W(2, 2), W(2, 1))
+  assert s.orders[0] == (
+    F(0, 0),
+    F(1, 0),
+    F(2, 0),
+    F(0, 3),
+    B(0, 3),
+    W(0, 3),
+    F(1, 3),
+    B(1, 3),
+    W(1, 3),
+    B(0, 0),
+    W(0, 0),
+    F(2, 3),
+    B(2, 3),
+    W(2, 3),
+    B(1, 0),
+    W(1, 0),
+    B(2, 0),
+    W(2, 0),
+  )
+  assert s.orders[1] == (
+    F(0, 1),
+    F(0, 2),
+    F(1, 1),
+    F(1, 2),
+    B(0, 2),
+    W(0, 2),
+    F(2, 1),
+    B(0, 1),
+    W(0, 1),
+    F(2, 2),
+    B(1, 2),
+    W(1, 2),
+    B(1, 1),
+    B(2, 2),
+    B(2, 1),
+    W(1, 1),
+    W(2, 2),
+    W(2, 1),
+  )
 
 
-@pytest.mark.parametrize('p, m', [(p, m) for p in (1, 2, 4, 8) for m in (1, 2, p, 2 * p - 1, 2 * p,
-                                                                         4 * p, 4 * p + 1)])
+@pytest.mark.parametrize(
+  'p, m', [(p, m) for p in (1, 2, 4, 8) for m in (1, 2, p, 2 * p - 1, 2 * p, 4 * p, 4 * p + 1)]
+)
 def test_zb_v_memory_is_p_micro_batches(p, m):
   # The paper (table 4) and torch: ZB-V holds p micro-batches of a whole
   # stage's activations, 1F1B's largest stage; a chunk's set is half of
@@ -254,4 +334,3 @@ def test_registry_names_the_new_builders():
     assert sched.build(name, 2, 4, 2).name == name
   assert sched.SCHEDULES['zb_v'] is sched.zb_v
   assert sched.SCHEDULES['interleaved_zb'] is sched.interleaved_zb
-

@@ -11,9 +11,9 @@ import csv
 import json
 import os
 
+import harness
 import pytest
 
-import harness
 from triax import config
 from triax.errors import ConfigError
 from triax.pipeline import files
@@ -36,8 +36,7 @@ def built_schedules(p=4, m=8):
 
 
 BUILT = built_schedules()
-MOVES_RESIDUALS = {name for name, v in BUILT
-                   if sched.build(name, 4, 8, v).partner is not None}
+MOVES_RESIDUALS = {name for name, v in BUILT if sched.build(name, 4, 8, v).partner is not None}
 
 
 def compute_orders(schedule):
@@ -79,7 +78,7 @@ def test_json_round_trip_is_exact(name, v, tmp_path):
   built = sched.build(name, 4, 8, v)
   path = str(tmp_path / f'{name}.json')
   files.write_json(built, path)
-  assert files.load(path, 4, 8, v) == built   # orders, placement, partner, stash_cap, name
+  assert files.load(path, 4, 8, v) == built  # orders, placement, partner, stash_cap, name
   with open(path) as f:
     doc = json.load(f)
   assert doc['orders'][0][0] == 'F0.0' and doc['placement'] == list(built.placement)
@@ -93,7 +92,8 @@ def test_json_keeps_bpipe_copies_and_partner(tmp_path):
   assert loaded.partner == (3, 2, 1, 0) and loaded.stash_cap == built.stash_cap
   assert loaded.evicted == built.evicted and loaded.evicted
   assert sched.transfers_per_step(sched.lower(loaded)) == sched.transfers_per_step(
-      sched.lower(built))
+    sched.lower(built)
+  )
 
 
 def test_csv_is_torchs_format(tmp_path):
@@ -105,7 +105,7 @@ def test_csv_is_torchs_format(tmp_path):
     assert f.read() == b'0F0,0F1,,0B0,,0B1\r\n,1F0,1B0,1F1,1B1\r\n'
   zb = sched.build('zb_h1', 2, 2)
   files.write_csv(zb, path)
-  letter = {'F': 'F', 'B': 'I', 'W': 'W'}   # a split backward's B is torch's I
+  letter = {'F': 'F', 'B': 'I', 'W': 'W'}  # a split backward's B is torch's I
   last = ','.join(f'1{letter[a.kind]}{a.microbatch}' for a in zb.orders[1])
   with open(path, 'rb') as f:
     assert f.read().split(b'\r\n')[1] == f',{last}'.encode()
@@ -123,13 +123,13 @@ def test_csv_sizes_come_from_the_file_when_not_given(tmp_path):
 
 # file stem -> (p, m, v, our builder for the same schedule or None).
 FIXTURES = {
-    'torch_gpipe_p4_m8': (4, 8, 1, 'gpipe'),
-    # Built by another engineer's builders, still in flux: only checked to load
-    # and lower here (when written, they matched torch's orders exactly).
-    'torch_interleaved_1f1b_p4_v2_m8': (4, 8, 2, None),
-    'torch_interleaved_1f1b_p4_v2_m6': (4, 6, 2, None),   # m not a multiple of p
-    'torch_interleaved_zb_p4_v2_m8': (4, 8, 2, None),
-    'torch_zbv_p4_v2_m8': (4, 8, 2, None),
+  'torch_gpipe_p4_m8': (4, 8, 1, 'gpipe'),
+  # Built by another engineer's builders, still in flux: only checked to load
+  # and lower here (when written, they matched torch's orders exactly).
+  'torch_interleaved_1f1b_p4_v2_m8': (4, 8, 2, None),
+  'torch_interleaved_1f1b_p4_v2_m6': (4, 6, 2, None),  # m not a multiple of p
+  'torch_interleaved_zb_p4_v2_m8': (4, 8, 2, None),
+  'torch_zbv_p4_v2_m8': (4, 8, 2, None),
 }
 
 
@@ -169,10 +169,17 @@ def test_torch_1f1b_fixture_is_wrong_on_its_last_rank():
 
 # ---------------------------------------------------------------- bad files
 
-GOOD = '0F0,0F1,0B0,0B1\r\n1F0,1F1,1B0,1B1\r\n'   # 1f1b-ish, p=2, m=2, v=1
-GOOD_JSON = {'name': 'x', 'stages': 2, 'microbatches': 1, 'virtual_stages': 1,
-             'placement': [0, 1], 'partner': None, 'stash_cap': None,
-             'orders': [['F0.0', 'B0.0'], ['F0.1', 'B0.1']]}
+GOOD = '0F0,0F1,0B0,0B1\r\n1F0,1F1,1B0,1B1\r\n'  # 1f1b-ish, p=2, m=2, v=1
+GOOD_JSON = {
+  'name': 'x',
+  'stages': 2,
+  'microbatches': 1,
+  'virtual_stages': 1,
+  'placement': [0, 1],
+  'partner': None,
+  'stash_cap': None,
+  'orders': [['F0.0', 'B0.0'], ['F0.1', 'B0.1']],
+}
 
 
 def doc(**changes):
@@ -180,58 +187,116 @@ def doc(**changes):
 
 
 BAD = [
-    # id, file name, contents, sizes (p, m, v), what the message must say
-    ('bad-token', 'x.csv', '0F0,F1\r\n', None, 'row 0, cell 1: bad cell'),
-    ('unknown-kind', 'x.csv', GOOD.replace('1B1', '1X1'), None,
-     "row 1, cell 3: 1X1: unknown kind 'X'"),
-    ('no-microbatch', 'x.csv', GOOD.replace('1B1', '1B'), None,
-     'row 1, cell 3: 1B names no micro-batch'),
-    ('comms-cell', 'x.csv', GOOD.replace('1B1', '1SEND_B1'), None,
-     'row 1, cell 3: 1SEND_B1 is a communication'),
-    ('overlap-cell', 'x.csv', GOOD.replace('1B1', '(1F1;1B0)OVERLAP_F_B'), None,
-     'row 1, cell 3: (1F1;1B0)OVERLAP_F_B overlaps'),
-    ('chunk-on-two-rows', 'x.csv', GOOD.replace('1F1', '0F1'), None,
-     'row 1, cell 1: 0F1: torch stage 0 is already on row 0'),
-    ('duplicate', 'x.csv', GOOD.replace('0B1', '0B0'), None, 'row 0, cell 3: 0B0 appears twice'),
-    ('missing-forward', 'x.csv', GOOD.replace('1F1,', ''), None,
-     'row 1, cell 2: 1B1 has no 1F1'),
-    ('missing-backward', 'x.csv', GOOD.replace(',1B1', ''), None,
-     'row 1, cell 1: 1F1 has no 1B1'),
-    ('missing-weight', 'x.csv', '0F0,0I0,0W0\r\n1F0,1I0\r\n', None,
-     'row 1, cell 1: 1I0 has no 1W0'),
-    ('b-mixed-with-i', 'x.csv', GOOD.replace('1B0', '1I0'), None,
-     'row 1, cell 2: 1I0 mixes'),
-    ('uneven-rows', 'x.csv', '0F0,0B0,2F0,2B0\r\n1F0,1B0\r\n', None,
-     'row 1: runs torch stages [1]'),
-    ('gap-in-chunks', 'x.csv', '0F0,0B0\r\n2F0,2B0\r\n', None,
-     'row 1, cell 0: torch stage 2 is here'),
-    ('deadlock', 'x.csv', '0F0,0F1,0B1,0B0\r\n1B0,1F0,1F1,1B1\r\n', None,
-     'row 0, cell 2: 0B1 and the other stages\' next actions wait on each other'),
-    ('stages-differ', 'x.csv', GOOD, (4, 2, 1), '2 rows (pipeline stages), but mesh.pipe is 4'),
-    ('microbatches-too-many', 'x.csv', GOOD, (2, 1, 1),
-     'row 0, cell 1: 0F1 is micro-batch 1, but pipeline.microbatches is 1'),
-    ('microbatches-too-few', 'x.csv', GOOD, (2, 3, 1), 'but pipeline.microbatches is 3'),
-    ('virtual-stages-differ', 'x.csv', GOOD, (2, 2, 2), 'but pipeline.virtual_stages is 2'),
-    ('empty', 'x.csv', '', None, 'no actions'),
-    ('not-utf8', 'x.csv', b'\xff\xfe0F0', None, 'cannot read it'),
-    ('unknown-extension', 'x.txt', GOOD, None, 'unknown file type .txt'),
-    ('json-syntax', 'x.json', '{"stages": 2,', None, 'not JSON (line 1'),
-    ('json-unknown-key', 'x.json', doc(stage=2), None, "unknown key 'stage'"),
-    ('json-bad-action', 'x.json', doc(orders=[['F0.0', 'B0'], ['F0.1', 'B0.1']]), None,
-     "row 0, cell 1: bad action 'B0'"),
-    ('json-wrong-row', 'x.json', doc(orders=[['F0.0', 'B0.0', 'F0.1'], ['B0.1']]), None,
-     'row 0, cell 2: F0.1 runs on stage 1'),
-    ('json-outside-sizes', 'x.json', doc(orders=[['F0.0', 'B0.0', 'F1.0'], ['F0.1', 'B0.1']]),
-     None, 'row 0, cell 2: F1.0 is outside micro-batches 0..0'),
-    ('json-evict-without-load', 'x.json', doc(partner=[1, 0], orders=[
-        ['F0.0', 'EVICT0.0', 'B0.0'], ['F0.1', 'B0.1']]), None,
-     'row 0, cell 1: EVICT0.0 has no LOAD0.0'),
-    ('json-copy-without-partner', 'x.json', doc(orders=[['F0.0', 'EVICT0.0', 'B0.0'],
-                                                        ['F0.1', 'B0.1', 'LOAD0.0']]),
-     None, 'row 0, cell 1: EVICT0.0 moves residuals but the file gives no partner'),
-    ('json-partner-not-paired', 'x.json', doc(partner=[1, 1]), None, 'must pair stages up'),
-    ('json-rows-differ', 'x.json', doc(orders=[['F0.0', 'B0.0']]), None, 'orders must be 2 lists'),
-    ('json-stages-differ', 'x.json', json.dumps(GOOD_JSON), (4, 1, 1), 'but mesh.pipe is 4'),
+  # id, file name, contents, sizes (p, m, v), what the message must say
+  ('bad-token', 'x.csv', '0F0,F1\r\n', None, 'row 0, cell 1: bad cell'),
+  (
+    'unknown-kind',
+    'x.csv',
+    GOOD.replace('1B1', '1X1'),
+    None,
+    "row 1, cell 3: 1X1: unknown kind 'X'",
+  ),
+  (
+    'no-microbatch',
+    'x.csv',
+    GOOD.replace('1B1', '1B'),
+    None,
+    'row 1, cell 3: 1B names no micro-batch',
+  ),
+  (
+    'comms-cell',
+    'x.csv',
+    GOOD.replace('1B1', '1SEND_B1'),
+    None,
+    'row 1, cell 3: 1SEND_B1 is a communication',
+  ),
+  (
+    'overlap-cell',
+    'x.csv',
+    GOOD.replace('1B1', '(1F1;1B0)OVERLAP_F_B'),
+    None,
+    'row 1, cell 3: (1F1;1B0)OVERLAP_F_B overlaps',
+  ),
+  (
+    'chunk-on-two-rows',
+    'x.csv',
+    GOOD.replace('1F1', '0F1'),
+    None,
+    'row 1, cell 1: 0F1: torch stage 0 is already on row 0',
+  ),
+  ('duplicate', 'x.csv', GOOD.replace('0B1', '0B0'), None, 'row 0, cell 3: 0B0 appears twice'),
+  ('missing-forward', 'x.csv', GOOD.replace('1F1,', ''), None, 'row 1, cell 2: 1B1 has no 1F1'),
+  ('missing-backward', 'x.csv', GOOD.replace(',1B1', ''), None, 'row 1, cell 1: 1F1 has no 1B1'),
+  ('missing-weight', 'x.csv', '0F0,0I0,0W0\r\n1F0,1I0\r\n', None, 'row 1, cell 1: 1I0 has no 1W0'),
+  ('b-mixed-with-i', 'x.csv', GOOD.replace('1B0', '1I0'), None, 'row 1, cell 2: 1I0 mixes'),
+  ('uneven-rows', 'x.csv', '0F0,0B0,2F0,2B0\r\n1F0,1B0\r\n', None, 'row 1: runs torch stages [1]'),
+  (
+    'gap-in-chunks',
+    'x.csv',
+    '0F0,0B0\r\n2F0,2B0\r\n',
+    None,
+    'row 1, cell 0: torch stage 2 is here',
+  ),
+  (
+    'deadlock',
+    'x.csv',
+    '0F0,0F1,0B1,0B0\r\n1B0,1F0,1F1,1B1\r\n',
+    None,
+    "row 0, cell 2: 0B1 and the other stages' next actions wait on each other",
+  ),
+  ('stages-differ', 'x.csv', GOOD, (4, 2, 1), '2 rows (pipeline stages), but mesh.pipe is 4'),
+  (
+    'microbatches-too-many',
+    'x.csv',
+    GOOD,
+    (2, 1, 1),
+    'row 0, cell 1: 0F1 is micro-batch 1, but pipeline.microbatches is 1',
+  ),
+  ('microbatches-too-few', 'x.csv', GOOD, (2, 3, 1), 'but pipeline.microbatches is 3'),
+  ('virtual-stages-differ', 'x.csv', GOOD, (2, 2, 2), 'but pipeline.virtual_stages is 2'),
+  ('empty', 'x.csv', '', None, 'no actions'),
+  ('not-utf8', 'x.csv', b'\xff\xfe0F0', None, 'cannot read it'),
+  ('unknown-extension', 'x.txt', GOOD, None, 'unknown file type .txt'),
+  ('json-syntax', 'x.json', '{"stages": 2,', None, 'not JSON (line 1'),
+  ('json-unknown-key', 'x.json', doc(stage=2), None, "unknown key 'stage'"),
+  (
+    'json-bad-action',
+    'x.json',
+    doc(orders=[['F0.0', 'B0'], ['F0.1', 'B0.1']]),
+    None,
+    "row 0, cell 1: bad action 'B0'",
+  ),
+  (
+    'json-wrong-row',
+    'x.json',
+    doc(orders=[['F0.0', 'B0.0', 'F0.1'], ['B0.1']]),
+    None,
+    'row 0, cell 2: F0.1 runs on stage 1',
+  ),
+  (
+    'json-outside-sizes',
+    'x.json',
+    doc(orders=[['F0.0', 'B0.0', 'F1.0'], ['F0.1', 'B0.1']]),
+    None,
+    'row 0, cell 2: F1.0 is outside micro-batches 0..0',
+  ),
+  (
+    'json-evict-without-load',
+    'x.json',
+    doc(partner=[1, 0], orders=[['F0.0', 'EVICT0.0', 'B0.0'], ['F0.1', 'B0.1']]),
+    None,
+    'row 0, cell 1: EVICT0.0 has no LOAD0.0',
+  ),
+  (
+    'json-copy-without-partner',
+    'x.json',
+    doc(orders=[['F0.0', 'EVICT0.0', 'B0.0'], ['F0.1', 'B0.1', 'LOAD0.0']]),
+    None,
+    'row 0, cell 1: EVICT0.0 moves residuals but the file gives no partner',
+  ),
+  ('json-partner-not-paired', 'x.json', doc(partner=[1, 1]), None, 'must pair stages up'),
+  ('json-rows-differ', 'x.json', doc(orders=[['F0.0', 'B0.0']]), None, 'orders must be 2 lists'),
+  ('json-stages-differ', 'x.json', json.dumps(GOOD_JSON), (4, 1, 1), 'but mesh.pipe is 4'),
 ]
 
 
@@ -289,9 +354,13 @@ def test_config_validates_the_schedule_file(tmp_path):
 
 def test_schedule_cli_reads_a_file_and_writes_csv(tmp_path):
   out_csv = str(tmp_path / 'out.csv')
-  result = harness.run_cli('triax.schedule',
-                           f'--schedule_file={DATA}/torch_interleaved_zb_p4_v2_m8.csv',
-                           f'--write_csv={out_csv}', '--json', timeout=120)
+  result = harness.run_cli(
+    'triax.schedule',
+    f'--schedule_file={DATA}/torch_interleaved_zb_p4_v2_m8.csv',
+    f'--write_csv={out_csv}',
+    '--json',
+    timeout=120,
+  )
   assert result.returncode == 0, result.stderr
   report = json.loads(result.stdout)
   assert (report['stages'], report['microbatches'], report['virtual_stages']) == (4, 8, 2)
@@ -310,9 +379,9 @@ def test_schedule_cli_bad_file_exits_2_with_one_line(tmp_path):
   path = str(tmp_path / 'bad.csv')
   with open(path, 'w') as f:
     f.write(GOOD.replace('1B1', '1X1'))
-  result = harness.run_cli('triax.schedule', f'--schedule_file={path}', '--stages=2',
-                           timeout=120)
+  result = harness.run_cli('triax.schedule', f'--schedule_file={path}', '--stages=2', timeout=120)
   assert result.returncode == 2 and result.stdout == ''
   assert result.stderr.strip().splitlines() == [
-      f"error: --schedule_file: {path}: row 1, cell 3: 1X1: unknown kind 'X'; want F "
-      '(forward), B (full backward), I (input-gradient backward) or W (weight gradient)']
+    f"error: --schedule_file: {path}: row 1, cell 3: 1X1: unknown kind 'X'; want F "
+    '(forward), B (full backward), I (input-gradient backward) or W (weight gradient)'
+  ]

@@ -1,23 +1,22 @@
 """Parameter shardings follow the logical-axis rules (Megatron tensor parallelism)."""
 
+import harness
 import jax
 from jax.sharding import PartitionSpec as P
 
-import harness
-
 # Pipeline layout: [stage, virtual, layers, ...] with stage -> pipe.
 EXPECTED = {
-    ('layers', 'wq'): P('pipe', None, None, None, 'tensor', None),     # column-parallel
-    ('layers', 'wk'): P('pipe', None, None, None, 'tensor', None),
-    ('layers', 'wv'): P('pipe', None, None, None, 'tensor', None),
-    ('layers', 'wo'): P('pipe', None, None, 'tensor', None, None),     # row-parallel
-    ('layers', 'w1'): P('pipe', None, None, None, 'tensor'),           # column-parallel
-    ('layers', 'w2'): P('pipe', None, None, 'tensor', None),           # row-parallel
-    ('layers', 'attn_norm'): P('pipe', None, None, None),
-    ('embed', 'tokens'): P('tensor', None),                            # vocabulary-parallel
-    ('embed', 'positions'): P(None, None),
-    ('head', 'out'): P(None, 'tensor'),                                # vocabulary-parallel
-    ('head', 'norm'): P(None),
+  ('layers', 'wq'): P('pipe', None, None, None, 'tensor', None),  # column-parallel
+  ('layers', 'wk'): P('pipe', None, None, None, 'tensor', None),
+  ('layers', 'wv'): P('pipe', None, None, None, 'tensor', None),
+  ('layers', 'wo'): P('pipe', None, None, 'tensor', None, None),  # row-parallel
+  ('layers', 'w1'): P('pipe', None, None, None, 'tensor'),  # column-parallel
+  ('layers', 'w2'): P('pipe', None, None, 'tensor', None),  # row-parallel
+  ('layers', 'attn_norm'): P('pipe', None, None, None),
+  ('embed', 'tokens'): P('tensor', None),  # vocabulary-parallel
+  ('embed', 'positions'): P(None, None),
+  ('head', 'out'): P(None, 'tensor'),  # vocabulary-parallel
+  ('head', 'norm'): P(None),
 }
 
 
@@ -29,8 +28,9 @@ def _strip(spec):
 
 
 def test_parameter_and_batch_shardings_follow_the_rules():
-  cfg = harness.tiny_config(**{'mesh.data': 2, 'mesh.tensor': 2, 'mesh.pipe': 2,
-                               'pipeline.microbatches': 2})
+  cfg = harness.tiny_config(
+    **{'mesh.data': 2, 'mesh.tensor': 2, 'mesh.pipe': 2, 'pipeline.microbatches': 2}
+  )
   trainer = harness.make_trainer(cfg)
   with jax.set_mesh(trainer.mesh):
     state = trainer.init_state(jax.random.key(0))

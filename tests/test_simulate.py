@@ -12,12 +12,10 @@ from triax.errors import ConfigError
 from triax.pipeline import render
 from triax.pipeline import schedule as sched
 from triax.pipeline.schedule import Action, Schedule
-from triax.pipeline.simulate import Costs, per_stage, simulate_async
-from triax.pipeline.simulate import simulate_lockstep, ticks
+from triax.pipeline.simulate import Costs, per_stage, simulate_async, simulate_lockstep, ticks
 from triax.pipeline.validate import validate
 
-GRID = [(p, m, v) for p in (2, 4, 8) for m in (p, 2 * p, 4 * p)
-        for v in (1, 2, 4)]
+GRID = [(p, m, v) for p in (2, 4, 8) for m in (p, 2 * p, 4 * p) for v in (1, 2, 4)]
 
 
 def bubble(p, m, v=1):
@@ -41,11 +39,11 @@ def test_async_bubbles_with_unit_costs(p, m, v):
   assert math.isclose(result.bubble_fraction, bubble(p, m, v))
 
 
-@pytest.mark.parametrize('p, m', [(p, m) for p, m, v in GRID if v == 1] +
-                         [(4, 2), (4, 3)])
+@pytest.mark.parametrize('p, m', [(p, m) for p, m, v in GRID if v == 1] + [(4, 2), (4, 3)])
 def test_async_peak_inflight(p, m):
   assert simulate_async(sched.build('1f1b', p, m)).peak_inflight == tuple(
-      min(p - s, m) for s in range(p))
+    min(p - s, m) for s in range(p)
+  )
   assert simulate_async(sched.build('gpipe', p, m)).peak_inflight == (m,) * p
 
 
@@ -54,10 +52,16 @@ def test_async_timeline_by_hand_with_slow_stage_and_transfers():
   costs = [Costs(1, 1), Costs(2, 2)]
   result = simulate_async(s, costs)
   spans = {(x.stage, str(x.action)): (x.start, x.end) for x in result.timeline}
-  assert spans == {(0, 'F0.0'): (0, 1), (0, 'F1.0'): (1, 2),
-                   (1, 'F0.1'): (1, 3), (1, 'B0.1'): (3, 5),
-                   (1, 'F1.1'): (5, 7), (1, 'B1.1'): (7, 9),
-                   (0, 'B0.0'): (5, 6), (0, 'B1.0'): (9, 10)}
+  assert spans == {
+    (0, 'F0.0'): (0, 1),
+    (0, 'F1.0'): (1, 2),
+    (1, 'F0.1'): (1, 3),
+    (1, 'B0.1'): (3, 5),
+    (1, 'F1.1'): (5, 7),
+    (1, 'B1.1'): (7, 9),
+    (0, 'B0.0'): (5, 6),
+    (0, 'B1.0'): (9, 10),
+  }
   assert result.total_time == 10
   assert result.busy == (4, 8)
   assert math.isclose(result.bubble_fraction, 1 - 12 / 20)
@@ -65,13 +69,18 @@ def test_async_timeline_by_hand_with_slow_stage_and_transfers():
   # A transfer delays each cross-stage input; same-stage inputs are free.
   result = simulate_async(sched.build('1f1b', 2, 1), Costs(t_transfer=0.5))
   assert [(str(x.action), x.start) for x in result.timeline] == [
-      ('F0.0', 0), ('B0.0', 4), ('F0.1', 1.5), ('B0.1', 2.5)]
+    ('F0.0', 0),
+    ('B0.0', 4),
+    ('F0.1', 1.5),
+    ('B0.1', 2.5),
+  ]
   assert result.total_time == 5
 
 
 def test_async_chunk_actions_cost_a_fraction_of_the_stage():
-  result = simulate_async(sched.build('interleaved_1f1b', 2, 2, 2),
-                          Costs(t_forward=1.0, t_backward=3.0))
+  result = simulate_async(
+    sched.build('interleaved_1f1b', 2, 2, 2), Costs(t_forward=1.0, t_backward=3.0)
+  )
   for span in result.timeline:
     want = 0.5 if span.action.kind == 'F' else 1.5
     assert math.isclose(span.end - span.start, want)
@@ -79,8 +88,13 @@ def test_async_chunk_actions_cost_a_fraction_of_the_stage():
 
 
 def test_async_deadlock_raises():
-  s = Schedule('broken', 2, 1, 1, ((Action('B', 0, 0), Action('F', 0, 0)),
-                                   (Action('F', 0, 1), Action('B', 0, 1))))
+  s = Schedule(
+    'broken',
+    2,
+    1,
+    1,
+    ((Action('B', 0, 0), Action('F', 0, 0)), (Action('F', 0, 1), Action('B', 0, 1))),
+  )
   with pytest.raises(RuntimeError, match='stage 0 waits at B0.0'):
     simulate_async(s)
 
@@ -104,7 +118,7 @@ def lockstep_bubble(p, m, v=1):
 
 @pytest.mark.parametrize('p, m, v', GRID)
 def test_lockstep_models(p, m, v):
-  costs = Costs(1, 2)   # every lockstep action then costs one tick of 1 / v
+  costs = Costs(1, 2)  # every lockstep action then costs one tick of 1 / v
   if v == 1:
     program = sched.lower(sched.build('1f1b', p, m))
     result = simulate_lockstep(program, costs)
@@ -157,11 +171,15 @@ def test_fused_backward_costs_in_the_lockstep_program():
   # ... unless it is no share of it: then half.
   assert Costs(1, 2, t_weight=3).lockstep('W', 1, True) == 1
   # A split schedule's B and W cost what they say.
-  assert (Costs(1, 2, t_weight=3).lockstep('B', 1, False),
-          Costs(1, 2, t_weight=3).lockstep('W', 1, False)) == (2, 3)
+  assert (
+    Costs(1, 2, t_weight=3).lockstep('B', 1, False),
+    Costs(1, 2, t_weight=3).lockstep('W', 1, False),
+  ) == (2, 3)
   program = sched.lower(sched.build('1f1b', 2, 2))
-  spans = {str(x.action): x.end - x.start
-           for x in simulate_lockstep(program, Costs(1, 2, t_weight=0.5)).timeline}
+  spans = {
+    str(x.action): x.end - x.start
+    for x in simulate_lockstep(program, Costs(1, 2, t_weight=0.5)).timeline
+  }
   assert (spans['F0.0'], spans['B0.0'], spans['W0.0']) == (1, 1.5, 0.5)
 
 
@@ -172,7 +190,8 @@ def test_lockstep_and_async_agree_on_the_work():
     s = sched.build(name, 4, 8, v)
     costs = Costs(1.0, 2.5, t_weight=0.75)
     assert simulate_lockstep(sched.lower(s), costs).busy == pytest.approx(
-        simulate_async(s, costs).busy)
+      simulate_async(s, costs).busy
+    )
 
 
 def builds():
@@ -204,7 +223,9 @@ def test_lowered_programs_keep_the_papers_memory_and_time(name, p, m, v):
   costs = Costs(1, 1, t_weight=1) if s.split_backward else Costs(1, 2)
   lock, asy = simulate_lockstep(program, costs), simulate_async(s, costs)
   assert all(x <= y for x, y in zip(program.peaks['stash'], asy.peak_inflight)), (
-      program.peaks['stash'], asy.peak_inflight)
+    program.peaks['stash'],
+    asy.peak_inflight,
+  )
   assert lock.peak_inflight == program.peaks['stash']
   assert lock.total_time <= 1.05 * asy.total_time
   if (name, p, m) == ('1f1b', 4, 8):
@@ -241,7 +262,7 @@ def test_lockstep_takes_any_tick_cost_model():
   program = sched.lower(sched.build('1f1b', 2, 2))
   result = simulate_lockstep(program, Stretched())
   both = sum(all(a is not None for a in t.compute) for t in ticks(program))
-  assert both == 4   # ticks 1, 3, 4 and 6
+  assert both == 4  # ticks 1, 3, 4 and 6
   assert math.isclose(result.total_time, program.ticks * 1.1 + 0.5 * both)
   # A stretched tick stretches every stage's action alike.
   spans = {str(x.action): x.end - x.start for x in result.timeline}
@@ -252,9 +273,11 @@ def test_lockstep_takes_any_tick_cost_model():
 def test_ticks_list_what_crosses_stages():
   program = sched.lower(sched.build('1f1b', 2, 2))
   got = [(t.compute, t.messages, t.copies, t.movers) for t in ticks(program)[:3]]
-  assert got == [((Action('F', 0, 0), None), ((0, 1),), (), ()),
-                 ((Action('F', 1, 0), Action('F', 0, 1)), ((0, 1),), (), ()),
-                 ((None, Action('B', 0, 1)), ((1, 0),), (), ())]
+  assert got == [
+    ((Action('F', 0, 0), None), ((0, 1),), (), ()),
+    ((Action('F', 1, 0), Action('F', 0, 1)), ((0, 1),), (), ()),
+    ((None, Action('B', 0, 1)), ((1, 0),), (), ()),
+  ]
   # Under BPipe the executor's residual ppermute runs in every tick.
   bpipe = sched.lower(sched.build('bpipe', 4, 8))
   assert all(t.movers == (0, 1, 2, 3) for t in ticks(bpipe))

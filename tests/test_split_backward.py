@@ -21,13 +21,17 @@ def _flops(fn, *args) -> float:
 
 
 def _chunk_backward(remat, active):
-  spec = ModelSpec(num_layers=2, d_model=32, num_heads=4, d_ff=64, vocab_size=256, seq_len=16,
-                   remat=remat)
+  spec = ModelSpec(
+    num_layers=2, d_model=32, num_heads=4, d_ff=64, vocab_size=256, seq_len=16, remat=remat
+  )
   model = GPT(spec)
   params = model.init(jax.random.key(0))['layers']
   x = jax.random.normal(jax.random.key(1), (2, 16, 32))
-  run = ((lambda p, h: model.layers(p, h)) if active is None else
-         (lambda p, h: model.layers(p, h, jnp.int32(active))))
+  run = (
+    (lambda p, h: model.layers(p, h))
+    if active is None
+    else (lambda p, h: model.layers(p, h, jnp.int32(active)))
+  )
   y, vjp_fn = jax.vjp(run, params, x)
   residuals, treedef = jax.tree.flatten(vjp_fn)
   bwd = lambda res, g: jax.tree.unflatten(treedef, res)(g)

@@ -6,15 +6,15 @@ import json
 import os
 import textwrap
 
+import harness
 import pytest
 
-import harness
 from triax.errors import ConfigError
 from triax.sweeps import results, runner
 
 # Two points that train (one process each, 2 CPU devices, 3 steps) and one whose
 # config the trainer rejects: it must be recorded, not stop the others.
-SWEEP_FILE = textwrap.dedent('''
+SWEEP_FILE = textwrap.dedent("""
     import importlib.util
     spec = importlib.util.spec_from_file_location('gpt_tiny', {gpt_tiny!r})
     gpt_tiny = importlib.util.module_from_spec(spec)
@@ -33,22 +33,30 @@ SWEEP_FILE = textwrap.dedent('''
       add(**{{'train.seed': 0}})
       add(**{{'model.num_heads': 3}})
       add(**{{'train.seed': 1, 'model.remat': 'full'}})
-    ''')
+    """)
 NAMES = ['seed=0', 'num_heads=3', 'seed=1,remat=full']
-README = ('intro\n<!-- results:tiny_sweep:begin -->\nold table\n'
-          '<!-- results:tiny_sweep:end -->\nrest\n')
+README = (
+  'intro\n<!-- results:tiny_sweep:begin -->\nold table\n<!-- results:tiny_sweep:end -->\nrest\n'
+)
 
 
 def _write_sweep(directory, text=None):
   path = directory / 'tiny_sweep.py'
-  path.write_text(text or SWEEP_FILE.format(
-      gpt_tiny=os.path.join(harness.ROOT, 'experiments', 'gpt_tiny.py')))
+  path.write_text(
+    text or SWEEP_FILE.format(gpt_tiny=os.path.join(harness.ROOT, 'experiments', 'gpt_tiny.py'))
+  )
   return path
 
 
 def _sweep(config, workdir, *flags):
-  return harness.run_cli('triax.sweep', f'--config={config}', f'--workdir={workdir}',
-                         '--cpu_devices=2', '--progress=false', *flags)
+  return harness.run_cli(
+    'triax.sweep',
+    f'--config={config}',
+    f'--workdir={workdir}',
+    '--cpu_devices=2',
+    '--progress=false',
+    *flags,
+  )
 
 
 @pytest.fixture(scope='module')
@@ -64,7 +72,7 @@ def swept(tmp_path_factory):
 
 def test_sweep_runs_points_and_records_a_failure(swept):
   _, workdir, readme, first = swept
-  assert first.returncode == 1, first.stderr[-2000:]   # 1: some point failed
+  assert first.returncode == 1, first.stderr[-2000:]  # 1: some point failed
   assert 'FAILED  num_heads=3 (exit 2): error: model.num_heads' in first.stdout
   with open(workdir / 'results.csv') as f:
     rows = {r['point']: r for r in csv.DictReader(f)}
@@ -115,16 +123,28 @@ def test_readme_without_markers_exits_2_before_running(tmp_path):
 
 
 BAD_SWEEPS = [
-    ('no-sweep-function', 'def get_config(arg=None):\n  return None\n', '--config'),
-    ('undotted-key', 'from triax import config\n'
-     'def get_config(arg=None):\n  return config.defaults()\n'
-     'def sweep(add, arg=None):\n  add(learning_rate=1e-3)\n', 'learning_rate'),
-    ('unknown-key', 'from triax import config\n'
-     'def get_config(arg=None):\n  return config.defaults()\n'
-     "def sweep(add, arg=None):\n  add(**{'mesh.dat': 2})\n", 'mesh.dat'),
-    ('no-points', 'from triax import config\n'
-     'def get_config(arg=None):\n  return config.defaults()\n'
-     'def sweep(add, arg=None):\n  pass\n', '--config'),
+  ('no-sweep-function', 'def get_config(arg=None):\n  return None\n', '--config'),
+  (
+    'undotted-key',
+    'from triax import config\n'
+    'def get_config(arg=None):\n  return config.defaults()\n'
+    'def sweep(add, arg=None):\n  add(learning_rate=1e-3)\n',
+    'learning_rate',
+  ),
+  (
+    'unknown-key',
+    'from triax import config\n'
+    'def get_config(arg=None):\n  return config.defaults()\n'
+    "def sweep(add, arg=None):\n  add(**{'mesh.dat': 2})\n",
+    'mesh.dat',
+  ),
+  (
+    'no-points',
+    'from triax import config\n'
+    'def get_config(arg=None):\n  return config.defaults()\n'
+    'def sweep(add, arg=None):\n  pass\n',
+    '--config',
+  ),
 ]
 
 
@@ -143,16 +163,18 @@ def test_bad_flags_exit_2_with_one_line(tmp_path):
   assert result.stderr.strip().splitlines() == ['error: --parallel: must be >= 1, got 0']
   result = _sweep(os.path.join(harness.ROOT, 'experiments', 'gpt_tiny.py'), tmp_path / 'run')
   assert result.returncode == 2
-  line, = result.stderr.strip().splitlines()
+  (line,) = result.stderr.strip().splitlines()
   assert line.startswith('error: --config:') and 'sweep(add, arg=None)' in line
   assert not (tmp_path / 'run').exists()
 
 
 def test_shipped_sweeps_load_with_valid_distinct_points():
   from triax import config as config_lib
+
   mesh = runner.load_sweep(os.path.join(harness.ROOT, 'experiments', 'mesh_sweep.py'))
-  shapes = {tuple(dict(p.overrides)[f'mesh.{a}'] for a in ('data', 'tensor', 'pipe'))
-            for p in mesh.points}
+  shapes = {
+    tuple(dict(p.overrides)[f'mesh.{a}'] for a in ('data', 'tensor', 'pipe')) for p in mesh.points
+  }
   assert len(shapes) == len(mesh.points) == 10 and all(d * t * p == 8 for d, t, p in shapes)
   schedules = runner.load_sweep(os.path.join(harness.ROOT, 'experiments', 'schedule_sweep.py'))
   assert len(schedules.points) == 15
@@ -160,7 +182,7 @@ def test_shipped_sweeps_load_with_valid_distinct_points():
     spec = importlib.util.spec_from_file_location(sweep.name, sweep.path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    for point in sweep.points:   # every point passes the trainer's validation
+    for point in sweep.points:  # every point passes the trainer's validation
       cfg = module.get_config()
       for key, value in point.overrides:
         group, name = key.split('.')
@@ -171,32 +193,50 @@ def test_shipped_sweeps_load_with_valid_distinct_points():
 def test_point_names_are_stable_safe_and_short():
   assert runner.point_name((('mesh.data', 2), ('mesh.tensor', 4))) == 'data=2,tensor=4'
   assert runner.point_name(()) == 'base'
-  assert runner.point_name((('model.dtype', 'bfloat16'), ('train.learning_rate', 1e-05),
-                            ('data.path', '/a b/c'))) == \
-      'dtype=bfloat16,learning_rate=1e-05,path=-a-b-c'
+  assert (
+    runner.point_name(
+      (('model.dtype', 'bfloat16'), ('train.learning_rate', 1e-05), ('data.path', '/a b/c'))
+    )
+    == 'dtype=bfloat16,learning_rate=1e-05,path=-a-b-c'
+  )
   # Two keys with one last component keep their full path.
-  assert runner.point_name((('mesh.data', 2), ('mesh.dcn_data', 1), ('x.data', True))) == \
-      'mesh.data=2,dcn_data=1,x.data=true'
+  assert (
+    runner.point_name((('mesh.data', 2), ('mesh.dcn_data', 1), ('x.data', True)))
+    == 'mesh.data=2,dcn_data=1,x.data=true'
+  )
   long = runner.point_name((('data.path', 'x' * 300),))
   assert len(long) <= 120 and long != runner.point_name((('data.path', 'x' * 299),))
 
 
 def test_markdown_table_and_readme_block(tmp_path):
-  ok = results.Row('data=2', {'mesh.data': 2}, 'ok', 0, None,
-                   results.RunSummary(final_loss=2.5, final_eval_loss=2.6, tokens_per_sec=12345.6,
-                                      step_time_s=0.0123, peak_bytes=3 * 2**20))
-  bad = results.Row('data=3', {'mesh.data': 3}, 'failed', 2, 'error: mesh: a | b',
-                    results.RunSummary())
+  ok = results.Row(
+    'data=2',
+    {'mesh.data': 2},
+    'ok',
+    0,
+    None,
+    results.RunSummary(
+      final_loss=2.5,
+      final_eval_loss=2.6,
+      tokens_per_sec=12345.6,
+      step_time_s=0.0123,
+      peak_bytes=3 * 2**20,
+    ),
+  )
+  bad = results.Row(
+    'data=3', {'mesh.data': 3}, 'failed', 2, 'error: mesh: a | b', results.RunSummary()
+  )
   table = results.markdown([ok, bad])
   assert table.splitlines() == [
-      '| data | train loss | eval loss | tokens/s | step (ms) | peak MiB/device | status |',
-      '|---|---:|---:|---:|---:|---:|---|',
-      '| 2 | 2.500 | 2.600 | 12,346 | 12.3 | 3.00 | ok |',
-      '| 3 |  |  |  |  |  | failed (exit 2): error: mesh: a \\| b |']
+    '| data | train loss | eval loss | tokens/s | step (ms) | peak MiB/device | status |',
+    '|---|---:|---:|---:|---:|---:|---|',
+    '| 2 | 2.500 | 2.600 | 12,346 | 12.3 | 3.00 | ok |',
+    '| 3 |  |  |  |  |  | failed (exit 2): error: mesh: a \\| b |',
+  ]
   readme = tmp_path / 'README.md'
   readme.write_text('a\n<!-- results:s:begin -->\nx\n<!-- results:s:end -->\nb\n')
   results.replace_readme_block(str(readme), 's', table)
-  results.replace_readme_block(str(readme), 's', table)   # idempotent
+  results.replace_readme_block(str(readme), 's', table)  # idempotent
   assert readme.read_text() == f'a\n<!-- results:s:begin -->\n{table}<!-- results:s:end -->\nb\n'
   with pytest.raises(ConfigError, match='results:other:begin'):
     results.check_readme_block(str(readme), 'other')

@@ -10,8 +10,9 @@ from ml_collections import config_flags
 
 from triax import cli
 
-_CONFIG = config_flags.DEFINE_config_file('config', None, 'Experiment config file.',
-                                          lock_config=True)
+_CONFIG = config_flags.DEFINE_config_file(
+  'config', None, 'Experiment config file.', lock_config=True
+)
 _LIMIT = flags.DEFINE_float('memory_limit_mib', None, 'Per-device memory limit in MiB.')
 _CPU_DEVICES = flags.DEFINE_integer('cpu_devices', None, 'Force this many CPU devices.')
 _STEPS = flags.DEFINE_integer('steps', 3, 'Timed steps per candidate.')
@@ -27,6 +28,7 @@ def main(argv):
     cli.fail('--memory_limit_mib', 'give the per-device limit in MiB, e.g. 64')
   cli.force_cpu_devices(_CPU_DEVICES.value)
   from triax.training import budget  # after the device count is set
+
   with cli.config_errors_exit():
     cands = budget.evaluate(cfg, steps=_STEPS.value)
   print(budget.report(cands, int(_LIMIT.value * 2**20)))

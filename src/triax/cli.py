@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from typing import Iterator, NoReturn
+from collections.abc import Iterator
+from typing import NoReturn
 
 from absl import flags
 
@@ -45,14 +46,21 @@ def parse_flags(argv: list[str]) -> list[str]:
     text = _unquote(str(e))
     for arg in argv[1:]:
       name = arg.split('=', 1)[0]
-      parts = name[len('--config.'):].split('.')
-      if name.startswith('--config.') and any(f"'{part}'" in text or part == text
-                                              for part in parts):
+      parts = name[len('--config.') :].split('.')
+      if name.startswith('--config.') and any(
+        f"'{part}'" in text or part == text for part in parts
+      ):
         hint = text.splitlines()[-1] if 'Did you mean' in text else 'check the spelling'
         fail(name, f'unknown config key ({hint})')
     fail('--config', f'{type(e).__name__}: {text.splitlines()[0] if text else e!r}')
-  except (FileNotFoundError, IsADirectoryError, SyntaxError, ImportError, TypeError,
-          ValueError) as e:
+  except (
+    FileNotFoundError,
+    IsADirectoryError,
+    SyntaxError,
+    ImportError,
+    TypeError,
+    ValueError,
+  ) as e:
     # config_flags executes the config file while parsing: report the file.
     fail('--config', f'{type(e).__name__}: {str(e).splitlines()[0] if str(e) else e!r}')
 
@@ -65,7 +73,7 @@ def config_value(holder):
   try:
     cfg = holder.value
     if cfg is not None:
-      cfg.keys()   # touching it raises the deferred error
+      cfg.keys()  # touching it raises the deferred error
     return cfg
   except (OSError, SyntaxError, ImportError, AttributeError, TypeError, ValueError) as e:
     lines = [l.strip() for l in str(e).splitlines() if l.strip()]
@@ -96,12 +104,15 @@ def force_cpu_devices(count: int | None) -> None:
   if count < 1:
     fail('--cpu_devices', f'must be >= 1, got {count}')
   import jax
+
   jax.config.update('jax_num_cpu_devices', count)
 
 
 def warn_if_accelerator(count: int | None) -> None:
   """Says so when --cpu_devices had no effect (call after distributed start-up)."""
   import jax
+
   if count is not None and jax.default_backend() != 'cpu':
-    print(f'warning: --cpu_devices={count} ignored: running on {jax.default_backend()}',
-          file=sys.stderr)
+    print(
+      f'warning: --cpu_devices={count} ignored: running on {jax.default_backend()}', file=sys.stderr
+    )

@@ -9,7 +9,7 @@ and downstream code reads fields directly (no `.get(key, default)` chains).
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import ml_collections
 
@@ -133,16 +133,16 @@ def defaults() -> ml_collections.ConfigDict:
   c.sharding = ml_collections.ConfigDict()
   # Logical axis -> mesh axis (or None = replicated). The model names only logical axes.
   c.sharding.logical_axis_rules = (
-      ('batch', 'data'),
-      ('vocab', 'tensor'),
-      ('heads', 'tensor'),
-      ('mlp', 'tensor'),
-      ('kv', None),
-      ('embed', None),
-      ('seq', None),
-      ('layers', None),
-      ('stage', 'pipe'),
-      ('virtual', None),
+    ('batch', 'data'),
+    ('vocab', 'tensor'),
+    ('heads', 'tensor'),
+    ('mlp', 'tensor'),
+    ('kv', None),
+    ('embed', None),
+    ('seq', None),
+    ('layers', None),
+    ('stage', 'pipe'),
+    ('virtual', None),
   )
   return c
 
@@ -154,13 +154,15 @@ def parse_arg(arg: str | None, **defaults) -> dict:
   else kept as strings. Keys must be among `defaults`, whose values they replace.
   """
   import ast
+
   out = dict(defaults)
   for item in filter(None, (arg or '').split(',')):
     key, sep, value = item.partition('=')
     key = key.strip()
     if key not in defaults:
-      raise ConfigError('--config', f'unknown config argument {key!r}; known: '
-                        f'{", ".join(sorted(defaults))}')
+      raise ConfigError(
+        '--config', f'unknown config argument {key!r}; known: {", ".join(sorted(defaults))}'
+      )
     if not sep:
       out[key] = True
       continue
@@ -180,6 +182,7 @@ def load_module(path: str):
   import importlib.util
   import os
   import re
+
   if not os.path.isfile(path):
     raise ConfigError('--config', f'{path}: no such file')
   name = 'triax_config_' + re.sub(r'\W', '_', os.path.splitext(os.path.basename(path))[0])
@@ -218,14 +221,17 @@ def resolve_mesh_shape(mesh_cfg, num_devices: int) -> tuple[int, int, int]:
   if free:
     if num_devices % known:
       raise ConfigError(
-          f'mesh.{MESH_AXES[free[0]]}',
-          f'-1 cannot fill {num_devices} devices: the other axes multiply to {known}')
+        f'mesh.{MESH_AXES[free[0]]}',
+        f'-1 cannot fill {num_devices} devices: the other axes multiply to {known}',
+      )
     sizes[free[0]] = num_devices // known
   if math.prod(sizes) != num_devices:
     raise ConfigError(
-        'mesh', f'data*tensor*pipe = {"*".join(map(str, sizes))} = {math.prod(sizes)} '
-        f'but there are {num_devices} devices; make the product {num_devices} '
-        '(or set one axis to -1)')
+      'mesh',
+      f'data*tensor*pipe = {"*".join(map(str, sizes))} = {math.prod(sizes)} '
+      f'but there are {num_devices} devices; make the product {num_devices} '
+      '(or set one axis to -1)',
+    )
   return tuple(sizes)
 
 
@@ -234,16 +240,23 @@ def _check_device_order(mesh_cfg, num_devices: int) -> None:
   order = mesh_cfg.device_order
   if not order:
     return
-  if (not isinstance(order, (list, tuple)) or
-      not all(isinstance(i, int) and not isinstance(i, bool) for i in order) or
-      sorted(order) != list(range(num_devices))):
-    raise ConfigError('mesh.device_order',
-                      f'must list each of the {num_devices} device indices 0..{num_devices - 1} '
-                      f'once (mesh order: data, tensor, pipe), or be () for the default; '
-                      f'got {order!r}')
+  if (
+    not isinstance(order, (list, tuple))
+    or not all(isinstance(i, int) and not isinstance(i, bool) for i in order)
+    or sorted(order) != list(range(num_devices))
+  ):
+    raise ConfigError(
+      'mesh.device_order',
+      f'must list each of the {num_devices} device indices 0..{num_devices - 1} '
+      f'once (mesh order: data, tensor, pipe), or be () for the default; '
+      f'got {order!r}',
+    )
   if any(mesh_cfg[f'dcn_{a}'] > 1 for a in MESH_AXES):
-    raise ConfigError('mesh.device_order', 'cannot be combined with mesh.dcn_* > 1 (the '
-                      'hybrid mesh places devices itself); set one of them to its default')
+    raise ConfigError(
+      'mesh.device_order',
+      'cannot be combined with mesh.dcn_* > 1 (the '
+      'hybrid mesh places devices itself); set one of them to its default',
+    )
 
 
 def validate(cfg: ml_collections.ConfigDict, num_devices: int) -> ml_collections.ConfigDict:
@@ -258,36 +271,51 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int) -> ml_collections
   for axis in MESH_AXES:
     dcn = cfg.mesh[f'dcn_{axis}']
     if not isinstance(dcn, int) or dcn <= 0 or cfg.mesh[axis] % dcn:
-      raise ConfigError(f'mesh.dcn_{axis}',
-                        f'must be a positive divisor of mesh.{axis}={cfg.mesh[axis]}, got {dcn!r}')
+      raise ConfigError(
+        f'mesh.dcn_{axis}',
+        f'must be a positive divisor of mesh.{axis}={cfg.mesh[axis]}, got {dcn!r}',
+      )
   _check_device_order(cfg.mesh, num_devices)
 
   for key in ('num_layers', 'd_model', 'num_heads', 'd_ff', 'vocab_size', 'seq_len'):
     _positive(cfg, 'model', key)
   m = cfg.model
   if m.d_model % m.num_heads:
-    raise ConfigError('model.num_heads', f'must divide model.d_model={m.d_model}, got {m.num_heads}')
+    raise ConfigError(
+      'model.num_heads', f'must divide model.d_model={m.d_model}, got {m.num_heads}'
+    )
   if m.num_heads % tensor:
-    raise ConfigError('model.num_heads',
-                      f'{m.num_heads} heads cannot be split over mesh.tensor={tensor}; '
-                      'use a multiple of mesh.tensor')
+    raise ConfigError(
+      'model.num_heads',
+      f'{m.num_heads} heads cannot be split over mesh.tensor={tensor}; '
+      'use a multiple of mesh.tensor',
+    )
   if m.d_ff % tensor:
     raise ConfigError('model.d_ff', f'{m.d_ff} is not divisible by mesh.tensor={tensor}')
   if m.vocab_size % tensor:
-    raise ConfigError('model.vocab_size',
-                      f'{m.vocab_size} is not divisible by mesh.tensor={tensor} '
-                      '(the embedding and output layer are vocabulary-parallel)')
+    raise ConfigError(
+      'model.vocab_size',
+      f'{m.vocab_size} is not divisible by mesh.tensor={tensor} '
+      '(the embedding and output layer are vocabulary-parallel)',
+    )
   if m.vocab_size < 256 and cfg.data.source in ('stdlib', 'text'):
     raise ConfigError('model.vocab_size', f'the byte-level corpus needs 256, got {m.vocab_size}')
-  for key, choices in (('dtype', DTYPES), ('param_dtype', DTYPES), ('remat', REMAT_POLICIES),
-                       ('attention', ATTENTION_IMPLS)):
+  for key, choices in (
+    ('dtype', DTYPES),
+    ('param_dtype', DTYPES),
+    ('remat', REMAT_POLICIES),
+    ('attention', ATTENTION_IMPLS),
+  ):
     if m[key] not in choices:
-      raise ConfigError(f'model.{key}', f'unknown value {m[key]!r}; choose one of {", ".join(choices)}')
+      raise ConfigError(
+        f'model.{key}', f'unknown value {m[key]!r}; choose one of {", ".join(choices)}'
+      )
 
   p = cfg.pipeline
   if p.schedule not in SCHEDULES:
-    raise ConfigError('pipeline.schedule',
-                      f'unknown schedule {p.schedule!r}; choose one of {", ".join(SCHEDULES)}')
+    raise ConfigError(
+      'pipeline.schedule', f'unknown schedule {p.schedule!r}; choose one of {", ".join(SCHEDULES)}'
+    )
   _positive(cfg, 'pipeline', 'microbatches')
   _positive(cfg, 'pipeline', 'virtual_stages')
   if not isinstance(p.scatter_gather, bool):
@@ -302,9 +330,11 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int) -> ml_collections
   for key in ('steps', 'global_batch_size', 'eval_every', 'eval_batches', 'log_every'):
     _positive(cfg, 'train', key)
   if t.global_batch_size % (data * p.microbatches):
-    raise ConfigError('train.global_batch_size',
-                      f'{t.global_batch_size} must divide into mesh.data*pipeline.microbatches = '
-                      f'{data}*{p.microbatches} equal micro-batch shards')
+    raise ConfigError(
+      'train.global_batch_size',
+      f'{t.global_batch_size} must divide into mesh.data*pipeline.microbatches = '
+      f'{data}*{p.microbatches} equal micro-batch shards',
+    )
   for key in ('learning_rate', 'weight_decay', 'grad_clip_norm', 'min_lr_ratio'):
     if not isinstance(t[key], (int, float)) or t[key] < 0:
       raise ConfigError(f'train.{key}', f'must be a non-negative number, got {t[key]!r}')
@@ -323,6 +353,7 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int) -> ml_collections
 def _check_rules(rules: Sequence) -> None:
   for rule in rules:
     if len(rule) != 2 or (rule[1] is not None and rule[1] not in MESH_AXES):
-      raise ConfigError('sharding.logical_axis_rules',
-                        f'rule {tuple(rule)!r} must map a logical axis to one of '
-                        f'{", ".join(MESH_AXES)} or None')
+      raise ConfigError(
+        'sharding.logical_axis_rules',
+        f'rule {tuple(rule)!r} must map a logical axis to one of {", ".join(MESH_AXES)} or None',
+      )

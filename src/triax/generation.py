@@ -34,9 +34,10 @@ CONFIG_FILE = 'config.json'
 @dataclasses.dataclass(frozen=True)
 class Sampling:
   """How to pick each next token."""
+
   max_new_tokens: int = 200
-  temperature: float = 0.8   # 0 = greedy (argmax)
-  top_k: int = 0             # 0 = the whole vocabulary
+  temperature: float = 0.8  # 0 = greedy (argmax)
+  top_k: int = 0  # 0 = the whole vocabulary
   seed: int = 0
 
   def check(self, vocab_size: int | None = None) -> None:
@@ -45,8 +46,9 @@ class Sampling:
     if not self.temperature >= 0:
       raise ConfigError('--temperature', f'must be >= 0 (0 = greedy), got {self.temperature}')
     if self.top_k < 0 or (vocab_size is not None and self.top_k > vocab_size):
-      raise ConfigError('--top_k', f'must be in [0, {vocab_size or "vocab_size"}] '
-                        f'(0 = no cut), got {self.top_k}')
+      raise ConfigError(
+        '--top_k', f'must be in [0, {vocab_size or "vocab_size"}] (0 = no cut), got {self.top_k}'
+      )
     if self.seed < 0:
       raise ConfigError('--seed', f'must be >= 0, got {self.seed}')
 
@@ -57,8 +59,9 @@ def load_run_config(workdir: str) -> ml_collections.ConfigDict:
   if not os.path.isdir(workdir):
     raise ConfigError('--workdir', f'{workdir}: no such directory')
   if not os.path.isfile(path):
-    raise ConfigError('--workdir', f'{workdir} has no {CONFIG_FILE}: give the --workdir of a '
-                      'triax.train run')
+    raise ConfigError(
+      '--workdir', f'{workdir} has no {CONFIG_FILE}: give the --workdir of a triax.train run'
+    )
   with open(path) as f:
     return ml_collections.ConfigDict(json.load(f))
 
@@ -69,8 +72,11 @@ def encode_prompt(prompt: str, seq_len: int) -> list[int]:
   if not tokens:
     raise ConfigError('--prompt', 'is empty; give at least one character to continue from')
   if len(tokens) > seq_len:
-    raise ConfigError('--prompt', f'is {len(tokens)} bytes, longer than the model\'s context '
-                      f'of model.seq_len={seq_len} bytes; shorten it')
+    raise ConfigError(
+      '--prompt',
+      f"is {len(tokens)} bytes, longer than the model's context "
+      f'of model.seq_len={seq_len} bytes; shorten it',
+    )
   return tokens
 
 
@@ -82,8 +88,11 @@ def latest_checkpoint(workdir: str, cfg) -> int:
   """The step of the run's newest intact checkpoint."""
   step = Checkpointer(workdir, cfg).latest_step()
   if step is None:
-    raise ConfigError('--workdir', f'{workdir} has no checkpoints yet: train first '
-                      f'(python -m triax.train ... --workdir={workdir})')
+    raise ConfigError(
+      '--workdir',
+      f'{workdir} has no checkpoints yet: train first '
+      f'(python -m triax.train ... --workdir={workdir})',
+    )
   return step
 
 
@@ -91,15 +100,22 @@ def restore_params(workdir: str, cfg, step: int):
   """The params of checkpoint `step`, on the first device."""
   model = GPT(ModelSpec.from_config(cfg.model))
   device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-  target = {'params': jax.tree.map(
+  target = {
+    'params': jax.tree.map(
       lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=device),
-      jax.eval_shape(model.init, jax.random.key(0)))}
+      jax.eval_shape(model.init, jax.random.key(0)),
+    )
+  }
   path = os.path.join(os.path.abspath(workdir), 'checkpoints', str(step), 'state')
   with ocp.PyTreeCheckpointer() as checkpointer:
-    restored = checkpointer.restore(path, args=ocp.args.PyTreeRestore(
-        item=target, restore_args=jax.tree.map(lambda _: ocp.ArrayRestoreArgs(sharding=device),
-                                               target),
-        partial_restore=True))  # just the params: the optimizer state is twice their size
+    restored = checkpointer.restore(
+      path,
+      args=ocp.args.PyTreeRestore(
+        item=target,
+        restore_args=jax.tree.map(lambda _: ocp.ArrayRestoreArgs(sharding=device), target),
+        partial_restore=True,
+      ),
+    )  # just the params: the optimizer state is twice their size
   return restored['params']
 
 
@@ -140,7 +156,7 @@ def generate(model, params, prompt: list[int], sampling: Sampling):
     return jax.lax.fori_loop(0, sampling.max_new_tokens, step, (buffer, length, key, out))[-1]
 
   buffer = np.zeros((seq_len,), np.int32)
-  buffer[:len(prompt)] = prompt
+  buffer[: len(prompt)] = prompt
   out = run(params, buffer, jnp.int32(len(prompt)), jax.random.key(sampling.seed))
   return np.asarray(jax.device_get(out))
 

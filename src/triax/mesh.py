@@ -66,16 +66,22 @@ def _hybrid_grid(shape: tuple[int, ...], dcn: tuple[int, ...], devices: list) ->
   """
   count = math.prod(dcn)
   if len({getattr(d, 'slice_index', 0) for d in devices}) > 1:
-    key, what = (lambda d: d.slice_index), 'slices'
+    key = lambda d: d.slice_index
     if len({d.slice_index for d in devices}) != count:
-      raise ConfigError('mesh', f'dcn factors {"*".join(map(str, dcn))} = {count} must equal '
-                        f'the number of TPU slices ({len({d.slice_index for d in devices})})')
+      raise ConfigError(
+        'mesh',
+        f'dcn factors {"*".join(map(str, dcn))} = {count} must equal '
+        f'the number of TPU slices ({len({d.slice_index for d in devices})})',
+      )
   else:
     processes = sorted({d.process_index for d in devices})
     if len(processes) % count:
-      raise ConfigError('mesh', f'dcn factors {"*".join(map(str, dcn))} = {count} must divide '
-                        f'the number of processes ({len(processes)}); set mesh.dcn_* to 1 '
-                        'within one host')
+      raise ConfigError(
+        'mesh',
+        f'dcn factors {"*".join(map(str, dcn))} = {count} must divide '
+        f'the number of processes ({len(processes)}); set mesh.dcn_* to 1 '
+        'within one host',
+      )
     per = len(processes) // count
     key = lambda d: processes.index(d.process_index) // per
   groups: dict[int, list] = {}
@@ -100,15 +106,21 @@ def maybe_initialize_distributed() -> None:
     # Only the CPU client reads this; it must be set before any backend starts.
     jax.config.update('jax_cpu_collectives_implementation', 'gloo')
     jax.distributed.initialize(
-        coordinator_address=coordinator,
-        num_processes=int(os.environ['TRIAX_NUM_PROCESSES']),
-        process_id=int(os.environ['TRIAX_PROCESS_ID']),
-        # JAX's default binds the coordinator on every interface ([::]:port);
-        # bind only the address given (127.0.0.1 for scripts/launch_local.sh).
-        coordinator_bind_address=coordinator)
+      coordinator_address=coordinator,
+      num_processes=int(os.environ['TRIAX_NUM_PROCESSES']),
+      process_id=int(os.environ['TRIAX_PROCESS_ID']),
+      # JAX's default binds the coordinator on every interface ([::]:port);
+      # bind only the address given (127.0.0.1 for scripts/launch_local.sh).
+      coordinator_bind_address=coordinator,
+    )
   elif os.environ.get('TRIAX_DISTRIBUTED') == 'auto':
     jax.distributed.initialize()
   else:
     return
-  logging.info('process %d of %d, %d local / %d global devices', jax.process_index(),
-               jax.process_count(), jax.local_device_count(), jax.device_count())
+  logging.info(
+    'process %d of %d, %d local / %d global devices',
+    jax.process_index(),
+    jax.process_count(),
+    jax.local_device_count(),
+    jax.device_count(),
+  )

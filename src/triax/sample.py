@@ -12,15 +12,19 @@ from absl import app, flags, logging
 
 from triax import cli
 
-_WORKDIR = flags.DEFINE_string('workdir', None, 'Workdir of a triax.train run (its config.json '
-                               'and checkpoints).')
+_WORKDIR = flags.DEFINE_string(
+  'workdir', None, 'Workdir of a triax.train run (its config.json and checkpoints).'
+)
 _PROMPT = flags.DEFINE_string('prompt', None, 'Text to continue (at most model.seq_len bytes).')
 _MAX_NEW_TOKENS = flags.DEFINE_integer('max_new_tokens', 200, 'Bytes to generate.')
 _TEMPERATURE = flags.DEFINE_float('temperature', 0.8, 'Softmax temperature; 0 = greedy.')
 _TOP_K = flags.DEFINE_integer('top_k', 0, 'Sample among the k likeliest bytes; 0 = all.')
 _SEED = flags.DEFINE_integer('seed', 0, 'Sampling seed: the same seed gives the same text.')
-_CPU_DEVICES = flags.DEFINE_integer('cpu_devices', 1, 'Force this many CPU devices (set before '
-                                    'JAX starts; ignored when an accelerator is present).')
+_CPU_DEVICES = flags.DEFINE_integer(
+  'cpu_devices',
+  1,
+  'Force this many CPU devices (set before JAX starts; ignored when an accelerator is present).',
+)
 
 
 def main(argv):
@@ -32,9 +36,13 @@ def main(argv):
     cli.fail('--prompt', 'is required, e.g. --prompt="def "')
   cli.force_cpu_devices(_CPU_DEVICES.value)
   from triax import generation  # after the device count is set
-  sampling = generation.Sampling(max_new_tokens=_MAX_NEW_TOKENS.value,
-                                 temperature=_TEMPERATURE.value, top_k=_TOP_K.value,
-                                 seed=_SEED.value)
+
+  sampling = generation.Sampling(
+    max_new_tokens=_MAX_NEW_TOKENS.value,
+    temperature=_TEMPERATURE.value,
+    top_k=_TOP_K.value,
+    seed=_SEED.value,
+  )
   with cli.config_errors_exit():
     result = generation.sample(_WORKDIR.value, _PROMPT.value, sampling)
   # stdout holds the text alone, so it can be piped; where it came from goes to stderr.

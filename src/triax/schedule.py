@@ -13,39 +13,48 @@ file, and any of --stages, --microbatches, --virtual_stages given must match.
 Bad input prints one `error: <flag>: <message>` line and exits with 2.
 """
 
-from absl import app
-from absl import flags
+from absl import app, flags
 
 from triax import cli
 from triax.pipeline import report
 from triax.pipeline.schedule import SCHEDULES
 
-_SCHEDULE = flags.DEFINE_string(
-    'schedule', '1f1b', f'Schedule: one of {", ".join(SCHEDULES)}.')
+_SCHEDULE = flags.DEFINE_string('schedule', '1f1b', f'Schedule: one of {", ".join(SCHEDULES)}.')
 _STAGES = flags.DEFINE_integer('stages', 4, 'Pipeline stages p.')
 _MICROBATCHES = flags.DEFINE_integer('microbatches', 8, 'Micro-batches m.')
 _VIRTUAL_STAGES = flags.DEFINE_integer(
-    'virtual_stages', 1, 'Model chunks per stage v (interleaved schedules).')
+  'virtual_stages', 1, 'Model chunks per stage v (interleaved schedules).'
+)
 _T_FORWARD = flags.DEFINE_float(
-    't_forward', 1.0, 'Forward time of one micro-batch through one stage.')
+  't_forward', 1.0, 'Forward time of one micro-batch through one stage.'
+)
 _T_BACKWARD = flags.DEFINE_float(
-    't_backward', 1.0, 'Backward time of one micro-batch through one stage.')
-_T_TRANSFER = flags.DEFINE_float(
-    't_transfer', 0.0, 'Time to send one activation or gradient.')
+  't_backward',
+  None,
+  'Backward time of one micro-batch through one stage (input gradient '
+  'only for zero-bubble schedules); default 2 for a fused backward, 1 for a split one.',
+)
+_T_TRANSFER = flags.DEFINE_float('t_transfer', 0.0, 'Time to send one activation or gradient.')
 _T_WEIGHT = flags.DEFINE_float(
-    't_weight', 1.0, 'Weight-gradient (W) time of one micro-batch through one '
-    'stage, for schedules that split the backward (zb_h1: B then costs '
-    '--t_backward for the input gradient only).')
+  't_weight',
+  None,
+  'Weight-gradient (W) time of one micro-batch through one '
+  'stage: zero-bubble schedules (default 1), or the part of a fused backward the '
+  "lowering's W takes (default half of it).",
+)
 _T_EVICT = flags.DEFINE_float(
-    't_evict', 0.0, 'Time to move one residual set to or from the partner '
-    'stage (bpipe).')
+  't_evict', 0.0, 'Time to move one residual set to or from the partner stage (bpipe).'
+)
 _SCHEDULE_FILE = flags.DEFINE_string(
-    'schedule_file', None, "Analyse this schedule file instead of --schedule: torch's "
-    "compute-only .csv or triax's .json.")
+  'schedule_file',
+  None,
+  "Analyse this schedule file instead of --schedule: torch's compute-only .csv or triax's .json.",
+)
 _JSON = flags.DEFINE_bool('json', False, 'Print one JSON object.')
 _PLOT = flags.DEFINE_string('plot', None, 'Write a Gantt chart PNG here.')
 _WRITE_CSV = flags.DEFINE_string(
-    'write_csv', None, "Write the schedule here as torch's compute-only CSV.")
+  'write_csv', None, "Write the schedule here as torch's compute-only CSV."
+)
 
 
 def main(argv: list[str]) -> int:
@@ -59,13 +68,23 @@ def main(argv: list[str]) -> int:
     # A file brings its own sizes; the flags then only check them if given.
     return holder.value if holder.present or not from_file else None
 
-  return report.main(report.Request(
-      schedule=_SCHEDULE.value, stages=size(_STAGES),
-      microbatches=size(_MICROBATCHES), virtual_stages=size(_VIRTUAL_STAGES),
-      t_forward=_T_FORWARD.value, t_backward=_T_BACKWARD.value,
-      t_transfer=_T_TRANSFER.value, t_weight=_T_WEIGHT.value,
-      t_evict=_T_EVICT.value, plot=_PLOT.value,
-      schedule_file=_SCHEDULE_FILE.value, write_csv=_WRITE_CSV.value), as_json=_JSON.value)
+  return report.main(
+    report.Request(
+      schedule=_SCHEDULE.value,
+      stages=size(_STAGES),
+      microbatches=size(_MICROBATCHES),
+      virtual_stages=size(_VIRTUAL_STAGES),
+      t_forward=_T_FORWARD.value,
+      t_backward=_T_BACKWARD.value,
+      t_transfer=_T_TRANSFER.value,
+      t_weight=_T_WEIGHT.value,
+      t_evict=_T_EVICT.value,
+      plot=_PLOT.value,
+      schedule_file=_SCHEDULE_FILE.value,
+      write_csv=_WRITE_CSV.value,
+    ),
+    as_json=_JSON.value,
+  )
 
 
 def run():

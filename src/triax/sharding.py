@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from typing import Any, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -18,7 +19,8 @@ from triax.errors import ConfigError
 
 Rules = Sequence[tuple[str, str | None]]
 _ACTIVE_RULES: contextvars.ContextVar[Rules | None] = contextvars.ContextVar(
-    'triax_axis_rules', default=None)
+  'triax_axis_rules', default=None
+)
 
 
 def logical_to_spec(axes: Sequence[str | None], rules: Rules) -> PartitionSpec:
@@ -34,8 +36,10 @@ def logical_to_spec(axes: Sequence[str | None], rules: Rules) -> PartitionSpec:
       spec.append(None)
       continue
     if axis not in mapping:
-      raise ConfigError('sharding.logical_axis_rules',
-                        f'no rule for logical axis {axis!r}; add ({axis!r}, MESH_AXIS_OR_None)')
+      raise ConfigError(
+        'sharding.logical_axis_rules',
+        f'no rule for logical axis {axis!r}; add ({axis!r}, MESH_AXIS_OR_None)',
+      )
     mesh_axis = mapping[axis]
     if mesh_axis in used:
       mesh_axis = None
@@ -56,8 +60,11 @@ def tree_specs(logical_tree: Any, rules: Rules) -> Any:
 
 def tree_shardings(logical_tree: Any, mesh: Mesh, rules: Rules) -> Any:
   """Maps a tree of logical-axis tuples to a tree of NamedShardings on `mesh`."""
-  return jax.tree.map(lambda spec: NamedSharding(mesh, spec), tree_specs(logical_tree, rules),
-                      is_leaf=lambda x: isinstance(x, PartitionSpec))
+  return jax.tree.map(
+    lambda spec: NamedSharding(mesh, spec),
+    tree_specs(logical_tree, rules),
+    is_leaf=lambda x: isinstance(x, PartitionSpec),
+  )
 
 
 @contextlib.contextmanager

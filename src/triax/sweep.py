@@ -20,15 +20,24 @@ from absl import app, flags, logging
 from triax import cli
 from triax.sweeps import runner
 
-_CONFIG = flags.DEFINE_string('config', None, 'Config file defining get_config(arg) and '
-                              'sweep(add, arg=None); FILE[:ARG].')
-_WORKDIR = flags.DEFINE_string('workdir', None, 'Sweep directory: one subdirectory per point, '
-                               'results.{csv,md} and plots; rerunning skips complete points.')
+_CONFIG = flags.DEFINE_string(
+  'config', None, 'Config file defining get_config(arg) and sweep(add, arg=None); FILE[:ARG].'
+)
+_WORKDIR = flags.DEFINE_string(
+  'workdir',
+  None,
+  'Sweep directory: one subdirectory per point, '
+  'results.{csv,md} and plots; rerunning skips complete points.',
+)
 _PARALLEL = flags.DEFINE_integer('parallel', 1, 'Training processes at a time.')
-_CPU_DEVICES = flags.DEFINE_integer('cpu_devices', 8, 'Passed to every run as --cpu_devices; '
-                                    '0 leaves the devices to JAX (accelerators).')
-_README = flags.DEFINE_string('readme', '', 'Markdown file whose results:NAME block gets the '
-                              'table (the markers must exist).')
+_CPU_DEVICES = flags.DEFINE_integer(
+  'cpu_devices',
+  8,
+  'Passed to every run as --cpu_devices; 0 leaves the devices to JAX (accelerators).',
+)
+_README = flags.DEFINE_string(
+  'readme', '', 'Markdown file whose results:NAME block gets the table (the markers must exist).'
+)
 _PROGRESS = flags.DEFINE_bool('progress', True, 'Show a progress bar over the points.')
 _DRY_RUN = flags.DEFINE_bool('dry_run', False, 'List the points and their commands; run nothing.')
 
@@ -42,23 +51,33 @@ def main(argv):
     cli.fail('--workdir', 'is required: where the runs and the results go')
   command = ' '.join(['python -m triax.sweep'] + [shlex.quote(a) for a in sys.argv[1:]])
   with cli.config_errors_exit():
-    summary = runner.run_sweep(_CONFIG.value, _WORKDIR.value, parallel=_PARALLEL.value,
-                               cpu_devices=_CPU_DEVICES.value, readme=_README.value,
-                               progress=_PROGRESS.value, dry_run=_DRY_RUN.value,
-                               command=command)
+    summary = runner.run_sweep(
+      _CONFIG.value,
+      _WORKDIR.value,
+      parallel=_PARALLEL.value,
+      cpu_devices=_CPU_DEVICES.value,
+      readme=_README.value,
+      progress=_PROGRESS.value,
+      dry_run=_DRY_RUN.value,
+      command=command,
+    )
   if summary.get('dry_run'):
     return
   workdir = os.path.abspath(_WORKDIR.value)
-  print(f'results: {workdir}/results.md ({workdir}/results.csv, loss.png, throughput.png, '
-        'memory.png)')
+  print(
+    f'results: {workdir}/results.md ({workdir}/results.csv, loss.png, throughput.png, memory.png)'
+  )
   if _README.value:
     print(f'readme:  {summary["readme"]} updated')
   ok = summary['points'] - len(summary['failed'])
-  print(f'{summary["points"]} points: {ok} ok ({summary["skipped"]} already complete), '
-        f'{len(summary["failed"])} failed')
+  print(
+    f'{summary["points"]} points: {ok} ok ({summary["skipped"]} already complete), '
+    f'{len(summary["failed"])} failed'
+  )
   if summary['failed']:
-    print('failed: ' + ', '.join(summary['failed']) + ' (see DIR/<point>/stderr.txt)',
-          file=sys.stderr)
+    print(
+      'failed: ' + ', '.join(summary['failed']) + ' (see DIR/<point>/stderr.txt)', file=sys.stderr
+    )
     sys.exit(1)
 
 

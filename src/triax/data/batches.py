@@ -35,9 +35,16 @@ class BatchStream:
     num_windows: N, windows in the split (samples per epoch).
   """
 
-  def __init__(self, tokens: np.ndarray, seq_len: int, global_batch_size: int,
-               seed: int, process_index: int = 0, process_count: int = 1,
-               split_name: str = 'train'):
+  def __init__(
+    self,
+    tokens: np.ndarray,
+    seq_len: int,
+    global_batch_size: int,
+    seed: int,
+    process_index: int = 0,
+    process_count: int = 1,
+    split_name: str = 'train',
+  ):
     """Builds the stream; checks that the text holds at least one batch.
 
     Args:
@@ -55,31 +62,32 @@ class BatchStream:
     """
     tokens = np.asarray(tokens)
     if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
-      raise ValueError(f'tokens must be a 1-D integer array, got '
-                       f'{tokens.dtype} of shape {tokens.shape}')
+      raise ValueError(
+        f'tokens must be a 1-D integer array, got {tokens.dtype} of shape {tokens.shape}'
+      )
     if not 0 <= process_index < process_count:
-      raise ValueError(f'process_index {process_index} is not in '
-                       f'[0, {process_count})')
+      raise ValueError(f'process_index {process_index} is not in [0, {process_count})')
     if seq_len < 1:
       raise ConfigError('model.seq_len', f'{seq_len} must be >= 1')
     if global_batch_size < 1:
-      raise ConfigError('train.global_batch_size',
-                        f'{global_batch_size} must be >= 1')
+      raise ConfigError('train.global_batch_size', f'{global_batch_size} must be >= 1')
     if global_batch_size % process_count:
       raise ConfigError(
-          'train.global_batch_size',
-          f'{global_batch_size} does not divide over {process_count} '
-          f'processes; use a multiple of {process_count}')
+        'train.global_batch_size',
+        f'{global_batch_size} does not divide over {process_count} '
+        f'processes; use a multiple of {process_count}',
+      )
     if seed < 0:
       # SeedSequence rejects negative entropy; say so in config terms.
       raise ConfigError('train.seed', f'{seed} must be >= 0')
     num_windows = max(0, (tokens.size - 1) // seq_len)
     if num_windows < global_batch_size:
       raise ConfigError(
-          'data.path',
-          f'{split_name} text has {tokens.size} bytes: too little for one '
-          f'batch of {global_batch_size} x {seq_len + 1}; give more text or '
-          'lower train.global_batch_size/model.seq_len')
+        'data.path',
+        f'{split_name} text has {tokens.size} bytes: too little for one '
+        f'batch of {global_batch_size} x {seq_len + 1}; give more text or '
+        'lower train.global_batch_size/model.seq_len',
+      )
 
     self.seq_len = seq_len
     self.global_batch_size = global_batch_size
@@ -112,8 +120,7 @@ class BatchStream:
     """
     if step < 0:
       raise ValueError(f'step must be >= 0, got {step}')
-    first = step * self.global_batch_size + (
-        self.process_index * self.local_batch_size)
+    first = step * self.global_batch_size + (self.process_index * self.local_batch_size)
     g = first + np.arange(self.local_batch_size, dtype=np.int64)
     epochs = g // self.num_windows
     positions = g % self.num_windows
@@ -136,15 +143,14 @@ class BatchStream:
     num_batches = min(num_batches, self.num_windows // self.global_batch_size)
     local = np.arange(self.local_batch_size, dtype=np.int64)
     return [
-        self._gather(i * self.global_batch_size
-                     + self.process_index * self.local_batch_size + local)
-        for i in range(num_batches)]
+      self._gather(i * self.global_batch_size + self.process_index * self.local_batch_size + local)
+      for i in range(num_batches)
+    ]
 
   def _permutation(self, epoch: int) -> np.ndarray:
     perm = self._perms.get(epoch)
     if perm is None:
-      perm = np.random.default_rng([self.seed, epoch]).permutation(
-          self.num_windows)
+      perm = np.random.default_rng([self.seed, epoch]).permutation(self.num_windows)
       self._perms[epoch] = perm
       while len(self._perms) > 2:
         del self._perms[next(iter(self._perms))]
@@ -154,7 +160,7 @@ class BatchStream:
     idx = windows[:, None] * self.seq_len + self._offsets
     rows = self._tokens[idx].astype(np.int32)
     return {
-        'inputs': np.ascontiguousarray(rows[:, :-1]),
-        'targets': np.ascontiguousarray(rows[:, 1:]),
-        'sample_ids': windows.astype(np.int64),
+      'inputs': np.ascontiguousarray(rows[:, :-1]),
+      'targets': np.ascontiguousarray(rows[:, 1:]),
+      'sample_ids': windows.astype(np.int64),
     }

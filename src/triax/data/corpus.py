@@ -45,9 +45,9 @@ VAL_FRACTION = 0.05
 
 # Directory names never read. Tests are excluded from the stdlib corpus to keep
 # it ordinary library code; hidden directories hold VCS data, not text.
-_SKIP_DIRS = frozenset({
-    '__pycache__', 'site-packages', 'dist-packages', 'test', 'tests',
-    'idle_test'})
+_SKIP_DIRS = frozenset(
+  {'__pycache__', 'site-packages', 'dist-packages', 'test', 'tests', 'idle_test'}
+)
 
 # Suffixes read when data.path is a directory. Files without a suffix (README,
 # LICENSE, plain dumps) are included too; binary files among them are dropped
@@ -68,6 +68,7 @@ class Corpus:
     val_files: relative paths of the validation files, in order; empty when
       validation is the tail of the bytes rather than whole files.
   """
+
   train: np.ndarray
   val: np.ndarray
   description: str
@@ -76,8 +77,7 @@ class Corpus:
   val_files: tuple[str, ...] = ()
 
 
-def load_corpus(source: str, path: str = '',
-                max_bytes: int = DEFAULT_MAX_BYTES) -> Corpus:
+def load_corpus(source: str, path: str = '', max_bytes: int = DEFAULT_MAX_BYTES) -> Corpus:
   """Loads a byte-level corpus and splits it into train and validation.
 
   Files are taken in sorted order of their relative paths, which makes the
@@ -101,12 +101,13 @@ def load_corpus(source: str, path: str = '',
     what = f'stdlib .py files under {root}'
   elif source == 'text':
     if not path:
-      raise ConfigError('data.path',
-                        'data.source=text needs data.path=FILE_OR_DIR')
+      raise ConfigError('data.path', 'data.source=text needs data.path=FILE_OR_DIR')
     if not os.path.exists(path):
       raise ConfigError(
-          'data.path', f'{path} does not exist; give an existing text file or '
-          'directory, or use data.source=stdlib')
+        'data.path',
+        f'{path} does not exist; give an existing text file or '
+        'directory, or use data.source=stdlib',
+      )
     if os.path.isdir(path):
       root = path
       names = _list_files(root, suffixes=TEXT_SUFFIXES, allow_no_suffix=True)
@@ -116,20 +117,22 @@ def load_corpus(source: str, path: str = '',
       names = [name]
       what = f'{path}'
   else:
-    raise ConfigError('data.source',
-                      f"unknown source '{source}'; use 'stdlib' or 'text'")
+    raise ConfigError('data.source', f"unknown source '{source}'; use 'stdlib' or 'text'")
 
   contents = _read_files(root, names, max_bytes)
   if source == 'text' and not contents:
     if os.path.isdir(path):
-      need = ('non-empty files without NUL bytes named '
-              f'*{", *".join(TEXT_SUFFIXES)} or without a suffix')
+      need = (
+        f'non-empty files without NUL bytes named *{", *".join(TEXT_SUFFIXES)} or without a suffix'
+      )
     else:
       need = 'a non-empty file without NUL bytes'
     raise ConfigError('data.path', f'no text found in {path}: give {need}')
   if not contents:
-    raise ConfigError('data.source', f'found no stdlib .py files under {root}; '
-                      'use data.source=text with data.path=FILE_OR_DIR')
+    raise ConfigError(
+      'data.source',
+      f'found no stdlib .py files under {root}; use data.source=text with data.path=FILE_OR_DIR',
+    )
 
   train_names, val_names = _split_names(list(contents))
   if train_names and val_names:
@@ -143,20 +146,24 @@ def load_corpus(source: str, path: str = '',
     train, val = text[:-n_val], text[-n_val:]
     how = f'last {n_val} bytes held out for validation'
 
-  description = (f'{what}: {len(contents)} files, {train.size:,} train bytes, '
-                 f'{val.size:,} val bytes ({how})')
-  return Corpus(train=train, val=val, description=description,
-                files=len(contents), train_files=tuple(train_names),
-                val_files=tuple(val_names))
+  description = (
+    f'{what}: {len(contents)} files, {train.size:,} train bytes, {val.size:,} val bytes ({how})'
+  )
+  return Corpus(
+    train=train,
+    val=val,
+    description=description,
+    files=len(contents),
+    train_files=tuple(train_names),
+    val_files=tuple(val_names),
+  )
 
 
-def _list_files(root: str, suffixes: tuple[str, ...],
-                allow_no_suffix: bool) -> list[str]:
+def _list_files(root: str, suffixes: tuple[str, ...], allow_no_suffix: bool) -> list[str]:
   """Sorted POSIX-style relative paths of candidate files under `root`."""
   names = []
   for dirpath, dirnames, filenames in os.walk(root):
-    dirnames[:] = [d for d in dirnames
-                   if d not in _SKIP_DIRS and not d.startswith('.')]
+    dirnames[:] = [d for d in dirnames if d not in _SKIP_DIRS and not d.startswith('.')]
     for filename in filenames:
       if filename.startswith('.'):
         continue
@@ -171,8 +178,7 @@ def _list_files(root: str, suffixes: tuple[str, ...],
   return sorted(names)
 
 
-def _read_files(root: str, names: list[str],
-                max_bytes: int) -> dict[str, bytes]:
+def _read_files(root: str, names: list[str], max_bytes: int) -> dict[str, bytes]:
   """Reads files in order until `max_bytes`; drops empty and binary files."""
   contents: dict[str, bytes] = {}
   budget = max_bytes

@@ -10,22 +10,23 @@ from __future__ import annotations
 # Dense bf16 peak FLOP/s per device, by substring of jax's device_kind.
 # Sources: vendor data sheets (dense, no sparsity).
 PEAK_BF16_FLOPS = (
-    ('H200', 989e12),
-    ('H100', 989e12),
-    ('A100', 312e12),
-    ('L4', 121e12),
-    ('A10', 125e12),
-    ('V100', 125e12),
-    ('TPU v5p', 459e12),
-    ('TPU v5 lite', 197e12),
-    ('TPU v5e', 197e12),
-    ('TPU v4', 275e12),
-    ('TPU v6', 918e12),
+  ('H200', 989e12),
+  ('H100', 989e12),
+  ('A100', 312e12),
+  ('L4', 121e12),
+  ('A10', 125e12),
+  ('V100', 125e12),
+  ('TPU v5p', 459e12),
+  ('TPU v5 lite', 197e12),
+  ('TPU v5e', 197e12),
+  ('TPU v4', 275e12),
+  ('TPU v6', 918e12),
 )
 
 
-def megatron_flops_per_step(batch: int, seq_len: int, num_layers: int, d_model: int,
-                            vocab_size: int) -> float:
+def megatron_flops_per_step(
+  batch: int, seq_len: int, num_layers: int, d_model: int, vocab_size: int
+) -> float:
   """Megatron's model FLOPs for one optimizer step on `batch` sequences."""
   b, s, l, h, v = batch, seq_len, num_layers, d_model, vocab_size
   return 96.0 * b * s * l * h * h * (1.0 + s / (6.0 * h) + v / (16.0 * l * h))

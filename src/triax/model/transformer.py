@@ -28,17 +28,18 @@ from triax.sharding import constrain
 Params = Any
 
 _REMAT_POLICIES = {
-    'none': None,
-    'full': jax.checkpoint_policies.nothing_saveable,
-    # Megatron's "selective" idea: keep the weight matmuls' outputs, recompute
-    # the attention core (its score tensors are batch-dim dots, not saved).
-    'selective': jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+  'none': None,
+  'full': jax.checkpoint_policies.nothing_saveable,
+  # Megatron's "selective" idea: keep the weight matmuls' outputs, recompute
+  # the attention core (its score tensors are batch-dim dots, not saved).
+  'selective': jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
   """The hyper-parameters the model needs; built from config.model."""
+
   num_layers: int
   d_model: int
   num_heads: int
@@ -51,7 +52,7 @@ class ModelSpec:
   attention: str = 'xla'
 
   @classmethod
-  def from_config(cls, model_cfg) -> 'ModelSpec':
+  def from_config(cls, model_cfg) -> ModelSpec:
     return cls(**{f.name: model_cfg[f.name] for f in dataclasses.fields(cls)})
 
   @property
@@ -72,6 +73,7 @@ def _rms_norm(x, scale):
 
 class Embed(nn.Module):
   """Vocabulary-parallel token embedding plus learned positions."""
+
   spec: ModelSpec
 
   @nn.compact
@@ -79,12 +81,13 @@ class Embed(nn.Module):
     s, pdt = self.spec, jnp.dtype(self.spec.param_dtype)
     table = _param(self, 'tokens', (s.vocab_size, s.d_model), ('vocab', 'embed'), 0.02, pdt)
     pos = _param(self, 'positions', (s.seq_len, s.d_model), ('seq', 'embed'), 0.01, pdt)
-    x = jnp.take(table, tokens, axis=0) + pos[:tokens.shape[-1]]
+    x = jnp.take(table, tokens, axis=0) + pos[: tokens.shape[-1]]
     return constrain(x.astype(s.dtype), ('batch', 'seq', 'embed'))
 
 
 class Block(nn.Module):
   """One pre-norm transformer block: causal self-attention then an MLP."""
+
   spec: ModelSpec
 
   @nn.compact
@@ -120,6 +123,7 @@ class Block(nn.Module):
 
 class Head(nn.Module):
   """Final norm and vocabulary-parallel output layer; returns fp32 logits."""
+
   spec: ModelSpec
 
   @nn.compact
@@ -134,8 +138,9 @@ class Head(nn.Module):
 
 def _axes_tree(boxed: Params) -> Params:
   """Logical axis tuples of flax's LogicallyPartitioned leaves."""
-  return jax.tree.map(lambda b: tuple(b.names), boxed,
-                      is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned))
+  return jax.tree.map(
+    lambda b: tuple(b.names), boxed, is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned)
+  )
 
 
 class GPT:
@@ -159,9 +164,9 @@ class GPT:
     k_embed, k_layers, k_head = jax.random.split(rng, 3)
     layer_keys = jax.random.split(k_layers, self.spec.num_layers)
     return {
-        'embed': nn.unbox(self._embed.init(k_embed, tokens))['params'],
-        'layers': jax.vmap(lambda k: nn.unbox(self._block.init(k, x))['params'])(layer_keys),
-        'head': nn.unbox(self._head.init(k_head, x))['params'],
+      'embed': nn.unbox(self._embed.init(k_embed, tokens))['params'],
+      'layers': jax.vmap(lambda k: nn.unbox(self._block.init(k, x))['params'])(layer_keys),
+      'head': nn.unbox(self._head.init(k_head, x))['params'],
     }
 
   def logical_axes(self) -> Params:
@@ -170,10 +175,11 @@ class GPT:
     key = jax.random.key(0)
     layer = _axes_tree(jax.eval_shape(self._block.init, key, x)['params'])
     return {
-        'embed': _axes_tree(jax.eval_shape(self._embed.init, key, tokens)['params']),
-        'layers': jax.tree.map(lambda a: ('layers',) + a, layer,
-                               is_leaf=lambda a: isinstance(a, tuple)),
-        'head': _axes_tree(jax.eval_shape(self._head.init, key, x)['params']),
+      'embed': _axes_tree(jax.eval_shape(self._embed.init, key, tokens)['params']),
+      'layers': jax.tree.map(
+        lambda a: ('layers',) + a, layer, is_leaf=lambda a: isinstance(a, tuple)
+      ),
+      'head': _axes_tree(jax.eval_shape(self._head.init, key, x)['params']),
     }
 
   def embed(self, embed_params: Params, tokens: jax.Array) -> jax.Array:
@@ -182,8 +188,9 @@ class GPT:
   def layer(self, layer_params: Params, x: jax.Array) -> jax.Array:
     return self._block.apply({'params': layer_params}, x)
 
-  def layers(self, stacked_params: Params, x: jax.Array,
-             num_active: jax.Array | None = None) -> jax.Array:
+  def layers(
+    self, stacked_params: Params, x: jax.Array, num_active: jax.Array | None = None
+  ) -> jax.Array:
     """Runs a stack of layers (leading axis) in order, with the configured remat.
 
     With `num_active`, only the first `num_active` layers run; the rest are
@@ -216,8 +223,9 @@ class GPT:
     # vocabulary split over `tensor` it partitions into a local product and
     # an all-reduce (Megatron's vocab-parallel cross-entropy); XLA's SPMD
     # partitioner rejects a gather along the split axis inside the pipeline.
-    target_logit = jnp.sum(logits * jax.nn.one_hot(targets, logits.shape[-1], dtype=logits.dtype),
-                           axis=-1)
+    target_logit = jnp.sum(
+      logits * jax.nn.one_hot(targets, logits.shape[-1], dtype=logits.dtype), axis=-1
+    )
     return jnp.sum(jax.nn.logsumexp(logits, axis=-1) - target_logit)
 
   def logits(self, params: Params, tokens: jax.Array) -> jax.Array:

@@ -46,12 +46,14 @@ places (`StageFns`) and the lowered `Program`.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from triax.pipeline import lower as lower_lib
 from triax.pipeline.split_backward import SplitBackward
@@ -68,6 +70,7 @@ class StageFns:
       first num_layers of its padded stack, when the split is uneven)
   head_loss(head_params, y, targets[mb, s]) -> scalar     summed token loss
   """
+
   embed: Callable[[Params, jax.Array], jax.Array]
   chunk: Callable[[Params, jax.Array], jax.Array]
   head_loss: Callable[[Params, jax.Array, jax.Array], jax.Array]
@@ -76,6 +79,7 @@ class StageFns:
 def _varying(tree, axes=('pipe',)):
   """Marks values as varying over the manual `axes` (each device holds its
   own): fresh carries, and weights whose gradients must stay per device."""
+
   def cast(a):
     aval = jax.typeof(a)
     # jax 0.10 names the varying axes `manual_axis_type.varying`, older ones `vma`.
@@ -86,6 +90,7 @@ def _varying(tree, axes=('pipe',)):
     if not missing:
       return a
     return jax.lax.pcast(a, missing, to='varying')
+
   return jax.tree.map(cast, tree)
 
 
@@ -101,14 +106,24 @@ def _put(buffers, index, values):
   # A one-slot pool is replaced, not updated: XLA then keeps the new value's
   # buffer instead of copying it into the old one (one cut set less at the
   # peak of 1f1b, whose W follows its B at once).
-  return [v[None].astype(b.dtype) if b.shape[0] == 1 else b.at[index].set(v)
-          for b, v in zip(buffers, values)]
+  return [
+    v[None].astype(b.dtype) if b.shape[0] == 1 else b.at[index].set(v)
+    for b, v in zip(buffers, values)
+  ]
 
 
-def pipeline_loss_and_grad(fns: StageFns, program: 'lower_lib.Program', mesh: Mesh,
-                           act_shape: tuple[int, ...], act_dtype: Any, loss_scale: float,
-                           act_spec: P = P(), chunk_layers: tuple[int, ...] | None = None,
-                           data_axis: str | None = None, transfer_spec: P | None = None):
+def pipeline_loss_and_grad(
+  fns: StageFns,
+  program: lower_lib.Program,
+  mesh: Mesh,
+  act_shape: tuple[int, ...],
+  act_dtype: Any,
+  loss_scale: float,
+  act_spec: P = P(),
+  chunk_layers: tuple[int, ...] | None = None,
+  data_axis: str | None = None,
+  transfer_spec: P | None = None,
+):
   """Builds f(stage_params, embed_params, head_params, inputs, targets).
 
   Args:
@@ -149,8 +164,9 @@ def pipeline_loss_and_grad(fns: StageFns, program: 'lower_lib.Program', mesh: Me
   if data_axis:
     replicas = mesh.shape[data_axis]
     if act_shape[0] % replicas:
-      raise ValueError(f'micro-batch of {act_shape[0]} rows does not split over '
-                       f'{data_axis}={replicas}')
+      raise ValueError(
+        f'micro-batch of {act_shape[0]} rows does not split over {data_axis}={replicas}'
+      )
     act_shape = (act_shape[0] // replicas,) + tuple(act_shape[1:])
   # One spare slot at the end of the message pool takes the writes the table
   # marks as "nothing arrives" (-1), so arrivals need no branch.
@@ -158,8 +174,10 @@ def pipeline_loss_and_grad(fns: StageFns, program: 'lower_lib.Program', mesh: Me
   n_msg = program.slots['msg'] + 1
   n_stash, n_cut = program.slots['stash'], program.slots['cut']
   spare = lambda table: jnp.asarray(np.where(table < 0, n_msg - 1, table), jnp.int32)
-  tables = {name: jnp.asarray(np.maximum(program.table[name], 0), jnp.int32)
-            for name in ('kind', 'mb', 'chunk', 'local', 'src', 'loss', 'stash', 'cut')}
+  tables = {
+    name: jnp.asarray(np.maximum(program.table[name], 0), jnp.int32)
+    for name in ('kind', 'mb', 'chunk', 'local', 'src', 'loss', 'stash', 'cut')
+  }
   tables.update({f'recv{o}': spare(program.recv[o]) for o in program.offsets})
   if moves:
     tables['move_send'] = jnp.asarray(np.maximum(program.table['move_send'], 0), jnp.int32)
@@ -188,7 +206,7 @@ def pipeline_loss_and_grad(fns: StageFns, program: 'lower_lib.Program', mesh: Me
     return fns.head_loss(head_params, y, targets) * loss_scale
 
   def body(stage_params, embed_params, head_params, inputs, targets):
-    local = jax.tree.map(lambda a: a[0], stage_params)     # [v, layers_per_chunk, ...]
+    local = jax.tree.map(lambda a: a[0], stage_params)  # [v, layers_per_chunk, ...]
     # Replicated weights become per-device values here, outside any branch
     # and the scan: a vjp inside a branch w.r.t. a pipe-invariant value would
     # transpose into a psum over `pipe` that only some stages reach (a
@@ -212,11 +230,11 @@ def pipeline_loss_and_grad(fns: StageFns, program: 'lower_lib.Program', mesh: Me
     y_probe, vjp_probe = chunk_vjp(probe_params, x_zero, stage)
     res_leaves, treedef = jax.tree.flatten(vjp_probe)
     weights = jax.tree.leaves(probe_params)
-    weight_of = [next((j for j, w in enumerate(weights) if w is leaf), None)
-                 for leaf in res_leaves]
+    weight_of = [next((j for j, w in enumerate(weights) if w is leaf), None) for leaf in res_leaves]
     stash_shapes = [leaf for leaf, j in zip(res_leaves, weight_of) if j is None]
-    split = SplitBackward(lambda res, g: jax.tree.unflatten(treedef, res)(g),
-                          res_leaves, pin(y_probe.astype(act_dtype)))
+    split = SplitBackward(
+      lambda res, g: jax.tree.unflatten(treedef, res)(g), res_leaves, pin(y_probe.astype(act_dtype))
+    )
     cut_leaves, cut_tree = jax.tree.flatten(split.cut_shapes)
     info['residual_bytes'] = sum(s.size * s.dtype.itemsize for s in stash_shapes)
     info['cut_bytes'] = sum(s.size * s.dtype.itemsize for s in cut_leaves)
@@ -226,7 +244,8 @@ def pipeline_loss_and_grad(fns: StageFns, program: 'lower_lib.Program', mesh: Me
       # The probe's structure must hold for this trace too, or the stash would
       # silently pair residuals with the wrong slots.
       if len(leaves) != len(weight_of) or any(
-          j is not None and leaf is not weights[j] for leaf, j in zip(leaves, weight_of)):
+        j is not None and leaf is not weights[j] for leaf, j in zip(leaves, weight_of)
+      ):
         raise AssertionError('chunk vjp residuals differ from the probe trace')
       return [leaf for leaf, j in zip(leaves, weight_of) if j is None]
 
@@ -234,16 +253,15 @@ def pipeline_loss_and_grad(fns: StageFns, program: 'lower_lib.Program', mesh: Me
       weights, stashed = jax.tree.leaves(chunk_params), iter(stashed)
       return [next(stashed) if j is None else weights[j] for j in weight_of]
 
-    pool = lambda n, shapes: _varying([jnp.zeros((n,) + s.shape, s.dtype) for s in shapes],
-                                      manual)
+    pool = lambda n, shapes: _varying([jnp.zeros((n,) + s.shape, s.dtype) for s in shapes], manual)
     carry0 = dict(
-        msg=pin_buffer(_varying(jnp.zeros((n_msg,) + act_shape, act_dtype), manual)),
-        stash=pool(n_stash, stash_shapes),
-        cut=pool(n_cut, cut_leaves),
-        g_stage=_zeros_like_varying(local, manual),
-        g_embed=_zeros_like_varying(embed_params, manual),
-        g_head=_zeros_like_varying(head_params, manual),
-        loss=_varying(jnp.zeros((), jnp.float32), manual),
+      msg=pin_buffer(_varying(jnp.zeros((n_msg,) + act_shape, act_dtype), manual)),
+      stash=pool(n_stash, stash_shapes),
+      cut=pool(n_cut, cut_leaves),
+      g_stage=_zeros_like_varying(local, manual),
+      g_embed=_zeros_like_varying(embed_params, manual),
+      g_head=_zeros_like_varying(head_params, manual),
+      loss=_varying(jnp.zeros((), jnp.float32), manual),
     )
     if moves:
       carry0['landing'] = pool(1, stash_shapes)
@@ -253,18 +271,24 @@ def pipeline_loss_and_grad(fns: StageFns, program: 'lower_lib.Program', mesh: Me
     def forward(c, row):
       mb, chunk = row['mb'], row['chunk']
       chunk_params = _take(local, row['local'])
-      x = jax.lax.cond(chunk == 0,
-                       lambda: pin(fns.embed(embed_params, inputs[mb]).astype(act_dtype)),
-                       lambda: pin(c['msg'][row['src']]))
+      x = jax.lax.cond(
+        chunk == 0,
+        lambda: pin(fns.embed(embed_params, inputs[mb]).astype(act_dtype)),
+        lambda: pin(c['msg'][row['src']]),
+      )
       y, vjp_fn = chunk_vjp(chunk_params, x, chunk)
       c = dict(c, stash=_put(c['stash'], row['stash'], split_residuals(vjp_fn, chunk_params)))
 
       def loss_and_seed(c):
         loss, (g_head, dy) = jax.value_and_grad(scaled_head_loss, argnums=(0, 1))(
-            head_params, y, targets[mb])
-        return dict(c, loss=c['loss'] + loss,
-                    g_head=jax.tree.map(jnp.add, c['g_head'], g_head),
-                    msg=c['msg'].at[row['loss']].set(pin_message(dy.astype(act_dtype))))
+          head_params, y, targets[mb]
+        )
+        return dict(
+          c,
+          loss=c['loss'] + loss,
+          g_head=jax.tree.map(jnp.add, c['g_head'], g_head),
+          msg=c['msg'].at[row['loss']].set(pin_message(dy.astype(act_dtype))),
+        )
 
       c = jax.lax.cond(chunk == last_chunk, loss_and_seed, lambda c: c, c)
       return c, pin(y.astype(act_dtype))
@@ -278,8 +302,7 @@ def pipeline_loss_and_grad(fns: StageFns, program: 'lower_lib.Program', mesh: Me
       c = dict(c, cut=_put(c['cut'], row['cut'], jax.tree.leaves(cut)))
 
       def embed_backward(c):
-        _, embed_vjp = jax.vjp(lambda e: fns.embed(e, inputs[mb]).astype(act_dtype),
-                               embed_params)
+        _, embed_vjp = jax.vjp(lambda e: fns.embed(e, inputs[mb]).astype(act_dtype), embed_params)
         (g_embed,) = embed_vjp(dx.astype(act_dtype))
         return dict(c, g_embed=jax.tree.map(jnp.add, c['g_embed'], g_embed))
 
@@ -289,8 +312,9 @@ def pipeline_loss_and_grad(fns: StageFns, program: 'lower_lib.Program', mesh: Me
     def weight(c, row):
       cut = jax.tree.unflatten(cut_tree, [s[row['cut']] for s in c['cut']])
       g_chunk = split.w(residuals(c, row), cut)
-      c = dict(c, g_stage=jax.tree.map(lambda g, d: g.at[row['local']].add(d),
-                                       c['g_stage'], g_chunk))
+      c = dict(
+        c, g_stage=jax.tree.map(lambda g, d: g.at[row['local']].add(d), c['g_stage'], g_chunk)
+      )
       return c, x_zero
 
     def idle(c, row):
@@ -313,8 +337,9 @@ def pipeline_loss_and_grad(fns: StageFns, program: 'lower_lib.Program', mesh: Me
       # reader's pin() above all-gathers it.
       out = pin_message(out)
       for o in program.offsets:
-        arrived = out if o == 0 else jax.lax.ppermute(
-            out, 'pipe', [(i, (i + o) % p) for i in range(p)])
+        arrived = (
+          out if o == 0 else jax.lax.ppermute(out, 'pipe', [(i, (i + o) % p) for i in range(p)])
+        )
         msg = msg.at[row[f'recv{o}']].set(arrived)
       c = dict(c, msg=msg)
       if moves:
@@ -323,8 +348,11 @@ def pipeline_loss_and_grad(fns: StageFns, program: 'lower_lib.Program', mesh: Me
         # XLA:CPU (jax 0.10.2) mixed this ppermute's rendezvous up (NaN
         # gradients, or a check failure counting 5 participants of 4).
         sent = [s[row['move_send']] for s in c['stash']]
-        c = dict(c, landing=jax.lax.ppermute(sent, 'pipe', partner_pairs),
-                 landing_slot=_varying(row['move_recv'], manual))
+        c = dict(
+          c,
+          landing=jax.lax.ppermute(sent, 'pipe', partner_pairs),
+          landing_slot=_varying(row['move_recv'], manual),
+        )
       return c, None
 
     def land(c):
@@ -351,10 +379,14 @@ def pipeline_loss_and_grad(fns: StageFns, program: 'lower_lib.Program', mesh: Me
 
   rows = P(None, data_axis) if data_axis else P()
   run = jax.shard_map(
-      body, mesh=mesh, axis_names=set(manual),
-      in_specs=(P('pipe'), P(), P(), rows, rows),
-      out_specs=(P(), (P('pipe'), P(), P())))
+    body,
+    mesh=mesh,
+    axis_names=set(manual),
+    in_specs=(P('pipe'), P(), P(), rows, rows),
+    out_specs=(P(), (P('pipe'), P(), P())),
+  )
   return PipelineStep(run, info)
+
 
 class PipelineStep:
   """The shard_mapped pipeline function, with facts learnt when it is traced.

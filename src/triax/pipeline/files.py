@@ -40,8 +40,18 @@ from collections.abc import Callable, Sequence
 from triax.errors import ConfigError
 from triax.pipeline import lower as lower_lib
 from triax.pipeline import validate as validate_lib
-from triax.pipeline.ir import (BACKWARD, COPY_KINDS, EVICT, FORWARD, KINDS, LOAD, WEIGHT, Action,
-                               Schedule, ScheduleDeadlock)
+from triax.pipeline.ir import (
+  BACKWARD,
+  COPY_KINDS,
+  EVICT,
+  FORWARD,
+  KINDS,
+  LOAD,
+  WEIGHT,
+  Action,
+  Schedule,
+  ScheduleDeadlock,
+)
 
 KEY = 'pipeline.schedule_file'
 # The config keys the file's sizes are checked against; the CLI names its flags instead.
@@ -53,12 +63,26 @@ _TORCH_COMMS = ('SEND_F', 'RECV_F', 'SEND_B', 'RECV_B')
 _TORCH_CELL = re.compile(r'(\d+)([A-Za-z_]+)(\d*)')
 _OUR_CELL = re.compile(r'([A-Z]+)(\d+)\.(\d+)')
 _NEIGHBOUR = {FORWARD: BACKWARD, BACKWARD: FORWARD, WEIGHT: BACKWARD}
-_JSON_KEYS = ('name', 'stages', 'microbatches', 'virtual_stages', 'placement', 'partner',
-              'stash_cap', 'orders')
+_JSON_KEYS = (
+  'name',
+  'stages',
+  'microbatches',
+  'virtual_stages',
+  'placement',
+  'partner',
+  'stash_cap',
+  'orders',
+)
 
 
-def load(path: str, stages: int | None = None, microbatches: int | None = None,
-         virtual_stages: int | None = None, *, size_keys: Sequence[str] = SIZE_KEYS) -> Schedule:
+def load(
+  path: str,
+  stages: int | None = None,
+  microbatches: int | None = None,
+  virtual_stages: int | None = None,
+  *,
+  size_keys: Sequence[str] = SIZE_KEYS,
+) -> Schedule:
   """Reads a schedule (.csv: torch's compute-only CSV, .json: triax's).
 
   Args:
@@ -74,14 +98,18 @@ def load(path: str, stages: int | None = None, microbatches: int | None = None,
   """
   ext = os.path.splitext(path)[1].lower()
   if ext not in ('.csv', '.json'):
-    raise _error(path, f'unknown file type {ext or "(no extension)"}; name a .csv file '
-                 "(torch's compute-only CSV) or a .json file (triax's)")
+    raise _error(
+      path,
+      f'unknown file type {ext or "(no extension)"}; name a .csv file '
+      "(torch's compute-only CSV) or a .json file (triax's)",
+    )
   try:
     with open(path, encoding='utf-8', newline='') as f:
       text = f.read()
   except FileNotFoundError:
-    raise _error(path, 'no such file; check the path (relative paths start at the '
-                 'working directory)') from None
+    raise _error(
+      path, 'no such file; check the path (relative paths start at the working directory)'
+    ) from None
   except (OSError, UnicodeDecodeError) as e:
     raise _error(path, f'cannot read it ({type(e).__name__}: {e}); check the file') from None
   parse = _parse_csv if ext == '.csv' else _parse_json
@@ -105,9 +133,11 @@ def write_csv(schedule: Schedule, path: str) -> None:
   """
   copies = [a for order in schedule.orders for a in order if a.kind in COPY_KINDS]
   if copies:
-    raise ValueError(f'{schedule.name} moves residuals between stages ({copies[0]}, ...), '
-                     "which torch's compute-only CSV cannot hold; write triax's JSON "
-                     '(write_json) instead')
+    raise ValueError(
+      f'{schedule.name} moves residuals between stages ({copies[0]}, ...), '
+      "which torch's compute-only CSV cannot hold; write triax's JSON "
+      '(write_json) instead'
+    )
   backward = 'I' if schedule.split_backward else 'B'
   letter = {FORWARD: 'F', BACKWARD: backward, WEIGHT: 'W'}
   rows = [[] for _ in range(schedule.stages)]
@@ -122,11 +152,15 @@ def write_csv(schedule: Schedule, path: str) -> None:
 
 def write_json(schedule: Schedule, path: str) -> None:
   """Writes triax's JSON, one line per stage's order."""
-  head = {'name': schedule.name, 'stages': schedule.stages,
-          'microbatches': schedule.microbatches, 'virtual_stages': schedule.virtual_stages,
-          'placement': list(schedule.placement),
-          'partner': None if schedule.partner is None else list(schedule.partner),
-          'stash_cap': schedule.stash_cap}
+  head = {
+    'name': schedule.name,
+    'stages': schedule.stages,
+    'microbatches': schedule.microbatches,
+    'virtual_stages': schedule.virtual_stages,
+    'placement': list(schedule.placement),
+    'partner': None if schedule.partner is None else list(schedule.partner),
+    'stash_cap': schedule.stash_cap,
+  }
   lines = ['{'] + [f'  {json.dumps(k)}: {json.dumps(v)},' for k, v in head.items()]
   orders = [json.dumps([str(a) for a in order]) for order in schedule.orders]
   lines += ['  "orders": [', ',\n'.join(f'    {o}' for o in orders), '  ]', '}']
@@ -150,6 +184,7 @@ class _Cells:
     where: action -> (row, cell).
     spell: an action as the file writes it (torch's `1I3`, our `B3.1`).
   """
+
   path: str
   spell: Callable[[Action], str]
   where: dict[Action, tuple[int, int]] = dataclasses.field(default_factory=dict)
@@ -161,8 +196,12 @@ class _Cells:
   def add(self, action: Action, row: int, cell: int) -> None:
     if action in self.where:
       r, c = self.where[action]
-      raise self.error(row, cell, f'{self.spell(action)} appears twice (first at row {r}, '
-                       f'cell {c}); each action runs once, delete one')
+      raise self.error(
+        row,
+        cell,
+        f'{self.spell(action)} appears twice (first at row {r}, '
+        f'cell {c}); each action runs once, delete one',
+      )
     self.where[action] = (row, cell)
 
   def check_complete(self, schedule: Schedule) -> None:
@@ -177,41 +216,64 @@ class _Cells:
       row = schedule.stage_of(c)
       have = [a for a in (Action(k, j, c) for k in KINDS) if a in self.where]
       if not have:
-        raise self.error(row, None, f'never runs micro-batch {j} of chunk {c} (torch stage '
-                         f'{c}); every micro-batch runs F and a backward of every chunk')
+        raise self.error(
+          row,
+          None,
+          f'never runs micro-batch {j} of chunk {c} (torch stage '
+          f'{c}); every micro-batch runs F and a backward of every chunk',
+        )
       for kind in wanted:
         if Action(kind, j, c) not in self.where:
           # Point at the action next to the missing one: W's B, B's F, F's B.
           near = Action(_NEIGHBOUR[kind], j, c)
           cite = near if near in self.where else have[0]
-          raise self.error(*self.where[cite], f'{self.spell(cite)} has no '
-                           f'{self.spell(Action(kind, j, c))} anywhere; add it to row {row}')
+          raise self.error(
+            *self.where[cite],
+            f'{self.spell(cite)} has no '
+            f'{self.spell(Action(kind, j, c))} anywhere; add it to row {row}',
+          )
       evict, back = Action(EVICT, j, c), Action(LOAD, j, c)
       if (evict in self.where) != (back in self.where):
         there = evict if evict in self.where else back
-        raise self.error(*self.where[there], f'{self.spell(there)} has no '
-                         f'{self.spell(back if there == evict else evict)}; each set moved '
-                         'is evicted once and loaded back once')
+        raise self.error(
+          *self.where[there],
+          f'{self.spell(there)} has no '
+          f'{self.spell(back if there == evict else evict)}; each set moved '
+          'is evicted once and loaded back once',
+        )
 
 
 def _check_sizes(cells: _Cells, schedule: Schedule, config: dict[str, int | None]) -> None:
   """The file's p, m, v against the configured ones (None: anything goes)."""
   (pipe_key, p), (mb_key, m), (v_key, v) = config.items()
   if p is not None and schedule.stages != p:
-    raise _error(cells.path, f'{schedule.stages} rows (pipeline stages), but {pipe_key} is '
-                 f'{p}; set {pipe_key}={schedule.stages} or use a file for {p} stages')
+    raise _error(
+      cells.path,
+      f'{schedule.stages} rows (pipeline stages), but {pipe_key} is '
+      f'{p}; set {pipe_key}={schedule.stages} or use a file for {p} stages',
+    )
   if v is not None and schedule.virtual_stages != v:
-    raise _error(cells.path, f'each row runs {schedule.virtual_stages} chunk(s) (torch stages), '
-                 f'but {v_key} is {v}; set {v_key}={schedule.virtual_stages} or use a file '
-                 f'for {v} chunks per stage')
+    raise _error(
+      cells.path,
+      f'each row runs {schedule.virtual_stages} chunk(s) (torch stages), '
+      f'but {v_key} is {v}; set {v_key}={schedule.virtual_stages} or use a file '
+      f'for {v} chunks per stage',
+    )
   if m is not None and schedule.microbatches > m:
     a, (r, c) = next((a, rc) for a, rc in cells.where.items() if a.microbatch >= m)
-    raise cells.error(r, c, f'{cells.spell(a)} is micro-batch {a.microbatch}, but {mb_key} is '
-                      f'{m} (micro-batches 0..{m - 1}); set {mb_key}={schedule.microbatches} '
-                      f'or use a file for {m}')
+    raise cells.error(
+      r,
+      c,
+      f'{cells.spell(a)} is micro-batch {a.microbatch}, but {mb_key} is '
+      f'{m} (micro-batches 0..{m - 1}); set {mb_key}={schedule.microbatches} '
+      f'or use a file for {m}',
+    )
   if m is not None and schedule.microbatches < m:
-    raise _error(cells.path, f'runs micro-batches 0..{schedule.microbatches - 1} only, but '
-                 f'{mb_key} is {m}; set {mb_key}={schedule.microbatches} or use a file for {m}')
+    raise _error(
+      cells.path,
+      f'runs micro-batches 0..{schedule.microbatches - 1} only, but '
+      f'{mb_key} is {m}; set {mb_key}={schedule.microbatches} or use a file for {m}',
+    )
 
 
 def _check_runs(schedule: Schedule, cells: _Cells) -> None:
@@ -232,12 +294,17 @@ def _check_runs(schedule: Schedule, cells: _Cells) -> None:
     # added after a fused B), to point at its cell.
     head = next((a for a in stuck if a in cells.where), None)
     r, c = cells.where[head] if head else (int(waits[0][0]), None)
-    raise cells.error(r, c, f'{cells.spell(head) if head else waits[0][1]} and the other '
-                      f'stages\' next actions wait on each other (deadlock at lockstep tick '
-                      f'{tick[1] if tick else "?"}: ' +
-                      ', '.join(f'stage {s} waits on {cells.spell(a) if a else x}'
-                                for (s, x), a in zip(waits, stuck)) +
-                      '); reorder the rows so each action comes after what it needs') from None
+    raise cells.error(
+      r,
+      c,
+      f'{cells.spell(head) if head else waits[0][1]} and the other '
+      f"stages' next actions wait on each other (deadlock at lockstep tick "
+      f'{tick[1] if tick else "?"}: '
+      + ', '.join(
+        f'stage {s} waits on {cells.spell(a) if a else x}' for (s, x), a in zip(waits, stuck)
+      )
+      + '); reorder the rows so each action comes after what it needs',
+    ) from None
   except ValueError as e:  # residual copies the lockstep table cannot place
     raise _error(cells.path, f'{e}; move the EVICT/LOAD actions') from None
   problems = validate_lib.validate(schedule)
@@ -283,38 +350,60 @@ def _parse_csv(path: str, text: str, config: dict[str, int | None]) -> tuple[Sch
       other = {'B': 'IW', 'IW': 'B'}.get(family)
       if other and first[other] is not None:
         r0, c0 = first[other]
-        raise cells.error(r, c, f'{raw.strip()} mixes full backwards (B) with split ones (I and '
-                          f'W) (the other kind first at row {r0}, cell {c0}); use B throughout '
-                          'or I and W throughout (older torch wrote B where it now writes I)')
+        raise cells.error(
+          r,
+          c,
+          f'{raw.strip()} mixes full backwards (B) with split ones (I and '
+          f'W) (the other kind first at row {r0}, cell {c0}); use B throughout '
+          'or I and W throughout (older torch wrote B where it now writes I)',
+        )
       if family and first[family] is None:
         first[family] = (r, c)
       if a.chunk in home and home[a.chunk][0] != r:
         r0, c0 = home[a.chunk]
-        raise cells.error(r, c, f'{raw.strip()}: torch stage {a.chunk} is already on row {r0} '
-                          f'(cell {c0}); each stage (chunk) runs on one rank only')
+        raise cells.error(
+          r,
+          c,
+          f'{raw.strip()}: torch stage {a.chunk} is already on row {r0} '
+          f'(cell {c0}); each stage (chunk) runs on one rank only',
+        )
       home.setdefault(a.chunk, (r, c))
       letters[a] = letter
       cells.add(a, r, c)
       orders[r].append(a)
   if not home:
-    raise _error(path, 'no actions; want one row per rank of cells like 0F0 (torch stage 0, '
-                 'forward, micro-batch 0)')
+    raise _error(
+      path,
+      'no actions; want one row per rank of cells like 0F0 (torch stage 0, forward, micro-batch 0)',
+    )
   n = len(home)
   missing = next((k for k in range(n) if k not in home), None)
   if missing is not None:
     top = max(home)
-    raise cells.error(*home[top], f'torch stage {top} is here but no row runs stage {missing}; '
-                      f'stages (chunks) count 0..{n - 1} without gaps')
+    raise cells.error(
+      *home[top],
+      f'torch stage {top} is here but no row runs stage {missing}; '
+      f'stages (chunks) count 0..{n - 1} without gaps',
+    )
   per_row = [sorted(k for k, (r, _) in home.items() if r == row) for row in range(len(rows))]
   for r, chunks in enumerate(per_row):
     if len(chunks) != len(per_row[0]):
-      raise cells.error(r, None, f'runs torch stages {chunks} but row 0 runs {per_row[0]}; '
-                        'every rank holds the same number of stages (chunks)')
+      raise cells.error(
+        r,
+        None,
+        f'runs torch stages {chunks} but row 0 runs {per_row[0]}; '
+        'every rank holds the same number of stages (chunks)',
+      )
   p = len(rows)
   m = 1 + max(a.microbatch for a in cells.where)
-  schedule = Schedule(os.path.splitext(os.path.basename(path))[0], p, m, n // p,
-                      tuple(tuple(o) for o in orders),
-                      placement=tuple(home[k][0] for k in range(n)))
+  schedule = Schedule(
+    os.path.splitext(os.path.basename(path))[0],
+    p,
+    m,
+    n // p,
+    tuple(tuple(o) for o in orders),
+    placement=tuple(home[k][0] for k in range(n)),
+  )
   _check_sizes(cells, schedule, config)
   return schedule, cells
 
@@ -324,24 +413,41 @@ def _torch_cell(cells: _Cells, r: int, c: int, token: str) -> tuple[Action | Non
   if not token:
     return None, ''
   if token.startswith('('):
-    raise cells.error(r, c, f'{token} overlaps a forward with a backward (DualPipeV), which '
-                      'triax cannot run; write the two actions in separate cells')
+    raise cells.error(
+      r,
+      c,
+      f'{token} overlaps a forward with a backward (DualPipeV), which '
+      'triax cannot run; write the two actions in separate cells',
+    )
   m = _TORCH_CELL.fullmatch(token)
   if not m:
-    raise cells.error(r, c, f'bad cell {token!r}; want stage, kind, micro-batch like 5F2 '
-                      '(torch stage 5, forward, micro-batch 2) or an empty cell')
+    raise cells.error(
+      r,
+      c,
+      f'bad cell {token!r}; want stage, kind, micro-batch like 5F2 '
+      '(torch stage 5, forward, micro-batch 2) or an empty cell',
+    )
   stage, kind, microbatch = m.groups()
   if kind in _TORCH_SKIPPED:
     return None, ''
   if kind in _TORCH_COMMS:
-    raise cells.error(r, c, f'{token} is a communication action of torch\'s compute+comms '
-                      "format; write the compute-only CSV (_dump_csv(path, 'compute_only'))")
+    raise cells.error(
+      r,
+      c,
+      f"{token} is a communication action of torch's compute+comms "
+      "format; write the compute-only CSV (_dump_csv(path, 'compute_only'))",
+    )
   if kind not in _TORCH_KIND:
-    raise cells.error(r, c, f'{token}: unknown kind {kind!r}; want F (forward), B (full '
-                      'backward), I (input-gradient backward) or W (weight gradient)')
+    raise cells.error(
+      r,
+      c,
+      f'{token}: unknown kind {kind!r}; want F (forward), B (full '
+      'backward), I (input-gradient backward) or W (weight gradient)',
+    )
   if not microbatch:
-    raise cells.error(r, c, f'{token} names no micro-batch; write it after the kind, like '
-                      f'{stage}{kind}0')
+    raise cells.error(
+      r, c, f'{token} names no micro-batch; write it after the kind, like {stage}{kind}0'
+    )
   return Action(_TORCH_KIND[kind], int(microbatch), int(stage)), kind
 
 
@@ -352,8 +458,9 @@ def _parse_json(path: str, text: str, config: dict[str, int | None]) -> tuple[Sc
   try:
     doc = json.loads(text)
   except json.JSONDecodeError as e:
-    raise _error(path, f'not JSON (line {e.lineno}, column {e.colno}: {e.msg}); fix the '
-                 'syntax') from None
+    raise _error(
+      path, f'not JSON (line {e.lineno}, column {e.colno}: {e.msg}); fix the syntax'
+    ) from None
   if not isinstance(doc, dict):
     raise _error(path, 'want a JSON object with keys ' + ', '.join(_JSON_KEYS))
   unknown = sorted(set(doc) - set(_JSON_KEYS))
@@ -375,15 +482,24 @@ def _parse_json(path: str, text: str, config: dict[str, int | None]) -> tuple[Sc
   if doc.get('stash_cap') is not None and not _is_int(doc['stash_cap']):
     raise _error(path, f'stash_cap must be an integer or null; got {doc["stash_cap"]!r}')
   orders = doc['orders']
-  if not isinstance(orders, list) or len(orders) != p or not all(
-      isinstance(o, list) for o in orders):
+  if (
+    not isinstance(orders, list) or len(orders) != p or not all(isinstance(o, list) for o in orders)
+  ):
     raise _error(path, f'orders must be {p} lists (one per stage) of actions like "F0.0"')
   cells = _Cells(path, str)
-  shape = Schedule(str(doc.get('name') or os.path.splitext(os.path.basename(path))[0]), p, m, v,
-                   (), partner=tuple(partner) if partner else None,
-                   stash_cap=doc.get('stash_cap'), placement=placement)
-  parsed = [[_json_action(cells, shape, r, c, x) for c, x in enumerate(o)]
-            for r, o in enumerate(orders)]
+  shape = Schedule(
+    str(doc.get('name') or os.path.splitext(os.path.basename(path))[0]),
+    p,
+    m,
+    v,
+    (),
+    partner=tuple(partner) if partner else None,
+    stash_cap=doc.get('stash_cap'),
+    placement=placement,
+  )
+  parsed = [
+    [_json_action(cells, shape, r, c, x) for c, x in enumerate(o)] for r, o in enumerate(orders)
+  ]
   schedule = dataclasses.replace(shape, orders=tuple(tuple(o) for o in parsed))
   _check_sizes(cells, schedule, config)
   return schedule, cells
@@ -392,17 +508,28 @@ def _parse_json(path: str, text: str, config: dict[str, int | None]) -> tuple[Sc
 def _json_action(cells: _Cells, shape: Schedule, r: int, c: int, text) -> Action:
   a = _parse_ours(text) if isinstance(text, str) else None
   if a is None:
-    raise cells.error(r, c, f'bad action {text!r}; want kind, micro-batch.chunk like "F3.1" '
-                      f'(kinds {", ".join(KINDS)})')
+    raise cells.error(
+      r,
+      c,
+      f'bad action {text!r}; want kind, micro-batch.chunk like "F3.1" (kinds {", ".join(KINDS)})',
+    )
   if not 0 <= a.microbatch < shape.microbatches or not 0 <= a.chunk < shape.num_chunks:
-    raise cells.error(r, c, f'{a} is outside micro-batches 0..{shape.microbatches - 1} or '
-                      f'chunks 0..{shape.num_chunks - 1}')
+    raise cells.error(
+      r,
+      c,
+      f'{a} is outside micro-batches 0..{shape.microbatches - 1} or '
+      f'chunks 0..{shape.num_chunks - 1}',
+    )
   if a.kind in COPY_KINDS and shape.partner is None:
     raise cells.error(r, c, f'{a} moves residuals but the file gives no partner list')
   if shape.stage_of_action(a) != r:
-    raise cells.error(r, c, f'{a} runs on stage {shape.stage_of_action(a)} (chunk {a.chunk} is '
-                      f'on stage {shape.stage_of(a.chunk)}); move it to row '
-                      f'{shape.stage_of_action(a)}')
+    raise cells.error(
+      r,
+      c,
+      f'{a} runs on stage {shape.stage_of_action(a)} (chunk {a.chunk} is '
+      f'on stage {shape.stage_of(a.chunk)}); move it to row '
+      f'{shape.stage_of_action(a)}',
+    )
   cells.add(a, r, c)
   return a
 
@@ -416,8 +543,8 @@ def _int_list(path: str, doc: dict, key: str, length: int, below: int) -> list[i
   x = doc.get(key)
   if x is None:
     return None
-  if not isinstance(x, list) or len(x) != length or not all(
-      _is_int(i) and 0 <= i < below for i in x):
-    raise _error(path, f'{key} must be null or {length} stage numbers in 0..{below - 1}; '
-                 f'got {x!r}')
+  if (
+    not isinstance(x, list) or len(x) != length or not all(_is_int(i) and 0 <= i < below for i in x)
+  ):
+    raise _error(path, f'{key} must be null or {length} stage numbers in 0..{below - 1}; got {x!r}')
   return x

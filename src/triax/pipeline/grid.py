@@ -9,8 +9,9 @@ from triax.pipeline.ir import BACKWARD, COPY_KINDS, EVICT, FORWARD, LOAD, WEIGHT
 _SHORT = {EVICT: 'E', LOAD: 'L'}
 
 
-def format_grid(grid: Sequence[Sequence[Sequence[Action]]], stages: int,
-                partner: Sequence[int] | None = None) -> str:
+def format_grid(
+  grid: Sequence[Sequence[Sequence[Action]]], stages: int, partner: Sequence[int] | None = None
+) -> str:
   """An aligned table: a band of rows per stage, a column per tick.
 
   Each stage gets an F and a B row, a W row if any stage runs W, and an X
@@ -27,25 +28,27 @@ def format_grid(grid: Sequence[Sequence[Sequence[Action]]], stages: int,
       for s, cell in enumerate(row):
         for a in cell:
           if a.kind in COPY_KINDS:
-            arriving[t][partner[s]].append(
-                f'{_SHORT[a.kind].lower()}{a.microbatch}.{a.chunk}')
+            arriving[t][partner[s]].append(f'{_SHORT[a.kind].lower()}{a.microbatch}.{a.chunk}')
   rows = []  # (stage label, band, cell labels)
   for s in range(stages):
     for kind in bands:
-      cells = [','.join(str(a) for a in grid[t][s] if a.kind == kind) or '.'
-               for t in range(len(grid))]
+      cells = [
+        ','.join(str(a) for a in grid[t][s] if a.kind == kind) or '.' for t in range(len(grid))
+      ]
       rows.append((f's{s}' if kind == FORWARD else '', kind, cells))
     if copies:
-      cells = [','.join([f'{_SHORT[a.kind]}{a.microbatch}.{a.chunk}'
-                         for a in grid[t][s] if a.kind in COPY_KINDS] +
-                        arriving[t][s]) or '.' for t in range(len(grid))]
+      cells = [
+        ','.join(
+          [f'{_SHORT[a.kind]}{a.microbatch}.{a.chunk}' for a in grid[t][s] if a.kind in COPY_KINDS]
+          + arriving[t][s]
+        )
+        or '.'
+        for t in range(len(grid))
+      ]
       rows.append(('', 'X', cells))
-  width = max([len(x) for _, _, cells in rows for x in cells] +
-              [len(str(len(grid) - 1))])
+  width = max([len(x) for _, _, cells in rows for x in cells] + [len(str(len(grid) - 1))])
   label_width = len(f's{stages - 1}')
-  lines = [f'{"tick":<{label_width + 4}}' +
-           ' '.join(str(t).rjust(width) for t in range(len(grid)))]
+  lines = [f'{"tick":<{label_width + 4}}' + ' '.join(str(t).rjust(width) for t in range(len(grid)))]
   for label, kind, cells in rows:
-    lines.append(f'{label:<{label_width}} {kind}  ' +
-                 ' '.join(x.rjust(width) for x in cells))
+    lines.append(f'{label:<{label_width}} {kind}  ' + ' '.join(x.rjust(width) for x in cells))
   return '\n'.join(lines)

@@ -44,6 +44,7 @@ class Action:
     microbatch: micro-batch index, 0..m-1.
     chunk: global model chunk, 0..p*v-1 in layer order.
   """
+
   kind: str
   microbatch: int
   chunk: int
@@ -80,6 +81,7 @@ class Schedule:
     placement: placement[c] = the stage holding chunk c; every stage holds
       v chunks. None (the default) means Megatron's c mod p.
   """
+
   name: str
   stages: int
   microbatches: int
@@ -91,8 +93,7 @@ class Schedule:
 
   def __post_init__(self):
     if self.placement is None:
-      object.__setattr__(self, 'placement',
-                         interleaved_placement(self.stages, self.virtual_stages))
+      object.__setattr__(self, 'placement', interleaved_placement(self.stages, self.virtual_stages))
     else:
       object.__setattr__(self, 'placement', tuple(int(s) for s in self.placement))
 
@@ -134,8 +135,7 @@ class Schedule:
   @functools.cached_property
   def evicted(self) -> frozenset[tuple[int, int]]:
     """(micro-batch, chunk) pairs whose residuals are evicted."""
-    return frozenset((a.microbatch, a.chunk) for o in self.orders for a in o
-                     if a.kind == EVICT)
+    return frozenset((a.microbatch, a.chunk) for o in self.orders for a in o if a.kind == EVICT)
 
   @functools.cached_property
   def split_backward(self) -> bool:

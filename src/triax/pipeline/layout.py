@@ -16,7 +16,8 @@ between devices; checkpoints are written in model order so that any
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -30,46 +31,60 @@ LAYERS_KEY = 'layers'
 @dataclasses.dataclass(frozen=True)
 class StackLayout:
   """How the L layers are cut into p*v chunks and stored per stage."""
+
   stages: int
   virtual: int
-  counts: tuple[int, ...]   # layers of each chunk, in chunk (= model) order
-  placement: tuple[int, ...] | None = None   # stage of each chunk; None: c mod p
+  counts: tuple[int, ...]  # layers of each chunk, in chunk (= model) order
+  placement: tuple[int, ...] | None = None  # stage of each chunk; None: c mod p
 
   def __post_init__(self):
     if self.placement is None:
-      object.__setattr__(self, 'placement',
-                         tuple(c % self.stages for c in range(self.stages * self.virtual)))
+      object.__setattr__(
+        self, 'placement', tuple(c % self.stages for c in range(self.stages * self.virtual))
+      )
 
   @classmethod
-  def build(cls, num_layers: int, stages: int, virtual: int,
-            layers_per_stage: Sequence[int] = (),
-            placement: Sequence[int] | None = None) -> 'StackLayout':
+  def build(
+    cls,
+    num_layers: int,
+    stages: int,
+    virtual: int,
+    layers_per_stage: Sequence[int] = (),
+    placement: Sequence[int] | None = None,
+  ) -> StackLayout:
     layout = cls._build(num_layers, stages, virtual, layers_per_stage)
     if placement is None:
       return layout
     return dataclasses.replace(layout, placement=tuple(placement))
 
   @classmethod
-  def _build(cls, num_layers: int, stages: int, virtual: int,
-             layers_per_stage: Sequence[int] = ()) -> 'StackLayout':
+  def _build(
+    cls, num_layers: int, stages: int, virtual: int, layers_per_stage: Sequence[int] = ()
+  ) -> StackLayout:
     chunks = stages * virtual
     if not layers_per_stage:
       if num_layers % chunks:
-        raise ConfigError('model.num_layers',
-                          f'{num_layers} layers cannot be cut into mesh.pipe*pipeline.'
-                          f'virtual_stages = {stages}*{virtual} equal chunks; use a multiple of '
-                          f'{chunks} or set pipeline.layers_per_stage')
+        raise ConfigError(
+          'model.num_layers',
+          f'{num_layers} layers cannot be cut into mesh.pipe*pipeline.'
+          f'virtual_stages = {stages}*{virtual} equal chunks; use a multiple of '
+          f'{chunks} or set pipeline.layers_per_stage',
+        )
       return cls(stages, virtual, (num_layers // chunks,) * chunks)
     counts = tuple(layers_per_stage)
     if len(counts) != chunks:
-      raise ConfigError('pipeline.layers_per_stage',
-                        f'needs one count per model chunk (mesh.pipe*pipeline.virtual_stages = '
-                        f'{chunks}), got {len(counts)}')
+      raise ConfigError(
+        'pipeline.layers_per_stage',
+        f'needs one count per model chunk (mesh.pipe*pipeline.virtual_stages = '
+        f'{chunks}), got {len(counts)}',
+      )
     if any(not isinstance(n, int) or n < 1 for n in counts):
       raise ConfigError('pipeline.layers_per_stage', f'counts must be integers >= 1, got {counts}')
     if sum(counts) != num_layers:
-      raise ConfigError('pipeline.layers_per_stage',
-                        f'counts sum to {sum(counts)} but model.num_layers = {num_layers}')
+      raise ConfigError(
+        'pipeline.layers_per_stage',
+        f'counts sum to {sum(counts)} but model.num_layers = {num_layers}',
+      )
     return cls(stages, virtual, counts)
 
   @property
@@ -113,7 +128,7 @@ class StackLayout:
     """[L, ...] in model order -> [p, v, Lmax, ...]."""
     p, v = self.stages, self.virtual
     if self.even and self.interleaved:
-      x = stack.reshape((v, p, self.max_layers) + stack.shape[1:])   # chunk c = vi * p + d
+      x = stack.reshape((v, p, self.max_layers) + stack.shape[1:])  # chunk c = vi * p + d
       return jnp.swapaxes(x, 0, 1)
     padded = jnp.concatenate([stack, jnp.zeros_like(stack[:1])])
     return padded[self._index()]
@@ -124,17 +139,19 @@ class StackLayout:
       return jnp.swapaxes(stack, 0, 1).reshape((self.num_layers,) + stack.shape[3:])
     flat = stack.reshape((-1,) + stack.shape[3:])
     index = self._index().reshape(-1)
-    where = np.argsort(index, kind='stable')[:self.num_layers]   # slot of each model layer
+    where = np.argsort(index, kind='stable')[: self.num_layers]  # slot of each model layer
     return flat[where]
 
   def tree_to_pipeline(self, tree: Any) -> Any:
     """Applies `to_pipeline` to every leaf under a 'layers' key (params and Adam moments)."""
     return jax.tree_util.tree_map_with_path(
-        lambda path, a: self.to_pipeline(a) if _under_layers(path) else a, tree)
+      lambda path, a: self.to_pipeline(a) if _under_layers(path) else a, tree
+    )
 
   def tree_to_model_order(self, tree: Any) -> Any:
     return jax.tree_util.tree_map_with_path(
-        lambda path, a: self.to_model_order(a) if _under_layers(path) else a, tree)
+      lambda path, a: self.to_model_order(a) if _under_layers(path) else a, tree
+    )
 
 
 def _under_layers(path) -> bool:

@@ -40,9 +40,21 @@ from collections.abc import Sequence
 import numpy as np
 
 from triax.pipeline import grid as grid_lib
-from triax.pipeline.ir import (BACKWARD, COMPUTE_KINDS, COPY_KINDS, EVICT, FORWARD, KINDS, LOAD,
-                               WEIGHT, Action, Schedule, ScheduleDeadlock, dependencies,
-                               with_split_backward)
+from triax.pipeline.ir import (
+  BACKWARD,
+  COMPUTE_KINDS,
+  COPY_KINDS,
+  EVICT,
+  FORWARD,
+  KINDS,
+  LOAD,
+  WEIGHT,
+  Action,
+  Schedule,
+  ScheduleDeadlock,
+  dependencies,
+  with_split_backward,
+)
 
 # Values of the `kind` table.
 IDLE, RUN_F, RUN_B, RUN_W = range(4)
@@ -54,8 +66,7 @@ _LAND, _COMPUTE, _SEND, _RECV = range(4)
 _PHASES = 4
 
 # The per-tick tables every program has, [ticks, stages] int32 each; -1 = none.
-TABLES = ('kind', 'mb', 'chunk', 'local', 'src', 'loss', 'stash', 'cut',
-          'move_send', 'move_recv')
+TABLES = ('kind', 'mb', 'chunk', 'local', 'src', 'loss', 'stash', 'cut', 'move_send', 'move_recv')
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -88,6 +99,7 @@ class Program:
     peaks: buffer -> per stage, the most slots in use at once.
     partner: the partner pairing for residual moves, or None.
   """
+
   schedule: Schedule
   source: Schedule
   ticks: int
@@ -136,8 +148,9 @@ def lower(schedule: Schedule) -> Program:
   grid = [[[] for _ in range(run.stages)] for _ in range(ticks)]
   for a, t in at.items():
     grid[t][run.stage_of_action(a)].append(a)
-  grid = tuple(tuple(tuple(sorted(cell, key=lambda a: KINDS.index(a.kind))) for cell in row)
-               for row in grid)
+  grid = tuple(
+    tuple(tuple(sorted(cell, key=lambda a: KINDS.index(a.kind))) for cell in row) for row in grid
+  )
   slots, counts = _assign_slots(run, at)
   return _tabulate(run, schedule, grid, at, slots, counts)
 
@@ -163,7 +176,7 @@ def compute_ticks(schedule: Schedule) -> dict[Action, int]:
     if not ran:
       heads = [streams[s][nxt[s]] for s in range(p) if nxt[s] < len(streams[s])]
       if any(_waits_only_for_a_copy(a, schedule, at) for a in heads):
-        t += 1    # an idle tick: an evicted set comes back in the next one
+        t += 1  # an idle tick: an evicted set comes back in the next one
         continue
       heads = [[streams[s][nxt[s]]] if nxt[s] < len(streams[s]) else [] for s in range(p)]
       raise _deadlock(schedule, at, t, heads)
@@ -178,29 +191,35 @@ def compute_ticks(schedule: Schedule) -> dict[Action, int]:
 def _waits_only_for_a_copy(a: Action, schedule: Schedule, at: dict[Action, int]) -> bool:
   """True if `a`'s only missing input is residuals that are on their way back."""
   deps = dependencies(a, schedule)
-  return (any(d.kind in COPY_KINDS for d in deps) and
-          all(d in at for d in deps if d.kind not in COPY_KINDS))
+  return any(d.kind in COPY_KINDS for d in deps) and all(
+    d in at for d in deps if d.kind not in COPY_KINDS
+  )
 
 
 def _done_before(dep: Action, at: dict[Action, int], t: int) -> bool:
   if dep.kind in COPY_KINDS:
     # The residuals come back in time if their F is at least two ticks
     # before the B (checked when copies are placed).
-    return Action(FORWARD, dep.microbatch, dep.chunk) in at and \
-        at[Action(FORWARD, dep.microbatch, dep.chunk)] < t - 1
+    return (
+      Action(FORWARD, dep.microbatch, dep.chunk) in at
+      and at[Action(FORWARD, dep.microbatch, dep.chunk)] < t - 1
+    )
   return dep in at and at[dep] < t
 
 
-def _deadlock(schedule: Schedule, at: dict[Action, int], t: int,
-              heads: Sequence[Sequence[Action]]) -> ScheduleDeadlock:
+def _deadlock(
+  schedule: Schedule, at: dict[Action, int], t: int, heads: Sequence[Sequence[Action]]
+) -> ScheduleDeadlock:
   rows = [[[] for _ in range(schedule.stages)] for _ in range(t)]
   for a, tick in at.items():
     rows[tick][schedule.stage_of(a.chunk)].append(a)
-  waiting = [f'stage {s} waits on {" and ".join(map(str, h)) or "nothing"}'
-             for s, h in enumerate(heads)]
+  waiting = [
+    f'stage {s} waits on {" and ".join(map(str, h)) or "nothing"}' for s, h in enumerate(heads)
+  ]
   return ScheduleDeadlock(
-      f'{schedule.name}: lockstep lowering makes no progress at tick {t}; grid so far:\n'
-      f'{grid_lib.format_grid(rows, schedule.stages)}\n' + '\n'.join(waiting))
+    f'{schedule.name}: lockstep lowering makes no progress at tick {t}; grid so far:\n'
+    f'{grid_lib.format_grid(rows, schedule.stages)}\n' + '\n'.join(waiting)
+  )
 
 
 def _copy_ticks(schedule: Schedule, at: dict[Action, int]) -> dict[Action, int]:
@@ -233,8 +252,9 @@ def _copy_ticks(schedule: Schedule, at: dict[Action, int]) -> dict[Action, int]:
         break
     else:
       raise ValueError(
-          f'{schedule.name}: cannot evict {j}.{c}: its F (tick {tf}) and B (tick {tb}) '
-          'leave no tick for the residuals to come back')
+        f'{schedule.name}: cannot evict {j}.{c}: its F (tick {tf}) and B (tick {tb}) '
+        'leave no tick for the residuals to come back'
+      )
     placed[Action(LOAD, j, c)] = t
     busy.add((sender, t))
   return placed
@@ -273,13 +293,15 @@ def _intervals(schedule: Schedule, at: dict[Action, int]) -> dict:
       out[(s, 'stash')].append((_time(tf, _COMPUTE), freed, (j, c, 0)))
     out[(s, 'cut')].append((_time(tb, _COMPUTE), freed, (j, c)))
     if c > 0:
-      out[(s, 'msg')].append((_time(at[Action(FORWARD, j, c - 1)], _RECV),
-                              _time(tf, _COMPUTE), ('x', j, c)))
+      out[(s, 'msg')].append(
+        (_time(at[Action(FORWARD, j, c - 1)], _RECV), _time(tf, _COMPUTE), ('x', j, c))
+      )
     # The last chunk's F writes its loss gradient while it computes; it must
     # not take the slot its own input is read from, so it counts from just
     # after the read.
-    written = (_time(tf, _COMPUTE) + 0.5 if c == last else
-               _time(at[Action(BACKWARD, j, c + 1)], _RECV))
+    written = (
+      _time(tf, _COMPUTE) + 0.5 if c == last else _time(at[Action(BACKWARD, j, c + 1)], _RECV)
+    )
     out[(s, 'msg')].append((written, _time(tb, _COMPUTE), ('g', j, c)))
   return out
 
@@ -313,8 +335,9 @@ def _assign_slots(schedule: Schedule, at: dict[Action, int]) -> tuple[dict, dict
   return slots, counts
 
 
-def _tabulate(run: Schedule, source: Schedule, grid: tuple, at: dict[Action, int],
-              slot: dict, counts: dict) -> Program:
+def _tabulate(
+  run: Schedule, source: Schedule, grid: tuple, at: dict[Action, int], slot: dict, counts: dict
+) -> Program:
   p, last, ticks = run.stages, run.num_chunks - 1, len(grid)
   table = {name: np.full((ticks, p), -1, np.int32) for name in TABLES}
   table['kind'][:] = IDLE
@@ -367,10 +390,16 @@ def _tabulate(run: Schedule, source: Schedule, grid: tuple, at: dict[Action, int
     return max([1] + [counts[(s, buf)] for s in range(p)])
 
   return Program(
-      schedule=run, source=source, ticks=ticks, grid=grid, table=table, recv=recv,
-      slots={buf: most(buf) for buf in ('msg', 'stash', 'cut')},
-      peaks={buf: tuple(counts[(s, buf)] for s in range(p)) for buf in ('msg', 'stash', 'cut')},
-      partner=run.partner if run.evicted else None)
+    schedule=run,
+    source=source,
+    ticks=ticks,
+    grid=grid,
+    table=table,
+    recv=recv,
+    slots={buf: most(buf) for buf in ('msg', 'stash', 'cut')},
+    peaks={buf: tuple(counts[(s, buf)] for s in range(p)) for buf in ('msg', 'stash', 'cut')},
+    partner=run.partner if run.evicted else None,
+  )
 
 
 def transfers_per_step(program: Program) -> dict:
@@ -387,5 +416,8 @@ def transfers_per_step(program: Program) -> dict:
       for a in cell:
         if a.kind in sent:
           sent[a.kind][s] += 1
-  return {'evictions': tuple(sent[EVICT]), 'loads': tuple(sent[LOAD]),
-          'total': sum(sent[EVICT]) + sum(sent[LOAD])}
+  return {
+    'evictions': tuple(sent[EVICT]),
+    'loads': tuple(sent[LOAD]),
+    'total': sum(sent[EVICT]) + sum(sent[LOAD]),
+  }

@@ -13,11 +13,11 @@ from triax.pipeline.schedule import Program, Schedule
 
 # Colour per action kind; darker shades mark later local chunks.
 _COLOURS = {
-    sched.FORWARD: (0.30, 0.45, 0.69),
-    sched.BACKWARD: (0.33, 0.66, 0.41),
-    sched.WEIGHT: (0.87, 0.52, 0.32),
-    sched.EVICT: (0.51, 0.38, 0.70),
-    sched.LOAD: (0.80, 0.33, 0.47),
+  sched.FORWARD: (0.30, 0.45, 0.69),
+  sched.BACKWARD: (0.33, 0.66, 0.41),
+  sched.WEIGHT: (0.87, 0.52, 0.32),
+  sched.EVICT: (0.51, 0.38, 0.70),
+  sched.LOAD: (0.80, 0.33, 0.47),
 }
 
 
@@ -31,15 +31,15 @@ def text_grid(program: Program) -> str:
   partner at the end of the tick and `e3.0`/`l3.0` receive one.
   """
   s = program.schedule
-  head = (f'{s.name}: stages={s.stages} microbatches={s.microbatches} '
-          f'virtual_stages={s.virtual_stages}, {program.ticks} lockstep ticks '
-          '(cell = kind micro-batch.chunk)')
-  return head + '\n' + sched.format_grid(program.grid, s.stages,
-                                         program.partner)
+  head = (
+    f'{s.name}: stages={s.stages} microbatches={s.microbatches} '
+    f'virtual_stages={s.virtual_stages}, {program.ticks} lockstep ticks '
+    '(cell = kind micro-batch.chunk)'
+  )
+  return head + '\n' + sched.format_grid(program.grid, s.stages, program.partner)
 
 
-def gantt_png(schedule: Schedule, program: Program,
-              costs: simulate.CostsLike, path: str) -> None:
+def gantt_png(schedule: Schedule, program: Program, costs: simulate.CostsLike, path: str) -> None:
   """Writes a two-panel Gantt chart: lockstep (executor) and asynchronous.
 
   Boxes are coloured by kind, shaded by local chunk, and labelled with the
@@ -51,12 +51,10 @@ def gantt_png(schedule: Schedule, program: Program,
   from matplotlib.figure import Figure
   from matplotlib.patches import Patch
 
-  results = (simulate.simulate_lockstep(program, costs),
-             simulate.simulate_async(schedule, costs))
+  results = (simulate.simulate_lockstep(program, costs), simulate.simulate_async(schedule, costs))
   longest = max(r.total_time for r in results)
   n = sum(len(o) for o in schedule.orders) / schedule.stages
-  fig = Figure(figsize=(min(40.0, max(8.0, 0.3 * n)),
-                        1.2 + 0.9 * schedule.stages))
+  fig = Figure(figsize=(min(40.0, max(8.0, 0.3 * n)), 1.2 + 0.9 * schedule.stages))
   FigureCanvasAgg(fig)
   axes = fig.subplots(2, 1, sharex=True)
   for ax, result in zip(axes, results):
@@ -64,10 +62,14 @@ def gantt_png(schedule: Schedule, program: Program,
     ax.set_xlim(0, longest * 1.01 if longest > 0 else 1)
   axes[-1].set_xlabel('time')
   kinds = {a.kind for order in schedule.orders for a in order}
-  fig.legend(handles=[Patch(color=_COLOURS[k], label=k) for k in _COLOURS
-                      if k in kinds], loc='upper right', fontsize=8)
-  fig.suptitle(f'{schedule.name}: p={schedule.stages} '
-               f'm={schedule.microbatches} v={schedule.virtual_stages}')
+  fig.legend(
+    handles=[Patch(color=_COLOURS[k], label=k) for k in _COLOURS if k in kinds],
+    loc='upper right',
+    fontsize=8,
+  )
+  fig.suptitle(
+    f'{schedule.name}: p={schedule.stages} m={schedule.microbatches} v={schedule.virtual_stages}'
+  )
   fig.tight_layout()
   fig.savefig(path, dpi=100)
 
@@ -79,34 +81,46 @@ def _draw(ax, result: simulate.Result) -> None:
     width = span.end - span.start
     copy = a.kind in sched.COPY_KINDS
     # Copies share the row with compute they overlap: a band below it.
-    low, height = (span.stage + 0.2, 0.25) if copy else (span.stage - 0.4,
-                                                         0.6)
-    ax.broken_barh([(span.start, width)], (low, height),
-                   facecolors=_shade(a.kind, s.local_of(a.chunk),
-                                     s.virtual_stages),
-                   edgecolors='white', linewidth=0.5)
+    low, height = (span.stage + 0.2, 0.25) if copy else (span.stage - 0.4, 0.6)
+    ax.broken_barh(
+      [(span.start, width)],
+      (low, height),
+      facecolors=_shade(a.kind, s.local_of(a.chunk), s.virtual_stages),
+      edgecolors='white',
+      linewidth=0.5,
+    )
     if not copy:
-      ax.text(span.start + width / 2, low + height / 2, str(a.microbatch),
-              ha='center', va='center', fontsize=7, color='white')
-  title = {'lockstep': 'lockstep (what the executor runs)',
-           'async': 'asynchronous (the papers\' model)'}[result.model]
+      ax.text(
+        span.start + width / 2,
+        low + height / 2,
+        str(a.microbatch),
+        ha='center',
+        va='center',
+        fontsize=7,
+        color='white',
+      )
+  title = {
+    'lockstep': 'lockstep (what the executor runs)',
+    'async': "asynchronous (the papers' model)",
+  }[result.model]
   ticks = f', {result.ticks} ticks' if result.ticks is not None else ''
-  ax.set_title(f'{title}: time {result.total_time:g}{ticks}, bubble '
-               f'{result.bubble_fraction:.1%}, peak in-flight '
-               f'{list(result.peak_inflight)}', fontsize=9)
+  ax.set_title(
+    f'{title}: time {result.total_time:g}{ticks}, bubble '
+    f'{result.bubble_fraction:.1%}, peak in-flight '
+    f'{list(result.peak_inflight)}',
+    fontsize=9,
+  )
   ax.set_yticks(range(s.stages), [f'stage {i}' for i in range(s.stages)])
   ax.set_ylim(s.stages - 0.5, -0.5)
 
 
-def _shade(kind: str, local_chunk: int,
-           virtual_stages: int) -> tuple[float, float, float]:
+def _shade(kind: str, local_chunk: int, virtual_stages: int) -> tuple[float, float, float]:
   r, g, b = _COLOURS.get(kind, (0.5, 0.5, 0.5))
   darken = 1.0 - 0.45 * local_chunk / max(1, virtual_stages - 1)
   return (r * darken, g * darken, b * darken)
 
 
-def chrome_trace(result: simulate.Result,
-                 time_scale: float = 1e6) -> dict:
+def chrome_trace(result: simulate.Result, time_scale: float = 1e6) -> dict:
   """The timeline in Chrome's trace event format (chrome://tracing,
   Perfetto): one thread per stage, one complete event per action.
 
@@ -120,31 +134,46 @@ def chrome_trace(result: simulate.Result,
   """
   s = result.schedule
   copies = any(x.action.kind in sched.COPY_KINDS for x in result.timeline)
-  events: list[dict] = [{
-      'name': 'process_name', 'ph': 'M', 'pid': 0,
-      'args': {'name': f'{s.name} ({result.model})'}}]
-  events += [{'name': 'thread_name', 'ph': 'M', 'pid': 0, 'tid': stage,
-              'args': {'name': f'stage {stage}'}}
-             for stage in range(s.stages)]
+  events: list[dict] = [
+    {'name': 'process_name', 'ph': 'M', 'pid': 0, 'args': {'name': f'{s.name} ({result.model})'}}
+  ]
+  events += [
+    {'name': 'thread_name', 'ph': 'M', 'pid': 0, 'tid': stage, 'args': {'name': f'stage {stage}'}}
+    for stage in range(s.stages)
+  ]
   if copies:
-    events += [{'name': 'thread_name', 'ph': 'M', 'pid': 0,
-                'tid': s.stages + stage,
-                'args': {'name': f'stage {stage} copy'}}
-               for stage in range(s.stages)]
+    events += [
+      {
+        'name': 'thread_name',
+        'ph': 'M',
+        'pid': 0,
+        'tid': s.stages + stage,
+        'args': {'name': f'stage {stage} copy'},
+      }
+      for stage in range(s.stages)
+    ]
   for span in result.timeline:
     a = span.action
     tid = span.stage + (s.stages if a.kind in sched.COPY_KINDS else 0)
-    events.append({
-        'name': str(a), 'cat': a.kind, 'ph': 'X', 'pid': 0,
-        'tid': tid, 'ts': span.start * time_scale,
+    events.append(
+      {
+        'name': str(a),
+        'cat': a.kind,
+        'ph': 'X',
+        'pid': 0,
+        'tid': tid,
+        'ts': span.start * time_scale,
         'dur': (span.end - span.start) * time_scale,
-        'args': {'microbatch': a.microbatch, 'chunk': a.chunk,
-                 'local_chunk': s.local_of(a.chunk)}})
-  return {'traceEvents': events, 'displayTimeUnit': 'ms',
-          'otherData': _summary(result)}
+        'args': {'microbatch': a.microbatch, 'chunk': a.chunk, 'local_chunk': s.local_of(a.chunk)},
+      }
+    )
+  return {'traceEvents': events, 'displayTimeUnit': 'ms', 'otherData': _summary(result)}
 
 
 def _summary(result: simulate.Result) -> dict:
-  return {'model': result.model, 'total_time': result.total_time,
-          'bubble_fraction': result.bubble_fraction,
-          'peak_inflight': list(result.peak_inflight)}
+  return {
+    'model': result.model,
+    'total_time': result.total_time,
+    'bubble_fraction': result.bubble_fraction,
+    'peak_inflight': list(result.peak_inflight),
+  }

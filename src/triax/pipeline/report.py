@@ -13,19 +13,16 @@ import sys
 from typing import TextIO
 
 from triax.errors import ConfigError
-from triax.pipeline import files
-from triax.pipeline import render
+from triax.pipeline import files, render, simulate, validate
 from triax.pipeline import schedule as sched
-from triax.pipeline import simulate
-from triax.pipeline import validate
 
 # Builder errors name config keys; on the command line we name the flag.
 _FLAG_OF_KEY = {
-    'pipeline.schedule': '--schedule',
-    'pipeline.schedule_file': '--schedule_file',
-    'mesh.pipe': '--stages',
-    'pipeline.microbatches': '--microbatches',
-    'pipeline.virtual_stages': '--virtual_stages',
+  'pipeline.schedule': '--schedule',
+  'pipeline.schedule_file': '--schedule_file',
+  'mesh.pipe': '--stages',
+  'pipeline.microbatches': '--microbatches',
+  'pipeline.virtual_stages': '--virtual_stages',
 }
 
 
@@ -40,10 +37,13 @@ class Request:
     virtual_stages: model chunks per stage v; likewise.
     t_forward: forward time of one micro-batch through one stage.
     t_backward: backward time likewise (the input-gradient part only for
-      schedules that split the backward, see `simulate.Costs`).
+      schedules that split the backward, see `simulate.Costs`); None: 2 for
+      a fused backward (twice the forward), 1 for a split one.
     t_transfer: time to send one activation or gradient to a neighbour.
     t_weight: weight-gradient (W) time, for schedules that split the
-      backward (zb_h1); the default 1 is ZB-H1's t_F = t_B = t_W.
+      backward (zb_h1), or the part of a fused backward the lowering's W
+      takes; None: 1 when split (ZB-H1's t_F = t_B = t_W), half the
+      backward when fused.
     t_evict: time to move one residual set to or from the partner (bpipe).
     plot: PNG path for the Gantt chart, or None.
     schedule_file: a schedule file (see `files.load`) to analyse instead of
@@ -51,15 +51,16 @@ class Request:
     write_csv: path to write the schedule to as torch's compute-only CSV, or
       None.
   """
+
   schedule: str = '1f1b'
   stages: int | None = 4
   microbatches: int | None = 8
   virtual_stages: int | None = 1
   t_forward: float = 1.0
-  t_backward: float = 1.0
+  t_backward: float | None = None
   t_transfer: float = 0.0
   plot: str | None = None
-  t_weight: float = 1.0
+  t_weight: float | None = None
   t_evict: float = 0.0
   schedule_file: str | None = None
   write_csv: str | None = None
@@ -68,6 +69,7 @@ class Request:
 @dataclasses.dataclass(frozen=True)
 class Analysis:
   """Everything computed for one request."""
+
   request: Request
   costs: simulate.Costs
   schedule: sched.Schedule
@@ -84,37 +86,52 @@ def analyse(request: Request) -> Analysis:
     ConfigError: for invalid flags or a bad schedule file, keyed by the flag
       name.
   """
-  costs = _costs(request)
+  _costs(request, split=False)  # bad numbers fail before any file is read
   try:
     if request.schedule_file:
-      schedule = files.load(request.schedule_file, request.stages, request.microbatches,
-                            request.virtual_stages,
-                            size_keys=[_FLAG_OF_KEY[k] for k in files.SIZE_KEYS])
+      schedule = files.load(
+        request.schedule_file,
+        request.stages,
+        request.microbatches,
+        request.virtual_stages,
+        size_keys=[_FLAG_OF_KEY[k] for k in files.SIZE_KEYS],
+      )
     else:
-      schedule = sched.build(request.schedule, request.stages,
-                             request.microbatches, request.virtual_stages)
+      schedule = sched.build(
+        request.schedule, request.stages, request.microbatches, request.virtual_stages
+      )
   except ConfigError as e:
     raise ConfigError(_FLAG_OF_KEY.get(e.key, e.key), e.message) from None
   program = sched.lower(schedule)
-  return Analysis(request=request, costs=costs, schedule=schedule,
-                  program=program,
-                  problems=tuple(validate.validate(schedule, program)),
-                  lockstep=simulate.simulate_lockstep(program, costs),
-                  asynchronous=simulate.simulate_async(schedule, costs))
+  costs = _costs(request, schedule.split_backward)
+  return Analysis(
+    request=request,
+    costs=costs,
+    schedule=schedule,
+    program=program,
+    problems=tuple(validate.validate(schedule, program)),
+    lockstep=simulate.simulate_lockstep(program, costs),
+    asynchronous=simulate.simulate_async(schedule, costs),
+  )
 
 
-def _costs(request: Request) -> simulate.Costs:
-  for name in ('t_forward', 't_backward', 't_transfer', 't_weight',
-               't_evict'):
+def _costs(request: Request, split: bool) -> simulate.Costs:
+  request = dataclasses.replace(
+    request,
+    t_backward=(1.0 if split else 2.0) if request.t_backward is None else request.t_backward,
+    t_weight=(1.0 if split else 0.0) if request.t_weight is None else request.t_weight,
+  )
+  for name in ('t_forward', 't_backward', 't_transfer', 't_weight', 't_evict'):
     value = getattr(request, name)
     if not value >= 0 or value == float('inf'):
-      raise ConfigError(f'--{name}', f'must be a finite number >= 0; got '
-                        f'{value}')
-  return simulate.Costs(t_forward=request.t_forward,
-                        t_backward=request.t_backward,
-                        t_weight=request.t_weight,
-                        t_transfer=request.t_transfer,
-                        t_evict=request.t_evict)
+      raise ConfigError(f'--{name}', f'must be a finite number >= 0; got {value}')
+  return simulate.Costs(
+    t_forward=request.t_forward,
+    t_backward=request.t_backward,
+    t_weight=request.t_weight,
+    t_transfer=request.t_transfer,
+    t_evict=request.t_evict,
+  )
 
 
 def summary(analysis: Analysis) -> dict:
@@ -130,40 +147,44 @@ def summary(analysis: Analysis) -> dict:
   s, program = analysis.schedule, analysis.program
   moved = sched.transfers_per_step(program)
   out = {
-      'schedule': s.name,
-      'stages': s.stages,
-      'microbatches': s.microbatches,
-      'virtual_stages': s.virtual_stages,
-      'placement': list(s.placement),
-      'ticks': program.ticks,
-      'bubble_fraction': analysis.lockstep.bubble_fraction,
-      'peak_inflight': list(analysis.lockstep.peak_inflight),
-      'valid': not analysis.problems,
-      'problems': list(analysis.problems),
-      'models': {
-          'lockstep': _model(analysis.lockstep),
-          'async': _model(analysis.asynchronous),
-      },
-      'slots': dict(program.slots),
-      'peaks': {buf: list(peaks) for buf, peaks in program.peaks.items()},
-      'stash_cap': s.stash_cap,
-      'split_backward': program.split_backward,
-      'residual_sets_moved': moved['total'],
+    'schedule': s.name,
+    'stages': s.stages,
+    'microbatches': s.microbatches,
+    'virtual_stages': s.virtual_stages,
+    'placement': list(s.placement),
+    'ticks': program.ticks,
+    'bubble_fraction': analysis.lockstep.bubble_fraction,
+    'peak_inflight': list(analysis.lockstep.peak_inflight),
+    'valid': not analysis.problems,
+    'problems': list(analysis.problems),
+    'models': {
+      'lockstep': _model(analysis.lockstep),
+      'async': _model(analysis.asynchronous),
+    },
+    'slots': dict(program.slots),
+    'peaks': {buf: list(peaks) for buf, peaks in program.peaks.items()},
+    'stash_cap': s.stash_cap,
+    'split_backward': program.split_backward,
+    'residual_sets_moved': moved['total'],
   }
   if analysis.request.schedule_file:
     out['schedule_file'] = analysis.request.schedule_file
   if s.partner is not None:
     out['partner'] = list(s.partner)
-    out['transfers_per_step'] = {'evictions': list(moved['evictions']),
-                                 'loads': list(moved['loads']),
-                                 'total': moved['total']}
+    out['transfers_per_step'] = {
+      'evictions': list(moved['evictions']),
+      'loads': list(moved['loads']),
+      'total': moved['total'],
+    }
   return out
 
 
 def _model(result: simulate.Result) -> dict:
-  out = {'total_time': result.total_time,
-         'bubble_fraction': result.bubble_fraction,
-         'peak_inflight': list(result.peak_inflight)}
+  out = {
+    'total_time': result.total_time,
+    'bubble_fraction': result.bubble_fraction,
+    'peak_inflight': list(result.peak_inflight),
+  }
   if result.ticks is not None:
     out['ticks'] = result.ticks
   return out
@@ -173,33 +194,39 @@ def text(analysis: Analysis) -> str:
   """The grid and a few summary lines, for people."""
   lock, asy = analysis.lockstep, analysis.asynchronous
   program = analysis.program
-  lines = [render.text_grid(program), '',
-           f'lockstep (the executor): {program.ticks} ticks, time '
-           f'{lock.total_time:g}, bubble {lock.bubble_fraction:.2%}, peak '
-           f'in-flight per stage {list(lock.peak_inflight)}',
-           f'asynchronous (the papers): time {asy.total_time:g}, bubble '
-           f'{asy.bubble_fraction:.2%}, peak in-flight per stage '
-           f'{list(asy.peak_inflight)}',
-           'buffer slots per stage: ' +
-           ', '.join(f'{buf} {n}' for buf, n in program.slots.items()) +
-           ' (in-flight counts micro-batch-chunks, each 1/v of a stage)']
+  lines = [
+    render.text_grid(program),
+    '',
+    f'lockstep (the executor): {program.ticks} ticks, time '
+    f'{lock.total_time:g}, bubble {lock.bubble_fraction:.2%}, peak '
+    f'in-flight per stage {list(lock.peak_inflight)}',
+    f'asynchronous (the papers): time {asy.total_time:g}, bubble '
+    f'{asy.bubble_fraction:.2%}, peak in-flight per stage '
+    f'{list(asy.peak_inflight)}',
+    'buffer slots per stage: '
+    + ', '.join(f'{buf} {n}' for buf, n in program.slots.items())
+    + ' (in-flight counts micro-batch-chunks, each 1/v of a stage)',
+  ]
   if program.split_backward:
     costs = analysis.costs
-    lines.append(f'backward split into B (t_backward={costs.t_backward:g}) '
-                 f'and W (t_weight={costs.t_weight:g})')
+    lines.append(
+      f'backward split into B (t_backward={costs.t_backward:g}) and W (t_weight={costs.t_weight:g})'
+    )
   if analysis.schedule.partner is not None:
     moved = sched.transfers_per_step(program)
-    lines.append(f'stash cap {analysis.schedule.stash_cap}; residual sets '
-                 f'moved per step {moved["total"]} (evictions per stage '
-                 f'{list(moved["evictions"])}, loads per stage '
-                 f'{list(moved["loads"])}); bytes = sets x one stash slot')
-  lines.append('valid' if not analysis.problems else
-               'INVALID:\n  ' + '\n  '.join(analysis.problems))
+    lines.append(
+      f'stash cap {analysis.schedule.stash_cap}; residual sets '
+      f'moved per step {moved["total"]} (evictions per stage '
+      f'{list(moved["evictions"])}, loads per stage '
+      f'{list(moved["loads"])}); bytes = sets x one stash slot'
+    )
+  lines.append(
+    'valid' if not analysis.problems else 'INVALID:\n  ' + '\n  '.join(analysis.problems)
+  )
   return '\n'.join(lines)
 
 
-def run(request: Request, as_json: bool = False,
-        out: TextIO | None = None) -> dict:
+def run(request: Request, as_json: bool = False, out: TextIO | None = None) -> dict:
   """Analyses, writes the plot if asked, prints text or one JSON object.
 
   Returns:
@@ -222,8 +249,7 @@ def run(request: Request, as_json: bool = False,
       raise ConfigError('--write_csv', str(e)) from None
     report['csv'] = request.write_csv
   if request.plot is not None:
-    render.gantt_png(analysis.schedule, analysis.program, analysis.costs,
-                     request.plot)
+    render.gantt_png(analysis.schedule, analysis.program, analysis.costs, request.plot)
     report['plot'] = request.plot
   if as_json:
     print(json.dumps(report), file=out)

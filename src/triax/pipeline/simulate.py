@@ -68,6 +68,7 @@ class Costs:
     t_evict: moving one stage's residual set for one micro-batch to or from
       its partner (BPipe EVICT or LOAD); a chunk's set takes t_evict / v.
   """
+
   t_forward: float = 1.0
   t_backward: float = 1.0
   t_weight: float = 0.0
@@ -77,18 +78,18 @@ class Costs:
   def __post_init__(self):
     for field in dataclasses.fields(self):
       value = getattr(self, field.name)
-      if not (isinstance(value, numbers.Real) and math.isfinite(value) and
-              value >= 0):
-        raise ValueError(f'Costs.{field.name} must be a finite number >= 0; '
-                         f'got {value!r}')
+      if not (isinstance(value, numbers.Real) and math.isfinite(value) and value >= 0):
+        raise ValueError(f'Costs.{field.name} must be a finite number >= 0; got {value!r}')
 
   def of(self, kind: str, virtual_stages: int) -> float:
     """Duration of one chunk action of this kind, as the schedule has it."""
-    per_stage = {sched.FORWARD: self.t_forward,
-                 sched.BACKWARD: self.t_backward,
-                 sched.WEIGHT: self.t_weight,
-                 sched.EVICT: self.t_evict,
-                 sched.LOAD: self.t_evict}
+    per_stage = {
+      sched.FORWARD: self.t_forward,
+      sched.BACKWARD: self.t_backward,
+      sched.WEIGHT: self.t_weight,
+      sched.EVICT: self.t_evict,
+      sched.LOAD: self.t_evict,
+    }
     if kind not in per_stage:
       raise NotImplementedError(f'no time model for {kind} actions')
     return per_stage[kind] / virtual_stages
@@ -126,8 +127,7 @@ def per_stage(costs: CostsLike, stages: int) -> tuple[Costs, ...]:
     return (costs,) * stages
   costs = tuple(costs)
   if len(costs) != stages or not all(isinstance(c, Costs) for c in costs):
-    raise ValueError(f'want one Costs or a sequence of {stages} Costs; got '
-                     f'{costs!r}')
+    raise ValueError(f'want one Costs or a sequence of {stages} Costs; got {costs!r}')
   return costs
 
 
@@ -135,6 +135,7 @@ def per_stage(costs: CostsLike, stages: int) -> tuple[Costs, ...]:
 class Span:
   """One action on the timeline; EVICT/LOAD spans are on the sender's copy
   stream."""
+
   stage: int
   action: Action
   start: float
@@ -156,6 +157,7 @@ class Result:
     timeline: every action with its stage, start and end, by stage then time.
     ticks: lockstep ticks (None for the asynchronous model).
   """
+
   model: str
   schedule: Schedule
   total_time: float
@@ -166,9 +168,14 @@ class Result:
   ticks: int | None = None
 
 
-def _result(model: str, schedule: Schedule, spans: list[Span],
-            total: float, peak: Sequence[int],
-            ticks: int | None = None) -> Result:
+def _result(
+  model: str,
+  schedule: Schedule,
+  spans: list[Span],
+  total: float,
+  peak: Sequence[int],
+  ticks: int | None = None,
+) -> Result:
   busy = [0.0] * schedule.stages
   for span in spans:
     if span.action.kind not in sched.COPY_KINDS:
@@ -177,20 +184,24 @@ def _result(model: str, schedule: Schedule, spans: list[Span],
   # An all-zero cost model has no time to waste: call its bubble 0.
   bubble = 1.0 - sum(busy) / capacity if capacity > 0 else 0.0
   spans = sorted(spans, key=lambda x: (x.stage, x.start, x.end))
-  return Result(model=model, schedule=schedule, total_time=total,
-                bubble_fraction=bubble, busy=tuple(busy),
-                peak_inflight=tuple(peak), timeline=tuple(spans),
-                ticks=ticks)
+  return Result(
+    model=model,
+    schedule=schedule,
+    total_time=total,
+    bubble_fraction=bubble,
+    busy=tuple(busy),
+    peak_inflight=tuple(peak),
+    timeline=tuple(spans),
+    ticks=ticks,
+  )
 
 
 def _frees(schedule: Schedule) -> set[tuple[int, int]]:
   """(micro-batch, chunk) pairs freed by their W rather than their B."""
-  return {(a.microbatch, a.chunk) for o in schedule.orders for a in o
-          if a.kind == sched.WEIGHT}
+  return {(a.microbatch, a.chunk) for o in schedule.orders for a in o if a.kind == sched.WEIGHT}
 
 
-def _peak_inflight(sequences: Sequence[Sequence[Action]],
-                   schedule: Schedule) -> list[int]:
+def _peak_inflight(sequences: Sequence[Sequence[Action]], schedule: Schedule) -> list[int]:
   """Max stashed micro-batch-chunks while running each stage's sequence.
 
   A forward stashes; the last gradient action of that (micro-batch, chunk)
@@ -205,8 +216,7 @@ def _peak_inflight(sequences: Sequence[Sequence[Action]],
       if a.kind == sched.FORWARD:
         held += 1
         peak = max(peak, held)
-      elif (a.kind == sched.WEIGHT or
-            (a.kind == sched.BACKWARD and key not in has_w)):
+      elif a.kind == sched.WEIGHT or (a.kind == sched.BACKWARD and key not in has_w):
         held -= 1
     peaks.append(peak)
   return peaks
@@ -228,6 +238,7 @@ class Tick:
       every paired stage in every tick, idle or not, because the executor
       runs that ppermute outside any branch; else none.
   """
+
   index: int
   compute: tuple[Action | None, ...]
   messages: tuple[tuple[int, int], ...]
@@ -235,8 +246,9 @@ class Tick:
   movers: tuple[int, ...]
 
 
-def send_phase(tick: Tick, transfer: Sequence[float], evict: Sequence[float],
-               floor: float = 0.0) -> float:
+def send_phase(
+  tick: Tick, transfer: Sequence[float], evict: Sequence[float], floor: float = 0.0
+) -> float:
   """The send phase of one tick: the longest of its ppermutes.
 
   The neighbour and partner ppermutes run side by side (other links,
@@ -252,8 +264,7 @@ def send_phase(tick: Tick, transfer: Sequence[float], evict: Sequence[float],
       (the executor runs one per stage offset in every tick); 0 charges
       only the messages.
   """
-  return max([floor] + [transfer[s] for s, _ in tick.messages] +
-             [evict[s] for s in tick.movers])
+  return max([floor] + [transfer[s] for s, _ in tick.messages] + [evict[s] for s in tick.movers])
 
 
 class TickCosts(Protocol):
@@ -315,8 +326,9 @@ def ticks(program: Program) -> list[Tick]:
   """The program's ticks as cost models see them."""
   schedule = program.schedule
   last = schedule.num_chunks - 1
-  movers = () if program.partner is None else tuple(
-      s for s, q in enumerate(program.partner) if q != s)
+  movers = (
+    () if program.partner is None else tuple(s for s, q in enumerate(program.partner) if q != s)
+  )
   out = []
   for t, row in enumerate(program.grid):
     compute, messages, copies = [], [], []
@@ -333,13 +345,19 @@ def ticks(program: Program) -> list[Tick]:
           continue
         if to != s:
           messages.append((s, to))
-    out.append(Tick(index=t, compute=tuple(compute), messages=tuple(messages),
-                    copies=tuple(copies), movers=movers))
+    out.append(
+      Tick(
+        index=t,
+        compute=tuple(compute),
+        messages=tuple(messages),
+        copies=tuple(copies),
+        movers=movers,
+      )
+    )
   return out
 
 
-def simulate_lockstep(program: Program,
-                      costs: CostsLike | TickCosts = Costs()) -> Result:
+def simulate_lockstep(program: Program, costs: CostsLike | TickCosts = Costs()) -> Result:
   """Times the lockstep program the executor runs.
 
   Each tick lasts its compute phase (`costs.tick_time`: for `Costs`, the
@@ -353,13 +371,11 @@ def simulate_lockstep(program: Program,
     program: the lowered schedule.
     costs: a `Costs`, one per stage, or any `TickCosts`.
   """
-  if isinstance(costs, Costs) or (not hasattr(costs, 'duration') and
-                                  isinstance(costs, Sequence)):
+  if isinstance(costs, Costs) or (not hasattr(costs, 'duration') and isinstance(costs, Sequence)):
     costs = StageCosts(program, costs)
   spans, now = [], 0.0
   for tick in ticks(program):
-    work = [0.0 if a is None else costs.duration(s, a)
-            for s, a in enumerate(tick.compute)]
+    work = [0.0 if a is None else costs.duration(s, a) for s, a in enumerate(tick.compute)]
     compute = costs.tick_time(tick, work)
     longest = max(work, default=0.0)
     stretch = compute / longest if longest > 0 else 1.0
@@ -369,8 +385,7 @@ def simulate_lockstep(program: Program,
     for s, a in tick.copies:
       spans.append(Span(s, a, now + compute, now + compute + costs.copy(s, a)))
     now += compute + costs.transfer(tick)
-  return _result('lockstep', program.schedule, spans, now,
-                 program.peaks['stash'], program.ticks)
+  return _result('lockstep', program.schedule, spans, now, program.peaks['stash'], program.ticks)
 
 
 def simulate_async(schedule: Schedule, costs: CostsLike = Costs()) -> Result:
@@ -389,10 +404,8 @@ def simulate_async(schedule: Schedule, costs: CostsLike = Costs()) -> Result:
   """
   p, v = schedule.stages, schedule.virtual_stages
   per = per_stage(costs, p)
-  compute = [[a for a in o if a.kind not in sched.COPY_KINDS]
-             for o in schedule.orders]
-  copies = [[a for a in o if a.kind in sched.COPY_KINDS]
-            for o in schedule.orders]
+  compute = [[a for a in o if a.kind not in sched.COPY_KINDS] for o in schedule.orders]
+  copies = [[a for a in o if a.kind in sched.COPY_KINDS] for o in schedule.orders]
   issue = [sched.copy_issue_points(o) for o in schedule.orders]
   done: dict[Action, tuple[float, int]] = {}  # action -> (end, stage)
   cursor, copy_cursor = [0] * p, [0] * p
@@ -430,14 +443,16 @@ def simulate_async(schedule: Schedule, costs: CostsLike = Costs()) -> Result:
             copy_cursor[s] += 1
             moved = True
         progress |= moved
-  stuck = [f'stage {s} waits at {stream[at]}'
-           for s in range(p)
-           for stream, at in ((compute[s], cursor[s]),
-                              (copies[s], copy_cursor[s]))
-           if at < len(stream)]
+  stuck = [
+    f'stage {s} waits at {stream[at]}'
+    for s in range(p)
+    for stream, at in ((compute[s], cursor[s]), (copies[s], copy_cursor[s]))
+    if at < len(stream)
+  ]
   if stuck:
     raise sched.ScheduleDeadlock(
-        f'{schedule.name}: asynchronous orders deadlock: ' + '; '.join(stuck))
+      f'{schedule.name}: asynchronous orders deadlock: ' + '; '.join(stuck)
+    )
   if schedule.evicted:
     peak = _async_peaks(schedule, spans)
   else:
@@ -464,14 +479,15 @@ def _async_peaks(schedule: Schedule, spans: Sequence[Span]) -> list[int]:
       continue
     j, c = a.microbatch, a.chunk
     s = schedule.stage_of(c)
-    freed = span_of[Action(sched.WEIGHT if (j, c) in has_w
-                                 else sched.BACKWARD, j, c)].end
+    freed = span_of[Action(sched.WEIGHT if (j, c) in has_w else sched.BACKWARD, j, c)].end
     if (j, c) in schedule.evicted:
       evict = span_of[Action(sched.EVICT, j, c)]
       load = span_of[Action(sched.LOAD, j, c)]
-      holds += [(s, x.start, evict.end),
-                (schedule.partner[s], evict.start, load.end),
-                (s, load.start, freed)]
+      holds += [
+        (s, x.start, evict.end),
+        (schedule.partner[s], evict.start, load.end),
+        (s, load.start, freed),
+      ]
     else:
       holds.append((s, x.start, freed))
   events = [[] for _ in range(schedule.stages)]
@@ -488,9 +504,13 @@ def _async_peaks(schedule: Schedule, spans: Sequence[Span]) -> list[int]:
   return peaks
 
 
-def _ready_time(a: Action, stage: int, schedule: Schedule,
-                done: dict[Action, tuple[float, int]],
-                per: Sequence[Costs]) -> float | None:
+def _ready_time(
+  a: Action,
+  stage: int,
+  schedule: Schedule,
+  done: dict[Action, tuple[float, int]],
+  per: Sequence[Costs],
+) -> float | None:
   """When all inputs of `a` are on `stage`, or None if one is not done.
 
   A compute input from another stage arrives t_transfer after it ends; a

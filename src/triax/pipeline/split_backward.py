@@ -27,7 +27,8 @@ The split is generic: it needs no cooperation from the model.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -49,6 +50,7 @@ class _Plan:
     b_in, w_in: invar indices the B, resp. W, part reads.
     cuts: vars B defines and W reads, in a fixed order.
   """
+
   jaxpr: Any
   consts: tuple
   need_b: tuple[int, ...]
@@ -92,9 +94,17 @@ def _analyze(jaxpr, consts, need_b, need_w) -> _Plan:
       roles[n] = _W
       live_w |= {v for v in eqn.invars if _is_var(v)}
   cuts = sorted((v for v in live_w if v in defined_b), key=_order(jaxpr))
-  return _Plan(jaxpr, tuple(consts), need_b, need_w, roles, subs,
-               {i for i, v in enumerate(jaxpr.invars) if v in live_b},
-               {i for i, v in enumerate(jaxpr.invars) if v in live_w}, cuts)
+  return _Plan(
+    jaxpr,
+    tuple(consts),
+    need_b,
+    need_w,
+    roles,
+    subs,
+    {i for i, v in enumerate(jaxpr.invars) if v in live_b},
+    {i for i, v in enumerate(jaxpr.invars) if v in live_w},
+    cuts,
+  )
 
 
 def _order(jaxpr) -> Callable:
@@ -135,9 +145,11 @@ def _run_b(plan: _Plan, invals: dict[int, Any]):
       env.update(zip(eqn.outvars, outs))
     elif role == _SPLIT:
       rule = _RULES[eqn.primitive.name]
-      outs, sub_cuts[n] = rule.run_b(plan.subs[n], eqn, [
-          _read(env, v) if i in plan.subs[n].ins_b else None
-          for i, v in enumerate(eqn.invars)])
+      outs, sub_cuts[n] = rule.run_b(
+        plan.subs[n],
+        eqn,
+        [_read(env, v) if i in plan.subs[n].ins_b else None for i, v in enumerate(eqn.invars)],
+      )
       env.update({eqn.outvars[k]: val for k, val in outs.items()})
   outs = {i: _read(env, plan.jaxpr.outvars[i]) for i in plan.need_b}
   return outs, ([env[v] for v in plan.cuts], sub_cuts)
@@ -155,9 +167,12 @@ def _run_w(plan: _Plan, invals: dict[int, Any], cuts) -> dict[int, Any]:
       env.update(zip(eqn.outvars, outs))
     elif role == _SPLIT:
       rule = _RULES[eqn.primitive.name]
-      outs = rule.run_w(plan.subs[n], eqn, [
-          _read(env, v) if i in plan.subs[n].ins_w else None
-          for i, v in enumerate(eqn.invars)], sub_cuts[n])
+      outs = rule.run_w(
+        plan.subs[n],
+        eqn,
+        [_read(env, v) if i in plan.subs[n].ins_w else None for i, v in enumerate(eqn.invars)],
+        sub_cuts[n],
+      )
       env.update({eqn.outvars[k]: val for k, val in outs.items()})
   return {i: _read(env, plan.jaxpr.outvars[i]) for i in plan.need_w}
 
@@ -168,6 +183,7 @@ def _run_w(plan: _Plan, invals: dict[int, Any], cuts) -> dict[int, Any]:
 @dataclasses.dataclass
 class _Sub:
   """A split equation's plan: its body plan(s) and which invars each part reads."""
+
   plans: Any
   ins_b: set[int]
   ins_w: set[int]
@@ -228,10 +244,22 @@ class _Scan:
     carries_cut = sorted(i for i in plan.w_in if nc <= i < nc + nk and i - nc in kb)
     ins_b = consts_b | {nc + k for k in kb} | xs_b
     ins_w = consts_w | {nc + k for k in kw} | xs_w
-    sub = _Sub(plan, ins_b, ins_w, dict(
-        kb=sorted(kb), yb=sorted(yb), kw=sorted(kw), yw=sorted(yw), consts_b=sorted(consts_b),
-        consts_w=sorted(consts_w), xs_b=sorted(xs_b), xs_w=sorted(xs_w),
-        carries_cut=carries_cut))
+    sub = _Sub(
+      plan,
+      ins_b,
+      ins_w,
+      dict(
+        kb=sorted(kb),
+        yb=sorted(yb),
+        kw=sorted(kw),
+        yw=sorted(yw),
+        consts_b=sorted(consts_b),
+        consts_w=sorted(consts_w),
+        xs_b=sorted(xs_b),
+        xs_w=sorted(xs_w),
+        carries_cut=carries_cut,
+      ),
+    )
     return sub, ins_b, ins_w
 
   def run_b(self, sub, eqn, invals):
@@ -244,13 +272,19 @@ class _Scan:
       vals.update({nc + k: c for k, c in zip(x['kb'], carry)})
       vals.update(zip(x['xs_b'], xs))
       outs, cuts = _run_b(plan, vals)
-      return ([outs[k] for k in x['kb']],
-              ([outs[y] for y in x['yb']], cuts, [vals[i] for i in x['carries_cut']]))
+      return (
+        [outs[k] for k in x['kb']],
+        ([outs[y] for y in x['yb']], cuts, [vals[i] for i in x['carries_cut']]),
+      )
 
     carry, (ys, cuts, carried) = jax.lax.scan(
-        body, [invals[nc + k] for k in x['kb']], [invals[i] for i in x['xs_b']],
-        length=eqn.params['length'], reverse=eqn.params['reverse'],
-        unroll=eqn.params['unroll'])
+      body,
+      [invals[nc + k] for k in x['kb']],
+      [invals[i] for i in x['xs_b']],
+      length=eqn.params['length'],
+      reverse=eqn.params['reverse'],
+      unroll=eqn.params['unroll'],
+    )
     outs = dict(zip(x['kb'], carry))
     outs.update(zip(x['yb'], ys))
     return outs, (cuts, carried)
@@ -270,9 +304,13 @@ class _Scan:
       return [outs[k] for k in x['kw']], [outs[y] for y in x['yw']]
 
     carry, ys = jax.lax.scan(
-        body, [invals[nc + k] for k in x['kw']], ([invals[i] for i in x['xs_w']], cuts),
-        length=eqn.params['length'], reverse=eqn.params['reverse'],
-        unroll=eqn.params['unroll'])
+      body,
+      [invals[nc + k] for k in x['kw']],
+      ([invals[i] for i in x['xs_w']], cuts),
+      length=eqn.params['length'],
+      reverse=eqn.params['reverse'],
+      unroll=eqn.params['unroll'],
+    )
     outs = dict(zip(x['kw'], carry))
     outs.update(zip(x['yw'], ys))
     return outs
@@ -317,9 +355,11 @@ class _Cond:
     def branch(b):
       def fn(ops):
         outs, cuts = _run_b(plans[b], {i: ops[i] for i in plans[b].b_in})
-        all_cuts = [cuts if c == b else jax.tree.map(_zeros, cut_avals[c])
-                    for c in range(len(plans))]
+        all_cuts = [
+          cuts if c == b else jax.tree.map(_zeros, cut_avals[c]) for c in range(len(plans))
+        ]
         return [outs[i] for i in need], all_cuts
+
       return fn
 
     outs, cuts = jax.lax.switch(invals[0], [branch(b) for b in range(len(plans))], ops)
@@ -334,6 +374,7 @@ class _Cond:
       def fn(ops, cuts):
         outs = _run_w(plans[b], {i: ops[i] for i in plans[b].w_in}, cuts[b])
         return [outs[i] for i in need]
+
       return fn
 
     outs = jax.lax.switch(invals[0], [branch(b) for b in range(len(plans))], ops, cuts)
@@ -349,8 +390,9 @@ def _scan_cut_avals(sub, eqn):
   stack = lambda a: jax.core.ShapedArray((length,) + a.shape, a.dtype, **_vma_kw(a))
   plan = sub.plans
   carried = [plan.jaxpr.invars[i].aval for i in sub.extra['carries_cut']]
-  return jax.tree.map(stack, (_cut_avals(plan), carried),
-                      is_leaf=lambda a: isinstance(a, jax.core.ShapedArray))
+  return jax.tree.map(
+    stack, (_cut_avals(plan), carried), is_leaf=lambda a: isinstance(a, jax.core.ShapedArray)
+  )
 
 
 def _cond_cut_avals(sub, eqn):
@@ -366,8 +408,14 @@ _Inline.cut_avals = staticmethod(_inline_cut_avals)
 _Scan.cut_avals = staticmethod(_scan_cut_avals)
 _Cond.cut_avals = staticmethod(_cond_cut_avals)
 
-_RULES = {'jit': _Inline(), 'pjit': _Inline(), 'checkpoint': _Inline(), 'remat2': _Inline(),
-          'scan': _Scan(), 'cond': _Cond()}
+_RULES = {
+  'jit': _Inline(),
+  'pjit': _Inline(),
+  'checkpoint': _Inline(),
+  'remat2': _Inline(),
+  'scan': _Scan(),
+  'cond': _Cond(),
+}
 
 
 class SplitBackward:
@@ -383,7 +431,7 @@ class SplitBackward:
     self._out_tree = jax.tree.structure(out_shape)
     n_out = len(closed.jaxpr.outvars)
     self._n_res = len(residuals)
-    dx_index = n_out - 1      # bwd returns (weight grads, input grad): dx is last
+    dx_index = n_out - 1  # bwd returns (weight grads, input grad): dx is last
     self._plan = _analyze(closed.jaxpr, closed.consts, {dx_index}, set(range(dx_index)))
     self._dx = dx_index
     self._g_in_w = self._n_res in self._plan.w_in

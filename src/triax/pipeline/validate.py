@@ -55,8 +55,7 @@ def check(schedule: Schedule, program: Program | None = None) -> None:
   """Raises ValueError listing every problem, if there is any."""
   problems = validate(schedule, program)
   if problems:
-    raise ValueError(f'{schedule.name}: {len(problems)} problem(s):\n  ' +
-                     '\n  '.join(problems))
+    raise ValueError(f'{schedule.name}: {len(problems)} problem(s):\n  ' + '\n  '.join(problems))
 
 
 # ---------------------------------------------------------------- schedule
@@ -66,8 +65,9 @@ def _check_layout(schedule: Schedule) -> list[str]:
   """Sizes, placement, kinds, ranges and stage of every action."""
   p, m, n = schedule.stages, schedule.microbatches, schedule.num_chunks
   if min(p, m, schedule.virtual_stages) < 1:
-    return [f'sizes must be >= 1: stages={p} microbatches={m} '
-            f'virtual_stages={schedule.virtual_stages}']
+    return [
+      f'sizes must be >= 1: stages={p} microbatches={m} virtual_stages={schedule.virtual_stages}'
+    ]
   if len(schedule.orders) != p:
     return [f'{len(schedule.orders)} orders for {p} stages']
   problems = _check_placement(schedule) or _check_partner(schedule)
@@ -83,17 +83,20 @@ def _check_layout(schedule: Schedule) -> list[str]:
       elif not 0 <= a.chunk < n:
         problems.append(f'{where}: chunk outside 0..{n - 1}')
       elif a.kind in sched.COPY_KINDS and schedule.partner is None:
-        problems.append(f'{where}: moves residuals but the schedule has no '
-                        'partner pairing')
-      elif (a.kind in sched.COPY_KINDS and
-            schedule.partner[schedule.stage_of(a.chunk)] ==
-            schedule.stage_of(a.chunk)):
-        problems.append(f'{where}: stage {schedule.stage_of(a.chunk)} is '
-                        'its own partner; there is nowhere to evict to')
+        problems.append(f'{where}: moves residuals but the schedule has no partner pairing')
+      elif a.kind in sched.COPY_KINDS and schedule.partner[
+        schedule.stage_of(a.chunk)
+      ] == schedule.stage_of(a.chunk):
+        problems.append(
+          f'{where}: stage {schedule.stage_of(a.chunk)} is '
+          'its own partner; there is nowhere to evict to'
+        )
       elif schedule.stage_of_action(a) != s:
-        problems.append(f'{where}: runs on stage '
-                        f'{schedule.stage_of_action(a)} (chunk {a.chunk} '
-                        f'lives on stage {schedule.stage_of(a.chunk)})')
+        problems.append(
+          f'{where}: runs on stage '
+          f'{schedule.stage_of_action(a)} (chunk {a.chunk} '
+          f'lives on stage {schedule.stage_of(a.chunk)})'
+        )
   return problems
 
 
@@ -101,16 +104,21 @@ def _check_placement(schedule: Schedule) -> list[str]:
   """One stage per chunk, and v chunks on every stage."""
   p, v, placement = schedule.stages, schedule.virtual_stages, schedule.placement
   if len(placement) != p * v:
-    return [f'placement {placement} has {len(placement)} entries for '
-            f'p*v = {p * v} chunks']
-  problems = [f'placement puts chunk {c} on stage {s}, outside 0..{p - 1}'
-              for c, s in enumerate(placement) if not 0 <= s < p]
+    return [f'placement {placement} has {len(placement)} entries for p*v = {p * v} chunks']
+  problems = [
+    f'placement puts chunk {c} on stage {s}, outside 0..{p - 1}'
+    for c, s in enumerate(placement)
+    if not 0 <= s < p
+  ]
   if problems:
     return problems
   held = collections.Counter(placement)
-  return [f'placement puts {held[s]} chunks on stage {s} '
-          f'({list(schedule.chunks_of(s))}); every stage holds v = {v}'
-          for s in range(p) if held[s] != v]
+  return [
+    f'placement puts {held[s]} chunks on stage {s} '
+    f'({list(schedule.chunks_of(s))}); every stage holds v = {v}'
+    for s in range(p)
+    if held[s] != v
+  ]
 
 
 def _check_partner(schedule: Schedule) -> list[str]:
@@ -118,12 +126,13 @@ def _check_partner(schedule: Schedule) -> list[str]:
   partner, p = schedule.partner, schedule.stages
   if partner is None:
     return []
-  if len(partner) != p or not all(
-      isinstance(x, (int, np.integer)) and 0 <= x < p for x in partner):
+  if len(partner) != p or not all(isinstance(x, (int, np.integer)) and 0 <= x < p for x in partner):
     return [f'partner {partner} is not one stage in 0..{p - 1} per stage']
-  return [f'partner of stage {s} is {x}, whose partner is {partner[x]} '
-          '(partners must pair up)'
-          for s, x in enumerate(partner) if partner[x] != s]
+  return [
+    f'partner of stage {s} is {x}, whose partner is {partner[x]} (partners must pair up)'
+    for s, x in enumerate(partner)
+    if partner[x] != s
+  ]
 
 
 def _check_counts(schedule: Schedule) -> list[str]:
@@ -131,24 +140,24 @@ def _check_counts(schedule: Schedule) -> list[str]:
   the schedule splits the backward; at most one EVICT, and one LOAD per
   EVICT."""
   counts = collections.Counter(a for order in schedule.orders for a in order)
-  once = (sched.FORWARD, sched.BACKWARD) + (
-      (sched.WEIGHT,) if schedule.split_backward else ())
+  once = (sched.FORWARD, sched.BACKWARD) + ((sched.WEIGHT,) if schedule.split_backward else ())
   problems = []
   for j in range(schedule.microbatches):
     for c in range(schedule.num_chunks):
       for kind in once:
         n = counts[Action(kind, j, c)]
         if n != 1:
-          problems.append(f'stage {schedule.stage_of(c)}: {kind}{j}.{c} runs '
-                          f'{n} times (want exactly 1)')
+          problems.append(
+            f'stage {schedule.stage_of(c)}: {kind}{j}.{c} runs {n} times (want exactly 1)'
+          )
       evictions = counts[Action(sched.EVICT, j, c)]
       loads = counts[Action(sched.LOAD, j, c)]
       if evictions > 1:
-        problems.append(f'stage {schedule.stage_of(c)}: EVICT{j}.{c} runs '
-                        f'{evictions} times (want at most 1)')
+        problems.append(
+          f'stage {schedule.stage_of(c)}: EVICT{j}.{c} runs {evictions} times (want at most 1)'
+        )
       if loads != evictions:
-        problems.append(f'{j}.{c} is evicted {evictions} times but loaded '
-                        f'{loads} times')
+        problems.append(f'{j}.{c} is evicted {evictions} times but loaded {loads} times')
   return problems
 
 
@@ -158,15 +167,19 @@ def _check_stage_order(schedule: Schedule) -> list[str]:
   for s, order in enumerate(schedule.orders):
     position = {a: i for i, a in enumerate(order)}
     for i, a in enumerate(order):
-      before = {sched.BACKWARD: sched.FORWARD,
-                sched.WEIGHT: sched.BACKWARD,
-                sched.EVICT: sched.FORWARD}.get(a.kind)
+      before = {
+        sched.BACKWARD: sched.FORWARD,
+        sched.WEIGHT: sched.BACKWARD,
+        sched.EVICT: sched.FORWARD,
+      }.get(a.kind)
       if before is None:
         continue
       k = position.get(Action(before, a.microbatch, a.chunk), -1)
       if k > i:
-        problems.append(f'stage {s} position {i}: {a} runs before its '
-                        f'{before}{a.microbatch}.{a.chunk} (position {k})')
+        problems.append(
+          f'stage {s} position {i}: {a} runs before its '
+          f'{before}{a.microbatch}.{a.chunk} (position {k})'
+        )
   return problems
 
 
@@ -177,12 +190,10 @@ def _check_runs_to_completion(schedule: Schedule) -> list[str]:
   stream, each once the compute actions before it in the order are done.
   """
   done: set[Action] = set()
-  compute = [[a for a in o if a.kind not in sched.COPY_KINDS]
-             for o in schedule.orders]
-  copies = [[a for a in o if a.kind in sched.COPY_KINDS]
-            for o in schedule.orders]
+  compute = [[a for a in o if a.kind not in sched.COPY_KINDS] for o in schedule.orders]
+  copies = [[a for a in o if a.kind in sched.COPY_KINDS] for o in schedule.orders]
   issue = [sched.copy_issue_points(o) for o in schedule.orders]
-  at = [0] * schedule.stages     # compute cursor
+  at = [0] * schedule.stages  # compute cursor
   at_copy = [0] * schedule.stages
   progress = True
   while progress:
@@ -191,13 +202,15 @@ def _check_runs_to_completion(schedule: Schedule) -> list[str]:
       moved = True
       while moved:
         moved = False
-        if at[s] < len(compute[s]) and _ready(compute[s][at[s]], schedule,
-                                              done):
+        if at[s] < len(compute[s]) and _ready(compute[s][at[s]], schedule, done):
           done.add(compute[s][at[s]])
           at[s] += 1
           moved = True
-        if (at_copy[s] < len(copies[s]) and at[s] >= issue[s][at_copy[s]]
-            and _ready(copies[s][at_copy[s]], schedule, done)):
+        if (
+          at_copy[s] < len(copies[s])
+          and at[s] >= issue[s][at_copy[s]]
+          and _ready(copies[s][at_copy[s]], schedule, done)
+        ):
           done.add(copies[s][at_copy[s]])
           at_copy[s] += 1
           moved = True
@@ -207,10 +220,11 @@ def _check_runs_to_completion(schedule: Schedule) -> list[str]:
     for stream, cursor in ((compute[s], at[s]), (copies[s], at_copy[s])):
       if cursor < len(stream):
         a = stream[cursor]
-        missing = [str(d) for d in sched.dependencies(a, schedule)
-                   if d not in done]
-        problems.append(f'deadlock: stage {s} position {order.index(a)}: {a} '
-                        f'waits for {", ".join(missing) or "its stage"}')
+        missing = [str(d) for d in sched.dependencies(a, schedule) if d not in done]
+        problems.append(
+          f'deadlock: stage {s} position {order.index(a)}: {a} '
+          f'waits for {", ".join(missing) or "its stage"}'
+        )
   return problems
 
 
@@ -221,14 +235,22 @@ def _ready(a: Action, schedule: Schedule, done: set[Action]) -> bool:
 # ---------------------------------------------------------------- program
 
 # The buffer each slot-valued table indexes.
-_BUFFER_OF = {'src': 'msg', 'loss': 'msg', 'stash': 'stash', 'cut': 'cut',
-              'move_send': 'stash', 'move_recv': 'stash'}
+_BUFFER_OF = {
+  'src': 'msg',
+  'loss': 'msg',
+  'stash': 'stash',
+  'cut': 'cut',
+  'move_send': 'stash',
+  'move_recv': 'stash',
+}
 _BUFFERS = ('msg', 'stash', 'cut')
 _KIND_OF_CODE = {code: kind for kind, code in lower_lib.KIND_CODE.items()}
 # The per-action tables each compute kind uses; the others must be -1.
-_USES = {sched.FORWARD: {'src', 'loss', 'stash'},
-         sched.BACKWARD: {'src', 'stash', 'cut'},
-         sched.WEIGHT: {'stash', 'cut'}}
+_USES = {
+  sched.FORWARD: {'src', 'loss', 'stash'},
+  sched.BACKWARD: {'src', 'stash', 'cut'},
+  sched.WEIGHT: {'stash', 'cut'},
+}
 _PER_ACTION = ('mb', 'chunk', 'local', 'src', 'loss', 'stash', 'cut')
 
 
@@ -251,42 +273,45 @@ def _check_shapes(run: Schedule, program: Program) -> list[str]:
   """The program runs this schedule, and its tables have [T, p] int shape."""
   p, t = run.stages, program.ticks
   ran = program.schedule
-  if (ran.stages, ran.microbatches, ran.virtual_stages, ran.placement,
-      ran.orders, ran.partner) != (run.stages, run.microbatches,
-                                   run.virtual_stages, run.placement,
-                                   run.orders, run.partner):
-    return [f'program.schedule ({ran.name}) is not the schedule validated '
-            f'with every fused B split into B then W ({run.name})']
+  if (ran.stages, ran.microbatches, ran.virtual_stages, ran.placement, ran.orders, ran.partner) != (
+    run.stages,
+    run.microbatches,
+    run.virtual_stages,
+    run.placement,
+    run.orders,
+    run.partner,
+  ):
+    return [
+      f'program.schedule ({ran.name}) is not the schedule validated '
+      f'with every fused B split into B then W ({run.name})'
+    ]
   problems = []
   if sched.with_split_backward(program.source).orders != ran.orders:
-    problems.append(f'program.source ({program.source.name}) does not split '
-                    'into program.schedule')
+    problems.append(f'program.source ({program.source.name}) does not split into program.schedule')
   for name in lower_lib.TABLES:
     table = program.table.get(name)
     if table is None:
       problems.append(f'program.table has no {name!r} table')
     elif table.shape != (t, p) or not np.issubdtype(table.dtype, np.integer):
-      problems.append(f'program.table[{name!r}] is {table.dtype} {table.shape}; '
-                      f'want int {(t, p)}')
+      problems.append(f'program.table[{name!r}] is {table.dtype} {table.shape}; want int {(t, p)}')
   for o, table in program.recv.items():
     if not 0 <= o < p:
       problems.append(f'program.recv has offset {o}, outside 0..{p - 1}')
     if table.shape != (t, p) or not np.issubdtype(table.dtype, np.integer):
-      problems.append(f'program.recv[{o}] is {table.dtype} {table.shape}; '
-                      f'want int {(t, p)}')
+      problems.append(f'program.recv[{o}] is {table.dtype} {table.shape}; want int {(t, p)}')
   if len(program.grid) != t or any(len(row) != p for row in program.grid):
     problems.append(f'program.grid is not {t} ticks x {p} stages')
   for buf in _BUFFERS:
     if program.slots.get(buf, 0) < 1:
-      problems.append(f"program.slots[{buf!r}] is {program.slots.get(buf)}; "
-                      'want >= 1 (the executor allocates at least one)')
+      problems.append(
+        f'program.slots[{buf!r}] is {program.slots.get(buf)}; '
+        'want >= 1 (the executor allocates at least one)'
+      )
     if len(program.peaks.get(buf, ())) != p:
-      problems.append(f"program.peaks[{buf!r}] is not one count per stage")
-  moves = any(a.kind in sched.COPY_KINDS for row in program.grid for cell in row
-              for a in cell)
+      problems.append(f'program.peaks[{buf!r}] is not one count per stage')
+  moves = any(a.kind in sched.COPY_KINDS for row in program.grid for cell in row for a in cell)
   if moves and program.partner != run.partner:
-    problems.append(f'program.partner {program.partner} differs from the '
-                    f"schedule's {run.partner}")
+    problems.append(f"program.partner {program.partner} differs from the schedule's {run.partner}")
   return problems
 
 
@@ -295,20 +320,21 @@ def _check_slot_ranges(program: Program) -> list[str]:
   problems = []
   kind = program.table['kind']
   for t, s in zip(*(~np.isin(kind, list(_KIND_OF_CODE) + [lower_lib.IDLE])).nonzero()):
-    problems.append(f'tick {t} stage {s}: kind {kind[t, s]} is not IDLE, '
-                    'RUN_F, RUN_B or RUN_W')
+    problems.append(f'tick {t} stage {s}: kind {kind[t, s]} is not IDLE, RUN_F, RUN_B or RUN_W')
   columns = [(name, program.table[name], _BUFFER_OF[name]) for name in _BUFFER_OF]
   columns += [(f'recv[{o}]', program.recv[o], 'msg') for o in sorted(program.recv)]
   for name, values, buf in columns:
     count = program.slots[buf]
     for t, s in zip(*((values >= count) | (values < -1)).nonzero()):
-      problems.append(f'tick {t} stage {s}: {name} names {buf} slot '
-                      f'{values[t, s]}, outside 0..{count - 1}')
+      problems.append(
+        f'tick {t} stage {s}: {name} names {buf} slot {values[t, s]}, outside 0..{count - 1}'
+      )
   return problems
 
 
-def _decode(schedule: Schedule, program: Program, t: int, s: int,
-            problems: list[str] | None = None) -> Action | None:
+def _decode(
+  schedule: Schedule, program: Program, t: int, s: int, problems: list[str] | None = None
+) -> Action | None:
   """The compute action the tables say stage s runs at tick t, or None.
 
   With `problems`, also reports per-action entries that do not fit it: a
@@ -326,20 +352,21 @@ def _decode(schedule: Schedule, program: Program, t: int, s: int,
   a = Action(_KIND_OF_CODE[code], int(table['mb'][t, s]), int(table['chunk'][t, s]))
   if problems is None:
     return a
-  if not (0 <= a.microbatch < schedule.microbatches and
-          0 <= a.chunk < schedule.num_chunks):
+  if not (0 <= a.microbatch < schedule.microbatches and 0 <= a.chunk < schedule.num_chunks):
     problems.append(f'{where}: the tables run {a}, outside the schedule')
     return a
   if schedule.stage_of(a.chunk) != s:
-    problems.append(f'{where}: the tables run {a}, whose chunk lives on '
-                    f'stage {schedule.stage_of(a.chunk)}')
+    problems.append(
+      f'{where}: the tables run {a}, whose chunk lives on stage {schedule.stage_of(a.chunk)}'
+    )
   if table['local'][t, s] != schedule.local_of(a.chunk):
-    problems.append(f'{where}: {a} names local chunk {table["local"][t, s]}; '
-                    f'chunk {a.chunk} is local {schedule.local_of(a.chunk)}')
+    problems.append(
+      f'{where}: {a} names local chunk {table["local"][t, s]}; '
+      f'chunk {a.chunk} is local {schedule.local_of(a.chunk)}'
+    )
   for name in ('src', 'loss', 'stash', 'cut'):
     if name not in _USES[a.kind] and table[name][t, s] != -1:
-      problems.append(f'{where}: {a} does not use {name}, but it is '
-                      f'{table[name][t, s]}')
+      problems.append(f'{where}: {a} does not use {name}, but it is {table[name][t, s]}')
   return a
 
 
@@ -360,39 +387,47 @@ def _check_grid(schedule: Schedule, program: Program) -> list[str]:
       compute = [a for a in cell if a.kind in sched.COMPUTE_KINDS]
       copies = [a for a in cell if a.kind in sched.COPY_KINDS]
       if len(compute) > 1:
-        problems.append(f'{where}: runs {len(compute)} compute actions '
-                        f'({", ".join(map(str, compute))}); a tick runs one')
+        problems.append(
+          f'{where}: runs {len(compute)} compute actions '
+          f'({", ".join(map(str, compute))}); a tick runs one'
+        )
       if len(copies) > 1:
-        problems.append(f'{where}: sends {len(copies)} residual sets '
-                        f'({", ".join(map(str, copies))}); a tick sends one')
+        problems.append(
+          f'{where}: sends {len(copies)} residual sets '
+          f'({", ".join(map(str, copies))}); a tick sends one'
+        )
       decoded = _decode(schedule, program, t, s, problems)
       if (decoded,) != tuple(compute[:1] or [None]):
-        problems.append(f'{where}: grid says {list(map(str, compute))} but '
-                        f'the tables say {[str(decoded)] if decoded else []}')
+        problems.append(
+          f'{where}: grid says {list(map(str, compute))} but '
+          f'the tables say {[str(decoded)] if decoded else []}'
+        )
       sends = program.table['move_send'][t, s] >= 0
       if sends != bool(copies):
-        problems.append(f'{where}: grid {"has no" if sends else "has"} '
-                        f'residual move but move_send is '
-                        f'{program.table["move_send"][t, s]}')
+        problems.append(
+          f'{where}: grid {"has no" if sends else "has"} '
+          f'residual move but move_send is '
+          f'{program.table["move_send"][t, s]}'
+        )
       for a in cell:
         seen[a] += 1
         if schedule.stage_of_action(a) != s:
-          problems.append(f'{where}: {a} belongs on stage '
-                          f'{schedule.stage_of_action(a)}')
+          problems.append(f'{where}: {a} belongs on stage {schedule.stage_of_action(a)}')
       ran[s] += compute
   wanted = collections.Counter(a for o in schedule.orders for a in o)
   for a in sorted(set(seen) | set(wanted), key=str):
     if seen[a] != wanted[a]:
-      problems.append(f'{a} runs {seen[a]} times in the program, '
-                      f'{wanted[a]} in the schedule')
+      problems.append(f'{a} runs {seen[a]} times in the program, {wanted[a]} in the schedule')
   if problems:
     return problems
   for s, order in enumerate(schedule.orders):
     want = [a for a in order if a.kind in sched.COMPUTE_KINDS]
     if ran[s] != want:
       k = next(i for i, (x, y) in enumerate(zip(ran[s], want)) if x != y)
-      problems.append(f'stage {s}: its compute action {k} is {ran[s][k]} in '
-                      f'the program but {want[k]} in its order')
+      problems.append(
+        f'stage {s}: its compute action {k} is {ran[s][k]} in '
+        f'the program but {want[k]} in its order'
+      )
   return problems
 
 
@@ -409,9 +444,11 @@ def _check_lockstep_dependencies(schedule: Schedule, program: Program) -> list[s
       td = tick.get(d)
       late = td is None or (td > t if a.kind == sched.EVICT else td >= t)
       if late:
-        problems.append(f'tick {t} stage {schedule.stage_of_action(a)}: {a} '
-                        f'runs before its input from {d} '
-                        f'(tick {"never" if td is None else td})')
+        problems.append(
+          f'tick {t} stage {schedule.stage_of_action(a)}: {a} '
+          f'runs before its input from {d} '
+          f'(tick {"never" if td is None else td})'
+        )
   return problems
 
 
@@ -427,28 +464,26 @@ class _Buffers:
     self.held = {buf: {} for buf in _BUFFERS}
     self.peak = {buf: 0 for buf in _BUFFERS}
 
-  def write(self, buf: str, slot: int, value: str, where: str,
-            problems: list[str]) -> None:
+  def write(self, buf: str, slot: int, value: str, where: str, problems: list[str]) -> None:
     if slot < 0:
       problems.append(f'{where}: no {buf} slot to write {value} to')
       return
     old = self.held[buf].get(slot)
     if old is not None:
-      problems.append(f'{where}: {buf} slot {slot} still holds {old} '
-                      f'(overwritten by {value})')
+      problems.append(f'{where}: {buf} slot {slot} still holds {old} (overwritten by {value})')
     self.held[buf][slot] = value
     self.peak[buf] = max(self.peak[buf], len(self.held[buf]))
 
-  def read(self, buf: str, slot: int, want: str, where: str,
-           problems: list[str], free: bool = True) -> None:
+  def read(
+    self, buf: str, slot: int, want: str, where: str, problems: list[str], free: bool = True
+  ) -> None:
     """Checks that `slot` holds `want`; frees it unless `free` is False."""
     if slot < 0:
       problems.append(f'{where}: no {buf} slot to read {want} from')
       return
     got = (self.held[buf].pop if free else self.held[buf].get)(slot, None)
     if got is None:
-      problems.append(f'{where}: {buf} slot {slot} is empty (no producer '
-                      f'for {want})')
+      problems.append(f'{where}: {buf} slot {slot} is empty (no producer for {want})')
     elif got != want:
       problems.append(f'{where}: {buf} slot {slot} holds {got}, not {want}')
 
@@ -461,11 +496,10 @@ def _replay_buffers(schedule: Schedule, program: Program) -> list[str]:
   problems: list[str] = []
   landing: list[tuple[int, str] | None] = [None] * p
   for t in range(program.ticks):
-    for s in range(p):   # land: last tick's arriving set goes into its slot
+    for s in range(p):  # land: last tick's arriving set goes into its slot
       if landing[s] is not None:
         slot, value = landing[s]
-        buffers[s].write('stash', slot, value, f'tick {t} stage {s}: landing {value}',
-                         problems)
+        buffers[s].write('stash', slot, value, f'tick {t} stage {s}: landing {value}', problems)
         landing[s] = None
     actions = [_decode(run, program, t, s) for s in range(p)]
     for s, a in enumerate(actions):
@@ -479,28 +513,35 @@ def _replay_buffers(schedule: Schedule, program: Program) -> list[str]:
   for s, buf in enumerate(buffers):
     for name, held in buf.held.items():
       for slot, value in sorted(held.items()):
-        problems.append(f'stage {s}: {name} slot {slot} still holds {value} '
-                        'after the last tick (never consumed)')
+        problems.append(
+          f'stage {s}: {name} slot {slot} still holds {value} after the last tick (never consumed)'
+        )
   if problems:
     return problems
   for name in _BUFFERS:
     peaks = tuple(b.peak[name] for b in buffers)
     if peaks != tuple(program.peaks[name]):
-      problems.append(f"program.peaks[{name!r}] is {tuple(program.peaks[name])} "
-                      f'but the tables hold at most {peaks}')
+      problems.append(
+        f'program.peaks[{name!r}] is {tuple(program.peaks[name])} '
+        f'but the tables hold at most {peaks}'
+      )
   cap = schedule.stash_cap
   peaks = tuple(b.peak['stash'] for b in buffers)
   if cap is not None and max(peaks, default=0) > cap:
-    problems.append(f'stash pools need {max(peaks)} slots (per stage '
-                    f"{peaks}), more than the schedule's cap of {cap}")
+    problems.append(
+      f'stash pools need {max(peaks)} slots (per stage '
+      f"{peaks}), more than the schedule's cap of {cap}"
+    )
   if cap is not None and program.slots['stash'] > max(cap, 1):
-    problems.append(f"program.slots['stash'] is {program.slots['stash']}, more "
-                    f"than the schedule's cap of {cap}")
+    problems.append(
+      f"program.slots['stash'] is {program.slots['stash']}, more than the schedule's cap of {cap}"
+    )
   return problems
 
 
-def _replay_compute(run: Schedule, program: Program, t: int, s: int, a: Action,
-                    buffers: _Buffers, problems: list[str]) -> None:
+def _replay_compute(
+  run: Schedule, program: Program, t: int, s: int, a: Action, buffers: _Buffers, problems: list[str]
+) -> None:
   """One F, B or W: the reads and writes of its branch in the executor."""
   row = {name: int(program.table[name][t, s]) for name in ('src', 'loss', 'stash', 'cut')}
   j, c = a.microbatch, a.chunk
@@ -527,8 +568,9 @@ def _replay_compute(run: Schedule, program: Program, t: int, s: int, a: Action,
     buffers.read('cut', row['cut'], f'cut {mine}', where, problems)
 
 
-def _replay_moves(program: Program, t: int, buffers: Sequence[_Buffers],
-                  problems: list[str]) -> list[tuple[int, str] | None]:
+def _replay_moves(
+  program: Program, t: int, buffers: Sequence[_Buffers], problems: list[str]
+) -> list[tuple[int, str] | None]:
   """The send phase's residual ppermute over partner pairs.
 
   Returns, per stage, the (slot, set) that lands at the start of the next
@@ -544,14 +586,13 @@ def _replay_moves(program: Program, t: int, buffers: Sequence[_Buffers],
     slot = int(send[t, s])
     copies = [a for a in program.grid[t][s] if a.kind in sched.COPY_KINDS]
     if slot < 0 or not copies:
-      continue   # a table/grid mismatch is _check_grid's to report
+      continue  # a table/grid mismatch is _check_grid's to report
     a = copies[0]
     value = f'set {a.microbatch}.{a.chunk}'
     where = f'tick {t} stage {s}: {a}'
     buffers[s].read('stash', slot, value, where, problems)
     if partner is None:
-      problems.append(f'{where}: sends a residual set, but the program has no '
-                      'partner pairing')
+      problems.append(f'{where}: sends a residual set, but the program has no partner pairing')
       continue
     arriving[partner[s]] = (s, value)
   for r in range(p):
@@ -560,25 +601,33 @@ def _replay_moves(program: Program, t: int, buffers: Sequence[_Buffers],
     if r not in arriving:
       if slot != -1:
         source = 'no partner' if partner is None else f'stage {partner[r]}'
-        problems.append(f'{where}: lands a residual set in stash slot {slot}, '
-                        f'but {source} sends nothing (no producer)')
+        problems.append(
+          f'{where}: lands a residual set in stash slot {slot}, '
+          f'but {source} sends nothing (no producer)'
+        )
       continue
     source, value = arriving[r]
     if slot == -1:
-      problems.append(f'{where}: drops {value} from stage {source} (move_recv '
-                      'is -1: no consumer slot)')
+      problems.append(
+        f'{where}: drops {value} from stage {source} (move_recv is -1: no consumer slot)'
+      )
       continue
     landing[r] = (slot, value)
   return landing
 
 
-def _replay_messages(run: Schedule, program: Program, t: int,
-                     actions: Sequence[Action | None], buffers: Sequence[_Buffers],
-                     problems: list[str]) -> None:
+def _replay_messages(
+  run: Schedule,
+  program: Program,
+  t: int,
+  actions: Sequence[Action | None],
+  buffers: Sequence[_Buffers],
+  problems: list[str],
+) -> None:
   """The receive phase: each F's activation and B's input gradient lands in
   the slot its receiver's recv table names, for the offset it travels."""
   p, last = run.stages, run.num_chunks - 1
-  sent = {}   # (offset, receiver) -> (value, sender)
+  sent = {}  # (offset, receiver) -> (value, sender)
   for s, a in enumerate(actions):
     if a is None:
       continue
@@ -596,16 +645,20 @@ def _replay_messages(run: Schedule, program: Program, t: int,
       where = f'tick {t} stage {r}'
       if (o, r) not in sent:
         if slot != -1:
-          problems.append(f'{where}: stores into msg slot {slot} from offset {o}, '
-                          f'but stage {(r - o) % p} sends nothing there (no producer)')
+          problems.append(
+            f'{where}: stores into msg slot {slot} from offset {o}, '
+            f'but stage {(r - o) % p} sends nothing there (no producer)'
+          )
         continue
       value, source = sent.pop((o, r))
       if slot == -1:
-        problems.append(f'{where}: drops {value} from stage {source} (no '
-                        'consumer slot)')
+        problems.append(f'{where}: drops {value} from stage {source} (no consumer slot)')
         continue
-      buffers[r].write('msg', slot, value,
-                       f'{where}: receiving {value} from stage {source}', problems)
+      buffers[r].write(
+        'msg', slot, value, f'{where}: receiving {value} from stage {source}', problems
+      )
   for (o, r), (value, source) in sorted(sent.items()):
-    problems.append(f'tick {t} stage {r}: drops {value} from stage {source} '
-                    f'(the program has no recv table for offset {o})')
+    problems.append(
+      f'tick {t} stage {r}: drops {value} from stage {source} '
+      f'(the program has no recv table for offset {o})'
+    )

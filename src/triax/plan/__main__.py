@@ -21,21 +21,32 @@ from triax import cli
 from triax.plan import report
 
 _CONFIG = config_flags.DEFINE_config_file(
-    'config', None, 'Experiment config file (Python, get_config(arg)); FILE[:ARG].',
-    lock_config=True)
-_CLUSTER = flags.DEFINE_string('cluster', None, 'Cluster spec (YAML), e.g. '
-                               'experiments/clusters/heterog_testbed.yaml.')
+  'config', None, 'Experiment config file (Python, get_config(arg)); FILE[:ARG].', lock_config=True
+)
+_CLUSTER = flags.DEFINE_string(
+  'cluster', None, 'Cluster spec (YAML), e.g. experiments/clusters/heterog_testbed.yaml.'
+)
 _TOP = flags.DEFINE_integer('top', 5, 'How many plans to show.')
 _JSON = flags.DEFINE_bool('json', False, 'Print one JSON object instead of tables.')
 _OUT = flags.DEFINE_string('out', None, 'Write the best plan as a config file (.py) here.')
-_TRACE = flags.DEFINE_string('trace', None, 'Write the best plan\'s predicted timeline as '
-                             'a Chrome trace (.json, opens in Perfetto) here.')
-_MODEL = flags.DEFINE_enum('model', 'lockstep', ['lockstep', 'async'],
-                           'Time model that ranks plans: lockstep (triax\'s executor) or '
-                           'async (the papers\').')
-_DP = flags.DEFINE_enum('dp_allreduce', 'per_step', ['per_microbatch', 'per_step'],
-                        'Where the data-parallel gradient all-reduce is charged: '
-                        'per_step (triax\'s executor) or per_microbatch.')
+_TRACE = flags.DEFINE_string(
+  'trace',
+  None,
+  "Write the best plan's predicted timeline as a Chrome trace (.json, opens in Perfetto) here.",
+)
+_MODEL = flags.DEFINE_enum(
+  'model',
+  'lockstep',
+  ['lockstep', 'async'],
+  "Time model that ranks plans: lockstep (triax's executor) or async (the papers').",
+)
+_DP = flags.DEFINE_enum(
+  'dp_allreduce',
+  'per_step',
+  ['per_microbatch', 'per_step'],
+  'Where the data-parallel gradient all-reduce is charged: '
+  "per_step (triax's executor) or per_microbatch.",
+)
 
 
 def main(argv):
@@ -54,14 +65,20 @@ def main(argv):
     cli.force_cpu_devices(report.local_devices(_CLUSTER.value))
   try:
     cfg = _CONFIG.value
-    cfg.to_dict()   # a config file that failed to load raises on first use
+    cfg.to_dict()  # a config file that failed to load raises on first use
   except Exception as e:  # pylint: disable=broad-except
     cli.fail('--config', f'{type(e).__name__}: {str(e).splitlines()[0] if str(e) else e!r}')
   request = report.Request(
-      cfg=cfg, config_path=config_path,
-      config_overrides=config_flags.get_override_values(flags.FLAGS['config']),
-      cluster=_CLUSTER.value, top=_TOP.value, out=_OUT.value, trace=_TRACE.value,
-      model=_MODEL.value, dp_allreduce=_DP.value)
+    cfg=cfg,
+    config_path=config_path,
+    config_overrides=config_flags.get_override_values(flags.FLAGS['config']),
+    cluster=_CLUSTER.value,
+    top=_TOP.value,
+    out=_OUT.value,
+    trace=_TRACE.value,
+    model=_MODEL.value,
+    dp_allreduce=_DP.value,
+  )
   sys.exit(report.main(request, as_json=_JSON.value))
 
 

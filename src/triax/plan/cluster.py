@@ -47,21 +47,47 @@ DTYPES = ('bfloat16', 'float16', 'float32')
 MEASURED = 'measured'
 
 _UNITS = {
-    'bytes': {'B': 1, 'KB': 1e3, 'MB': 1e6, 'GB': 1e9, 'TB': 1e12,
-              'KiB': 2**10, 'MiB': 2**20, 'GiB': 2**30, 'TiB': 2**40},
-    'bandwidth': {'B/s': 1, 'KB/s': 1e3, 'MB/s': 1e6, 'GB/s': 1e9, 'TB/s': 1e12,
-                  'GiB/s': 2**30, 'b/s': 1 / 8, 'Kb/s': 1e3 / 8, 'Mb/s': 1e6 / 8,
-                  'Gb/s': 1e9 / 8, 'Tb/s': 1e12 / 8, 'Gbps': 1e9 / 8, 'Mbps': 1e6 / 8},
-    'flops': {'FLOP/s': 1, 'GFLOP/s': 1e9, 'TFLOP/s': 1e12, 'PFLOP/s': 1e15},
-    'seconds': {'s': 1, 'ms': 1e-3, 'us': 1e-6, 'ns': 1e-9},
+  'bytes': {
+    'B': 1,
+    'KB': 1e3,
+    'MB': 1e6,
+    'GB': 1e9,
+    'TB': 1e12,
+    'KiB': 2**10,
+    'MiB': 2**20,
+    'GiB': 2**30,
+    'TiB': 2**40,
+  },
+  'bandwidth': {
+    'B/s': 1,
+    'KB/s': 1e3,
+    'MB/s': 1e6,
+    'GB/s': 1e9,
+    'TB/s': 1e12,
+    'GiB/s': 2**30,
+    'b/s': 1 / 8,
+    'Kb/s': 1e3 / 8,
+    'Mb/s': 1e6 / 8,
+    'Gb/s': 1e9 / 8,
+    'Tb/s': 1e12 / 8,
+    'Gbps': 1e9 / 8,
+    'Mbps': 1e6 / 8,
+  },
+  'flops': {'FLOP/s': 1, 'GFLOP/s': 1e9, 'TFLOP/s': 1e12, 'PFLOP/s': 1e15},
+  'seconds': {'s': 1, 'ms': 1e-3, 'us': 1e-6, 'ns': 1e-9},
 }
-_EXAMPLE = {'bytes': "'16 GB'", 'bandwidth': "'100 Gb/s' or '12 GB/s'",
-            'flops': "'125 TFLOP/s'", 'seconds': "'10 us'"}
+_EXAMPLE = {
+  'bytes': "'16 GB'",
+  'bandwidth': "'100 Gb/s' or '12 GB/s'",
+  'flops': "'125 TFLOP/s'",
+  'seconds': "'10 us'",
+}
 
 
 @dataclasses.dataclass(frozen=True)
 class Link:
   """A point-to-point path: time(bytes) = latency + bytes / bandwidth."""
+
   bandwidth: float
   latency: float
 
@@ -86,6 +112,7 @@ class Group:
     overhead_per_layer: seconds added per layer action (kernel launches),
       a floor the roofline cannot see for small layers.
   """
+
   name: str
   type: str
   count: int
@@ -108,6 +135,7 @@ class Group:
 @dataclasses.dataclass(frozen=True)
 class Node:
   """A host: which devices it holds and what its network can do."""
+
   name: str
   devices: dict[str, int]
   nic_bandwidth: float | None = None
@@ -118,6 +146,7 @@ class Node:
 @dataclasses.dataclass(frozen=True)
 class Device:
   """One device, numbered 0..N-1 in node order, then group order."""
+
   index: int
   group: str
   node: str
@@ -126,6 +155,7 @@ class Device:
 @dataclasses.dataclass(frozen=True)
 class Cluster:
   """A validated spec. `devices` lists every device once."""
+
   name: str
   description: str
   path: str
@@ -149,14 +179,14 @@ class Cluster:
       bw = self.node(da.node).intra_bandwidth or self.intra_node.bandwidth
       return Link(bw, self.intra_node.latency)
     bws = [self.inter_node.bandwidth] + [
-        n.nic_bandwidth for n in (self.node(da.node), self.node(db.node))
-        if n.nic_bandwidth]
+      n.nic_bandwidth for n in (self.node(da.node), self.node(db.node)) if n.nic_bandwidth
+    ]
     return Link(min(bws), self.inter_node.latency)
 
   def slowest_link(self, devices) -> Link:
     """The weakest link among a set of devices (a collective's bottleneck)."""
     devices = list(devices)
-    links = [self.link(a, b) for i, a in enumerate(devices) for b in devices[i + 1:]]
+    links = [self.link(a, b) for i, a in enumerate(devices) for b in devices[i + 1 :]]
     if not links:
       return Link(math.inf, 0.0)
     return min(links, key=lambda l: (l.bandwidth, -l.latency))
@@ -183,8 +213,11 @@ def load(path: str) -> Cluster:
   import yaml  # only the planner needs YAML
 
   if not os.path.isfile(path):
-    raise ConfigError('--cluster', f'{path}: no such file; ship specs under '
-                      'experiments/clusters/ (e.g. experiments/clusters/h100_8x_nvlink.yaml)')
+    raise ConfigError(
+      '--cluster',
+      f'{path}: no such file; ship specs under '
+      'experiments/clusters/ (e.g. experiments/clusters/h100_8x_nvlink.yaml)',
+    )
   try:
     with open(path) as f:
       raw = yaml.safe_load(f)
@@ -204,8 +237,10 @@ def parse(raw: Any, path: str = '<spec>') -> Cluster:
     raise bad('want a mapping with name, groups, nodes and links at the top')
   unknown = set(raw) - {'name', 'description', 'groups', 'nodes', 'links'}
   if unknown:
-    raise bad(f'unknown top-level key(s) {", ".join(sorted(unknown))}; allowed: '
-              'name, description, groups, nodes, links')
+    raise bad(
+      f'unknown top-level key(s) {", ".join(sorted(unknown))}; allowed: '
+      'name, description, groups, nodes, links'
+    )
   for key in ('name', 'groups', 'nodes', 'links'):
     if key not in raw:
       raise bad(f'missing top-level key {key!r}')
@@ -231,8 +266,10 @@ def parse(raw: Any, path: str = '<spec>') -> Cluster:
     nodes.append(node)
   for name, group in groups.items():
     if placed[name] != group.count:
-      raise bad(f'group {name!r} has count {group.count} but the nodes place '
-                f'{placed[name]}; make them agree')
+      raise bad(
+        f'group {name!r} has count {group.count} but the nodes place '
+        f'{placed[name]}; make them agree'
+      )
 
   links = raw['links']
   if not isinstance(links, dict) or set(links) != {'intra_node', 'inter_node'}:
@@ -245,20 +282,37 @@ def parse(raw: Any, path: str = '<spec>') -> Cluster:
     for g, count in node.devices.items():
       for _ in range(count):
         devices.append(Device(len(devices), g, node.name))
-  return Cluster(name=str(raw['name']), description=str(raw.get('description', '')),
-                 path=path, groups=groups, nodes=tuple(nodes), intra_node=intra,
-                 inter_node=inter, devices=tuple(devices))
+  return Cluster(
+    name=str(raw['name']),
+    description=str(raw.get('description', '')),
+    path=path,
+    groups=groups,
+    nodes=tuple(nodes),
+    intra_node=intra,
+    inter_node=inter,
+    devices=tuple(devices),
+  )
 
 
 def _group(g: Any, where: str, bad) -> Group:
-  allowed = {'name', 'type', 'count', 'peak_flops', 'memory', 'memory_bandwidth',
-             'profile', 'efficiency', 'overhead_per_layer'}
+  allowed = {
+    'name',
+    'type',
+    'count',
+    'peak_flops',
+    'memory',
+    'memory_bandwidth',
+    'profile',
+    'efficiency',
+    'overhead_per_layer',
+  }
   if not isinstance(g, dict):
     raise bad(f'{where}: want a mapping')
   unknown = set(g) - allowed
   if unknown:
-    raise bad(f'{where}: unknown key(s) {", ".join(sorted(unknown))}; allowed: '
-              f'{", ".join(sorted(allowed))}')
+    raise bad(
+      f'{where}: unknown key(s) {", ".join(sorted(unknown))}; allowed: {", ".join(sorted(allowed))}'
+    )
   for key in ('name', 'type', 'count', 'peak_flops', 'memory', 'memory_bandwidth'):
     if key not in g:
       raise bad(f'{where}: missing {key!r}')
@@ -270,26 +324,34 @@ def _group(g: Any, where: str, bad) -> Group:
     raise bad(f'{where}.count: want a positive integer, got {count!r}')
   peaks = g['peak_flops']
   if not isinstance(peaks, dict) or 'bfloat16' not in peaks or 'float32' not in peaks:
-    raise bad(f'{where}.peak_flops: want a mapping with at least bfloat16 and float32, '
-              "e.g. {bfloat16: '312 TFLOP/s', float32: '156 TFLOP/s'}")
+    raise bad(
+      f'{where}.peak_flops: want a mapping with at least bfloat16 and float32, '
+      "e.g. {bfloat16: '312 TFLOP/s', float32: '156 TFLOP/s'}"
+    )
   peak_flops = {}
   for dtype, value in peaks.items():
     if dtype not in DTYPES:
       raise bad(f'{where}.peak_flops: unknown dtype {dtype!r}; use {", ".join(DTYPES)}')
-    peak_flops[dtype] = _maybe_measured(value, 'flops', f'{where}.peak_flops.{dtype}',
-                                        local, bad)
+    peak_flops[dtype] = _maybe_measured(value, 'flops', f'{where}.peak_flops.{dtype}', local, bad)
   efficiency = g.get('efficiency')
-  if efficiency is not None and not (isinstance(efficiency, (int, float))
-                                     and 0 < efficiency <= 1):
+  if efficiency is not None and not (isinstance(efficiency, (int, float)) and 0 < efficiency <= 1):
     raise bad(f'{where}.efficiency: want a fraction in (0, 1], got {efficiency!r}')
-  overhead = _quantity(g.get('overhead_per_layer', 0), 'seconds',
-                       f'{where}.overhead_per_layer', bad, allow_zero=True)
-  return Group(name=str(g['name']), type=str(g['type']), count=count,
-               peak_flops=peak_flops,
-               memory=_quantity(g['memory'], 'bytes', f'{where}.memory', bad),
-               memory_bandwidth=_maybe_measured(g['memory_bandwidth'], 'bandwidth',
-                                                f'{where}.memory_bandwidth', local, bad),
-               local=local, efficiency=efficiency, overhead_per_layer=overhead)
+  overhead = _quantity(
+    g.get('overhead_per_layer', 0), 'seconds', f'{where}.overhead_per_layer', bad, allow_zero=True
+  )
+  return Group(
+    name=str(g['name']),
+    type=str(g['type']),
+    count=count,
+    peak_flops=peak_flops,
+    memory=_quantity(g['memory'], 'bytes', f'{where}.memory', bad),
+    memory_bandwidth=_maybe_measured(
+      g['memory_bandwidth'], 'bandwidth', f'{where}.memory_bandwidth', local, bad
+    ),
+    local=local,
+    efficiency=efficiency,
+    overhead_per_layer=overhead,
+  )
 
 
 def _node(n: Any, where: str, groups: dict, bad) -> Node:
@@ -298,8 +360,9 @@ def _node(n: Any, where: str, groups: dict, bad) -> Node:
     raise bad(f'{where}: want a mapping with name and devices ({{group: count}})')
   unknown = set(n) - allowed
   if unknown:
-    raise bad(f'{where}: unknown key(s) {", ".join(sorted(unknown))}; allowed: '
-              f'{", ".join(sorted(allowed))}')
+    raise bad(
+      f'{where}: unknown key(s) {", ".join(sorted(unknown))}; allowed: {", ".join(sorted(allowed))}'
+    )
   devices = n['devices']
   if not isinstance(devices, dict) or not devices:
     raise bad(f'{where}.devices: want a non-empty mapping {{group: count}}')
@@ -309,27 +372,34 @@ def _node(n: Any, where: str, groups: dict, bad) -> Node:
     if not isinstance(count, int) or isinstance(count, bool) or count < 1:
       raise bad(f'{where}.devices.{g}: want a positive integer, got {count!r}')
   cores = n.get('shared_cores')
-  if cores is not None and (not isinstance(cores, int) or isinstance(cores, bool)
-                            or cores < 1):
-    raise bad(f'{where}.shared_cores: want a positive integer (physical cores the '
-              f'devices share), got {cores!r}')
-  optional = {key: _quantity(n[key], 'bandwidth', f'{where}.{key}', bad)
-              for key in ('nic_bandwidth', 'intra_bandwidth') if key in n}
+  if cores is not None and (not isinstance(cores, int) or isinstance(cores, bool) or cores < 1):
+    raise bad(
+      f'{where}.shared_cores: want a positive integer (physical cores the '
+      f'devices share), got {cores!r}'
+    )
+  optional = {
+    key: _quantity(n[key], 'bandwidth', f'{where}.{key}', bad)
+    for key in ('nic_bandwidth', 'intra_bandwidth')
+    if key in n
+  }
   return Node(name=str(n['name']), devices=dict(devices), shared_cores=cores, **optional)
 
 
 def _link(raw: Any, where: str, bad) -> Link:
   if not isinstance(raw, dict) or set(raw) != {'bandwidth', 'latency'}:
     raise bad(f'{where}: want {{bandwidth: ..., latency: ...}}')
-  return Link(_quantity(raw['bandwidth'], 'bandwidth', f'{where}.bandwidth', bad),
-              _quantity(raw['latency'], 'seconds', f'{where}.latency', bad, allow_zero=True))
+  return Link(
+    _quantity(raw['bandwidth'], 'bandwidth', f'{where}.bandwidth', bad),
+    _quantity(raw['latency'], 'seconds', f'{where}.latency', bad, allow_zero=True),
+  )
 
 
 def _maybe_measured(value: Any, kind: str, where: str, local: bool, bad) -> float | None:
   if value == MEASURED:
     if not local:
-      raise bad(f"{where}: 'measured' needs profile: local on the group "
-                '(only this machine can be measured)')
+      raise bad(
+        f"{where}: 'measured' needs profile: local on the group (only this machine can be measured)"
+      )
     return None
   return _quantity(value, kind, where, bad)
 
@@ -352,12 +422,10 @@ def _quantity(value: Any, kind: str, where: str, bad, allow_zero: bool = False) 
     unit = m.group(2)
     if unit is not None:
       if unit not in units:
-        raise bad(f'{where}: unknown unit {unit!r} in {value!r}; use one of '
-                  f'{", ".join(units)}')
+        raise bad(f'{where}: unknown unit {unit!r} in {value!r}; use one of {", ".join(units)}')
       number *= units[unit]
   else:
     raise bad(f'{where}: want a number or e.g. {_EXAMPLE[kind]}, got {value!r}')
   if not math.isfinite(number) or number < 0 or (number == 0 and not allow_zero):
-    raise bad(f'{where}: must be {"non-negative" if allow_zero else "positive"}, '
-              f'got {value!r}')
+    raise bad(f'{where}: must be {"non-negative" if allow_zero else "positive"}, got {value!r}')
   return number

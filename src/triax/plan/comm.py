@@ -8,7 +8,7 @@ devices is a ring: 2(n-1) steps of bytes/n over the weakest link among them.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from triax.plan.cluster import Cluster, Link
 from triax.plan.profile import Profile, allreduce_time

@@ -28,8 +28,9 @@ def device_order(plan: Plan) -> tuple[int, ...]:
   cluster's device stages[s][i * tensor + j]. Cluster device k is
   jax.devices()[k] on the run (the cluster spec lists devices in that order)."""
   t = plan.tensor
-  return tuple(plan.stages[s][i * t + j] for i in range(plan.data) for j in range(t)
-               for s in range(plan.pipe))
+  return tuple(
+    plan.stages[s][i * t + j] for i in range(plan.data) for j in range(t) for s in range(plan.pipe)
+  )
 
 
 def overrides(plan: Plan, heterogeneous: bool = False) -> dict[str, Any]:
@@ -37,15 +38,15 @@ def overrides(plan: Plan, heterogeneous: bool = False) -> dict[str, Any]:
   of mixed device types the placement matters, so it is written as
   mesh.device_order; otherwise the mesh keeps its own topology-aware order."""
   values = {
-      'mesh.data': plan.data,
-      'mesh.tensor': plan.tensor,
-      'mesh.pipe': plan.pipe,
-      'pipeline.schedule': plan.schedule,
-      'pipeline.microbatches': plan.microbatches,
-      'pipeline.virtual_stages': plan.virtual_stages,
-      LAYERS_KEY: () if plan.even else tuple(plan.chunk_layers),
-      'model.remat': plan.remat,
-      'train.global_batch_size': plan.global_batch,
+    'mesh.data': plan.data,
+    'mesh.tensor': plan.tensor,
+    'mesh.pipe': plan.pipe,
+    'pipeline.schedule': plan.schedule,
+    'pipeline.microbatches': plan.microbatches,
+    'pipeline.virtual_stages': plan.virtual_stages,
+    LAYERS_KEY: () if plan.even else tuple(plan.chunk_layers),
+    'model.remat': plan.remat,
+    'train.global_batch_size': plan.global_batch,
   }
   if heterogeneous:
     values['mesh.device_order'] = device_order(plan)
@@ -76,15 +77,24 @@ def apply(cfg, values: dict[str, Any]):
     if key == LAYERS_KEY and name not in node:
       if not value:
         continue
-      raise ValueError(f'this plan splits layers unevenly ({key}={value}) but this triax '
-                       f'config has no {key}; update triax or plan with an even split')
+      raise ValueError(
+        f'this plan splits layers unevenly ({key}={value}) but this triax '
+        f'config has no {key}; update triax or plan with an even split'
+      )
     node[name] = value
   return cfg
 
 
-def write(path: str, estimate: Estimate, base_path: str, base_arg: str | None,
-          base_overrides: dict[str, Any], cluster_name: str, command: str = '',
-          heterogeneous: bool = False) -> str:
+def write(
+  path: str,
+  estimate: Estimate,
+  base_path: str,
+  base_arg: str | None,
+  base_overrides: dict[str, Any],
+  cluster_name: str,
+  command: str = '',
+  heterogeneous: bool = False,
+) -> str:
   """Writes the plan file; returns its text.
 
   Args:
@@ -102,12 +112,17 @@ def write(path: str, estimate: Estimate, base_path: str, base_arg: str | None,
   folder = os.path.dirname(os.path.abspath(path))
   base_rel = os.path.relpath(os.path.abspath(base_path), folder)
   gb = estimate.peak_memory / 2**30
-  stages = '\n'.join(f'  stage {s}: devices {list(devs)}, {plan.layers[s]} layers'
-                     for s, devs in enumerate(plan.stages))
+  stages = '\n'.join(
+    f'  stage {s}: devices {list(devs)}, {plan.layers[s]} layers'
+    for s, devs in enumerate(plan.stages)
+  )
   plan_values = overrides(plan, heterogeneous)
   origin = f' ({command})' if command else ''
-  placement = ('placed by PLAN\'s mesh.device_order' if heterogeneous else
-               'one device type: the mesh keeps its own order')
+  placement = (
+    "placed by PLAN's mesh.device_order"
+    if heterogeneous
+    else 'one device type: the mesh keeps its own order'
+  )
   text = f'''"""Plan for cluster {cluster_name}: {plan.describe()}.
 
 Written by `python -m triax.plan` on {datetime.date.today().isoformat()}{origin}.

@@ -18,15 +18,15 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import Callable
+from collections.abc import Callable
 
 Cost = Callable[[int, int], float]
 Allowed = Callable[[int, int], bool]
 
 
-def balance(num_layers: int, stages: int, cost: Cost,
-            allowed: Allowed = lambda s, n: True,
-            unit: int = 1) -> tuple[tuple[int, ...], float] | None:
+def balance(
+  num_layers: int, stages: int, cost: Cost, allowed: Allowed = lambda s, n: True, unit: int = 1
+) -> tuple[tuple[int, ...], float] | None:
   """The partition of `num_layers` over `stages` minimising max cost(s, n).
 
   Args:
@@ -69,9 +69,9 @@ def balance(num_layers: int, stages: int, cost: Cost,
   return tuple(reversed(layers)), best[stages][units][0]
 
 
-def brute_force(num_layers: int, stages: int, cost: Cost,
-                allowed: Allowed = lambda s, n: True,
-                unit: int = 1) -> float | None:
+def brute_force(
+  num_layers: int, stages: int, cost: Cost, allowed: Allowed = lambda s, n: True, unit: int = 1
+) -> float | None:
   """The optimal slowest-stage cost by enumeration (tests, small cases)."""
   best = math.inf
   for counts in itertools.product(range(unit, num_layers + 1, unit), repeat=stages):

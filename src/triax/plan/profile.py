@@ -57,7 +57,7 @@ import dataclasses
 import functools
 import math
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -78,6 +78,8 @@ def variant(function: str, remat: str) -> str:
   if remat == 'none' or function not in LAYER_FUNCTIONS:
     return function
   return f'{function}/{remat}'
+
+
 # Runs per timing (after one warm-up); the median is kept. On XLA:CPU a
 # function's time is bimodal (fresh output buffers fault their pages in or
 # not), so a layer needs a few more runs than a micro-benchmark does.
@@ -107,6 +109,7 @@ class Work:
   XLA's counts are linear in b at a fixed shard: flops = b * flops_per_seq,
   bytes = bytes_fixed (weights) + b * bytes_per_seq (activations).
   """
+
   flops_per_seq: float
   bytes_fixed: float
   bytes_per_seq: float
@@ -137,6 +140,7 @@ class Shard:
     attention_fraction: share of a layer's forward FLOPs in the attention
       core, which selective remat recomputes in the backward.
   """
+
   tensor: int
   work: dict[str, Work]
   layer_param_bytes: float
@@ -156,6 +160,7 @@ class Fit:
   device runs it (N * solo time / all-N time, at most N); None when not
   measured (one local device, or a synthetic profile).
   """
+
   c0: float
   k: float
   cores: float | None = None
@@ -186,6 +191,7 @@ class Machine:
     allreduce: ring all-reduce fit on the local mesh (latency per step,
       bus bandwidth), see `allreduce_time`.
   """
+
   backend: str
   device_kind: str
   num_devices: int
@@ -204,6 +210,7 @@ class Point:
   function is a fits key (`variant`); seconds solo, concurrent with every
   local device running the same function at once (0 if one device).
   """
+
   function: str
   microbatch: int
   tensor: int
@@ -228,6 +235,7 @@ class Profile:
     points: the measurements behind the fits.
     wall_s: seconds the profiling took (0 if from the cache).
   """
+
   seq_len: int
   d_model: int
   num_layers: int
@@ -247,11 +255,11 @@ class Profile:
     a remat variant's roofline is its plain function's."""
     w = self.shards[t].work[function.split('/')[0]]
     fit = self.fits[function]
-    return fit.c0 + fit.k * max(w.flops(b) / self.machine.matmul_flops,
-                                w.bytes(b) / self.machine.memory_bandwidth)
+    return fit.c0 + fit.k * max(
+      w.flops(b) / self.machine.matmul_flops, w.bytes(b) / self.machine.memory_bandwidth
+    )
 
-  def local_seconds(self, function: str, b: int, t: int, *,
-                    concurrent: bool = False) -> float:
+  def local_seconds(self, function: str, b: int, t: int, *, concurrent: bool = False) -> float:
     """Time of `function` (a fits key) on b sequences at degree t on this
     machine: alone, or (concurrent) while every local device runs it too.
 
@@ -263,9 +271,13 @@ class Profile:
     Elsewhere: the fit, slowed by the function's measured core sharing when
     concurrent.
     """
+
     def curve(t_):
-      found = sorted((pt.microbatch, pt.concurrent if concurrent else pt.seconds)
-                     for pt in self.points if pt.function == function and pt.tensor == t_)
+      found = sorted(
+        (pt.microbatch, pt.concurrent if concurrent else pt.seconds)
+        for pt in self.points
+        if pt.function == function and pt.tensor == t_
+      )
       return [(x, y) for x, y in found if y > 0]
 
     def line(points, b):
@@ -281,7 +293,7 @@ class Profile:
       n = self.machine.num_devices
       return fit * n / cores if concurrent and cores else fit
     if len(measured) == 1:
-      (b0, y0), = measured
+      ((b0, y0),) = measured
       return y0 * fit / self.fitted_seconds(function, b0, t)
     base = curve(min(pt.tensor for pt in self.points if pt.function == function))
     shape = dict(base)
@@ -297,38 +309,69 @@ def allreduce_time(link: Link, n: int, nbytes: float) -> float:
   return 2 * (n - 1) * link.latency + 2 * (n - 1) / n * nbytes / link.bandwidth
 
 
-def synthetic(*, layer_fwd: float = 1.0, layer_bwd: float = 2.0, embed: float = 0.0,
-              head: float = 0.0, tensors: Sequence[int] = (1,), num_layers: int = 4,
-              layer_param_bytes: float = 0.0, edge_param_bytes: float = 0.0,
-              stash_per_seq: float = 0.0, act_per_seq: float = 0.0,
-              machine: Machine | None = None) -> Profile:
+def synthetic(
+  *,
+  layer_fwd: float = 1.0,
+  layer_bwd: float = 2.0,
+  embed: float = 0.0,
+  head: float = 0.0,
+  tensors: Sequence[int] = (1,),
+  num_layers: int = 4,
+  layer_param_bytes: float = 0.0,
+  edge_param_bytes: float = 0.0,
+  stash_per_seq: float = 0.0,
+  act_per_seq: float = 0.0,
+  machine: Machine | None = None,
+) -> Profile:
   """A made-up profile for tests and what-ifs: each function takes the given
   seconds per sequence at t=1 (1/t of it at degree t) and its FLOPs are that
   many "FLOPs" on a machine of 1 FLOP/s; bytes are the given sizes."""
   machine = machine or Machine(
-      backend='synthetic', device_kind='synthetic', num_devices=1, matmul_flops=1.0,
-      memory_bandwidth=math.inf, node_bandwidth=math.inf, effective_cores=1.0,
-      p2p=Link(math.inf, 0.0), allreduce=Link(math.inf, 0.0))
+    backend='synthetic',
+    device_kind='synthetic',
+    num_devices=1,
+    matmul_flops=1.0,
+    memory_bandwidth=math.inf,
+    node_bandwidth=math.inf,
+    effective_cores=1.0,
+    p2p=Link(math.inf, 0.0),
+    allreduce=Link(math.inf, 0.0),
+  )
   seconds = dict(layer_fwd=layer_fwd, layer_bwd=layer_bwd, embed=embed, head=head)
-  shards = {t: Shard(tensor=t,
-                     work={f: Work(flops_per_seq=x / t * machine.matmul_flops,
-                                   bytes_fixed=0.0, bytes_per_seq=0.0)
-                           for f, x in seconds.items()},
-                     layer_param_bytes=layer_param_bytes / t,
-                     edge_param_bytes=edge_param_bytes / t,
-                     stash_per_seq={r: stash_per_seq for r in REMATS},
-                     stash_fixed_per_seq=0.0, act_per_seq=act_per_seq,
-                     logits_per_seq=0.0, attention_fraction=0.0)
-            for t in tensors}
-  return Profile(seq_len=1, d_model=1, num_layers=num_layers, dtype='float32',
-                 shards=shards, fits={f: Fit(0.0, 1.0) for f in FUNCTIONS}, machine=machine)
+  shards = {
+    t: Shard(
+      tensor=t,
+      work={
+        f: Work(flops_per_seq=x / t * machine.matmul_flops, bytes_fixed=0.0, bytes_per_seq=0.0)
+        for f, x in seconds.items()
+      },
+      layer_param_bytes=layer_param_bytes / t,
+      edge_param_bytes=edge_param_bytes / t,
+      stash_per_seq={r: stash_per_seq for r in REMATS},
+      stash_fixed_per_seq=0.0,
+      act_per_seq=act_per_seq,
+      logits_per_seq=0.0,
+      attention_fraction=0.0,
+    )
+    for t in tensors
+  }
+  return Profile(
+    seq_len=1,
+    d_model=1,
+    num_layers=num_layers,
+    dtype='float32',
+    shards=shards,
+    fits={f: Fit(0.0, 1.0) for f in FUNCTIONS},
+    machine=machine,
+  )
 
 
 # ---------------------------------------------------------------- measuring
 
 
-def measure(model_cfg, tensors: Sequence[int], microbatches: Sequence[int],
-            remats: Sequence[str] = REMATS) -> Profile:
+def measure(
+  model_cfg, tensors: Sequence[int], microbatches: Sequence[int], remats: Sequence[str] = REMATS
+) -> Profile:
   """Profiles `model_cfg` (config.model) for the given degrees and sizes.
 
   Args:
@@ -343,35 +386,56 @@ def measure(model_cfg, tensors: Sequence[int], microbatches: Sequence[int],
     A Profile; repeated calls with the same arguments return the cached one.
   """
   remats = tuple(r for r in REMATS if r in set(remats) | {'none'})
-  key = (_model_key(model_cfg), tuple(sorted(set(tensors))),
-         tuple(sorted(set(microbatches))), remats)
+  key = (
+    _model_key(model_cfg),
+    tuple(sorted(set(tensors))),
+    tuple(sorted(set(microbatches))),
+    remats,
+  )
   return _measure_cached(*key)
 
 
 def _model_key(model_cfg) -> tuple:
-  return tuple((k, model_cfg[k]) for k in ('num_layers', 'd_model', 'num_heads', 'd_ff',
-                                             'vocab_size', 'seq_len', 'dtype', 'param_dtype',
-                                             'attention'))
+  return tuple(
+    (k, model_cfg[k])
+    for k in (
+      'num_layers',
+      'd_model',
+      'num_heads',
+      'd_ff',
+      'vocab_size',
+      'seq_len',
+      'dtype',
+      'param_dtype',
+      'attention',
+    )
+  )
 
 
 @functools.lru_cache(maxsize=16)
-def _measure_cached(model_key: tuple, tensors: tuple[int, ...],
-                    microbatches: tuple[int, ...], remats: tuple[str, ...]) -> Profile:
+def _measure_cached(
+  model_key: tuple, tensors: tuple[int, ...], microbatches: tuple[int, ...], remats: tuple[str, ...]
+) -> Profile:
   started = time.perf_counter()
   spec = dict(model_key)
   prof = _Profiler(spec)
   shards = {t: prof.shard(t) for t in tensors}
   machine = prof.machine()
   points = prof.time_points(_points_to_measure(tensors, microbatches, spec['seq_len'], remats))
-  executor = prof.executor_ratios(min(tensors), min(max(microbatches),
-                                                  max(1, _MAX_MEASURED_TOKENS // spec['seq_len'])))
+  executor = prof.executor_ratios(
+    min(tensors), min(max(microbatches), max(1, _MAX_MEASURED_TOKENS // spec['seq_len']))
+  )
   roof = {p: shards[p[2]].work[p[0].split('/')[0]] for p in points}
   fits = {}
   n = machine.num_devices
   for function in sorted({p[0] for p in points}):
     mine = [(p, s) for p, s in points.items() if p[0] == function]
-    xs = [max(roof[p].flops(p[1]) / machine.matmul_flops,
-              roof[p].bytes(p[1]) / machine.memory_bandwidth) for p, _ in mine]
+    xs = [
+      max(
+        roof[p].flops(p[1]) / machine.matmul_flops, roof[p].bytes(p[1]) / machine.memory_bandwidth
+      )
+      for p, _ in mine
+    ]
     fit = _fit(xs, [solo for _, (solo, _) in mine])
     together = [(solo, conc) for _, (solo, conc) in mine if conc > 0]
     if together:
@@ -380,19 +444,35 @@ def _measure_cached(model_key: tuple, tensors: tuple[int, ...],
       ratios = sorted(min(float(n), max(1.0, n * solo / conc)) for solo, conc in together)
       fit = dataclasses.replace(fit, cores=ratios[len(ratios) // 2])
     fits[function] = fit
-  profile = Profile(seq_len=spec['seq_len'], d_model=spec['d_model'],
-                    num_layers=spec['num_layers'], dtype=spec['dtype'], shards=shards,
-                    fits=fits, machine=machine)
-  rows = tuple(Point(function=f, microbatch=b, tensor=t, seconds=solo,
-                     fitted=profile.fitted_seconds(f, b, t),
-                     flops=shards[t].work[f.split('/')[0]].flops(b), concurrent=conc)
-               for (f, b, t), (solo, conc) in sorted(points.items()))
-  return dataclasses.replace(profile, points=rows, ratios=executor,
-                             wall_s=time.perf_counter() - started)
+  profile = Profile(
+    seq_len=spec['seq_len'],
+    d_model=spec['d_model'],
+    num_layers=spec['num_layers'],
+    dtype=spec['dtype'],
+    shards=shards,
+    fits=fits,
+    machine=machine,
+  )
+  rows = tuple(
+    Point(
+      function=f,
+      microbatch=b,
+      tensor=t,
+      seconds=solo,
+      fitted=profile.fitted_seconds(f, b, t),
+      flops=shards[t].work[f.split('/')[0]].flops(b),
+      concurrent=conc,
+    )
+    for (f, b, t), (solo, conc) in sorted(points.items())
+  )
+  return dataclasses.replace(
+    profile, points=rows, ratios=executor, wall_s=time.perf_counter() - started
+  )
 
 
-def _points_to_measure(tensors, microbatches, seq_len,
-                       remats=('none',)) -> list[tuple[str, int, int]]:
+def _points_to_measure(
+  tensors, microbatches, seq_len, remats=('none',)
+) -> list[tuple[str, int, int]]:
   """The (function, b, t) points that pin the fits: the layer at small and
   large b at every t and at every size at the smallest t, under each remat
   policy (the simulator interpolates between them on this machine);
@@ -424,7 +504,7 @@ def _fit(roofline: Sequence[float], seconds: Sequence[float]) -> Fit:
   x, y = np.asarray(roofline, float), np.asarray(seconds, float)
   if len(x) == 1 or np.ptp(x) <= 1e-12 * max(x.max(), 1e-30):
     return Fit(0.0, float(np.mean(y / x)))
-  w = 1.0 / y                                        # relative-error weights
+  w = 1.0 / y  # relative-error weights
   a = np.stack([w, w * x], axis=1)
   c0, k = np.linalg.lstsq(a, np.ones_like(y), rcond=None)[0]
   if c0 < 0 or k <= 0:
@@ -437,6 +517,7 @@ class _Profiler:
 
   def __init__(self, spec: dict):
     import jax
+
     self.jax = jax
     self.spec = spec
     self._functions = {}
@@ -448,6 +529,7 @@ class _Profiler:
 
   def _model(self, t: int, remat: str = 'none'):
     from triax.model.transformer import GPT
+
     return GPT(dataclasses.replace(_shard_spec(self.spec, t), remat=remat))
 
   def _stack(self, model, layers: int):
@@ -455,20 +537,25 @@ class _Profiler:
     _, x = model._dummy()
     one = jax.eval_shape(lambda k: model._block.init(k, x)['params'], jax.random.key(0))
     import flax.linen as nn
+
     one = nn.unbox(one)
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct((layers,) + a.shape, a.dtype), one)
 
   def _act(self, b: int):
     import jax.numpy as jnp
-    return self.jax.ShapeDtypeStruct((b, self.spec['seq_len'], self.spec['d_model']),
-                                     jnp.dtype(self.spec['dtype']))
+
+    return self.jax.ShapeDtypeStruct(
+      (b, self.spec['seq_len'], self.spec['d_model']), jnp.dtype(self.spec['dtype'])
+    )
 
   def _tokens(self, b: int):
     import jax.numpy as jnp
+
     return self.jax.ShapeDtypeStruct((b, self.spec['seq_len']), jnp.int32)
 
-  def functions(self, t: int, b: int, layers: int = 1,
-                remat: str = 'none') -> dict[str, tuple[Callable, tuple]]:
+  def functions(
+    self, t: int, b: int, layers: int = 1, remat: str = 'none'
+  ) -> dict[str, tuple[Callable, tuple]]:
     """name -> (function, abstract args) for the timed functions (cached:
     tracing the model for shapes is the slow part of building them):
     layer_fwd, layer_fwd_bwd (forward then backward in one program, as the
@@ -481,6 +568,7 @@ class _Profiler:
   def _build_functions(self, t: int, b: int, layers: int, remat: str) -> dict:
     jax = self.jax
     import jax.numpy as jnp
+
     model = self._model(t, remat)
     stack = self._stack(model, layers)
     x, tok = self._act(b), self._tokens(b)
@@ -499,30 +587,42 @@ class _Profiler:
       def pair(p, x):
         y, back = jax.vjp(model.layers, p, x)
         return back(y)[index]
+
       return pair
 
     def under_cond(active):
       def pair(p, x):
         y, back = jax.vjp(lambda p, x: model.layers(p, x, jnp.int32(active)), p, x)
         return back(y)
+
       return pair
 
     head = jax.value_and_grad(model.head_loss, argnums=(0, 1))
-    return {'layer_fwd': (fwd, (stack, x)),
-            'layer_fwd_bwd': (fwd_bwd, (stack, x)),
-            'split_b': (only(1), (stack, x)),
-            'split_w': (only(0), (stack, x)),
-            'cond_active': (under_cond(layers), (stack, x)),
-            'cond_skipped': (under_cond(0), (stack, x)),
-            'embed': (embed, (edges['embed'], tok)),
-            'head': (head, (edges['head'], x, tok))}
+    return {
+      'layer_fwd': (fwd, (stack, x)),
+      'layer_fwd_bwd': (fwd_bwd, (stack, x)),
+      'split_b': (only(1), (stack, x)),
+      'split_w': (only(0), (stack, x)),
+      'cond_active': (under_cond(layers), (stack, x)),
+      'cond_skipped': (under_cond(0), (stack, x)),
+      'embed': (embed, (edges['embed'], tok)),
+      'head': (head, (edges['head'], x, tok)),
+    }
 
-  def _work(self, t: int, function: str, stash_per_seq: float, act_per_seq: float,
-            layer_params: float, edge_params: float) -> Work:
+  def _work(
+    self,
+    t: int,
+    function: str,
+    stash_per_seq: float,
+    act_per_seq: float,
+    layer_params: float,
+    edge_params: float,
+  ) -> Work:
     """FLOPs from XLA's cost analysis of the lowered function (at b = 1 and 2);
     bytes from the tensors a fused kernel must move: the unoptimised HLO's
     "bytes accessed" counts every intermediate and would make any layer look
     memory-bound."""
+
     def count(name, b):
       fn, args = self.functions(t, b)[name]
       c = self.jax.jit(fn).lower(*args).cost_analysis()
@@ -530,21 +630,22 @@ class _Profiler:
       return float(c.get('flops', 0.0))
 
     def flops(b):
-      if function == 'layer_bwd':   # timed (and counted) as the pair minus the forward
+      if function == 'layer_bwd':  # timed (and counted) as the pair minus the forward
         return count('layer_fwd_bwd', b) - count('layer_fwd', b)
       return count(function, b)
+
     logits = self.spec['seq_len'] * self.spec['vocab_size'] // t * 4
     fixed, per_seq = {
-        # weights read; input read, output and residuals written
-        'layer_fwd': (layer_params, 2 * act_per_seq + stash_per_seq),
-        # weights read, weight gradients written; residuals, output gradient
-        # read, input gradient written
-        'layer_bwd': (2 * layer_params, 2 * act_per_seq + stash_per_seq),
-        # table rows gathered, then scattered back as gradients
-        'embed': (edge_params / 2, 3 * act_per_seq),
-        # output layer read and its gradient written; logits and their
-        # gradient written and read
-        'head': (edge_params, 2 * act_per_seq + 4 * logits),
+      # weights read; input read, output and residuals written
+      'layer_fwd': (layer_params, 2 * act_per_seq + stash_per_seq),
+      # weights read, weight gradients written; residuals, output gradient
+      # read, input gradient written
+      'layer_bwd': (2 * layer_params, 2 * act_per_seq + stash_per_seq),
+      # table rows gathered, then scattered back as gradients
+      'embed': (edge_params / 2, 3 * act_per_seq),
+      # output layer read and its gradient written; logits and their
+      # gradient written and read
+      'head': (edge_params, 2 * act_per_seq + 4 * logits),
     }[function]
     return Work(flops_per_seq=flops(2) / 2, bytes_fixed=fixed, bytes_per_seq=per_seq)
 
@@ -553,13 +654,13 @@ class _Profiler:
     jax = self.jax
     spec = dataclasses.replace(_shard_spec(self.spec, t), remat=remat)
     from triax.model.transformer import GPT
+
     model = GPT(spec)
 
     def probe(params, x):
       _, vjp_fn = jax.vjp(model.layers, params, x)
       weights = jax.tree.leaves(params)
-      return [leaf for leaf in jax.tree.leaves(vjp_fn)
-              if not any(leaf is w for w in weights)]
+      return [leaf for leaf in jax.tree.leaves(vjp_fn) if not any(leaf is w for w in weights)]
 
     shapes = jax.eval_shape(probe, self._stack(model, layers), self._act(b))
     return float(sum(math.prod(s.shape) * s.dtype.itemsize for s in shapes))
@@ -567,8 +668,9 @@ class _Profiler:
   def shard(self, t: int) -> Shard:
     jax = self.jax
     model = self._model(t)
-    nbytes = lambda tree: float(sum(math.prod(a.shape) * a.dtype.itemsize
-                                    for a in jax.tree.leaves(tree)))
+    nbytes = lambda tree: float(
+      sum(math.prod(a.shape) * a.dtype.itemsize for a in jax.tree.leaves(tree))
+    )
     edges = jax.eval_shape(model.init, jax.random.key(0))
     stash = {}
     fixed = 0.0
@@ -586,13 +688,18 @@ class _Profiler:
     act = float(s * d * dtype_bytes)
     layer_params = nbytes(self._stack(model, 1))
     edge_params = nbytes(edges['embed']) + nbytes(edges['head'])
-    work = {f: self._work(t, f, stash['none'], act, layer_params, edge_params)
-            for f in FUNCTIONS}
-    return Shard(tensor=t, work=work, layer_param_bytes=layer_params,
-                 edge_param_bytes=edge_params, stash_per_seq=stash,
-                 stash_fixed_per_seq=fixed, act_per_seq=act,
-                 logits_per_seq=float(s * self.spec['vocab_size'] // t * 4),
-                 attention_fraction=attention / (matmuls + attention))
+    work = {f: self._work(t, f, stash['none'], act, layer_params, edge_params) for f in FUNCTIONS}
+    return Shard(
+      tensor=t,
+      work=work,
+      layer_param_bytes=layer_params,
+      edge_param_bytes=edge_params,
+      stash_per_seq=stash,
+      stash_fixed_per_seq=fixed,
+      act_per_seq=act,
+      logits_per_seq=float(s * self.spec['vocab_size'] // t * 4),
+      attention_fraction=attention / (matmuls + attention),
+    )
 
   # -- timing (compiles: the expensive part) --
 
@@ -610,6 +717,7 @@ class _Profiler:
   def _concrete(self, args):
     jax = self.jax
     import jax.numpy as jnp
+
     leaves, tree = jax.tree.flatten(args)
     out = []
     for i, a in enumerate(leaves):
@@ -665,8 +773,11 @@ class _Profiler:
     args = {k: self._concrete(abstract) for k, (_, abstract) in jobs.items()}
     stacked = {k: self._stacked(a) for k, a in args.items()} if n > 1 else {}
     compiled = self._compile_all(jobs)
-    shared = self._compile_all({k: (self._on_every_device(fn), stacked[k])
-                                for k, (fn, _) in jobs.items()}) if n > 1 else {}
+    shared = (
+      self._compile_all({k: (self._on_every_device(fn), stacked[k]) for k, (fn, _) in jobs.items()})
+      if n > 1
+      else {}
+    )
     timed = {}
     for _ in range(_ROUNDS):
       for key in jobs:
@@ -685,8 +796,7 @@ class _Profiler:
     layers = min(2, self.spec['num_layers'])
     built = self.functions(t, b, layers)
     names = ('layer_fwd', 'layer_fwd_bwd') + EXECUTOR_RATIOS
-    missing = {(k, b, t, 'none'): built[k] for k in names
-               if (k, b, t, 'none') not in self._timed}
+    missing = {(k, b, t, 'none'): built[k] for k in names if (k, b, t, 'none') not in self._timed}
     self._time_all(missing)
     single = len(self.jax.local_devices()) == 1
     timed = {}
@@ -708,43 +818,56 @@ class _Profiler:
     (leading axis: one copy per device)."""
     jax = self.jax
     from jax.sharding import PartitionSpec as P
-    mesh = jax.make_mesh((len(jax.local_devices()),), ('devices',),
-                         devices=jax.local_devices())
+
+    mesh = jax.make_mesh((len(jax.local_devices()),), ('devices',), devices=jax.local_devices())
 
     def per_device(*args):
       out = fn(*jax.tree.map(lambda a: a[0], args))
       return jax.tree.map(lambda a: a[None], out)
 
-    return jax.shard_map(per_device, mesh=mesh, in_specs=P('devices'),
-                         out_specs=P('devices'))
+    return jax.shard_map(per_device, mesh=mesh, in_specs=P('devices'), out_specs=P('devices'))
 
   def _stacked(self, args):
     """Per-device copies of concrete args, laid out one per local device."""
     jax = self.jax
     import jax.numpy as jnp
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
     devices = jax.local_devices()
     mesh = jax.make_mesh((len(devices),), ('devices',), devices=devices)
-    put = lambda a: jax.device_put(jnp.broadcast_to(a, (len(devices),) + a.shape),
-                                   NamedSharding(mesh, P('devices')))
+    put = lambda a: jax.device_put(
+      jnp.broadcast_to(a, (len(devices),) + a.shape), NamedSharding(mesh, P('devices'))
+    )
     return jax.tree.map(put, args)
 
   def machine(self) -> Machine:
     jax = self.jax
     import jax.numpy as jnp
+
     dtype = jnp.dtype(self.spec['dtype'])
     n = 1024
     a = jnp.ones((n, n), dtype)
     mm = jax.jit(lambda a, b: a @ b)
-    matmul_flops = 2 * n ** 3 / _median_time(mm.lower(a, a).compile(), (a, a), _QUICK_RUNS)
+    matmul_flops = 2 * n**3 / _median_time(mm.lower(a, a).compile(), (a, a), _QUICK_RUNS)
     devices = jax.local_devices()
     bandwidth, node_bandwidth, cores = _measure_sharing(devices)
-    p2p, allreduce = _measure_collectives(devices) if len(devices) > 1 else (
-        Link(math.inf, 0.0), Link(math.inf, 0.0))
-    return Machine(backend=jax.default_backend(), device_kind=devices[0].device_kind,
-                   num_devices=len(devices), matmul_flops=matmul_flops,
-                   memory_bandwidth=bandwidth, node_bandwidth=node_bandwidth,
-                   effective_cores=cores, p2p=p2p, allreduce=allreduce)
+    p2p, allreduce = (
+      _measure_collectives(devices)
+      if len(devices) > 1
+      else (Link(math.inf, 0.0), Link(math.inf, 0.0))
+    )
+    return Machine(
+      backend=jax.default_backend(),
+      device_kind=devices[0].device_kind,
+      num_devices=len(devices),
+      matmul_flops=matmul_flops,
+      memory_bandwidth=bandwidth,
+      node_bandwidth=node_bandwidth,
+      effective_cores=cores,
+      p2p=p2p,
+      allreduce=allreduce,
+    )
 
 
 def _shard_spec(spec: dict, t: int):
@@ -760,13 +883,26 @@ def _shard_spec(spec: dict, t: int):
     def head_dim(self) -> int:
       return self.full_head_dim
 
-  fields = {k: spec[k] for k in ('num_layers', 'd_model', 'num_heads', 'd_ff', 'vocab_size',
-                                 'seq_len', 'dtype', 'param_dtype', 'attention')}
+  fields = {
+    k: spec[k]
+    for k in (
+      'num_layers',
+      'd_model',
+      'num_heads',
+      'd_ff',
+      'vocab_size',
+      'seq_len',
+      'dtype',
+      'param_dtype',
+      'attention',
+    )
+  }
   full_head_dim = spec['d_model'] // spec['num_heads']
   if t == 1:
     return ModelSpec(**fields)
-  fields.update(num_heads=spec['num_heads'] // t, d_ff=spec['d_ff'] // t,
-                vocab_size=spec['vocab_size'] // t)
+  fields.update(
+    num_heads=spec['num_heads'] // t, d_ff=spec['d_ff'] // t, vocab_size=spec['vocab_size'] // t
+  )
   return ShardSpec(full_head_dim=full_head_dim, **fields)
 
 
@@ -781,6 +917,7 @@ def _median_time(exe, args, runs: int = _RUNS) -> float:
   """Median seconds of `runs` calls after a warm-up; fewer (at least 3) when
   one call is slow enough that the runs would take over _TIMING_BUDGET_S."""
   import jax
+
   jax.block_until_ready(exe(*args))
   times = []
   while len(times) < runs:
@@ -807,9 +944,11 @@ def _measure_sharing(devices) -> tuple[float, float, float]:
   """
   import jax
   import jax.numpy as jnp
-  from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+  from jax.sharding import AxisType, NamedSharding
+  from jax.sharding import PartitionSpec as P
+
   n = len(devices)
-  words = 16 * 2 ** 20                                  # 64 MiB of float32
+  words = 16 * 2**20  # 64 MiB of float32
   mesh = jax.make_mesh((n,), ('x',), axis_types=(AxisType.Explicit,), devices=devices)
 
   def copy(x):
@@ -823,8 +962,8 @@ def _measure_sharing(devices) -> tuple[float, float, float]:
     def body(x, k):
       me = jax.lax.axis_index('x')
       return jax.lax.cond(me < k[0], lambda: work(x[0]), lambda: x[0])[None]
-    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P('x'), P('x')),
-                                 out_specs=P('x')))
+
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P('x'), P('x')), out_specs=P('x')))
 
   put = lambda x: jax.device_put(x, NamedSharding(mesh, P('x')))
   ks = {k: put(jnp.full((n,), k, jnp.int32)) for k in sorted({1, n})}
@@ -849,15 +988,18 @@ def _measure_collectives(devices) -> tuple[Link, Link]:
   """ppermute and all-reduce on the local mesh at two sizes -> (p2p, ring) fits."""
   import jax
   import jax.numpy as jnp
-  from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+  from jax.sharding import AxisType, NamedSharding
+  from jax.sharding import PartitionSpec as P
+
   n, reps = len(devices), 4
   mesh = jax.make_mesh((n,), ('x',), axis_types=(AxisType.Explicit,), devices=devices)
   ring = [(i, (i + 1) % n) for i in range(n)]
-  sizes = (256, 2 ** 20)   # floats per device: 1 KiB and 4 MiB
+  sizes = (256, 2**20)  # floats per device: 1 KiB and 4 MiB
 
   def program(op):
     def body(x):
       return jax.lax.fori_loop(0, reps, lambda _, y: op(y) * 0.5, x)
+
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P('x'), out_specs=P('x')))
 
   p2p = program(lambda y: jax.lax.ppermute(y, 'x', ring))

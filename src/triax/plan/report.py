@@ -14,13 +14,14 @@ from typing import Any, TextIO
 
 from triax.errors import ConfigError
 from triax.plan import cluster as cluster_lib
-from triax.plan import emit, roofline, search as search_lib, simulator
+from triax.plan import emit, roofline, simulator
+from triax.plan import search as search_lib
 from triax.plan.simulator import Estimate
 
 BASELINE_NAMES = {
-    'even_split': 'same degrees, even layer split',
-    'data_parallel': 'data parallel only',
-    'homogeneous_slowest': 'best plan if all devices were the slowest type',
+  'even_split': 'same degrees, even layer split',
+  'data_parallel': 'data parallel only',
+  'homogeneous_slowest': 'best plan if all devices were the slowest type',
 }
 
 
@@ -39,6 +40,7 @@ class Request:
     model: 'lockstep' (triax's executor) or 'async' ranks the plans.
     dp_allreduce: 'per_step' (triax's executor) or 'per_microbatch'.
   """
+
   cfg: Any
   config_path: str
   config_overrides: dict
@@ -88,20 +90,30 @@ def run(request: Request, as_json: bool = False, out: TextIO | None = None) -> d
   _check(request)
   cluster = cluster_lib.load(request.cluster)
   import ml_collections
+
   cfg = ml_collections.ConfigDict(request.cfg.to_dict())
   options = simulator.Options(model=request.model, dp_allreduce=request.dp_allreduce)
   result = search_lib.search(cfg, cluster, top_k=request.top, options=options)
   if not result.top:
-    raise ConfigError('--cluster', f'{cluster.path}: no plan fits in memory on this '
-                      'cluster; use a smaller model or batch, or a bigger cluster')
+    raise ConfigError(
+      '--cluster',
+      f'{cluster.path}: no plan fits in memory on this '
+      'cluster; use a smaller model or batch, or a bigger cluster',
+    )
   best = result.top[0]
   summary = to_json(result, cfg)
   if request.out:
     base_path, _, base_arg = request.config_path.partition(':')
-    emit.write(request.out, best, base_path, base_arg or None,
-               _base_overrides(request, base_path, base_arg or None, cfg), cluster.name,
-               command=f'--config={request.config_path} --cluster={request.cluster}',
-               heterogeneous=cluster.heterogeneous)
+    emit.write(
+      request.out,
+      best,
+      base_path,
+      base_arg or None,
+      _base_overrides(request, base_path, base_arg or None, cfg),
+      cluster.name,
+      command=f'--config={request.config_path} --cluster={request.cluster}',
+      heterogeneous=cluster.heterogeneous,
+    )
     summary['out'] = request.out
   if request.trace:
     with open(request.trace, 'w') as f:
@@ -123,50 +135,79 @@ def _base_overrides(request: Request, base_path: str, base_arg: str | None, cfg)
 
 
 def _dummy_plan() -> simulator.Plan:
-  return simulator.Plan(data=1, tensor=1, pipe=1, schedule='1f1b', microbatches=1,
-                        virtual_stages=1, remat='none', layers=(1,), stages=((0,),),
-                        global_batch=1)
+  return simulator.Plan(
+    data=1,
+    tensor=1,
+    pipe=1,
+    schedule='1f1b',
+    microbatches=1,
+    virtual_stages=1,
+    remat='none',
+    layers=(1,),
+    stages=((0,),),
+    global_batch=1,
+  )
 
 
 def _row(e: Estimate) -> dict:
   p = e.plan
   return {
-      'plan': p.describe(), 'data': p.data, 'tensor': p.tensor, 'pipe': p.pipe,
-      'schedule': p.schedule, 'microbatches': p.microbatches,
-      'microbatch_size': p.microbatch_size, 'virtual_stages': p.virtual_stages,
-      'remat': p.remat, 'layers': list(p.layers), 'layers_per_chunk': list(p.chunk_layers),
-      'stages': [list(s) for s in p.stages],
-      'step_time_s': e.step_time, 'lockstep_time_s': e.lockstep_time,
-      'async_time_s': e.async_time, 'bubble_fraction': e.bubble_fraction,
-      'tail_s': e.tail_time, 'dp_allreduce_s': e.dp_allreduce_time,
-      'memory_bytes': list(e.memory), 'capacity_bytes': list(e.capacity), 'oom': e.oom,
+    'plan': p.describe(),
+    'data': p.data,
+    'tensor': p.tensor,
+    'pipe': p.pipe,
+    'schedule': p.schedule,
+    'microbatches': p.microbatches,
+    'microbatch_size': p.microbatch_size,
+    'virtual_stages': p.virtual_stages,
+    'remat': p.remat,
+    'layers': list(p.layers),
+    'layers_per_chunk': list(p.chunk_layers),
+    'stages': [list(s) for s in p.stages],
+    'step_time_s': e.step_time,
+    'lockstep_time_s': e.lockstep_time,
+    'async_time_s': e.async_time,
+    'bubble_fraction': e.bubble_fraction,
+    'tail_s': e.tail_time,
+    'dp_allreduce_s': e.dp_allreduce_time,
+    'memory_bytes': list(e.memory),
+    'capacity_bytes': list(e.capacity),
+    'oom': e.oom,
   }
 
 
 def to_json(result: search_lib.SearchResult, cfg) -> dict:
   prof, m = result.profile, result.profile.machine
   return {
-      'cluster': result.cluster.name,
-      'devices': result.cluster.num_devices,
-      'model': {k: cfg.model[k] for k in ('num_layers', 'd_model', 'num_heads', 'd_ff',
-                                          'vocab_size', 'seq_len', 'dtype')},
-      'global_batch_size': cfg.train.global_batch_size,
-      'simulated': True,
-      'profile': {
-          'backend': m.backend, 'devices': m.num_devices, 'wall_s': prof.wall_s,
-          'matmul_flops': m.matmul_flops, 'memory_bandwidth': m.memory_bandwidth,
-          'node_bandwidth': m.node_bandwidth, 'effective_cores': m.effective_cores,
-          'p2p': dataclasses.asdict(m.p2p), 'allreduce': dataclasses.asdict(m.allreduce),
-          'fits': {f: dataclasses.asdict(x) for f, x in prof.fits.items()},
-          'points': [dataclasses.asdict(p) for p in prof.points],
-          'executor_ratios': {k: list(v) for k, v in prof.ratios.items()},
-          'assumption': roofline.assumption(prof),
-      },
-      'search_s': result.search_s, 'evaluated': result.evaluated,
-      'top': [_row(e) for e in result.top],
-      'baselines': {k: (_row(e) if e else None) for k, e in result.baselines.items()},
-      'speedups': {k: result.speedup(k) for k in result.baselines},
-      'uneven_splits_runnable': search_lib.layers_key_supported(cfg),
+    'cluster': result.cluster.name,
+    'devices': result.cluster.num_devices,
+    'model': {
+      k: cfg.model[k]
+      for k in ('num_layers', 'd_model', 'num_heads', 'd_ff', 'vocab_size', 'seq_len', 'dtype')
+    },
+    'global_batch_size': cfg.train.global_batch_size,
+    'simulated': True,
+    'profile': {
+      'backend': m.backend,
+      'devices': m.num_devices,
+      'wall_s': prof.wall_s,
+      'matmul_flops': m.matmul_flops,
+      'memory_bandwidth': m.memory_bandwidth,
+      'node_bandwidth': m.node_bandwidth,
+      'effective_cores': m.effective_cores,
+      'p2p': dataclasses.asdict(m.p2p),
+      'allreduce': dataclasses.asdict(m.allreduce),
+      'fits': {f: dataclasses.asdict(x) for f, x in prof.fits.items()},
+      'points': [dataclasses.asdict(p) for p in prof.points],
+      'executor_ratios': {k: list(v) for k, v in prof.ratios.items()},
+      'assumption': roofline.assumption(prof),
+    },
+    'search_s': result.search_s,
+    'evaluated': result.evaluated,
+    'top': [_row(e) for e in result.top],
+    'baselines': {k: (_row(e) if e else None) for k, e in result.baselines.items()},
+    'speedups': {k: result.speedup(k) for k in result.baselines},
+    'uneven_splits_runnable': search_lib.layers_key_supported(cfg),
   }
 
 
@@ -180,58 +221,71 @@ def text(result: search_lib.SearchResult, cfg, request: Request | None = None) -
   groups = ', '.join(f'{g.count}x {g.name}' for g in c.groups.values())
   mc = cfg.model
   lines = [
-      f'cluster {c.name}: {c.num_devices} devices ({groups}) on {len(c.nodes)} node(s)',
-      f'model: {mc.num_layers} layers, d_model {mc.d_model}, {mc.num_heads} heads, d_ff '
-      f'{mc.d_ff}, vocab {mc.vocab_size}, seq {mc.seq_len}, {mc.dtype}; global batch '
-      f'{cfg.train.global_batch_size}',
-      f'profile ({m.backend}, {m.num_devices} local devices, {prof.wall_s:.1f} s): matmul '
-      f'{m.matmul_flops / 1e9:.1f} GFLOP/s, copy {m.memory_bandwidth / 1e9:.1f} GB/s '
-      f'({m.node_bandwidth / 1e9:.1f} GB/s with all devices copying), '
-      f'{m.effective_cores:.2f} effective cores when all devices run a small matmul',
+    f'cluster {c.name}: {c.num_devices} devices ({groups}) on {len(c.nodes)} node(s)',
+    f'model: {mc.num_layers} layers, d_model {mc.d_model}, {mc.num_heads} heads, d_ff '
+    f'{mc.d_ff}, vocab {mc.vocab_size}, seq {mc.seq_len}, {mc.dtype}; global batch '
+    f'{cfg.train.global_batch_size}',
+    f'profile ({m.backend}, {m.num_devices} local devices, {prof.wall_s:.1f} s): matmul '
+    f'{m.matmul_flops / 1e9:.1f} GFLOP/s, copy {m.memory_bandwidth / 1e9:.1f} GB/s '
+    f'({m.node_bandwidth / 1e9:.1f} GB/s with all devices copying), '
+    f'{m.effective_cores:.2f} effective cores when all devices run a small matmul',
   ]
   for p in prof.points:
-    together = (f', {p.concurrent * 1e3:8.3f} ms with all {m.num_devices} at once'
-                if p.concurrent else '')
-    lines.append(f'  measured {p.function:19s} b={p.microbatch:<3d} t={p.tensor}: '
-                 f'{p.seconds * 1e3:8.3f} ms alone{together} (fit {p.fitted * 1e3:8.3f} ms, '
-                 f'{p.flops / 1e6:.0f} MFLOP)')
+    together = (
+      f', {p.concurrent * 1e3:8.3f} ms with all {m.num_devices} at once' if p.concurrent else ''
+    )
+    lines.append(
+      f'  measured {p.function:19s} b={p.microbatch:<3d} t={p.tensor}: '
+      f'{p.seconds * 1e3:8.3f} ms alone{together} (fit {p.fitted * 1e3:8.3f} ms, '
+      f'{p.flops / 1e6:.0f} MFLOP)'
+    )
   if prof.ratios:
-    lines.append('  executor variants / plain layer pair (alone, all devices at once): ' +
-                 ', '.join(f'{k} {a:.2f}/{b:.2f}' for k, (a, b) in prof.ratios.items()))
+    lines.append(
+      '  executor variants / plain layer pair (alone, all devices at once): '
+      + ', '.join(f'{k} {a:.2f}/{b:.2f}' for k, (a, b) in prof.ratios.items())
+    )
   lines.append(roofline.assumption(prof))
-  lines.append(f'searched {result.evaluated} plans in {result.search_s:.2f} s; times are '
-               'SIMULATED predictions (lockstep = what triax\'s executor runs; async = the '
-               'papers\' model)')
-  head = (f'{"#":>2}  {"plan":58s} {"step ms":>9} {"async ms":>9} {"bubble":>6} '
-          f'{"GiB/dev":>7}')
+  lines.append(
+    f'searched {result.evaluated} plans in {result.search_s:.2f} s; times are '
+    "SIMULATED predictions (lockstep = what triax's executor runs; async = the "
+    "papers' model)"
+  )
+  head = f'{"#":>2}  {"plan":58s} {"step ms":>9} {"async ms":>9} {"bubble":>6} {"GiB/dev":>7}'
   lines += ['', head]
   for i, e in enumerate(result.top):
-    lines.append(f'{i + 1:>2}  {e.plan.describe():58s} {_ms(e.step_time)} '
-                 f'{_ms(e.async_time)} {e.bubble_fraction:6.1%} '
-                 f'{e.peak_memory / 2**30:7.3f}')
+    lines.append(
+      f'{i + 1:>2}  {e.plan.describe():58s} {_ms(e.step_time)} '
+      f'{_ms(e.async_time)} {e.bubble_fraction:6.1%} '
+      f'{e.peak_memory / 2**30:7.3f}'
+    )
   lines += ['', 'baselines (speedup of #1 over each):']
   for key, name in BASELINE_NAMES.items():
     e = result.baselines.get(key)
     if e is None:
       lines.append(f'  {name:50s}   (none fits)')
       continue
-    lines.append(f'  {name:50s} {_ms(e.step_time)} ms  {result.speedup(key):5.2f}x  '
-                 f'[{e.plan.describe()}]')
+    lines.append(
+      f'  {name:50s} {_ms(e.step_time)} ms  {result.speedup(key):5.2f}x  [{e.plan.describe()}]'
+    )
   best = result.top[0].plan
   lines.append('')
   for s, devs in enumerate(best.stages):
     kinds = sorted({c.devices[d].group for d in devs})
-    lines.append(f'  #1 stage {s}: {best.layers[s]} layers on devices {list(devs)} '
-                 f'({"/".join(kinds)})')
+    lines.append(
+      f'  #1 stage {s}: {best.layers[s]} layers on devices {list(devs)} ({"/".join(kinds)})'
+    )
   if not best.even and not search_lib.layers_key_supported(cfg):
-    lines.append('note: #1 splits layers unevenly; this triax has no '
-                 'pipeline.layers_per_stage yet, so its plan file will not load')
+    lines.append(
+      'note: #1 splits layers unevenly; this triax has no '
+      'pipeline.layers_per_stage yet, so its plan file will not load'
+    )
   if c.heterogeneous:
-    lines.append('note: the trainer lays devices out in its own order; the stage '
-                 'assignment above is what the prediction assumes')
+    lines.append(
+      'note: the trainer lays devices out in its own order; the stage '
+      'assignment above is what the prediction assumes'
+    )
   if request and request.out:
-    lines.append(f'wrote {request.out}: python -m triax.train --config={request.out} '
-                 '--workdir=DIR')
+    lines.append(f'wrote {request.out}: python -m triax.train --config={request.out} --workdir=DIR')
   if request and request.trace:
     lines.append(f'wrote {request.trace} (open in https://ui.perfetto.dev)')
   return '\n'.join(lines)

@@ -30,14 +30,14 @@ def seconds(profile: Profile, group: Group, function: str, b: int, t: int) -> fl
   work = profile.shards[t].work[base]
   fit = profile.fits[base]
   efficiency = group.efficiency or min(1.0, fit.efficiency)
-  roof = max(work.flops(b) / group.peak(profile.dtype),
-             work.bytes(b) / group.memory_bandwidth)
+  roof = max(work.flops(b) / group.peak(profile.dtype), work.bytes(b) / group.memory_bandwidth)
   overhead = group.overhead_per_layer if base in LAYER_FUNCTIONS else 0.0
   return overhead + roof / efficiency
 
 
-def layer_seconds(profile: Profile, group: Group, b: int, t: int,
-                  remat: str) -> tuple[float, float]:
+def layer_seconds(
+  profile: Profile, group: Group, b: int, t: int, remat: str
+) -> tuple[float, float]:
   """(forward, backward) seconds of one layer under a remat policy.
 
   Measured on this machine when the profile holds the policy; otherwise
@@ -45,8 +45,10 @@ def layer_seconds(profile: Profile, group: Group, b: int, t: int,
   the backward, selective its attention core.
   """
   if group.local and variant('layer_bwd', remat) in profile.fits:
-    return (seconds(profile, group, variant('layer_fwd', remat), b, t),
-            seconds(profile, group, variant('layer_bwd', remat), b, t))
+    return (
+      seconds(profile, group, variant('layer_fwd', remat), b, t),
+      seconds(profile, group, variant('layer_bwd', remat), b, t),
+    )
   fwd = seconds(profile, group, 'layer_fwd', b, t)
   bwd = seconds(profile, group, 'layer_bwd', b, t)
   if remat == 'full':
@@ -56,8 +58,9 @@ def layer_seconds(profile: Profile, group: Group, b: int, t: int,
   return fwd, bwd
 
 
-def node_share(profile: Profile, group: Group, function: str, b: int, t: int,
-               shared_cores: int | None) -> float:
+def node_share(
+  profile: Profile, group: Group, function: str, b: int, t: int, shared_cores: int | None
+) -> float:
   """Seconds of a shared node's capacity one device running `function`
   takes: on this machine, the measured time with every local device running
   it divided by their number; on a spec'd node with `shared_cores`, its
@@ -65,8 +68,7 @@ def node_share(profile: Profile, group: Group, function: str, b: int, t: int,
   if not shared_cores:
     return 0.0
   if group.local and profile.machine.num_devices > 1:
-    return (profile.local_seconds(function, b, t, concurrent=True) /
-            profile.machine.num_devices)
+    return profile.local_seconds(function, b, t, concurrent=True) / profile.machine.num_devices
   return seconds(profile, group, function, b, t) / shared_cores
 
 
@@ -79,8 +81,10 @@ def assumption(profile: Profile) -> str:
   """One paragraph stating how device types other than this one are timed."""
   m = profile.machine
   effs = ', '.join(f'{f} {min(1.0, profile.fits[f].efficiency):.0%}' for f in FUNCTIONS)
-  return (f'Roofline assumption: a device that is not this machine runs each function at '
-          f'the same fraction of max(flops/peak, bytes/bandwidth) as this {m.backend} '
-          f'backend does ({effs}; local peak {m.matmul_flops / 1e9:.1f} GFLOP/s measured on '
-          f'a 1024^2 matmul, bandwidth {m.memory_bandwidth / 1e9:.1f} GB/s on a copy), '
-          'plus the spec\'s overhead_per_layer; a group\'s `efficiency` overrides it.')
+  return (
+    f'Roofline assumption: a device that is not this machine runs each function at '
+    f'the same fraction of max(flops/peak, bytes/bandwidth) as this {m.backend} '
+    f'backend does ({effs}; local peak {m.matmul_flops / 1e9:.1f} GFLOP/s measured on '
+    f'a 1024^2 matmul, bandwidth {m.memory_bandwidth / 1e9:.1f} GB/s on a copy), '
+    "plus the spec's overhead_per_layer; a group's `efficiency` overrides it."
+  )

@@ -28,12 +28,13 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 from triax import config as config_lib
 from triax.errors import ConfigError
 from triax.pipeline import schedule as sched
-from triax.plan import partition, profile as profile_lib, roofline
+from triax.plan import partition, roofline
+from triax.plan import profile as profile_lib
 from triax.plan.cluster import Cluster, Group
 from triax.plan.simulator import Estimate, Options, Plan, simulate_plan
 
@@ -46,6 +47,7 @@ MAX_VIRTUAL_STAGES = 4
 @dataclasses.dataclass(frozen=True)
 class Layout:
   """Degrees and schedule sizes, before devices and layers are placed."""
+
   data: int
   tensor: int
   pipe: int
@@ -69,6 +71,7 @@ class SearchResult:
     profile: the profile used.
     cluster: the cluster planned for.
   """
+
   top: tuple[Estimate, ...]
   baselines: dict[str, Estimate | None]
   evaluated: int
@@ -108,7 +111,7 @@ def layouts(cfg, num_devices: int) -> Iterator[Layout]:
             if v > MAX_VIRTUAL_STAGES or p * v > model.num_layers or (p == 1 and v > 1):
               continue
             if name == 'interleaved_1f1b' and v == 1:
-              continue   # the builder returns 1f1b itself
+              continue  # the builder returns 1f1b itself
             if _buildable(name, p, m, v):
               yield Layout(d, t, p, name, m, v)
 
@@ -129,12 +132,14 @@ def _buildable(name: str, p: int, m: int, v: int) -> bool:
 
 def _speed(profile: profile_lib.Profile, group: Group, b: int, t: int) -> float:
   """Seconds of one layer's forward + backward: lower is faster."""
-  return (roofline.seconds(profile, group, 'layer_fwd', b, t) +
-          roofline.seconds(profile, group, 'layer_bwd', b, t))
+  return roofline.seconds(profile, group, 'layer_fwd', b, t) + roofline.seconds(
+    profile, group, 'layer_bwd', b, t
+  )
 
 
-def assignments(cluster: Cluster, profile: profile_lib.Profile, layout: Layout,
-                b: int) -> list[tuple[tuple[int, ...], ...]]:
+def assignments(
+  cluster: Cluster, profile: profile_lib.Profile, layout: Layout, b: int
+) -> list[tuple[tuple[int, ...], ...]]:
   """Ways to form the pipeline stages from the cluster's devices.
 
   Devices are sorted (fastest first, slowest first, or left in node order)
@@ -149,14 +154,15 @@ def assignments(cluster: Cluster, profile: profile_lib.Profile, layout: Layout,
   slow_first = sorted(node_order, key=lambda i: (-speed[cluster.devices[i].group], i))
   out = []
   for order in (fast_first, node_order, slow_first):
-    stages = tuple(tuple(order[k * size:(k + 1) * size]) for k in range(layout.pipe))
+    stages = tuple(tuple(order[k * size : (k + 1) * size]) for k in range(layout.pipe))
     if stages not in out:
       out.append(stages)
   return out
 
 
-def _partitions(layout: Layout, stages, profile, cluster, options, remat, num_layers,
-                batch) -> list[tuple[int, ...]]:
+def _partitions(
+  layout: Layout, stages, profile, cluster, options, remat, num_layers, batch
+) -> list[tuple[int, ...]]:
   """The even split (if any) and the balanced one for these stages."""
   p, v, t = layout.pipe, layout.virtual_stages, layout.tensor
   b = batch // (layout.data * layout.microbatches)
@@ -174,13 +180,16 @@ def _partitions(layout: Layout, stages, profile, cluster, options, remat, num_la
   shard = profile.shards[t]
   stash = b * (shard.stash_per_seq[remat] + shard.stash_fixed_per_seq)
   capacity = [min(g.memory for g in gs) * options.memory_fraction for gs in groups]
+
   # Memory of a stage holding n layers, its stash slots taken as p (1F1B's
   # steady state): a screen only; the simulator checks the real program.
   def allowed(s, n):
     params = 4 * (shard.layer_param_bytes * n + shard.edge_param_bytes)
     return params + p * stash * n / v <= capacity[s]
-  balanced = partition.balance(num_layers, p, lambda s, n: edge[s] + n * per_layer[s],
-                               allowed, unit=v)
+
+  balanced = partition.balance(
+    num_layers, p, lambda s, n: edge[s] + n * per_layer[s], allowed, unit=v
+  )
   if balanced and balanced[0] not in out:
     out.append(balanced[0])
   return out
@@ -209,7 +218,9 @@ def with_plan(cfg, plan: Plan):
   exists.
   """
   import ml_collections
+
   from triax.plan import emit
+
   out = ml_collections.ConfigDict(cfg.to_dict())
   values = emit.overrides(plan)
   if not layers_key_supported(out):
@@ -219,8 +230,13 @@ def with_plan(cfg, plan: Plan):
   return emit.apply(out, values)
 
 
-def search(cfg, cluster: Cluster, top_k: int = 5, options: Options = Options(),
-           profile: profile_lib.Profile | None = None) -> SearchResult:
+def search(
+  cfg,
+  cluster: Cluster,
+  top_k: int = 5,
+  options: Options = Options(),
+  profile: profile_lib.Profile | None = None,
+) -> SearchResult:
   """Finds the fastest plans for `cfg` (a config) on `cluster`.
 
   Args:
@@ -240,15 +256,20 @@ def search(cfg, cluster: Cluster, top_k: int = 5, options: Options = Options(),
   n = cluster.num_devices
   all_layouts = list(layouts(cfg, n))
   if not all_layouts:
-    raise ConfigError('--cluster', f'{cluster.path}: no data x tensor x pipe layout of '
-                      f'{n} devices suits this model (heads {cfg.model.num_heads}, '
-                      f'layers {cfg.model.num_layers}, batch {cfg.train.global_batch_size})')
+    raise ConfigError(
+      '--cluster',
+      f'{cluster.path}: no data x tensor x pipe layout of '
+      f'{n} devices suits this model (heads {cfg.model.num_heads}, '
+      f'layers {cfg.model.num_layers}, batch {cfg.train.global_batch_size})',
+    )
   batch = cfg.train.global_batch_size
   if profile is None:
     profile = profile_lib.measure(
-        cfg.model, sorted({l.tensor for l in all_layouts}),
-        sorted({batch // (l.data * l.microbatches) for l in all_layouts}))
-  else:   # a given profile bounds the tensor degrees
+      cfg.model,
+      sorted({l.tensor for l in all_layouts}),
+      sorted({batch // (l.data * l.microbatches) for l in all_layouts}),
+    )
+  else:  # a given profile bounds the tensor degrees
     all_layouts = [l for l in all_layouts if l.tensor in profile.shards]
   started = time.perf_counter()
   found = _evaluate(cfg, cluster, profile, options, all_layouts)
@@ -264,9 +285,14 @@ def search(cfg, cluster: Cluster, top_k: int = 5, options: Options = Options(),
       seen.add(key)
       top.append(e)
   baselines = _baselines(cfg, cluster, profile, options, top, found, all_layouts)
-  return SearchResult(top=tuple(top), baselines=baselines, evaluated=evaluated,
-                      search_s=time.perf_counter() - started, profile=profile,
-                      cluster=cluster)
+  return SearchResult(
+    top=tuple(top),
+    baselines=baselines,
+    evaluated=evaluated,
+    search_s=time.perf_counter() - started,
+    profile=profile,
+    cluster=cluster,
+  )
 
 
 def _evaluate(cfg, cluster, profile, options, all_layouts) -> list[Estimate]:
@@ -277,46 +303,76 @@ def _evaluate(cfg, cluster, profile, options, all_layouts) -> list[Estimate]:
     for stages in assignments(cluster, profile, layout, b):
       for remat in REMATS:
         fits = False
-        for split in _partitions(layout, stages, profile, cluster, options, remat,
-                                 layers, batch):
-          plan = Plan(data=layout.data, tensor=layout.tensor, pipe=layout.pipe,
-                      schedule=layout.schedule, microbatches=layout.microbatches,
-                      virtual_stages=layout.virtual_stages, remat=remat, layers=split,
-                      stages=stages, global_batch=batch)
+        for split in _partitions(layout, stages, profile, cluster, options, remat, layers, batch):
+          plan = Plan(
+            data=layout.data,
+            tensor=layout.tensor,
+            pipe=layout.pipe,
+            schedule=layout.schedule,
+            microbatches=layout.microbatches,
+            virtual_stages=layout.virtual_stages,
+            remat=remat,
+            layers=split,
+            stages=stages,
+            global_batch=batch,
+          )
           estimate = simulate_plan(plan, profile, cluster, options)
           found.append(estimate)
           fits |= not estimate.oom
         if fits and not _remat_measured(profile, cluster):
-          break   # on paper, more recomputation would only be slower
+          break  # on paper, more recomputation would only be slower
   return found
 
 
 def _remat_measured(profile: profile_lib.Profile, cluster: Cluster) -> bool:
   """Whether every group's remat costs were measured (this machine with
   every policy profiled): then recomputation may be faster, and is tried."""
-  return cluster.local and all(
-      profile_lib.variant('layer_bwd', r) in profile.fits for r in REMATS)
+  return cluster.local and all(profile_lib.variant('layer_bwd', r) in profile.fits for r in REMATS)
 
 
 def _baselines(cfg, cluster, profile, options, top, found, all_layouts) -> dict:
-  out: dict[str, Estimate | None] = {'even_split': None, 'data_parallel': None,
-                                     'homogeneous_slowest': None}
+  out: dict[str, Estimate | None] = {
+    'even_split': None,
+    'data_parallel': None,
+    'homogeneous_slowest': None,
+  }
   n = cluster.num_devices
   if top:
     best = top[0].plan
-    even = [e for e in found if not e.oom and e.plan.even and
-            (e.plan.data, e.plan.tensor, e.plan.pipe, e.plan.schedule, e.plan.microbatches,
-             e.plan.virtual_stages, e.plan.stages) ==
-            (best.data, best.tensor, best.pipe, best.schedule, best.microbatches,
-             best.virtual_stages, best.stages)]
+    even = [
+      e
+      for e in found
+      if not e.oom
+      and e.plan.even
+      and (
+        e.plan.data,
+        e.plan.tensor,
+        e.plan.pipe,
+        e.plan.schedule,
+        e.plan.microbatches,
+        e.plan.virtual_stages,
+        e.plan.stages,
+      )
+      == (
+        best.data,
+        best.tensor,
+        best.pipe,
+        best.schedule,
+        best.microbatches,
+        best.virtual_stages,
+        best.stages,
+      )
+    ]
     if even:
       out['even_split'] = min(even, key=lambda e: e.step_time)
   dp = [e for e in found if not e.oom and e.plan.data == n]
   if dp:
     out['data_parallel'] = min(dp, key=lambda e: e.step_time)
   slow = homogenized(cluster, profile, cfg)
-  assumed = sorted((e for e in _evaluate(cfg, slow, profile, options, all_layouts) if not e.oom),
-                   key=lambda e: e.step_time)
+  assumed = sorted(
+    (e for e in _evaluate(cfg, slow, profile, options, all_layouts) if not e.oom),
+    key=lambda e: e.step_time,
+  )
   for e in assumed:
     if _plan_config_ok(cfg, e.plan, n):
       real = simulate_plan(e.plan, profile, cluster, options)
@@ -330,13 +386,16 @@ def homogenized(cluster: Cluster, profile: profile_lib.Profile, cfg) -> Cluster:
   """The cluster with every device replaced by its slowest type (same nodes
   and links): what a planner that ignores heterogeneity would see."""
   batch = cfg.train.global_batch_size
-  slowest = max(cluster.groups.values(),
-                key=lambda g: (_speed(profile, g, max(1, batch // cluster.num_devices), 1),
-                               -g.memory))
-  group = dataclasses.replace(slowest, count=cluster.num_devices,
-                              memory=min(g.memory for g in cluster.groups.values()))
-  nodes = tuple(dataclasses.replace(node, devices={group.name: sum(node.devices.values())})
-                for node in cluster.nodes)
+  slowest = max(
+    cluster.groups.values(),
+    key=lambda g: (_speed(profile, g, max(1, batch // cluster.num_devices), 1), -g.memory),
+  )
+  group = dataclasses.replace(
+    slowest, count=cluster.num_devices, memory=min(g.memory for g in cluster.groups.values())
+  )
+  nodes = tuple(
+    dataclasses.replace(node, devices={group.name: sum(node.devices.values())})
+    for node in cluster.nodes
+  )
   devices = tuple(dataclasses.replace(d, group=group.name) for d in cluster.devices)
-  return dataclasses.replace(cluster, groups={group.name: group}, nodes=nodes,
-                             devices=devices)
+  return dataclasses.replace(cluster, groups={group.name: group}, nodes=nodes, devices=devices)

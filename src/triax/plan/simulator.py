@@ -44,12 +44,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Sequence
+from collections.abc import Sequence
 
 from triax.pipeline import schedule as sched
 from triax.pipeline import simulate
 from triax.pipeline.schedule import Action
-from triax.plan import profile as profile_lib, roofline
+from triax.plan import profile as profile_lib
+from triax.plan import roofline
 from triax.plan.cluster import Cluster
 from triax.plan.comm import Comm
 from triax.plan.profile import Profile
@@ -84,6 +85,7 @@ class Plan:
       data x tensor devices, replica-major (replica i = devices[i*t:(i+1)*t]).
     global_batch: sequences per step.
   """
+
   data: int
   tensor: int
   pipe: int
@@ -98,15 +100,19 @@ class Plan:
   def __post_init__(self):
     p, v = self.pipe, self.virtual_stages
     if len(self.layers) != p or len(self.stages) != p:
-      raise ValueError(f'want {p} layer counts and {p} stage device lists, got '
-                       f'{self.layers} and {len(self.stages)}')
+      raise ValueError(
+        f'want {p} layer counts and {p} stage device lists, got '
+        f'{self.layers} and {len(self.stages)}'
+      )
     if any(n < v or n % v for n in self.layers):
       raise ValueError(f'each stage needs a positive multiple of v={v} layers: {self.layers}')
     if any(len(s) != self.data * self.tensor for s in self.stages):
       raise ValueError(f'each stage needs data*tensor={self.data * self.tensor} devices')
     if self.global_batch % (self.data * self.microbatches):
-      raise ValueError(f'global batch {self.global_batch} does not split into '
-                       f'data*microbatches = {self.data}*{self.microbatches}')
+      raise ValueError(
+        f'global batch {self.global_batch} does not split into '
+        f'data*microbatches = {self.data}*{self.microbatches}'
+      )
 
   @property
   def microbatch_size(self) -> int:
@@ -120,8 +126,9 @@ class Plan:
   @property
   def placement(self) -> tuple[int, ...]:
     """placement[c]: the stage holding chunk c, as the schedule places it."""
-    return program(self.schedule, self.pipe, self.microbatches,
-                   self.virtual_stages).schedule.placement
+    return program(
+      self.schedule, self.pipe, self.microbatches, self.virtual_stages
+    ).schedule.placement
 
   @property
   def chunk_layers(self) -> tuple[int, ...]:
@@ -138,8 +145,10 @@ class Plan:
 
   def describe(self) -> str:
     split = '' if self.even else ' layers=' + '/'.join(map(str, self.layers))
-    return (f'd{self.data} t{self.tensor} p{self.pipe} {self.schedule} m={self.microbatches}'
-            f' v={self.virtual_stages} mb={self.microbatch_size} remat={self.remat}{split}')
+    return (
+      f'd{self.data} t{self.tensor} p{self.pipe} {self.schedule} m={self.microbatches}'
+      f' v={self.virtual_stages} mb={self.microbatch_size} remat={self.remat}{split}'
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,6 +170,7 @@ class Estimate:
     oom: True if any stage's memory exceeds its capacity.
     result: the timeline of `model` (a simulate.Result) for traces.
   """
+
   plan: Plan
   step_time: float
   model: str
@@ -194,6 +204,7 @@ class Options:
       holds the largest chunk's stack and stash slots); False = each stage
       only its own.
   """
+
   model: str = 'lockstep'
   dp_allreduce: str = 'per_step'
   memory_fraction: float = 0.9
@@ -227,6 +238,7 @@ class ActionCosts:
   moved to or from stage s's partner; tick_transfer what the executor's
   neighbour ppermutes cost in every tick, whatever they carry.
   """
+
   chunk: tuple[dict[str, float], ...]
   transfer: tuple[float, ...]
   evict: tuple[float, ...]
@@ -246,8 +258,9 @@ class ActionCosts:
     return self.chunk[chunk][sched.BACKWARD] + self.chunk[chunk][sched.WEIGHT]
 
 
-def action_costs(plan: Plan, profile: Profile, cluster: Cluster,
-                 options: Options = Options()) -> ActionCosts:
+def action_costs(
+  plan: Plan, profile: Profile, cluster: Cluster, options: Options = Options()
+) -> ActionCosts:
   """Per-chunk F/B/W durations on each stage's slowest device, with the
   tensor-parallel all-reduces (2 per layer forward, 2 backward, Megatron)
   and, per micro-batch, the data-parallel gradient all-reduce."""
@@ -259,8 +272,10 @@ def action_costs(plan: Plan, profile: Profile, cluster: Cluster,
 
   def slowest(stage: int, costs) -> tuple[float, ...]:
     """costs(group, shared_cores) on the stage's slowest device type."""
-    found = {(cluster.devices[d].group, cluster.shared_cores(cluster.devices[d].node))
-             for d in plan.stages[stage]}
+    found = {
+      (cluster.devices[d].group, cluster.shared_cores(cluster.devices[d].node))
+      for d in plan.stages[stage]
+    }
     return max(costs(cluster.groups[g], cores) for g, cores in found)
 
   def layer(group, cores):
@@ -270,19 +285,24 @@ def action_costs(plan: Plan, profile: Profile, cluster: Cluster,
       # A policy not measured here shares the node as its plain layer does.
       remat = 'none'
     base = roofline.layer_seconds(profile, group, b, t, remat)
-    ratio = [roofline.node_share(profile, group, profile_lib.variant(f, remat), b, t, cores) /
-             max(x, 1e-30) for f, x in zip(profile_lib.LAYER_FUNCTIONS, base)]
+    ratio = [
+      roofline.node_share(profile, group, profile_lib.variant(f, remat), b, t, cores)
+      / max(x, 1e-30)
+      for f, x in zip(profile_lib.LAYER_FUNCTIONS, base)
+    ]
     # What remat adds to the backward: the forward it reruns.
     recompute = max(bwd - roofline.layer_seconds(profile, group, b, t, 'none')[1], 0.0)
     return fwd, bwd, fwd * ratio[0], bwd * ratio[1], recompute, recompute * ratio[1]
 
   def edge(function):
-    return lambda group, cores: (roofline.seconds(profile, group, function, b, t),
-                                 roofline.node_share(profile, group, function, b, t, cores))
+    return lambda group, cores: (
+      roofline.seconds(profile, group, function, b, t),
+      roofline.node_share(profile, group, function, b, t, cores),
+    )
 
   def tensor_groups(stage):
     devs = plan.stages[stage]
-    return [devs[i * t:(i + 1) * t] for i in range(plan.data)]
+    return [devs[i * t : (i + 1) * t] for i in range(plan.data)]
 
   def data_groups(stage):
     devs = plan.stages[stage]
@@ -299,11 +319,22 @@ def action_costs(plan: Plan, profile: Profile, cluster: Cluster,
     if options.dp_allreduce == 'per_microbatch':
       edge_dp = max(comm.allreduce(g, shard.edge_param_bytes / 2) for g in data_groups(s))
     (embed, embed_share), (head, head_share) = slowest(s, edge('embed')), slowest(s, edge('head'))
-    per_stage.append(dict(fwd=fwd + 2 * tp, bwd=bwd + 2 * tp, dp=dp_layer, embed=embed,
-                          head=head, edge_dp=edge_dp, fwd_share=fwd_share,
-                          bwd_share=bwd_share, embed_share=embed_share,
-                          recompute=recompute, recompute_share=recompute_share,
-                          head_share=head_share))
+    per_stage.append(
+      dict(
+        fwd=fwd + 2 * tp,
+        bwd=bwd + 2 * tp,
+        dp=dp_layer,
+        embed=embed,
+        head=head,
+        edge_dp=edge_dp,
+        fwd_share=fwd_share,
+        bwd_share=bwd_share,
+        embed_share=embed_share,
+        recompute=recompute,
+        recompute_share=recompute_share,
+        head_share=head_share,
+      )
+    )
   placement = plan.placement
   # The executor's own variants of a layer, measured on this machine (see
   # profile.EXECUTOR_RATIOS); elsewhere: a backward splits in halves, a
@@ -312,8 +343,10 @@ def action_costs(plan: Plan, profile: Profile, cluster: Cluster,
   ratio = lambda name, i, default: measured[name][i] if name in measured else default
   # Every lockstep program runs its backwards as B then W (lower.py), a
   # fused schedule's too: charge each part, whatever the schedule built.
-  parts = [(ratio('split_b', i, SPLIT_BACKWARD_SHARE),
-            ratio('split_w', i, 1 - SPLIT_BACKWARD_SHARE)) for i in (0, 1)]
+  parts = [
+    (ratio('split_b', i, SPLIT_BACKWARD_SHARE), ratio('split_w', i, 1 - SPLIT_BACKWARD_SHARE))
+    for i in (0, 1)
+  ]
   widest = max(plan.chunk_layers)
   chunks, shares, fused = [], [], []
   for c, n in enumerate(plan.chunk_layers):
@@ -341,8 +374,7 @@ def action_costs(plan: Plan, profile: Profile, cluster: Cluster,
     w_part = [rest[0] * parts[0][1] + n * x['dp'], rest[1] * parts[1][1]]
     fused.append(rest[0] + rerun[0] + edge_b[0] + n * x['dp'])
     chunks.append({sched.FORWARD: f, sched.BACKWARD: b_part[0], sched.WEIGHT: w_part[0]})
-    shares.append({sched.FORWARD: f_share, sched.BACKWARD: b_part[1],
-                   sched.WEIGHT: w_part[1]})
+    shares.append({sched.FORWARD: f_share, sched.BACKWARD: b_part[1], sched.WEIGHT: w_part[1]})
   transfer, evict = [], []
   stash_set = _chunk_stash(plan, profile, max(plan.chunk_layers))
   partner = [p - 1 - s for s in range(p)]
@@ -354,23 +386,36 @@ def action_costs(plan: Plan, profile: Profile, cluster: Cluster,
   for s in range(p):
     neighbours = [plan.stages[(s + 1) % p], plan.stages[(s - 1) % p]]
     gather = max(comm.allreduce(g, act) for g in tensor_groups(s)) / 2 if t > 1 else 0.0
-    transfer.append(max(comm.p2p(a, z, sent) for other in neighbours
-                        for a, z in zip(plan.stages[s], other)) + gather if p > 1 else 0.0)
-    evict.append(max(comm.p2p(a, z, stash_set)
-                     for a, z in zip(plan.stages[s], plan.stages[partner[s]])))
+    transfer.append(
+      max(comm.p2p(a, z, sent) for other in neighbours for a, z in zip(plan.stages[s], other))
+      + gather
+      if p > 1
+      else 0.0
+    )
+    evict.append(
+      max(comm.p2p(a, z, stash_set) for a, z in zip(plan.stages[s], plan.stages[partner[s]]))
+    )
   # One ppermute per stage offset the placement uses (+1 and -1 around the
   # ring: one at p = 2) runs in every tick, one after the other.
-  offsets = [o for o in program(plan.schedule, p, plan.microbatches,
-                                plan.virtual_stages).offsets if o]
+  offsets = [
+    o for o in program(plan.schedule, p, plan.microbatches, plan.virtual_stages).offsets if o
+  ]
   tick_transfer = len(offsets) * max(transfer) if p > 1 else 0.0
-  return ActionCosts(chunk=tuple(chunks), transfer=tuple(transfer), evict=tuple(evict),
-                     tick_transfer=tick_transfer, share=tuple(shares), fused=tuple(fused))
+  return ActionCosts(
+    chunk=tuple(chunks),
+    transfer=tuple(transfer),
+    evict=tuple(evict),
+    tick_transfer=tick_transfer,
+    share=tuple(shares),
+    fused=tuple(fused),
+  )
 
 
 def _chunk_stash(plan: Plan, profile: Profile, layers: int) -> float:
   shard = profile.shards[plan.tensor]
-  return plan.microbatch_size * (layers * shard.stash_per_seq[plan.remat] +
-                                 shard.stash_fixed_per_seq)
+  return plan.microbatch_size * (
+    layers * shard.stash_per_seq[plan.remat] + shard.stash_fixed_per_seq
+  )
 
 
 def _chunk_cut(plan: Plan, profile: Profile, layers: int) -> float:
@@ -380,18 +425,23 @@ def _chunk_cut(plan: Plan, profile: Profile, layers: int) -> float:
   return plan.microbatch_size * layers * profile.shards[plan.tensor].stash_per_seq['none']
 
 
-def _pools(plan: Plan, profile: Profile, options: Options, program_: sched.Program,
-           stage: int, layers: int) -> dict[str, float]:
+def _pools(
+  plan: Plan, profile: Profile, options: Options, program_: sched.Program, stage: int, layers: int
+) -> dict[str, float]:
   """Bytes of stage `stage`'s executor pools for chunks of `layers` layers:
   'stash' and 'cut' (all slots if padded, else the stage's own peak) and
   'msg' (the message pool, its spare slot, and the two activations a tick
   has in flight)."""
+
   def slots(buf: str) -> int:
     return program_.slots[buf] if options.padded else program_.peaks[buf][stage]
+
   act = profile.shards[plan.tensor].act_per_seq * plan.microbatch_size
-  return {'stash': slots('stash') * _chunk_stash(plan, profile, layers),
-          'cut': slots('cut') * _chunk_cut(plan, profile, layers),
-          'msg': (program_.slots['msg'] + 1 + 2) * act}
+  return {
+    'stash': slots('stash') * _chunk_stash(plan, profile, layers),
+    'cut': slots('cut') * _chunk_cut(plan, profile, layers),
+    'msg': (program_.slots['msg'] + 1 + 2) * act,
+  }
 
 
 @dataclasses.dataclass(frozen=True)
@@ -402,6 +452,7 @@ class Sharing:
   phase on such a node lasts at least the sum, over its busy devices, of
   the node capacity each takes (ActionCosts.share).
   """
+
   nodes: tuple[tuple[int, ...], ...]
 
   def tick(self, work: Sequence[float], share: Sequence[float] | None = None) -> float:
@@ -421,8 +472,9 @@ def sharing(plan: Plan, cluster: Cluster) -> Sharing:
   for node in cluster.nodes:
     if not node.shared_cores:
       continue
-    per_stage = tuple(sum(cluster.devices[d].node == node.name for d in stage)
-                      for stage in plan.stages)
+    per_stage = tuple(
+      sum(cluster.devices[d].node == node.name for d in stage) for stage in plan.stages
+    )
     if any(per_stage):
       nodes.append(per_stage)
   return Sharing(nodes=tuple(nodes))
@@ -449,22 +501,23 @@ class PlanTickCosts:
     return self.share.tick(work, shares)
 
   def transfer(self, tick: simulate.Tick) -> float:
-    return simulate.send_phase(tick, self.costs.transfer, self.costs.evict,
-                               self.costs.tick_transfer)
+    return simulate.send_phase(
+      tick, self.costs.transfer, self.costs.evict, self.costs.tick_transfer
+    )
 
   def copy(self, stage: int, action: Action) -> float:
     return self.costs.evict[stage]
 
 
-def simulate_lockstep(program_: sched.Program, costs: ActionCosts,
-                      share: Sharing = Sharing(())) -> simulate.Result:
+def simulate_lockstep(
+  program_: sched.Program, costs: ActionCosts, share: Sharing = Sharing(())
+) -> simulate.Result:
   """Times the executor's lockstep ticks with this plan's costs: the one
   lockstep model (`simulate.simulate_lockstep`) over `PlanTickCosts`."""
   return simulate.simulate_lockstep(program_, PlanTickCosts(costs, share))
 
 
-def simulate_async(plan: Plan, costs: ActionCosts,
-                   share: Sharing = Sharing(())) -> simulate.Result:
+def simulate_async(plan: Plan, costs: ActionCosts, share: Sharing = Sharing(())) -> simulate.Result:
   """The papers' model: simulate.simulate_async of the schedule as built,
   with each stage's chunk costs summed (a fused schedule's B is the whole
   backward, `ActionCosts.fused`), floored by the core-sharing bound over the
@@ -479,24 +532,33 @@ def simulate_async(plan: Plan, costs: ActionCosts,
       weight = sum(costs.chunk[c][sched.WEIGHT] for c in mine)
     else:
       backward, weight = sum(costs.fused_backward(c) for c in mine), 0.0
-    per.append(simulate.Costs(
+    per.append(
+      simulate.Costs(
         t_forward=sum(costs.chunk[c][sched.FORWARD] for c in mine),
-        t_backward=backward, t_weight=weight,
-        t_transfer=costs.transfer[s], t_evict=costs.evict[s] * v))
+        t_backward=backward,
+        t_weight=weight,
+        t_transfer=costs.transfer[s],
+        t_evict=costs.evict[s] * v,
+      )
+    )
   result = simulate.simulate_async(schedule, per)
   if share.nodes:
     m = plan.microbatches
     work = [m * (c.t_forward + c.t_backward + c.t_weight) for c in per]
-    shares = [m * sum(sum(costs.share[c].values()) for c in schedule.chunks_of(s))
-              for s in range(p)] if costs.share else None
+    shares = (
+      [m * sum(sum(costs.share[c].values()) for c in schedule.chunks_of(s)) for s in range(p)]
+      if costs.share
+      else None
+    )
     floor = share.tick(work, shares)
     if floor > result.total_time:
       result = dataclasses.replace(result, total_time=floor)
   return result
 
 
-def memory(plan: Plan, profile: Profile, cluster: Cluster, options: Options,
-           program_: sched.Program | None) -> tuple[tuple[float, ...], ...]:
+def memory(
+  plan: Plan, profile: Profile, cluster: Cluster, options: Options, program_: sched.Program | None
+) -> tuple[tuple[float, ...], ...]:
   """Per stage: peak bytes per device, the usable bytes of its smallest
   device, and the temporary part of the peak (all but parameters and
   optimizer state)."""
@@ -510,7 +572,7 @@ def memory(plan: Plan, profile: Profile, cluster: Cluster, options: Options,
     own = plan.layers[s] // v
     held = widest if options.padded else own
     params = shard.layer_param_bytes * held * v + shard.edge_param_bytes
-    if program_ is None:   # no pipeline: one value_and_grad over the whole model
+    if program_ is None:  # no pipeline: one value_and_grad over the whole model
       stash = _chunk_stash(plan, profile, plan.num_layers)
       buffers = 0.0
     else:
@@ -519,13 +581,16 @@ def memory(plan: Plan, profile: Profile, cluster: Cluster, options: Options,
     workspace = 2 * b * shard.stash_per_seq['none'] + logits
     out.append(STATE_COPIES * params + stash + buffers + workspace)
     temp.append(stash + buffers + workspace)
-    cap.append(min(cluster.groups[cluster.devices[d].group].memory for d in plan.stages[s])
-               * options.memory_fraction)
+    cap.append(
+      min(cluster.groups[cluster.devices[d].group].memory for d in plan.stages[s])
+      * options.memory_fraction
+    )
   return tuple(out), tuple(cap), tuple(temp)
 
 
-def simulate_plan(plan: Plan, profile: Profile, cluster: Cluster,
-                  options: Options = Options()) -> Estimate:
+def simulate_plan(
+  plan: Plan, profile: Profile, cluster: Cluster, options: Options = Options()
+) -> Estimate:
   """Predicts step time (both models) and memory of `plan` on `cluster`."""
   p, m, v = plan.pipe, plan.microbatches, plan.virtual_stages
   uses_executor = p > 1 or m > 1
@@ -535,24 +600,41 @@ def simulate_plan(plan: Plan, profile: Profile, cluster: Cluster,
   lock = simulate_lockstep(prog, costs, share)
   asy = simulate_async(plan, costs, share)
   mem, cap, temp = memory(plan, profile, cluster, options, prog if uses_executor else None)
-  tail, dp_total = _tail(plan, profile, cluster, options, share,
-                         prog if uses_executor else None)
+  tail, dp_total = _tail(plan, profile, cluster, options, share, prog if uses_executor else None)
   if options.dp_allreduce == 'per_microbatch':
     comm = Comm(cluster, profile)
     shard = profile.shards[plan.tensor]
     dp_total = m * max(
-        comm.allreduce(stage[j::plan.tensor], shard.layer_param_bytes * plan.layers[s])
-        for s, stage in enumerate(plan.stages) for j in range(plan.tensor))
+      comm.allreduce(stage[j :: plan.tensor], shard.layer_param_bytes * plan.layers[s])
+      for s, stage in enumerate(plan.stages)
+      for j in range(plan.tensor)
+    )
   chosen = lock if options.model == 'lockstep' else asy
-  return Estimate(plan=plan, step_time=chosen.total_time + tail, model=options.model,
-                  lockstep_time=lock.total_time + tail, async_time=asy.total_time + tail,
-                  pipeline_time=chosen.total_time, bubble_fraction=chosen.bubble_fraction,
-                  tail_time=tail, dp_allreduce_time=dp_total, memory=mem, capacity=cap,
-                  oom=any(x > c for x, c in zip(mem, cap)), result=chosen)
+  return Estimate(
+    plan=plan,
+    step_time=chosen.total_time + tail,
+    model=options.model,
+    lockstep_time=lock.total_time + tail,
+    async_time=asy.total_time + tail,
+    pipeline_time=chosen.total_time,
+    bubble_fraction=chosen.bubble_fraction,
+    tail_time=tail,
+    dp_allreduce_time=dp_total,
+    memory=mem,
+    capacity=cap,
+    oom=any(x > c for x, c in zip(mem, cap)),
+    result=chosen,
+  )
 
 
-def _tail(plan: Plan, profile: Profile, cluster: Cluster, options: Options,
-          share: Sharing, program_: sched.Program | None) -> tuple[float, float]:
+def _tail(
+  plan: Plan,
+  profile: Profile,
+  cluster: Cluster,
+  options: Options,
+  share: Sharing,
+  program_: sched.Program | None,
+) -> tuple[float, float]:
   """Seconds outside the pipeline's ticks, and the per-step DP all-reduce in them.
 
   The embedding/head gradient psum over `pipe`, the per-step DP all-reduce
@@ -569,15 +651,19 @@ def _tail(plan: Plan, profile: Profile, cluster: Cluster, options: Options,
   edge = 0.0
   if p > 1:
     ranks = len(plan.stages[0])
-    edge = max(comm.allreduce([stage[r] for stage in plan.stages], shard.edge_param_bytes)
-               for r in range(ranks))
+    edge = max(
+      comm.allreduce([stage[r] for stage in plan.stages], shard.edge_param_bytes)
+      for r in range(ranks)
+    )
   dp = 0.0
   if options.dp_allreduce == 'per_step':
-    dp = max(comm.allreduce(stage[j::t], shard.layer_param_bytes * plan.layers[s] +
-                            shard.edge_param_bytes)
-             for s, stage in enumerate(plan.stages) for j in range(t))
+    dp = max(
+      comm.allreduce(stage[j::t], shard.layer_param_bytes * plan.layers[s] + shard.edge_param_bytes)
+      for s, stage in enumerate(plan.stages)
+      for j in range(t)
+    )
   widest = max(plan.chunk_layers)
-  v, b = plan.virtual_stages, plan.microbatch_size
+  v = plan.virtual_stages
   moving, shares = [], []
   for s, stage in enumerate(plan.stages):
     held = widest * v if options.padded else plan.layers[s]
@@ -587,14 +673,20 @@ def _tail(plan: Plan, profile: Profile, cluster: Cluster, options: Options,
       # Every pool zeroed once, and each F's residuals and each B's cut
       # written into their slots.
       nbytes += sum(_pools(plan, profile, options, program_, s, chunk).values())
-      nbytes += plan.microbatches * v * (_chunk_stash(plan, profile, chunk) +
-                                         _chunk_cut(plan, profile, chunk))
+      nbytes += (
+        plan.microbatches
+        * v
+        * (_chunk_stash(plan, profile, chunk) + _chunk_cut(plan, profile, chunk))
+      )
     groups = [cluster.groups[cluster.devices[d].group] for d in stage]
     moving.append(max(nbytes / roofline.bandwidth(profile, g) for g in groups))
     # On a node whose devices share one memory system, all of them together
     # move bytes at the node's bandwidth (measured here; the spec's otherwise).
-    shares.append(max(nbytes / (profile.machine.node_bandwidth if g.local
-                                else g.memory_bandwidth) for g in groups))
+    shares.append(
+      max(
+        nbytes / (profile.machine.node_bandwidth if g.local else g.memory_bandwidth) for g in groups
+      )
+    )
   memory_time = share.tick(moving, shares) if share.nodes else max(moving)
   return edge + dp + memory_time, dp
 
@@ -603,13 +695,26 @@ def chrome_trace(estimate: Estimate) -> dict:
   """The predicted step in Chrome's trace format (Perfetto): the pipeline
   timeline of render.chrome_trace, then a 'tail' event per stage."""
   from triax.pipeline import render
+
   trace = render.chrome_trace(estimate.result)
   end = estimate.pipeline_time
   for s in range(estimate.plan.pipe):
-    trace['traceEvents'].append({
-        'name': 'grad sync + optimizer', 'cat': 'tail', 'ph': 'X', 'pid': 0, 'tid': s,
-        'ts': end * 1e6, 'dur': estimate.tail_time * 1e6,
-        'args': {'dp_allreduce_s': estimate.dp_allreduce_time}})
-  trace['otherData'].update(plan=estimate.plan.describe(), step_time_s=estimate.step_time,
-                            memory_bytes=list(estimate.memory), oom=estimate.oom)
+    trace['traceEvents'].append(
+      {
+        'name': 'grad sync + optimizer',
+        'cat': 'tail',
+        'ph': 'X',
+        'pid': 0,
+        'tid': s,
+        'ts': end * 1e6,
+        'dur': estimate.tail_time * 1e6,
+        'args': {'dp_allreduce_s': estimate.dp_allreduce_time},
+      }
+    )
+  trace['otherData'].update(
+    plan=estimate.plan.describe(),
+    step_time_s=estimate.step_time,
+    memory_bytes=list(estimate.memory),
+    oom=estimate.oom,
+  )
   return trace

@@ -21,7 +21,7 @@ def loss_curves(rows: list[Row], path: str, title: str = '') -> None:
   ax = fig.add_subplot()
   for i, row in enumerate(rows):
     color = f'C{i % 10}'
-    style = '-' if i < 10 else '--'   # ten colours, then the cycle repeats dashed
+    style = '-' if i < 10 else '--'  # ten colours, then the cycle repeats dashed
     if row.run.train_curve:
       steps, losses = zip(*row.run.train_curve)
       ax.plot(steps, losses, style, color=color, label=row.name, linewidth=1.2)
@@ -38,8 +38,9 @@ def loss_curves(rows: list[Row], path: str, title: str = '') -> None:
   fig.savefig(path, dpi=110)
 
 
-def bars(rows: list[Row], values: list[float | None], path: str, xlabel: str,
-         title: str = '') -> None:
+def bars(
+  rows: list[Row], values: list[float | None], path: str, xlabel: str, title: str = ''
+) -> None:
   """One horizontal bar per point (labels are long); points without a value say why."""
   height = max(2.5, 0.35 * len(rows) + 1.2)
   fig = Figure(figsize=(9, height), layout='constrained')
@@ -51,7 +52,7 @@ def bars(rows: list[Row], values: list[float | None], path: str, xlabel: str,
     text = f'{value:,.4g}' if value else row.status
     ax.text((value or 0.0) + 0.01 * top, y, text, va='center', fontsize='small')
   ax.set_yticks(list(positions), [row.name for row in rows], fontsize='small')
-  ax.invert_yaxis()   # first point on top, as in the tables
+  ax.invert_yaxis()  # first point on top, as in the tables
   ax.set_xlim(0, top * 1.15)
   ax.set_xlabel(xlabel)
   ax.set_title(title)
@@ -61,12 +62,20 @@ def bars(rows: list[Row], values: list[float | None], path: str, xlabel: str,
 
 def write_plots(rows: list[Row], workdir: str, title: str = '') -> dict:
   """loss.png, throughput.png and memory.png in `workdir`; returns their paths."""
-  paths = {name: os.path.join(workdir, f'{name}.png')
-           for name in ('loss', 'throughput', 'memory')}
+  paths = {name: os.path.join(workdir, f'{name}.png') for name in ('loss', 'throughput', 'memory')}
   loss_curves(rows, paths['loss'], title)
-  bars(rows, [r.run.tokens_per_sec for r in rows], paths['throughput'],
-       'tokens/s (median after the first logged step)', f'{title}: throughput')
-  bars(rows, [None if r.run.peak_bytes is None else r.run.peak_bytes / 2**20 for r in rows],
-       paths['memory'], 'MiB per device (XLA temp + args + outputs - aliased)',
-       f'{title}: peak memory of the train step')
+  bars(
+    rows,
+    [r.run.tokens_per_sec for r in rows],
+    paths['throughput'],
+    'tokens/s (median after the first logged step)',
+    f'{title}: throughput',
+  )
+  bars(
+    rows,
+    [None if r.run.peak_bytes is None else r.run.peak_bytes / 2**20 for r in rows],
+    paths['memory'],
+    'MiB per device (XLA temp + args + outputs - aliased)',
+    f'{title}: peak memory of the train step',
+  )
   return {f'{name}_png': p for name, p in paths.items()}

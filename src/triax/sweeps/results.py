@@ -32,16 +32,17 @@ STATUS_FILE = 'sweep_status.json'
 @dataclasses.dataclass
 class RunSummary:
   """What one training workdir says about its run (None where it says nothing)."""
-  final_step: int | None = None          # last logged train step
-  final_eval_step: int | None = None     # last evaluated step
+
+  final_step: int | None = None  # last logged train step
+  final_eval_step: int | None = None  # last evaluated step
   final_loss: float | None = None
   final_eval_loss: float | None = None
   tokens_per_sec: float | None = None
   step_time_s: float | None = None
   mfu: float | None = None
-  peak_bytes: int | None = None          # per device, compiled train step
-  train_curve: list = dataclasses.field(default_factory=list)   # [(step, loss)]
-  eval_curve: list = dataclasses.field(default_factory=list)    # [(step, eval_loss)]
+  peak_bytes: int | None = None  # per device, compiled train step
+  train_curve: list = dataclasses.field(default_factory=list)  # [(step, loss)]
+  eval_curve: list = dataclasses.field(default_factory=list)  # [(step, eval_loss)]
 
 
 def peak_bytes_per_device(stats: dict) -> int:
@@ -50,8 +51,12 @@ def peak_bytes_per_device(stats: dict) -> int:
   Donated state buffers are counted once: outputs that alias an argument are
   subtracted.
   """
-  return (stats['temp_bytes'] + stats['argument_bytes'] + stats['output_bytes']
-          - stats.get('alias_bytes', 0))
+  return (
+    stats['temp_bytes']
+    + stats['argument_bytes']
+    + stats['output_bytes']
+    - stats.get('alias_bytes', 0)
+  )
 
 
 def _median_after_first(records: list[dict], key: str) -> float | None:
@@ -66,8 +71,10 @@ def summarize_run(workdir: str) -> RunSummary:
   records = read_metrics(workdir) if os.path.isdir(workdir) else []
   train = [r for r in records if 'loss' in r]
   evals = [r for r in records if 'eval_loss' in r]
-  run = RunSummary(train_curve=[(r['step'], r['loss']) for r in train],
-                   eval_curve=[(r['step'], r['eval_loss']) for r in evals])
+  run = RunSummary(
+    train_curve=[(r['step'], r['loss']) for r in train],
+    eval_curve=[(r['step'], r['eval_loss']) for r in evals],
+  )
   if train:
     run.final_step, run.final_loss = train[-1]['step'], train[-1]['loss']
     run.tokens_per_sec = _median_after_first(train, 'tokens_per_sec')
@@ -90,11 +97,12 @@ def is_complete(run: RunSummary, final_step: int) -> bool:
 @dataclasses.dataclass
 class Row:
   """One point of a sweep: its overrides, how its run ended and what it measured."""
+
   name: str
   overrides: dict
-  status: str                 # ok | failed | not run
+  status: str  # ok | failed | not run
   returncode: int | None
-  error: str | None           # last stderr line of a failed run
+  error: str | None  # last stderr line of a failed run
   run: RunSummary
 
 
@@ -116,8 +124,9 @@ def read_point(directory: str, name: str, overrides: dict, final_step: int) -> R
   error = recorded.get('error') if status == 'failed' else None
   if status == 'failed' and not returncode:
     error = error or f'stopped at step {run.final_step} of {final_step}'
-  return Row(name=name, overrides=overrides, status=status, returncode=returncode,
-             error=error, run=run)
+  return Row(
+    name=name, overrides=overrides, status=status, returncode=returncode, error=error, run=run
+  )
 
 
 def _override_keys(rows: list[Row]) -> list[str]:
@@ -133,8 +142,14 @@ def _labels(keys: list[str]) -> dict[str, str]:
   return {k: (leaf if leaves.count(leaf) == 1 else k) for k, leaf in zip(keys, leaves)}
 
 
-CSV_METRICS = ('final_loss', 'final_eval_loss', 'tokens_per_sec', 'step_time_s', 'mfu',
-               'peak_bytes')
+CSV_METRICS = (
+  'final_loss',
+  'final_eval_loss',
+  'tokens_per_sec',
+  'step_time_s',
+  'mfu',
+  'peak_bytes',
+)
 
 
 def write_csv(rows: list[Row], path: str) -> None:
@@ -145,10 +160,16 @@ def write_csv(rows: list[Row], path: str) -> None:
     writer.writerow(['point', *keys, *CSV_METRICS, 'status', 'returncode', 'error'])
     for row in rows:
       metrics = [getattr(row.run, m) for m in CSV_METRICS]
-      writer.writerow([row.name, *(row.overrides.get(k, '') for k in keys),
-                       *('' if v is None else v for v in metrics),
-                       row.status, '' if row.returncode is None else row.returncode,
-                       row.error or ''])
+      writer.writerow(
+        [
+          row.name,
+          *(row.overrides.get(k, '') for k in keys),
+          *('' if v is None else v for v in metrics),
+          row.status,
+          '' if row.returncode is None else row.returncode,
+          row.error or '',
+        ]
+      )
 
 
 def _fmt(value, spec: str) -> str:
@@ -164,8 +185,13 @@ def markdown(rows: list[Row], caption: str = '') -> str:
   keys = _override_keys(rows)
   labels = _labels(keys)
   with_mfu = any(r.run.mfu is not None for r in rows)
-  header = [labels[k] for k in keys] + ['train loss', 'eval loss', 'tokens/s', 'step (ms)',
-                                        'peak MiB/device']
+  header = [labels[k] for k in keys] + [
+    'train loss',
+    'eval loss',
+    'tokens/s',
+    'step (ms)',
+    'peak MiB/device',
+  ]
   align = ['---'] * len(keys) + ['---:'] * 5
   if with_mfu:
     header.append('MFU')
@@ -176,10 +202,13 @@ def markdown(rows: list[Row], caption: str = '') -> str:
   for row in rows:
     r = row.run
     cells = [_cell(row.overrides.get(k, '')) for k in keys]
-    cells += [_fmt(r.final_loss, '.3f'), _fmt(r.final_eval_loss, '.3f'),
-              _fmt(r.tokens_per_sec, ',.0f'),
-              _fmt(None if r.step_time_s is None else 1e3 * r.step_time_s, '.1f'),
-              _fmt(None if r.peak_bytes is None else r.peak_bytes / 2**20, '.2f')]
+    cells += [
+      _fmt(r.final_loss, '.3f'),
+      _fmt(r.final_eval_loss, '.3f'),
+      _fmt(r.tokens_per_sec, ',.0f'),
+      _fmt(None if r.step_time_s is None else 1e3 * r.step_time_s, '.1f'),
+      _fmt(None if r.peak_bytes is None else r.peak_bytes / 2**20, '.2f'),
+    ]
     if with_mfu:
       cells.append(_fmt(None if r.mfu is None else 100 * r.mfu, '.1f') + ('%' if r.mfu else ''))
     status = row.status
@@ -196,17 +225,24 @@ def markdown(rows: list[Row], caption: str = '') -> str:
 
 
 def caption(command: str, cpu_devices: int) -> str:
-  where = (f'{cpu_devices} forced CPU devices on a {os.cpu_count()}-core host' if cpu_devices
-           else 'the default devices')
+  where = (
+    f'{cpu_devices} forced CPU devices on a {os.cpu_count()}-core host'
+    if cpu_devices
+    else 'the default devices'
+  )
   made = f'Generated by `{command}` ' if command else 'Generated by triax.sweep '
-  return (made + f'({where}). Tokens/s and step time: medians over logged steps after the '
-          'first; peak memory: XLA temp + argument + output - aliased bytes of the compiled '
-          'train step, per device.')
+  return (
+    made + f'({where}). Tokens/s and step time: medians over logged steps after the '
+    'first; peak memory: XLA temp + argument + output - aliased bytes of the compiled '
+    'train step, per device.'
+  )
 
 
 def write_tables(rows: list[Row], workdir: str, caption_text: str = '') -> dict:
-  paths = {'results_csv': os.path.join(workdir, 'results.csv'),
-           'results_md': os.path.join(workdir, 'results.md')}
+  paths = {
+    'results_csv': os.path.join(workdir, 'results.csv'),
+    'results_md': os.path.join(workdir, 'results.md'),
+  }
   write_csv(rows, paths['results_csv'])
   with open(paths['results_md'], 'w') as f:
     f.write(markdown(rows, caption_text))
@@ -222,8 +258,11 @@ def _block_span(text: str, name: str, path: str) -> tuple[int, int]:
   starts = [m.start() for m in re.finditer(re.escape(begin), text)]
   ends = [m.start() for m in re.finditer(re.escape(end), text)]
   if len(starts) != 1 or len(ends) != 1 or ends[0] < starts[0]:
-    raise ConfigError('--readme', f'{path} needs exactly one {begin} followed by one {end} '
-                      f'(found {len(starts)} and {len(ends)}); add them where the table goes')
+    raise ConfigError(
+      '--readme',
+      f'{path} needs exactly one {begin} followed by one {end} '
+      f'(found {len(starts)} and {len(ends)}); add them where the table goes',
+    )
   return starts[0] + len(begin), ends[0]
 
 
@@ -256,16 +295,20 @@ def benchmark_report(workdir: str) -> str:
   with open(stats_path) as f:
     stats = json.load(f)
   n = len(run.train_curve)
-  lines = [f'tokens/s:    {run.tokens_per_sec:,.0f}  (median of {max(n - 1, 1)} logged windows '
-           'after the first)',
-           f'step time:   {run.step_time_s * 1e3:.1f} ms',
-           f'model FLOPs: {stats["model_flops_per_step"]:.3g} per step (Megatron formula, '
-           'recomputation not counted)']
+  lines = [
+    f'tokens/s:    {run.tokens_per_sec:,.0f}  (median of {max(n - 1, 1)} logged windows '
+    'after the first)',
+    f'step time:   {run.step_time_s * 1e3:.1f} ms',
+    f'model FLOPs: {stats["model_flops_per_step"]:.3g} per step (Megatron formula, '
+    'recomputation not counted)',
+  ]
   if run.mfu is not None:
     lines.append(f'MFU:         {100 * run.mfu:.1f}%')
   else:
-    lines.append('MFU:         n/a (no peak FLOP/s known for this device kind; set '
-                 '--config.hardware.peak_flops_per_device)')
+    lines.append(
+      'MFU:         n/a (no peak FLOP/s known for this device kind; set '
+      '--config.hardware.peak_flops_per_device)'
+    )
   lines.append(f'peak memory: {run.peak_bytes / 2**30:.2f} GiB per device (XLA estimate)')
   lines.append(f'final loss:  {run.final_loss:.3f} at step {run.final_step}')
   return '\n'.join(lines)

@@ -25,7 +25,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Iterator, Union
+from collections.abc import Iterator
 
 import ml_collections
 from tqdm import tqdm
@@ -35,7 +35,7 @@ from triax import config as config_lib
 from triax.errors import ConfigError
 from triax.sweeps import plots, results
 
-Scalar = Union[bool, int, float, str]
+Scalar = bool | int | float | str
 
 # Longest directory name we generate (file systems allow 255 bytes).
 _MAX_NAME = 120
@@ -44,9 +44,10 @@ _MAX_NAME = 120
 @dataclasses.dataclass(frozen=True)
 class Point:
   """One run of a sweep."""
+
   overrides: tuple[tuple[str, Scalar], ...]  # (dotted key, value), as added
-  name: str                                  # directory name under the sweep's workdir
-  steps: int                                 # train.steps of this point: its final step
+  name: str  # directory name under the sweep's workdir
+  steps: int  # train.steps of this point: its final step
 
   def flags(self) -> list[str]:
     return [f'--config.{key}={format_value(value)}' for key, value in self.overrides]
@@ -55,8 +56,9 @@ class Point:
 @dataclasses.dataclass(frozen=True)
 class Sweep:
   """A config file's sweep: where it came from and its points."""
-  path: str          # absolute path of the config file
-  arg: str | None    # the config argument after ':', if any
+
+  path: str  # absolute path of the config file
+  arg: str | None  # the config argument after ':', if any
   points: tuple[Point, ...]
 
   @property
@@ -93,7 +95,7 @@ def point_name(overrides: tuple[tuple[str, Scalar], ...]) -> str:
   name = re.sub(r'[^A-Za-z0-9._+=,-]', '-', ','.join(parts))
   if len(name) > _MAX_NAME:
     digest = hashlib.sha1(name.encode()).hexdigest()[:10]
-    name = f'{name[:_MAX_NAME - 11]}-{digest}'
+    name = f'{name[: _MAX_NAME - 11]}-{digest}'
   return name
 
 
@@ -121,8 +123,11 @@ def _apply(base: ml_collections.ConfigDict, key: str, value, where: str) -> None
   node = base
   for i, part in enumerate(parts):
     if not isinstance(node, ml_collections.ConfigDict) or part not in node:
-      raise ConfigError(key, f'unknown config key ({where}); keys are dotted config paths '
-                        'like mesh.data or train.learning_rate')
+      raise ConfigError(
+        key,
+        f'unknown config key ({where}); keys are dotted config paths '
+        'like mesh.data or train.learning_rate',
+      )
     if i < len(parts) - 1:
       node = node[part]
   if isinstance(node[parts[-1]], ml_collections.ConfigDict):
@@ -150,26 +155,37 @@ def load_sweep(spec: str) -> Sweep:
   for fn in ('get_config', 'sweep'):
     if not callable(getattr(module, fn, None)):
       usage = 'get_config(arg=None)' if fn == 'get_config' else 'sweep(add, arg=None)'
-      raise ConfigError('--config', f'{path} defines no {usage}; a sweep file needs both '
-                        '(see triax.sweeps)')
+      raise ConfigError(
+        '--config', f'{path} defines no {usage}; a sweep file needs both (see triax.sweeps)'
+      )
   base = _call(module.get_config, arg, 'get_config()', path)
   if not isinstance(base, ml_collections.ConfigDict):
-    raise ConfigError('--config', f'get_config() of {path} returned {type(base).__name__}, '
-                      'not an ml_collections.ConfigDict')
+    raise ConfigError(
+      '--config',
+      f'get_config() of {path} returned {type(base).__name__}, not an ml_collections.ConfigDict',
+    )
   added: list[tuple[tuple[str, Scalar], ...]] = []
 
   def add(*args, **overrides):
     where = f'point {len(added) + 1} of sweep() in {os.path.basename(path)}'
     if args:
-      raise ConfigError('--config', f'{where}: add() takes keyword overrides only, e.g. '
-                        "add(**{'mesh.data': 2, 'mesh.tensor': 4})")
+      raise ConfigError(
+        '--config',
+        f'{where}: add() takes keyword overrides only, e.g. '
+        "add(**{'mesh.data': 2, 'mesh.tensor': 4})",
+      )
     for key, value in overrides.items():
       if '.' not in key:
-        raise ConfigError(key, f'{where}: override keys are dotted config paths; write '
-                          f"add(**{{'train.{key}': ...}}) (or the right group)")
+        raise ConfigError(
+          key,
+          f'{where}: override keys are dotted config paths; write '
+          f"add(**{{'train.{key}': ...}}) (or the right group)",
+        )
       if not isinstance(value, (bool, int, float, str)):
-        raise ConfigError(key, f'{where}: only bool, int, float or str values can be swept, '
-                          f'got {type(value).__name__}')
+        raise ConfigError(
+          key,
+          f'{where}: only bool, int, float or str values can be swept, got {type(value).__name__}',
+        )
     added.append(tuple(overrides.items()))
 
   _call(lambda *a: module.sweep(add, *a), arg, 'sweep()', path)
@@ -184,8 +200,11 @@ def load_sweep(spec: str) -> Sweep:
       _apply(cfg, key, value, where)
     name = point_name(overrides)
     if name in names:
-      raise ConfigError('--config', f'points {names[name] + 1} and {index + 1} of sweep() in '
-                        f'{os.path.basename(path)} are both {name!r}; add each point once')
+      raise ConfigError(
+        '--config',
+        f'points {names[name] + 1} and {index + 1} of sweep() in '
+        f'{os.path.basename(path)} are both {name!r}; add each point once',
+      )
     names[name] = index
     points.append(Point(overrides=overrides, name=name, steps=int(cfg.train.steps)))
   return Sweep(path=path, arg=arg, points=tuple(points))
@@ -205,8 +224,14 @@ def _child_env() -> dict:
 
 
 def train_command(sweep: Sweep, point: Point, directory: str, cpu_devices: int) -> list[str]:
-  command = [sys.executable, '-m', 'triax.train', sweep.config_flag, f'--workdir={directory}',
-             '--progress=false']
+  command = [
+    sys.executable,
+    '-m',
+    'triax.train',
+    sweep.config_flag,
+    f'--workdir={directory}',
+    '--progress=false',
+  ]
   if cpu_devices:
     command.append(f'--cpu_devices={cpu_devices}')
   return command + point.flags()
@@ -230,8 +255,9 @@ class _Processes:
     with self._lock:
       if self.stopping:
         return -1
-      proc = subprocess.Popen(command, stdout=stdout, stderr=stderr, env=_child_env(),
-                              stdin=subprocess.DEVNULL)
+      proc = subprocess.Popen(
+        command, stdout=stdout, stderr=stderr, env=_child_env(), stdin=subprocess.DEVNULL
+      )
       self._live.add(proc)
     try:
       return proc.wait()
@@ -246,8 +272,9 @@ class _Processes:
         proc.terminate()
 
 
-def _run_point(sweep: Sweep, point: Point, workdir: str, cpu_devices: int,
-               processes: _Processes) -> dict:
+def _run_point(
+  sweep: Sweep, point: Point, workdir: str, cpu_devices: int, processes: _Processes
+) -> dict:
   directory = os.path.join(workdir, point.name)
   os.makedirs(directory, exist_ok=True)
   command = train_command(sweep, point, directory, cpu_devices)
@@ -255,10 +282,14 @@ def _run_point(sweep: Sweep, point: Point, workdir: str, cpu_devices: int,
   out_path, err_path = (os.path.join(directory, f) for f in ('stdout.txt', 'stderr.txt'))
   with open(out_path, 'w') as out, open(err_path, 'w') as err:
     returncode = processes.run(command, out, err)
-  status = {'point': point.name, 'overrides': dict(point.overrides), 'command': command,
-            'returncode': returncode,
-            'error': _last_line(err_path) if returncode else None,
-            'seconds': round(time.perf_counter() - started, 1)}
+  status = {
+    'point': point.name,
+    'overrides': dict(point.overrides),
+    'command': command,
+    'returncode': returncode,
+    'error': _last_line(err_path) if returncode else None,
+    'seconds': round(time.perf_counter() - started, 1),
+  }
   with open(os.path.join(directory, results.STATUS_FILE), 'w') as f:
     json.dump(status, f, indent=2)
   return status
@@ -269,7 +300,7 @@ def _sigterm_exits() -> Iterator[None]:
   """Inside: SIGTERM (a job scheduler, `kill`) raises SystemExit as Ctrl-C raises
   KeyboardInterrupt, so the sweep stops its training processes instead of orphaning them."""
   if threading.current_thread() is not threading.main_thread():
-    yield   # only the main thread may set signal handlers
+    yield  # only the main thread may set signal handlers
     return
   previous = signal.signal(signal.SIGTERM, lambda signum, _: sys.exit(128 + signum))
   try:
@@ -280,7 +311,7 @@ def _sigterm_exits() -> Iterator[None]:
 
 def _say(bar: tqdm, line: str) -> None:
   bar.write(line)
-  sys.stdout.flush()   # a sweep's log is often a file: show each point as it ends
+  sys.stdout.flush()  # a sweep's log is often a file: show each point as it ends
 
 
 def check_workdir(workdir: str) -> None:
@@ -288,9 +319,17 @@ def check_workdir(workdir: str) -> None:
     raise ConfigError('--workdir', f'{workdir} is a file; give a directory')
 
 
-def run_sweep(spec: str, workdir: str, *, parallel: int = 1, cpu_devices: int = 8,
-              readme: str = '', progress: bool = True, dry_run: bool = False,
-              command: str = '') -> dict:
+def run_sweep(
+  spec: str,
+  workdir: str,
+  *,
+  parallel: int = 1,
+  cpu_devices: int = 8,
+  readme: str = '',
+  progress: bool = True,
+  dry_run: bool = False,
+  command: str = '',
+) -> dict:
   """Runs every point of the sweep in `spec` not yet complete; writes tables and plots.
 
   Args:
@@ -329,16 +368,23 @@ def run_sweep(spec: str, workdir: str, *, parallel: int = 1, cpu_devices: int = 
   todo = [p for p in sweep.points if not is_complete(p, os.path.join(workdir, p.name))]
   skipped = len(sweep.points) - len(todo)
   failures = 0
-  bar = tqdm(total=len(sweep.points), initial=skipped, disable=not progress, unit='point',
-             desc=f'sweep {sweep.name}', dynamic_ncols=True)
+  bar = tqdm(
+    total=len(sweep.points),
+    initial=skipped,
+    disable=not progress,
+    unit='point',
+    desc=f'sweep {sweep.name}',
+    dynamic_ncols=True,
+  )
   if skipped:
     _say(bar, f'skipping {skipped} complete point(s) in {workdir}')
   processes = _Processes()
   pool = concurrent.futures.ThreadPoolExecutor(max_workers=parallel)
   try:
     with _sigterm_exits():
-      futures = {pool.submit(_run_point, sweep, p, workdir, cpu_devices, processes): p
-                 for p in todo}
+      futures = {
+        pool.submit(_run_point, sweep, p, workdir, cpu_devices, processes): p for p in todo
+      }
       for future in concurrent.futures.as_completed(futures):
         point, status = futures[future], future.result()
         if status['returncode'] == 0:
@@ -348,21 +394,28 @@ def run_sweep(spec: str, workdir: str, *, parallel: int = 1, cpu_devices: int = 
           _say(bar, f'FAILED  {point.name} (exit {status["returncode"]}): {status["error"]}')
         bar.update(1)
         bar.set_postfix(failed=failures)
-  except BaseException:   # Ctrl-C, or SIGTERM (see _sigterm_exits)
-    processes.terminate_all()   # only the training processes this sweep started
+  except BaseException:  # Ctrl-C, or SIGTERM (see _sigterm_exits)
+    processes.terminate_all()  # only the training processes this sweep started
     pool.shutdown(wait=True, cancel_futures=True)
     raise
   finally:
     bar.close()
   pool.shutdown()
 
-  rows = [results.read_point(os.path.join(workdir, p.name), p.name, dict(p.overrides), p.steps)
-          for p in sweep.points]
+  rows = [
+    results.read_point(os.path.join(workdir, p.name), p.name, dict(p.overrides), p.steps)
+    for p in sweep.points
+  ]
   caption = results.caption(command, cpu_devices)
   paths = results.write_tables(rows, workdir, caption)
   paths.update(plots.write_plots(rows, workdir, title=sweep.name))
   if readme:
     results.replace_readme_block(readme, sweep.name, results.markdown(rows, caption))
     paths['readme'] = os.path.abspath(readme)
-  return {'points': len(sweep.points), 'ran': len(todo), 'skipped': skipped,
-          'failed': [r.name for r in rows if r.status != 'ok'], **paths}
+  return {
+    'points': len(sweep.points),
+    'ran': len(todo),
+    'skipped': skipped,
+    'failed': [r.name for r in rows if r.status != 'ok'],
+    **paths,
+  }

@@ -30,14 +30,14 @@ class Candidate:
 def candidates(cfg) -> list[Candidate]:
   m = cfg.pipeline.microbatches
   return [
-      Candidate('1f1b, no remat (reference)', {'pipeline.schedule': '1f1b', 'model.remat': 'none'}),
-      Candidate('1f1b, full remat', {'pipeline.schedule': '1f1b', 'model.remat': 'full'}),
-      Candidate('1f1b, selective remat', {'pipeline.schedule': '1f1b',
-                                          'model.remat': 'selective'}),
-      Candidate(f'1f1b, half micro-batch (m={2 * m})',
-                {'pipeline.schedule': '1f1b', 'model.remat': 'none',
-                 'pipeline.microbatches': 2 * m}),
-      Candidate('bpipe, no remat', {'pipeline.schedule': 'bpipe', 'model.remat': 'none'}),
+    Candidate('1f1b, no remat (reference)', {'pipeline.schedule': '1f1b', 'model.remat': 'none'}),
+    Candidate('1f1b, full remat', {'pipeline.schedule': '1f1b', 'model.remat': 'full'}),
+    Candidate('1f1b, selective remat', {'pipeline.schedule': '1f1b', 'model.remat': 'selective'}),
+    Candidate(
+      f'1f1b, half micro-batch (m={2 * m})',
+      {'pipeline.schedule': '1f1b', 'model.remat': 'none', 'pipeline.microbatches': 2 * m},
+    ),
+    Candidate('bpipe, no remat', {'pipeline.schedule': 'bpipe', 'model.remat': 'none'}),
   ]
 
 
@@ -56,7 +56,7 @@ def evaluate(cfg, *, steps: int = 3) -> list[Candidate]:
   for cand in candidates(cfg):
     try:
       result = measure(_with(cfg, cand.overrides), steps=steps, warmup=1)
-    except ValueError as e:   # ConfigError (e.g. batch not divisible by the doubled m)
+    except ValueError as e:  # ConfigError (e.g. batch not divisible by the doubled m)
       cand.error = str(e)
     else:
       cand.peak_bytes, cand.step_time_s = result.peak_bytes, result.step_time_s
@@ -68,17 +68,23 @@ def report(cands: list[Candidate], limit: int) -> str:
   fitting = [c for c in cands if c.fits(limit)]
   best = min(fitting, key=lambda c: c.step_time_s) if fitting else None
   ref = next((c.step_time_s for c in cands if c.step_time_s), 1.0)
-  lines = [f'per-device memory limit: {limit / 2**20:.1f} MiB', '',
-           '| candidate | peak MiB/device | fits | step time / first | |',
-           '|---|---|---|---|---|']
+  lines = [
+    f'per-device memory limit: {limit / 2**20:.1f} MiB',
+    '',
+    '| candidate | peak MiB/device | fits | step time / first | |',
+    '|---|---|---|---|---|',
+  ]
   for c in cands:
     if c.error:
       lines.append(f'| {c.name} | - | no | - | {c.error} |')
       continue
     mark = 'fastest that fits' if c is best else ''
-    lines.append(f'| {c.name} | {c.peak_bytes / 2**20:.1f} | {"yes" if c.fits(limit) else "no"} '
-                 f'| {c.step_time_s / ref:.2f} | {mark} |')
+    lines.append(
+      f'| {c.name} | {c.peak_bytes / 2**20:.1f} | {"yes" if c.fits(limit) else "no"} '
+      f'| {c.step_time_s / ref:.2f} | {mark} |'
+    )
   lines.append('')
-  lines.append(f'answer: {best.name}' if best else 'answer: nothing fits; lower the batch or '
-               'add devices')
+  lines.append(
+    f'answer: {best.name}' if best else 'answer: nothing fits; lower the batch or add devices'
+  )
   return '\n'.join(lines)

@@ -34,10 +34,9 @@ import orbax.checkpoint as ocp
 from absl import logging
 
 from triax.errors import ConfigError
-from triax.training.step import TrainState, Trainer
+from triax.training.step import Trainer, TrainState
 
-_MODEL_KEYS = ('num_layers', 'd_model', 'num_heads', 'd_ff', 'vocab_size', 'seq_len',
-               'param_dtype')
+_MODEL_KEYS = ('num_layers', 'd_model', 'num_heads', 'd_ff', 'vocab_size', 'seq_len', 'param_dtype')
 MANIFEST = 'triax_manifest.json'
 DAMAGED_DIR = 'checkpoints_damaged'
 # orbax's name for a step being written (`8.orbax-checkpoint-tmp-<time>`).
@@ -84,7 +83,7 @@ class Checkpointer:
     self.keep = cfg.checkpoint.keep
     self.restored_step: int | None = None
     self.restored_progress: dict = {}
-    self.damaged: list[tuple[int, str]] = []   # newer than the restored step
+    self.damaged: list[tuple[int, str]] = []  # newer than the restored step
     self._manager = None
     self._saving_step: int | None = None
     self._state_paths: list[str] | None = None
@@ -104,8 +103,9 @@ class Checkpointer:
       path = os.path.join(self.directory, name)
       if (_step_of(name) is not None or _UNFINISHED.match(name)) and os.path.isdir(path):
         continue
-      raise ConfigError('--workdir', f'{path} is not a triax checkpoint, so this is not a '
-                        f'triax workdir; {fix}')
+      raise ConfigError(
+        '--workdir', f'{path} is not a triax checkpoint, so this is not a triax workdir; {fix}'
+      )
 
   def _step_dir(self, step: int) -> str:
     return os.path.join(self.directory, str(step))
@@ -114,8 +114,11 @@ class Checkpointer:
     """Step directories on disk, intact or not, ascending."""
     if not os.path.isdir(self.directory):
       return []
-    return sorted(s for s in map(_step_of, os.listdir(self.directory))
-                  if s is not None and os.path.isdir(self._step_dir(s)))
+    return sorted(
+      s
+      for s in map(_step_of, os.listdir(self.directory))
+      if s is not None and os.path.isdir(self._step_dir(s))
+    )
 
   def verify(self, step: int) -> str | None:
     """None if checkpoint `step` is intact, else what is wrong with it (cheap: no data read)."""
@@ -159,15 +162,15 @@ class Checkpointer:
       reason = self.verify(step)
       if reason is None:
         try:
-          items = self._read(step, model=ocp.args.JsonRestore(),
-                             progress=ocp.args.JsonRestore())
+          items = self._read(step, model=ocp.args.JsonRestore(), progress=ocp.args.JsonRestore())
         except Exception as e:  # pylint: disable=broad-except  # anything unreadable is damage
           reason = f'unreadable ({_first_line(e)})'
       if reason is None:
         self._check_model(step, items['model'], trainer)
         try:
-          state = self._read(step, state=ocp.args.StandardRestore(
-              trainer.abstract_canonical_state()))['state']
+          state = self._read(
+            step, state=ocp.args.StandardRestore(trainer.abstract_canonical_state())
+          )['state']
         except Exception as e:  # pylint: disable=broad-except
           reason = f'unreadable ({_first_line(e)})'
       if reason is not None:
@@ -176,14 +179,20 @@ class Checkpointer:
       self.restored_step, self.restored_progress, self.damaged = step, items['progress'], damaged
       if damaged and self._main:
         named = '; '.join(f'{self._step_dir(s)} ({r})' for s, r in damaged)
-        logging.warning('damaged checkpoint %s: resuming from %s instead (the damaged one moves '
-                        'to %s)', named, self._step_dir(step),
-                        os.path.join(self.workdir, DAMAGED_DIR))
+        logging.warning(
+          'damaged checkpoint %s: resuming from %s instead (the damaged one moves to %s)',
+          named,
+          self._step_dir(step),
+          os.path.join(self.workdir, DAMAGED_DIR),
+        )
       logging.info('restored step %d from %s', step, self.directory)
       return trainer.from_canonical(state)
     found = '; '.join(f'{s}: {r}' for s, r in damaged)
-    raise ConfigError('--workdir', f'{self.directory} holds no intact checkpoint ({found}); '
-                      'move it away to start afresh, or choose another --workdir')
+    raise ConfigError(
+      '--workdir',
+      f'{self.directory} holds no intact checkpoint ({found}); '
+      'move it away to start afresh, or choose another --workdir',
+    )
 
   def _read(self, step: int, **items) -> dict:
     with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as reader:
@@ -192,16 +201,20 @@ class Checkpointer:
   def _check_model(self, step: int, record: dict, trainer: Trainer) -> None:
     for key, value in model_record(self.cfg).items():
       if record.get(key) != value:
-        raise ConfigError(f'model.{key}',
-                          f'checkpoint {self._step_dir(step)} has {key}={record.get(key)!r} '
-                          f'but the config says {value!r}; use the same model or a new --workdir')
+        raise ConfigError(
+          f'model.{key}',
+          f'checkpoint {self._step_dir(step)} has {key}={record.get(key)!r} '
+          f'but the config says {value!r}; use the same model or a new --workdir',
+        )
     saved, wanted = record.get('state_paths'), self._paths(trainer)
     if saved is not None and saved != wanted:
       odd = sorted(set(saved) ^ set(wanted))
-      raise ConfigError('train.grad_clip_norm',
-                        f'checkpoint {self._step_dir(step)} holds an optimizer state of another '
-                        f'structure (e.g. {odd[0] if odd else "leaf order"}); clipping on or off '
-                        'changes it: use the setting it was written with, or a new --workdir')
+      raise ConfigError(
+        'train.grad_clip_norm',
+        f'checkpoint {self._step_dir(step)} holds an optimizer state of another '
+        f'structure (e.g. {odd[0] if odd else "leaf order"}); clipping on or off '
+        'changes it: use the setting it was written with, or a new --workdir',
+      )
 
   def _paths(self, trainer: Trainer) -> list[str]:
     if self._state_paths is None:
@@ -212,7 +225,7 @@ class Checkpointer:
     """Moves damaged newer steps aside and opens orbax (which removes unfinished saves)."""
     if self._manager is not None:
       return
-    self._sync('triax_checkpoint_restored')   # every process has read what it needs
+    self._sync('triax_checkpoint_restored')  # every process has read what it needs
     if self._main:
       os.makedirs(self.directory, exist_ok=True)
       for step, _ in self.damaged:
@@ -224,9 +237,12 @@ class Checkpointer:
         os.replace(self._step_dir(step), target + (f'-{suffix}' if suffix else ''))
     self._sync('triax_checkpoint_prepare')
     options = ocp.CheckpointManagerOptions(
-        max_to_keep=None, create=True, enable_async_checkpointing=True,
-        cleanup_tmp_directories=True,
-        async_options=ocp.AsyncOptions(post_finalization_callback=self._write_manifest))
+      max_to_keep=None,
+      create=True,
+      enable_async_checkpointing=True,
+      cleanup_tmp_directories=True,
+      async_options=ocp.AsyncOptions(post_finalization_callback=self._write_manifest),
+    )
     self._manager = ocp.CheckpointManager(self.directory, options=options)
 
   def save(self, trainer: Trainer, state: TrainState, *, progress: dict | None = None) -> None:
@@ -240,23 +256,31 @@ class Checkpointer:
     step = int(jax.device_get(state.step))
     canonical = trainer.to_canonical(state)
     self._saving_step = step
-    self._manager.save(step, args=ocp.args.Composite(
+    self._manager.save(
+      step,
+      args=ocp.args.Composite(
         state=ocp.args.StandardSave(canonical),
         model=ocp.args.JsonSave({**model_record(self.cfg), 'state_paths': self._paths(trainer)}),
-        progress=ocp.args.JsonSave(progress or {})), force=True)
+        progress=ocp.args.JsonSave(progress or {}),
+      ),
+      force=True,
+    )
 
   def _write_manifest(self) -> None:
     # orbax calls this on process 0 once every process has written its part,
     # just before the directory gets its final name: the manifest commits with it.
     step = self._saving_step
-    unfinished = [os.path.join(self.directory, n) for n in os.listdir(self.directory)
-                  if (m := _UNFINISHED.match(n)) and int(m.group(1)) == step]
+    unfinished = [
+      os.path.join(self.directory, n)
+      for n in os.listdir(self.directory)
+      if (m := _UNFINISHED.match(n)) and int(m.group(1)) == step
+    ]
     path = max(unfinished, key=os.path.getmtime) if unfinished else self._step_dir(step)
     files = {}
     for root, _, names in os.walk(path):
       for name in names:
         rel = os.path.relpath(os.path.join(root, name), path)
-        if os.sep in rel:   # items' files; orbax rewrites its top-level files after this
+        if os.sep in rel:  # items' files; orbax rewrites its top-level files after this
           files[rel] = os.path.getsize(os.path.join(root, name))
     if not files:
       raise RuntimeError(f'checkpoint step {step}: found no files to list under {path}')
@@ -279,6 +303,7 @@ class Checkpointer:
   def _sync(self, name: str) -> None:
     if jax.process_count() > 1:
       from jax.experimental import multihost_utils
+
       multihost_utils.sync_global_devices(name)
 
   def wait(self) -> None:

@@ -23,8 +23,8 @@ from triax.training.step import Trainer, build_trainer
 
 @dataclasses.dataclass
 class Measurement:
-  stats: dict            # compile_stats(): temp/argument/output bytes, flops, schedule
-  step_time_s: float     # median of the timed steps
+  stats: dict  # compile_stats(): temp/argument/output bytes, flops, schedule
+  step_time_s: float  # median of the timed steps
   trainer: Trainer
 
   @property
@@ -44,8 +44,9 @@ def measure(cfg, *, steps: int = 5, warmup: int = 2, devices=None) -> Measuremen
   tokens = rng.integers(0, cfg.model.vocab_size, shape).astype(np.int32)
   with jax.set_mesh(trainer.mesh):
     compiled, stats = compile_stats(trainer)
-    batch = jax.device_put({'inputs': tokens[:, :-1], 'targets': tokens[:, 1:]},
-                           trainer.batch_sharding)
+    batch = jax.device_put(
+      {'inputs': tokens[:, :-1], 'targets': tokens[:, 1:]}, trainer.batch_sharding
+    )
     state = trainer.init_state(jax.random.key(0))
     times = []
     for i in range(warmup + steps):

@@ -60,7 +60,7 @@ class JsonLines:
       return
     line = json.dumps(_finite(record), allow_nan=False) + '\n'
     with open(self.path, 'a') as f:
-      f.write(line)   # one write per line: a crash leaves at most one partial last line
+      f.write(line)  # one write per line: a crash leaves at most one partial last line
 
 
 class MetricsWriter:
@@ -79,8 +79,12 @@ class MetricsWriter:
     self._lines.write(record)
     step = record['step']
     for key, value in record.items():
-      if (key != 'step' and isinstance(value, (int, float)) and not isinstance(value, bool)
-          and math.isfinite(value)):
+      if (
+        key != 'step'
+        and isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+      ):
         self._tb.add_scalar(key, value, step)
 
   def close(self) -> None:

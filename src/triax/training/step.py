@@ -9,13 +9,15 @@ gradient, so clipping and AdamW behave as on one device.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import flax
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from triax import sharding
 from triax.model.transformer import GPT, ModelSpec
@@ -37,29 +39,44 @@ def learning_rate_schedule(train_cfg) -> optax.Schedule:
   """Linear warmup to the peak, then cosine decay to min_lr_ratio * peak."""
   peak = train_cfg.learning_rate
   return optax.warmup_cosine_decay_schedule(
-      init_value=0.0, peak_value=peak, warmup_steps=train_cfg.warmup_steps,
-      decay_steps=max(train_cfg.steps, train_cfg.warmup_steps + 1),
-      end_value=peak * train_cfg.min_lr_ratio)
+    init_value=0.0,
+    peak_value=peak,
+    warmup_steps=train_cfg.warmup_steps,
+    decay_steps=max(train_cfg.steps, train_cfg.warmup_steps + 1),
+    end_value=peak * train_cfg.min_lr_ratio,
+  )
 
 
 def make_optimizer(train_cfg) -> optax.GradientTransformation:
   """AdamW with global-norm clipping; norms and position embeddings are not decayed."""
   decay_mask = lambda params: jax.tree_util.tree_map_with_path(
-      lambda path, _: getattr(path[-1], 'key', None) not in _NO_DECAY, params)
+    lambda path, _: getattr(path[-1], 'key', None) not in _NO_DECAY, params
+  )
   parts = []
   if train_cfg.grad_clip_norm > 0:
     parts.append(optax.clip_by_global_norm(train_cfg.grad_clip_norm))
-  parts.append(optax.adamw(learning_rate_schedule(train_cfg), b1=train_cfg.adam_b1,
-                           b2=train_cfg.adam_b2, weight_decay=train_cfg.weight_decay,
-                           mask=decay_mask))
+  parts.append(
+    optax.adamw(
+      learning_rate_schedule(train_cfg),
+      b1=train_cfg.adam_b1,
+      b2=train_cfg.adam_b2,
+      weight_decay=train_cfg.weight_decay,
+      mask=decay_mask,
+    )
+  )
   return optax.chain(*parts)
 
 
 def pipeline_axes(model_axes: Any) -> Any:
   """Logical axes of parameters in pipeline layout ([stage, virtual, layers, ...])."""
-  return {**model_axes, layout_lib.LAYERS_KEY: jax.tree.map(
-      lambda axes: ('stage', 'virtual') + axes, model_axes[layout_lib.LAYERS_KEY],
-      is_leaf=lambda a: isinstance(a, tuple))}
+  return {
+    **model_axes,
+    layout_lib.LAYERS_KEY: jax.tree.map(
+      lambda axes: ('stage', 'virtual') + axes,
+      model_axes[layout_lib.LAYERS_KEY],
+      is_leaf=lambda a: isinstance(a, tuple),
+    ),
+  }
 
 
 def _transfer_spec(cfg, mesh: Mesh, act_spec: P) -> P | None:
@@ -81,21 +98,22 @@ def _transfer_spec(cfg, mesh: Mesh, act_spec: P) -> P | None:
 @dataclasses.dataclass
 class Trainer:
   """Everything compiled for one run: shardings, init, train and eval steps."""
+
   cfg: Any
   mesh: Mesh
   model: GPT
   optimizer: optax.GradientTransformation
-  program: 'sched.Program | None'
-  layout: layout_lib.StackLayout   # how layers are cut into chunks and stored
-  pipeline: 'executor.PipelineStep | None'   # the traced executor (residual sizes)
+  program: sched.Program | None
+  layout: layout_lib.StackLayout  # how layers are cut into chunks and stored
+  pipeline: executor.PipelineStep | None  # the traced executor (residual sizes)
   state_shardings: Any
   batch_sharding: NamedSharding
   init_state: Callable[[jax.Array], TrainState]
   train_step: Callable[[TrainState, dict], tuple[TrainState, dict]]
   eval_loss: Callable[[Any, dict], jax.Array]
-  loss_and_grad: Callable[[Any, dict], tuple[jax.Array, Any]]   # no update: for parity checks
+  loss_and_grad: Callable[[Any, dict], tuple[jax.Array, Any]]  # no update: for parity checks
   optimizer_schedule: optax.Schedule
-  canonical_shardings: Any   # the state in model layer order (what checkpoints hold)
+  canonical_shardings: Any  # the state in model layer order (what checkpoints hold)
   to_canonical: Callable[[TrainState], TrainState]
   from_canonical: Callable[[TrainState], TrainState]
 
@@ -105,13 +123,19 @@ class Trainer:
 
   def abstract_state(self) -> TrainState:
     shapes = jax.eval_shape(self.init_state, jax.random.key(0))
-    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                        shapes, self.state_shardings)
+    return jax.tree.map(
+      lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+      shapes,
+      self.state_shardings,
+    )
 
   def abstract_canonical_state(self) -> TrainState:
     shapes = jax.eval_shape(self.to_canonical, self.abstract_state())
-    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                        shapes, self.canonical_shardings)
+    return jax.tree.map(
+      lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+      shapes,
+      self.canonical_shardings,
+    )
 
 
 def build_trainer(cfg, mesh: Mesh) -> Trainer:
@@ -126,8 +150,9 @@ def build_trainer(cfg, mesh: Mesh) -> Trainer:
     schedule = sched.from_config(cfg.pipeline, p, m, v)
     program = sched.lower(schedule)
     placement = schedule.placement
-  layout = layout_lib.StackLayout.build(spec.num_layers, p, v, cfg.pipeline.layers_per_stage,
-                                        placement)
+  layout = layout_lib.StackLayout.build(
+    spec.num_layers, p, v, cfg.pipeline.layers_per_stage, placement
+  )
   optimizer = make_optimizer(cfg.train)
 
   param_axes = pipeline_axes(model.logical_axes())
@@ -137,30 +162,38 @@ def build_trainer(cfg, mesh: Mesh) -> Trainer:
   def state_shardings_for(param_shardings, param_shapes):
     opt_shapes = jax.eval_shape(optimizer.init, param_shapes)
     opt_shardings = optax.tree_map_params(
-        optimizer, lambda _, s: s, opt_shapes, param_shardings,
-        transform_non_params=lambda _: replicated)
+      optimizer,
+      lambda _, s: s,
+      opt_shapes,
+      param_shardings,
+      transform_non_params=lambda _: replicated,
+    )
     return TrainState(step=replicated, params=param_shardings, opt_state=opt_shardings)
 
   def init_params(rng):
     params = model.init(rng)
     return layout.tree_to_pipeline(params)
 
-  state_shardings = state_shardings_for(param_shardings,
-                                       jax.eval_shape(init_params, jax.random.key(0)))
+  state_shardings = state_shardings_for(
+    param_shardings, jax.eval_shape(init_params, jax.random.key(0))
+  )
   canonical_shardings = state_shardings_for(
-      sharding.tree_shardings(model.logical_axes(), mesh, rules),
-      jax.eval_shape(model.init, jax.random.key(0)))
+    sharding.tree_shardings(model.logical_axes(), mesh, rules),
+    jax.eval_shape(model.init, jax.random.key(0)),
+  )
 
   def init_state(rng):
     params = init_params(rng)
-    return TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                      opt_state=optimizer.init(params))
+    return TrainState(
+      step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params)
+    )
 
   batch_sharding = NamedSharding(mesh, P('data', None))
   global_batch, seq = cfg.train.global_batch_size, spec.seq_len
   act_dtype = jnp.dtype(spec.dtype)
 
   if program is None:
+
     def raw_loss_and_grad(params, inputs, targets):
       flat = layout.tree_to_model_order(params)
       loss, grads = jax.value_and_grad(model.loss)(flat, inputs, targets)
@@ -177,25 +210,34 @@ def build_trainer(cfg, mesh: Mesh) -> Trainer:
       def call(*args):
         with sharding.axis_rules(inner_rules):
           return fn(*args)
+
       return call
 
-    fns = executor.StageFns(embed=inside(model.embed), chunk=inside(model.layers),
-                            head_loss=inside(model.head_loss))
+    fns = executor.StageFns(
+      embed=inside(model.embed), chunk=inside(model.layers), head_loss=inside(model.head_loss)
+    )
     counts = None if layout.even else layout.counts
     mb = global_batch // m
     act_spec = sharding.logical_to_spec(('batch', 'seq', 'embed'), inner_rules)
     run = executor.pipeline_loss_and_grad(
-        fns, program, mesh, act_shape=(mb, seq, spec.d_model), act_dtype=act_dtype,
-        loss_scale=1.0 / (global_batch * seq),
-        act_spec=act_spec,
-        chunk_layers=counts, data_axis=data_axis,
-        transfer_spec=_transfer_spec(cfg, mesh, act_spec))
+      fns,
+      program,
+      mesh,
+      act_shape=(mb, seq, spec.d_model),
+      act_dtype=act_dtype,
+      loss_scale=1.0 / (global_batch * seq),
+      act_spec=act_spec,
+      chunk_layers=counts,
+      data_axis=data_axis,
+      transfer_spec=_transfer_spec(cfg, mesh, act_spec),
+    )
 
     def raw_loss_and_grad(params, inputs, targets):
       # Micro-batch j takes rows j, j+m, ...: each micro-batch spans every data shard.
       split = lambda a: jnp.swapaxes(a.reshape((mb, m) + a.shape[1:]), 0, 1)
-      loss, (g_layers, g_embed, g_head) = run(params['layers'], params['embed'],
-                                              params['head'], split(inputs), split(targets))
+      loss, (g_layers, g_embed, g_head) = run(
+        params['layers'], params['embed'], params['head'], split(inputs), split(targets)
+      )
       return loss, {'embed': g_embed, 'layers': g_layers, 'head': g_head}
 
   def loss_and_grad(params, inputs, targets):
@@ -224,24 +266,42 @@ def build_trainer(cfg, mesh: Mesh) -> Trainer:
 
   with jax.set_mesh(mesh):
     jit_init = jax.jit(init_state, out_shardings=state_shardings)
-    jit_train = jax.jit(train_step, in_shardings=(state_shardings, batch_sharding),
-                        out_shardings=(state_shardings, replicated), donate_argnums=0)
-    jit_eval = jax.jit(eval_loss, in_shardings=(param_shardings, batch_sharding),
-                       out_shardings=replicated)
-    jit_grad = jax.jit(lambda params, batch: loss_and_grad(params, batch['inputs'],
-                                                           batch['targets']),
-                       in_shardings=(param_shardings, batch_sharding),
-                       out_shardings=(replicated, param_shardings))
-    to_canonical = jax.jit(layout.tree_to_model_order, in_shardings=(state_shardings,),
-                           out_shardings=canonical_shardings)
-    from_canonical = jax.jit(layout.tree_to_pipeline,
-                             in_shardings=(canonical_shardings,), out_shardings=state_shardings)
-  return Trainer(cfg=cfg, mesh=mesh, model=model, optimizer=optimizer, program=program,
-                 layout=layout,
-                 pipeline=run,
-                 state_shardings=state_shardings, batch_sharding=batch_sharding,
-                 init_state=jit_init, train_step=jit_train, eval_loss=jit_eval,
-                 loss_and_grad=jit_grad,
-                 optimizer_schedule=learning_rate_schedule(cfg.train),
-                 canonical_shardings=canonical_shardings, to_canonical=to_canonical,
-                 from_canonical=from_canonical)
+    jit_train = jax.jit(
+      train_step,
+      in_shardings=(state_shardings, batch_sharding),
+      out_shardings=(state_shardings, replicated),
+      donate_argnums=0,
+    )
+    jit_eval = jax.jit(
+      eval_loss, in_shardings=(param_shardings, batch_sharding), out_shardings=replicated
+    )
+    jit_grad = jax.jit(
+      lambda params, batch: loss_and_grad(params, batch['inputs'], batch['targets']),
+      in_shardings=(param_shardings, batch_sharding),
+      out_shardings=(replicated, param_shardings),
+    )
+    to_canonical = jax.jit(
+      layout.tree_to_model_order, in_shardings=(state_shardings,), out_shardings=canonical_shardings
+    )
+    from_canonical = jax.jit(
+      layout.tree_to_pipeline, in_shardings=(canonical_shardings,), out_shardings=state_shardings
+    )
+  return Trainer(
+    cfg=cfg,
+    mesh=mesh,
+    model=model,
+    optimizer=optimizer,
+    program=program,
+    layout=layout,
+    pipeline=run,
+    state_shardings=state_shardings,
+    batch_sharding=batch_sharding,
+    init_state=jit_init,
+    train_step=jit_train,
+    eval_loss=jit_eval,
+    loss_and_grad=jit_grad,
+    optimizer_schedule=learning_rate_schedule(cfg.train),
+    canonical_shardings=canonical_shardings,
+    to_canonical=to_canonical,
+    from_canonical=from_canonical,
+  )

@@ -21,13 +21,13 @@ from triax.pipeline.schedules.zb_h1 import zb_h1
 from triax.pipeline.schedules.zb_v import zb_v
 
 SCHEDULES: dict[str, Callable[[int, int, int], Schedule]] = {
-    'gpipe': gpipe,
-    '1f1b': one_f_one_b,
-    'interleaved_1f1b': interleaved_1f1b,
-    'bpipe': bpipe,
-    'zb_h1': zb_h1,
-    'interleaved_zb': interleaved_zb,
-    'zb_v': zb_v,
+  'gpipe': gpipe,
+  '1f1b': one_f_one_b,
+  'interleaved_1f1b': interleaved_1f1b,
+  'bpipe': bpipe,
+  'zb_h1': zb_h1,
+  'interleaved_zb': interleaved_zb,
+  'zb_v': zb_v,
 }
 
 
@@ -38,8 +38,9 @@ def build(name: str, stages: int, microbatches: int, virtual_stages: int = 1) ->
     ConfigError: for an unknown name or sizes the schedule cannot run.
   """
   if name not in SCHEDULES:
-    raise ConfigError('pipeline.schedule',
-                      f'unknown schedule {name}; choose one of {", ".join(SCHEDULES)}')
+    raise ConfigError(
+      'pipeline.schedule', f'unknown schedule {name}; choose one of {", ".join(SCHEDULES)}'
+    )
   return SCHEDULES[name](stages, microbatches, virtual_stages)
 
 
@@ -48,9 +49,21 @@ def from_config(pipeline_cfg, stages: int, microbatches: int, virtual_stages: in
   path = pipeline_cfg.get('schedule_file', '') if hasattr(pipeline_cfg, 'get') else ''
   if path:
     from triax.pipeline import files  # only configs that name a file need the parsers
+
     return files.load(path, stages, microbatches, virtual_stages)
   return build(pipeline_cfg.schedule, stages, microbatches, virtual_stages)
 
 
-__all__ = ['from_config', 'SCHEDULES', 'build', 'bpipe', 'bpipe_stash_cap', 'gpipe', 'interleaved_1f1b',
-           'interleaved_zb', 'one_f_one_b', 'zb_h1', 'zb_v']
+__all__ = [
+  'from_config',
+  'SCHEDULES',
+  'build',
+  'bpipe',
+  'bpipe_stash_cap',
+  'gpipe',
+  'interleaved_1f1b',
+  'interleaved_zb',
+  'one_f_one_b',
+  'zb_h1',
+  'zb_v',
+]

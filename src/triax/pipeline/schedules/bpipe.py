@@ -4,8 +4,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from triax.pipeline.ir import (BACKWARD, EVICT, FORWARD, LOAD, WEIGHT, Action, Schedule,
-                               ScheduleDeadlock, with_split_backward)
+from triax.pipeline.ir import (
+  BACKWARD,
+  EVICT,
+  FORWARD,
+  LOAD,
+  WEIGHT,
+  Action,
+  Schedule,
+  ScheduleDeadlock,
+  with_split_backward,
+)
 from triax.pipeline.lower import compute_ticks
 from triax.pipeline.schedules.common import check_sizes, one_chunk_only, schedule
 from triax.pipeline.schedules.one_f_one_b import one_f_one_b
@@ -59,8 +68,9 @@ def bpipe(stages: int, microbatches: int, virtual_stages: int = 1) -> Schedule:
   # the time the asynchronous model has to hide the transfer in.
   for j, c in sorted(evicted):
     order = orders[partner[base.stage_of(c)]]
-    order.insert(order.index(Action(BACKWARD, j, partner[base.stage_of(c)])) + 1,
-                 Action(LOAD, j, c))
+    order.insert(
+      order.index(Action(BACKWARD, j, partner[base.stage_of(c)])) + 1, Action(LOAD, j, c)
+    )
   return schedule('bpipe', p, m, 1, orders, partner=partner, stash_cap=cap)
 
 
@@ -80,8 +90,9 @@ def _held(schedule: Schedule, at: dict) -> list[list[int]]:
   return held
 
 
-def _plan_evictions(schedule: Schedule, at: dict, partner: Sequence[int],
-                    cap: int) -> set[tuple[int, int]]:
+def _plan_evictions(
+  schedule: Schedule, at: dict, partner: Sequence[int], cap: int
+) -> set[tuple[int, int]]:
   """Chooses the residual sets to evict so every stage fits in `cap` slots.
 
   A set evicted at the end of its F's tick tf and loaded at the end of tick
@@ -111,17 +122,24 @@ def _plan_evictions(schedule: Schedule, at: dict, partner: Sequence[int],
     for t in range(ticks):
       while held[s][t] > cap:
         candidates = sorted(
-            (key for key in own if key not in evicted and
-             f_tick[key] < t < b_tick[key] and b_tick[key] - f_tick[key] >= 2),
-            key=lambda key: (-b_tick[key], -f_tick[key]))
+          (
+            key
+            for key in own
+            if key not in evicted
+            and f_tick[key] < t < b_tick[key]
+            and b_tick[key] - f_tick[key] >= 2
+          ),
+          key=lambda key: (-b_tick[key], -f_tick[key]),
+        )
         for key in candidates:
           away = range(f_tick[key] + 1, b_tick[key])
           if all(held[light][x] < cap for x in away):
             break
         else:
           raise ScheduleDeadlock(
-              f'{schedule.name}: stage {s} holds {held[s][t]} residual sets at tick {t} and '
-              f'neither it nor partner {light} has room under a cap of {cap}')
+            f'{schedule.name}: stage {s} holds {held[s][t]} residual sets at tick {t} and '
+            f'neither it nor partner {light} has room under a cap of {cap}'
+          )
         evicted.add(key)
         for x in away:
           held[s][x] -= 1

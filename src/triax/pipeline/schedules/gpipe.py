@@ -14,9 +14,9 @@ def gpipe(stages: int, microbatches: int, virtual_stages: int = 1) -> Schedule:
   p, m, v = check_sizes(stages, microbatches, virtual_stages)
   orders = []
   for s in range(p):
-    forwards = [Action(FORWARD, j, local * p + s)
-                for local in range(v) for j in range(m)]
-    backwards = [Action(BACKWARD, j, local * p + s)
-                 for local in reversed(range(v)) for j in range(m)]
+    forwards = [Action(FORWARD, j, local * p + s) for local in range(v) for j in range(m)]
+    backwards = [
+      Action(BACKWARD, j, local * p + s) for local in reversed(range(v)) for j in range(m)
+    ]
     orders.append(forwards + backwards)
   return schedule('gpipe', p, m, v, orders)

@@ -44,7 +44,7 @@ def interleaved_1f1b(stages: int, microbatches: int, virtual_stages: int = 1) ->
     order = forwards[:warmup]
     for f, b in zip(forwards[warmup:], backwards):
       order += [f, b]
-    order += backwards[m * v - warmup:]
+    order += backwards[m * v - warmup :]
     orders.append(order)
   return schedule('interleaved_1f1b', p, m, v, orders)
 
@@ -67,16 +67,18 @@ def round_size(name: str, stages: int, microbatches: int) -> int:
     below = max(n for n in ok if n < microbatches)
     above = min(n for n in ok if n > microbatches)
     raise ConfigError(
-        'pipeline.microbatches',
-        f'{name} with virtual stages runs micro-batches in equal rounds of '
-        f'mesh.pipe (={stages}) to {2 * stages - 1}: m must be below {stages} or a '
-        f'multiple of m // {stages}; got {microbatches} (nearest that work: '
-        f'{below} and {above})')
+      'pipeline.microbatches',
+      f'{name} with virtual stages runs micro-batches in equal rounds of '
+      f'mesh.pipe (={stages}) to {2 * stages - 1}: m must be below {stages} or a '
+      f'multiple of m // {stages}; got {microbatches} (nearest that work: '
+      f'{below} and {above})',
+    )
   return microbatches // rounds
 
 
-def chunk_sequences(stages: int, microbatches: int, virtual_stages: int, per_round: int,
-                    stage: int) -> tuple[list[Action], list[Action]]:
+def chunk_sequences(
+  stages: int, microbatches: int, virtual_stages: int, per_round: int, stage: int
+) -> tuple[list[Action], list[Action]]:
   """Stage `stage`'s forwards and backwards in the order it runs each kind.
 
   Forwards sweep the local chunks upwards and backwards downwards, one
@@ -90,6 +92,7 @@ def chunk_sequences(stages: int, microbatches: int, virtual_stages: int, per_rou
     return (k // (r * v)) * r + k % r
 
   forwards = [Action(FORWARD, microbatch(k), ((k // r) % v) * p + stage) for k in range(total)]
-  backwards = [Action(BACKWARD, microbatch(k), (v - 1 - (k // r) % v) * p + stage)
-               for k in range(total)]
+  backwards = [
+    Action(BACKWARD, microbatch(k), (v - 1 - (k // r) % v) * p + stage) for k in range(total)
+  ]
   return forwards, backwards

@@ -29,18 +29,18 @@ def interleaved_zb(stages: int, microbatches: int, virtual_stages: int = 1) -> S
     forwards, backwards = chunk_sequences(p, m, v, r, d)
     warmup = min((v - 1) * r + (p - d - 1), m * v)
     order, pending = forwards[:warmup], []
-
-    def backward(b: Action) -> None:
-      order.append(b)
-      pending.append(Action(WEIGHT, b.microbatch, b.chunk))
-      if len(pending) > d:
-        order.append(pending.pop(0))
-
     for f, b in zip(forwards[warmup:], backwards):
       order.append(f)
-      backward(b)
-    for b in backwards[m * v - warmup:]:
-      backward(b)
+      _backward(order, pending, b, lag=d)
+    for b in backwards[m * v - warmup :]:
+      _backward(order, pending, b, lag=d)
     orders.append(order + pending)
   return schedule('interleaved_zb', p, m, v, orders)
 
+
+def _backward(order: list[Action], pending: list[Action], b: Action, lag: int) -> None:
+  """Appends B, and the W that has waited `lag` backwards (stage d lags d)."""
+  order.append(b)
+  pending.append(Action(WEIGHT, b.microbatch, b.chunk))
+  if len(pending) > lag:
+    order.append(pending.pop(0))

@@ -40,8 +40,9 @@ def zb_v(stages: int, microbatches: int, virtual_stages: int = 2) -> Schedule:
   """
   p, m, v = check_sizes(stages, microbatches, virtual_stages)
   if v != 2:
-    raise ConfigError('pipeline.virtual_stages',
-                      f'zb_v runs exactly 2 model chunks per stage (a V); got {v}')
+    raise ConfigError(
+      'pipeline.virtual_stages', f'zb_v runs exactly 2 model chunks per stage (a V); got {v}'
+    )
   n = max(m, 2 * p - 1)
   orders = [[x for x in _stage_order(p, n, d) if x.microbatch < m] for d in range(p)]
   return schedule('zb_v', p, m, 2, orders, placement=v_placement(p))
