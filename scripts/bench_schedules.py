@@ -1,23 +1,24 @@
 """Schedule comparison at p = 4: the lockstep lowering beside the one it replaced.
 
   PYTHONPATH=src .venv/bin/python scripts/bench_schedules.py [--out=docs/bench_schedules.md] \
-      [--baseline=650fb8b] [--microbatches=4,8,16,32] [--steps=4] [--ab_rounds=5]
+      [--baseline=650fb8b] [--microbatches=4,8,16,32] [--steps=3] [--rounds=3]
 
 Per schedule and m: lockstep ticks, simulated bubble in the executor's
 lockstep model and in the papers' asynchronous one (t_F = 1 and a fused
 t_B = 2, which the lowering runs as B = W = 1; split schedules F = B = W = 1),
 compiled per-device temp bytes, the residual sets each stage holds at its
-peak, and the step time relative to 1f1b measured in the same process on 8
-forced CPU devices (ratios only: the devices share this machine's cores).
+peak, and the step time relative to 1f1b on 8 forced CPU devices (ratios
+only: the devices share this machine's cores). For each m all schedules are
+compiled first and then timed in alternating rounds (A, B, C, ..., A, B, C,
+...), so that the machine's drift falls on all of them alike.
 
 The "old" columns come from the baseline commit (the lowering that ran F and
 B in one tick, F ahead of B): the script checks it out into a temporary git
 worktree and measures the same points there in a subprocess, so both sides
 are measured by their own code on the same config.
 
-A second table times zb_h1 against 1f1b at m = 16 in alternating rounds
-(A, B, A, B, ...), the ratio of the medians: zero-bubble must not cost more
-than the bubble it removes.
+The last line gives zb_h1 against 1f1b at m = 16 from those rounds:
+zero-bubble must not cost more than the bubble it removes.
 """
 
 import json
@@ -30,7 +31,7 @@ import time
 
 os.environ.setdefault('XLA_FLAGS', '--xla_force_host_platform_device_count=8')
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), '..'))
-if __name__ == '__main__' and '--_point' not in ' '.join(sys.argv):
+if __name__ == '__main__' and '--_group' not in sys.argv:
   sys.path.insert(0, os.path.join(ROOT, 'src'))
 
 P, DATA = 4, 2
@@ -57,98 +58,101 @@ def bench_config(config, m, name, v):
   return c
 
 
-def measure_point(name: str, m: int, v: int, steps: int) -> dict:
-  """One point, measured by whichever triax is on sys.path (new or baseline)."""
-  from triax import config
+def measure_group(points, m: int, steps: int, rounds: int) -> dict:
+  """Every (name, v) of `points` at m, timed in alternating rounds.
+
+  Measured by whichever triax is on sys.path (new or baseline). All programs
+  are compiled first, then each round times `steps` steps of each in turn,
+  so that this machine's drift (its speed moves by 10-30% over minutes)
+  falls on every schedule alike; a schedule's time is its median step.
+  """
+  import jax
+  import numpy as np
+
+  from triax import config as config_lib
+  from triax.mesh import build_mesh
   from triax.pipeline import schedule as sched
   from triax.pipeline import simulate
-  from triax.training.measure import measure
+  from triax.training.loop import compile_stats
+  from triax.training.step import build_trainer
 
-  schedule = sched.build(name, P, m, v)
-  program = sched.lower(schedule)
-  split = schedule.split_backward
-  costs = (
-    simulate.Costs(t_forward=1.0, t_backward=1.0, t_weight=1.0)
-    if split
-    else simulate.Costs(t_forward=1.0, t_backward=2.0)
-  )
-  result = measure(bench_config(config, m, name, v), steps=steps)
-  return {
-    'ticks': program.ticks,
-    'lockstep': simulate.simulate_lockstep(program, costs).bubble_fraction,
-    'async': simulate.simulate_async(schedule, costs).bubble_fraction,
-    'temp': result.stats['temp_bytes'],
-    'peak': list(program.peak_stash),
-    'step': result.step_time_s,
-  }
+  out, runs = {}, {}
+  for name, v in points:
+    schedule = sched.build(name, P, m, v)
+    program = sched.lower(schedule)
+    costs = (
+      simulate.Costs(t_forward=1.0, t_backward=1.0, t_weight=1.0)
+      if schedule.split_backward
+      else simulate.Costs(t_forward=1.0, t_backward=2.0)
+    )
+    cfg = config_lib.validate(bench_config(config_lib, m, name, v), jax.device_count())
+    trainer = build_trainer(cfg, build_mesh(cfg.mesh, jax.devices()))
+    tokens = np.random.default_rng(0).integers(
+      0, cfg.model.vocab_size, (cfg.train.global_batch_size, cfg.model.seq_len + 1)
+    )
+    with jax.set_mesh(trainer.mesh):
+      compiled, stats = compile_stats(trainer)
+      batch = jax.device_put(
+        {'inputs': tokens[:, :-1].astype(np.int32), 'targets': tokens[:, 1:].astype(np.int32)},
+        trainer.batch_sharding,
+      )
+      state = trainer.init_state(jax.random.key(0))
+      state, metrics = compiled(state, batch)
+      jax.block_until_ready(metrics)
+    runs[name] = [trainer, compiled, state, batch, []]
+    out[name] = {
+      'ticks': program.ticks,
+      'lockstep': simulate.simulate_lockstep(program, costs).bubble_fraction,
+      'async': simulate.simulate_async(schedule, costs).bubble_fraction,
+      'temp': stats['temp_bytes'],
+      'peak': list(program.peak_stash),
+    }
+  for _ in range(rounds):
+    for name, _v in points:
+      trainer, compiled, state, batch, times = runs[name]
+      with jax.set_mesh(trainer.mesh):
+        for _ in range(steps):
+          start = time.perf_counter()
+          state, metrics = compiled(state, batch)
+          jax.block_until_ready(metrics)
+          times.append(time.perf_counter() - start)
+      runs[name][2] = state
+  for name, _v in points:
+    out[name]['step'] = statistics.median(runs[name][4])
+  return out
 
 
-def baseline_points(rev: str, points, steps: int) -> dict:
-  """Measures `points` with the code of commit `rev`, in a worktree and subprocess."""
+def baseline_groups(rev: str, ms, steps: int, rounds: int) -> dict:
+  """Measures the baseline's schedules with the code of commit `rev` (a worktree)."""
   out = {}
+  points = [(n, v) for n, v in NEW if n in OLD]
   with tempfile.TemporaryDirectory() as tmp:
     tree = os.path.join(tmp, 'baseline')
     subprocess.run(
-      ['git', '-C', ROOT, 'worktree', 'add', '--detach', tree, rev], check=True, capture_output=True
+      ['git', '-C', ROOT, 'worktree', 'add', '--detach', tree, rev],
+      check=True,
+      capture_output=True,
     )
     try:
       env = dict(os.environ, PYTHONPATH=os.path.join(tree, 'src'))
-      for name, m, v in points:
+      for m in ms:
+        spec = ';'.join(f'{n},{v}' for n, v in points)
         run = subprocess.run(
-          [sys.executable, os.path.abspath(__file__), '--_point', f'{name}:{m}:{v}:{steps}'],
+          [sys.executable, os.path.abspath(__file__), '--_group', f'{m}:{steps}:{rounds}:{spec}'],
           env=env,
           cwd=tree,
           check=True,
           capture_output=True,
           text=True,
         )
-        out[(name, m)] = json.loads(run.stdout.strip().splitlines()[-1])
-        print('baseline', name, m, out[(name, m)], flush=True)
+        for name, row in json.loads(run.stdout.strip().splitlines()[-1]).items():
+          out[(name, m)] = row
+          print('baseline', name, m, row, flush=True)
     finally:
       subprocess.run(
         ['git', '-C', ROOT, 'worktree', 'remove', '--force', tree], capture_output=True
       )
   return out
-
-
-def alternate(m: int, rounds: int, steps: int) -> tuple[float, float]:
-  """Median step times of 1f1b and zb_h1, timed in alternating rounds."""
-  import jax
-  import numpy as np
-
-  from triax import config as config_lib
-  from triax.mesh import build_mesh
-  from triax.training.loop import compile_stats
-  from triax.training.step import build_trainer
-
-  runs = {}
-  for name in ('1f1b', 'zb_h1'):
-    cfg = config_lib.validate(bench_config(config_lib, m, name, 1), jax.device_count())
-    trainer = build_trainer(cfg, build_mesh(cfg.mesh, jax.devices()))
-    tokens = np.random.default_rng(0).integers(
-      0, cfg.model.vocab_size, (cfg.train.global_batch_size, cfg.model.seq_len + 1)
-    )
-    with jax.set_mesh(trainer.mesh):
-      compiled, _ = compile_stats(trainer)
-      batch = jax.device_put(
-        {'inputs': tokens[:, :-1].astype(np.int32), 'targets': tokens[:, 1:].astype(np.int32)},
-        trainer.batch_sharding,
-      )
-      state = trainer.init_state(jax.random.key(0))
-      state, out = compiled(state, batch)
-      jax.block_until_ready(out)
-    runs[name] = [trainer, compiled, state, batch, []]
-  for _ in range(rounds):
-    for name in ('1f1b', 'zb_h1'):
-      trainer, compiled, state, batch, times = runs[name]
-      with jax.set_mesh(trainer.mesh):
-        for _ in range(steps):
-          start = time.perf_counter()
-          state, out = compiled(state, batch)
-          jax.block_until_ready(out)
-          times.append(time.perf_counter() - start)
-      runs[name][2] = state
-  return statistics.median(runs['1f1b'][4]), statistics.median(runs['zb_h1'][4])
 
 
 def main(argv):
@@ -158,16 +162,10 @@ def main(argv):
   ms = [int(x) for x in _MICROBATCHES.value]
   new = {}
   for m in ms:
-    for name, v in NEW:
-      new[(name, m)] = measure_point(name, m, v, _STEPS.value)
-      print('new', name, m, new[(name, m)], flush=True)
-  old = (
-    baseline_points(
-      _BASELINE.value, [(n, m, v) for m in ms for n, v in NEW if n in OLD], _STEPS.value
-    )
-    if _BASELINE.value
-    else {}
-  )
+    for name, row in measure_group(NEW, m, _STEPS.value, _ROUNDS.value).items():
+      new[(name, m)] = row
+      print('new', name, m, row, flush=True)
+  old = baseline_groups(_BASELINE.value, ms, _STEPS.value, _ROUNDS.value) if _BASELINE.value else {}
   lines = [
     f'Schedules at p={P}, data={DATA}: 8 layers of width 64, 128 tokens x 4 sequences per '
     f'micro-batch per data shard, fp32, 8 forced CPU devices on {os.cpu_count()} cores. '
@@ -196,30 +194,31 @@ def main(argv):
         f'| {peak_old} / {",".join(map(str, n["peak"]))} '
         f'| {fmt(rel_old, ".2f")} / {rel_new:.2f} |'
       )
-  if _AB_ROUNDS.value:
-    a, b = alternate(16, _AB_ROUNDS.value, _STEPS.value)
+  if 16 in ms:
+    a, b = new[('1f1b', 16)]['step'], new[('zb_h1', 16)]['step']
     lines += [
       '',
-      f'zb_h1 against 1f1b at m=16, {_AB_ROUNDS.value} alternating rounds of '
-      f'{_STEPS.value} steps each (medians): 1f1b {a * 1e3:.0f} ms, zb_h1 {b * 1e3:.0f} ms, '
-      f'ratio **{b / a:.3f}**.',
+      f'zb_h1 against 1f1b at m=16 (medians of the alternating rounds): 1f1b {a * 1e3:.0f} ms, '
+      f'zb_h1 {b * 1e3:.0f} ms, ratio **{b / a:.3f}**.',
     ]
   write_report(_OUT.value, lines)
 
 
 if __name__ == '__main__':
-  if len(sys.argv) == 3 and sys.argv[1] == '--_point':
-    name, m, v, steps = sys.argv[2].split(':')
+  if len(sys.argv) == 3 and sys.argv[1] == '--_group':
+    # A baseline measurement: this script run by the baseline's triax.
+    m, steps, rounds, spec = sys.argv[2].split(':')
     sys.path.insert(0, os.path.join(os.getcwd(), 'src'))
-    print(json.dumps(measure_point(name, int(m), int(v), int(steps))))
+    points = [(n, int(v)) for n, v in (x.split(',') for x in spec.split(';'))]
+    print(json.dumps(measure_group(points, int(m), int(steps), int(rounds))))
   else:
     from absl import app, flags
 
     _OUT = flags.DEFINE_string('out', 'docs/bench_schedules.md', 'Markdown table to write.')
     _MICROBATCHES = flags.DEFINE_list('microbatches', ['4', '8', '16', '32'], 'm values.')
-    _STEPS = flags.DEFINE_integer('steps', 4, 'Timed steps per point (after 2 warm-up steps).')
+    _STEPS = flags.DEFINE_integer('steps', 3, 'Timed steps per schedule and round.')
     _BASELINE = flags.DEFINE_string(
       'baseline', '650fb8b', 'Commit whose lowering the "old" columns measure; \'\' to skip them.'
     )
-    _AB_ROUNDS = flags.DEFINE_integer('ab_rounds', 5, 'Alternating zb_h1/1f1b rounds; 0 skips.')
+    _ROUNDS = flags.DEFINE_integer('rounds', 3, 'Alternating timing rounds per m.')
     app.run(main)

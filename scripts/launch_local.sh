@@ -7,10 +7,15 @@
 #   scripts/launch_local.sh 2 --config=experiments/gpt_tiny.py:smoke --workdir=runs/mp
 #
 # Each process gets --cpu_devices=8/NPROC unless the flags give --cpu_devices.
-# Output lines are prefixed with the process id. The coordinator binds
-# 127.0.0.1 only (TRIAX_PORT picks its port; default: a free one). If any
-# process fails, the others are stopped and the script exits with its status.
-# PYTHON overrides the interpreter (default: .venv/bin/python, else python3).
+# Output lines are prefixed with the process id; gloo's "[Gloo] Rank N is
+# connected to M peer ranks" lines are dropped, and process 0's progress bar
+# (the only one: the trainer shows none on the others) redraws in place. The
+# coordinator binds 127.0.0.1 only (TRIAX_PORT picks its port; default: a free
+# one). If any process fails, the others are killed (they would wait forever
+# in a collective with a dead peer) and the script exits with its status.
+# SIGINT/SIGTERM to the launcher is passed on to the trainers as SIGTERM: they
+# finish the step, save it and exit 0 (a second one stops them at once). PYTHON overrides the trainer's interpreter (default:
+# .venv/bin/python, else python3).
 set -uo pipefail
 
 if [ $# -lt 1 ] || ! [[ "$1" =~ ^[1-9][0-9]*$ ]]; then
@@ -34,6 +39,39 @@ if ! printf '%s\n' "$@" | grep -q -- '^--cpu_devices='; then
   device_flag=(--cpu_devices=$((8 / nproc)))
 fi
 
+# The output filter: it prefixes every line, and every redraw of a progress
+# bar (tqdm ends those with a carriage return, not a newline), as soon as it
+# arrives, where a line-buffered sed would hold a bar until the run ends; and
+# it drops gloo's connection lines (one per rank and communicator: about 40
+# for 2 processes). Its own interpreter, not PYTHON's: that one runs the trainer.
+FILTER_PY="$ROOT/.venv/bin/python"
+[ -x "$FILTER_PY" ] || FILTER_PY=python3
+filter='
+import os, re, sys
+prefix, out = sys.argv[1].encode(), sys.stdout.buffer
+chatter = re.compile(rb"\[Gloo\] Rank \d+ is connected to \d+ peer ranks")
+started = False  # the current line is out (prefixed) up to here
+held = b""  # the start of a line that may yet turn out to be chatter
+while data := os.read(0, 65536):
+  *ended, rest = re.split(rb"(?<=[\r\n])", held + data)
+  held = b""
+  for piece in ended:
+    if started or piece == b"\r":
+      out.write(piece)
+    elif not chatter.match(piece):
+      out.write(prefix + piece)
+    started = False
+  if started:
+    out.write(rest)
+  elif b"[Gloo]".startswith(rest[:6]):
+    held = rest
+  else:
+    out.write(prefix + rest)
+    started = True
+  out.flush()
+out.write(prefix + held if held else b"")
+'
+
 port="${TRIAX_PORT:-}"
 if [ -z "$port" ]; then
   port="$("$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
@@ -50,18 +88,25 @@ for ((i = 0; i < nproc; i++)); do
     prefix="[$i] "
     # stderr and stdout keep their streams, each line prefixed.
     { "$PY" -m triax.train "$@" "${device_flag[@]}" 2>&1 1>&3 3>&- |
-        sed -u "s/^/$prefix/" >&2; } 3>&1 | sed -u "s/^/$prefix/"
+        "$FILTER_PY" -c "$filter" "$prefix" >&2; } 3>&1 | "$FILTER_PY" -c "$filter" "$prefix"
   ) &
   pids+=($!)
 done
 set +m
 
-stop_all() {
+kill_all() {
   for pid in "${pids[@]}"; do
-    kill -TERM -- "-$pid" 2>/dev/null
+    kill -KILL -- "-$pid" 2>/dev/null
   done
 }
-trap 'stop_all; exit 130' INT TERM
+# A stop request goes to the trainers alone (not to the shells and output
+# filters of their pipelines), which save and exit; the loop below waits.
+stop_trainers() {
+  for pid in "${pids[@]}"; do
+    pkill -TERM -g "$pid" -f -- '-m triax\.train' 2>/dev/null
+  done
+}
+trap stop_trainers INT TERM
 
 status=0
 running=("${pids[@]}")
@@ -74,7 +119,7 @@ while (( ${#running[@]} > 0 )); do
     if (( rc != 0 && status == 0 )); then
       status=$rc
       echo "launch_local: process $pid exited with status $rc; stopping the others" >&2
-      stop_all
+      kill_all
     fi
   done
   running=("${still[@]}")

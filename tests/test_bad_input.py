@@ -9,6 +9,7 @@ import concurrent.futures
 import json
 import os
 import shutil
+import socket
 
 import harness
 import pytest
@@ -17,6 +18,7 @@ from triax.training import checkpoint as ckpt_lib
 
 SMOKE = 'experiments/gpt_tiny.py:smoke'
 TRAIN_FLAGS = ['--cpu_devices=8', '--progress=false']
+HOST = socket.gethostname()
 
 
 def train(*flags, config=f'--config={SMOKE}', workdir='{d}/w', trained=False, setup=None):
@@ -100,6 +102,16 @@ CASES = [
   ('unknown-dtype', train('--config.model.dtype=float8'), 'model.dtype'),
   ('negative-learning-rate', train('--config.train.learning_rate=-1'), 'train.learning_rate'),
   ('keep-no-checkpoints', train('--config.checkpoint.keep=0'), 'checkpoint.keep'),
+  (
+    'every-seconds-negative',
+    train('--config.checkpoint.every_seconds=-1'),
+    'checkpoint.every_seconds',
+  ),
+  (
+    'keep-every-steps-negative',
+    train('--config.checkpoint.keep_every_steps=-2'),
+    'checkpoint.keep_every_steps',
+  ),
   ('dcn-not-a-divisor', train('--config.mesh.dcn_pipe=3'), 'mesh.dcn_pipe'),
   ('dcn-without-processes', train('--config.mesh.dcn_pipe=2'), 'mesh'),
   ('two-free-mesh-axes', train('--config.mesh.data=-1', '--config.mesh.tensor=-1'), 'mesh.tensor'),
@@ -165,6 +177,12 @@ CASES = [
   # -- workdirs and checkpoint directories
   ('workdir-is-a-file', train(setup=write('w', 'a file')), '--workdir'),
   ('workdir-under-a-file', train(workdir='{d}/afile/w', setup=write('afile', 'x')), '--workdir'),
+  # Held by a live process of this host (pid 1 always runs): checked before anything is read.
+  (
+    'workdir-in-use',
+    train(setup=write('w/triax.lock', json.dumps({'pid': 1, 'host': HOST, 'started': 'x'}))),
+    'workdir',
+  ),
   ('checkpoints-is-a-file', train(setup=write('w/checkpoints', 'a file')), '--workdir'),
   ('checkpoints-hold-junk', train(setup=write('w/checkpoints/notes.txt', 'mine')), '--workdir'),
   ('checkpoint-foreign-step', train(setup=write('w/checkpoints/5/data', 'junk')), '--workdir'),

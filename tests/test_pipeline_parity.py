@@ -60,12 +60,8 @@ def _reference(layers, batch=32):
   )
 
 
-@pytest.mark.parametrize(
-  'schedule,mesh,v,m,remat,layers',
-  CASES,
-  ids=[f'{c[0]}-{"x".join(map(str, c[1]))}-v{c[2]}-m{c[3]}-{c[4]}' for c in CASES],
-)
-def test_loss_and_gradients_match_one_device(schedule, mesh, v, m, remat, layers):
+def _check(layers, mesh, m, **overrides):
+  """Runs the layout on `mesh` and compares it with one device."""
   ref_loss, ref_grads = _reference(layers, _batch(m))
   data, tensor, pipe = mesh
   cfg = _config(
@@ -74,16 +70,28 @@ def test_loss_and_gradients_match_one_device(schedule, mesh, v, m, remat, layers
       'mesh.data': data,
       'mesh.tensor': tensor,
       'mesh.pipe': pipe,
-      'pipeline.schedule': schedule,
-      'pipeline.virtual_stages': v,
       'pipeline.microbatches': m,
-      'model.remat': remat,
       'train.global_batch_size': _batch(m),
+      **overrides,
     },
   )
   loss, grads = harness.loss_and_grads(cfg)
   assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss), (loss, ref_loss)
   assert harness.max_rel_err(ref_grads, grads) <= 1e-5
+
+
+@pytest.mark.parametrize(
+  'schedule,mesh,v,m,remat,layers',
+  CASES,
+  ids=[f'{c[0]}-{"x".join(map(str, c[1]))}-v{c[2]}-m{c[3]}-{c[4]}' for c in CASES],
+)
+def test_loss_and_gradients_match_one_device(schedule, mesh, v, m, remat, layers):
+  _check(
+    layers,
+    mesh,
+    m,
+    **{'pipeline.schedule': schedule, 'pipeline.virtual_stages': v, 'model.remat': remat},
+  )
 
 
 # Uneven layer partitions (pipeline.layers_per_stage, what the planner emits
@@ -101,23 +109,16 @@ UNEVEN = [
   'schedule,mesh,v,m,split', UNEVEN, ids=[f'{c[0]}-{"-".join(map(str, c[4]))}' for c in UNEVEN]
 )
 def test_uneven_split_matches_one_device(schedule, mesh, v, m, split):
-  ref_loss, ref_grads = _reference(8)
-  data, tensor, pipe = mesh
-  cfg = _config(
+  _check(
     8,
+    mesh,
+    m,
     **{
-      'mesh.data': data,
-      'mesh.tensor': tensor,
-      'mesh.pipe': pipe,
       'pipeline.schedule': schedule,
       'pipeline.virtual_stages': v,
-      'pipeline.microbatches': m,
       'pipeline.layers_per_stage': split,
     },
   )
-  loss, grads = harness.loss_and_grads(cfg)
-  assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss), (loss, ref_loss)
-  assert harness.max_rel_err(ref_grads, grads) <= 1e-5
 
 
 # Schedules written by another tool: torch.distributed.pipelining's own
@@ -131,20 +132,5 @@ FILES = [
 
 @pytest.mark.parametrize('name,mesh,v,m', FILES, ids=[c[0] for c in FILES])
 def test_schedule_from_a_torch_csv_matches_one_device(name, mesh, v, m):
-  ref_loss, ref_grads = _reference(8, _batch(m))
-  data, tensor, pipe = mesh
-  cfg = _config(
-    8,
-    **{
-      'mesh.data': data,
-      'mesh.tensor': tensor,
-      'mesh.pipe': pipe,
-      'pipeline.schedule_file': os.path.join(harness.ROOT, 'tests', 'data', name),
-      'pipeline.virtual_stages': v,
-      'pipeline.microbatches': m,
-      'train.global_batch_size': _batch(m),
-    },
-  )
-  loss, grads = harness.loss_and_grads(cfg)
-  assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss), (loss, ref_loss)
-  assert harness.max_rel_err(ref_grads, grads) <= 1e-5
+  path = os.path.join(harness.ROOT, 'tests', 'data', name)
+  _check(8, mesh, m, **{'pipeline.schedule_file': path, 'pipeline.virtual_stages': v})

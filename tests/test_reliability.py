@@ -43,25 +43,6 @@ def write_corpus(path, size=5700, seed=0):
   return str(path)
 
 
-@pytest.fixture(scope='session')
-def compile_cache(tmp_path_factory):
-  """Environment for subprocesses: a persistent XLA compilation cache shared by this test run.
-
-  The same configuration is started many times (crash, resume, compare);
-  compiling once saves most of each start-up. Cached executables are the
-  ones XLA would compile again, so results are unchanged.
-  """
-  base = tmp_path_factory.getbasetemp()
-  root = base.parent if os.environ.get('PYTEST_XDIST_WORKER') else base
-  path = root / 'jax-compilation-cache'
-  path.mkdir(exist_ok=True)
-  return {
-    'JAX_COMPILATION_CACHE_DIR': str(path),
-    'JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS': '0',
-    'JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES': '0',
-  }
-
-
 def cli_env(extra=None):
   env = dict(os.environ)
   env['PYTHONPATH'] = os.path.join(harness.ROOT, 'src') + os.pathsep + env.get('PYTHONPATH', '')

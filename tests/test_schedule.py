@@ -11,27 +11,16 @@ import sys
 
 import numpy as np
 import pytest
+from actions import B, F, W
 
 from triax.errors import ConfigError
 from triax.pipeline import lower as lower_lib
 from triax.pipeline import render, report, simulate
 from triax.pipeline import schedule as sched
-from triax.pipeline.schedule import Action, Schedule
+from triax.pipeline.schedule import Schedule
 from triax.pipeline.validate import check, validate
 
 SRC = os.path.join(os.path.dirname(os.path.dirname(__file__)), 'src')
-
-
-def F(j, c):
-  return Action('F', j, c)
-
-
-def B(j, c):
-  return Action('B', j, c)
-
-
-def W(j, c):
-  return Action('W', j, c)
 
 
 def sizes():

@@ -7,23 +7,12 @@ Pure Python: nothing here imports JAX.
 import collections
 
 import pytest
+from actions import B, F, W
 
 from triax.errors import ConfigError
 from triax.pipeline import schedule as sched
 from triax.pipeline.schedule import Action
 from triax.pipeline.simulate import Costs, simulate_async
-
-
-def F(j, c):
-  return Action('F', j, c)
-
-
-def B(j, c):
-  return Action('B', j, c)
-
-
-def W(j, c):
-  return Action('W', j, c)
 
 
 def cases():

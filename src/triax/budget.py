@@ -5,7 +5,7 @@
 Compiles and times each candidate (see triax.training.budget) and prints a table.
 """
 
-from absl import app, flags, logging
+from absl import flags
 from ml_collections import config_flags
 
 from triax import cli
@@ -35,8 +35,7 @@ def main(argv):
 
 
 def run():
-  logging.set_verbosity(logging.WARNING)
-  app.run(main, flags_parser=cli.parse_flags)
+  cli.run(main)
 
 
 if __name__ == '__main__':

@@ -1,4 +1,4 @@
-"""What every entry point shares: flag-error handling, exit codes, CPU devices.
+"""What every entry point shares: start-up, flag-error handling, exit codes, CPU devices.
 
 Bad input ends with one line on stderr naming the key, flag or file and the
 fix, and exit status 2; nothing on disk is touched first.
@@ -8,14 +8,26 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import NoReturn
 
-from absl import flags
+from absl import app, flags, logging
 
 from triax.errors import ConfigError
 
 EXIT_BAD_INPUT = 2
+
+
+def run(main: Callable[[list[str]], None]) -> None:
+  """Runs an entry point's main under absl, with our flag errors and quiet logging.
+
+  absl logs at INFO unless told otherwise, so every run on a machine without
+  a TPU would print JAX's "Unable to initialize backend 'tpu'" line; set
+  before app.run, WARNING still shows warnings and errors (and --verbosity
+  can still raise it).
+  """
+  logging.set_verbosity(logging.WARNING)
+  app.run(main, flags_parser=parse_flags)
 
 
 def fail(key: str, message: str) -> NoReturn:

@@ -22,6 +22,12 @@ SCHEDULES = tuple(sched.SCHEDULES)
 REMAT_POLICIES = ('none', 'full', 'selective')
 DTYPES = ('float32', 'bfloat16', 'float16')
 ATTENTION_IMPLS = ('xla', 'cudnn')
+LR_SCHEDULES = ('cosine', 'linear', 'constant', 'wsd')
+
+
+def wsd_decay_steps(train_cfg) -> int:
+  """Updates in WSD's final linear decay: train.decay_fraction of the run, at least one."""
+  return max(1, round(train_cfg.decay_fraction * train_cfg.steps))
 
 
 def defaults() -> ml_collections.ConfigDict:
@@ -89,9 +95,15 @@ def defaults() -> ml_collections.ConfigDict:
   c.train.global_batch_size = 32
   # Peak learning rate reached after warmup.
   c.train.learning_rate = 3e-3
-  # Linear warmup steps before the cosine decay.
+  # Linear warmup steps from 0 to the peak, before the schedule's own shape (every schedule).
   c.train.warmup_steps = 20
-  # Final learning rate of the cosine decay, as a fraction of the peak.
+  # After warmup: cosine, linear (decay to the end), constant (the peak) or wsd
+  # (warmup-stable-decay: the peak, then a linear decay over train.decay_fraction).
+  c.train.lr_schedule = 'cosine'
+  # wsd: the final fraction of train.steps that decays linearly to min_lr_ratio * peak
+  # (a fifth of the run matched cosine's loss in Hagele et al. 2024, arXiv:2405.18392).
+  c.train.decay_fraction = 0.2
+  # Final learning rate of the cosine, linear and wsd decays, as a fraction of the peak.
   c.train.min_lr_ratio = 0.1
   # AdamW decoupled weight decay.
   c.train.weight_decay = 0.1
@@ -125,6 +137,10 @@ def defaults() -> ml_collections.ConfigDict:
   c.checkpoint.every_steps = 100
   # Checkpoints to keep; older ones are deleted once a newer one is complete.
   c.checkpoint.keep = 3
+  # Also save once this many seconds of wall time have passed since the last save; 0 = off.
+  c.checkpoint.every_seconds = 0.0
+  # Save at multiples of this step and keep those forever (milestones retention skips); 0 = off.
+  c.checkpoint.keep_every_steps = 0
 
   c.hardware = ml_collections.ConfigDict()
   # Peak FLOP/s of one device for MFU; 0 looks it up from the device kind (none on CPU).
@@ -329,11 +345,16 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int) -> ml_collections
   t = cfg.train
   for key in ('steps', 'global_batch_size', 'eval_every', 'eval_batches', 'log_every'):
     _positive(cfg, 'train', key)
-  if t.global_batch_size % (data * p.microbatches):
+  unit = data * p.microbatches
+  if t.global_batch_size % unit:
+    # Offer the multiples nearest the value given: the one below it, if any, and those above.
+    first = max(unit, t.global_batch_size // unit * unit)
+    near = [first + i * unit for i in range(3)]
     raise ConfigError(
       'train.global_batch_size',
-      f'{t.global_batch_size} must divide into mesh.data*pipeline.microbatches = '
-      f'{data}*{p.microbatches} equal micro-batch shards',
+      f'{t.global_batch_size} must be a multiple of mesh.data*pipeline.microbatches = '
+      f'{data}*{p.microbatches} = {unit} (equal micro-batch shards), e.g. '
+      f'{near[0]}, {near[1]} or {near[2]}',
     )
   for key in ('learning_rate', 'weight_decay', 'grad_clip_norm', 'min_lr_ratio'):
     if not isinstance(t[key], (int, float)) or t[key] < 0:
@@ -341,8 +362,43 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int) -> ml_collections
   for key in ('warmup_steps', 'skip_nonfinite_steps'):
     if not isinstance(t[key], int) or isinstance(t[key], bool) or t[key] < 0:
       raise ConfigError(f'train.{key}', f'must be a non-negative integer, got {t[key]!r}')
+  if t.lr_schedule not in LR_SCHEDULES:
+    raise ConfigError(
+      'train.lr_schedule',
+      f'unknown value {t.lr_schedule!r}; choose one of {", ".join(LR_SCHEDULES)}',
+    )
+  fraction = t.decay_fraction
+  if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
+    raise ConfigError(
+      'train.decay_fraction', f'must be a number in (0, 1] (0.2 = the last fifth), got {fraction!r}'
+    )
+  if t.lr_schedule == 'wsd':
+    # The decay's updates are the run's last n; they may not reach back into the warmup,
+    # and one update between them holds the peak.
+    n = wsd_decay_steps(t)
+    if t.warmup_steps + n >= t.steps:
+      raise ConfigError(
+        'train.decay_fraction',
+        f'{fraction} decays over the last {n} of train.steps={t.steps}, which leaves no '
+        f'stable phase after train.warmup_steps={t.warmup_steps}; lower one of them '
+        f'(warmup_steps + decay steps must be below steps)',
+      )
   if not isinstance(cfg.checkpoint.every_steps, int) or cfg.checkpoint.every_steps < 0:
     raise ConfigError('checkpoint.every_steps', 'must be >= 0 (0 = only at the end)')
+  seconds = cfg.checkpoint.every_seconds
+  if (
+    not isinstance(seconds, (int, float))
+    or isinstance(seconds, bool)
+    or not 0 <= seconds < math.inf
+  ):
+    raise ConfigError(
+      'checkpoint.every_seconds', f'must be a number of seconds >= 0 (0 = off), got {seconds!r}'
+    )
+  milestone = cfg.checkpoint.keep_every_steps
+  if not isinstance(milestone, int) or isinstance(milestone, bool) or milestone < 0:
+    raise ConfigError(
+      'checkpoint.keep_every_steps', f'must be an integer >= 0 (0 = off), got {milestone!r}'
+    )
   _positive(cfg, 'checkpoint', 'keep')
   if cfg.hardware.peak_flops_per_device < 0:
     raise ConfigError('hardware.peak_flops_per_device', 'must be >= 0 (0 = look up)')

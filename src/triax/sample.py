@@ -8,7 +8,7 @@ decoded from bytes. Kept to flag parsing and one library call
 
 import sys
 
-from absl import app, flags, logging
+from absl import flags
 
 from triax import cli
 
@@ -51,8 +51,7 @@ def main(argv):
 
 
 def run():
-  logging.set_verbosity(logging.WARNING)
-  app.run(main, flags_parser=cli.parse_flags)
+  cli.run(main)
 
 
 if __name__ == '__main__':

@@ -75,7 +75,11 @@ def main(argv):
     )
     return
   print(f'metrics:     {workdir}/metrics.jsonl')
-  print(f'tensorboard: tensorboard --logdir {workdir}/tb')
+  # The tensorboard beside this interpreter (the venv's), so the printed
+  # command works from a shell that has not activated the venv.
+  board = os.path.join(os.path.dirname(sys.executable), 'tensorboard')
+  board = board if os.path.exists(board) else 'tensorboard'
+  print(f'tensorboard: {board} --logdir {workdir}/tb')
   print(f'checkpoints: {workdir}/checkpoints')
   if summary['skipped_nonfinite']:
     print(

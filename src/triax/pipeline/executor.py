@@ -182,6 +182,11 @@ def pipeline_loss_and_grad(
   if moves:
     tables['move_send'] = jnp.asarray(np.maximum(program.table['move_send'], 0), jnp.int32)
     tables['move_recv'] = jnp.asarray(program.table['move_recv'], jnp.int32)
+    # Whether any stage moves a set in the tick: the same on every device.
+    anyone = (program.table['move_send'] >= 0).any(axis=1, keepdims=True)
+    tables['any_move'] = jnp.asarray(
+      np.broadcast_to(anyone, program.table['move_send'].shape), jnp.int32
+    )
     partner_pairs = [(s, q) for s, q in enumerate(program.partner) if s != q]
   info = {}
   counts = None if chunk_layers is None else jnp.asarray(chunk_layers, jnp.int32)
@@ -343,16 +348,25 @@ def pipeline_loss_and_grad(
         msg = msg.at[row[f'recv{o}']].set(arrived)
       c = dict(c, msg=msg)
       if moves:
-        # Every tick, outside any branch (a stage with nothing to move sends
-        # a slot it does not need and the receiver drops it): inside a cond,
-        # XLA:CPU (jax 0.10.2) mixed this ppermute's rendezvous up (NaN
-        # gradients, or a check failure counting 5 participants of 4).
-        sent = [s[row['move_send']] for s in c['stash']]
-        c = dict(
-          c,
-          landing=jax.lax.ppermute(sent, 'pipe', partner_pairs),
-          landing_slot=_varying(row['move_recv'], manual),
-        )
+        # Only in ticks where some stage moves a set, under a predicate every
+        # device evaluates alike, so all of them enter the branch and its
+        # ppermute together (a stage with nothing to move sends a slot it
+        # does not need and the receiver drops it). A predicate that differed
+        # between devices made XLA:CPU (jax 0.10.2) mix this ppermute's
+        # rendezvous up with the tick's others (NaN gradients, or a check
+        # failure counting 5 participants of 4).
+        def move(c):
+          sent = [s[row['move_send']] for s in c['stash']]
+          return dict(
+            c,
+            landing=jax.lax.ppermute(sent, 'pipe', partner_pairs),
+            landing_slot=_varying(row['move_recv'], manual),
+          )
+
+        def stay(c):
+          return dict(c, landing_slot=_varying(jnp.int32(-1), manual))
+
+        c = jax.lax.cond(row['any_move'] > 0, move, stay, c)
       return c, None
 
     def land(c):

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from triax.errors import ConfigError
+from triax.pipeline.ir import interleaved_placement
 
 LAYERS_KEY = 'layers'
 
@@ -39,9 +40,7 @@ class StackLayout:
 
   def __post_init__(self):
     if self.placement is None:
-      object.__setattr__(
-        self, 'placement', tuple(c % self.stages for c in range(self.stages * self.virtual))
-      )
+      object.__setattr__(self, 'placement', interleaved_placement(self.stages, self.virtual))
 
   @classmethod
   def build(
@@ -94,7 +93,7 @@ class StackLayout:
   @property
   def interleaved(self) -> bool:
     """Megatron's placement (chunk c on stage c mod p): a reshape converts."""
-    return self.placement == tuple(c % self.stages for c in range(self.stages * self.virtual))
+    return self.placement == interleaved_placement(self.stages, self.virtual)
 
   def slot_of(self, chunk: int) -> tuple[int, int]:
     """(stage, local chunk) where chunk `chunk` is stored."""

@@ -234,9 +234,9 @@ class Tick:
       is on the same stage stays there and is not listed).
     copies: (sender, action) of each EVICT or LOAD sent in the tick.
     movers: the stages that send a residual set in the tick's partner
-      ppermute: in a program that moves residuals (`program.partner` set),
-      every paired stage in every tick, idle or not, because the executor
-      runs that ppermute outside any branch; else none.
+      ppermute: in a tick where any stage moves one, every paired stage
+      (the executor runs that ppermute on all devices together, an idle
+      pair sending a slot nobody keeps); else none.
   """
 
   index: int
@@ -296,9 +296,8 @@ class StageCosts:
   Compute actions cost their kind's time over v (`Costs.lockstep`: a fused
   backward runs as B then W). The send phase (`send_phase`) lasts the
   slowest sender's t_transfer if an activation or gradient crosses stages
-  in the tick, or, if longer, t_evict / v while residuals move: in every
-  tick once the program moves any, because the executor's residual
-  ppermute runs in every tick.
+  in the tick, or, if longer, t_evict / v in a tick where residuals move
+  (the executor's residual ppermute runs on every paired stage then).
   """
 
   def __init__(self, program: Program, costs: CostsLike):
@@ -326,12 +325,13 @@ def ticks(program: Program) -> list[Tick]:
   """The program's ticks as cost models see them."""
   schedule = program.schedule
   last = schedule.num_chunks - 1
-  movers = (
+  paired = (
     () if program.partner is None else tuple(s for s, q in enumerate(program.partner) if q != s)
   )
   out = []
   for t, row in enumerate(program.grid):
     compute, messages, copies = [], [], []
+    moving = any(a.kind in sched.COPY_KINDS for cell in row for a in cell)
     for s, cell in enumerate(row):
       run = [a for a in cell if a.kind in sched.COMPUTE_KINDS]
       compute.append(run[0] if run else None)
@@ -351,7 +351,7 @@ def ticks(program: Program) -> list[Tick]:
         compute=tuple(compute),
         messages=tuple(messages),
         copies=tuple(copies),
-        movers=movers,
+        movers=paired if moving else (),
       )
     )
   return out

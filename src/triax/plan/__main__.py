@@ -14,7 +14,7 @@ the same name would never be imported.)
 import os
 import sys
 
-from absl import app, flags
+from absl import flags
 from ml_collections import config_flags
 
 from triax import cli
@@ -83,4 +83,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  app.run(main, flags_parser=cli.parse_flags)
+  cli.run(main)

@@ -8,7 +8,8 @@ the planner was given on the command line (`--config.*`) and the plan's own:
   virtual_stages / layers_per_stage, model.remat, train.global_batch_size
 
 `pipeline.layers_per_stage` lists the layers of each model chunk in chunk
-order (chunk c runs on pipeline device c % pipe); an even split writes ().
+order (chunk c runs on the stage the schedule's placement names: c % pipe
+for Megatron's interleaving, a V for zb_v); an even split writes ().
 """
 
 from __future__ import annotations

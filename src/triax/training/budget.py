@@ -67,23 +67,31 @@ def evaluate(cfg, *, steps: int = 3) -> list[Candidate]:
 def report(cands: list[Candidate], limit: int) -> str:
   fitting = [c for c in cands if c.fits(limit)]
   best = min(fitting, key=lambda c: c.step_time_s) if fitting else None
-  ref = next((c.step_time_s for c in cands if c.step_time_s), 1.0)
+  # Times are compared with the reference, or the first candidate that ran if it could not.
+  base = next((c for c in cands if c.step_time_s), None)
+  ref = base.step_time_s if base else 1.0
   lines = [
     f'per-device memory limit: {limit / 2**20:.1f} MiB',
     '',
-    '| candidate | peak MiB/device | fits | step time / first | |',
-    '|---|---|---|---|---|',
+    '| candidate | peak MiB/device | fits | step (ms) | relative time | note |',
+    '|---|---:|---|---:|---:|---|',
   ]
   for c in cands:
     if c.error:
-      lines.append(f'| {c.name} | - | no | - | {c.error} |')
+      lines.append(f'| {c.name} | - | no | - | - | cannot run: {c.error} |')
       continue
     mark = 'fastest that fits' if c is best else ''
     lines.append(
       f'| {c.name} | {c.peak_bytes / 2**20:.1f} | {"yes" if c.fits(limit) else "no"} '
-      f'| {c.step_time_s / ref:.2f} | {mark} |'
+      f'| {c.step_time_s * 1e3:.1f} | {c.step_time_s / ref:.2f} | {mark} |'
     )
   lines.append('')
+  if base:
+    lines.append(
+      f'peak MiB/device: XLA temp + argument + output - aliased bytes of the compiled step; '
+      f'step: median of the timed steps here; relative time: step / that of "{base.name}" '
+      '(below 1 = faster)'
+    )
   lines.append(
     f'answer: {best.name}' if best else 'answer: nothing fits; lower the batch or add devices'
   )

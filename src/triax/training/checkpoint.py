@@ -19,7 +19,9 @@ What makes a step directory a checkpoint:
   counting the save in flight as kept, deletes even when that save's final
   error check failed, and would count a damaged step as kept): older
   checkpoints are deleted only once `keep` newer ones are complete and
-  intact, so the last good checkpoint always survives.
+  intact, so the last good checkpoint always survives. Intact checkpoints of
+  steps that are multiples of `checkpoint.keep_every_steps` are milestones:
+  retention never deletes them.
 """
 
 from __future__ import annotations
@@ -81,6 +83,8 @@ class Checkpointer:
     self.directory = os.path.join(self.workdir, 'checkpoints')
     self.cfg = cfg
     self.keep = cfg.checkpoint.keep
+    # triax.sample reads a run's config.json, which older runs wrote without this key.
+    self.keep_every = cfg.checkpoint.get('keep_every_steps', 0)
     self.restored_step: int | None = None
     self.restored_progress: dict = {}
     self.damaged: list[tuple[int, str]] = []  # newer than the restored step
@@ -289,14 +293,21 @@ class Checkpointer:
       f.flush()
       os.fsync(f.fileno())
 
+  def is_milestone(self, step: int) -> bool:
+    """Whether `step` is a multiple of checkpoint.keep_every_steps (kept forever once intact)."""
+    return bool(self.keep_every) and step > 0 and step % self.keep_every == 0
+
   def _prune(self) -> None:
-    """Deletes steps older than the newest `keep` intact ones (no save is in flight)."""
+    """Deletes steps older than the newest `keep` intact ones, but not milestones.
+
+    No save is in flight when this runs.
+    """
     if self._main:
       steps = self.steps()
       intact = [s for s in steps if self.verify(s) is None]
       if len(intact) > self.keep:
         for step in steps:
-          if step < intact[-self.keep]:
+          if step < intact[-self.keep] and not (self.is_milestone(step) and step in intact):
             shutil.rmtree(self._step_dir(step), ignore_errors=True)
     self._sync('triax_checkpoint_prune')
 

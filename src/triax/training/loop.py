@@ -2,9 +2,19 @@
 
 A run is resumable at any moment: batches are a pure function of the step,
 checkpoints are written asynchronously and count only once complete
-(training/checkpoint.py), and metrics and sample logs are cut back to the
-restored step, so a killed run, started again with the same command, goes on
-to the same losses as one never interrupted.
+(training/checkpoint.py), and metrics, TensorBoard events and sample logs
+are cut back to the restored step, so a killed run, started again with the
+same command, goes on to the same losses as one never interrupted. SIGTERM
+or Ctrl-C stops it after the step in flight, with a complete checkpoint of
+that step (training/preemption.py). One run at a time holds a workdir
+(training/lock.py).
+
+The host does not wait for the device each step: it queues step s, then
+fetches step s-1's loss and gradient norm (done by now, or nearly), so the
+device always has the next step queued. A NaN/Inf is therefore noticed one
+step later than it happens, but never too late: every evaluation and save
+fetches its own step first, so a non-finite step's state is never evaluated
+or saved, and the error names the step that produced it.
 """
 
 from __future__ import annotations
@@ -26,13 +36,21 @@ from triax.errors import ConfigError
 from triax.mesh import build_mesh
 from triax.model.flops import megatron_flops_per_step, peak_flops
 from triax.pipeline import schedule as sched
+from triax.pipeline import simulate
+from triax.training import lock as lock_lib
+from triax.training import preemption
 from triax.training.checkpoint import Checkpointer
 from triax.training.metrics import JsonLines, MetricsWriter
 from triax.training.step import Trainer, build_trainer
 
 
 class NonFiniteError(RuntimeError):
-  """The loss or gradient became NaN/Inf; the state of that step is not saved."""
+  """The loss or gradient of `step` became NaN/Inf; that state is not saved.
+
+  The loop may notice it while the next step runs (it reads each step's loss
+  one step behind); the state of that next step, computed from it, is not
+  saved either.
+  """
 
   def __init__(self, step: int, loss: float, grad_norm: float):
     self.step = step
@@ -174,28 +192,111 @@ def _check_workdir(workdir: str) -> None:
     raise ConfigError('--workdir', f'{workdir} is not writable; choose another --workdir')
 
 
+def _count(n: int) -> str:
+  for unit, size in (('B', 1e9), ('M', 1e6), ('K', 1e3)):
+    if n >= size:
+      return f'{n / size:.3g}{unit}'
+  return str(n)
+
+
+def startup_line(trainer: Trainer, start: int) -> str:
+  """What is about to run, in one line: model, mesh, schedule, batch, devices, resume."""
+  cfg = trainer.cfg
+  # The canonical state holds the layers in model order, without a pipeline layout's padding.
+  params = sum(
+    math.prod(x.shape) for x in jax.tree.leaves(trainer.abstract_canonical_state().params)
+  )
+  mesh = ' x '.join(f'{a} {cfg.mesh[a]}' for a in config_lib.MESH_AXES)
+  dcn = [cfg.mesh[f'dcn_{a}'] for a in config_lib.MESH_AXES]
+  if any(d > 1 for d in dcn):
+    mesh += f' (dcn {"x".join(map(str, dcn))})'
+  program = trainer.program
+  if program is None:
+    schedule = 'no pipeline schedule (one micro-batch, one stage)'
+  else:
+    s = program.schedule
+    # The schedule CLI's default costs: a backward is two forwards (B and W one each when split).
+    split = program.split_backward
+    costs = simulate.Costs(t_backward=1.0 if split else 2.0, t_weight=1.0 if split else 0.0)
+    bubble = simulate.simulate_lockstep(program, costs).bubble_fraction
+    schedule = (
+      f'schedule {s.name} (p={s.stages}, m={s.microbatches}, v={s.virtual_stages}): '
+      f'bubble {bubble:.0%} lockstep, peak stash per stage {list(program.peak_stash)}'
+    )
+  devices = jax.devices()
+  kinds = '/'.join(sorted({d.device_kind for d in devices}))
+  processes = f' in {jax.process_count()} processes' if jax.process_count() > 1 else ''
+  tokens = cfg.train.global_batch_size * cfg.model.seq_len
+  where = f'resuming from checkpoint {start}' if start else 'starting at step 0'
+  return (
+    f'triax: {_count(params)} parameters; mesh {mesh}; {schedule}; {tokens} tokens per step; '
+    f'{len(devices)} devices ({kinds}){processes}; {where} of {cfg.train.steps}'
+  )
+
+
+def _take_lock(workdir_lock: lock_lib.WorkdirLock) -> None:
+  """Process 0 takes the workdir's lock; every process raises if it could not.
+
+  Raises:
+    ConfigError: another run holds the workdir.
+  """
+  error = None
+  if jax.process_index() == 0:
+    try:
+      workdir_lock.acquire()
+    except ConfigError as e:
+      error = e
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils
+
+    taken = bool(multihost_utils.broadcast_one_to_all(np.int32(error is None)))
+    if not taken and error is None:
+      error = ConfigError(
+        'workdir', f'{workdir_lock.workdir} is in use (process 0 could not take its lock)'
+      )
+  if error is not None:
+    raise error
+
+
 def train_and_evaluate(
   cfg, workdir: str, *, compile_only: bool = False, profile_steps: str = '', progress: bool = True
 ) -> dict:
   """Runs (or resumes) training as configured; returns a summary of the run.
 
   Everything that can be wrong with the input is checked before the workdir
-  is touched: config, data, profile range, and an existing checkpoint
-  directory (its contents and its model).
+  is touched: config, data, profile range, a lock held by another run, and
+  an existing checkpoint directory (its contents and its model). Then the
+  workdir's lock is taken (DIR/triax.lock, by process 0) and held until
+  this returns or raises.
 
   Raises:
-    ConfigError: bad input (nothing written).
+    ConfigError: bad input, or the workdir is in use (nothing written).
     NonFiniteError: a NaN/Inf step beyond train.skip_nonfinite_steps (its state is not saved).
+    preemption.Stopped: SIGTERM or SIGINT; the step it stopped after is saved and complete
+      (a SystemExit with status 0: an entry point exits 0 without catching it).
   """
   cfg = config_lib.validate(cfg, jax.device_count())
   profile = _parse_profile_steps(profile_steps, cfg.train.steps)
   _check_workdir(workdir)
+  lock_lib.check_free(workdir)  # early, to fail before the data is read and the step compiled
   data = load_data(cfg)
   mesh = build_mesh(cfg.mesh)
   trainer = build_trainer(cfg, mesh)
 
-  with jax.set_mesh(mesh):  # jitted functions trace on first call: they need the mesh
-    return _run(cfg, trainer, data, workdir, compile_only, profile, progress)
+  workdir_lock = lock_lib.WorkdirLock(workdir)
+  try:
+    with jax.set_mesh(mesh):  # jitted functions trace on first call: they need the mesh
+      return _run(cfg, trainer, data, workdir, workdir_lock, compile_only, profile, progress)
+  finally:
+    workdir_lock.release()
+
+
+@dataclasses.dataclass
+class _Position:
+  """Where the run is, for the message of a second interrupt (read in a signal handler)."""
+
+  step: int = 0
+  ckpt: Checkpointer | None = None
 
 
 def _run(
@@ -203,6 +304,7 @@ def _run(
   trainer: Trainer,
   data: Data,
   workdir: str,
+  workdir_lock: lock_lib.WorkdirLock,
   compile_only: bool,
   profile: tuple[int, int] | None,
   progress: bool,
@@ -210,26 +312,62 @@ def _run(
   main_process = jax.process_index() == 0
   if compile_only:
     _, stats = compile_stats(trainer)
+    _take_lock(workdir_lock)
     if main_process:
-      os.makedirs(workdir, exist_ok=True)
       _write_json(os.path.join(workdir, 'compile_stats.json'), stats)
     return stats
 
-  ckpt = Checkpointer(workdir, cfg)  # only reads until the first save
-  state = ckpt.restore(trainer)  # the newest intact checkpoint; checks its model
-  if state is None:
-    state = trainer.init_state(jax.random.key(cfg.train.seed))
+  position = _Position()
+
+  def interrupted(signum: int) -> None:
+    # A second signal: leave now, without waiting for a save in flight (the
+    # manifest rules make an unfinished one invisible to the next run).
+    if main_process:
+      last = position.ckpt.latest_step() if position.ckpt is not None else None
+      preemption.say(
+        f'interrupted at step {position.step}; last complete checkpoint '
+        f'{"none" if last is None else last}; rerun the same command to resume'
+      )
+    workdir_lock.release()
+    os._exit(128 + signum)
+
+  with preemption.StopSignals(on_second=interrupted) as signals:
+    ckpt = Checkpointer(workdir, cfg)  # only reads until the first save
+    position.ckpt = ckpt
+    state = ckpt.restore(trainer)  # the newest intact checkpoint; checks its model
+    if state is None:
+      state = trainer.init_state(jax.random.key(cfg.train.seed))
+    start = position.step = int(jax.device_get(state.step))
+    # Input is checked; from here on the workdir is written.
+    _take_lock(workdir_lock)
+    if main_process:
+      print(startup_line(trainer, start), flush=True)
+    return _train(
+      cfg, trainer, data, workdir, ckpt, state, start, signals, position, profile, progress
+    )
+
+
+def _train(
+  cfg,
+  trainer: Trainer,
+  data: Data,
+  workdir: str,
+  ckpt: Checkpointer,
+  state,
+  start: int,
+  signals: preemption.StopSignals,
+  position: _Position,
+  profile: tuple[int, int] | None,
+  progress: bool,
+) -> dict:
+  main_process = jax.process_index() == 0
   skipped = list(ckpt.restored_progress.get('skipped_nonfinite', []))
-  # Input is checked; from here on the workdir is written.
-  if main_process:
-    os.makedirs(workdir, exist_ok=True)
   ckpt.prepare_to_write()
   if main_process:
     # What the run was (for triax.sample and for people): the validated config.
     with open(os.path.join(workdir, 'config.json.tmp'), 'w') as f:
       f.write(cfg.to_json(indent=2))
     os.replace(os.path.join(workdir, 'config.json.tmp'), os.path.join(workdir, 'config.json'))
-  start = int(jax.device_get(state.step))
   skip_limit = cfg.train.skip_nonfinite_steps
   compiled, stats = compile_stats(trainer)
   if main_process:
@@ -243,6 +381,7 @@ def _run(
   peak = peak_flops(jax.devices()[0].device_kind, cfg.hardware.peak_flops_per_device)
   tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_len
   lr = trainer.optimizer_schedule
+  every, every_seconds = cfg.checkpoint.every_steps, cfg.checkpoint.every_seconds
 
   def evaluate(step: int) -> float:
     losses = [trainer.eval_loss(state.params, global_batch(trainer, b)) for b in data.eval_batches]
@@ -259,69 +398,113 @@ def _run(
     dynamic_ncols=True,
     desc='train',
   )
-  window_start, window_steps = time.perf_counter(), 0
+  window = {'start': time.perf_counter(), 'steps': 0}
   last_loss = math.nan
+  last_save = time.monotonic()
+  pending = []  # the step whose outputs are not fetched yet: (step, out, lr, host batch)
+
+  def fetch() -> None:
+    """Fetches the pending step's loss and gradient norm; logs them or stops on a NaN/Inf."""
+    nonlocal last_loss
+    if not pending:
+      return
+    step, out, step_lr, host_batch = pending.pop()
+    out, step_lr = jax.device_get((out, step_lr))
+    # One clock reading ends this window and starts the next: host work between
+    # fetches (logging, dispatch) belongs to some step's time.
+    fetched = time.perf_counter()
+    window['steps'] += 1
+    loss, grad_norm = float(out['loss']), float(out['grad_norm'])
+    log_now = step % cfg.train.log_every == 0 or step == cfg.train.steps
+    if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+      if len(skipped) >= skip_limit:
+        raise NonFiniteError(step, loss, grad_norm)
+      skipped.append(step)  # that step's state holds the previous parameters (see training.step)
+      metrics.write(
+        {
+          'step': step,
+          'skipped_nonfinite': True,
+          'loss': loss,
+          'grad_norm': grad_norm,
+          'skipped_so_far': len(skipped),
+        }
+      )
+      log_now = False
+    samples.write({'step': step, 'sample_ids': host_batch['sample_ids'].tolist()})
+    if log_now:
+      step_time = (fetched - window['start']) / window['steps']
+      record = {
+        'step': step,
+        'loss': loss,
+        'learning_rate': float(step_lr),
+        'grad_norm': grad_norm,
+        'tokens_per_sec': tokens_per_step / step_time,
+        'step_time_s': step_time,
+        'epoch': data.train.epoch_at(step),
+      }
+      if peak:
+        record['mfu'] = stats['model_flops_per_step'] / step_time / (peak * jax.device_count())
+      metrics.write(record)
+      last_loss = loss
+      bar.set_postfix(loss=f'{loss:.3f}', tok_s=f'{record["tokens_per_sec"]:.0f}')
+      window['start'], window['steps'] = fetched, 0
+    bar.update(1)
+
+  stopped = None
   try:
     for step in range(start + 1, cfg.train.steps + 1):
       if profile and step == profile[0]:
         jax.profiler.start_trace(os.path.join(workdir, 'profile'))
       host_batch = data.train.batch(step - 1)
-      new_state, out = compiled(state, global_batch(trainer, host_batch))
-      window_steps += 1
-      log_now = step % cfg.train.log_every == 0 or step == cfg.train.steps
+      # The logged learning rate is the schedule evaluated op by op, as always;
+      # queued ahead of the step, it is ready when the step is (queued after
+      # it, reading it would wait for the step queued next).
+      step_lr = lr(step - 1) if step % cfg.train.log_every == 0 or step == cfg.train.steps else None
+      state, out = compiled(state, global_batch(trainer, host_batch))
+      position.step = step
+      fetch()  # the previous step's: the device has this one queued meanwhile
+      pending.append((step, out, step_lr, host_batch))
       if profile and step == profile[1]:
         jax.block_until_ready(out)
         jax.profiler.stop_trace()
-      # Fetching two scalars each step costs little and lets a NaN stop the
-      # run at the step that produced it, before that state can be saved.
-      out = jax.device_get(out)
-      loss, grad_norm = float(out['loss']), float(out['grad_norm'])
-      if not (math.isfinite(loss) and math.isfinite(grad_norm)):
-        if len(skipped) >= skip_limit:
-          raise NonFiniteError(step, loss, grad_norm)
-        skipped.append(step)  # new_state holds the previous parameters (see training.step)
-        metrics.write(
-          {
-            'step': step,
-            'skipped_nonfinite': True,
-            'loss': loss,
-            'grad_norm': grad_norm,
-            'skipped_so_far': len(skipped),
-          }
-        )
-        log_now = False
-      samples.write({'step': step, 'sample_ids': host_batch['sample_ids'].tolist()})
-      if log_now:
-        elapsed = time.perf_counter() - window_start
-        step_time = elapsed / window_steps
-        record = {
-          'step': step,
-          'loss': loss,
-          'learning_rate': float(lr(step - 1)),
-          'grad_norm': grad_norm,
-          'tokens_per_sec': tokens_per_step / step_time,
-          'step_time_s': step_time,
-          'epoch': data.train.epoch_at(step),
-        }
-        if peak:
-          record['mfu'] = stats['model_flops_per_step'] / step_time / (peak * jax.device_count())
-        metrics.write(record)
-        last_loss = loss
-        bar.set_postfix(loss=f'{loss:.3f}', tok_s=f'{record["tokens_per_sec"]:.0f}')
-        window_start, window_steps = time.perf_counter(), 0
-      state = new_state
-      bar.update(1)
-      if step % cfg.train.eval_every == 0 or step == cfg.train.steps:
+      last = step == cfg.train.steps
+      # Every process asks every step, the last too: process 0 answers for all.
+      stop, by_time = signals.decide(
+        step, bool(every_seconds) and time.monotonic() - last_save >= every_seconds
+      )
+      stop = stop and not last  # a signal at the last step: the run simply ends
+      eval_now = step % cfg.train.eval_every == 0 or last
+      save_now = (
+        last or stop or by_time or bool(every and step % every == 0) or ckpt.is_milestone(step)
+      )
+      if eval_now or save_now:
+        fetch()  # this step's: a non-finite one stops here, before it is evaluated or saved
+      if eval_now:
         last_eval = evaluate(step)
-        window_start = time.perf_counter()
-      every = cfg.checkpoint.every_steps
-      if (every and step % every == 0) or step == cfg.train.steps:
+        window['start'] = time.perf_counter()
+      if save_now:
         ckpt.save(trainer, state, progress={'skipped_nonfinite': skipped})
-        window_start = time.perf_counter()
+        last_save = time.monotonic()
+        window['start'] = time.perf_counter()
+      if stop:
+        ckpt.wait()
+        problem = ckpt.verify(step) if main_process else None
+        if problem:
+          raise RuntimeError(f'checkpoint {step} failed its check after saving: {problem}')
+        stopped = preemption.Stopped(
+          f'stopped by {signals.name} after step {step}; checkpoint {step} is complete; '
+          'rerun the same command to resume',
+          step,
+        )
+        break
   finally:
     bar.close()
     ckpt.close()
     metrics.close()
+  if stopped is not None:
+    if main_process:
+      print(stopped.message, flush=True)
+    raise stopped
   return {
     'workdir': os.path.abspath(workdir),
     'start_step': start,

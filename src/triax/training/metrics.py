@@ -1,7 +1,8 @@
 """Metrics of a run: one JSON line per logged step, mirrored to TensorBoard.
 
 Lines are strict JSON (a NaN or Inf is written as null), so any JSON reader
-takes them; nothing is pickled.
+takes them; nothing is pickled. A resumed run cuts both back to the step it
+resumes from, so each step is recorded once however often the run stopped.
 """
 
 from __future__ import annotations
@@ -9,8 +10,10 @@ from __future__ import annotations
 import json
 import math
 import os
+import struct
 
 from tensorboardX import SummaryWriter
+from tensorboardX.proto import event_pb2
 
 
 def _read_lines(path: str) -> list[dict]:
@@ -63,15 +66,83 @@ class JsonLines:
       f.write(line)  # one write per line: a crash leaves at most one partial last line
 
 
+def _event_records(path: str):
+  """(raw record, event) for each whole TFRecord of a TensorBoard event file, in order.
+
+  A record is its length (8 bytes, little-endian), a checksum of the length
+  (4), the serialized `Event` and a checksum of it (4). Reading stops at the
+  first record that is cut short or does not parse (a crash while writing):
+  everything after it is suspect.
+  """
+  with open(path, 'rb') as f:
+    data = f.read()
+  offset = 0
+  while offset + 12 <= len(data):
+    (length,) = struct.unpack_from('<Q', data, offset)
+    end = offset + 12 + length + 4
+    if end > len(data):
+      return
+    try:
+      event = event_pb2.Event.FromString(data[offset + 12 : offset + 12 + length])
+    except Exception:  # pylint: disable=broad-except  # protobuf's DecodeError, among others
+      return
+    yield data[offset:end], event
+    offset = end
+
+
+def _event_files(tb_dir: str) -> list[str]:
+  if not os.path.isdir(tb_dir):
+    return []
+  return [
+    os.path.join(tb_dir, name)
+    for name in sorted(os.listdir(tb_dir))
+    if 'tfevents' in name
+    and not name.endswith('.tmp')
+    and os.path.isfile(os.path.join(tb_dir, name))
+  ]
+
+
+def cut_events(tb_dir: str, last_step: int) -> None:
+  """Drops the events of steps after `last_step` from the event files in `tb_dir`.
+
+  Records kept are copied byte for byte (checksums and all); a file is
+  rewritten (to a temporary file, then renamed) only if it loses records.
+  """
+  for path in _event_files(tb_dir):
+    records = list(_event_records(path))
+    kept = [raw for raw, event in records if event.step <= last_step]
+    if len(kept) == len(records) and sum(map(len, kept)) == os.path.getsize(path):
+      continue
+    tmp = path + '.tmp'
+    with open(tmp, 'wb') as f:
+      f.writelines(kept)
+    os.replace(tmp, path)
+
+
 class MetricsWriter:
-  """Appends to DIR/metrics.jsonl and writes TensorBoard scalars to DIR/tb."""
+  """Appends to DIR/metrics.jsonl and writes TensorBoard scalars to DIR/tb.
+
+  A resumed run (start_step > 0) first cuts both back to start_step: the
+  crashed run's later steps will be recomputed. A TensorBoard already
+  watching DIR/tb has read those events; `purge_step` tells it to drop them.
+  """
 
   def __init__(self, workdir: str, start_step: int, enabled: bool = True):
     self.enabled = enabled
     self.path = os.path.join(workdir, 'metrics.jsonl')
     self.tb_dir = os.path.join(workdir, 'tb')
     self._lines = JsonLines(self.path, start_step, enabled)
-    self._tb = SummaryWriter(self.tb_dir) if enabled else None
+    self._tb = None
+    if enabled:
+      cut_events(self.tb_dir, start_step)
+      # A file is named for the second it was opened: number them, so a run
+      # resumed within that second does not overwrite the last one's file.
+      opened = len(_event_files(self.tb_dir))
+      self._tb = SummaryWriter(
+        self.tb_dir,
+        purge_step=start_step + 1 if start_step else None,
+        filename_suffix=f'.{opened}',
+      )
 
   def write(self, record: dict) -> None:
     if not self.enabled:
@@ -96,3 +167,13 @@ def read_metrics(workdir: str) -> list[dict]:
   """All records of a workdir's metrics.jsonl (empty if there is none)."""
   path = os.path.join(workdir, 'metrics.jsonl')
   return _read_lines(path) if os.path.exists(path) else []
+
+
+def read_scalars(tb_dir: str) -> dict[str, list[tuple[int, float]]]:
+  """Every scalar in the event files of `tb_dir`, by tag: (step, value) in the order written."""
+  scalars: dict[str, list[tuple[int, float]]] = {}
+  for path in _event_files(tb_dir):
+    for _, event in _event_records(path):
+      for value in event.summary.value:
+        scalars.setdefault(value.tag, []).append((event.step, value.simple_value))
+  return scalars

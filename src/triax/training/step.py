@@ -19,7 +19,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from triax import sharding
+from triax import config, sharding
 from triax.model.transformer import GPT, ModelSpec
 from triax.pipeline import executor
 from triax.pipeline import layout as layout_lib
@@ -36,15 +36,44 @@ class TrainState:
 
 
 def learning_rate_schedule(train_cfg) -> optax.Schedule:
-  """Linear warmup to the peak, then cosine decay to min_lr_ratio * peak."""
+  """The learning rate of update k = 0 .. steps-1 (metrics log it at step k+1).
+
+  Every schedule warms up linearly from 0 over train.warmup_steps, then:
+  cosine decays to min_lr_ratio * peak (optax's, unchanged, so existing runs
+  resume identically; it reaches the end value at k = steps, one past the
+  last update); linear and wsd reach min_lr_ratio * peak exactly at the last
+  update, linear from the end of warmup, wsd (warmup-stable-decay) after
+  holding the peak until its final train.decay_fraction of the steps;
+  constant holds the peak.
+  """
   peak = train_cfg.learning_rate
-  return optax.warmup_cosine_decay_schedule(
-    init_value=0.0,
-    peak_value=peak,
-    warmup_steps=train_cfg.warmup_steps,
-    decay_steps=max(train_cfg.steps, train_cfg.warmup_steps + 1),
-    end_value=peak * train_cfg.min_lr_ratio,
-  )
+  end = peak * train_cfg.min_lr_ratio
+  warmup, steps, kind = train_cfg.warmup_steps, train_cfg.steps, train_cfg.lr_schedule
+  if kind == 'cosine':
+    return optax.warmup_cosine_decay_schedule(
+      init_value=0.0,
+      peak_value=peak,
+      warmup_steps=warmup,
+      decay_steps=max(steps, warmup + 1),
+      end_value=end,
+    )
+  ramp = optax.linear_schedule(0.0, peak, max(warmup, 1))
+  if kind == 'constant':
+    return optax.join_schedules([ramp, optax.constant_schedule(peak)], [warmup])
+  if kind == 'linear':
+    # A warmup as long as the run leaves nothing to decay: optax's linear
+    # schedule with no transition steps stays at its start (the peak).
+    decay = optax.linear_schedule(peak, end, steps - 1 - warmup)
+    return optax.join_schedules([ramp, decay], [warmup])
+  if kind == 'wsd':
+    # join_schedules restarts the count at each boundary: the decay's count 0
+    # is the stable phase's last update, its count n the run's last update.
+    n = config.wsd_decay_steps(train_cfg)
+    decay = optax.linear_schedule(peak, end, n)
+    return optax.join_schedules(
+      [ramp, optax.constant_schedule(peak), decay], [warmup, steps - 1 - n]
+    )
+  raise ValueError(f'unknown train.lr_schedule {kind!r}')  # validate() names the choices
 
 
 def make_optimizer(train_cfg) -> optax.GradientTransformation:
