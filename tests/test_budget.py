@@ -6,7 +6,10 @@ from triax.training import budget
 
 
 def test_budget_ranks_candidates_by_measured_memory():
-  # Activation-heavy and deep enough per stage that recompute and BPipe both save memory.
+  # Activation-heavy and deep enough per stage that recompute saves memory. BPipe
+  # caps each stage at ceil((p+1)/2) = 3 residual sets against 1F1B's 4, which at
+  # p = 4 is what its send and landing buffers cost (tests/test_pipeline_memory.py):
+  # measured, not assumed, it must not cost more.
   cfg = harness.tiny_config(
     **{
       'mesh.data': 2,
@@ -21,7 +24,7 @@ def test_budget_ranks_candidates_by_measured_memory():
   ref = cands['1f1b, no remat']
   assert not any(c.error for c in cands.values()), cands
   assert cands['1f1b, full remat'].peak_bytes < ref.peak_bytes
-  assert cands['bpipe, no remat'].peak_bytes < ref.peak_bytes
+  assert cands['bpipe, no remat'].peak_bytes <= 1.01 * ref.peak_bytes
   # A limit just under the reference: the reference must not fit, the answer must.
   limit = ref.peak_bytes - 1
   text = budget.report(list(cands.values()), limit)

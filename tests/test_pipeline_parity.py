@@ -3,9 +3,9 @@
 The grid runs every builder in the registry on the meshes (data, tensor,
 pipe) = (1,1,4), (2,1,4), (1,2,4), (1,1,8), with v = 2 where the schedule
 has chunks, and the remat policies spread over them; the extra cases cover
-3-D meshes, circular GPipe, interleaving with m not a multiple of p, more
-micro-batches, uneven layer splits, and a schedule read from a CSV file
-written by torch.distributed.pipelining (tests/data/).
+3-D meshes, circular GPipe, interleaving with m not a multiple of p, uneven
+layer splits, and schedules read from CSV files written by
+torch.distributed.pipelining (tests/data/).
 """
 
 import functools
@@ -35,12 +35,9 @@ CASES = [
 CASES += [
   ('gpipe', (4, 1, 2), 2, 4, 'full', 8),
   ('1f1b', (2, 2, 2), 1, 4, 'selective', 8),
-  ('interleaved_1f1b', (2, 2, 2), 2, 4, 'none', 8),
   ('interleaved_1f1b', (1, 1, 4), 2, 6, 'none', 8),
   ('interleaved_zb', (1, 2, 2), 2, 3, 'none', 8),
   ('zb_v', (2, 2, 2), 2, 4, 'full', 8),
-  ('bpipe', (2, 2, 2), 1, 4, 'none', 8),
-  ('zb_h1', (1, 1, 8), 1, 32, 'none', 8),
 ]
 
 
