@@ -108,13 +108,6 @@ class StackLayout:
   def num_layers(self) -> int:
     return sum(self.counts)
 
-  def counts_by_stage(self) -> np.ndarray:
-    """[p, v] layer counts: entry (d, i) is stage d's local chunk i."""
-    out = np.zeros((self.stages, self.virtual), np.int64)
-    for c, n in enumerate(self.counts):
-      out[self.slot_of(c)] = n
-    return out
-
   def _index(self) -> np.ndarray:
     """[p, v, Lmax] model layer of each stored slot; L (a zero row) for padding."""
     starts = np.concatenate([[0], np.cumsum(self.counts)[:-1]])

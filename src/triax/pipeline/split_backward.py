@@ -211,6 +211,9 @@ class _Inline:
   def run_w(self, sub, eqn, invals, cuts):
     return _run_w(sub.plans, {i: invals[i] for i in sub.ins_w}, cuts)
 
+  def cut_avals(self, sub, eqn):
+    return _cut_avals(sub.plans)
+
 
 class _Scan:
   """`scan`: a B scan emitting each iteration's cut, then a W scan reading it."""
@@ -315,19 +318,35 @@ class _Scan:
     outs.update(zip(x['yw'], ys))
     return outs
 
+  def cut_avals(self, sub, eqn):
+    """Each iteration's cut, stacked `length` deep as the B scan emits it."""
+    length = eqn.params['length']
+    vma = lambda a: {'vma': frozenset(_varying_axes(a))} if _varying_axes(a) else {}
+    stack = lambda a: jax.core.ShapedArray((length,) + a.shape, a.dtype, **vma(a))
+    plan = sub.plans
+    carried = [plan.jaxpr.invars[i].aval for i in sub.extra['carries_cut']]
+    return jax.tree.map(
+      stack, (_cut_avals(plan), carried), is_leaf=lambda a: isinstance(a, jax.core.ShapedArray)
+    )
 
-def _zeros(aval):
-  z = jnp.zeros(aval.shape, aval.dtype)
+
+def _varying_axes(aval) -> tuple:
+  """The manual axes a value varies over (jax 0.10: `vma` or `manual_axis_type`)."""
   varying = getattr(aval, 'vma', None)
   if varying is None and hasattr(aval, 'manual_axis_type'):
     varying = aval.manual_axis_type.varying
-  if varying:
-    z = jax.lax.pcast(z, tuple(varying), to='varying')
+  return tuple(varying or ())
+
+
+def _zeros(aval):
+  z = jnp.zeros(aval.shape, aval.dtype)
+  if _varying_axes(aval):
+    z = jax.lax.pcast(z, _varying_axes(aval), to='varying')
   return z
 
 
-def _cut_avals(plan: _Plan, length: int | None = None):
-  """The abstract values of a plan's cut pytree (stacked `length` deep in a scan)."""
+def _cut_avals(plan: _Plan):
+  """The abstract values of a plan's cut pytree."""
   avals = [v.aval for v in plan.cuts]
   subs = {}
   for n, role in enumerate(plan.roles):
@@ -380,33 +399,9 @@ class _Cond:
     outs = jax.lax.switch(invals[0], [branch(b) for b in range(len(plans))], ops, cuts)
     return dict(zip(need, outs))
 
+  def cut_avals(self, sub, eqn):
+    return [_cut_avals(p) for p in sub.plans]
 
-def _inline_cut_avals(sub, eqn):
-  return _cut_avals(sub.plans)
-
-
-def _scan_cut_avals(sub, eqn):
-  length = eqn.params['length']
-  stack = lambda a: jax.core.ShapedArray((length,) + a.shape, a.dtype, **_vma_kw(a))
-  plan = sub.plans
-  carried = [plan.jaxpr.invars[i].aval for i in sub.extra['carries_cut']]
-  return jax.tree.map(
-    stack, (_cut_avals(plan), carried), is_leaf=lambda a: isinstance(a, jax.core.ShapedArray)
-  )
-
-
-def _cond_cut_avals(sub, eqn):
-  return [_cut_avals(p) for p in sub.plans]
-
-
-def _vma_kw(aval) -> dict:
-  vma = getattr(aval, 'vma', None)
-  return {'vma': vma} if vma else {}
-
-
-_Inline.cut_avals = staticmethod(_inline_cut_avals)
-_Scan.cut_avals = staticmethod(_scan_cut_avals)
-_Cond.cut_avals = staticmethod(_cond_cut_avals)
 
 _RULES = {
   'jit': _Inline(),
