@@ -395,21 +395,22 @@ def measure(
   return _measure_cached(*key)
 
 
+# The model hyper-parameters a profile depends on (remat is measured per policy).
+_MODEL_FIELDS = (
+  'num_layers',
+  'd_model',
+  'num_heads',
+  'd_ff',
+  'vocab_size',
+  'seq_len',
+  'dtype',
+  'param_dtype',
+  'attention',
+)
+
+
 def _model_key(model_cfg) -> tuple:
-  return tuple(
-    (k, model_cfg[k])
-    for k in (
-      'num_layers',
-      'd_model',
-      'num_heads',
-      'd_ff',
-      'vocab_size',
-      'seq_len',
-      'dtype',
-      'param_dtype',
-      'attention',
-    )
-  )
+  return tuple((k, model_cfg[k]) for k in _MODEL_FIELDS)
 
 
 @functools.lru_cache(maxsize=16)
@@ -883,20 +884,7 @@ def _shard_spec(spec: dict, t: int):
     def head_dim(self) -> int:
       return self.full_head_dim
 
-  fields = {
-    k: spec[k]
-    for k in (
-      'num_layers',
-      'd_model',
-      'num_heads',
-      'd_ff',
-      'vocab_size',
-      'seq_len',
-      'dtype',
-      'param_dtype',
-      'attention',
-    )
-  }
+  fields = {k: spec[k] for k in _MODEL_FIELDS}
   full_head_dim = spec['d_model'] // spec['num_heads']
   if t == 1:
     return ModelSpec(**fields)
