@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Trains the default experiment (experiments/gpt_tiny.py: data=2 x tensor=2 x pipe=2,
-# interleaved 1F1B) on 8 forced CPU devices: 300 steps, about 5-6 minutes on a
+# interleaved 1F1B) on 8 forced CPU devices: 300 steps, about 2.5 minutes on a
 # 2-core machine. Extra flags are passed on, e.g.
 #   scripts/train.sh --config.train.steps=50 --workdir=runs/short
 # The summary prints the venv's own tensorboard (installed with the package).
