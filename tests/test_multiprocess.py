@@ -206,17 +206,17 @@ def test_dcn_factor_keeps_each_block_of_an_axis_inside_one_host():
 
 
 def test_launcher_prefixes_output_and_stops_the_others_when_one_fails(tmp_path):
-  # A stand-in for python: process 1 fails at once, process 0 would wait a minute.
+  # A stand-in for python: process 1 fails at once, process 0 would wait ten
+  # minutes, past the 60 s timeout below: returning at all means it was stopped.
   fake = tmp_path / 'python'
   fake.write_text(f"""#!/usr/bin/env bash
 echo "coordinator $TRIAX_COORDINATOR of $TRIAX_NUM_PROCESSES, args $*"
 if [ "$TRIAX_PROCESS_ID" = 1 ]; then echo "error: boom" >&2; exit 3; fi
-sleep 60 &
+sleep 600 &
 echo $! > {tmp_path}/sleeper.pid
 wait
 """)
   fake.chmod(0o755)
-  started = time.monotonic()
   result = subprocess.run(
     [LAUNCH, '2', '--config=x.py', '--workdir=w'],
     cwd=harness.ROOT,
@@ -226,7 +226,6 @@ wait
     timeout=60,
   )
   assert result.returncode == 3, (result.stdout, result.stderr)
-  assert time.monotonic() - started < 30
   assert '[1] error: boom' in result.stderr.splitlines()
   lines = [l for l in result.stdout.splitlines() if 'coordinator' in l]
   assert sorted(l[:4] for l in lines) == ['[0] ', '[1] ']

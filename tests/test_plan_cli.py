@@ -10,7 +10,7 @@ import pytest
 
 from triax import config
 from triax.errors import ConfigError
-from triax.plan import profile, report
+from triax.plan import profile, report, search
 
 ROOT = os.path.join(os.path.dirname(__file__), '..')
 CPU = os.path.join(ROOT, 'experiments', 'clusters', 'cpu_forced_8.yaml')
@@ -44,9 +44,12 @@ def tiny():
 
 def test_profile_of_a_tiny_model():
   cfg = tiny()
-  # The degrees and sizes the CLI test's search asks for: one profile serves both.
-  prof = profile.measure(cfg.model, [1, 2, 4], [1, 2, 8])
-  assert prof is profile.measure(cfg.model, [4, 2, 1], [8, 2, 1])  # cached in memory
+  # The degrees and sizes the CLI test's search asks for (the same model and
+  # batch on 8 devices): one profile, cached in memory, serves both tests.
+  tensors, sizes = search.profile_sizes(cfg, list(search.layouts(cfg, 8)))
+  assert (tensors, sizes) == ([1, 2, 4], [1, 2, 4, 8])
+  prof = profile.measure(cfg.model, tensors, sizes)
+  assert prof is profile.measure(cfg.model, tensors[::-1], sizes[::-1])
   assert prof.machine.num_devices == 8
   assert 0 < prof.machine.effective_cores <= 8
   assert prof.machine.p2p.bandwidth > 0 and prof.machine.allreduce.bandwidth > 0
@@ -61,10 +64,10 @@ def test_profile_of_a_tiny_model():
   assert stash['none'] > stash['selective'] > 0 and stash['full'] >= 0
   assert stash['full'] <= stash['selective']
   for point in prof.points:
-    assert point.seconds > 0 and point.fitted > 0
-    # Every function is timed again with all 8 devices running it at once:
-    # they share this machine's cores, so that takes longer than alone.
-    assert point.concurrent > point.seconds
+    # Every function is timed alone and again with all 8 devices running it
+    # at once (which is slower on 2 cores, but a wall-clock order is not
+    # asserted: the other test worker shares them).
+    assert point.seconds > 0 and point.fitted > 0 and point.concurrent > 0
   assert all(fit.k > 0 and fit.c0 >= 0 for fit in prof.fits.values())
   # Layer costs are measured under every remat policy, with their sharing.
   for remat in ('none', 'selective', 'full'):
@@ -76,8 +79,8 @@ def test_profile_of_a_tiny_model():
   # its neighbours elsewhere. (Which size is faster is wall-clock, not asserted:
   # at these widths a layer takes under a millisecond and the other test
   # worker shares the cores.)
-  sizes = {(pt.microbatch, pt.tensor) for pt in prof.points if pt.function == 'layer_fwd'}
-  assert sizes == {(b, 1) for b in (1, 2, 8)} | {(b, t) for b in (1, 8) for t in (2, 4)}
+  measured = {(pt.microbatch, pt.tensor) for pt in prof.points if pt.function == 'layer_fwd'}
+  assert measured == {(b, 1) for b in sizes} | {(b, t) for b in (1, 8) for t in (2, 4)}
   for point in prof.points:
     assert prof.local_seconds(point.function, point.microbatch, point.tensor) == pytest.approx(
       point.seconds
@@ -85,13 +88,12 @@ def test_profile_of_a_tiny_model():
   at = {
     pt.microbatch: pt.seconds for pt in prof.points if pt.function == 'layer_fwd' and pt.tensor == 1
   }
-  assert min(at[2], at[8]) <= prof.local_seconds('layer_fwd', 5, 1) <= max(at[2], at[8])
+  assert min(at[4], at[8]) <= prof.local_seconds('layer_fwd', 5, 1) <= max(at[4], at[8])
   # The executor's variants of a layer, as ratios to its plain pair: a split
   # backward's halves, a layer under cond and a skipped (padding) one.
   assert set(prof.ratios) == set(profile.EXECUTOR_RATIOS)
   for alone, together in prof.ratios.values():
     assert alone > 0 and together > 0
-  assert prof.ratios['cond_skipped'][0] < prof.ratios['cond_active'][0]
 
 
 def test_cli_plans_writes_a_runnable_plan_and_a_trace(tmp_path, capsys):

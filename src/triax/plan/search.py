@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 from triax import config as config_lib
 from triax.errors import ConfigError
@@ -114,6 +114,15 @@ def layouts(cfg, num_devices: int) -> Iterator[Layout]:
               continue  # the builder returns 1f1b itself
             if _buildable(name, p, m, v):
               yield Layout(d, t, p, name, m, v)
+
+
+def profile_sizes(cfg, candidates: Sequence[Layout]) -> tuple[list[int], list[int]]:
+  """The tensor degrees and per-replica micro-batch sizes a search over
+  `candidates` needs profiled (what `search` asks `profile.measure` for)."""
+  batch = cfg.train.global_batch_size
+  tensors = sorted({l.tensor for l in candidates})
+  sizes = sorted({batch // (l.data * l.microbatches) for l in candidates})
+  return tensors, sizes
 
 
 _BUILDABLE: dict = {}
@@ -262,13 +271,8 @@ def search(
       f'{n} devices suits this model (heads {cfg.model.num_heads}, '
       f'layers {cfg.model.num_layers}, batch {cfg.train.global_batch_size})',
     )
-  batch = cfg.train.global_batch_size
   if profile is None:
-    profile = profile_lib.measure(
-      cfg.model,
-      sorted({l.tensor for l in all_layouts}),
-      sorted({batch // (l.data * l.microbatches) for l in all_layouts}),
-    )
+    profile = profile_lib.measure(cfg.model, *profile_sizes(cfg, all_layouts))
   else:  # a given profile bounds the tensor degrees
     all_layouts = [l for l in all_layouts if l.tensor in profile.shards]
   started = time.perf_counter()
