@@ -11,6 +11,7 @@ import numpy as np
 
 from triax import config
 from triax.mesh import build_mesh
+from triax.model import registry
 from triax.training.step import build_trainer
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), '..'))
@@ -31,6 +32,13 @@ def tiny_config(**overrides):
     group, name = key.split('.')
     c[group][name] = value
   return c
+
+
+def model_of(**fields):
+  """A family model from config.defaults().model with `fields` replaced."""
+  model_cfg = config.defaults().model
+  model_cfg.update(fields)
+  return registry.build(registry.spec_from_config(model_cfg))
 
 
 def make_trainer(cfg):

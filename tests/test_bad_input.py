@@ -100,6 +100,24 @@ CASES = [
     'pipeline.schedule_file',
   ),
   ('unknown-dtype', train('--config.model.dtype=float8'), 'model.dtype'),
+  ('unknown-family', train('--config.model.family=mamba'), 'model.family'),
+  # A key the family does not read would be silently ignored.
+  ('gpt-with-kv-heads', train('--config.model.num_kv_heads=2'), 'model.num_kv_heads'),
+  ('gpt-with-rope-scaling', train('--config.model.rope_scaling.factor=8.0'), 'model.rope_scaling'),
+  (
+    'kv-heads-not-dividing-heads',
+    train('--config.model.family=llama', '--config.model.num_kv_heads=3'),
+    'model.num_kv_heads',
+  ),
+  (
+    'rope-scaling-frequency-factors',
+    train(
+      '--config.model.family=llama',
+      '--config.model.rope_scaling.factor=8.0',
+      '--config.model.rope_scaling.high_freq_factor=0.5',
+    ),
+    'model.rope_scaling.high_freq_factor',
+  ),
   ('negative-learning-rate', train('--config.train.learning_rate=-1'), 'train.learning_rate'),
   ('keep-no-checkpoints', train('--config.checkpoint.keep=0'), 'checkpoint.keep'),
   (
@@ -188,6 +206,11 @@ CASES = [
   ('checkpoint-foreign-step', train(setup=write('w/checkpoints/5/data', 'junk')), '--workdir'),
   ('checkpoint-unreadable', train(setup=fake_checkpoint), '--workdir'),
   ('checkpoint-other-model', train('--config.model.d_model=64', trained=True), 'model.d_model'),
+  (
+    'checkpoint-other-family',
+    train('--config.model.family=llama', trained=True),
+    'model.family',
+  ),
   (
     'checkpoint-other-optimizer',
     train('--config.train.grad_clip_norm=0', trained=True),

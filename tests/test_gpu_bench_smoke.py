@@ -9,9 +9,10 @@ import sys
 
 import harness
 import jax
+import pytest
 
 from triax import config
-from triax.model.transformer import GPT, ModelSpec
+from triax.model import registry
 
 SCRIPT = os.path.join(harness.ROOT, 'scripts', 'gpu_bench.sh')
 
@@ -28,12 +29,14 @@ def _bench(*args):
   )
 
 
-def test_smoke_benchmark_prints_tokens_per_second_and_mfu_line(tmp_path):
-  result = _bench('--smoke', f'--workdir={tmp_path / "bench"}')
+@pytest.mark.parametrize('name', ['gpt_1b', 'llama_1b'])
+def test_smoke_benchmark_prints_tokens_per_second_and_mfu_line(tmp_path, name):
+  result = _bench('--smoke', f'--config={name}', f'--workdir={tmp_path / "bench"}')
   assert result.returncode == 0, result.stderr[-3000:]
   tokens = re.search(r'^tokens/s:\s+([\d,]+)', result.stdout, re.M)
   assert tokens and int(tokens.group(1).replace(',', '')) > 0, result.stdout
   assert re.search(r'^MFU:\s+n/a', result.stdout, re.M), result.stdout  # no peak known for CPU
+  assert re.search(r'^hardware FLOPs:', result.stdout, re.M)
   assert re.search(r'^peak memory:', result.stdout, re.M)
 
 
@@ -57,6 +60,24 @@ def test_full_config_is_a_valid_one_device_1b_model():
     'cudnn',
   )
   # Shapes only (cuDNN attention cannot be traced on CPU: count with the XLA kernel).
-  model = GPT(dataclasses.replace(ModelSpec.from_config(cfg.model), attention='xla'))
+  model = registry.build(dataclasses.replace(registry.spec_from_config(cfg.model), attention='xla'))
   count = sum(leaf.size for leaf in jax.tree.leaves(jax.eval_shape(model.init, jax.random.key(0))))
   assert 0.95e9 < count < 1.1e9
+
+
+def test_unknown_benchmark_is_refused(tmp_path):
+  result = _bench('--smoke', '--config=gpt_7b', f'--workdir={tmp_path / "bench"}')
+  assert result.returncode == 2
+  assert result.stderr.startswith('error: --config:')
+
+
+def test_llama_1b_is_llama_3_2_1b_shaped():
+  cfg = config.validate(
+    config.from_file(os.path.join(harness.ROOT, 'experiments', 'llama_1b.py')), 1
+  )
+  spec = dataclasses.replace(registry.spec_from_config(cfg.model), attention='xla')
+  shapes = jax.eval_shape(registry.build(spec).init, jax.random.key(0))
+  assert 'out' not in shapes['head']  # tied, as Llama 3.2 1B
+  assert shapes['layers']['wk'].shape == (16, 2048, 8, 64)  # 8 K/V heads of 64
+  count = sum(leaf.size for leaf in jax.tree.leaves(shapes))
+  assert 1.23e9 < count < 1.24e9  # 1,235,814,400 in the Hugging Face checkpoint

@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 
 from triax import generation
-from triax.model.transformer import GPT, ModelSpec
 
 
 def _gpt_tiny_smoke():
@@ -52,8 +51,8 @@ def test_sample_prints_the_prompt_and_a_seeded_continuation(trained):
 
 
 def test_greedy_generation_matches_step_by_step_argmax_through_the_sliding_buffer():
-  spec = ModelSpec(num_layers=1, d_model=16, num_heads=2, d_ff=32, vocab_size=256, seq_len=8)
-  model = GPT(spec)
+  model = harness.model_of(num_layers=1, d_model=16, num_heads=2, d_ff=32, seq_len=8)
+  spec = model.spec
   params = model.init(jax.random.key(1))
   prompt = [100, 101, 32]
   new = generation.generate(

@@ -7,12 +7,12 @@ layer of the chunk; this checks that every equation runs once, in B or W,
 under every remat policy and through the uneven split's `cond`.
 """
 
+import harness
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from triax.model.transformer import GPT, ModelSpec
 from triax.pipeline.split_backward import SplitBackward
 
 
@@ -21,10 +21,9 @@ def _flops(fn, *args) -> float:
 
 
 def _chunk_backward(remat, active):
-  spec = ModelSpec(
+  model = harness.model_of(
     num_layers=2, d_model=32, num_heads=4, d_ff=64, vocab_size=256, seq_len=16, remat=remat
   )
-  model = GPT(spec)
   params = model.init(jax.random.key(0))['layers']
   x = jax.random.normal(jax.random.key(1), (2, 16, 32))
   run = (

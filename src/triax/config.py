@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import ml_collections
 
 from triax.errors import ConfigError
+from triax.model import registry
 from triax.pipeline import schedule as sched
 from triax.pipeline.layout import StackLayout
 
@@ -55,6 +56,9 @@ def defaults() -> ml_collections.ConfigDict:
   c.model.num_layers = 4
   # Residual stream width (h in the Megatron FLOPs formula).
   c.model.d_model = 128
+  # Model family, one file each in triax/model/: gpt (learned positions, GELU MLP, full
+  # multi-head attention) or llama (RoPE, SwiGLU, grouped-query attention, RMSNorm).
+  c.model.family = 'gpt'
   # Attention heads; must divide by mesh.tensor.
   c.model.num_heads = 4
   # MLP hidden width; must divide by mesh.tensor.
@@ -75,6 +79,24 @@ def defaults() -> ml_collections.ConfigDict:
   c.pipeline = ml_collections.ConfigDict()
   # Pipeline schedule: gpipe, 1f1b, interleaved_1f1b, bpipe, zb_h1, interleaved_zb or zb_v
   # (one file each in triax/pipeline/schedules/).
+  # llama: K/V heads (grouped-query attention), a divisor of num_heads; 0 = num_heads.
+  c.model.num_kv_heads = 0
+  # llama: RoPE base; Llama 3's 500000 (Llama 2 used 10000), what its checkpoints expect.
+  c.model.rope_theta = 500000.0
+  # llama: Llama 3's long-context RoPE scaling (transformers' rope_type='llama3').
+  c.model.rope_scaling = ml_collections.ConfigDict()
+  # Slow-down of the long wavelengths (Llama 3.1: 8, 3.2: 32); 0 = no scaling.
+  c.model.rope_scaling.factor = 0.0
+  # Wavelengths above original_max_position_embeddings / low_freq_factor are scaled fully.
+  c.model.rope_scaling.low_freq_factor = 1.0
+  # Wavelengths below original_max_position_embeddings / high_freq_factor are kept.
+  c.model.rope_scaling.high_freq_factor = 4.0
+  # The context length the model was pre-trained on before scaling.
+  c.model.rope_scaling.original_max_position_embeddings = 8192
+  # llama: RMSNorm epsilon (transformers' Llama default; gpt's is fixed at 1e-6).
+  c.model.norm_eps = 1e-5
+  # llama: use the embedding table as the output layer (Llama 3.2 1B/3B do).
+  c.model.tie_embeddings = False
   c.pipeline.schedule = '1f1b'
   # A schedule file to run instead (torch's compute-only .csv or triax's .json); '' = by name.
   c.pipeline.schedule_file = ''
@@ -172,6 +194,8 @@ def parse_arg(arg: str | None, **defaults) -> dict:
   import ast
 
   out = dict(defaults)
+    # llama's K/V heads: validate() replicates them instead when fewer than the axis size.
+    ('kv_heads', 'tensor'),
   for item in filter(None, (arg or '').split(',')):
     key, sep, value = item.partition('=')
     key = key.strip()
@@ -413,3 +437,6 @@ def _check_rules(rules: Sequence) -> None:
         'sharding.logical_axis_rules',
         f'rule {tuple(rule)!r} must map a logical axis to one of {", ".join(MESH_AXES)} or None',
       )
+  cfg.sharding.logical_axis_rules = registry.validate(
+    cfg.model, defaults().model, cfg.mesh, cfg.sharding.logical_axis_rules
+  )

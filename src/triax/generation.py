@@ -24,8 +24,9 @@ import ml_collections
 import numpy as np
 import orbax.checkpoint as ocp
 
+from triax import config as config_lib
 from triax.errors import ConfigError
-from triax.model.transformer import GPT, ModelSpec
+from triax.model import registry
 from triax.training.checkpoint import Checkpointer
 
 CONFIG_FILE = 'config.json'
@@ -63,7 +64,12 @@ def load_run_config(workdir: str) -> ml_collections.ConfigDict:
       '--workdir', f'{workdir} has no {CONFIG_FILE}: give the --workdir of a triax.train run'
     )
   with open(path) as f:
-    return ml_collections.ConfigDict(json.load(f))
+    cfg = ml_collections.ConfigDict(json.load(f))
+  # Runs written before model families lack their keys: GPTs, with the defaults.
+  for key, value in config_lib.defaults().model.items():
+    if key not in cfg.model:
+      cfg.model[key] = value
+  return cfg
 
 
 def encode_prompt(prompt: str, seq_len: int) -> list[int]:
@@ -98,7 +104,7 @@ def latest_checkpoint(workdir: str, cfg) -> int:
 
 def restore_params(workdir: str, cfg, step: int):
   """The params of checkpoint `step`, on the first device."""
-  model = GPT(ModelSpec.from_config(cfg.model))
+  model = registry.build(registry.spec_from_config(cfg.model))
   device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
   target = {
     'params': jax.tree.map(
@@ -121,9 +127,9 @@ def restore_params(workdir: str, cfg, step: int):
 
 def sampling_model(cfg):
   """The run's model as inference runs it: its own dtype, cuDNN attention only on GPU."""
-  spec = ModelSpec.from_config(cfg.model)
+  spec = registry.spec_from_config(cfg.model)
   attention = spec.attention if jax.default_backend() == 'gpu' else 'xla'
-  return GPT(dataclasses.replace(spec, attention=attention, remat='none'))
+  return registry.build(dataclasses.replace(spec, attention=attention, remat='none'))
 
 
 def generate(model, params, prompt: list[int], sampling: Sampling):

@@ -1,8 +1,22 @@
-"""Model FLOPs per step (Megatron-LM, Narayanan et al. SC'21, eq. 3) and MFU.
+"""FLOPs of one optimizer step, model and hardware, and peak FLOP/s for MFU.
 
-F = 96 B s l h^2 (1 + s/(6h) + V/(16 l h)) counts forward and backward
-(3x the forward) of the matmuls with d_ff = 4h and no recomputation, which
-is the convention MFU uses: recomputed FLOPs are not useful work.
+Conventions (those of Megatron-LM, Narayanan et al. SC'21, and PaLM's MFU):
+  * A matmul of [m, k] by [k, n] is 2mkn FLOPs; norms, softmax, rotary and
+    activation functions are not counted (a few per element, against k per
+    element for a matmul). The embedding lookup is a gather: 0 FLOPs.
+  * Causal attention is counted over the full s x s score square, as
+    Megatron counts it (4 s^2 h per layer forward: Q K^T and the weighted
+    V), although a causal kernel can skip the upper half.
+  * The backward costs twice the forward, so training is 3x the forward.
+  * Model FLOPs count that and nothing else: recomputation is not useful
+    work, so MFU (model FLOPs / time / peak) does not depend on remat.
+    Hardware FLOPs add what remat recomputes: full recomputes each layer's
+    forward once more; selective recomputes the attention core.
+
+Each family's `forward_flops()` gives one sequence's forward from its own
+shapes (model/gpt.py, model/llama.py). For GPT with d_ff = 4h this is
+72 B s l h^2 (1 + s/(6h) + V/(12 l h)), Megatron's eq. 3 without its
+recomputed forward (its 96 and V/16lh assume full recomputation).
 """
 
 from __future__ import annotations
@@ -23,13 +37,24 @@ PEAK_BF16_FLOPS = (
   ('TPU v6', 918e12),
 )
 
+# What each remat policy recomputes in the backward, as parts of forward_flops().
+_RECOMPUTED = {
+  'none': (),
+  'full': ('layer_matmul', 'layer_attention'),
+  'selective': ('layer_attention',),
+}
 
-def megatron_flops_per_step(
-  batch: int, seq_len: int, num_layers: int, d_model: int, vocab_size: int
-) -> float:
-  """Megatron's model FLOPs for one optimizer step on `batch` sequences."""
-  b, s, l, h, v = batch, seq_len, num_layers, d_model, vocab_size
-  return 96.0 * b * s * l * h * h * (1.0 + s / (6.0 * h) + v / (16.0 * l * h))
+
+def step_flops(model, batch: int) -> dict[str, float]:
+  """{'model': ..., 'hardware': ...} FLOPs of one optimizer step on `batch` sequences.
+
+  `model` is a family model (its spec's num_layers and remat are read).
+  """
+  fwd = model.forward_flops()
+  layers = model.spec.num_layers
+  forward = layers * (fwd['layer_matmul'] + fwd['layer_attention']) + fwd['head']
+  recomputed = layers * sum(fwd[k] for k in _RECOMPUTED[model.spec.remat])
+  return {'model': 3.0 * batch * forward, 'hardware': batch * (3.0 * forward + recomputed)}
 
 
 def peak_flops(device_kind: str, configured: float = 0.0) -> float | None:

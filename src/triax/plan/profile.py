@@ -63,7 +63,7 @@ import numpy as np
 
 from triax.plan.cluster import Link
 
-# Residual policies the model knows; kept in step with transformer._REMAT_POLICIES.
+# Residual policies the model knows; kept in step with model.common.REMAT_POLICIES.
 REMATS = ('none', 'selective', 'full')
 # Functions whose time is fitted: chunk forward and backward per layer, the
 # embedding's forward+backward, the head's loss+gradient.
@@ -395,31 +395,20 @@ def measure(
   return _measure_cached(*key)
 
 
-# The model hyper-parameters a profile depends on (remat is measured per policy).
-_MODEL_FIELDS = (
-  'num_layers',
-  'd_model',
-  'num_heads',
-  'd_ff',
-  'vocab_size',
-  'seq_len',
-  'dtype',
-  'param_dtype',
-  'attention',
-)
+def _model_key(model_cfg):
+  """What a profile depends on: the family's whole spec but remat (measured per policy)."""
+  from triax.model import registry
 
-
-def _model_key(model_cfg) -> tuple:
-  return tuple((k, model_cfg[k]) for k in _MODEL_FIELDS)
+  return dataclasses.replace(registry.spec_from_config(model_cfg), remat='none')
 
 
 @functools.lru_cache(maxsize=16)
 def _measure_cached(
-  model_key: tuple, tensors: tuple[int, ...], microbatches: tuple[int, ...], remats: tuple[str, ...]
+  model_key, tensors: tuple[int, ...], microbatches: tuple[int, ...], remats: tuple[str, ...]
 ) -> Profile:
   started = time.perf_counter()
-  spec = dict(model_key)
-  prof = _Profiler(spec)
+  spec = dataclasses.asdict(model_key)
+  prof = _Profiler(model_key)
   shards = {t: prof.shard(t) for t in tensors}
   machine = prof.machine()
   points = prof.time_points(_points_to_measure(tensors, microbatches, spec['seq_len'], remats))
@@ -516,11 +505,12 @@ def _fit(roofline: Sequence[float], seconds: Sequence[float]) -> Fit:
 class _Profiler:
   """The JAX side: builds shard models, lowers, compiles and times them."""
 
-  def __init__(self, spec: dict):
+  def __init__(self, model_spec):
     import jax
 
     self.jax = jax
-    self.spec = spec
+    self.model_spec = model_spec  # the family's ModelSpec (model/common.py)
+    self.spec = dataclasses.asdict(model_spec)
     self._functions = {}
     # (name, b, t, remat) -> (alone, all devices at once) seconds per call,
     # of every function timed so far (executor_ratios reuses the layer pair).
@@ -529,18 +519,14 @@ class _Profiler:
   # -- shapes and cost analysis (lowering only: cheap) --
 
   def _model(self, t: int, remat: str = 'none'):
-    from triax.model.transformer import GPT
+    from triax.model import registry
 
-    return GPT(dataclasses.replace(_shard_spec(self.spec, t), remat=remat))
+    return registry.build(dataclasses.replace(self.model_spec.tensor_shard(t), remat=remat))
 
   def _stack(self, model, layers: int):
     jax = self.jax
-    _, x = model._dummy()
-    one = jax.eval_shape(lambda k: model._block.init(k, x)['params'], jax.random.key(0))
-    import flax.linen as nn
-
-    one = nn.unbox(one)
-    return jax.tree.map(lambda a: jax.ShapeDtypeStruct((layers,) + a.shape, a.dtype), one)
+    stack = jax.eval_shape(model.init, jax.random.key(0))['layers']
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct((layers,) + a.shape[1:], a.dtype), stack)
 
   def _act(self, b: int):
     import jax.numpy as jnp
@@ -573,7 +559,9 @@ class _Profiler:
     model = self._model(t, remat)
     stack = self._stack(model, layers)
     x, tok = self._act(b), self._tokens(b)
-    edges = jax.eval_shape(model.init, jax.random.key(0))
+    # As the stages call them: a tied head reads the embedding table too.
+    embed_params, head_params = model.edge_params(jax.eval_shape(model.init, jax.random.key(0)))
+    edges = {'embed': embed_params, 'head': head_params}
     fwd = lambda p, x: jax.vjp(model.layers, p, x)
 
     def fwd_bwd(p, x):
@@ -653,10 +641,7 @@ class _Profiler:
   def _stash_bytes(self, t: int, remat: str, layers: int, b: int = 1) -> float:
     """Residual bytes the executor stashes for a chunk of `layers` layers."""
     jax = self.jax
-    spec = dataclasses.replace(_shard_spec(self.spec, t), remat=remat)
-    from triax.model.transformer import GPT
-
-    model = GPT(spec)
+    model = self._model(t, remat)
 
     def probe(params, x):
       _, vjp_fn = jax.vjp(model.layers, params, x)
@@ -681,10 +666,9 @@ class _Profiler:
       if remat == 'none':
         fixed = max(one - (two - one), 0.0)
     s, d = self.spec['seq_len'], self.spec['d_model']
-    heads_t, hd = self.spec['num_heads'] // t, d // self.spec['num_heads']
-    d_ff_t = self.spec['d_ff'] // t
-    matmuls = 2 * s * d * (4 * heads_t * hd + 2 * d_ff_t)
-    attention = 4 * s * s * heads_t * hd
+    # The shard's own layer FLOPs, by its family (fewer heads, K/V heads, MLP columns).
+    flops = model.forward_flops()
+    matmuls, attention = flops['layer_matmul'], flops['layer_attention']
     dtype_bytes = np.dtype(self.spec['dtype']).itemsize
     act = float(s * d * dtype_bytes)
     layer_params = nbytes(self._stack(model, 1))
@@ -869,29 +853,6 @@ class _Profiler:
       p2p=p2p,
       allreduce=allreduce,
     )
-
-
-def _shard_spec(spec: dict, t: int):
-  """The full model's ModelSpec, or one tensor shard of it (t > 1)."""
-  from triax.model.transformer import ModelSpec
-
-  @dataclasses.dataclass(frozen=True)
-  class ShardSpec(ModelSpec):
-    # Heads keep the full model's width: a shard has fewer heads, not thinner ones.
-    full_head_dim: int = 0
-
-    @property
-    def head_dim(self) -> int:
-      return self.full_head_dim
-
-  fields = {k: spec[k] for k in _MODEL_FIELDS}
-  full_head_dim = spec['d_model'] // spec['num_heads']
-  if t == 1:
-    return ModelSpec(**fields)
-  fields.update(
-    num_heads=spec['num_heads'] // t, d_ff=spec['d_ff'] // t, vocab_size=spec['vocab_size'] // t
-  )
-  return ShardSpec(full_head_dim=full_head_dim, **fields)
 
 
 def _backward_part(pair: float, fwd: float) -> float:

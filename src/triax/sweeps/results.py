@@ -299,9 +299,13 @@ def benchmark_report(workdir: str) -> str:
     f'tokens/s:    {run.tokens_per_sec:,.0f}  (median of {max(n - 1, 1)} logged windows '
     'after the first)',
     f'step time:   {run.step_time_s * 1e3:.1f} ms',
-    f'model FLOPs: {stats["model_flops_per_step"]:.3g} per step (Megatron formula, '
-    'recomputation not counted)',
+    f"model FLOPs: {stats['model_flops_per_step']:.3g} per step (from the model family's "
+    'shapes, recomputation not counted)',
   ]
+  if 'hardware_flops_per_step' in stats:  # runs before model families logged only the model's
+    lines.append(
+      f'hardware FLOPs: {stats["hardware_flops_per_step"]:.3g} per step (with recomputation)'
+    )
   if run.mfu is not None:
     lines.append(f'MFU:         {100 * run.mfu:.1f}%')
   else:

@@ -36,9 +36,9 @@ import orbax.checkpoint as ocp
 from absl import logging
 
 from triax.errors import ConfigError
+from triax.model import registry
 from triax.training.step import Trainer, TrainState
 
-_MODEL_KEYS = ('num_layers', 'd_model', 'num_heads', 'd_ff', 'vocab_size', 'seq_len', 'param_dtype')
 MANIFEST = 'triax_manifest.json'
 DAMAGED_DIR = 'checkpoints_damaged'
 # orbax's name for a step being written (`8.orbax-checkpoint-tmp-<time>`).
@@ -46,8 +46,9 @@ _UNFINISHED = re.compile(r'^(\d+)\.orbax-checkpoint-tmp')
 
 
 def model_record(cfg) -> dict:
-  """What must match between a checkpoint and the run restoring it (besides the state's tree)."""
-  return {k: cfg.model[k] for k in _MODEL_KEYS}
+  """What must match between a checkpoint and the run restoring it (besides the state's tree):
+  the model family and the keys its parameter shapes depend on."""
+  return registry.shape_record(cfg.model)
 
 
 def state_paths(trainer: Trainer) -> list[str]:
@@ -203,6 +204,7 @@ class Checkpointer:
       return reader.restore(self._step_dir(step), args=ocp.args.Composite(**items))
 
   def _check_model(self, step: int, record: dict, trainer: Trainer) -> None:
+    record = {'family': 'gpt', **record}  # written before there were families: a GPT
     for key, value in model_record(self.cfg).items():
       if record.get(key) != value:
         raise ConfigError(

@@ -34,7 +34,7 @@ from triax.data.batches import BatchStream
 from triax.data.corpus import load_corpus, unigram_entropy_nats
 from triax.errors import ConfigError
 from triax.mesh import build_mesh
-from triax.model.flops import megatron_flops_per_step, peak_flops
+from triax.model.flops import peak_flops, step_flops
 from triax.pipeline import schedule as sched
 from triax.pipeline import simulate
 from triax.training import lock as lock_lib
@@ -112,6 +112,7 @@ def compile_stats(trainer: Trainer) -> tuple[object, dict]:
   """Lowers and compiles the train step; XLA's per-device memory and cost figures."""
   cfg = trainer.cfg
   b, s = cfg.train.global_batch_size, cfg.model.seq_len
+  flops = step_flops(trainer.model, b)
   batch = {
     k: jax.ShapeDtypeStruct((b, s), np.int32, sharding=trainer.batch_sharding)
     for k in ('inputs', 'targets')
@@ -128,9 +129,10 @@ def compile_stats(trainer: Trainer) -> tuple[object, dict]:
     'generated_code_bytes': int(mem.generated_code_size_in_bytes),
     # XLA counts a loop body once, not once per iteration (see WORKSPACE.md).
     'flops': float(_cost(compiled).get('flops', 0.0)),
-    'model_flops_per_step': megatron_flops_per_step(
-      b, s, cfg.model.num_layers, cfg.model.d_model, cfg.model.vocab_size
-    ),
+    # Per step, from the family's shapes (model/flops.py): model FLOPs are the
+    # useful work MFU counts; hardware FLOPs add what remat recomputes.
+    'model_flops_per_step': flops['model'],
+    'hardware_flops_per_step': flops['hardware'],
     'compile_seconds': time.perf_counter() - started,
     'mesh': {a: cfg.mesh[a] for a in config_lib.MESH_AXES},
     'devices': jax.device_count(),
@@ -443,11 +445,14 @@ def _train(
         'epoch': data.train.epoch_at(step),
       }
       if peak:
-        record['mfu'] = stats['model_flops_per_step'] / step_time / (peak * jax.device_count())
+        record['mfu'] = record['model_flops_per_sec'] / (peak * jax.device_count())
+        record['hfu'] = record['hardware_flops_per_sec'] / (peak * jax.device_count())
       metrics.write(record)
       last_loss = loss
       bar.set_postfix(loss=f'{loss:.3f}', tok_s=f'{record["tokens_per_sec"]:.0f}')
       window['start'], window['steps'] = fetched, 0
+      record['model_flops_per_sec'] = stats['model_flops_per_step'] / step_time
+      record['hardware_flops_per_sec'] = stats['hardware_flops_per_step'] / step_time
     bar.update(1)
 
   stopped = None

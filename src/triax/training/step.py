@@ -20,7 +20,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from triax import config, sharding
-from triax.model.transformer import GPT, ModelSpec
+from triax.model import registry
+from triax.model.common import DecoderModel
 from triax.pipeline import executor
 from triax.pipeline import layout as layout_lib
 from triax.pipeline import schedule as sched
@@ -130,7 +131,7 @@ class Trainer:
 
   cfg: Any
   mesh: Mesh
-  model: GPT
+  model: DecoderModel
   optimizer: optax.GradientTransformation
   program: sched.Program | None
   layout: layout_lib.StackLayout  # how layers are cut into chunks and stored
@@ -169,8 +170,8 @@ class Trainer:
 
 def build_trainer(cfg, mesh: Mesh) -> Trainer:
   """Builds the model, optimizer, schedule program and jitted steps for `cfg` (validated)."""
-  spec = ModelSpec.from_config(cfg.model)
-  model = GPT(spec)
+  spec = registry.spec_from_config(cfg.model)
+  model = registry.build(spec)
   rules = cfg.sharding.logical_axis_rules
   p, v = cfg.mesh.pipe, cfg.pipeline.virtual_stages
   m = cfg.pipeline.microbatches
@@ -264,10 +265,15 @@ def build_trainer(cfg, mesh: Mesh) -> Trainer:
     def raw_loss_and_grad(params, inputs, targets):
       # Micro-batch j takes rows j, j+m, ...: each micro-batch spans every data shard.
       split = lambda a: jnp.swapaxes(a.reshape((mb, m) + a.shape[1:]), 0, 1)
+      # The first and last stages' params as the model hands them out; through
+      # the vjp, a weight both use (tied embeddings) gets both gradients summed.
+      edges = {'embed': params['embed'], 'head': params['head']}
+      (embed_params, head_params), edges_vjp = jax.vjp(model.edge_params, edges)
       loss, (g_layers, g_embed, g_head) = run(
-        params['layers'], params['embed'], params['head'], split(inputs), split(targets)
+        params['layers'], embed_params, head_params, split(inputs), split(targets)
       )
-      return loss, {'embed': g_embed, 'layers': g_layers, 'head': g_head}
+      (g_edges,) = edges_vjp((g_embed, g_head))
+      return loss, {**g_edges, 'layers': g_layers}
 
   def loss_and_grad(params, inputs, targets):
     with sharding.axis_rules(rules):

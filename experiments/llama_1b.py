@@ -1,0 +1,69 @@
+"""A Llama 3.2 1B-shaped model for one GPU: `scripts/gpu_bench.sh --config=llama_1b`.
+
+Llama 3.2 1B's shape: d_model 2048, 16 layers, 32 query heads and 8 K/V heads
+(head_dim 64), SwiGLU 8192, vocabulary 128256 with tied embeddings, RoPE base
+500000 with Llama 3's x32 scaling from 8192 positions; 1.24e9 parameters.
+Trained here on the byte corpus (token ids < 256; the vocabulary is kept
+for its cost: the output layer is a fifth of the FLOPs), 8 sequences x 2048
+tokens per step, bf16 compute with fp32 parameters and Adam state (20 GB),
+no rematerialisation (recomputation is work MFU does not count), cuDNN
+fused attention. pipe = data = tensor = 1: one device.
+
+  scripts/gpu_bench.sh --config=llama_1b     # or:
+  python -m triax.train --config=experiments/llama_1b.py --workdir=runs/llama_1b --config.train.steps=40
+
+ARG is `key=value,...`:
+  attention=cudnn|xla  the attention kernel (default cudnn: GPU only)
+  batch=N              sequences per step (default 8)
+  remat=none|selective|full
+  smoke                a tiny model of the same shape family that runs on one CPU
+                       device in seconds (scripts/gpu_bench.sh --smoke, tests)
+"""
+
+from triax import config
+
+
+def get_config(arg=None):
+  args = config.parse_arg(arg, smoke=False, attention='cudnn', batch=8, remat='none', steps=40)
+  c = config.defaults()
+  c.mesh.data, c.mesh.tensor, c.mesh.pipe = 1, 1, 1
+  c.pipeline.schedule = '1f1b'
+  c.pipeline.microbatches = 1
+  c.pipeline.virtual_stages = 1
+  c.model.family = 'llama'
+  c.model.num_layers = 16
+  c.model.d_model = 2048
+  c.model.num_heads = 32
+  c.model.num_kv_heads = 8
+  c.model.d_ff = 8192
+  c.model.vocab_size = 128256
+  c.model.seq_len = 2048
+  c.model.rope_theta = 500000.0
+  c.model.rope_scaling.factor = 32.0
+  c.model.rope_scaling.low_freq_factor = 1.0
+  c.model.rope_scaling.high_freq_factor = 4.0
+  c.model.rope_scaling.original_max_position_embeddings = 8192
+  c.model.tie_embeddings = True
+  c.model.dtype = 'bfloat16'
+  c.model.param_dtype = 'float32'
+  c.model.remat = args['remat']
+  c.model.attention = args['attention']
+  c.train.steps = args['steps']
+  c.train.global_batch_size = args['batch']
+  c.train.learning_rate = 3e-4
+  c.train.warmup_steps = 10
+  c.train.log_every = 5
+  # A benchmark: evaluate only at the start and the end, on one batch.
+  c.train.eval_every = 10_000
+  c.train.eval_batches = 1
+  c.checkpoint.every_steps = 0  # one checkpoint, at the end
+  c.checkpoint.keep = 1
+  if args['smoke']:
+    c.model.num_layers, c.model.d_model, c.model.num_heads, c.model.num_kv_heads = 2, 64, 4, 2
+    c.model.d_ff, c.model.seq_len, c.model.vocab_size = 172, 64, 1024
+    c.model.attention = 'xla'  # cuDNN attention exists only on GPU
+    c.train.global_batch_size = 4
+    c.train.steps = 6
+    c.train.warmup_steps = 1
+    c.train.log_every = 1
+  return c

@@ -1,0 +1,226 @@
+"""What every model family shares: the spec's common fields, parameter and
+norm helpers, remat policies, and `DecoderModel`, the pure functions over a
+parameter tree that the trainer, the pipeline executor and the sampler call.
+
+A family (gpt.py, llama.py) supplies three flax modules (embedding, one
+block, head), its spec class and its FLOPs; `DecoderModel` turns them into
+init / logical_axes / embed / layers / head_loss / loss / logits, so the
+family files hold only what differs between families.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from triax.model import loss as loss_lib
+
+Params = Any
+
+REMAT_POLICIES = {
+  'none': None,
+  'full': jax.checkpoint_policies.nothing_saveable,
+  # Megatron's "selective" idea: keep the weight matmuls' outputs, recompute
+  # the attention core (its score tensors are batch-dim dots, not saved).
+  'selective': jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+  """The hyper-parameters every family reads; a family subclasses it with its own.
+
+  Each field but `shard_head_dim` is the config key `model.<field>`, so a
+  family's config keys are its spec's fields (registry.py rejects the others).
+  """
+
+  family: str
+  num_layers: int
+  d_model: int
+  num_heads: int
+  d_ff: int
+  vocab_size: int
+  seq_len: int
+  dtype: str = 'float32'
+  param_dtype: str = 'float32'
+  remat: str = 'none'
+  attention: str = 'xla'
+  # Not a config key: a tensor shard (the planner's profiler) keeps the full
+  # model's head width, it has fewer heads, not thinner ones; 0 = d_model / heads.
+  shard_head_dim: int = dataclasses.field(default=0, metadata={'config': False})
+
+  # Keys of the model-shape record a checkpoint is checked against
+  # (training/checkpoint.py): what decides the parameter tree's shapes.
+  SHAPE_KEYS: ClassVar[tuple[str, ...]] = (
+    'family',
+    'num_layers',
+    'd_model',
+    'num_heads',
+    'd_ff',
+    'vocab_size',
+    'seq_len',
+    'param_dtype',
+  )
+
+  @classmethod
+  def config_fields(cls) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(cls) if f.metadata.get('config', True))
+
+  @classmethod
+  def from_config(cls, model_cfg) -> ModelSpec:
+    return cls(**{k: model_cfg[k] for k in cls.config_fields()})
+
+  @property
+  def head_dim(self) -> int:
+    return self.shard_head_dim or self.d_model // self.num_heads
+
+  def tensor_shard(self, t: int) -> ModelSpec:
+    """The spec of one of t tensor ranks' shards (Megatron's split: heads,
+    MLP columns and vocabulary divided by t), for the planner's profiler."""
+    if t == 1:
+      return self
+    return dataclasses.replace(
+      self,
+      num_heads=self.num_heads // t,
+      d_ff=self.d_ff // t,
+      vocab_size=self.vocab_size // t,
+      shard_head_dim=self.head_dim,
+    )
+
+
+def param(module: nn.Module, name: str, shape, axes, stddev: float, dtype):
+  """A parameter with logical axis names; stddev 0 initialises to ones (norm scales)."""
+  init = nn.initializers.normal(stddev) if stddev else nn.initializers.ones
+  return module.param(name, nn.with_logical_partitioning(init, axes), shape, dtype)
+
+
+def rms_norm(x, scale, eps: float):
+  x32 = x.astype(jnp.float32)
+  y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+  return (y * scale.astype(jnp.float32)).astype(x.dtype)
+
+
+def _axes_tree(boxed: Params) -> Params:
+  """Logical axis tuples of flax's LogicallyPartitioned leaves."""
+  return jax.tree.map(
+    lambda b: tuple(b.names), boxed, is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned)
+  )
+
+
+class DecoderModel:
+  """A decoder-only model as pure functions over a parameter tree.
+
+  params = {'embed': ..., 'layers': <block params stacked on a leading
+  'layers' axis>, 'head': ...}. The layer stack runs under `lax.scan`, so
+  compile time does not grow with depth. A family sets `embed_module`,
+  `block_module` and `head_module` (flax modules taking the spec); the head
+  module returns the final hidden state's logits given its own params and,
+  for tied embeddings, the embedding table (`edge_params`).
+  """
+
+  embed_module: ClassVar[type[nn.Module]]
+  block_module: ClassVar[type[nn.Module]]
+  head_module: ClassVar[type[nn.Module]]
+
+  def __init__(self, spec: ModelSpec):
+    self.spec = spec
+    self._embed = self.embed_module(spec)
+    self._block = self.block_module(spec)
+    self._head = self.head_module(spec)
+
+  def _dummy(self):
+    s = self.spec
+    return (jnp.zeros((1, s.seq_len), jnp.int32), jnp.zeros((1, s.seq_len, s.d_model), s.dtype))
+
+  def _head_init(self, key, x):
+    return self._head.init(key, x, *self._head_extra_args())
+
+  def _head_extra_args(self) -> tuple:
+    """Arguments besides x the head module's init needs (a tied table's stand-in)."""
+    return ()
+
+  def init(self, rng: jax.Array) -> Params:
+    tokens, x = self._dummy()
+    k_embed, k_layers, k_head = jax.random.split(rng, 3)
+    layer_keys = jax.random.split(k_layers, self.spec.num_layers)
+    return {
+      'embed': nn.unbox(self._embed.init(k_embed, tokens))['params'],
+      'layers': jax.vmap(lambda k: nn.unbox(self._block.init(k, x))['params'])(layer_keys),
+      'head': nn.unbox(self._head_init(k_head, x))['params'],
+    }
+
+  def logical_axes(self) -> Params:
+    """Same tree as `init`, with a tuple of logical axis names per leaf."""
+    tokens, x = self._dummy()
+    key = jax.random.key(0)
+    layer = _axes_tree(jax.eval_shape(self._block.init, key, x)['params'])
+    return {
+      'embed': _axes_tree(jax.eval_shape(self._embed.init, key, tokens)['params']),
+      'layers': jax.tree.map(
+        lambda a: ('layers',) + a, layer, is_leaf=lambda a: isinstance(a, tuple)
+      ),
+      'head': _axes_tree(jax.eval_shape(self._head_init, key, x)['params']),
+    }
+
+  def edge_params(self, params: Params) -> tuple[Params, Params]:
+    """(the embedding's params, the head's params) as `embed` and `head_loss`
+    take them. A family with tied embeddings hands the table to the head too;
+    callers that differentiate through this (jax.vjp) get the tied gradient
+    summed for free."""
+    return params['embed'], params['head']
+
+  def embed(self, embed_params: Params, tokens: jax.Array) -> jax.Array:
+    return self._embed.apply({'params': embed_params}, tokens)
+
+  def layer(self, layer_params: Params, x: jax.Array) -> jax.Array:
+    return self._block.apply({'params': layer_params}, x)
+
+  def layers(
+    self, stacked_params: Params, x: jax.Array, num_active: jax.Array | None = None
+  ) -> jax.Array:
+    """Runs a stack of layers (leading axis) in order, with the configured remat.
+
+    With `num_active`, only the first `num_active` layers run; the rest are
+    padding (uneven pipeline splits) and are skipped under `cond`.
+    """
+    layer = self.layer
+    if self.spec.remat != 'none':
+      layer = jax.checkpoint(layer, policy=REMAT_POLICIES[self.spec.remat])
+    if num_active is None:
+      x, _ = jax.lax.scan(lambda h, p: (layer(p, h), None), x, stacked_params)
+      return x
+
+    def step(h, args):
+      p, i = args
+      return jax.lax.cond(i < num_active, layer, lambda p, h: h, p, h), None
+
+    depth = jax.tree.leaves(stacked_params)[0].shape[0]
+    x, _ = jax.lax.scan(step, x, (stacked_params, jnp.arange(depth)))
+    return x
+
+  def head_logits(self, head_params: Params, x: jax.Array) -> jax.Array:
+    """fp32 logits [..., vocab] of hidden states x (vocabulary-parallel)."""
+    return self._head.apply({'params': head_params}, x)
+
+  def head_loss(self, head_params: Params, x: jax.Array, targets: jax.Array) -> jax.Array:
+    """Sum (not mean) of next-token cross-entropies, in fp32.
+
+    Sums compose across micro-batches and pipeline stages; the caller divides
+    by the global token count once.
+    """
+    return loss_lib.cross_entropy_sum(self.head_logits(head_params, x), targets)
+
+  def logits(self, params: Params, tokens: jax.Array) -> jax.Array:
+    embed_params, head_params = self.edge_params(params)
+    x = self.layers(params['layers'], self.embed(embed_params, tokens))
+    return self.head_logits(head_params, x)
+
+  def loss(self, params: Params, inputs: jax.Array, targets: jax.Array) -> jax.Array:
+    """Mean next-token cross-entropy of a batch on one program (no pipeline)."""
+    embed_params, head_params = self.edge_params(params)
+    x = self.layers(params['layers'], self.embed(embed_params, inputs))
+    return self.head_loss(head_params, x, targets) / targets.size

@@ -1,0 +1,124 @@
+"""The GPT family: token + learned position embedding, pre-norm blocks with
+full multi-head attention and a GELU MLP, untied output layer.
+
+Every parameter and the key activations carry logical axis names only
+('embed', 'heads', 'mlp', 'vocab', 'batch', ...). Which mesh axis each maps
+to is decided by the rules in the config (see triax.sharding); with the
+default rules this is Megatron tensor parallelism: Q/K/V and the first MLP
+matmul are column-parallel, the attention output and second MLP matmul
+row-parallel, heads split across `tensor`, embedding and output layer
+vocabulary-parallel.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from triax.model.common import DecoderModel, ModelSpec, param, rms_norm
+from triax.sharding import constrain
+
+# The RMSNorm epsilon GPT has always used (not a config key: checkpoints rely on it).
+_NORM_EPS = 1e-6
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTSpec(ModelSpec):
+  """GPT reads only the common keys."""
+
+
+class Embed(nn.Module):
+  """Vocabulary-parallel token embedding plus learned positions."""
+
+  spec: GPTSpec
+
+  @nn.compact
+  def __call__(self, tokens):
+    s, pdt = self.spec, jnp.dtype(self.spec.param_dtype)
+    table = param(self, 'tokens', (s.vocab_size, s.d_model), ('vocab', 'embed'), 0.02, pdt)
+    pos = param(self, 'positions', (s.seq_len, s.d_model), ('seq', 'embed'), 0.01, pdt)
+    x = jnp.take(table, tokens, axis=0) + pos[: tokens.shape[-1]]
+    return constrain(x.astype(s.dtype), ('batch', 'seq', 'embed'))
+
+
+class Block(nn.Module):
+  """One pre-norm transformer block: causal self-attention then an MLP."""
+
+  spec: GPTSpec
+
+  @nn.compact
+  def __call__(self, x):
+    s = self.spec
+    pdt, dt = jnp.dtype(s.param_dtype), jnp.dtype(s.dtype)
+    out_std = 0.02 / math.sqrt(2 * s.num_layers)  # GPT-2: keep the residual stream's variance flat
+    n, hd, d = s.num_heads, s.head_dim, s.d_model
+    norm1 = param(self, 'attn_norm', (d,), ('embed',), 0, pdt)
+    wq = param(self, 'wq', (d, n, hd), ('embed', 'heads', 'kv'), 0.02, pdt)
+    wk = param(self, 'wk', (d, n, hd), ('embed', 'heads', 'kv'), 0.02, pdt)
+    wv = param(self, 'wv', (d, n, hd), ('embed', 'heads', 'kv'), 0.02, pdt)
+    wo = param(self, 'wo', (n, hd, d), ('heads', 'kv', 'embed'), out_std, pdt)
+    norm2 = param(self, 'mlp_norm', (d,), ('embed',), 0, pdt)
+    w1 = param(self, 'w1', (d, s.d_ff), ('embed', 'mlp'), 0.02, pdt)
+    w2 = param(self, 'w2', (s.d_ff, d), ('mlp', 'embed'), out_std, pdt)
+
+    h = rms_norm(x, norm1, _NORM_EPS)
+    q = jnp.einsum('bsd,dnk->bsnk', h, wq.astype(dt))
+    k = jnp.einsum('bsd,dnk->bsnk', h, wk.astype(dt))
+    v = jnp.einsum('bsd,dnk->bsnk', h, wv.astype(dt))
+    q, k, v = (constrain(t, ('batch', 'seq', 'heads', 'kv')) for t in (q, k, v))
+    impl = 'cudnn' if s.attention == 'cudnn' else 'xla'
+    a = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
+    x = x + constrain(jnp.einsum('bsnk,nkd->bsd', a, wo.astype(dt)), ('batch', 'seq', 'embed'))
+
+    h = rms_norm(x, norm2, _NORM_EPS)
+    u = constrain(jnp.einsum('bsd,df->bsf', h, w1.astype(dt)), ('batch', 'seq', 'mlp'))
+    u = jax.nn.gelu(u)
+    x = x + constrain(jnp.einsum('bsf,fd->bsd', u, w2.astype(dt)), ('batch', 'seq', 'embed'))
+    return x
+
+
+class Head(nn.Module):
+  """Final norm and vocabulary-parallel output layer; returns fp32 logits."""
+
+  spec: GPTSpec
+
+  @nn.compact
+  def __call__(self, x):
+    s = self.spec
+    pdt = jnp.dtype(s.param_dtype)
+    norm = param(self, 'norm', (s.d_model,), ('embed',), 0, pdt)
+    out = param(self, 'out', (s.d_model, s.vocab_size), ('embed', 'vocab'), 0.02, pdt)
+    logits = jnp.einsum('bsd,dv->bsv', rms_norm(x, norm, _NORM_EPS), out.astype(s.dtype))
+    return constrain(logits, ('batch', 'seq', 'vocab')).astype(jnp.float32)
+
+
+class GPT(DecoderModel):
+  embed_module = Embed
+  block_module = Block
+  head_module = Head
+
+  def forward_flops(self) -> dict[str, float]:
+    """Forward FLOPs of one sequence (convention in model/flops.py)."""
+    s = self.spec
+    t, d, nh = s.seq_len, s.d_model, s.num_heads * s.head_dim
+    return {
+      # Q, K, V and the output projection, then the MLP's two matmuls.
+      'layer_matmul': 2.0 * t * (4 * d * nh + 2 * d * s.d_ff),
+      # Q K^T and the attention-weighted V over the full t x t square.
+      'layer_attention': 4.0 * t * t * nh,
+      'head': 2.0 * t * d * s.vocab_size,
+    }
+
+
+def validate(model_cfg, mesh_cfg, rules: tuple) -> tuple:
+  """GPT has no keys of its own: config.validate's common checks are all it needs."""
+  del model_cfg, mesh_cfg
+  return rules
+
+
+Spec = GPTSpec
+Model = GPT

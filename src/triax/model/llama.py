@@ -1,0 +1,294 @@
+"""The Llama family: RMSNorm, rotary position embeddings (with Llama 3's
+long-context scaling), grouped-query attention, a SwiGLU MLP, no biases,
+optionally tied input and output embeddings.
+
+Conventions follow transformers' LlamaForCausalLM so that a Hugging Face
+checkpoint maps onto this parameter tree by transposes and reshapes only:
+
+  {'embed': {'tokens': [V, d]},
+   'layers': {'attn_norm': [L, d], 'wq': [L, d, n, hd], 'wk': [L, d, kv, hd],
+              'wv': [L, d, kv, hd], 'wo': [L, n, hd, d], 'mlp_norm': [L, d],
+              'w_gate': [L, d, f], 'w_up': [L, d, f], 'w_down': [L, f, d]},
+   'head': {'norm': [d], 'out': [d, V]}}          ('out' absent when tied)
+
+  wq[l] = q_proj.weight.T.reshape(d, n, hd), and so on: the head dimension
+  is in HF's stored order, and rotary embeddings use HF's half-split
+  `rotate_half` (dimension i pairs with i + hd/2), which is what that order
+  means. (Meta's original checkpoints interleave pairs; HF's conversion
+  permuted q/k to the half-split order, so nothing is permuted here.)
+
+Tensor parallelism (Megatron's, by logical axes): query heads split over
+`tensor` ('heads'); K/V heads ('kv_heads') split too when there are at
+least as many as tensor ranks, else replicated (each rank computes all K/V
+heads and uses its queries' groups), decided in `validate` by the rules.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import ClassVar
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from triax.errors import ConfigError
+from triax.model.common import DecoderModel, ModelSpec, param, rms_norm
+from triax.sharding import constrain
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+  """Llama 3's frequency-dependent RoPE scaling (transformers' rope_type='llama3');
+  factor 0 = no scaling."""
+
+  factor: float = 0.0
+  low_freq_factor: float = 1.0
+  high_freq_factor: float = 4.0
+  original_max_position_embeddings: int = 8192
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaSpec(ModelSpec):
+  num_kv_heads: int = 0
+  rope_theta: float = 500000.0
+  rope_scaling: RopeScaling = RopeScaling()
+  norm_eps: float = 1e-5
+  tie_embeddings: bool = False
+
+  SHAPE_KEYS: ClassVar[tuple[str, ...]] = ModelSpec.SHAPE_KEYS + ('num_kv_heads', 'tie_embeddings')
+
+  @classmethod
+  def from_config(cls, model_cfg) -> LlamaSpec:
+    fields = {k: model_cfg[k] for k in cls.config_fields()}
+    fields['rope_scaling'] = RopeScaling(**dict(model_cfg.rope_scaling))
+    return cls(**fields)
+
+  @property
+  def kv_heads(self) -> int:
+    return self.num_kv_heads or self.num_heads
+
+  def tensor_shard(self, t: int) -> LlamaSpec:
+    if t == 1:
+      return self
+    # Replicated K/V heads (fewer than t): a rank's queries use one of them
+    # (an approximation for the profiler: it still computes all their projections).
+    kv = self.kv_heads // t if self.kv_heads >= t else 1
+    return dataclasses.replace(super().tensor_shard(t), num_kv_heads=kv)
+
+
+def rope_frequencies(spec: LlamaSpec) -> jax.Array:
+  """Inverse frequencies [hd/2] (fp32), Llama 3-scaled when configured."""
+  hd = spec.head_dim
+  inv_freq = 1.0 / (spec.rope_theta ** (jnp.arange(0, hd, 2, dtype=jnp.float32) / hd))
+  r = spec.rope_scaling
+  if not r.factor:
+    return inv_freq
+  # transformers' _compute_llama3_parameters: long wavelengths are slowed by
+  # `factor`, short ones kept, the band between interpolated smoothly.
+  low_wavelen = r.original_max_position_embeddings / r.low_freq_factor
+  high_wavelen = r.original_max_position_embeddings / r.high_freq_factor
+  wavelen = 2 * math.pi / inv_freq
+  scaled = jnp.where(wavelen > low_wavelen, inv_freq / r.factor, inv_freq)
+  smooth = (r.original_max_position_embeddings / wavelen - r.low_freq_factor) / (
+    r.high_freq_factor - r.low_freq_factor
+  )
+  smoothed = (1 - smooth) * scaled / r.factor + smooth * scaled
+  medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+  return jnp.where(medium, smoothed, scaled)
+
+
+def rope_tables(spec: LlamaSpec, seq: int) -> tuple[jax.Array, jax.Array]:
+  """cos, sin [seq, hd] for positions 0..seq-1 (fp32), in rotate_half's layout."""
+  freqs = jnp.outer(jnp.arange(seq, dtype=jnp.float32), rope_frequencies(spec))
+  emb = jnp.concatenate([freqs, freqs], axis=-1)
+  return jnp.cos(emb), jnp.sin(emb)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+  """x [b, s, heads, hd] rotated as transformers' apply_rotary_pos_emb does."""
+  half = x.shape[-1] // 2
+  rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+  cos, sin = cos[:, None, :].astype(x.dtype), sin[:, None, :].astype(x.dtype)
+  return x * cos + rotated * sin
+
+
+class Embed(nn.Module):
+  """Vocabulary-parallel token embedding (positions enter as rotations in attention)."""
+
+  spec: LlamaSpec
+
+  @nn.compact
+  def __call__(self, tokens):
+    s, pdt = self.spec, jnp.dtype(self.spec.param_dtype)
+    table = param(self, 'tokens', (s.vocab_size, s.d_model), ('vocab', 'embed'), 0.02, pdt)
+    return constrain(jnp.take(table, tokens, axis=0).astype(s.dtype), ('batch', 'seq', 'embed'))
+
+
+class Block(nn.Module):
+  """Pre-norm block: grouped-query attention with RoPE, then a SwiGLU MLP."""
+
+  spec: LlamaSpec
+
+  @nn.compact
+  def __call__(self, x):
+    s = self.spec
+    pdt, dt = jnp.dtype(s.param_dtype), jnp.dtype(s.dtype)
+    out_std = 0.02 / math.sqrt(2 * s.num_layers)  # GPT-2's scaled residual init, as gpt.py
+    n, kv, hd, d, f = s.num_heads, s.kv_heads, s.head_dim, s.d_model, s.d_ff
+    attn_norm = param(self, 'attn_norm', (d,), ('embed',), 0, pdt)
+    wq = param(self, 'wq', (d, n, hd), ('embed', 'heads', 'kv'), 0.02, pdt)
+    wk = param(self, 'wk', (d, kv, hd), ('embed', 'kv_heads', 'kv'), 0.02, pdt)
+    wv = param(self, 'wv', (d, kv, hd), ('embed', 'kv_heads', 'kv'), 0.02, pdt)
+    wo = param(self, 'wo', (n, hd, d), ('heads', 'kv', 'embed'), out_std, pdt)
+    mlp_norm = param(self, 'mlp_norm', (d,), ('embed',), 0, pdt)
+    w_gate = param(self, 'w_gate', (d, f), ('embed', 'mlp'), 0.02, pdt)
+    w_up = param(self, 'w_up', (d, f), ('embed', 'mlp'), 0.02, pdt)
+    w_down = param(self, 'w_down', (f, d), ('mlp', 'embed'), out_std, pdt)
+
+    h = rms_norm(x, attn_norm, s.norm_eps)
+    cos, sin = rope_tables(s, x.shape[1])
+    q = apply_rope(jnp.einsum('bsd,dnk->bsnk', h, wq.astype(dt)), cos, sin)
+    k = apply_rope(jnp.einsum('bsd,dnk->bsnk', h, wk.astype(dt)), cos, sin)
+    v = jnp.einsum('bsd,dnk->bsnk', h, wv.astype(dt))
+    q = constrain(q, ('batch', 'seq', 'heads', 'kv'))
+    k, v = (constrain(t, ('batch', 'seq', 'kv_heads', 'kv')) for t in (k, v))
+    if s.attention == 'cudnn':
+      a = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation='cudnn')
+    else:
+      # K/V head j serves query heads j*g .. j*g+g-1 (transformers' repeat_kv).
+      # Repeated to one per query head, the heads split over `tensor` like
+      # the queries' whether the K/V heads were split or replicated.
+      k, v = (
+        constrain(jnp.repeat(t, n // kv, axis=2), ('batch', 'seq', 'heads', 'kv')) for t in (k, v)
+      )
+      a = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation='xla')
+    x = x + constrain(jnp.einsum('bsnk,nkd->bsd', a, wo.astype(dt)), ('batch', 'seq', 'embed'))
+
+    h = rms_norm(x, mlp_norm, s.norm_eps)
+    gate = constrain(jnp.einsum('bsd,df->bsf', h, w_gate.astype(dt)), ('batch', 'seq', 'mlp'))
+    up = constrain(jnp.einsum('bsd,df->bsf', h, w_up.astype(dt)), ('batch', 'seq', 'mlp'))
+    u = jax.nn.silu(gate) * up
+    x = x + constrain(jnp.einsum('bsf,fd->bsd', u, w_down.astype(dt)), ('batch', 'seq', 'embed'))
+    return x
+
+
+class Head(nn.Module):
+  """Final RMSNorm and the vocabulary-parallel output layer (or the embedding
+  table, tied); returns fp32 logits."""
+
+  spec: LlamaSpec
+
+  @nn.compact
+  def __call__(self, x, table=None):
+    s = self.spec
+    pdt = jnp.dtype(s.param_dtype)
+    h = rms_norm(x, param(self, 'norm', (s.d_model,), ('embed',), 0, pdt), s.norm_eps)
+    if s.tie_embeddings:
+      logits = jnp.einsum('bsd,vd->bsv', h, table.astype(s.dtype))
+    else:
+      out = param(self, 'out', (s.d_model, s.vocab_size), ('embed', 'vocab'), 0.02, pdt)
+      logits = jnp.einsum('bsd,dv->bsv', h, out.astype(s.dtype))
+    return constrain(logits, ('batch', 'seq', 'vocab')).astype(jnp.float32)
+
+
+class Llama(DecoderModel):
+  embed_module = Embed
+  block_module = Block
+  head_module = Head
+
+  def _head_extra_args(self) -> tuple:
+    s = self.spec
+    return (jnp.zeros((s.vocab_size, s.d_model), s.param_dtype),) if s.tie_embeddings else ()
+
+  def edge_params(self, params):
+    if not self.spec.tie_embeddings:
+      return params['embed'], params['head']
+    # The head reads the embedding table as its output layer; differentiated
+    # through this, the table's gradient is the sum of both uses.
+    return params['embed'], {**params['head'], 'tokens': params['embed']['tokens']}
+
+  def head_logits(self, head_params, x):
+    if not self.spec.tie_embeddings:
+      return self._head.apply({'params': head_params}, x)
+    own = {k: v for k, v in head_params.items() if k != 'tokens'}
+    return self._head.apply({'params': own}, x, head_params['tokens'])
+
+  def forward_flops(self) -> dict[str, float]:
+    """Forward FLOPs of one sequence (convention in model/flops.py)."""
+    s = self.spec
+    t, d, hd = s.seq_len, s.d_model, s.head_dim
+    q, kv = s.num_heads * hd, s.kv_heads * hd
+    return {
+      # Q and O over all heads, K and V over the K/V heads; gate, up and down.
+      'layer_matmul': 2.0 * t * (2 * d * q + 2 * d * kv + 3 * d * s.d_ff),
+      # Q K^T and the attention-weighted V over the full t x t square, per query head.
+      'layer_attention': 4.0 * t * t * q,
+      'head': 2.0 * t * d * s.vocab_size,
+    }
+
+
+def _positive_number(value) -> bool:
+  return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+
+
+def validate(model_cfg, mesh_cfg, rules: tuple) -> tuple:
+  """Llama's keys; maps 'kv_heads' to the mesh axis 'heads' uses when the K/V
+  heads divide over it, else replicates them (Megatron's GQA rule)."""
+  m = model_cfg
+  kv = m.num_kv_heads
+  if not isinstance(kv, int) or isinstance(kv, bool) or kv < 0:
+    raise ConfigError('model.num_kv_heads', f'must be an integer >= 0 (0 = num_heads), got {kv!r}')
+  kv = kv or m.num_heads
+  if m.num_heads % kv:
+    raise ConfigError(
+      'model.num_kv_heads', f'{kv} must divide model.num_heads={m.num_heads} (query groups)'
+    )
+  if (m.d_model // m.num_heads) % 2:
+    raise ConfigError(
+      'model.num_heads',
+      f'head_dim = d_model/num_heads = {m.d_model // m.num_heads} must be even (rotary pairs)',
+    )
+  if not _positive_number(m.rope_theta):
+    raise ConfigError('model.rope_theta', f'must be a positive number, got {m.rope_theta!r}')
+  if not _positive_number(m.norm_eps):
+    raise ConfigError('model.norm_eps', f'must be a positive number, got {m.norm_eps!r}')
+  if not isinstance(m.tie_embeddings, bool):
+    raise ConfigError('model.tie_embeddings', f'must be true or false, got {m.tie_embeddings!r}')
+  r = m.rope_scaling
+  unknown = set(r) - {f.name for f in dataclasses.fields(RopeScaling)}
+  if unknown:
+    raise ConfigError(f'model.rope_scaling.{sorted(unknown)[0]}', 'unknown key')
+  if r.factor:
+    if not _positive_number(r.factor) or r.factor < 1:
+      raise ConfigError('model.rope_scaling.factor', f'must be >= 1 (0 = off), got {r.factor!r}')
+    if not (_positive_number(r.low_freq_factor) and _positive_number(r.high_freq_factor)):
+      raise ConfigError('model.rope_scaling.low_freq_factor', 'both frequency factors must be > 0')
+    if r.high_freq_factor <= r.low_freq_factor:
+      raise ConfigError(
+        'model.rope_scaling.high_freq_factor',
+        f'must exceed low_freq_factor={r.low_freq_factor}, got {r.high_freq_factor!r}',
+      )
+    ctx = r.original_max_position_embeddings
+    if not isinstance(ctx, int) or isinstance(ctx, bool) or ctx <= 0:
+      raise ConfigError(
+        'model.rope_scaling.original_max_position_embeddings',
+        f'must be a positive integer (the pre-scaling context), got {ctx!r}',
+      )
+
+  mapping = dict(rules)
+  axis = mapping.get('kv_heads', mapping.get('heads'))
+  size = mesh_cfg[axis] if axis else 1
+  if kv >= size and kv % size:
+    raise ConfigError(
+      'model.num_kv_heads',
+      f'{kv} K/V heads cannot be split evenly over mesh.{axis}={size}; use a multiple '
+      f'of {size}, or fewer than {size} (then they are replicated)',
+    )
+  resolved = axis if kv % size == 0 else None
+  return tuple(r for r in rules if r[0] != 'kv_heads') + (('kv_heads', resolved),)
+
+
+Spec = LlamaSpec
+Model = Llama

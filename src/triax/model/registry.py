@@ -1,0 +1,73 @@
+"""Model families by name: `model.family` -> the module that defines it.
+
+A family module (gpt.py, llama.py) defines
+  Spec      a frozen dataclass subclassing common.ModelSpec; its fields are
+            the config keys `model.<field>` the family reads,
+  Model     a common.DecoderModel subclass (its three flax modules and
+            `forward_flops()`),
+  validate(model_cfg, mesh_cfg, rules) -> rules
+            its own checks (ConfigError naming the key) and the logical axis
+            rules it needs resolved for this mesh.
+Everything outside model/ goes through `spec_from_config` and `build`, so
+adding a family is its file, one line in FAMILIES, and its config keys
+(with their comments) in config.defaults().
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+from triax.errors import ConfigError
+from triax.model import gpt, llama
+from triax.model.common import DecoderModel, ModelSpec
+
+FAMILIES: dict[str, ModuleType] = {'gpt': gpt, 'llama': llama}
+
+
+def _family(name: str) -> ModuleType:
+  if name not in FAMILIES:
+    raise ConfigError(
+      'model.family', f'unknown family {name!r}; choose one of {", ".join(FAMILIES)}'
+    )
+  return FAMILIES[name]
+
+
+def spec_from_config(model_cfg) -> ModelSpec:
+  """The family's spec from config.model (validated)."""
+  return _family(model_cfg.family).Spec.from_config(model_cfg)
+
+
+def build(spec: ModelSpec) -> DecoderModel:
+  """The model of `spec`'s family."""
+  return _family(spec.family).Model(spec)
+
+
+def shape_record(model_cfg) -> dict:
+  """What a checkpoint's parameter shapes depend on: family and shape keys."""
+  spec = spec_from_config(model_cfg)
+  return {k: getattr(spec, k) for k in type(spec).SHAPE_KEYS}
+
+
+def _plain(value):
+  return value.to_dict() if hasattr(value, 'to_dict') else value
+
+
+def validate(model_cfg, default_model_cfg, mesh_cfg, rules) -> tuple:
+  """Checks the family's keys; returns the logical axis rules resolved for it.
+
+  A key the family does not read must keep its default: a set value would
+  otherwise be silently ignored (model.num_kv_heads=2 on a GPT).
+  """
+  family = _family(model_cfg.family)
+  used = set(family.Spec.config_fields())
+  for key in model_cfg:
+    if key in used or _plain(model_cfg[key]) == _plain(default_model_cfg[key]):
+      continue
+    readers = [n for n, f in FAMILIES.items() if key in f.Spec.config_fields()]
+    raise ConfigError(
+      f'model.{key}',
+      f'model.family={model_cfg.family} does not use it; leave it at its default '
+      f'{_plain(default_model_cfg[key])!r}'
+      + (f' or set model.family to {" or ".join(readers)}' if readers else ''),
+    )
+  return family.validate(model_cfg, mesh_cfg, tuple(tuple(r) for r in rules))
