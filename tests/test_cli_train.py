@@ -4,11 +4,12 @@ import json
 import os
 
 import harness
+import wandb_files
 
 SMOKE = 'experiments/gpt_tiny.py:smoke'
 
 
-def _train(workdir, *flags):
+def _train(workdir, *flags, env_extra=None):
   return harness.run_cli(
     'triax.train',
     f'--config={SMOKE}',
@@ -16,7 +17,17 @@ def _train(workdir, *flags):
     '--cpu_devices=8',
     '--progress=false',
     *flags,
+    env_extra=env_extra,
   )
+
+
+# W&B in its offline mode: it writes DIR/wandb, nothing is sent.
+WANDB = ('--config.train.wandb_project=triax-test', '--config.train.wandb_mode=offline')
+
+
+def _read(workdir, name):
+  with open(os.path.join(workdir, name)) as f:
+    return f.read()
 
 
 def _records(workdir):
@@ -26,7 +37,7 @@ def _records(workdir):
 
 def test_train_writes_metrics_checkpoints_and_resumes(tmp_path):
   workdir = str(tmp_path / 'run')
-  first = _train(workdir)
+  first = _train(workdir, *WANDB)
   assert first.returncode == 0, first.stderr
   records = _records(workdir)
   train = [r for r in records if 'loss' in r]
@@ -38,10 +49,18 @@ def test_train_writes_metrics_checkpoints_and_resumes(tmp_path):
   assert any(name.startswith('events') for name in os.listdir(os.path.join(workdir, 'tb')))
   assert 'checkpoints' in first.stdout and 'metrics.jsonl' in first.stdout
 
-  second = _train(workdir, '--config.train.steps=6')
+  second = _train(workdir, '--config.train.steps=6', *WANDB)
   assert second.returncode == 0, second.stderr
-  steps = [r['step'] for r in _records(workdir) if 'loss' in r]
+  records = _records(workdir)
+  steps = [r['step'] for r in records if 'loss' in r]
   assert steps == [1, 2, 3, 4, 5, 6]  # resumed at 5, nothing repeated or lost
+  # W&B got the same numbers, in one run that the resumed process continued.
+  history = wandb_files.history(workdir)
+  assert {run_id for run_id, _, _ in history} == {_read(workdir, 'wandb_run_id').strip()}
+  logged = [(step, row['loss']) for _, step, row in history if 'loss' in row]
+  assert logged == [(r['step'], r['loss']) for r in records if 'loss' in r]
+  evals = [(step, row['eval_loss']) for _, step, row in history if 'eval_loss' in row]
+  assert evals == [(r['step'], r['eval_loss']) for r in records if 'eval_loss' in r]
 
 
 def test_same_command_twice_gives_identical_losses(tmp_path):

@@ -24,6 +24,10 @@ REMAT_POLICIES = ('none', 'full', 'selective')
 DTYPES = ('float32', 'bfloat16', 'float16')
 ATTENTION_IMPLS = ('xla', 'cudnn')
 LR_SCHEDULES = ('cosine', 'linear', 'constant', 'wsd')
+WANDB_MODES = ('online', 'offline')
+DATA_SOURCES = ('stdlib', 'text', 'tokens', 'megatron', 'mixture')
+# Sources that read bytes themselves (data/corpus.py); the others read tokens made beforehand.
+BYTE_SOURCES = ('stdlib', 'text')
 
 
 def wsd_decay_steps(train_cfg) -> int:
@@ -52,13 +56,13 @@ def defaults() -> ml_collections.ConfigDict:
   c.mesh.device_order = ()
 
   c.model = ml_collections.ConfigDict()
+  # Model family, one file each in triax/model/: gpt (learned positions, GELU MLP, full
+  # multi-head attention) or llama (RoPE, SwiGLU, grouped-query attention, RMSNorm).
+  c.model.family = 'gpt'
   # Number of transformer blocks.
   c.model.num_layers = 4
   # Residual stream width (h in the Megatron FLOPs formula).
   c.model.d_model = 128
-  # Model family, one file each in triax/model/: gpt (learned positions, GELU MLP, full
-  # multi-head attention) or llama (RoPE, SwiGLU, grouped-query attention, RMSNorm).
-  c.model.family = 'gpt'
   # Attention heads; must divide by mesh.tensor.
   c.model.num_heads = 4
   # MLP hidden width; must divide by mesh.tensor.
@@ -75,10 +79,6 @@ def defaults() -> ml_collections.ConfigDict:
   c.model.remat = 'none'
   # Attention kernel: xla everywhere, or cudnn (fused, GPU only).
   c.model.attention = 'xla'
-
-  c.pipeline = ml_collections.ConfigDict()
-  # Pipeline schedule: gpipe, 1f1b, interleaved_1f1b, bpipe, zb_h1, interleaved_zb or zb_v
-  # (one file each in triax/pipeline/schedules/).
   # llama: K/V heads (grouped-query attention), a divisor of num_heads; 0 = num_heads.
   c.model.num_kv_heads = 0
   # llama: RoPE base; Llama 3's 500000 (Llama 2 used 10000), what its checkpoints expect.
@@ -97,6 +97,10 @@ def defaults() -> ml_collections.ConfigDict:
   c.model.norm_eps = 1e-5
   # llama: use the embedding table as the output layer (Llama 3.2 1B/3B do).
   c.model.tie_embeddings = False
+
+  c.pipeline = ml_collections.ConfigDict()
+  # Pipeline schedule: gpipe, 1f1b, interleaved_1f1b, bpipe, zb_h1, interleaved_zb or zb_v
+  # (one file each in triax/pipeline/schedules/).
   c.pipeline.schedule = '1f1b'
   # A schedule file to run instead (torch's compute-only .csv or triax's .json); '' = by name.
   c.pipeline.schedule_file = ''
@@ -147,12 +151,26 @@ def defaults() -> ml_collections.ConfigDict:
   c.train.skip_nonfinite_steps = 0
   # Write DIR/samples.jsonl: the window ids of each step's global batch (data accounting).
   c.train.record_sample_ids = False
+  # Weights & Biases project to log to as well ('' = off; needs the wandb extra).
+  c.train.wandb_project = ''
+  # W&B mode: online (needs `wandb login`) or offline (DIR/wandb, upload with `wandb sync`).
+  c.train.wandb_mode = 'online'
 
   c.data = ml_collections.ConfigDict()
-  # stdlib: Python's own standard-library source (no download); text: data.path.
+  # stdlib: Python's own standard-library source (no download); text: data.path, as bytes;
+  # tokens: a python -m triax.prepare directory; megatron: a Megatron-LM .bin/.idx pair;
+  # mixture: the sources of data.mixture, interleaved by weight.
   c.data.source = 'stdlib'
-  # A text file or directory, used when data.source=text.
+  # text: a file or directory; tokens: the prepared directory; megatron: the .bin/.idx PREFIX.
   c.data.path = ''
+  # bytes, a Hugging Face tokenizer.json or a sentencepiece .model: what the tokens were made with.
+  c.data.tokenizer = 'bytes'
+  # data.source=text reads at most this many bytes and refuses more (never a silent prefix).
+  c.data.max_text_bytes = 2**30
+  # Segment ids so attention stays inside a document of a packed row (needs model support).
+  c.data.mask_documents = False
+  # data.source=mixture: ((PATH, WEIGHT), ...), each PATH a prepared directory or Megatron prefix.
+  c.data.mixture = ()
 
   c.checkpoint = ml_collections.ConfigDict()
   # Save a checkpoint every this many steps (and at the end); 0 saves only at the end.
@@ -176,6 +194,8 @@ def defaults() -> ml_collections.ConfigDict:
     ('heads', 'tensor'),
     ('mlp', 'tensor'),
     ('kv', None),
+    # llama's K/V heads: validate() replicates them instead when fewer than the axis size.
+    ('kv_heads', 'tensor'),
     ('embed', None),
     ('seq', None),
     ('layers', None),
@@ -183,6 +203,23 @@ def defaults() -> ml_collections.ConfigDict:
     ('virtual', None),
   )
   return c
+
+
+def _validate_wandb(t) -> None:
+  if not isinstance(t.wandb_project, str):
+    raise ConfigError('train.wandb_project', f'must be a string; got {t.wandb_project!r}')
+  if t.wandb_mode not in WANDB_MODES:
+    raise ConfigError(
+      'train.wandb_mode', f'unknown mode {t.wandb_mode!r}; choose one of {", ".join(WANDB_MODES)}'
+    )
+  if not t.wandb_project:
+    return
+  import importlib.util
+
+  if importlib.util.find_spec('wandb') is None:
+    raise ConfigError(
+      'train.wandb_project', "needs the wandb package: pip install 'triax[wandb]' (or wandb)"
+    )
 
 
 def parse_arg(arg: str | None, **defaults) -> dict:
@@ -194,8 +231,6 @@ def parse_arg(arg: str | None, **defaults) -> dict:
   import ast
 
   out = dict(defaults)
-    # llama's K/V heads: validate() replicates them instead when fewer than the axis size.
-    ('kv_heads', 'tensor'),
   for item in filter(None, (arg or '').split(',')):
     key, sep, value = item.partition('=')
     key = key.strip()
@@ -338,7 +373,8 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int) -> ml_collections
       f'{m.vocab_size} is not divisible by mesh.tensor={tensor} '
       '(the embedding and output layer are vocabulary-parallel)',
     )
-  if m.vocab_size < 256 and cfg.data.source in ('stdlib', 'text'):
+  _check_data(cfg.data)
+  if m.vocab_size < 256 and cfg.data.source in BYTE_SOURCES:
     raise ConfigError('model.vocab_size', f'the byte-level corpus needs 256, got {m.vocab_size}')
   for key, choices in (
     ('dtype', DTYPES),
@@ -386,6 +422,7 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int) -> ml_collections
   for key in ('warmup_steps', 'skip_nonfinite_steps'):
     if not isinstance(t[key], int) or isinstance(t[key], bool) or t[key] < 0:
       raise ConfigError(f'train.{key}', f'must be a non-negative integer, got {t[key]!r}')
+  _validate_wandb(t)
   if t.lr_schedule not in LR_SCHEDULES:
     raise ConfigError(
       'train.lr_schedule',
@@ -427,7 +464,70 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int) -> ml_collections
   if cfg.hardware.peak_flops_per_device < 0:
     raise ConfigError('hardware.peak_flops_per_device', 'must be >= 0 (0 = look up)')
   _check_rules(cfg.sharding.logical_axis_rules)
+  cfg.sharding.logical_axis_rules = registry.validate(
+    cfg.model, defaults().model, cfg.mesh, cfg.sharding.logical_axis_rules
+  )
   return cfg
+
+
+def _check_data(d) -> None:
+  """The data keys against each other: what can be told without reading any file.
+
+  A key the source would ignore is an error, never dropped: data.path with
+  stdlib or a mixture, data.mixture without data.source=mixture, a tokenizer
+  with a source that reads bytes.
+  """
+  if d.source not in DATA_SOURCES:
+    raise ConfigError(
+      'data.source', f'unknown source {d.source!r}; choose one of {", ".join(DATA_SOURCES)}'
+    )
+  if d.source in ('stdlib', 'mixture') and d.path:
+    raise ConfigError(
+      'data.path',
+      f'data.source={d.source} does not read data.path ({d.path}); remove it, or use '
+      'data.source=text (a text file or directory), tokens (a prepared directory) or megatron',
+    )
+  if d.source in ('tokens', 'megatron') and not d.path:
+    need = 'the --out directory of python -m triax.prepare' if d.source == 'tokens' else 'a PREFIX'
+    raise ConfigError('data.path', f'data.source={d.source} needs data.path={need}')
+  if d.source == 'mixture':
+    if not d.mixture:
+      raise ConfigError('data.mixture', 'data.source=mixture needs ((PATH, WEIGHT), ...)')
+    for entry in d.mixture:
+      if (
+        not isinstance(entry, (list, tuple))
+        or len(entry) != 2
+        or not isinstance(entry[0], str)
+        or not entry[0]
+        or isinstance(entry[1], bool)
+        or not isinstance(entry[1], (int, float))
+        or not 0 < entry[1] < math.inf
+      ):
+        raise ConfigError('data.mixture', f'{entry!r} is not (PATH, WEIGHT) with a positive weight')
+  elif d.mixture:
+    raise ConfigError(
+      'data.mixture', f'is read only with data.source=mixture (it is {d.source}); remove it'
+    )
+  if not isinstance(d.tokenizer, str) or not d.tokenizer:
+    raise ConfigError('data.tokenizer', "give 'bytes', a tokenizer.json or a sentencepiece .model")
+  if d.source in BYTE_SOURCES and d.tokenizer != 'bytes':
+    raise ConfigError(
+      'data.tokenizer',
+      f'data.source={d.source} reads bytes; to train with {d.tokenizer}, tokenize the text with '
+      'python -m triax.prepare --tokenizer=... and use data.source=tokens',
+    )
+  size = d.max_text_bytes
+  if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
+    raise ConfigError('data.max_text_bytes', f'must be a positive integer, got {size!r}')
+  if not isinstance(d.mask_documents, bool):
+    raise ConfigError('data.mask_documents', f'must be true or false, got {d.mask_documents!r}')
+  if d.mask_documents:
+    # The loader makes the segment ids (data/batches.py); the model's attention does not take
+    # them yet, and training on without them would let attention cross documents unannounced.
+    raise ConfigError(
+      'data.mask_documents',
+      "is not supported yet: the model's attention takes no document mask; set it to false",
+    )
 
 
 def _check_rules(rules: Sequence) -> None:
@@ -437,6 +537,3 @@ def _check_rules(rules: Sequence) -> None:
         'sharding.logical_axis_rules',
         f'rule {tuple(rule)!r} must map a logical axis to one of {", ".join(MESH_AXES)} or None',
       )
-  cfg.sharding.logical_axis_rules = registry.validate(
-    cfg.model, defaults().model, cfg.mesh, cfg.sharding.logical_axis_rules
-  )

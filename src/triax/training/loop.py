@@ -30,8 +30,7 @@ import numpy as np
 from tqdm import tqdm
 
 from triax import config as config_lib
-from triax.data.batches import BatchStream
-from triax.data.corpus import load_corpus, unigram_entropy_nats
+from triax.data import pipeline as data_pipeline
 from triax.errors import ConfigError
 from triax.mesh import build_mesh
 from triax.model.flops import peak_flops, step_flops
@@ -61,41 +60,34 @@ class NonFiniteError(RuntimeError):
     )
 
 
-@dataclasses.dataclass
-class Data:
-  train: BatchStream
-  eval_batches: list
-  description: str
-  unigram_entropy: float
+Data = data_pipeline.Data
 
 
 def load_data(cfg) -> Data:
-  """Reads the corpus and checks it holds at least one batch (before any compile).
+  """Opens and checks the configured data (before any compile); see triax.data.pipeline."""
+  return data_pipeline.load(cfg)
 
-  Every process computes the whole global batch (B x seq_len bytes: cheap)
-  and `global_batch` hands each device its block, so batches are right
-  whatever devices each process holds (with mesh.data=1, for one, every
-  process needs every row).
+
+def global_batch(trainer: Trainer, rows) -> dict:
+  """The global batch as arrays sharded by `trainer.batch_sharding`, reading only local rows.
+
+  `rows(lo, hi)` returns host rows [lo, hi) of the global batch. Each
+  process asks only for the row blocks of its own devices (a block read once
+  however many of its devices hold it), so no process builds the whole batch.
   """
-  corpus = load_corpus(cfg.data.source, cfg.data.path)
-  args = dict(
-    seq_len=cfg.model.seq_len, global_batch_size=cfg.train.global_batch_size, seed=cfg.train.seed
-  )
-  train = BatchStream(corpus.train, split_name='train', **args)
-  val = BatchStream(corpus.val, split_name='validation', **args)
-  return Data(
-    train=train,
-    eval_batches=val.eval_batches(cfg.train.eval_batches),
-    description=corpus.description,
-    unigram_entropy=unigram_entropy_nats(corpus.train),
-  )
+  cfg = trainer.cfg
+  shape = (cfg.train.global_batch_size, cfg.model.seq_len)
+  blocks = {}
 
+  def block(index):
+    lo, hi, _ = index[0].indices(shape[0])
+    if (lo, hi) not in blocks:
+      blocks[lo, hi] = rows(lo, hi)
+    return blocks[lo, hi]
 
-def global_batch(trainer: Trainer, batch: dict) -> dict:
-  """The global batch (host arrays, all rows) as arrays sharded by `trainer.batch_sharding`."""
   return {
     k: jax.make_array_from_callback(
-      batch[k].shape, trainer.batch_sharding, lambda index, a=batch[k]: a[index]
+      shape, trainer.batch_sharding, lambda index, k=k: block(index)[k][(slice(None),) + index[1:]]
     )
     for k in ('inputs', 'targets')
   }
@@ -112,7 +104,6 @@ def compile_stats(trainer: Trainer) -> tuple[object, dict]:
   """Lowers and compiles the train step; XLA's per-device memory and cost figures."""
   cfg = trainer.cfg
   b, s = cfg.train.global_batch_size, cfg.model.seq_len
-  flops = step_flops(trainer.model, b)
   batch = {
     k: jax.ShapeDtypeStruct((b, s), np.int32, sharding=trainer.batch_sharding)
     for k in ('inputs', 'targets')
@@ -121,6 +112,7 @@ def compile_stats(trainer: Trainer) -> tuple[object, dict]:
   with jax.set_mesh(trainer.mesh):
     compiled = trainer.train_step.lower(trainer.abstract_state(), batch).compile()
   mem = compiled.memory_analysis()
+  flops = step_flops(trainer.model, b)
   stats = {
     'temp_bytes': int(mem.temp_size_in_bytes),
     'argument_bytes': int(mem.argument_size_in_bytes),
@@ -343,6 +335,7 @@ def _run(
     # Input is checked; from here on the workdir is written.
     _take_lock(workdir_lock)
     if main_process:
+      print(data.description, flush=True)
       print(startup_line(trainer, start), flush=True)
     return _train(
       cfg, trainer, data, workdir, ckpt, state, start, signals, position, profile, progress
@@ -374,7 +367,14 @@ def _train(
   compiled, stats = compile_stats(trainer)
   if main_process:
     _write_json(os.path.join(workdir, 'compile_stats.json'), stats)
-  metrics = MetricsWriter(workdir, start, enabled=main_process)
+  metrics = MetricsWriter(
+    workdir,
+    start,
+    enabled=main_process,
+    wandb_project=cfg.train.wandb_project,
+    wandb_mode=cfg.train.wandb_mode,
+    config=cfg.to_dict(),
+  )
   samples = JsonLines(
     os.path.join(workdir, 'samples.jsonl'),
     start,
@@ -386,7 +386,12 @@ def _train(
   every, every_seconds = cfg.checkpoint.every_steps, cfg.checkpoint.every_seconds
 
   def evaluate(step: int) -> float:
-    losses = [trainer.eval_loss(state.params, global_batch(trainer, b)) for b in data.eval_batches]
+    losses = [
+      trainer.eval_loss(
+        state.params, global_batch(trainer, lambda lo, hi, i=i: data.val.eval_batch(i, (lo, hi)))
+      )
+      for i in range(data.eval_count)
+    ]
     value = float(np.mean(jax.device_get(losses)))
     metrics.write({'step': step, 'eval_loss': value})
     return value
@@ -403,14 +408,14 @@ def _train(
   window = {'start': time.perf_counter(), 'steps': 0}
   last_loss = math.nan
   last_save = time.monotonic()
-  pending = []  # the step whose outputs are not fetched yet: (step, out, lr, host batch)
+  pending = []  # the step whose outputs are not fetched yet: (step, out, lr)
 
   def fetch() -> None:
     """Fetches the pending step's loss and gradient norm; logs them or stops on a NaN/Inf."""
     nonlocal last_loss
     if not pending:
       return
-    step, out, step_lr, host_batch = pending.pop()
+    step, out, step_lr = pending.pop()
     out, step_lr = jax.device_get((out, step_lr))
     # One clock reading ends this window and starts the next: host work between
     # fetches (logging, dispatch) belongs to some step's time.
@@ -432,7 +437,8 @@ def _train(
         }
       )
       log_now = False
-    samples.write({'step': step, 'sample_ids': host_batch['sample_ids'].tolist()})
+    if samples.enabled:
+      samples.write({'step': step, 'sample_ids': data.train.sample_ids(step - 1).tolist()})
     if log_now:
       step_time = (fetched - window['start']) / window['steps']
       record = {
@@ -444,6 +450,8 @@ def _train(
         'step_time_s': step_time,
         'epoch': data.train.epoch_at(step),
       }
+      record['model_flops_per_sec'] = stats['model_flops_per_step'] / step_time
+      record['hardware_flops_per_sec'] = stats['hardware_flops_per_step'] / step_time
       if peak:
         record['mfu'] = record['model_flops_per_sec'] / (peak * jax.device_count())
         record['hfu'] = record['hardware_flops_per_sec'] / (peak * jax.device_count())
@@ -451,8 +459,6 @@ def _train(
       last_loss = loss
       bar.set_postfix(loss=f'{loss:.3f}', tok_s=f'{record["tokens_per_sec"]:.0f}')
       window['start'], window['steps'] = fetched, 0
-      record['model_flops_per_sec'] = stats['model_flops_per_step'] / step_time
-      record['hardware_flops_per_sec'] = stats['hardware_flops_per_step'] / step_time
     bar.update(1)
 
   stopped = None
@@ -460,15 +466,15 @@ def _train(
     for step in range(start + 1, cfg.train.steps + 1):
       if profile and step == profile[0]:
         jax.profiler.start_trace(os.path.join(workdir, 'profile'))
-      host_batch = data.train.batch(step - 1)
+      batch = global_batch(trainer, lambda lo, hi, s=step - 1: data.train.batch(s, (lo, hi)))
       # The logged learning rate is the schedule evaluated op by op, as always;
       # queued ahead of the step, it is ready when the step is (queued after
       # it, reading it would wait for the step queued next).
       step_lr = lr(step - 1) if step % cfg.train.log_every == 0 or step == cfg.train.steps else None
-      state, out = compiled(state, global_batch(trainer, host_batch))
+      state, out = compiled(state, batch)
       position.step = step
       fetch()  # the previous step's: the device has this one queued meanwhile
-      pending.append((step, out, step_lr, host_batch))
+      pending.append((step, out, step_lr))
       if profile and step == profile[1]:
         jax.block_until_ready(out)
         jax.profiler.stop_trace()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import secrets
 import struct
 
 from tensorboardX import SummaryWriter
@@ -119,20 +120,86 @@ def cut_events(tb_dir: str, last_step: int) -> None:
     os.replace(tmp, path)
 
 
+def _scalars(record: dict) -> dict[str, float]:
+  """The record's finite numbers, 'step' aside: what the scalar writers take."""
+  return {
+    key: value
+    for key, value in record.items()
+    if key != 'step'
+    and isinstance(value, (int, float))
+    and not isinstance(value, bool)
+    and math.isfinite(value)
+  }
+
+
+class WandbWriter:
+  """Mirrors the records to a Weights & Biases run (the optional `wandb` package).
+
+  The run's id is kept in DIR/wandb_run_id, so a resumed run continues the
+  same W&B run. W&B's history only moves forward: it ignores a step at or
+  below the last one it holds, so after a crash the steps recomputed between
+  the checkpoint and the crash keep their first values (resume is exact, so
+  they are the same numbers; only timings differ). Offline runs are written
+  under DIR/wandb for `wandb sync`.
+  """
+
+  def __init__(self, workdir: str, project: str, mode: str, config: dict):
+    import wandb  # optional: config validation checked it is installed
+
+    id_path = os.path.join(workdir, 'wandb_run_id')
+    if os.path.exists(id_path):
+      with open(id_path) as f:
+        run_id = f.read().strip()
+    else:
+      run_id = secrets.token_hex(6)  # W&B ids are lower-case letters and digits
+      with open(id_path + '.tmp', 'w') as f:
+        f.write(run_id + '\n')
+      os.replace(id_path + '.tmp', id_path)
+    self.run_id = run_id
+    self._run = wandb.init(
+      project=project,
+      id=run_id,
+      resume='allow',
+      mode=mode,
+      dir=workdir,
+      name=os.path.basename(os.path.abspath(workdir)),
+      config=config,
+    )
+
+  def write(self, record: dict) -> None:
+    self._run.log(_scalars(record), step=record['step'])
+
+  def close(self) -> None:
+    self._run.finish()
+
+
 class MetricsWriter:
-  """Appends to DIR/metrics.jsonl and writes TensorBoard scalars to DIR/tb.
+  """Appends to DIR/metrics.jsonl and writes TensorBoard scalars to DIR/tb
+  (and to Weights & Biases when a project is given).
 
   A resumed run (start_step > 0) first cuts both back to start_step: the
   crashed run's later steps will be recomputed. A TensorBoard already
   watching DIR/tb has read those events; `purge_step` tells it to drop them.
   """
 
-  def __init__(self, workdir: str, start_step: int, enabled: bool = True):
+  def __init__(
+    self,
+    workdir: str,
+    start_step: int,
+    enabled: bool = True,
+    *,
+    wandb_project: str = '',
+    wandb_mode: str = 'online',
+    config: dict | None = None,
+  ):
     self.enabled = enabled
     self.path = os.path.join(workdir, 'metrics.jsonl')
     self.tb_dir = os.path.join(workdir, 'tb')
     self._lines = JsonLines(self.path, start_step, enabled)
     self._tb = None
+    self._wandb = None
+    if enabled and wandb_project:
+      self._wandb = WandbWriter(workdir, wandb_project, wandb_mode, config or {})
     if enabled:
       cut_events(self.tb_dir, start_step)
       # A file is named for the second it was opened: number them, so a run
@@ -149,18 +216,16 @@ class MetricsWriter:
       return
     self._lines.write(record)
     step = record['step']
-    for key, value in record.items():
-      if (
-        key != 'step'
-        and isinstance(value, (int, float))
-        and not isinstance(value, bool)
-        and math.isfinite(value)
-      ):
-        self._tb.add_scalar(key, value, step)
+    for key, value in _scalars(record).items():
+      self._tb.add_scalar(key, value, step)
+    if self._wandb is not None:
+      self._wandb.write(record)
 
   def close(self) -> None:
     if self._tb is not None:
       self._tb.close()
+    if self._wandb is not None:
+      self._wandb.close()
 
 
 def read_metrics(workdir: str) -> list[dict]:
