@@ -3,8 +3,9 @@
 `shard_map` is manual over `pipe`, and over `data` when the trainer asks
 (`data_axis`); `tensor` stays automatic (GSPMD) inside each stage. A
 `lax.scan` walks the program's ticks (see lower.py). In each tick every
-device reads its own row of the tables and runs one branch of a
-`lax.switch`, so idle slots execute nothing:
+device reads its own row of the tables and runs one `lax.cond` per kind
+(F, B, W), each taken only on the ticks of its kind, so idle slots execute
+nothing:
 
   F  forward of (micro-batch, chunk). `jax.vjp` gives the chunk's output and
      a residual pytree; its array leaves go into a slot of the stash. On the
