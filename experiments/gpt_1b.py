@@ -2,8 +2,9 @@
 
 d_model 2048, 20 layers, 16 heads (head_dim 128, what cuDNN's fused
 attention wants), d_ff 8192, seq_len 2048, vocabulary 256 (the byte corpus):
-1.01e9 parameters, 3.1e14 model FLOPs per step (Megatron formula) at the default 16
-sequences x 2048 tokens. bf16 compute with fp32 parameters and Adam state
+1.01e9 parameters, 2.3e14 model FLOPs per step at the default 16 sequences x
+2048 tokens (Megatron's formula says 3.1e14: it counts full remat's recomputed
+forward, model/flops.py). bf16 compute with fp32 parameters and Adam state
 (16 GB), no rematerialisation: 16 sequences' activations (~50 GB by
 Megatron's 34*s*b*h bytes per layer, no score matrices with fused attention)
 fit an H200's 141 GB, and recomputation is work MFU does not count.

@@ -5,9 +5,10 @@ Llama 3.2 1B's shape: d_model 2048, 16 layers, 32 query heads and 8 K/V heads
 500000 with Llama 3's x32 scaling from 8192 positions; 1.24e9 parameters.
 Trained here on the byte corpus (token ids < 256; the vocabulary is kept
 for its cost: the output layer is a fifth of the FLOPs), 8 sequences x 2048
-tokens per step, bf16 compute with fp32 parameters and Adam state (20 GB),
-no rematerialisation (recomputation is work MFU does not count), cuDNN
-fused attention. pipe = data = tensor = 1: one device.
+tokens per step (1.35e14 model FLOPs), bf16 compute with fp32 parameters
+and Adam state (20 GB), the cross-entropy 256 positions at a time
+(model.loss_chunk), no rematerialisation (recomputation is work MFU does
+not count), cuDNN fused attention. pipe = data = tensor = 1: one device.
 
   scripts/gpu_bench.sh --config=llama_1b     # or:
   python -m triax.train --config=experiments/llama_1b.py --workdir=runs/llama_1b --config.train.steps=40
@@ -44,6 +45,9 @@ def get_config(arg=None):
   c.model.rope_scaling.high_freq_factor = 4.0
   c.model.rope_scaling.original_max_position_embeddings = 8192
   c.model.tie_embeddings = True
+  # 256 positions at a time: the fp32 logits of 8 x 2048 x 128256 would be 8.4 GB, and the
+  # loss's one-hot and gradient as much again each; chunked, an eighth of that.
+  c.model.loss_chunk = 256
   c.model.dtype = 'bfloat16'
   c.model.param_dtype = 'float32'
   c.model.remat = args['remat']
@@ -61,6 +65,7 @@ def get_config(arg=None):
   if args['smoke']:
     c.model.num_layers, c.model.d_model, c.model.num_heads, c.model.num_kv_heads = 2, 64, 4, 2
     c.model.d_ff, c.model.seq_len, c.model.vocab_size = 172, 64, 1024
+    c.model.loss_chunk = 16
     c.model.attention = 'xla'  # cuDNN attention exists only on GPU
     c.train.global_batch_size = 4
     c.train.steps = 6

@@ -132,6 +132,7 @@ CASES = [
   ),
   ('dcn-not-a-divisor', train('--config.mesh.dcn_pipe=3'), 'mesh.dcn_pipe'),
   ('dcn-without-processes', train('--config.mesh.dcn_pipe=2'), 'mesh'),
+  ('loss-chunk-not-dividing', train('--config.model.loss_chunk=5'), 'model.loss_chunk'),
   ('two-free-mesh-axes', train('--config.mesh.data=-1', '--config.mesh.tensor=-1'), 'mesh.tensor'),
   (
     'negative-skip-nonfinite',

@@ -79,6 +79,9 @@ def defaults() -> ml_collections.ConfigDict:
   c.model.remat = 'none'
   # Attention kernel: xla everywhere, or cudnn (fused, GPU only).
   c.model.attention = 'xla'
+  # Cross-entropy over this many positions at a time (a divisor of seq_len), so a large
+  # vocabulary's fp32 logits never exist for the whole micro-batch; 0 = all at once.
+  c.model.loss_chunk = 0
   # llama: K/V heads (grouped-query attention), a divisor of num_heads; 0 = num_heads.
   c.model.num_kv_heads = 0
   # llama: RoPE base; Llama 3's 500000 (Llama 2 used 10000), what its checkpoints expect.
@@ -432,6 +435,17 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int) -> ml_collections
   if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
     raise ConfigError(
       'train.decay_fraction', f'must be a number in (0, 1] (0.2 = the last fifth), got {fraction!r}'
+  chunk = m.loss_chunk
+  if (
+    not isinstance(chunk, int)
+    or isinstance(chunk, bool)
+    or chunk < 0
+    or (chunk and m.seq_len % chunk)
+  ):
+    raise ConfigError(
+      'model.loss_chunk',
+      f'must be 0 (all at once) or a divisor of model.seq_len={m.seq_len}, got {chunk!r}',
+    )
     )
   if t.lr_schedule == 'wsd':
     # The decay's updates are the run's last n; they may not reach back into the warmup,

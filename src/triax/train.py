@@ -1,4 +1,4 @@
-"""Trains a GPT as configured: `python -m triax.train --config=FILE[:ARG] --workdir=DIR`.
+"""Trains a model as configured: `python -m triax.train --config=FILE[:ARG] --workdir=DIR`.
 
 Kept to flag parsing and one library call (triax.training.loop), so the
 logic stays importable and testable. Config files are Python code and are

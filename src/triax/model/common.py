@@ -49,6 +49,8 @@ class ModelSpec:
   param_dtype: str = 'float32'
   remat: str = 'none'
   attention: str = 'xla'
+  # Sequence positions per cross-entropy chunk (model/loss.py); 0 = all at once.
+  loss_chunk: int = 0
   # Not a config key: a tensor shard (the planner's profiler) keeps the full
   # model's head width, it has fewer heads, not thinner ones; 0 = d_model / heads.
   shard_head_dim: int = dataclasses.field(default=0, metadata={'config': False})
@@ -212,7 +214,9 @@ class DecoderModel:
     Sums compose across micro-batches and pipeline stages; the caller divides
     by the global token count once.
     """
-    return loss_lib.cross_entropy_sum(self.head_logits(head_params, x), targets)
+    return loss_lib.cross_entropy_sum(
+      lambda h: self.head_logits(head_params, h), x, targets, self.spec.loss_chunk
+    )
 
   def logits(self, params: Params, tokens: jax.Array) -> jax.Array:
     embed_params, head_params = self.edge_params(params)
