@@ -24,6 +24,9 @@ REMAT_POLICIES = ('none', 'full', 'selective')
 DTYPES = ('float32', 'bfloat16', 'float16')
 ATTENTION_IMPLS = ('xla', 'cudnn')
 LR_SCHEDULES = ('cosine', 'linear', 'constant', 'wsd')
+DATA_SOURCES = ('stdlib', 'text', 'tokens', 'megatron', 'mixture')
+# Sources that read bytes themselves (data/corpus.py); the others read tokens made beforehand.
+BYTE_SOURCES = ('stdlib', 'text')
 WANDB_MODES = ('online', 'offline')
 DATA_SOURCES = ('stdlib', 'text', 'tokens', 'megatron', 'mixture')
 # Sources that read bytes themselves (data/corpus.py); the others read tokens made beforehand.
@@ -482,6 +485,66 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int) -> ml_collections
     cfg.model, defaults().model, cfg.mesh, cfg.sharding.logical_axis_rules
   )
   return cfg
+
+
+def _check_data(d) -> None:
+  """The data keys against each other: what can be told without reading any file.
+
+  A key the source would ignore is an error, never dropped: data.path with
+  stdlib or a mixture, data.mixture without data.source=mixture, a tokenizer
+  with a source that reads bytes.
+  """
+  if d.source not in DATA_SOURCES:
+    raise ConfigError(
+      'data.source', f'unknown source {d.source!r}; choose one of {", ".join(DATA_SOURCES)}'
+    )
+  if d.source in ('stdlib', 'mixture') and d.path:
+    raise ConfigError(
+      'data.path',
+      f'data.source={d.source} does not read data.path ({d.path}); remove it, or use '
+      'data.source=text (a text file or directory), tokens (a prepared directory) or megatron',
+    )
+  if d.source in ('tokens', 'megatron') and not d.path:
+    need = 'the --out directory of python -m triax.prepare' if d.source == 'tokens' else 'a PREFIX'
+    raise ConfigError('data.path', f'data.source={d.source} needs data.path={need}')
+  if d.source == 'mixture':
+    if not d.mixture:
+      raise ConfigError('data.mixture', 'data.source=mixture needs ((PATH, WEIGHT), ...)')
+    for entry in d.mixture:
+      if (
+        not isinstance(entry, (list, tuple))
+        or len(entry) != 2
+        or not isinstance(entry[0], str)
+        or not entry[0]
+        or isinstance(entry[1], bool)
+        or not isinstance(entry[1], (int, float))
+        or not 0 < entry[1] < math.inf
+      ):
+        raise ConfigError('data.mixture', f'{entry!r} is not (PATH, WEIGHT) with a positive weight')
+  elif d.mixture:
+    raise ConfigError(
+      'data.mixture', f'is read only with data.source=mixture (it is {d.source}); remove it'
+    )
+  if not isinstance(d.tokenizer, str) or not d.tokenizer:
+    raise ConfigError('data.tokenizer', "give 'bytes', a tokenizer.json or a sentencepiece .model")
+  if d.source in BYTE_SOURCES and d.tokenizer != 'bytes':
+    raise ConfigError(
+      'data.tokenizer',
+      f'data.source={d.source} reads bytes; to train with {d.tokenizer}, tokenize the text with '
+      'python -m triax.prepare --tokenizer=... and use data.source=tokens',
+    )
+  size = d.max_text_bytes
+  if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
+    raise ConfigError('data.max_text_bytes', f'must be a positive integer, got {size!r}')
+  if not isinstance(d.mask_documents, bool):
+    raise ConfigError('data.mask_documents', f'must be true or false, got {d.mask_documents!r}')
+  if d.mask_documents:
+    # The loader makes the segment ids (data/batches.py); the model's attention does not take
+    # them yet, and training on without them would let attention cross documents unannounced.
+    raise ConfigError(
+      'data.mask_documents',
+      "is not supported yet: the model's attention takes no document mask; set it to false",
+    )
 
 
 def _check_data(d) -> None:

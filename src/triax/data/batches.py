@@ -1,70 +1,194 @@
-"""Deterministic, resumable global batches of next-byte prediction windows.
+"""Deterministic, resumable global batches of next-token prediction windows, on grain.
 
-The text is cut into N non-overlapping windows of seq_len + 1 tokens. Global
-sample g is window perm_e[g % N] of epoch e = g // N, where perm_e is drawn
-from the seed and the epoch alone, and step s holds samples s*B ... s*B+B-1.
-A batch is therefore a pure function of the step: resuming needs only the step
-number, so a checkpoint stores the step and nothing else about the data, and
-every process computes the batch without talking to the others. The
-training loop has each process compute the whole global batch
-(process_count=1) and hands every device its block of it
-(training.loop.global_batch), which is right for any mesh; the per-process
-rows below suit a mesh whose data axis splits exactly along processes.
+A split's tokens (a `TokenStream`: documents packed back to back, each
+ending in its end-of-document token) are cut into N non-overlapping windows
+of seq_len + 1 tokens (window k starts at token k * seq_len). Global sample
+g is window perm_e[g % N] of epoch e = g // N, where perm_e is grain's
+index shuffle (a Feistel permutation: O(1) memory, any index in O(1) time)
+seeded by the seed and the epoch, and step s holds samples s*B ... s*B+B-1.
+In grain's terms the order is `MapDataset.range(N).shuffle(seed).repeat()`,
+indexed at random by g; the rows of a step are read as grain `map`s of
+that dataset (a window read from a memory-mapped shard) and stacked.
+
+A batch is therefore a pure function of the step: resuming needs only the
+step number, a checkpoint stores nothing else about the data, and each
+process reads only the rows its devices hold (`batch(step, rows=...)`;
+training.loop.global_batch asks for each device's block) without talking
+to the others. grain's own `batch` and iterators are not used: they produce
+whole consecutive batches per process, while a device's block is any row
+range of the global batch, whatever the mesh.
+
+A `Mixture` interleaves several sources by weight: in every block of
+MIXTURE_BLOCK global samples each source gets its share of slots (largest
+remainder), the slots shuffled by grain per block, so the proportions hold
+to 1/MIXTURE_BLOCK over every whole block and the order is a pure function
+of the sample index too.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+import grain
 import numpy as np
 
+from triax.data.sources import TokenStream
 from triax.errors import ConfigError
 
 Batch = dict[str, np.ndarray]
 
+# Samples per mixture block: the proportions of each whole block are the weights to 1e-3.
+MIXTURE_BLOCK = 1000
 
-class BatchStream:
-  """Shuffled training batches and fixed evaluation batches over one split.
 
-  Each window is used exactly once per epoch. Process i of P gets rows
-  [i*b, (i+1)*b) of every global batch, b = B // P, so the P local batches
-  concatenated in process order are the global batch.
+def grain_seed(seed: int, stream: int = 0) -> int:
+  """grain's 32-bit shuffle seed for a run seed (and a source of a mixture).
+
+  grain seeds epoch e with seed + e, so run seeds s and s+1 would share
+  shifted epoch orders if passed as they are; hashing them first does not.
+  """
+  return int(np.random.SeedSequence([seed, stream]).generate_state(1)[0])
+
+
+class Samples:
+  """One split's windows in the order of the contract above: sample g -> (window id, tokens).
+
+  `stream_index` gives a mixture's sources orders of their own (0 for a lone source,
+  1 for a mixture's slots, 2 + j for its source j).
 
   Attributes:
-    seq_len: tokens per input row.
-    global_batch_size: B, rows per step over all processes.
-    local_batch_size: b = B // process_count, rows this process gets.
     num_windows: N, windows in the split (samples per epoch).
   """
 
   def __init__(
     self,
-    tokens: np.ndarray,
+    stream: TokenStream,
+    seq_len: int,
+    seed: int,
+    mask_documents: bool = False,
+    stream_index: int = 0,
+  ):
+    self.stream = stream
+    self.seq_len = seq_len
+    self.mask_documents = mask_documents
+    if mask_documents and stream.doc_starts is None:
+      raise ValueError('mask_documents needs a stream that records its documents')
+    self.num_windows = max(0, (stream.size - 1) // seq_len)
+    if self.num_windows:
+      self.order = (
+        grain.MapDataset.range(self.num_windows)
+        .shuffle(seed=grain_seed(seed, stream_index))
+        .repeat()
+      )
+      self.rows = self.order.map(self.window)
+
+  def window(self, k: int) -> dict:
+    start = int(k) * self.seq_len
+    row = {'window': int(k), 'tokens': self.stream.read(start, self.seq_len + 1)}
+    if self.mask_documents:
+      row['segments'] = self.stream.segment_ids(start, self.seq_len + 1)
+    return row
+
+  def window_id(self, g: int) -> int:
+    return int(self.order[int(g)])
+
+  def read(self, g: int) -> dict:
+    return self.rows[int(g)]
+
+
+class Mixture:
+  """Samples of several sources interleaved by weight; sample ids offset per source.
+
+  Global sample g falls in block b = g // K at slot grain-shuffled(g) of the
+  block; slots [c_0 + ... + c_{j-1}, ... + c_j) belong to source j, whose
+  sample number is then b * c_j + (slot's rank among its source's slots),
+  so each source's samples are consumed in order, block by block, each
+  source cycling through its own epochs.
+  """
+
+  def __init__(self, sources: Sequence[Samples], weights: Sequence[float], seed: int):
+    weights = np.asarray(weights, dtype=np.float64)
+    share = weights / weights.sum() * MIXTURE_BLOCK
+    counts = np.floor(share).astype(np.int64)
+    # Largest remainder: the block's leftover slots go to the sources furthest below their share.
+    for j in np.argsort(-(share - counts), kind='stable')[: MIXTURE_BLOCK - counts.sum()]:
+      counts[j] += 1
+    self.sources = list(sources)
+    self.counts = counts
+    self.weights = weights / weights.sum()
+    self._source_of = np.repeat(np.arange(len(counts)), counts)
+    self._rank = np.arange(MIXTURE_BLOCK) - np.repeat(np.cumsum(counts) - counts, counts)
+    self._offsets = np.cumsum([0] + [s.num_windows for s in self.sources])
+    self.num_windows = int(self._offsets[-1])
+    self.mask_documents = self.sources[0].mask_documents
+    self.seq_len = self.sources[0].seq_len
+    self._slots = grain.MapDataset.range(MIXTURE_BLOCK).shuffle(seed=grain_seed(seed, 1)).repeat()
+
+  def locate(self, g: int) -> tuple[int, int]:
+    """(source, that source's sample number) of global sample g."""
+    slot = int(self._slots[int(g)])
+    j = int(self._source_of[slot])
+    return j, int(g) // MIXTURE_BLOCK * int(self.counts[j]) + int(self._rank[slot])
+
+  def window_id(self, g: int) -> int:
+    j, c = self.locate(g)
+    return int(self._offsets[j]) + self.sources[j].window_id(c)
+
+  def read(self, g: int) -> dict:
+    j, c = self.locate(g)
+    row = dict(self.sources[j].read(c))
+    row['window'] += int(self._offsets[j])
+    return row
+
+
+class BatchStream:
+  """Shuffled training batches and fixed evaluation batches over one split (or a mixture).
+
+  Each window is used exactly once per epoch. Process i of P gets rows
+  [i*b, (i+1)*b) of every global batch by default, b = B // P; `rows=`
+  asks for any other range (a device's block).
+
+  Attributes:
+    seq_len: tokens per input row.
+    global_batch_size: B, rows per step over all processes.
+    local_batch_size: b = B // process_count.
+    num_windows: N, windows in the split (samples per epoch).
+  """
+
+  def __init__(
+    self,
+    tokens: np.ndarray | TokenStream | Mixture,
     seq_len: int,
     global_batch_size: int,
     seed: int,
     process_index: int = 0,
     process_count: int = 1,
     split_name: str = 'train',
+    mask_documents: bool = False,
   ):
-    """Builds the stream; checks that the text holds at least one batch.
+    """Builds the stream; checks that the split holds at least one batch.
 
     Args:
-      tokens: 1-D integer token array (uint8 bytes for the byte corpus).
+      tokens: a 1-D integer token array, a TokenStream, or a Mixture of samples.
       seq_len: tokens per input row; each window has seq_len + 1 tokens.
       global_batch_size: rows per step over all processes.
       seed: shuffling seed, >= 0.
       process_index: this process, in [0, process_count).
-      process_count: number of processes sharing each global batch.
+      process_count: processes sharing each global batch (for the default rows).
       split_name: named in error messages ('train', 'val').
+      mask_documents: add int32 'segment_ids' (document number within the row).
 
     Raises:
-      ConfigError: a batch does not divide over the processes, or the text is
+      ConfigError: a batch does not divide over the processes, or the split is
         too short for one global batch.
     """
-    tokens = np.asarray(tokens)
-    if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
-      raise ValueError(
-        f'tokens must be a 1-D integer array, got {tokens.dtype} of shape {tokens.shape}'
-      )
+    if isinstance(tokens, np.ndarray) or not isinstance(tokens, (TokenStream, Mixture)):
+      tokens = np.asarray(tokens)
+      if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
+        raise ValueError(
+          f'tokens must be a 1-D integer array, got {tokens.dtype} of shape {tokens.shape}'
+        )
+      tokens = TokenStream([tokens])
     if not 0 <= process_index < process_count:
       raise ValueError(f'process_index {process_index} is not in [0, {process_count})')
     if seq_len < 1:
@@ -80,11 +204,20 @@ class BatchStream:
     if seed < 0:
       # SeedSequence rejects negative entropy; say so in config terms.
       raise ConfigError('train.seed', f'{seed} must be >= 0')
-    num_windows = max(0, (tokens.size - 1) // seq_len)
-    if num_windows < global_batch_size:
+    if isinstance(tokens, Mixture):
+      samples = tokens
+      short = [s for s in tokens.sources if s.num_windows < 1]
+      size = min(s.stream.size for s in tokens.sources)
+      unit = 'tokens'
+    else:
+      samples = Samples(tokens, seq_len, seed, mask_documents)
+      short = [samples] if samples.num_windows < global_batch_size else []
+      size = tokens.size
+      unit = 'bytes' if tokens.dtype == np.uint8 else 'tokens'
+    if short:
       raise ConfigError(
         'data.path',
-        f'{split_name} text has {tokens.size} bytes: too little for one '
+        f'{split_name} text has {size} {unit}: too little for one '
         f'batch of {global_batch_size} x {seq_len + 1}; give more text or '
         'lower train.global_batch_size/model.seq_len',
       )
@@ -92,75 +225,68 @@ class BatchStream:
     self.seq_len = seq_len
     self.global_batch_size = global_batch_size
     self.local_batch_size = global_batch_size // process_count
-    self.num_windows = num_windows
+    self.num_windows = samples.num_windows
     self.seed = seed
     self.process_index = process_index
     self.process_count = process_count
     self.split_name = split_name
-    self._tokens = tokens
-    self._offsets = np.arange(seq_len + 1, dtype=np.int64)
-    # Two permutations suffice: a local batch spans at most two epochs since
-    # N >= B. Keeping the previous one avoids recomputing it at a boundary.
-    self._perms: dict[int, np.ndarray] = {}
+    self.samples = samples
 
   def epoch_at(self, step: int) -> float:
     """Epochs completed (fractional) before `step`, for logging."""
     return step * self.global_batch_size / self.num_windows
 
-  def batch(self, step: int) -> Batch:
-    """This process's rows of the global batch at `step`.
+  def _rows(self, rows: tuple[int, int] | None) -> np.ndarray:
+    if rows is None:
+      first = self.process_index * self.local_batch_size
+      rows = (first, first + self.local_batch_size)
+    lo, hi = rows
+    if not 0 <= lo < hi <= self.global_batch_size:
+      raise ValueError(f'rows {rows} are not a range of [0, {self.global_batch_size})')
+    return np.arange(lo, hi, dtype=np.int64)
 
-    Args:
-      step: training step, >= 0.
+  def sample_ids(self, step: int) -> np.ndarray:
+    """int64[B]: the window of every row of the global batch at `step` (nothing is read)."""
+    g = step * self.global_batch_size + np.arange(self.global_batch_size)
+    return np.array([self.samples.window_id(x) for x in g], dtype=np.int64)
+
+  def batch(self, step: int, rows: tuple[int, int] | None = None) -> Batch:
+    """Rows [lo, hi) of the global batch at `step` (default: this process's rows).
 
     Returns:
-      inputs: int32[b, seq_len] tokens.
-      targets: int32[b, seq_len], inputs shifted left by one token.
-      sample_ids: int64[b], the window index of each row (0 ... N-1).
+      inputs: int32[r, seq_len] tokens.
+      targets: int32[r, seq_len], inputs shifted left by one token.
+      sample_ids: int64[r], the window index of each row (0 ... N-1).
+      segment_ids: int32[r, seq_len] (with mask_documents), the document
+        number of each input token within its row, from 0.
     """
     if step < 0:
       raise ValueError(f'step must be >= 0, got {step}')
-    first = step * self.global_batch_size + (self.process_index * self.local_batch_size)
-    g = first + np.arange(self.local_batch_size, dtype=np.int64)
-    epochs = g // self.num_windows
-    positions = g % self.num_windows
-    windows = np.empty_like(g)
-    for epoch in range(int(epochs[0]), int(epochs[-1]) + 1):
-      rows = epochs == epoch
-      windows[rows] = self._permutation(epoch)[positions[rows]]
-    return self._gather(windows)
+    g = step * self.global_batch_size + self._rows(rows)
+    return self._stack([self.samples.read(x) for x in g])
+
+  def eval_batch(self, index: int, rows: tuple[int, int] | None = None) -> Batch:
+    """Evaluation batch `index`: windows index*B ... in text order, unshuffled."""
+    if isinstance(self.samples, Mixture):
+      raise ValueError('evaluation batches come from one source')
+    k = index * self.global_batch_size + self._rows(rows)
+    return self._stack([self.samples.window(x) for x in k])
+
+  def num_eval_batches(self, num_batches: int) -> int:
+    """min(num_batches, N // B): never more than the split holds, so no window repeats."""
+    return min(num_batches, self.num_windows // self.global_batch_size)
 
   def eval_batches(self, num_batches: int) -> list[Batch]:
-    """Fixed evaluation batches: the first windows in text order, unshuffled.
+    """Fixed evaluation batches (this process's rows): the first windows in text order."""
+    return [self.eval_batch(i) for i in range(self.num_eval_batches(num_batches))]
 
-    Args:
-      num_batches: batches wanted; fewer come back when the split holds fewer
-        than num_batches * global_batch_size windows, so no window repeats.
-
-    Returns:
-      min(num_batches, N // B) batches, as `batch` returns them.
-    """
-    num_batches = min(num_batches, self.num_windows // self.global_batch_size)
-    local = np.arange(self.local_batch_size, dtype=np.int64)
-    return [
-      self._gather(i * self.global_batch_size + self.process_index * self.local_batch_size + local)
-      for i in range(num_batches)
-    ]
-
-  def _permutation(self, epoch: int) -> np.ndarray:
-    perm = self._perms.get(epoch)
-    if perm is None:
-      perm = np.random.default_rng([self.seed, epoch]).permutation(self.num_windows)
-      self._perms[epoch] = perm
-      while len(self._perms) > 2:
-        del self._perms[next(iter(self._perms))]
-    return perm
-
-  def _gather(self, windows: np.ndarray) -> Batch:
-    idx = windows[:, None] * self.seq_len + self._offsets
-    rows = self._tokens[idx].astype(np.int32)
-    return {
+  def _stack(self, items: list[dict]) -> Batch:
+    rows = np.stack([item['tokens'] for item in items]).astype(np.int32)
+    batch = {
       'inputs': np.ascontiguousarray(rows[:, :-1]),
       'targets': np.ascontiguousarray(rows[:, 1:]),
-      'sample_ids': windows.astype(np.int64),
+      'sample_ids': np.array([item['window'] for item in items], dtype=np.int64),
     }
+    if self.samples.mask_documents:
+      batch['segment_ids'] = np.stack([item['segments'][:-1] for item in items])
+    return batch

@@ -81,13 +81,14 @@ def load_corpus(source: str, path: str = '', max_bytes: int = DEFAULT_MAX_BYTES)
   """Loads a byte-level corpus and splits it into train and validation.
 
   Files are taken in sorted order of their relative paths, which makes the
-  corpus identical on every machine with the same files. At most `max_bytes`
-  of file content is read; the file that crosses the limit is truncated.
+  corpus identical on every machine with the same files. For 'stdlib', at
+  most `max_bytes` of file content is read (the file that crosses the limit is
+  truncated, and the description says so); a 'text' path holding more is refused.
 
   Args:
     source: 'stdlib' or 'text'.
     path: for 'text', a file or directory; ignored for 'stdlib'.
-    max_bytes: cap on the file content read, before separators.
+    max_bytes: cap on the file content read, before separators (data.max_text_bytes for text).
 
   Returns:
     The corpus.
@@ -119,7 +120,18 @@ def load_corpus(source: str, path: str = '', max_bytes: int = DEFAULT_MAX_BYTES)
   else:
     raise ConfigError('data.source', f"unknown source '{source}'; use 'stdlib' or 'text'")
 
+  if source == 'text':
+    # A user's text is read whole or refused: training on a silent prefix of it misleads.
+    total = sum(os.path.getsize(os.path.join(root, n)) for n in names)
+    if total > max_bytes:
+      raise ConfigError(
+        'data.max_text_bytes',
+        f'{path} holds {total:,} bytes in {len(names)} files, more than data.max_text_bytes='
+        f'{max_bytes:,}; raise it to read them all, or tokenize them once with python -m '
+        'triax.prepare and train with data.source=tokens',
+      )
   contents = _read_files(root, names, max_bytes)
+  skipped = len(names) - len(contents)
   if source == 'text' and not contents:
     if os.path.isdir(path):
       need = (
@@ -146,6 +158,10 @@ def load_corpus(source: str, path: str = '', max_bytes: int = DEFAULT_MAX_BYTES)
     train, val = text[:-n_val], text[-n_val:]
     how = f'last {n_val} bytes held out for validation'
 
+  if source == 'stdlib' and sum(len(c) for c in contents.values()) >= max_bytes:
+    what += f' (the first {max_bytes / 2**20:g} MiB in path order)'
+  if skipped and source == 'text':
+    what += f' ({skipped} empty or binary files skipped)'
   description = (
     f'{what}: {len(contents)} files, {train.size:,} train bytes, {val.size:,} val bytes ({how})'
   )

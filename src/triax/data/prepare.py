@@ -126,20 +126,13 @@ def prepare(
   for name in os.listdir(staging):
     os.replace(os.path.join(staging, name), os.path.join(out, name))
   os.rmdir(staging)
-  manifest = {
-    'format': FORMAT,
-    'version': VERSION,
-    'request': request,
-    'dtype': dtype_for(tok.vocab_size).name,
-    'splits': splits,
-  }
-  _write_json(os.path.join(out, MANIFEST), manifest)
+  manifest = write_manifest(out, request, dtype_for(tok.vocab_size), splits)
   return dict(manifest, rebuilt=True)
 
 
 def _write_splits(spec, tok, files, text_key, val_fraction, workers, shard_tokens, where, progress):
   """Tokenizes every document into `where`; returns the manifest's per-split records."""
-  writers = {s: _SplitWriter(where, s, dtype_for(tok.vocab_size), shard_tokens) for s in SPLITS}
+  writers = {s: SplitWriter(where, s, dtype_for(tok.vocab_size), shard_tokens) for s in SPLITS}
   every = max(2, round(1 / val_fraction))
   bar = tqdm(desc='prepare', unit=' docs', disable=not progress, dynamic_ncols=True)
   n = 0
@@ -156,6 +149,19 @@ def _write_splits(spec, tok, files, text_key, val_fraction, workers, shard_token
         'held out); give more documents (a plain-text file is one) or raise --val_fraction',
       )
   return {s: writers[s].close() for s in SPLITS}
+
+
+def write_manifest(out: str, request: dict, dtype: np.dtype, splits: dict) -> dict:
+  """Writes `out`'s manifest atomically (the last file a prepare writes); returns it."""
+  manifest = {
+    'format': FORMAT,
+    'version': VERSION,
+    'request': request,
+    'dtype': np.dtype(dtype).name,
+    'splits': splits,
+  }
+  _write_json(os.path.join(out, MANIFEST), manifest)
+  return manifest
 
 
 def read_manifest(out: str) -> dict | None:
@@ -193,7 +199,7 @@ def verify(out: str, manifest: dict, checksums: bool = False) -> str | None:
   return None
 
 
-class _SplitWriter:
+class SplitWriter:
   """Appends documents to a split's shards; each shard file is renamed into place when full."""
 
   def __init__(self, out: str, split: str, dtype: np.dtype, shard_tokens: int):
