@@ -24,9 +24,6 @@ REMAT_POLICIES = ('none', 'full', 'selective')
 DTYPES = ('float32', 'bfloat16', 'float16')
 ATTENTION_IMPLS = ('xla', 'cudnn')
 LR_SCHEDULES = ('cosine', 'linear', 'constant', 'wsd')
-DATA_SOURCES = ('stdlib', 'text', 'tokens', 'megatron', 'mixture')
-# Sources that read bytes themselves (data/corpus.py); the others read tokens made beforehand.
-BYTE_SOURCES = ('stdlib', 'text')
 WANDB_MODES = ('online', 'offline')
 DATA_SOURCES = ('stdlib', 'text', 'tokens', 'megatron', 'mixture')
 # Sources that read bytes themselves (data/corpus.py); the others read tokens made beforehand.
