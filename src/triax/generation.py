@@ -15,7 +15,6 @@ tokens at the positions it was trained on.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 
 import jax
@@ -25,11 +24,14 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from triax import config as config_lib
+from triax.data import tokenizer as tokenizer_lib
 from triax.errors import ConfigError
 from triax.model import registry
 from triax.training.checkpoint import Checkpointer
 
 CONFIG_FILE = 'config.json'
+# A tokenizer recorded beside an imported checkpoint (triax.convert --tokenizer).
+TOKENIZER_FILE = 'tokenizer.json'
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,31 +65,31 @@ def load_run_config(workdir: str) -> ml_collections.ConfigDict:
     raise ConfigError(
       '--workdir', f'{workdir} has no {CONFIG_FILE}: give the --workdir of a triax.train run'
     )
-  with open(path) as f:
-    cfg = ml_collections.ConfigDict(json.load(f))
-  # Runs written before model families lack their keys: GPTs, with the defaults.
-  for key, value in config_lib.defaults().model.items():
-    if key not in cfg.model:
-      cfg.model[key] = value
-  return cfg
+  # Keys an older run lacks (model families, say) keep their defaults: a GPT.
+  return config_lib.load_json(path)
 
 
-def encode_prompt(prompt: str, seq_len: int) -> list[int]:
-  """The prompt's UTF-8 bytes (the corpus is byte-level: one token per byte)."""
-  tokens = list(prompt.encode('utf-8'))
+def run_tokenizer(workdir: str, cfg) -> tokenizer_lib.Tokenizer:
+  """What the run's tokens mean: its data.tokenizer, else the tokenizer.json
+  an import recorded beside it (training/hf_checkpoint.py), else bytes."""
+  if cfg.data.tokenizer != tokenizer_lib.BYTES:
+    return tokenizer_lib.load(cfg.data.tokenizer)
+  recorded = os.path.join(workdir, TOKENIZER_FILE)
+  return tokenizer_lib.load(recorded if os.path.isfile(recorded) else tokenizer_lib.BYTES)
+
+
+def encode_prompt(prompt: str, seq_len: int, tok: tokenizer_lib.Tokenizer) -> list[int]:
+  """The prompt's tokens, which must fit the model's context."""
+  tokens = tok.encode(prompt)
   if not tokens:
     raise ConfigError('--prompt', 'is empty; give at least one character to continue from')
   if len(tokens) > seq_len:
     raise ConfigError(
       '--prompt',
-      f"is {len(tokens)} bytes, longer than the model's context "
-      f'of model.seq_len={seq_len} bytes; shorten it',
+      f"is {len(tokens)} tokens ({tok.describe()}), longer than the model's context "
+      f'of model.seq_len={seq_len}; shorten it',
     )
   return tokens
-
-
-def decode(tokens) -> str:
-  return bytes(int(t) for t in tokens).decode('utf-8', errors='replace')
 
 
 def latest_checkpoint(workdir: str, cfg) -> int:
@@ -177,9 +179,10 @@ def sample(workdir: str, prompt: str, sampling: Sampling) -> dict:
     {'text': prompt + continuation, 'step': checkpoint step, 'tokens': new tokens}
   """
   cfg = load_run_config(workdir)
-  prompt_tokens = encode_prompt(prompt, cfg.model.seq_len)
+  tok = run_tokenizer(workdir, cfg)
+  prompt_tokens = encode_prompt(prompt, cfg.model.seq_len, tok)
   sampling.check(cfg.model.vocab_size)
   step = latest_checkpoint(workdir, cfg)
   params = restore_params(workdir, cfg, step)
   new = generate(sampling_model(cfg), params, prompt_tokens, sampling)
-  return {'text': decode(prompt_tokens + new.tolist()), 'step': step, 'tokens': new}
+  return {'text': tok.decode(prompt_tokens + new.tolist()), 'step': step, 'tokens': new}

@@ -2,7 +2,8 @@
 
 Restores the latest checkpoint of DIR (written under any parallel layout)
 onto one device and prints the prompt followed by the sampled continuation,
-decoded from bytes. Kept to flag parsing and one library call
+decoded with the run's tokenizer (bytes unless it trained on, or was
+imported with, another). Kept to flag parsing and one library call
 (triax.generation).
 """
 
@@ -15,10 +16,10 @@ from triax import cli
 _WORKDIR = flags.DEFINE_string(
   'workdir', None, 'Workdir of a triax.train run (its config.json and checkpoints).'
 )
-_PROMPT = flags.DEFINE_string('prompt', None, 'Text to continue (at most model.seq_len bytes).')
-_MAX_NEW_TOKENS = flags.DEFINE_integer('max_new_tokens', 200, 'Bytes to generate.')
+_PROMPT = flags.DEFINE_string('prompt', None, 'Text to continue (at most model.seq_len tokens).')
+_MAX_NEW_TOKENS = flags.DEFINE_integer('max_new_tokens', 200, 'Tokens to generate.')
 _TEMPERATURE = flags.DEFINE_float('temperature', 0.8, 'Softmax temperature; 0 = greedy.')
-_TOP_K = flags.DEFINE_integer('top_k', 0, 'Sample among the k likeliest bytes; 0 = all.')
+_TOP_K = flags.DEFINE_integer('top_k', 0, 'Sample among the k likeliest tokens; 0 = all.')
 _SEED = flags.DEFINE_integer('seed', 0, 'Sampling seed: the same seed gives the same text.')
 _CPU_DEVICES = flags.DEFINE_integer(
   'cpu_devices',

@@ -12,9 +12,14 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from triax import cli, mesh
+from triax import config as config_lib
 
 _CONFIG = config_flags.DEFINE_config_file(
-  'config', None, 'Experiment config file (Python, get_config(arg)); FILE[:ARG].', lock_config=True
+  'config',
+  None,
+  'Experiment config file (Python, get_config(arg)); FILE[:ARG]. Without it, WORKDIR/config.json '
+  '(a run to resume, or a checkpoint imported by triax.convert).',
+  lock_config=True,
 )
 _WORKDIR = flags.DEFINE_string(
   'workdir',
@@ -38,11 +43,17 @@ _PROGRESS = flags.DEFINE_bool('progress', True, 'Show a progress bar.')
 def main(argv):
   if len(argv) > 1:
     cli.fail('flags', f'unexpected arguments {argv[1:]}; flags look like --name=value')
-  cfg = cli.config_value(_CONFIG)
-  if cfg is None:
-    cli.fail('--config', 'is required, e.g. --config=experiments/gpt_tiny.py')
   if not _WORKDIR.value:
     cli.fail('--workdir', 'is required: where metrics and checkpoints go')
+  cfg = cli.config_value(_CONFIG)
+  saved = os.path.join(_WORKDIR.value, 'config.json')
+  if cfg is None:
+    if not os.path.isfile(saved):
+      cli.fail('--config', 'is required, e.g. --config=experiments/gpt_tiny.py')
+    # The workdir's own config: a run to resume, or an imported checkpoint to fine-tune.
+    with cli.config_errors_exit():
+      cfg = config_lib.load_json(saved)
+    cfg.lock()
   cli.force_cpu_devices(_CPU_DEVICES.value)
   mesh.maybe_initialize_distributed()
   cli.warn_if_accelerator(_CPU_DEVICES.value)

@@ -1,0 +1,79 @@
+"""Hugging Face Llama checkpoints in and out of triax workdirs.
+
+  python -m triax.convert --hf_dir=DIR --workdir=WORKDIR [--tokenizer=tokenizer.json]
+  python -m triax.convert --workdir=WORKDIR --hf_dir=OUT --export
+
+Import reads DIR's config.json and *.safetensors (one file or shards) and
+writes a workdir at step 0 that `python -m triax.train --workdir=WORKDIR`
+fine-tunes and `python -m triax.sample --workdir=WORKDIR` samples; export
+writes the workdir's latest checkpoint back as transformers' Llama. Kept to
+flag parsing and one library call (triax.training.hf_checkpoint).
+"""
+
+import sys
+
+from absl import flags
+
+from triax import cli
+
+_HF_DIR = flags.DEFINE_string(
+  'hf_dir', None, 'A Hugging Face Llama checkpoint directory (read; with --export, written).'
+)
+_WORKDIR = flags.DEFINE_string('workdir', None, 'The triax workdir (written; with --export, read).')
+_EXPORT = flags.DEFINE_bool(
+  'export', False, 'Write WORKDIR as a Hugging Face checkpoint in HF_DIR.'
+)
+_TOKENIZER = flags.DEFINE_string(
+  'tokenizer', '', "The checkpoint's tokenizer.json, copied into the workdir for triax.sample."
+)
+_SEQ_LEN = flags.DEFINE_integer(
+  'seq_len', 0, 'Training window (model.seq_len); 0 = the HF context, at most 2048.'
+)
+_MAX_SHARD_BYTES = flags.DEFINE_integer(
+  'max_shard_bytes', 5 * 10**9, 'Export: largest safetensors shard, as HF shards.'
+)
+_CPU_DEVICES = flags.DEFINE_integer(
+  'cpu_devices', None, 'Force this many CPU devices (ignored when an accelerator is present).'
+)
+
+
+def main(argv):
+  if len(argv) > 1:
+    cli.fail('flags', f'unexpected arguments {argv[1:]}; flags look like --name=value')
+  if not _HF_DIR.value:
+    cli.fail('--hf_dir', 'is required: the Hugging Face checkpoint directory')
+  if not _WORKDIR.value:
+    cli.fail('--workdir', 'is required: the triax workdir')
+  if _EXPORT.value and _TOKENIZER.value:
+    cli.fail('--tokenizer', 'is for import; an export copies the workdir tokenizer.json, if any')
+  cli.force_cpu_devices(_CPU_DEVICES.value)
+  from triax.training import hf_checkpoint  # after the device count is set
+
+  with cli.config_errors_exit():
+    if _EXPORT.value:
+      result = hf_checkpoint.export_hf(
+        _WORKDIR.value, _HF_DIR.value, max_shard_bytes=_MAX_SHARD_BYTES.value
+      )
+      print(
+        f'{_HF_DIR.value}: step {result["step"]} of {_WORKDIR.value} as LlamaForCausalLM '
+        f'({", ".join(result["files"])})'
+      )
+      return
+    result = hf_checkpoint.import_hf(
+      _HF_DIR.value, _WORKDIR.value, tokenizer=_TOKENIZER.value, seq_len=_SEQ_LEN.value
+    )
+  m = result['config'].model
+  print(
+    f'{_WORKDIR.value}: llama, {result["params"] / 1e6:.1f}M parameters ({m.num_layers} layers, '
+    f'd_model {m.d_model}, {m.num_heads} heads / {m.num_kv_heads} K/V), checkpoint at step 0',
+    file=sys.stderr,
+  )
+  print(f'fine-tune: python -m triax.train --workdir={_WORKDIR.value}')
+
+
+def run():
+  cli.run(main)
+
+
+if __name__ == '__main__':
+  run()

@@ -1,0 +1,156 @@
+"""Hugging Face Llama checkpoints in and out of triax workdirs (`python -m triax.convert`).
+
+Import writes what a triax.train run would have written at step 0: the
+validated config (config.json, the model keys from the HF config), a
+checkpoint of the converted weights with a fresh optimizer state, and the
+HF config itself (hf_config.json, so an export keeps its token ids and the
+like); with a tokenizer, a copy of it (tokenizer.json), which triax.sample
+encodes and decodes with. `python -m triax.train --workdir=DIR` then fine-tunes it and
+`python -m triax.sample --workdir=DIR` samples it. Export writes the latest
+checkpoint's parameters back as HF's config.json and safetensors.
+
+Everything is checked (HF config, every tensor's name and shape, the
+tokenizer, an empty workdir) before anything is written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from triax import config as config_lib
+from triax import generation
+from triax.data import tokenizer as tokenizer_lib
+from triax.errors import ConfigError
+from triax.model import hf_llama
+from triax.training import lock as lock_lib
+
+HF_CONFIG = 'hf_config.json'
+# Shards HF writes by default are at most 5 GB.
+MAX_SHARD_BYTES = 5 * 10**9
+
+
+def _read_json(path: str, key: str) -> dict:
+  if not os.path.isfile(path):
+    raise ConfigError(key, f'{path}: no such file')
+  try:
+    with open(path) as f:
+      return json.load(f)
+  except (OSError, json.JSONDecodeError) as e:
+    raise ConfigError(key, f'{path}: not JSON ({e})') from None
+
+
+def import_config(hf: dict, seq_len: int):
+  """The triax config (validated) of an HF config: defaults plus its model keys."""
+  if seq_len <= 0:
+    # No learned positions: seq_len is only the training window; the HF
+    # context may be 128k, which a first fine-tune rarely wants.
+    seq_len = min(int(hf.get('max_position_embeddings', 2048)), 2048)
+  cfg = config_lib.defaults()
+  for key, value in hf_llama.model_config(hf, seq_len).items():
+    if isinstance(value, dict):
+      for sub, v in value.items():
+        cfg.model[key][sub] = v
+    else:
+      cfg.model[key] = value
+  return cfg
+
+
+def import_hf(hf_dir: str, workdir: str, *, tokenizer: str = '', seq_len: int = 0) -> dict:
+  """Writes a triax workdir holding the HF Llama checkpoint in `hf_dir`.
+
+  Returns:
+    {'step': 0, 'params': parameter count, 'config': the triax config}
+  """
+  from triax import mesh as mesh_lib
+  from triax.training import checkpoint as ckpt_lib
+  from triax.training import step as step_lib
+
+  if not os.path.isdir(hf_dir):
+    raise ConfigError('--hf_dir', f'{hf_dir}: no such directory')
+  hf = _read_json(os.path.join(hf_dir, 'config.json'), '--hf_dir')
+  if os.path.exists(workdir) and os.listdir(workdir):
+    raise ConfigError(
+      '--workdir', f'{workdir} is not empty; import into a new directory (nothing was written)'
+    )
+  cfg = import_config(hf, seq_len)
+  if tokenizer:
+    tok = tokenizer_lib.load(tokenizer)
+    if tok.vocab_size > cfg.model.vocab_size:
+      raise ConfigError(
+        '--tokenizer',
+        f'{tok.describe()} is larger than the checkpoint vocabulary {cfg.model.vocab_size}',
+      )
+  # One device's worth of layout: the checkpoint restores under any other.
+  cfg.mesh.data, cfg.mesh.tensor, cfg.mesh.pipe = -1, 1, 1
+  # Saved as given (data = -1, whatever devices there are): validation
+  # resolves it to this machine's count, which a fine-tune elsewhere lacks.
+  portable = cfg.to_json(indent=2)
+  cfg = config_lib.validate(cfg, jax.device_count())
+  dtype = np.dtype(cfg.model.param_dtype)
+  params = hf_llama.params_from_hf(hf_llama.read_tensors(hf_dir), cfg.model, dtype)
+
+  lock_lib.check_free(workdir)
+  os.makedirs(workdir, exist_ok=True)
+  if tokenizer:
+    # Recorded beside the run, not as data.tokenizer: the default data is
+    # bytes (any byte id is a valid token id); fine-tuning on text tokenized
+    # with it goes through triax.prepare and data.source=tokens.
+    shutil.copyfile(tokenizer, os.path.join(workdir, generation.TOKENIZER_FILE))
+  with lock_lib.WorkdirLock(workdir):
+    trainer = step_lib.build_trainer(cfg, mesh_lib.build_mesh(cfg.mesh))
+    shapes = trainer.abstract_canonical_state().params
+    placed = jax.tree.map(
+      lambda a, s: jax.device_put(jnp.asarray(a, s.dtype), s.sharding), params, shapes
+    )
+    canonical = step_lib.TrainState(
+      step=jnp.zeros((), jnp.int32), params=placed, opt_state=trainer.optimizer.init(placed)
+    )
+    ckpt = ckpt_lib.Checkpointer(workdir, cfg)
+    ckpt.save(trainer, trainer.from_canonical(canonical))
+    ckpt.wait()
+    ckpt.close()
+    _write_json(os.path.join(workdir, HF_CONFIG), hf)
+    with open(os.path.join(workdir, 'config.json.tmp'), 'w') as f:
+      f.write(portable)
+    os.replace(os.path.join(workdir, 'config.json.tmp'), os.path.join(workdir, 'config.json'))
+  count = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(params))
+  return {'step': 0, 'params': count, 'config': cfg}
+
+
+def _write_json(path: str, value) -> None:
+  with open(path + '.tmp', 'w') as f:
+    json.dump(value, f, indent=2)
+  os.replace(path + '.tmp', path)
+
+
+def export_hf(workdir: str, out_dir: str, *, max_shard_bytes: int = MAX_SHARD_BYTES) -> dict:
+  """Writes the latest checkpoint of a llama workdir as an HF checkpoint directory.
+
+  Returns:
+    {'step': the checkpoint's step, 'files': names written}
+  """
+  cfg = generation.load_run_config(workdir)
+  if cfg.model.family != 'llama':
+    raise ConfigError(
+      '--workdir', f'{workdir} holds a {cfg.model.family} model; only llama exports to HF'
+    )
+  if os.path.exists(out_dir) and os.listdir(out_dir):
+    raise ConfigError('--hf_dir', f'{out_dir} is not empty; export into a new directory')
+  step = generation.latest_checkpoint(workdir, cfg)
+  params = jax.tree.map(np.asarray, generation.restore_params(workdir, cfg, step))
+  base = None
+  if os.path.isfile(os.path.join(workdir, HF_CONFIG)):
+    base = _read_json(os.path.join(workdir, HF_CONFIG), '--workdir')
+  os.makedirs(out_dir, exist_ok=True)
+  hf_llama.write_tensors(hf_llama.params_to_hf(params, cfg.model), out_dir, max_shard_bytes)
+  _write_json(os.path.join(out_dir, 'config.json'), hf_llama.hf_config(cfg.model, base))
+  tok = os.path.join(workdir, generation.TOKENIZER_FILE)
+  if os.path.isfile(tok):
+    shutil.copyfile(tok, os.path.join(out_dir, generation.TOKENIZER_FILE))
+  return {'step': step, 'files': sorted(os.listdir(out_dir))}

@@ -1,0 +1,220 @@
+"""Hugging Face Llama checkpoints against the reference: transformers' LlamaForCausalLM.
+
+A small Llama with random weights (grouped-query attention, Llama 3 RoPE
+scaling) is written by transformers itself, in shards, then imported: triax
+must give its logits (one device), its loss (pipelined and tensor-parallel
+layouts restoring the imported checkpoint) and its greedy tokens; export ->
+import -> export must be bit-identical and give back transformers' tensors.
+Nothing is downloaded.
+"""
+
+import filecmp
+import os
+
+import harness
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+torch = pytest.importorskip('torch')
+transformers = pytest.importorskip('transformers')
+
+from triax import config as config_lib  # noqa: E402
+from triax import generation  # noqa: E402
+from triax import mesh as mesh_lib  # noqa: E402
+from triax.model import hf_llama  # noqa: E402
+from triax.training import checkpoint as ckpt_lib  # noqa: E402
+from triax.training import hf_checkpoint  # noqa: E402
+from triax.training import step as step_lib  # noqa: E402
+
+SEQ = 32
+
+
+def _hf_model(tie=False):
+  cfg = transformers.LlamaConfig(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=SEQ,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    # Wavelengths past 16 / low_freq_factor positions are slowed: a 32-token window sees it.
+    rope_scaling={
+      'rope_type': 'llama3',
+      'factor': 8.0,
+      'low_freq_factor': 1.0,
+      'high_freq_factor': 4.0,
+      'original_max_position_embeddings': 16,
+    },
+    tie_word_embeddings=tie,
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=None,
+  )
+  torch.manual_seed(0)
+  model = transformers.LlamaForCausalLM(cfg).float().eval()
+  with torch.no_grad():  # norms start at ones: make them matter
+    for name, p in model.named_parameters():
+      if 'norm' in name:
+        p.add_(0.1 * torch.randn_like(p))
+  return model
+
+
+@pytest.fixture(scope='module')
+def imported(tmp_path_factory):
+  base = tmp_path_factory.mktemp('hf')
+  model = _hf_model()
+  hf_dir = str(base / 'hf')
+  # Shards of at most 100 kB: the index path, as large checkpoints are stored.
+  model.save_pretrained(hf_dir, max_shard_size='100KB')
+  assert os.path.isfile(os.path.join(hf_dir, hf_llama.INDEX_FILE))
+  workdir = str(base / 'w')
+  result = hf_checkpoint.import_hf(hf_dir, workdir)
+  return model, hf_dir, workdir, result
+
+
+def _tokens(batch=2):
+  return np.random.default_rng(0).integers(0, 256, (batch, SEQ)).astype(np.int32)
+
+
+def test_import_gives_transformers_logits(imported):
+  model, _, workdir, result = imported
+  cfg = result['config']
+  assert (cfg.model.family, cfg.model.num_kv_heads, cfg.model.rope_scaling.factor) == (
+    'llama',
+    2,
+    8.0,
+  )
+  assert result['params'] == sum(p.numel() for p in model.parameters())
+  params = generation.restore_params(workdir, cfg, 0)
+  ours = generation.sampling_model(cfg).logits(params, jnp.asarray(_tokens()))
+  with torch.no_grad():
+    theirs = model(torch.from_numpy(_tokens()).long()).logits.numpy()
+  err = np.max(np.abs(np.asarray(ours) - theirs)) / np.max(np.abs(theirs))
+  assert err <= 1e-4, err
+
+
+@pytest.mark.parametrize('layout', [(2, 2, 2), (1, 2, 4)])
+def test_imported_checkpoint_gives_transformers_loss_on_parallel_layouts(imported, layout):
+  model, _, workdir, result = imported
+  cfg = config_lib.load_json(os.path.join(workdir, 'config.json'))
+  cfg.mesh.data, cfg.mesh.tensor, cfg.mesh.pipe = layout
+  cfg.pipeline.microbatches = 4 // layout[0]
+  cfg.train.global_batch_size = 4
+  cfg = config_lib.validate(cfg, 8)
+  trainer = step_lib.build_trainer(cfg, mesh_lib.build_mesh(cfg.mesh))
+  state = ckpt_lib.Checkpointer(workdir, cfg).restore(trainer)
+  tokens = np.random.default_rng(1).integers(0, 256, (4, SEQ + 1)).astype(np.int32)
+  inputs, targets = tokens[:, :-1], tokens[:, 1:]
+  batch = {
+    'inputs': jax.device_put(inputs, trainer.batch_sharding),
+    'targets': jax.device_put(targets, trainer.batch_sharding),
+  }
+  with jax.set_mesh(trainer.mesh):
+    ours = float(trainer.eval_loss(state.params, batch))
+  with torch.no_grad():
+    logits = model(torch.from_numpy(inputs).long()).logits.reshape(-1, 256)
+    theirs = float(
+      torch.nn.functional.cross_entropy(logits, torch.from_numpy(targets).long().ravel())
+    )
+  assert ours == pytest.approx(theirs, rel=1e-5)
+
+
+def test_greedy_generation_gives_transformers_tokens(imported):
+  model, _, workdir, result = imported
+  cfg = result['config']
+  params = generation.restore_params(workdir, cfg, 0)
+  prompt = [5, 17, 200, 33]
+  ours = generation.generate(
+    generation.sampling_model(cfg),
+    params,
+    prompt,
+    generation.Sampling(max_new_tokens=12, temperature=0.0),
+  )
+  with torch.no_grad():
+    theirs = model.generate(
+      torch.tensor([prompt]), max_new_tokens=12, do_sample=False, min_new_tokens=12
+    )[0, len(prompt) :].numpy()
+  assert ours.tolist() == theirs.tolist()
+
+
+def test_export_import_export_is_bit_identical(imported, tmp_path):
+  model, hf_dir, workdir, _ = imported
+  first = str(tmp_path / 'first')
+  hf_checkpoint.export_hf(workdir, first, max_shard_bytes=100_000)
+  tensors = hf_llama.read_tensors(first)
+  reference = {k: v.numpy() for k, v in model.state_dict().items()}
+  assert set(tensors) == set(reference)
+  for name, array in reference.items():
+    np.testing.assert_array_equal(tensors[name], array, err_msg=name)
+  again = str(tmp_path / 'w2')
+  hf_checkpoint.import_hf(first, again)
+  second = str(tmp_path / 'second')
+  hf_checkpoint.export_hf(again, second, max_shard_bytes=100_000)
+  names = sorted(os.listdir(first))
+  assert names == sorted(os.listdir(second)) and len(names) > 2  # shards and the index
+  match, mismatch, errors = filecmp.cmpfiles(first, second, names, shallow=False)
+  assert (mismatch, errors) == ([], []), (mismatch, errors)
+  # transformers reads the export back.
+  back = transformers.LlamaForCausalLM.from_pretrained(first).eval()
+  with torch.no_grad():
+    x = torch.from_numpy(_tokens()).long()
+    np.testing.assert_array_equal(back(x).logits.numpy(), model(x).logits.numpy())
+
+
+def test_tied_embeddings_import_and_export(tmp_path):
+  model = _hf_model(tie=True)
+  hf_dir = str(tmp_path / 'hf')
+  model.save_pretrained(hf_dir)
+  workdir = str(tmp_path / 'w')
+  result = hf_checkpoint.import_hf(hf_dir, workdir)
+  assert result['config'].model.tie_embeddings
+  params = generation.restore_params(workdir, result['config'], 0)
+  assert 'out' not in params['head']
+  ours = generation.sampling_model(result['config']).logits(params, jnp.asarray(_tokens()))
+  with torch.no_grad():
+    theirs = model(torch.from_numpy(_tokens()).long()).logits.numpy()
+  assert np.max(np.abs(np.asarray(ours) - theirs)) / np.max(np.abs(theirs)) <= 1e-4
+  out = str(tmp_path / 'out')
+  hf_checkpoint.export_hf(workdir, out)
+  assert 'lm_head.weight' not in hf_llama.read_tensors(out)
+
+
+def test_cli_imports_fine_tunes_and_samples(imported, tmp_path, compile_cache):
+  _, hf_dir, _, _ = imported
+  workdir = str(tmp_path / 'w')
+  run = lambda module, *flags: harness.run_cli(module, *flags, env_extra=compile_cache)  # noqa: E731
+  bad = run('triax.convert', f'--hf_dir={tmp_path}/missing', f'--workdir={workdir}')
+  assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
+    f'error: --hf_dir: {tmp_path}/missing: no such directory'
+  ]
+  assert not os.path.exists(workdir)
+  made = run('triax.convert', f'--hf_dir={hf_dir}', f'--workdir={workdir}')
+  assert made.returncode == 0, made.stderr
+  assert f'python -m triax.train --workdir={workdir}' in made.stdout
+  # Fine-tune two steps, the config changed by flags (experiments/from_workdir.py) ...
+  tuned = run(
+    'triax.train',
+    f'--config=experiments/from_workdir.py:{workdir}',
+    f'--workdir={workdir}',
+    '--config.train.steps=2',
+    '--config.train.global_batch_size=8',
+    '--cpu_devices=8',
+    '--progress=false',
+  )
+  assert tuned.returncode == 0, tuned.stderr[-3000:]
+  # ... then the workdir's own config.json alone: nothing left to do at step 2.
+  resumed = run('triax.train', f'--workdir={workdir}', '--cpu_devices=8', '--progress=false')
+  assert resumed.returncode == 0, resumed.stderr[-3000:]
+  assert 'checkpoint is at step 2 and train.steps=2' in resumed.stdout
+  sampled = run(
+    'triax.sample', f'--workdir={workdir}', '--prompt=def ', '--temperature=0', '--max_new_tokens=8'
+  )
+  assert sampled.returncode == 0, sampled.stderr[-3000:]
+  assert sampled.stdout.startswith('def ') and '[checkpoint step 2 of' in sampled.stderr
+  again = run('triax.convert', f'--hf_dir={hf_dir}', f'--workdir={workdir}')
+  assert again.returncode == 2 and 'not empty' in again.stderr
