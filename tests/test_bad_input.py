@@ -124,6 +124,7 @@ CASES = [
     'pipeline.microbatches',
   ),
   ('unknown-schedule', train('--config.pipeline.schedule=zigzag'), 'pipeline.schedule'),
+  ('unknown-wandb-mode', train('--config.train.wandb_mode=cloud'), 'train.wandb_mode'),
   (
     'schedule-file-bad-cell',
     train('--config.pipeline.schedule_file={d}/bad.csv', setup=write('bad.csv', '0F0,0X1\r\n')),
@@ -131,6 +132,7 @@ CASES = [
   ),
   ('unknown-dtype', train('--config.model.dtype=float8'), 'model.dtype'),
   ('unknown-family', train('--config.model.family=mamba'), 'model.family'),
+  ('loss-chunk-not-dividing', train('--config.model.loss_chunk=5'), 'model.loss_chunk'),
   # A key the family does not read would be silently ignored.
   ('gpt-with-kv-heads', train('--config.model.num_kv_heads=2'), 'model.num_kv_heads'),
   ('gpt-with-rope-scaling', train('--config.model.rope_scaling.factor=8.0'), 'model.rope_scaling'),
@@ -162,7 +164,6 @@ CASES = [
   ),
   ('dcn-not-a-divisor', train('--config.mesh.dcn_pipe=3'), 'mesh.dcn_pipe'),
   ('dcn-without-processes', train('--config.mesh.dcn_pipe=2'), 'mesh'),
-  ('loss-chunk-not-dividing', train('--config.model.loss_chunk=5'), 'model.loss_chunk'),
   ('two-free-mesh-axes', train('--config.mesh.data=-1', '--config.mesh.tensor=-1'), 'mesh.tensor'),
   (
     'negative-skip-nonfinite',

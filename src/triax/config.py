@@ -208,6 +208,71 @@ def defaults() -> ml_collections.ConfigDict:
   return c
 
 
+def flatten(cfg, prefix: str = '') -> dict:
+  """A ConfigDict (or dict) as {dotted key: leaf value}."""
+  out = {}
+  for key, value in cfg.items():
+    name = f'{prefix}{key}'
+    if hasattr(value, 'items'):
+      out.update(flatten(value, name + '.'))
+    else:
+      out[name] = value
+  return out
+
+
+def set_dotted(cfg: ml_collections.ConfigDict, key: str, value) -> None:
+  """Sets the leaf at a dotted key ('train.steps') in place: the one way every
+  tool (sweeps, plans, the budget) overrides a config.
+
+  Raises:
+    ConfigError(key, ...): no such leaf (a misspelling or a group), or a
+      value the leaf's type refuses.
+  """
+  *path, name = key.split('.')
+  node = cfg
+  for part in path:
+    node = node.get(part) if isinstance(node, ml_collections.ConfigDict) else None
+  if not isinstance(node, ml_collections.ConfigDict) or name not in node:
+    raise ConfigError(
+      key, 'unknown config key; keys are dotted config paths like mesh.data or train.steps'
+    )
+  if isinstance(node[name], ml_collections.ConfigDict):
+    raise ConfigError(key, 'names a config group, not a value')
+  try:
+    node[name] = value
+  except (TypeError, ValueError) as e:
+    raise ConfigError(key, f'{value!r} does not fit this key: {e}') from None
+
+
+def _tuples(value):
+  return tuple(_tuples(v) for v in value) if isinstance(value, list) else value
+
+
+def load_json(path: str, key: str = '--workdir') -> ml_collections.ConfigDict:
+  """A config saved as JSON (a run's config.json) over today's defaults.
+
+  Keys the file lacks (written by an older triax) keep their defaults; JSON's
+  lists become the tuples the defaults hold.
+
+  Raises:
+    ConfigError(key, ...): unreadable, or a key this triax does not know.
+  """
+  import json
+
+  try:
+    with open(path) as f:
+      saved = json.load(f)
+  except (OSError, json.JSONDecodeError) as e:
+    raise ConfigError(key, f'{path}: not a readable config ({e})') from None
+  cfg = defaults()
+  for dotted, value in flatten(saved).items():
+    try:
+      set_dotted(cfg, dotted, _tuples(value))
+    except ConfigError as e:
+      raise ConfigError(key, f'{path}: {e.key}: {e.message}') from None
+  return cfg
+
+
 def _validate_wandb(t) -> None:
   if not isinstance(t.wandb_project, str):
     raise ConfigError('train.wandb_project', f'must be a string; got {t.wandb_project!r}')
@@ -370,6 +435,17 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int) -> ml_collections
     )
   if m.d_ff % tensor:
     raise ConfigError('model.d_ff', f'{m.d_ff} is not divisible by mesh.tensor={tensor}')
+  chunk = m.loss_chunk
+  if (
+    not isinstance(chunk, int)
+    or isinstance(chunk, bool)
+    or chunk < 0
+    or (chunk and m.seq_len % chunk)
+  ):
+    raise ConfigError(
+      'model.loss_chunk',
+      f'must be 0 (all at once) or a divisor of model.seq_len={m.seq_len}, got {chunk!r}',
+    )
   if m.vocab_size % tensor:
     raise ConfigError(
       'model.vocab_size',
@@ -435,17 +511,6 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int) -> ml_collections
   if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
     raise ConfigError(
       'train.decay_fraction', f'must be a number in (0, 1] (0.2 = the last fifth), got {fraction!r}'
-  chunk = m.loss_chunk
-  if (
-    not isinstance(chunk, int)
-    or isinstance(chunk, bool)
-    or chunk < 0
-    or (chunk and m.seq_len % chunk)
-  ):
-    raise ConfigError(
-      'model.loss_chunk',
-      f'must be 0 (all at once) or a divisor of model.seq_len={m.seq_len}, got {chunk!r}',
-    )
     )
   if t.lr_schedule == 'wsd':
     # The decay's updates are the run's last n; they may not reach back into the warmup,
@@ -482,66 +547,6 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int) -> ml_collections
     cfg.model, defaults().model, cfg.mesh, cfg.sharding.logical_axis_rules
   )
   return cfg
-
-
-def _check_data(d) -> None:
-  """The data keys against each other: what can be told without reading any file.
-
-  A key the source would ignore is an error, never dropped: data.path with
-  stdlib or a mixture, data.mixture without data.source=mixture, a tokenizer
-  with a source that reads bytes.
-  """
-  if d.source not in DATA_SOURCES:
-    raise ConfigError(
-      'data.source', f'unknown source {d.source!r}; choose one of {", ".join(DATA_SOURCES)}'
-    )
-  if d.source in ('stdlib', 'mixture') and d.path:
-    raise ConfigError(
-      'data.path',
-      f'data.source={d.source} does not read data.path ({d.path}); remove it, or use '
-      'data.source=text (a text file or directory), tokens (a prepared directory) or megatron',
-    )
-  if d.source in ('tokens', 'megatron') and not d.path:
-    need = 'the --out directory of python -m triax.prepare' if d.source == 'tokens' else 'a PREFIX'
-    raise ConfigError('data.path', f'data.source={d.source} needs data.path={need}')
-  if d.source == 'mixture':
-    if not d.mixture:
-      raise ConfigError('data.mixture', 'data.source=mixture needs ((PATH, WEIGHT), ...)')
-    for entry in d.mixture:
-      if (
-        not isinstance(entry, (list, tuple))
-        or len(entry) != 2
-        or not isinstance(entry[0], str)
-        or not entry[0]
-        or isinstance(entry[1], bool)
-        or not isinstance(entry[1], (int, float))
-        or not 0 < entry[1] < math.inf
-      ):
-        raise ConfigError('data.mixture', f'{entry!r} is not (PATH, WEIGHT) with a positive weight')
-  elif d.mixture:
-    raise ConfigError(
-      'data.mixture', f'is read only with data.source=mixture (it is {d.source}); remove it'
-    )
-  if not isinstance(d.tokenizer, str) or not d.tokenizer:
-    raise ConfigError('data.tokenizer', "give 'bytes', a tokenizer.json or a sentencepiece .model")
-  if d.source in BYTE_SOURCES and d.tokenizer != 'bytes':
-    raise ConfigError(
-      'data.tokenizer',
-      f'data.source={d.source} reads bytes; to train with {d.tokenizer}, tokenize the text with '
-      'python -m triax.prepare --tokenizer=... and use data.source=tokens',
-    )
-  size = d.max_text_bytes
-  if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
-    raise ConfigError('data.max_text_bytes', f'must be a positive integer, got {size!r}')
-  if not isinstance(d.mask_documents, bool):
-    raise ConfigError('data.mask_documents', f'must be true or false, got {d.mask_documents!r}')
-  if d.mask_documents:
-    # The loader makes the segment ids (data/batches.py); the model's attention does not take
-    # them yet, and training on without them would let attention cross documents unannounced.
-    raise ConfigError(
-      'data.mask_documents',
-      "is not supported yet: the model's attention takes no document mask; set it to false",
-    )
 
 
 def _check_data(d) -> None:

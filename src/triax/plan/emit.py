@@ -18,6 +18,7 @@ import datetime
 import os
 from typing import Any
 
+from triax import config as config_lib
 from triax.plan.simulator import Estimate, Plan
 
 LAYERS_KEY = 'pipeline.layers_per_stage'
@@ -54,35 +55,10 @@ def overrides(plan: Plan, heterogeneous: bool = False) -> dict[str, Any]:
   return values
 
 
-def flatten(cfg, prefix: str = '') -> dict[str, Any]:
-  """A ConfigDict (or dict) as {dotted key: leaf value}."""
-  out = {}
-  for key, value in cfg.items():
-    name = f'{prefix}{key}'
-    if hasattr(value, 'items'):
-      out.update(flatten(value, name + '.'))
-    else:
-      out[name] = value
-  return out
-
-
 def apply(cfg, values: dict[str, Any]):
-  """Sets dotted keys on a ConfigDict in place (adding new leaves if
-  unlocked) and returns it. `pipeline.layers_per_stage` is only set where
-  this triax knows the key, unless the split is uneven (then it must be)."""
+  """Sets dotted keys on a ConfigDict in place and returns it."""
   for key, value in values.items():
-    *path, name = key.split('.')
-    node = cfg
-    for part in path:
-      node = node[part]
-    if key == LAYERS_KEY and name not in node:
-      if not value:
-        continue
-      raise ValueError(
-        f'this plan splits layers unevenly ({key}={value}) but this triax '
-        f'config has no {key}; update triax or plan with an even split'
-      )
-    node[name] = value
+    config_lib.set_dotted(cfg, key, value)
   return cfg
 
 
@@ -141,6 +117,8 @@ Pipeline stages and the cluster devices the prediction assumes for them
 import importlib.util
 import os
 
+from triax import config as triax_config
+
 # The base experiment, relative to this file, and its config argument.
 BASE = {base_rel!r}
 BASE_ARG = {base_arg!r}
@@ -152,16 +130,7 @@ PLAN = {_literal(plan_values)}
 
 def _apply(cfg, values):
   for key, value in values.items():
-    *path, name = key.split('.')
-    node = cfg
-    for part in path:
-      node = node[part]
-    if key in ('pipeline.layers_per_stage', 'mesh.device_order') and name not in node:
-      if value:
-        raise ValueError(f'this plan sets {{key}} but this triax has no such key; '
-                         'update triax or re-plan')
-      continue
-    node[name] = value
+    triax_config.set_dotted(cfg, key, value)
   return cfg
 
 

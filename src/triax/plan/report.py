@@ -207,7 +207,6 @@ def to_json(result: search_lib.SearchResult, cfg) -> dict:
     'top': [_row(e) for e in result.top],
     'baselines': {k: (_row(e) if e else None) for k, e in result.baselines.items()},
     'speedups': {k: result.speedup(k) for k in result.baselines},
-    'uneven_splits_runnable': search_lib.layers_key_supported(cfg),
   }
 
 
@@ -274,15 +273,10 @@ def text(result: search_lib.SearchResult, cfg, request: Request | None = None) -
     lines.append(
       f'  #1 stage {s}: {best.layers[s]} layers on devices {list(devs)} ({"/".join(kinds)})'
     )
-  if not best.even and not search_lib.layers_key_supported(cfg):
-    lines.append(
-      'note: #1 splits layers unevenly; this triax has no '
-      'pipeline.layers_per_stage yet, so its plan file will not load'
-    )
   if c.heterogeneous:
     lines.append(
-      'note: the trainer lays devices out in its own order; the stage '
-      'assignment above is what the prediction assumes'
+      'note: the plan file sets mesh.device_order, so the trainer places '
+      'the stages on the devices above'
     )
   if request and request.out:
     lines.append(f'wrote {request.out}: python -m triax.train --config={request.out} --workdir=DIR')

@@ -213,30 +213,13 @@ def _plan_config_ok(cfg, plan: Plan, num_devices: int) -> bool:
     return False
 
 
-def layers_key_supported(cfg) -> bool:
-  """Whether this triax's config has pipeline.layers_per_stage (uneven splits)."""
-  return 'layers_per_stage' in cfg.pipeline
-
-
 def with_plan(cfg, plan: Plan):
-  """A copy of cfg with the plan's overrides applied.
-
-  Where this triax has no pipeline.layers_per_stage yet, an uneven plan is
-  checked with num_layers = p*v instead (everything but the split), so that
-  it can still be ranked; its plan file will refuse to load until the key
-  exists.
-  """
+  """A copy of cfg with the plan's overrides applied."""
   import ml_collections
 
   from triax.plan import emit
 
-  out = ml_collections.ConfigDict(cfg.to_dict())
-  values = emit.overrides(plan)
-  if not layers_key_supported(out):
-    del values[emit.LAYERS_KEY]
-    if not plan.even:
-      out.model.num_layers = plan.pipe * plan.virtual_stages
-  return emit.apply(out, values)
+  return emit.apply(ml_collections.ConfigDict(cfg.to_dict()), emit.overrides(plan))
 
 
 def search(

@@ -119,23 +119,10 @@ def _call(fn, arg, what: str, path: str):
 
 def _apply(base: ml_collections.ConfigDict, key: str, value, where: str) -> None:
   """Sets a dotted key on `base` (an unlocked copy), refusing keys it lacks."""
-  parts = key.split('.')
-  node = base
-  for i, part in enumerate(parts):
-    if not isinstance(node, ml_collections.ConfigDict) or part not in node:
-      raise ConfigError(
-        key,
-        f'unknown config key ({where}); keys are dotted config paths '
-        'like mesh.data or train.learning_rate',
-      )
-    if i < len(parts) - 1:
-      node = node[part]
-  if isinstance(node[parts[-1]], ml_collections.ConfigDict):
-    raise ConfigError(key, f'names a config group, not a value ({where})')
   try:
-    node[parts[-1]] = value
-  except (TypeError, ValueError) as e:
-    raise ConfigError(key, f'{value!r} does not fit this key ({where}): {e}') from None
+    config_lib.set_dotted(base, key, value)
+  except ConfigError as e:
+    raise ConfigError(e.key, f'{e.message} ({where})') from None
 
 
 def load_sweep(spec: str) -> Sweep:

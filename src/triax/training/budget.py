@@ -12,6 +12,7 @@ import dataclasses
 
 import ml_collections
 
+from triax import config as config_lib
 from triax.training.measure import measure
 
 
@@ -45,8 +46,7 @@ def _with(cfg, overrides: dict):
   c = ml_collections.ConfigDict(cfg.to_dict())
   c.pipeline.virtual_stages = 1
   for key, value in overrides.items():
-    group, name = key.split('.')
-    c[group][name] = value
+    config_lib.set_dotted(c, key, value)
   return c
 
 
