@@ -255,3 +255,22 @@ def test_each_process_reads_only_its_devices_rows():
   for k in ('inputs', 'targets'):
     np.testing.assert_array_equal(np.asarray(arrays[k]), whole[k])
     assert arrays[k].sharding == trainer.batch_sharding
+
+
+def test_a_text_directory_past_the_old_16_mib_cap_is_read_whole(tmp_path):
+  # The issue's case: 24 MiB in 3 files used to load 2 of them, silently.
+  from triax.data.corpus import DEFAULT_MAX_BYTES
+
+  line = b'some text that is long enough to count, line after line\n'
+  for i in range(3):
+    (tmp_path / f'part{i}.txt').write_bytes(line * (8 * 2**20 // len(line)))
+  total = sum(p.stat().st_size for p in tmp_path.iterdir())
+  assert total > DEFAULT_MAX_BYTES
+  cfg = config(**{'data.source': 'text', 'data.path': str(tmp_path)})
+  data = pipeline.load(cfg)
+  assert '3 files' in data.description
+  assert data.train.samples.stream.size + data.val.samples.stream.size == total + 2 * 2
+  cfg.data.max_text_bytes = total - 1
+  with pytest.raises(ConfigError) as info:
+    pipeline.load(cfg)
+  assert info.value.key == 'data.max_text_bytes'

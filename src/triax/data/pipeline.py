@@ -117,6 +117,10 @@ def load(cfg) -> Data:
         f'{split.val.size:,} val tokens in {split.val.num_documents:,}'
       )
     what = split.what + docs
+    extra = cfg.model.vocab_size - split.vocab_size
+    if extra > 0 and d.source not in ('stdlib', 'text'):
+      # Megatron-style padding: ids no token maps to, so never a target.
+      what += f'; model.vocab_size={cfg.model.vocab_size} pads {extra} ids past the tokenizer'
     entropy_tokens = split.train.head(ENTROPY_TOKENS)
   epochs = cfg.train.steps * b / train.num_windows
   description = (
