@@ -274,3 +274,28 @@ def test_a_text_directory_past_the_old_16_mib_cap_is_read_whole(tmp_path):
   with pytest.raises(ConfigError) as info:
     pipeline.load(cfg)
   assert info.value.key == 'data.max_text_bytes'
+
+
+def test_a_mixture_of_a_prepared_directory_and_a_megatron_pair(tmp_path, prepared):
+  rng = np.random.default_rng(1)
+  docs = [list(rng.integers(1, 256, rng.integers(20, 200))) + [0] for _ in range(60)]
+  prefix = write_megatron(str(tmp_path / 'mega'), docs, dtype=np.uint8, code=1)
+  cfg = config(
+    **{
+      'data.source': 'mixture',
+      'data.mixture': ((prepared, 3.0), (prefix, 1.0)),
+      'train.steps': 125,
+    }  # fmt: skip
+  )
+  data = pipeline.load(cfg)
+  assert data.description.startswith('data: mixture of 2 sources: 75.0% tokens ')
+  assert '25.0% megatron ' in data.description
+  first = data.train.samples.sources[0].num_windows
+  ids = np.concatenate([data.train.sample_ids(s) for s in range(125)])  # one block
+  assert (ids < first).sum() == 750 and (ids >= first).sum() == 250
+  # Evaluation stays on the first source's validation text.
+  assert data.val.samples.stream.size == sources.open_tokens(prepared, 'bytes', 256, 1).val.size
+  bad = config(**{'data.source': 'mixture', 'data.mixture': ((str(tmp_path / 'none'), 1.0),)})
+  with pytest.raises(ConfigError) as info:
+    pipeline.load(bad)
+  assert info.value.key == 'data.mixture'

@@ -114,9 +114,6 @@ class HuggingFaceTokenizer(Tokenizer):
   def encode(self, text: str) -> list[int]:
     return self._tok.encode(text, add_special_tokens=False).ids
 
-  def encode_batch(self, texts: list[str]) -> list[list[int]]:
-    return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
-
   def decode(self, ids: Iterable[int]) -> str:
     return self._tok.decode([int(i) for i in ids])
 
