@@ -29,7 +29,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import grain
 import numpy as np
 
 from triax.data.sources import TokenStream
@@ -39,6 +38,17 @@ Batch = dict[str, np.ndarray]
 
 # Samples per mixture block: the proportions of each whole block are the weights to 1e-3.
 MIXTURE_BLOCK = 1000
+
+
+def _shuffled_range(n: int, seed: int):
+  """grain's `MapDataset.range(n).shuffle(seed).repeat()`: index g -> perm_{g // n}(g % n).
+
+  grain is imported here, not at the top: its import takes ~0.3 s, which only
+  a run that reads data should pay (not every entry point that imports the loop).
+  """
+  import grain
+
+  return grain.MapDataset.range(n).shuffle(seed=seed).repeat()
 
 
 def grain_seed(seed: int, stream: int = 0) -> int:
@@ -75,11 +85,7 @@ class Samples:
       raise ValueError('mask_documents needs a stream that records its documents')
     self.num_windows = max(0, (stream.size - 1) // seq_len)
     if self.num_windows:
-      self.order = (
-        grain.MapDataset.range(self.num_windows)
-        .shuffle(seed=grain_seed(seed, stream_index))
-        .repeat()
-      )
+      self.order = _shuffled_range(self.num_windows, grain_seed(seed, stream_index))
       self.rows = self.order.map(self.window)
 
   def window(self, k: int) -> dict:
@@ -122,7 +128,7 @@ class Mixture:
     self.num_windows = int(self._offsets[-1])
     self.mask_documents = self.sources[0].mask_documents
     self.seq_len = self.sources[0].seq_len
-    self._slots = grain.MapDataset.range(MIXTURE_BLOCK).shuffle(seed=grain_seed(seed, 1)).repeat()
+    self._slots = _shuffled_range(MIXTURE_BLOCK, grain_seed(seed, 1))
 
   def locate(self, g: int) -> tuple[int, int]:
     """(source, that source's sample number) of global sample g."""
