@@ -45,7 +45,7 @@ def test_llama3_scaled_frequencies_match_transformers():
 
 def test_rope_is_rotate_half_and_depends_on_relative_position_only():
   spec = harness.model_of(**_FIELDS).spec
-  cos, sin = llama.rope_tables(spec, 16)
+  cos, sin = llama.rope_tables(spec, jnp.arange(16))
   hd = spec.head_dim
   # A unit vector on dimension 1 turns towards dimension 1 + hd/2 (not 2, as interleaved would).
   e = jnp.zeros((1, 16, 1, hd)).at[..., 1].set(1.0)

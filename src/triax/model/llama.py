@@ -99,9 +99,10 @@ def rope_frequencies(spec: LlamaSpec) -> jax.Array:
   return jnp.where(medium, smoothed, scaled)
 
 
-def rope_tables(spec: LlamaSpec, seq: int) -> tuple[jax.Array, jax.Array]:
-  """cos, sin [seq, hd] for positions 0..seq-1 (fp32), in rotate_half's layout."""
-  freqs = jnp.outer(jnp.arange(seq, dtype=jnp.float32), rope_frequencies(spec))
+def rope_tables(spec: LlamaSpec, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """cos, sin [len(positions), hd] (fp32), in rotate_half's layout. Training
+  passes 0..s-1; a decoder with a K/V cache passes the new tokens' positions."""
+  freqs = jnp.outer(positions.astype(jnp.float32), rope_frequencies(spec))
   emb = jnp.concatenate([freqs, freqs], axis=-1)
   return jnp.cos(emb), jnp.sin(emb)
 
@@ -148,7 +149,7 @@ class Block(nn.Module):
     w_down = param(self, 'w_down', (f, d), ('mlp', 'embed'), out_std, pdt)
 
     h = rms_norm(x, attn_norm, s.norm_eps)
-    cos, sin = rope_tables(s, x.shape[1])
+    cos, sin = rope_tables(s, jnp.arange(x.shape[1]))
     q = apply_rope(jnp.einsum('bsd,dnk->bsnk', h, wq.astype(dt)), cos, sin)
     k = apply_rope(jnp.einsum('bsd,dnk->bsnk', h, wk.astype(dt)), cos, sin)
     v = jnp.einsum('bsd,dnk->bsnk', h, wv.astype(dt))

@@ -61,6 +61,8 @@ def validate(model_cfg, default_model_cfg, mesh_cfg, rules) -> tuple:
   family = _family(model_cfg.family)
   used = set(family.Spec.config_fields())
   for key in model_cfg:
+    if key not in default_model_cfg:  # a config file may add keys; flags cannot
+      raise ConfigError(f'model.{key}', f'unknown key; known: {", ".join(default_model_cfg)}')
     if key in used or _plain(model_cfg[key]) == _plain(default_model_cfg[key]):
       continue
     readers = [n for n, f in FAMILIES.items() if key in f.Spec.config_fields()]

@@ -1,0 +1,48 @@
+"""The registry's validation: a family's logical axis rules resolved for the mesh
+(Megatron's GQA rule), and keys no family knows."""
+
+import harness
+import pytest
+
+from triax import config, sharding
+from triax.errors import ConfigError
+from triax.model import registry
+
+
+def _validated(**overrides):
+  return config.validate(harness.tiny_config(**overrides), 8)
+
+
+@pytest.mark.parametrize('kv,axis', [(8, 'tensor'), (2, 'tensor'), (1, None)])
+def test_kv_heads_split_over_tensor_when_enough_else_replicated(kv, axis):
+  cfg = _validated(
+    **{'model.family': 'llama', 'model.num_kv_heads': kv, 'mesh.data': 4, 'mesh.tensor': 2}
+  )
+  rules = cfg.sharding.logical_axis_rules
+  assert dict(rules)['kv_heads'] == axis
+  model = registry.build(registry.spec_from_config(cfg.model))
+  wk = model.logical_axes()['layers']['wk']  # [L, d, kv, hd]
+  assert sharding.logical_to_spec(wk, rules)[2] == axis
+
+
+def test_kv_heads_that_do_not_divide_over_tensor_are_refused():
+  with pytest.raises(ConfigError) as e:
+    _validated(
+      **{
+        'model.family': 'llama',
+        'model.num_heads': 12,
+        'model.d_model': 48,
+        'model.num_kv_heads': 6,
+        'mesh.data': 2,
+        'mesh.tensor': 4,
+      }
+    )
+  assert e.value.key == 'model.num_kv_heads'
+
+
+def test_a_model_key_no_family_knows_is_refused():
+  cfg = harness.tiny_config()
+  cfg.model.num_expertz = 4  # a config file can add keys (flags cannot)
+  with pytest.raises(ConfigError) as e:
+    config.validate(cfg, 8)
+  assert e.value.key == 'model.num_expertz'
