@@ -131,6 +131,8 @@ CASES = [
     'pipeline.schedule_file',
   ),
   ('unknown-dtype', train('--config.model.dtype=float8'), 'model.dtype'),
+  ('float16-without-loss-scaling', train('--config.model.dtype=float16'), 'model.dtype'),
+  ('cudnn-in-float32', train('--config.model.attention=cudnn'), 'model.attention'),
   ('unknown-family', train('--config.model.family=mamba'), 'model.family'),
   ('loss-chunk-not-dividing', train('--config.model.loss_chunk=5'), 'model.loss_chunk'),
   # A key the family does not read would be silently ignored.

@@ -21,7 +21,8 @@ from triax.pipeline.layout import StackLayout
 MESH_AXES = ('data', 'tensor', 'pipe')
 SCHEDULES = tuple(sched.SCHEDULES)
 REMAT_POLICIES = ('none', 'full', 'selective')
-DTYPES = ('float32', 'bfloat16', 'float16')
+# float16 is refused with its reason (no loss scaling); see validate().
+DTYPES = ('float32', 'bfloat16')
 ATTENTION_IMPLS = ('xla', 'cudnn')
 LR_SCHEDULES = ('cosine', 'linear', 'constant', 'wsd')
 WANDB_MODES = ('online', 'offline')
@@ -71,9 +72,9 @@ def defaults() -> ml_collections.ConfigDict:
   c.model.vocab_size = 256
   # Tokens per sequence (learned position embeddings of this length).
   c.model.seq_len = 128
-  # Compute dtype of activations and matmuls.
+  # Compute dtype of activations and matmuls: float32 or bfloat16 (float16 is refused).
   c.model.dtype = 'float32'
-  # Storage dtype of parameters (and of the optimizer state).
+  # Storage dtype of parameters and optimizer state; float32 with bfloat16 compute = fp32 masters.
   c.model.param_dtype = 'float32'
   # Activation recomputation: none, full (per layer), selective (keep matmul outputs).
   c.model.remat = 'none'
@@ -461,9 +462,27 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int) -> ml_collections
     ('remat', REMAT_POLICIES),
     ('attention', ATTENTION_IMPLS),
   ):
+    if m[key] == 'float16' and key in ('dtype', 'param_dtype'):
+      # float16's range needs dynamic loss scaling, which triax does not do:
+      # gradients would underflow to zero without a word.
+      raise ConfigError(
+        f'model.{key}', 'float16 needs loss scaling, which triax does not do; use bfloat16'
+      )
     if m[key] not in choices:
       raise ConfigError(
         f'model.{key}', f'unknown value {m[key]!r}; choose one of {", ".join(choices)}'
+      )
+  if m.attention == 'cudnn':
+    # What JAX's cuDNN attention accepts; found here rather than at compile time.
+    if m.dtype != 'bfloat16':
+      raise ConfigError(
+        'model.attention', f'cudnn needs model.dtype=bfloat16, got {m.dtype}; or use xla'
+      )
+    if (m.d_model // m.num_heads) % 8:
+      raise ConfigError(
+        'model.attention',
+        f'cudnn needs head_dim = d_model/num_heads a multiple of 8, got '
+        f'{m.d_model // m.num_heads}; or use xla',
       )
 
   p = cfg.pipeline
