@@ -94,36 +94,6 @@ def prepared_tokens(relpath, tokenizer='bytes', bpe='', damage=False):
   return setup
 
 
-def prepared_tokens(relpath, tokenizer='bytes', bpe='', damage=False):
-  """A directory python -m triax.prepare wrote from 40 small text files, at `relpath`.
-
-  tokenizer='bpe' prepares with a BPE trained here (its file: tok.json); `bpe` names a
-  BPE tokenizer file to train beside a bytes preparation; `damage` truncates a shard.
-  """
-
-  def setup(d):
-    from triax.data import prepare
-    from triax.data import tokenizer as tokenizer_lib
-
-    text = os.path.join(d, 'text')
-    os.makedirs(text)
-    docs = [f'document {i}: ' + 'words and more words. ' * (i % 7 + 3) for i in range(40)]
-    for i, doc in enumerate(docs):
-      with open(os.path.join(text, f'{i:02d}.txt'), 'w') as f:
-        f.write(doc)
-    tok = 'bytes'
-    if tokenizer == 'bpe' or bpe:
-      trained = tokenizer_lib.train_bpe(docs, 300, os.path.join(d, bpe or 'tok.json'))
-      tok = trained.name if tokenizer == 'bpe' else 'bytes'
-    out = os.path.join(d, relpath)
-    prepare.prepare([text], out, tok, val_fraction=0.2, progress=False)
-    if damage:
-      with open(os.path.join(out, 'train-00000.tokens'), 'r+b') as f:
-        f.truncate(99)
-
-  return setup
-
-
 CASES = [
   # id, how to run it, what the error line must name
   # -- config values
@@ -256,95 +226,6 @@ CASES = [
   ),
   ('data-source-unknown', train('--config.data.source=web'), 'data.source'),
   ('data-text-without-path', train('--config.data.source=text'), 'data.path'),
-  # A key the source does not read is an error, not ignored.
-  (
-    'data-path-ignored',
-    train('--config.data.path={d}/notes.txt', setup=write('notes.txt', 'my text')),
-    'data.path',
-  ),
-  (
-    'data-mixture-ignored',
-    train("--config.data.mixture=(('{d}/tokens', 1.0),)"),
-    'data.mixture',
-  ),
-  # Never a silent prefix of the user's text.
-  (
-    'data-text-over-max-bytes',
-    train(
-      '--config.data.source=text',
-      '--config.data.path={d}/big.txt',
-      '--config.data.max_text_bytes=1000',
-      setup=write('big.txt', 'some words\n' * 200),
-    ),
-    'data.max_text_bytes',
-  ),
-  (
-    'data-text-empty-file',
-    train(
-      '--config.data.source=text',
-      '--config.data.path={d}/empty.txt',
-      setup=write('empty.txt', ''),
-    ),
-    'data.path',
-  ),
-  (
-    'data-tokenizer-with-text',
-    train(
-      '--config.data.source=text',
-      '--config.data.path={d}/a.txt',
-      '--config.data.tokenizer={d}/tok.json',
-      setup=write('a.txt', 'hello'),
-    ),
-    'data.tokenizer',
-  ),
-  (
-    'data-mask-documents-unsupported',
-    train('--config.data.mask_documents=true'),
-    'data.mask_documents',
-  ),
-  (
-    'data-tokens-unfinished',
-    train(
-      '--config.data.source=tokens',
-      '--config.data.path={d}/tokens',
-      setup=write('tokens/train-00000.tokens', 'ab'),
-    ),
-    'data.path',
-  ),
-  (
-    'data-tokens-damaged',
-    train(
-      '--config.data.source=tokens',
-      '--config.data.path={d}/tokens',
-      setup=prepared_tokens('tokens', damage=True),
-    ),
-    'data.path',
-  ),
-  (
-    'data-tokens-other-tokenizer',
-    train(
-      '--config.data.source=tokens',
-      '--config.data.path={d}/tokens',
-      '--config.data.tokenizer={d}/other.json',
-      setup=prepared_tokens('tokens', bpe='other.json'),
-    ),
-    'data.tokenizer',
-  ),
-  (
-    'data-tokenizer-beyond-vocab',
-    train(
-      '--config.data.source=tokens',
-      '--config.data.path={d}/tokens',
-      '--config.data.tokenizer={d}/tok.json',
-      setup=prepared_tokens('tokens', tokenizer='bpe'),
-    ),
-    'model.vocab_size',
-  ),
-  (
-    'data-megatron-missing',
-    train('--config.data.source=megatron', '--config.data.path={d}/corpus_text_document'),
-    'data.path',
-  ),
   # A key the source does not read is an error, not ignored.
   (
     'data-path-ignored',
