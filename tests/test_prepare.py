@@ -228,6 +228,7 @@ class TestPrepare:
       ('foreign-out', '--out'),
       ('one-document', '--val_fraction'),
       ('bad-tokenizer', '--tokenizer'),
+      ('nul-with-bytes', '--tokenizer'),
     ],
   )
   def test_bad_input(self, tmp_path, case, key):
@@ -243,11 +244,36 @@ class TestPrepare:
       open(os.path.join(out, 'mine.txt'), 'w').write('keep me')
     elif case == 'bad-tokenizer':
       tok = str(tmp_path / 'missing.json')
+    elif case == 'nul-with-bytes':  # NUL is the bytes tokenizer's end-of-document
+      for i in range(30):
+        (tmp_path / 'in' / f'{i}.txt').write_text('text\0more' if i == 7 else 'text')
     before = sorted(str(p) for p in tmp_path.rglob('*'))
     with pytest.raises(ConfigError) as info:
       prepare.prepare(inputs, out, tok, progress=False)
     assert info.value.key == key, info.value
     assert sorted(str(p) for p in tmp_path.rglob('*')) == before
+
+  def test_sentencepiece_in_worker_processes(self, tmp_path):
+    import sentencepiece
+
+    rng = random.Random(2)
+    sentencepiece.SentencePieceTrainer.train(
+      sentence_iterator=iter([sentence(rng) for _ in range(200)]),
+      model_prefix=str(tmp_path / 'sp'),
+      vocab_size=30,
+      minloglevel=2,
+    )
+    docs = write_inputs(tmp_path / 'in')
+    out = str(tmp_path / 'out')
+    model = str(tmp_path / 'sp.model')
+    m = prepare.prepare([str(tmp_path / 'in')], out, model, workers=2, progress=False)
+    assert m['request']['tokenizer']['kind'] == 'sentencepiece'
+    tok = tokenizer_lib.load(model)
+    got = [tok.decode(d[:-1]) for d in decode_split(out, 'train')]
+    assert all(d[-1] == tok.eod_id for d in decode_split(out, 'train'))
+    want = [d for n, d in enumerate(docs, 1) if n % 20]
+    # sentencepiece normalises whitespace (newlines become spaces): compare word by word.
+    assert [g.split() for g in got] == [w.split() for w in want]
 
   def test_uint32_when_ids_do_not_fit_in_16_bits(self):
     assert prepare.dtype_for(65536) == np.uint16
