@@ -26,6 +26,7 @@ DTYPES = ('float32', 'bfloat16')
 ATTENTION_IMPLS = ('xla', 'cudnn')
 LR_SCHEDULES = ('cosine', 'linear', 'constant', 'wsd')
 WANDB_MODES = ('online', 'offline')
+OPTIMIZER_SHARDINGS = ('replicated', 'data')
 DATA_SOURCES = ('stdlib', 'text', 'tokens', 'megatron', 'mixture')
 # Sources that read bytes themselves (data/corpus.py); the others read tokens made beforehand.
 BYTE_SOURCES = ('stdlib', 'text')
@@ -141,6 +142,9 @@ def defaults() -> ml_collections.ConfigDict:
   c.train.adam_b1 = 0.9
   # Adam second-moment decay.
   c.train.adam_b2 = 0.95
+  # replicated, or data: Adam's moments sharded over the data axis (ZeRO-1, Megatron's
+  # distributed optimizer); the update all-gathers the parameters it changes.
+  c.train.optimizer_sharding = 'replicated'
   # Global-norm gradient clipping threshold; 0 disables clipping.
   c.train.grad_clip_norm = 1.0
   # Seed for parameters and data order: the same seed gives identical losses.
@@ -521,6 +525,11 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int) -> ml_collections
     if not isinstance(t[key], int) or isinstance(t[key], bool) or t[key] < 0:
       raise ConfigError(f'train.{key}', f'must be a non-negative integer, got {t[key]!r}')
   _validate_wandb(t)
+  if t.optimizer_sharding not in OPTIMIZER_SHARDINGS:
+    raise ConfigError(
+      'train.optimizer_sharding',
+      f'unknown value {t.optimizer_sharding!r}; choose one of {", ".join(OPTIMIZER_SHARDINGS)}',
+    )
   if t.lr_schedule not in LR_SCHEDULES:
     raise ConfigError(
       'train.lr_schedule',

@@ -38,6 +38,7 @@ from triax.pipeline import schedule as sched
 from triax.pipeline import simulate
 from triax.training import lock as lock_lib
 from triax.training import preemption
+from triax.training import step as step_lib
 from triax.training.checkpoint import Checkpointer
 from triax.training.metrics import JsonLines, MetricsWriter
 from triax.training.step import Trainer, build_trainer
@@ -113,11 +114,19 @@ def compile_stats(trainer: Trainer) -> tuple[object, dict]:
     compiled = trainer.train_step.lower(trainer.abstract_state(), batch).compile()
   mem = compiled.memory_analysis()
   flops = step_flops(trainer.model, b)
+  state = trainer.abstract_state()
+  shardings = trainer.state_shardings
+  params = step_lib.per_device_bytes(state.params, shardings.params)
   stats = {
     'temp_bytes': int(mem.temp_size_in_bytes),
     'argument_bytes': int(mem.argument_size_in_bytes),
     'output_bytes': int(mem.output_size_in_bytes),
     'alias_bytes': int(mem.alias_size_in_bytes),
+    # Per device, from the state's shardings: what ZeRO-1 (train.optimizer_sharding=data)
+    # divides by the data degree is the optimizer's; gradients are laid out as parameters.
+    'param_bytes': params,
+    'optimizer_bytes': step_lib.per_device_bytes(state.opt_state, shardings.opt_state),
+    'gradient_bytes': params,
     'generated_code_bytes': int(mem.generated_code_size_in_bytes),
     # XLA counts a loop body once, not once per iteration (see WORKSPACE.md).
     'flops': float(_cost(compiled).get('flops', 0.0)),

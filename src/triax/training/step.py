@@ -15,6 +15,7 @@ from typing import Any
 import flax
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -95,6 +96,30 @@ def make_optimizer(train_cfg) -> optax.GradientTransformation:
     )
   )
   return optax.chain(*parts)
+
+
+def over_data(named: NamedSharding, shape: tuple[int, ...]) -> NamedSharding:
+  """`named` with its largest unsplit dimension that divides by the data
+  degree also split over `data` (ZeRO-1's shard of an optimizer moment); as
+  it is when it already uses `data` or no dimension divides."""
+  mesh, spec = named.mesh, tuple(named.spec) + (None,) * (len(shape) - len(named.spec))
+  n = mesh.shape['data']
+  used = {a for e in spec for a in ((e,) if isinstance(e, str) else e or ())}
+  if n == 1 or 'data' in used:
+    return named
+  free = [i for i, e in enumerate(spec) if e is None and shape[i] % n == 0]
+  if not free:
+    return named  # a small leaf (a norm scale of odd width) stays replicated
+  dim = max(free, key=lambda i: shape[i])
+  return NamedSharding(mesh, P(*(spec[:dim] + ('data',) + spec[dim + 1 :])))
+
+
+def per_device_bytes(shapes: Any, shardings: Any) -> int:
+  """Bytes one device holds of a tree of arrays laid out by `shardings`."""
+  leaves = zip(jax.tree.leaves(shapes), jax.tree.leaves(shardings), strict=True)
+  return sum(
+    int(np.prod(sh.shard_shape(a.shape))) * jnp.dtype(a.dtype).itemsize for a, sh in leaves
+  )
 
 
 def pipeline_axes(model_axes: Any) -> Any:
@@ -189,11 +214,17 @@ def build_trainer(cfg, mesh: Mesh) -> Trainer:
   param_shardings = sharding.tree_shardings(param_axes, mesh, rules)
   replicated = NamedSharding(mesh, P())
 
+  zero1 = cfg.train.optimizer_sharding == 'data'
+
   def state_shardings_for(param_shardings, param_shapes):
     opt_shapes = jax.eval_shape(optimizer.init, param_shapes)
+    # Each moment is laid out like its parameter, and with ZeRO-1 also split
+    # over `data`: XLA then reduces the gradient into the shard each replica
+    # updates and all-gathers the updated parameters.
+    moment = (lambda a, s: over_data(s, a.shape)) if zero1 else (lambda _, s: s)
     opt_shardings = optax.tree_map_params(
       optimizer,
-      lambda _, s: s,
+      moment,
       opt_shapes,
       param_shardings,
       transform_non_params=lambda _: replicated,
