@@ -229,6 +229,7 @@ class TestPrepare:
       ('one-document', '--val_fraction'),
       ('bad-tokenizer', '--tokenizer'),
       ('nul-with-bytes', '--tokenizer'),
+      ('not-utf8', '--input'),
     ],
   )
   def test_bad_input(self, tmp_path, case, key):
@@ -244,6 +245,8 @@ class TestPrepare:
       open(os.path.join(out, 'mine.txt'), 'w').write('keep me')
     elif case == 'bad-tokenizer':
       tok = str(tmp_path / 'missing.json')
+    elif case == 'not-utf8':
+      (tmp_path / 'in' / 'latin1.txt').write_bytes('café'.encode('latin-1'))
     elif case == 'nul-with-bytes':  # NUL is the bytes tokenizer's end-of-document
       for i in range(30):
         (tmp_path / 'in' / f'{i}.txt').write_text('text\0more' if i == 7 else 'text')

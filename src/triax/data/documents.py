@@ -98,11 +98,11 @@ def read(inp: Input, text_key: str = 'text') -> Iterator[str]:
   """
   if inp.kind == 'text':
     with open(inp.path, 'rb') as f:
-      data = f.read()
-    yield data.decode('utf-8', errors='replace')
+      yield _utf8(f.read(), inp.path)
   elif inp.kind == 'jsonl':
-    with open(inp.path, encoding='utf-8') as f:
-      for n, line in enumerate(f, 1):
+    with open(inp.path, 'rb') as f:
+      for n, raw in enumerate(f, 1):
+        line = _utf8(raw, f'{inp.path}:{n}')
         if not line.strip():
           continue
         try:
@@ -113,6 +113,18 @@ def read(inp: Input, text_key: str = 'text') -> Iterator[str]:
   else:
     for n, text in enumerate(_arrow_column(inp, text_key)):
       yield _field({text_key: text}, text_key, f'{inp.path} row {n}')
+
+
+def _utf8(data: bytes, where: str) -> str:
+  # Strict: replacing bad bytes would change the text without a word, and a file
+  # that is not UTF-8 is usually not text at all (or needs converting first).
+  try:
+    return data.decode('utf-8')
+  except UnicodeDecodeError as e:
+    raise ConfigError(
+      '--input',
+      f'{where} is not UTF-8 text (byte {e.start}); convert it (e.g. iconv -t UTF-8) or remove it',
+    ) from None
 
 
 def _field(record, text_key: str, where: str) -> str:
