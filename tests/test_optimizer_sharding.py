@@ -1,7 +1,9 @@
-"""ZeRO-1 (train.optimizer_sharding=data): Adam's moments split over `data`,
-the numbers of one device, and per-device optimizer bytes divided by the data degree."""
+"""ZeRO-1 (train.optimizer_sharding=data: Adam's moments split over `data`) and
+FSDP (mesh.fsdp: parameters too): the numbers of one device, and per-device
+bytes divided by the data degree where each option says."""
 
 import functools
+import re
 
 import harness
 import jax
@@ -24,14 +26,21 @@ LAYOUTS = {
 }
 
 
-def _config(layout, sharding):
+OPTIONS = {
+  'replicated': {},
+  'zero1': {'train.optimizer_sharding': 'data'},
+  'fsdp': {'mesh.fsdp': True},
+}
+
+
+def _config(layout, option):
   data, tensor, pipe = layout
   return harness.tiny_config(
     **{
       'mesh.data': data,
       'mesh.tensor': tensor,
       'mesh.pipe': pipe,
-      'train.optimizer_sharding': sharding,
+      **OPTIONS[option],
       **LAYOUTS[layout],
     }
   )
@@ -46,9 +55,10 @@ def _sizes(trainer):
   )
 
 
+@pytest.mark.parametrize('option', ['zero1', 'fsdp'])
 @pytest.mark.parametrize('layout', list(LAYOUTS), ids=lambda l: 'x'.join(map(str, l)))
-def test_zero1_matches_one_device_and_divides_the_optimizer_state(layout):
-  cfg = _config(layout, 'data')
+def test_sharded_state_matches_one_device_and_divides_its_bytes(layout, option):
+  cfg = _config(layout, option)
   trainer = harness.make_trainer(cfg)
   losses = []
   with jax.set_mesh(trainer.mesh):
@@ -57,17 +67,37 @@ def test_zero1_matches_one_device_and_divides_the_optimizer_state(layout):
     for _ in range(4):
       state, out = trainer.train_step(state, batch)
       losses.append(float(out['loss']))
-    mem = trainer.train_step.lower(trainer.abstract_state(), batch).compile().memory_analysis()
+    compiled = trainer.train_step.lower(trainer.abstract_state(), batch).compile()
+  mem = compiled.memory_analysis()
   np.testing.assert_allclose(losses, _reference(), rtol=1e-5)
   assert losses[-1] < losses[0]
 
   data = layout[0]
-  opt_z, params_z = _sizes(trainer)
+  opt, params = _sizes(trainer)
   opt_r, params_r = _sizes(harness.make_trainer(_config(layout, 'replicated')))
-  assert params_z == params_r  # ZeRO-1 leaves the parameters as they were
-  # Every moment of this model has a dimension the data degree divides, so all
-  # of it splits; only Adam's step counts (8 bytes) stay whole on each device.
-  assert opt_z * data == opt_r + 8 * (data - 1)
+  # Every moment (and, with FSDP, every parameter: each has a d_model
+  # dimension) of this model splits; only Adam's step counts (8 bytes) stay
+  # whole on each device.
+  assert opt * data == opt_r + 8 * (data - 1)
+  assert params * (data if option == 'fsdp' else 1) == params_r
   # What the compiled step takes per device is that state (and the step, and its batch rows).
   rows = sum(a.addressable_shards[0].data.nbytes for a in batch.values())
-  assert mem.argument_size_in_bytes == params_z + opt_z + 4 + rows
+  assert mem.argument_size_in_bytes == params + opt + 4 + rows
+  if option == 'fsdp' and layout[2] > 1 and layout[1] == 1:
+    # Pipelined, the parameters are gathered once per step, before the tick
+    # loop, not once per micro-batch in it: no all-gather outside the entry.
+    # (With tensor > 1 the loop gathers each transfer over `tensor`: Megatron's
+    # scatter/gather, test_pipeline_collectives.py.)
+    gathers = _collectives_by_computation(compiled.as_text(), 'all-gather')
+    assert any(name.startswith('ENTRY') for name in gathers)
+    assert all(name.startswith('ENTRY') for name in gathers), gathers
+
+
+def _collectives_by_computation(hlo: str, op: str) -> dict[str, int]:
+  out = {}
+  for block in re.split(r'\n(?=\S)', hlo):
+    name = block.split(' ', 2)[1] if block.startswith('ENTRY') else block.split(' ', 1)[0]
+    count = len(re.findall(rf'\b{op}(?:-start)?\(', block))
+    if count:
+      out[('ENTRY ' if block.startswith('ENTRY') else '') + name] = count
+  return out

@@ -56,6 +56,9 @@ def defaults() -> ml_collections.ConfigDict:
   c.mesh.dcn_pipe = 1
   # jax.devices() indices in mesh order (data, tensor, pipe; row-major); () = default placement.
   c.mesh.device_order = ()
+  # FSDP / ZeRO-3: parameters (and their optimizer state) split over `data` along d_model,
+  # gathered where used; the rule ('embed', 'data') in sharding.logical_axis_rules.
+  c.mesh.fsdp = False
 
   c.model = ml_collections.ConfigDict()
   # Model family, one file each in triax/model/: gpt (learned positions, GELU MLP, full
@@ -571,6 +574,7 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int) -> ml_collections
   if cfg.hardware.peak_flops_per_device < 0:
     raise ConfigError('hardware.peak_flops_per_device', 'must be >= 0 (0 = look up)')
   _check_rules(cfg.sharding.logical_axis_rules)
+  cfg.sharding.logical_axis_rules = _fsdp_rules(cfg)
   cfg.sharding.logical_axis_rules = registry.validate(
     cfg.model, defaults().model, cfg.mesh, cfg.sharding.logical_axis_rules
   )
@@ -635,6 +639,32 @@ def _check_data(d) -> None:
       'data.mask_documents',
       "is not supported yet: the model's attention takes no document mask; set it to false",
     )
+
+
+def _fsdp_rules(cfg) -> tuple:
+  """The rules with mesh.fsdp applied: parameters' 'embed' dimension over `data`.
+
+  Activations name 'batch' before 'embed', and a mesh axis is used once per
+  array (sharding.logical_to_spec), so they stay split by batch only.
+  """
+  rules = tuple(tuple(r) for r in cfg.sharding.logical_axis_rules)
+  if not isinstance(cfg.mesh.fsdp, bool):
+    raise ConfigError('mesh.fsdp', f'must be true or false, got {cfg.mesh.fsdp!r}')
+  if not cfg.mesh.fsdp:
+    return rules
+  embed = dict(rules).get('embed')
+  if embed not in (None, 'data'):
+    raise ConfigError(
+      'mesh.fsdp',
+      f"shards 'embed' over data, but sharding.logical_axis_rules maps it to {embed!r}; "
+      'remove that rule or mesh.fsdp',
+    )
+  if cfg.model.d_model % cfg.mesh.data:
+    raise ConfigError(
+      'mesh.fsdp',
+      f'model.d_model={cfg.model.d_model} does not divide by mesh.data={cfg.mesh.data}',
+    )
+  return tuple(r for r in rules if r[0] != 'embed') + (('embed', 'data'),)
 
 
 def _check_rules(rules: Sequence) -> None:
