@@ -155,16 +155,15 @@ class Block(nn.Module):
     v = jnp.einsum('bsd,dnk->bsnk', h, wv.astype(dt))
     q = constrain(q, ('batch', 'seq', 'heads', 'kv'))
     k, v = (constrain(t, ('batch', 'seq', 'kv_heads', 'kv')) for t in (k, v))
-    if s.attention == 'cudnn':
-      a = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation='cudnn')
-    else:
-      # K/V head j serves query heads j*g .. j*g+g-1 (transformers' repeat_kv).
-      # Repeated to one per query head, the heads split over `tensor` like
-      # the queries' whether the K/V heads were split or replicated.
-      k, v = (
-        constrain(jnp.repeat(t, n // kv, axis=2), ('batch', 'seq', 'heads', 'kv')) for t in (k, v)
-      )
-      a = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation='xla')
+    # K/V head j serves query heads j*g .. j*g+g-1 (transformers' repeat_kv).
+    # Repeated to one per query head, they split over `tensor` as the queries
+    # do whether the K/V heads were split or replicated; the kernels' own GQA
+    # would pair a rank's query heads with K/V heads it may not hold.
+    k, v = (
+      constrain(jnp.repeat(t, n // kv, axis=2), ('batch', 'seq', 'heads', 'kv')) for t in (k, v)
+    )
+    impl = 'cudnn' if s.attention == 'cudnn' else 'xla'
+    a = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
     x = x + constrain(jnp.einsum('bsnk,nkd->bsd', a, wo.astype(dt)), ('batch', 'seq', 'embed'))
 
     h = rms_norm(x, mlp_norm, s.norm_eps)

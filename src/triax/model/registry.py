@@ -22,6 +22,8 @@ from triax.model import gpt, llama
 from triax.model.common import DecoderModel, ModelSpec
 
 FAMILIES: dict[str, ModuleType] = {'gpt': gpt, 'llama': llama}
+# The family of runs and checkpoints written before model.family existed.
+BEFORE_FAMILIES = 'gpt'
 
 
 def _family(name: str) -> ModuleType:

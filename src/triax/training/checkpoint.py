@@ -204,7 +204,7 @@ class Checkpointer:
       return reader.restore(self._step_dir(step), args=ocp.args.Composite(**items))
 
   def _check_model(self, step: int, record: dict, trainer: Trainer) -> None:
-    record = {'family': 'gpt', **record}  # written before there were families: a GPT
+    record = {'family': registry.BEFORE_FAMILIES, **record}  # a record older than families
     for key, value in model_record(self.cfg).items():
       if record.get(key) != value:
         raise ConfigError(
