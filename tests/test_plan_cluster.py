@@ -41,9 +41,12 @@ def test_shipped_specs_load():
     'h100_8x_nvlink.yaml',
     'cpu_forced_8.yaml',
   } <= names
+  # The seed's scale: Selene as the Megatron paper ran it, and DGX H100s.
+  sizes = {'selene.yaml': 4480, 'dgx_h100.yaml': 1024}
+  assert set(sizes) <= names
   for path in SHIPPED:
     spec = cluster.load(path)
-    assert spec.num_devices == 8, path
+    assert spec.num_devices == sizes.get(os.path.basename(path), 8), path
     assert all(g.memory > 0 for g in spec.groups.values())
 
 

@@ -2,10 +2,13 @@
 
   python -m triax.plan --config=experiments/gpt_tiny.py
       --cluster=experiments/clusters/heterog_testbed.yaml
-      [--top=5] [--json] [--out=plan.py] [--trace=trace.json]
+      [--profile=local|analytic] [--gpus=N] [--top=5] [--json] [--verbose]
+      [--out=plan.py] [--trace=trace.json] [--profile_cache=FILE]
 
-Profiles the model on this machine, simulates candidate plans on the
-cluster and prints the best ones beside baselines. Bad input prints one
+Profiles the model on this machine (--profile=local) or prices it from its
+shapes and the spec's data sheets (--profile=analytic: any model, any
+cluster, in seconds), simulates candidate plans on the cluster and prints
+the best ones beside baselines. Bad input prints one
 `error: KEY: message` line and exits with 2. (This is `triax/plan/__main__.py`
 rather than `triax/plan.py`: a module beside the `triax/plan/` package of
 the same name would never be imported.)
@@ -27,6 +30,23 @@ _CLUSTER = flags.DEFINE_string(
   'cluster', None, 'Cluster spec (YAML), e.g. experiments/clusters/heterog_testbed.yaml.'
 )
 _TOP = flags.DEFINE_integer('top', 5, 'How many plans to show.')
+_PROFILE = flags.DEFINE_enum(
+  'profile',
+  'local',
+  ['local', 'analytic'],
+  'local: measure the model on this machine; analytic: price it from its shapes and the '
+  "cluster spec's data sheets (plan/analytic.py), nothing run here.",
+)
+_GPUS = flags.DEFINE_integer(
+  'gpus', None, "Size the cluster to N devices (whole nodes of the spec's one node type)."
+)
+_CACHE = flags.DEFINE_string(
+  'profile_cache',
+  None,
+  'JSON file of measured profiles (--profile=local), keyed by model shape, device kind and '
+  'count and jax version: a second cluster for the same model reuses the measurement.',
+)
+_VERBOSE = flags.DEFINE_bool('verbose', False, 'Also print the measurements behind the profile.')
 _JSON = flags.DEFINE_bool('json', False, 'Print one JSON object instead of tables.')
 _OUT = flags.DEFINE_string('out', None, 'Write the best plan as a config file (.py) here.')
 _TRACE = flags.DEFINE_string(
@@ -62,7 +82,8 @@ def main(argv):
   with cli.config_errors_exit():
     # Profiling this machine as a spec's `profile: local` group needs its
     # device count before JAX starts (forced CPU devices).
-    cli.force_cpu_devices(report.local_devices(_CLUSTER.value))
+    if _PROFILE.value == 'local':
+      cli.force_cpu_devices(report.local_devices(_CLUSTER.value))
   try:
     cfg = _CONFIG.value
     cfg.to_dict()  # a config file that failed to load raises on first use
@@ -78,6 +99,10 @@ def main(argv):
     trace=_TRACE.value,
     model=_MODEL.value,
     dp_allreduce=_DP.value,
+    profile=_PROFILE.value,
+    gpus=_GPUS.value,
+    profile_cache=_CACHE.value,
+    verbose=_VERBOSE.value,
   )
   sys.exit(report.main(request, as_json=_JSON.value))
 

@@ -14,6 +14,7 @@ A spec (experiments/clusters/*.yaml) names what the planner may use:
     - name: n0
       devices: {v100: 2}
       nic_bandwidth: 100 Gb/s     # optional; caps links to other nodes
+      count: 1                    # optional; this node N times (n0-0, n0-1, ...)
   links:
     intra_node: {bandwidth: 12 GB/s, latency: 10 us}
     inter_node: {bandwidth: 100 Gb/s, latency: 25 us}
@@ -29,12 +30,18 @@ may say `measured`. A node's `shared_cores: N` says its devices share N
 physical cores (forced XLA CPU devices do), so at most N of them compute at
 full speed at once; the simulator honours it.
 
+A group's `matmul_efficiency` is the analytic device model's one
+calibration constant (plan/analytic.py): the fraction of its data-sheet
+peak a large matmul sustains. `resize` sizes a cluster of identical nodes
+to N devices (the planner's --gpus).
+
 Every problem raises ConfigError('--cluster', '<file>: <what, how to fix>').
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import re
@@ -111,6 +118,8 @@ class Group:
       local measurement.
     overhead_per_layer: seconds added per layer action (kernel launches),
       a floor the roofline cannot see for small layers.
+    matmul_efficiency: fraction of peak a large matmul sustains (the
+      analytic model's calibration constant); None = not stated.
   """
 
   name: str
@@ -122,6 +131,7 @@ class Group:
   local: bool = False
   efficiency: float | None = None
   overhead_per_layer: float = 0.0
+  matmul_efficiency: float | None = None
 
   def peak(self, dtype: str) -> float | None:
     """Peak FLOP/s at the compute dtype (float16 falls back to bfloat16)."""
@@ -170,7 +180,12 @@ class Cluster:
     return len(self.devices)
 
   def node(self, name: str) -> Node:
-    return next(n for n in self.nodes if n.name == name)
+    return self._nodes_by_name[name]
+
+  @functools.cached_property
+  def _nodes_by_name(self) -> dict[str, Node]:
+    # Specs of thousands of devices ask for a device's node per link.
+    return {n.name: n for n in self.nodes}
 
   def link(self, a: int, b: int) -> Link:
     """The path between devices a and b (index), node NICs included."""
@@ -185,8 +200,20 @@ class Cluster:
 
   def slowest_link(self, devices) -> Link:
     """The weakest link among a set of devices (a collective's bottleneck)."""
-    devices = list(devices)
-    links = [self.link(a, b) for i, a in enumerate(devices) for b in devices[i + 1 :]]
+    # The weakest pair, found per node rather than per pair (specs have
+    # thousands of devices): a node's intra link if it holds two of them,
+    # and across nodes the inter-node link capped by the smallest NIC.
+    per_node: dict[str, int] = {}
+    for d in dict.fromkeys(devices):
+      per_node[self.devices[d].node] = per_node.get(self.devices[d].node, 0) + 1
+    links = [
+      Link(self.node(n).intra_bandwidth or self.intra_node.bandwidth, self.intra_node.latency)
+      for n, count in per_node.items()
+      if count > 1
+    ]
+    if len(per_node) > 1:
+      nics = [self.node(n).nic_bandwidth for n in per_node if self.node(n).nic_bandwidth]
+      links.append(Link(min([self.inter_node.bandwidth] + nics), self.inter_node.latency))
     if not links:
       return Link(math.inf, 0.0)
     return min(links, key=lambda l: (l.bandwidth, -l.latency))
@@ -202,6 +229,49 @@ class Cluster:
   def local(self) -> bool:
     """Every group is this machine (`profile: local`): costs are measured here."""
     return all(g.local for g in self.groups.values())
+
+
+def resize(cluster: Cluster, devices: int) -> Cluster:
+  """The cluster with `devices` devices: its node repeated (or cut to part
+  of one node) — for specs whose nodes are all alike, as a supercomputer's are.
+
+  Raises:
+    ConfigError('--gpus', ...) for a count the nodes cannot make.
+  """
+  first = cluster.nodes[0]
+  if any(
+    n.devices != first.devices or dataclasses.replace(n, name=first.name) != first
+    for n in cluster.nodes
+  ):
+    raise ConfigError(
+      '--gpus', f'{cluster.path}: its nodes differ, so it cannot be resized; leave --gpus out'
+    )
+  per = sum(first.devices.values())
+  if devices < 1 or (devices > per and devices % per):
+    raise ConfigError(
+      '--gpus',
+      f'want a positive multiple of {per} (the devices of one {first.name} node) or at most '
+      f'{per}, got {devices}',
+    )
+  if devices < per:
+    if len(first.devices) > 1:
+      raise ConfigError('--gpus', f'part of a mixed node; use a multiple of {per}')
+    nodes = (dataclasses.replace(first, devices={next(iter(first.devices)): devices}),)
+  else:
+    base = first.name.rsplit('-', 1)[0] if len(cluster.nodes) > 1 else first.name
+    nodes = tuple(dataclasses.replace(first, name=f'{base}-{k}') for k in range(devices // per))
+  counts = {g: sum(n.devices.get(g, 0) for n in nodes) for g in cluster.groups}
+  groups = {
+    g: dataclasses.replace(group, count=counts[g])
+    for g, group in cluster.groups.items()
+    if counts[g]
+  }
+  out = []
+  for node in nodes:
+    for g, count in node.devices.items():
+      first_index = len(out)
+      out.extend(Device(first_index + k, g, node.name) for k in range(count))
+  return dataclasses.replace(cluster, groups=groups, nodes=nodes, devices=tuple(out))
 
 
 def load(path: str) -> Cluster:
@@ -256,14 +326,17 @@ def parse(raw: Any, path: str = '<spec>') -> Cluster:
 
   if not isinstance(raw['nodes'], list) or not raw['nodes']:
     raise bad('nodes: want a non-empty list of nodes, each with name and devices')
-  nodes, placed = [], {name: 0 for name in groups}
+  nodes, placed, names = [], {name: 0 for name in groups}, set()
   for i, n in enumerate(raw['nodes']):
-    node = _node(n, f'nodes[{i}]', groups, bad)
-    if any(node.name == other.name for other in nodes):
+    node, copies = _node(n, f'nodes[{i}]', groups, bad)
+    if node.name in names:
       raise bad(f'nodes[{i}]: duplicate node name {node.name!r}')
-    for g, count in node.devices.items():
-      placed[g] += count
-    nodes.append(node)
+    names.add(node.name)
+    for k in range(copies):
+      copy = node if copies == 1 else dataclasses.replace(node, name=f'{node.name}-{k}')
+      for g, count in node.devices.items():
+        placed[g] += count
+      nodes.append(copy)
   for name, group in groups.items():
     if placed[name] != group.count:
       raise bad(
@@ -305,6 +378,7 @@ def _group(g: Any, where: str, bad) -> Group:
     'profile',
     'efficiency',
     'overhead_per_layer',
+    'matmul_efficiency',
   }
   if not isinstance(g, dict):
     raise bad(f'{where}: want a mapping')
@@ -316,6 +390,13 @@ def _group(g: Any, where: str, bad) -> Group:
   for key in ('name', 'type', 'count', 'peak_flops', 'memory', 'memory_bandwidth'):
     if key not in g:
       raise bad(f'{where}: missing {key!r}')
+  matmul_efficiency = g.get('matmul_efficiency')
+  if matmul_efficiency is not None and not (
+    isinstance(matmul_efficiency, (int, float))
+    and not isinstance(matmul_efficiency, bool)
+    and 0 < matmul_efficiency <= 1
+  ):
+    raise bad(f'{where}.matmul_efficiency: want a fraction in (0, 1], got {matmul_efficiency!r}')
   local = g.get('profile') == 'local'
   if 'profile' in g and not local:
     raise bad(f"{where}.profile: only 'local' is known (this machine, measured)")
@@ -351,11 +432,12 @@ def _group(g: Any, where: str, bad) -> Group:
     local=local,
     efficiency=efficiency,
     overhead_per_layer=overhead,
+    matmul_efficiency=matmul_efficiency,
   )
 
 
-def _node(n: Any, where: str, groups: dict, bad) -> Node:
-  allowed = {'name', 'devices', 'nic_bandwidth', 'intra_bandwidth', 'shared_cores'}
+def _node(n: Any, where: str, groups: dict, bad) -> tuple[Node, int]:
+  allowed = {'name', 'devices', 'nic_bandwidth', 'intra_bandwidth', 'shared_cores', 'count'}
   if not isinstance(n, dict) or 'name' not in n or 'devices' not in n:
     raise bad(f'{where}: want a mapping with name and devices ({{group: count}})')
   unknown = set(n) - allowed
@@ -377,12 +459,16 @@ def _node(n: Any, where: str, groups: dict, bad) -> Node:
       f'{where}.shared_cores: want a positive integer (physical cores the '
       f'devices share), got {cores!r}'
     )
+  copies = n.get('count', 1)
+  if not isinstance(copies, int) or isinstance(copies, bool) or copies < 1:
+    raise bad(f'{where}.count: want a positive integer (how many such nodes), got {copies!r}')
   optional = {
     key: _quantity(n[key], 'bandwidth', f'{where}.{key}', bad)
     for key in ('nic_bandwidth', 'intra_bandwidth')
     if key in n
   }
-  return Node(name=str(n['name']), devices=dict(devices), shared_cores=cores, **optional)
+  node = Node(name=str(n['name']), devices=dict(devices), shared_cores=cores, **optional)
+  return node, copies
 
 
 def _link(raw: Any, where: str, bad) -> Link:

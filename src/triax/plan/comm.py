@@ -3,7 +3,17 @@
 On a cluster whose every group is this machine (`profile: local`), the fits
 measured on the local mesh are used; otherwise the spec's links. Either way
 a transfer costs latency + bytes / bandwidth, and an all-reduce over n
-devices is a ring: 2(n-1) steps of bytes/n over the weakest link among them.
+devices on one node, or one device per node, is a ring: 2(n-1) steps of
+bytes/n over the weakest link among them.
+
+An all-reduce over k > 1 devices on each of several nodes is hierarchical,
+as NCCL runs it on NVLink + InfiniBand machines: a reduce-scatter inside
+each node (k-1 steps of bytes/k over its intra-node link), an all-reduce of
+the 1/k shard across the nodes (the k shards at once, each over its own
+inter-node path, which the node's NIC bandwidth caps at nic/k), then an
+all-gather inside the node. A pipeline transfer between nodes takes the
+inter-node path of its two devices (the simulator sends 1/t of an
+activation from each tensor rank, Megatron's scatter/gather).
 """
 
 from __future__ import annotations
@@ -36,7 +46,30 @@ class Comm:
       return 0.0
     if self.measured:
       return allreduce_time(self.profile.machine.allreduce, n, nbytes)
-    return allreduce_time(self.cluster.slowest_link(devices), n, nbytes)
+    by_node: dict[str, list[int]] = {}
+    for d in dict.fromkeys(devices):
+      by_node.setdefault(self.cluster.devices[d].node, []).append(d)
+    k = max(len(v) for v in by_node.values())
+    if len(by_node) == 1 or k == 1:
+      return allreduce_time(self.cluster.slowest_link(devices), n, nbytes)
+    return self._hierarchical(list(by_node.values()), k, nbytes)
+
+  def _hierarchical(self, nodes: list[list[int]], k: int, nbytes: float) -> float:
+    """Reduce-scatter in each node, all-reduce of a 1/k shard across nodes
+    (k at once), all-gather in each node; `nodes` lists the devices per node."""
+    c = self.cluster
+    intra = min(
+      (c.slowest_link(devs) for devs in nodes if len(devs) > 1),
+      key=lambda l: (l.bandwidth, -l.latency),
+    )
+    # One representative per node; k of them share each node's NIC.
+    heads = [devs[0] for devs in nodes]
+    cross = c.slowest_link(heads)
+    caps = [c.node(c.devices[h].node).nic_bandwidth for h in heads]
+    caps = [x / k for x in caps if x]
+    cross = Link(min([cross.bandwidth] + caps), cross.latency)
+    half = (k - 1) * intra.latency + (k - 1) / k * nbytes / intra.bandwidth
+    return 2 * half + allreduce_time(cross, len(nodes), nbytes / k)
 
   def link_of(self, a: int, b: int) -> Link:
     return self.profile.machine.p2p if self.measured else self.cluster.link(a, b)

@@ -71,6 +71,7 @@ def write(
   cluster_name: str,
   command: str = '',
   heterogeneous: bool = False,
+  run: str = '',
 ) -> str:
   """Writes the plan file; returns its text.
 
@@ -84,10 +85,13 @@ def write(
     cluster_name: for the docstring.
     command: the planner command line, for the docstring.
     heterogeneous: the cluster mixes device types: write mesh.device_order.
+    run: the command that trains the plan (default: triax.train on it).
   """
   plan = estimate.plan
   folder = os.path.dirname(os.path.abspath(path))
-  base_rel = os.path.relpath(os.path.abspath(base_path), folder)
+  base_abs = os.path.abspath(base_path)
+  base_rel = os.path.relpath(base_abs, folder)
+  run = run or f'python -m triax.train --config={path} --workdir=DIR'
   gb = estimate.peak_memory / 2**30
   stages = '\n'.join(
     f'  stage {s}: devices {list(devs)}, {plan.layers[s]} layers'
@@ -107,7 +111,7 @@ Predicted by the simulator ({estimate.model} model; a prediction, not a
 measurement): step {estimate.step_time * 1e3:.2f} ms, peak {gb:.2f} GiB per device.
 Run it:
 
-  python -m triax.train --config={path} --workdir=DIR
+  {run}
 
 Pipeline stages and the cluster devices the prediction assumes for them
 (cluster device k is jax.devices()[k]; {placement}):
@@ -119,8 +123,10 @@ import os
 
 from triax import config as triax_config
 
-# The base experiment, relative to this file, and its config argument.
+# The base experiment, relative to this file (used while both stay put) and
+# absolute (used when this file was moved without it), and its config argument.
 BASE = {base_rel!r}
+BASE_ABSOLUTE = {base_abs!r}
 BASE_ARG = {base_arg!r}
 # Keys the planner's config set beyond BASE (its --config.* flags).
 BASE_OVERRIDES = {_literal(base_overrides)}
@@ -136,6 +142,8 @@ def _apply(cfg, values):
 
 def get_config(arg=None):
   path = os.path.join(os.path.dirname(os.path.abspath(__file__)), BASE)
+  if not os.path.isfile(path):
+    path = BASE_ABSOLUTE
   spec = importlib.util.spec_from_file_location('triax_plan_base', path)
   base = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(base)

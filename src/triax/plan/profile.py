@@ -58,6 +58,7 @@ import functools
 import math
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -249,6 +250,10 @@ class Profile:
   # forward+backward measured alongside (alone, all devices at once); see
   # EXECUTOR_RATIOS. Empty: not measured (synthetic profiles).
   ratios: dict = dataclasses.field(default_factory=dict)
+  # The analytic device model (plan/analytic.py) when the profile was built
+  # from shapes and data sheets instead of measured: roofline asks it for
+  # every time. None: measured here.
+  analytic: Any = None
 
   def fitted_seconds(self, function: str, b: int, t: int) -> float:
     """The fit's time of `function` (a fits key) on b sequences at degree t;
@@ -369,8 +374,24 @@ def synthetic(
 # ---------------------------------------------------------------- measuring
 
 
+def _quiet(line: str) -> None:
+  del line
+
+
+# Where progress lines go during a `measure` call (its `progress` argument).
+_PROGRESS: list[Callable[[str], None]] = [_quiet]
+
+
+def _say(line: str) -> None:
+  _PROGRESS[0](line)
+
+
 def measure(
-  model_cfg, tensors: Sequence[int], microbatches: Sequence[int], remats: Sequence[str] = REMATS
+  model_cfg,
+  tensors: Sequence[int],
+  microbatches: Sequence[int],
+  remats: Sequence[str] = REMATS,
+  progress: Callable[[str], None] | None = None,
 ) -> Profile:
   """Profiles `model_cfg` (config.model) for the given degrees and sizes.
 
@@ -381,6 +402,8 @@ def measure(
     microbatches: per-replica micro-batch sizes b the search considers.
     remats: remat policies whose layer costs are measured ('none' always is);
       the simulator derives the others from FLOPs.
+    progress: called with a line per step and per timed function (a
+      profile takes minutes here; people want to see it move).
 
   Returns:
     A Profile; repeated calls with the same arguments return the cached one.
@@ -392,7 +415,11 @@ def measure(
     tuple(sorted(set(microbatches))),
     remats,
   )
-  return _measure_cached(*key)
+  _PROGRESS[0] = progress or _quiet
+  try:
+    return _measure_cached(*key)
+  finally:
+    _PROGRESS[0] = _quiet
 
 
 def _model_key(model_cfg):
@@ -410,7 +437,12 @@ def _measure_cached(
   spec = dataclasses.asdict(model_key)
   prof = _Profiler(model_key)
   shards = {t: prof.shard(t) for t in tensors}
+  _say(f'profile: shapes, FLOPs and residual bytes of tensor degrees {list(tensors)}')
   machine = prof.machine()
+  _say(
+    f'profile: this machine: matmul {machine.matmul_flops / 1e9:.1f} GFLOP/s, copy '
+    f'{machine.memory_bandwidth / 1e9:.1f} GB/s, {machine.num_devices} devices'
+  )
   points = prof.time_points(_points_to_measure(tensors, microbatches, spec['seq_len'], remats))
   executor = prof.executor_ratios(
     min(tensors), min(max(microbatches), max(1, _MAX_MEASURED_TOKENS // spec['seq_len']))
@@ -757,6 +789,7 @@ class _Profiler:
     n = len(self.jax.local_devices())
     args = {k: self._concrete(abstract) for k, (_, abstract) in jobs.items()}
     stacked = {k: self._stacked(a) for k, a in args.items()} if n > 1 else {}
+    _say(f'profile: compiling {len(jobs)} functions')
     compiled = self._compile_all(jobs)
     shared = (
       self._compile_all({k: (self._on_every_device(fn), stacked[k]) for k, (fn, _) in jobs.items()})
@@ -764,12 +797,17 @@ class _Profiler:
       else {}
     )
     timed = {}
-    for _ in range(_ROUNDS):
-      for key in jobs:
+    for r in range(_ROUNDS):
+      for i, key in enumerate(jobs):
         solo = _median_time(compiled[key], args[key])
         together = _median_time(shared[key], stacked[key]) if n > 1 else math.inf
         old = timed.get(key, (math.inf, math.inf))
         timed[key] = (min(old[0], solo), min(old[1], together))
+        name, b, t, remat = key
+        _say(
+          f'profile: round {r + 1}/{_ROUNDS}, {i + 1}/{len(jobs)}: {name} b={b} t={t} '
+          f'remat={remat}: {solo * 1e3:.2f} ms'
+        )
     self._timed.update(timed)
     return dict(timed)
 

@@ -18,6 +18,11 @@ from triax.plan import emit, roofline, simulator
 from triax.plan import search as search_lib
 from triax.plan.simulator import Estimate
 
+PROFILES = ('local', 'analytic')
+# One layer's forward+backward above this many FLOPs takes tens of seconds
+# per timing on a CPU, and the profile times dozens: refuse, point to analytic.
+_LOCAL_MAX_LAYER_FLOPS = 2e11
+
 BASELINE_NAMES = {
   'even_split': 'same degrees, even layer split',
   'data_parallel': 'data parallel only',
@@ -39,6 +44,10 @@ class Request:
     trace: write the best plan's predicted timeline (Chrome trace) here.
     model: 'lockstep' (triax's executor) or 'async' ranks the plans.
     dp_allreduce: 'per_step' (triax's executor) or 'per_microbatch'.
+    profile: 'local' (measure here) or 'analytic' (plan/analytic.py).
+    gpus: size the cluster to this many devices (cluster.resize), or None.
+    profile_cache: JSON file of measured profiles to read and extend, or None.
+    verbose: print the measurements behind the profile too.
   """
 
   cfg: Any
@@ -50,6 +59,10 @@ class Request:
   trace: str | None = None
   model: str = 'lockstep'
   dp_allreduce: str = 'per_step'
+  profile: str = 'local'
+  gpus: int | None = None
+  profile_cache: str | None = None
+  verbose: bool = False
 
 
 def local_devices(cluster_path: str) -> int | None:
@@ -78,6 +91,14 @@ def _check(request: Request) -> None:
     raise ConfigError('--model', f'one of {", ".join(simulator.MODELS)}, got {request.model}')
   if request.dp_allreduce not in simulator.DP_ALLREDUCE:
     raise ConfigError('--dp_allreduce', f'one of {", ".join(simulator.DP_ALLREDUCE)}')
+  if request.profile not in PROFILES:
+    raise ConfigError('--profile', f'one of {", ".join(PROFILES)}, got {request.profile}')
+  if request.profile_cache is not None:
+    folder = os.path.dirname(request.profile_cache) or '.'
+    if not request.profile_cache.endswith('.json') or not os.path.isdir(folder):
+      raise ConfigError(
+        '--profile_cache', f'want a .json file in an existing folder, got {request.profile_cache}'
+      )
 
 
 def run(request: Request, as_json: bool = False, out: TextIO | None = None) -> dict:
@@ -89,11 +110,25 @@ def run(request: Request, as_json: bool = False, out: TextIO | None = None) -> d
   out = out or sys.stdout
   _check(request)
   cluster = cluster_lib.load(request.cluster)
+  if request.gpus is not None:
+    cluster = cluster_lib.resize(cluster, request.gpus)
   import ml_collections
 
   cfg = ml_collections.ConfigDict(request.cfg.to_dict())
   options = simulator.Options(model=request.model, dp_allreduce=request.dp_allreduce)
-  result = search_lib.search(cfg, cluster, top_k=request.top, options=options)
+  m = cfg.model
+  progress(
+    f'plan: {m.num_layers} layers, d_model {m.d_model}, {m.num_heads} heads, seq {m.seq_len}, '
+    f'batch {cfg.train.global_batch_size} on {cluster.name} ({cluster.num_devices} devices); '
+    f'profile {request.profile}'
+  )
+  candidates = list(search_lib.layouts(cfg, cluster.num_devices))
+  profile = None
+  if candidates:
+    profile = _profile(request, cfg, cluster, candidates)
+  progress(f'searching {len(candidates)} layouts ...')
+  result = search_lib.search(cfg, cluster, top_k=request.top, options=options, profile=profile)
+  progress(f'searched {result.evaluated} plans in {result.search_s:.1f} s')
   if not result.top:
     raise ConfigError(
       '--cluster',
@@ -113,6 +148,7 @@ def run(request: Request, as_json: bool = False, out: TextIO | None = None) -> d
       cluster.name,
       command=f'--config={request.config_path} --cluster={request.cluster}',
       heterogeneous=cluster.heterogeneous,
+      run=train_command(request.out, cluster),
     )
     summary['out'] = request.out
   if request.trace:
@@ -124,6 +160,74 @@ def run(request: Request, as_json: bool = False, out: TextIO | None = None) -> d
   else:
     print(text(result, cfg, request), file=out)
   return summary
+
+
+def progress(line: str) -> None:
+  """A progress line, on stderr (stdout holds the report or its JSON)."""
+  print(line, file=sys.stderr, flush=True)
+
+
+def _profile(request: Request, cfg, cluster, candidates):
+  """The profile the search prices plans with: analytic, or measured here
+  (from the cache file when it holds this one)."""
+  tensors, sizes = search_lib.profile_sizes(cfg, candidates)
+  if request.profile == 'analytic':
+    from triax.plan import analytic
+
+    analytic.check_cluster(cluster)
+    prof = analytic.build(cfg.model, tensors)
+    progress(f'profile: analytic, tensor degrees {tensors} (shapes and data sheets, nothing run)')
+    return prof
+  _check_local(cfg)
+  from triax.plan import profile as profile_lib
+  from triax.plan import profile_cache
+
+  key = profile_cache.key(cfg.model, tensors, sizes)
+  if request.profile_cache:
+    cached = profile_cache.read(request.profile_cache, key)
+    if cached is not None:
+      progress(f'profile: from {request.profile_cache} (measured before)')
+      return cached
+  progress(
+    f'profile: measuring here, tensor degrees {tensors}, micro-batch sizes {sizes} '
+    '(minutes; --profile=analytic prices from data sheets instead)'
+  )
+  try:
+    prof = profile_lib.measure(cfg.model, tensors, sizes, progress=progress)
+  except ConfigError:
+    raise
+  except Exception as e:  # pylint: disable=broad-except
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    raise ConfigError(
+      '--profile', f'this host cannot run the model ({first}); use --profile=analytic'
+    ) from None
+  if request.profile_cache:
+    profile_cache.write(request.profile_cache, key, prof)
+    progress(f'profile: saved to {request.profile_cache}')
+  return prof
+
+
+def _check_local(cfg) -> None:
+  """What this host cannot profile, said before JAX tries (a traceback, or hours)."""
+  import jax
+
+  from triax.model import registry
+
+  if cfg.model.attention == 'cudnn' and jax.default_backend() != 'gpu':
+    raise ConfigError(
+      '--profile',
+      f'model.attention=cudnn runs only on a GPU and this host is {jax.default_backend()}; '
+      'use --profile=analytic (or --config.model.attention=xla to measure here)',
+    )
+  spec = registry.spec_from_config(cfg.model)
+  flops = registry.build(spec).forward_flops()
+  layer = 3 * (flops['layer_matmul'] + flops['layer_attention'])
+  if jax.default_backend() == 'cpu' and layer > _LOCAL_MAX_LAYER_FLOPS:
+    raise ConfigError(
+      '--profile',
+      f'one layer forward+backward is {layer:.1e} FLOPs a sequence, too large to measure '
+      'on this CPU in reasonable time; use --profile=analytic',
+    )
 
 
 def _base_overrides(request: Request, base_path: str, base_arg: str | None, cfg) -> dict:
@@ -200,7 +304,7 @@ def to_json(result: search_lib.SearchResult, cfg) -> dict:
       'fits': {f: dataclasses.asdict(x) for f, x in prof.fits.items()},
       'points': [dataclasses.asdict(p) for p in prof.points],
       'executor_ratios': {k: list(v) for k, v in prof.ratios.items()},
-      'assumption': roofline.assumption(prof),
+      'assumption': roofline.assumption(prof) if prof.analytic is None else 'analytic',
     },
     'search_s': result.search_s,
     'evaluated': result.evaluated,
@@ -224,11 +328,132 @@ def text(result: search_lib.SearchResult, cfg, request: Request | None = None) -
     f'model: {mc.num_layers} layers, d_model {mc.d_model}, {mc.num_heads} heads, d_ff '
     f'{mc.d_ff}, vocab {mc.vocab_size}, seq {mc.seq_len}, {mc.dtype}; global batch '
     f'{cfg.train.global_batch_size}',
-    f'profile ({m.backend}, {m.num_devices} local devices, {prof.wall_s:.1f} s): matmul '
-    f'{m.matmul_flops / 1e9:.1f} GFLOP/s, copy {m.memory_bandwidth / 1e9:.1f} GB/s '
-    f'({m.node_bandwidth / 1e9:.1f} GB/s with all devices copying), '
-    f'{m.effective_cores:.2f} effective cores when all devices run a small matmul',
   ]
+  if prof.analytic is not None:
+    effs = ', '.join(f'{g.name} {g.matmul_efficiency:.2f}' for g in c.groups.values())
+    lines.append(
+      'profile: analytic (plan/analytic.py): GEMMs, attention and bandwidth-bound kernels '
+      "priced by the spec's data-sheet peak and memory bandwidth, matmul_efficiency "
+      f'{effs}; hierarchical collectives over its links'
+    )
+  else:
+    lines.append(
+      f'profile ({m.backend}, {m.num_devices} local devices, {prof.wall_s:.1f} s): matmul '
+      f'{m.matmul_flops / 1e9:.1f} GFLOP/s, copy {m.memory_bandwidth / 1e9:.1f} GB/s '
+      f'({m.node_bandwidth / 1e9:.1f} GB/s with all devices copying), '
+      f'{m.effective_cores:.2f} effective cores when all devices run a small matmul'
+    )
+  lines.append(
+    f'searched {result.evaluated} plans in {result.search_s:.2f} s; times are '
+    "SIMULATED predictions (lockstep = what triax's executor runs; async = the "
+    "papers' model)"
+  )
+  flops = _model_flops(cfg)
+  head = (
+    f'{"#":>2}  {"plan":58s} {"step ms":>9} {"async ms":>9} {"bubble":>6} {"GiB/dev":>7} '
+    f'{"TF/s/dev":>8}  devices (per stage)'
+  )
+  lines += ['', head]
+  for i, e in enumerate(result.top):
+    lines.append(
+      f'{i + 1:>2}  {e.plan.describe():58s} {_ms(e.step_time)} '
+      f'{_ms(e.async_time)} {_pct(e.bubble_fraction):>6} '
+      f'{e.peak_memory / 2**30:7.3f} {_tflops(flops, e, c.num_devices):>8}  '
+      f'{_stages(e.plan)}'
+    )
+  lines.append(
+    '  TF/s/dev: model FLOPs per step (no recompute: what MFU counts) over step time x devices'
+  )
+  lines += ['', 'baselines (speedup of #1 over each):']
+  for key, name in BASELINE_NAMES.items():
+    e = result.baselines.get(key)
+    if e is None:
+      lines.append(f'  {name:50s}   (none fits)')
+      continue
+    lines.append(
+      f'  {name:50s} {_ms(e.step_time)} ms  {result.speedup(key):5.2f}x  [{e.plan.describe()}]'
+    )
+  best = result.top[0].plan
+  lines.append('')
+  for s, devs in enumerate(best.stages[:8]):
+    kinds = sorted({c.devices[d].group for d in devs})
+    lines.append(
+      f'  #1 stage {s}: {best.layers[s]} layers on devices {_ranges(devs)} ({"/".join(kinds)})'
+    )
+  if len(best.stages) > 8:
+    lines.append(f'  ... {len(best.stages) - 8} more stages')
+  if c.heterogeneous:
+    lines.append(
+      'note: the plan file sets mesh.device_order, so the trainer places '
+      'the stages on the devices above'
+    )
+  if request and request.out:
+    lines.append(f'wrote {request.out}: {train_command(request.out, c)}')
+  if request and request.trace:
+    lines.append(f'wrote {request.trace} (open in https://ui.perfetto.dev)')
+  if request is None or request.verbose:
+    lines += ['', *_measurements(prof)]
+  elif prof.points:
+    lines.append('(--verbose prints the measurements behind the profile)')
+  return '\n'.join(lines)
+
+
+def train_command(plan_path: str, cluster) -> str:
+  """The command that runs a plan file, as it must be typed: on a cluster of
+  this machine's forced CPU devices the trainer needs their count too."""
+  cpu = f' --cpu_devices={cluster.num_devices}' if cluster.local else ''
+  return f'python -m triax.train --config={plan_path} --workdir=DIR{cpu}'
+
+
+def _pct(x: float) -> str:
+  """A share as a percentage; never '-0.0%' (float noise below 0.05%)."""
+  return f'{0.0 if abs(x) < 5e-4 else x:.1%}'
+
+
+def _model_flops(cfg) -> float | None:
+  """Model FLOPs of one step (the family's count, no recompute), or None."""
+  try:
+    from triax.model import flops as flops_lib
+    from triax.model import registry
+
+    model = registry.build(registry.spec_from_config(cfg.model))
+    return flops_lib.step_flops(model, cfg.train.global_batch_size)['model']
+  except Exception:  # pylint: disable=broad-except
+    return None  # a family without forward_flops: the column stays empty
+
+
+def _tflops(flops: float | None, e: Estimate, devices: int) -> str:
+  return '' if flops is None else f'{flops / (e.step_time * devices) / 1e12:.1f}'
+
+
+def _ranges(devices) -> str:
+  """Device indices as ranges: 0-7,16-23."""
+  out, start, prev = [], None, None
+  for d in devices:
+    if start is None:
+      start = prev = d
+    elif d == prev + 1:
+      prev = d
+    else:
+      out.append(f'{start}-{prev}' if prev > start else f'{start}')
+      start = prev = d
+  if start is not None:
+    out.append(f'{start}-{prev}' if prev > start else f'{start}')
+  return ','.join(out)
+
+
+def _stages(plan) -> str:
+  """What tells look-alike plans apart: each stage's devices (and layers)."""
+  text = ' | '.join(
+    f'{_ranges(devs)}:{n}' if not plan.even else _ranges(devs)
+    for devs, n in zip(plan.stages, plan.layers)
+  )
+  return text if len(text) <= 60 else text[:57] + '...'
+
+
+def _measurements(prof) -> list[str]:
+  m = prof.machine
+  lines = []
   for p in prof.points:
     together = (
       f', {p.concurrent * 1e3:8.3f} ms with all {m.num_devices} at once' if p.concurrent else ''
@@ -243,46 +468,9 @@ def text(result: search_lib.SearchResult, cfg, request: Request | None = None) -
       '  executor variants / plain layer pair (alone, all devices at once): '
       + ', '.join(f'{k} {a:.2f}/{b:.2f}' for k, (a, b) in prof.ratios.items())
     )
-  lines.append(roofline.assumption(prof))
-  lines.append(
-    f'searched {result.evaluated} plans in {result.search_s:.2f} s; times are '
-    "SIMULATED predictions (lockstep = what triax's executor runs; async = the "
-    "papers' model)"
-  )
-  head = f'{"#":>2}  {"plan":58s} {"step ms":>9} {"async ms":>9} {"bubble":>6} {"GiB/dev":>7}'
-  lines += ['', head]
-  for i, e in enumerate(result.top):
-    lines.append(
-      f'{i + 1:>2}  {e.plan.describe():58s} {_ms(e.step_time)} '
-      f'{_ms(e.async_time)} {e.bubble_fraction:6.1%} '
-      f'{e.peak_memory / 2**30:7.3f}'
-    )
-  lines += ['', 'baselines (speedup of #1 over each):']
-  for key, name in BASELINE_NAMES.items():
-    e = result.baselines.get(key)
-    if e is None:
-      lines.append(f'  {name:50s}   (none fits)')
-      continue
-    lines.append(
-      f'  {name:50s} {_ms(e.step_time)} ms  {result.speedup(key):5.2f}x  [{e.plan.describe()}]'
-    )
-  best = result.top[0].plan
-  lines.append('')
-  for s, devs in enumerate(best.stages):
-    kinds = sorted({c.devices[d].group for d in devs})
-    lines.append(
-      f'  #1 stage {s}: {best.layers[s]} layers on devices {list(devs)} ({"/".join(kinds)})'
-    )
-  if c.heterogeneous:
-    lines.append(
-      'note: the plan file sets mesh.device_order, so the trainer places '
-      'the stages on the devices above'
-    )
-  if request and request.out:
-    lines.append(f'wrote {request.out}: python -m triax.train --config={request.out} --workdir=DIR')
-  if request and request.trace:
-    lines.append(f'wrote {request.trace} (open in https://ui.perfetto.dev)')
-  return '\n'.join(lines)
+  if prof.analytic is None:
+    lines.append(roofline.assumption(prof))
+  return lines
 
 
 def main(request: Request, as_json: bool = False) -> int:

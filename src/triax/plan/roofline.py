@@ -24,6 +24,8 @@ from triax.plan.profile import FUNCTIONS, LAYER_FUNCTIONS, Profile, variant
 
 def seconds(profile: Profile, group: Group, function: str, b: int, t: int) -> float:
   """Time of `function` (a profile fits key) on b sequences at degree t."""
+  if profile.analytic is not None:
+    return profile.analytic.seconds(group, function, b, t)
   if group.local:
     return profile.local_seconds(function, b, t)
   base = function.split('/')[0]
@@ -44,6 +46,8 @@ def layer_seconds(
   the recomputation is priced on paper: full remat reruns the forward in
   the backward, selective its attention core.
   """
+  if profile.analytic is not None:
+    return profile.analytic.layer_seconds(group, b, t, remat)
   if group.local and variant('layer_bwd', remat) in profile.fits:
     return (
       seconds(profile, group, variant('layer_fwd', remat), b, t),

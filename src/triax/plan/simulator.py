@@ -322,7 +322,8 @@ def action_costs(
     per_stage.append(
       dict(
         fwd=fwd + 2 * tp,
-        bwd=bwd + 2 * tp,
+        # Full remat's rerun forward runs its two all-reduces again.
+        bwd=bwd + 2 * tp + (2 * tp if plan.remat == 'full' else 0.0),
         dp=dp_layer,
         embed=embed,
         head=head,

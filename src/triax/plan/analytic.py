@@ -1,0 +1,343 @@
+"""The analytic device model: a plan's costs from shapes and data sheets, nothing run here.
+
+`python -m triax.plan --profile=analytic` plans a model this machine cannot
+run (cuDNN attention on a CPU, a 1T-parameter model) and device types it
+does not have. It builds the same `Profile` the local profiler measures,
+with an `analytic` cost model attached that `roofline.seconds` and
+`roofline.layer_seconds` ask instead of the fits, so the search, the
+simulator, the memory model and the reports run unchanged.
+
+A layer shard (tensor degree t) is a list of kernels, per micro-batch of b
+sequences of s tokens:
+
+  - GEMMs from the family's own parameter shapes (`jax.eval_shape` of one
+    layer of the shard's spec: shapes only, no compute). A weight [k, n]
+    (the side equal to d_model is the model side) is a [b s, k] x [k, n]
+    matmul forward, and two of the same FLOPs backward (input and weight
+    gradient);
+  - the attention core per head: Q K^T and the weighted V, each batched
+    over b x heads/t, with the s x s scores written and read; with
+    model.attention=cudnn one fused kernel instead (no scores in memory,
+    the causal half of the square skipped, its backward 2.5x its forward:
+    it recomputes the scores);
+  - bandwidth-bound ops by the bytes they move: two norms and two residual
+    adds on [s, d], the MLP activation on [s, d_ff/t], the softmax on the
+    scores; their backward moves about twice the bytes.
+
+On a device group a kernel takes
+
+  max(flops / (peak * matmul_efficiency), bytes / memory_bandwidth)
+
+(`peak_flops` at the compute dtype and `memory_bandwidth` from the data
+sheet; `matmul_efficiency`, the fraction of peak a large GEMM sustains, is
+the group's one calibration constant, stated in the cluster spec). So a
+GEMM's efficiency is a curve of its shape: min(matmul_efficiency,
+intensity * bandwidth / peak), lower for thin GEMMs and for the attention
+core's small per-head ones. Each layer action adds the group's
+`overhead_per_layer` (its ~20 kernel launches).
+
+Recomputation, per remat policy: full reruns the forward in the backward
+(+1 forward, its tensor all-reduces too: the simulator adds those);
+selective reruns the attention core (+ its forward kernels).
+
+Memory by formula (bytes per layer per sequence, e = dtype bytes, h =
+d_model, a = heads): what the backward reads, counted as Korthikanti et
+al. (2022) count it without dropout: s h e (4 + 12/t) + a s^2 e / t (the
+score probabilities; none with cuDNN attention, which keeps its output
+and log-sum-exp); selective drops the s^2 term; full keeps only the
+layer's input, s h e. Parameters and Adam state: the simulator's
+STATE_COPIES of the parameter bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+from triax.errors import ConfigError
+from triax.plan import profile as profile_lib
+from triax.plan.cluster import Cluster, Group, Link
+
+# Bytes a bandwidth-bound op moves per element of its [s, d] input, forward:
+# an RMSNorm reads x and writes y (2), a residual add reads two and writes
+# one (3); two of each per layer.
+_NORM_ELEMENT_IO = 2
+_ADD_ELEMENT_IO = 3
+# The MLP's activation reads and writes [s, d_ff/t] (a gated one reads two).
+_ACT_ELEMENT_IO = 2
+# Softmax over the scores: reads them and writes the probabilities.
+_SOFTMAX_ELEMENT_IO = 2
+# A bandwidth-bound op's backward reads its output gradient and saved input
+# and writes the input gradient: about twice its forward's bytes.
+_BACKWARD_IO = 2.0
+# The fused (cuDNN / flash) attention backward costs 2.5x its forward's
+# FLOPs (it recomputes the scores), and a causal kernel skips half the square.
+_FLASH_BACKWARD = 2.5
+_FLASH_CAUSAL = 0.5
+# The head's fp32 logits are written, read by the softmax, its gradient
+# written and read by the two backward GEMMs: 4 passes of 4 bytes.
+_LOGIT_PASSES = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+  """One kernel of a layer shard, per sequence (b = 1), with a fixed part.
+
+  flops and bytes scale with the micro-batch size b; fixed_bytes (weights
+  read) do not.
+  """
+
+  name: str
+  flops: float
+  bytes: float
+  fixed_bytes: float = 0.0
+
+  def seconds(self, b: int, peak: float, bandwidth: float) -> float:
+    return max(b * self.flops / peak, (self.fixed_bytes + b * self.bytes) / bandwidth)
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardKernels:
+  """The kernels of one layer shard and of its embedding and head.
+
+  attention: the attention core's forward kernels (what selective remat reruns).
+  """
+
+  layer_fwd: tuple[Kernel, ...]
+  layer_bwd: tuple[Kernel, ...]
+  attention: tuple[Kernel, ...]
+  embed: tuple[Kernel, ...]
+  head: tuple[Kernel, ...]
+
+
+class Analytic:
+  """Costs of the functions the simulator asks for, on any group with data-sheet figures."""
+
+  def __init__(self, dtype: str, kernels: dict[int, ShardKernels]):
+    self.dtype = dtype
+    self.kernels = kernels
+
+  def _rates(self, group: Group) -> tuple[float, float]:
+    return group.peak(self.dtype) * group.matmul_efficiency, group.memory_bandwidth
+
+  def _sum(self, kernels, group: Group, b: int) -> float:
+    peak, bandwidth = self._rates(group)
+    return sum(k.seconds(b, peak, bandwidth) for k in kernels)
+
+  def seconds(self, group: Group, function: str, b: int, t: int) -> float:
+    """Time of a profile function ('layer_fwd', 'layer_bwd', 'embed', 'head')
+    on b sequences at degree t; a remat variant's name is its plain one's."""
+    base = function.split('/')[0]
+    k = self.kernels[t]
+    overhead = group.overhead_per_layer if base in profile_lib.LAYER_FUNCTIONS else 0.0
+    return overhead + self._sum(getattr(k, base), group, b)
+
+  def layer_seconds(self, group: Group, b: int, t: int, remat: str) -> tuple[float, float]:
+    """(forward, backward) of one layer under a remat policy: the backward
+    reruns the forward (full) or the attention core (selective)."""
+    fwd = self.seconds(group, 'layer_fwd', b, t)
+    bwd = self.seconds(group, 'layer_bwd', b, t)
+    if remat == 'full':
+      bwd += fwd
+    elif remat == 'selective':
+      bwd += self._sum(self.kernels[t].attention, group, b)
+    return fwd, bwd
+
+
+def check_cluster(cluster: Cluster) -> None:
+  """Every group needs data-sheet figures and its calibration constant.
+
+  Raises:
+    ConfigError('--profile', ...) naming the group and the missing field.
+  """
+  for name, g in cluster.groups.items():
+    if g.local or g.memory_bandwidth is None or any(v is None for v in g.peak_flops.values()):
+      raise ConfigError(
+        '--profile',
+        f'{cluster.path}: group {name!r} is measured (profile: local), it has no data-sheet '
+        'peak_flops / memory_bandwidth for the analytic model; use --profile=local',
+      )
+    if g.matmul_efficiency is None:
+      raise ConfigError(
+        '--profile',
+        f'{cluster.path}: group {name!r} has no matmul_efficiency (the fraction of peak_flops '
+        "a large matmul sustains, the analytic model's calibration constant); add it to the "
+        'spec or use --profile=local',
+      )
+
+
+def build(model_cfg, tensors, dropout: bool = False) -> profile_lib.Profile:
+  """The analytic Profile of config.model for the given tensor degrees.
+
+  dropout: add the kernels and masks of dropout on the attention
+  probabilities and after both sublayers, as Megatron-LM's GPT runs it
+  (triax's models have no dropout; scripts/bench_megatron_table1.py models
+  Megatron's runs).
+  """
+  from triax.model import registry
+
+  spec = registry.spec_from_config(model_cfg)
+  # t = 1 always: the search ranks device types by their unsharded layer.
+  degrees = tuple(sorted(set(tensors) | {1}))
+  return _build(dataclasses.replace(spec, remat='none'), degrees, dropout)
+
+
+@functools.lru_cache(maxsize=16)
+def _build(spec, tensors: tuple[int, ...], dropout: bool = False) -> profile_lib.Profile:
+  shards, kernels = {}, {}
+  for t in tensors:
+    shards[t], kernels[t] = _shard(spec, t, dropout)
+  inf = Link(math.inf, 0.0)
+  machine = profile_lib.Machine(
+    backend='analytic',
+    device_kind='analytic (cluster spec data sheets)',
+    num_devices=0,
+    matmul_flops=0.0,
+    memory_bandwidth=0.0,
+    node_bandwidth=0.0,
+    effective_cores=1.0,
+    p2p=inf,
+    allreduce=inf,
+  )
+  return profile_lib.Profile(
+    seq_len=spec.seq_len,
+    d_model=spec.d_model,
+    num_layers=spec.num_layers,
+    dtype=spec.dtype,
+    shards=shards,
+    fits={f: profile_lib.Fit(0.0, 1.0) for f in profile_lib.FUNCTIONS},
+    machine=machine,
+    analytic=Analytic(spec.dtype, kernels),
+  )
+
+
+def _nbytes(tree) -> float:
+  import jax
+
+  return float(sum(math.prod(a.shape) * a.dtype.itemsize for a in jax.tree.leaves(tree)))
+
+
+def _shapes(spec, t: int):
+  """One layer's parameter shapes, the edge parameters' bytes, and the shard
+  spec: from the family's own modules, abstractly (no memory, no compute)."""
+  import jax
+
+  from triax.model import registry
+
+  shard = dataclasses.replace(spec.tensor_shard(t), num_layers=1)
+  # Tracing init runs the block once, abstractly; the attention kernel
+  # changes no parameter shape, and cuDNN's refuses to trace off a GPU.
+  model = registry.build(dataclasses.replace(shard, attention='xla'))
+  params = jax.eval_shape(model.init, jax.random.key(0))
+  layer = jax.tree.map(lambda a: a.shape[1:], params['layers'])
+  embed, head = model.edge_params(params)
+  return shard, jax.tree.leaves(layer, is_leaf=lambda x: isinstance(x, tuple)), embed, head
+
+
+def _shard(spec, t: int, dropout: bool = False) -> tuple[profile_lib.Shard, ShardKernels]:
+  import numpy as np
+
+  shard, weights, embed_params, head_params = _shapes(spec, t)
+  e = np.dtype(spec.dtype).itemsize
+  pe = np.dtype(spec.param_dtype).itemsize
+  s, d = spec.seq_len, spec.d_model
+  heads, hd = shard.num_heads, shard.head_dim
+  vocab = shard.vocab_size
+  fused = spec.attention == 'cudnn'
+
+  fwd, bwd, layer_params = [], [], 0.0
+  for shape in weights:
+    layer_params += math.prod(shape) * pe
+    if len(shape) < 2:
+      continue  # norm scales and biases: elementwise, counted below
+    if shape[0] == d:
+      k, n = d, math.prod(shape[1:])
+    else:
+      k, n = math.prod(shape[:-1]), shape[-1]
+    flops = 2.0 * s * k * n
+    # Activations in and out per sequence; the weight read once a call.
+    io = (s * k + s * n) * e
+    fwd.append(Kernel(f'gemm {k}x{n}', flops, io, k * n * e))
+    # Input gradient (reads the weight) and weight gradient (writes it).
+    bwd.append(Kernel(f'dgrad {k}x{n}', flops, io, k * n * e))
+    bwd.append(Kernel(f'wgrad {k}x{n}', flops, io, 2 * k * n * pe))
+  scores = heads * s * s  # elements of one sequence's score square
+  if fused:
+    flops = 4.0 * s * s * heads * hd * _FLASH_CAUSAL
+    io = 4 * s * heads * hd * e  # Q, K, V read, O written
+    attention = (Kernel('flash attention', flops, io),)
+    attention_bwd = (Kernel('flash attention bwd', _FLASH_BACKWARD * flops, 2.5 * io),)
+  else:
+    qk = Kernel('q k^T', 2.0 * s * s * heads * hd, (2 * s * heads * hd + scores) * e)
+    softmax = Kernel('softmax', 0.0, _SOFTMAX_ELEMENT_IO * scores * e)
+    av = Kernel('p v', 2.0 * s * s * heads * hd, (scores + 2 * s * heads * hd) * e)
+    attention = (qk, softmax, av)
+    # Each of the two GEMMs has two gradient GEMMs of its FLOPs; the softmax
+    # backward reads the probabilities and their gradient, writes one.
+    attention_bwd = (
+      Kernel('dq dk', 2 * qk.flops, 2 * qk.bytes),
+      Kernel('softmax bwd', 0.0, 3 * scores * e),
+      Kernel('dp dv', 2 * av.flops, 2 * av.bytes),
+    )
+  elementwise = (
+    (2 * _NORM_ELEMENT_IO + 2 * _ADD_ELEMENT_IO) * s * d + _ACT_ELEMENT_IO * s * shard.d_ff
+  ) * e
+  masks = 0.0
+  if dropout and not fused:
+    # Reads the probabilities, writes them dropped and a 1-byte mask; its
+    # backward reads the gradient and the mask and writes one.
+    attention = (*attention, Kernel('attention dropout', 0.0, (2 * e + 1) * scores))
+    attention_bwd = (*attention_bwd, Kernel('attention dropout bwd', 0.0, (2 * e + 1) * scores))
+    masks += scores * (1 + e)  # the mask and the dropped probabilities the P V GEMM reads
+  if dropout:
+    # Two hidden dropouts (fused into the residual adds): a mask written each.
+    elementwise += 2 * s * d
+    masks += 2 * s * d
+  fwd += [*attention, Kernel('norms, adds, activation', 0.0, elementwise)]
+  bwd += [*attention_bwd, Kernel('norms, adds, activation bwd', 0.0, _BACKWARD_IO * elementwise)]
+
+  edge_params = _nbytes(embed_params) + _nbytes(head_params)
+  logits = s * vocab * 4
+  head_flops = 2.0 * s * d * vocab
+  head = (
+    Kernel('head gemm', head_flops, (s * d + s * vocab) * e, d * vocab * e),
+    Kernel('head dgrad+wgrad', 2 * head_flops, 2 * (s * d + s * vocab) * e, 3 * d * vocab * pe),
+    Kernel('cross-entropy', 0.0, _LOGIT_PASSES * logits),
+  )
+  # Gather rows forward; backward scatters the rows' gradients into the table's.
+  embed = (Kernel('embedding', 0.0, 3 * s * d * e, _nbytes(embed_params)),)
+
+  act = float(s * d * e)
+  probs = 0.0 if fused else heads * s * s * e
+  stash_none = s * d * e * (4 + 12 / t) + probs + masks / t
+  stash = {'none': stash_none, 'selective': stash_none - probs, 'full': act}
+
+  def work(kernels):
+    return profile_lib.Work(
+      flops_per_seq=sum(k.flops for k in kernels),
+      bytes_fixed=sum(k.fixed_bytes for k in kernels),
+      bytes_per_seq=sum(k.bytes for k in kernels),
+    )
+
+  kernels = ShardKernels(
+    layer_fwd=tuple(fwd), layer_bwd=tuple(bwd), attention=attention, embed=embed, head=head
+  )
+  attn_flops = sum(k.flops for k in attention)
+  out = profile_lib.Shard(
+    tensor=t,
+    work={
+      'layer_fwd': work(kernels.layer_fwd),
+      'layer_bwd': work(kernels.layer_bwd),
+      'embed': work(embed),
+      'head': work(head),
+    },
+    layer_param_bytes=layer_params,
+    edge_param_bytes=edge_params,
+    stash_per_seq=stash,
+    stash_fixed_per_seq=act,
+    act_per_seq=act,
+    logits_per_seq=float(logits),
+    attention_fraction=attn_flops / max(sum(k.flops for k in fwd), 1.0),
+  )
+  return out, kernels
