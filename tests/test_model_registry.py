@@ -46,3 +46,12 @@ def test_a_model_key_no_family_knows_is_refused():
   with pytest.raises(ConfigError) as e:
     config.validate(cfg, 8)
   assert e.value.key == 'model.num_expertz'
+
+
+def test_llama_tiny_is_a_valid_gqa_pipeline_run_on_8_devices():
+  path = f'{harness.ROOT}/experiments/llama_tiny.py'
+  for arg in (None, 'smoke'):
+    cfg = config.validate(config.from_file(path, arg), 8)
+    m = cfg.model
+    assert m.family == 'llama' and 0 < m.num_kv_heads < m.num_heads
+    assert cfg.mesh.pipe > 1 and cfg.pipeline.schedule == 'interleaved_1f1b'
