@@ -232,3 +232,20 @@ def test_full_remat_reruns_the_tensor_all_reduces():
   tp = Comm(spec, prof).allreduce((0, 1), prof.shards[2].act_per_seq * plan.microbatch_size)
   fwd = 4 * (1.0 / 2 + 2 * tp)  # four layers: a forward and its two all-reduces, rerun
   assert costs['full'] - costs['none'] == pytest.approx(fwd)
+
+
+def test_a_cluster_too_large_for_the_model_says_use_gpus():
+  from triax.plan import search
+
+  selene = cluster_lib.load(SELENE)  # 4480 devices; batch 8 cannot spread over them
+  cfg = small_gpt()
+  cfg.train.global_batch_size = 8
+  result = search.search(cfg, selene, profile=analytic.build(cfg.model, [1]))
+  assert result.top == () and result.evaluated == 0
+  with pytest.raises(ConfigError, match='--gpus') as err:
+    report.run(
+      report.Request(
+        cfg=cfg, config_path=GPT_1B, config_overrides={}, cluster=SELENE, profile='analytic'
+      )
+    )
+  assert err.value.key == '--cluster'

@@ -115,7 +115,11 @@ def run(request: Request, as_json: bool = False, out: TextIO | None = None) -> d
   import ml_collections
 
   cfg = ml_collections.ConfigDict(request.cfg.to_dict())
-  options = simulator.Options(model=request.model, dp_allreduce=request.dp_allreduce)
+  options = simulator.Options(
+    model=request.model,
+    dp_allreduce=request.dp_allreduce,
+    scatter_gather=bool(cfg.pipeline.scatter_gather),
+  )
   m = cfg.model
   progress(
     f'plan: {m.num_layers} layers, d_model {m.d_model}, {m.num_heads} heads, seq {m.seq_len}, '
@@ -123,9 +127,9 @@ def run(request: Request, as_json: bool = False, out: TextIO | None = None) -> d
     f'profile {request.profile}'
   )
   candidates = list(search_lib.layouts(cfg, cluster.num_devices))
-  profile = None
-  if candidates:
-    profile = _profile(request, cfg, cluster, candidates)
+  if not candidates:
+    raise search_lib.no_layout(cfg, cluster)
+  profile = _profile(request, cfg, cluster, candidates)
   progress(f'searching {len(candidates)} layouts ...')
   result = search_lib.search(cfg, cluster, top_k=request.top, options=options, profile=profile)
   progress(f'searched {result.evaluated} plans in {result.search_s:.1f} s')

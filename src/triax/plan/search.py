@@ -68,7 +68,7 @@ class SearchResult:
       there is no such plan that fits.
     evaluated: candidate plans simulated.
     search_s: seconds spent searching (profiling excluded).
-    profile: the profile used.
+    profile: the profile used (None: nothing searched, no layout suits).
     cluster: the cluster planned for.
   """
 
@@ -76,7 +76,7 @@ class SearchResult:
   baselines: dict[str, Estimate | None]
   evaluated: int
   search_s: float
-  profile: profile_lib.Profile
+  profile: profile_lib.Profile | None
   cluster: Cluster
 
   def speedup(self, baseline: str) -> float | None:
@@ -84,6 +84,16 @@ class SearchResult:
     if base is None or not self.top:
       return None
     return base.step_time / self.top[0].step_time
+
+
+def no_layout(cfg, cluster: Cluster) -> ConfigError:
+  """The error for a cluster none of whose layouts suits the model."""
+  return ConfigError(
+    '--cluster',
+    f'{cluster.path}: no data x tensor x pipe layout of {cluster.num_devices} devices suits '
+    f'this model (heads {cfg.model.num_heads}, layers {cfg.model.num_layers}, batch '
+    f'{cfg.train.global_batch_size}); use --gpus to size the cluster, or another batch',
+  )
 
 
 def _divisors(n: int) -> list[int]:
@@ -240,19 +250,21 @@ def search(
       every tensor degree and micro-batch size the candidates need.
 
   Returns:
-    A SearchResult.
-
-  Raises:
-    ConfigError('--cluster', ...) if no layout fits the device count.
+    A SearchResult; with no top plans and no baselines when no layout of
+    the cluster's devices suits the model (`no_layout` says why).
   """
   n = cluster.num_devices
   all_layouts = list(layouts(cfg, n))
   if not all_layouts:
-    raise ConfigError(
-      '--cluster',
-      f'{cluster.path}: no data x tensor x pipe layout of '
-      f'{n} devices suits this model (heads {cfg.model.num_heads}, '
-      f'layers {cfg.model.num_layers}, batch {cfg.train.global_batch_size})',
+    # Not an error here: a benchmark over every shipped cluster meets specs
+    # too large for its model (report.run turns it into one).
+    return SearchResult(
+      top=(),
+      baselines=dict.fromkeys(('even_split', 'data_parallel', 'homogeneous_slowest')),
+      evaluated=0,
+      search_s=0.0,
+      profile=profile,
+      cluster=cluster,
     )
   if profile is None:
     profile = profile_lib.measure(cfg.model, *profile_sizes(cfg, all_layouts))

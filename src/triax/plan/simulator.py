@@ -203,12 +203,16 @@ class Options:
     padded: True = memory as the executor stores uneven splits (every stage
       holds the largest chunk's stack and stash slots); False = each stage
       only its own.
+    scatter_gather: pipeline transfers split over the tensor group and
+      all-gathered (the executor's pipeline.scatter_gather); False: each
+      tensor rank sends the whole activation.
   """
 
   model: str = 'lockstep'
   dp_allreduce: str = 'per_step'
   memory_fraction: float = 0.9
   padded: bool = True
+  scatter_gather: bool = True
 
   def __post_init__(self):
     if self.model not in MODELS:
@@ -383,10 +387,11 @@ def action_costs(
   # each of a stage's t tensor ranks sends 1/t of an activation to its
   # counterpart, and the receiving tensor group all-gathers it (half a ring
   # all-reduce's steps) over its own links.
-  sent = act / t
+  split = options.scatter_gather and t > 1
+  sent = act / t if split else act
   for s in range(p):
     neighbours = [plan.stages[(s + 1) % p], plan.stages[(s - 1) % p]]
-    gather = max(comm.allreduce(g, act) for g in tensor_groups(s)) / 2 if t > 1 else 0.0
+    gather = max(comm.allreduce(g, act) for g in tensor_groups(s)) / 2 if split else 0.0
     transfer.append(
       max(comm.p2p(a, z, sent) for other in neighbours for a, z in zip(plan.stages[s], other))
       + gather
