@@ -78,7 +78,16 @@ def test_compile_only_writes_stats_and_does_not_train(tmp_path):
   assert result.returncode == 0, result.stderr
   with open(os.path.join(workdir, 'compile_stats.json')) as f:
     stats = json.load(f)
-  for key in ('temp_bytes', 'argument_bytes', 'output_bytes', 'flops'):
+  for key in (
+    'temp_bytes',
+    'argument_bytes',
+    'output_bytes',
+    'flops',
+    'param_bytes',
+    'optimizer_bytes',
+    'checkpoint_save_bytes',
+    'checkpoint_restore_bytes',
+  ):
     assert stats[key] > 0, key
   assert stats['schedule']['name'] == 'interleaved_1f1b'
   assert not os.path.exists(os.path.join(workdir, 'metrics.jsonl'))

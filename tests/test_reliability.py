@@ -177,7 +177,12 @@ def test_checkpoint_restores_under_other_layouts(tmp_path):
     _, out = source.train_step(state, _put(source, batches[3]))
     want_loss = float(out['loss'])
 
-  for cfg in (_layout(1, 1, 1), _layout(1, 2, 4, '1f1b', m=4), _layout(4, 2, 1)):
+  for cfg in (
+    _layout(1, 1, 1),
+    _layout(1, 2, 4, '1f1b', m=4),
+    _layout(4, 2, 1),
+    _layout(1, 1, 8, '1f1b', m=8),
+  ):
     trainer = harness.make_trainer(cfg)
     with jax.set_mesh(trainer.mesh):
       restored = Checkpointer(str(tmp_path), trainer.cfg).restore(trainer)

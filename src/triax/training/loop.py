@@ -112,6 +112,10 @@ def compile_stats(trainer: Trainer) -> tuple[object, dict]:
   started = time.perf_counter()
   with jax.set_mesh(trainer.mesh):
     compiled = trainer.train_step.lower(trainer.abstract_state(), batch).compile()
+    # The conversions every save and restore runs (to and from the checkpoint's layout).
+    save = trainer.to_canonical.lower(trainer.abstract_state()).compile().memory_analysis()
+    restore = trainer.from_canonical.lower(trainer.abstract_canonical_state()).compile()
+    restore = restore.memory_analysis()
   mem = compiled.memory_analysis()
   flops = step_flops(trainer.model, b)
   state = trainer.abstract_state()
@@ -127,6 +131,10 @@ def compile_stats(trainer: Trainer) -> tuple[object, dict]:
     'param_bytes': params,
     'optimizer_bytes': step_lib.per_device_bytes(state.opt_state, shardings.opt_state),
     'gradient_bytes': params,
+    # What a save's (restore's) conversion adds per device beside the train
+    # state (the checkpoint's layout): its output and temporaries.
+    'checkpoint_save_bytes': int(save.output_size_in_bytes + save.temp_size_in_bytes),
+    'checkpoint_restore_bytes': int(restore.output_size_in_bytes + restore.temp_size_in_bytes),
     'generated_code_bytes': int(mem.generated_code_size_in_bytes),
     # XLA counts a loop body once, not once per iteration (see WORKSPACE.md).
     'flops': float(_cost(compiled).get('flops', 0.0)),

@@ -98,20 +98,22 @@ def make_optimizer(train_cfg) -> optax.GradientTransformation:
   return optax.chain(*parts)
 
 
-def over_data(named: NamedSharding, shape: tuple[int, ...]) -> NamedSharding:
-  """`named` with its largest unsplit dimension that divides by the data
-  degree also split over `data` (ZeRO-1's shard of an optimizer moment); as
-  it is when it already uses `data` or no dimension divides."""
+def split_over(
+  named: NamedSharding, shape: tuple[int, ...], axis: str, prefer: int | None = None
+) -> NamedSharding:
+  """`named` with one more of its unsplit dimensions split over mesh `axis`:
+  `prefer` if that one divides by the axis size, else the largest that does;
+  as it is when it already uses `axis` or no dimension divides."""
   mesh, spec = named.mesh, tuple(named.spec) + (None,) * (len(shape) - len(named.spec))
-  n = mesh.shape['data']
+  n = mesh.shape[axis]
   used = {a for e in spec for a in ((e,) if isinstance(e, str) else e or ())}
-  if n == 1 or 'data' in used:
+  if n == 1 or axis in used:
     return named
   free = [i for i, e in enumerate(spec) if e is None and shape[i] % n == 0]
   if not free:
     return named  # a small leaf (a norm scale of odd width) stays replicated
-  dim = max(free, key=lambda i: shape[i])
-  return NamedSharding(mesh, P(*(spec[:dim] + ('data',) + spec[dim + 1 :])))
+  dim = prefer if prefer in free else max(free, key=lambda i: shape[i])
+  return NamedSharding(mesh, P(*(spec[:dim] + (axis,) + spec[dim + 1 :])))
 
 
 def per_device_bytes(shapes: Any, shardings: Any) -> int:
@@ -221,7 +223,7 @@ def build_trainer(cfg, mesh: Mesh) -> Trainer:
     # Each moment is laid out like its parameter, and with ZeRO-1 also split
     # over `data`: XLA then reduces the gradient into the shard each replica
     # updates and all-gathers the updated parameters.
-    moment = (lambda a, s: over_data(s, a.shape)) if zero1 else (lambda _, s: s)
+    moment = (lambda a, s: split_over(s, a.shape, 'data')) if zero1 else (lambda _, s: s)
     opt_shardings = optax.tree_map_params(
       optimizer,
       moment,
@@ -238,9 +240,19 @@ def build_trainer(cfg, mesh: Mesh) -> Trainer:
   state_shardings = state_shardings_for(
     param_shardings, jax.eval_shape(init_params, jax.random.key(0))
   )
+  # The checkpoint's layout (model layer order) split over `pipe` as well,
+  # the layer axis first: what every stage writes and reads is its share, not
+  # the whole state (replicated, pipe=8 made each device hold 7x the train
+  # state to save it). With an even split and v = 1 the shares are the
+  # stages' own layers, so converting moves nothing.
+  canonical_shapes = jax.eval_shape(model.init, jax.random.key(0))
   canonical_shardings = state_shardings_for(
-    sharding.tree_shardings(model.logical_axes(), mesh, rules),
-    jax.eval_shape(model.init, jax.random.key(0)),
+    jax.tree.map(
+      lambda s, a: split_over(s, a.shape, 'pipe', prefer=0),
+      sharding.tree_shardings(model.logical_axes(), mesh, rules),
+      canonical_shapes,
+    ),
+    canonical_shapes,
   )
 
   def init_state(rng):
