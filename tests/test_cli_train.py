@@ -87,6 +87,7 @@ def test_compile_only_writes_stats_and_does_not_train(tmp_path):
     'optimizer_bytes',
     'checkpoint_save_bytes',
     'checkpoint_restore_bytes',
+    'eval_bytes',
   ):
     assert stats[key] > 0, key
   assert stats['schedule']['name'] == 'interleaved_1f1b'

@@ -116,6 +116,8 @@ def compile_stats(trainer: Trainer) -> tuple[object, dict]:
     save = trainer.to_canonical.lower(trainer.abstract_state()).compile().memory_analysis()
     restore = trainer.from_canonical.lower(trainer.abstract_canonical_state()).compile()
     restore = restore.memory_analysis()
+    evaluate = trainer.eval_loss.lower(trainer.abstract_state().params, batch).compile()
+    evaluate = evaluate.memory_analysis()
   mem = compiled.memory_analysis()
   flops = step_flops(trainer.model, b)
   state = trainer.abstract_state()
@@ -135,6 +137,9 @@ def compile_stats(trainer: Trainer) -> tuple[object, dict]:
     # state (the checkpoint's layout): its output and temporaries.
     'checkpoint_save_bytes': int(save.output_size_in_bytes + save.temp_size_in_bytes),
     'checkpoint_restore_bytes': int(restore.output_size_in_bytes + restore.temp_size_in_bytes),
+    # The evaluation program's arguments and temporaries per device (to set beside the
+    # train step's temp_bytes + argument_bytes).
+    'eval_bytes': int(evaluate.argument_size_in_bytes + evaluate.temp_size_in_bytes),
     'generated_code_bytes': int(mem.generated_code_size_in_bytes),
     # XLA counts a loop body once, not once per iteration (see WORKSPACE.md).
     'flops': float(_cost(compiled).get('flops', 0.0)),

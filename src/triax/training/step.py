@@ -338,9 +338,20 @@ def build_trainer(cfg, mesh: Mesh) -> Trainer:
     new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state)
     return new_state, {'loss': loss, 'grad_norm': grad_norm}
 
+  # Evaluation runs the model unpipelined, in layer order. With pipe > 1 the
+  # weights stay split over `pipe` along d_model (FSDP's split, with pipe as
+  # the sharding axis), so the layer scan gathers one layer at a time: per
+  # device, the model is never whole (it was: every layer on every stage).
+  eval_rules = tuple(r for r in rules if r[0] != 'embed') + (('embed', 'pipe'),)
+  eval_shardings = sharding.tree_shardings(model.logical_axes(), mesh, eval_rules)
+  split_eval = p > 1 and dict(rules).get('embed') is None and spec.d_model % p == 0
+
   def eval_loss(params, batch):
+    flat = layout.tree_to_model_order(params)
+    if split_eval:
+      flat = jax.lax.with_sharding_constraint(flat, eval_shardings)
     with sharding.axis_rules(rules):
-      return model.loss(layout.tree_to_model_order(params), batch['inputs'], batch['targets'])
+      return model.loss(flat, batch['inputs'], batch['targets'])
 
   with jax.set_mesh(mesh):
     jit_init = jax.jit(init_state, out_shardings=state_shardings)

@@ -1,9 +1,14 @@
-"""Saving and restoring never gather the model: the conversion between the
-pipeline layout and the checkpoint's (model layer order, split over `pipe`)
-adds per device about one train state, not the whole model (memory_analysis)."""
+"""Saving, restoring and evaluating never gather the model (memory_analysis).
+
+The conversion between the pipeline layout and the checkpoint's (model layer
+order, split over `pipe`) adds per device about one train state, not the
+whole model; evaluation keeps the weights split over `pipe` and gathers one
+layer at a time, and gives the losses of one device.
+"""
 
 import harness
 import jax
+import numpy as np
 import pytest
 
 from triax.training import step as step_lib
@@ -57,3 +62,41 @@ def test_save_and_restore_hold_about_one_train_state(layout, extra, bound):
   # ... so converting to it and back adds about one train state, not pipe of them.
   assert _extra(save) <= bound * state_bytes, (_extra(save), state_bytes)
   assert _extra(restore) <= bound * state_bytes, (_extra(restore), state_bytes)
+
+
+def _eval(cfg, batch):
+  trainer = harness.make_trainer(cfg)
+  with jax.set_mesh(trainer.mesh):
+    state = trainer.init_state(jax.random.key(0))
+    placed = jax.device_put(batch, trainer.batch_sharding)
+    loss = float(trainer.eval_loss(state.params, placed))
+    abstract = trainer.abstract_state()
+    train = trainer.train_step.lower(abstract, placed).compile().memory_analysis()
+    evaluate = trainer.eval_loss.lower(abstract.params, placed).compile().memory_analysis()
+  return loss, train, evaluate
+
+
+# Weights that outweigh a small batch's activations, so the test can tell.
+EVAL_SHAPE = {**SHAPE, 'model.d_model': 128, 'model.d_ff': 512, 'train.global_batch_size': 8}
+
+
+def test_eval_on_the_pipeline_mesh_keeps_weights_split_and_matches_one_device():
+  cfg = harness.tiny_config(**{'mesh.data': 1, 'mesh.tensor': 1, 'mesh.pipe': 8, **EVAL_SHAPE})
+  cfg.pipeline.microbatches = 8
+  batch = harness.random_batch(cfg)
+  loss, train, evaluate = _eval(cfg, batch)
+  one = harness.tiny_config(**{'mesh.data': 1, **EVAL_SHAPE})
+  ref, _, _ = _eval(one, batch)
+  np.testing.assert_allclose(loss, ref, rtol=1e-6)
+  # Gathered in layer order (as evaluation did before), the whole model sat in
+  # every device's temporaries; split, a device holds far less than half of it.
+  params = sum(
+    a.size * a.dtype.itemsize
+    for a in jax.tree.leaves(harness.make_trainer(one).abstract_state().params)
+  )
+  assert evaluate.argument_size_in_bytes + evaluate.temp_size_in_bytes < params / 2, (
+    evaluate.argument_size_in_bytes,
+    evaluate.temp_size_in_bytes,
+    params,
+  )
+  assert evaluate.temp_size_in_bytes < train.temp_size_in_bytes
