@@ -14,7 +14,7 @@ import pytest
 from triax.pipeline import schedule as sched
 from triax.pipeline import simulate
 from triax.plan import cluster as cluster_lib
-from triax.plan import profile, simulator
+from triax.plan import profile, profiler, simulator
 from triax.plan.simulator import Options, Plan, simulate_plan
 
 FAST = '1e30'  # bytes/s: communication that takes no time
@@ -347,12 +347,12 @@ def test_plan_checks_itself():
 def test_profile_measures_every_size_at_the_smallest_degree():
   """Every micro-batch size the search considers is measured at the smallest
   tensor degree (log-spaced beyond _MAX_SIZES); other degrees at the ends."""
-  points = profile._points_to_measure([1, 2, 4], [1, 2, 4, 8, 16], seq_len=128)
+  points = profiler._points_to_measure([1, 2, 4], [1, 2, 4, 8, 16], seq_len=128)
   layer = {(b, t) for f, b, t in points if f == 'layer_fwd'}
   assert layer == {(b, 1) for b in (1, 2, 4, 8, 16)} | {(b, t) for b in (1, 16) for t in (2, 4)}
-  many = profile._points_to_measure([1], list(range(1, 17)), seq_len=128)
+  many = profiler._points_to_measure([1], list(range(1, 17)), seq_len=128)
   sizes = sorted(b for f, b, t in many if f == 'layer_fwd')
-  assert len(sizes) <= profile._MAX_SIZES and sizes[0] == 1 and sizes[-1] == 16
+  assert len(sizes) <= profiler._MAX_SIZES and sizes[0] == 1 and sizes[-1] == 16
 
 
 def test_a_degree_measured_at_its_ends_borrows_the_smallest_degrees_curve():

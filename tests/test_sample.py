@@ -89,3 +89,28 @@ def test_prompt_longer_than_the_context_exits_2_naming_prompt(trained):
   assert result.returncode == 2
   (line,) = result.stderr.strip().splitlines()
   assert line.startswith('error: --prompt:') and 'model.seq_len=32' in line
+
+
+def test_greedy_sampling_on_a_mesh_matches_one_device_and_splits_the_weights(trained):
+  cfg = generation.load_run_config(trained)
+  step = generation.latest_checkpoint(trained, cfg)
+  model = generation.sampling_model(cfg)
+  sampling = generation.Sampling(max_new_tokens=16, temperature=0.0)
+  prompt = generation.encode_prompt(
+    'def ', cfg.model.seq_len, generation.run_tokenizer(trained, cfg)
+  )
+  outputs, weights = {}, {}
+  for shape in (None, (2, 2, 2), (1, 1, 4)):
+    placement = generation.Placement.build(cfg, shape)
+    params = generation.restore_params(trained, cfg, step, placement)
+    outputs[shape] = generation.generate(model, params, prompt, sampling, placement).tolist()
+    # Per device, the weights the sampling program takes fall with the mesh.
+    weights[shape] = sum(a.addressable_shards[0].data.nbytes for a in jax.tree.leaves(params))
+  assert outputs[(2, 2, 2)] == outputs[None] and outputs[(1, 1, 4)] == outputs[None]
+  assert weights[(2, 2, 2)] < weights[None] / 3 and weights[(1, 1, 4)] < weights[None] / 3
+  result = _sample(
+    trained, '--prompt=def ', '--temperature=0', '--max_new_tokens=16', '--mesh=1,2,2'
+  )
+  assert result.returncode == 0, result.stderr[-2000:]
+  text = generation.run_tokenizer(trained, cfg).decode(prompt + outputs[None])
+  assert result.stdout[:-1] == text

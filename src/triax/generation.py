@@ -24,6 +24,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from triax import config as config_lib
+from triax import sharding as sharding_lib
 from triax.data import tokenizer as tokenizer_lib
 from triax.errors import ConfigError
 from triax.model import registry
@@ -104,14 +105,65 @@ def latest_checkpoint(workdir: str, cfg) -> int:
   return step
 
 
-def restore_params(workdir: str, cfg, step: int):
-  """The params of checkpoint `step`, on the first device."""
+@dataclasses.dataclass(frozen=True)
+class Placement:
+  """Where sampling runs: one device, or a (data, tensor, pipe) mesh.
+
+  On a mesh the weights are split as evaluation splits them (training's rules
+  for heads, MLP and vocabulary over `tensor`; d_model over `pipe`, gathered
+  a layer at a time), so a model that needs the mesh to fit is sampled there.
+  The batch of one prompt is not split (data replicas compute the same).
+  """
+
+  mesh: jax.sharding.Mesh | None = None
+  rules: tuple = ()
+
+  @classmethod
+  def build(cls, cfg, shape: tuple[int, int, int] | None) -> Placement:
+    if shape is None:
+      return cls()
+    data, tensor, pipe = shape
+    m = cfg.model
+    for key, size in (('num_heads', tensor), ('d_ff', tensor), ('vocab_size', tensor)):
+      if m[key] % size:
+        raise ConfigError('--mesh', f'model.{key}={m[key]} does not divide by tensor={tensor}')
+    if m.d_model % pipe:
+      raise ConfigError('--mesh', f'model.d_model={m.d_model} does not divide by pipe={pipe}')
+    if data * tensor * pipe > jax.device_count():
+      raise ConfigError(
+        '--mesh',
+        f'{data}x{tensor}x{pipe} needs {data * tensor * pipe} devices, '
+        f'there are {jax.device_count()}',
+      )
+    from triax import mesh as mesh_lib
+
+    mesh_cfg = ml_collections.ConfigDict(cfg.mesh.to_dict())
+    mesh_cfg.data, mesh_cfg.tensor, mesh_cfg.pipe = data, tensor, pipe
+    mesh_cfg.dcn_data = mesh_cfg.dcn_tensor = mesh_cfg.dcn_pipe = 1
+    mesh_cfg.device_order = ()
+    mesh = mesh_lib.build_mesh(mesh_cfg, jax.devices()[: data * tensor * pipe])
+    split = {'batch': None, 'embed': 'pipe' if pipe > 1 else None}
+    rules = tuple((name, split.get(name, axis)) for name, axis in cfg.sharding.logical_axis_rules)
+    return cls(mesh, rules)
+
+  def shardings(self, model) -> object:
+    if self.mesh is None:
+      device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+      return jax.tree.map(
+        lambda _: device, model.logical_axes(), is_leaf=lambda a: isinstance(a, tuple)
+      )
+    return sharding_lib.tree_shardings(model.logical_axes(), self.mesh, self.rules)
+
+
+def restore_params(workdir: str, cfg, step: int, placement: Placement = Placement()):
+  """The params of checkpoint `step`, on the first device or split over `placement`'s mesh."""
   model = registry.build(registry.spec_from_config(cfg.model))
-  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  shardings = placement.shardings(model)
   target = {
     'params': jax.tree.map(
-      lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=device),
+      lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
       jax.eval_shape(model.init, jax.random.key(0)),
+      shardings,
     )
   }
   path = os.path.join(os.path.abspath(workdir), 'checkpoints', str(step), 'state')
@@ -120,7 +172,9 @@ def restore_params(workdir: str, cfg, step: int):
       path,
       args=ocp.args.PyTreeRestore(
         item=target,
-        restore_args=jax.tree.map(lambda _: ocp.ArrayRestoreArgs(sharding=device), target),
+        restore_args={
+          'params': jax.tree.map(lambda sh: ocp.ArrayRestoreArgs(sharding=sh), shardings)
+        },
         partial_restore=True,
       ),
     )  # just the params: the optimizer state is twice their size
@@ -134,8 +188,8 @@ def sampling_model(cfg):
   return registry.build(dataclasses.replace(spec, attention=attention, remat='none'))
 
 
-def generate(model, params, prompt: list[int], sampling: Sampling):
-  """The `sampling.max_new_tokens` tokens after `prompt` (host int array)."""
+def sampler(model, sampling: Sampling, placement: Placement = Placement()):
+  """The jitted loop: (params, buffer[seq_len], length, key) -> new tokens."""
   seq_len = model.spec.seq_len
   greedy, top_k = sampling.temperature == 0, sampling.top_k
 
@@ -147,11 +201,11 @@ def generate(model, params, prompt: list[int], sampling: Sampling):
       logits = jnp.where(logits < kth, -jnp.inf, logits)
     return jax.random.categorical(key, logits / sampling.temperature).astype(jnp.int32)
 
-  @jax.jit
   def run(params, buffer, length, key):
     def step(i, carry):
       buffer, length, key, out = carry
-      logits = model.logits(params, buffer[None])[0]
+      with sharding_lib.axis_rules(placement.rules if placement.mesh is not None else None):
+        logits = model.logits(params, buffer[None])[0]
       key, sub = jax.random.split(key)
       token = pick(logits[jnp.minimum(length, seq_len) - 1], sub)
       # Full buffer: slide left by one and append, so positions stay in range.
@@ -163,17 +217,31 @@ def generate(model, params, prompt: list[int], sampling: Sampling):
     out = jnp.zeros((sampling.max_new_tokens,), jnp.int32)
     return jax.lax.fori_loop(0, sampling.max_new_tokens, step, (buffer, length, key, out))[-1]
 
-  buffer = np.zeros((seq_len,), np.int32)
+  return jax.jit(run)
+
+
+def generate(
+  model, params, prompt: list[int], sampling: Sampling, placement: Placement = Placement()
+):
+  """The `sampling.max_new_tokens` tokens after `prompt` (host int array)."""
+  buffer = np.zeros((model.spec.seq_len,), np.int32)
   buffer[: len(prompt)] = prompt
-  out = run(params, buffer, jnp.int32(len(prompt)), jax.random.key(sampling.seed))
-  return np.asarray(jax.device_get(out))
+  run = sampler(model, sampling, placement)
+  args = (params, buffer, jnp.int32(len(prompt)), jax.random.key(sampling.seed))
+  if placement.mesh is None:
+    return np.asarray(jax.device_get(run(*args)))
+  with jax.set_mesh(placement.mesh):
+    return np.asarray(jax.device_get(run(*args)))
 
 
-def sample(workdir: str, prompt: str, sampling: Sampling) -> dict:
+def sample(
+  workdir: str, prompt: str, sampling: Sampling, mesh: tuple[int, int, int] | None = None
+) -> dict:
   """Restores a run's latest params and continues `prompt`.
 
-  Everything about the input (workdir, checkpoint, prompt, sampling flags) is
-  checked before JAX starts compiling.
+  Everything about the input (workdir, checkpoint, prompt, sampling flags,
+  mesh) is checked before JAX starts compiling. `mesh` = (data, tensor, pipe)
+  samples on that many devices, the weights split (`Placement`); None, on one.
 
   Returns:
     {'text': prompt + continuation, 'step': checkpoint step, 'tokens': new tokens}
@@ -182,7 +250,8 @@ def sample(workdir: str, prompt: str, sampling: Sampling) -> dict:
   tok = run_tokenizer(workdir, cfg)
   prompt_tokens = encode_prompt(prompt, cfg.model.seq_len, tok)
   sampling.check(cfg.model.vocab_size)
+  placement = Placement.build(cfg, mesh)
   step = latest_checkpoint(workdir, cfg)
-  params = restore_params(workdir, cfg, step)
-  new = generate(sampling_model(cfg), params, prompt_tokens, sampling)
+  params = restore_params(workdir, cfg, step, placement)
+  new = generate(sampling_model(cfg), params, prompt_tokens, sampling, placement)
   return {'text': tok.decode(prompt_tokens + new.tolist()), 'step': step, 'tokens': new}

@@ -21,6 +21,12 @@ _MAX_NEW_TOKENS = flags.DEFINE_integer('max_new_tokens', 200, 'Tokens to generat
 _TEMPERATURE = flags.DEFINE_float('temperature', 0.8, 'Softmax temperature; 0 = greedy.')
 _TOP_K = flags.DEFINE_integer('top_k', 0, 'Sample among the k likeliest tokens; 0 = all.')
 _SEED = flags.DEFINE_integer('seed', 0, 'Sampling seed: the same seed gives the same text.')
+_MESH = flags.DEFINE_string(
+  'mesh',
+  '',
+  'DATA,TENSOR,PIPE: sample on that mesh with the weights split (a model that needs it to fit); '
+  "'' = one device. On a CPU it forces that many devices.",
+)
 _CPU_DEVICES = flags.DEFINE_integer(
   'cpu_devices',
   1,
@@ -35,7 +41,18 @@ def main(argv):
     cli.fail('--workdir', 'is required: the workdir of a triax.train run')
   if _PROMPT.value is None:
     cli.fail('--prompt', 'is required, e.g. --prompt="def "')
-  cli.force_cpu_devices(_CPU_DEVICES.value)
+  mesh = None
+  if _MESH.value:
+    try:
+      mesh = tuple(int(x) for x in _MESH.value.split(','))
+    except ValueError:
+      mesh = ()
+    if len(mesh) != 3 or min(mesh) < 1:
+      cli.fail('--mesh', f'give DATA,TENSOR,PIPE as three positive integers, got {_MESH.value!r}')
+  devices = _CPU_DEVICES.value
+  if mesh and _CPU_DEVICES.present == 0:
+    devices = mesh[0] * mesh[1] * mesh[2]
+  cli.force_cpu_devices(devices)
   from triax import generation  # after the device count is set
 
   sampling = generation.Sampling(
@@ -45,7 +62,7 @@ def main(argv):
     seed=_SEED.value,
   )
   with cli.config_errors_exit():
-    result = generation.sample(_WORKDIR.value, _PROMPT.value, sampling)
+    result = generation.sample(_WORKDIR.value, _PROMPT.value, sampling, mesh)
   # stdout holds the text alone, so it can be piped; where it came from goes to stderr.
   print(f'[checkpoint step {result["step"]} of {_WORKDIR.value}]', file=sys.stderr)
   print(result['text'])

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from triax.plan.cluster import Cluster, Link
-from triax.plan.profile import Profile, allreduce_time
+from triax.plan.profile import Profile
 
 
 class Comm:
@@ -73,3 +73,10 @@ class Comm:
 
   def link_of(self, a: int, b: int) -> Link:
     return self.profile.machine.p2p if self.measured else self.cluster.link(a, b)
+
+
+def allreduce_time(link: Link, n: int, nbytes: float) -> float:
+  """Ring all-reduce of nbytes over n devices: 2(n-1) steps of nbytes/n."""
+  if n <= 1 or nbytes <= 0:
+    return 0.0
+  return 2 * (n - 1) * link.latency + 2 * (n - 1) / n * nbytes / link.bandwidth

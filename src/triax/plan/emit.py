@@ -35,6 +35,21 @@ def device_order(plan: Plan) -> tuple[int, ...]:
   )
 
 
+def device_ranges(devices) -> str:
+  """Device indices as ranges, '0-7,16-23': a stage of a large cluster in one line."""
+  out, start, prev = [], None, None
+  for d in devices:
+    if start is not None and d == prev + 1:
+      prev = d
+      continue
+    if start is not None:
+      out.append(f'{start}-{prev}' if prev > start else f'{start}')
+    start = prev = d
+  if start is not None:
+    out.append(f'{start}-{prev}' if prev > start else f'{start}')
+  return ','.join(out)
+
+
 def overrides(plan: Plan, heterogeneous: bool = False) -> dict[str, Any]:
   """The dotted config keys a plan sets, with their values. On a cluster
   of mixed device types the placement matters, so it is written as
@@ -94,7 +109,7 @@ def write(
   run = run or f'python -m triax.train --config={path} --workdir=DIR'
   gb = estimate.peak_memory / 2**30
   stages = '\n'.join(
-    f'  stage {s}: devices {list(devs)}, {plan.layers[s]} layers'
+    f'  stage {s}: devices {device_ranges(devs)}, {plan.layers[s]} layers'
     for s, devs in enumerate(plan.stages)
   )
   plan_values = overrides(plan, heterogeneous)

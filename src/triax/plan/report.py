@@ -150,7 +150,7 @@ def run(request: Request, as_json: bool = False, out: TextIO | None = None) -> d
       base_arg or None,
       _base_overrides(request, base_path, base_arg or None, cfg),
       cluster.name,
-      command=f'--config={request.config_path} --cluster={request.cluster}',
+      command=_planner_command(request),
       heterogeneous=cluster.heterogeneous,
       run=train_command(request.out, cluster),
     )
@@ -164,6 +164,16 @@ def run(request: Request, as_json: bool = False, out: TextIO | None = None) -> d
   else:
     print(text(result, cfg, request), file=out)
   return summary
+
+
+def _planner_command(request: Request) -> str:
+  """The planner flags that made a plan, for its file's docstring."""
+  flags = f'--config={request.config_path} --cluster={request.cluster}'
+  if request.profile != 'local':
+    flags += f' --profile={request.profile}'
+  if request.gpus is not None:
+    flags += f' --gpus={request.gpus}'
+  return flags
 
 
 def progress(line: str) -> None:
@@ -382,7 +392,7 @@ def text(result: search_lib.SearchResult, cfg, request: Request | None = None) -
   for s, devs in enumerate(best.stages[:8]):
     kinds = sorted({c.devices[d].group for d in devs})
     lines.append(
-      f'  #1 stage {s}: {best.layers[s]} layers on devices {_ranges(devs)} ({"/".join(kinds)})'
+      f'  #1 stage {s}: {best.layers[s]} layers on devices {emit.device_ranges(devs)} ({"/".join(kinds)})'
     )
   if len(best.stages) > 8:
     lines.append(f'  ... {len(best.stages) - 8} more stages')
@@ -430,26 +440,10 @@ def _tflops(flops: float | None, e: Estimate, devices: int) -> str:
   return '' if flops is None else f'{flops / (e.step_time * devices) / 1e12:.1f}'
 
 
-def _ranges(devices) -> str:
-  """Device indices as ranges: 0-7,16-23."""
-  out, start, prev = [], None, None
-  for d in devices:
-    if start is None:
-      start = prev = d
-    elif d == prev + 1:
-      prev = d
-    else:
-      out.append(f'{start}-{prev}' if prev > start else f'{start}')
-      start = prev = d
-  if start is not None:
-    out.append(f'{start}-{prev}' if prev > start else f'{start}')
-  return ','.join(out)
-
-
 def _stages(plan) -> str:
   """What tells look-alike plans apart: each stage's devices (and layers)."""
   text = ' | '.join(
-    f'{_ranges(devs)}:{n}' if not plan.even else _ranges(devs)
+    f'{emit.device_ranges(devs)}:{n}' if not plan.even else emit.device_ranges(devs)
     for devs, n in zip(plan.stages, plan.layers)
   )
   return text if len(text) <= 60 else text[:57] + '...'

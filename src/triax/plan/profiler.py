@@ -1,0 +1,618 @@
+"""Measures the configured model on the local backend (JAX): a measured `Profile`.
+
+For each tensor degree t the planner considers, a *shard* of one transformer
+layer is what one device of a t-way tensor-parallel group computes: the real
+`Block` of triax.model with num_heads/t heads (of the full model's head
+width), d_ff/t MLP columns and vocab_size/t vocabulary rows, run on one
+device. This is a proxy: the Megatron all-reduces between shards are not in
+it; the simulator adds them from the link model.
+
+What is measured here, warm and jitted, median of a few runs:
+  - a model chunk's forward (the executor's `model.layers` under jax.vjp, a
+    `lax.scan` over a 2-layer stack, divided by 2: on XLA:CPU a scanned layer
+    costs ~1.5x an unscanned one, so the scan is what we time) and its
+    forward+backward in one program, for each remat policy asked for; the
+    backward is the difference. Per policy, because recomputation does not
+    cost what it costs on paper: on XLA:CPU with 8 devices a full-remat
+    layer's forward+backward is *faster* than a stored one's (fewer residual
+    bytes written and read back), which no FLOP count predicts;
+  - the embedding's forward+backward and the head's loss+gradient, which the
+    executor runs inside the first and last chunk's actions;
+  - once, the executor's variants of a layer as ratios to its plain pair
+    (EXECUTOR_RATIOS): zero-bubble B and W, a layer under an uneven split's
+    `cond`, a skipped padding layer;
+  - with several local devices, each of the above again on all of them at
+    once (one copy per device under shard_map): the function's *effective
+    cores*, N * solo time / all-N time. Forced CPU devices share the host's
+    cores and memory bus, and how much a function suffers from that depends
+    on the function (a residual-heavy backward far more than an in-cache
+    matmul), so it is measured per function rather than assumed;
+  - this backend's dense-matmul rate and copy bandwidth (its roofline);
+  - with several local devices: how much slower a device computes when the
+    others compute too (forced CPU devices share cores), and ppermute /
+    all-reduce times on the local mesh, fitted as latency + bytes/bandwidth.
+
+From XLA's cost analysis of the lowered functions (no execution) come FLOPs
+and bytes accessed per shard, linear in the micro-batch size b; from
+`jax.eval_shape` of the chunk's vjp come the residual bytes the executor
+stashes per micro-batch (leaves that are the chunk's own weights excluded,
+as the executor does), for each remat policy.
+
+Times at shapes not measured, and on other device types, follow one model:
+
+  time = c0 + k * max(flops / peak, bytes / bandwidth)
+
+with (c0, k) fitted per function on the local measurements (peak and
+bandwidth: the local ones). Other devices use their spec's peak and
+bandwidth with the same k, i.e. every device is assumed to reach the same
+fraction 1/k of its roofline as this machine does (the report prints it).
+
+Results are cached in memory per (model, tensor degrees, micro-batch sizes).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import functools
+import math
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from triax.plan import microbench
+from triax.plan.cluster import Link
+from triax.plan.profile import (
+  EXECUTOR_RATIOS,
+  FUNCTIONS,
+  LAYER_FUNCTIONS,
+  REMATS,
+  Fit,
+  Machine,
+  Point,
+  Profile,
+  Shard,
+  Work,
+  variant,
+)
+
+# Rounds over every timed function (the fastest round is kept).
+_ROUNDS = 2
+# Largest micro-batch measured, in tokens: keeps profiling to seconds.
+_MAX_MEASURED_TOKENS = 2048
+# Micro-batch sizes measured at the smallest tensor degree, at most.
+_MAX_SIZES = 6
+
+
+def _quiet(line: str) -> None:
+  del line
+
+
+# Where progress lines go during a `measure` call (its `progress` argument).
+_PROGRESS: list[Callable[[str], None]] = [_quiet]
+
+
+def _say(line: str) -> None:
+  _PROGRESS[0](line)
+
+
+def measure(
+  model_cfg,
+  tensors: Sequence[int],
+  microbatches: Sequence[int],
+  remats: Sequence[str] = REMATS,
+  progress: Callable[[str], None] | None = None,
+) -> Profile:
+  """Profiles `model_cfg` (config.model) for the given degrees and sizes.
+
+  Args:
+    model_cfg: the model config group (num_layers, d_model, ...).
+    tensors: tensor degrees t the search considers (each divides heads, d_ff
+      and vocab).
+    microbatches: per-replica micro-batch sizes b the search considers.
+    remats: remat policies whose layer costs are measured ('none' always is);
+      the simulator derives the others from FLOPs.
+    progress: called with a line per step and per timed function (a
+      profile takes minutes here; people want to see it move).
+
+  Returns:
+    A Profile; repeated calls with the same arguments return the cached one.
+  """
+  remats = tuple(r for r in REMATS if r in set(remats) | {'none'})
+  key = (
+    _model_key(model_cfg),
+    tuple(sorted(set(tensors))),
+    tuple(sorted(set(microbatches))),
+    remats,
+  )
+  _PROGRESS[0] = progress or _quiet
+  try:
+    return _measure_cached(*key)
+  finally:
+    _PROGRESS[0] = _quiet
+
+
+def _model_key(model_cfg):
+  """What a profile depends on: the family's whole spec but remat (measured per policy)."""
+  from triax.model import registry
+
+  return dataclasses.replace(registry.spec_from_config(model_cfg), remat='none')
+
+
+@functools.lru_cache(maxsize=16)
+def _measure_cached(
+  model_key, tensors: tuple[int, ...], microbatches: tuple[int, ...], remats: tuple[str, ...]
+) -> Profile:
+  started = time.perf_counter()
+  spec = dataclasses.asdict(model_key)
+  prof = _Profiler(model_key)
+  shards = {t: prof.shard(t) for t in tensors}
+  _say(f'profile: shapes, FLOPs and residual bytes of tensor degrees {list(tensors)}')
+  machine = prof.machine()
+  _say(
+    f'profile: this machine: matmul {machine.matmul_flops / 1e9:.1f} GFLOP/s, copy '
+    f'{machine.memory_bandwidth / 1e9:.1f} GB/s, {machine.num_devices} devices'
+  )
+  points = prof.time_points(_points_to_measure(tensors, microbatches, spec['seq_len'], remats))
+  executor = prof.executor_ratios(
+    min(tensors), min(max(microbatches), max(1, _MAX_MEASURED_TOKENS // spec['seq_len']))
+  )
+  roof = {p: shards[p[2]].work[p[0].split('/')[0]] for p in points}
+  fits = {}
+  n = machine.num_devices
+  for function in sorted({p[0] for p in points}):
+    mine = [(p, s) for p, s in points.items() if p[0] == function]
+    xs = [
+      max(
+        roof[p].flops(p[1]) / machine.matmul_flops, roof[p].bytes(p[1]) / machine.memory_bandwidth
+      )
+      for p, _ in mine
+    ]
+    fit = _fit(xs, [solo for _, (solo, _) in mine])
+    together = [(solo, conc) for _, (solo, conc) in mine if conc > 0]
+    if together:
+      # Median over the sizes measured; a function never runs at more than N
+      # devices' worth, nor at less than one device's.
+      ratios = sorted(min(float(n), max(1.0, n * solo / conc)) for solo, conc in together)
+      fit = dataclasses.replace(fit, cores=ratios[len(ratios) // 2])
+    fits[function] = fit
+  profile = Profile(
+    seq_len=spec['seq_len'],
+    d_model=spec['d_model'],
+    num_layers=spec['num_layers'],
+    dtype=spec['dtype'],
+    shards=shards,
+    fits=fits,
+    machine=machine,
+  )
+  rows = tuple(
+    Point(
+      function=f,
+      microbatch=b,
+      tensor=t,
+      seconds=solo,
+      fitted=profile.fitted_seconds(f, b, t),
+      flops=shards[t].work[f.split('/')[0]].flops(b),
+      concurrent=conc,
+    )
+    for (f, b, t), (solo, conc) in sorted(points.items())
+  )
+  return dataclasses.replace(
+    profile, points=rows, ratios=executor, wall_s=time.perf_counter() - started
+  )
+
+
+def _points_to_measure(
+  tensors, microbatches, seq_len, remats=('none',)
+) -> list[tuple[str, int, int]]:
+  """The (function, b, t) points that pin the fits: the layer at small and
+  large b at every t and at every size at the smallest t, under each remat
+  policy (the simulator interpolates between them on this machine);
+  compiles dominate profiling, so few sizes elsewhere."""
+  cap = max(1, _MAX_MEASURED_TOKENS // seq_len)
+  bs = sorted({min(b, cap) for b in microbatches})
+  lo, hi = bs[0], bs[-1]
+  # Per-sequence cost is not flat in b on a cache-bound CPU, nor smooth: a
+  # line from b=1 to b=4 missed the measured b=2 by 10% (remat none) to 35%
+  # (full remat's backward). So every size the search considers is measured
+  # at the smallest degree, where most plans are (at most _MAX_SIZES,
+  # spread evenly in log b); other degrees get the two ends.
+  if len(bs) > _MAX_SIZES:
+    logs = [math.log(b) for b in bs]
+    want = [logs[0] + (logs[-1] - logs[0]) * i / (_MAX_SIZES - 1) for i in range(_MAX_SIZES)]
+    bs = sorted({min(bs, key=lambda b: abs(math.log(b) - w)) for w in want})
+  pairs = {(b, t) for b in (lo, hi) for t in tensors} | {(b, min(tensors)) for b in bs}
+  out = []
+  for remat in remats:
+    for b, t in sorted(pairs):
+      out += [(variant('layer_fwd', remat), b, t), (variant('layer_bwd', remat), b, t)]
+  # The embedding and head are small and linear in b: one point each.
+  out += [('embed', hi, min(tensors)), ('head', hi, min(tensors))]
+  return out
+
+
+def _fit(roofline: Sequence[float], seconds: Sequence[float]) -> Fit:
+  """Least squares on relative error for time = c0 + k * roofline; c0 >= 0, k > 0."""
+  x, y = np.asarray(roofline, float), np.asarray(seconds, float)
+  if len(x) == 1 or np.ptp(x) <= 1e-12 * max(x.max(), 1e-30):
+    return Fit(0.0, float(np.mean(y / x)))
+  w = 1.0 / y  # relative-error weights
+  a = np.stack([w, w * x], axis=1)
+  c0, k = np.linalg.lstsq(a, np.ones_like(y), rcond=None)[0]
+  if c0 < 0 or k <= 0:
+    return Fit(0.0, float(np.sum(x * y * w * w) / np.sum(x * x * w * w)))
+  return Fit(float(c0), float(k))
+
+
+class _Profiler:
+  """The JAX side: builds shard models, lowers, compiles and times them."""
+
+  def __init__(self, model_spec):
+    import jax
+
+    self.jax = jax
+    self.model_spec = model_spec  # the family's ModelSpec (model/common.py)
+    self.spec = dataclasses.asdict(model_spec)
+    self._functions = {}
+    # (name, b, t, remat) -> (alone, all devices at once) seconds per call,
+    # of every function timed so far (executor_ratios reuses the layer pair).
+    self._timed = {}
+
+  # -- shapes and cost analysis (lowering only: cheap) --
+
+  def _model(self, t: int, remat: str = 'none'):
+    from triax.model import registry
+
+    return registry.build(dataclasses.replace(self.model_spec.tensor_shard(t), remat=remat))
+
+  def _stack(self, model, layers: int):
+    jax = self.jax
+    stack = jax.eval_shape(model.init, jax.random.key(0))['layers']
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct((layers,) + a.shape[1:], a.dtype), stack)
+
+  def _act(self, b: int):
+    import jax.numpy as jnp
+
+    return self.jax.ShapeDtypeStruct(
+      (b, self.spec['seq_len'], self.spec['d_model']), jnp.dtype(self.spec['dtype'])
+    )
+
+  def _tokens(self, b: int):
+    import jax.numpy as jnp
+
+    return self.jax.ShapeDtypeStruct((b, self.spec['seq_len']), jnp.int32)
+
+  def functions(
+    self, t: int, b: int, layers: int = 1, remat: str = 'none'
+  ) -> dict[str, tuple[Callable, tuple]]:
+    """name -> (function, abstract args) for the timed functions (cached:
+    tracing the model for shapes is the slow part of building them):
+    layer_fwd, layer_fwd_bwd (forward then backward in one program, as the
+    executor runs them), embed and head."""
+    key = (t, b, layers, remat)
+    if key not in self._functions:
+      self._functions[key] = self._build_functions(t, b, layers, remat)
+    return self._functions[key]
+
+  def _build_functions(self, t: int, b: int, layers: int, remat: str) -> dict:
+    jax = self.jax
+    import jax.numpy as jnp
+
+    model = self._model(t, remat)
+    stack = self._stack(model, layers)
+    x, tok = self._act(b), self._tokens(b)
+    # As the stages call them: a tied head reads the embedding table too.
+    embed_params, head_params = model.edge_params(jax.eval_shape(model.init, jax.random.key(0)))
+    edges = {'embed': embed_params, 'head': head_params}
+    fwd = lambda p, x: jax.vjp(model.layers, p, x)
+
+    def fwd_bwd(p, x):
+      y, back = jax.vjp(model.layers, p, x)
+      return back(y)
+
+    def embed(e, tokens):
+      y, back = jax.vjp(lambda e: model.embed(e, tokens), e)
+      return back(y)
+
+    def only(index):
+      def pair(p, x):
+        y, back = jax.vjp(model.layers, p, x)
+        return back(y)[index]
+
+      return pair
+
+    def under_cond(active):
+      def pair(p, x):
+        y, back = jax.vjp(lambda p, x: model.layers(p, x, jnp.int32(active)), p, x)
+        return back(y)
+
+      return pair
+
+    head = jax.value_and_grad(model.head_loss, argnums=(0, 1))
+    return {
+      'layer_fwd': (fwd, (stack, x)),
+      'layer_fwd_bwd': (fwd_bwd, (stack, x)),
+      'split_b': (only(1), (stack, x)),
+      'split_w': (only(0), (stack, x)),
+      'cond_active': (under_cond(layers), (stack, x)),
+      'cond_skipped': (under_cond(0), (stack, x)),
+      'embed': (embed, (edges['embed'], tok)),
+      'head': (head, (edges['head'], x, tok)),
+    }
+
+  def _work(
+    self,
+    t: int,
+    function: str,
+    stash_per_seq: float,
+    act_per_seq: float,
+    layer_params: float,
+    edge_params: float,
+  ) -> Work:
+    """FLOPs from XLA's cost analysis of the lowered function (at b = 1 and 2);
+    bytes from the tensors a fused kernel must move: the unoptimised HLO's
+    "bytes accessed" counts every intermediate and would make any layer look
+    memory-bound."""
+
+    def count(name, b):
+      fn, args = self.functions(t, b)[name]
+      c = self.jax.jit(fn).lower(*args).cost_analysis()
+      c = c[0] if isinstance(c, (list, tuple)) else c
+      return float(c.get('flops', 0.0))
+
+    def flops(b):
+      if function == 'layer_bwd':  # timed (and counted) as the pair minus the forward
+        return count('layer_fwd_bwd', b) - count('layer_fwd', b)
+      return count(function, b)
+
+    logits = self.spec['seq_len'] * self.spec['vocab_size'] // t * 4
+    fixed, per_seq = {
+      # weights read; input read, output and residuals written
+      'layer_fwd': (layer_params, 2 * act_per_seq + stash_per_seq),
+      # weights read, weight gradients written; residuals, output gradient
+      # read, input gradient written
+      'layer_bwd': (2 * layer_params, 2 * act_per_seq + stash_per_seq),
+      # table rows gathered, then scattered back as gradients
+      'embed': (edge_params / 2, 3 * act_per_seq),
+      # output layer read and its gradient written; logits and their
+      # gradient written and read
+      'head': (edge_params, 2 * act_per_seq + 4 * logits),
+    }[function]
+    return Work(flops_per_seq=flops(2) / 2, bytes_fixed=fixed, bytes_per_seq=per_seq)
+
+  def _stash_bytes(self, t: int, remat: str, layers: int, b: int = 1) -> float:
+    """Residual bytes the executor stashes for a chunk of `layers` layers."""
+    jax = self.jax
+    model = self._model(t, remat)
+
+    def probe(params, x):
+      _, vjp_fn = jax.vjp(model.layers, params, x)
+      weights = jax.tree.leaves(params)
+      return [leaf for leaf in jax.tree.leaves(vjp_fn) if not any(leaf is w for w in weights)]
+
+    shapes = jax.eval_shape(probe, self._stack(model, layers), self._act(b))
+    return float(sum(math.prod(s.shape) * s.dtype.itemsize for s in shapes))
+
+  def shard(self, t: int) -> Shard:
+    jax = self.jax
+    model = self._model(t)
+    nbytes = lambda tree: float(
+      sum(math.prod(a.shape) * a.dtype.itemsize for a in jax.tree.leaves(tree))
+    )
+    edges = jax.eval_shape(model.init, jax.random.key(0))
+    stash = {}
+    fixed = 0.0
+    for remat in REMATS:
+      one, two = self._stash_bytes(t, remat, 1), self._stash_bytes(t, remat, 2)
+      stash[remat] = two - one
+      if remat == 'none':
+        fixed = max(one - (two - one), 0.0)
+    s, d = self.spec['seq_len'], self.spec['d_model']
+    # The shard's own layer FLOPs, by its family (fewer heads, K/V heads, MLP columns).
+    flops = model.forward_flops()
+    matmuls, attention = flops['layer_matmul'], flops['layer_attention']
+    dtype_bytes = np.dtype(self.spec['dtype']).itemsize
+    act = float(s * d * dtype_bytes)
+    layer_params = nbytes(self._stack(model, 1))
+    edge_params = nbytes(edges['embed']) + nbytes(edges['head'])
+    work = {f: self._work(t, f, stash['none'], act, layer_params, edge_params) for f in FUNCTIONS}
+    return Shard(
+      tensor=t,
+      work=work,
+      layer_param_bytes=layer_params,
+      edge_param_bytes=edge_params,
+      stash_per_seq=stash,
+      stash_fixed_per_seq=fixed,
+      act_per_seq=act,
+      logits_per_seq=float(s * self.spec['vocab_size'] // t * 4),
+      attention_fraction=attention / (matmuls + attention),
+    )
+
+  # -- timing (compiles: the expensive part) --
+
+  def _compile_all(self, jobs: dict) -> dict:
+    """Compiles in threads (XLA compiles outside the GIL; helps where cores are free)."""
+    jax = self.jax
+
+    def compile_one(item):
+      fn, args = item
+      return jax.jit(fn).lower(*args).compile()
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=4) as pool:
+      return dict(zip(jobs, pool.map(compile_one, jobs.values())))
+
+  def _concrete(self, args):
+    jax = self.jax
+    import jax.numpy as jnp
+
+    leaves, tree = jax.tree.flatten(args)
+    out = []
+    for i, a in enumerate(leaves):
+      if jnp.issubdtype(a.dtype, jnp.integer):
+        out.append(jnp.asarray(np.arange(math.prod(a.shape)).reshape(a.shape) % 7, a.dtype))
+      else:
+        out.append(jnp.asarray(np.random.default_rng(i).normal(0, 0.02, a.shape), a.dtype))
+    return jax.tree.unflatten(tree, out)
+
+  def time_points(self, points: Sequence[tuple[str, int, int]]) -> dict:
+    """(function, b, t) -> (solo, concurrent) median seconds per layer
+    (layer functions) or per call; concurrent is every local device running
+    it at once (0.0 with one device).
+
+    A layer backward is timed as forward+backward in one program minus the
+    forward: the executor runs them in one program, and on XLA:CPU that is
+    not what a backward fed the forward's outputs costs on its own.
+    """
+    layers = min(2, self.spec['num_layers'])
+    jobs = {}
+    for function, b, t in points:
+      base, _, remat = function.partition('/')
+      remat = remat or 'none'
+      name = 'layer_fwd_bwd' if base == 'layer_bwd' else base
+      stack = layers if base in LAYER_FUNCTIONS else 1
+      jobs[(name, b, t, remat)] = self.functions(t, b, stack, remat)[name]
+    n = len(self.jax.local_devices())
+    timed = self._time_all(jobs)
+    for key, (solo, together) in timed.items():
+      per = layers if key[0].startswith('layer') else 1
+      timed[key] = (solo / per, together / per if n > 1 else 0.0)
+    out = {}
+    for function, b, t in points:
+      base, _, remat = function.partition('/')
+      remat = remat or 'none'
+      if base == 'layer_bwd':
+        both, fwd = timed[('layer_fwd_bwd', b, t, remat)], timed[('layer_fwd', b, t, remat)]
+        out[(function, b, t)] = tuple(_backward_part(x, y) for x, y in zip(both, fwd))
+      else:
+        out[(function, b, t)] = timed[(base, b, t, remat)]
+    return out
+
+  def _time_all(self, jobs: dict) -> dict:
+    """key -> (alone, all local devices at once; inf with one device) seconds
+    per call of each (function, abstract args) in `jobs`, compiled both ways.
+
+    Rounds over all functions, keeping each one's fastest round: other
+    processes and the scheduling of 8 device threads on a few cores only
+    ever slow a run down, and in separate rounds they rarely hit the same
+    function twice (one round's medians varied by up to 25% here).
+    """
+    n = len(self.jax.local_devices())
+    args = {k: self._concrete(abstract) for k, (_, abstract) in jobs.items()}
+    stacked = {k: self._stacked(a) for k, a in args.items()} if n > 1 else {}
+    _say(
+      f'profile: compiling {len(jobs)} functions'
+      + (f', alone and on all {n} devices' if n > 1 else '')
+    )
+    started = time.perf_counter()
+    compiled = self._compile_all(jobs)
+    shared = (
+      self._compile_all({k: (self._on_every_device(fn), stacked[k]) for k, (fn, _) in jobs.items()})
+      if n > 1
+      else {}
+    )
+    _say(f'profile: compiled in {time.perf_counter() - started:.0f} s; timing')
+    timed = {}
+    for r in range(_ROUNDS):
+      for i, key in enumerate(jobs):
+        solo = microbench.median_time(compiled[key], args[key])
+        together = microbench.median_time(shared[key], stacked[key]) if n > 1 else math.inf
+        old = timed.get(key, (math.inf, math.inf))
+        timed[key] = (min(old[0], solo), min(old[1], together))
+        name, b, t, remat = key
+        _say(
+          f'profile: round {r + 1}/{_ROUNDS}, {i + 1}/{len(jobs)}: {name} b={b} t={t} '
+          f'remat={remat}: {solo * 1e3:.2f} ms'
+        )
+    self._timed.update(timed)
+    return dict(timed)
+
+  def executor_ratios(self, t: int, b: int) -> dict:
+    """EXECUTOR_RATIOS at (b, t), remat none: name -> (alone, all at once).
+
+    The plain layer pair comes from time_points' measurement at (b, t) when
+    it made one (it does: the largest size at every degree)."""
+    layers = min(2, self.spec['num_layers'])
+    built = self.functions(t, b, layers)
+    names = ('layer_fwd', 'layer_fwd_bwd') + EXECUTOR_RATIOS
+    missing = {(k, b, t, 'none'): built[k] for k in names if (k, b, t, 'none') not in self._timed}
+    self._time_all(missing)
+    single = len(self.jax.local_devices()) == 1
+    timed = {}
+    for k in names:
+      solo, together = self._timed[(k, b, t, 'none')]
+      timed[k] = (solo, solo if single else together)
+    out = {}
+    for i in range(2):
+      fwd, pair = timed['layer_fwd'][i], timed['layer_fwd_bwd'][i]
+      bwd = _backward_part(pair, fwd)
+      for k in ('split_b', 'split_w'):
+        out.setdefault(k, [0.0, 0.0])[i] = max(timed[k][i] - fwd, 0.1 * bwd) / bwd
+      for k in ('cond_active', 'cond_skipped'):
+        out.setdefault(k, [0.0, 0.0])[i] = timed[k][i] / pair
+    return {k: tuple(v) for k, v in out.items()}
+
+  def _on_every_device(self, fn: Callable) -> Callable:
+    """fn run by every local device at once on its own copy of the arguments
+    (leading axis: one copy per device)."""
+    jax = self.jax
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((len(jax.local_devices()),), ('devices',), devices=jax.local_devices())
+
+    def per_device(*args):
+      out = fn(*jax.tree.map(lambda a: a[0], args))
+      return jax.tree.map(lambda a: a[None], out)
+
+    return jax.shard_map(per_device, mesh=mesh, in_specs=P('devices'), out_specs=P('devices'))
+
+  def _stacked(self, args):
+    """Per-device copies of concrete args, laid out one per local device."""
+    jax = self.jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    devices = jax.local_devices()
+    mesh = jax.make_mesh((len(devices),), ('devices',), devices=devices)
+    put = lambda a: jax.device_put(
+      jnp.broadcast_to(a, (len(devices),) + a.shape), NamedSharding(mesh, P('devices'))
+    )
+    return jax.tree.map(put, args)
+
+  def machine(self) -> Machine:
+    jax = self.jax
+    import jax.numpy as jnp
+
+    dtype = jnp.dtype(self.spec['dtype'])
+    n = 1024
+    a = jnp.ones((n, n), dtype)
+    mm = jax.jit(lambda a, b: a @ b)
+    matmul_flops = (
+      2 * n**3 / microbench.median_time(mm.lower(a, a).compile(), (a, a), microbench.QUICK_RUNS)
+    )
+    devices = jax.local_devices()
+    bandwidth, node_bandwidth, cores = microbench.measure_sharing(devices)
+    p2p, allreduce = (
+      microbench.measure_collectives(devices)
+      if len(devices) > 1
+      else (Link(math.inf, 0.0), Link(math.inf, 0.0))
+    )
+    return Machine(
+      backend=jax.default_backend(),
+      device_kind=devices[0].device_kind,
+      num_devices=len(devices),
+      matmul_flops=matmul_flops,
+      memory_bandwidth=bandwidth,
+      node_bandwidth=node_bandwidth,
+      effective_cores=cores,
+      p2p=p2p,
+      allreduce=allreduce,
+    )
+
+
+def _backward_part(pair: float, fwd: float) -> float:
+  """A backward's time: its forward+backward program's minus the forward's.
+  Timing noise could make the difference tiny or negative; a backward is
+  never cheaper than a fifth of the pair."""
+  return max(pair - fwd, 0.2 * pair)
