@@ -42,7 +42,7 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), '..')
 sys.path.insert(0, os.path.join(ROOT, 'src'))
 
 from triax import config  # noqa: E402
-from triax.plan import analytic, simulator  # noqa: E402
+from triax.plan import analytic, memory  # noqa: E402
 from triax.plan import cluster as cluster_lib  # noqa: E402
 from triax.plan.simulator import Options, Plan, simulate_plan  # noqa: E402
 
@@ -162,7 +162,7 @@ def search_row(row: Row, selene, budget_s: float) -> tuple[dict | None, int]:
     for p in range(1, row.layers + 1):
       plan = plan_of(row, t, p)
       # Parameters and Adam state alone (16 B/param) must leave room.
-      if plan is None or simulator.STATE_COPIES * 4 * params / (t * p) > capacity:
+      if plan is None or memory.STATE_COPIES * 4 * params / (t * p) > capacity:
         continue
       candidates.append(plan)
   # Fewest pipeline stages first: they simulate fastest and bubble least.

@@ -14,7 +14,7 @@ import pytest
 from triax.pipeline import schedule as sched
 from triax.pipeline import simulate
 from triax.plan import cluster as cluster_lib
-from triax.plan import profile, profiler, simulator
+from triax.plan import profile, profiler, simulator, trace
 from triax.plan.simulator import Options, Plan, simulate_plan
 
 FAST = '1e30'  # bytes/s: communication that takes no time
@@ -316,10 +316,10 @@ def test_memory_and_oom_flag():
 def test_chrome_trace_is_perfetto_json():
   prof = profile.synthetic(layer_fwd=1.0, layer_bwd=2.0)
   est = simulate_plan(make_plan(p=2, m=4), prof, make_cluster(groups=(('gpu', 2, 1.0, '80 GB'),)))
-  trace = json.loads(json.dumps(simulator.chrome_trace(est)))
-  spans = [e for e in trace['traceEvents'] if e['ph'] == 'X']
+  events = json.loads(json.dumps(trace.chrome_trace(est)))
+  spans = [e for e in events['traceEvents'] if e['ph'] == 'X']
   assert len([e for e in spans if e['cat'] in 'FB']) == 2 * 4 * 2
-  assert trace['otherData']['step_time_s'] == pytest.approx(est.step_time)
+  assert events['otherData']['step_time_s'] == pytest.approx(est.step_time)
   assert max(e['ts'] + e['dur'] for e in spans) == pytest.approx(est.step_time * 1e6)
 
 

@@ -19,7 +19,7 @@ import os
 from typing import Any
 
 from triax import config as config_lib
-from triax.plan.simulator import Estimate, Plan
+from triax.plan.candidate import Estimate, Plan
 
 LAYERS_KEY = 'pipeline.layers_per_stage'
 

@@ -13,10 +13,10 @@ import sys
 from typing import Any, TextIO
 
 from triax.errors import ConfigError
+from triax.plan import candidate, emit, roofline, trace
 from triax.plan import cluster as cluster_lib
-from triax.plan import emit, roofline, simulator
 from triax.plan import search as search_lib
-from triax.plan.simulator import Estimate
+from triax.plan.candidate import Estimate
 
 PROFILES = ('local', 'analytic')
 # One layer's forward+backward above this many FLOPs takes tens of seconds
@@ -87,10 +87,10 @@ def _check(request: Request) -> None:
     folder = os.path.dirname(path) or '.'
     if not os.path.isdir(folder):
       raise ConfigError(flag, f'folder {folder} does not exist')
-  if request.model not in simulator.MODELS:
-    raise ConfigError('--model', f'one of {", ".join(simulator.MODELS)}, got {request.model}')
-  if request.dp_allreduce not in simulator.DP_ALLREDUCE:
-    raise ConfigError('--dp_allreduce', f'one of {", ".join(simulator.DP_ALLREDUCE)}')
+  if request.model not in candidate.MODELS:
+    raise ConfigError('--model', f'one of {", ".join(candidate.MODELS)}, got {request.model}')
+  if request.dp_allreduce not in candidate.DP_ALLREDUCE:
+    raise ConfigError('--dp_allreduce', f'one of {", ".join(candidate.DP_ALLREDUCE)}')
   if request.profile not in PROFILES:
     raise ConfigError('--profile', f'one of {", ".join(PROFILES)}, got {request.profile}')
   if request.profile_cache is not None:
@@ -115,7 +115,7 @@ def run(request: Request, as_json: bool = False, out: TextIO | None = None) -> d
   import ml_collections
 
   cfg = ml_collections.ConfigDict(request.cfg.to_dict())
-  options = simulator.Options(
+  options = candidate.Options(
     model=request.model,
     dp_allreduce=request.dp_allreduce,
     scatter_gather=bool(cfg.pipeline.scatter_gather),
@@ -157,7 +157,7 @@ def run(request: Request, as_json: bool = False, out: TextIO | None = None) -> d
     summary['out'] = request.out
   if request.trace:
     with open(request.trace, 'w') as f:
-      json.dump(simulator.chrome_trace(best), f)
+      json.dump(trace.chrome_trace(best), f)
     summary['trace'] = request.trace
   if as_json:
     print(json.dumps(summary), file=out)
@@ -252,8 +252,8 @@ def _base_overrides(request: Request, base_path: str, base_arg: str | None, cfg)
   return {k: v for k, v in request.config_overrides.items() if k not in plan_keys}
 
 
-def _dummy_plan() -> simulator.Plan:
-  return simulator.Plan(
+def _dummy_plan() -> candidate.Plan:
+  return candidate.Plan(
     data=1,
     tensor=1,
     pipe=1,
@@ -437,7 +437,10 @@ def _model_flops(cfg) -> float | None:
 
 
 def _tflops(flops: float | None, e: Estimate, devices: int) -> str:
-  return '' if flops is None else f'{flops / (e.step_time * devices) / 1e12:.1f}'
+  if flops is None:
+    return ''
+  x = flops / (e.step_time * devices) / 1e12
+  return f'{x:.1f}' if x >= 1 else f'{x:.2g}'  # a tiny model's rate still reads
 
 
 def _stages(plan) -> str:

@@ -35,8 +35,9 @@ from triax.errors import ConfigError
 from triax.pipeline import schedule as sched
 from triax.plan import partition, roofline
 from triax.plan import profile as profile_lib
+from triax.plan.candidate import Estimate, Options, Plan
 from triax.plan.cluster import Cluster, Group
-from triax.plan.simulator import Estimate, Options, Plan, simulate_plan
+from triax.plan.simulator import simulate_plan
 
 REMATS = ('none', 'selective', 'full')
 # Largest micro-batch count tried: beyond it, ticks cost more than bubbles save.

@@ -1,6 +1,4 @@
-"""Predicts one plan's step time and per-device memory on a cluster.
-
-A `Plan` fixes the degrees (data, tensor, pipe), the schedule, micro-batches,
+"""A `Plan` fixes the degrees (data, tensor, pipe), the schedule, micro-batches,
 virtual stages, remat, which cluster devices form each pipeline stage and
 how many layers each stage holds. `simulate` turns it into per-action costs
 and times the schedule two ways:
@@ -31,32 +29,26 @@ every backward instead, as a pipeline whose gradient accumulator is
 replicated over `data` pays it (triax before the executor made `data`
 manual; frameworks that differentiate through a scan).
 
-Memory per device: parameters, their gradient accumulator and Adam's two
-moments (4x the parameter bytes: 16 B/param in fp32), the stashed residuals
-(the executor allocates `slots['stash']` slots of the largest chunk on
-every stage; uneven splits store padded stacks), the cuts B hands its W
-(`slots['cut']`, each estimated as one unrematerialised stash set: the
-profile does not measure them) and the message pool of activations and
-gradients, plus one layer's backward workspace and the head's logits.
+Plan, Options and Estimate live in plan/candidate.py, the memory model in
+plan/memory.py, the trace writer in plan/trace.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Sequence
 
 from triax.pipeline import schedule as sched
 from triax.pipeline import simulate
 from triax.pipeline.schedule import Action
+from triax.plan import memory as memory_lib
 from triax.plan import profile as profile_lib
 from triax.plan import roofline
+from triax.plan.candidate import Estimate, Options, Plan, program
 from triax.plan.cluster import Cluster
 from triax.plan.comm import Comm
 from triax.plan.profile import Profile
 
-MODELS = ('lockstep', 'async')
-DP_ALLREDUCE = ('per_microbatch', 'per_step')
 # Share of a backward that its B (input gradient) and W (weight gradient)
 # each take where the profile has not measured them: the two halves of the
 # backward GEMMs. Every lockstep program runs its backwards as B then W.
@@ -65,166 +57,6 @@ SPLIT_BACKWARD_SHARE = 0.5
 # both Adam moments read, params and moments written, grads read again by
 # the global-norm clip.
 OPTIMIZER_TRAFFIC = 8.0
-# Parameter, gradient accumulator, Adam mu and nu, each the parameter's size.
-STATE_COPIES = 4
-
-
-@dataclasses.dataclass(frozen=True)
-class Plan:
-  """One candidate parallel layout.
-
-  Attributes:
-    data, tensor, pipe: mesh degrees; their product is the device count.
-    schedule: a key of schedule.SCHEDULES.
-    microbatches: m, micro-batches per step.
-    virtual_stages: v, model chunks per pipeline device.
-    remat: 'none', 'selective' or 'full'.
-    layers: layers per pipeline stage (p entries, each a multiple of v:
-      a stage's chunks are equal).
-    stages: per pipeline stage, the cluster device indices of its
-      data x tensor devices, replica-major (replica i = devices[i*t:(i+1)*t]).
-    global_batch: sequences per step.
-  """
-
-  data: int
-  tensor: int
-  pipe: int
-  schedule: str
-  microbatches: int
-  virtual_stages: int
-  remat: str
-  layers: tuple[int, ...]
-  stages: tuple[tuple[int, ...], ...]
-  global_batch: int
-
-  def __post_init__(self):
-    p, v = self.pipe, self.virtual_stages
-    if len(self.layers) != p or len(self.stages) != p:
-      raise ValueError(
-        f'want {p} layer counts and {p} stage device lists, got '
-        f'{self.layers} and {len(self.stages)}'
-      )
-    if any(n < v or n % v for n in self.layers):
-      raise ValueError(f'each stage needs a positive multiple of v={v} layers: {self.layers}')
-    if any(len(s) != self.data * self.tensor for s in self.stages):
-      raise ValueError(f'each stage needs data*tensor={self.data * self.tensor} devices')
-    if self.global_batch % (self.data * self.microbatches):
-      raise ValueError(
-        f'global batch {self.global_batch} does not split into '
-        f'data*microbatches = {self.data}*{self.microbatches}'
-      )
-
-  @property
-  def microbatch_size(self) -> int:
-    """Sequences per micro-batch per data replica (what one device computes)."""
-    return self.global_batch // (self.data * self.microbatches)
-
-  @property
-  def num_layers(self) -> int:
-    return sum(self.layers)
-
-  @property
-  def placement(self) -> tuple[int, ...]:
-    """placement[c]: the stage holding chunk c, as the schedule places it."""
-    return program(
-      self.schedule, self.pipe, self.microbatches, self.virtual_stages
-    ).schedule.placement
-
-  @property
-  def chunk_layers(self) -> tuple[int, ...]:
-    """Layers of each model chunk in chunk order (a stage's chunks are equal)."""
-    return tuple(self.layers[s] // self.virtual_stages for s in self.placement)
-
-  @property
-  def even(self) -> bool:
-    return len(set(self.layers)) == 1
-
-  @property
-  def devices(self) -> tuple[int, ...]:
-    return tuple(d for stage in self.stages for d in stage)
-
-  def describe(self) -> str:
-    split = '' if self.even else ' layers=' + '/'.join(map(str, self.layers))
-    return (
-      f'd{self.data} t{self.tensor} p{self.pipe} {self.schedule} m={self.microbatches}'
-      f' v={self.virtual_stages} mb={self.microbatch_size} remat={self.remat}{split}'
-    )
-
-
-@dataclasses.dataclass(frozen=True)
-class Estimate:
-  """What the simulator predicts for one plan (seconds, bytes).
-
-  Attributes:
-    plan: the plan.
-    step_time: the predicted step time under `model`.
-    model: 'lockstep' or 'async'.
-    lockstep_time, async_time: step time under each model.
-    pipeline_time: the schedule's part of step_time (under `model`).
-    bubble_fraction: of the lockstep (or async) pipeline.
-    tail_time: after the pipeline: edge-gradient psum over pipe, per-step
-      data-parallel all-reduce (if so modelled) and the optimizer.
-    dp_allreduce_time: data-parallel all-reduce per step, wherever charged.
-    memory: per stage, peak bytes per device.
-    capacity: per stage, the usable bytes of its smallest device.
-    oom: True if any stage's memory exceeds its capacity.
-    result: the timeline of `model` (a simulate.Result) for traces.
-  """
-
-  plan: Plan
-  step_time: float
-  model: str
-  lockstep_time: float
-  async_time: float
-  pipeline_time: float
-  bubble_fraction: float
-  tail_time: float
-  dp_allreduce_time: float
-  memory: tuple[float, ...]
-  capacity: tuple[float, ...]
-  oom: bool
-  result: simulate.Result
-
-  @property
-  def peak_memory(self) -> float:
-    return max(self.memory)
-
-
-@dataclasses.dataclass(frozen=True)
-class Options:
-  """Simulator choices.
-
-  Attributes:
-    model: which time model step_time reports ('lockstep' for triax plans).
-    dp_allreduce: 'per_step' (accumulate locally, reduce once: triax's
-      executor, and the papers' assumption) or 'per_microbatch'.
-    memory_fraction: share of a device's memory a plan may use (runtime,
-      fragmentation and XLA's own buffers take the rest).
-    padded: True = memory as the executor stores uneven splits (every stage
-      holds the largest chunk's stack and stash slots); False = each stage
-      only its own.
-    scatter_gather: pipeline transfers split over the tensor group and
-      all-gathered (the executor's pipeline.scatter_gather); False: each
-      tensor rank sends the whole activation.
-  """
-
-  model: str = 'lockstep'
-  dp_allreduce: str = 'per_step'
-  memory_fraction: float = 0.9
-  padded: bool = True
-  scatter_gather: bool = True
-
-  def __post_init__(self):
-    if self.model not in MODELS:
-      raise ValueError(f'model must be one of {MODELS}, got {self.model!r}')
-    if self.dp_allreduce not in DP_ALLREDUCE:
-      raise ValueError(f'dp_allreduce must be one of {DP_ALLREDUCE}')
-
-
-@functools.lru_cache(maxsize=4096)
-def program(name: str, p: int, m: int, v: int) -> sched.Program:
-  """The lowered schedule (cached: the search asks for the same ones often)."""
-  return sched.lower(sched.build(name, p, m, v))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -381,7 +213,7 @@ def action_costs(
     chunks.append({sched.FORWARD: f, sched.BACKWARD: b_part[0], sched.WEIGHT: w_part[0]})
     shares.append({sched.FORWARD: f_share, sched.BACKWARD: b_part[1], sched.WEIGHT: w_part[1]})
   transfer, evict = [], []
-  stash_set = _chunk_stash(plan, profile, max(plan.chunk_layers))
+  stash_set = memory_lib.chunk_stash(plan, profile, max(plan.chunk_layers))
   partner = [p - 1 - s for s in range(p)]
   # Megatron's scatter/gather (the executor's default, pipeline.scatter_gather):
   # each of a stage's t tensor ranks sends 1/t of an activation to its
@@ -415,39 +247,6 @@ def action_costs(
     share=tuple(shares),
     fused=tuple(fused),
   )
-
-
-def _chunk_stash(plan: Plan, profile: Profile, layers: int) -> float:
-  shard = profile.shards[plan.tensor]
-  return plan.microbatch_size * (
-    layers * shard.stash_per_seq[plan.remat] + shard.stash_fixed_per_seq
-  )
-
-
-def _chunk_cut(plan: Plan, profile: Profile, layers: int) -> float:
-  """Bytes of one cut (what a B hands its W: the cotangents at the weight
-  matmuls' outputs), estimated as the residuals those matmuls keep without
-  remat, which remat does not shrink: B recomputes what it needs."""
-  return plan.microbatch_size * layers * profile.shards[plan.tensor].stash_per_seq['none']
-
-
-def _pools(
-  plan: Plan, profile: Profile, options: Options, program_: sched.Program, stage: int, layers: int
-) -> dict[str, float]:
-  """Bytes of stage `stage`'s executor pools for chunks of `layers` layers:
-  'stash' and 'cut' (all slots if padded, else the stage's own peak) and
-  'msg' (the message pool, its spare slot, and the two activations a tick
-  has in flight)."""
-
-  def slots(buf: str) -> int:
-    return program_.slots[buf] if options.padded else program_.peaks[buf][stage]
-
-  act = profile.shards[plan.tensor].act_per_seq * plan.microbatch_size
-  return {
-    'stash': slots('stash') * _chunk_stash(plan, profile, layers),
-    'cut': slots('cut') * _chunk_cut(plan, profile, layers),
-    'msg': (program_.slots['msg'] + 1 + 2) * act,
-  }
 
 
 @dataclasses.dataclass(frozen=True)
@@ -562,38 +361,6 @@ def simulate_async(plan: Plan, costs: ActionCosts, share: Sharing = Sharing(()))
   return result
 
 
-def memory(
-  plan: Plan, profile: Profile, cluster: Cluster, options: Options, program_: sched.Program | None
-) -> tuple[tuple[float, ...], ...]:
-  """Per stage: peak bytes per device, the usable bytes of its smallest
-  device, and the temporary part of the peak (all but parameters and
-  optimizer state)."""
-  shard = profile.shards[plan.tensor]
-  b, v = plan.microbatch_size, plan.virtual_stages
-  widest = max(plan.chunk_layers)
-  # The head's logits, their softmax and gradient live at once in its backward.
-  logits = 3 * b * shard.logits_per_seq
-  out, cap, temp = [], [], []
-  for s in range(plan.pipe):
-    own = plan.layers[s] // v
-    held = widest if options.padded else own
-    params = shard.layer_param_bytes * held * v + shard.edge_param_bytes
-    if program_ is None:  # no pipeline: one value_and_grad over the whole model
-      stash = _chunk_stash(plan, profile, plan.num_layers)
-      buffers = 0.0
-    else:
-      pools = _pools(plan, profile, options, program_, s, held)
-      stash, buffers = pools['stash'], pools['cut'] + pools['msg']
-    workspace = 2 * b * shard.stash_per_seq['none'] + logits
-    out.append(STATE_COPIES * params + stash + buffers + workspace)
-    temp.append(stash + buffers + workspace)
-    cap.append(
-      min(cluster.groups[cluster.devices[d].group].memory for d in plan.stages[s])
-      * options.memory_fraction
-    )
-  return tuple(out), tuple(cap), tuple(temp)
-
-
 def simulate_plan(
   plan: Plan, profile: Profile, cluster: Cluster, options: Options = Options()
 ) -> Estimate:
@@ -605,7 +372,9 @@ def simulate_plan(
   share = sharing(plan, cluster)
   lock = simulate_lockstep(prog, costs, share)
   asy = simulate_async(plan, costs, share)
-  mem, cap, temp = memory(plan, profile, cluster, options, prog if uses_executor else None)
+  mem, cap, temp = memory_lib.memory(
+    plan, profile, cluster, options, prog if uses_executor else None
+  )
   tail, dp_total = _tail(plan, profile, cluster, options, share, prog if uses_executor else None)
   if options.dp_allreduce == 'per_microbatch':
     comm = Comm(cluster, profile)
@@ -678,11 +447,13 @@ def _tail(
       chunk = widest if options.padded else plan.layers[s] // v
       # Every pool zeroed once, and each F's residuals and each B's cut
       # written into their slots.
-      nbytes += sum(_pools(plan, profile, options, program_, s, chunk).values())
+      nbytes += sum(memory_lib.pools(plan, profile, options, program_, s, chunk).values())
       nbytes += (
         plan.microbatches
         * v
-        * (_chunk_stash(plan, profile, chunk) + _chunk_cut(plan, profile, chunk))
+        * (
+          memory_lib.chunk_stash(plan, profile, chunk) + memory_lib.chunk_cut(plan, profile, chunk)
+        )
       )
     groups = [cluster.groups[cluster.devices[d].group] for d in stage]
     moving.append(max(nbytes / roofline.bandwidth(profile, g) for g in groups))
@@ -695,32 +466,3 @@ def _tail(
     )
   memory_time = share.tick(moving, shares) if share.nodes else max(moving)
   return edge + dp + memory_time, dp
-
-
-def chrome_trace(estimate: Estimate) -> dict:
-  """The predicted step in Chrome's trace format (Perfetto): the pipeline
-  timeline of render.chrome_trace, then a 'tail' event per stage."""
-  from triax.pipeline import render
-
-  trace = render.chrome_trace(estimate.result)
-  end = estimate.pipeline_time
-  for s in range(estimate.plan.pipe):
-    trace['traceEvents'].append(
-      {
-        'name': 'grad sync + optimizer',
-        'cat': 'tail',
-        'ph': 'X',
-        'pid': 0,
-        'tid': s,
-        'ts': end * 1e6,
-        'dur': estimate.tail_time * 1e6,
-        'args': {'dp_allreduce_s': estimate.dp_allreduce_time},
-      }
-    )
-  trace['otherData'].update(
-    plan=estimate.plan.describe(),
-    step_time_s=estimate.step_time,
-    memory_bytes=list(estimate.memory),
-    oom=estimate.oom,
-  )
-  return trace

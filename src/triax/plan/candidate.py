@@ -1,0 +1,177 @@
+"""What the planner chooses and what it predicts: `Plan`, `Options`, `Estimate`.
+
+A `Plan` fixes the degrees (data, tensor, pipe), the schedule, micro-batches,
+virtual stages, remat, which cluster devices form each pipeline stage and
+how many layers each stage holds; plan/simulator.py turns it into an
+`Estimate` under `Options`. `program` is a plan's lowered schedule (cached:
+the search asks for the same ones often).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+from triax.pipeline import schedule as sched
+from triax.pipeline import simulate
+
+MODELS = ('lockstep', 'async')
+DP_ALLREDUCE = ('per_microbatch', 'per_step')
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """One candidate parallel layout.
+
+  Attributes:
+    data, tensor, pipe: mesh degrees; their product is the device count.
+    schedule: a key of schedule.SCHEDULES.
+    microbatches: m, micro-batches per step.
+    virtual_stages: v, model chunks per pipeline device.
+    remat: 'none', 'selective' or 'full'.
+    layers: layers per pipeline stage (p entries, each a multiple of v:
+      a stage's chunks are equal).
+    stages: per pipeline stage, the cluster device indices of its
+      data x tensor devices, replica-major (replica i = devices[i*t:(i+1)*t]).
+    global_batch: sequences per step.
+  """
+
+  data: int
+  tensor: int
+  pipe: int
+  schedule: str
+  microbatches: int
+  virtual_stages: int
+  remat: str
+  layers: tuple[int, ...]
+  stages: tuple[tuple[int, ...], ...]
+  global_batch: int
+
+  def __post_init__(self):
+    p, v = self.pipe, self.virtual_stages
+    if len(self.layers) != p or len(self.stages) != p:
+      raise ValueError(
+        f'want {p} layer counts and {p} stage device lists, got '
+        f'{self.layers} and {len(self.stages)}'
+      )
+    if any(n < v or n % v for n in self.layers):
+      raise ValueError(f'each stage needs a positive multiple of v={v} layers: {self.layers}')
+    if any(len(s) != self.data * self.tensor for s in self.stages):
+      raise ValueError(f'each stage needs data*tensor={self.data * self.tensor} devices')
+    if self.global_batch % (self.data * self.microbatches):
+      raise ValueError(
+        f'global batch {self.global_batch} does not split into '
+        f'data*microbatches = {self.data}*{self.microbatches}'
+      )
+
+  @property
+  def microbatch_size(self) -> int:
+    """Sequences per micro-batch per data replica (what one device computes)."""
+    return self.global_batch // (self.data * self.microbatches)
+
+  @property
+  def num_layers(self) -> int:
+    return sum(self.layers)
+
+  @property
+  def placement(self) -> tuple[int, ...]:
+    """placement[c]: the stage holding chunk c, as the schedule places it."""
+    return program(
+      self.schedule, self.pipe, self.microbatches, self.virtual_stages
+    ).schedule.placement
+
+  @property
+  def chunk_layers(self) -> tuple[int, ...]:
+    """Layers of each model chunk in chunk order (a stage's chunks are equal)."""
+    return tuple(self.layers[s] // self.virtual_stages for s in self.placement)
+
+  @property
+  def even(self) -> bool:
+    return len(set(self.layers)) == 1
+
+  @property
+  def devices(self) -> tuple[int, ...]:
+    return tuple(d for stage in self.stages for d in stage)
+
+  def describe(self) -> str:
+    split = '' if self.even else ' layers=' + '/'.join(map(str, self.layers))
+    return (
+      f'd{self.data} t{self.tensor} p{self.pipe} {self.schedule} m={self.microbatches}'
+      f' v={self.virtual_stages} mb={self.microbatch_size} remat={self.remat}{split}'
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+  """What the simulator predicts for one plan (seconds, bytes).
+
+  Attributes:
+    plan: the plan.
+    step_time: the predicted step time under `model`.
+    model: 'lockstep' or 'async'.
+    lockstep_time, async_time: step time under each model.
+    pipeline_time: the schedule's part of step_time (under `model`).
+    bubble_fraction: of the lockstep (or async) pipeline.
+    tail_time: after the pipeline: edge-gradient psum over pipe, per-step
+      data-parallel all-reduce (if so modelled) and the optimizer.
+    dp_allreduce_time: data-parallel all-reduce per step, wherever charged.
+    memory: per stage, peak bytes per device.
+    capacity: per stage, the usable bytes of its smallest device.
+    oom: True if any stage's memory exceeds its capacity.
+    result: the timeline of `model` (a simulate.Result) for traces.
+  """
+
+  plan: Plan
+  step_time: float
+  model: str
+  lockstep_time: float
+  async_time: float
+  pipeline_time: float
+  bubble_fraction: float
+  tail_time: float
+  dp_allreduce_time: float
+  memory: tuple[float, ...]
+  capacity: tuple[float, ...]
+  oom: bool
+  result: simulate.Result
+
+  @property
+  def peak_memory(self) -> float:
+    return max(self.memory)
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+  """Simulator choices.
+
+  Attributes:
+    model: which time model step_time reports ('lockstep' for triax plans).
+    dp_allreduce: 'per_step' (accumulate locally, reduce once: triax's
+      executor, and the papers' assumption) or 'per_microbatch'.
+    memory_fraction: share of a device's memory a plan may use (runtime,
+      fragmentation and XLA's own buffers take the rest).
+    padded: True = memory as the executor stores uneven splits (every stage
+      holds the largest chunk's stack and stash slots); False = each stage
+      only its own.
+    scatter_gather: pipeline transfers split over the tensor group and
+      all-gathered (the executor's pipeline.scatter_gather); False: each
+      tensor rank sends the whole activation.
+  """
+
+  model: str = 'lockstep'
+  dp_allreduce: str = 'per_step'
+  memory_fraction: float = 0.9
+  padded: bool = True
+  scatter_gather: bool = True
+
+  def __post_init__(self):
+    if self.model not in MODELS:
+      raise ValueError(f'model must be one of {MODELS}, got {self.model!r}')
+    if self.dp_allreduce not in DP_ALLREDUCE:
+      raise ValueError(f'dp_allreduce must be one of {DP_ALLREDUCE}')
+
+
+@functools.lru_cache(maxsize=4096)
+def program(name: str, p: int, m: int, v: int) -> sched.Program:
+  """The lowered schedule (cached: the search asks for the same ones often)."""
+  return sched.lower(sched.build(name, p, m, v))
