@@ -11,7 +11,7 @@ import pytest
 from triax import config
 from triax.errors import ConfigError
 from triax.model import registry
-from triax.plan import analytic, profile, profile_cache, report, simulator
+from triax.plan import analytic, emit, profile, profile_cache, report, simulator
 from triax.plan import cluster as cluster_lib
 from triax.plan.comm import Comm
 
@@ -200,7 +200,7 @@ def test_cli_local_profile_of_a_gpu_config_is_one_line():
 
 def test_report_helpers():
   assert report._pct(-1e-17) == '0.0%' and report._pct(0.123) == '12.3%'
-  assert report._ranges((0, 1, 2, 3, 8, 10, 11)) == '0-3,8,10-11'
+  assert emit.device_ranges((0, 1, 2, 3, 8, 10, 11)) == '0-3,8,10-11'
   cpu = cluster_lib.load(CPU)
   assert report.train_command('p.py', cpu).endswith('--workdir=DIR --cpu_devices=8')
   assert '--cpu_devices' not in report.train_command('p.py', cluster_lib.load(SELENE))
