@@ -39,7 +39,19 @@ def candidates(cfg) -> list[Candidate]:
       {'pipeline.schedule': '1f1b', 'model.remat': 'none', 'pipeline.microbatches': 2 * m},
     ),
     Candidate('bpipe, no remat', {'pipeline.schedule': 'bpipe', 'model.remat': 'none'}),
-  ]
+  ] + (
+    [
+      Candidate(
+        '1f1b, ZeRO-1',
+        {'pipeline.schedule': '1f1b', 'model.remat': 'none', 'train.optimizer_sharding': 'data'},
+      ),
+      Candidate(
+        '1f1b, FSDP', {'pipeline.schedule': '1f1b', 'model.remat': 'none', 'mesh.fsdp': True}
+      ),
+    ]
+    if cfg.mesh.data > 1
+    else []
+  )
 
 
 def _with(cfg, overrides: dict):

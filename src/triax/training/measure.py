@@ -28,10 +28,25 @@ class Measurement:
   trainer: Trainer
 
   @property
-  def peak_bytes(self) -> int:
-    """Per-device bytes live at the peak: temporaries plus un-aliased arguments and outputs."""
+  def step_peak_bytes(self) -> int:
+    """Per-device bytes live at the train step's peak: temporaries plus un-aliased
+    arguments and outputs."""
     s = self.stats
     return s['temp_bytes'] + s['argument_bytes'] + s['output_bytes'] - s['alias_bytes']
+
+  @property
+  def peak_bytes(self) -> int:
+    """Per-device peak of the run: the train step's, or a save, restore or
+    evaluation beside the resident state, whichever is larger (a layout that
+    trains must also checkpoint and evaluate)."""
+    s = self.stats
+    state = s['param_bytes'] + s['optimizer_bytes']
+    return max(
+      self.step_peak_bytes,
+      state + s['checkpoint_save_bytes'],
+      state + s['checkpoint_restore_bytes'],
+      s['optimizer_bytes'] + s['eval_bytes'],  # eval_bytes holds the params it reads
+    )
 
 
 def measure(cfg, *, steps: int = 5, warmup: int = 2, devices=None) -> Measurement:
