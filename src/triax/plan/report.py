@@ -357,6 +357,8 @@ def text(result: search_lib.SearchResult, cfg, request: Request | None = None) -
       f'({m.node_bandwidth / 1e9:.1f} GB/s with all devices copying), '
       f'{m.effective_cores:.2f} effective cores when all devices run a small matmul'
     )
+    if not c.local:  # how the other device types were derived from this one
+      lines.append(roofline.assumption(prof))
   lines.append(
     f'searched {result.evaluated} plans in {result.search_s:.2f} s; times are '
     "SIMULATED predictions (lockstep = what triax's executor runs; async = the "
@@ -469,8 +471,6 @@ def _measurements(prof) -> list[str]:
       '  executor variants / plain layer pair (alone, all devices at once): '
       + ', '.join(f'{k} {a:.2f}/{b:.2f}' for k, (a, b) in prof.ratios.items())
     )
-  if prof.analytic is None:
-    lines.append(roofline.assumption(prof))
   return lines
 
 
