@@ -114,3 +114,28 @@ def test_greedy_sampling_on_a_mesh_matches_one_device_and_splits_the_weights(tra
   assert result.returncode == 0, result.stderr[-2000:]
   text = generation.run_tokenizer(trained, cfg).decode(prompt + outputs[None])
   assert result.stdout[:-1] == text
+
+
+@pytest.mark.parametrize('family', ['gpt', 'llama'])
+def test_kv_cache_decoding_gives_the_cache_less_tokens(family):
+  fields = dict(family=family, num_layers=2, d_model=32, num_heads=4, d_ff=64, seq_len=16)
+  if family == 'llama':
+    fields['num_kv_heads'] = 2  # grouped-query attention: the cache holds 2 heads, not 4
+  model = harness.model_of(**fields)
+  params = model.init(jax.random.key(2))
+  k, v = model.init_cache(3)
+  assert k.shape == v.shape == (2, 3, 16, model.spec.kv_heads, 8)
+  greedy = generation.Sampling(max_new_tokens=20, temperature=0.0)
+  prompts = [[7, 8, 9, 10, 11], [200], [65, 66, 67]]
+  # 5 + 20 > 16: the last tokens come through the sliding window, as without a cache.
+  for prompt in prompts:
+    cached = generation.generate(model, params, prompt, greedy)
+    plain = generation.generate(model, params, prompt, greedy, cache=False)
+    assert cached.tolist() == plain.tolist()
+  # A batch of prompts of different lengths (left-padded) gives each prompt's own tokens.
+  short = generation.Sampling(max_new_tokens=10, temperature=0.0)
+  batch = generation.generate(model, params, prompts, short)
+  for row, prompt in zip(batch, prompts):
+    assert row.tolist() == generation.generate(model, params, prompt, short, cache=False).tolist()
+  with pytest.raises(generation.ConfigError, match='max_new_tokens'):
+    generation.generate(model, params, prompts, greedy)  # a batch past the context

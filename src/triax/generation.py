@@ -5,15 +5,17 @@ model layer order (see triax.training.checkpoint), so the parameters restore
 onto one device whatever (data, tensor, pipe, schedule) wrote them; only the
 params are read, not the optimizer state.
 
-Generation is one jitted loop over a fixed buffer of model.seq_len tokens:
-each new token reruns the whole buffer through the model (no KV cache:
-simple, and plenty for the small byte-level models triax trains on a host).
-Once the buffer is full it slides, so the model always sees the last seq_len
-tokens at the positions it was trained on.
+Generation is one jitted program: a prefill of the (left-padded) prompts
+into a per-layer K/V cache (GQA-sized), then one token a step against it.
+Past model.seq_len tokens of context the remaining ones come from a sliding
+window of the last seq_len tokens, rerun whole each step (as the cache-less
+loop always did), so the model always sees the positions it was trained on
+and the output is the cache-less loop's.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 
@@ -188,50 +190,120 @@ def sampling_model(cfg):
   return registry.build(dataclasses.replace(spec, attention=attention, remat='none'))
 
 
-def sampler(model, sampling: Sampling, placement: Placement = Placement()):
-  """The jitted loop: (params, buffer[seq_len], length, key) -> new tokens."""
-  seq_len = model.spec.seq_len
+def _picker(sampling: Sampling):
+  """(logits [..., vocab], key) -> token ids [...]: argmax, or a draw at the
+  temperature among the top k."""
   greedy, top_k = sampling.temperature == 0, sampling.top_k
 
   def pick(logits, key):
     if greedy:
-      return jnp.argmax(logits).astype(jnp.int32)
+      return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     if top_k:
-      kth = jax.lax.top_k(logits, top_k)[0][-1]
+      kth = jax.lax.top_k(logits, top_k)[0][..., -1:]
       logits = jnp.where(logits < kth, -jnp.inf, logits)
     return jax.random.categorical(key, logits / sampling.temperature).astype(jnp.int32)
 
-  def run(params, buffer, length, key):
-    def step(i, carry):
-      buffer, length, key, out = carry
-      with sharding_lib.axis_rules(placement.rules if placement.mesh is not None else None):
-        logits = model.logits(params, buffer[None])[0]
-      key, sub = jax.random.split(key)
-      token = pick(logits[jnp.minimum(length, seq_len) - 1], sub)
-      # Full buffer: slide left by one and append, so positions stay in range.
-      full = length >= seq_len
-      buffer = jnp.where(full, jnp.roll(buffer, -1), buffer)
-      buffer = buffer.at[jnp.minimum(length, seq_len - 1)].set(token)
-      return buffer, length + 1, key, out.at[i].set(token)
+  return pick
 
-    out = jnp.zeros((sampling.max_new_tokens,), jnp.int32)
-    return jax.lax.fori_loop(0, sampling.max_new_tokens, step, (buffer, length, key, out))[-1]
+
+def _sliding(model, params, pick, buffer, length, key, out, first: int, last: int):
+  """Tokens first..last-1 of `out` by rerunning the model over the buffer of the
+  last seq_len tokens (no cache): once full it slides left by one a token, so
+  the model always sees the positions it was trained on."""
+  seq_len = model.spec.seq_len
+
+  def step(i, carry):
+    buffer, length, key, out = carry
+    logits = model.logits(params, buffer[None])[0]
+    key, sub = jax.random.split(key)
+    token = pick(logits[jnp.minimum(length, seq_len) - 1], sub)
+    full = length >= seq_len
+    buffer = jnp.where(full, jnp.roll(buffer, -1), buffer)
+    buffer = buffer.at[jnp.minimum(length, seq_len - 1)].set(token)
+    return buffer, length + 1, key, out.at[i].set(token)
+
+  return jax.lax.fori_loop(first, last, step, (buffer, length, key, out))[-1]
+
+
+def sampler(model, sampling: Sampling, prompt_len: int, batch: int = 1, *, cache: bool = True):
+  """The jitted generation of `sampling.max_new_tokens` tokens after
+  left-padded prompts: (params, tokens [batch, prompt_len], start [batch], key)
+  -> tokens [batch, max_new_tokens].
+
+  With the K/V cache (`init_cache`, GQA-sized): one prefill of the prompts,
+  then one token a step, each attending to the cached keys and values. While
+  the context fits model.seq_len this is exactly the cache-less loop's
+  computation; past it (one prompt only) the remaining tokens come from the
+  cache-less sliding window, as before, so the output is the same.
+  `cache=False` is that cache-less loop throughout (benchmarks compare them).
+  """
+  seq_len, n = model.spec.seq_len, sampling.max_new_tokens
+  pick = _picker(sampling)
+  cached = min(n, seq_len - prompt_len + 1) if cache else 0
+  if batch > 1 and prompt_len + n - 1 > seq_len:
+    raise ConfigError(
+      '--max_new_tokens',
+      f'{batch} prompts of up to {prompt_len} tokens and {n} new ones exceed '
+      f'model.seq_len={seq_len}; a sliding window is for one prompt',
+    )
+
+  def run(params, tokens, start, key):
+    out = jnp.zeros((batch, n), jnp.int32)
+    if cached:
+      caches = model.init_cache(batch)
+      logits, caches = model.decode(params, tokens, caches, 0, start)
+      key, sub = jax.random.split(key)
+      token = pick(logits[:, -1], sub)
+      out = out.at[:, 0].set(token)
+
+      def step(i, carry):
+        caches, token, key, out = carry
+        logits, caches = model.decode(params, token[:, None], caches, prompt_len + i - 1, start)
+        key, sub = jax.random.split(key)
+        token = pick(logits[:, 0], sub)
+        return caches, token, key, out.at[:, i].set(token)
+
+      _, _, key, out = jax.lax.fori_loop(1, cached, step, (caches, token, key, out))
+    if cached == n:
+      return out
+    # One prompt (start = 0): the cache-less loop from where the cache stopped.
+    context = jnp.concatenate([tokens[0], out[0, :cached]])
+    length = prompt_len + cached
+    buffer = jnp.zeros((seq_len,), jnp.int32)
+    window = context[-seq_len:] if length >= seq_len else context
+    buffer = jax.lax.dynamic_update_slice(buffer, window, (0,))
+    rest = _sliding(model, params, pick, buffer, jnp.int32(length), key, out[0], cached, n)
+    return rest[None]
 
   return jax.jit(run)
 
 
 def generate(
-  model, params, prompt: list[int], sampling: Sampling, placement: Placement = Placement()
+  model,
+  params,
+  prompts,
+  sampling: Sampling,
+  placement: Placement = Placement(),
+  *,
+  cache: bool = True,
 ):
-  """The `sampling.max_new_tokens` tokens after `prompt` (host int array)."""
-  buffer = np.zeros((model.spec.seq_len,), np.int32)
-  buffer[: len(prompt)] = prompt
-  run = sampler(model, sampling, placement)
-  args = (params, buffer, jnp.int32(len(prompt)), jax.random.key(sampling.seed))
-  if placement.mesh is None:
-    return np.asarray(jax.device_get(run(*args)))
-  with jax.set_mesh(placement.mesh):
-    return np.asarray(jax.device_get(run(*args)))
+  """The `sampling.max_new_tokens` tokens after each prompt (a list of token
+  ids, or a list of such lists for a batch): host int arrays, [new] or [batch, new]."""
+  single = not prompts or not isinstance(prompts[0], (list, tuple, np.ndarray))
+  rows = [list(prompts)] if single else [list(p) for p in prompts]
+  width = max(len(r) for r in rows)
+  tokens = np.zeros((len(rows), width), np.int32)
+  start = np.array([width - len(r) for r in rows], np.int32)
+  for i, r in enumerate(rows):
+    tokens[i, start[i] :] = r  # left-padded: every row's last prompt token at width-1
+  run = sampler(model, sampling, width, len(rows), cache=cache)
+  rules = placement.rules if placement.mesh is not None else None
+  with contextlib.ExitStack() as stack:
+    if placement.mesh is not None:
+      stack.enter_context(jax.set_mesh(placement.mesh))
+    stack.enter_context(sharding_lib.axis_rules(rules))
+    out = np.asarray(jax.device_get(run(params, tokens, start, jax.random.key(sampling.seed))))
+  return out[0] if single else out
 
 
 def sample(

@@ -13,11 +13,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar
 
+import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from triax.model import loss as loss_lib
+from triax.sharding import constrain
 
 Params = Any
 
@@ -77,6 +79,11 @@ class ModelSpec:
     return cls(**{k: model_cfg[k] for k in cls.config_fields()})
 
   @property
+  def kv_heads(self) -> int:
+    """Heads of K and V (what a K/V cache holds); a family with grouped-query attention has fewer."""
+    return self.num_heads
+
+  @property
   def head_dim(self) -> int:
     return self.shard_head_dim or self.d_model // self.num_heads
 
@@ -104,6 +111,56 @@ def rms_norm(x, scale, eps: float):
   x32 = x.astype(jnp.float32)
   y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
   return (y * scale.astype(jnp.float32)).astype(x.dtype)
+
+
+@flax.struct.dataclass
+class Decode:
+  """What a block needs to decode with a K/V cache (one layer's).
+
+  k, v: [b, S, kv_heads, head_dim], S = seq_len slots; the new tokens' keys
+  and values are written at slots index .. index+t-1. Row r's prompt was
+  left-padded to start at slot start[r]: its earlier slots are never
+  attended to. positions [b, t]: the new tokens' positions in their rows.
+  """
+
+  k: jax.Array
+  v: jax.Array
+  index: jax.Array
+  start: jax.Array
+  positions: jax.Array
+
+
+def causal_attention(q, k, v, impl: str, decode: Decode | None = None):
+  """Causal attention of q [b, t, n, hd] over k, v [b, t, kv, hd] (kv divides n).
+
+  K/V head j serves query heads j*g .. j*g+g-1 (transformers' repeat_kv).
+  Repeated to one per query head, they split over `tensor` as the queries do
+  whether the K/V heads were split or replicated; the kernels' own GQA would
+  pair a rank's query heads with K/V heads it may not hold. With `decode`,
+  k and v go into the cache first and q attends to every cached slot of its
+  row up to its own; returns (output, (k cache, v cache)) then.
+  """
+  group = q.shape[2] // k.shape[2]
+  repeat = lambda t: constrain(jnp.repeat(t, group, axis=2), ('batch', 'seq', 'heads', 'kv'))
+  if decode is None:
+    return jax.nn.dot_product_attention(
+      q, repeat(k), repeat(v), is_causal=True, implementation=impl
+    )
+  k_cache = jax.lax.dynamic_update_slice_in_dim(decode.k, k.astype(decode.k.dtype), decode.index, 1)
+  v_cache = jax.lax.dynamic_update_slice_in_dim(decode.v, v.astype(decode.v.dtype), decode.index, 1)
+  slots = jnp.arange(k_cache.shape[1])
+  query = decode.index + jnp.arange(q.shape[1])
+  mask = (slots[None, None, :] <= query[None, :, None]) & (
+    slots[None, None, :] >= decode.start[:, None, None]
+  )
+  out = jax.nn.dot_product_attention(
+    q,
+    repeat(k_cache.astype(q.dtype)),
+    repeat(v_cache.astype(q.dtype)),
+    mask=mask[:, None],
+    implementation='xla',  # a mask and a length-1 query: the fused kernels take neither here
+  )
+  return out, (k_cache, v_cache)
 
 
 def _axes_tree(boxed: Params) -> Params:
@@ -217,6 +274,32 @@ class DecoderModel:
     return loss_lib.cross_entropy_sum(
       lambda h: self.head_logits(head_params, h), x, targets, self.spec.loss_chunk
     )
+
+  def init_cache(self, batch: int) -> tuple[jax.Array, jax.Array]:
+    """Empty K/V caches for `batch` rows: k, v [layers, batch, seq_len, kv_heads, head_dim]."""
+    s = self.spec
+    shape = (s.num_layers, batch, s.seq_len, s.kv_heads, s.head_dim)
+    return jnp.zeros(shape, s.dtype), jnp.zeros(shape, s.dtype)
+
+  def decode(self, params: Params, tokens, cache, index, start):
+    """Logits of `tokens` [b, t] written at cache slots index..index+t-1, and the new caches.
+
+    start [b]: the slot where each row's (left-padded) prompt begins, so a
+    token's position is its slot minus its row's start. A prefill passes the
+    whole padded prompt at index 0; then one token a step.
+    """
+    slots = index + jnp.arange(tokens.shape[1])
+    positions = jnp.maximum(slots[None, :] - start[:, None], 0)
+    embed_params, head_params = self.edge_params(params)
+    x = self._embed.apply({'params': embed_params}, tokens, positions)
+
+    def layer(x, args):
+      p, k, v = args
+      x, (k, v) = self._block.apply({'params': p}, x, Decode(k, v, index, start, positions))
+      return x, (k, v)
+
+    x, cache = jax.lax.scan(layer, x, (params['layers'], *cache))
+    return self.head_logits(head_params, x), cache
 
   def logits(self, params: Params, tokens: jax.Array) -> jax.Array:
     embed_params, head_params = self.edge_params(params)

@@ -19,7 +19,14 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from triax.model.common import DecoderModel, ModelSpec, param, rms_norm
+from triax.model.common import (
+  Decode,
+  DecoderModel,
+  ModelSpec,
+  causal_attention,
+  param,
+  rms_norm,
+)
 from triax.sharding import constrain
 
 # The RMSNorm epsilon GPT has always used (not a config key: checkpoints rely on it).
@@ -37,11 +44,13 @@ class Embed(nn.Module):
   spec: GPTSpec
 
   @nn.compact
-  def __call__(self, tokens):
+  def __call__(self, tokens, positions=None):
     s, pdt = self.spec, jnp.dtype(self.spec.param_dtype)
     table = param(self, 'tokens', (s.vocab_size, s.d_model), ('vocab', 'embed'), 0.02, pdt)
     pos = param(self, 'positions', (s.seq_len, s.d_model), ('seq', 'embed'), 0.01, pdt)
-    x = jnp.take(table, tokens, axis=0) + pos[: tokens.shape[-1]]
+    # Training embeds whole windows (positions 0..s-1); a K/V-cache decoder its new tokens'.
+    pos = pos[: tokens.shape[-1]] if positions is None else jnp.take(pos, positions, axis=0)
+    x = jnp.take(table, tokens, axis=0) + pos
     return constrain(x.astype(s.dtype), ('batch', 'seq', 'embed'))
 
 
@@ -51,7 +60,7 @@ class Block(nn.Module):
   spec: GPTSpec
 
   @nn.compact
-  def __call__(self, x):
+  def __call__(self, x, decode: Decode | None = None):
     s = self.spec
     pdt, dt = jnp.dtype(s.param_dtype), jnp.dtype(s.dtype)
     out_std = 0.02 / math.sqrt(2 * s.num_layers)  # GPT-2: keep the residual stream's variance flat
@@ -71,14 +80,16 @@ class Block(nn.Module):
     v = jnp.einsum('bsd,dnk->bsnk', h, wv.astype(dt))
     q, k, v = (constrain(t, ('batch', 'seq', 'heads', 'kv')) for t in (q, k, v))
     impl = 'cudnn' if s.attention == 'cudnn' else 'xla'
-    a = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
+    a = causal_attention(q, k, v, impl, decode)
+    if decode is not None:
+      a, cache = a
     x = x + constrain(jnp.einsum('bsnk,nkd->bsd', a, wo.astype(dt)), ('batch', 'seq', 'embed'))
 
     h = rms_norm(x, norm2, _NORM_EPS)
     u = constrain(jnp.einsum('bsd,df->bsf', h, w1.astype(dt)), ('batch', 'seq', 'mlp'))
     u = jax.nn.gelu(u)
     x = x + constrain(jnp.einsum('bsf,fd->bsd', u, w2.astype(dt)), ('batch', 'seq', 'embed'))
-    return x
+    return x if decode is None else (x, cache)
 
 
 class Head(nn.Module):

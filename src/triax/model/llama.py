@@ -34,7 +34,14 @@ import jax
 import jax.numpy as jnp
 
 from triax.errors import ConfigError
-from triax.model.common import DecoderModel, ModelSpec, param, rms_norm
+from triax.model.common import (
+  Decode,
+  DecoderModel,
+  ModelSpec,
+  causal_attention,
+  param,
+  rms_norm,
+)
 from triax.sharding import constrain
 
 
@@ -100,9 +107,9 @@ def rope_frequencies(spec: LlamaSpec) -> jax.Array:
 
 
 def rope_tables(spec: LlamaSpec, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """cos, sin [len(positions), hd] (fp32), in rotate_half's layout. Training
-  passes 0..s-1; a decoder with a K/V cache passes the new tokens' positions."""
-  freqs = jnp.outer(positions.astype(jnp.float32), rope_frequencies(spec))
+  """cos, sin [..., hd] (fp32) for positions [...], in rotate_half's layout.
+  Training passes 0..s-1; a decoder with a K/V cache its new tokens' [b, t]."""
+  freqs = positions.astype(jnp.float32)[..., None] * rope_frequencies(spec)
   emb = jnp.concatenate([freqs, freqs], axis=-1)
   return jnp.cos(emb), jnp.sin(emb)
 
@@ -111,7 +118,8 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
   """x [b, s, heads, hd] rotated as transformers' apply_rotary_pos_emb does."""
   half = x.shape[-1] // 2
   rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-  cos, sin = cos[:, None, :].astype(x.dtype), sin[:, None, :].astype(x.dtype)
+  # [..., t, hd] -> [..., t, 1, hd]: the same rotation for every head.
+  cos, sin = cos[..., None, :].astype(x.dtype), sin[..., None, :].astype(x.dtype)
   return x * cos + rotated * sin
 
 
@@ -121,7 +129,8 @@ class Embed(nn.Module):
   spec: LlamaSpec
 
   @nn.compact
-  def __call__(self, tokens):
+  def __call__(self, tokens, positions=None):
+    del positions  # the block rotates by them
     s, pdt = self.spec, jnp.dtype(self.spec.param_dtype)
     table = param(self, 'tokens', (s.vocab_size, s.d_model), ('vocab', 'embed'), 0.02, pdt)
     return constrain(jnp.take(table, tokens, axis=0).astype(s.dtype), ('batch', 'seq', 'embed'))
@@ -133,7 +142,7 @@ class Block(nn.Module):
   spec: LlamaSpec
 
   @nn.compact
-  def __call__(self, x):
+  def __call__(self, x, decode: Decode | None = None):
     s = self.spec
     pdt, dt = jnp.dtype(s.param_dtype), jnp.dtype(s.dtype)
     out_std = 0.02 / math.sqrt(2 * s.num_layers)  # GPT-2's scaled residual init, as gpt.py
@@ -149,21 +158,16 @@ class Block(nn.Module):
     w_down = param(self, 'w_down', (f, d), ('mlp', 'embed'), out_std, pdt)
 
     h = rms_norm(x, attn_norm, s.norm_eps)
-    cos, sin = rope_tables(s, jnp.arange(x.shape[1]))
+    cos, sin = rope_tables(s, jnp.arange(x.shape[1]) if decode is None else decode.positions)
     q = apply_rope(jnp.einsum('bsd,dnk->bsnk', h, wq.astype(dt)), cos, sin)
     k = apply_rope(jnp.einsum('bsd,dnk->bsnk', h, wk.astype(dt)), cos, sin)
     v = jnp.einsum('bsd,dnk->bsnk', h, wv.astype(dt))
     q = constrain(q, ('batch', 'seq', 'heads', 'kv'))
     k, v = (constrain(t, ('batch', 'seq', 'kv_heads', 'kv')) for t in (k, v))
-    # K/V head j serves query heads j*g .. j*g+g-1 (transformers' repeat_kv).
-    # Repeated to one per query head, they split over `tensor` as the queries
-    # do whether the K/V heads were split or replicated; the kernels' own GQA
-    # would pair a rank's query heads with K/V heads it may not hold.
-    k, v = (
-      constrain(jnp.repeat(t, n // kv, axis=2), ('batch', 'seq', 'heads', 'kv')) for t in (k, v)
-    )
     impl = 'cudnn' if s.attention == 'cudnn' else 'xla'
-    a = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
+    a = causal_attention(q, k, v, impl, decode)
+    if decode is not None:
+      a, cache = a
     x = x + constrain(jnp.einsum('bsnk,nkd->bsd', a, wo.astype(dt)), ('batch', 'seq', 'embed'))
 
     h = rms_norm(x, mlp_norm, s.norm_eps)
@@ -171,7 +175,7 @@ class Block(nn.Module):
     up = constrain(jnp.einsum('bsd,df->bsf', h, w_up.astype(dt)), ('batch', 'seq', 'mlp'))
     u = jax.nn.silu(gate) * up
     x = x + constrain(jnp.einsum('bsf,fd->bsd', u, w_down.astype(dt)), ('batch', 'seq', 'embed'))
-    return x
+    return x if decode is None else (x, cache)
 
 
 class Head(nn.Module):
