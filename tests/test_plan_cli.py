@@ -100,6 +100,7 @@ def test_cli_plans_writes_a_runnable_plan_and_a_trace(tmp_path, capsys):
   base = tmp_path / 'tiny.py'
   base.write_text(BASE)
   out, trace = tmp_path / 'plan.py', tmp_path / 'trace.json'
+  cache = str(tmp_path / 'profiles.json')
   module = _load(base, 'tiny_base')
   request = report.Request(
     cfg=module.get_config(),
@@ -109,9 +110,13 @@ def test_cli_plans_writes_a_runnable_plan_and_a_trace(tmp_path, capsys):
     top=3,
     out=str(out),
     trace=str(trace),
+    profile_cache=cache,
   )
   summary = report.run(request, as_json=True)
-  printed = json.loads(capsys.readouterr().out)
+  captured = capsys.readouterr()
+  printed = json.loads(captured.out)
+  # Header and progress on stderr, stdout stays one JSON object.
+  assert captured.err.startswith('plan: 4 layers') and f'saved to {cache}' in captured.err
   assert printed['top'][0]['plan'] == summary['top'][0]['plan']
   assert printed['simulated'] is True and printed['devices'] == 8
   assert set(printed['speedups']) == {'even_split', 'data_parallel', 'homogeneous_slowest'}
@@ -127,13 +132,24 @@ def test_cli_plans_writes_a_runnable_plan_and_a_trace(tmp_path, capsys):
   )
   assert cfg.train.steps == 3
   config.validate(cfg, 8)
-  # The same model on another cluster: the roofline derives H100 times.
+  # Its command, as printed, names the forced CPU devices the plan needs.
+  assert f'python -m triax.train --config={out} --workdir=DIR --cpu_devices=8' in out.read_text()
+  # The same model on another cluster: the roofline derives H100 times,
+  # from the profile the cache file kept.
   text_request = report.Request(
-    cfg=module.get_config(), config_path=str(base), config_overrides={}, cluster=H100, top=2
+    cfg=module.get_config(),
+    config_path=str(base),
+    config_overrides={},
+    cluster=H100,
+    top=2,
+    profile_cache=cache,
   )
   report.run(text_request)
-  text = capsys.readouterr().out
+  captured = capsys.readouterr()
+  text = captured.out
   assert 'baselines' in text and 'Roofline assumption' in text and 'SIMULATED' in text
+  assert f'profile: from {cache}' in captured.err
+  assert '  measured layer_fwd' not in text  # the measurements: behind --verbose
 
 
 def test_bad_flags_are_config_errors(tmp_path):
