@@ -158,3 +158,15 @@ def test_uneven_plan_file_names_its_chunks(tmp_path):
   else:
     with pytest.raises(ValueError, match='layers_per_stage'):
       module.get_config()
+
+
+def test_layouts_do_not_list_a_schedule_twice():
+  # interleaved_zb at v = 1 builds zb_h1's orders (and interleaved_1f1b
+  # 1f1b's): the same plan would fill two of the top rows.
+  found = list(search.layouts(small_config(layers=8, batch=16), 8))
+  assert not [
+    l
+    for l in found
+    if l.schedule in ('interleaved_zb', 'interleaved_1f1b') and l.virtual_stages == 1
+  ]
+  assert any(l.schedule == 'zb_h1' for l in found)

@@ -365,14 +365,15 @@ def text(result: search_lib.SearchResult, cfg, request: Request | None = None) -
     "papers' model)"
   )
   flops = _model_flops(cfg)
+  width = max([58] + [len(e.plan.describe()) for e in result.top])
   head = (
-    f'{"#":>2}  {"plan":58s} {"step ms":>9} {"async ms":>9} {"bubble":>6} {"GiB/dev":>7} '
+    f'{"#":>2}  {"plan":{width}s} {"step ms":>9} {"async ms":>9} {"bubble":>6} {"GiB/dev":>7} '
     f'{"TF/s/dev":>8}  devices (per stage)'
   )
   lines += ['', head]
   for i, e in enumerate(result.top):
     lines.append(
-      f'{i + 1:>2}  {e.plan.describe():58s} {_ms(e.step_time)} '
+      f'{i + 1:>2}  {e.plan.describe():{width}s} {_ms(e.step_time)} '
       f'{_ms(e.async_time)} {_pct(e.bubble_fraction):>6} '
       f'{e.peak_memory / 2**30:7.3f} {_tflops(flops, e, c.num_devices):>8}  '
       f'{_stages(e.plan)}'

@@ -123,6 +123,8 @@ def layouts(cfg, num_devices: int) -> Iterator[Layout]:
               continue
             if name == 'interleaved_1f1b' and v == 1:
               continue  # the builder returns 1f1b itself
+            if name == 'interleaved_zb' and v == 1:
+              continue  # the same orders as zb_h1: one plan shown twice
             if _buildable(name, p, m, v):
               yield Layout(d, t, p, name, m, v)
 
