@@ -247,10 +247,11 @@ def resize(cluster: Cluster, devices: int) -> Cluster:
       '--gpus', f'{cluster.path}: its nodes differ, so it cannot be resized; leave --gpus out'
     )
   per = sum(first.devices.values())
+  base = first.name.rsplit('-', 1)[0] if len(cluster.nodes) > 1 else first.name
   if devices < 1 or (devices > per and devices % per):
     raise ConfigError(
       '--gpus',
-      f'want a positive multiple of {per} (the devices of one {first.name} node) or at most '
+      f'want a positive multiple of {per} (the devices of one {base} node) or at most '
       f'{per}, got {devices}',
     )
   if devices < per:
@@ -258,7 +259,6 @@ def resize(cluster: Cluster, devices: int) -> Cluster:
       raise ConfigError('--gpus', f'part of a mixed node; use a multiple of {per}')
     nodes = (dataclasses.replace(first, devices={next(iter(first.devices)): devices}),)
   else:
-    base = first.name.rsplit('-', 1)[0] if len(cluster.nodes) > 1 else first.name
     nodes = tuple(dataclasses.replace(first, name=f'{base}-{k}') for k in range(devices // per))
   counts = {g: sum(n.devices.get(g, 0) for n in nodes) for g in cluster.groups}
   groups = {
