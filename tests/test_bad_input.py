@@ -268,7 +268,7 @@ CASES = [
     'data.tokenizer',
   ),
   (
-    'data-mask-documents-unsupported',
+    'data-mask-documents-without-documents',
     train('--config.data.mask_documents=true'),
     'data.mask_documents',
   ),

@@ -178,7 +178,7 @@ def defaults() -> ml_collections.ConfigDict:
   c.data.tokenizer = 'bytes'
   # data.source=text reads at most this many bytes and refuses more (never a silent prefix).
   c.data.max_text_bytes = 2**30
-  # Segment ids so attention stays inside a document of a packed row (needs model support).
+  # Attention stays inside each document of a packed row (sources that record documents).
   c.data.mask_documents = False
   # data.source=mixture: ((PATH, WEIGHT), ...), each PATH a prepared directory or Megatron prefix.
   c.data.mixture = ()
@@ -479,6 +479,11 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int) -> ml_collections
       raise ConfigError(
         f'model.{key}', f'unknown value {m[key]!r}; choose one of {", ".join(choices)}'
       )
+  if m.attention == 'cudnn' and cfg.data.mask_documents:
+    raise ConfigError(
+      'model.attention',
+      'cudnn takes no document mask here (data.mask_documents=true); use xla',
+    )
   if m.attention == 'cudnn':
     # What JAX's cuDNN attention accepts; found here rather than at compile time.
     if m.dtype != 'bfloat16':
@@ -632,12 +637,12 @@ def _check_data(d) -> None:
     raise ConfigError('data.max_text_bytes', f'must be a positive integer, got {size!r}')
   if not isinstance(d.mask_documents, bool):
     raise ConfigError('data.mask_documents', f'must be true or false, got {d.mask_documents!r}')
-  if d.mask_documents:
-    # The loader makes the segment ids (data/batches.py); the model's attention does not take
-    # them yet, and training on without them would let attention cross documents unannounced.
+  if d.mask_documents and d.source in BYTE_SOURCES:
+    # Byte sources are one stream of text with no document boundaries recorded.
     raise ConfigError(
       'data.mask_documents',
-      "is not supported yet: the model's attention takes no document mask; set it to false",
+      f'data.source={d.source} records no documents; prepare the text '
+      '(python -m triax.prepare) and use data.source=tokens, or set it to false',
     )
 
 

@@ -130,7 +130,9 @@ class Decode:
   positions: jax.Array
 
 
-def causal_attention(q, k, v, impl: str, decode: Decode | None = None):
+def causal_attention(
+  q, k, v, impl: str, decode: Decode | None = None, segments: jax.Array | None = None
+):
   """Causal attention of q [b, t, n, hd] over k, v [b, t, kv, hd] (kv divides n).
 
   K/V head j serves query heads j*g .. j*g+g-1 (transformers' repeat_kv).
@@ -138,13 +140,16 @@ def causal_attention(q, k, v, impl: str, decode: Decode | None = None):
   whether the K/V heads were split or replicated; the kernels' own GQA would
   pair a rank's query heads with K/V heads it may not hold. With `decode`,
   k and v go into the cache first and q attends to every cached slot of its
-  row up to its own; returns (output, (k cache, v cache)) then.
+  row up to its own; returns (output, (k cache, v cache)) then. With
+  `segments` [b, t] (the document number of each position of a packed row,
+  data.mask_documents), a query attends only within its own document.
   """
   group = q.shape[2] // k.shape[2]
   repeat = lambda t: constrain(jnp.repeat(t, group, axis=2), ('batch', 'seq', 'heads', 'kv'))
   if decode is None:
+    mask = None if segments is None else (segments[:, :, None] == segments[:, None, :])[:, None]
     return jax.nn.dot_product_attention(
-      q, repeat(k), repeat(v), is_causal=True, implementation=impl
+      q, repeat(k), repeat(v), mask=mask, is_causal=True, implementation=impl
     )
   k_cache = jax.lax.dynamic_update_slice_in_dim(decode.k, k.astype(decode.k.dtype), decode.index, 1)
   v_cache = jax.lax.dynamic_update_slice_in_dim(decode.v, v.astype(decode.v.dtype), decode.index, 1)
@@ -235,18 +240,23 @@ class DecoderModel:
   def embed(self, embed_params: Params, tokens: jax.Array) -> jax.Array:
     return self._embed.apply({'params': embed_params}, tokens)
 
-  def layer(self, layer_params: Params, x: jax.Array) -> jax.Array:
-    return self._block.apply({'params': layer_params}, x)
+  def layer(self, layer_params: Params, x: jax.Array, segments=None) -> jax.Array:
+    return self._block.apply({'params': layer_params}, x, None, segments)
 
   def layers(
-    self, stacked_params: Params, x: jax.Array, num_active: jax.Array | None = None
+    self,
+    stacked_params: Params,
+    x: jax.Array,
+    num_active: jax.Array | None = None,
+    segments: jax.Array | None = None,
   ) -> jax.Array:
     """Runs a stack of layers (leading axis) in order, with the configured remat.
 
     With `num_active`, only the first `num_active` layers run; the rest are
-    padding (uneven pipeline splits) and are skipped under `cond`.
+    padding (uneven pipeline splits) and are skipped under `cond`. With
+    `segments` [b, s], attention stays inside each packed document.
     """
-    layer = self.layer
+    layer = lambda p, h: self.layer(p, h, segments)  # noqa: E731
     if self.spec.remat != 'none':
       layer = jax.checkpoint(layer, policy=REMAT_POLICIES[self.spec.remat])
     if num_active is None:
@@ -301,13 +311,13 @@ class DecoderModel:
     x, cache = jax.lax.scan(layer, x, (params['layers'], *cache))
     return self.head_logits(head_params, x), cache
 
-  def logits(self, params: Params, tokens: jax.Array) -> jax.Array:
+  def logits(self, params: Params, tokens: jax.Array, segments=None) -> jax.Array:
     embed_params, head_params = self.edge_params(params)
-    x = self.layers(params['layers'], self.embed(embed_params, tokens))
+    x = self.layers(params['layers'], self.embed(embed_params, tokens), segments=segments)
     return self.head_logits(head_params, x)
 
-  def loss(self, params: Params, inputs: jax.Array, targets: jax.Array) -> jax.Array:
+  def loss(self, params: Params, inputs: jax.Array, targets: jax.Array, segments=None) -> jax.Array:
     """Mean next-token cross-entropy of a batch on one program (no pipeline)."""
     embed_params, head_params = self.edge_params(params)
-    x = self.layers(params['layers'], self.embed(embed_params, inputs))
+    x = self.layers(params['layers'], self.embed(embed_params, inputs), segments=segments)
     return self.head_loss(head_params, x, targets) / targets.size

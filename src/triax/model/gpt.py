@@ -60,7 +60,7 @@ class Block(nn.Module):
   spec: GPTSpec
 
   @nn.compact
-  def __call__(self, x, decode: Decode | None = None):
+  def __call__(self, x, decode: Decode | None = None, segments=None):
     s = self.spec
     pdt, dt = jnp.dtype(s.param_dtype), jnp.dtype(s.dtype)
     out_std = 0.02 / math.sqrt(2 * s.num_layers)  # GPT-2: keep the residual stream's variance flat
@@ -80,7 +80,7 @@ class Block(nn.Module):
     v = jnp.einsum('bsd,dnk->bsnk', h, wv.astype(dt))
     q, k, v = (constrain(t, ('batch', 'seq', 'heads', 'kv')) for t in (q, k, v))
     impl = 'cudnn' if s.attention == 'cudnn' else 'xla'
-    a = causal_attention(q, k, v, impl, decode)
+    a = causal_attention(q, k, v, impl, decode, segments)
     if decode is not None:
       a, cache = a
     x = x + constrain(jnp.einsum('bsnk,nkd->bsd', a, wo.astype(dt)), ('batch', 'seq', 'embed'))

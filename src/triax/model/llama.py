@@ -142,7 +142,7 @@ class Block(nn.Module):
   spec: LlamaSpec
 
   @nn.compact
-  def __call__(self, x, decode: Decode | None = None):
+  def __call__(self, x, decode: Decode | None = None, segments=None):
     s = self.spec
     pdt, dt = jnp.dtype(s.param_dtype), jnp.dtype(s.dtype)
     out_std = 0.02 / math.sqrt(2 * s.num_layers)  # GPT-2's scaled residual init, as gpt.py
@@ -165,7 +165,7 @@ class Block(nn.Module):
     q = constrain(q, ('batch', 'seq', 'heads', 'kv'))
     k, v = (constrain(t, ('batch', 'seq', 'kv_heads', 'kv')) for t in (k, v))
     impl = 'cudnn' if s.attention == 'cudnn' else 'xla'
-    a = causal_attention(q, k, v, impl, decode)
+    a = causal_attention(q, k, v, impl, decode, segments)
     if decode is not None:
       a, cache = a
     x = x + constrain(jnp.einsum('bsnk,nkd->bsd', a, wo.astype(dt)), ('batch', 'seq', 'embed'))

@@ -67,8 +67,9 @@ class StageFns:
   """What the executor places on stages.
 
   embed(embed_params, tokens[mb, s]) -> x[mb, s, d]       first chunk's input
-  chunk(chunk_params, x[, num_layers]) -> y                one chunk's layers (the
-      first num_layers of its padded stack, when the split is uneven)
+  chunk(chunk_params, x[, num_layers][, segments=]) -> y   one chunk's layers (the
+      first num_layers of its padded stack, when the split is uneven; with
+      segments[mb, s], attention stays inside each packed document)
   head_loss(head_params, y, targets[mb, s]) -> scalar     summed token loss
   """
 
@@ -124,8 +125,9 @@ def pipeline_loss_and_grad(
   chunk_layers: tuple[int, ...] | None = None,
   data_axis: str | None = None,
   transfer_spec: P | None = None,
+  segments: bool = False,
 ):
-  """Builds f(stage_params, embed_params, head_params, inputs, targets).
+  """Builds f(stage_params, embed_params, head_params, inputs, targets[, segments]).
 
   Args:
     fns: the functions to place.
@@ -192,10 +194,13 @@ def pipeline_loss_and_grad(
   info = {}
   counts = None if chunk_layers is None else jnp.asarray(chunk_layers, jnp.int32)
 
-  def run_chunk(chunk_params, x, chunk):
+  def run_chunk(chunk_params, x, chunk, seg):
+    # A micro-batch's document ids enter the forward only: what the backward
+    # needs of them (the mask) is among the vjp's residuals.
+    extra = {} if seg is None else {'segments': seg}
     if counts is None:
-      return fns.chunk(chunk_params, x)
-    return fns.chunk(chunk_params, x, counts[chunk])
+      return fns.chunk(chunk_params, x, **extra)
+    return fns.chunk(chunk_params, x, counts[chunk], **extra)
 
   def pin(x):
     return jax.lax.with_sharding_constraint(x, act_spec)
@@ -211,7 +216,8 @@ def pipeline_loss_and_grad(
   def scaled_head_loss(head_params, y, targets):
     return fns.head_loss(head_params, y, targets) * loss_scale
 
-  def body(stage_params, embed_params, head_params, inputs, targets):
+  def body(stage_params, embed_params, head_params, inputs, targets, *docs):
+    doc_ids = docs[0] if docs else None
     local = jax.tree.map(lambda a: a[0], stage_params)  # [v, layers_per_chunk, ...]
     # Replicated weights become per-device values here, outside any branch
     # and the scan: a vjp inside a branch w.r.t. a pipe-invariant value would
@@ -224,8 +230,8 @@ def pipeline_loss_and_grad(
     stage = jax.lax.axis_index('pipe')
     x_zero = pin(_varying(jnp.zeros(act_shape, act_dtype), manual))
 
-    def chunk_vjp(chunk_params, x, chunk):
-      return jax.vjp(lambda cp, h: run_chunk(cp, h, chunk), chunk_params, x)
+    def chunk_vjp(chunk_params, x, chunk, seg):
+      return jax.vjp(lambda cp, h: run_chunk(cp, h, chunk, seg), chunk_params, x)
 
     # Trace one chunk's vjp to learn the residual structure (which leaves are
     # the chunk's own weights, not stashed; the shapes of the rest) and to
@@ -233,7 +239,9 @@ def pipeline_loss_and_grad(
     # in the real forward, so an uneven split's layer count is a residual in
     # both. The probe's values are unused (XLA drops them).
     probe_params = _take(local, 0)
-    y_probe, vjp_probe = chunk_vjp(probe_params, x_zero, stage)
+    y_probe, vjp_probe = chunk_vjp(
+      probe_params, x_zero, stage, None if doc_ids is None else doc_ids[0]
+    )
     res_leaves, treedef = jax.tree.flatten(vjp_probe)
     weights = jax.tree.leaves(probe_params)
     weight_of = [next((j for j, w in enumerate(weights) if w is leaf), None) for leaf in res_leaves]
@@ -282,7 +290,7 @@ def pipeline_loss_and_grad(
         lambda: pin(fns.embed(embed_params, inputs[mb]).astype(act_dtype)),
         lambda: pin(c['msg'][row['src']]),
       )
-      y, vjp_fn = chunk_vjp(chunk_params, x, chunk)
+      y, vjp_fn = chunk_vjp(chunk_params, x, chunk, None if doc_ids is None else doc_ids[mb])
       c = dict(c, stash=_put(c['stash'], row['stash'], split_residuals(vjp_fn, chunk_params)))
 
       def loss_and_seed(c):
@@ -397,7 +405,7 @@ def pipeline_loss_and_grad(
     body,
     mesh=mesh,
     axis_names=set(manual),
-    in_specs=(P('pipe'), P(), P(), rows, rows),
+    in_specs=(P('pipe'), P(), P(), rows, rows) + ((rows,) if segments else ()),
     out_specs=(P(), (P('pipe'), P(), P())),
   )
   return PipelineStep(run, info)

@@ -90,8 +90,13 @@ def global_batch(trainer: Trainer, rows) -> dict:
     k: jax.make_array_from_callback(
       shape, trainer.batch_sharding, lambda index, k=k: block(index)[k][(slice(None),) + index[1:]]
     )
-    for k in ('inputs', 'targets')
+    for k in batch_keys(cfg)
   }
+
+
+def batch_keys(cfg) -> tuple[str, ...]:
+  """The arrays of a batch: with data.mask_documents, the rows' document ids too."""
+  return ('inputs', 'targets') + (('segment_ids',) if cfg.data.mask_documents else ())
 
 
 def _cost(compiled) -> dict:
@@ -107,7 +112,7 @@ def compile_stats(trainer: Trainer) -> tuple[object, dict]:
   b, s = cfg.train.global_batch_size, cfg.model.seq_len
   batch = {
     k: jax.ShapeDtypeStruct((b, s), np.int32, sharding=trainer.batch_sharding)
-    for k in ('inputs', 'targets')
+    for k in batch_keys(cfg)
   }
   started = time.perf_counter()
   with jax.set_mesh(trainer.mesh):

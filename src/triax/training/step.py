@@ -262,14 +262,16 @@ def build_trainer(cfg, mesh: Mesh) -> Trainer:
     )
 
   batch_sharding = NamedSharding(mesh, P('data', None))
+  # Packed rows carry their document ids (batch['segment_ids']); attention stays inside each.
+  documents = bool(cfg.data.mask_documents)
   global_batch, seq = cfg.train.global_batch_size, spec.seq_len
   act_dtype = jnp.dtype(spec.dtype)
 
   if program is None:
 
-    def raw_loss_and_grad(params, inputs, targets):
+    def raw_loss_and_grad(params, inputs, targets, segments=None):
       flat = layout.tree_to_model_order(params)
-      loss, grads = jax.value_and_grad(model.loss)(flat, inputs, targets)
+      loss, grads = jax.value_and_grad(model.loss)(flat, inputs, targets, segments)
       return loss, layout.tree_to_pipeline(grads)
   else:
     # The batch's mesh axis turns manual inside the executor, so that weight
@@ -280,9 +282,9 @@ def build_trainer(cfg, mesh: Mesh) -> Trainer:
     inner_rules = tuple((name, None if axis == data_axis else axis) for name, axis in rules)
 
     def inside(fn):
-      def call(*args):
+      def call(*args, **kwargs):
         with sharding.axis_rules(inner_rules):
-          return fn(*args)
+          return fn(*args, **kwargs)
 
       return call
 
@@ -303,27 +305,33 @@ def build_trainer(cfg, mesh: Mesh) -> Trainer:
       chunk_layers=counts,
       data_axis=data_axis,
       transfer_spec=_transfer_spec(cfg, mesh, act_spec),
+      segments=documents,
     )
 
-    def raw_loss_and_grad(params, inputs, targets):
+    def raw_loss_and_grad(params, inputs, targets, segments=None):
       # Micro-batch j takes rows j, j+m, ...: each micro-batch spans every data shard.
       split = lambda a: jnp.swapaxes(a.reshape((mb, m) + a.shape[1:]), 0, 1)
       # The first and last stages' params as the model hands them out; through
       # the vjp, a weight both use (tied embeddings) gets both gradients summed.
       edges = {'embed': params['embed'], 'head': params['head']}
       (embed_params, head_params), edges_vjp = jax.vjp(model.edge_params, edges)
+      docs = () if segments is None else (split(segments),)
       loss, (g_layers, g_embed, g_head) = run(
-        params['layers'], embed_params, head_params, split(inputs), split(targets)
+        params['layers'], embed_params, head_params, split(inputs), split(targets), *docs
       )
       (g_edges,) = edges_vjp((g_embed, g_head))
       return loss, {**g_edges, 'layers': g_layers}
 
-  def loss_and_grad(params, inputs, targets):
+  def loss_and_grad(params, inputs, targets, segments=None):
     with sharding.axis_rules(rules):
-      return raw_loss_and_grad(params, inputs, targets)
+      return raw_loss_and_grad(params, inputs, targets, segments)
+
+  def batch_args(batch: dict) -> tuple:
+    """inputs, targets and (data.mask_documents) the rows' document ids."""
+    return batch['inputs'], batch['targets'], batch['segment_ids'] if documents else None
 
   def train_step(state: TrainState, batch: dict):
-    loss, grads = loss_and_grad(state.params, batch['inputs'], batch['targets'])
+    loss, grads = loss_and_grad(state.params, *batch_args(batch))
     grad_norm = optax.tree.norm(grads)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
@@ -351,7 +359,7 @@ def build_trainer(cfg, mesh: Mesh) -> Trainer:
     if split_eval:
       flat = jax.lax.with_sharding_constraint(flat, eval_shardings)
     with sharding.axis_rules(rules):
-      return model.loss(flat, batch['inputs'], batch['targets'])
+      return model.loss(flat, *batch_args(batch))
 
   with jax.set_mesh(mesh):
     jit_init = jax.jit(init_state, out_shardings=state_shardings)
@@ -365,7 +373,7 @@ def build_trainer(cfg, mesh: Mesh) -> Trainer:
       eval_loss, in_shardings=(param_shardings, batch_sharding), out_shardings=replicated
     )
     jit_grad = jax.jit(
-      lambda params, batch: loss_and_grad(params, batch['inputs'], batch['targets']),
+      lambda params, batch: loss_and_grad(params, *batch_args(batch)),
       in_shardings=(param_shardings, batch_sharding),
       out_shardings=(replicated, param_shardings),
     )
