@@ -170,3 +170,12 @@ def test_layouts_do_not_list_a_schedule_twice():
     if l.schedule in ('interleaved_zb', 'interleaved_1f1b') and l.virtual_stages == 1
   ]
   assert any(l.schedule == 'zb_h1' for l in found)
+
+
+def test_layouts_respect_grouped_query_heads():
+  cfg = small_config(layers=8, batch=8)
+  cfg.model.family, cfg.model.num_heads, cfg.model.num_kv_heads = 'llama', 12, 6
+  cfg.model.d_model, cfg.model.d_ff = 96, 192
+  # tensor=4 divides the 12 query heads, but 6 K/V heads (>= 4) cannot split
+  # over it and validation refuses them; tensor=8 divides no heads.
+  assert {l.tensor for l in search.layouts(cfg, 8)} == {1, 2}

@@ -110,6 +110,11 @@ def layouts(cfg, num_devices: int) -> Iterator[Layout]:
       p = num_devices // (d * t)
       if model.num_heads % t or model.d_ff % t or model.vocab_size % t:
         continue
+      # Grouped-query K/V heads split over tensor when there are enough, else
+      # replicate; as many or more that do not divide, validation refuses.
+      kv = model.get('num_kv_heads') or model.num_heads
+      if kv >= t and kv % t:
+        continue
       if p > model.num_layers or batch % d:
         continue
       for m in _divisors(batch // d):
