@@ -8,12 +8,13 @@ import subprocess
 import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from triax import config
 from triax.mesh import build_mesh
 from triax.model import registry
-from triax.training.step import build_trainer
+from triax.training.step import TrainState, build_trainer
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), '..'))
 
@@ -85,11 +86,22 @@ def loss_and_grads(cfg, seed=0):
   return float(loss), jax.device_get(trainer.layout.tree_to_model_order(grads))
 
 
+def initial_state(trainer, seed: int):
+  """`trainer.init_state(key(seed))`'s state, the params from `initial_params`
+  (compiled once per model) and a fresh optimizer state laid out like it."""
+  params = initial_params(trainer, seed)
+  shardings = trainer.state_shardings
+  with jax.set_mesh(trainer.mesh):
+    opt_state = jax.jit(trainer.optimizer.init, out_shardings=shardings.opt_state)(params)
+    step = jax.device_put(jnp.zeros((), jnp.int32), shardings.step)
+  return TrainState(step=step, params=params, opt_state=opt_state)
+
+
 def train_losses(cfg, steps, seed=0):
   trainer = make_trainer(cfg)
   losses = []
+  state = initial_state(trainer, cfg.train.seed)
   with jax.set_mesh(trainer.mesh):
-    state = trainer.init_state(jax.random.key(cfg.train.seed))
     for _ in range(steps):
       batch = jax.device_put(random_batch(cfg, seed), trainer.batch_sharding)
       state, out = trainer.train_step(state, batch)

@@ -166,8 +166,8 @@ def _put(trainer, batch):
 def test_checkpoint_restores_under_other_layouts(tmp_path):
   source = harness.make_trainer(_layout(2, 2, 2, 'interleaved_1f1b', v=2, m=2))
   batches = [harness.random_batch(source.cfg, seed=i) for i in range(4)]
+  state = harness.initial_state(source, 0)
   with jax.set_mesh(source.mesh):
-    state = source.init_state(jax.random.key(0))
     for batch in batches[:3]:
       state, _ = source.train_step(state, _put(source, batch))
     saver = Checkpointer(str(tmp_path), source.cfg)

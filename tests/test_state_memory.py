@@ -66,10 +66,10 @@ def test_save_and_restore_hold_about_one_train_state(layout, extra, bound):
 
 def _eval(cfg, batch):
   trainer = harness.make_trainer(cfg)
+  params = harness.initial_params(trainer, 0)
   with jax.set_mesh(trainer.mesh):
-    state = trainer.init_state(jax.random.key(0))
     placed = jax.device_put(batch, trainer.batch_sharding)
-    loss = float(trainer.eval_loss(state.params, placed))
+    loss = float(trainer.eval_loss(params, placed))
     abstract = trainer.abstract_state()
     train = trainer.train_step.lower(abstract, placed).compile().memory_analysis()
     evaluate = trainer.eval_loss.lower(abstract.params, placed).compile().memory_analysis()

@@ -13,8 +13,9 @@ import os
 import secrets
 import struct
 
-from tensorboardX import SummaryWriter
-from tensorboardX.proto import event_pb2
+# tensorboardX is imported where events are written or read, not here: it
+# imports torch whenever torch is installed (the test extra installs it),
+# about 0.85 s that every start-up, even one refusing its config, would pay.
 
 
 def _read_lines(path: str) -> list[dict]:
@@ -75,6 +76,8 @@ def _event_records(path: str):
   first record that is cut short or does not parse (a crash while writing):
   everything after it is suspect.
   """
+  from tensorboardX.proto import event_pb2
+
   with open(path, 'rb') as f:
     data = f.read()
   offset = 0
@@ -205,6 +208,8 @@ class MetricsWriter:
       # A file is named for the second it was opened: number them, so a run
       # resumed within that second does not overwrite the last one's file.
       opened = len(_event_files(self.tb_dir))
+      from tensorboardX import SummaryWriter
+
       self._tb = SummaryWriter(
         self.tb_dir,
         purge_step=start_step + 1 if start_step else None,
