@@ -17,6 +17,7 @@ import time
 
 import harness
 import pytest
+import tensorboardX
 from test_multiprocess import LAUNCH, _free_port
 from test_reliability import (
   assert_same_losses,
@@ -103,7 +104,7 @@ def test_sigterm_saves_the_step_in_flight_and_the_same_command_resumes(
 
   # What a run killed later would have left: TensorBoard events past the
   # checkpoint, and its lock (a dead pid on this host).
-  with metrics_lib.SummaryWriter(os.path.join(workdir, 'tb')) as writer:
+  with tensorboardX.SummaryWriter(os.path.join(workdir, 'tb')) as writer:
     for s in range(step + 1, step + 4):
       writer.add_scalar('loss', 9.0, s)
   with open(os.path.join(workdir, LOCK_NAME), 'w') as f:
