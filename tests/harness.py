@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import subprocess
 import sys
 
@@ -107,6 +108,19 @@ def train_losses(cfg, steps, seed=0):
       state, out = trainer.train_step(state, batch)
       losses.append(float(out['loss']))
   return losses
+
+
+def collectives_by_computation(hlo: str, op: str) -> dict[str, int]:
+  """How many `op` collectives (e.g. 'all-reduce', 'all-gather'; async starts
+  included) each computation of compiled HLO text holds; the entry one is
+  named 'ENTRY ...' (loop bodies and branches are others)."""
+  out = {}
+  for block in re.split(r'\n(?=\S)', hlo):
+    name = block.split(' ', 2)[1] if block.startswith('ENTRY') else block.split(' ', 1)[0]
+    count = len(re.findall(rf'\b{op}(?:-start)?\(', block))
+    if count:
+      out[('ENTRY ' if block.startswith('ENTRY') else '') + name] = count
+  return out
 
 
 def max_rel_err(a, b) -> float:

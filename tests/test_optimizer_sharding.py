@@ -3,7 +3,6 @@ FSDP (mesh.fsdp: parameters too): the numbers of one device, and per-device
 bytes divided by the data degree where each option says."""
 
 import functools
-import re
 
 import harness
 import jax
@@ -89,16 +88,6 @@ def test_sharded_state_matches_one_device_and_divides_its_bytes(layout, option):
     # loop, not once per micro-batch in it: no all-gather outside the entry.
     # (With tensor > 1 the loop gathers each transfer over `tensor`: Megatron's
     # scatter/gather, test_pipeline_collectives.py.)
-    gathers = _collectives_by_computation(compiled.as_text(), 'all-gather')
+    gathers = harness.collectives_by_computation(compiled.as_text(), 'all-gather')
     assert any(name.startswith('ENTRY') for name in gathers)
     assert all(name.startswith('ENTRY') for name in gathers), gathers
-
-
-def _collectives_by_computation(hlo: str, op: str) -> dict[str, int]:
-  out = {}
-  for block in re.split(r'\n(?=\S)', hlo):
-    name = block.split(' ', 2)[1] if block.startswith('ENTRY') else block.split(' ', 1)[0]
-    count = len(re.findall(rf'\b{op}(?:-start)?\(', block))
-    if count:
-      out[('ENTRY ' if block.startswith('ENTRY') else '') + name] = count
-  return out

@@ -12,16 +12,6 @@ import jax
 import pytest
 
 
-def _all_reduces_by_computation(hlo: str) -> dict[str, int]:
-  out = {}
-  for block in re.split(r'\n(?=\S)', hlo):
-    name = block.split(' ', 2)[1] if block.startswith('ENTRY') else block.split(' ', 1)[0]
-    count = len(re.findall(r'\ball-reduce(?:-start)?\(', block))
-    if count:
-      out[('ENTRY ' if block.startswith('ENTRY') else '') + name] = count
-  return out
-
-
 @pytest.mark.parametrize(
   'schedule, v', [('1f1b', 1), ('interleaved_1f1b', 2), ('zb_h1', 1), ('bpipe', 1)]
 )
@@ -40,7 +30,7 @@ def test_data_parallel_gradients_are_reduced_once_per_step(schedule, v):
   with jax.set_mesh(trainer.mesh):
     batch = jax.device_put(harness.random_batch(cfg), trainer.batch_sharding)
     hlo = trainer.train_step.lower(trainer.abstract_state(), batch).compile().as_text()
-  found = _all_reduces_by_computation(hlo)
+  found = harness.collectives_by_computation(hlo, 'all-reduce')
   assert found, 'the step must reduce gradients somewhere'
   inside = {name: n for name, n in found.items() if not name.startswith('ENTRY')}
   assert not inside, f'all-reduces inside the tick loop (once per micro-batch): {inside}'
