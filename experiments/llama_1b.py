@@ -21,16 +21,18 @@ ARG is `key=value,...`:
                        device in seconds (scripts/gpu_bench.sh --smoke, tests)
 """
 
+import os
+
 from triax import config
+
+# The benchmark this one repeats with a Llama: one device, bf16 compute with fp32
+# parameters and Adam state, its steps, warmup, evaluation and checkpoint cadence.
+GPT_1B = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'gpt_1b.py')
 
 
 def get_config(arg=None):
   args = config.parse_arg(arg, smoke=False, attention='cudnn', batch=8, remat='none', steps=40)
-  c = config.defaults()
-  c.mesh.data, c.mesh.tensor, c.mesh.pipe = 1, 1, 1
-  c.pipeline.schedule = '1f1b'
-  c.pipeline.microbatches = 1
-  c.pipeline.virtual_stages = 1
+  c = config.from_file(GPT_1B, arg)
   c.model.family = 'llama'
   c.model.num_layers = 16
   c.model.d_model = 2048
@@ -38,7 +40,6 @@ def get_config(arg=None):
   c.model.num_kv_heads = 8
   c.model.d_ff = 8192
   c.model.vocab_size = 128256
-  c.model.seq_len = 2048
   c.model.rope_theta = 500000.0
   c.model.rope_scaling.factor = 32.0
   c.model.rope_scaling.low_freq_factor = 1.0
@@ -48,27 +49,10 @@ def get_config(arg=None):
   # 256 positions at a time: the fp32 logits of 8 x 2048 x 128256 would be 8.4 GB, and the
   # loss's one-hot and gradient as much again each; chunked, an eighth of that.
   c.model.loss_chunk = 256
-  c.model.dtype = 'bfloat16'
-  c.model.param_dtype = 'float32'
-  c.model.remat = args['remat']
-  c.model.attention = args['attention']
-  c.train.steps = args['steps']
-  c.train.global_batch_size = args['batch']
-  c.train.learning_rate = 3e-4
-  c.train.warmup_steps = 10
-  c.train.log_every = 5
-  # A benchmark: evaluate only at the start and the end, on one batch.
-  c.train.eval_every = 10_000
-  c.train.eval_batches = 1
-  c.checkpoint.every_steps = 0  # one checkpoint, at the end
-  c.checkpoint.keep = 1
-  if args['smoke']:
+  if args['smoke']:  # gpt_1b's smoke lengths, batch and XLA attention, with a small Llama
     c.model.num_layers, c.model.d_model, c.model.num_heads, c.model.num_kv_heads = 2, 64, 4, 2
     c.model.d_ff, c.model.seq_len, c.model.vocab_size = 172, 64, 1024
     c.model.loss_chunk = 16
-    c.model.attention = 'xla'  # cuDNN attention exists only on GPU
-    c.train.global_batch_size = 4
-    c.train.steps = 6
-    c.train.warmup_steps = 1
-    c.train.log_every = 1
+  else:
+    c.train.global_batch_size = args['batch']  # 8 by default, where gpt_1b takes 16
   return c

@@ -11,40 +11,22 @@ ARG is `key=value,...`: `smoke` shrinks everything to a seconds-long run
 (tests), `steps=N` changes the length, e.g. --config=experiments/llama_tiny.py:smoke
 """
 
+import os
+
 from triax import config
+
+# The run this one repeats with the Llama family: mesh, schedule, training, smoke lengths.
+GPT_TINY = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'gpt_tiny.py')
 
 
 def get_config(arg=None):
-  args = config.parse_arg(arg, smoke=False, steps=300)
-  c = config.defaults()
-  c.mesh.data, c.mesh.tensor, c.mesh.pipe = 2, 2, 2
-  c.pipeline.schedule = 'interleaved_1f1b'
-  c.pipeline.virtual_stages = 2
-  c.pipeline.microbatches = 4
+  smoke = config.parse_arg(arg, smoke=False, steps=300)['smoke']
+  c = config.from_file(GPT_TINY, arg)
   c.model.family = 'llama'
-  c.model.num_layers = 4
-  c.model.d_model = 128
   c.model.num_heads = 8
   c.model.num_kv_heads = 2
   # SwiGLU's three matrices at 2/3 of 4h keep the MLP's parameters those of a 4h GELU MLP.
-  c.model.d_ff = 344
-  c.model.seq_len = 128
+  c.model.d_ff = 88 if smoke else 344
   # Llama 2's base: at 128 positions Llama 3's 500000 leaves most pairs nearly unrotated.
   c.model.rope_theta = 10000.0
-  c.train.steps = args['steps']
-  c.train.global_batch_size = 32
-  c.train.learning_rate = 3e-3
-  c.train.warmup_steps = 30
-  c.train.eval_every = 100
-  c.train.log_every = 10
-  c.checkpoint.every_steps = 100
-  if args['smoke']:
-    c.model.d_model, c.model.d_ff, c.model.seq_len = 32, 88, 32
-    c.train.global_batch_size = 8
-    c.train.steps = 4
-    c.train.warmup_steps = 1
-    c.train.eval_every = 2
-    c.train.eval_batches = 1
-    c.train.log_every = 1
-    c.checkpoint.every_steps = 2
   return c
