@@ -28,6 +28,7 @@ from triax import generation
 from triax.data import tokenizer as tokenizer_lib
 from triax.errors import ConfigError
 from triax.model import hf_llama
+from triax.training import atomic
 from triax.training import lock as lock_lib
 
 HF_CONFIG = 'hf_config.json'
@@ -115,18 +116,10 @@ def import_hf(hf_dir: str, workdir: str, *, tokenizer: str = '', seq_len: int = 
     ckpt.save(trainer, trainer.from_canonical(canonical))
     ckpt.wait()
     ckpt.close()
-    _write_json(os.path.join(workdir, HF_CONFIG), hf)
-    with open(os.path.join(workdir, 'config.json.tmp'), 'w') as f:
-      f.write(portable)
-    os.replace(os.path.join(workdir, 'config.json.tmp'), os.path.join(workdir, 'config.json'))
+    atomic.write_json(os.path.join(workdir, HF_CONFIG), hf)
+    atomic.write_text(os.path.join(workdir, 'config.json'), portable)
   count = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(params))
   return {'step': 0, 'params': count, 'config': cfg}
-
-
-def _write_json(path: str, value) -> None:
-  with open(path + '.tmp', 'w') as f:
-    json.dump(value, f, indent=2)
-  os.replace(path + '.tmp', path)
 
 
 def export_hf(workdir: str, out_dir: str, *, max_shard_bytes: int = MAX_SHARD_BYTES) -> dict:
@@ -149,7 +142,7 @@ def export_hf(workdir: str, out_dir: str, *, max_shard_bytes: int = MAX_SHARD_BY
     base = _read_json(os.path.join(workdir, HF_CONFIG), '--workdir')
   os.makedirs(out_dir, exist_ok=True)
   hf_llama.write_tensors(hf_llama.params_to_hf(params, cfg.model), out_dir, max_shard_bytes)
-  _write_json(os.path.join(out_dir, 'config.json'), hf_llama.hf_config(cfg.model, base))
+  atomic.write_json(os.path.join(out_dir, 'config.json'), hf_llama.hf_config(cfg.model, base))
   tok = os.path.join(workdir, generation.TOKENIZER_FILE)
   if os.path.isfile(tok):
     shutil.copyfile(tok, os.path.join(out_dir, generation.TOKENIZER_FILE))

@@ -20,7 +20,6 @@ or saved, and the error names the step that produced it.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import time
@@ -36,8 +35,8 @@ from triax.mesh import build_mesh
 from triax.model.flops import peak_flops, step_flops
 from triax.pipeline import schedule as sched
 from triax.pipeline import simulate
+from triax.training import atomic, preemption
 from triax.training import lock as lock_lib
-from triax.training import preemption
 from triax.training import step as step_lib
 from triax.training.checkpoint import Checkpointer
 from triax.training.metrics import JsonLines, MetricsWriter
@@ -106,23 +105,24 @@ def _cost(compiled) -> dict:
   return cost or {}
 
 
+def _abstract_batch(trainer: Trainer) -> dict:
+  cfg = trainer.cfg
+  shape = (cfg.train.global_batch_size, cfg.model.seq_len)
+  return {
+    k: jax.ShapeDtypeStruct(shape, np.int32, sharding=trainer.batch_sharding)
+    for k in batch_keys(cfg)
+  }
+
+
 def compile_stats(trainer: Trainer) -> tuple[object, dict]:
   """Lowers and compiles the train step; XLA's per-device memory and cost figures."""
   cfg = trainer.cfg
-  b, s = cfg.train.global_batch_size, cfg.model.seq_len
-  batch = {
-    k: jax.ShapeDtypeStruct((b, s), np.int32, sharding=trainer.batch_sharding)
-    for k in batch_keys(cfg)
-  }
+  b = cfg.train.global_batch_size
   started = time.perf_counter()
   with jax.set_mesh(trainer.mesh):
-    compiled = trainer.train_step.lower(trainer.abstract_state(), batch).compile()
-    # The conversions every save and restore runs (to and from the checkpoint's layout).
-    save = trainer.to_canonical.lower(trainer.abstract_state()).compile().memory_analysis()
-    restore = trainer.from_canonical.lower(trainer.abstract_canonical_state()).compile()
-    restore = restore.memory_analysis()
-    evaluate = trainer.eval_loss.lower(trainer.abstract_state().params, batch).compile()
-    evaluate = evaluate.memory_analysis()
+    compiled = trainer.train_step.lower(
+      trainer.abstract_state(), _abstract_batch(trainer)
+    ).compile()
   mem = compiled.memory_analysis()
   flops = step_flops(trainer.model, b)
   state = trainer.abstract_state()
@@ -138,13 +138,6 @@ def compile_stats(trainer: Trainer) -> tuple[object, dict]:
     'param_bytes': params,
     'optimizer_bytes': step_lib.per_device_bytes(state.opt_state, shardings.opt_state),
     'gradient_bytes': params,
-    # What a save's (restore's) conversion adds per device beside the train
-    # state (the checkpoint's layout): its output and temporaries.
-    'checkpoint_save_bytes': int(save.output_size_in_bytes + save.temp_size_in_bytes),
-    'checkpoint_restore_bytes': int(restore.output_size_in_bytes + restore.temp_size_in_bytes),
-    # The evaluation program's arguments and temporaries per device (to set beside the
-    # train step's temp_bytes + argument_bytes).
-    'eval_bytes': int(evaluate.argument_size_in_bytes + evaluate.temp_size_in_bytes),
     'generated_code_bytes': int(mem.generated_code_size_in_bytes),
     # XLA counts a loop body once, not once per iteration (see WORKSPACE.md).
     'flops': float(_cost(compiled).get('flops', 0.0)),
@@ -179,11 +172,34 @@ def compile_stats(trainer: Trainer) -> tuple[object, dict]:
   return compiled, stats
 
 
-def _write_json(path: str, obj) -> None:
-  tmp = path + '.tmp'
-  with open(tmp, 'w') as f:
-    json.dump(obj, f, indent=2)
-  os.replace(tmp, path)
+def state_program_stats(trainer: Trainer) -> tuple[object, dict]:
+  """Compiles what runs beside the train step on the same state: the
+  conversions every save and restore runs (to and from the checkpoint's
+  layout) and the evaluation. Returns the compiled evaluation (the loop
+  evaluates with it, so it is compiled once) and their per-device bytes."""
+  with jax.set_mesh(trainer.mesh):
+    save = trainer.to_canonical.lower(trainer.abstract_state()).compile().memory_analysis()
+    restore = trainer.from_canonical.lower(trainer.abstract_canonical_state()).compile()
+    restore = restore.memory_analysis()
+    evaluate = trainer.eval_loss.lower(trainer.abstract_state().params, _abstract_batch(trainer))
+    evaluate = evaluate.compile()
+  mem = evaluate.memory_analysis()
+  return evaluate, {
+    # What a save's (restore's) conversion adds per device beside the train
+    # state (the checkpoint's layout): its output and temporaries.
+    'checkpoint_save_bytes': int(save.output_size_in_bytes + save.temp_size_in_bytes),
+    'checkpoint_restore_bytes': int(restore.output_size_in_bytes + restore.temp_size_in_bytes),
+    # The evaluation program's arguments and temporaries per device (to set beside the
+    # train step's temp_bytes + argument_bytes).
+    'eval_bytes': int(mem.argument_size_in_bytes + mem.temp_size_in_bytes),
+  }
+
+
+def all_compile_stats(trainer: Trainer) -> tuple[object, object, dict]:
+  """The train step's and the state programs' figures in one record (compile_stats.json)."""
+  compiled, stats = compile_stats(trainer)
+  compiled_eval, state_stats = state_program_stats(trainer)
+  return compiled, compiled_eval, {**stats, **state_stats}
 
 
 def _parse_profile_steps(spec: str, last_step: int) -> tuple[int, int] | None:
@@ -332,10 +348,10 @@ def _run(
 ) -> dict:
   main_process = jax.process_index() == 0
   if compile_only:
-    _, stats = compile_stats(trainer)
+    _, _, stats = all_compile_stats(trainer)
     _take_lock(workdir_lock)
     if main_process:
-      _write_json(os.path.join(workdir, 'compile_stats.json'), stats)
+      atomic.write_json(os.path.join(workdir, 'compile_stats.json'), stats)
     return stats
 
   position = _Position()
@@ -387,13 +403,11 @@ def _train(
   ckpt.prepare_to_write()
   if main_process:
     # What the run was (for triax.sample and for people): the validated config.
-    with open(os.path.join(workdir, 'config.json.tmp'), 'w') as f:
-      f.write(cfg.to_json(indent=2))
-    os.replace(os.path.join(workdir, 'config.json.tmp'), os.path.join(workdir, 'config.json'))
+    atomic.write_text(os.path.join(workdir, 'config.json'), cfg.to_json(indent=2))
   skip_limit = cfg.train.skip_nonfinite_steps
-  compiled, stats = compile_stats(trainer)
+  compiled, compiled_eval, stats = all_compile_stats(trainer)
   if main_process:
-    _write_json(os.path.join(workdir, 'compile_stats.json'), stats)
+    atomic.write_json(os.path.join(workdir, 'compile_stats.json'), stats)
   metrics = MetricsWriter(
     workdir,
     start,
@@ -414,7 +428,7 @@ def _train(
 
   def evaluate(step: int) -> float:
     losses = [
-      trainer.eval_loss(
+      compiled_eval(
         state.params, global_batch(trainer, lambda lo, hi, i=i: data.val.eval_batch(i, (lo, hi)))
       )
       for i in range(data.eval_count)

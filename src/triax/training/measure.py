@@ -17,13 +17,13 @@ import numpy as np
 
 from triax import config as config_lib
 from triax.mesh import build_mesh
-from triax.training.loop import compile_stats
+from triax.training.loop import all_compile_stats
 from triax.training.step import Trainer, build_trainer
 
 
 @dataclasses.dataclass
 class Measurement:
-  stats: dict  # compile_stats(): temp/argument/output bytes, flops, schedule
+  stats: dict  # all_compile_stats(): temp/argument/output and state-program bytes, flops, schedule
   step_time_s: float  # median of the timed steps
   trainer: Trainer
 
@@ -58,7 +58,8 @@ def measure(cfg, *, steps: int = 5, warmup: int = 2, devices=None) -> Measuremen
   shape = (cfg.train.global_batch_size, cfg.model.seq_len + 1)
   tokens = rng.integers(0, cfg.model.vocab_size, shape).astype(np.int32)
   with jax.set_mesh(trainer.mesh):
-    compiled, stats = compile_stats(trainer)
+    # The state programs too: a layout's peak may be a save or an eval (Measurement.peak_bytes).
+    compiled, _, stats = all_compile_stats(trainer)
     batch = jax.device_put(
       {'inputs': tokens[:, :-1], 'targets': tokens[:, 1:]}, trainer.batch_sharding
     )

@@ -13,6 +13,8 @@ import os
 import secrets
 import struct
 
+from triax.training import atomic
+
 # tensorboardX is imported where events are written or read, not here: it
 # imports torch whenever torch is installed (the test extra installs it),
 # about 0.85 s that every start-up, even one refusing its config, would pay.
@@ -155,9 +157,7 @@ class WandbWriter:
         run_id = f.read().strip()
     else:
       run_id = secrets.token_hex(6)  # W&B ids are lower-case letters and digits
-      with open(id_path + '.tmp', 'w') as f:
-        f.write(run_id + '\n')
-      os.replace(id_path + '.tmp', id_path)
+      atomic.write_text(id_path, run_id + '\n')
     self.run_id = run_id
     self._run = wandb.init(
       project=project,
