@@ -74,6 +74,9 @@ def defaults() -> ml_collections.ConfigDict:
   c.model.d_ff = 512
   # Vocabulary size; 256 for the byte-level corpus.
   c.model.vocab_size = 256
+  # Ids the tokenizer uses; those from it up to vocab_size are padding, masked out of the loss
+  # and of sampling; 0 = all of vocab_size (the data check asks for it when they differ).
+  c.model.vocab_used = 0
   # Tokens per sequence (learned position embeddings of this length).
   c.model.seq_len = 128
   # Compute dtype of activations and matmuls: float32 or bfloat16 (float16 is refused).
@@ -459,6 +462,13 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int) -> ml_collections
       'model.vocab_size',
       f'{m.vocab_size} is not divisible by mesh.tensor={tensor} '
       '(the embedding and output layer are vocabulary-parallel)',
+    )
+  used = m.vocab_used
+  if not isinstance(used, int) or isinstance(used, bool) or not 0 <= used <= m.vocab_size:
+    raise ConfigError(
+      'model.vocab_used',
+      f'must be in [0, model.vocab_size={m.vocab_size}] (0 = every id used; the ids from it '
+      f'on are padding), got {used!r}',
     )
   _check_data(cfg.data)
   if m.vocab_size < 256 and cfg.data.source in BYTE_SOURCES:

@@ -53,6 +53,9 @@ class ModelSpec:
   attention: str = 'xla'
   # Sequence positions per cross-entropy chunk (model/loss.py); 0 = all at once.
   loss_chunk: int = 0
+  # Ids from this one on are vocabulary padding (Megatron's): masked out of the
+  # loss and of sampling (loss.mask_padding); 0 = all vocab_size ids are used.
+  vocab_used: int = 0
   # Not a config key: a tensor shard (the planner's profiler) keeps the full
   # model's head width, it has fewer heads, not thinner ones; 0 = d_model / heads.
   shard_head_dim: int = dataclasses.field(default=0, metadata={'config': False})
@@ -97,6 +100,7 @@ class ModelSpec:
       num_heads=self.num_heads // t,
       d_ff=self.d_ff // t,
       vocab_size=self.vocab_size // t,
+      vocab_used=0,  # a shard's ids are not global ids; masking is elementwise, cost-free
       shard_head_dim=self.head_dim,
     )
 
@@ -272,7 +276,8 @@ class DecoderModel:
     return x
 
   def head_logits(self, head_params: Params, x: jax.Array) -> jax.Array:
-    """fp32 logits [..., vocab] of hidden states x (vocabulary-parallel)."""
+    """fp32 logits [..., vocab] of hidden states x (vocabulary-parallel),
+    padded ids included (the loss masks them itself)."""
     return self._head.apply({'params': head_params}, x)
 
   def head_loss(self, head_params: Params, x: jax.Array, targets: jax.Array) -> jax.Array:
@@ -282,7 +287,11 @@ class DecoderModel:
     by the global token count once.
     """
     return loss_lib.cross_entropy_sum(
-      lambda h: self.head_logits(head_params, h), x, targets, self.spec.loss_chunk
+      lambda h: self.head_logits(head_params, h),
+      x,
+      targets,
+      self.spec.loss_chunk,
+      self.spec.vocab_used,
     )
 
   def init_cache(self, batch: int) -> tuple[jax.Array, jax.Array]:
@@ -296,7 +305,8 @@ class DecoderModel:
 
     start [b]: the slot where each row's (left-padded) prompt begins, so a
     token's position is its slot minus its row's start. A prefill passes the
-    whole padded prompt at index 0; then one token a step.
+    whole padded prompt at index 0; then one token a step. Padded ids
+    (spec.vocab_used) have logit -inf, so a sampler never picks one.
     """
     slots = index + jnp.arange(tokens.shape[1])
     positions = jnp.maximum(slots[None, :] - start[:, None], 0)
@@ -309,12 +319,13 @@ class DecoderModel:
       return x, (k, v)
 
     x, cache = jax.lax.scan(layer, x, (params['layers'], *cache))
-    return self.head_logits(head_params, x), cache
+    return loss_lib.mask_padding(self.head_logits(head_params, x), self.spec.vocab_used), cache
 
   def logits(self, params: Params, tokens: jax.Array, segments=None) -> jax.Array:
+    """fp32 logits [b, s, vocab]; padded ids (spec.vocab_used) at -inf."""
     embed_params, head_params = self.edge_params(params)
     x = self.layers(params['layers'], self.embed(embed_params, tokens), segments=segments)
-    return self.head_logits(head_params, x)
+    return loss_lib.mask_padding(self.head_logits(head_params, x), self.spec.vocab_used)
 
   def loss(self, params: Params, inputs: jax.Array, targets: jax.Array, segments=None) -> jax.Array:
     """Mean next-token cross-entropy of a batch on one program (no pipeline)."""
