@@ -134,17 +134,31 @@ class StackLayout:
     where = np.argsort(index, kind='stable')[: self.num_layers]  # slot of each model layer
     return flat[where]
 
+  def chunk_moves(self) -> dict[tuple[int, int], tuple[tuple[int, int], ...]] | None:
+    """How chunks travel from model order split over the stages (stage d holds
+    chunks d*v .. d*v+v-1) to their slots, grouped so that each group is one
+    permutation of the stages: {(local index in model order, local slot):
+    ((from stage, to stage), ...)}. None where model order does not split
+    into whole chunks per stage (an uneven split)."""
+    if not self.even:
+      return None
+    groups: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    for c in range(len(self.counts)):
+      stage, slot = self.slot_of(c)
+      groups.setdefault((c % self.virtual, slot), []).append((c // self.virtual, stage))
+    return {key: tuple(pairs) for key, pairs in groups.items()}
+
   def tree_to_pipeline(self, tree: Any) -> Any:
     """Applies `to_pipeline` to every leaf under a 'layers' key (params and Adam moments)."""
     return jax.tree_util.tree_map_with_path(
-      lambda path, a: self.to_pipeline(a) if _under_layers(path) else a, tree
+      lambda path, a: self.to_pipeline(a) if under_layers(path) else a, tree
     )
 
   def tree_to_model_order(self, tree: Any) -> Any:
     return jax.tree_util.tree_map_with_path(
-      lambda path, a: self.to_model_order(a) if _under_layers(path) else a, tree
+      lambda path, a: self.to_model_order(a) if under_layers(path) else a, tree
     )
 
 
-def _under_layers(path) -> bool:
+def under_layers(path) -> bool:
   return any(getattr(k, 'key', None) == LAYERS_KEY for k in path)

@@ -178,17 +178,16 @@ def state_program_stats(trainer: Trainer) -> tuple[object, dict]:
   layout) and the evaluation. Returns the compiled evaluation (the loop
   evaluates with it, so it is compiled once) and their per-device bytes."""
   with jax.set_mesh(trainer.mesh):
-    save = trainer.to_canonical.lower(trainer.abstract_state()).compile().memory_analysis()
-    restore = trainer.from_canonical.lower(trainer.abstract_canonical_state()).compile()
-    restore = restore.memory_analysis()
+    save = trainer.to_canonical.added_bytes(trainer.abstract_state())
+    restore = trainer.from_canonical.added_bytes(trainer.abstract_canonical_state())
     evaluate = trainer.eval_loss.lower(trainer.abstract_state().params, _abstract_batch(trainer))
     evaluate = evaluate.compile()
   mem = evaluate.memory_analysis()
   return evaluate, {
     # What a save's (restore's) conversion adds per device beside the train
     # state (the checkpoint's layout): its output and temporaries.
-    'checkpoint_save_bytes': int(save.output_size_in_bytes + save.temp_size_in_bytes),
-    'checkpoint_restore_bytes': int(restore.output_size_in_bytes + restore.temp_size_in_bytes),
+    'checkpoint_save_bytes': int(save),
+    'checkpoint_restore_bytes': int(restore),
     # The evaluation program's arguments and temporaries per device (to set beside the
     # train step's temp_bytes + argument_bytes).
     'eval_bytes': int(mem.argument_size_in_bytes + mem.temp_size_in_bytes),

@@ -26,6 +26,7 @@ from triax.model.common import DecoderModel
 from triax.pipeline import executor
 from triax.pipeline import layout as layout_lib
 from triax.pipeline import schedule as sched
+from triax.training import relayout
 
 _NO_DECAY = ('attn_norm', 'mlp_norm', 'norm', 'positions')
 
@@ -171,8 +172,8 @@ class Trainer:
   loss_and_grad: Callable[[Any, dict], tuple[jax.Array, Any]]  # no update: for parity checks
   optimizer_schedule: optax.Schedule
   canonical_shardings: Any  # the state in model layer order (what checkpoints hold)
-  to_canonical: Callable[[TrainState], TrainState]
-  from_canonical: Callable[[TrainState], TrainState]
+  to_canonical: relayout.Relayout  # TrainState -> the checkpoint's layout
+  from_canonical: relayout.Relayout  # and back
 
   @property
   def rules(self):
@@ -377,12 +378,13 @@ def build_trainer(cfg, mesh: Mesh) -> Trainer:
       in_shardings=(param_shardings, batch_sharding),
       out_shardings=(replicated, param_shardings),
     )
-    to_canonical = jax.jit(
-      layout.tree_to_model_order, in_shardings=(state_shardings,), out_shardings=canonical_shardings
-    )
-    from_canonical = jax.jit(
-      layout.tree_to_pipeline, in_shardings=(canonical_shardings,), out_shardings=state_shardings
-    )
+  # Saves and restores convert leaf by leaf (relayout.py: what bounds their memory).
+  to_canonical = relayout.Relayout(
+    layout, state_shardings, canonical_shardings, to_model=True, moves=layout_lib.under_layers
+  )
+  from_canonical = relayout.Relayout(
+    layout, canonical_shardings, state_shardings, to_model=False, moves=layout_lib.under_layers
+  )
   return Trainer(
     cfg=cfg,
     mesh=mesh,

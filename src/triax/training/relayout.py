@@ -1,0 +1,150 @@
+"""The train state between two layouts, one leaf at a time.
+
+Saving converts the state from the pipeline's layout ([p, v, Lmax, ...]
+stacks) to the checkpoint's (model layer order, split over `pipe`), and
+restoring converts it back. Two things bound what that adds per device:
+
+- Where chunks change stage (interleaved, ZB-V's V), XLA lowers the index
+  permutation to an all-to-all of about twice the leaf (ZB-V's gather: an
+  all-gather of the whole leaf). With an even split each chunk is one block,
+  so the move is written out instead: one `ppermute` over `pipe` per
+  (source index, slot) pair (`StackLayout.chunk_moves`), each a chunk.
+- In one program XLA keeps several leaves' buffers live at once (0.66x the
+  whole state beside its output at p=4, v=2, t=2), and ordering them with
+  optimisation barriers does not change that. One small program per leaf,
+  run in turn, bounds the temporaries by the largest leaf. Programs are
+  shared by leaves of one shape, dtype and sharding pair (a parameter and
+  its two Adam moments), so a model compiles a handful.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from triax.pipeline.layout import StackLayout
+
+
+def _chunk_mover(layout: StackLayout, mesh, to_model: bool):
+  """Model order split over `pipe` <-> pipeline order, by ppermutes of whole chunks."""
+  groups = layout.chunk_moves()
+  v, lmax = layout.virtual, layout.max_layers
+
+  def to_pipeline(x):  # this stage's [v * Lmax, ...] of model order
+    x = x.reshape((v, lmax) + x.shape[1:])
+    out = [jnp.zeros_like(x[0]) for _ in range(v)]
+    for (index, slot), pairs in groups.items():
+      # Stages outside the permutation receive zeros; each slot is filled once.
+      out[slot] = out[slot] + jax.lax.ppermute(x[index], 'pipe', pairs)
+    return jnp.stack(out)[None]
+
+  def to_model_order(x):  # this stage's [1, v, Lmax, ...]
+    x = x[0]
+    out = [jnp.zeros_like(x[0]) for _ in range(v)]
+    for (index, slot), pairs in groups.items():
+      back = [(dst, src) for src, dst in pairs]
+      out[index] = out[index] + jax.lax.ppermute(x[slot], 'pipe', back)
+    return jnp.stack(out).reshape((v * lmax,) + x.shape[2:])
+
+  return jax.shard_map(
+    to_model_order if to_model else to_pipeline,
+    mesh=mesh,
+    axis_names={'pipe'},
+    in_specs=P('pipe'),
+    out_specs=P('pipe'),
+  )
+
+
+def converter(layout: StackLayout, model_sharding: NamedSharding, to_model: bool):
+  """The conversion of one layer stack, for a leaf whose model-order sharding is
+  `model_sharding`: chunk ppermutes where model order splits into whole
+  chunks over `pipe` (its layer axis split over `pipe`), else the layout's
+  own index permutation (an uneven split)."""
+  spec = tuple(model_sharding.spec)
+  whole_chunks = (
+    layout.chunk_moves() is not None
+    and spec[:1] == ('pipe',)
+    and model_sharding.mesh.shape['pipe'] == layout.stages
+  )
+  if whole_chunks and layout.stages > 1:
+    return _chunk_mover(layout, model_sharding.mesh, to_model)
+  return layout.to_model_order if to_model else layout.to_pipeline
+
+
+class Relayout:
+  """The layer stacks (leaves `moves(path)` selects) converted one by one to
+  model order (`to_model`) or to pipeline order; the other leaves keep their
+  values and change only their sharding (`in_shardings` to `out_shardings`),
+  together in one program."""
+
+  def __init__(
+    self,
+    layout: StackLayout,
+    in_shardings: Any,
+    out_shardings: Any,
+    *,
+    to_model: bool,
+    moves: Callable[[tuple], bool],
+  ):
+    self._layout = layout
+    self._to_model = to_model
+    self._moves = moves
+    self._in = in_shardings
+    self._out = out_shardings
+    self._programs: dict = {}
+
+  def _parts(self, tree):
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    ins = treedef.flatten_up_to(self._in)
+    outs = treedef.flatten_up_to(self._out)
+    return leaves, treedef, ins, outs
+
+  def _program(self, leaf, in_sharding, out_sharding):
+    key = (leaf.shape, leaf.dtype, in_sharding, out_sharding)
+    if key not in self._programs:
+      model_sharding = out_sharding if self._to_model else in_sharding
+      convert = converter(self._layout, model_sharding, self._to_model)
+      self._programs[key] = jax.jit(convert, in_shardings=in_sharding, out_shardings=out_sharding)
+    return self._programs[key]
+
+  def _still(self, leaves, ins, outs):
+    """One program for the leaves that only reshard."""
+    idx = tuple(i for i, (path, _) in enumerate(leaves) if not self._moves(path))
+    if idx not in self._programs:
+      self._programs[idx] = jax.jit(
+        lambda xs: xs,
+        in_shardings=([ins[i] for i in idx],),
+        out_shardings=[outs[i] for i in idx],
+      )
+    return idx, self._programs[idx]
+
+  def __call__(self, tree):
+    leaves, treedef, ins, outs = self._parts(tree)
+    result = [None] * len(leaves)
+    idx, still = self._still(leaves, ins, outs)
+    for i, x in zip(idx, still([leaves[i][1] for i in idx])):
+      result[i] = x
+    for i, (path, leaf) in enumerate(leaves):
+      if self._moves(path):
+        result[i] = self._program(leaf, ins[i], outs[i])(leaf)
+    return jax.tree_util.tree_unflatten(treedef, result)
+
+  def added_bytes(self, abstract) -> int:
+    """Per device, what the conversion adds beside its input at its peak: every
+    output (they stay until the checkpoint has them) plus the largest
+    temporaries of any one program (they run in turn)."""
+    leaves, _, ins, outs = self._parts(abstract)
+    idx, still = self._still(leaves, ins, outs)
+    analyses = [still.lower([leaves[i][1] for i in idx]).compile().memory_analysis()]
+    for i, (path, leaf) in enumerate(leaves):
+      if self._moves(path):
+        program = self._program(leaf, ins[i], outs[i])
+        analyses.append(program.lower(leaf).compile().memory_analysis())
+    return sum(m.output_size_in_bytes for m in analyses) + max(
+      m.temp_size_in_bytes for m in analyses
+    )
