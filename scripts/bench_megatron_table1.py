@@ -140,7 +140,10 @@ def predict(row: Row, plan: Plan, selene) -> dict:
   cfg = model_config(row)
   profile = analytic.build(cfg.model, [plan.tensor], dropout=True)
   cluster = cluster_lib.resize(selene, row.gpus)
-  est = simulate_plan(plan, profile, cluster, Options(model='async'))
+  # The train step's memory, as the table's runs are compared: triax's
+  # evaluation forwards a replica's whole share of the batch at once, which
+  # at these batch sizes the planner's state-program check would refuse.
+  est = simulate_plan(plan, profile, cluster, Options(model='async', state_programs=False))
   flops = megatron_flops(row)
   return {
     'estimate': est,

@@ -8,7 +8,7 @@ from test_plan_simulator import make_cluster, make_plan
 
 from triax import config
 from triax.plan import emit, partition, profile, search
-from triax.plan.simulator import simulate_plan
+from triax.plan.simulator import Options, simulate_plan
 
 
 @pytest.mark.parametrize('seed', range(40))
@@ -67,8 +67,10 @@ def test_search_returns_valid_plans_and_baselines():
     assert p.num_layers == 8 and sum(p.chunk_layers) == 8
     assert sorted(p.devices) == list(range(8))
     assert not e.oom
-  assert set(result.baselines) == {'even_split', 'data_parallel', 'homogeneous_slowest'}
+  assert set(result.baselines) == set(search.BASELINES)
   assert result.baselines['data_parallel'].plan.data == 8
+  assert result.baselines['data_parallel'].plan.state_sharding == 'replicated'
+  assert result.baselines['zero3'].plan.state_sharding == 'fsdp'
   for key in result.baselines:
     assert result.speedup(key) >= 1.0 - 1e-9
   assert result.evaluated > 10 and result.search_s > 0
@@ -98,10 +100,17 @@ def test_search_uses_remat_only_when_memory_demands_it():
     layer_fwd=1.0, layer_bwd=2.0, tensors=(1,), layer_param_bytes=1e8, stash_per_seq=2e8
   )
   prof.shards[1].stash_per_seq.update(selective=1e7, full=1e6)
-  plenty = search.search(cfg, make_cluster(groups=(('gpu', 2, 1.0, '80 GB'),)), profile=prof)
+  # The train step's memory alone: the evaluation's forward (no stash, so no
+  # remat) of the whole batch would not fit in 2 GB either.
+  step_only = Options(state_programs=False)
+  plenty = search.search(
+    cfg, make_cluster(groups=(('gpu', 2, 1.0, '80 GB'),)), profile=prof, options=step_only
+  )
   assert plenty.top[0].plan.remat == 'none'
   # Without remat the stashed residuals no longer fit: recompute.
-  tight = search.search(cfg, make_cluster(groups=(('gpu', 2, 1.0, '2 GB'),)), profile=prof)
+  tight = search.search(
+    cfg, make_cluster(groups=(('gpu', 2, 1.0, '2 GB'),)), profile=prof, options=step_only
+  )
   assert tight.top and tight.top[0].plan.remat in ('selective', 'full')
   assert all(not e.oom for e in tight.top)
 

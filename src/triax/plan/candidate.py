@@ -2,7 +2,8 @@
 
 A `Plan` fixes the degrees (data, tensor, pipe), the schedule, micro-batches,
 virtual stages, remat, which cluster devices form each pipeline stage and
-how many layers each stage holds; plan/simulator.py turns it into an
+how many layers each stage holds, and how the training state is split over
+`data` (`STATE_SHARDINGS`); plan/simulator.py turns it into an
 `Estimate` under `Options`. `program` is a plan's lowered schedule (cached:
 the search asks for the same ones often).
 """
@@ -17,6 +18,11 @@ from triax.pipeline import simulate
 
 MODELS = ('lockstep', 'async')
 DP_ALLREDUCE = ('per_microbatch', 'per_step')
+# How the training state is split over `data` (README, "Sharding the training
+# state"): 'replicated' (every replica holds it whole); 'zero1' (Adam's moments
+# split, train.optimizer_sharding=data); 'fsdp' (parameters and moments split
+# along d_model, mesh.fsdp: ZeRO-3).
+STATE_SHARDINGS = ('replicated', 'zero1', 'fsdp')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +40,7 @@ class Plan:
     stages: per pipeline stage, the cluster device indices of its
       data x tensor devices, replica-major (replica i = devices[i*t:(i+1)*t]).
     global_batch: sequences per step.
+    state_sharding: a key of STATE_SHARDINGS; not 'replicated' needs data > 1.
   """
 
   data: int
@@ -46,6 +53,7 @@ class Plan:
   layers: tuple[int, ...]
   stages: tuple[tuple[int, ...], ...]
   global_batch: int
+  state_sharding: str = 'replicated'
 
   def __post_init__(self):
     p, v = self.pipe, self.virtual_stages
@@ -63,6 +71,10 @@ class Plan:
         f'global batch {self.global_batch} does not split into '
         f'data*microbatches = {self.data}*{self.microbatches}'
       )
+    if self.state_sharding not in STATE_SHARDINGS:
+      raise ValueError(f'state_sharding must be one of {STATE_SHARDINGS}: {self.state_sharding!r}')
+    if self.state_sharding != 'replicated' and self.data == 1:
+      raise ValueError(f'state_sharding={self.state_sharding} splits over data, which is 1')
 
   @property
   def microbatch_size(self) -> int:
@@ -90,14 +102,26 @@ class Plan:
     return len(set(self.layers)) == 1
 
   @property
+  def uses_executor(self) -> bool:
+    """Whether the step runs the pipeline executor (else one value_and_grad)."""
+    return self.pipe > 1 or self.microbatches > 1
+
+  @property
+  def fsdp_per_layer(self) -> bool:
+    """FSDP gathering each layer where the layer scan uses it (no executor);
+    the executor gathers a stage's weights once, before its tick loop."""
+    return self.state_sharding == 'fsdp' and not self.uses_executor
+
+  @property
   def devices(self) -> tuple[int, ...]:
     return tuple(d for stage in self.stages for d in stage)
 
   def describe(self) -> str:
     split = '' if self.even else ' layers=' + '/'.join(map(str, self.layers))
+    state = '' if self.state_sharding == 'replicated' else f' {self.state_sharding}'
     return (
       f'd{self.data} t{self.tensor} p{self.pipe} {self.schedule} m={self.microbatches}'
-      f' v={self.virtual_stages} mb={self.microbatch_size} remat={self.remat}{split}'
+      f' v={self.virtual_stages} mb={self.microbatch_size} remat={self.remat}{split}{state}'
     )
 
 
@@ -115,10 +139,15 @@ class Estimate:
     tail_time: after the pipeline: edge-gradient psum over pipe, per-step
       data-parallel all-reduce (if so modelled) and the optimizer.
     dp_allreduce_time: data-parallel all-reduce per step, wherever charged.
-    memory: per stage, peak bytes per device.
+    memory: per stage, peak bytes per device: the train step's, or (with
+      Options.state_programs) a checkpoint save / restore or evaluation
+      beside the resident state, whichever is larger.
     capacity: per stage, the usable bytes of its smallest device.
     oom: True if any stage's memory exceeds its capacity.
     result: the timeline of `model` (a simulate.Result) for traces.
+    step_memory: per stage, the train step's peak alone.
+    state_memory: per stage, the largest of save / restore / evaluation
+      beside the resident state (memory.state_programs).
   """
 
   plan: Plan
@@ -134,6 +163,8 @@ class Estimate:
   capacity: tuple[float, ...]
   oom: bool
   result: simulate.Result
+  step_memory: tuple[float, ...] = ()
+  state_memory: tuple[float, ...] = ()
 
   @property
   def peak_memory(self) -> float:
@@ -156,6 +187,13 @@ class Options:
     scatter_gather: pipeline transfers split over the tensor group and
       all-gathered (the executor's pipeline.scatter_gather); False: each
       tensor rank sends the whole activation.
+    state_programs: memory counts a checkpoint save / restore and the
+      evaluation beside the resident state (what triax.budget measures), not
+      only the train step: a plan that trains must also save and evaluate.
+    fsdp_overlap: FSDP's per-layer all-gathers and reduce-scatters (pipe =
+      m = 1) run beside the layer computations, as ZeRO-3 prefetches the
+      next layer: a layer takes the longer of its compute and its
+      collectives; False: they add.
   """
 
   model: str = 'lockstep'
@@ -163,6 +201,8 @@ class Options:
   memory_fraction: float = 0.9
   padded: bool = True
   scatter_gather: bool = True
+  state_programs: bool = True
+  fsdp_overlap: bool = True
 
   def __post_init__(self):
     if self.model not in MODELS:

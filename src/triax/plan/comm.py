@@ -11,7 +11,10 @@ as NCCL runs it on NVLink + InfiniBand machines: a reduce-scatter inside
 each node (k-1 steps of bytes/k over its intra-node link), an all-reduce of
 the 1/k shard across the nodes (the k shards at once, each over its own
 inter-node path, which the node's NIC bandwidth caps at nic/k), then an
-all-gather inside the node. A pipeline transfer between nodes takes the
+all-gather inside the node. A reduce-scatter or an all-gather (of nbytes
+whole, each device holding or receiving 1/n) is either half of that: a
+ring all-reduce is one then the other, and so is each level of the
+hierarchical one. A pipeline transfer between nodes takes the
 inter-node path of its two devices (the simulator sends 1/t of an
 activation from each tensor rank, Megatron's scatter/gather).
 """
@@ -53,6 +56,14 @@ class Comm:
     if len(by_node) == 1 or k == 1:
       return allreduce_time(self.cluster.slowest_link(devices), n, nbytes)
     return self._hierarchical(list(by_node.values()), k, nbytes)
+
+  def allgather(self, devices: Sequence[int], nbytes: float) -> float:
+    """All-gather of nbytes (the whole, 1/n from each device) over `devices`."""
+    return self.allreduce(devices, nbytes) / 2
+
+  def reduce_scatter(self, devices: Sequence[int], nbytes: float) -> float:
+    """Reduce-scatter of nbytes per device into 1/n shards over `devices`."""
+    return self.allreduce(devices, nbytes) / 2
 
   def _hierarchical(self, nodes: list[list[int]], k: int, nbytes: float) -> float:
     """Reduce-scatter in each node, all-reduce of a 1/k shard across nodes

@@ -5,7 +5,9 @@ lines long and follows later edits of the base; it then applies the keys
 the planner was given on the command line (`--config.*`) and the plan's own:
 
   mesh.data / tensor / pipe, pipeline.schedule / microbatches /
-  virtual_stages / layers_per_stage, model.remat, train.global_batch_size
+  virtual_stages / layers_per_stage, model.remat, train.global_batch_size,
+  train.optimizer_sharding and mesh.fsdp (the plan's state_sharding:
+  replicated, zero1 = optimizer_sharding 'data', fsdp = mesh.fsdp)
 
 `pipeline.layers_per_stage` lists the layers of each model chunk in chunk
 order (chunk c runs on the stage the schedule's placement names: c % pipe
@@ -22,6 +24,12 @@ from triax import config as config_lib
 from triax.plan.candidate import Estimate, Plan
 
 LAYERS_KEY = 'pipeline.layers_per_stage'
+# Plan.state_sharding -> (train.optimizer_sharding, mesh.fsdp).
+STATE_KEYS = {
+  'replicated': ('replicated', False),
+  'zero1': ('data', False),
+  'fsdp': ('replicated', True),
+}
 
 
 def device_order(plan: Plan) -> tuple[int, ...]:
@@ -64,6 +72,8 @@ def overrides(plan: Plan, heterogeneous: bool = False) -> dict[str, Any]:
     LAYERS_KEY: () if plan.even else tuple(plan.chunk_layers),
     'model.remat': plan.remat,
     'train.global_batch_size': plan.global_batch,
+    'train.optimizer_sharding': STATE_KEYS[plan.state_sharding][0],
+    'mesh.fsdp': STATE_KEYS[plan.state_sharding][1],
   }
   if heterogeneous:
     values['mesh.device_order'] = device_order(plan)

@@ -1,10 +1,20 @@
-"""Memory per device of a plan, as the executor allocates it: parameters, their gradient accumulator and Adam's two
-moments (4x the parameter bytes: 16 B/param in fp32), the stashed residuals
+"""Memory per device of a plan, as the executor allocates it: the training
+state (`state`: parameters, their gradient accumulator and Adam's two
+moments, each the parameter's size: 16 B/param in fp32, split over `data`
+as the plan's state_sharding says), the stashed residuals
 (the executor allocates `slots['stash']` slots of the largest chunk on
 every stage; uneven splits store padded stacks), the cuts B hands its W
 (`slots['cut']`, each estimated as one unrematerialised stash set: the
 profile does not measure them) and the message pool of activations and
 gradients, plus one layer's backward workspace and the head's logits.
+
+Beside the train step, the run saves and restores checkpoints and
+evaluates on the same resident state (`state_programs`, what
+training/loop.py's state_program_stats compiles and triax.budget counts):
+a save or restore converts the state to or from the checkpoint's layout
+(about one more copy of the state's share), and the evaluation runs the
+model forward on the step's rows of one replica (global batch / data, all
+at once, unpipelined) with no stash. The peak is the largest of the four.
 """
 
 from __future__ import annotations
@@ -14,8 +24,78 @@ from triax.plan.candidate import Options, Plan
 from triax.plan.cluster import Cluster
 from triax.plan.profile import Profile
 
-# Parameter, gradient accumulator, Adam mu and nu, each the parameter's size.
+# Parameter, gradient accumulator, Adam mu and nu, each the parameter's size
+# (param_dtype: triax keeps no separate master copy; fp32 parameters are it).
 STATE_COPIES = 4
+MOMENTS = 2
+
+
+def copies(kind: str, data: int, per_layer: bool = False) -> dict[str, float]:
+  """Copies of a stage's parameter bytes each part of the training state
+  takes per device, by state sharding (see `state`); per_layer: FSDP without
+  the executor, whose gathered weights are one layer's, not a copy of all."""
+  d = data
+  if kind == 'replicated':
+    return {'params': 1.0, 'grads': 1.0, 'moments': MOMENTS, 'gathered': 0.0}
+  if kind == 'zero1':
+    return {'params': 1.0, 'grads': 1.0, 'moments': MOMENTS / d, 'gathered': 0.0}
+  if per_layer:
+    return {'params': 1 / d, 'grads': 1 / d, 'moments': MOMENTS / d, 'gathered': 0.0}
+  return {'params': 1 / d, 'grads': 1.0, 'moments': MOMENTS / d, 'gathered': 1.0}
+
+
+def state(plan: Plan, profile: Profile, params: float) -> dict[str, float]:
+  """The train step's state bytes per device for a stage holding `params`
+  bytes of parameters (its layers and the edges), by the plan's state_sharding:
+
+  - replicated: parameters, gradient accumulator, moments, all whole;
+  - zero1: the moments / data (the gradient accumulator stays whole: the
+    executor sums it over `data` once per step, then each replica updates
+    its share and the parameters are all-gathered);
+  - fsdp with the executor (pipe > 1 or m > 1): parameters and moments /
+    data at rest, but the stage's weights are gathered once per step
+    before the tick loop and that copy, like the whole gradient
+    accumulator, is live through it ('gathered');
+  - fsdp without it (pipe = m = 1): everything / data, plus one layer's
+    gathered weights and their gradient before its reduce-scatter (the
+    layer scan gathers one layer at a time; the larger of a layer and the
+    embedding + head).
+  """
+  out = {
+    k: x * params for k, x in copies(plan.state_sharding, plan.data, plan.fsdp_per_layer).items()
+  }
+  if plan.fsdp_per_layer:
+    shard = profile.shards[plan.tensor]
+    out['gathered'] = 2 * max(shard.layer_param_bytes, shard.edge_param_bytes)
+  return out
+
+
+def resident(plan: Plan, profile: Profile, params: float) -> float:
+  """Bytes of the state kept between steps (parameters and moments; the
+  gradients are the step's): what a save or an evaluation sits beside."""
+  x = state(plan, profile, params)
+  return x['params'] + x['moments']
+
+
+def state_programs(plan: Plan, profile: Profile, params: float) -> dict[str, float]:
+  """Peak bytes per device of a checkpoint save, a restore and an
+  evaluation, each beside the resident state.
+
+  Save / restore: the state plus its converted copy (the checkpoint layout
+  splits the same bytes over the same devices: about one more share).
+  Evaluation: the state, with pipe > 1 the parameters resharded once more
+  (the step splits eval's weights over `pipe` along d_model), and the
+  forward of global_batch / data rows through one layer at a time without
+  stash, bounded by one layer's unrematerialised residuals and its input
+  and output, and the rows' fp32 logits.
+  """
+  shard = profile.shards[plan.tensor]
+  rest = resident(plan, profile, params)
+  rows = plan.global_batch // plan.data
+  copy = state(plan, profile, params)['params'] if plan.pipe > 1 else 0.0
+  forward = rows * (shard.stash_per_seq['none'] + 2 * shard.act_per_seq + shard.logits_per_seq)
+  gathered = shard.layer_param_bytes if plan.state_sharding == 'fsdp' else 0.0
+  return {'save': 2 * rest, 'restore': 2 * rest, 'eval': rest + copy + gathered + forward}
 
 
 def chunk_stash(plan: Plan, profile: Profile, layers: int) -> float:
@@ -54,15 +134,17 @@ def pools(
 def memory(
   plan: Plan, profile: Profile, cluster: Cluster, options: Options, program_: sched.Program | None
 ) -> tuple[tuple[float, ...], ...]:
-  """Per stage: peak bytes per device, the usable bytes of its smallest
-  device, and the temporary part of the peak (all but parameters and
-  optimizer state)."""
+  """Per stage: peak bytes per device (the train step's, or with
+  options.state_programs a save, restore or evaluation if larger), the
+  usable bytes of its smallest device, the temporary part of the step's
+  peak (all but the training state), the train step's peak and the state
+  programs' peak."""
   shard = profile.shards[plan.tensor]
   b, v = plan.microbatch_size, plan.virtual_stages
   widest = max(plan.chunk_layers)
   # The head's logits, their softmax and gradient live at once in its backward.
   logits = 3 * b * shard.logits_per_seq
-  out, cap, temp = [], [], []
+  out, cap, temp, step, progs = [], [], [], [], []
   for s in range(plan.pipe):
     own = plan.layers[s] // v
     held = widest if options.padded else own
@@ -74,10 +156,14 @@ def memory(
       pool = pools(plan, profile, options, program_, s, held)
       stash, buffers = pool['stash'], pool['cut'] + pool['msg']
     workspace = 2 * b * shard.stash_per_seq['none'] + logits
-    out.append(STATE_COPIES * params + stash + buffers + workspace)
+    peak = sum(state(plan, profile, params).values()) + stash + buffers + workspace
+    programs = max(state_programs(plan, profile, params).values())
+    step.append(peak)
+    progs.append(programs)
+    out.append(max(peak, programs) if options.state_programs else peak)
     temp.append(stash + buffers + workspace)
     cap.append(
       min(cluster.groups[cluster.devices[d].group].memory for d in plan.stages[s])
       * options.memory_fraction
     )
-  return tuple(out), tuple(cap), tuple(temp)
+  return tuple(out), tuple(cap), tuple(temp), tuple(step), tuple(progs)

@@ -26,6 +26,7 @@ _LOCAL_MAX_LAYER_FLOPS = 2e11
 BASELINE_NAMES = {
   'even_split': 'same degrees, even layer split',
   'data_parallel': 'data parallel only',
+  'zero3': 'ZeRO-3: data parallel only, FSDP',
   'homogeneous_slowest': 'best plan if all devices were the slowest type',
 }
 
@@ -279,6 +280,7 @@ def _row(e: Estimate) -> dict:
     'microbatch_size': p.microbatch_size,
     'virtual_stages': p.virtual_stages,
     'remat': p.remat,
+    'state_sharding': p.state_sharding,
     'layers': list(p.layers),
     'layers_per_chunk': list(p.chunk_layers),
     'stages': [list(s) for s in p.stages],

@@ -15,12 +15,16 @@ For a model config and a cluster it tries every
                         runs out of memory (on paper recomputation never
                         speeds up); all three where they were measured on
                         this machine (on XLA:CPU full remat can be faster),
+  state sharding        with data > 1: replicated, ZeRO-1 (moments over
+                        data) and FSDP (parameters too; d_model must
+                        divide by data): candidate.STATE_SHARDINGS,
 
 simulates each (ranking by the lockstep model, the executor's, unless
 asked otherwise) and keeps the fastest plans that fit in memory and that
 triax's config validator accepts. Baselines, always reported beside the winner:
-the same degrees and schedule with an even layer split; data parallel only;
-and the best plan found when every device is assumed to be the slowest
+the same degrees and schedule with an even layer split; data parallel only
+(replicated state); ZeRO-3 (data parallel only with FSDP, tensor = pipe =
+1); and the best plan found when every device is assumed to be the slowest
 type, evaluated on the real cluster.
 """
 
@@ -33,9 +37,10 @@ from collections.abc import Iterator, Sequence
 from triax import config as config_lib
 from triax.errors import ConfigError
 from triax.pipeline import schedule as sched
+from triax.plan import memory as memory_lib
 from triax.plan import partition, roofline
 from triax.plan import profile as profile_lib
-from triax.plan.candidate import Estimate, Options, Plan
+from triax.plan.candidate import STATE_SHARDINGS, Estimate, Options, Plan
 from triax.plan.cluster import Cluster, Group
 from triax.plan.simulator import simulate_plan
 
@@ -43,6 +48,7 @@ REMATS = ('none', 'selective', 'full')
 # Largest micro-batch count tried: beyond it, ticks cost more than bubbles save.
 MAX_MICROBATCHES = 64
 MAX_VIRTUAL_STAGES = 4
+BASELINES = ('even_split', 'data_parallel', 'zero3', 'homogeneous_slowest')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,7 +70,8 @@ class SearchResult:
   Attributes:
     top: best plans first (no OOM), at most `top_k`.
     baselines: 'even_split' (the winner's degrees and schedule, even
-      layers), 'data_parallel', 'homogeneous_slowest' (the plan chosen as if
+      layers), 'data_parallel' (replicated state), 'zero3' (data parallel
+      with FSDP), 'homogeneous_slowest' (the plan chosen as if
       every device were the slowest type, timed on this cluster); None when
       there is no such plan that fits.
     evaluated: candidate plans simulated.
@@ -187,8 +194,16 @@ def assignments(
   return out
 
 
+def state_shardings(cfg, data: int) -> tuple[str, ...]:
+  """The state shardings a layout with `data` replicas can use: all of
+  STATE_SHARDINGS with data > 1, FSDP only where d_model divides by data."""
+  if data == 1:
+    return ('replicated',)
+  return tuple(k for k in STATE_SHARDINGS if k != 'fsdp' or cfg.model.d_model % data == 0)
+
+
 def _partitions(
-  layout: Layout, stages, profile, cluster, options, remat, num_layers, batch
+  layout: Layout, stages, profile, cluster, options, remat, num_layers, batch, sharding
 ) -> list[tuple[int, ...]]:
   """The even split (if any) and the balanced one for these stages."""
   p, v, t = layout.pipe, layout.virtual_stages, layout.tensor
@@ -210,8 +225,10 @@ def _partitions(
 
   # Memory of a stage holding n layers, its stash slots taken as p (1F1B's
   # steady state): a screen only; the simulator checks the real program.
+  state_copies = sum(memory_lib.copies(sharding, layout.data).values())
+
   def allowed(s, n):
-    params = 4 * (shard.layer_param_bytes * n + shard.edge_param_bytes)
+    params = state_copies * (shard.layer_param_bytes * n + shard.edge_param_bytes)
     return params + p * stash * n / v <= capacity[s]
 
   balanced = partition.balance(
@@ -268,7 +285,7 @@ def search(
     # too large for its model (report.run turns it into one).
     return SearchResult(
       top=(),
-      baselines=dict.fromkeys(('even_split', 'data_parallel', 'homogeneous_slowest')),
+      baselines=dict.fromkeys(BASELINES),
       evaluated=0,
       search_s=0.0,
       profile=profile,
@@ -310,22 +327,26 @@ def _evaluate(cfg, cluster, profile, options, all_layouts) -> list[Estimate]:
     for stages in assignments(cluster, profile, layout, b):
       for remat in REMATS:
         fits = False
-        for split in _partitions(layout, stages, profile, cluster, options, remat, layers, batch):
-          plan = Plan(
-            data=layout.data,
-            tensor=layout.tensor,
-            pipe=layout.pipe,
-            schedule=layout.schedule,
-            microbatches=layout.microbatches,
-            virtual_stages=layout.virtual_stages,
-            remat=remat,
-            layers=split,
-            stages=stages,
-            global_batch=batch,
-          )
-          estimate = simulate_plan(plan, profile, cluster, options)
-          found.append(estimate)
-          fits |= not estimate.oom
+        for sharding in state_shardings(cfg, layout.data):
+          for split in _partitions(
+            layout, stages, profile, cluster, options, remat, layers, batch, sharding
+          ):
+            plan = Plan(
+              data=layout.data,
+              tensor=layout.tensor,
+              pipe=layout.pipe,
+              schedule=layout.schedule,
+              microbatches=layout.microbatches,
+              virtual_stages=layout.virtual_stages,
+              remat=remat,
+              layers=split,
+              stages=stages,
+              global_batch=batch,
+              state_sharding=sharding,
+            )
+            estimate = simulate_plan(plan, profile, cluster, options)
+            found.append(estimate)
+            fits |= not estimate.oom
         if fits and not _remat_measured(profile, cluster):
           break  # on paper, more recomputation would only be slower
   return found
@@ -338,11 +359,7 @@ def _remat_measured(profile: profile_lib.Profile, cluster: Cluster) -> bool:
 
 
 def _baselines(cfg, cluster, profile, options, top, found, all_layouts) -> dict:
-  out: dict[str, Estimate | None] = {
-    'even_split': None,
-    'data_parallel': None,
-    'homogeneous_slowest': None,
-  }
+  out: dict[str, Estimate | None] = dict.fromkeys(BASELINES)
   n = cluster.num_devices
   if top:
     best = top[0].plan
@@ -359,6 +376,7 @@ def _baselines(cfg, cluster, profile, options, top, found, all_layouts) -> dict:
         e.plan.microbatches,
         e.plan.virtual_stages,
         e.plan.stages,
+        e.plan.state_sharding,
       )
       == (
         best.data,
@@ -368,13 +386,18 @@ def _baselines(cfg, cluster, profile, options, top, found, all_layouts) -> dict:
         best.microbatches,
         best.virtual_stages,
         best.stages,
+        best.state_sharding,
       )
     ]
     if even:
       out['even_split'] = min(even, key=lambda e: e.step_time)
   dp = [e for e in found if not e.oom and e.plan.data == n]
-  if dp:
-    out['data_parallel'] = min(dp, key=lambda e: e.step_time)
+  replicated = [e for e in dp if e.plan.state_sharding == 'replicated']
+  if replicated:
+    out['data_parallel'] = min(replicated, key=lambda e: e.step_time)
+  zero3 = [e for e in dp if e.plan.state_sharding == 'fsdp']
+  if zero3:
+    out['zero3'] = min(zero3, key=lambda e: e.step_time)
   slow = homogenized(cluster, profile, cfg)
   assumed = sorted(
     (e for e in _evaluate(cfg, slow, profile, options, all_layouts) if not e.oom),

@@ -29,6 +29,28 @@ every backward instead, as a pipeline whose gradient accumulator is
 replicated over `data` pays it (triax before the executor made `data`
 manual; frameworks that differentiate through a scan).
 
+How the training state is split over `data` (Plan.state_sharding) changes
+what is communicated, as triax's step runs it:
+
+- replicated: the gradient all-reduce above;
+- zero1: each replica updates its 1/data share of the moments, then the
+  updated parameters are all-gathered; the gradient is reduce-scattered
+  into the shares without the executor (pipe = m = 1), and all-reduced by
+  it (its one psum over `data` after the tick loop) with it;
+- fsdp with the executor (pipe > 1 or m > 1): the stage's weights are
+  all-gathered once per step before the tick loop and the gradients
+  all-reduced after it (per step, in the tail);
+- fsdp without it (ZeRO-3 proper): each layer's weights are all-gathered
+  in its forward and again in its backward, and its weight gradient
+  reduce-scattered, over the stage's data groups. Options.fsdp_overlap
+  (default) takes them as ZeRO-3 runs them, prefetched beside the
+  neighbouring layer's compute: a layer's forward lasts max(compute,
+  gather), its backward max(compute, gather + reduce-scatter), and only
+  the first gather and the last reduce-scatter (and the embedding's and
+  head's) are exposed, in the tail; without it they add.
+
+The optimizer update of a sharded state moves 1/data of the bytes.
+
 Plan, Options and Estimate live in plan/candidate.py, the memory model in
 plan/memory.py, the trace writer in plan/trace.py.
 """
@@ -144,16 +166,28 @@ def action_costs(
     devs = plan.stages[stage]
     return [devs[j::t] for j in range(t)]
 
+  # Charged inside every backward only for a replicated state (see the docstring).
+  per_microbatch = options.dp_allreduce == 'per_microbatch' and plan.state_sharding == 'replicated'
   per_stage = []
   for s in range(p):
     fwd, bwd, fwd_share, bwd_share, recompute, recompute_share = slowest(s, layer)
     tp = max(comm.allreduce(g, act) for g in tensor_groups(s))
     dp_layer = 0.0
-    if options.dp_allreduce == 'per_microbatch':
+    if per_microbatch:
       dp_layer = max(comm.allreduce(g, shard.layer_param_bytes) for g in data_groups(s))
     edge_dp = 0.0
-    if options.dp_allreduce == 'per_microbatch':
+    if per_microbatch:
       edge_dp = max(comm.allreduce(g, shard.edge_param_bytes / 2) for g in data_groups(s))
+    fsdp_fwd = fsdp_bwd = 0.0
+    if plan.fsdp_per_layer:
+      gather = max(comm.allgather(g, shard.layer_param_bytes) for g in data_groups(s))
+      scatter = max(comm.reduce_scatter(g, shard.layer_param_bytes) for g in data_groups(s))
+      layer_fwd, layer_bwd = fwd + 2 * tp, bwd + (4 if plan.remat == 'full' else 2) * tp
+      if options.fsdp_overlap:
+        fsdp_fwd = max(0.0, gather - layer_fwd)
+        fsdp_bwd = max(0.0, gather + scatter - layer_bwd)
+      else:
+        fsdp_fwd, fsdp_bwd = gather, gather + scatter
     (embed, embed_share), (head, head_share) = slowest(s, edge('embed')), slowest(s, edge('head'))
     per_stage.append(
       dict(
@@ -170,6 +204,8 @@ def action_costs(
         recompute=recompute,
         recompute_share=recompute_share,
         head_share=head_share,
+        fsdp_fwd=fsdp_fwd,
+        fsdp_bwd=fsdp_bwd,
       )
     )
   placement = plan.placement
@@ -195,7 +231,10 @@ def action_costs(
     active = [1.0 if plan.even else ratio('cond_active', i, 1.0) for i in (0, 1)]
     skipped = [ratio('cond_skipped', i, 0.0) for i in (0, 1)]
     layer_f = [n * active[i] + pad * skipped[i] for i in (0, 1)]
-    f = layer_f[0] * x['fwd'] + (x['embed'] / 3 if first else 0.0)
+    # FSDP's per-layer collectives beyond what the layer's compute hides
+    # (fsdp_fwd, fsdp_bwd; zero otherwise): the gathers in F, the backward's
+    # gather and the gradient's reduce-scatter with the weight gradients, in W.
+    f = layer_f[0] * (x['fwd'] + x['fsdp_fwd']) + (x['embed'] / 3 if first else 0.0)
     f_share = layer_f[1] * x['fwd_share'] + (x['embed_share'] / 3 if first else 0.0)
     if final:
       f += x['head'] + x['edge_dp']
@@ -208,8 +247,8 @@ def action_costs(
     rest = [layer_f[0] * x['bwd'] - rerun[0], layer_f[1] * x['bwd_share'] - rerun[1]]
     edge_b = [2 * x['embed'] / 3 + x['edge_dp'], 2 * x['embed_share'] / 3] if first else [0.0] * 2
     b_part = [rest[i] * parts[i][0] + rerun[i] + edge_b[i] for i in (0, 1)]
-    w_part = [rest[0] * parts[0][1] + n * x['dp'], rest[1] * parts[1][1]]
-    fused.append(rest[0] + rerun[0] + edge_b[0] + n * x['dp'])
+    w_part = [rest[0] * parts[0][1] + n * (x['dp'] + x['fsdp_bwd']), rest[1] * parts[1][1]]
+    fused.append(rest[0] + rerun[0] + edge_b[0] + n * (x['dp'] + x['fsdp_bwd']))
     chunks.append({sched.FORWARD: f, sched.BACKWARD: b_part[0], sched.WEIGHT: w_part[0]})
     shares.append({sched.FORWARD: f_share, sched.BACKWARD: b_part[1], sched.WEIGHT: w_part[1]})
   transfer, evict = [], []
@@ -366,17 +405,17 @@ def simulate_plan(
 ) -> Estimate:
   """Predicts step time (both models) and memory of `plan` on `cluster`."""
   p, m, v = plan.pipe, plan.microbatches, plan.virtual_stages
-  uses_executor = p > 1 or m > 1
+  uses_executor = plan.uses_executor
   prog = program(plan.schedule, p, m, v)
   costs = action_costs(plan, profile, cluster, options)
   share = sharing(plan, cluster)
   lock = simulate_lockstep(prog, costs, share)
   asy = simulate_async(plan, costs, share)
-  mem, cap, temp = memory_lib.memory(
+  mem, cap, _, step_mem, state_mem = memory_lib.memory(
     plan, profile, cluster, options, prog if uses_executor else None
   )
   tail, dp_total = _tail(plan, profile, cluster, options, share, prog if uses_executor else None)
-  if options.dp_allreduce == 'per_microbatch':
+  if options.dp_allreduce == 'per_microbatch' and plan.state_sharding == 'replicated':
     comm = Comm(cluster, profile)
     shard = profile.shards[plan.tensor]
     dp_total = m * max(
@@ -399,6 +438,8 @@ def simulate_plan(
     capacity=cap,
     oom=any(x > c for x, c in zip(mem, cap)),
     result=chosen,
+    step_memory=step_mem,
+    state_memory=state_mem,
   )
 
 
@@ -410,10 +451,10 @@ def _tail(
   share: Sharing,
   program_: sched.Program | None,
 ) -> tuple[float, float]:
-  """Seconds outside the pipeline's ticks, and the per-step DP all-reduce in them.
+  """Seconds outside the pipeline's ticks, and the per-step DP collectives in them.
 
-  The embedding/head gradient psum over `pipe`, the per-step DP all-reduce
-  (if so modelled), the optimizer update, and the executor's buffer traffic
+  The embedding/head gradient psum over `pipe`, the per-step DP collectives
+  (`_data_collectives`), the optimizer update, and the executor's buffer traffic
   that the profiled functions do not include: its stash pool and ring
   buffers zeroed at the start of each step, and each forward's residual set
   copied into its stash slot. The last two move bytes only, which devices
@@ -430,19 +471,19 @@ def _tail(
       comm.allreduce([stage[r] for stage in plan.stages], shard.edge_param_bytes)
       for r in range(ranks)
     )
-  dp = 0.0
-  if options.dp_allreduce == 'per_step':
-    dp = max(
-      comm.allreduce(stage[j::t], shard.layer_param_bytes * plan.layers[s] + shard.edge_param_bytes)
-      for s, stage in enumerate(plan.stages)
-      for j in range(t)
-    )
+  dp = max(
+    _data_collectives(plan, shard, comm, options, stage[j::t], plan.layers[s])
+    for s, stage in enumerate(plan.stages)
+    for j in range(t)
+  )
   widest = max(plan.chunk_layers)
   v = plan.virtual_stages
+  # A sharded state's update runs on each replica's 1/data share.
+  updated = 1.0 if plan.state_sharding == 'replicated' else 1.0 / plan.data
   moving, shares = [], []
   for s, stage in enumerate(plan.stages):
     held = widest * v if options.padded else plan.layers[s]
-    nbytes = OPTIMIZER_TRAFFIC * (shard.layer_param_bytes * held + shard.edge_param_bytes)
+    nbytes = OPTIMIZER_TRAFFIC * updated * (shard.layer_param_bytes * held + shard.edge_param_bytes)
     if program_ is not None:
       chunk = widest if options.padded else plan.layers[s] // v
       # Every pool zeroed once, and each F's residuals and each B's cut
@@ -466,3 +507,33 @@ def _tail(
     )
   memory_time = share.tick(moving, shares) if share.nodes else max(moving)
   return edge + dp + memory_time, dp
+
+
+def _data_collectives(
+  plan: Plan, shard: profile_lib.Shard, comm: Comm, options: Options, group, layers: int
+) -> float:
+  """Seconds of the per-step collectives over one data group of a stage
+  holding `layers` layers (see the module docstring): the gradient
+  all-reduce of a replicated state (if modelled per step); ZeRO-1's
+  reduction (a reduce-scatter, or the executor's all-reduce) and parameter
+  all-gather; FSDP's gather before the executor's tick loop and its
+  all-reduce after, or without the executor what its per-layer gathers and
+  reduce-scatters leave exposed."""
+  whole = shard.layer_param_bytes * layers + shard.edge_param_bytes
+  kind = plan.state_sharding
+  if kind == 'replicated':
+    return comm.allreduce(group, whole) if options.dp_allreduce == 'per_step' else 0.0
+  if kind == 'zero1':
+    reduce = comm.allreduce if plan.uses_executor else comm.reduce_scatter
+    return reduce(group, whole) + comm.allgather(group, whole)
+  if plan.uses_executor:
+    return comm.allgather(group, whole) + comm.allreduce(group, whole)
+  edge = shard.edge_param_bytes
+  # The embedding's and head's weights gathered for the forward and the
+  # backward, their gradient reduce-scattered; with overlap, the first
+  # layer's gather and the last one's reduce-scatter have nothing to hide behind.
+  exposed = 2 * comm.allgather(group, edge) + comm.reduce_scatter(group, edge)
+  if options.fsdp_overlap:
+    layer = shard.layer_param_bytes
+    exposed += comm.allgather(group, layer) + comm.reduce_scatter(group, layer)
+  return exposed
