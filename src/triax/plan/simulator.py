@@ -42,12 +42,13 @@ what is communicated, as triax's step runs it:
   all-reduced after it (per step, in the tail);
 - fsdp without it (ZeRO-3 proper): each layer's weights are all-gathered
   in its forward and again in its backward, and its weight gradient
-  reduce-scattered, over the stage's data groups. Options.fsdp_overlap
-  (default) takes them as ZeRO-3 runs them, prefetched beside the
-  neighbouring layer's compute: a layer's forward lasts max(compute,
-  gather), its backward max(compute, gather + reduce-scatter), and only
-  the first gather and the last reduce-scatter (and the embedding's and
-  head's) are exposed, in the tail; without it they add.
+  reduce-scatter, over the stage's data groups. Options.fsdp_overlap
+  (default) takes them as ZeRO-3 runs them, each gather prefetched beside
+  the previous layer's compute: n layers' forward takes g + (n-1) max(c, g)
+  + c, the backward the same with gather + reduce-scatter for g (only the
+  first gather and the last reduce-scatter are exposed; the embedding's and
+  head's are, in the tail); without it they add: n (c + g). The model
+  assumes the collectives do not slow the compute they overlap.
 
 The optimizer update of a sharded state moves 1/data of the bytes.
 
@@ -178,11 +179,19 @@ def action_costs(
     edge_dp = 0.0
     if per_microbatch:
       edge_dp = max(comm.allreduce(g, shard.edge_param_bytes / 2) for g in data_groups(s))
-    fsdp_fwd = fsdp_bwd = 0.0
+    # FSDP per layer: what a layer's collectives add to its forward and
+    # backward (fsdp_fwd, fsdp_bwd), and what the chunk's first gather and
+    # last reduce-scatter add once (fsdp_fwd_once, fsdp_bwd_once).
+    fsdp_fwd = fsdp_bwd = fsdp_fwd_once = fsdp_bwd_once = 0.0
     if plan.fsdp_per_layer:
       gather = max(comm.allgather(g, shard.layer_param_bytes) for g in data_groups(s))
       scatter = max(comm.reduce_scatter(g, shard.layer_param_bytes) for g in data_groups(s))
       layer_fwd, layer_bwd = fwd + 2 * tp, bwd + (4 if plan.remat == 'full' else 2) * tp
+      # Overlapped, n layers take g + (n-1) max(c, g) + c: each gather but
+      # the first runs beside the previous layer's compute (in the backward,
+      # the next layer's gather and the previous one's reduce-scatter
+      # beside it). Not overlapped: n (c + g).
+      fsdp_fwd_once, fsdp_bwd_once = gather, gather + scatter
       if options.fsdp_overlap:
         fsdp_fwd = max(0.0, gather - layer_fwd)
         fsdp_bwd = max(0.0, gather + scatter - layer_bwd)
@@ -206,6 +215,8 @@ def action_costs(
         head_share=head_share,
         fsdp_fwd=fsdp_fwd,
         fsdp_bwd=fsdp_bwd,
+        fsdp_fwd_once=fsdp_fwd_once,
+        fsdp_bwd_once=fsdp_bwd_once,
       )
     )
   placement = plan.placement
@@ -231,10 +242,12 @@ def action_costs(
     active = [1.0 if plan.even else ratio('cond_active', i, 1.0) for i in (0, 1)]
     skipped = [ratio('cond_skipped', i, 0.0) for i in (0, 1)]
     layer_f = [n * active[i] + pad * skipped[i] for i in (0, 1)]
-    # FSDP's per-layer collectives beyond what the layer's compute hides
-    # (fsdp_fwd, fsdp_bwd; zero otherwise): the gathers in F, the backward's
-    # gather and the gradient's reduce-scatter with the weight gradients, in W.
-    f = layer_f[0] * (x['fwd'] + x['fsdp_fwd']) + (x['embed'] / 3 if first else 0.0)
+    # FSDP's per-layer collectives beyond what the layers' compute hides
+    # (zero without FSDP per layer): the gathers in F, the backward's gathers
+    # and the gradients' reduce-scatters with the weight gradients, in W.
+    fsdp_f = (n - 1) * x['fsdp_fwd'] + x['fsdp_fwd_once']
+    fsdp_w = (n - 1) * x['fsdp_bwd'] + x['fsdp_bwd_once']
+    f = layer_f[0] * x['fwd'] + fsdp_f + (x['embed'] / 3 if first else 0.0)
     f_share = layer_f[1] * x['fwd_share'] + (x['embed_share'] / 3 if first else 0.0)
     if final:
       f += x['head'] + x['edge_dp']
@@ -247,8 +260,8 @@ def action_costs(
     rest = [layer_f[0] * x['bwd'] - rerun[0], layer_f[1] * x['bwd_share'] - rerun[1]]
     edge_b = [2 * x['embed'] / 3 + x['edge_dp'], 2 * x['embed_share'] / 3] if first else [0.0] * 2
     b_part = [rest[i] * parts[i][0] + rerun[i] + edge_b[i] for i in (0, 1)]
-    w_part = [rest[0] * parts[0][1] + n * (x['dp'] + x['fsdp_bwd']), rest[1] * parts[1][1]]
-    fused.append(rest[0] + rerun[0] + edge_b[0] + n * (x['dp'] + x['fsdp_bwd']))
+    w_part = [rest[0] * parts[0][1] + n * x['dp'] + fsdp_w, rest[1] * parts[1][1]]
+    fused.append(rest[0] + rerun[0] + edge_b[0] + n * x['dp'] + fsdp_w)
     chunks.append({sched.FORWARD: f, sched.BACKWARD: b_part[0], sched.WEIGHT: w_part[0]})
     shares.append({sched.FORWARD: f_share, sched.BACKWARD: b_part[1], sched.WEIGHT: w_part[1]})
   transfer, evict = [], []
@@ -528,12 +541,8 @@ def _data_collectives(
     return reduce(group, whole) + comm.allgather(group, whole)
   if plan.uses_executor:
     return comm.allgather(group, whole) + comm.allreduce(group, whole)
+  # The layers' own are in their actions; the embedding's and head's weights
+  # are gathered for the forward and the backward and their gradient
+  # reduce-scattered, none of it hidden.
   edge = shard.edge_param_bytes
-  # The embedding's and head's weights gathered for the forward and the
-  # backward, their gradient reduce-scattered; with overlap, the first
-  # layer's gather and the last one's reduce-scatter have nothing to hide behind.
-  exposed = 2 * comm.allgather(group, edge) + comm.reduce_scatter(group, edge)
-  if options.fsdp_overlap:
-    layer = shard.layer_param_bytes
-    exposed += comm.allgather(group, layer) + comm.reduce_scatter(group, layer)
-  return exposed
+  return 2 * comm.allgather(group, edge) + comm.reduce_scatter(group, edge)

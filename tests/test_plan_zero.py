@@ -1,0 +1,201 @@
+"""ZeRO-1 and FSDP in the planner: memory, collectives, choice, plan files, the zero3 baseline.
+
+Hand-built (synthetic) profiles and test clusters: every figure below is
+arithmetic on the formulas of plan/memory.py and plan/simulator.py.
+"""
+
+import dataclasses
+import importlib.util
+
+import pytest
+from test_plan_simulator import make_cluster, make_plan
+
+from triax import config
+from triax.plan import emit, memory, profile, search
+from triax.plan.simulator import Options, simulate_plan
+
+GB = 1e9
+STEP_ONLY = Options(state_programs=False)
+
+
+def sharded(plan, kind):
+  return dataclasses.replace(plan, state_sharding=kind)
+
+
+@pytest.mark.parametrize('d', [2, 4, 8])
+def test_state_memory_falls_by_the_data_degree(d):
+  prof = profile.synthetic(layer_param_bytes=1 * GB, edge_param_bytes=0.5 * GB)
+  params = 8 * 1 * GB + 0.5 * GB  # 8 layers and the edges on the one stage
+  unpiped = make_plan(p=1, m=1, d=d, layers=(8,))
+  rep = memory.state(unpiped, prof, params)
+  assert rep == {'params': params, 'grads': params, 'moments': 2 * params, 'gathered': 0.0}
+  zero1 = memory.state(sharded(unpiped, 'zero1'), prof, params)
+  # ZeRO-1: only Adam's two moments split.
+  assert zero1['moments'] == pytest.approx(rep['moments'] / d)
+  assert (zero1['params'], zero1['grads']) == (params, params)
+  # FSDP at pipe = m = 1: parameters, gradients and moments split, plus one
+  # layer's gathered weights and their gradient.
+  fsdp = memory.state(sharded(unpiped, 'fsdp'), prof, params)
+  for part in ('params', 'grads', 'moments'):
+    assert fsdp[part] == pytest.approx(rep[part] / d)
+  assert fsdp['gathered'] == 2 * 1 * GB
+  # With the executor (m > 1) the stage's weights are gathered whole once
+  # per step and live through the tick loop, beside the whole accumulator.
+  stepped = memory.state(sharded(make_plan(p=1, m=2, d=d, layers=(8,)), 'fsdp'), prof, params)
+  assert stepped['params'] == pytest.approx(params / d) and stepped['gathered'] == params
+  assert stepped['grads'] == params
+  # The simulator's step peak carries the same state (no activations here).
+  cluster = make_cluster(groups=(('gpu', d, 1.0, '80 GB'),))
+  peaks = {
+    k: simulate_plan(
+      sharded(unpiped, k) if k != 'replicated' else unpiped, prof, cluster, STEP_ONLY
+    )
+    for k in ('replicated', 'zero1', 'fsdp')
+  }
+  assert peaks['replicated'].step_memory[0] == pytest.approx(4 * params)
+  assert peaks['zero1'].step_memory[0] == pytest.approx(2 * params + 2 * params / d)
+  assert peaks['fsdp'].step_memory[0] == pytest.approx(4 * params / d + 2 * GB)
+
+
+def test_save_and_eval_count_beside_the_resident_state():
+  prof = profile.synthetic(layer_param_bytes=1 * GB, stash_per_seq=0.1 * GB, act_per_seq=0.01 * GB)
+  plan = make_plan(p=1, m=1, d=2, layers=(4,))
+  plan = dataclasses.replace(plan, global_batch=8)  # 4 rows per replica
+  progs = memory.state_programs(sharded(plan, 'zero1'), prof, 4 * GB)
+  resident = 4 * GB + 2 * 4 * GB / 2  # parameters and the moments' half
+  assert progs['save'] == progs['restore'] == pytest.approx(2 * resident)
+  # Evaluation: the replica's 4 rows through one layer at a time, no stash.
+  assert progs['eval'] == pytest.approx(resident + 4 * (0.1 + 2 * 0.01) * GB)
+  est = simulate_plan(
+    sharded(plan, 'zero1'), prof, make_cluster(groups=(('gpu', 2, 1.0, '80 GB'),))
+  )
+  assert est.state_memory[0] == pytest.approx(2 * resident)
+  assert est.memory[0] == max(est.step_memory[0], est.state_memory[0])
+
+
+def small_config(layers, devices_batch):
+  cfg = config.defaults()
+  cfg.model.num_layers = layers
+  cfg.model.d_model, cfg.model.num_heads, cfg.model.d_ff = 32, 4, 64
+  cfg.model.seq_len = 16
+  cfg.train.global_batch_size = devices_batch
+  return cfg
+
+
+def test_only_zero1_fits_and_is_chosen():
+  # One layer (no pipeline), two devices (d = 2, t = 1): the state is
+  # 1.1 GB of parameters. Replicated 4.4 GB, ZeRO-1 2.2 + 1.1, FSDP 2.2 + 2
+  # (one layer gathered) or 2.2 + 1.65 (gathered once a step): only ZeRO-1
+  # fits under 90% of 4 GB.
+  cfg = small_config(layers=1, devices_batch=2)
+  prof = profile.synthetic(layer_param_bytes=1 * GB, edge_param_bytes=0.1 * GB)
+  result = search.search(
+    cfg, make_cluster(groups=(('gpu', 2, 1.0, '4 GB'),)), profile=prof, options=STEP_ONLY
+  )
+  assert result.top and {e.plan.state_sharding for e in result.top} == {'zero1'}
+  assert result.baselines['data_parallel'] is None and result.baselines['zero3'] is None
+  roomy = search.search(
+    cfg, make_cluster(groups=(('gpu', 2, 1.0, '80 GB'),)), profile=prof, options=STEP_ONLY
+  )
+  assert roomy.baselines['data_parallel'] is not None
+
+
+def test_only_fsdp_fits_with_a_checkpoint_save_and_is_chosen():
+  # Four devices, one layer of 1 GB and 1 GB of edges (P = 2 GB). The step:
+  # replicated 8 GB, ZeRO-1 5, FSDP per layer 2 + 2 (the larger of a layer
+  # and the edges, gathered, and its gradient). A save beside the resident
+  # state: replicated 12, ZeRO-1 6, FSDP 3. Under 90% of 5 GB only FSDP at
+  # m = 1 (ZeRO-3 proper) fits both.
+  cfg = small_config(layers=1, devices_batch=4)
+  cfg.model.d_model = 64
+  prof = profile.synthetic(layer_param_bytes=1 * GB, edge_param_bytes=1 * GB)
+  result = search.search(cfg, make_cluster(groups=(('gpu', 4, 1.0, '5 GB'),)), profile=prof)
+  best = result.top[0]
+  assert best.plan.state_sharding == 'fsdp' and best.plan.microbatches == 1
+  assert best.step_memory[0] == pytest.approx(4 * GB)
+  assert best.state_memory[0] == pytest.approx(3 * GB)
+  assert result.baselines['zero3'].plan == best.plan
+  assert result.baselines['data_parallel'] is None
+
+
+def test_fsdp_collectives_per_layer_and_per_step():
+  # 4 devices on one node, 1 GB/s, no latency; 8 layers of 0.1 GB, no
+  # edges; compute 0.01 s forward, 0.02 s backward per layer.
+  prof = profile.synthetic(layer_fwd=0.01, layer_bwd=0.02, layer_param_bytes=0.1 * GB)
+  cluster = make_cluster(groups=(('gpu', 4, 1.0, '80 GB'),), bandwidth=1 * GB)
+  gather = 0.75 * 0.1  # an all-gather of 0.1 GB over 4: 3/4 of it through each link
+  scatter = gather
+  plan = make_plan(p=1, m=1, d=4, layers=(8,))
+  c_f, c_b = 0.01, 0.02  # one sequence per replica
+  fsdp = sharded(plan, 'fsdp')
+  overlapped = simulate_plan(fsdp, prof, cluster)
+  serial = simulate_plan(fsdp, prof, cluster, Options(fsdp_overlap=False))
+  compute = 8 * (c_f + c_b)
+  # Not overlapped: every layer's gather (forward), gather and reduce-scatter (backward).
+  assert serial.step_time == pytest.approx(compute + 8 * (2 * gather + scatter))
+  # Overlapped (ZeRO-3's prefetch): g + 7 max(c, g) + c each way.
+  want = (gather + 7 * max(c_f, gather) + c_f) + (
+    gather + scatter + 7 * max(c_b, gather + scatter) + c_b
+  )
+  assert overlapped.step_time == pytest.approx(want)
+  assert overlapped.dp_allreduce_time == 0.0  # no edges: nothing per step
+  # Per step (the executor, m = 2): the stage's 0.8 GB gathered once before
+  # the tick loop and its gradients all-reduced after it.
+  stepped = simulate_plan(sharded(make_plan(p=1, m=2, d=4, layers=(8,)), 'fsdp'), prof, cluster)
+  assert stepped.dp_allreduce_time == pytest.approx(0.75 * 0.8 + 1.5 * 0.8)
+  # Replicated: the all-reduce alone; ZeRO-1 without the executor: a
+  # reduce-scatter and the updated parameters' all-gather, the same bytes.
+  rep = simulate_plan(plan, prof, cluster)
+  zero1 = simulate_plan(sharded(plan, 'zero1'), prof, cluster)
+  assert rep.dp_allreduce_time == pytest.approx(1.5 * 0.8)
+  assert zero1.dp_allreduce_time == pytest.approx(rep.dp_allreduce_time)
+  # With the executor, its psum over data and then the all-gather.
+  zero1_m2 = simulate_plan(sharded(make_plan(p=1, m=2, d=4, layers=(8,)), 'zero1'), prof, cluster)
+  assert zero1_m2.dp_allreduce_time == pytest.approx(1.5 * 0.8 + 0.75 * 0.8)
+
+
+def _load(path):
+  spec = importlib.util.spec_from_file_location('plan_under_test', path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+@pytest.mark.parametrize(
+  'kind, keys',
+  [
+    ('zero1', ('data', False)),
+    ('fsdp', ('replicated', True)),
+    ('replicated', ('replicated', False)),
+  ],
+)
+def test_plan_file_sets_the_sharding_keys_and_validates(tmp_path, kind, keys):
+  base = tmp_path / 'base.py'
+  base.write_text(
+    'from triax import config\n\n\ndef get_config(arg=None):\n'
+    '  c = config.defaults()\n  c.model.num_layers = 4\n  c.mesh.fsdp = True\n  return c\n'
+  )
+  plan = sharded(make_plan(p=2, m=4, d=2, t=2, layers=(2, 2)), kind)
+  est = simulate_plan(plan, profile.synthetic(tensors=(2,)), make_cluster())
+  out = tmp_path / 'plan.py'
+  text = emit.write(str(out), est, str(base), None, {}, 'test')
+  assert ('zero1' in text) == (kind == 'zero1')
+  cfg = _load(str(out)).get_config()
+  assert (cfg.train.optimizer_sharding, cfg.mesh.fsdp) == keys  # the base's fsdp overridden
+  cfg = config.validate(cfg, 8)
+  assert (('embed', 'data') in [tuple(r) for r in cfg.sharding.logical_axis_rules]) == keys[1]
+
+
+def test_zero3_baseline_is_reported():
+  cfg = small_config(layers=4, devices_batch=8)
+  prof = profile.synthetic(layer_param_bytes=1e6, act_per_seq=1e5, tensors=(1, 2))
+  result = search.search(cfg, make_cluster(groups=(('gpu', 4, 1.0, '80 GB'),)), profile=prof)
+  zero3 = result.baselines['zero3']
+  assert zero3 is not None and not zero3.oom
+  assert (zero3.plan.data, zero3.plan.tensor, zero3.plan.pipe) == (4, 1, 1)
+  assert zero3.plan.state_sharding == 'fsdp'
+  assert result.speedup('zero3') >= 1.0 - 1e-9
+  # Candidates carry every sharding where data > 1, only replicated where not.
+  assert search.state_shardings(cfg, 1) == ('replicated',)
+  assert search.state_shardings(cfg, 4) == ('replicated', 'zero1', 'fsdp')
+  assert search.state_shardings(cfg, 3) == ('replicated', 'zero1')  # 32 % 3: no FSDP
