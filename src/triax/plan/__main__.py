@@ -4,6 +4,7 @@
       --cluster=experiments/clusters/heterog_testbed.yaml
       [--profile=local|analytic] [--gpus=N] [--top=5] [--json] [--verbose]
       [--out=plan.py] [--trace=trace.json] [--profile_cache=FILE]
+      [--search=exhaustive|learned] [--policy=FILE.msgpack]
 
 Profiles the model on this machine (--profile=local) or prices it from its
 shapes and the spec's data sheets (--profile=analytic: any model, any
@@ -67,6 +68,19 @@ _DP = flags.DEFINE_enum(
   'Where the data-parallel gradient all-reduce is charged: '
   "per_step (triax's executor) or per_microbatch.",
 )
+_SEARCH = flags.DEFINE_enum(
+  'search',
+  'exhaustive',
+  ['exhaustive', 'learned'],
+  'exhaustive: enumerate and simulate every layout (plan/search.py); learned: a graph-network '
+  'policy trained against the simulator on random clusters (plan/learned.py).',
+)
+_POLICY = flags.DEFINE_string(
+  'policy',
+  None,
+  'With --search=learned: the trained policy (.msgpack); trained first (minutes) and written '
+  'here when absent. E.g. experiments/policies/gpt_1b_b64.msgpack.',
+)
 
 
 def main(argv):
@@ -103,6 +117,8 @@ def main(argv):
     gpus=_GPUS.value,
     profile_cache=_CACHE.value,
     verbose=_VERBOSE.value,
+    search=_SEARCH.value,
+    policy=_POLICY.value,
   )
   sys.exit(report.main(request, as_json=_JSON.value))
 

@@ -19,6 +19,7 @@ from triax.plan import search as search_lib
 from triax.plan.candidate import Estimate
 
 PROFILES = ('local', 'analytic')
+SEARCHES = ('exhaustive', 'learned')
 # One layer's forward+backward above this many FLOPs takes tens of seconds
 # per timing on a CPU, and the profile times dozens: refuse, point to analytic.
 _LOCAL_MAX_LAYER_FLOPS = 2e11
@@ -49,6 +50,9 @@ class Request:
     gpus: size the cluster to this many devices (cluster.resize), or None.
     profile_cache: JSON file of measured profiles to read and extend, or None.
     verbose: print the measurements behind the profile too.
+    search: 'exhaustive' (search.py) or 'learned' (plan/learned.py's policy).
+    policy: with search='learned', the trained policy file (.msgpack) to use,
+      trained first and written there when absent; None: trained here.
   """
 
   cfg: Any
@@ -64,6 +68,8 @@ class Request:
   gpus: int | None = None
   profile_cache: str | None = None
   verbose: bool = False
+  search: str = 'exhaustive'
+  policy: str | None = None
 
 
 def local_devices(cluster_path: str) -> int | None:
@@ -92,6 +98,8 @@ def _check(request: Request) -> None:
     raise ConfigError('--model', f'one of {", ".join(candidate.MODELS)}, got {request.model}')
   if request.dp_allreduce not in candidate.DP_ALLREDUCE:
     raise ConfigError('--dp_allreduce', f'one of {", ".join(candidate.DP_ALLREDUCE)}')
+  if request.search not in SEARCHES:
+    raise ConfigError('--search', f'one of {", ".join(SEARCHES)}, got {request.search}')
   if request.profile not in PROFILES:
     raise ConfigError('--profile', f'one of {", ".join(PROFILES)}, got {request.profile}')
   if request.profile_cache is not None:
@@ -132,7 +140,15 @@ def run(request: Request, as_json: bool = False, out: TextIO | None = None) -> d
     raise search_lib.no_layout(cfg, cluster)
   profile = _profile(request, cfg, cluster, candidates)
   progress(f'searching {len(candidates)} layouts ...')
-  result = search_lib.search(cfg, cluster, top_k=request.top, options=options, profile=profile)
+  if request.search == 'learned':
+    from triax.plan import learned
+
+    policy = learned.trained(cfg, request.policy, progress=progress)
+    result = learned.search(
+      cfg, cluster, top_k=request.top, options=options, profile=profile, policy=policy
+    )
+  else:
+    result = search_lib.search(cfg, cluster, top_k=request.top, options=options, profile=profile)
   progress(f'searched {result.evaluated} plans in {result.search_s:.1f} s')
   if not result.top:
     raise ConfigError(
@@ -174,6 +190,10 @@ def _planner_command(request: Request) -> str:
     flags += f' --profile={request.profile}'
   if request.gpus is not None:
     flags += f' --gpus={request.gpus}'
+  if request.search != 'exhaustive':
+    flags += f' --search={request.search}' + (
+      f' --policy={request.policy}' if request.policy else ''
+    )
   return flags
 
 
