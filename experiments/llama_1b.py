@@ -4,7 +4,8 @@ Llama 3.2 1B's shape: d_model 2048, 16 layers, 32 query heads and 8 K/V heads
 (head_dim 64), SwiGLU 8192, vocabulary 128256 with tied embeddings, RoPE base
 500000 with Llama 3's x32 scaling from 8192 positions; 1.24e9 parameters.
 Trained here on the byte corpus (token ids < 256; the vocabulary is kept
-for its cost: the output layer is a fifth of the FLOPs), 8 sequences x 2048
+for its cost: the output layer is a fifth of the FLOPs; the ids past the
+bytes' 256 are padding, model.vocab_used, masked out of the loss), 8 sequences x 2048
 tokens per step (1.35e14 model FLOPs), bf16 compute with fp32 parameters
 and Adam state (20 GB), the cross-entropy 256 positions at a time
 (model.loss_chunk), no rematerialisation (recomputation is work MFU does
@@ -40,6 +41,7 @@ def get_config(arg=None):
   c.model.num_kv_heads = 8
   c.model.d_ff = 8192
   c.model.vocab_size = 128256
+  c.model.vocab_used = 256  # the byte corpus's ids; the rest is padding, masked out of the loss
   c.model.rope_theta = 500000.0
   c.model.rope_scaling.factor = 32.0
   c.model.rope_scaling.low_freq_factor = 1.0

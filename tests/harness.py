@@ -55,7 +55,8 @@ def make_trainer(cfg):
 
 def random_batch(cfg, seed=0):
   rng = np.random.default_rng(seed)
-  toks = rng.integers(0, cfg.model.vocab_size, (cfg.train.global_batch_size, cfg.model.seq_len + 1))
+  ids = cfg.model.vocab_used or cfg.model.vocab_size  # never a padded id (model.vocab_used)
+  toks = rng.integers(0, ids, (cfg.train.global_batch_size, cfg.model.seq_len + 1))
   return {'inputs': toks[:, :-1].astype(np.int32), 'targets': toks[:, 1:].astype(np.int32)}
 
 

@@ -135,6 +135,9 @@ CASES = [
   ('cudnn-in-float32', train('--config.model.attention=cudnn'), 'model.attention'),
   ('unknown-family', train('--config.model.family=mamba'), 'model.family'),
   ('loss-chunk-not-dividing', train('--config.model.loss_chunk=5'), 'model.loss_chunk'),
+  ('vocab-used-beyond-vocab', train('--config.model.vocab_used=300'), 'model.vocab_used'),
+  # Padding past the bytes' 256 ids must be said (model.vocab_used=256), never silent.
+  ('bytes-padding-unsaid', train('--config.model.vocab_size=512'), 'model.vocab_used'),
   # A key the family does not read would be silently ignored.
   ('gpt-with-kv-heads', train('--config.model.num_kv_heads=2'), 'model.num_kv_heads'),
   ('gpt-with-rope-scaling', train('--config.model.rope_scaling.factor=8.0'), 'model.rope_scaling'),
@@ -309,6 +312,17 @@ CASES = [
       setup=prepared_tokens('tokens', tokenizer='bpe'),
     ),
     'model.vocab_size',
+  ),
+  (
+    'data-tokenizer-padding-unsaid',
+    train(
+      '--config.data.source=tokens',
+      '--config.data.path={d}/tokens',
+      '--config.data.tokenizer={d}/tok.json',
+      '--config.model.vocab_size=512',
+      setup=prepared_tokens('tokens', tokenizer='bpe'),
+    ),
+    'model.vocab_used',
   ),
   (
     'data-megatron-missing',

@@ -22,6 +22,7 @@ from test_reliability import (
 )
 
 from triax.data import prepare, sources
+from triax.data import tokenizer as tokenizer_lib
 from triax.data.batches import BatchStream
 
 WORDS = (
@@ -68,8 +69,10 @@ def prepared(tmp_path_factory, compile_cache):
     '--config.data.source=tokens',
     f'--config.data.path={out}',
     f'--config.data.tokenizer={tok}',
-    # The tokenizer's ids (<= 400) padded to a multiple of tensor (<= 4) x 128.
+    # The tokenizer's ids (<= 400) padded to a multiple of tensor (<= 4) x 128; the
+    # padding is said (the data check asks for it) and masked out of the loss.
     '--config.model.vocab_size=512',
+    f'--config.model.vocab_used={tokenizer_lib.load(tok).vocab_size}',
     f'--config.train.steps={STEPS}',
     '--config.checkpoint.every_steps=5',
     '--config.train.eval_every=10',
@@ -106,13 +109,16 @@ def test_the_data_line_says_what_is_trained_on(prepared):
   assert f'data: tokens {out} (huggingface tokenizer (' in line
   assert f'{m["train"]["tokens"]:,} train tokens in {m["train"]["documents"]:,} documents' in line
   assert f'{STEPS} steps x 8 = ' in line and ' epochs' in line
+  used = tokenizer_lib.load(os.path.join(os.path.dirname(out), 'tokenizer.json')).vocab_size
+  assert f'model.vocab_size=512 pads {512 - used} ids past the tokenizer, masked out' in line
 
 
 def test_layouts_match_one_device_through_a_kill_and_resume(prepared):
   root, _, flags, reference, _, env = prepared
   want = losses(reference)
   tok = os.path.join(root, 'tokenizer.json')
-  windows = BatchStream(sources.open_tokens(prepared[1], tok, 512, 1).train, 32, 8, 0).num_windows
+  split = sources.open_tokens(prepared[1], tok, 512, 1, tokenizer_lib.load(tok).vocab_size)
+  windows = BatchStream(split.train, 32, 8, 0).num_windows
 
   # data 1 x tensor 4 x pipe 2, 1F1B over 2 micro-batches, uninterrupted (beside the other).
   other = str(root / 'd1t4p2')

@@ -321,7 +321,7 @@ def sample(
   cfg = load_run_config(workdir)
   tok = run_tokenizer(workdir, cfg)
   prompt_tokens = encode_prompt(prompt, cfg.model.seq_len, tok)
-  sampling.check(cfg.model.vocab_size)
+  sampling.check(cfg.model.vocab_used or cfg.model.vocab_size)  # padded ids: never drawn
   placement = Placement.build(cfg, mesh)
   step = latest_checkpoint(workdir, cfg)
   params = restore_params(workdir, cfg, step, placement)

@@ -15,6 +15,7 @@ import os
 import numpy as np
 
 from triax.data import sources
+from triax.data import tokenizer as tokenizer_lib
 from triax.data.batches import BatchStream, Mixture, Samples
 from triax.data.corpus import DEFAULT_MAX_BYTES, load_corpus, unigram_entropy_nats
 from triax.errors import ConfigError
@@ -47,6 +48,9 @@ def open_source(source: str, path: str, cfg, key: str = 'data.path') -> sources.
   d, m = cfg.data, cfg.model
   if source in ('stdlib', 'text'):
     limit = d.max_text_bytes if source == 'text' else DEFAULT_MAX_BYTES
+    # Bytes are a tokenizer of 256 ids: a larger model.vocab_size is padding, said as such.
+    bytes_tok = tokenizer_lib.BytesTokenizer()
+    tokenizer_lib.check_vocab(bytes_tok, m.vocab_size, cfg.mesh.tensor, m.vocab_used)
     corpus = load_corpus(source, path, max_bytes=limit)
     return sources.Split(
       train=sources.TokenStream([corpus.train]),
@@ -56,8 +60,8 @@ def open_source(source: str, path: str, cfg, key: str = 'data.path') -> sources.
     )
   try:
     if source == 'tokens':
-      return sources.open_tokens(path, d.tokenizer, m.vocab_size, cfg.mesh.tensor)
-    return sources.open_megatron(path, d.tokenizer, m.vocab_size, cfg.mesh.tensor)
+      return sources.open_tokens(path, d.tokenizer, m.vocab_size, cfg.mesh.tensor, m.vocab_used)
+    return sources.open_megatron(path, d.tokenizer, m.vocab_size, cfg.mesh.tensor, m.vocab_used)
   except ConfigError as e:
     # A mixture's entry is data.mixture's fault, not data.path's.
     if e.key == 'data.path' and key != 'data.path':
@@ -118,9 +122,12 @@ def load(cfg) -> Data:
       )
     what = split.what + docs
     extra = cfg.model.vocab_size - split.vocab_size
-    if extra > 0 and d.source not in ('stdlib', 'text'):
-      # Megatron-style padding: ids no token maps to, so never a target.
+    if extra > 0:
+      # Megatron-style padding: ids no token maps to, so never a target; with
+      # model.vocab_used, masked out of the loss and sampling too.
       what += f'; model.vocab_size={cfg.model.vocab_size} pads {extra} ids past the tokenizer'
+      if cfg.model.vocab_used:
+        what += ', masked out of the loss'
     entropy_tokens = split.train.head(ENTROPY_TOKENS)
   epochs = cfg.train.steps * b / train.num_windows
   description = (

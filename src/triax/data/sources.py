@@ -89,12 +89,15 @@ def _memmap(path: str, dtype, key: str) -> np.ndarray:
   return np.memmap(path, dtype=dtype, mode='r')
 
 
-def open_tokens(path: str, tokenizer: str, model_vocab_size: int, tensor: int) -> Split:
+def open_tokens(
+  path: str, tokenizer: str, model_vocab_size: int, tensor: int, vocab_used: int = 0
+) -> Split:
   """A directory `triax.prepare` wrote, checked against its manifest and the tokenizer.
 
   Raises:
     ConfigError: data.path (missing, unfinished or damaged), data.tokenizer (not the
-      one the tokens were made with), model.vocab_size (too small for its ids).
+      one the tokens were made with), model.vocab_size (too small for its ids),
+      model.vocab_used (not the tokenizer's id count, tokenizer_lib.check_vocab).
   """
   if not os.path.isdir(path):
     raise ConfigError(
@@ -123,7 +126,7 @@ def open_tokens(path: str, tokenizer: str, model_vocab_size: int, tensor: int) -
       f'({made_with["vocab_size"]} ids), not with {tok.describe()}; set '
       f'data.tokenizer={made_with["name"]}',
     )
-  tokenizer_lib.check_vocab(tok, model_vocab_size, tensor)
+  tokenizer_lib.check_vocab(tok, model_vocab_size, tensor, vocab_used)
   streams = {}
   for split in prepare_lib.SPLITS:
     record = manifest['splits'][split]
@@ -204,16 +207,23 @@ def read_megatron_index(idx_path: str) -> dict:
           'doc_idx': doc_idx}  # fmt: skip
 
 
-def open_megatron(path: str, tokenizer: str, model_vocab_size: int, tensor: int) -> Split:
+def open_megatron(
+  path: str, tokenizer: str, model_vocab_size: int, tensor: int, vocab_used: int = 0
+) -> Split:
   """A Megatron-LM `.bin`/`.idx` pair (PREFIX, PREFIX.bin or PREFIX.idx).
 
   The sequences are read in file order as one token stream, so windows are
   packed across documents as in Megatron's GPTDataset (docs/data.md says how
   the sample order differs); the last 5% of documents are validation.
 
+  Without data.tokenizer (bytes) the ids' vocabulary is unknown: only its
+  largest id is, which model.vocab_used (when set) must hold; with one, the
+  tokenizer's id count decides model.vocab_used (tokenizer_lib.check_vocab).
+
   Raises:
     ConfigError: data.path (missing, malformed, sizes that disagree), data.tokenizer /
-      model.vocab_size (ids beyond the model's vocabulary).
+      model.vocab_size / model.vocab_used (ids beyond the model's vocabulary or its
+      unpadded part).
   """
   prefix = megatron_prefix(path)
   for suffix in ('.bin', '.idx'):
@@ -255,7 +265,8 @@ def open_megatron(path: str, tokenizer: str, model_vocab_size: int, tensor: int)
     )
   tokens = _memmap(prefix + '.bin', dtype, 'data.path')
   tok = tokenizer_lib.load(tokenizer)
-  tokenizer_lib.check_vocab(tok, model_vocab_size, tensor)
+  if tok.kind != tokenizer_lib.BYTES:
+    tokenizer_lib.check_vocab(tok, model_vocab_size, tensor, vocab_used)
   top = max(
     (int(tokens[i : i + _SCAN_BLOCK].max()) for i in range(0, total, _SCAN_BLOCK)), default=0
   )
@@ -270,6 +281,12 @@ def open_megatron(path: str, tokenizer: str, model_vocab_size: int, tensor: int)
       'data.tokenizer',
       f'{prefix}.bin holds token id {top}, beyond the {tok.describe()}: it was made with another '
       'tokenizer; name that one',
+    )
+  if vocab_used and top >= vocab_used:
+    raise ConfigError(
+      'model.vocab_used',
+      f'{vocab_used} marks id {top} of {prefix}.bin as padding (masked out of the loss); '
+      f"set model.vocab_used to its tokenizer's id count (> {top}), or name data.tokenizer",
     )
   n_val = max(1, int(n_docs * MEGATRON_VAL_FRACTION))
   cut = int(doc_starts[n_docs - n_val])

@@ -188,20 +188,44 @@ def padded_vocab_size(vocab_size: int, tensor: int) -> int:
   return math.ceil(vocab_size / unit) * unit
 
 
-def check_vocab(tokenizer: Tokenizer, model_vocab_size: int, tensor: int) -> None:
-  """The model's vocabulary holds every id the tokenizer makes.
+def check_vocab(
+  tokenizer: Tokenizer, model_vocab_size: int, tensor: int, vocab_used: int = 0
+) -> None:
+  """The model's vocabulary holds every id the tokenizer makes, and its
+  padding (model.vocab_used) is exactly the ids past the tokenizer's.
+
+  A vocabulary larger than the tokenizer's (Megatron's padding to a multiple
+  of tensor * 128) is allowed only when said: model.vocab_used = the
+  tokenizer's ids, so the padded ones are masked out of the loss and of
+  sampling rather than trained towards zero probability without a word.
 
   Raises:
-    ConfigError: on model.vocab_size, naming the padded size to use.
+    ConfigError: on model.vocab_size (too small, naming the padded size to
+      use) or model.vocab_used (not the tokenizer's id count).
   """
-  if tokenizer.vocab_size > model_vocab_size:
+  n = tokenizer.vocab_size
+  if n > model_vocab_size:
     raise ConfigError(
       'model.vocab_size',
       f'{model_vocab_size} is smaller than the {tokenizer.describe()}; set '
-      f'model.vocab_size={padded_vocab_size(tokenizer.vocab_size, tensor)} '
-      f'(its {tokenizer.vocab_size} ids padded to a multiple of mesh.tensor*'
-      f'{VOCAB_PAD_MULTIPLE}, as Megatron pads)',
+      f'model.vocab_size={padded_vocab_size(n, tensor)} '
+      f'(its {n} ids padded to a multiple of mesh.tensor*'
+      f'{VOCAB_PAD_MULTIPLE}, as Megatron pads) and model.vocab_used={n}',
     )
+  if (vocab_used or model_vocab_size) == n:
+    return
+  if n < model_vocab_size:
+    who = f'{tokenizer.kind} tokenizer' + (f' {tokenizer.name}' if tokenizer.kind != BYTES else '')
+    raise ConfigError(
+      'model.vocab_used',
+      f"set model.vocab_used={n} (the {who}'s {n} ids; the other {model_vocab_size - n} ids "
+      f'of model.vocab_size={model_vocab_size} are padding, masked out of the loss)',
+    )
+  raise ConfigError(
+    'model.vocab_used',
+    f'{vocab_used} would mask ids of the {tokenizer.describe()}, which uses all '
+    f'{n} of model.vocab_size; set model.vocab_used=0',
+  )
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int, out: str) -> HuggingFaceTokenizer:

@@ -56,7 +56,8 @@ def measure(cfg, *, steps: int = 5, warmup: int = 2, devices=None) -> Measuremen
   trainer = build_trainer(cfg, build_mesh(cfg.mesh, devices))
   rng = np.random.default_rng(0)
   shape = (cfg.train.global_batch_size, cfg.model.seq_len + 1)
-  tokens = rng.integers(0, cfg.model.vocab_size, shape).astype(np.int32)
+  # Ids the data could hold: none past model.vocab_used (padding, whose targets would cost inf).
+  tokens = rng.integers(0, cfg.model.vocab_used or cfg.model.vocab_size, shape).astype(np.int32)
   with jax.set_mesh(trainer.mesh):
     # The state programs too: a layout's peak may be a save or an eval (Measurement.peak_bytes).
     compiled, _, stats = all_compile_stats(trainer)
