@@ -20,9 +20,9 @@ BASE = """from triax import config
 
 def get_config(arg=None):
   c = config.defaults()
-  c.model.num_layers, c.model.d_model, c.model.num_heads = 4, 32, 4
+  c.model.num_layers, c.model.d_model, c.model.num_heads = 4, 32, 2
   c.model.d_ff, c.model.seq_len = 64, 16
-  c.train.global_batch_size = 8
+  c.train.global_batch_size = 4
   return c
 """
 
@@ -36,9 +36,9 @@ def _load(path, name):
 
 def tiny():
   cfg = config.defaults()
-  cfg.model.num_layers, cfg.model.d_model, cfg.model.num_heads = 4, 32, 4
+  cfg.model.num_layers, cfg.model.d_model, cfg.model.num_heads = 4, 32, 2
   cfg.model.d_ff, cfg.model.seq_len = 64, 16
-  cfg.train.global_batch_size = 8
+  cfg.train.global_batch_size = 4
   return cfg
 
 
@@ -46,8 +46,10 @@ def test_profile_of_a_tiny_model():
   cfg = tiny()
   # The degrees and sizes the CLI test's search asks for (the same model and
   # batch on 8 devices): one profile, cached in memory, serves both tests.
+  # Two heads and four sequences keep it to 2 degrees x 3 sizes: profiling
+  # compiles about a hundred programs, the suite's longest test.
   tensors, sizes = search.profile_sizes(cfg, list(search.layouts(cfg, 8)))
-  assert (tensors, sizes) == ([1, 2, 4], [1, 2, 4, 8])
+  assert (tensors, sizes) == ([1, 2], [1, 2, 4])
   prof = profile.measure(cfg.model, tensors, sizes)
   assert prof is profile.measure(cfg.model, tensors[::-1], sizes[::-1])
   assert prof.machine.num_devices == 8
@@ -80,7 +82,7 @@ def test_profile_of_a_tiny_model():
   # at these widths a layer takes under a millisecond and the other test
   # worker shares the cores.)
   measured = {(pt.microbatch, pt.tensor) for pt in prof.points if pt.function == 'layer_fwd'}
-  assert measured == {(b, 1) for b in sizes} | {(b, t) for b in (1, 8) for t in (2, 4)}
+  assert measured == {(b, 1) for b in sizes} | {(1, 2), (4, 2)}
   for point in prof.points:
     assert prof.local_seconds(point.function, point.microbatch, point.tensor) == pytest.approx(
       point.seconds
@@ -88,7 +90,7 @@ def test_profile_of_a_tiny_model():
   at = {
     pt.microbatch: pt.seconds for pt in prof.points if pt.function == 'layer_fwd' and pt.tensor == 1
   }
-  assert min(at[4], at[8]) <= prof.local_seconds('layer_fwd', 5, 1) <= max(at[4], at[8])
+  assert min(at[2], at[4]) <= prof.local_seconds('layer_fwd', 3, 1) <= max(at[2], at[4])
   # The executor's variants of a layer, as ratios to its plain pair: a split
   # backward's halves, a layer under cond and a skipped (padding) one.
   assert set(prof.ratios) == set(profile.EXECUTOR_RATIOS)
