@@ -306,7 +306,7 @@ class DecoderModel:
     start [b]: the slot where each row's (left-padded) prompt begins, so a
     token's position is its slot minus its row's start. A prefill passes the
     whole padded prompt at index 0; then one token a step. Padded ids
-    (spec.vocab_used) have logit -inf, so a sampler never picks one.
+    (spec.vocab_used) have logit -1e30 (loss.mask_padding): never picked.
     """
     slots = index + jnp.arange(tokens.shape[1])
     positions = jnp.maximum(slots[None, :] - start[:, None], 0)
@@ -322,7 +322,7 @@ class DecoderModel:
     return loss_lib.mask_padding(self.head_logits(head_params, x), self.spec.vocab_used), cache
 
   def logits(self, params: Params, tokens: jax.Array, segments=None) -> jax.Array:
-    """fp32 logits [b, s, vocab]; padded ids (spec.vocab_used) at -inf."""
+    """fp32 logits [b, s, vocab]; padded ids (spec.vocab_used) at -1e30 (loss.mask_padding)."""
     embed_params, head_params = self.edge_params(params)
     x = self.layers(params['layers'], self.embed(embed_params, tokens), segments=segments)
     return loss_lib.mask_padding(self.head_logits(head_params, x), self.spec.vocab_used)

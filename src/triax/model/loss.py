@@ -7,36 +7,39 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+# The logit of a padded id. Finite, not -inf: the target's one-hot product
+# below would make -inf * 0 = NaN at every padded id. exp(-1e30 - max) is 0
+# in fp32, so the padding still has exactly zero probability and gradient.
+PADDING_LOGIT = -1e30
+
 
 def mask_padding(logits: jax.Array, vocab_used: int) -> jax.Array:
-  """logits [..., V] with the ids >= vocab_used (Megatron's vocabulary padding) at -inf.
+  """fp32 logits [..., V] with the ids >= vocab_used (Megatron's vocabulary padding) at
+  PADDING_LOGIT: zero probability in a softmax, hence zero gradient into the output
+  layer's padded rows, and never drawn by a sampler (argmax, temperature or top-k).
 
-  The padding then has zero probability in a softmax, hence zero gradient
-  into the output layer's padded rows, and a sampler never draws it. An
-  iota compare and a select: elementwise, so it splits over `tensor` with
-  the logits (each rank compares its own slice's global ids). vocab_used 0
-  (or V): nothing is padding and the logits are returned untouched.
+  An add of a [V] bias, not a select: its gradient is the identity, so the
+  backward keeps no mask (a select made XLA hold another chunk of logits,
+  +42% of the chunked loss's temporaries at V = 128k), and it splits over
+  `tensor` with the logits. vocab_used 0 (or V): returned untouched.
   """
-  if not vocab_used or vocab_used >= logits.shape[-1]:
+  v = logits.shape[-1]
+  if not vocab_used or vocab_used >= v:
     return logits
-  ids = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
-  return jnp.where(ids < vocab_used, logits, -jnp.inf)
+  bias = jnp.where(jnp.arange(v) < vocab_used, 0.0, PADDING_LOGIT).astype(logits.dtype)
+  return logits + bias
 
 
 def _summed(logits: jax.Array, targets: jax.Array, vocab_used: int) -> jax.Array:
+  logits = mask_padding(logits, vocab_used)
   # A one-hot contraction, not a gather, picks the target logit: with the
   # vocabulary split over `tensor` it partitions into a local product and
   # an all-reduce (Megatron's vocab-parallel cross-entropy); XLA's SPMD
   # partitioner rejects a gather along the split axis inside the pipeline.
-  one_hot = jax.nn.one_hot(targets, logits.shape[-1], dtype=logits.dtype)
-  if vocab_used and vocab_used < logits.shape[-1]:
-    logits = mask_padding(logits, vocab_used)
-    # A select, not a product: -inf * 0 would be NaN at every padded id. A
-    # padded target (the data layer never makes one) costs +inf, not a
-    # silently finite loss.
-    target_logit = jnp.sum(jnp.where(one_hot > 0, logits, 0.0), axis=-1)
-  else:
-    target_logit = jnp.sum(logits * one_hot, axis=-1)
+  # (A padded target, which the data layer never makes, would cost ~1e30.)
+  target_logit = jnp.sum(
+    logits * jax.nn.one_hot(targets, logits.shape[-1], dtype=logits.dtype), axis=-1
+  )
   return jnp.sum(jax.nn.logsumexp(logits, axis=-1) - target_logit)
 
 
@@ -55,8 +58,8 @@ def cross_entropy_sum(
   jax.checkpoint so the backward recomputes a chunk's logits instead of
   saving them. At V = 128k the logits, their one-hot and their gradient are
   what dominates a step's temporaries otherwise. chunk 0 (or >= s): at once.
-  With `vocab_used` (0 < vocab_used < V) the ids from it on are padding:
-  masked to -inf before the logsumexp (`mask_padding`).
+  With `vocab_used` (0 < vocab_used < V) the ids from it on are padding,
+  masked before the logsumexp (`mask_padding`).
   """
   b, s = targets.shape
   if not chunk or chunk >= s:
