@@ -16,7 +16,7 @@ choices no enumeration covers), the learned plan against the best the
 search finds within the same wall clock as the learned inference (its
 layouts in its own order until the time is up), and against the full search.
 
-  .venv/bin/python scripts/bench_learned_planner.py [--steps=160] [--clusters=16]
+  .venv/bin/python scripts/bench_learned_planner.py [--steps=240] [--clusters=24] [--samples=63]
       [--out=docs/bench_learned_planner.md] [--policy=experiments/policies/gpt_1b_b64.msgpack]
 
 Model: experiments/gpt_1b.py at batch 64 (1.0B parameters, 20 layers,
@@ -90,9 +90,9 @@ def _groups(c) -> str:
 
 def main():
   ap = argparse.ArgumentParser()
-  ap.add_argument('--steps', type=int, default=160)
-  ap.add_argument('--clusters', type=int, default=16)
-  ap.add_argument('--samples', type=int, default=31)
+  ap.add_argument('--steps', type=int, default=240)
+  ap.add_argument('--clusters', type=int, default=24)
+  ap.add_argument('--samples', type=int, default=63)
   ap.add_argument('--seed', type=int, default=0)
   ap.add_argument('--out', default=os.path.join(ROOT, 'docs/bench_learned_planner.md'))
   ap.add_argument('--policy', default=os.path.join(ROOT, 'experiments/policies/gpt_1b_b64.msgpack'))
@@ -166,11 +166,19 @@ def main():
     f'(+{built_s:.1f} s building the problems), {log.simulated} distinct plans simulated; mean '
     f'reward (-log step time) of the first {k} steps {first:.3f}, of the last {k} {last:.3f}. '
     f'Policy saved to `{os.path.relpath(args.policy, ROOT)}` '
+    f'({os.path.getsize(args.policy) // 1024} KiB) '
     '(`python -m triax.plan ... --search=learned --policy=FILE` reuses it).',
     '',
     'Regret = learned plan step time / search best (1.00x = the same; higher = the learned '
     'plan is slower). Inference = greedy plan + '
-    f"{args.samples} samples, each priced (layer split by the search's partitioner).",
+    f'{args.samples} samples (half at temperature {learned.INFER_TEMPERATURES[0]}, half at '
+    f"{learned.INFER_TEMPERATURES[1]}), each priced with the layer split of the search's "
+    'partitioner; (plans) = distinct plans priced.',
+    '',
+    'What the learned planner decides: tensor, pipe, micro-batches, schedule and v, remat, '
+    'state sharding (where the search has it), and the device group of every stage. What it '
+    "does not: the layer split (the search's partitioner, even or balanced, whichever is "
+    'faster).',
     '',
     '| cluster | devices | search best | search ms | search s (plans) | learned plan | '
     'learned ms | regret | inference s (plans) |',

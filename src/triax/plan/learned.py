@@ -498,13 +498,19 @@ ROWS = 16
 
 
 def rollout(
-  policy: Policy, prob: Problem, count: int, rng: np.random.Generator | None, greedy: int = 0
+  policy: Policy,
+  prob: Problem,
+  count: int,
+  rng: np.random.Generator | None,
+  greedy: int = 0,
+  temperature: float = 1.0,
 ) -> list[tuple[Partial, list[tuple[Decision, int]]]]:
   """`count` plans decided together: the first `greedy` take every step's
-  argmax (all of them when rng is None), the rest sample."""
+  argmax (all of them when rng is None), the rest sample at `temperature`."""
   if count > ROWS:
-    first = rollout(policy, prob, ROWS, rng, greedy)
-    return first + rollout(policy, prob, count - ROWS, rng, max(0, greedy - ROWS))
+    first = rollout(policy, prob, ROWS, rng, greedy, temperature)
+    rest = rollout(policy, prob, count - ROWS, rng, max(0, greedy - ROWS), temperature)
+    return first + rest
   parts = [start(prob) for _ in range(count)]
   trails = [[] for _ in range(count)]
   scores = _scores(policy)
@@ -524,7 +530,7 @@ def rollout(
       if rng is None or i < greedy:
         index = int(np.argmax(z))
       else:
-        prob_ = np.exp(z - z.max()) * decs[i].mask
+        prob_ = np.exp((z - z.max()) / temperature) * decs[i].mask
         prob_ /= prob_.sum()
         index = int(rng.choice(len(z), p=prob_))
       apply(prob, parts[i], decs[i], index)
@@ -593,7 +599,7 @@ def train(
   steps: int = 300,
   samples: int = 16,
   learning_rate: float = 3e-3,
-  entropy_weight: float = 1e-3,
+  entropy_weight: float = 5e-3,
   seed: int = 0,
   hidden: int = 64,
   rounds: int = 3,
@@ -636,10 +642,18 @@ def train(
   )
 
 
-def infer(policy: Policy, prob: Problem, samples: int = 31, seed: int = 0) -> list[Estimate]:
+# Inference samples half its plans at the policy's own temperature and half
+# flatter (more of the plans near the policy's choice get priced).
+INFER_TEMPERATURES = (1.0, 2.0)
+
+
+def infer(policy: Policy, prob: Problem, samples: int = 63, seed: int = 0) -> list[Estimate]:
   """The greedy plan and `samples` sampled ones, priced, fastest first (fitting ones first)."""
   rng = np.random.default_rng(seed)
-  found = [plan_of(prob, part) for part, _ in rollout(policy, prob, 1 + samples, rng, greedy=1)]
+  half = (1 + samples) // 2
+  parts = rollout(policy, prob, half, rng, greedy=1, temperature=INFER_TEMPERATURES[0])
+  parts += rollout(policy, prob, 1 + samples - half, rng, temperature=INFER_TEMPERATURES[1])
+  found = [plan_of(prob, part) for part, _ in parts]
   unique = {id(e): e for e in found}
   return sorted(unique.values(), key=lambda e: (e.oom, e.step_time))
 
@@ -670,7 +684,7 @@ def load(path: str) -> Policy:
   with open(path, 'rb') as f:
     raw = serialization.msgpack_restore(f.read())
   hidden, rounds = int(raw['hidden']), int(raw['rounds'])
-  template = net.init(net.Policy(hidden, rounds), 0)
+  template = jax.eval_shape(lambda: net.init(net.Policy(hidden, rounds), 0))
   params = serialization.from_state_dict(template, raw['params'])
   params = jax.tree.map(lambda a: np.asarray(a), params)
   return Policy(params, hidden, rounds, dict(raw.get('meta') or {}))
@@ -771,8 +785,8 @@ def model_key(cfg) -> str:
 def trained(
   cfg,
   path: str | None = None,
-  steps: int = 160,
-  clusters: int = 16,
+  steps: int = 240,
+  clusters: int = 24,
   seed: int = 0,
   progress: Callable[[str], None] | None = None,
 ) -> Policy:
@@ -803,7 +817,7 @@ def search(
   options: Options = Options(),
   profile: profile_lib.Profile | None = None,
   policy: Policy | None = None,
-  samples: int = 31,
+  samples: int = 63,
   seed: int = 0,
 ) -> search_lib.SearchResult:
   """The learned planner's answer as a SearchResult (search.search's shape).

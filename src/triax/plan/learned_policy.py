@@ -120,4 +120,5 @@ def init(policy: Policy, seed: int):
   cand = jnp.zeros((1, MAX_CANDIDATES, CANDIDATE_FEATURES))
   node = -jnp.ones((1, MAX_CANDIDATES), jnp.int32)
   mask = jnp.ones((1, MAX_CANDIDATES), bool)
-  return policy.init(jax.random.key(seed), empty_graph(), ctx, cand, node, mask)
+  # Jitted: flax's eager init dispatches every small op on its own (seconds).
+  return jax.jit(policy.init)(jax.random.key(seed), empty_graph(), ctx, cand, node, mask)
