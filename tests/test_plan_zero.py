@@ -128,8 +128,8 @@ def test_fsdp_collectives_per_layer_and_per_step():
   plan = make_plan(p=1, m=1, d=4, layers=(8,))
   c_f, c_b = 0.01, 0.02  # one sequence per replica
   fsdp = sharded(plan, 'fsdp')
-  overlapped = simulate_plan(fsdp, prof, cluster)
-  serial = simulate_plan(fsdp, prof, cluster, Options(fsdp_overlap=False))
+  overlapped = simulate_plan(fsdp, prof, cluster, Options(fsdp_overlap=True))
+  serial = simulate_plan(fsdp, prof, cluster)  # the default: triax's scan, no overlap
   compute = 8 * (c_f + c_b)
   # Not overlapped: every layer's gather (forward), gather and reduce-scatter (backward).
   assert serial.step_time == pytest.approx(compute + 8 * (2 * gather + scatter))

@@ -192,8 +192,10 @@ class Options:
       only the train step: a plan that trains must also save and evaluate.
     fsdp_overlap: FSDP's per-layer all-gathers and reduce-scatters (pipe =
       m = 1) run beside the layer computations, as ZeRO-3 prefetches the
-      next layer: a layer takes the longer of its compute and its
-      collectives; False: they add.
+      next layer: a layer takes about the longer of its compute and its
+      collectives. False (the default): they add, as triax's layer scan
+      runs them (each layer's gather inside its own iteration, which
+      XLA's default flags do not move into the previous one).
   """
 
   model: str = 'lockstep'
@@ -202,7 +204,7 @@ class Options:
   padded: bool = True
   scatter_gather: bool = True
   state_programs: bool = True
-  fsdp_overlap: bool = True
+  fsdp_overlap: bool = False
 
   def __post_init__(self):
     if self.model not in MODELS:

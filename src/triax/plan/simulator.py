@@ -42,13 +42,14 @@ what is communicated, as triax's step runs it:
   all-reduced after it (per step, in the tail);
 - fsdp without it (ZeRO-3 proper): each layer's weights are all-gathered
   in its forward and again in its backward, and its weight gradient
-  reduce-scatter, over the stage's data groups. Options.fsdp_overlap
-  (default) takes them as ZeRO-3 runs them, each gather prefetched beside
-  the previous layer's compute: n layers' forward takes g + (n-1) max(c, g)
-  + c, the backward the same with gather + reduce-scatter for g (only the
-  first gather and the last reduce-scatter are exposed; the embedding's and
-  head's are, in the tail); without it they add: n (c + g). The model
-  assumes the collectives do not slow the compute they overlap.
+  reduce-scatter, over the stage's data groups. By default they add to
+  the layers' compute: n layers' forward takes n (c + g) (g: the gather;
+  the backward the same with gather + reduce-scatter for g), as triax's
+  layer scan runs them. Options(fsdp_overlap=True) takes them as ZeRO-3
+  runs them, each gather prefetched beside the previous layer's compute:
+  g + (n-1) max(c, g) + c (only the first gather and the last
+  reduce-scatter exposed), assuming the collectives do not slow the
+  compute they overlap. The embedding's and head's are exposed, in the tail.
 
 The optimizer update of a sharded state moves 1/data of the bytes.
 
