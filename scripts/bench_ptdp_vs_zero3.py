@@ -24,9 +24,10 @@ whose model shapes, FLOP count and bounded layout search it reuses):
     full recomputation: each layer's weights all-gathered in its forward
     and again in its backward and its gradient reduce-scattered, over all
     GPUs (the planner's hierarchical NCCL model: inside each node on
-    NVLink, across nodes through the eight 200 Gb/s HCAs). Shown with the
-    planner's default overlap (each gather prefetched beside the previous
-    layer's compute, as ZeRO-3 does) and without it.
+    NVLink, across nodes through the eight 200 Gb/s HCAs). Shown with
+    overlap (Options(fsdp_overlap=True): each gather prefetched beside the
+    previous layer's compute, as ZeRO-3 does) and without it (the
+    planner's default, as triax's layer scan runs them).
 
 TFLOP/s per GPU = the paper's FLOPs per step (96 B s l h^2 (1 + s/6h +
 V/16lh), full recomputation counted) over (simulated step time x GPUs),
@@ -233,10 +234,11 @@ def write(path: str, results, selene, wall: float, budget: float) -> None:
     '  in its column.',
     '- ZeRO-3: each step moves every parameter three times per GPU (two all-gathers, one',
     "  reduce-scatter) whatever the GPU count, while a GPU's share of the compute halves as",
-    "  the GPUs double. Simulated without overlap it falls as the paper's does, if less:",
+    "  the GPUs double. Simulated without overlap (the planner's default: triax's layer scan)",
+    "  it falls as the paper's does, if less:",
     f'  175B {series(lambda r: r[5]["tflops"])} (published 144 -> 88 -> 44), and PTD-P pulls',
-    "  ahead as the GPUs grow, by the ratios above. With the planner's default overlap (each",
-    '  gather prefetched beside the previous layer, nothing lost to it) it holds up:',
+    '  ahead as the GPUs grow, by the ratios above. With overlap (each gather prefetched',
+    "  beside the previous layer, nothing lost to it: ZeRO-3's design) it holds up:",
     f'  {series(lambda r: r[4]["tflops"])}, above PTD-P at every count: one micro-batch of',
     "  1-4 sequences of a t = 1 layer is enough compute to hide a layer's traffic through",
     "  NCCL-style hierarchical collectives at the HCAs' full 200 Gb/s per GPU, and ZeRO-3 has",
