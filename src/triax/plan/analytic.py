@@ -45,8 +45,9 @@ d_model, a = heads): what the backward reads, counted as Korthikanti et
 al. (2022) count it without dropout: s h e (4 + 12/t) + a s^2 e / t (the
 score probabilities; none with cuDNN attention, which keeps its output
 and log-sum-exp); selective drops the s^2 term; full keeps only the
-layer's input, s h e. Parameters and Adam state: the simulator's
-STATE_COPIES of the parameter bytes.
+layer's input, s h e. Parameters and Adam state: plan/memory.py's
+`state` (STATE_COPIES of the parameter bytes, split over data by the
+plan's state sharding).
 """
 
 from __future__ import annotations
