@@ -94,8 +94,10 @@ def test_sampling_never_returns_a_padded_id_even_where_the_padding_dominates():
   params = _params(masked, 3)
   directions = np.concatenate([np.eye(16), -np.eye(16)], axis=1) * 100.0
   params['head']['out'] = params['head']['out'].at[:, used:].set(directions)
-  # Without the mask every position's largest logit is a padded id (the normed state
-  # has a component of magnitude >= 1 along some axis: that column's logit is >= 100).
+  params['head']['norm'] = jnp.ones(16)
+  # Without the mask every position's largest logit is a padded id: the normed state
+  # (rms 1) has a component of magnitude >= 1, so one padded logit is >= 100, and
+  # the used ids' are at most |h| |w| ~ 4 x 1.2.
   tokens = jnp.asarray([[100, 101, 32, 7, 7, 7, 7, 7]], jnp.int32)
   assert np.all(np.argmax(harness.model_of(**shape).logits(params, tokens), axis=-1) >= used)
   assert np.all(masked.logits(params, tokens)[..., used:] <= loss_lib.PADDING_LOGIT / 2)
