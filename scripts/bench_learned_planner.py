@@ -173,7 +173,10 @@ def main():
     'plan is slower). Inference = greedy plan + '
     f'{args.samples} samples (half at temperature {learned.INFER_TEMPERATURES[0]}, half at '
     f"{learned.INFER_TEMPERATURES[1]}), each priced with the layer split of the search's "
-    'partitioner; (plans) = distinct plans priced.',
+    "partitioner; (plans) = distinct plans priced. Both wall clocks include each planner's "
+    "baselines (search.py's: the whole search again as if every device were the slowest; the "
+    "learned one's: the policy on that cluster, and the data-parallel layouts), and exclude "
+    'loading the policy.',
     '',
     'What the learned planner decides: tensor, pipe, micro-batches, schedule and v, remat, '
     'state sharding (where the search has it), and the device group of every stage. What it '
@@ -238,7 +241,10 @@ def main():
       f'{f"{best.step_time / mine.step_time:.2f}x" if best and mine else "-"} |',
       '',
       '"vs learned" = that planner\'s step time over the learned plan\'s (below 1: the search '
-      'plan is faster).',
+      'plan is faster). The search enumerates data degrees from 1 up, so a short budget sees only '
+      'its most pipelined and tensor-split layouts; an ordering made for budgets (or the '
+      'learned plan as its first candidate) was not tried. Its full run is not a global optimum '
+      'either: three device orders per layout, not every per-stage choice of device group.',
     ]
     if mine:
       groups = [

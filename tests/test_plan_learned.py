@@ -93,3 +93,17 @@ def test_plan_cli_library_with_search_learned(trained, tmp_path):
   assert summary['top'] and not summary['top'][0]['oom']
   assert os.path.isfile(tmp_path / 'plan.py')
   assert '--search=learned' in open(tmp_path / 'plan.py').read()
+
+
+def test_training_is_deterministic_by_seed():
+  cfg = small_config()
+  runs = []
+  for _ in range(2):
+    problems = learned.training_problems(cfg, count=1, seed=1)
+    policy, log = learned.train(problems, steps=3, seed=1)
+    runs.append((log.rewards, policy.params))
+  assert runs[0][0] == runs[1][0]
+  import jax
+
+  same = jax.tree.map(lambda a, b: bool(np.array_equal(a, b)), runs[0][1], runs[1][1])
+  assert all(jax.tree.leaves(same))

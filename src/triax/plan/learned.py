@@ -615,7 +615,10 @@ def train(
   policy = policy or Policy(net.init(net.Policy(hidden, rounds), seed), hidden, rounds)
   optimizer = optax.adam(learning_rate)
   opt_state = optimizer.init(policy.params)
-  grad = jax.jit(jax.grad(_loss_fn(policy.module, entropy_weight)))
+  key = ('grad', policy.hidden, policy.rounds, entropy_weight)
+  if key not in _JITTED:  # one compile per process, not per call
+    _JITTED[key] = jax.jit(jax.grad(_loss_fn(policy.module, entropy_weight)))
+  grad = _JITTED[key]
   rng = np.random.default_rng(seed)
   baseline: dict[int, float] = {}
   rewards, which = [], []
@@ -823,9 +826,11 @@ def search(
   """The learned planner's answer as a SearchResult (search.search's shape).
 
   Baselines: 'even_split' (its best plan's degrees and devices, even
-  layers), 'data_parallel' (the best of every d = devices layout) and
+  layers), 'data_parallel' and 'zero3' (the best d = devices layout with
+  replicated and with FSDP state, as the search's) and
   'homogeneous_slowest' (the policy's plan for the cluster made of its
-  slowest type, timed on the real one).
+  slowest type, timed on the real one). search_s counts them too, as the
+  search's does.
   """
   if profile is None:
     from triax.plan import analytic
@@ -862,7 +867,10 @@ def search(
       baselines['even_split'] = top[0]
   dp = [l for l in prob.layouts if l.data == n]
   fits = [e for e in search_lib._evaluate(cfg, cluster, profile, options, dp) if not e.oom]
-  baselines['data_parallel'] = min(fits, key=lambda e: e.step_time) if fits else None
+  for key, sharding in (('data_parallel', 'replicated'), ('zero3', 'fsdp')):
+    mine = [e for e in fits if getattr(e.plan, 'state_sharding', 'replicated') == sharding]
+    if key in baselines and mine:
+      baselines[key] = min(mine, key=lambda e: e.step_time)
   slow = problem(cfg, search_lib.homogenized(cluster, profile, cfg), profile, options)
   if slow is not None:
     for e in infer(policy, slow, samples, seed):
