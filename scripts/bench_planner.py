@@ -365,6 +365,12 @@ def _clusters_report(cfg, prof) -> str:
       f'{speed("homogeneous_slowest")} | {result.evaluated} | '
       f'{result.search_s:.1f} |'
     )
+  lines += [
+    '',
+    "This model is tiny: for transformers where the layout matters (BERT-large's size up "
+    'to the largest each mixed cluster holds, analytic profile, also simulated) see '
+    '[bench_heterog.md](bench_heterog.md) (`scripts/bench_heterog.py`).',
+  ]
   return '\n'.join(lines) + '\n'
 
 
