@@ -75,23 +75,26 @@ def one_f_one_b():
 
 def test_one_f_one_b_holds_the_papers_activations(one_f_one_b):
   """Activation-dominated: 128 tokens x 4 sequences per micro-batch through a
-  64-wide model, so one stash slot (14.5 MB) dwarfs the weights (~0.1 MB).
+  64-wide model, so one stash slot (13.2 MB) dwarfs the weights (~0.1 MB).
 
   Stage s holds p - s residual sets, so the pool has p = 4 slots (the
-  earlier lowering compiled 7: 114.4 MB of temp, against 74.7 MB now, 0.65x).
-  What remains above the pool is one set being written by the tick's
-  forward before it lands in its slot, and the B-to-W cut.
+  earlier lowering compiled 7: 114.4 MB of temp, against 72.3 MB now, 0.63x;
+  the causal mask left the residuals, 14.5 -> 13.2 MB a set). What remains
+  above the pool is about one set being written by the tick's forward
+  before it lands in its slot (with its attention's transients), and the
+  B-to-W cut.
   """
   s = one_f_one_b['schedule']
   assert s['stash_slots'] == P and s['peak_stash'] == [4, 3, 2, 1]
-  slot = s['residual_bytes_per_slot']
-  assert one_f_one_b['temp_bytes'] <= 5.25 * slot, one_f_one_b['temp_bytes'] / slot
+  slot, cut = s['residual_bytes_per_slot'], s['cut_bytes_per_slot']
+  above = (one_f_one_b['temp_bytes'] - cut) / slot - P
+  assert above <= 1.5, above
 
 
 def test_zb_h1_holds_p_sets_on_every_stage(one_f_one_b):
   """ZB-H1's W's wait up to s ticks, so every stage holds p sets and up to p
-  cuts; beyond 1F1B's bytes it holds only those cuts (measured 84.5 vs
-  74.7 MB: three more cut slots, and the cut is written into a pool now
+  cuts; beyond 1F1B's bytes it holds only those cuts (measured 83.1 vs
+  72.3 MB: three more cut slots, and the cut is written into a pool now
   rather than replacing a one-slot one)."""
   zb = _stats('zb_h1', 16)
   assert zb['schedule']['peak_stash'] == [4, 4, 4, 4]
@@ -101,15 +104,15 @@ def test_zb_h1_holds_p_sets_on_every_stage(one_f_one_b):
 
 def test_bpipe_balances_stash_slots(one_f_one_b):
   """BPipe caps every stage at ceil((p+1)/2) = 3 residual sets (1f1b: 4 on
-  stage 0) and moves the rest to its partner. At p = 4 the pool's saving (one
-  slot) is what its transfer buffers cost (the set being sent and the one
-  landing, one slot each, since its ppermute runs every tick outside any
-  branch), so compiled temp is 1f1b's (measured 74.7 MB both); at p = 8 it is
-  0.78x (47.5 vs 61.1 MB: 5 slots against 8).
+  stage 0) and moves the rest to its partner. Its transfer buffers (the set
+  being sent, and the one landing, carried to the next tick) cost about 1.7
+  sets beside 1F1B's one in-flight set, so at p = 4 compiled temp is 0.86x
+  1F1B's (62.0 vs 72.3 MB) and at p = 8 0.751x (44.2 vs 58.9 MB, 5 slots
+  against 8; scripts/bench_schedules.py).
   """
   bpipe = _stats('bpipe', 16)
   assert bpipe['schedule']['stash_slots'] == 3
   assert max(bpipe['schedule']['peak_stash']) == 3
-  assert bpipe['temp_bytes'] <= 1.02 * one_f_one_b['temp_bytes']
+  assert bpipe['temp_bytes'] <= 0.9 * one_f_one_b['temp_bytes']
   assert bpipe['schedule']['residual_bytes_moved_per_step'] > 0
   assert one_f_one_b['schedule']['residual_bytes_moved_per_step'] == 0

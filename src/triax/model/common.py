@@ -134,6 +134,15 @@ class Decode:
   positions: jax.Array
 
 
+def _causal_bias(t: int, segments: jax.Array | None) -> jax.Array:
+  """[1 or b, 1, t, t] float32: 0 where a query may attend, a large negative
+  elsewhere (later positions; other documents with `segments`)."""
+  allowed = (jnp.arange(t)[:, None] >= jnp.arange(t)[None, :])[None, None]
+  if segments is not None:
+    allowed = allowed & (segments[:, :, None] == segments[:, None, :])[:, None]
+  return jnp.where(allowed, 0.0, -0.7 * jnp.finfo(jnp.float32).max).astype(jnp.float32)
+
+
 def causal_attention(
   q, k, v, impl: str, decode: Decode | None = None, segments: jax.Array | None = None
 ):
@@ -151,6 +160,15 @@ def causal_attention(
   group = q.shape[2] // k.shape[2]
   repeat = lambda t: constrain(jnp.repeat(t, group, axis=2), ('batch', 'seq', 'heads', 'kv'))
   if decode is None:
+    if impl == 'xla':
+      # An additive bias rather than a mask: `where(mask, logits, -big)` keeps
+      # the broadcast [b, n, t, t] mask among the residuals of every layer
+      # (a pipeline stashes it per micro-batch), an addition keeps nothing.
+      # The logits and gradients are the mask's exactly (exp underflows to 0
+      # at masked positions either way).
+      return jax.nn.dot_product_attention(
+        q, repeat(k), repeat(v), bias=_causal_bias(q.shape[1], segments), implementation=impl
+      )
     mask = None if segments is None else (segments[:, :, None] == segments[:, None, :])[:, None]
     return jax.nn.dot_product_attention(
       q, repeat(k), repeat(v), mask=mask, is_causal=True, implementation=impl
