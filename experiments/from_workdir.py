@@ -1,11 +1,11 @@
 """A workdir's own config (its config.json) as a config file, so that
 --config.* flags can change it: fine-tuning a checkpoint that
-`python -m triax.convert` imported, or resuming a run with more steps.
+`python -m triax convert` imported, or resuming a run with more steps.
 
-  python -m triax.train --config=experiments/from_workdir.py:WORKDIR \
+  python -m triax train --config=experiments/from_workdir.py:WORKDIR \
       --workdir=WORKDIR --config.train.steps=1000
 
-(`python -m triax.train --workdir=WORKDIR` alone runs config.json as it is.)
+(`python -m triax train --workdir=WORKDIR` alone runs config.json as it is.)
 """
 
 import os

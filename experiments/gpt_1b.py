@@ -11,7 +11,7 @@ fit an H200's 141 GB, and recomputation is work MFU does not count.
 pipe = data = tensor = 1: one device.
 
   scripts/gpu_bench.sh      # or:
-  python -m triax.train --config=experiments/gpt_1b.py --workdir=runs/gpt_1b --config.train.steps=40
+  python -m triax train --config=experiments/gpt_1b.py --workdir=runs/gpt_1b --config.train.steps=40
 
 ARG is `key=value,...`:
   attention=cudnn|xla  the attention kernel (default cudnn: GPU only)

@@ -3,7 +3,7 @@
 The default run of `scripts/train.sh`: data=2 x tensor=2 x pipe=2 with the
 interleaved 1F1B schedule (v=2 chunks per device), on 8 forced CPU devices:
 
-  python -m triax.train --config=experiments/gpt_tiny.py --workdir=runs/gpt_tiny --cpu_devices=8
+  python -m triax train --config=experiments/gpt_tiny.py --workdir=runs/gpt_tiny --cpu_devices=8
 
 ARG is `key=value,...`: `smoke` shrinks everything to a seconds-long run
 (tests), `steps=N` changes the length, e.g. --config=experiments/gpt_tiny.py:smoke

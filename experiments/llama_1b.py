@@ -12,7 +12,7 @@ and Adam state (20 GB), the cross-entropy 256 positions at a time
 not count), cuDNN fused attention. pipe = data = tensor = 1: one device.
 
   scripts/gpu_bench.sh --config=llama_1b     # or:
-  python -m triax.train --config=experiments/llama_1b.py --workdir=runs/llama_1b --config.train.steps=40
+  python -m triax train --config=experiments/llama_1b.py --workdir=runs/llama_1b --config.train.steps=40
 
 ARG is `key=value,...`:
   attention=cudnn|xla  the attention kernel (default cudnn: GPU only)

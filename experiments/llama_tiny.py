@@ -5,7 +5,7 @@ attention with 2 K/V heads for 8 query heads (fewer K/V heads than heads, as
 many as tensor ranks: each rank holds one). data=2 x tensor=2 x pipe=2 with
 the interleaved 1F1B schedule (v=2 chunks per device), on 8 forced CPU devices:
 
-  python -m triax.train --config=experiments/llama_tiny.py --workdir=runs/llama_tiny --cpu_devices=8
+  python -m triax train --config=experiments/llama_tiny.py --workdir=runs/llama_tiny --cpu_devices=8
 
 ARG is `key=value,...`: `smoke` shrinks everything to a seconds-long run
 (tests), `steps=N` changes the length, e.g. --config=experiments/llama_tiny.py:smoke

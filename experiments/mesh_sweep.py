@@ -9,7 +9,7 @@ far too small to need any: on CPU devices sharing a few cores, every
 collective is overhead. Each point runs 20 steps (about a minute on a
 2-core machine, ~12 minutes for the sweep); losses agree across layouts.
 
-  python -m triax.sweep --config=experiments/mesh_sweep.py --workdir=runs/mesh_sweep \
+  python -m triax sweep --config=experiments/mesh_sweep.py --workdir=runs/mesh_sweep \
       --parallel=1 --readme=README.md
 
 ARG: `steps=N` changes the length, e.g. --config=experiments/mesh_sweep.py:steps=60

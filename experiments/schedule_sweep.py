@@ -8,7 +8,7 @@ finish in well under 15 minutes on a 2-core machine. Every point trains the
 same model on the same batches: losses agree across schedules, and the
 columns to compare are time per step and peak memory per device.
 
-  python -m triax.sweep --config=experiments/schedule_sweep.py --workdir=runs/schedule_sweep \
+  python -m triax sweep --config=experiments/schedule_sweep.py --workdir=runs/schedule_sweep \
       --parallel=1 --readme=README.md
 
 ARG: `steps=N` changes the length, e.g. --config=experiments/schedule_sweep.py:steps=10

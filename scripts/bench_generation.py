@@ -26,8 +26,10 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from triax import config as config_lib  # noqa: E402
-from triax import generation  # noqa: E402
-from triax.model import registry  # noqa: E402
+from triax.model import (
+  generation,  # noqa: E402
+  registry,  # noqa: E402
+)
 
 NEW_TOKENS, PROMPT = 200, 16
 

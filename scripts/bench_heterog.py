@@ -208,7 +208,7 @@ def report(rows: list[dict], clusters, wall_s: float, command: str) -> str:
   lines = [
     "# HeteroG's question on models where the layout matters (SIMULATED)",
     '',
-    'Every time below is a **simulation**: the planner (`triax.plan`, lockstep model, '
+    'Every time below is a **simulation**: the planner (`triax plan`, lockstep model, '
     "the executor's) with the analytic device model (`--profile=analytic`: each kernel "
     "priced from the model's shapes and the cluster spec's data sheets, one calibration "
     'constant per device type, `matmul_efficiency`, assumed 0.65 and not checked on these '

@@ -167,7 +167,7 @@ def main():
     f'reward (-log step time) of the first {k} steps {first:.3f}, of the last {k} {last:.3f}. '
     f'Policy saved to `{os.path.relpath(args.policy, ROOT)}` '
     f'({os.path.getsize(args.policy) // 1024} KiB) '
-    '(`python -m triax.plan ... --search=learned --policy=FILE` reuses it).',
+    '(`python -m triax plan ... --search=learned --policy=FILE` reuses it).',
     '',
     'Regret = learned plan step time / search best (1.00x = the same; higher = the learned '
     'plan is slower). Inference = greedy plan + '

@@ -2,7 +2,7 @@
 
     .venv/bin/python scripts/bench_loader.py [--tokens=100_000_000] [--out=docs/bench_loader.md]
 
-Generates token shards of >= 100M tokens in triax.prepare's format (random
+Generates token shards of >= 100M tokens in `triax prepare`'s format (random
 ids of a 50,257-id vocabulary, uint16, documents of 100-4,000 tokens, 4
 shards), opens them as `data.source=tokens` does, and times:
 

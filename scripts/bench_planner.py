@@ -2,8 +2,8 @@
 
 Runs a dozen-plus plans for real on this machine's forced CPU devices
 (pipe, micro-batches, schedule, tensor, remat, uneven splits), each as
-`python -m triax.train --config=PLAN --workdir=DIR --cpu_devices=8` in a
-subprocess (the plan file is what `python -m triax.plan --out` writes), and
+`python -m triax train --config=PLAN --workdir=DIR --cpu_devices=8` in a
+subprocess (the plan file is what `python -m triax plan --out` writes), and
 compares the trainer's measured `step_time_s` (median over the steps after
 the first) with the simulator's prediction (lockstep model, the executor's,
 with the profile measured in this process):
@@ -155,7 +155,7 @@ def measure(plan_file: str, workdir: str, steps: int) -> tuple[float | None, str
   cmd = [
     sys.executable,
     '-m',
-    'triax.train',
+    'triax.cli.train',
     f'--config={plan_file}',
     f'--workdir={workdir}',
     f'--cpu_devices={DEVICES}',

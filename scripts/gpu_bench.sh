@@ -10,7 +10,7 @@
 #   scripts/gpu_bench.sh --config=llama_1b    # the Llama benchmark (--smoke works too)
 #   scripts/gpu_bench.sh --workdir=runs/b1 --config.train.global_batch_size=24
 #
-# Other flags go to triax.train. The workdir (default runs/gpu_bench/<time>) must
+# Other flags go to `triax train`. The workdir (default runs/gpu_bench/<time>) must
 # be new: an existing one would resume instead of measuring from the start. Its
 # checkpoint is deleted at the end (12 GB at full size, after 40 steps).
 # TRIAX_SKIP_ENV=1 uses the python on PATH instead of setting up .venv (tests).
@@ -48,7 +48,7 @@ else
 fi
 
 if [ "$smoke" = 1 ]; then
-  python -m triax.train --config="experiments/$name.py:smoke" --workdir="$workdir" \
+  python -m triax train --config="experiments/$name.py:smoke" --workdir="$workdir" \
       --cpu_devices=1 --progress=false ${extra[@]+"${extra[@]}"}
 else
   backend="$(python -c 'import jax; print(jax.default_backend(), jax.devices()[0].device_kind)')"
@@ -62,7 +62,7 @@ else
   # No XLA_FLAGS: with one device there is no communication to overlap, and an
   # unknown flag aborts XLA on a jaxlib that has dropped it.
   export XLA_PYTHON_CLIENT_MEM_FRACTION="${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.92}"
-  python -m triax.train --config="experiments/$name.py" --workdir="$workdir" \
+  python -m triax train --config="experiments/$name.py" --workdir="$workdir" \
       --config.train.steps=40 ${extra[@]+"${extra[@]}"}
 fi
 python - "$workdir" <<'PY'

@@ -87,7 +87,7 @@ for ((i = 0; i < nproc; i++)); do
     export TRIAX_COORDINATOR="127.0.0.1:$port" TRIAX_NUM_PROCESSES="$nproc" TRIAX_PROCESS_ID="$i"
     prefix="[$i] "
     # stderr and stdout keep their streams, each line prefixed.
-    { "$PY" -m triax.train "$@" "${device_flag[@]}" 2>&1 1>&3 3>&- |
+    { "$PY" -m triax.cli.train "$@" "${device_flag[@]}" 2>&1 1>&3 3>&- |
         "$FILTER_PY" -c "$filter" "$prefix" >&2; } 3>&1 | "$FILTER_PY" -c "$filter" "$prefix"
   ) &
   pids+=($!)
@@ -103,7 +103,7 @@ kill_all() {
 # filters of their pipelines), which save and exit; the loop below waits.
 stop_trainers() {
   for pid in "${pids[@]}"; do
-    pkill -TERM -g "$pid" -f -- '-m triax\.train' 2>/dev/null
+    pkill -TERM -g "$pid" -f -- '-m triax\.cli\.train' 2>/dev/null
   done
 }
 trap stop_trainers INT TERM

@@ -6,5 +6,5 @@
 # The summary prints the venv's own tensorboard (installed with the package).
 # The explicit empty argument: without one, the sourced script would see our "$@".
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh" ""
-exec python -m triax.train --config=experiments/gpt_tiny.py --workdir=runs/gpt_tiny \
+exec python -m triax train --config=experiments/gpt_tiny.py --workdir=runs/gpt_tiny \
     --cpu_devices=8 "$@"

@@ -22,7 +22,7 @@ HOST = socket.gethostname()
 
 
 def train(*flags, config=f'--config={SMOKE}', workdir='{d}/w', trained=False, setup=None):
-  """A `python -m triax.train` case; `{d}` in flags is the case's own directory."""
+  """A `python -m triax train` case; `{d}` in flags is the case's own directory."""
 
   def build(d, trained_dir):
     if trained:
@@ -30,7 +30,7 @@ def train(*flags, config=f'--config={SMOKE}', workdir='{d}/w', trained=False, se
     if setup:
       setup(d)
     args = ([config] if config else []) + ([f'--workdir={workdir}'] if workdir else [])
-    return 'triax.train', [a.format(d=d) for a in args + TRAIN_FLAGS + list(flags)]
+    return 'triax.cli.train', [a.format(d=d) for a in args + TRAIN_FLAGS + list(flags)]
 
   return build
 
@@ -65,7 +65,7 @@ def fake_checkpoint(d):
 
 
 def prepared_tokens(relpath, tokenizer='bytes', bpe='', damage=False):
-  """A directory python -m triax.prepare wrote from 40 small text files, at `relpath`.
+  """A directory python -m triax prepare wrote from 40 small text files, at `relpath`.
 
   tokenizer='bpe' prepares with a BPE trained here (its file: tok.json); `bpe` names a
   BPE tokenizer file to train beside a bytes preparation; `damage` truncates a shard.
@@ -357,7 +357,7 @@ CASES = [
   (
     'tokenizer-vocab-too-small',
     command(
-      'triax.tokenizer',
+      'triax.cli.tokenizer',
       'train',
       '--input={d}/a.txt',
       '--vocab_size=100',
@@ -368,13 +368,13 @@ CASES = [
   ),
   (
     'prepare-input-missing',
-    command('triax.prepare', '--input={d}/no_such_dir', '--out={d}/tokens'),
+    command('triax.cli.prepare', '--input={d}/no_such_dir', '--out={d}/tokens'),
     '--input',
   ),
   (
     'prepare-out-holds-other-files',
     command(
-      'triax.prepare',
+      'triax.cli.prepare',
       '--input={d}/a.txt',
       '--out={d}/tokens',
       setup=lambda d: (write('a.txt', 'text')(d), write('tokens/mine.txt', 'keep')(d)),
@@ -384,13 +384,13 @@ CASES = [
   # -- the planner and the schedule tool
   (
     'plan-cluster-missing',
-    command('triax.plan', '--config=experiments/gpt_tiny.py', '--cluster={d}/no_such.yaml'),
+    command('triax.cli.plan', '--config=experiments/gpt_tiny.py', '--cluster={d}/no_such.yaml'),
     '--cluster',
   ),
   (
     'plan-cluster-malformed-yaml',
     command(
-      'triax.plan',
+      'triax.cli.plan',
       '--config=experiments/gpt_tiny.py',
       '--cluster={d}/bad.yaml',
       setup=write('bad.yaml', 'name: x\ngroups: [a, b\n'),
@@ -400,18 +400,18 @@ CASES = [
   (
     'plan-cluster-without-groups',
     command(
-      'triax.plan',
+      'triax.cli.plan',
       '--config=experiments/gpt_tiny.py',
       '--cluster={d}/nogroups.yaml',
       setup=write('nogroups.yaml', 'name: x\n'),
     ),
     '--cluster',
   ),
-  ('schedule-no-stages', command('triax.schedule', '--stages=0'), '--stages'),
-  ('schedule-unknown', command('triax.schedule', '--schedule=zigzag'), 'schedule'),
+  ('schedule-no-stages', command('triax.cli.schedule', '--stages=0'), '--stages'),
+  ('schedule-unknown', command('triax.cli.schedule', '--schedule=zigzag'), 'schedule'),
   (
     'schedule-file-missing',
-    command('triax.schedule', '--schedule_file={d}/none.csv'),
+    command('triax.cli.schedule', '--schedule_file={d}/none.csv'),
     '--schedule_file',
   ),
 ]
@@ -435,7 +435,7 @@ def trained(tmp_path_factory):
   """A workdir with a 2-step checkpoint of the smoke config."""
   workdir = str(tmp_path_factory.mktemp('trained') / 'w')
   result = harness.run_cli(
-    'triax.train',
+    'triax.cli.train',
     f'--config={SMOKE}',
     f'--workdir={workdir}',
     *TRAIN_FLAGS,

@@ -11,7 +11,7 @@ SMOKE = 'experiments/gpt_tiny.py:smoke'
 
 def _train(workdir, *flags, env_extra=None):
   return harness.run_cli(
-    'triax.train',
+    'triax.cli.train',
     f'--config={SMOKE}',
     f'--workdir={workdir}',
     '--cpu_devices=8',

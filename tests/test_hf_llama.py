@@ -21,9 +21,8 @@ torch = pytest.importorskip('torch')
 transformers = pytest.importorskip('transformers')
 
 from triax import config as config_lib  # noqa: E402
-from triax import generation  # noqa: E402
 from triax import mesh as mesh_lib  # noqa: E402
-from triax.model import hf_llama  # noqa: E402
+from triax.model import generation, hf_llama  # noqa: E402
 from triax.training import checkpoint as ckpt_lib  # noqa: E402
 from triax.training import hf_checkpoint  # noqa: E402
 from triax.training import step as step_lib  # noqa: E402
@@ -188,17 +187,17 @@ def test_cli_imports_fine_tunes_and_samples(imported, tmp_path, compile_cache):
   _, hf_dir, _, _ = imported
   workdir = str(tmp_path / 'w')
   run = lambda module, *flags: harness.run_cli(module, *flags, env_extra=compile_cache)  # noqa: E731
-  bad = run('triax.convert', f'--hf_dir={tmp_path}/missing', f'--workdir={workdir}')
+  bad = run('triax.cli.convert', f'--hf_dir={tmp_path}/missing', f'--workdir={workdir}')
   assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
     f'error: --hf_dir: {tmp_path}/missing: no such directory'
   ]
   assert not os.path.exists(workdir)
-  made = run('triax.convert', f'--hf_dir={hf_dir}', f'--workdir={workdir}')
+  made = run('triax.cli.convert', f'--hf_dir={hf_dir}', f'--workdir={workdir}')
   assert made.returncode == 0, made.stderr
-  assert f'python -m triax.train --workdir={workdir}' in made.stdout
+  assert f'python -m triax train --workdir={workdir}' in made.stdout
   # Fine-tune two steps, the config changed by flags (experiments/from_workdir.py) ...
   tuned = run(
-    'triax.train',
+    'triax.cli.train',
     f'--config=experiments/from_workdir.py:{workdir}',
     f'--workdir={workdir}',
     '--config.train.steps=2',
@@ -208,13 +207,17 @@ def test_cli_imports_fine_tunes_and_samples(imported, tmp_path, compile_cache):
   )
   assert tuned.returncode == 0, tuned.stderr[-3000:]
   # ... then the workdir's own config.json alone: nothing left to do at step 2.
-  resumed = run('triax.train', f'--workdir={workdir}', '--cpu_devices=8', '--progress=false')
+  resumed = run('triax.cli.train', f'--workdir={workdir}', '--cpu_devices=8', '--progress=false')
   assert resumed.returncode == 0, resumed.stderr[-3000:]
   assert 'checkpoint is at step 2 and train.steps=2' in resumed.stdout
   sampled = run(
-    'triax.sample', f'--workdir={workdir}', '--prompt=def ', '--temperature=0', '--max_new_tokens=8'
+    'triax.cli.sample',
+    f'--workdir={workdir}',
+    '--prompt=def ',
+    '--temperature=0',
+    '--max_new_tokens=8',
   )
   assert sampled.returncode == 0, sampled.stderr[-3000:]
   assert sampled.stdout.startswith('def ') and '[checkpoint step 2 of' in sampled.stderr
-  again = run('triax.convert', f'--hf_dir={hf_dir}', f'--workdir={workdir}')
+  again = run('triax.cli.convert', f'--hf_dir={hf_dir}', f'--workdir={workdir}')
   assert again.returncode == 2 and 'not empty' in again.stderr

@@ -183,7 +183,7 @@ def test_cli_local_profile_of_a_gpu_config_is_one_line():
     [
       sys.executable,
       '-m',
-      'triax.plan',
+      'triax.cli.plan',
       f'--config={GPT_1B}',
       '--cluster=experiments/clusters/h100_8x_nvlink.yaml',
     ],

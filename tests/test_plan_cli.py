@@ -135,7 +135,7 @@ def test_cli_plans_writes_a_runnable_plan_and_a_trace(tmp_path, capsys):
   assert cfg.train.steps == 3
   config.validate(cfg, 8)
   # Its command, as printed, names the forced CPU devices the plan needs.
-  assert f'python -m triax.train --config={out} --workdir=DIR --cpu_devices=8' in out.read_text()
+  assert f'python -m triax train --config={out} --workdir=DIR --cpu_devices=8' in out.read_text()
   # The same model on another cluster: the roofline derives H100 times,
   # from the profile the cache file kept.
   text_request = report.Request(
@@ -186,7 +186,7 @@ def test_cli_exit_code_2_on_a_missing_cluster_file(tmp_path):
     [
       sys.executable,
       '-m',
-      'triax.plan',
+      'triax.cli.plan',
       f'--config={base}',
       f'--cluster={tmp_path / "missing.yaml"}',
     ],

@@ -136,7 +136,7 @@ def test_plan_file_round_trips(tmp_path):
   out = tmp_path / 'plans' / 'plan.py'
   out.parent.mkdir()
   text = emit.write(str(out), est, str(base), 'wide', {'train.steps': 7}, 'test')
-  assert 'python -m triax.train --config=' in text
+  assert 'python -m triax train --config=' in text
   cfg = _load(str(out)).get_config()
   assert (cfg.mesh.data, cfg.mesh.tensor, cfg.mesh.pipe) == (2, 2, 2)
   assert cfg.pipeline.schedule == 'gpipe' and cfg.pipeline.microbatches == 4

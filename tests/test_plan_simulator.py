@@ -130,7 +130,7 @@ def test_cli_and_planner_agree_on_the_lockstep_time():
     [
       sys.executable,
       '-m',
-      'triax.schedule',
+      'triax.cli.schedule',
       '--schedule=1f1b',
       '--stages=4',
       '--microbatches=8',

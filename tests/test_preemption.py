@@ -1,6 +1,6 @@
 """SIGTERM and Ctrl-C stop a run after a complete checkpoint of the step in flight.
 
-Real `python -m triax.train` processes (one, and two under
+Real `python -m triax train` processes (one, and two under
 scripts/launch_local.sh) are signalled mid-run; the same command then
 resumes them to the losses of a run never interrupted. The signal handling
 itself, time-based saves, milestones and TensorBoard's cut-back on resume
@@ -123,7 +123,7 @@ def test_sigterm_saves_the_step_in_flight_and_the_same_command_resumes(
 
 
 def _train_pids(port):
-  """Pids of the `triax.train` processes of the launch on coordinator `port`, by process id."""
+  """Pids of the `triax train` processes of the launch on coordinator `port`, by process id."""
   found = {}
   for pid in filter(str.isdigit, os.listdir('/proc')):
     try:
@@ -133,7 +133,10 @@ def _train_pids(port):
         env = dict(kv.split(b'=', 1) for kv in f.read().split(b'\0') if b'=' in kv)
     except OSError:
       continue
-    if b'triax.train' in cmdline and env.get(b'TRIAX_COORDINATOR') == f'127.0.0.1:{port}'.encode():
+    if (
+      b'triax.cli.train' in cmdline
+      and env.get(b'TRIAX_COORDINATOR') == f'127.0.0.1:{port}'.encode()
+    ):
       found[int(env[b'TRIAX_PROCESS_ID'])] = int(pid)
   return found
 

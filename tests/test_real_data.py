@@ -1,6 +1,6 @@
 """From a folder of text to training, as a user runs it: a BPE tokenizer trained here
-(python -m triax.tokenizer), token shards (python -m triax.prepare) of text files and a
-.jsonl written here, then python -m triax.train on them under several (data, tensor,
+(python -m triax tokenizer), token shards (python -m triax prepare) of text files and a
+.jsonl written here, then python -m triax train on them under several (data, tensor,
 pipe) layouts: the same losses as one device, the same after a SIGKILL and a resume,
 and every window once per epoch.
 """
@@ -57,13 +57,13 @@ def prepared(tmp_path_factory, compile_cache):
   write_corpus(root / 'corpus')
   tok = str(root / 'tokenizer.json')
   run_ok(
-    'triax.tokenizer', 'train', f'--input={root / "corpus"}', '--vocab_size=400', f'--out={tok}'
+    'triax.cli.tokenizer', 'train', f'--input={root / "corpus"}', '--vocab_size=400', f'--out={tok}'
   )
   out = str(root / 'tokens')
   args = [f'--input={root / "corpus"}', f'--out={out}', f'--tokenizer={tok}', '--val_fraction=0.1']
-  first = run_ok('triax.prepare', *args, '--progress=false')
+  first = run_ok('triax.cli.prepare', *args, '--progress=false')
   assert 'wrote' in first.stdout
-  again = run_ok('triax.prepare', *args, '--progress=false')
+  again = run_ok('triax.cli.prepare', *args, '--progress=false')
   assert 'up to date' in again.stdout
   flags = [
     '--config.data.source=tokens',
@@ -90,7 +90,7 @@ def prepared(tmp_path_factory, compile_cache):
     '--config.pipeline.microbatches=1',
   ]
   result = run_ok(
-    'triax.train',
+    'triax.cli.train',
     '--config=experiments/gpt_tiny.py:smoke',
     f'--workdir={reference}',
     '--progress=false',

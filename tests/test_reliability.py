@@ -1,6 +1,6 @@
 """Checkpoints across layouts, crash and resume, damaged checkpoints, NaN steps, data accounting.
 
-The crash test kills real `python -m triax.train` processes (SIGKILL) during
+The crash test kills real `python -m triax train` processes (SIGKILL) during
 steps and during an asynchronous save, and checks the resumed run against an
 uninterrupted one: same losses, same samples, each window once per epoch.
 """
@@ -52,13 +52,13 @@ def cli_env(extra=None):
 
 
 def start_train(workdir, flags, log, env_extra=None):
-  """Starts `python -m triax.train` (stdout and stderr to `log`.out/.err)."""
+  """Starts `python -m triax train` (stdout and stderr to `log`.out/.err)."""
   with open(f'{log}.out', 'w') as out, open(f'{log}.err', 'w') as err:
     return subprocess.Popen(
       [
         sys.executable,
         '-m',
-        'triax.train',
+        'triax.cli.train',
         f'--config={SMOKE}',
         f'--workdir={workdir}',
         '--cpu_devices=8',
@@ -297,7 +297,7 @@ def test_nonfinite_step_stops_with_one_line_and_is_not_saved(tmp_path, compile_c
   # Step 1 moves every weight by ~1e30; the gradient of step 2 is NaN.
   workdir = str(tmp_path / 'run')
   result = harness.run_cli(
-    'triax.train',
+    'triax.cli.train',
     f'--config={SMOKE}',
     f'--workdir={workdir}',
     '--cpu_devices=8',

@@ -1,4 +1,4 @@
-"""triax.sample: a run trained under data x tensor x pipe, restored on one device, writes text."""
+"""`triax sample`: a run trained under data x tensor x pipe, restored on one device, writes text."""
 
 import importlib.util
 import os
@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 
-from triax import generation
+from triax.model import generation
 
 
 def _gpt_tiny_smoke():
@@ -34,7 +34,7 @@ def trained(tmp_path_factory):
 
 
 def _sample(workdir, *flags):
-  return harness.run_cli('triax.sample', f'--workdir={workdir}', *flags)
+  return harness.run_cli('triax.cli.sample', f'--workdir={workdir}', *flags)
 
 
 def test_sample_prints_the_prompt_and_a_seeded_continuation(trained):

@@ -587,7 +587,7 @@ def test_text_grid_is_readable():
 
 def run_cli(*args):
   return subprocess.run(
-    [sys.executable, '-m', 'triax.schedule', *args],
+    [sys.executable, '-m', 'triax.cli.schedule', *args],
     env=env(),
     capture_output=True,
     text=True,

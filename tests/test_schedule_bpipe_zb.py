@@ -550,7 +550,7 @@ def test_gantt_and_trace_show_new_kinds(tmp_path):
 def run_cli(*args):
   env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get('PYTHONPATH', ''))
   return subprocess.run(
-    [sys.executable, '-m', 'triax.schedule', *args],
+    [sys.executable, '-m', 'triax.cli.schedule', *args],
     env=env,
     capture_output=True,
     text=True,

@@ -355,7 +355,7 @@ def test_config_validates_the_schedule_file(tmp_path):
 def test_schedule_cli_reads_a_file_and_writes_csv(tmp_path):
   out_csv = str(tmp_path / 'out.csv')
   result = harness.run_cli(
-    'triax.schedule',
+    'triax.cli.schedule',
     f'--schedule_file={DATA}/torch_interleaved_zb_p4_v2_m8.csv',
     f'--write_csv={out_csv}',
     '--json',
@@ -379,7 +379,9 @@ def test_schedule_cli_bad_file_exits_2_with_one_line(tmp_path):
   path = str(tmp_path / 'bad.csv')
   with open(path, 'w') as f:
     f.write(GOOD.replace('1B1', '1X1'))
-  result = harness.run_cli('triax.schedule', f'--schedule_file={path}', '--stages=2', timeout=120)
+  result = harness.run_cli(
+    'triax.cli.schedule', f'--schedule_file={path}', '--stages=2', timeout=120
+  )
   assert result.returncode == 2 and result.stdout == ''
   assert result.stderr.strip().splitlines() == [
     f"error: --schedule_file: {path}: row 1, cell 3: 1X1: unknown kind 'X'; want F "

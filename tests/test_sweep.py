@@ -1,4 +1,4 @@
-"""triax.sweep end to end (parallel points, a failing one, a rerun, README blocks) and its parts."""
+"""triax sweep end to end (parallel points, a failing one, a rerun, README blocks) and its parts."""
 
 import csv
 import importlib.util
@@ -50,7 +50,7 @@ def _write_sweep(directory, text=None):
 
 def _sweep(config, workdir, *flags):
   return harness.run_cli(
-    'triax.sweep',
+    'triax.cli.sweep',
     f'--config={config}',
     f'--workdir={workdir}',
     '--cpu_devices=2',

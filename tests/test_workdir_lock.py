@@ -1,6 +1,6 @@
 """One run per workdir: DIR/triax.lock names the holder; a second run exits 2; stale locks go.
 
-The command-line case runs `python -m triax.train` against a lock this test
+The command-line case runs `python -m triax train` against a lock this test
 holds (it fails in the early checks, before the data is read or anything is
 compiled); the rest drives training/lock.py in-process.
 """
@@ -45,7 +45,7 @@ def test_a_second_run_on_a_held_workdir_exits_2_naming_the_holder(tmp_path):
     holder = _holder(workdir)
     before = snapshot(str(tmp_path))
     result = harness.run_cli(
-      'triax.train', f'--config={SMOKE}', f'--workdir={workdir}', '--cpu_devices=8'
+      'triax.cli.train', f'--config={SMOKE}', f'--workdir={workdir}', '--cpu_devices=8'
     )
     assert snapshot(str(tmp_path)) == before  # not even the lock file changed
   assert result.returncode == 2, result.stderr[-3000:]

@@ -172,7 +172,7 @@ def defaults() -> ml_collections.ConfigDict:
 
   c.data = ml_collections.ConfigDict()
   # stdlib: Python's own standard-library source (no download); text: data.path, as bytes;
-  # tokens: a python -m triax.prepare directory; megatron: a Megatron-LM .bin/.idx pair;
+  # tokens: a python -m triax prepare directory; megatron: a Megatron-LM .bin/.idx pair;
   # mixture: the sources of data.mixture, interleaved by weight.
   c.data.source = 'stdlib'
   # text: a file or directory; tokens: the prepared directory; megatron: the .bin/.idx PREFIX.
@@ -614,7 +614,7 @@ def _check_data(d) -> None:
       'data.source=text (a text file or directory), tokens (a prepared directory) or megatron',
     )
   if d.source in ('tokens', 'megatron') and not d.path:
-    need = 'the --out directory of python -m triax.prepare' if d.source == 'tokens' else 'a PREFIX'
+    need = 'the --out directory of python -m triax prepare' if d.source == 'tokens' else 'a PREFIX'
     raise ConfigError('data.path', f'data.source={d.source} needs data.path={need}')
   if d.source == 'mixture':
     if not d.mixture:
@@ -640,7 +640,7 @@ def _check_data(d) -> None:
     raise ConfigError(
       'data.tokenizer',
       f'data.source={d.source} reads bytes; to train with {d.tokenizer}, tokenize the text with '
-      'python -m triax.prepare --tokenizer=... and use data.source=tokens',
+      'python -m triax prepare --tokenizer=... and use data.source=tokens',
     )
   size = d.max_text_bytes
   if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
@@ -652,7 +652,7 @@ def _check_data(d) -> None:
     raise ConfigError(
       'data.mask_documents',
       f'data.source={d.source} records no documents; prepare the text '
-      '(python -m triax.prepare) and use data.source=tokens, or set it to false',
+      '(python -m triax prepare) and use data.source=tokens, or set it to false',
     )
 
 

@@ -128,7 +128,7 @@ def load_corpus(source: str, path: str = '', max_bytes: int = DEFAULT_MAX_BYTES)
         'data.max_text_bytes',
         f'{path} holds {total:,} bytes in {len(names)} files, more than data.max_text_bytes='
         f'{max_bytes:,}; raise it to read them all, or tokenize them once with python -m '
-        'triax.prepare and train with data.source=tokens',
+        'triax prepare and train with data.source=tokens',
       )
   contents = _read_files(root, names, max_bytes)
   skipped = len(names) - len(contents)

@@ -1,4 +1,4 @@
-"""Text files -> token shards: what `python -m triax.prepare` runs.
+"""Text files -> token shards: what `python -m triax prepare` runs.
 
 A prepared directory holds, per split (`train`, `val`):
 
@@ -281,7 +281,7 @@ def _encode_chunk(texts: list[str]) -> list[list[int]]:
       raise ConfigError(
         '--tokenizer',
         'a document holds a NUL character, which the bytes tokenizer uses as '
-        'end-of-document; use a BPE tokenizer (python -m triax.tokenizer train) or remove it',
+        'end-of-document; use a BPE tokenizer (python -m triax tokenizer train) or remove it',
       )
     out.append(tok.encode(text))
   return out

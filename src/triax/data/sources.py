@@ -92,7 +92,7 @@ def _memmap(path: str, dtype, key: str) -> np.ndarray:
 def open_tokens(
   path: str, tokenizer: str, model_vocab_size: int, tensor: int, vocab_used: int = 0
 ) -> Split:
-  """A directory `triax.prepare` wrote, checked against its manifest and the tokenizer.
+  """A directory `triax prepare` wrote, checked against its manifest and the tokenizer.
 
   Raises:
     ConfigError: data.path (missing, unfinished or damaged), data.tokenizer (not the
@@ -102,20 +102,20 @@ def open_tokens(
   if not os.path.isdir(path):
     raise ConfigError(
       'data.path',
-      f'{path} is not a directory; give the --out directory of python -m triax.prepare',
+      f'{path} is not a directory; give the --out directory of python -m triax prepare',
     )
   manifest = prepare_lib.read_manifest(path)
   if manifest is None:
     raise ConfigError(
       'data.path',
       f'{path} has no {prepare_lib.MANIFEST} (not a prepared directory, or a prepare that did '
-      'not finish); run python -m triax.prepare --out=' + path,
+      'not finish); run python -m triax prepare --out=' + path,
     )
   problem = prepare_lib.verify(path, manifest)
   if problem:
     raise ConfigError(
       'data.path',
-      f'{path} is damaged: {problem}; rerun the same python -m triax.prepare to rebuild it',
+      f'{path} is damaged: {problem}; rerun the same python -m triax prepare to rebuild it',
     )
   made_with = manifest['request']['tokenizer']
   tok = tokenizer_lib.load(tokenizer)

@@ -2,7 +2,7 @@
 
 `data.tokenizer` names one: 'bytes', or a file path whose suffix says which
 kind it is. Every tokenizer has a vocabulary size, an end-of-document id
-(appended to each document by `triax.prepare`, so a model sees where one
+(appended to each document by `triax prepare`, so a model sees where one
 text ends and the next begins) and a fingerprint (the sha256 of its file),
 which a prepared token directory records so it is never read with another
 tokenizer. `train_bpe` trains a byte-level BPE locally, for users without a
@@ -106,7 +106,7 @@ class HuggingFaceTokenizer(Tokenizer):
       raise ConfigError(
         'data.tokenizer',
         f'{path} has no end-of-document token (one of {", ".join(EOD_NAMES)}); '
-        'add one, or train a tokenizer with python -m triax.tokenizer train',
+        'add one, or train a tokenizer with python -m triax tokenizer train',
       )
     self.eod_id = found[0]
     self.fingerprint = file_sha256(path)
@@ -163,7 +163,7 @@ def load(spec: str) -> Tokenizer:
     raise ConfigError(
       'data.tokenizer',
       f'{spec}: no such file; give a tokenizer.json, a sentencepiece .model, or bytes '
-      '(train one with python -m triax.tokenizer train)',
+      '(train one with python -m triax tokenizer train)',
     )
   if spec.endswith('.json'):
     return HuggingFaceTokenizer(spec)

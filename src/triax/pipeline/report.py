@@ -1,4 +1,4 @@
-"""What `python -m triax.schedule` does: build or load, lower, check, time, show.
+"""What `python -m triax schedule` does: build or load, lower, check, time, show.
 
 The entry point only parses flags into a `Request` and calls `main`; this
 module is importable and tested without subprocesses.

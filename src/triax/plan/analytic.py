@@ -1,6 +1,6 @@
 """The analytic device model: a plan's costs from shapes and data sheets, nothing run here.
 
-`python -m triax.plan --profile=analytic` plans a model this machine cannot
+`python -m triax plan --profile=analytic` plans a model this machine cannot
 run (cuDNN attention on a CPU, a 1T-parameter model) and device types it
 does not have. It builds the same `Profile` the local profiler measures,
 with an `analytic` cost model attached that `roofline.seconds` and

@@ -188,7 +188,7 @@ class Options:
       all-gathered (the executor's pipeline.scatter_gather); False: each
       tensor rank sends the whole activation.
     state_programs: memory counts a checkpoint save / restore and the
-      evaluation beside the resident state (what triax.budget measures), not
+      evaluation beside the resident state (what triax budget measures), not
       only the train step: a plan that trains must also save and evaluate.
     fsdp_overlap: FSDP's per-layer all-gathers and reduce-scatters (pipe =
       m = 1) run beside the layer computations, as ZeRO-3 prefetches the

@@ -1,4 +1,4 @@
-"""Writes a plan as a config file that `python -m triax.train` runs.
+"""Writes a plan as a config file that `python -m triax train` runs.
 
 The file imports the base experiment by path (importlib), so it stays a few
 lines long and follows later edits of the base; it then applies the keys
@@ -110,13 +110,13 @@ def write(
     cluster_name: for the docstring.
     command: the planner command line, for the docstring.
     heterogeneous: the cluster mixes device types: write mesh.device_order.
-    run: the command that trains the plan (default: triax.train on it).
+    run: the command that trains the plan (default: triax train on it).
   """
   plan = estimate.plan
   folder = os.path.dirname(os.path.abspath(path))
   base_abs = os.path.abspath(base_path)
   base_rel = os.path.relpath(base_abs, folder)
-  run = run or f'python -m triax.train --config={path} --workdir=DIR'
+  run = run or f'python -m triax train --config={path} --workdir=DIR'
   gb = estimate.peak_memory / 2**30
   stages = '\n'.join(
     f'  stage {s}: devices {device_ranges(devs)}, {plan.layers[s]} layers'
@@ -131,7 +131,7 @@ def write(
   )
   text = f'''"""Plan for cluster {cluster_name}: {plan.describe()}.
 
-Written by `python -m triax.plan` on {datetime.date.today().isoformat()}{origin}.
+Written by `python -m triax plan` on {datetime.date.today().isoformat()}{origin}.
 Predicted by the simulator ({estimate.model} model; a prediction, not a
 measurement): step {estimate.step_time * 1e3:.2f} ms, peak {gb:.2f} GiB per device.
 Run it:

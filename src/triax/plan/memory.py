@@ -10,7 +10,7 @@ gradients, plus one layer's backward workspace and the head's logits.
 
 Beside the train step, the run saves and restores checkpoints and
 evaluates on the same resident state (`state_programs`, what
-training/loop.py's state_program_stats compiles and triax.budget counts):
+training/loop.py's state_program_stats compiles and triax budget counts):
 a save or restore converts the state to or from the checkpoint's layout
 (about one more copy of the state's share), and the evaluation runs the
 model forward on the step's rows of one replica (global batch / data, all

@@ -1,6 +1,6 @@
 """Measured profiles kept in a JSON file, so the next cluster for a model takes seconds.
 
-`python -m triax.plan --profile_cache=FILE` reads a profile from FILE when
+`python -m triax plan --profile_cache=FILE` reads a profile from FILE when
 one was measured for the same key, and adds each new one. The key is what a
 measurement depends on: the model's shape (its family spec but remat, which
 is measured per policy), this machine's backend, device kind and count, the

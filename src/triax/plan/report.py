@@ -1,6 +1,6 @@
-"""What `python -m triax.plan` does: load, profile, search, print, write.
+"""What `python -m triax plan` does: load, profile, search, print, write.
 
-The entry point (triax/plan/__main__.py) parses flags into a `Request` and
+The entry point (triax/cli/plan.py) parses flags into a `Request` and
 calls `main`; everything here is importable and tested in-process.
 """
 
@@ -441,7 +441,7 @@ def train_command(plan_path: str, cluster) -> str:
   """The command that runs a plan file, as it must be typed: on a cluster of
   this machine's forced CPU devices the trainer needs their count too."""
   cpu = f' --cpu_devices={cluster.num_devices}' if cluster.local else ''
-  return f'python -m triax.train --config={plan_path} --workdir=DIR{cpu}'
+  return f'python -m triax train --config={plan_path} --workdir=DIR{cpu}'
 
 
 def _pct(x: float) -> str:

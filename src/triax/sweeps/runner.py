@@ -1,4 +1,4 @@
-"""Loads a config file's sweep, names its points and runs each as a `triax.train` process.
+"""Loads a config file's sweep, names its points and runs each as a `triax train` process.
 
 Every point runs in its own process (its own device count, its own compile
 cache, and a crash takes down only that point) in WORKDIR/<point name>/,
@@ -214,7 +214,7 @@ def train_command(sweep: Sweep, point: Point, directory: str, cpu_devices: int) 
   command = [
     sys.executable,
     '-m',
-    'triax.train',
+    'triax.cli.train',
     sweep.config_flag,
     f'--workdir={directory}',
     '--progress=false',

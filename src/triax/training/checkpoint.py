@@ -84,7 +84,7 @@ class Checkpointer:
     self.directory = os.path.join(self.workdir, 'checkpoints')
     self.cfg = cfg
     self.keep = cfg.checkpoint.keep
-    # triax.sample reads a run's config.json, which older runs wrote without this key.
+    # triax sample reads a run's config.json, which older runs wrote without this key.
     self.keep_every = cfg.checkpoint.get('keep_every_steps', 0)
     self.restored_step: int | None = None
     self.restored_progress: dict = {}

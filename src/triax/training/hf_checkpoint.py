@@ -1,12 +1,12 @@
-"""Hugging Face Llama checkpoints in and out of triax workdirs (`python -m triax.convert`).
+"""Hugging Face Llama checkpoints in and out of triax workdirs (`python -m triax convert`).
 
-Import writes what a triax.train run would have written at step 0: the
+Import writes what a triax train run would have written at step 0: the
 validated config (config.json, the model keys from the HF config), a
 checkpoint of the converted weights with a fresh optimizer state, and the
 HF config itself (hf_config.json, so an export keeps its token ids and the
-like); with a tokenizer, a copy of it (tokenizer.json), which triax.sample
-encodes and decodes with. `python -m triax.train --workdir=DIR` then fine-tunes it and
-`python -m triax.sample --workdir=DIR` samples it. Export writes the latest
+like); with a tokenizer, a copy of it (tokenizer.json), which triax sample
+encodes and decodes with. `python -m triax train --workdir=DIR` then fine-tunes it and
+`python -m triax sample --workdir=DIR` samples it. Export writes the latest
 checkpoint's parameters back as HF's config.json and safetensors.
 
 Everything is checked (HF config, every tensor's name and shape, the
@@ -24,10 +24,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from triax import config as config_lib
-from triax import generation
 from triax.data import tokenizer as tokenizer_lib
 from triax.errors import ConfigError
-from triax.model import hf_llama
+from triax.model import generation, hf_llama
 from triax.training import atomic
 from triax.training import lock as lock_lib
 
@@ -101,7 +100,7 @@ def import_hf(hf_dir: str, workdir: str, *, tokenizer: str = '', seq_len: int = 
   if tokenizer:
     # Recorded beside the run, not as data.tokenizer: the default data is
     # bytes (any byte id is a valid token id); fine-tuning on text tokenized
-    # with it goes through triax.prepare and data.source=tokens.
+    # with it goes through triax prepare and data.source=tokens.
     shutil.copyfile(tokenizer, os.path.join(workdir, generation.TOKENIZER_FILE))
   with lock_lib.WorkdirLock(workdir):
     trainer = step_lib.build_trainer(cfg, mesh_lib.build_mesh(cfg.mesh))

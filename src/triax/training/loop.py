@@ -401,7 +401,7 @@ def _train(
   skipped = list(ckpt.restored_progress.get('skipped_nonfinite', []))
   ckpt.prepare_to_write()
   if main_process:
-    # What the run was (for triax.sample and for people): the validated config.
+    # What the run was (for triax sample and for people): the validated config.
     atomic.write_text(os.path.join(workdir, 'config.json'), cfg.to_json(indent=2))
   skip_limit = cfg.train.skip_nonfinite_steps
   compiled, compiled_eval, stats = all_compile_stats(trainer)

@@ -1,11 +1,11 @@
 """Hugging Face Llama checkpoints in and out of triax workdirs.
 
-  python -m triax.convert --hf_dir=DIR --workdir=WORKDIR [--tokenizer=tokenizer.json]
-  python -m triax.convert --workdir=WORKDIR --hf_dir=OUT --export
+  python -m triax convert --hf_dir=DIR --workdir=WORKDIR [--tokenizer=tokenizer.json]
+  python -m triax convert --workdir=WORKDIR --hf_dir=OUT --export
 
 Import reads DIR's config.json and *.safetensors (one file or shards) and
-writes a workdir at step 0 that `python -m triax.train --workdir=WORKDIR`
-fine-tunes and `python -m triax.sample --workdir=WORKDIR` samples; export
+writes a workdir at step 0 that `python -m triax train --workdir=WORKDIR`
+fine-tunes and `python -m triax sample --workdir=WORKDIR` samples; export
 writes the workdir's latest checkpoint back as transformers' Llama. Kept to
 flag parsing and one library call (triax.training.hf_checkpoint).
 """
@@ -68,7 +68,7 @@ def main(argv):
     f'd_model {m.d_model}, {m.num_heads} heads / {m.num_kv_heads} K/V), checkpoint at step 0',
     file=sys.stderr,
   )
-  print(f'fine-tune: python -m triax.train --workdir={_WORKDIR.value}')
+  print(f'fine-tune: python -m triax train --workdir={_WORKDIR.value}')
 
 
 def run():

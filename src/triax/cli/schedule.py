@@ -1,10 +1,10 @@
 """Show, time and plot a pipeline schedule without any devices.
 
-  python -m triax.schedule --schedule=interleaved_1f1b --stages=4 \
+  python -m triax schedule --schedule=interleaved_1f1b --stages=4 \
       --microbatches=8 --virtual_stages=2 [--json] [--plot=grid.png] \
       [--write_csv=order.csv] \
       [--t_forward=1 --t_backward=2 --t_transfer=0 --t_weight=1 --t_evict=0]
-  python -m triax.schedule --schedule_file=order.csv [--stages=4 ...] [--json]
+  python -m triax schedule --schedule_file=order.csv [--stages=4 ...] [--json]
 
 --schedule_file reads torch's compute-only CSV or triax's JSON (see
 triax.pipeline.files) instead of building by name; the sizes come from the
@@ -13,7 +13,7 @@ file, and any of --stages, --microbatches, --virtual_stages given must match.
 Bad input prints one `error: <flag>: <message>` line and exits with 2.
 """
 
-from absl import app, flags
+from absl import flags
 
 from triax import cli
 from triax.pipeline import report
@@ -88,7 +88,7 @@ def main(argv: list[str]) -> int:
 
 
 def run():
-  app.run(main, flags_parser=cli.parse_flags)
+  cli.run(main)
 
 
 if __name__ == '__main__':

@@ -1,4 +1,4 @@
-"""Trains a model as configured: `python -m triax.train --config=FILE[:ARG] --workdir=DIR`.
+"""Trains a model as configured: `python -m triax train --config=FILE[:ARG] --workdir=DIR`.
 
 Kept to flag parsing and one library call (triax.training.loop), so the
 logic stays importable and testable. Config files are Python code and are
@@ -8,7 +8,7 @@ executed as such: only run config files you trust.
 import os
 import sys
 
-from absl import app, flags, logging
+from absl import flags
 from ml_collections import config_flags
 
 from triax import cli, mesh
@@ -18,7 +18,7 @@ _CONFIG = config_flags.DEFINE_config_file(
   'config',
   None,
   'Experiment config file (Python, get_config(arg)); FILE[:ARG]. Without it, WORKDIR/config.json '
-  '(a run to resume, or a checkpoint imported by triax.convert).',
+  '(a run to resume, or a checkpoint imported by triax convert).',
   lock_config=True,
 )
 _WORKDIR = flags.DEFINE_string(
@@ -114,8 +114,7 @@ def main(argv):
 
 
 def run():
-  logging.set_verbosity(logging.WARNING)
-  app.run(main, flags_parser=cli.parse_flags)
+  cli.run(main)
 
 
 if __name__ == '__main__':

@@ -1,6 +1,6 @@
 """Which of 1f1b+remat, 1f1b with a smaller micro-batch, or bpipe fits a memory limit, fastest?
 
-  python -m triax.budget --config=experiments/gpt_tiny.py --memory_limit_mib=64 --cpu_devices=8
+  python -m triax budget --config=experiments/gpt_tiny.py --memory_limit_mib=64 --cpu_devices=8
 
 Compiles and times each candidate (see triax.training.budget) and prints a table.
 """

@@ -1,4 +1,4 @@
-"""Tokenizes text into token shards for training: `python -m triax.prepare --input=FILES_OR_DIRS
+"""Tokenizes text into token shards for training: `python -m triax prepare --input=FILES_OR_DIRS
 --out=DIR [--tokenizer=tokenizer.json] [--text_key=text]`, then train with
 `--config.data.source=tokens --config.data.path=DIR`.
 

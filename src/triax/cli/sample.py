@@ -1,4 +1,4 @@
-"""Prints what a trained run writes: `python -m triax.sample --workdir=DIR --prompt="def "`.
+"""Prints what a trained run writes: `python -m triax sample --workdir=DIR --prompt="def "`.
 
 Restores the latest checkpoint of DIR (written under any parallel layout)
 onto one device and prints the prompt followed by the sampled continuation,
@@ -14,7 +14,7 @@ from absl import flags
 from triax import cli
 
 _WORKDIR = flags.DEFINE_string(
-  'workdir', None, 'Workdir of a triax.train run (its config.json and checkpoints).'
+  'workdir', None, 'Workdir of a triax train run (its config.json and checkpoints).'
 )
 _PROMPT = flags.DEFINE_string('prompt', None, 'Text to continue (at most model.seq_len tokens).')
 _MAX_NEW_TOKENS = flags.DEFINE_integer('max_new_tokens', 200, 'Tokens to generate.')
@@ -38,7 +38,7 @@ def main(argv):
   if len(argv) > 1:
     cli.fail('flags', f'unexpected arguments {argv[1:]}; flags look like --name=value')
   if not _WORKDIR.value:
-    cli.fail('--workdir', 'is required: the workdir of a triax.train run')
+    cli.fail('--workdir', 'is required: the workdir of a triax train run')
   if _PROMPT.value is None:
     cli.fail('--prompt', 'is required, e.g. --prompt="def "')
   mesh = None
@@ -53,7 +53,7 @@ def main(argv):
   if mesh and _CPU_DEVICES.present == 0:
     devices = mesh[0] * mesh[1] * mesh[2]
   cli.force_cpu_devices(devices)
-  from triax import generation  # after the device count is set
+  from triax.model import generation  # after the device count is set
 
   sampling = generation.Sampling(
     max_new_tokens=_MAX_NEW_TOKENS.value,

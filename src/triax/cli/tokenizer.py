@@ -1,8 +1,8 @@
-"""Trains a byte-level BPE tokenizer locally: `python -m triax.tokenizer train
+"""Trains a byte-level BPE tokenizer locally: `python -m triax tokenizer train
 --input=FILES_OR_DIRS --vocab_size=N --out=tokenizer.json`.
 
 For users without a tokenizer file; nothing is downloaded. Inputs are read as
-`triax.prepare` reads them (text files, .jsonl with --text_key, .parquet,
+`triax prepare` reads them (text files, .jsonl with --text_key, .parquet,
 .arrow). Kept to flag parsing and one library call (triax.data.tokenizer).
 """
 
@@ -20,7 +20,7 @@ _TEXT_KEY = flags.DEFINE_string('text_key', 'text', 'Field of the text in .jsonl
 
 def main(argv):
   if argv[1:] != ['train']:
-    cli.fail('command', f'expected `train`, got {argv[1:]}; e.g. python -m triax.tokenizer train')
+    cli.fail('command', f'expected `train`, got {argv[1:]}; e.g. python -m triax tokenizer train')
   if not _INPUT.value:
     cli.fail('--input', 'is required: the text files or directories to train on')
   if _VOCAB_SIZE.value is None:

@@ -1,7 +1,7 @@
-"""Runs a config file's sweep: `python -m triax.sweep --config=FILE[:ARG] --workdir=DIR`.
+"""Runs a config file's sweep: `python -m triax sweep --config=FILE[:ARG] --workdir=DIR`.
 
 Each point of the file's `sweep(add, arg=None)` trains as its own
-`python -m triax.train` process in DIR/<point name>/; failures are recorded
+`python -m triax train` process in DIR/<point name>/; failures are recorded
 and the sweep goes on; points already complete are skipped when the command
 is run again. Writes DIR/results.csv, DIR/results.md and DIR/{loss,
 throughput,memory}.png, and with --readme=README.md the table goes between
@@ -15,7 +15,7 @@ import os
 import shlex
 import sys
 
-from absl import app, flags, logging
+from absl import flags
 
 from triax import cli
 from triax.sweeps import runner
@@ -49,7 +49,7 @@ def main(argv):
     cli.fail('--config', 'is required, e.g. --config=experiments/mesh_sweep.py')
   if not _WORKDIR.value:
     cli.fail('--workdir', 'is required: where the runs and the results go')
-  command = ' '.join(['python -m triax.sweep'] + [shlex.quote(a) for a in sys.argv[1:]])
+  command = ' '.join(['python -m triax sweep'] + [shlex.quote(a) for a in sys.argv[1:]])
   with cli.config_errors_exit():
     summary = runner.run_sweep(
       _CONFIG.value,
@@ -82,8 +82,7 @@ def main(argv):
 
 
 def run():
-  logging.set_verbosity(logging.WARNING)
-  app.run(main, flags_parser=cli.parse_flags)
+  cli.run(main)
 
 
 if __name__ == '__main__':

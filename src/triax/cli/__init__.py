@@ -1,4 +1,5 @@
-"""What every entry point shares: start-up, flag-error handling, exit codes, CPU devices.
+"""The entry points (`python -m triax COMMAND`, one module each here) and what
+they share: start-up, flag-error handling, exit codes, CPU devices.
 
 Bad input ends with one line on stderr naming the key, flag or file and the
 fix, and exit status 2; nothing on disk is touched first.
@@ -16,6 +17,19 @@ from absl import app, flags, logging
 from triax.errors import ConfigError
 
 EXIT_BAD_INPUT = 2
+
+# name -> what it does (`python -m triax` lists them; each is triax/cli/NAME.py).
+COMMANDS = {
+  'train': 'train a config on this machine, or resume its workdir',
+  'schedule': 'build, check, simulate and draw a pipeline schedule',
+  'plan': 'plan data x tensor x pipeline parallelism on a cluster',
+  'sweep': 'run a grid of configs and plot what they measured',
+  'sample': "generate text from a run's checkpoint",
+  'budget': 'rank layouts by their compiled memory on this machine',
+  'tokenizer': 'train a byte-level BPE tokenizer from local text',
+  'prepare': 'tokenize text, jsonl, Parquet or Arrow into token shards',
+  'convert': 'import a Hugging Face Llama checkpoint into a workdir, or export one',
+}
 
 
 def run(main: Callable[[list[str]], None]) -> None:

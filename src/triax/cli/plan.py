@@ -1,6 +1,6 @@
 """Plans data x tensor x pipeline parallelism for a model on a cluster.
 
-  python -m triax.plan --config=experiments/gpt_tiny.py
+  python -m triax plan --config=experiments/gpt_tiny.py
       --cluster=experiments/clusters/heterog_testbed.yaml
       [--profile=local|analytic] [--gpus=N] [--top=5] [--json] [--verbose]
       [--out=plan.py] [--trace=trace.json] [--profile_cache=FILE]
@@ -10,9 +10,7 @@ Profiles the model on this machine (--profile=local) or prices it from its
 shapes and the spec's data sheets (--profile=analytic: any model, any
 cluster, in seconds), simulates candidate plans on the cluster and prints
 the best ones beside baselines. Bad input prints one
-`error: KEY: message` line and exits with 2. (This is `triax/plan/__main__.py`
-rather than `triax/plan.py`: a module beside the `triax/plan/` package of
-the same name would never be imported.)
+`error: KEY: message` line and exits with 2.
 """
 
 import os
@@ -123,5 +121,9 @@ def main(argv):
   sys.exit(report.main(request, as_json=_JSON.value))
 
 
-if __name__ == '__main__':
+def run():
   cli.run(main)
+
+
+if __name__ == '__main__':
+  run()

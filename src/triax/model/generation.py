@@ -33,7 +33,7 @@ from triax.model import registry
 from triax.training.checkpoint import Checkpointer
 
 CONFIG_FILE = 'config.json'
-# A tokenizer recorded beside an imported checkpoint (triax.convert --tokenizer).
+# A tokenizer recorded beside an imported checkpoint (triax convert --tokenizer).
 TOKENIZER_FILE = 'tokenizer.json'
 
 
@@ -66,7 +66,7 @@ def load_run_config(workdir: str) -> ml_collections.ConfigDict:
     raise ConfigError('--workdir', f'{workdir}: no such directory')
   if not os.path.isfile(path):
     raise ConfigError(
-      '--workdir', f'{workdir} has no {CONFIG_FILE}: give the --workdir of a triax.train run'
+      '--workdir', f'{workdir} has no {CONFIG_FILE}: give the --workdir of a triax train run'
     )
   # Keys an older run lacks (model families, say) keep their defaults: a GPT.
   return config_lib.load_json(path)
@@ -102,7 +102,7 @@ def latest_checkpoint(workdir: str, cfg) -> int:
     raise ConfigError(
       '--workdir',
       f'{workdir} has no checkpoints yet: train first '
-      f'(python -m triax.train ... --workdir={workdir})',
+      f'(python -m triax train ... --workdir={workdir})',
     )
   return step
 
