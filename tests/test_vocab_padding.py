@@ -9,10 +9,11 @@ import numpy as np
 import pytest
 from test_data_sources import write_megatron
 
-from triax import config, generation
+from triax import config
 from triax.data import sources
 from triax.data import tokenizer as tokenizer_lib
 from triax.errors import ConfigError
+from triax.model import generation
 from triax.model import loss as loss_lib
 
 V, USED = 256, 200

@@ -4,7 +4,7 @@ Restores the latest checkpoint of DIR (written under any parallel layout)
 onto one device and prints the prompt followed by the sampled continuation,
 decoded with the run's tokenizer (bytes unless it trained on, or was
 imported with, another). Kept to flag parsing and one library call
-(triax.generation).
+(triax.model.generation).
 """
 
 import sys
