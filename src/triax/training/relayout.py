@@ -19,7 +19,6 @@ restoring converts it back. Two things bound what that adds per device:
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -27,7 +26,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from triax.pipeline.layout import StackLayout
+from triax.pipeline.layout import StackLayout, under_layers
 
 
 def _chunk_mover(layout: StackLayout, mesh, to_model: bool):
@@ -77,23 +76,14 @@ def converter(layout: StackLayout, model_sharding: NamedSharding, to_model: bool
 
 
 class Relayout:
-  """The layer stacks (leaves `moves(path)` selects) converted one by one to
-  model order (`to_model`) or to pipeline order; the other leaves keep their
-  values and change only their sharding (`in_shardings` to `out_shardings`),
-  together in one program."""
+  """The layer stacks (the leaves under 'layers': parameters and Adam moments)
+  converted one by one to model order (`to_model`) or to pipeline order; the
+  other leaves keep their values and change only their sharding
+  (`in_shardings` to `out_shardings`), together in one program."""
 
-  def __init__(
-    self,
-    layout: StackLayout,
-    in_shardings: Any,
-    out_shardings: Any,
-    *,
-    to_model: bool,
-    moves: Callable[[tuple], bool],
-  ):
+  def __init__(self, layout: StackLayout, in_shardings: Any, out_shardings: Any, *, to_model: bool):
     self._layout = layout
     self._to_model = to_model
-    self._moves = moves
     self._in = in_shardings
     self._out = out_shardings
     self._programs: dict = {}
@@ -114,7 +104,7 @@ class Relayout:
 
   def _still(self, leaves, ins, outs):
     """One program for the leaves that only reshard."""
-    idx = tuple(i for i, (path, _) in enumerate(leaves) if not self._moves(path))
+    idx = tuple(i for i, (path, _) in enumerate(leaves) if not under_layers(path))
     if idx not in self._programs:
       self._programs[idx] = jax.jit(
         lambda xs: xs,
@@ -130,7 +120,7 @@ class Relayout:
     for i, x in zip(idx, still([leaves[i][1] for i in idx])):
       result[i] = x
     for i, (path, leaf) in enumerate(leaves):
-      if self._moves(path):
+      if under_layers(path):
         result[i] = self._program(leaf, ins[i], outs[i])(leaf)
     return jax.tree_util.tree_unflatten(treedef, result)
 
@@ -142,7 +132,7 @@ class Relayout:
     idx, still = self._still(leaves, ins, outs)
     analyses = [still.lower([leaves[i][1] for i in idx]).compile().memory_analysis()]
     for i, (path, leaf) in enumerate(leaves):
-      if self._moves(path):
+      if under_layers(path):
         program = self._program(leaf, ins[i], outs[i])
         analyses.append(program.lower(leaf).compile().memory_analysis())
     return sum(m.output_size_in_bytes for m in analyses) + max(

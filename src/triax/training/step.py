@@ -379,12 +379,8 @@ def build_trainer(cfg, mesh: Mesh) -> Trainer:
       out_shardings=(replicated, param_shardings),
     )
   # Saves and restores convert leaf by leaf (relayout.py: what bounds their memory).
-  to_canonical = relayout.Relayout(
-    layout, state_shardings, canonical_shardings, to_model=True, moves=layout_lib.under_layers
-  )
-  from_canonical = relayout.Relayout(
-    layout, canonical_shardings, state_shardings, to_model=False, moves=layout_lib.under_layers
-  )
+  to_canonical = relayout.Relayout(layout, state_shardings, canonical_shardings, to_model=True)
+  from_canonical = relayout.Relayout(layout, canonical_shardings, state_shardings, to_model=False)
   return Trainer(
     cfg=cfg,
     mesh=mesh,
