@@ -29,7 +29,6 @@ absent). Everything is deterministic given the seed.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import math
 import os
 import time
@@ -43,14 +42,11 @@ from triax.plan import learned_policy as net
 from triax.plan import partition
 from triax.plan import profile as profile_lib
 from triax.plan import search as search_lib
-from triax.plan.candidate import Estimate, Options, Plan
+from triax.plan.candidate import STATE_SHARDINGS, Estimate, Options, Plan
 from triax.plan.cluster import Cluster
 from triax.plan.simulator import simulate_plan
 
 KINDS = ('tensor', 'pipe', 'microbatches', 'schedule', 'remat', 'sharding', 'stage')
-# How the training state is split over data (search.state_shardings, where
-# the search has it; replicated only before).
-SHARDINGS = ('replicated', 'zero1', 'fsdp')
 REMATS = search_lib.REMATS
 SCHEDULES = tuple(sched.SCHEDULES)
 # Pipelines longer than this are not offered (the padded decision count).
@@ -61,17 +57,6 @@ MAX_STEPS = len(KINDS) - 1 + MAX_STAGES
 OOM_PENALTY = 1.0
 # Layer nodes: at most this many groups of consecutive layers (+ embed, head).
 LAYER_GROUPS = net.LAYER_NODES - 2
-
-
-_PARTITIONS_TAKE_SHARDING = 'sharding' in inspect.signature(search_lib._partitions).parameters
-
-
-def state_shardings(cfg, data: int) -> tuple[str, ...]:
-  """The search's state shardings for `data` replicas (replicated only
-  where the search has none)."""
-  if hasattr(search_lib, 'state_shardings'):
-    return tuple(search_lib.state_shardings(cfg, data))
-  return ('replicated',)
 
 
 def _log(x: float, scale: float = 1.0) -> float:
@@ -296,7 +281,7 @@ def decision(prob: Problem, part: Partial) -> Decision | None:
     _log2(m, 6),
     _log2(v, 2),
     REMATS.index(c['remat']) / 2 if 'remat' in c else 0.0,
-    SHARDINGS.index(c['sharding']) / 2 if 'sharding' in c else 0.0,
+    STATE_SHARDINGS.index(c['sharding']) / 2 if 'sharding' in c else 0.0,
   ]
   s = len(part.stages)
   if kind == 'stage':
@@ -325,7 +310,7 @@ def decision(prob: Problem, part: Partial) -> Decision | None:
     if kind == 'remat':
       options = list(REMATS)
     elif kind == 'sharding':
-      options = list(state_shardings(prob.cfg, d))
+      options = list(search_lib.state_shardings(prob.cfg, d))
     else:
       options = sorted({_value(kind, l) for l in _matching(prob, part)}, key=_order)
     for value in options:
@@ -362,7 +347,7 @@ def decision(prob: Problem, part: Partial) -> Decision | None:
         f[0] = _log2(vv, 2)
         f[8 + SCHEDULES.index(name)] = 1
       elif kind == 'sharding':
-        f[23 + SHARDINGS.index(value)] = 1
+        f[23 + STATE_SHARDINGS.index(value)] = 1
         share = {'replicated': 1.0, 'zero1': 0.5 + 0.5 / d, 'fsdp': 1.0 / d}[value]
         f[4] = np.clip(_log(prob.state_bytes * share / (t * p) / min(mems)), -3, 3) / 3
       else:  # remat
@@ -440,13 +425,11 @@ def plan_of(prob: Problem, part: Partial) -> Estimate:
   stages = tuple(part.stages)
   best = None
   args = (layout, stages, prob.profile, prob.cluster, prob.options, c['remat'], layers, batch)
-  sharded = {} if c['sharding'] == 'replicated' else {'state_sharding': c['sharding']}
-  if _PARTITIONS_TAKE_SHARDING:
-    args += (c['sharding'],)
+  args += (c['sharding'],)
   # Neither split when the memory screen refuses every balanced one: the
   # nearest to even is priced (and runs out of memory: the penalty).
   for split in search_lib._partitions(*args) or [_spread(layers, p, v)]:
-    plan = Plan(d, t, p, name, m, v, c['remat'], split, stages, batch, **sharded)
+    plan = Plan(d, t, p, name, m, v, c['remat'], split, stages, batch, c['sharding'])
     e = simulate_plan(plan, prob.profile, prob.cluster, prob.options)
     if best is None or (e.oom, e.step_time) < (best.oom, best.step_time):
       best = e
