@@ -29,7 +29,6 @@ and is listed, not planned.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import sys
 import time
@@ -38,6 +37,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, 'src'))
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 
+from triax import config as config_lib  # noqa: E402
 from triax.plan import analytic, learned  # noqa: E402
 from triax.plan import cluster as cluster_lib  # noqa: E402
 from triax.plan import search as search_lib  # noqa: E402
@@ -50,12 +50,7 @@ CONFIG = 'batch=64'
 
 
 def config():
-  spec = importlib.util.spec_from_file_location(
-    'gpt_1b', os.path.join(ROOT, 'experiments/gpt_1b.py')
-  )
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config(CONFIG)
+  return config_lib.from_file(os.path.join(ROOT, 'experiments/gpt_1b.py'), CONFIG)
 
 
 def profile_for(cfg, cluster):

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
 import os
 import sys
 import time
@@ -47,23 +46,13 @@ import time
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), '..')
 sys.path.insert(0, os.path.join(ROOT, 'src'))
 
+# Its Row, model_config, megatron_flops, plan_of, predict and search_row
+# (scripts/ is on the path: this file runs as a script beside it).
+import bench_megatron_table1 as T1  # noqa: E402
+
 from triax.plan import analytic  # noqa: E402
 from triax.plan import cluster as cluster_lib  # noqa: E402
 from triax.plan.simulator import Options, Plan, simulate_plan  # noqa: E402
-
-
-def _table1():
-  """scripts/bench_megatron_table1.py as a module (its Row, model_config,
-  megatron_flops, plan_of, predict and search_row)."""
-  path = os.path.join(ROOT, 'scripts', 'bench_megatron_table1.py')
-  spec = importlib.util.spec_from_file_location('bench_megatron_table1', path)
-  module = importlib.util.module_from_spec(spec)
-  sys.modules[spec.name] = module  # its dataclasses look their module up
-  spec.loader.exec_module(module)
-  return module
-
-
-T1 = _table1()
 
 
 @dataclasses.dataclass(frozen=True)

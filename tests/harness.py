@@ -20,6 +20,17 @@ from triax.training.step import TrainState, build_trainer
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), '..'))
 
 
+def load_script(name: str):
+  """scripts/NAME.py as a module (benchmarks whose functions tests pin)."""
+  import importlib.util
+
+  spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, 'scripts', f'{name}.py'))
+  module = importlib.util.module_from_spec(spec)
+  sys.modules[spec.name] = module  # its dataclasses look their module up
+  spec.loader.exec_module(module)
+  return module
+
+
 def tiny_config(**overrides):
   """A model small enough to compile in seconds; dotted overrides like 'mesh.pipe'."""
   c = config.defaults()

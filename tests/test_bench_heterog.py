@@ -1,22 +1,12 @@
 """scripts/bench_heterog.py: on HeteroG's testbed the layout matters once the model is BERT-large-sized."""
 
-import importlib.util
-import os
-import sys
-
+import harness
 import pytest
-
-ROOT = os.path.join(os.path.dirname(__file__), '..')
 
 
 @pytest.fixture(scope='module')
 def bench():
-  path = os.path.join(ROOT, 'scripts', 'bench_heterog.py')
-  spec = importlib.util.spec_from_file_location('bench_heterog', path)
-  module = importlib.util.module_from_spec(spec)
-  sys.modules[spec.name] = module  # its dataclasses look their module up
-  spec.loader.exec_module(module)
-  return module
+  return harness.load_script('bench_heterog')
 
 
 def test_the_mixed_clusters_are_the_ones_planned(bench):

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+import harness
 import pytest
 
 from triax import config
@@ -22,12 +23,7 @@ GPT_1B = os.path.join(ROOT, 'experiments', 'gpt_1b.py')
 
 
 def _bench():
-  path = os.path.join(ROOT, 'scripts', 'bench_megatron_table1.py')
-  spec = importlib.util.spec_from_file_location('bench_megatron_table1', path)
-  module = importlib.util.module_from_spec(spec)
-  sys.modules[spec.name] = module  # its dataclasses look their module up
-  spec.loader.exec_module(module)
-  return module
+  return harness.load_script('bench_megatron_table1')
 
 
 @pytest.mark.parametrize(

@@ -5,9 +5,9 @@ arithmetic on the formulas of plan/memory.py and plan/simulator.py.
 """
 
 import dataclasses
-import importlib.util
 
 import pytest
+from test_plan_search import small_config
 from test_plan_simulator import make_cluster, make_plan
 
 from triax import config
@@ -73,21 +73,12 @@ def test_save_and_eval_count_beside_the_resident_state():
   assert est.memory[0] == max(est.step_memory[0], est.state_memory[0])
 
 
-def small_config(layers, devices_batch):
-  cfg = config.defaults()
-  cfg.model.num_layers = layers
-  cfg.model.d_model, cfg.model.num_heads, cfg.model.d_ff = 32, 4, 64
-  cfg.model.seq_len = 16
-  cfg.train.global_batch_size = devices_batch
-  return cfg
-
-
 def test_only_zero1_fits_and_is_chosen():
   # One layer (no pipeline), two devices (d = 2, t = 1): the state is
   # 1.1 GB of parameters. Replicated 4.4 GB, ZeRO-1 2.2 + 1.1, FSDP 2.2 + 2
   # (one layer gathered) or 2.2 + 1.65 (gathered once a step): only ZeRO-1
   # fits under 90% of 4 GB.
-  cfg = small_config(layers=1, devices_batch=2)
+  cfg = small_config(layers=1, batch=2)
   prof = profile.synthetic(layer_param_bytes=1 * GB, edge_param_bytes=0.1 * GB)
   result = search.search(
     cfg, make_cluster(groups=(('gpu', 2, 1.0, '4 GB'),)), profile=prof, options=STEP_ONLY
@@ -106,7 +97,7 @@ def test_only_fsdp_fits_with_a_checkpoint_save_and_is_chosen():
   # and the edges, gathered, and its gradient). A save beside the resident
   # state: replicated 12, ZeRO-1 6, FSDP 3. Under 90% of 5 GB only FSDP at
   # m = 1 (ZeRO-3 proper) fits both.
-  cfg = small_config(layers=1, devices_batch=4)
+  cfg = small_config(layers=1, batch=4)
   cfg.model.d_model = 64
   prof = profile.synthetic(layer_param_bytes=1 * GB, edge_param_bytes=1 * GB)
   result = search.search(cfg, make_cluster(groups=(('gpu', 4, 1.0, '5 GB'),)), profile=prof)
@@ -154,13 +145,6 @@ def test_fsdp_collectives_per_layer_and_per_step():
   assert zero1_m2.dp_allreduce_time == pytest.approx(1.5 * 0.8 + 0.75 * 0.8)
 
 
-def _load(path):
-  spec = importlib.util.spec_from_file_location('plan_under_test', path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
-
-
 @pytest.mark.parametrize(
   'kind, keys',
   [
@@ -180,14 +164,14 @@ def test_plan_file_sets_the_sharding_keys_and_validates(tmp_path, kind, keys):
   out = tmp_path / 'plan.py'
   text = emit.write(str(out), est, str(base), None, {}, 'test')
   assert ('zero1' in text) == (kind == 'zero1')
-  cfg = _load(str(out)).get_config()
+  cfg = config.from_file(str(out))
   assert (cfg.train.optimizer_sharding, cfg.mesh.fsdp) == keys  # the base's fsdp overridden
   cfg = config.validate(cfg, 8)
   assert (('embed', 'data') in [tuple(r) for r in cfg.sharding.logical_axis_rules]) == keys[1]
 
 
 def test_zero3_baseline_is_reported():
-  cfg = small_config(layers=4, devices_batch=8)
+  cfg = small_config(layers=4, batch=8)
   prof = profile.synthetic(layer_param_bytes=1e6, act_per_seq=1e5, tensors=(1, 2))
   result = search.search(cfg, make_cluster(groups=(('gpu', 4, 1.0, '80 GB'),)), profile=prof)
   zero3 = result.baselines['zero3']
