@@ -49,12 +49,21 @@ def variant(function: str, remat: str) -> str:
 
 # Executor variants of a layer, timed once (largest size, smallest degree,
 # no remat) as ratios to its plain forward+backward:
-#   split_b / split_w: a zero-bubble B (input gradient only) and W (weight
-#     gradient only), each the pair's backward part (XLA drops only some of
-#     the other half: B + W can exceed one backward);
+#   split_b / split_w: the executor's B (input gradient and cut) and W
+#     (weight gradients from the cut), each run on its own as its branch
+#     runs it, over the pair's backward part;
 #   cond_active / cond_skipped: a layer of an uneven split's padded stack,
-#     run under `cond` (forward+backward), and a padding layer it skips.
-EXECUTOR_RATIOS = ('split_b', 'split_w', 'cond_active', 'cond_skipped')
+#     run under `cond` (forward+backward), and a padding layer it skips;
+#   stackN_fwd / stackN_bwd (N in STACK_LENGTHS): a layer's forward and
+#     backward in a chunk of N layers over its time in the profile's
+#     2-layer one. XLA:CPU runs a 1-layer chunk without a loop (measured
+#     0.6x a scanned layer's time at 4 x 128 tokens), which a profile of
+#     scanned layers overcharges every 1-layer chunk for (pipe = 8 of 8
+#     layers, or v = 2 of 4 per stage).
+STACK_LENGTHS = (1, 4)
+EXECUTOR_RATIOS = ('split_b', 'split_w', 'cond_active', 'cond_skipped') + tuple(
+  f'stack{n}_{part}' for n in STACK_LENGTHS for part in ('fwd', 'bwd')
+)
 
 
 @dataclasses.dataclass(frozen=True)

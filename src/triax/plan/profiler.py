@@ -19,8 +19,10 @@ What is measured here, warm and jitted, median of a few runs:
   - the embedding's forward+backward and the head's loss+gradient, which the
     executor runs inside the first and last chunk's actions;
   - once, the executor's variants of a layer as ratios to its plain pair
-    (EXECUTOR_RATIOS): zero-bubble B and W, a layer under an uneven split's
-    `cond`, a skipped padding layer;
+    (EXECUTOR_RATIOS): zero-bubble B and W as the executor splits them, a
+    layer under an uneven split's `cond`, a skipped padding layer, and a
+    layer in a chunk of 1 or 4 layers (a chunk of one is not a loop, and
+    costs ~0.6x a scanned layer here);
   - with several local devices, each of the above again on all of them at
     once (one copy per device under shard_map): the function's *effective
     cores*, N * solo time / all-N time. Forced CPU devices share the host's
@@ -64,10 +66,10 @@ import numpy as np
 from triax.plan import microbench
 from triax.plan.cluster import Link
 from triax.plan.profile import (
-  EXECUTOR_RATIOS,
   FUNCTIONS,
   LAYER_FUNCTIONS,
   REMATS,
+  STACK_LENGTHS,
   Fit,
   Machine,
   Point,
@@ -315,13 +317,6 @@ class _Profiler:
       y, back = jax.vjp(lambda e: model.embed(e, tokens), e)
       return back(y)
 
-    def only(index):
-      def pair(p, x):
-        y, back = jax.vjp(model.layers, p, x)
-        return back(y)[index]
-
-      return pair
-
     def under_cond(active):
       def pair(p, x):
         y, back = jax.vjp(lambda p, x: model.layers(p, x, jnp.int32(active)), p, x)
@@ -330,16 +325,38 @@ class _Profiler:
       return pair
 
     head = jax.value_and_grad(model.head_loss, argnums=(0, 1))
+    split_b, split_w = self._split_backward(model.layers, stack, x)
     return {
       'layer_fwd': (fwd, (stack, x)),
       'layer_fwd_bwd': (fwd_bwd, (stack, x)),
-      'split_b': (only(1), (stack, x)),
-      'split_w': (only(0), (stack, x)),
+      'split_b': split_b,
+      'split_w': split_w,
       'cond_active': (under_cond(layers), (stack, x)),
       'cond_skipped': (under_cond(0), (stack, x)),
       'embed': (embed, (edges['embed'], tok)),
       'head': (head, (edges['head'], x, tok)),
     }
+
+  def _split_backward(self, layers_fn, stack, x):
+    """The executor's B and W of a layer stack, each on its own (as its B and
+    W branches run them): SplitBackward of the stack's vjp, B fed the
+    residuals and an output gradient, W the residuals and B's cut. Timing
+    'input gradient only' and 'weight gradient only' of the whole vjp
+    instead measured what XLA keeps of each (a W with most of the input
+    gradient chain: B + W = 1.2 backwards here) rather than the split."""
+    jax = self.jax
+    from triax.pipeline.split_backward import SplitBackward
+
+    found = {}
+
+    def residuals(p, x):
+      y, vjp_fn = jax.vjp(layers_fn, p, x)
+      leaves, found['tree'] = jax.tree.flatten(vjp_fn)
+      return leaves, y
+
+    res, y = jax.eval_shape(residuals, stack, x)
+    split = SplitBackward(lambda r, g: jax.tree.unflatten(found['tree'], r)(g), res, y)
+    return (split.b, (res, y)), (split.w, (res, split.cut_shapes))
 
   def _work(
     self,
@@ -534,22 +551,36 @@ class _Profiler:
     it made one (it does: the largest size at every degree)."""
     layers = min(2, self.spec['num_layers'])
     built = self.functions(t, b, layers)
-    names = ('layer_fwd', 'layer_fwd_bwd') + EXECUTOR_RATIOS
-    missing = {(k, b, t, 'none'): built[k] for k in names if (k, b, t, 'none') not in self._timed}
-    self._time_all(missing)
+    names = ('layer_fwd', 'layer_fwd_bwd', 'split_b', 'split_w', 'cond_active', 'cond_skipped')
+    jobs = {(k, b, t, 'none'): built[k] for k in names}
+    # The same layer in chunks of other lengths (a stage's chunk is the
+    # executor's scan over its layers; one layer is not a loop at all).
+    stacks = [n for n in STACK_LENGTHS if n != layers and n <= self.spec['num_layers']]
+    for n in stacks:
+      other = self.functions(t, b, n)
+      for k in ('layer_fwd', 'layer_fwd_bwd'):
+        jobs[(f'{k}@{n}', b, t, 'none')] = other[k]
+    self._time_all({key: job for key, job in jobs.items() if key not in self._timed})
     single = len(self.jax.local_devices()) == 1
     timed = {}
-    for k in names:
-      solo, together = self._timed[(k, b, t, 'none')]
-      timed[k] = (solo, solo if single else together)
+    for name, *_ in jobs:
+      solo, together = self._timed[(name, b, t, 'none')]
+      timed[name] = (solo, solo if single else together)
     out = {}
     for i in range(2):
       fwd, pair = timed['layer_fwd'][i], timed['layer_fwd_bwd'][i]
       bwd = _backward_part(pair, fwd)
       for k in ('split_b', 'split_w'):
-        out.setdefault(k, [0.0, 0.0])[i] = max(timed[k][i] - fwd, 0.1 * bwd) / bwd
+        out.setdefault(k, [0.0, 0.0])[i] = timed[k][i] / bwd
       for k in ('cond_active', 'cond_skipped'):
         out.setdefault(k, [0.0, 0.0])[i] = timed[k][i] / pair
+      for n in stacks:
+        fwd_n, pair_n = timed[f'layer_fwd@{n}'][i], timed[f'layer_fwd_bwd@{n}'][i]
+        # Per layer in a chunk of n over per layer in the profile's chunk.
+        out.setdefault(f'stack{n}_fwd', [0.0, 0.0])[i] = (fwd_n / n) / (fwd / layers)
+        out.setdefault(f'stack{n}_bwd', [0.0, 0.0])[i] = (
+          _backward_part(pair_n, fwd_n) / n
+        ) / (bwd / layers)
     return {k: tuple(v) for k, v in out.items()}
 
   def _on_every_device(self, fn: Callable) -> Callable:
@@ -564,7 +595,12 @@ class _Profiler:
       out = fn(*jax.tree.map(lambda a: a[0], args))
       return jax.tree.map(lambda a: a[None], out)
 
-    return jax.shard_map(per_device, mesh=mesh, in_specs=P('devices'), out_specs=P('devices'))
+    # check_vma off: the copies never communicate, and a function traced
+    # outside shard_map (SplitBackward's halves) mixes its constants with the
+    # per-device values.
+    return jax.shard_map(
+      per_device, mesh=mesh, in_specs=P('devices'), out_specs=P('devices'), check_vma=False
+    )
 
   def _stacked(self, args):
     """Per-device copies of concrete args, laid out one per local device."""

@@ -199,11 +199,14 @@ def action_costs(
       else:
         fsdp_fwd, fsdp_bwd = gather, gather + scatter
     (embed, embed_share), (head, head_share) = slowest(s, edge('embed')), slowest(s, edge('head'))
+    # Full remat's rerun forward runs its two all-reduces again.
+    tp_bwd = 2 * tp + (2 * tp if plan.remat == 'full' else 0.0)
     per_stage.append(
       dict(
         fwd=fwd + 2 * tp,
-        # Full remat's rerun forward runs its two all-reduces again.
-        bwd=bwd + 2 * tp + (2 * tp if plan.remat == 'full' else 0.0),
+        bwd=bwd + tp_bwd,
+        tp_fwd=2 * tp,
+        tp_bwd=tp_bwd,
         dp=dp_layer,
         embed=embed,
         head=head,
@@ -233,10 +236,31 @@ def action_costs(
     for i in (0, 1)
   ]
   widest = max(plan.chunk_layers)
+
+  def stack_factor(part: str, layers: int, i: int) -> float:
+    # A layer in a chunk of `layers` over one in the profile's 2-layer chunk
+    # (profile.EXECUTOR_RATIOS' stackN_*), linear between the lengths measured.
+    one, four = ratio(f'stack1_{part}', i, 1.0), ratio(f'stack4_{part}', i, 1.0)
+    if layers <= 1:
+      return one
+    return four if layers >= 4 else 1.0 + (four - 1.0) * (layers - 2) / 2
+
   chunks, shares, fused = [], [], []
   for c, n in enumerate(plan.chunk_layers):
-    x = per_stage[placement[c]]
+    x = dict(per_stage[placement[c]])
     first, final = c == 0, c == last
+    # The chunk's layers run as one scan over its stack (padded to the
+    # widest when the split is uneven; the whole model without the executor).
+    stack = n if plan.even else widest
+    sf, sb = [stack_factor('fwd', stack, i) for i in (0, 1)], [
+      stack_factor('bwd', stack, i) for i in (0, 1)
+    ]
+    x['fwd'] = (x['fwd'] - x['tp_fwd']) * sf[0] + x['tp_fwd']
+    x['bwd'] = (x['bwd'] - x['tp_bwd']) * sb[0] + x['tp_bwd']
+    x['recompute'] *= sb[0]
+    x['fwd_share'] *= sf[1]
+    x['bwd_share'] *= sb[1]
+    x['recompute_share'] *= sb[1]
     # An uneven split runs every chunk's padded stack under cond (see
     # model.layers): n layers that compute, widest - n that are skipped.
     pad = 0 if plan.even else widest - n
@@ -262,6 +286,11 @@ def action_costs(
     edge_b = [2 * x['embed'] / 3 + x['edge_dp'], 2 * x['embed_share'] / 3] if first else [0.0] * 2
     b_part = [rest[i] * parts[i][0] + rerun[i] + edge_b[i] for i in (0, 1)]
     w_part = [rest[0] * parts[0][1] + n * x['dp'] + fsdp_w, rest[1] * parts[1][1]]
+    if not plan.uses_executor:
+      # One value_and_grad: the backward runs fused (its B tick holds it all).
+      b_part = [rest[i] + rerun[i] + edge_b[i] for i in (0, 1)]
+      b_part[0] += n * x['dp'] + fsdp_w
+      w_part = [0.0, 0.0]
     fused.append(rest[0] + rerun[0] + edge_b[0] + n * x['dp'] + fsdp_w)
     chunks.append({sched.FORWARD: f, sched.BACKWARD: b_part[0], sched.WEIGHT: w_part[0]})
     shares.append({sched.FORWARD: f_share, sched.BACKWARD: b_part[1], sched.WEIGHT: w_part[1]})
