@@ -381,3 +381,69 @@ def test_a_degree_measured_at_its_ends_borrows_the_smallest_degrees_curve():
   # Ratio to t=1: 0.5 at b=1, 0.75 at b=4 -> 0.5 + 0.25/3 at b=2.
   assert prof.local_seconds('layer_fwd', 2, 2) == pytest.approx((0.5 + 0.25 / 3) * 3.0)
   assert prof.local_seconds('layer_fwd', 4, 2) == pytest.approx(3.0)
+
+
+def _local_cluster(count: int, shared_cores=None):
+  node = {'name': 'host', 'devices': {'cpu': count}}
+  if shared_cores:
+    node['shared_cores'] = shared_cores
+  raw = {
+    'name': 'local',
+    'groups': [
+      {
+        'name': 'cpu',
+        'type': 'cpu',
+        'count': count,
+        'profile': 'local',
+        'peak_flops': {'bfloat16': 'measured', 'float32': 'measured'},
+        'memory': '80 GB',
+        'memory_bandwidth': 'measured',
+      }
+    ],
+    'nodes': [node],
+    'links': {
+      'intra_node': {'bandwidth': FAST, 'latency': '0 s'},
+      'inter_node': {'bandwidth': FAST, 'latency': '0 s'},
+    },
+  }
+  return cluster_lib.parse(raw, 'local.yaml')
+
+
+def test_a_layer_costs_what_it_costs_in_a_chunk_of_its_length():
+  """On this machine a layer's time depends on the chunk it runs in (XLA:CPU
+  runs a 1-layer chunk without a loop), measured as the profile's stackN
+  ratios to its 2-layer chunk; B and W are the executor's measured halves.
+  An uneven split runs the padded stack, and without the executor the
+  whole model is one stack whose backward runs fused."""
+  import dataclasses
+
+  base = profile.synthetic(layer_fwd=1.0, layer_bwd=2.0, num_layers=8)
+  ratios = {
+    'stack1_fwd': (0.5, 0.5),
+    'stack1_bwd': (0.25, 0.25),
+    'stack4_fwd': (2.0, 2.0),
+    'stack4_bwd': (3.0, 3.0),
+    'split_b': (0.3, 0.3),
+    'split_w': (0.4, 0.4),
+  }
+  prof = dataclasses.replace(base, ratios=ratios)
+  local = _local_cluster(8)
+
+  def costs(**kw):
+    return simulator.action_costs(make_plan(**kw), prof, local).chunk
+
+  one = costs(p=8, m=8, layers=(1,) * 8)[3]
+  assert (one['F'], one['B'], one['W']) == pytest.approx((0.5, 2 * 0.25 * 0.3, 2 * 0.25 * 0.4))
+  two = costs(p=4, m=8, layers=(2,) * 4)[1]
+  assert (two['F'], two['B'], two['W']) == pytest.approx((2.0, 4 * 0.3, 4 * 0.4))
+  four = costs(p=2, m=4, layers=(4, 4))[0]
+  assert (four['F'], four['B']) == pytest.approx((4 * 2.0, 4 * 2 * 3.0 * 0.3))
+  # Uneven 3/3/2: every chunk runs a 3-layer stack (halfway from 2 to 4 layers).
+  short = costs(p=3, m=3, layers=(3, 3, 2))[2]
+  assert short['F'] == pytest.approx(2 * 1.5)
+  # One value_and_grad over 8 layers: a 4+-layer stack, the backward fused.
+  whole = costs(p=1, m=1, d=8, layers=(8,))[0]
+  assert (whole['F'], whole['B'], whole['W']) == pytest.approx((8 * 2.0, 8 * 2 * 3.0, 0.0))
+  # Elsewhere (not this machine's group) no ratio applies: halves of a backward.
+  gpu = simulator.action_costs(make_plan(p=8, m=8, layers=(1,) * 8), prof, make_cluster()).chunk[0]
+  assert (gpu['F'], gpu['B'], gpu['W']) == pytest.approx((1.0, 1.0, 1.0))

@@ -68,3 +68,28 @@ def test_cut_is_smaller_than_the_residuals_without_remat():
   split = SplitBackward(bwd, residuals, g)
   size = lambda tree: sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(tree))
   assert 0 < size(split.cut_shapes) < 0.5 * size(residuals)
+
+
+def test_the_planner_times_the_executors_halves():
+  """The profiler's split_b and split_w are the executor's B and W
+  (SplitBackward of the layer stack's vjp, each on its own), not the vjp
+  asked for one gradient: B returns the input gradient, W from B's cut the
+  weight gradients, both equal to the fused vjp's."""
+  from triax.plan import profiler
+
+  cfg = harness.tiny_config(**{'model.num_layers': 2})
+  prof = profiler._Profiler(profiler._model_key(cfg.model))
+  fns = prof.functions(1, 2, 2)
+  (b_fn, b_args), (w_fn, w_args) = fns['split_b'], fns['split_w']
+  fwd, (stack, x) = fns['layer_fwd']
+  stack, x = prof._concrete((stack, x))
+  y, vjp_fn = fwd(stack, x)
+  g = jnp.cos(y)
+  leaves = jax.tree.leaves(vjp_fn)
+  assert [a.shape for a in leaves] == [a.shape for a in b_args[0]]
+  dx, cut = b_fn(leaves, g)
+  grads = w_fn(leaves, cut)
+  want_grads, want_dx = vjp_fn(g)
+  np.testing.assert_allclose(dx, want_dx, rtol=1e-5, atol=1e-6)
+  for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)

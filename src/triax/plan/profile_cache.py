@@ -4,7 +4,8 @@
 one was measured for the same key, and adds each new one. The key is what a
 measurement depends on: the model's shape (its family spec but remat, which
 is measured per policy), this machine's backend, device kind and count, the
-jax version, and the tensor degrees and micro-batch sizes measured.
+jax version, the tensor degrees and micro-batch sizes measured, and the
+profiler's FORMAT.
 """
 
 from __future__ import annotations
@@ -17,6 +18,11 @@ from triax.errors import ConfigError
 from triax.plan import profile as profile_lib
 from triax.plan.cluster import Link
 
+# What the profiler measures, by version: a profile measured before a change
+# to it is not read back as if it were measured now (2: the executor's B and
+# W timed as it splits them, and the chunk-length ratios).
+FORMAT = 2
+
 
 def key(model_cfg, tensors, sizes) -> str:
   """The cache key of a measurement, as a string (stable JSON)."""
@@ -28,6 +34,7 @@ def key(model_cfg, tensors, sizes) -> str:
   device = jax.devices()[0]
   return json.dumps(
     {
+      'format': FORMAT,
       'model': dataclasses.asdict(spec),
       'backend': jax.default_backend(),
       'device_kind': device.device_kind,
