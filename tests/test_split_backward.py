@@ -88,6 +88,7 @@ def test_the_planner_times_the_executors_halves():
   leaves = jax.tree.leaves(vjp_fn)
   assert [a.shape for a in leaves] == [a.shape for a in b_args[0]]
   dx, cut = b_fn(leaves, g)
+  assert jax.tree.structure(cut) == jax.tree.structure(w_args[1])  # W is timed on B's cut
   grads = w_fn(leaves, cut)
   want_grads, want_dx = vjp_fn(g)
   np.testing.assert_allclose(dx, want_dx, rtol=1e-5, atol=1e-6)
