@@ -579,9 +579,9 @@ class _Profiler:
         fwd_n, pair_n = timed[f'layer_fwd@{n}'][i], timed[f'layer_fwd_bwd@{n}'][i]
         # Per layer in a chunk of n over per layer in the profile's chunk.
         out.setdefault(f'stack{n}_fwd', [0.0, 0.0])[i] = (fwd_n / n) / (fwd / layers)
-        out.setdefault(f'stack{n}_bwd', [0.0, 0.0])[i] = (
-          _backward_part(pair_n, fwd_n) / n
-        ) / (bwd / layers)
+        out.setdefault(f'stack{n}_bwd', [0.0, 0.0])[i] = (_backward_part(pair_n, fwd_n) / n) / (
+          bwd / layers
+        )
     return {k: tuple(v) for k, v in out.items()}
 
   def _on_every_device(self, fn: Callable) -> Callable:

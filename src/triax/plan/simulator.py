@@ -252,9 +252,10 @@ def action_costs(
     # The chunk's layers run as one scan over its stack (padded to the
     # widest when the split is uneven; the whole model without the executor).
     stack = n if plan.even else widest
-    sf, sb = [stack_factor('fwd', stack, i) for i in (0, 1)], [
-      stack_factor('bwd', stack, i) for i in (0, 1)
-    ]
+    sf, sb = (
+      [stack_factor('fwd', stack, i) for i in (0, 1)],
+      [stack_factor('bwd', stack, i) for i in (0, 1)],
+    )
     x['fwd'] = (x['fwd'] - x['tp_fwd']) * sf[0] + x['tp_fwd']
     x['bwd'] = (x['bwd'] - x['tp_bwd']) * sb[0] + x['tp_bwd']
     x['recompute'] *= sb[0]
