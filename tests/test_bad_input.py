@@ -1,16 +1,20 @@
 """The catalogue of bad input: every case ends with exit status 2, one `error:` line
 naming the key, flag or file (and what to do), and a workdir exactly as it was.
 
-Cases run as subprocesses, a few at a time (a module fixture starts the
-selected ones together), since each costs a Python and JAX start-up.
+Cases run as processes of their own, a few at a time (a module fixture
+starts the selected ones together): forked from warm servers that have
+imported JAX and triax's libraries once (tests/forkserver.py), since a cold
+start of each would cost most of the catalogue's time.
 """
 
 import concurrent.futures
 import json
 import os
+import queue
 import shutil
 import socket
 
+import forkserver
 import harness
 import pytest
 
@@ -447,7 +451,8 @@ def trained(tmp_path_factory):
 
 @pytest.fixture(scope='module')
 def outcomes(request, tmp_path_factory):
-  """Runs the selected cases, three at a time; case id -> (result, before, after)."""
+  """Runs the selected cases, three at a time, each in a child forked from
+  one of three warm servers; case id -> (result, before, after)."""
   selected = {
     item.callspec.params['case']
     for item in request.session.items
@@ -460,16 +465,28 @@ def outcomes(request, tmp_path_factory):
     else None
   )
 
+  servers = queue.Queue()
+  for _ in range(3):
+    servers.put(forkserver.ForkServer())
+
   def run(case):
     case_id, build, _ = case
     d = str(tmp_path_factory.mktemp(case_id))
     module, args = build(d, trained_dir)
     before = snapshot(d)
-    result = harness.run_cli(module, *args, timeout=300)
+    server = servers.get()
+    try:
+      result = server.run(module, args, timeout=300)
+    finally:
+      servers.put(server)
     return case_id, (result, before, snapshot(d))
 
-  with concurrent.futures.ThreadPoolExecutor(3) as pool:
-    return dict(pool.map(run, cases))
+  try:
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+      return dict(pool.map(run, cases))
+  finally:
+    while not servers.empty():
+      servers.get().close()
 
 
 @pytest.mark.parametrize('case', IDS)
