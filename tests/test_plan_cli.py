@@ -93,7 +93,11 @@ def test_profile_of_a_tiny_model():
   assert min(at[2], at[4]) <= prof.local_seconds('layer_fwd', 3, 1) <= max(at[2], at[4])
   # The executor's variants of a layer, as ratios to its plain pair: a split
   # backward's halves, a layer under cond and a skipped (padding) one.
-  assert set(prof.ratios) == set(profile.EXECUTOR_RATIOS)
+  # The split and chunk-length ones again under each remat policy.
+  per_policy = {k for k in profile.EXECUTOR_RATIOS if not k.startswith('cond_')}
+  assert set(prof.ratios) == set(profile.EXECUTOR_RATIOS) | {
+    f'{k}/{remat}' for k in per_policy for remat in ('selective', 'full')
+  }
   for alone, together in prof.ratios.values():
     assert alone > 0 and together > 0
 

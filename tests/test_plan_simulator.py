@@ -425,6 +425,8 @@ def test_a_layer_costs_what_it_costs_in_a_chunk_of_its_length():
     'stack4_bwd': (3.0, 3.0),
     'split_b': (0.3, 0.3),
     'split_w': (0.4, 0.4),
+    'split_b/full': (0.6, 0.6),
+    'split_w/full': (0.2, 0.2),
   }
   prof = dataclasses.replace(base, ratios=ratios)
   local = _local_cluster(8)
@@ -444,6 +446,10 @@ def test_a_layer_costs_what_it_costs_in_a_chunk_of_its_length():
   # One value_and_grad over 8 layers: a 4+-layer stack, the backward fused.
   whole = costs(p=1, m=1, d=8, layers=(8,))[0]
   assert (whole['F'], whole['B'], whole['W']) == pytest.approx((8 * 2.0, 8 * 2 * 3.0, 0.0))
+  # A policy's own split where it was measured: full remat's B reruns the
+  # forward (1 s a layer, on paper here) and splits the rest 0.6 / 0.2.
+  full = costs(p=4, m=8, layers=(2,) * 4, remat='full')[1]
+  assert (full['B'], full['W']) == pytest.approx((2 * 2.0 * 0.6 + 2 * 1.0, 2 * 2.0 * 0.2))
   # Elsewhere (not this machine's group) no ratio applies: halves of a backward.
   gpu = simulator.action_costs(make_plan(p=8, m=8, layers=(1,) * 8), prof, make_cluster()).chunk[0]
   assert (gpu['F'], gpu['B'], gpu['W']) == pytest.approx((1.0, 1.0, 1.0))

@@ -60,6 +60,9 @@ def variant(function: str, remat: str) -> str:
 #     0.6x a scanned layer's time at 4 x 128 tokens), which a profile of
 #     scanned layers overcharges every 1-layer chunk for (pipe = 8 of 8
 #     layers, or v = 2 of 4 per stage).
+#   Split and chunk-length ratios are measured again per remat policy,
+#   named NAME/POLICY ('split_b/full'): under remat, B reruns the forward
+#   and hands W what it rematerialised, so the halves are not remat none's.
 STACK_LENGTHS = (1, 4)
 EXECUTOR_RATIOS = ('split_b', 'split_w', 'cond_active', 'cond_skipped') + tuple(
   f'stack{n}_{part}' for n in STACK_LENGTHS for part in ('fwd', 'bwd')

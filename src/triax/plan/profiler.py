@@ -159,7 +159,9 @@ def _measure_cached(
   )
   points = prof.time_points(_points_to_measure(tensors, microbatches, spec['seq_len'], remats))
   executor = prof.executor_ratios(
-    min(tensors), min(max(microbatches), max(1, _MAX_MEASURED_TOKENS // spec['seq_len']))
+    min(tensors),
+    min(max(microbatches), max(1, _MAX_MEASURED_TOKENS // spec['seq_len'])),
+    remats,
   )
   roof = {p: shards[p[2]].work[p[0].split('/')[0]] for p in points}
   fits = {}
@@ -545,43 +547,54 @@ class _Profiler:
     self._timed.update(timed)
     return dict(timed)
 
-  def executor_ratios(self, t: int, b: int) -> dict:
-    """EXECUTOR_RATIOS at (b, t), remat none: name -> (alone, all at once).
+  def executor_ratios(self, t: int, b: int, remats: Sequence[str] = ('none',)) -> dict:
+    """EXECUTOR_RATIOS at (b, t): name -> (alone, all at once), for remat
+    none; the split and chunk-length ones again per other policy in
+    `remats`, named NAME/POLICY (remat moves work between B and W: B reruns
+    the forward and hands W what it rematerialised in the cut).
 
     The plain layer pair comes from time_points' measurement at (b, t) when
     it made one (it does: the largest size at every degree)."""
     layers = min(2, self.spec['num_layers'])
-    built = self.functions(t, b, layers)
-    names = ('layer_fwd', 'layer_fwd_bwd', 'split_b', 'split_w', 'cond_active', 'cond_skipped')
-    jobs = {(k, b, t, 'none'): built[k] for k in names}
-    # The same layer in chunks of other lengths (a stage's chunk is the
-    # executor's scan over its layers; one layer is not a loop at all).
     stacks = [n for n in STACK_LENGTHS if n != layers and n <= self.spec['num_layers']]
-    for n in stacks:
-      other = self.functions(t, b, n)
-      for k in ('layer_fwd', 'layer_fwd_bwd'):
-        jobs[(f'{k}@{n}', b, t, 'none')] = other[k]
+    jobs = {}
+    for remat in remats:
+      built = self.functions(t, b, layers, remat)
+      names = ('layer_fwd', 'layer_fwd_bwd', 'split_b', 'split_w')
+      if remat == 'none':
+        names += ('cond_active', 'cond_skipped')
+      jobs.update({(k, b, t, remat): built[k] for k in names})
+      # The same layer in chunks of other lengths (a stage's chunk is the
+      # executor's scan over its layers; one layer is not a loop at all).
+      for n in stacks:
+        other = self.functions(t, b, n, remat)
+        for k in ('layer_fwd', 'layer_fwd_bwd'):
+          jobs[(f'{k}@{n}', b, t, remat)] = other[k]
     self._time_all({key: job for key, job in jobs.items() if key not in self._timed})
     single = len(self.jax.local_devices()) == 1
     timed = {}
-    for name, *_ in jobs:
-      solo, together = self._timed[(name, b, t, 'none')]
-      timed[name] = (solo, solo if single else together)
+    for key in jobs:
+      solo, together = self._timed[key]
+      timed[(key[0], key[3])] = (solo, solo if single else together)
     out = {}
-    for i in range(2):
-      fwd, pair = timed['layer_fwd'][i], timed['layer_fwd_bwd'][i]
-      bwd = _backward_part(pair, fwd)
-      for k in ('split_b', 'split_w'):
-        out.setdefault(k, [0.0, 0.0])[i] = timed[k][i] / bwd
-      for k in ('cond_active', 'cond_skipped'):
-        out.setdefault(k, [0.0, 0.0])[i] = timed[k][i] / pair
-      for n in stacks:
-        fwd_n, pair_n = timed[f'layer_fwd@{n}'][i], timed[f'layer_fwd_bwd@{n}'][i]
-        # Per layer in a chunk of n over per layer in the profile's chunk.
-        out.setdefault(f'stack{n}_fwd', [0.0, 0.0])[i] = (fwd_n / n) / (fwd / layers)
-        out.setdefault(f'stack{n}_bwd', [0.0, 0.0])[i] = (_backward_part(pair_n, fwd_n) / n) / (
-          bwd / layers
-        )
+    for remat in remats:
+      tag = '' if remat == 'none' else f'/{remat}'
+      for i in range(2):
+        fwd, pair = timed[('layer_fwd', remat)][i], timed[('layer_fwd_bwd', remat)][i]
+        bwd = _backward_part(pair, fwd)
+        for k in ('split_b', 'split_w'):
+          out.setdefault(k + tag, [0.0, 0.0])[i] = timed[(k, remat)][i] / bwd
+        if remat == 'none':
+          for k in ('cond_active', 'cond_skipped'):
+            out.setdefault(k, [0.0, 0.0])[i] = timed[(k, remat)][i] / pair
+        for n in stacks:
+          fwd_n = timed[(f'layer_fwd@{n}', remat)][i]
+          pair_n = timed[(f'layer_fwd_bwd@{n}', remat)][i]
+          # Per layer in a chunk of n over per layer in the profile's chunk.
+          out.setdefault(f'stack{n}_fwd{tag}', [0.0, 0.0])[i] = (fwd_n / n) / (fwd / layers)
+          out.setdefault(f'stack{n}_bwd{tag}', [0.0, 0.0])[i] = (
+            _backward_part(pair_n, fwd_n) / n
+          ) / (bwd / layers)
     return {k: tuple(v) for k, v in out.items()}
 
   def _on_every_device(self, fn: Callable) -> Callable:

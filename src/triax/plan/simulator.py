@@ -228,7 +228,14 @@ def action_costs(
   # profile.EXECUTOR_RATIOS); elsewhere: a backward splits in halves, a
   # layer under cond costs a plain one, a skipped one nothing.
   measured = profile.ratios if cluster.local else {}
-  ratio = lambda name, i, default: measured[name][i] if name in measured else default
+
+  def ratio(name: str, i: int, default: float) -> float:
+    # The plan's remat policy's own measurement where there is one.
+    for key in (f'{name}/{plan.remat}', name):
+      if key in measured:
+        return measured[key][i]
+    return default
+
   # Every lockstep program runs its backwards as B then W (lower.py), a
   # fused schedule's too: charge each part, whatever the schedule built.
   parts = [
