@@ -32,16 +32,24 @@ COMMANDS = {
 }
 
 
-def run(main: Callable[[list[str]], None]) -> None:
+def run(main: Callable[[list[str]], None], *, takes_arguments: bool = False) -> None:
   """Runs an entry point's main under absl, with our flag errors and quiet logging.
 
   absl logs at INFO unless told otherwise, so every run on a machine without
   a TPU would print JAX's "Unable to initialize backend 'tpu'" line; set
   before app.run, WARNING still shows warnings and errors (and --verbosity
-  can still raise it).
+  can still raise it). Words that are not flags exit 2 unless the command
+  `takes_arguments` (tokenizer's `train`).
   """
+
+  def parser(argv: list[str]) -> list[str]:
+    rest = parse_flags(argv)
+    if not takes_arguments and len(rest) > 1:
+      fail('flags', f'unexpected arguments {rest[1:]}; flags look like --name=value')
+    return rest
+
   logging.set_verbosity(logging.WARNING)
-  app.run(main, flags_parser=parse_flags)
+  app.run(main, flags_parser=parser)
 
 
 def fail(key: str, message: str) -> NoReturn:

@@ -19,8 +19,6 @@ _STEPS = flags.DEFINE_integer('steps', 3, 'Timed steps per candidate.')
 
 
 def main(argv):
-  if len(argv) > 1:
-    cli.fail('flags', f'unexpected arguments {argv[1:]}')
   cfg = cli.config_value(_CONFIG)
   if cfg is None:
     cli.fail('--config', 'is required, e.g. --config=experiments/gpt_tiny.py')

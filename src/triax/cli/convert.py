@@ -38,8 +38,6 @@ _CPU_DEVICES = flags.DEFINE_integer(
 
 
 def main(argv):
-  if len(argv) > 1:
-    cli.fail('flags', f'unexpected arguments {argv[1:]}; flags look like --name=value')
   if not _HF_DIR.value:
     cli.fail('--hf_dir', 'is required: the Hugging Face checkpoint directory')
   if not _WORKDIR.value:

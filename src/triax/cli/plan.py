@@ -82,8 +82,6 @@ _POLICY = flags.DEFINE_string(
 
 
 def main(argv):
-  if len(argv) > 1:
-    cli.fail('flags', f'unexpected arguments {argv[1:]}; flags look like --name=value')
   if _CONFIG.value is None:
     cli.fail('--config', 'is required, e.g. --config=experiments/gpt_tiny.py')
   if not _CLUSTER.value:

@@ -24,8 +24,6 @@ _PROGRESS = flags.DEFINE_bool('progress', True, 'Show a progress bar.')
 
 
 def main(argv):
-  if len(argv) > 1:
-    cli.fail('flags', f'unexpected arguments {argv[1:]}; flags look like --name=value')
   if not _INPUT.value:
     cli.fail('--input', 'is required: the text files or directories to tokenize')
   if not _OUT.value:

@@ -35,8 +35,6 @@ _CPU_DEVICES = flags.DEFINE_integer(
 
 
 def main(argv):
-  if len(argv) > 1:
-    cli.fail('flags', f'unexpected arguments {argv[1:]}; flags look like --name=value')
   if not _WORKDIR.value:
     cli.fail('--workdir', 'is required: the workdir of a triax train run')
   if _PROMPT.value is None:

@@ -58,8 +58,6 @@ _WRITE_CSV = flags.DEFINE_string(
 
 
 def main(argv: list[str]) -> int:
-  if len(argv) > 1:
-    cli.fail('flags', f'unexpected arguments {argv[1:]}; flags look like --name=value')
   from_file = bool(_SCHEDULE_FILE.value)
   if from_file and _SCHEDULE.present:
     cli.fail('--schedule_file', 'give --schedule or --schedule_file, not both')

@@ -43,8 +43,6 @@ _DRY_RUN = flags.DEFINE_bool('dry_run', False, 'List the points and their comman
 
 
 def main(argv):
-  if len(argv) > 1:
-    cli.fail('flags', f'unexpected arguments {argv[1:]}; flags look like --name=value')
   if not _CONFIG.value:
     cli.fail('--config', 'is required, e.g. --config=experiments/mesh_sweep.py')
   if not _WORKDIR.value:

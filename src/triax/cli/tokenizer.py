@@ -49,7 +49,7 @@ def main(argv):
 
 
 def run():
-  cli.run(main)
+  cli.run(main, takes_arguments=True)
 
 
 if __name__ == '__main__':

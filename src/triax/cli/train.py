@@ -41,8 +41,6 @@ _PROGRESS = flags.DEFINE_bool('progress', True, 'Show a progress bar.')
 
 
 def main(argv):
-  if len(argv) > 1:
-    cli.fail('flags', f'unexpected arguments {argv[1:]}; flags look like --name=value')
   if not _WORKDIR.value:
     cli.fail('--workdir', 'is required: where metrics and checkpoints go')
   cfg = cli.config_value(_CONFIG)
