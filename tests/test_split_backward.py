@@ -79,9 +79,9 @@ def test_the_planner_times_the_executors_halves():
 
   cfg = harness.tiny_config(**{'model.num_layers': 2})
   prof = profiler._Profiler(profiler._model_key(cfg.model))
-  fns = prof.functions(1, 2, 2)
-  (b_fn, b_args), (w_fn, w_args) = fns['split_b'], fns['split_w']
-  fwd, (stack, x) = fns['layer_fwd']
+  split = prof.split_functions(1, 2, 2)
+  (b_fn, b_args), (w_fn, w_args) = split['split_b'], split['split_w']
+  fwd, (stack, x) = prof.functions(1, 2, 2)['layer_fwd']
   stack, x = prof._concrete((stack, x))
   y, vjp_fn = fwd(stack, x)
   g = jnp.cos(y)

@@ -328,25 +328,37 @@ class _Profiler:
       return pair
 
     head = jax.value_and_grad(model.head_loss, argnums=(0, 1))
-    split_b, split_w = self._split_backward(model.layers, stack, x)
     return {
       'layer_fwd': (fwd, (stack, x)),
       'layer_fwd_bwd': (fwd_bwd, (stack, x)),
-      'split_b': split_b,
-      'split_w': split_w,
       'cond_active': (under_cond(layers), (stack, x)),
       'cond_skipped': (under_cond(0), (stack, x)),
       'embed': (embed, (edges['embed'], tok)),
       'head': (head, (edges['head'], x, tok)),
     }
 
+  def split_functions(
+    self, t: int, b: int, layers: int, remat: str = 'none'
+  ) -> dict[str, tuple[Callable, tuple]]:
+    """'split_b' and 'split_w' -> (function, abstract args): the executor's
+    B and W of a layer stack, each on its own (as its B and W branches run
+    them): SplitBackward of the stack's vjp, B fed the residuals and an
+    output gradient, W the residuals and B's cut. Timing 'input gradient
+    only' and 'weight gradient only' of the whole vjp instead measured what
+    XLA keeps of each (a W with most of the input gradient chain: B + W =
+    1.2 backwards here) rather than the split. Built on demand (cached):
+    only the executor ratios' point times them, and splitting the traced
+    backward is the slow part."""
+    key = ('split', t, b, layers, remat)
+    if key not in self._functions:
+      model = self._model(t, remat)
+      split_b, split_w = self._split_backward(
+        model.layers, self._stack(model, layers), self._act(b)
+      )
+      self._functions[key] = {'split_b': split_b, 'split_w': split_w}
+    return self._functions[key]
+
   def _split_backward(self, layers_fn, stack, x):
-    """The executor's B and W of a layer stack, each on its own (as its B and
-    W branches run them): SplitBackward of the stack's vjp, B fed the
-    residuals and an output gradient, W the residuals and B's cut. Timing
-    'input gradient only' and 'weight gradient only' of the whole vjp
-    instead measured what XLA keeps of each (a W with most of the input
-    gradient chain: B + W = 1.2 backwards here) rather than the split."""
     jax = self.jax
     from triax.pipeline.split_backward import SplitBackward
 
@@ -559,7 +571,7 @@ class _Profiler:
     stacks = [n for n in STACK_LENGTHS if n != layers and n <= self.spec['num_layers']]
     jobs = {}
     for remat in remats:
-      built = self.functions(t, b, layers, remat)
+      built = {**self.functions(t, b, layers, remat), **self.split_functions(t, b, layers, remat)}
       names = ('layer_fwd', 'layer_fwd_bwd', 'split_b', 'split_w')
       if remat == 'none':
         names += ('cond_active', 'cond_skipped')
