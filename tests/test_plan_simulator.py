@@ -237,6 +237,32 @@ def test_shared_cores_bound_concurrent_compute():
   assert shared.step_time == pytest.approx(8 * 3.0 / 2)
 
 
+def _local_cluster(count: int, shared_cores=None):
+  node = {'name': 'host', 'devices': {'cpu': count}}
+  if shared_cores:
+    node['shared_cores'] = shared_cores
+  raw = {
+    'name': 'local',
+    'groups': [
+      {
+        'name': 'cpu',
+        'type': 'cpu',
+        'count': count,
+        'profile': 'local',
+        'peak_flops': {'bfloat16': 'measured', 'float32': 'measured'},
+        'memory': '80 GB',
+        'memory_bandwidth': 'measured',
+      }
+    ],
+    'nodes': [node],
+    'links': {
+      'intra_node': {'bandwidth': FAST, 'latency': '0 s'},
+      'inter_node': {'bandwidth': FAST, 'latency': '0 s'},
+    },
+  }
+  return cluster_lib.parse(raw, 'local.yaml')
+
+
 def test_measured_sharing_is_per_function_and_remat_is_measured():
   """On this machine's local group, a tick on a shared node costs what the
   profiler measured with every device running the function at once, and a
@@ -262,25 +288,7 @@ def test_measured_sharing_is_per_function_and_remat_is_measured():
     )
   )
   prof = dataclasses.replace(base, machine=machine, fits=fits, points=points)
-  raw_group = {
-    'name': 'cpu',
-    'type': 'cpu',
-    'count': 8,
-    'profile': 'local',
-    'peak_flops': {'bfloat16': 'measured', 'float32': 'measured'},
-    'memory': '80 GB',
-    'memory_bandwidth': 'measured',
-  }
-  raw = {
-    'name': 'local',
-    'groups': [raw_group],
-    'nodes': [{'name': 'host', 'devices': {'cpu': 8}, 'shared_cores': 2}],
-    'links': {
-      'intra_node': {'bandwidth': FAST, 'latency': '0 s'},
-      'inter_node': {'bandwidth': FAST, 'latency': '0 s'},
-    },
-  }
-  local = cluster_lib.parse(raw, 'local.yaml')
+  local = _local_cluster(8, shared_cores=2)
   plain = simulate_plan(make_plan(p=1, m=1, d=8, layers=(1,)), prof, local)
   # 8 devices each take 4/8 + 16/8 s of the node.
   assert plain.step_time == pytest.approx(8 * (4.0 + 16.0) / 8)
@@ -381,32 +389,6 @@ def test_a_degree_measured_at_its_ends_borrows_the_smallest_degrees_curve():
   # Ratio to t=1: 0.5 at b=1, 0.75 at b=4 -> 0.5 + 0.25/3 at b=2.
   assert prof.local_seconds('layer_fwd', 2, 2) == pytest.approx((0.5 + 0.25 / 3) * 3.0)
   assert prof.local_seconds('layer_fwd', 4, 2) == pytest.approx(3.0)
-
-
-def _local_cluster(count: int, shared_cores=None):
-  node = {'name': 'host', 'devices': {'cpu': count}}
-  if shared_cores:
-    node['shared_cores'] = shared_cores
-  raw = {
-    'name': 'local',
-    'groups': [
-      {
-        'name': 'cpu',
-        'type': 'cpu',
-        'count': count,
-        'profile': 'local',
-        'peak_flops': {'bfloat16': 'measured', 'float32': 'measured'},
-        'memory': '80 GB',
-        'memory_bandwidth': 'measured',
-      }
-    ],
-    'nodes': [node],
-    'links': {
-      'intra_node': {'bandwidth': FAST, 'latency': '0 s'},
-      'inter_node': {'bandwidth': FAST, 'latency': '0 s'},
-    },
-  }
-  return cluster_lib.parse(raw, 'local.yaml')
 
 
 def test_a_layer_costs_what_it_costs_in_a_chunk_of_its_length():
