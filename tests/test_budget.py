@@ -7,8 +7,8 @@ from triax.training import budget
 
 def test_budget_ranks_candidates_by_measured_memory():
   # Activation-heavy and deep enough per stage that recompute saves memory. BPipe
-  # caps each stage at ceil((p+1)/2) = 3 residual sets against 1F1B's 4, which at
-  # p = 4 is what its send and landing buffers cost (tests/test_pipeline_memory.py):
+  # caps each stage at ceil((p+1)/2) = 3 residual sets against 1F1B's 4, of which
+  # at p = 4 its transfer buffers take back part (tests/test_pipeline_memory.py):
   # measured, not assumed, it must not cost more.
   cfg = harness.tiny_config(
     **{

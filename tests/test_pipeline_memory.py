@@ -104,15 +104,24 @@ def test_zb_h1_holds_p_sets_on_every_stage(one_f_one_b):
 
 def test_bpipe_balances_stash_slots(one_f_one_b):
   """BPipe caps every stage at ceil((p+1)/2) = 3 residual sets (1f1b: 4 on
-  stage 0) and moves the rest to its partner. Its transfer buffers (the set
-  being sent, and the one landing, carried to the next tick) cost about 1.7
-  sets beside 1F1B's one in-flight set, so at p = 4 compiled temp is 0.86x
-  1F1B's (62.0 vs 72.3 MB) and at p = 8 0.751x (44.2 vs 58.9 MB, 5 slots
-  against 8; scripts/bench_schedules.py).
+  stage 0) and moves the rest to its partner. A moving set is sliced,
+  sent and landed in the ppermute that opens a tick, so no landing set is
+  carried between ticks: at p = 4 compiled temp is 0.82x 1F1B's (59.1 vs
+  72.3 MB; 0.86x when the set landed a tick later).
   """
   bpipe = _stats('bpipe', 16)
   assert bpipe['schedule']['stash_slots'] == 3
   assert max(bpipe['schedule']['peak_stash']) == 3
-  assert bpipe['temp_bytes'] <= 0.9 * one_f_one_b['temp_bytes']
+  assert bpipe['temp_bytes'] <= 0.85 * one_f_one_b['temp_bytes']
   assert bpipe['schedule']['residual_bytes_moved_per_step'] > 0
   assert one_f_one_b['schedule']['residual_bytes_moved_per_step'] == 0
+
+
+def test_bpipe_holds_at_most_three_quarters_of_1f1b_at_p8():
+  """At p = 8, 5 slots against 8: compiled temp 0.73x 1F1B's (42.9 vs 58.9
+  MB), under the 0.75x the pair's balance allows once the transfer buffers
+  are paid (0.751x when a landing set was carried between ticks)."""
+  eight = {'mesh.pipe': 8, 'train.global_batch_size': 64}
+  one, bpipe = (_stats(name, 16, **eight) for name in ('1f1b', 'bpipe'))
+  assert (one['schedule']['stash_slots'], bpipe['schedule']['stash_slots']) == (8, 5)
+  assert bpipe['temp_bytes'] <= 0.75 * one['temp_bytes'], (bpipe['temp_bytes'], one['temp_bytes'])

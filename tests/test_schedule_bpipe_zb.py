@@ -301,10 +301,11 @@ def test_bpipe_properties(p, m):
   tick = ticks_of(program)
   for a, t in ticks_of(one).items():
     assert tick[a] == t
-  # Every evicted set leaves at its F's tick and is back before its B.
+  # Every evicted set leaves at the start of the tick after its F and is
+  # back at the start of its B's tick (the partner ppermute opens a tick).
   for j, c in s.evicted:
     evict, load = tick[Action('EVICT', j, c)], tick[Action('LOAD', j, c)]
-    assert tick[F(j, c)] == evict < load == tick[B(j, c)] - 1
+    assert tick[F(j, c)] + 1 == evict < load == tick[B(j, c)]
   assert s.partner == tuple(p - 1 - q for q in range(p))
   # The program names the pairing only when something moves, so the
   # executor can leave out the residual ppermute otherwise.
@@ -343,13 +344,13 @@ def test_bpipe_transfers_per_step():
 
 
 def test_bpipe_lands_into_a_slot_sent_from_in_the_same_tick():
-  # A set arriving lands at the start of the next tick, after every send
-  # slot of this tick was read: the lowering relies on that to keep stage 0
-  # (EVICT5.0 out, LOAD2.0 in at tick 12) within its cap.
+  # A set arriving lands after every send slot of the tick was read: the
+  # lowering relies on that to keep stage 0 (EVICT5.0 out, LOAD2.0 in at
+  # the start of tick 13, B2.0 reading it in that tick) within its cap.
   program = sched.lower(sched.build('bpipe', 4, 8))
   send, recv = program.table['move_send'], program.table['move_recv']
-  assert program.grid[12][0] == (F(5, 0), Action('EVICT', 5, 0))
-  assert send[12, 0] == recv[12, 0] >= 0
+  assert program.grid[13][0] == (B(2, 0), Action('EVICT', 5, 0))
+  assert send[13, 0] == recv[13, 0] == program.table['stash'][13, 0] >= 0
   assert validate(program.source, program) == []
 
 
@@ -382,13 +383,13 @@ def test_validator_rejects_bad_partners():
   assert any('is its own partner' in x for x in validate(selfish))
 
 
-def test_validator_rejects_a_load_in_the_tick_of_its_backward():
+def test_validator_rejects_a_load_after_its_backward():
   s = sched.build('bpipe', 4, 8)
   program = sched.lower(s)
   tick = ticks_of(program)
   load = Action('LOAD', 2, 0)
   t = tick[load]
-  assert t == tick[B(2, 0)] - 1 == 12
+  assert t == tick[B(2, 0)] == 13
   send, recv = program.table['move_send'], program.table['move_recv']
   broken = replace_tables(
     program,
@@ -401,27 +402,25 @@ def test_validator_rejects_a_load_in_the_tick_of_its_backward():
     moves_grid(program, load, t + 1),
   )
   problems = validate(s, broken)
-  assert (
-    f'tick {t + 1} stage 0: B2.0 runs before its input from LOAD2.0 (tick {t + 1})'
-  ) in problems
+  assert f'tick {t} stage 0: B2.0 runs before its input from LOAD2.0 (tick {t + 1})' in problems
 
 
 def test_validator_replays_evictions():
   s = sched.build('bpipe', 4, 8)
   program = sched.lower(s)
   t = next(t for t in range(program.ticks) if program.table['move_send'][t, 0] >= 0)
-  assert program.grid[t][0] == (F(2, 0), Action('EVICT', 2, 0))
+  assert program.grid[t][0] == (F(3, 0), Action('EVICT', 2, 0))
   dropped = replace_tables(program, {('move_recv', (t, 3)): -1})
   assert (
     f'tick {t} stage 3: drops set 2.0 from stage 0 (move_recv is -1: no consumer slot)'
   ) in validate(s, dropped)
   phantom = replace_tables(program, {('move_send', (t, 1)): 0})
   assert f'tick {t} stage 1: grid has no residual move but move_send is 0' in validate(s, phantom)
-  # Landing on a live set: EVICT5.0 (tick 12) lands on stage 3 at tick 13,
-  # while set 3.3 (F at 12, W at 14) is held there.
-  assert tick_of(program, Action('EVICT', 5, 0)) == tick_of(program, F(3, 3)) == 12
+  # Landing on a live set: EVICT5.0 lands on stage 3 at the start of tick
+  # 13, while set 3.3 (F at 12, W at 14) is held there.
+  assert tick_of(program, Action('EVICT', 5, 0)) == tick_of(program, F(3, 3)) + 1 == 13
   live = program.table['stash'][12, 3]
-  clobber = replace_tables(program, {('move_recv', (12, 3)): live})
+  clobber = replace_tables(program, {('move_recv', (13, 3)): live})
   assert validate(s, clobber)[0] == (
     f'tick 13 stage 3: landing set 5.0: stash slot {live} still holds set 3.3 '
     '(overwritten by set 5.0)'
@@ -449,8 +448,9 @@ def test_validator_holds_programs_to_the_stash_cap():
 def test_lowering_waits_for_an_evicted_set_to_come_back():
   """An idle tick is not a deadlock when a B only waits for its evicted set."""
   # The last stage evicts the set of F0.1 (tick 1) to stage 0. B0.1 cannot
-  # run at tick 2 (the set is away for a tick at least) and nothing else
-  # can run then either; at tick 3 it can: EVICT at 1, LOAD at 2.
+  # run at tick 2 (the set leaves at its start) and nothing else can run
+  # then either; at tick 3 it can: EVICT at 2, LOAD at 3, each before the
+  # tick's compute.
   one = sched.build('1f1b', 2, 2)
   orders = (
     one.orders[0][:2] + (Action('LOAD', 0, 1),) + one.orders[0][2:],
@@ -460,7 +460,7 @@ def test_lowering_waits_for_an_evicted_set_to_come_back():
   assert validate(s) == []
   program = sched.lower(s)
   tick = ticks_of(program)
-  assert (tick[Action('EVICT', 0, 1)], tick[Action('LOAD', 0, 1)], tick[B(0, 1)]) == (1, 2, 3)
+  assert (tick[Action('EVICT', 0, 1)], tick[Action('LOAD', 0, 1)], tick[B(0, 1)]) == (2, 3, 3)
   assert validate(s, program) == []
 
 

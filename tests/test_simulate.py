@@ -254,6 +254,9 @@ class Stretched:
   def transfer(self, tick):
     return 0.1
 
+  def move(self, tick):
+    return 0.0
+
   def copy(self, stage, action):
     return 0.0
 

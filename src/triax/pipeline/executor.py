@@ -25,7 +25,8 @@ by one `ppermute` per stage offset the placement uses (+1 for a forward
 chain around the ring, -1 for a backward one; a chunk whose neighbour is on
 its own stage keeps it locally) and written into the message slot the
 receiver's table names. BPipe's evictions and loads move whole residual
-sets between partner stages (s <-> p-1-s) in one more ppermute.
+sets between partner stages (s <-> p-1-s) in one more ppermute, which opens
+the tick (see `move`).
 
 Stash, message and cut pools have as many slots as the lowering says, so
 activation memory is bounded by the schedule, not by the number of
@@ -278,10 +279,6 @@ def pipeline_loss_and_grad(
       g_head=_zeros_like_varying(head_params, manual),
       loss=_varying(jnp.zeros((), jnp.float32), manual),
     )
-    if moves:
-      carry0['landing'] = pool(1, stash_shapes)
-      carry0['landing'] = [a[0] for a in carry0['landing']]
-      carry0['landing_slot'] = _varying(jnp.int32(-1), manual)
 
     def forward(c, row):
       mb, chunk = row['mb'], row['chunk']
@@ -335,10 +332,35 @@ def pipeline_loss_and_grad(
     def idle(c, row):
       return c, x_zero
 
+    def move(c, row):
+      """The partner ppermute: sends a residual set and lands the one arriving.
+
+      Entered only in ticks where some stage moves a set, under a predicate
+      every device evaluates alike, so all of them enter the branch and its
+      ppermute together (a stage with nothing to move sends a slot it does
+      not need and the receiver keeps nothing). A predicate that differed
+      between devices made XLA:CPU (jax 0.10.2) mix this ppermute's
+      rendezvous up with the tick's others (NaN gradients, or a check
+      failure counting 5 participants of 4).
+
+      It opens the tick, before F, B and W: the slice sent and the set
+      landed are then the step's only reads of the stash before a write.
+      Run after B and W instead, landing in the same step made XLA copy the
+      whole pool (BPipe at p=8: 74.9 MB of temp), and landing in the next
+      step kept a landing set between steps (44.2 MB; now 42.9).
+      """
+      arrived = jax.lax.ppermute([s[row['move_send']] for s in c['stash']], 'pipe', partner_pairs)
+      return jax.lax.cond(
+        row['move_recv'] >= 0,
+        lambda c: dict(c, stash=_put(c['stash'], row['move_recv'], arrived)),
+        lambda c: c,
+        c,
+      )
+
     def tick(c, rows):
       row = {name: table[stage] for name, table in rows.items()}
       if moves:
-        c = jax.lax.cond(c['landing_slot'] >= 0, land, lambda c: c, c)
+        c = jax.lax.cond(row['any_move'] > 0, move, lambda c, row: c, c, row)
       # One cond per kind rather than one switch over all four: a switch whose
       # branches write (F) and read (B, W) the stash made XLA copy the whole
       # pool (measured: 1f1b p=4 temp 132 MB -> see tests/test_pipeline_memory.py).
@@ -357,45 +379,7 @@ def pipeline_loss_and_grad(
         )
         msg = msg.at[row[f'recv{o}']].set(arrived, mode='drop')
       c = dict(c, msg=msg)
-      if moves:
-        # Only in ticks where some stage moves a set, under a predicate every
-        # device evaluates alike, so all of them enter the branch and its
-        # ppermute together (a stage with nothing to move sends a slot it
-        # does not need and the receiver drops it). A predicate that differed
-        # between devices made XLA:CPU (jax 0.10.2) mix this ppermute's
-        # rendezvous up with the tick's others (NaN gradients, or a check
-        # failure counting 5 participants of 4).
-        def move(c):
-          sent = [s[row['move_send']] for s in c['stash']]
-          return dict(
-            c,
-            landing=jax.lax.ppermute(sent, 'pipe', partner_pairs),
-            landing_slot=_varying(row['move_recv'], manual),
-          )
-
-        def stay(c):
-          # Nothing lands next tick: a fresh value rather than the old landing
-          # passed through, which made XLA keep a second landing set (BPipe
-          # at p=8: 50.6 -> 45.9 MB of temp). The price is a memset of one set
-          # per tick: on this CPU BPipe's step went from 1.09x to 1.22x 1F1B's
-          # (p=4, m=16); on an accelerator it is a few microseconds.
-          return dict(
-            c,
-            landing=[jnp.zeros_like(a) for a in c['landing']],
-            landing_slot=_varying(jnp.int32(-1), manual),
-          )
-
-        c = jax.lax.cond(row['any_move'] > 0, move, stay, c)
       return c, None
-
-    def land(c):
-      """Stores the residual set that arrived at the end of the previous tick.
-
-      Written now rather than then: the stash is then never sliced (to send)
-      and updated (to receive) in one step, which would make XLA copy the
-      whole pool; and a slot sent last tick may be the one received into.
-      """
-      return dict(c, stash=_put(c['stash'], c['landing_slot'], c['landing']))
 
     c, _ = jax.lax.scan(tick, carry0, tables)
     # The step's only reductions: over every manual axis for the loss and the

@@ -62,7 +62,9 @@ KIND_CODE = {FORWARD: RUN_F, BACKWARD: RUN_B, WEIGHT: RUN_W}
 
 # Event times inside a tick; a buffer event at tick t happens at
 # _PHASES * t + phase. A slot read at x is free for a write at any y > x.
-_LAND, _COMPUTE, _SEND, _RECV = range(4)
+# A tick opens with the partner ppermute (residual sets sent, then landed),
+# computes, and ends with the neighbour ppermutes (messages received).
+_SEND, _LAND, _COMPUTE, _RECV = range(4)
 _PHASES = 4
 
 # The per-tick tables every program has, [ticks, stages] int32 each; -1 = none.
@@ -81,7 +83,7 @@ class Program:
     source: the schedule as built.
     ticks: T, the number of lockstep ticks.
     grid: [tick][stage] -> the actions the stage runs (at most one compute
-      action, then the copies it sends).
+      action, then the copies it sends at the tick's start).
     table: name -> int32 [T, p]: `kind` (IDLE, RUN_F, RUN_B, RUN_W), `mb`,
       `chunk` (global), `local` (the chunk's index on its stage), `src`
       (message slot read: an F's input activation, -1 for chunk 0, which
@@ -89,7 +91,8 @@ class Program:
       F writes its loss gradient to), `stash` (residual slot F writes, B and
       W read, W frees), `cut` (slot B writes its cut to, W reads),
       `move_send` (stash slot sent to the partner this tick), `move_recv`
-      (stash slot the set arriving from the partner lands in, next tick).
+      (stash slot the set arriving from the partner lands in). Both at the
+      tick's start, before its compute.
     recv: stage offset o -> int32 [T, p]: message slot where the output
       sent by stage (s - o) mod p this tick lands on stage s; -1 none.
       Offset 0 is a stage's own output (a chunk whose successor is on the
@@ -157,8 +160,9 @@ def lower(schedule: Schedule) -> Program:
 
 def compute_ticks(schedule: Schedule) -> dict[Action, int]:
   """Each stage's compute actions in order, one per tick, each in the first
-  tick after its inputs were produced (a copy's LOAD counts as arriving in
-  the tick before the B that needs it, see `_copy_ticks`)."""
+  tick after its inputs were produced (an evicted set leaves at the start
+  of the tick after its F and can be back at the start of its B's tick, so
+  the B must be two ticks after the F, see `_copy_ticks`)."""
   p = schedule.stages
   streams = [[a for a in o if a.kind in COMPUTE_KINDS] for o in schedule.orders]
   nxt = [0] * p
@@ -223,12 +227,16 @@ def _deadlock(
 
 
 def _copy_ticks(schedule: Schedule, at: dict[Action, int]) -> dict[Action, int]:
-  """EVICT in its F's tick; LOAD as late as possible before its B's tick.
+  """EVICT in the tick after its F; LOAD as late as its B's own tick.
 
-  The residuals leave as early and return as late as the table allows (the
-  orders' positions of copies matter to the asynchronous model only). A
-  stage sends at most one set a tick (one ppermute over the partner pairs),
-  so a LOAD that would share its tick moves earlier.
+  Copies move at the start of a tick, before its compute, and land in that
+  tick: the executor then never slices the stash for a send after reading
+  it in the same step, which would make XLA copy the whole pool. So the
+  residuals leave at the start of the tick after their F and are back in
+  time for the B of the tick they return in, as early and as late as the
+  table allows (the orders' positions of copies matter to the asynchronous
+  model only). A stage sends at most one set a tick (one ppermute over the
+  partner pairs), so a LOAD that would share its tick moves earlier.
   """
   placed: dict[Action, int] = {}
   busy: set[tuple[int, int]] = set()
@@ -238,7 +246,7 @@ def _copy_ticks(schedule: Schedule, at: dict[Action, int]) -> dict[Action, int]:
     s = schedule.stage_of(c)
     if schedule.partner is None or schedule.partner[s] == s:
       raise ValueError(f'{schedule.name}: {a}: stage {s} has no partner to move residuals to')
-    t = at[Action(FORWARD, j, c)]
+    t = at[Action(FORWARD, j, c)] + 1
     if (s, t) in busy:
       raise ValueError(f'{schedule.name}: stage {s} would send two sets at tick {t}')
     placed[a] = t
@@ -247,7 +255,7 @@ def _copy_ticks(schedule: Schedule, at: dict[Action, int]) -> dict[Action, int]:
     j, c = a.microbatch, a.chunk
     tf, tb = at[Action(FORWARD, j, c)], at[Action(BACKWARD, j, c)]
     sender = schedule.partner[schedule.stage_of(c)]
-    for t in range(tb - 1, tf, -1):
+    for t in range(tb, tf + 1, -1):
       if (sender, t) not in busy:
         break
     else:
@@ -287,8 +295,8 @@ def _intervals(schedule: Schedule, at: dict[Action, int]) -> dict:
       te, tl = at[evict], at[Action(LOAD, j, c)]
       guest = schedule.partner[s]
       out[(s, 'stash')].append((_time(tf, _COMPUTE), _time(te, _SEND), (j, c, 0)))
-      out[(guest, 'stash')].append((_time(te + 1, _LAND), _time(tl, _SEND), (j, c, 1)))
-      out[(s, 'stash')].append((_time(tl + 1, _LAND), freed, (j, c, 2)))
+      out[(guest, 'stash')].append((_time(te, _LAND), _time(tl, _SEND), (j, c, 1)))
+      out[(s, 'stash')].append((_time(tl, _LAND), freed, (j, c, 2)))
     else:
       out[(s, 'stash')].append((_time(tf, _COMPUTE), freed, (j, c, 0)))
     out[(s, 'cut')].append((_time(tb, _COMPUTE), freed, (j, c)))

@@ -5,7 +5,8 @@ Two models, because the papers and our executor run schedules differently:
 - lockstep (`simulate_lockstep`): what triax's SPMD executor does with the
   lowered program (lower.py). All stages advance tick by tick, each running
   at most one compute action a tick (a fused backward runs as B then W); a
-  tick lasts as long as its slowest stage's action, plus its send phase.
+  tick lasts as long as its slowest stage's action, plus its send phase,
+  and, where residual sets move (BPipe), the partner ppermute that opens it.
   What an action and a send phase cost is the cost model's (`TickCosts`):
   `Costs` here, the planner's measured per-chunk costs, shared cores and
   per-tick ppermutes in plan/simulator.py. Both use this one tick loop.
@@ -246,25 +247,35 @@ class Tick:
   movers: tuple[int, ...]
 
 
-def send_phase(
-  tick: Tick, transfer: Sequence[float], evict: Sequence[float], floor: float = 0.0
-) -> float:
-  """The send phase of one tick: the longest of its ppermutes.
+def send_phase(tick: Tick, transfer: Sequence[float], floor: float = 0.0) -> float:
+  """The send phase that ends a tick: the longest of its neighbour ppermutes.
 
-  The neighbour and partner ppermutes run side by side (other links,
-  except at p = 2), so the phase takes the longest of them, not their sum.
+  They run side by side (one per stage offset, other links), so the phase
+  takes the longest of them, not their sum.
 
   Args:
     tick: the tick.
     transfer: per stage, one activation or gradient sent to another stage;
       charged for each message the tick sends across stages.
-    evict: per stage, one residual set sent to its partner; charged for
-      each of the tick's movers.
     floor: what the tick's neighbour ppermutes cost whatever they carry
       (the executor runs one per stage offset in every tick); 0 charges
       only the messages.
   """
-  return max([floor] + [transfer[s] for s, _ in tick.messages] + [evict[s] for s in tick.movers])
+  return max([floor] + [transfer[s] for s, _ in tick.messages])
+
+
+def move_phase(tick: Tick, evict: Sequence[float]) -> float:
+  """The partner ppermute that opens a tick where residual sets move.
+
+  It runs before the tick's compute, not beside the neighbour ppermutes
+  (see executor.move), so it adds to the tick: the slowest of the tick's
+  movers, 0 where none moves.
+
+  Args:
+    tick: the tick.
+    evict: per stage, one residual set sent to its partner.
+  """
+  return max([0.0] + [evict[s] for s in tick.movers])
 
 
 class TickCosts(Protocol):
@@ -283,11 +294,14 @@ class TickCosts(Protocol):
     at least the slowest stage's, more where stages share cores."""
 
   def transfer(self, tick: Tick) -> float:
-    """The send phase of `tick`: its ppermutes, which run side by side."""
+    """The send phase that ends `tick`: its neighbour ppermutes."""
+
+  def move(self, tick: Tick) -> float:
+    """The partner ppermute that opens `tick`: 0 where no set moves."""
 
   def copy(self, stage: int, action: Action) -> float:
     """One EVICT or LOAD sent by `stage` (drawn on its timeline only; the
-    time it costs the step is in `transfer`)."""
+    time it costs the step is in `move`)."""
 
 
 class StageCosts:
@@ -296,8 +310,9 @@ class StageCosts:
   Compute actions cost their kind's time over v (`Costs.lockstep`: a fused
   backward runs as B then W). The send phase (`send_phase`) lasts the
   slowest sender's t_transfer if an activation or gradient crosses stages
-  in the tick, or, if longer, t_evict / v in a tick where residuals move
-  (the executor's residual ppermute runs on every paired stage then).
+  in the tick; a tick where residuals move opens with t_evict / v
+  (`move_phase`: the executor's residual ppermute runs on every paired
+  stage then).
   """
 
   def __init__(self, program: Program, costs: CostsLike):
@@ -315,7 +330,10 @@ class StageCosts:
     return max(work, default=0.0)
 
   def transfer(self, tick: Tick) -> float:
-    return send_phase(tick, self._transfer, self._evict)
+    return send_phase(tick, self._transfer)
+
+  def move(self, tick: Tick) -> float:
+    return move_phase(tick, self._evict)
 
   def copy(self, stage: int, action: Action) -> float:
     return self._per[stage].of(action.kind, self._v)
@@ -362,7 +380,8 @@ def simulate_lockstep(program: Program, costs: CostsLike | TickCosts = Costs()) 
 
   Each tick lasts its compute phase (`costs.tick_time`: for `Costs`, the
   slowest stage's one compute action) plus its send phase
-  (`costs.transfer`). Where sharing stretches a tick's compute beyond the
+  (`costs.transfer`) and the partner ppermute that opens it
+  (`costs.move`, 0 where no residual set moves). Where sharing stretches a tick's compute beyond the
   slowest stage, every stage's action is drawn stretched alike. Peak
   in-flight is the program's stash peak: a residual set is held from its F
   until its W frees it, and an evicted set on the partner while away.
@@ -379,11 +398,12 @@ def simulate_lockstep(program: Program, costs: CostsLike | TickCosts = Costs()) 
     compute = costs.tick_time(tick, work)
     longest = max(work, default=0.0)
     stretch = compute / longest if longest > 0 else 1.0
+    for s, a in tick.copies:
+      spans.append(Span(s, a, now, now + costs.copy(s, a)))
+    now += costs.move(tick)
     for s, a in enumerate(tick.compute):
       if a is not None:
         spans.append(Span(s, a, now, now + work[s] * stretch))
-    for s, a in tick.copies:
-      spans.append(Span(s, a, now + compute, now + compute + costs.copy(s, a)))
     now += compute + costs.transfer(tick)
   return _result('lockstep', program.schedule, spans, now, program.peaks['stash'], program.ticks)
 

@@ -433,16 +433,17 @@ def _check_grid(schedule: Schedule, program: Program) -> list[str]:
 
 def _check_lockstep_dependencies(schedule: Schedule, program: Program) -> list[str]:
   """Every input is produced in an earlier tick: compute outputs cross a
-  send phase, which ends the tick. Residuals that moved must be back before
-  the B: a LOAD sent at tick t lands at the start of tick t+1. An EVICT
-  sends its F's residuals at the end of the F's tick or later, and a LOAD
-  sends them back at least a tick after they arrived."""
+  send phase, which ends the tick. Copies move in the partner ppermute
+  that opens a tick, before its compute: a LOAD at tick t is back for a B
+  in tick t, an EVICT sends its F's residuals in a later tick than the F's,
+  and a LOAD sends them back in a later tick than they arrived in."""
   tick = {a: t for t, row in enumerate(program.grid) for cell in row for a in cell}
   problems = []
   for a, t in sorted(tick.items(), key=lambda x: (x[1], str(x[0]))):
     for d in sched.dependencies(a, schedule):
       td = tick.get(d)
-      late = td is None or (td > t if a.kind == sched.EVICT else td >= t)
+      landed_first = d.kind in sched.COPY_KINDS and a.kind in sched.COMPUTE_KINDS
+      late = td is None or (td > t if landed_first else td >= t)
       if late:
         problems.append(
           f'tick {t} stage {schedule.stage_of_action(a)}: {a} '
@@ -494,22 +495,17 @@ def _replay_buffers(schedule: Schedule, program: Program) -> list[str]:
   p = run.stages
   buffers = [_Buffers() for _ in range(p)]
   problems: list[str] = []
-  landing: list[tuple[int, str] | None] = [None] * p
   for t in range(program.ticks):
-    for s in range(p):  # land: last tick's arriving set goes into its slot
-      if landing[s] is not None:
-        slot, value = landing[s]
+    # The partner ppermute opens the tick: every set is sent, then each
+    # arriving one lands, so a slot sent from may be landed into.
+    for s, (slot, value) in enumerate(_replay_moves(program, t, buffers, problems)):
+      if slot is not None:
         buffers[s].write('stash', slot, value, f'tick {t} stage {s}: landing {value}', problems)
-        landing[s] = None
     actions = [_decode(run, program, t, s) for s in range(p)]
     for s, a in enumerate(actions):
       if a is not None:
         _replay_compute(run, program, t, s, a, buffers[s], problems)
-    landing = _replay_moves(program, t, buffers, problems)
     _replay_messages(run, program, t, actions, buffers, problems)
-  for s, value in enumerate(landing):
-    if value is not None:
-      problems.append(f'stage {s}: {value[1]} arrives after the last tick')
   for s, buf in enumerate(buffers):
     for name, held in buf.held.items():
       for slot, value in sorted(held.items()):
@@ -570,17 +566,17 @@ def _replay_compute(
 
 def _replay_moves(
   program: Program, t: int, buffers: Sequence[_Buffers], problems: list[str]
-) -> list[tuple[int, str] | None]:
-  """The send phase's residual ppermute over partner pairs.
+) -> list[tuple[int | None, str | None]]:
+  """The tick's residual ppermute over partner pairs, which opens it.
 
-  Returns, per stage, the (slot, set) that lands at the start of the next
-  tick. Every sent slot is read (and freed) here; the arriving sets are
-  written next tick, so a slot sent from may be landed into.
+  Returns, per stage, the (slot, set) that lands in this tick, (None, None)
+  where nothing does. Every sent slot is read (and freed) here; the caller
+  writes the arriving sets after all sends.
   """
   p = len(buffers)
   send, recv = program.table['move_send'], program.table['move_recv']
   partner = program.partner
-  landing: list[tuple[int, str] | None] = [None] * p
+  landing: list[tuple[int | None, str | None]] = [(None, None)] * p
   arriving: dict[int, tuple[int, str]] = {}
   for s in range(p):
     slot = int(send[t, s])

@@ -382,7 +382,8 @@ class PlanTickCosts:
   A stage's action costs its chunk's time; a tick's compute lasts as long
   as the busiest stage, or longer where stages share cores (`Sharing.tick`);
   its send phase is `simulate.send_phase` with the executor's per-tick
-  neighbour ppermutes (`tick_transfer`) as the floor.
+  neighbour ppermutes (`tick_transfer`) as the floor, and a tick where
+  residual sets move opens with `simulate.move_phase`.
   """
 
   def __init__(self, costs: ActionCosts, share: Sharing = Sharing(())):
@@ -396,9 +397,10 @@ class PlanTickCosts:
     return self.share.tick(work, shares)
 
   def transfer(self, tick: simulate.Tick) -> float:
-    return simulate.send_phase(
-      tick, self.costs.transfer, self.costs.evict, self.costs.tick_transfer
-    )
+    return simulate.send_phase(tick, self.costs.transfer, self.costs.tick_transfer)
+
+  def move(self, tick: simulate.Tick) -> float:
+    return simulate.move_phase(tick, self.costs.evict)
 
   def copy(self, stage: int, action: Action) -> float:
     return self.costs.evict[stage]
