@@ -172,7 +172,9 @@ def main(argv):
     'Bubbles simulated with t_F = 1 and a fused t_B = 2 (split schedules: F = B = W = 1). '
     f'"old": the lockstep lowering of commit {_BASELINE.value} (F and B in one tick), '
     'measured by its own code; "new": one action per stage per tick, fused backwards run '
-    'as B then W. Step times are relative to 1f1b of the same side, measured in one run.',
+    "as B then W, and attention's softmax with JAX's newer derivative (one [b, n, t, t] "
+    'residual per layer less). Step times are relative to 1f1b of the same side, measured '
+    'in one run.',
     '',
     '| schedule | m | ticks old / new | bubble lockstep old / new | bubble async '
     '| temp MiB old / new | peak stash per stage old / new | step time / 1f1b old / new |',
