@@ -343,11 +343,12 @@ def pipeline_loss_and_grad(
       rendezvous up with the tick's others (NaN gradients, or a check
       failure counting 5 participants of 4).
 
-      It opens the tick, before F, B and W: the slice sent and the set
-      landed are then the step's only reads of the stash before a write.
-      Run after B and W instead, landing in the same step made XLA copy the
-      whole pool (BPipe at p=8: 74.9 MB of temp), and landing in the next
-      step kept a landing set between steps (44.2 MB; now 42.9).
+      It opens the tick, before F, B and W, so the slice it sends is the
+      step's only read of the stash before a write, and that write depends
+      on it. Run after B and W, whose reads nothing orders before a later
+      write, landing in the same step made XLA copy the whole pool (BPipe
+      at p=8: 74.9 MB of temp), and landing in the next step kept a landing
+      set between steps (44.2 MB; opening the tick, 42.9).
       """
       arrived = jax.lax.ppermute([s[row['move_send']] for s in c['stash']], 'pipe', partner_pairs)
       return jax.lax.cond(
