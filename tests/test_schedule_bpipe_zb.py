@@ -478,15 +478,19 @@ def test_bpipe_costs_only_transfer_time(p, m):
   lock = simulate_lockstep(program, costs)
   assert lock.total_time == simulate_lockstep(sched.lower(one), costs).total_time
   assert lock.peak_inflight == program.peak_stash
-  # Lockstep: the executor's residual ppermute runs in the ticks where some
-  # stage moves a set, so each of those grows by t_evict (no neighbour
-  # transfer cost here, so the copy sets the send phase).
+  # Lockstep: the executor's residual ppermute opens the ticks where some
+  # stage moves a set, so each of those grows by t_evict.
   slow = simulate_lockstep(program, Costs(1, 2, t_evict=0.5))
   moving = sum(
     any(a.kind in sched.COPY_KINDS for cell in row for a in cell) for row in program.grid
   )
   assert (moving > 0) == (p > 2)  # at p = 2 nothing needs to move
   assert math.isclose(slow.total_time, lock.total_time + 0.5 * moving)
+  # It runs before the tick's compute, not beside the neighbour ppermutes
+  # that end the tick: a transfer cost hides none of it.
+  sends = simulate_lockstep(program, Costs(1, 2, t_transfer=0.3)).total_time
+  both = simulate_lockstep(program, Costs(1, 2, t_transfer=0.3, t_evict=0.5)).total_time
+  assert math.isclose(both, sends + 0.5 * moving)
   # Copies are not compute: busy time is 1F1B's.
   assert slow.busy == lock.busy
 

@@ -380,9 +380,9 @@ def simulate_lockstep(program: Program, costs: CostsLike | TickCosts = Costs()) 
 
   Each tick lasts its compute phase (`costs.tick_time`: for `Costs`, the
   slowest stage's one compute action) plus its send phase
-  (`costs.transfer`) and the partner ppermute that opens it
-  (`costs.move`, 0 where no residual set moves). Where sharing stretches a tick's compute beyond the
-  slowest stage, every stage's action is drawn stretched alike. Peak
+  (`costs.transfer`) and the partner ppermute that opens it (`costs.move`,
+  0 where no residual set moves). Where sharing stretches a tick's compute
+  beyond the slowest stage, every stage's action is drawn stretched alike. Peak
   in-flight is the program's stash peak: a residual set is held from its F
   until its W frees it, and an evicted set on the partner while away.
 
