@@ -5,19 +5,9 @@
   python -m triax train --config=experiments/from_workdir.py:WORKDIR \
       --workdir=WORKDIR --config.train.steps=1000
 
-(`python -m triax train --workdir=WORKDIR` alone runs config.json as it is.)
+(`python -m triax train --workdir=WORKDIR --config.train.steps=1000` does the
+same: without --config, train loads the workdir's config through this file's
+body, triax/workdir_config.py.)
 """
 
-import os
-
-from triax import config
-from triax.errors import ConfigError
-
-
-def get_config(arg=None):
-  if not arg:
-    raise ConfigError('--config', 'name the workdir: --config=experiments/from_workdir.py:WORKDIR')
-  path = os.path.join(arg, 'config.json')
-  if not os.path.isfile(path):
-    raise ConfigError('--config', f'{arg} has no config.json: give a triax workdir')
-  return config.load_json(path, '--config')
+from triax.workdir_config import get_config  # noqa: F401  (config_flags calls it)

@@ -17,6 +17,8 @@ ARG is `key=value,...`:
   attention=cudnn|xla  the attention kernel (default cudnn: GPU only)
   batch=N              sequences per step (default 16)
   remat=none|selective|full
+  pipe=P               P pipeline stages (1F1B), the rest of the devices data-parallel, with
+                       min(batch, 4P) micro-batches when P > 1 (default 1: one device)
   smoke                a tiny model of the same shape family that runs on one CPU
                        device in seconds (scripts/gpu_bench.sh --smoke, tests)
 """
@@ -25,11 +27,15 @@ from triax import config
 
 
 def get_config(arg=None):
-  args = config.parse_arg(arg, smoke=False, attention='cudnn', batch=16, remat='none', steps=40)
+  args = config.parse_arg(
+    arg, smoke=False, attention='cudnn', batch=16, remat='none', steps=40, pipe=1
+  )
   c = config.defaults()
-  c.mesh.data, c.mesh.tensor, c.mesh.pipe = 1, 1, 1
+  c.mesh.data, c.mesh.tensor, c.mesh.pipe = 1, 1, args['pipe']
+  if args['pipe'] > 1:
+    c.mesh.data = -1
   c.pipeline.schedule = '1f1b'
-  c.pipeline.microbatches = 1
+  c.pipeline.microbatches = 1  # set from the batch below
   c.pipeline.virtual_stages = 1
   c.model.num_layers = 20
   c.model.d_model = 2048
@@ -59,4 +65,12 @@ def get_config(arg=None):
     c.train.steps = 6
     c.train.warmup_steps = 1
     c.train.log_every = 1
+  c.pipeline.microbatches = microbatches(c.train.global_batch_size, c.mesh.pipe)
   return c
+
+
+def microbatches(batch: int, pipe: int) -> int:
+  """One micro-batch on one stage; with p stages, up to 4p (one sequence each at
+  most): enough for 1F1B to bound the in-flight activations (p of m) and keep
+  the bubble, (p-1)/(m+p-1), near a sixth."""
+  return min(batch, 4 * pipe) if pipe > 1 else 1

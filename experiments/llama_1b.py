@@ -15,9 +15,10 @@ not count), cuDNN fused attention. pipe = data = tensor = 1: one device.
   python -m triax train --config=experiments/llama_1b.py --workdir=runs/llama_1b --config.train.steps=40
 
 ARG is `key=value,...`:
-  attention=cudnn|xla  the attention kernel (default cudnn: GPU only)
+  attention=cudnn|xla|splash  the attention kernel (default cudnn: GPU only; splash: TPU only)
   batch=N              sequences per step (default 8)
   remat=none|selective|full
+  pipe=P               P pipeline stages with min(batch, 4P) micro-batches (gpt_1b's)
   smoke                a tiny model of the same shape family that runs on one CPU
                        device in seconds (scripts/gpu_bench.sh --smoke, tests)
 """
@@ -32,7 +33,9 @@ GPT_1B = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'gpt_1b.py')
 
 
 def get_config(arg=None):
-  args = config.parse_arg(arg, smoke=False, attention='cudnn', batch=8, remat='none', steps=40)
+  args = config.parse_arg(
+    arg, smoke=False, attention='cudnn', batch=8, remat='none', steps=40, pipe=1
+  )
   c = config.from_file(GPT_1B, arg)
   c.model.family = 'llama'
   c.model.num_layers = 16
@@ -57,4 +60,7 @@ def get_config(arg=None):
     c.model.loss_chunk = 16
   else:
     c.train.global_batch_size = args['batch']  # 8 by default, where gpt_1b takes 16
+  c.pipeline.microbatches = config.load_module(GPT_1B).microbatches(
+    c.train.global_batch_size, c.mesh.pipe
+  )
   return c

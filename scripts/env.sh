@@ -1,10 +1,14 @@
-# Sourced by the other scripts: creates or updates .venv and activates it.
-# Usage: source scripts/env.sh [EXTRA]   (EXTRA=test installs the test extra)
+# Sourced by the other scripts: creates or updates a venv and activates it.
+# Usage: source scripts/env.sh [EXTRAS]   (EXTRAS=test installs the test extra;
+# several as dev,tpu). TRIAX_VENV picks the venv's directory (default .venv),
+# TRIAX_PYTHON the interpreter that makes it (default: Python 3.11, else
+# the first of 3.12 and python3 that is >= 3.11).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 extra="${1:-}"
-# jax 0.10.2 is what triax is tested with on CPU; it wants Python >= 3.11.
+VENV="${TRIAX_VENV:-.venv}"
+# jax 0.10.2 is what the whole suite runs on (Python 3.11); 0.12 on 3.12 (setup.cfg).
 PY="${TRIAX_PYTHON:-}"
 if [ -z "$PY" ]; then
   for candidate in python3.11 python3.12 python3; do
@@ -18,16 +22,16 @@ if [ -z "$PY" ]; then
   echo "error: scripts/env.sh: need Python >= 3.11 (set TRIAX_PYTHON=/path/to/python)" >&2
   exit 2
 fi
-if [ ! -x .venv/bin/python ]; then
-  "$PY" -m venv .venv
+if [ ! -x "$VENV/bin/python" ]; then
+  "$PY" -m venv "$VENV"
 fi
 # Reinstall only when the package metadata changed (or the extra is new).
-stamp=".venv/.triax-installed${extra:+-$extra}"
+stamp="$VENV/.triax-installed${extra:+-$extra}"
 want="$(cat setup.cfg pyproject.toml | sha1sum | cut -d' ' -f1)"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   # grep drops this machine's pip warnings about index locations it cannot use.
-  .venv/bin/python -m pip install --quiet --upgrade pip 2>&1 | { grep -v 'is ignored' || true; }
-  .venv/bin/python -m pip install --quiet -e ".${extra:+[$extra]}" 2>&1 | { grep -v 'is ignored' || true; }
+  "$VENV/bin/python" -m pip install --quiet --upgrade pip 2>&1 | { grep -v 'is ignored' || true; }
+  "$VENV/bin/python" -m pip install --quiet -e ".${extra:+[$extra]}" 2>&1 | { grep -v 'is ignored' || true; }
   echo "$want" > "$stamp"
 fi
-export PATH="$ROOT/.venv/bin:$PATH"
+export PATH="$ROOT/$VENV/bin:$PATH"

@@ -48,6 +48,12 @@ def command(module, *args, setup=None):
   return build
 
 
+def tpu(*flags, compile_only=True):
+  """A `triax train --topology` case (no --cpu_devices: the slice gives the devices)."""
+  extra = ('--compile_only',) if compile_only else ()
+  return command('triax.cli.train', f'--config={SMOKE}', '--workdir={d}/w', *extra, *flags)
+
+
 def write(relpath, text):
   def setup(d):
     path = os.path.join(d, relpath)
@@ -410,6 +416,23 @@ CASES = [
       setup=write('nogroups.yaml', 'name: x\n'),
     ),
     '--cluster',
+  ),
+  # -- compiling for a TPU slice that is not here
+  ('topology-unknown', tpu('--topology=v9p:2x2'), '--topology'),
+  ('topology-without-compile-only', tpu('--topology=v5p:2x2x1', compile_only=False), '--topology'),
+  ('topology-device-count', tpu('--topology=v5p:2x2x1'), 'mesh'),
+  ('topology-with-cpu-devices', tpu('--topology=v5p:2x2x2', '--cpu_devices=8'), '--cpu_devices'),
+  ('topology-slices-without-dcn', tpu('--topology=v5p:2x2x1', '--topology_slices=2'), 'mesh'),
+  (
+    'splash-off-tpu',
+    train('--config.model.attention=splash', '--config.model.seq_len=128'),
+    'model.attention',
+  ),
+  ('splash-sequence', train('--config.model.attention=splash'), 'model.attention'),
+  (
+    'splash-interpret-alone',
+    train('--config.model.splash_interpret=true'),
+    'model.splash_interpret',
   ),
   ('schedule-no-stages', command('triax.cli.schedule', '--stages=0'), '--stages'),
   ('schedule-unknown', command('triax.cli.schedule', '--schedule=zigzag'), 'schedule'),

@@ -9,6 +9,9 @@ from triax.data.batches import BatchStream
 from triax.data.corpus import SEPARATOR, load_corpus, unigram_entropy_bits, unigram_entropy_nats
 from triax.errors import ConfigError
 
+# The fast tier (scripts/test.sh --fast): seconds per test, no pipeline program.
+pytestmark = pytest.mark.fast
+
 
 def _tokens(n: int = 10_001, seed: int = 0) -> np.ndarray:
   return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
@@ -125,6 +128,15 @@ class TestBatchStream:
       BatchStream(_tokens(128), 16, 8, seed=0, split_name='val')
     assert info.value.key == 'data.path'
     assert 'val text has 128 bytes' in info.value.message
+
+  def test_validation_shorter_than_a_batch_repeats_from_its_start(self):
+    # 5 windows of 17 bytes (81 bytes), a batch of 8: one batch, windows 0-4 then 0-2.
+    stream = BatchStream(_tokens(81), 16, 8, seed=0, split_name='validation', evaluation=True)
+    assert stream.num_eval_batches(4) == 1
+    np.testing.assert_array_equal(stream.eval_batch(0)['sample_ids'], [0, 1, 2, 3, 4, 0, 1, 2])
+    with pytest.raises(ConfigError, match='prepare --val_fraction') as info:
+      BatchStream(_tokens(16), 16, 8, seed=0, split_name='validation', evaluation=True)
+    assert info.value.key == 'data.path'
 
   def test_batch_not_divisible_by_processes(self):
     with pytest.raises(ConfigError) as info:

@@ -17,6 +17,9 @@ from triax.errors import ConfigError
 from triax.mesh import build_mesh
 from triax.training import loop
 
+# The fast tier (scripts/test.sh --fast): seconds per test, no pipeline program.
+pytestmark = pytest.mark.fast
+
 
 def write_docs(root, n=40, seed=0):
   rng = np.random.default_rng(seed)

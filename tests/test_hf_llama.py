@@ -22,6 +22,8 @@ transformers = pytest.importorskip('transformers')
 
 from triax import config as config_lib  # noqa: E402
 from triax import mesh as mesh_lib  # noqa: E402
+from triax.data import tokenizer as tokenizer_lib  # noqa: E402
+from triax.errors import ConfigError  # noqa: E402
 from triax.model import generation, hf_llama  # noqa: E402
 from triax.training import checkpoint as ckpt_lib  # noqa: E402
 from triax.training import hf_checkpoint  # noqa: E402
@@ -30,9 +32,9 @@ from triax.training import step as step_lib  # noqa: E402
 SEQ = 32
 
 
-def _hf_model(tie=False):
+def _hf_model(tie=False, vocab_size=256):
   cfg = transformers.LlamaConfig(
-    vocab_size=256,
+    vocab_size=vocab_size,
     hidden_size=64,
     intermediate_size=96,
     num_hidden_layers=4,
@@ -163,6 +165,49 @@ def test_export_import_export_is_bit_identical(imported, tmp_path):
   with torch.no_grad():
     x = torch.from_numpy(_tokens()).long()
     np.testing.assert_array_equal(back(x).logits.numpy(), model(x).logits.numpy())
+
+
+def test_export_of_a_gpt_run_points_to_the_llama_configs(tmp_path):
+  # README's own-text recipe trains gpt_tiny; its export must say what to train instead.
+  cfg = config_lib.from_file(os.path.join(harness.ROOT, 'experiments', 'gpt_tiny.py'), 'smoke')
+  workdir = tmp_path / 'run'
+  workdir.mkdir()
+  (workdir / 'config.json').write_text(cfg.to_json(indent=2))
+  with pytest.raises(ConfigError, match='experiments/llama_tiny.py') as e:
+    hf_checkpoint.export_hf(str(workdir), str(tmp_path / 'hf'))
+  assert e.value.key == '--workdir'
+  assert not (tmp_path / 'hf').exists()
+
+
+def test_import_without_the_tokenizer_its_vocabulary_needs_is_refused(tmp_path):
+  # 320 ids are no bytes: without its tokenizer, sampling would decode ids past 255.
+  hf_dir, workdir = tmp_path / 'hf', str(tmp_path / 'w')
+  _hf_model(vocab_size=320).save_pretrained(str(hf_dir))
+  refused = harness.run_cli('triax', 'convert', f'--hf_dir={hf_dir}', f'--workdir={workdir}')
+  assert refused.returncode == 2, refused.stderr[-3000:]
+  [line] = refused.stderr.strip().splitlines()
+  assert line.startswith('error: --tokenizer: the checkpoint has 320 token ids') and 'PATH' in line
+  assert not os.path.exists(workdir)
+  # The checkpoint's own tokenizer.json, beside its weights, is taken without the flag ...
+  texts = (f'text number {i} of a few words' for i in range(200))
+  tokenizer_lib.train_bpe(texts, 320, str(hf_dir / generation.TOKENIZER_FILE))
+  hf_checkpoint.import_hf(str(hf_dir), workdir)
+  assert filecmp.cmp(hf_dir / 'tokenizer.json', os.path.join(workdir, 'tokenizer.json'))
+  # ... and export writes it back beside the weights, every file readable by all.
+  out = tmp_path / 'out'
+  hf_checkpoint.export_hf(workdir, str(out))
+  assert filecmp.cmp(hf_dir / 'tokenizer.json', out / 'tokenizer.json')
+  assert {name: (out / name).stat().st_mode & 0o777 for name in os.listdir(out)} == {
+    'config.json': 0o644,
+    'model.safetensors': 0o644,
+    'tokenizer.json': 0o644,
+  }
+  # A workdir imported before convert refused (no tokenizer.json): sample says so, no traceback.
+  os.remove(os.path.join(workdir, 'tokenizer.json'))
+  sampled = harness.run_cli('triax', 'sample', f'--workdir={workdir}', '--prompt=def ')
+  assert sampled.returncode == 2, sampled.stderr[-3000:]
+  [line] = sampled.stderr.strip().splitlines()
+  assert line.startswith(f'error: --workdir: {workdir}: the model has 320 token ids')
 
 
 def test_tied_embeddings_import_and_export(tmp_path):

@@ -12,6 +12,9 @@ from triax import config
 from triax.errors import ConfigError
 from triax.training.step import learning_rate_schedule
 
+# The fast tier (scripts/test.sh --fast): seconds per test, no pipeline program.
+pytestmark = pytest.mark.fast
+
 PEAK, END = 1e-2, 1e-3  # min_lr_ratio 0.1
 
 

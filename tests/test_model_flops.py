@@ -14,6 +14,9 @@ import pytest
 
 from triax.model.flops import step_flops
 
+# The fast tier (scripts/test.sh --fast): seconds per test, no pipeline program.
+pytestmark = pytest.mark.fast
+
 # Parameters that are matmul weights (a token embedding is a gather, norms
 # and positions are elementwise), per family; a tied table is the head's matmul.
 _MATMULS = {

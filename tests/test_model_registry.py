@@ -8,6 +8,9 @@ from triax import config, sharding
 from triax.errors import ConfigError
 from triax.model import registry
 
+# The fast tier (scripts/test.sh --fast): seconds per test, no pipeline program.
+pytestmark = pytest.mark.fast
+
 
 def _validated(**overrides):
   return config.validate(harness.tiny_config(**overrides), 8)

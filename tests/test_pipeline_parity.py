@@ -39,6 +39,9 @@ CASES += [
   ('interleaved_zb', (1, 2, 2), 2, 3, 'none', 8),
   ('zb_v', (2, 2, 2), 2, 4, 'full', 8),
 ]
+# The fast tier's one pipelined program (both jax lines run it): the split
+# backward through the layer scan and remat, on the smallest pipe.
+FAST = ('zb_h1', (1, 1, 2), 1, 2, 'full', 4)
 
 
 def _config(layers, **overrides):
@@ -79,8 +82,8 @@ def _check(layers, mesh, m, **overrides):
 
 @pytest.mark.parametrize(
   'schedule,mesh,v,m,remat,layers',
-  CASES,
-  ids=[f'{c[0]}-{"x".join(map(str, c[1]))}-v{c[2]}-m{c[3]}-{c[4]}' for c in CASES],
+  CASES + [pytest.param(*FAST, marks=pytest.mark.fast)],
+  ids=[f'{c[0]}-{"x".join(map(str, c[1]))}-v{c[2]}-m{c[3]}-{c[4]}' for c in CASES + [FAST]],
 )
 def test_loss_and_gradients_match_one_device(schedule, mesh, v, m, remat, layers):
   _check(

@@ -138,21 +138,25 @@ def test_selene_resizes_and_its_collectives_are_hierarchical():
   assert comm.p2p(0, 8, nbytes) == pytest.approx(5e-6 + nbytes / ib)
 
 
+def _on_selene(cfg, top):
+  """An analytic plan of `cfg` for 16 of Selene's GPUs."""
+  return report.Request(
+    cfg=cfg,
+    config_path=GPT_1B,
+    config_overrides={},
+    cluster=SELENE,
+    top=top,
+    profile='analytic',
+    gpus=16,
+  )
+
+
 def test_analytic_plans_a_gpu_config_without_running_it(capsys):
   spec = importlib.util.spec_from_file_location('gpt_1b', GPT_1B)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   cfg = module.get_config()  # cuDNN attention: this CPU could not run it
-  request = report.Request(
-    cfg=cfg,
-    config_path=GPT_1B,
-    config_overrides={},
-    cluster=SELENE,
-    top=3,
-    profile='analytic',
-    gpus=16,
-  )
-  summary = report.run(request)
+  summary = report.run(_on_selene(cfg, top=3))
   text = capsys.readouterr().out
   assert summary['devices'] == 16 and summary['profile']['backend'] == 'analytic'
   best = summary['top'][0]
@@ -171,6 +175,18 @@ def test_analytic_plans_a_gpu_config_without_running_it(capsys):
         cfg=small_gpt(), config_path=GPT_1B, config_overrides={}, cluster=CPU, profile='analytic'
       )
     )
+
+
+def test_report_says_why_data_parallel_has_no_plan_and_how_to_train_one(capsys):
+  cfg = small_gpt()
+  cfg.train.global_batch_size = 8  # 16 devices: no layout is data parallel only
+  report.run(_on_selene(cfg, top=1))
+  lines = capsys.readouterr().out.splitlines()
+  for name in ('data parallel only', 'ZeRO-3: data parallel only, FSDP'):
+    (line,) = [l for l in lines if l.strip().startswith(name)]
+    assert 'a global batch of 8 does not split evenly over 16 devices' in line, line
+  hint = '(--out=plan.py writes #1 as a config file to train from: python -m triax train'
+  assert any(l.startswith(hint) for l in lines), lines
 
 
 def test_cli_local_profile_of_a_gpu_config_is_one_line():

@@ -8,6 +8,9 @@ import pytest
 from triax.errors import ConfigError
 from triax.plan import cluster
 
+# The fast tier (scripts/test.sh --fast): seconds per test, no pipeline program.
+pytestmark = pytest.mark.fast
+
 ROOT = os.path.join(os.path.dirname(__file__), '..')
 SHIPPED = sorted(glob.glob(os.path.join(ROOT, 'experiments', 'clusters', '*.yaml')))
 

@@ -10,6 +10,9 @@ from triax import config
 from triax.plan import analytic, learned, report, search
 from triax.plan import cluster as cluster_lib
 
+# The fast tier (scripts/test.sh --fast): seconds per test, no pipeline program.
+pytestmark = pytest.mark.fast
+
 ROOT = os.path.join(os.path.dirname(__file__), '..')
 TESTBED = os.path.join(ROOT, 'experiments', 'clusters', 'heterog_testbed.yaml')
 

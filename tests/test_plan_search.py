@@ -10,6 +10,9 @@ from triax import config
 from triax.plan import emit, partition, profile, search
 from triax.plan.simulator import Options, simulate_plan
 
+# The fast tier (scripts/test.sh --fast): seconds per test, no pipeline program.
+pytestmark = pytest.mark.fast
+
 
 @pytest.mark.parametrize('seed', range(40))
 def test_partition_minimises_the_slowest_stage(seed):

@@ -14,6 +14,9 @@ from triax import config
 from triax.plan import emit, memory, profile, search
 from triax.plan.simulator import Options, simulate_plan
 
+# The fast tier (scripts/test.sh --fast): seconds per test, no pipeline program.
+pytestmark = pytest.mark.fast
+
 GB = 1e9
 STEP_ONLY = Options(state_programs=False)
 

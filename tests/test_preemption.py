@@ -26,6 +26,7 @@ from test_reliability import (
   read_jsonl,
   start_train,
 )
+from tqdm import tqdm
 
 from triax import config
 from triax.training import metrics as metrics_lib
@@ -247,6 +248,24 @@ def test_first_signal_asks_to_stop_and_a_second_one_leaves():
     signal.raise_signal(signal.SIGTERM)
     assert seconds == [signal.SIGTERM]
   assert signal.getsignal(signal.SIGINT) is previous  # handlers restored
+
+
+def test_signal_notices_end_the_progress_bar_line_first(capfd):
+  with preemption.StopSignals(on_second=lambda signum: None) as signals:
+    signals.bar = tqdm(total=10, desc='train')
+    signals.bar.update(3)
+    signal.raise_signal(signal.SIGINT)
+    signals.bar.refresh()  # the bar draws itself again after the notice
+    preemption.say('interrupted at step 3', signals.bar)  # the second signal's line
+    signals.bar.close()
+    preemption.say('after the bar', signals.bar)
+  err = capfd.readouterr().err
+  lines = err.split('\n')
+  assert lines[0].startswith('\rtrain:')  # the bar's line, left open by the bar
+  notices = [l for l in lines if 'SIGINT: stopping' in l or 'interrupted at step' in l]
+  assert len(notices) == 2 and all(not l.startswith('\r') for l in notices), err
+  assert notices[0].startswith('SIGINT: stopping') and notices[1] == 'interrupted at step 3'
+  assert err.endswith('\nafter the bar\n') and '\n\nafter' not in err  # a closed bar: no blank line
 
 
 def test_tensorboard_resumed_from_step_2_of_4_holds_each_step_once(tmp_path):

@@ -5,12 +5,16 @@ import json
 import os
 import random
 
+import harness
 import numpy as np
 import pytest
 
 from triax.data import documents, prepare
 from triax.data import tokenizer as tokenizer_lib
 from triax.errors import ConfigError
+
+# The fast tier (scripts/test.sh --fast): seconds per test, no pipeline program.
+pytestmark = pytest.mark.fast
 
 WORDS = 'alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu'.split()
 
@@ -255,6 +259,23 @@ class TestPrepare:
       prepare.prepare(inputs, out, tok, progress=False)
     assert info.value.key == key, info.value
     assert sorted(str(p) for p in tmp_path.rglob('*')) == before
+
+  def test_an_error_line_is_not_glued_to_the_progress_bar(self, tmp_path):
+    (tmp_path / 'in').mkdir()
+    (tmp_path / 'in' / 'a.txt').write_text('one document')
+    (tmp_path / 'in' / 'latin1.txt').write_bytes('café'.encode('latin-1'))
+    result = harness.run_cli(
+      'triax',
+      'prepare',
+      f'--input={tmp_path / "in"}',
+      f'--out={tmp_path / "out"}',
+      '--workers=1',
+      timeout=120,
+    )
+    assert result.returncode == 2
+    assert 'prepare:' in result.stderr  # the bar was drawn
+    errors = [line for line in result.stderr.split('\n') if 'error:' in line]
+    assert len(errors) == 1 and errors[0].startswith('error: --input: '), result.stderr
 
   def test_sentencepiece_in_worker_processes(self, tmp_path):
     import sentencepiece

@@ -47,6 +47,8 @@ def cli_env(extra=None):
   env = dict(os.environ)
   env['PYTHONPATH'] = os.path.join(harness.ROOT, 'src') + os.pathsep + env.get('PYTHONPATH', '')
   env.pop('XLA_FLAGS', None)
+  # scripts/launch_local.sh's trainers run this interpreter, not .venv's (which may be another jax).
+  env['PYTHON'] = sys.executable
   env.update(extra or {})
   return env
 

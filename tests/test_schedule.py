@@ -628,6 +628,17 @@ def test_cli_rejects_bad_input_with_exit_code_2():
   assert out.stderr.strip().startswith('error: flags:')
 
 
+def test_cli_zb_v_defaults_to_its_v_and_still_rejects_a_wrong_one():
+  out = run_cli('--schedule=zb_v', '--stages=2', '--microbatches=4', '--json')
+  assert out.returncode == 0, out.stderr
+  assert json.loads(out.stdout)['virtual_stages'] == 2
+  out = run_cli('--schedule=zb_v', '--stages=2', '--microbatches=4', '--virtual_stages=1')
+  assert out.returncode == 2
+  assert out.stderr.strip().splitlines()[-1].startswith('error: --virtual_stages: zb_v runs')
+  out = run_cli('--schedule=1f1b', '--stages=2', '--microbatches=4', '--json')
+  assert json.loads(out.stdout)['virtual_stages'] == 1
+
+
 def test_report_text_and_plot(tmp_path, capsys):
   path = str(tmp_path / 'gantt.png')
   summary = report.run(report.Request('gpipe', 2, 4, t_backward=2.0, plot=path))

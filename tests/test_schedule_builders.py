@@ -14,6 +14,9 @@ from triax.pipeline import schedule as sched
 from triax.pipeline.schedule import Action
 from triax.pipeline.simulate import Costs, simulate_async
 
+# The fast tier (scripts/test.sh --fast): seconds per test, no pipeline program.
+pytestmark = pytest.mark.fast
+
 
 def cases():
   """(name, p, m, v) for the three builders over the sizes the brief names."""

@@ -2,7 +2,11 @@
 
 import harness
 import jax
+import pytest
 from jax.sharding import PartitionSpec as P
+
+# The fast tier (scripts/test.sh --fast): seconds per test, no pipeline program.
+pytestmark = pytest.mark.fast
 
 # Pipeline layout: [stage, virtual, layers, ...] with stage -> pipe.
 EXPECTED = {

@@ -15,6 +15,9 @@ from triax.pipeline.schedule import Action, Schedule
 from triax.pipeline.simulate import Costs, per_stage, simulate_async, simulate_lockstep, ticks
 from triax.pipeline.validate import validate
 
+# The fast tier (scripts/test.sh --fast): seconds per test, no pipeline program.
+pytestmark = pytest.mark.fast
+
 GRID = [(p, m, v) for p in (2, 4, 8) for m in (p, 2 * p, 4 * p) for v in (1, 2, 4)]
 
 

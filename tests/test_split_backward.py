@@ -15,6 +15,9 @@ import pytest
 
 from triax.pipeline.split_backward import SplitBackward
 
+# The fast tier (scripts/test.sh --fast): seconds per test, no pipeline program.
+pytestmark = pytest.mark.fast
+
 
 def _flops(fn, *args) -> float:
   return float(jax.jit(fn).lower(*args).compile().cost_analysis().get('flops', 0.0))

@@ -23,7 +23,7 @@ SCHEDULES = tuple(sched.SCHEDULES)
 REMAT_POLICIES = ('none', 'full', 'selective')
 # float16 is refused with its reason (no loss scaling); see validate().
 DTYPES = ('float32', 'bfloat16')
-ATTENTION_IMPLS = ('xla', 'cudnn')
+ATTENTION_IMPLS = ('xla', 'cudnn', 'splash')
 LR_SCHEDULES = ('cosine', 'linear', 'constant', 'wsd')
 WANDB_MODES = ('online', 'offline')
 OPTIMIZER_SHARDINGS = ('replicated', 'data')
@@ -85,8 +85,11 @@ def defaults() -> ml_collections.ConfigDict:
   c.model.param_dtype = 'float32'
   # Activation recomputation: none, full (per layer), selective (keep matmul outputs).
   c.model.remat = 'none'
-  # Attention kernel: xla everywhere, or cudnn (fused, GPU only).
+  # Attention kernel: xla everywhere, cudnn (fused, GPU only) or splash (Pallas's flash
+  # attention for TPU: no [b, n, s, s] scores in memory).
   c.model.attention = 'xla'
+  # splash: run the kernel through Pallas's interpreter, on any backend (tests; slow).
+  c.model.splash_interpret = False
   # Cross-entropy over this many positions at a time (a divisor of seq_len), so a large
   # vocabulary's fp32 logits never exist for the whole micro-batch; 0 = all at once.
   c.model.loss_chunk = 0
@@ -507,6 +510,8 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int) -> ml_collections
         f'{m.d_model // m.num_heads}; or use xla',
       )
 
+  _check_splash(m)
+
   p = cfg.pipeline
   if p.schedule not in SCHEDULES:
     raise ConfigError(
@@ -594,6 +599,42 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int) -> ml_collections
     cfg.model, defaults().model, cfg.mesh, cfg.sharding.logical_axis_rules
   )
   return cfg
+
+
+def _check_splash(m) -> None:
+  if not isinstance(m.splash_interpret, bool):
+    raise ConfigError(
+      'model.splash_interpret', f'must be true or false, got {m.splash_interpret!r}'
+    )
+  if m.splash_interpret and m.attention != 'splash':
+    raise ConfigError(
+      'model.splash_interpret', f'interprets the splash kernel, but model.attention={m.attention}'
+    )
+  if m.attention == 'splash' and m.seq_len % 128:
+    raise ConfigError(
+      'model.attention',
+      f'splash tiles the sequence by multiples of 128 (the TPU lanes, interpreted too); '
+      f'model.seq_len={m.seq_len} is not one (use xla)',
+    )
+
+
+def check_platform(cfg, platform: str) -> None:
+  """What the configured kernels need of the devices' platform (cpu, gpu, tpu).
+
+  Raises:
+    ConfigError('model.attention', ...): a kernel this platform cannot run.
+  """
+  m = cfg.model
+  if m.attention == 'splash' and platform != 'tpu' and not m.splash_interpret:
+    raise ConfigError(
+      'model.attention',
+      f'splash is a TPU kernel and the devices are {platform}; use xla (or cudnn on a GPU), '
+      'or model.splash_interpret=true to run it interpreted (slow: tests)',
+    )
+  if m.attention == 'cudnn' and platform != 'gpu':
+    raise ConfigError(
+      'model.attention', f'cudnn is a GPU kernel and the devices are {platform}; use xla'
+    )
 
 
 def _check_data(d) -> None:

@@ -77,6 +77,12 @@ def axis_rules(rules: Rules | None) -> Iterator[None]:
     _ACTIVE_RULES.reset(token)
 
 
+def active_spec(axes: Sequence[str | None]) -> PartitionSpec | None:
+  """The PartitionSpec the active rules give `axes`; None outside `axis_rules`."""
+  rules = _ACTIVE_RULES.get()
+  return None if rules is None else logical_to_spec(axes, rules)
+
+
 def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
   """Pins an activation's sharding by logical axes; a no-op without active rules.
 

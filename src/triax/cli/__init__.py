@@ -8,6 +8,7 @@ fix, and exit status 2; nothing on disk is touched first.
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 from collections.abc import Callable, Iterator
 from typing import NoReturn
@@ -17,6 +18,8 @@ from absl import app, flags, logging
 from triax.errors import ConfigError
 
 EXIT_BAD_INPUT = 2
+# A compile for a slice that is not here (train --topology) whose peak exceeds the chip's HBM.
+EXIT_DOES_NOT_FIT = 3
 
 # name -> what it does (`python -m triax` lists them; each is triax/cli/NAME.py).
 COMMANDS = {
@@ -43,13 +46,90 @@ def run(main: Callable[[list[str]], None], *, takes_arguments: bool = False) -> 
   """
 
   def parser(argv: list[str]) -> list[str]:
+    if asks_for_help(argv):
+      _print_help(command_help(sys.modules[main.__module__]))
     rest = parse_flags(argv)
     if not takes_arguments and len(rest) > 1:
       fail('flags', f'unexpected arguments {rest[1:]}; flags look like --name=value')
     return rest
 
   logging.set_verbosity(logging.WARNING)
+  skip_absent_tpu()
   app.run(main, flags_parser=parser)
+
+
+HELP_FLAGS = ('-h', '-help', '--help', '-helpshort', '--helpshort', '-?')
+
+
+def asks_for_help(argv: list[str]) -> bool:
+  words = argv[1 : argv.index('--')] if '--' in argv else argv[1:]
+  return any(word in HELP_FLAGS for word in words)
+
+
+def command_help(module) -> str:
+  """The usage line of a command's docstring and its own flags, one line each.
+
+  absl's own --help shows __main__'s docstring and the flags of the module
+  named by sys.argv[0]: under `python -m triax COMMAND` that is the
+  dispatcher, under a console script no module at all, so neither showed the
+  command's flags. Both are read from the command's module instead.
+  """
+  own = sorted(flags.FLAGS.get_key_flags_for_module(module), key=lambda flag: flag.name)
+  lines = [_usage(module.__doc__ or ''), '', 'flags:'] + [f'  {_flag_line(flag)}' for flag in own]
+  return '\n'.join(lines + ['', '--helpfull also lists the flags of absl and the libraries.'])
+
+
+def _usage(doc: str) -> str:
+  # The docstring down to its command line; what follows is for readers of the code.
+  paragraphs = doc.strip().split('\n\n')
+  for i, paragraph in enumerate(paragraphs):
+    if 'python -m triax' in paragraph:
+      return '\n\n'.join(paragraphs[: i + 1])
+  return paragraphs[0]
+
+
+def _print_help(text: str) -> NoReturn:
+  try:
+    print(text, flush=True)
+  except BrokenPipeError:  # `--help | head` stopped reading: nothing more to say
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+  sys.exit(0)
+
+
+def _flag_line(flag: flags.Flag) -> str:
+  name = f'--[no]{flag.name}' if isinstance(flag, flags.BooleanFlag) else f'--{flag.name}'
+  text = ' '.join(flag.help.split())
+  default = (flag.default_as_str or '').strip("'")
+  if default not in ('', 'None'):
+    text += f' (default: {default})'
+  return f'{name}: {text}'
+
+
+def skip_absent_tpu() -> None:
+  """Starts JAX on the CPU alone where libtpu is installed but nothing else could start.
+
+  The tpu and test extras install libtpu (for `train --topology`). On a host
+  with no TPU chips JAX still loads it at start-up, and it prints a screen of
+  warnings about TPU environment variables before JAX falls back to the CPU.
+  With no chips and no GPU plugin the CPU is all there is, so JAX is told so
+  first; JAX_PLATFORMS, when set, decides instead. A topology compile loads
+  libtpu on its own (topology.py).
+  """
+  import glob
+  import importlib.util
+  import os
+  import pkgutil
+
+  if os.environ.get('JAX_PLATFORMS') or glob.glob('/dev/accel*') or glob.glob('/dev/vfio/[0-9]*'):
+    return
+  if importlib.util.find_spec('libtpu') is None:
+    return
+  plugins = importlib.util.find_spec('jax_plugins')
+  if plugins is not None and any(pkgutil.iter_modules(plugins.submodule_search_locations)):
+    return  # a GPU (or other) plugin could start
+  os.environ['JAX_PLATFORMS'] = 'cpu'
+  if 'jax' in sys.modules:
+    sys.modules['jax'].config.update('jax_platforms', 'cpu')
 
 
 def fail(key: str, message: str) -> NoReturn:

@@ -24,7 +24,10 @@ _EXPORT = flags.DEFINE_bool(
   'export', False, 'Write WORKDIR as a Hugging Face checkpoint in HF_DIR.'
 )
 _TOKENIZER = flags.DEFINE_string(
-  'tokenizer', '', "The checkpoint's tokenizer.json, copied into the workdir for triax.sample."
+  'tokenizer',
+  '',
+  "The checkpoint's tokenizer.json, copied into the workdir for triax sample; default: "
+  'HF_DIR/tokenizer.json if there is one (a vocabulary other than 256 bytes needs one).',
 )
 _SEQ_LEN = flags.DEFINE_integer(
   'seq_len', 0, 'Training window (model.seq_len); 0 = the HF context, at most 2048.'
@@ -43,7 +46,7 @@ def main(argv):
   if not _WORKDIR.value:
     cli.fail('--workdir', 'is required: the triax workdir')
   if _EXPORT.value and _TOKENIZER.value:
-    cli.fail('--tokenizer', 'is for import; an export copies the workdir tokenizer.json, if any')
+    cli.fail('--tokenizer', "is for import; an export copies the run's tokenizer, if it has one")
   cli.force_cpu_devices(_CPU_DEVICES.value)
   from triax.training import hf_checkpoint  # after the device count is set
 

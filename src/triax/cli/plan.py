@@ -47,7 +47,12 @@ _CACHE = flags.DEFINE_string(
 )
 _VERBOSE = flags.DEFINE_bool('verbose', False, 'Also print the measurements behind the profile.')
 _JSON = flags.DEFINE_bool('json', False, 'Print one JSON object instead of tables.')
-_OUT = flags.DEFINE_string('out', None, 'Write the best plan as a config file (.py) here.')
+_OUT = flags.DEFINE_string(
+  'out',
+  None,
+  'Write the best plan as a config file (.py) here, to train from: '
+  'python -m triax train --config=FILE --workdir=DIR.',
+)
 _TRACE = flags.DEFINE_string(
   'trace',
   None,

@@ -60,10 +60,28 @@ def main(argv):
     seed=_SEED.value,
   )
   with cli.config_errors_exit():
+    _check_tokenizer(_WORKDIR.value)
     result = generation.sample(_WORKDIR.value, _PROMPT.value, sampling, mesh)
   # stdout holds the text alone, so it can be piped; where it came from goes to stderr.
   print(f'[checkpoint step {result["step"]} of {_WORKDIR.value}]', file=sys.stderr)
   print(result['text'])
+
+
+def _check_tokenizer(workdir: str) -> None:
+  """Refuses a model whose ids its tokenizer cannot decode: bytes stop at 255, and a
+  workdir imported before convert asked for the tokenizer may have 128k ids."""
+  from triax.data import tokenizer as tokenizer_lib
+  from triax.model import generation
+
+  cfg = generation.load_run_config(workdir)
+  ids = cfg.model.vocab_used or cfg.model.vocab_size
+  tok = generation.run_tokenizer(workdir, cfg)
+  if tok.kind == tokenizer_lib.BYTES and ids > tok.vocab_size:
+    cli.fail(
+      '--workdir',
+      f'{workdir}: the model has {ids} token ids but no tokenizer (bytes decode 256): copy '
+      f"the checkpoint's tokenizer.json to {workdir}/{generation.TOKENIZER_FILE}",
+    )
 
 
 def run():

@@ -1,4 +1,4 @@
-"""Show, time and plot a pipeline schedule without any devices.
+r"""Show, time and plot a pipeline schedule without any devices.
 
   python -m triax schedule --schedule=interleaved_1f1b --stages=4 \
       --microbatches=8 --virtual_stages=2 [--json] [--plot=grid.png] \
@@ -13,6 +13,8 @@ file, and any of --stages, --microbatches, --virtual_stages given must match.
 Bad input prints one `error: <flag>: <message>` line and exits with 2.
 """
 
+import inspect
+
 from absl import flags
 
 from triax import cli
@@ -23,7 +25,9 @@ _SCHEDULE = flags.DEFINE_string('schedule', '1f1b', f'Schedule: one of {", ".joi
 _STAGES = flags.DEFINE_integer('stages', 4, 'Pipeline stages p.')
 _MICROBATCHES = flags.DEFINE_integer('microbatches', 8, 'Micro-batches m.')
 _VIRTUAL_STAGES = flags.DEFINE_integer(
-  'virtual_stages', 1, 'Model chunks per stage v (interleaved schedules).'
+  'virtual_stages',
+  1,
+  "Model chunks per stage v (interleaved schedules); unset, the schedule's own: 2 for zb_v's V.",
 )
 _T_FORWARD = flags.DEFINE_float(
   't_forward', 1.0, 'Forward time of one micro-batch through one stage.'
@@ -71,7 +75,7 @@ def main(argv: list[str]) -> int:
       schedule=_SCHEDULE.value,
       stages=size(_STAGES),
       microbatches=size(_MICROBATCHES),
-      virtual_stages=size(_VIRTUAL_STAGES),
+      virtual_stages=size(_VIRTUAL_STAGES) if from_file else _own_virtual_stages(),
       t_forward=_T_FORWARD.value,
       t_backward=_T_BACKWARD.value,
       t_transfer=_T_TRANSFER.value,
@@ -83,6 +87,18 @@ def main(argv: list[str]) -> int:
     ),
     as_json=_JSON.value,
   )
+
+
+def _own_virtual_stages() -> int:
+  """--virtual_stages, or when unset the v the schedule's builder defaults to.
+
+  zb_v runs only as a V of 2 chunks, so the flag's default of 1 would make
+  every `--schedule=zb_v` an error; a value given is passed on as it is.
+  """
+  builder = SCHEDULES.get(_SCHEDULE.value)
+  if _VIRTUAL_STAGES.present or builder is None:
+    return _VIRTUAL_STAGES.value
+  return inspect.signature(builder).parameters['virtual_stages'].default
 
 
 def run():

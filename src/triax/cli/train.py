@@ -1,4 +1,5 @@
-"""Trains a model as configured: `python -m triax train --config=FILE[:ARG] --workdir=DIR`.
+"""Trains a model as configured: `python -m triax train --config=FILE[:ARG] --workdir=DIR`;
+`python -m triax train --workdir=DIR [--config.x=...]` resumes DIR with its own config.json.
 
 Kept to flag parsing and one library call (triax.training.loop), so the
 logic stays importable and testable. Config files are Python code and are
@@ -11,14 +12,13 @@ import sys
 from absl import flags
 from ml_collections import config_flags
 
-from triax import cli, mesh
-from triax import config as config_lib
+from triax import cli, mesh, workdir_config
 
 _CONFIG = config_flags.DEFINE_config_file(
   'config',
   None,
   'Experiment config file (Python, get_config(arg)); FILE[:ARG]. Without it, WORKDIR/config.json '
-  '(a run to resume, or a checkpoint imported by triax convert).',
+  '(a run to resume, or a checkpoint imported by triax convert), which --config.x flags override.',
   lock_config=True,
 )
 _WORKDIR = flags.DEFINE_string(
@@ -34,6 +34,16 @@ _CPU_DEVICES = flags.DEFINE_integer(
 _COMPILE_ONLY = flags.DEFINE_bool(
   'compile_only', False, 'Compile the train step, write WORKDIR/compile_stats.json and exit.'
 )
+_TOPOLOGY = flags.DEFINE_string(
+  'topology',
+  None,
+  'With --compile_only: compile for this TPU slice instead of the local devices, on any host '
+  "(needs libtpu: pip install 'triax[tpu]'): KIND:AxB or KIND:AxBxC chips, e.g. v5p:2x2x2, "
+  'v5e:4x4, v6e:8x8, v4:2x2x2. Writes the fit against its HBM; exit 3 if it does not fit.',
+)
+_TOPOLOGY_SLICES = flags.DEFINE_integer(
+  'topology_slices', 1, 'With --topology: this many slices joined by the data-centre network.'
+)
 _PROFILE_STEPS = flags.DEFINE_string(
   'profile_steps', '', 'A:B: write a jax.profiler trace of steps A..B to WORKDIR/profile.'
 )
@@ -44,20 +54,19 @@ def main(argv):
   if not _WORKDIR.value:
     cli.fail('--workdir', 'is required: where metrics and checkpoints go')
   cfg = cli.config_value(_CONFIG)
-  saved = os.path.join(_WORKDIR.value, 'config.json')
-  if cfg is None:
-    if not os.path.isfile(saved):
-      cli.fail('--config', 'is required, e.g. --config=experiments/gpt_tiny.py')
-    # The workdir's own config: a run to resume, or an imported checkpoint to fine-tune.
-    with cli.config_errors_exit():
-      cfg = config_lib.load_json(saved)
-    cfg.lock()
-  cli.force_cpu_devices(_CPU_DEVICES.value)
+  if cfg is None:  # with a workdir's config.json, run() has named it as the config
+    cli.fail('--config', 'is required, e.g. --config=experiments/gpt_tiny.py')
+  if _TOPOLOGY.value is not None:
+    return _compile_for_topology(cfg)
+  # Importing jax is fine before the device count is set; starting it is not.
+  from triax.training import loop
+
+  devices = _CPU_DEVICES.value
+  if devices is None:
+    devices = loop.recorded_cpu_devices(_WORKDIR.value)  # a resume gets the devices it had
+  cli.force_cpu_devices(devices)
   mesh.maybe_initialize_distributed()
   cli.warn_if_accelerator(_CPU_DEVICES.value)
-  from triax.training import (
-    loop,  # after the device count is set: importing jax is fine, starting it is not
-  )
 
   try:
     with cli.config_errors_exit():
@@ -111,7 +120,47 @@ def main(argv):
     )
 
 
+def _compile_for_topology(cfg) -> None:
+  """--compile_only --topology: the run's programs compiled by XLA:TPU here; exit 3 if they do not fit."""
+  if not _COMPILE_ONLY.value:
+    cli.fail(
+      '--topology', 'compiles only: add --compile_only (there is no such slice here to train on)'
+    )
+  if _CPU_DEVICES.value is not None:
+    cli.fail('--cpu_devices', 'has no meaning with --topology (the slice gives the devices)')
+  from triax import topology
+  from triax.training import aot
+
+  with cli.config_errors_exit():
+    slice_ = topology.parse(_TOPOLOGY.value, _TOPOLOGY_SLICES.value)
+    stats = aot.compile_for_topology(cfg, _WORKDIR.value, slice_)
+  print(f'compile stats: {os.path.abspath(_WORKDIR.value)}/compile_stats.json')
+  for buffer in stats['largest_buffers'][:3]:
+    print(f'  {buffer["bytes"] / 2**30:7.2f} GiB  {buffer["shape"]}  {buffer["op_name"]}')
+  print(stats['fit_line'])
+  if not stats['fits']:
+    sys.exit(cli.EXIT_DOES_NOT_FIT)
+
+
+def with_workdir_config(argv: list[str]) -> list[str]:
+  """argv with `--config=.../workdir_config.py:DIR` added when it names no config and
+  --workdir=DIR holds a config.json: resuming (or fine-tuning an import) by the
+  workdir alone, where --config.x overrides need a config file to apply to."""
+  if any(a == '--config' or a.startswith('--config=') for a in argv[1:]):
+    return argv
+  workdir = None
+  for i, arg in enumerate(argv[1:], 1):
+    if arg.startswith('--workdir='):
+      workdir = arg.split('=', 1)[1]
+    elif arg == '--workdir' and i + 1 < len(argv):
+      workdir = argv[i + 1]
+  if not workdir or not os.path.isfile(os.path.join(workdir, 'config.json')):
+    return argv
+  return [argv[0], f'--config={workdir_config.__file__}:{workdir}', *argv[1:]]
+
+
 def run():
+  sys.argv = with_workdir_config(sys.argv)
   cli.run(main)
 
 

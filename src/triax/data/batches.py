@@ -171,8 +171,13 @@ class BatchStream:
     process_count: int = 1,
     split_name: str = 'train',
     mask_documents: bool = False,
+    evaluation: bool = False,
   ):
     """Builds the stream; checks that the split holds at least one batch.
+
+    An `evaluation` split needs one window only: one shorter than a batch is
+    repeated from its start to fill the batch, as torch's DistributedSampler
+    pads an eval set, so a small corpus's validation still has a loss.
 
     Args:
       tokens: a 1-D integer token array, a TokenStream, or a Mixture of samples.
@@ -183,6 +188,7 @@ class BatchStream:
       process_count: processes sharing each global batch (for the default rows).
       split_name: named in error messages ('train', 'val').
       mask_documents: add int32 'segment_ids' (document number within the row).
+      evaluation: the split is only evaluated on (`eval_batch`): one window is enough.
 
     Raises:
       ConfigError: a batch does not divide over the processes, or the split is
@@ -217,9 +223,16 @@ class BatchStream:
       unit = 'tokens'
     else:
       samples = Samples(tokens, seq_len, seed, mask_documents)
-      short = [samples] if samples.num_windows < global_batch_size else []
+      short = [samples] if samples.num_windows < (1 if evaluation else global_batch_size) else []
       size = tokens.size
       unit = 'bytes' if tokens.dtype == np.uint8 else 'tokens'
+    if short and evaluation:
+      raise ConfigError(
+        'data.path',
+        f'{split_name} text has {size} {unit}: too little for one window of {seq_len + 1}; '
+        'hold out more of the text (triax prepare --val_fraction), give more, or lower '
+        'model.seq_len',
+      )
     if short:
       raise ConfigError(
         'data.path',
@@ -272,15 +285,16 @@ class BatchStream:
     return self._stack([self.samples.read(x) for x in g])
 
   def eval_batch(self, index: int, rows: tuple[int, int] | None = None) -> Batch:
-    """Evaluation batch `index`: windows index*B ... in text order, unshuffled."""
+    """Evaluation batch `index`: windows index*B ... in text order, unshuffled
+    (modulo N: a split shorter than one batch repeats from its start)."""
     if isinstance(self.samples, Mixture):
       raise ValueError('evaluation batches come from one source')
-    k = index * self.global_batch_size + self._rows(rows)
+    k = (index * self.global_batch_size + self._rows(rows)) % self.num_windows
     return self._stack([self.samples.window(x) for x in k])
 
   def num_eval_batches(self, num_batches: int) -> int:
-    """min(num_batches, N // B): never more than the split holds, so no window repeats."""
-    return min(num_batches, self.num_windows // self.global_batch_size)
+    """min(num_batches, N // B), at least one: no window repeats unless N < B."""
+    return min(num_batches, max(1, self.num_windows // self.global_batch_size))
 
   def eval_batches(self, num_batches: int) -> list[Batch]:
     """Fixed evaluation batches (this process's rows): the first windows in text order."""

@@ -102,7 +102,7 @@ def load(cfg) -> Data:
     ]
     train = BatchStream(Mixture(parts, weights, seed), split_name='train', **args)
     # Evaluation stays on one fixed text: the first source's validation split.
-    val = BatchStream(splits[0].val, split_name='validation', **args)
+    val = BatchStream(splits[0].val, split_name='validation', evaluation=True, **args)
     per_source = '; '.join(
       f'{w / sum(weights):.1%} {split.what} ({split.train.size:,} train tokens, '
       f'{cfg.train.steps * b * w / sum(weights) / max(p.num_windows, 1):.3g} epochs)'
@@ -113,7 +113,7 @@ def load(cfg) -> Data:
   else:
     split = open_source(d.source, d.path, cfg)
     train = BatchStream(split.train, split_name='train', **args)
-    val = BatchStream(split.val, split_name='validation', **args)
+    val = BatchStream(split.val, split_name='validation', evaluation=True, **args)
     docs = ''
     if split.train.num_documents is not None:
       docs = (
@@ -134,6 +134,8 @@ def load(cfg) -> Data:
     f'data: {what}; {train.num_windows:,} windows of {s + 1} tokens per epoch; '
     f'{cfg.train.steps} steps x {b} = {epochs:.3g} epochs'
   )
+  if val.num_windows < b:
+    description += f'; validation: {val.num_windows} windows, repeated to fill a batch of {b}'
   return Data(
     train=train,
     val=val,

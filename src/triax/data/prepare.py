@@ -134,13 +134,13 @@ def _write_splits(spec, tok, files, text_key, val_fraction, workers, shard_token
   """Tokenizes every document into `where`; returns the manifest's per-split records."""
   writers = {s: SplitWriter(where, s, dtype_for(tok.vocab_size), shard_tokens) for s in SPLITS}
   every = max(2, round(1 / val_fraction))
-  bar = tqdm(desc='prepare', unit=' docs', disable=not progress, dynamic_ncols=True)
   n = 0
-  for ids in _tokenize(spec, _texts(files, text_key), workers):
-    n += 1
-    writers['val' if n % every == 0 else 'train'].add(ids, tok.eod_id)
-    bar.update(1)
-  bar.close()
+  # Closed on an error too: closing ends the bar's line, so the error line starts its own.
+  with tqdm(desc='prepare', unit=' docs', disable=not progress, dynamic_ncols=True) as bar:
+    for ids in _tokenize(spec, _texts(files, text_key), workers):
+      n += 1
+      writers['val' if n % every == 0 else 'train'].add(ids, tok.eod_id)
+      bar.update(1)
   for split in SPLITS:
     if not writers[split].documents:
       raise ConfigError(
@@ -306,8 +306,11 @@ def _tokenize(spec: str, texts: Iterator[str], workers: int) -> Iterator[list[in
     for chunk in _chunks(texts):
       yield from _encode_chunk(chunk)
     return
-  # fork: workers start at once and inherit the imports (nothing here has started threads).
-  with multiprocessing.get_context('fork').Pool(workers, _init_worker, (spec,)) as pool:
+  # forkserver, not fork: the caller may have started threads (JAX's, a test
+  # runner's, filelock's), and a forked child inherits their locks held. The
+  # server process is new and single-threaded; workers fork from it and import
+  # this module once each.
+  with multiprocessing.get_context('forkserver').Pool(workers, _init_worker, (spec,)) as pool:
     for ids in pool.imap(_encode_chunk, _chunks(texts)):
       yield from ids
 

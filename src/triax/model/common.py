@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from triax.model import loss as loss_lib
+from triax.model import splash
 from triax.sharding import constrain
 
 Params = Any
@@ -51,6 +52,8 @@ class ModelSpec:
   param_dtype: str = 'float32'
   remat: str = 'none'
   attention: str = 'xla'
+  # splash only: the kernel through Pallas's interpreter, on any backend (tests; slow).
+  splash_interpret: bool = False
   # Sequence positions per cross-entropy chunk (model/loss.py); 0 = all at once.
   loss_chunk: int = 0
   # Ids from this one on are vocabulary padding (Megatron's): masked out of the
@@ -144,7 +147,13 @@ def _causal_bias(t: int, segments: jax.Array | None) -> jax.Array:
 
 
 def causal_attention(
-  q, k, v, impl: str, decode: Decode | None = None, segments: jax.Array | None = None
+  q,
+  k,
+  v,
+  impl: str,
+  decode: Decode | None = None,
+  segments: jax.Array | None = None,
+  interpret: bool = False,
 ):
   """Causal attention of q [b, t, n, hd] over k, v [b, t, kv, hd] (kv divides n).
 
@@ -156,9 +165,13 @@ def causal_attention(
   row up to its own; returns (output, (k cache, v cache)) then. With
   `segments` [b, t] (the document number of each position of a packed row,
   data.mask_documents), a query attends only within its own document.
+  `impl`: xla, cudnn or splash (the TPU kernel; `interpret` runs it through
+  Pallas's interpreter on any backend).
   """
   group = q.shape[2] // k.shape[2]
   repeat = lambda t: constrain(jnp.repeat(t, group, axis=2), ('batch', 'seq', 'heads', 'kv'))
+  if decode is None and impl == 'splash':
+    return splash.attention(q, repeat(k), repeat(v), segments, interpret=interpret)
   if decode is None:
     if impl == 'xla':
       # An additive bias rather than a mask: `where(mask, logits, -big)` keeps
@@ -192,6 +205,18 @@ def causal_attention(
     implementation='xla',  # a mask and a length-1 query: the fused kernels take neither here
   )
   return out, (k_cache, v_cache)
+
+
+def _per_layer(p: Params) -> Params:
+  """One layer's weights, times a one XLA cannot fold (it depends on their own
+  values: x == x is false for NaN, which would make the layer's output NaN
+  anyway). Without it, XLA:TPU hoists the bf16 cast of every layer's weights
+  out of the layer loop (and a pipeline's tick loop) and holds a bf16 copy of
+  the whole stack for the step (a 1B model's pipeline stage: 0.45 GiB)
+  instead of one layer's while it runs. The product fuses into the cast."""
+  lead = jax.tree.leaves(p)[0].ravel()[0]
+  one = (lead == lead).astype(lead.dtype)
+  return jax.tree.map(lambda w: w * one.astype(w.dtype), p)
 
 
 def _axes_tree(boxed: Params) -> Params:
@@ -282,9 +307,16 @@ class DecoderModel:
     padding (uneven pipeline splits) and are skipped under `cond`. With
     `segments` [b, s], attention stays inside each packed document.
     """
+
     layer = lambda p, h: self.layer(p, h, segments)  # noqa: E731
     if self.spec.remat != 'none':
-      layer = jax.checkpoint(layer, policy=REMAT_POLICIES[self.spec.remat])
+      # Recomputed, the weights' product with _per_layer's one is no
+      # residual (without remat it would be one: a copy of the weights in
+      # every stashed micro-batch).
+      layer = jax.checkpoint(
+        lambda p, h: self.layer(_per_layer(p), h, segments),
+        policy=REMAT_POLICIES[self.spec.remat],
+      )
     if num_active is None:
       x, _ = jax.lax.scan(lambda h, p: (layer(p, h), None), x, stacked_params)
       return x
@@ -312,6 +344,25 @@ class DecoderModel:
       lambda h: self.head_logits(head_params, h),
       x,
       targets,
+      self.spec.loss_chunk,
+      self.spec.vocab_used,
+    )
+
+  def head_loss_and_grad(self, edges: Params, x, targets, acc: Params, scale: float):
+    """The pipeline's last stage: (scale x head_loss, acc + its gradient
+    w.r.t. `edges`, its gradient w.r.t. x). `edges` holds the model's 'embed'
+    and 'head' params (a tied table's gradient lands in 'embed'); each loss
+    chunk's gradient is added to `acc` as it is made (loss.cross_entropy_and_grad)."""
+    return self._head_grad(lambda e: self.edge_params(e)[1], edges, x, targets, acc, scale)
+
+  def _head_grad(self, head_of, params: Params, x, targets, acc: Params, scale: float):
+    return loss_lib.cross_entropy_and_grad(
+      lambda p, h: self.head_logits(head_of(p), h),
+      params,
+      x,
+      targets,
+      acc,
+      scale,
       self.spec.loss_chunk,
       self.spec.vocab_used,
     )
@@ -353,4 +404,28 @@ class DecoderModel:
     """Mean next-token cross-entropy of a batch on one program (no pipeline)."""
     embed_params, head_params = self.edge_params(params)
     x = self.layers(params['layers'], self.embed(embed_params, inputs), segments=segments)
-    return self.head_loss(head_params, x, targets) / targets.size
+    return self._head_loss_differentiated_forward(head_params, x, targets) / targets.size
+
+  def _head_loss_differentiated_forward(self, head_params: Params, x, targets) -> jax.Array:
+    """head_loss, whose gradients are made with its value (one loss chunk's
+    logits at a time, loss.cross_entropy_and_grad) and kept for the backward,
+    which only scales them: the backward neither recomputes the logits nor
+    reads the output layer again (with FSDP, no second gathered copy of a
+    vocabulary-sized table), at the cost of holding the head's gradient
+    from the forward on (it is made whole in the backward either way)."""
+
+    @jax.custom_vjp
+    def head(head_params, x):
+      return self.head_loss(head_params, x, targets)
+
+    def forward(head_params, x):
+      zeros = jax.tree.map(jnp.zeros_like, head_params)
+      loss, g, dx = self._head_grad(lambda p: p, head_params, x, targets, zeros, 1.0)
+      return loss, (g, dx)
+
+    def backward(res, ct):
+      g, dx = res
+      return jax.tree.map(lambda a: a * ct.astype(a.dtype), g), (dx * ct).astype(dx.dtype)
+
+    head.defvjp(forward, backward)
+    return head(head_params, x)

@@ -79,8 +79,7 @@ class Block(nn.Module):
     k = jnp.einsum('bsd,dnk->bsnk', h, wk.astype(dt))
     v = jnp.einsum('bsd,dnk->bsnk', h, wv.astype(dt))
     q, k, v = (constrain(t, ('batch', 'seq', 'heads', 'kv')) for t in (q, k, v))
-    impl = 'cudnn' if s.attention == 'cudnn' else 'xla'
-    a = causal_attention(q, k, v, impl, decode, segments)
+    a = causal_attention(q, k, v, s.attention, decode, segments, s.splash_interpret)
     if decode is not None:
       a, cache = a
     x = x + constrain(jnp.einsum('bsnk,nkd->bsd', a, wo.astype(dt)), ('batch', 'seq', 'embed'))

@@ -164,8 +164,7 @@ class Block(nn.Module):
     v = jnp.einsum('bsd,dnk->bsnk', h, wv.astype(dt))
     q = constrain(q, ('batch', 'seq', 'heads', 'kv'))
     k, v = (constrain(t, ('batch', 'seq', 'kv_heads', 'kv')) for t in (k, v))
-    impl = 'cudnn' if s.attention == 'cudnn' else 'xla'
-    a = causal_attention(q, k, v, impl, decode, segments)
+    a = causal_attention(q, k, v, s.attention, decode, segments, s.splash_interpret)
     if decode is not None:
       a, cache = a
     x = x + constrain(jnp.einsum('bsnk,nkd->bsd', a, wo.astype(dt)), ('batch', 'seq', 'embed'))

@@ -76,3 +76,50 @@ def cross_entropy_sum(
   # have to match the manual axes x varies over inside the pipeline.
   _, sums = jax.lax.scan(lambda _, xt: (None, piece(*xt)), None, (xs, ts))
   return jnp.sum(sums)
+
+
+def cross_entropy_and_grad(
+  logits_fn: Callable,
+  params,
+  x: jax.Array,
+  targets: jax.Array,
+  acc,
+  scale: float,
+  chunk: int = 0,
+  vocab_used: int = 0,
+):
+  """(scale x the summed cross-entropy, acc + its gradient w.r.t. params, its gradient w.r.t. x).
+
+  logits_fn(params, x) -> fp32 logits; `acc` is a gradient tree like params
+  (the caller's accumulator). With `chunk` (dividing s), one chunk of
+  positions at a time: a scan whose carry is `acc`, each chunk's forward and
+  backward run together and its parameter gradient added at once. Neither
+  the micro-batch's logits nor a second parameter gradient exist then; the
+  gradient of a vocabulary-sized table (1 GiB in fp32 at 128k x 2048) has
+  the caller's buffer only, and each chunk's logits are computed once (the
+  checkpointed scan of `cross_entropy_sum` computes them again in its
+  backward).
+  """
+
+  def piece(p, h, t):
+    return _summed(logits_fn(p, h), t, vocab_used) * scale
+
+  def grads(acc, h, t):
+    loss, vjp = jax.vjp(lambda p, h: piece(p, h, t), params, h)
+    g, dh = vjp(jnp.ones_like(loss))
+    return jax.tree.map(jnp.add, acc, g), loss, dh
+
+  b, s = targets.shape
+  if not chunk or chunk >= s:
+    acc, loss, dx = grads(acc, x, targets)
+    return loss, acc, dx
+  n = s // chunk
+  xs = jnp.swapaxes(x.reshape(b, n, chunk, x.shape[-1]), 0, 1)
+  ts = jnp.swapaxes(targets.reshape(b, n, chunk), 0, 1)
+
+  def step(acc, xt):
+    acc, loss, dh = grads(acc, *xt)
+    return acc, (loss, dh)
+
+  acc, (losses, dxs) = jax.lax.scan(step, acc, (xs, ts))
+  return jnp.sum(losses), acc, jnp.swapaxes(dxs, 0, 1).reshape(x.shape)

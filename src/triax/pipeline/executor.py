@@ -48,6 +48,7 @@ places (`StageFns`) and the lowered `Program`.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -67,16 +68,24 @@ Params = Any
 class StageFns:
   """What the executor places on stages.
 
-  embed(embed_params, tokens[mb, s]) -> x[mb, s, d]       first chunk's input
-  chunk(chunk_params, x[, num_layers][, segments=]) -> y   one chunk's layers (the
+  `edges` are the parameters of the pipeline's two ends (embedding and head),
+  one tree, so that a weight both ends use (a tied embedding table) has one
+  gradient buffer, into which both ends' gradients are added.
+
+  embed(edges, tokens[mb, s]) -> x[mb, s, d]                 first chunk's input
+  chunk(chunk_params, x[, num_layers][, segments=]) -> y      one chunk's layers (the
       first num_layers of its padded stack, when the split is uneven; with
       segments[mb, s], attention stays inside each packed document)
-  head_loss(head_params, y, targets[mb, s]) -> scalar     summed token loss
+  head_loss_and_grad(edges, y, targets[mb, s], acc, scale) -> (loss, acc, dy):
+      scale x the summed token loss, `acc` (a gradient tree like edges) with
+      that loss's gradient w.r.t. edges added, and its gradient w.r.t. y. The
+      accumulator is handed in so that no second vocabulary-sized gradient
+      exists beside it (model/loss.py adds each chunk's share as it goes).
   """
 
   embed: Callable[[Params, jax.Array], jax.Array]
   chunk: Callable[[Params, jax.Array], jax.Array]
-  head_loss: Callable[[Params, jax.Array, jax.Array], jax.Array]
+  head_loss_and_grad: Callable[..., tuple[jax.Array, Params, jax.Array]]
 
 
 def _varying(tree, axes=('pipe',)):
@@ -99,6 +108,34 @@ def _varying(tree, axes=('pipe',)):
 
 def _zeros_like_varying(tree, axes=('pipe',)):
   return _varying(jax.tree.map(jnp.zeros_like, tree), axes)
+
+
+def _all_reduce(x, axes: tuple[str, ...], sizes: dict[str, int], spec: P | None):
+  """psum over `axes`, as a reduce-scatter then an all-gather where it can be.
+
+  `sizes`: every mesh axis's size; `spec`: how x is split over the
+  automatic axes.
+
+  The same bytes on the wire as one all-reduce (a ring all-reduce is these
+  two), but the operand is dead once scattered, so the gathered result takes
+  its memory: XLA:TPU gives a psum's result a buffer beside its operand,
+  which for the vocabulary-sized gradient of the embedding and head (1 GiB
+  at 128k x 2048 in fp32) is a second one at the step's end. The split
+  dimension's share stays a multiple of TPU's 128 lanes (a share that is not
+  made XLA pad a copy of the whole). Only for values `spec` leaves whole: GSPMD does not carry an automatic
+  split through these collectives over manual axes (a vocabulary split over
+  `tensor` came out whole, 2 GiB a table at Llama 3.1 8B's size), so those
+  take the psum.
+  """
+  n = math.prod(sizes[a] for a in axes)
+  split = lambda entry: math.prod(sizes[a] for a in ((entry,) if isinstance(entry, str) else entry))  # noqa: E731
+  whole = spec is not None and all(entry is None or split(entry) == 1 for entry in spec)
+  fits = [d for d in range(x.ndim) if x.shape[d] % (128 * n) == 0]
+  if n == 1 or not whole or not fits:
+    return jax.lax.psum(x, axes)
+  dim = fits[-1]
+  part = jax.lax.psum_scatter(x, axes, scatter_dimension=dim, tiled=True)
+  return jax.lax.all_gather(part, axes, axis=dim, tiled=True, to='invarying')
 
 
 def _take(tree, index):
@@ -127,8 +164,9 @@ def pipeline_loss_and_grad(
   data_axis: str | None = None,
   transfer_spec: P | None = None,
   segments: bool = False,
+  edge_specs: Any = None,
 ):
-  """Builds f(stage_params, embed_params, head_params, inputs, targets[, segments]).
+  """Builds f(stage_params, edge_params, inputs, targets[, segments]).
 
   Args:
     fns: the functions to place.
@@ -148,14 +186,17 @@ def pipeline_loss_and_grad(
       that weight gradients are reduced over it once per step; the
       functions in `fns` then see one replica's rows, and act_spec must not
       name it. None: left to GSPMD (reduced per micro-batch).
+    edge_specs: how each edge parameter is split over the automatic axes
+      (a tree of PartitionSpecs like edge_params'), which decides how their
+      gradients are summed (see `_all_reduce`); None: one psum each.
     transfer_spec: how an activation or gradient is split while it travels
       between stages and waits in the message pool (Megatron's
       scatter/gather, e.g. P(None, None, 'tensor'): each tensor rank sends
       1/t of it, and the reader all-gathers it); None: as act_spec.
 
   Returns:
-    f(stage_params, embed_params, head_params, inputs, targets) ->
-    (loss, (stage_grads, embed_grads, head_grads)). `stage_params` leaves are
+    f(stage_params, edge_params, inputs, targets) -> (loss, (stage_grads,
+    edge_grads)). `stage_params` leaves are
     [pipe, v, layers_per_chunk, ...] sharded over `pipe`, local chunk i of
     stage s at [s, i]; inputs and targets are [m, mb, s].
   """
@@ -215,10 +256,7 @@ def pipeline_loss_and_grad(
   def pin_buffer(x):
     return jax.lax.with_sharding_constraint(x, P(None, *message_spec))
 
-  def scaled_head_loss(head_params, y, targets):
-    return fns.head_loss(head_params, y, targets) * loss_scale
-
-  def body(stage_params, embed_params, head_params, inputs, targets, *docs):
+  def body(stage_params, edges, inputs, targets, *docs):
     doc_ids = docs[0] if docs else None
     local = jax.tree.map(lambda a: a[0], stage_params)  # [v, layers_per_chunk, ...]
     # Replicated weights become per-device values here, outside any branch
@@ -228,7 +266,7 @@ def pipeline_loss_and_grad(
     # `data` in every backward. Cast here, they transpose into one psum each,
     # after the scan.
     local = _varying(local, manual)
-    embed_params, head_params = _varying((embed_params, head_params), manual)
+    edges = _varying(edges, manual)
     stage = jax.lax.axis_index('pipe')
     x_zero = pin(_varying(jnp.zeros(act_shape, act_dtype), manual))
 
@@ -275,30 +313,35 @@ def pipeline_loss_and_grad(
       stash=pool(n_stash, stash_shapes),
       cut=pool(n_cut, cut_leaves),
       g_stage=_zeros_like_varying(local, manual),
-      g_embed=_zeros_like_varying(embed_params, manual),
-      g_head=_zeros_like_varying(head_params, manual),
+      g_edges=_zeros_like_varying(edges, manual),
       loss=_varying(jnp.zeros((), jnp.float32), manual),
     )
+    carry0 = jax.lax.optimization_barrier(carry0)
 
     def forward(c, row):
       mb, chunk = row['mb'], row['chunk']
       chunk_params = _take(local, row['local'])
       x = jax.lax.cond(
         chunk == 0,
-        lambda: pin(fns.embed(embed_params, inputs[mb]).astype(act_dtype)),
+        lambda: pin(fns.embed(edges, inputs[mb]).astype(act_dtype)),
         lambda: pin(c['msg'][row['src']]),
       )
       y, vjp_fn = chunk_vjp(chunk_params, x, chunk, None if doc_ids is None else doc_ids[mb])
       c = dict(c, stash=_put(c['stash'], row['stash'], split_residuals(vjp_fn, chunk_params)))
 
       def loss_and_seed(c):
-        loss, (g_head, dy) = jax.value_and_grad(scaled_head_loss, argnums=(0, 1))(
-          head_params, y, targets[mb]
-        )
+        # The edges times a one XLA cannot fold (it depends on the tick's
+        # row): otherwise XLA hoists the head's bf16 cast of its table out of
+        # the tick loop and holds it for the whole step (0.5 GiB at 128k x
+        # 2048) rather than while the head runs. The product fuses into the
+        # cast, and its gradient into the accumulation.
+        one = (mb >= 0).astype(jnp.float32)
+        here = jax.tree.map(lambda a: a * one.astype(a.dtype), edges)
+        loss, g_edges, dy = fns.head_loss_and_grad(here, y, targets[mb], c['g_edges'], loss_scale)
         return dict(
           c,
           loss=c['loss'] + loss,
-          g_head=jax.tree.map(jnp.add, c['g_head'], g_head),
+          g_edges=g_edges,
           msg=c['msg'].at[row['loss']].set(pin_message(dy.astype(act_dtype))),
         )
 
@@ -314,20 +357,19 @@ def pipeline_loss_and_grad(
       c = dict(c, cut=_put(c['cut'], row['cut'], jax.tree.leaves(cut)))
 
       def embed_backward(c):
-        _, embed_vjp = jax.vjp(lambda e: fns.embed(e, inputs[mb]).astype(act_dtype), embed_params)
-        (g_embed,) = embed_vjp(dx.astype(act_dtype))
-        return dict(c, g_embed=jax.tree.map(jnp.add, c['g_embed'], g_embed))
+        _, embed_vjp = jax.vjp(lambda e: fns.embed(e, inputs[mb]).astype(act_dtype), edges)
+        (g_edges,) = embed_vjp(dx.astype(act_dtype))
+        return dict(c, g_edges=jax.tree.map(jnp.add, c['g_edges'], g_edges))
 
       c = jax.lax.cond(chunk == 0, embed_backward, lambda c: c, c)
       return c, pin(dx.astype(act_dtype))
 
     def weight(c, row):
       cut = jax.tree.unflatten(cut_tree, [s[row['cut']] for s in c['cut']])
-      g_chunk = split.w(residuals(c, row), cut)
-      c = dict(
-        c, g_stage=jax.tree.map(lambda g, d: g.at[row['local']].add(d), c['g_stage'], g_chunk)
-      )
-      return c, x_zero
+      # Added into the stage's gradients as W makes them (layer by layer in
+      # its scan): the chunk's gradients never exist on their own beside them.
+      g_stage = split.w(residuals(c, row), cut, acc=(c['g_stage'], row['local']))
+      return dict(c, g_stage=g_stage), x_zero
 
     def idle(c, row):
       return c, x_zero
@@ -387,21 +429,32 @@ def pipeline_loss_and_grad(
     # replicated embedding/head, over `data` for the stage's own layers.
     replicas = manual[1:]
     loss = jax.lax.psum(c['loss'], manual)
-    g_embed = jax.lax.psum(c['g_embed'], manual)
-    g_head = jax.lax.psum(c['g_head'], manual)
+    sizes = dict(mesh.shape)
+    leaves, tree = jax.tree.flatten(c['g_edges'])
+    # The reduce-scatter and all-gather are for XLA:TPU (see `_all_reduce`);
+    # elsewhere one psum each.
+    on_tpu = mesh.devices.flat[0].platform == 'tpu'
+    specs = (
+      jax.tree.leaves(edge_specs, is_leaf=lambda x: isinstance(x, P))
+      if on_tpu and edge_specs is not None
+      else [None] * len(leaves)
+    )
+    g_edges = tree.unflatten(
+      [_all_reduce(g, manual, sizes, spec) for g, spec in zip(leaves, specs, strict=True)]
+    )
     g_stage = c['g_stage']
     if replicas:
       g_stage = jax.lax.psum(g_stage, replicas)
     g_stage = jax.tree.map(lambda g: g[None], g_stage)
-    return loss, (g_stage, g_embed, g_head)
+    return loss, (g_stage, g_edges)
 
   rows = P(None, data_axis) if data_axis else P()
   run = jax.shard_map(
     body,
     mesh=mesh,
     axis_names=set(manual),
-    in_specs=(P('pipe'), P(), P(), rows, rows) + ((rows,) if segments else ()),
-    out_specs=(P(), (P('pipe'), P(), P())),
+    in_specs=(P('pipe'), P(), rows, rows) + ((rows,) if segments else ()),
+    out_specs=(P(), (P('pipe'), P())),
   )
   return PipelineStep(run, info)
 

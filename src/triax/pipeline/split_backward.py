@@ -26,6 +26,7 @@ The split is generic: it needs no cooperation from the model.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from collections.abc import Callable
 from typing import Any
@@ -155,11 +156,20 @@ def _run_b(plan: _Plan, invals: dict[int, Any]):
   return outs, ([env[v] for v in plan.cuts], sub_cuts)
 
 
-def _run_w(plan: _Plan, invals: dict[int, Any], cuts) -> dict[int, Any]:
-  """Runs the W part from its inputs and B's cut: outputs need_w -> value."""
+def _run_w(plan: _Plan, invals: dict[int, Any], cuts, acc=None) -> dict[int, Any]:
+  """Runs the W part from its inputs and B's cut: outputs need_w -> value.
+
+  With `acc` (outvar index -> (accumulator, index prefix)), those outputs are
+  added into their accumulators at `prefix` and the accumulators returned in
+  their place; where an output is a scan's stacked per-iteration values
+  (a layer stack's weight gradients), each iteration adds its own into the
+  accumulator inside the scan, so the stack never exists on its own.
+  """
+  acc = acc or {}
   env = _env(plan, invals)
   cut_vals, sub_cuts = cuts
   env.update(zip(plan.cuts, cut_vals))
+  inside = _accumulated_in_scans(plan, acc)
   for n, eqn in enumerate(plan.jaxpr.eqns):
     role = plan.roles[n]
     if role == _W:
@@ -167,14 +177,45 @@ def _run_w(plan: _Plan, invals: dict[int, Any], cuts) -> dict[int, Any]:
       env.update(zip(eqn.outvars, outs))
     elif role == _SPLIT:
       rule = _RULES[eqn.primitive.name]
+      into = {k: acc[i] for (m, k), i in inside.items() if m == n}
       outs = rule.run_w(
         plan.subs[n],
         eqn,
         [_read(env, v) if i in plan.subs[n].ins_w else None for i, v in enumerate(eqn.invars)],
         sub_cuts[n],
+        *((into,) if into else ()),
       )
       env.update({eqn.outvars[k]: val for k, val in outs.items()})
-  return {i: _read(env, plan.jaxpr.outvars[i]) for i in plan.need_w}
+  done = set(inside.values())
+  out = {}
+  for i in plan.need_w:
+    value = _read(env, plan.jaxpr.outvars[i])
+    if i in acc and i not in done:
+      total, prefix = acc[i]
+      value = total.at[prefix].add(value.astype(total.dtype))
+    out[i] = value
+  return out
+
+
+def _accumulated_in_scans(plan: _Plan, acc: dict) -> dict[tuple[int, int], int]:
+  """(scan equation, its output k) -> outvar index, for accumulated outputs a
+  split scan's W stacks and nothing else reads."""
+  if not acc:
+    return {}
+  read = collections.Counter(
+    v for n, eqn in enumerate(plan.jaxpr.eqns) if plan.roles[n] != _DEAD for v in eqn.invars
+  )
+  read.update(plan.jaxpr.outvars)
+  found = {}
+  for n, eqn in enumerate(plan.jaxpr.eqns):
+    if plan.roles[n] != _SPLIT or not isinstance(_RULES[eqn.primitive.name], _Scan):
+      continue
+    for k in plan.subs[n].extra['yw']:
+      var = eqn.outvars[k]
+      for i in acc:
+        if plan.jaxpr.outvars[i] is var and read[var] == 1:
+          found[(n, k)] = i
+  return found
 
 
 # ------------------------------------------------------------------ rules
@@ -190,18 +231,31 @@ class _Sub:
   extra: dict = dataclasses.field(default_factory=dict)
 
 
+def _open(jaxpr) -> tuple[Any, tuple]:
+  """(open jaxpr, its consts) of a closed or open jaxpr (jax 0.12's scan holds an open one)."""
+  if isinstance(jaxpr, core.ClosedJaxpr):
+    return jaxpr.jaxpr, tuple(jaxpr.consts)
+  return jaxpr, ()
+
+
+def _scan_counts(eqn) -> tuple[int, int]:
+  """(consts, carries) of a scan equation's operands, which come in the order consts, carries, xs.
+
+  jax 0.10 names the counts (`num_consts`, `num_carry`); jax 0.12 gives the
+  operands' flat tree (`ft_in`) of the three groups instead.
+  """
+  params = eqn.params
+  if 'num_consts' in params:
+    return params['num_consts'], params['num_carry']
+  consts, carry, _ = params['ft_in'].unpack()
+  return len(consts), len(carry)
+
+
 class _Inline:
   """`jit` and `checkpoint`: the inner jaxpr's parts run inline."""
 
-  @staticmethod
-  def _inner(eqn):
-    inner = eqn.params['jaxpr']
-    if isinstance(inner, core.ClosedJaxpr):
-      return inner.jaxpr, inner.consts
-    return inner, ()
-
   def analyze(self, eqn, ob, ow):
-    jaxpr, consts = self._inner(eqn)
+    jaxpr, consts = _open(eqn.params['jaxpr'])
     plan = _analyze(jaxpr, consts, ob, ow)
     return _Sub(plan, set(plan.b_in), set(plan.w_in)), plan.b_in, plan.w_in
 
@@ -219,14 +273,14 @@ class _Scan:
   """`scan`: a B scan emitting each iteration's cut, then a W scan reading it."""
 
   def analyze(self, eqn, ob, ow):
-    nc, nk = eqn.params['num_consts'], eqn.params['num_carry']
-    body = eqn.params['jaxpr']
+    nc, nk = _scan_counts(eqn)
+    body, body_consts = _open(eqn.params['jaxpr'])
     kb = {k for k in ob if k < nk}
     yb = {k for k in ob if k >= nk}
     # Carries B needs: those whose results it reads, closed under the body's
     # dependencies (a carry feeding a B carry is B's too).
     while True:
-      plan = _analyze(body.jaxpr, body.consts, kb | yb, ())
+      plan = _analyze(body, body_consts, kb | yb, ())
       more = {i - nc for i in plan.b_in if nc <= i < nc + nk} - kb
       if not more:
         break
@@ -234,7 +288,7 @@ class _Scan:
     kw = {k for k in ow if k < nk} - kb
     yw = {k for k in ow if k >= nk}
     while True:
-      plan = _analyze(body.jaxpr, body.consts, kb | yb, kw | yw)
+      plan = _analyze(body, body_consts, kb | yb, kw | yw)
       more = {i - nc for i in plan.w_in if nc <= i < nc + nk} - kb - kw
       if not more:
         break
@@ -267,7 +321,7 @@ class _Scan:
 
   def run_b(self, sub, eqn, invals):
     x, plan = sub.extra, sub.plans
-    nc = eqn.params['num_consts']
+    nc = _scan_counts(eqn)[0]
     consts = {i: invals[i] for i in x['consts_b']}
 
     def body(carry, xs):
@@ -292,30 +346,42 @@ class _Scan:
     outs.update(zip(x['yb'], ys))
     return outs, (cuts, carried)
 
-  def run_w(self, sub, eqn, invals, cuts):
+  def run_w(self, sub, eqn, invals, cuts, acc=None):
+    """The W scan; `acc` (output k -> (accumulator, prefix)): those stacked
+    outputs are added into accumulator[prefix + (iteration,)] as they are made."""
     x, plan = sub.extra, sub.plans
-    nc = eqn.params['num_consts']
+    nc = _scan_counts(eqn)[0]
     consts = {i: invals[i] for i in x['consts_w']}
+    acc = acc or {}
+    into = sorted(acc)
+    stacked = [y for y in x['yw'] if y not in acc]
 
     def body(carry, xs):
-      own, (cut, carried) = xs
+      own_carry, totals = carry
+      index, own, (cut, carried) = xs
       vals = dict(consts)
-      vals.update({nc + k: c for k, c in zip(x['kw'], carry)})
+      vals.update({nc + k: c for k, c in zip(x['kw'], own_carry)})
       vals.update(zip(x['xs_w'], own))
       vals.update(zip(x['carries_cut'], carried))
       outs = _run_w(plan, vals, cut)
-      return [outs[k] for k in x['kw']], [outs[y] for y in x['yw']]
+      totals = [
+        t.at[acc[k][1] + (index,)].add(outs[k].astype(t.dtype)) for k, t in zip(into, totals)
+      ]
+      return ([outs[k] for k in x['kw']], totals), [outs[y] for y in stacked]
 
-    carry, ys = jax.lax.scan(
+    length = eqn.params['length']
+    (carry, totals), ys = jax.lax.scan(
       body,
-      [invals[nc + k] for k in x['kw']],
-      ([invals[i] for i in x['xs_w']], cuts),
-      length=eqn.params['length'],
+      ([invals[nc + k] for k in x['kw']], [acc[k][0] for k in into]),
+      # The iteration's position in the stack (a reversed scan counts down).
+      (jnp.arange(length), [invals[i] for i in x['xs_w']], cuts),
+      length=length,
       reverse=eqn.params['reverse'],
       unroll=eqn.params['unroll'],
     )
     outs = dict(zip(x['kw'], carry))
-    outs.update(zip(x['yw'], ys))
+    outs.update(zip(stacked, ys))
+    outs.update(zip(into, totals))
     return outs
 
   def cut_avals(self, sub, eqn):
@@ -360,7 +426,7 @@ class _Cond:
   """`cond`: a B switch returning every branch's cut (zeros for the others)."""
 
   def analyze(self, eqn, ob, ow):
-    plans = [_analyze(br.jaxpr, br.consts, ob, ow) for br in eqn.params['branches']]
+    plans = [_analyze(*_open(br), ob, ow) for br in eqn.params['branches']]
     ins_b = {0} | {1 + i for p in plans for i in p.b_in}
     ins_w = {0} | {1 + i for p in plans for i in p.w_in}
     return _Sub(plans, ins_b, ins_w), ins_b, ins_w
@@ -439,11 +505,22 @@ class SplitBackward:
     outs, cuts = _run_b(self._plan, invals)
     return outs[self._dx], (g if self._g_in_w else None, cuts)
 
-  def w(self, residuals, cut):
+  def w(self, residuals, cut, acc=None):
+    """The weight gradients; with acc = (gradient tree, index), added into
+    the tree at `index` (its leaves are stacks of the weight gradients' shape
+    behind the index's dimensions) and the tree returned instead."""
     g, cuts = cut
     invals = {i: residuals[i] for i in self._plan.w_in if i < self._n_res}
     if self._g_in_w:
       invals[self._n_res] = g
-    outs = _run_w(self._plan, invals, cuts)
+    totals = None
+    if acc is not None:
+      tree, index = acc
+      prefix = tuple(index) if isinstance(index, tuple) else (index,)
+      totals = jax.tree.leaves(tree)
+      acc = {i: (t, prefix) for i, t in enumerate(totals)}
+    outs = _run_w(self._plan, invals, cuts, acc)
     leaves = [outs[i] for i in range(self._dx)]
+    if totals is not None:
+      return jax.tree.unflatten(jax.tree.structure(tree), leaves)
     return jax.tree.unflatten(self._out_tree, leaves + [None])[0]

@@ -407,7 +407,7 @@ def text(result: search_lib.SearchResult, cfg, request: Request | None = None) -
   for key, name in BASELINE_NAMES.items():
     e = result.baselines.get(key)
     if e is None:
-      lines.append(f'  {name:50s}   (none fits)')
+      lines.append(f'  {name:50s}   ({_no_baseline(key, cfg, c.num_devices)})')
       continue
     lines.append(
       f'  {name:50s} {_ms(e.step_time)} ms  {result.speedup(key):5.2f}x  [{e.plan.describe()}]'
@@ -428,6 +428,10 @@ def text(result: search_lib.SearchResult, cfg, request: Request | None = None) -
     )
   if request and request.out:
     lines.append(f'wrote {request.out}: {train_command(request.out, c)}')
+  elif request:
+    lines.append(
+      f'(--out=plan.py writes #1 as a config file to train from: {train_command("plan.py", c)})'
+    )
   if request and request.trace:
     lines.append(f'wrote {request.trace} (open in https://ui.perfetto.dev)')
   if request is None or request.verbose:
@@ -435,6 +439,15 @@ def text(result: search_lib.SearchResult, cfg, request: Request | None = None) -
   elif prof.points:
     lines.append('(--verbose prints the measurements behind the profile)')
   return '\n'.join(lines)
+
+
+def _no_baseline(key: str, cfg, devices: int) -> str:
+  """Why a baseline has no plan: a batch too small for data parallelism
+  over every device is not a plan that ran out of memory."""
+  batch = cfg.train.global_batch_size
+  if key in ('data_parallel', 'zero3') and batch % devices:
+    return f'none: a global batch of {batch} does not split evenly over {devices} devices'
+  return 'none fits'
 
 
 def train_command(plan_path: str, cluster) -> str:

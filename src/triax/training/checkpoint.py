@@ -149,6 +149,23 @@ class Checkpointer:
     intact = [s for s in self.steps() if self.verify(s) is None]
     return intact[-1] if intact else None
 
+  def finished_step(self, trainer: Trainer, steps: int) -> int | None:
+    """The newest intact checkpoint's step if it is at `steps` or past it (its
+    model checked, no array read or converted), else None.
+
+    Raises:
+      ConfigError: that checkpoint is of another model.
+    """
+    step = self.latest_step()
+    if step is None or step < steps:
+      return None
+    try:
+      record = self._read(step, model=ocp.args.JsonRestore())['model']
+    except Exception:  # pylint: disable=broad-except  # restore() reports what is damaged
+      return None
+    self._check_model(step, record, trainer)
+    return step
+
   def restore(self, trainer: Trainer) -> TrainState | None:
     """The newest intact checkpoint's state, or None when the workdir has none yet.
 

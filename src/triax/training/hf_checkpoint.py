@@ -4,10 +4,13 @@ Import writes what a triax train run would have written at step 0: the
 validated config (config.json, the model keys from the HF config), a
 checkpoint of the converted weights with a fresh optimizer state, and the
 HF config itself (hf_config.json, so an export keeps its token ids and the
-like); with a tokenizer, a copy of it (tokenizer.json), which triax sample
-encodes and decodes with. `python -m triax train --workdir=DIR` then fine-tunes it and
+like); with a tokenizer (given, or the checkpoint's own tokenizer.json), a
+copy of it (tokenizer.json), which triax sample encodes and decodes with. A
+vocabulary other than 256 ids needs one: without it, ids would be read as
+bytes. `python -m triax train --workdir=DIR` then fine-tunes it and
 `python -m triax sample --workdir=DIR` samples it. Export writes the latest
-checkpoint's parameters back as HF's config.json and safetensors.
+checkpoint's parameters back as HF's config.json and safetensors, with the
+run's tokenizer beside them when it has one.
 
 Everything is checked (HF config, every tensor's name and shape, the
 tokenizer, an empty workdir) before anything is written.
@@ -79,6 +82,9 @@ def import_hf(hf_dir: str, workdir: str, *, tokenizer: str = '', seq_len: int = 
       '--workdir', f'{workdir} is not empty; import into a new directory (nothing was written)'
     )
   cfg = import_config(hf, seq_len)
+  beside = os.path.join(hf_dir, generation.TOKENIZER_FILE)
+  if not tokenizer and os.path.isfile(beside):
+    tokenizer = beside  # where transformers (and our export) keep it
   if tokenizer:
     tok = tokenizer_lib.load(tokenizer)
     if tok.vocab_size > cfg.model.vocab_size:
@@ -86,6 +92,14 @@ def import_hf(hf_dir: str, workdir: str, *, tokenizer: str = '', seq_len: int = 
         '--tokenizer',
         f'{tok.describe()} is larger than the checkpoint vocabulary {cfg.model.vocab_size}',
       )
+  elif cfg.model.vocab_size != tokenizer_lib.BytesTokenizer.vocab_size:
+    # Without one, sampling reads ids as bytes, and an id past 255 is no byte.
+    raise ConfigError(
+      '--tokenizer',
+      f'the checkpoint has {cfg.model.vocab_size} token ids and {hf_dir} holds no '
+      f'{generation.TOKENIZER_FILE}: give its tokenizer, --tokenizer=PATH/tokenizer.json '
+      '(nothing was written)',
+    )
   # One device's worth of layout: the checkpoint restores under any other.
   cfg.mesh.data, cfg.mesh.tensor, cfg.mesh.pipe = -1, 1, 1
   # Saved as given (data = -1, whatever devices there are): validation
@@ -130,7 +144,9 @@ def export_hf(workdir: str, out_dir: str, *, max_shard_bytes: int = MAX_SHARD_BY
   cfg = generation.load_run_config(workdir)
   if cfg.model.family != 'llama':
     raise ConfigError(
-      '--workdir', f'{workdir} holds a {cfg.model.family} model; only llama exports to HF'
+      '--workdir',
+      f'{workdir} holds a {cfg.model.family} model; only llama exports to HF: train one with '
+      'a llama config, e.g. --config=experiments/llama_tiny.py (the same flags as gpt_tiny.py)',
     )
   if os.path.exists(out_dir) and os.listdir(out_dir):
     raise ConfigError('--hf_dir', f'{out_dir} is not empty; export into a new directory')
@@ -142,7 +158,19 @@ def export_hf(workdir: str, out_dir: str, *, max_shard_bytes: int = MAX_SHARD_BY
   os.makedirs(out_dir, exist_ok=True)
   hf_llama.write_tensors(hf_llama.params_to_hf(params, cfg.model), out_dir, max_shard_bytes)
   atomic.write_json(os.path.join(out_dir, 'config.json'), hf_llama.hf_config(cfg.model, base))
-  tok = os.path.join(workdir, generation.TOKENIZER_FILE)
-  if os.path.isfile(tok):
-    shutil.copyfile(tok, os.path.join(out_dir, generation.TOKENIZER_FILE))
+  tok = _run_tokenizer_file(workdir, cfg)
+  if tok is not None:
+    name = 'tokenizer.model' if tok.endswith('.model') else generation.TOKENIZER_FILE
+    shutil.copyfile(tok, os.path.join(out_dir, name))
+  for name in os.listdir(out_dir):
+    # safetensors writes 0600; a checkpoint to share reads as HF's do.
+    os.chmod(os.path.join(out_dir, name), 0o644)
   return {'step': step, 'files': sorted(os.listdir(out_dir))}
+
+
+def _run_tokenizer_file(workdir: str, cfg) -> str | None:
+  """The file of the run's tokenizer (as generation.run_tokenizer picks it), if it has one."""
+  if cfg.data.tokenizer != tokenizer_lib.BYTES:
+    return cfg.data.tokenizer if os.path.isfile(cfg.data.tokenizer) else None
+  recorded = os.path.join(workdir, generation.TOKENIZER_FILE)
+  return recorded if os.path.isfile(recorded) else None

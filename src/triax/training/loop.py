@@ -20,6 +20,7 @@ or saved, and the error names the step that produced it.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import time
@@ -41,6 +42,24 @@ from triax.training import step as step_lib
 from triax.training.checkpoint import Checkpointer
 from triax.training.metrics import JsonLines, MetricsWriter
 from triax.training.step import Trainer, build_trainer
+
+# What a resume by workdir alone needs that config.json does not say: the CPU
+# device count (forced before JAX starts, so only the command line sets it).
+DEVICES_FILE = 'devices.json'
+
+
+def recorded_cpu_devices(workdir: str) -> int | None:
+  """The CPU devices per process of the workdir's last run; None when it ran elsewhere or
+  recorded nothing (a run before this file, or an import)."""
+  try:
+    with open(os.path.join(workdir, DEVICES_FILE)) as f:
+      record = json.load(f)
+  except (OSError, ValueError):
+    return None
+  if not isinstance(record, dict) or record.get('platform') != 'cpu':
+    return None
+  count = record.get('local_devices')
+  return count if isinstance(count, int) and count >= 1 else None
 
 
 class NonFiniteError(RuntimeError):
@@ -114,15 +133,18 @@ def _abstract_batch(trainer: Trainer) -> dict:
   }
 
 
-def compile_stats(trainer: Trainer) -> tuple[object, dict]:
-  """Lowers and compiles the train step; XLA's per-device memory and cost figures."""
+def compile_stats(trainer: Trainer, compiler_options: dict | None = None) -> tuple[object, dict]:
+  """Lowers and compiles the train step; XLA's per-device memory and cost figures.
+
+  `compiler_options`: XLA options for this compile (training/buffers.py's dump).
+  """
   cfg = trainer.cfg
   b = cfg.train.global_batch_size
   started = time.perf_counter()
   with jax.set_mesh(trainer.mesh):
-    compiled = trainer.train_step.lower(
-      trainer.abstract_state(), _abstract_batch(trainer)
-    ).compile()
+    compiled = trainer.train_step.lower(trainer.abstract_state(), _abstract_batch(trainer)).compile(
+      compiler_options
+    )
   mem = compiled.memory_analysis()
   flops = step_flops(trainer.model, b)
   state = trainer.abstract_state()
@@ -147,7 +169,8 @@ def compile_stats(trainer: Trainer) -> tuple[object, dict]:
     'hardware_flops_per_step': flops['hardware'],
     'compile_seconds': time.perf_counter() - started,
     'mesh': {a: cfg.mesh[a] for a in config_lib.MESH_AXES},
-    'devices': jax.device_count(),
+    'devices': trainer.mesh.devices.size,
+    'device_kind': trainer.mesh.devices.flat[0].device_kind,
     'schedule': None,
   }
   if trainer.program is not None:
@@ -194,11 +217,36 @@ def state_program_stats(trainer: Trainer) -> tuple[object, dict]:
   }
 
 
-def all_compile_stats(trainer: Trainer) -> tuple[object, object, dict]:
+def step_peak_bytes(stats: dict) -> int:
+  """Per-device bytes live at the train step's peak: temporaries plus un-aliased
+  arguments and outputs."""
+  s = stats
+  return s['temp_bytes'] + s['argument_bytes'] + s['output_bytes'] - s['alias_bytes']
+
+
+def run_peak_bytes(stats: dict) -> int:
+  """Per-device peak of the run: the train step's, or a save, restore or
+  evaluation beside the resident state, whichever is larger (a layout that
+  trains must also checkpoint and evaluate)."""
+  s = stats
+  state = s['param_bytes'] + s['optimizer_bytes']
+  return max(
+    step_peak_bytes(s),
+    state + s['checkpoint_save_bytes'],
+    state + s['checkpoint_restore_bytes'],
+    s['optimizer_bytes'] + s['eval_bytes'],  # eval_bytes holds the params it reads
+  )
+
+
+def all_compile_stats(
+  trainer: Trainer, compiler_options: dict | None = None
+) -> tuple[object, object, dict]:
   """The train step's and the state programs' figures in one record (compile_stats.json)."""
-  compiled, stats = compile_stats(trainer)
+  compiled, stats = compile_stats(trainer, compiler_options)
   compiled_eval, state_stats = state_program_stats(trainer)
-  return compiled, compiled_eval, {**stats, **state_stats}
+  stats = {**stats, **state_stats}
+  stats['peak_bytes'] = run_peak_bytes(stats)
+  return compiled, compiled_eval, stats
 
 
 def _parse_profile_steps(spec: str, last_step: int) -> tuple[int, int] | None:
@@ -213,7 +261,7 @@ def _parse_profile_steps(spec: str, last_step: int) -> tuple[int, int] | None:
   return first, last
 
 
-def _check_workdir(workdir: str) -> None:
+def check_workdir(workdir: str) -> None:
   """The workdir is a directory, or can become one (its nearest existing ancestor is one)."""
   if os.path.exists(workdir) and not os.path.isdir(workdir):
     raise ConfigError('--workdir', f'{workdir} is a file; give a directory')
@@ -312,8 +360,9 @@ def train_and_evaluate(
       (a SystemExit with status 0: an entry point exits 0 without catching it).
   """
   cfg = config_lib.validate(cfg, jax.device_count())
+  config_lib.check_platform(cfg, jax.devices()[0].platform)
   profile = _parse_profile_steps(profile_steps, cfg.train.steps)
-  _check_workdir(workdir)
+  check_workdir(workdir)
   lock_lib.check_free(workdir)  # early, to fail before the data is read and the step compiled
   data = load_data(cfg)
   mesh = build_mesh(cfg.mesh)
@@ -362,14 +411,20 @@ def _run(
       last = position.ckpt.latest_step() if position.ckpt is not None else None
       preemption.say(
         f'interrupted at step {position.step}; last complete checkpoint '
-        f'{"none" if last is None else last}; rerun the same command to resume'
+        f'{"none" if last is None else last}; rerun the same command to resume',
+        signals.bar,
       )
     workdir_lock.release()
     os._exit(128 + signum)
 
-  with preemption.StopSignals(on_second=interrupted) as signals:
+  signals = preemption.StopSignals(on_second=interrupted)  # bound before a signal can call it
+  with signals:
     ckpt = Checkpointer(workdir, cfg)  # only reads until the first save
     position.ckpt = ckpt
+    finished = ckpt.finished_step(trainer, cfg.train.steps)
+    if finished is not None:
+      # A rerun of a finished run: said before the step compiles or a tracker opens a run.
+      return _nothing_to_do(cfg, workdir, data, finished)
     state = ckpt.restore(trainer)  # the newest intact checkpoint; checks its model
     if state is None:
       state = trainer.init_state(jax.random.key(cfg.train.seed))
@@ -382,6 +437,24 @@ def _run(
     return _train(
       cfg, trainer, data, workdir, ckpt, state, start, signals, position, profile, progress
     )
+
+
+def _nothing_to_do(cfg, workdir: str, data: Data, step: int) -> dict:
+  """The summary of a run whose checkpoint is already at train.steps (no step, no eval)."""
+  return {
+    'workdir': os.path.abspath(workdir),
+    'start_step': step,
+    'steps': cfg.train.steps,
+    'first_eval_loss': None,
+    'final_eval_loss': None,
+    'final_loss': math.nan,
+    'unigram_entropy_nats': data.unigram_entropy,
+    'data': data.description,
+    'temp_bytes': None,
+    'skipped_nonfinite': [],
+    'restored_step': step,
+    'damaged_checkpoints': [],
+  }
 
 
 def _train(
@@ -403,6 +476,8 @@ def _train(
   if main_process:
     # What the run was (for triax sample and for people): the validated config.
     atomic.write_text(os.path.join(workdir, 'config.json'), cfg.to_json(indent=2))
+    record = {'platform': jax.default_backend(), 'local_devices': jax.local_device_count()}
+    atomic.write_json(os.path.join(workdir, DEVICES_FILE), record)
   skip_limit = cfg.train.skip_nonfinite_steps
   compiled, compiled_eval, stats = all_compile_stats(trainer)
   if main_process:
@@ -445,6 +520,7 @@ def _train(
     dynamic_ncols=True,
     desc='train',
   )
+  signals.bar = bar
   window = {'start': time.perf_counter(), 'steps': 0}
   last_loss = math.nan
   last_save = time.monotonic()

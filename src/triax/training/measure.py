@@ -17,7 +17,7 @@ import numpy as np
 
 from triax import config as config_lib
 from triax.mesh import build_mesh
-from triax.training.loop import all_compile_stats
+from triax.training.loop import all_compile_stats, run_peak_bytes, step_peak_bytes
 from triax.training.step import Trainer, build_trainer
 
 
@@ -29,30 +29,20 @@ class Measurement:
 
   @property
   def step_peak_bytes(self) -> int:
-    """Per-device bytes live at the train step's peak: temporaries plus un-aliased
-    arguments and outputs."""
-    s = self.stats
-    return s['temp_bytes'] + s['argument_bytes'] + s['output_bytes'] - s['alias_bytes']
+    """The train step's per-device peak (loop.step_peak_bytes)."""
+    return step_peak_bytes(self.stats)
 
   @property
   def peak_bytes(self) -> int:
-    """Per-device peak of the run: the train step's, or a save, restore or
-    evaluation beside the resident state, whichever is larger (a layout that
-    trains must also checkpoint and evaluate)."""
-    s = self.stats
-    state = s['param_bytes'] + s['optimizer_bytes']
-    return max(
-      self.step_peak_bytes,
-      state + s['checkpoint_save_bytes'],
-      state + s['checkpoint_restore_bytes'],
-      s['optimizer_bytes'] + s['eval_bytes'],  # eval_bytes holds the params it reads
-    )
+    """The run's per-device peak: the step, a save, a restore or an eval (loop.run_peak_bytes)."""
+    return run_peak_bytes(self.stats)
 
 
 def measure(cfg, *, steps: int = 5, warmup: int = 2, devices=None) -> Measurement:
   """Validates `cfg` for `devices` (default: all), compiles its train step and times it."""
   devices = list(jax.devices() if devices is None else devices)
   cfg = config_lib.validate(cfg, len(devices))
+  config_lib.check_platform(cfg, devices[0].platform)
   trainer = build_trainer(cfg, build_mesh(cfg.mesh, devices))
   rng = np.random.default_rng(0)
   shape = (cfg.train.global_batch_size, cfg.model.seq_len + 1)

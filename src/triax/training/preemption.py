@@ -44,13 +44,17 @@ class Stopped(SystemExit):
     self.step = step
 
 
-def say(line: str) -> None:
-  """Writes a line to stderr from a signal handler.
+def say(line: str, bar=None) -> None:
+  """Writes a line to stderr from a signal handler, on a line of its own.
 
   One unbuffered write: print() could find stderr's buffer in use by the
-  code the signal interrupted (a progress bar, say) and raise.
+  code the signal interrupted (a progress bar, say) and raise, and
+  tqdm.write takes the bar's locks. An open progress bar (`bar`, a tqdm on
+  stderr) leaves its line without a newline: the write ends that line
+  first, and the bar draws itself again below.
   """
-  os.write(2, (line + '\n').encode())  # fd 2: sys.stderr may be a stand-in without one
+  start = '\n' if bar is not None and not bar.disable else ''  # a closed bar is disabled
+  os.write(2, (start + line + '\n').encode())  # fd 2: sys.stderr may be a stand-in without one
 
 
 def _client():
@@ -74,6 +78,7 @@ class StopSignals:
     self._reported = False
     self.received: str | None = None  # the first signal this process received
     self.stopped_by: str | None = None  # the signal process 0 stopped the run for
+    self.bar = None  # the run's progress bar while one is drawn: notices end its line first
     self._processes = jax.process_count()
 
   @property
@@ -104,7 +109,8 @@ class StopSignals:
     self.received = signal.Signals(signum).name
     say(
       f'{self.received}: stopping after the step in flight, once its checkpoint is complete '
-      '(send it again to stop at once)'
+      '(send it again to stop at once)',
+      self.bar,
     )
 
   def decide(self, step: int, save_due: bool) -> tuple[bool, bool]:

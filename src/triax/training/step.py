@@ -117,6 +117,13 @@ def split_over(
   return NamedSharding(mesh, P(*(spec[:dim] + (axis,) + spec[dim + 1 :])))
 
 
+def shapes_from_key(init: Callable[[jax.Array], Any]) -> Any:
+  """The output shapes of init(key), the key made inside the trace too: an
+  eager key lands on the current mesh's devices, and a TPU topology's
+  abstract devices (a compile on a CPU host) can hold no array."""
+  return jax.eval_shape(lambda: init(jax.random.key(0)))
+
+
 def per_device_bytes(shapes: Any, shardings: Any) -> int:
   """Bytes one device holds of a tree of arrays laid out by `shardings`."""
   leaves = zip(jax.tree.leaves(shapes), jax.tree.leaves(shardings), strict=True)
@@ -180,7 +187,7 @@ class Trainer:
     return self.cfg.sharding.logical_axis_rules
 
   def abstract_state(self) -> TrainState:
-    shapes = jax.eval_shape(self.init_state, jax.random.key(0))
+    shapes = shapes_from_key(self.init_state)
     return jax.tree.map(
       lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
       shapes,
@@ -238,15 +245,13 @@ def build_trainer(cfg, mesh: Mesh) -> Trainer:
     params = model.init(rng)
     return layout.tree_to_pipeline(params)
 
-  state_shardings = state_shardings_for(
-    param_shardings, jax.eval_shape(init_params, jax.random.key(0))
-  )
+  state_shardings = state_shardings_for(param_shardings, shapes_from_key(init_params))
   # The checkpoint's layout (model layer order) split over `pipe` as well,
   # the layer axis first: what every stage writes and reads is its share, not
   # the whole state (replicated, pipe=8 made each device hold 7x the train
   # state to save it). With an even split and v = 1 the shares are the
   # stages' own layers, so converting moves nothing.
-  canonical_shapes = jax.eval_shape(model.init, jax.random.key(0))
+  canonical_shapes = shapes_from_key(model.init)
   canonical_shardings = state_shardings_for(
     jax.tree.map(
       lambda s, a: split_over(s, a.shape, 'pipe', prefer=0),
@@ -290,7 +295,9 @@ def build_trainer(cfg, mesh: Mesh) -> Trainer:
       return call
 
     fns = executor.StageFns(
-      embed=inside(model.embed), chunk=inside(model.layers), head_loss=inside(model.head_loss)
+      embed=inside(lambda edges, tokens: model.embed(model.edge_params(edges)[0], tokens)),
+      chunk=inside(model.layers),
+      head_loss_and_grad=inside(model.head_loss_and_grad),
     )
     counts = None if layout.even else layout.counts
     mb = global_batch // m
@@ -307,20 +314,19 @@ def build_trainer(cfg, mesh: Mesh) -> Trainer:
       data_axis=data_axis,
       transfer_spec=_transfer_spec(cfg, mesh, act_spec),
       segments=documents,
+      edge_specs={
+        k: sharding.tree_specs(model.logical_axes()[k], inner_rules) for k in ('embed', 'head')
+      },
     )
 
     def raw_loss_and_grad(params, inputs, targets, segments=None):
       # Micro-batch j takes rows j, j+m, ...: each micro-batch spans every data shard.
       split = lambda a: jnp.swapaxes(a.reshape((mb, m) + a.shape[1:]), 0, 1)
-      # The first and last stages' params as the model hands them out; through
-      # the vjp, a weight both use (tied embeddings) gets both gradients summed.
+      # The first and last stages' params in one tree: a weight both use (tied
+      # embeddings) has one gradient, both ends' contributions added into it.
       edges = {'embed': params['embed'], 'head': params['head']}
-      (embed_params, head_params), edges_vjp = jax.vjp(model.edge_params, edges)
       docs = () if segments is None else (split(segments),)
-      loss, (g_layers, g_embed, g_head) = run(
-        params['layers'], embed_params, head_params, split(inputs), split(targets), *docs
-      )
-      (g_edges,) = edges_vjp((g_embed, g_head))
+      loss, (g_layers, g_edges) = run(params['layers'], edges, split(inputs), split(targets), *docs)
       return loss, {**g_edges, 'layers': g_layers}
 
   def loss_and_grad(params, inputs, targets, segments=None):

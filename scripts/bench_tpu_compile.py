@@ -1,0 +1,360 @@
+"""triax against MaxText on XLA:TPU, compiled here for TPU slices that are not here.
+
+  .venv/bin/python scripts/bench_tpu_compile.py [--out=docs/bench_tpu_compile.md] \
+      [--rows=fsdp4,tp4,...] [--skip_maxtext] [--jobs=2]
+
+Each row compiles the same model, batch and remat policy both ways for the
+same v5p topology and reads XLA:TPU's per-device temporary bytes (what a
+step holds beside its arguments; arguments are the same state in both):
+
+  triax    `python -m triax train --compile_only --topology=...` (this venv's
+           jax and libtpu, the `tpu` extra);
+  MaxText  0.2.5's own `train_compile` in a venv of its own that this
+           script builds once in .bench/maxtext-venv (Python 3.12, its `tpu`
+           extra: several GB; a reference, never a dependency of triax),
+           configured to triax's model (Llama 3.2 1B or Llama 3.1 8B's
+           shape, tied or not as triax's, 2048 positions, bf16 compute, fp32
+           parameters and Adam state, full remat, splash attention).
+
+MaxText's pipeline is its own (GPipe order, its circular variant for v=2);
+triax's rows name their schedule. The two venvs carry different jax and
+libtpu releases (both printed in the doc), so a few per cent either way is
+the compilers' as much as the frameworks'.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), '..'))
+BENCH = os.path.join(ROOT, '.bench')
+MAXTEXT = 'maxtext[tpu]==0.2.5'
+GiB = 2**30
+
+# name -> (what, topology, triax overrides, MaxText overrides)
+LLAMA_1B = 'experiments/llama_1b.py:attention=splash,remat=full'
+LLAMA_8B = 'experiments/llama_8b.py:attention=splash,remat=full'
+ROWS = {
+  'fsdp4': (
+    'FSDP 4',
+    'v5p:2x2x1',
+    (LLAMA_1B, {'mesh.data': 4, 'mesh.fsdp': True}),
+    {'ici_fsdp_parallelism': 4},
+  ),
+  'tp4': (
+    'TP 4',
+    'v5p:2x2x1',
+    (LLAMA_1B, {'mesh.data': 1, 'mesh.tensor': 4}),
+    {'ici_fsdp_parallelism': 1, 'ici_tensor_parallelism': 4},
+  ),
+  'tp2pp2': (
+    'TP 2 x PP 2, m=8, 1f1b',
+    'v5p:2x2x1',
+    (LLAMA_1B, {'mesh.data': 1, 'mesh.tensor': 2, 'mesh.pipe': 2, 'pipeline.microbatches': 8}),
+    {
+      'ici_fsdp_parallelism': 1,
+      'ici_tensor_parallelism': 2,
+      'ici_pipeline_parallelism': 2,
+      'num_pipeline_microbatches': 8,
+      'num_layers_per_pipeline_stage': 8,
+    },
+  ),
+  'pp4': (
+    'PP 4, m=8, 1f1b',
+    'v5p:2x2x1',
+    (LLAMA_1B, {'mesh.data': 1, 'mesh.pipe': 4, 'pipeline.microbatches': 8}),
+    {
+      'ici_fsdp_parallelism': 1,
+      'ici_pipeline_parallelism': 4,
+      'num_pipeline_microbatches': 8,
+      'num_layers_per_pipeline_stage': 4,
+    },
+  ),
+  'pp4_zb': (
+    'PP 4, m=8, zb_h1',
+    'v5p:2x2x1',
+    (
+      LLAMA_1B,
+      {'mesh.data': 1, 'mesh.pipe': 4, 'pipeline.microbatches': 8, 'pipeline.schedule': 'zb_h1'},
+    ),
+    None,  # MaxText has no zero-bubble schedule; compared with its pipeline in the row above
+  ),
+  'pp4_v2': (
+    'PP 4, m=8, v=2, interleaved 1f1b (MaxText: circular)',
+    'v5p:2x2x1',
+    (
+      LLAMA_1B,
+      {
+        'mesh.data': 1,
+        'mesh.pipe': 4,
+        'pipeline.microbatches': 8,
+        'pipeline.virtual_stages': 2,
+        'pipeline.schedule': 'interleaved_1f1b',
+      },
+    ),
+    {
+      'ici_fsdp_parallelism': 1,
+      'ici_pipeline_parallelism': 4,
+      'num_pipeline_microbatches': 8,
+      'num_layers_per_pipeline_stage': 2,
+      'num_pipeline_repeats': 2,
+    },
+  ),
+  'tp4pp2_8b': (
+    '8B shape, TP 4 x PP 2 on 8 chips, m=8, 1f1b',
+    'v5p:2x2x2',
+    (LLAMA_8B, {'mesh.data': 1, 'mesh.tensor': 4, 'mesh.pipe': 2, 'pipeline.microbatches': 8}),
+    {
+      'ici_fsdp_parallelism': 1,
+      'ici_tensor_parallelism': 4,
+      'ici_pipeline_parallelism': 2,
+      'num_pipeline_microbatches': 8,
+      'num_layers_per_pipeline_stage': 16,
+    },
+  ),
+}
+
+# Issue 24's table (tree 2caa00b: jax 0.10.2, libtpu 0.0.42.1, XLA attention), GiB of
+# per-device temp: triax then, and MaxText 0.2.5 as that session measured it.
+ISSUE_24 = {
+  'fsdp4': (5.22, 3.07),
+  'tp4': (7.41, 5.07),
+  'tp2pp2': (5.42, 4.29),
+  'pp4': (7.52, 3.59),
+  'pp4_zb': (11.53, None),
+  'pp4_v2': (7.02, 4.52),
+  'tp4pp2_8b': (15.12, 8.99),
+}
+
+# MaxText's model keys for triax's two shapes (its llama2 decoder block is Llama's).
+MAXTEXT_MODELS = {
+  LLAMA_1B: {
+    'base_emb_dim': 2048,
+    'base_num_query_heads': 32,
+    'base_num_kv_heads': 8,
+    'head_dim': 64,
+    'base_mlp_dim': 8192,
+    'base_num_decoder_layers': 16,
+    'logits_via_embedding': 'true',
+    'global_batch': 8,
+  },
+  LLAMA_8B: {
+    'base_emb_dim': 4096,
+    'base_num_query_heads': 32,
+    'base_num_kv_heads': 8,
+    'head_dim': 128,
+    'base_mlp_dim': 14336,
+    'base_num_decoder_layers': 32,
+    'logits_via_embedding': 'false',
+    'global_batch': 8,
+  },
+}
+MAXTEXT_COMMON = {
+  'decoder_block': 'llama2',
+  'vocab_size': 128256,
+  'normalization_layer_epsilon': '1e-5',
+  'rope_max_timescale': 500000,
+  'max_target_length': 2048,
+  'dtype': 'bfloat16',
+  'weight_dtype': 'float32',
+  'remat_policy': 'full',
+  'attention': 'flash',
+  'enable_checkpointing': 'false',
+  'dataset_type': 'synthetic',
+}
+
+
+def triax_row(name: str, topology: str, config: str, overrides: dict, python: str) -> dict:
+  workdir = os.path.join(BENCH, 'triax', name)
+  shutil.rmtree(workdir, ignore_errors=True)
+  cmd = [
+    python,
+    '-m',
+    'triax',
+    'train',
+    f'--config={config}',
+    '--compile_only',
+    f'--topology={topology}',
+    f'--workdir={workdir}',
+  ] + [f'--config.{k}={v}' for k, v in overrides.items()]
+  env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, 'src'))
+  done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+  if done.returncode not in (0, 3):
+    raise RuntimeError(f'{name}: triax failed:\n{done.stderr[-3000:]}')
+  with open(os.path.join(workdir, 'compile_stats.json')) as f:
+    return json.load(f)
+
+
+def maxtext_python() -> str:
+  """The MaxText venv's python, built on first use."""
+  venv = os.path.join(BENCH, 'maxtext-venv')
+  python = os.path.join(venv, 'bin', 'python')
+  if not os.path.exists(os.path.join(venv, '.installed')):
+    base = _python312()
+    subprocess.run([base, '-m', 'venv', venv], check=True)
+    subprocess.run([python, '-m', 'pip', 'install', '-q', MAXTEXT], check=True)
+    open(os.path.join(venv, '.installed'), 'w').close()
+  return python
+
+
+def _python312() -> str:
+  for candidate in (os.environ.get('TRIAX_PYTHON312'), shutil.which('python3.12')):
+    if candidate and subprocess.run([candidate, '-c', 'pass'], capture_output=True).returncode == 0:
+      return candidate
+  found = sorted(glob.glob(os.path.expanduser('~/.pyenv/versions/3.12*/bin/python3.12')))
+  if found:
+    return found[-1]
+  raise SystemExit(
+    'error: MaxText 0.2.5 needs Python 3.12: set TRIAX_PYTHON312=/path/to/python3.12'
+  )
+
+
+def maxtext_row(name: str, topology: str, config: str, overrides: dict, python: str) -> dict:
+  model = dict(MAXTEXT_MODELS[config])
+  chips = _chips(topology)
+  per_device = model.pop('global_batch') / chips
+  settings = {
+    **MAXTEXT_COMMON,
+    **model,
+    **overrides,
+    'per_device_batch_size': per_device,
+    'compile_topology': f'v5p-{2 * chips}',  # MaxText names v5p slices by TensorCores
+    'compile_topology_num_slices': 1,
+    'run_name': name,
+    'base_output_directory': os.path.join(BENCH, 'maxtext-out'),
+  }
+  base = subprocess.run(
+    [python, '-c', 'import maxtext, os; print(os.path.dirname(maxtext.__file__))'],
+    capture_output=True,
+    text=True,
+    check=True,
+  ).stdout.strip()
+  cmd = [python, '-m', 'maxtext.trainers.pre_train.train_compile', f'{base}/configs/base.yml']
+  cmd += [f'{k}={v}' for k, v in settings.items()]
+  env = dict(os.environ, ALLOW_MULTIPLE_LIBTPU_LOAD='1', TPU_SKIP_MDS_QUERY='1')
+  done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+  text = done.stdout + done.stderr
+  found = re.search(r'Memory analysis: CompiledMemoryStats\(([^)]*)\)', text)
+  if done.returncode or not found:
+    raise RuntimeError(f'{name}: MaxText failed:\n{text[-3000:]}')
+  return {k: int(v) for k, v in re.findall(r'(\w+)=(\d+)', found.group(1))}
+
+
+def _chips(topology: str) -> int:
+  n = 1
+  for d in topology.split(':')[1].split('x'):
+    n *= int(d)
+  return n
+
+
+def versions(python: str) -> str:
+  code = (
+    'import importlib.metadata as m; '
+    "print(', '.join(f'{p} {m.version(p)}' for p in ('jax', 'libtpu') ))"
+  )
+  return subprocess.run([python, '-c', code], capture_output=True, text=True).stdout.strip()
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument('--out', default=os.path.join(ROOT, 'docs', 'bench_tpu_compile.md'))
+  parser.add_argument('--rows', default=','.join(ROWS))
+  parser.add_argument('--skip_maxtext', action='store_true')
+  parser.add_argument('--results', default=os.path.join(BENCH, 'tpu_compile.json'))
+  args = parser.parse_args()
+  os.makedirs(BENCH, exist_ok=True)
+  results = {}
+  if os.path.exists(args.results):
+    with open(args.results) as f:
+      results = json.load(f)
+  mt_python = None if args.skip_maxtext else maxtext_python()
+  for name in args.rows.split(','):
+    what, topology, (config, overrides), mt = ROWS[name]
+    started = time.time()
+    stats = triax_row(name, topology, config, overrides, sys.executable)
+    row = {
+      'triax_temp': stats['temp_bytes'],
+      'triax_argument': stats['argument_bytes'],
+      'triax_largest': stats['largest_buffers'][:3],
+    }
+    if mt is not None and mt_python:
+      m = maxtext_row(name, topology, config, mt, mt_python)
+      row.update(maxtext_temp=m['temp_size_in_bytes'], maxtext_argument=m['argument_size_in_bytes'])
+    results[name] = {**results.get(name, {}), **row}
+    print(
+      f'{name}: {json.dumps({k: v for k, v in row.items() if k != "triax_largest"})} '
+      f'({time.time() - started:.0f} s)',
+      flush=True,
+    )
+    with open(args.results, 'w') as f:
+      json.dump(results, f, indent=1)
+  write_doc(args.out, results, sys.executable, mt_python)
+
+
+def write_doc(path: str, results: dict, python: str, mt_python: str | None) -> None:
+  lines = [
+    '# triax against MaxText on XLA:TPU (compiled here, no TPU)',
+    '',
+    'Written by `scripts/bench_tpu_compile.py`. Per-device temporary bytes of the train',
+    'step as XLA:TPU compiles it for the topology (its `memory_analysis()`), GiB; the',
+    'arguments (parameters, Adam state, batch) are the same state in both. Every row:',
+    "the 1B shape is Llama 3.2 1B's (tied embeddings), the 8B one Llama 3.1 8B's; 8",
+    'sequences x 2048 tokens, bf16 compute, fp32 parameters and Adam, full remat, splash',
+    'attention on both sides.',
+    '',
+    f'triax: {versions(python)}. MaxText 0.2.5: {versions(mt_python) if mt_python else "not run"}.',
+    '',
+    '| layout | topology | triax | MaxText | triax / MaxText | arguments triax / MaxText | '
+    'issue 24: triax / MaxText then |',
+    '|---|---|---|---|---|---|---|',
+  ]
+  measured = [(name, ROWS[name], results[name]) for name in ROWS if name in results]
+  for name, (what, topology, _, _), r in measured:
+    mt = r.get('maxtext_temp')
+    ratio = f'{r["triax_temp"] / mt:.2f}' if mt else '-'
+    args = (
+      f'{r["triax_argument"] / GiB:.2f} / {r["maxtext_argument"] / GiB:.2f}'
+      if mt
+      else f'{r["triax_argument"] / GiB:.2f} / -'
+    )
+    mt_text = f'{mt / GiB:.2f}' if mt else '-'
+    then = ISSUE_24.get(name, (None, None))
+    then_text = ' / '.join('-' if x is None else f'{x:.2f}' for x in then)
+    lines.append(
+      f'| {what} | {topology} | {r["triax_temp"] / GiB:.2f} | {mt_text} | {ratio} | {args} | '
+      f'{then_text} |'
+    )
+  lines += [
+    '',
+    "Issue 24's columns are that session's measurements (XLA attention on triax's side,",
+    "splash on MaxText's but for its 4.91 GiB FSDP row with materialised scores); the",
+    "other columns are this script's, MaxText in its own venv with its own jax and libtpu.",
+    '',
+    '## The largest buffers of each triax step',
+    '',
+    "From XLA:TPU's buffer assignment (compile_stats.json's `largest_buffers`).",
+    '',
+  ]
+  for _, (what, _, _, _), r in measured:
+    lines.append(
+      f'- {what}: '
+      + '; '.join(
+        f'{b["shape"]} {b["bytes"] / GiB:.2f} GiB ({b["op_name"].split("/")[-1] or "-"})'
+        for b in r['triax_largest']
+      )
+    )
+  with open(path, 'w') as f:
+    f.write('\n'.join(lines) + '\n')
+  print('\n'.join(lines))
+
+
+if __name__ == '__main__':
+  main()

@@ -1,0 +1,117 @@
+"""Ahead of time: a run's programs compiled for a TPU slice that is not here.
+
+`triax train --compile_only --topology=v5p:2x2x2` builds the run's mesh over
+the slice's compile-only devices (topology.py), compiles the train step, the
+evaluation and the checkpoint conversions with XLA:TPU, and writes what they
+hold per device beside the chip's HBM: the same figures a run on the slice
+would show, before anyone has the chips. Nothing is trained and no data is
+read (the data may live only where the slice is).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+
+import jax
+
+from triax import config as config_lib
+from triax import topology as topology_lib
+from triax.errors import ConfigError
+from triax.mesh import build_mesh
+from triax.training import atomic, buffers, loop
+from triax.training import lock as lock_lib
+from triax.training.step import build_trainer
+
+
+def compile_for_topology(cfg, workdir: str, topology: topology_lib.Topology) -> dict:
+  """Compiles `cfg`'s programs for `topology`; writes WORKDIR/compile_stats.json.
+
+  Returns the stats, with the fit against the chip's HBM (`fits`, `fit_line`)
+  and the train step's largest buffers (`largest_buffers`).
+
+  Raises:
+    ConfigError: bad config or topology (a mesh whose device count is not the
+      slice's, dcn factors that are not its slice count), or a busy workdir;
+      nothing is written then.
+  """
+  devices = topology.devices()
+  cfg = config_lib.validate(cfg, len(devices))
+  config_lib.check_platform(cfg, devices[0].platform)
+  dcn = [cfg.mesh[f'dcn_{a}'] for a in config_lib.MESH_AXES]
+  if topology.slices > 1 and _product(dcn) != topology.slices:
+    raise ConfigError(
+      'mesh',
+      f'{topology.slices} slices need dcn factors multiplying to {topology.slices} '
+      f'(they multiply to {_product(dcn)}): e.g. --config.mesh.dcn_data={topology.slices}, '
+      'so that only that axis crosses the data-centre network',
+    )
+  loop.check_workdir(workdir)
+  lock_lib.check_free(workdir)
+  trainer = build_trainer(cfg, build_mesh(cfg.mesh, devices))
+  with tempfile.TemporaryDirectory(prefix='triax-xla-dump-') as scratch:
+    # TRIAX_XLA_DUMP=DIR keeps XLA's whole dump of the train step (HLO, buffer
+    # assignment, memory report) for a closer look.
+    dump = os.environ.get('TRIAX_XLA_DUMP') or scratch
+    try:
+      _, _, stats = loop.all_compile_stats(trainer, buffers.compile_options(dump))
+      fits, line = topology_lib.fit_line(topology, stats['peak_bytes'])
+    except jax.errors.JaxRuntimeError as e:
+      stats = _refused(e)  # XLA:TPU compiles nothing that exceeds the chip's HBM
+      fits, line = False, stats['compile_error']
+    stats['largest_buffers'] = buffers.largest(dump)
+  stats.update(
+    topology=topology.name,
+    topology_slices=topology.slices,
+    chips=topology.chips,
+    device_kind=devices[0].device_kind,
+    hbm_bytes_per_device=topology.hbm_bytes,
+    fits=fits,
+    fit_line=line,
+  )
+  workdir_lock = lock_lib.WorkdirLock(workdir)
+  workdir_lock.acquire()
+  try:
+    atomic.write_json(os.path.join(workdir, 'compile_stats.json'), stats)
+  finally:
+    workdir_lock.release()
+  return stats
+
+
+# XLA:TPU's refusal: "... the total memory required for HLO temporaries
+# (24.12G) exceeds available HBM (15.75G)."
+_EXHAUSTED = re.compile(
+  r'required for (.*?) \(([\d.]+)([KMGT])\) exceeds available HBM \(([\d.]+)([KMGT])\)'
+)
+_UNIT = {'K': 2**10, 'M': 2**20, 'G': 2**30, 'T': 2**40}
+
+
+def _refused(error: Exception) -> dict:
+  """The stats of a program XLA:TPU would not compile for want of HBM.
+
+  Raises:
+    the error itself, when it is not that.
+  """
+  text = str(error)
+  found = _EXHAUSTED.search(text)
+  if 'RESOURCE_EXHAUSTED' not in text or not found:
+    raise error
+  what, need, need_unit, have, have_unit = found.groups()
+  needed, available = float(need) * _UNIT[need_unit], float(have) * _UNIT[have_unit]
+  return {
+    'required_bytes': int(needed),
+    'available_bytes': int(available),
+    'compile_error': (
+      f'does not fit: XLA:TPU refuses the train step, whose {what} alone need '
+      f'{needed / 2**30:.2f} GiB per device, {(needed - available) / 2**30:.2f} GiB over the '
+      f'{available / 2**30:.2f} GiB it may use'
+    ),
+  }
+
+
+def _product(values) -> int:
+  out = 1
+  for v in values:
+    out *= v
+  return out

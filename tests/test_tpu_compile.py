@@ -1,0 +1,112 @@
+"""Compiling for a TPU slice that is not here: `triax train --compile_only --topology`.
+
+libtpu (the test extra installs it) compiles for a topology's abstract
+devices on this CPU host; XLA:TPU's memory figures are deterministic, so
+they may be asserted. Bad topology input: tests/test_bad_input.py.
+"""
+
+import json
+import os
+
+import harness
+import pytest
+
+from triax import topology
+from triax.errors import ConfigError
+
+GiB = 2**30
+SMOKE = 'experiments/llama_1b.py:smoke,attention=xla'
+
+
+def test_topology_names():
+  v5p = topology.parse('v5p:2x2x1')
+  assert (v5p.chips, v5p.hbm_bytes, v5p.kind.device_kind) == (4, 95 * GiB, 'TPU v5')
+  assert topology.parse('v5e:4x4').chips == 16
+  assert topology.parse('v6e:8x8', slices=2).chips == 128
+  assert topology.parse('v4:2x2x2').hbm_bytes == 32 * GiB
+  for bad in ('v9:2x2', 'v5p:2x2', 'v5e:4x4x4', 'v5p', '', 'v5p:0x2x2'):
+    with pytest.raises(ConfigError) as error:
+      topology.parse(bad)
+    assert error.value.key == '--topology' and 'v5p:AxAxA' in error.value.message
+  with pytest.raises(ConfigError) as error:
+    topology.parse('v5p:2x2x1', slices=0)
+  assert error.value.key == '--topology_slices'
+
+
+def test_the_fit_line_says_by_how_much():
+  slice_ = topology.parse('v5e:2x2')
+  fits, line = topology.fit_line(slice_, 15 * GiB)
+  assert fits and line.startswith('fits: 15.00 GiB per device of 16 GiB HBM (1.00 GiB spare)')
+  fits, line = topology.fit_line(slice_, 18 * GiB)
+  assert not fits and line.startswith('does not fit: 18.00 GiB per device, 2.00 GiB over')
+
+
+def _compile(workdir, *flags, config=SMOKE, topology_name='v5p:2x2x1'):
+  result = harness.run_cli(
+    'triax.cli.train',
+    f'--config={config}',
+    f'--workdir={workdir}',
+    '--compile_only',
+    f'--topology={topology_name}',
+    *flags,
+  )
+  stats = None
+  if os.path.exists(os.path.join(workdir, 'compile_stats.json')):
+    with open(os.path.join(workdir, 'compile_stats.json')) as f:
+      stats = json.load(f)
+  return result, stats
+
+
+def test_a_pipelined_step_compiles_for_four_v5p_chips(tmp_path):
+  result, stats = _compile(
+    str(tmp_path / 'w'),
+    '--config.mesh.data=2',
+    '--config.mesh.pipe=2',
+    '--config.pipeline.microbatches=2',
+  )
+  assert result.returncode == 0, result.stderr
+  assert result.stdout.strip().splitlines()[-1].startswith('fits: '), result.stdout
+  assert 'TPU_WORKER_HOSTNAMES' not in result.stderr  # libtpu's start-up noise is silenced
+  assert (stats['device_kind'], stats['devices'], stats['chips']) == ('TPU v5', 4, 4)
+  assert stats['hbm_bytes_per_device'] == 95 * GiB and stats['fits']
+  assert stats['schedule']['name'] == '1f1b' and stats['schedule']['stages'] == 2
+  step = stats['temp_bytes'] + stats['argument_bytes'] + stats['output_bytes']
+  assert stats['peak_bytes'] >= step - stats['alias_bytes']
+  biggest = stats['largest_buffers']
+  assert biggest and biggest[0]['bytes'] >= biggest[-1]['bytes']
+  assert any('train_step' in b['op_name'] for b in biggest)
+  # The same program on the CPU's XLA differs: these are the TPU compiler's bytes.
+  assert 0 < stats['temp_bytes'] < 64 * 2**20
+
+
+def test_splash_holds_no_scores_on_a_tpu(tmp_path):
+  """At 1024 positions a layer's [b, n, s, s] scores are most of XLA attention's
+  temporaries; the splash kernel (compiled by Mosaic for the TPU) keeps none."""
+  flags = ('--config.mesh.data=4', '--config.model.seq_len=1024', '--config.model.loss_chunk=256')
+  temp = {}
+  for kind in ('xla', 'splash'):
+    result, stats = _compile(str(tmp_path / kind), *flags, f'--config.model.attention={kind}')
+    assert result.returncode == 0, result.stderr
+    temp[kind] = stats['temp_bytes']
+  scores = 4 * 4 * 1024 * 1024 * 4 // 4  # one layer's fp32 scores of a device's rows
+  assert temp['splash'] + scores < temp['xla'], temp
+
+
+def test_a_slice_too_small_exits_3_and_says_by_how_much(tmp_path):
+  """Llama 3.1 8B's vocabulary and width, two layers, replicated over four v5e
+  chips of 16 GiB: the embedding's and head's state alone is 16 GiB."""
+  result, stats = _compile(
+    str(tmp_path / 'w'),
+    '--config.model.num_layers=2',
+    '--config.mesh.data=4',
+    config='experiments/llama_8b.py:attention=xla,remat=full,batch=4',
+    topology_name='v5e:2x2',
+  )
+  assert result.returncode == 3, result.stderr
+  # XLA:TPU itself refuses a program beyond the chip's HBM (what it may use
+  # of a v5e's 16 GiB); the stats say by how much.
+  line = result.stdout.strip().splitlines()[-1]
+  assert line.startswith('does not fit: XLA:TPU refuses the train step'), line
+  assert 'GiB over the 15.75 GiB it may use' in line
+  assert not stats['fits'] and stats['required_bytes'] > stats['available_bytes'] == 15.75 * GiB
+  assert stats['device_kind'] == 'TPU v5 lite' and stats['largest_buffers']
