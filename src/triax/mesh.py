@@ -38,7 +38,7 @@ def build_mesh(mesh_cfg, devices=None) -> Mesh:
     grid = np.empty(len(order), dtype=object)
     grid[:] = [devices[i] for i in order]
     grid = grid.reshape(shape)
-  elif any(d > 1 for d in dcn):
+  elif any(d > 1 for d in dcn) or len({getattr(d, 'slice_index', 0) for d in devices}) > 1:
     grid = _hybrid_grid(shape, dcn, devices)
   else:
     grid = _grid(shape, devices)
@@ -67,11 +67,13 @@ def _hybrid_grid(shape: tuple[int, ...], dcn: tuple[int, ...], devices: list) ->
   count = math.prod(dcn)
   if len({getattr(d, 'slice_index', 0) for d in devices}) > 1:
     key = lambda d: d.slice_index
-    if len({d.slice_index for d in devices}) != count:
+    slices = len({d.slice_index for d in devices})
+    if slices != count:
       raise ConfigError(
         'mesh',
-        f'dcn factors {"*".join(map(str, dcn))} = {count} must equal '
-        f'the number of TPU slices ({len({d.slice_index for d in devices})})',
+        f'dcn factors {"*".join(map(str, dcn))} = {count} must equal the number of TPU '
+        f'slices ({slices}): e.g. --config.mesh.dcn_data={slices}, so that only that axis '
+        'crosses the data-centre network',
       )
   else:
     processes = sorted({d.process_index for d in devices})

@@ -117,7 +117,6 @@ def skip_absent_tpu() -> None:
   """
   import glob
   import importlib.util
-  import os
   import pkgutil
 
   if os.environ.get('JAX_PLATFORMS') or glob.glob('/dev/accel*') or glob.glob('/dev/vfio/[0-9]*'):

@@ -18,7 +18,6 @@ import jax
 
 from triax import config as config_lib
 from triax import topology as topology_lib
-from triax.errors import ConfigError
 from triax.mesh import build_mesh
 from triax.training import atomic, buffers, loop
 from triax.training import lock as lock_lib
@@ -33,22 +32,15 @@ def compile_for_topology(cfg, workdir: str, topology: topology_lib.Topology) -> 
 
   Raises:
     ConfigError: bad config or topology (a mesh whose device count is not the
-      slice's, dcn factors that are not its slice count), or a busy workdir;
-      nothing is written then.
+      slice's, dcn factors that are not its slice count: mesh.build_mesh), or
+      a busy workdir; nothing is written then.
   """
   devices = topology.devices()
   cfg = config_lib.validate(cfg, len(devices))
   config_lib.check_platform(cfg, devices[0].platform)
-  dcn = [cfg.mesh[f'dcn_{a}'] for a in config_lib.MESH_AXES]
-  if topology.slices > 1 and _product(dcn) != topology.slices:
-    raise ConfigError(
-      'mesh',
-      f'{topology.slices} slices need dcn factors multiplying to {topology.slices} '
-      f'(they multiply to {_product(dcn)}): e.g. --config.mesh.dcn_data={topology.slices}, '
-      'so that only that axis crosses the data-centre network',
-    )
   loop.check_workdir(workdir)
   lock_lib.check_free(workdir)
+  # build_mesh checks the dcn factors against the slice count.
   trainer = build_trainer(cfg, build_mesh(cfg.mesh, devices))
   with tempfile.TemporaryDirectory(prefix='triax-xla-dump-') as scratch:
     # TRIAX_XLA_DUMP=DIR keeps XLA's whole dump of the train step (HLO, buffer
@@ -108,10 +100,3 @@ def _refused(error: Exception) -> dict:
       f'{available / 2**30:.2f} GiB it may use'
     ),
   }
-
-
-def _product(values) -> int:
-  out = 1
-  for v in values:
-    out *= v
-  return out

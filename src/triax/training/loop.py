@@ -141,13 +141,11 @@ def compile_stats(trainer: Trainer, compiler_options: dict | None = None) -> tup
   cfg = trainer.cfg
   b = cfg.train.global_batch_size
   started = time.perf_counter()
+  state = trainer.abstract_state()
   with jax.set_mesh(trainer.mesh):
-    compiled = trainer.train_step.lower(trainer.abstract_state(), _abstract_batch(trainer)).compile(
-      compiler_options
-    )
+    compiled = trainer.train_step.lower(state, _abstract_batch(trainer)).compile(compiler_options)
   mem = compiled.memory_analysis()
   flops = step_flops(trainer.model, b)
-  state = trainer.abstract_state()
   shardings = trainer.state_shardings
   params = step_lib.per_device_bytes(state.params, shardings.params)
   stats = {
