@@ -56,7 +56,7 @@ def model_of(**fields):
 
 
 def make_trainer(cfg):
-  n = cfg.mesh.data * cfg.mesh.tensor * cfg.mesh.pipe
+  n = int(np.prod([cfg.mesh[a] for a in config.MESH_AXES]))
   if min(cfg.mesh[a] for a in config.MESH_AXES) < 0:
     n = jax.device_count()
   cfg = config.validate(cfg, n)

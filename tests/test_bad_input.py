@@ -434,6 +434,51 @@ CASES = [
     train('--config.model.splash_interpret=true'),
     'model.splash_interpret',
   ),
+  # -- sequence and context parallelism
+  (
+    'context-vs-seq',
+    train('--config.mesh.data=1', '--config.mesh.context=2', '--config.model.seq_len=30'),
+    'mesh.context',
+  ),
+  (
+    'context-with-cudnn',
+    train(
+      '--config.mesh.data=1',
+      '--config.mesh.context=2',
+      '--config.model.context_attention=ring',
+      '--config.model.attention=cudnn',
+    ),
+    'model.attention',
+  ),
+  (
+    'context-attention-unknown',
+    train('--config.model.context_attention=zigzag'),
+    'model.context_attention',
+  ),
+  (
+    'ring-in-cpu-pipeline',
+    train(
+      '--config.mesh.data=1', '--config.mesh.context=2', '--config.model.context_attention=ring'
+    ),
+    'model.context_attention',
+  ),
+  (
+    'sequence-parallel-without-tensor',
+    train(
+      '--config.mesh.sequence_parallel=true', '--config.mesh.tensor=1', '--config.mesh.context=2'
+    ),
+    'mesh.sequence_parallel',
+  ),
+  (
+    'sequence-parallel-seq',
+    train(
+      '--config.mesh.sequence_parallel=true',
+      '--config.mesh.data=1',
+      '--config.mesh.tensor=4',
+      '--config.model.seq_len=30',
+    ),
+    'mesh.sequence_parallel',
+  ),
   ('schedule-no-stages', command('triax.cli.schedule', '--stages=0'), '--stages'),
   ('schedule-unknown', command('triax.cli.schedule', '--schedule=zigzag'), 'schedule'),
   (

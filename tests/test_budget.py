@@ -20,7 +20,11 @@ def test_budget_ranks_candidates_by_measured_memory():
       'model.num_heads': 4,
     }
   )
-  cands = {c.name.split(' (')[0]: c for c in budget.evaluate(cfg, steps=1)}
+  lines = []
+  # A limit no candidate meets: every one is compiled, none is run.
+  cands = {c.name.split(' (')[0]: c for c in budget.evaluate(cfg, 1, steps=1, say=lines.append)}
+  assert len(lines) == len(cands) and all('not run' in line for line in lines), lines
+  assert not any(c.step_time_s for c in cands.values())
   ref = cands['1f1b, no remat']
   assert not any(c.error for c in cands.values()), cands
   assert cands['1f1b, full remat'].peak_bytes < ref.peak_bytes
@@ -32,8 +36,14 @@ def test_budget_ranks_candidates_by_measured_memory():
   assert cands['1f1b, FSDP'].peak_bytes > 0
   # A limit just under the reference: the reference must not fit, the answer must.
   limit = ref.peak_bytes - 1
+  for c in cands.values():
+    c.step_time_s = 1.0 if c.fits(limit) else 0.0  # as evaluate() would have timed them
   text = budget.report(list(cands.values()), limit)
   answer = text.splitlines()[-1]
-  assert answer.startswith('answer: ') and 'no remat (reference)' not in answer
+  assert answer.startswith('answer: ') and '(as configured)' not in answer
   chosen = next(c for c in cands.values() if c.name in answer)
   assert chosen.fits(limit)
+  # The config as it is fits a limit at its peak: that is the answer, whatever the times.
+  cands['1f1b, full remat'].step_time_s = 0.5
+  answer = budget.report(list(cands.values()), ref.peak_bytes).splitlines()[-1]
+  assert '(as configured): it fits; nothing to change' in answer

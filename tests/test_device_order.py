@@ -27,7 +27,7 @@ def test_mesh_places_devices_in_the_given_order():
   mesh = build_mesh(cfg.mesh, jax.devices())
   devices = jax.devices()
   for k, (i, j, s) in enumerate(np.ndindex(2, 2, 2)):
-    assert mesh.devices[i, j, s] == devices[order[k]]
+    assert mesh.devices[i, 0, j, s] == devices[order[k]]
 
 
 @pytest.mark.parametrize(
@@ -131,6 +131,6 @@ def test_heterogeneous_plan_file_carries_its_placement(tmp_path):
   for s, stage in enumerate(stages):
     for i in range(2):
       for j in range(2):
-        assert mesh.devices[i, j, s] == devices[stage[i * 2 + j]]
+        assert mesh.devices[i, 0, j, s] == devices[stage[i * 2 + j]]
   # One device type: the mesh keeps its own (topology-aware) order.
   assert 'mesh.device_order' not in emit.overrides(plan, heterogeneous=False)

@@ -13,7 +13,13 @@ from triax import sharding
 from triax.mesh import build_mesh
 
 V = 128 * 1024
-_RULES = (('batch', None), ('seq', None), ('embed', None), ('vocab', 'tensor'))
+_RULES = (
+  ('batch', None),
+  ('seq', None),
+  ('residual_seq', None),
+  ('embed', None),
+  ('vocab', 'tensor'),
+)
 
 
 def _llama(seq, chunk):

@@ -66,7 +66,7 @@ def test_search_returns_valid_plans_and_baselines():
   assert times == sorted(times)
   for e in result.top:
     p = e.plan
-    assert p.data * p.tensor * p.pipe == 8
+    assert p.data * p.context * p.tensor * p.pipe == 8
     assert p.num_layers == 8 and sum(p.chunk_layers) == 8
     assert sorted(p.devices) == list(range(8))
     assert not e.oom

@@ -18,7 +18,8 @@ from triax.model import registry
 from triax.pipeline import schedule as sched
 from triax.pipeline.layout import StackLayout
 
-MESH_AXES = ('data', 'tensor', 'pipe')
+MESH_AXES = ('data', 'context', 'tensor', 'pipe')
+CONTEXT_ATTENTION = ('allgather', 'ring')
 SCHEDULES = tuple(sched.SCHEDULES)
 REMAT_POLICIES = ('none', 'full', 'selective')
 # float16 is refused with its reason (no loss scaling); see validate().
@@ -44,21 +45,30 @@ def defaults() -> ml_collections.ConfigDict:
   c.mesh = ml_collections.ConfigDict()
   # Data-parallel degree; -1 takes whatever devices the other axes leave.
   c.mesh.data = -1
+  # Context-parallel degree: every micro-batch's sequence is split this many ways for the
+  # whole layer, attention included (model.context_attention says how attention meets).
+  c.mesh.context = 1
   # Tensor (Megatron) parallel degree: heads and MLP columns are split this many ways.
   c.mesh.tensor = 1
   # Pipeline degree: number of pipeline stages.
   c.mesh.pipe = 1
   # Data-centre-network factor of each axis (multi-slice / multi-host); 1 = single slice.
   c.mesh.dcn_data = 1
+  # DCN factor of the context axis; its all-gathers or ring transfers run every layer.
+  c.mesh.dcn_context = 1
   # DCN factor of the tensor axis; keep 1 unless you know your network.
   c.mesh.dcn_tensor = 1
   # DCN factor of the pipe axis; pipelining tolerates slow links, so this is the usual one.
   c.mesh.dcn_pipe = 1
-  # jax.devices() indices in mesh order (data, tensor, pipe; row-major); () = default placement.
+  # jax.devices() indices in mesh order (data, context, tensor, pipe; row-major); () = default.
   c.mesh.device_order = ()
   # FSDP / ZeRO-3: parameters (and their optimizer state) split over `data` along d_model,
   # gathered where used; the rule ('embed', 'data') in sharding.logical_axis_rules.
   c.mesh.fsdp = False
+  # Megatron's sequence parallelism (Korthikanti et al. 2022): the activations outside the
+  # tensor-parallel matmuls (norms, residuals) split along the sequence over `tensor` too;
+  # each all-reduce becomes a reduce-scatter and an all-gather. Needs mesh.tensor > 1.
+  c.mesh.sequence_parallel = False
 
   c.model = ml_collections.ConfigDict()
   # Model family, one file each in triax/model/: gpt (learned positions, GELU MLP, full
@@ -90,6 +100,10 @@ def defaults() -> ml_collections.ConfigDict:
   c.model.attention = 'xla'
   # splash: run the kernel through Pallas's interpreter, on any backend (tests; slow).
   c.model.splash_interpret = False
+  # With mesh.context > 1, how a rank's queries meet the other ranks' keys: allgather (Llama 3's
+  # and MaxText's: K/V gathered over `context` each layer) or ring (K/V blocks passed around
+  # the ring, an online softmax, the next block's transfer beside this block's work).
+  c.model.context_attention = 'allgather'
   # Cross-entropy over this many positions at a time (a divisor of seq_len), so a large
   # vocabulary's fp32 logits never exist for the whole micro-batch; 0 = all at once.
   c.model.loss_chunk = 0
@@ -214,7 +228,13 @@ def defaults() -> ml_collections.ConfigDict:
     # llama's K/V heads: validate() replicates them instead when fewer than the axis size.
     ('kv_heads', 'tensor'),
     ('embed', None),
-    ('seq', None),
+    # Positions inside the tensor-parallel regions (Q/K/V, the MLP's hidden units, logits).
+    ('seq', 'context'),
+    # Positions of the residual stream between them (norms, residual adds, what a pipeline
+    # sends): mesh.sequence_parallel makes it ('context', 'tensor').
+    ('residual_seq', 'context'),
+    # The learned position table's rows (gpt): whole on every device.
+    ('positions', None),
     ('layers', None),
     ('stage', 'pipe'),
     ('virtual', None),
@@ -365,8 +385,8 @@ def _positive(cfg, group: str, key: str):
     raise ConfigError(f'{group}.{key}', f'must be a positive integer, got {value!r}')
 
 
-def resolve_mesh_shape(mesh_cfg, num_devices: int) -> tuple[int, int, int]:
-  """Mesh sizes (data, tensor, pipe) with a -1 entry resolved to the rest."""
+def resolve_mesh_shape(mesh_cfg, num_devices: int) -> tuple[int, ...]:
+  """Mesh sizes in MESH_AXES order (data, context, tensor, pipe), a -1 entry resolved to the rest."""
   sizes = [mesh_cfg[a] for a in MESH_AXES]
   for axis, size in zip(MESH_AXES, sizes):
     if not isinstance(size, int) or size == 0 or size < -1:
@@ -385,7 +405,7 @@ def resolve_mesh_shape(mesh_cfg, num_devices: int) -> tuple[int, int, int]:
   if math.prod(sizes) != num_devices:
     raise ConfigError(
       'mesh',
-      f'data*tensor*pipe = {"*".join(map(str, sizes))} = {math.prod(sizes)} '
+      f'data*context*tensor*pipe = {"*".join(map(str, sizes))} = {math.prod(sizes)} '
       f'but there are {num_devices} devices; make the product {num_devices} '
       '(or set one axis to -1)',
     )
@@ -405,7 +425,7 @@ def _check_device_order(mesh_cfg, num_devices: int) -> None:
     raise ConfigError(
       'mesh.device_order',
       f'must list each of the {num_devices} device indices 0..{num_devices - 1} '
-      f'once (mesh order: data, tensor, pipe), or be () for the default; '
+      f'once (mesh order: data, context, tensor, pipe), or be () for the default; '
       f'got {order!r}',
     )
   if any(mesh_cfg[f'dcn_{a}'] > 1 for a in MESH_AXES):
@@ -423,8 +443,9 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int) -> ml_collections
     ConfigError: naming the first offending key and how to fix it.
   """
   cfg = ml_collections.ConfigDict(cfg.to_dict())  # unlocked copy; caller's stays as given
-  data, tensor, pipe = resolve_mesh_shape(cfg.mesh, num_devices)
-  cfg.mesh.data, cfg.mesh.tensor, cfg.mesh.pipe = data, tensor, pipe
+  for axis, size in zip(MESH_AXES, resolve_mesh_shape(cfg.mesh, num_devices)):
+    cfg.mesh[axis] = size
+  data, tensor, pipe = cfg.mesh.data, cfg.mesh.tensor, cfg.mesh.pipe
   for axis in MESH_AXES:
     dcn = cfg.mesh[f'dcn_{axis}']
     if not isinstance(dcn, int) or dcn <= 0 or cfg.mesh[axis] % dcn:
@@ -594,7 +615,8 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int) -> ml_collections
   if cfg.hardware.peak_flops_per_device < 0:
     raise ConfigError('hardware.peak_flops_per_device', 'must be >= 0 (0 = look up)')
   _check_rules(cfg.sharding.logical_axis_rules)
-  cfg.sharding.logical_axis_rules = _fsdp_rules(cfg)
+  _check_sequence(cfg)
+  cfg.sharding.logical_axis_rules = _sequence_rules(cfg, _fsdp_rules(cfg))
   cfg.sharding.logical_axis_rules = registry.validate(
     cfg.model, defaults().model, cfg.mesh, cfg.sharding.logical_axis_rules
   )
@@ -634,6 +656,22 @@ def check_platform(cfg, platform: str) -> None:
   if m.attention == 'cudnn' and platform != 'gpu':
     raise ConfigError(
       'model.attention', f'cudnn is a GPU kernel and the devices are {platform}; use xla'
+    )
+  if (
+    platform == 'cpu'
+    and cfg.mesh.context > 1
+    and cfg.mesh.pipe > 1
+    and m.context_attention == 'ring'
+  ):
+    # A pipeline stage runs its ticks' work under lax.cond, and the ring's
+    # collective-permutes with it; XLA:CPU's waits for every device of the
+    # program, also those of stages on another branch (it hangs or pairs
+    # unrelated transfers). GPU and TPU pair only the ring's own devices.
+    raise ConfigError(
+      'model.context_attention',
+      'ring attention inside pipeline stages needs GPU or TPU devices: XLA:CPU cannot run a '
+      'collective-permute that only some stages reach; use model.context_attention=allgather '
+      '(or mesh.pipe=1) here',
     )
 
 
@@ -723,10 +761,64 @@ def _fsdp_rules(cfg) -> tuple:
   return tuple(r for r in rules if r[0] != 'embed') + (('embed', 'data'),)
 
 
+def _check_sequence(cfg) -> None:
+  """mesh.context, mesh.sequence_parallel and model.context_attention against the
+  model: what splitting the sequence needs of it."""
+  mesh, m = cfg.mesh, cfg.model
+  c, t = mesh.context, mesh.tensor
+  if m.context_attention not in CONTEXT_ATTENTION:
+    raise ConfigError(
+      'model.context_attention',
+      f'unknown kind {m.context_attention!r}; choose one of {", ".join(CONTEXT_ATTENTION)}',
+    )
+  if c > 1 and m.seq_len % (2 * c):
+    # Causal load balancing: rank i holds chunks i and 2c-1-i of 2c equal chunks.
+    raise ConfigError(
+      'mesh.context',
+      f'{c} context ranks need model.seq_len={m.seq_len} to split into {2 * c} equal chunks '
+      f'(causal load balancing); use a context degree c with seq_len % (2c) == 0',
+    )
+  if c > 1 and m.attention != 'xla':
+    kind = 'ring attention' if m.context_attention == 'ring' else 'the all-gather kind'
+    raise ConfigError(
+      'model.attention',
+      f'{m.attention} cannot serve mesh.context={c} ({kind} masks by load-balanced '
+      'positions, which only the xla path takes); use model.attention=xla',
+    )
+  if not isinstance(mesh.sequence_parallel, bool):
+    raise ConfigError(
+      'mesh.sequence_parallel', f'must be true or false, got {mesh.sequence_parallel!r}'
+    )
+  if mesh.sequence_parallel and t == 1:
+    raise ConfigError(
+      'mesh.sequence_parallel',
+      'splits the sequence over `tensor`, and mesh.tensor=1; set mesh.tensor > 1 or remove it',
+    )
+  if mesh.sequence_parallel and m.seq_len % (c * t):
+    raise ConfigError(
+      'mesh.sequence_parallel',
+      f'model.seq_len={m.seq_len} does not split over context*tensor={c * t} ranks; '
+      'use a seq_len divisible by it, or remove mesh.sequence_parallel',
+    )
+
+
+def _sequence_rules(cfg, rules: tuple) -> tuple:
+  """The rules with mesh.sequence_parallel applied: the residual stream's
+  positions over `tensor` as well as `context` (context-major: a tensor rank
+  holds a slice of its context rank's slice)."""
+  if not cfg.mesh.sequence_parallel:
+    return rules
+  return tuple(r for r in rules if r[0] != 'residual_seq') + (
+    ('residual_seq', ('context', 'tensor')),
+  )
+
+
 def _check_rules(rules: Sequence) -> None:
   for rule in rules:
-    if len(rule) != 2 or (rule[1] is not None and rule[1] not in MESH_AXES):
+    axes = rule[1] if len(rule) == 2 and isinstance(rule[1], (tuple, list)) else (rule[-1],)
+    if len(rule) != 2 or not all(a is None or a in MESH_AXES for a in axes):
       raise ConfigError(
         'sharding.logical_axis_rules',
-        f'rule {tuple(rule)!r} must map a logical axis to one of {", ".join(MESH_AXES)} or None',
+        f'rule {tuple(rule)!r} must map a logical axis to one of {", ".join(MESH_AXES)}, '
+        'a tuple of them, or None',
       )

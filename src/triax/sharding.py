@@ -26,8 +26,10 @@ _ACTIVE_RULES: contextvars.ContextVar[Rules | None] = contextvars.ContextVar(
 def logical_to_spec(axes: Sequence[str | None], rules: Rules) -> PartitionSpec:
   """PartitionSpec for one array whose dimensions carry the logical `axes`.
 
-  A mesh axis is used at most once per array: a later dimension that maps to
-  an axis already taken stays replicated (as in flax and MaxText).
+  A rule maps a logical axis to a mesh axis, a tuple of them (split over
+  their product, the first major) or None. A mesh axis is used at most once
+  per array: a later dimension that maps to an axis already taken leaves it
+  out (as in flax and MaxText).
   """
   mapping = dict(rules)
   used, spec = set(), []
@@ -40,12 +42,11 @@ def logical_to_spec(axes: Sequence[str | None], rules: Rules) -> PartitionSpec:
         'sharding.logical_axis_rules',
         f'no rule for logical axis {axis!r}; add ({axis!r}, MESH_AXIS_OR_None)',
       )
-    mesh_axis = mapping[axis]
-    if mesh_axis in used:
-      mesh_axis = None
-    if mesh_axis is not None:
-      used.add(mesh_axis)
-    spec.append(mesh_axis)
+    target = mapping[axis]
+    names = tuple(target) if isinstance(target, (tuple, list)) else (target,)
+    names = tuple(n for n in names if n is not None and n not in used)
+    used.update(names)
+    spec.append(names[0] if len(names) == 1 else (names or None))
   return PartitionSpec(*spec)
 
 
@@ -94,3 +95,19 @@ def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
   if rules is None:
     return x
   return jax.lax.with_sharding_constraint(x, logical_to_spec(axes, rules))
+
+
+def varying_axes(x) -> tuple:
+  """The manual mesh axes over which x holds different values per device."""
+  aval = jax.typeof(x)
+  varying = getattr(aval, 'vma', None)
+  if varying is None and hasattr(aval, 'manual_axis_type'):
+    varying = aval.manual_axis_type.varying
+  return tuple(varying or ())
+
+
+def vary_like(x, like):
+  """x typed as varying over every manual axis `like` varies over (a
+  shard_map's carries and branch outputs must match in type)."""
+  missing = tuple(a for a in varying_axes(like) if a not in varying_axes(x))
+  return jax.lax.pcast(x, missing, to='varying') if missing else x

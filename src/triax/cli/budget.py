@@ -1,8 +1,10 @@
-"""Which of 1f1b+remat, 1f1b with a smaller micro-batch, or bpipe fits a memory limit, fastest?
+"""Does the config fit a memory limit, and if not, which of recompute, a smaller micro-batch,
+BPipe, ZeRO-1 or FSDP does, fastest?
 
   python -m triax budget --config=experiments/gpt_tiny.py --memory_limit_mib=64 --cpu_devices=8
 
-Compiles and times each candidate (see triax.training.budget) and prints a table.
+Compiles each candidate (a line each), times those that fit (see triax.training.budget)
+and prints a table.
 """
 
 from absl import flags
@@ -15,7 +17,7 @@ _CONFIG = config_flags.DEFINE_config_file(
 )
 _LIMIT = flags.DEFINE_float('memory_limit_mib', None, 'Per-device memory limit in MiB.')
 _CPU_DEVICES = flags.DEFINE_integer('cpu_devices', None, 'Force this many CPU devices.')
-_STEPS = flags.DEFINE_integer('steps', 3, 'Timed steps per candidate.')
+_STEPS = flags.DEFINE_integer('steps', 5, 'Timed steps per candidate that fits (their median).')
 
 
 def main(argv):
@@ -27,9 +29,12 @@ def main(argv):
   cli.force_cpu_devices(_CPU_DEVICES.value)
   from triax.training import budget  # after the device count is set
 
+  limit = int(_LIMIT.value * 2**20)
   with cli.config_errors_exit():
-    cands = budget.evaluate(cfg, steps=_STEPS.value)
-  print(budget.report(cands, int(_LIMIT.value * 2**20)))
+    cands = budget.evaluate(
+      cfg, limit, steps=_STEPS.value, say=lambda line: print(line, flush=True)
+    )
+  print(budget.report(cands, limit))
 
 
 def run():

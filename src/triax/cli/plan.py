@@ -1,4 +1,4 @@
-"""Plans data x tensor x pipeline parallelism for a model on a cluster.
+"""Plans data x context x tensor x pipeline parallelism (and sequence parallelism) for a model on a cluster.
 
   python -m triax plan --config=experiments/gpt_tiny.py
       --cluster=experiments/clusters/heterog_testbed.yaml

@@ -18,6 +18,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from triax.model import context as context_lib
 from triax.model import loss as loss_lib
 from triax.model import splash
 from triax.sharding import constrain
@@ -59,9 +60,15 @@ class ModelSpec:
   # Ids from this one on are vocabulary padding (Megatron's): masked out of the
   # loss and of sampling (loss.mask_padding); 0 = all vocab_size ids are used.
   vocab_used: int = 0
+  # With context > 1: allgather or ring (model/context.py).
+  context_attention: str = 'allgather'
   # Not a config key: a tensor shard (the planner's profiler) keeps the full
   # model's head width, it has fewer heads, not thinner ones; 0 = d_model / heads.
   shard_head_dim: int = dataclasses.field(default=0, metadata={'config': False})
+  # Not a config key: the context ranks (mesh.context) the trainer splits the
+  # sequence over; with more than one, its slots hold load-balanced positions
+  # (context.positions) and attention meets the other ranks' keys.
+  context: int = dataclasses.field(default=1, metadata={'config': False})
 
   # Keys of the model-shape record a checkpoint is checked against
   # (training/checkpoint.py): what decides the parameter tree's shapes.
@@ -93,6 +100,16 @@ class ModelSpec:
   def head_dim(self) -> int:
     return self.shard_head_dim or self.d_model // self.num_heads
 
+  def positions(self, length: int) -> jax.Array:
+    """The position each of a training window's `length` slots holds: 0..length-1,
+    or the load-balanced order when the sequence is split over context ranks."""
+    return context_lib.positions(length, self.context)
+
+  def split_sequence(self, length: int) -> tuple:
+    """causal_attention's (positions, context kind) for a training window of
+    `length` slots; () when the sequence is whole on each device."""
+    return () if self.context == 1 else (self.positions(length), self.context_attention)
+
   def tensor_shard(self, t: int) -> ModelSpec:
     """The spec of one of t tensor ranks' shards (Megatron's split: heads,
     MLP columns and vocabulary divided by t), for the planner's profiler."""
@@ -114,10 +131,19 @@ def param(module: nn.Module, name: str, shape, axes, stddev: float, dtype):
   return module.param(name, nn.with_logical_partitioning(init, axes), shape, dtype)
 
 
+# The residual stream's logical axes: between the tensor-parallel regions,
+# split along the sequence over `context` (and `tensor` with mesh.sequence_parallel).
+RESIDUAL = ('batch', 'residual_seq', 'embed')
+
+
 def rms_norm(x, scale, eps: float):
+  """RMSNorm of x [b, s, d], where the residual stream lives: pinned there,
+  GSPMD gathers its output for the next column-parallel matmul (and
+  reduce-scatters the gradient back), rather than gathering the stream
+  before the norm and all-reducing the norm's gradient whole."""
   x32 = x.astype(jnp.float32)
   y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-  return (y * scale.astype(jnp.float32)).astype(x.dtype)
+  return constrain((y * scale.astype(jnp.float32)).astype(x.dtype), RESIDUAL)
 
 
 @flax.struct.dataclass
@@ -137,15 +163,6 @@ class Decode:
   positions: jax.Array
 
 
-def _causal_bias(t: int, segments: jax.Array | None) -> jax.Array:
-  """[1 or b, 1, t, t] float32: 0 where a query may attend, a large negative
-  elsewhere (later positions; other documents with `segments`)."""
-  allowed = (jnp.arange(t)[:, None] >= jnp.arange(t)[None, :])[None, None]
-  if segments is not None:
-    allowed = allowed & (segments[:, :, None] == segments[:, None, :])[:, None]
-  return jnp.where(allowed, 0.0, -0.7 * jnp.finfo(jnp.float32).max).astype(jnp.float32)
-
-
 def causal_attention(
   q,
   k,
@@ -154,6 +171,8 @@ def causal_attention(
   decode: Decode | None = None,
   segments: jax.Array | None = None,
   interpret: bool = False,
+  positions: jax.Array | None = None,
+  context: str = '',
 ):
   """Causal attention of q [b, t, n, hd] over k, v [b, t, kv, hd] (kv divides n).
 
@@ -166,12 +185,17 @@ def causal_attention(
   `segments` [b, t] (the document number of each position of a packed row,
   data.mask_documents), a query attends only within its own document.
   `impl`: xla, cudnn or splash (the TPU kernel; `interpret` runs it through
-  Pallas's interpreter on any backend).
+  Pallas's interpreter on any backend). `positions` [t]: each slot's
+  position (the causal mask compares them; 0..t-1 if None); `context`
+  (allgather or ring) with the sequence split over context ranks.
   """
   group = q.shape[2] // k.shape[2]
   repeat = lambda t: constrain(jnp.repeat(t, group, axis=2), ('batch', 'seq', 'heads', 'kv'))
   if decode is None and impl == 'splash':
     return splash.attention(q, repeat(k), repeat(v), segments, interpret=interpret)
+  if decode is None and context:
+    attend = context_lib.ring_attention if context == 'ring' else context_lib.allgather_attention
+    return attend(q, repeat(k), repeat(v), positions, segments)
   if decode is None:
     if impl == 'xla':
       # An additive bias rather than a mask: `where(mask, logits, -big)` keeps
@@ -183,8 +207,13 @@ def causal_attention(
       # old one also kept exp(logits), a second [b, n, t, t] residual per
       # layer (1F1B at p=8: 58.9 -> 50.2 MB of temp, more at longer t).
       with jax.softmax_custom_jvp(True):
+        pos = jnp.arange(q.shape[1]) if positions is None else positions
         return jax.nn.dot_product_attention(
-          q, repeat(k), repeat(v), bias=_causal_bias(q.shape[1], segments), implementation=impl
+          q,
+          repeat(k),
+          repeat(v),
+          bias=context_lib.bias(pos, pos, segments, segments),
+          implementation=impl,
         )
     mask = None if segments is None else (segments[:, :, None] == segments[:, None, :])[:, None]
     return jax.nn.dot_product_attention(

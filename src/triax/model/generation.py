@@ -140,11 +140,13 @@ class Placement:
     from triax import mesh as mesh_lib
 
     mesh_cfg = ml_collections.ConfigDict(cfg.mesh.to_dict())
-    mesh_cfg.data, mesh_cfg.tensor, mesh_cfg.pipe = data, tensor, pipe
-    mesh_cfg.dcn_data = mesh_cfg.dcn_tensor = mesh_cfg.dcn_pipe = 1
+    # No context ranks: the weights are never split over them, and a decode
+    # step's one new position is no sequence to split.
+    mesh_cfg.data, mesh_cfg.context, mesh_cfg.tensor, mesh_cfg.pipe = data, 1, tensor, pipe
+    mesh_cfg.dcn_data = mesh_cfg.dcn_context = mesh_cfg.dcn_tensor = mesh_cfg.dcn_pipe = 1
     mesh_cfg.device_order = ()
     mesh = mesh_lib.build_mesh(mesh_cfg, jax.devices()[: data * tensor * pipe])
-    split = {'batch': None, 'embed': 'pipe' if pipe > 1 else None}
+    split = {'batch': None, 'embed': 'pipe' if pipe > 1 else None, 'residual_seq': None}
     rules = tuple((name, split.get(name, axis)) for name, axis in cfg.sharding.logical_axis_rules)
     return cls(mesh, rules)
 

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from triax.model.common import (
+  RESIDUAL,
   Decode,
   DecoderModel,
   ModelSpec,
@@ -47,11 +48,16 @@ class Embed(nn.Module):
   def __call__(self, tokens, positions=None):
     s, pdt = self.spec, jnp.dtype(self.spec.param_dtype)
     table = param(self, 'tokens', (s.vocab_size, s.d_model), ('vocab', 'embed'), 0.02, pdt)
-    pos = param(self, 'positions', (s.seq_len, s.d_model), ('seq', 'embed'), 0.01, pdt)
-    # Training embeds whole windows (positions 0..s-1); a K/V-cache decoder its new tokens'.
-    pos = pos[: tokens.shape[-1]] if positions is None else jnp.take(pos, positions, axis=0)
+    pos = param(self, 'positions', (s.seq_len, s.d_model), ('positions', 'embed'), 0.01, pdt)
+    # Training embeds whole windows (positions 0..s-1, load-balanced over context ranks);
+    # a K/V-cache decoder its new tokens'.
+    if positions is None and s.context == 1:
+      pos = pos[: tokens.shape[-1]]
+    else:
+      where = s.positions(tokens.shape[-1]) if positions is None else positions
+      pos = jnp.take(pos, where, axis=0)
     x = jnp.take(table, tokens, axis=0) + pos
-    return constrain(x.astype(s.dtype), ('batch', 'seq', 'embed'))
+    return constrain(x.astype(s.dtype), RESIDUAL)
 
 
 class Block(nn.Module):
@@ -79,15 +85,16 @@ class Block(nn.Module):
     k = jnp.einsum('bsd,dnk->bsnk', h, wk.astype(dt))
     v = jnp.einsum('bsd,dnk->bsnk', h, wv.astype(dt))
     q, k, v = (constrain(t, ('batch', 'seq', 'heads', 'kv')) for t in (q, k, v))
-    a = causal_attention(q, k, v, s.attention, decode, segments, s.splash_interpret)
+    where = () if decode is not None else s.split_sequence(x.shape[1])
+    a = causal_attention(q, k, v, s.attention, decode, segments, s.splash_interpret, *where)
     if decode is not None:
       a, cache = a
-    x = x + constrain(jnp.einsum('bsnk,nkd->bsd', a, wo.astype(dt)), ('batch', 'seq', 'embed'))
+    x = x + constrain(jnp.einsum('bsnk,nkd->bsd', a, wo.astype(dt)), RESIDUAL)
 
     h = rms_norm(x, norm2, _NORM_EPS)
     u = constrain(jnp.einsum('bsd,df->bsf', h, w1.astype(dt)), ('batch', 'seq', 'mlp'))
     u = jax.nn.gelu(u)
-    x = x + constrain(jnp.einsum('bsf,fd->bsd', u, w2.astype(dt)), ('batch', 'seq', 'embed'))
+    x = x + constrain(jnp.einsum('bsf,fd->bsd', u, w2.astype(dt)), RESIDUAL)
     return x if decode is None else (x, cache)
 
 

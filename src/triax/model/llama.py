@@ -35,6 +35,7 @@ import jax.numpy as jnp
 
 from triax.errors import ConfigError
 from triax.model.common import (
+  RESIDUAL,
   Decode,
   DecoderModel,
   ModelSpec,
@@ -133,7 +134,7 @@ class Embed(nn.Module):
     del positions  # the block rotates by them
     s, pdt = self.spec, jnp.dtype(self.spec.param_dtype)
     table = param(self, 'tokens', (s.vocab_size, s.d_model), ('vocab', 'embed'), 0.02, pdt)
-    return constrain(jnp.take(table, tokens, axis=0).astype(s.dtype), ('batch', 'seq', 'embed'))
+    return constrain(jnp.take(table, tokens, axis=0).astype(s.dtype), RESIDUAL)
 
 
 class Block(nn.Module):
@@ -158,22 +159,23 @@ class Block(nn.Module):
     w_down = param(self, 'w_down', (f, d), ('mlp', 'embed'), out_std, pdt)
 
     h = rms_norm(x, attn_norm, s.norm_eps)
-    cos, sin = rope_tables(s, jnp.arange(x.shape[1]) if decode is None else decode.positions)
+    cos, sin = rope_tables(s, s.positions(x.shape[1]) if decode is None else decode.positions)
     q = apply_rope(jnp.einsum('bsd,dnk->bsnk', h, wq.astype(dt)), cos, sin)
     k = apply_rope(jnp.einsum('bsd,dnk->bsnk', h, wk.astype(dt)), cos, sin)
     v = jnp.einsum('bsd,dnk->bsnk', h, wv.astype(dt))
     q = constrain(q, ('batch', 'seq', 'heads', 'kv'))
     k, v = (constrain(t, ('batch', 'seq', 'kv_heads', 'kv')) for t in (k, v))
-    a = causal_attention(q, k, v, s.attention, decode, segments, s.splash_interpret)
+    where = () if decode is not None else s.split_sequence(x.shape[1])
+    a = causal_attention(q, k, v, s.attention, decode, segments, s.splash_interpret, *where)
     if decode is not None:
       a, cache = a
-    x = x + constrain(jnp.einsum('bsnk,nkd->bsd', a, wo.astype(dt)), ('batch', 'seq', 'embed'))
+    x = x + constrain(jnp.einsum('bsnk,nkd->bsd', a, wo.astype(dt)), RESIDUAL)
 
     h = rms_norm(x, mlp_norm, s.norm_eps)
     gate = constrain(jnp.einsum('bsd,df->bsf', h, w_gate.astype(dt)), ('batch', 'seq', 'mlp'))
     up = constrain(jnp.einsum('bsd,df->bsf', h, w_up.astype(dt)), ('batch', 'seq', 'mlp'))
     u = jax.nn.silu(gate) * up
-    x = x + constrain(jnp.einsum('bsf,fd->bsd', u, w_down.astype(dt)), ('batch', 'seq', 'embed'))
+    x = x + constrain(jnp.einsum('bsf,fd->bsd', u, w_down.astype(dt)), RESIDUAL)
     return x if decode is None else (x, cache)
 
 

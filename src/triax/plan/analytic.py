@@ -45,7 +45,9 @@ d_model, a = heads): what the backward reads, counted as Korthikanti et
 al. (2022) count it without dropout: s h e (4 + 12/t) + a s^2 e / t (the
 score probabilities; none with cuDNN attention, which keeps its output
 and log-sum-exp); selective drops the s^2 term; full keeps only the
-layer's input, s h e. Parameters and Adam state: plan/memory.py's
+layer's input, s h e. The 4 (and full's 1) are profile.SEQUENCE_STASH,
+what sequence parallelism splits over t too; plan/memory.py applies that
+and context parallelism to every profile's figures. Parameters and Adam state: plan/memory.py's
 `state` (STATE_COPIES of the parameter bytes, split over data by the
 plan's state sharding).
 """
@@ -76,6 +78,10 @@ _BACKWARD_IO = 2.0
 # FLOPs (it recomputes the scores), and a causal kernel skips half the square.
 _FLASH_BACKWARD = 2.5
 _FLASH_CAUSAL = 0.5
+# [s, d] activations per layer inside the tensor-parallel matmuls, split over
+# tensor (Korthikanti et al. 2022's 24/t at 2 bytes: Q, K, V, the attention
+# output, the MLP's two 4h-wide ones); profile.SEQUENCE_STASH counts the rest.
+_TENSOR_STASH = 12
 # The head's fp32 logits are written, read by the softmax, its gradient
 # written and read by the two backward GEMMs: 4 passes of 4 bytes.
 _LOGIT_PASSES = 4
@@ -311,8 +317,9 @@ def _shard(spec, t: int, dropout: bool = False) -> tuple[profile_lib.Shard, Shar
 
   act = float(s * d * e)
   probs = 0.0 if fused else heads * s * s * e
-  stash_none = s * d * e * (4 + 12 / t) + probs + masks / t
-  stash = {'none': stash_none, 'selective': stash_none - probs, 'full': act}
+  whole = profile_lib.SEQUENCE_STASH
+  stash_none = act * (whole['none'] + _TENSOR_STASH / t) + probs + masks / t
+  stash = {'none': stash_none, 'selective': stash_none - probs, 'full': act * whole['full']}
 
   def work(kernels):
     return profile_lib.Work(
@@ -340,5 +347,6 @@ def _shard(spec, t: int, dropout: bool = False) -> tuple[profile_lib.Shard, Shar
     act_per_seq=act,
     logits_per_seq=float(logits),
     attention_fraction=attn_flops / max(sum(k.flops for k in fwd), 1.0),
+    kv_per_seq=profile_lib.kv_per_seq(spec, t),
   )
   return out, kernels

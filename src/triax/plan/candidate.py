@@ -1,9 +1,10 @@
 """What the planner chooses and what it predicts: `Plan`, `Options`, `Estimate`.
 
-A `Plan` fixes the degrees (data, tensor, pipe), the schedule, micro-batches,
-virtual stages, remat, which cluster devices form each pipeline stage and
-how many layers each stage holds, and how the training state is split over
-`data` (`STATE_SHARDINGS`); plan/simulator.py turns it into an
+A `Plan` fixes the degrees (data, context, tensor, pipe), sequence
+parallelism and the context-parallel attention kind, the schedule,
+micro-batches, virtual stages, remat, which cluster devices form each
+pipeline stage and how many layers each stage holds, and how the training
+state is split over `data` (`STATE_SHARDINGS`); plan/simulator.py turns it into an
 `Estimate` under `Options`. `program` is a plan's lowered schedule (cached:
 the search asks for the same ones often).
 """
@@ -23,6 +24,9 @@ DP_ALLREDUCE = ('per_microbatch', 'per_step')
 # split, train.optimizer_sharding=data); 'fsdp' (parameters and moments split
 # along d_model, mesh.fsdp: ZeRO-3).
 STATE_SHARDINGS = ('replicated', 'zero1', 'fsdp')
+# How context-parallel ranks' queries meet the other ranks' keys (config.CONTEXT_ATTENTION):
+# K/V all-gathered each layer, or passed around the ring beside the attention work.
+CONTEXT_ATTENTION = ('allgather', 'ring')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,7 +34,8 @@ class Plan:
   """One candidate parallel layout.
 
   Attributes:
-    data, tensor, pipe: mesh degrees; their product is the device count.
+    data, tensor, pipe: mesh degrees; with context their product is the
+      device count.
     schedule: a key of schedule.SCHEDULES.
     microbatches: m, micro-batches per step.
     virtual_stages: v, model chunks per pipeline device.
@@ -38,9 +43,18 @@ class Plan:
     layers: layers per pipeline stage (p entries, each a multiple of v:
       a stage's chunks are equal).
     stages: per pipeline stage, the cluster device indices of its
-      data x tensor devices, replica-major (replica i = devices[i*t:(i+1)*t]).
+      data x context x tensor devices, row-major as the mesh orders them:
+      data replica i, context rank k, tensor rank j at devices[(i*c + k)*t + j]
+      (so each tensor group is t consecutive devices).
     global_batch: sequences per step.
     state_sharding: a key of STATE_SHARDINGS; not 'replicated' needs data > 1.
+    context: c, context-parallel degree: every micro-batch's sequence split
+      c ways for the whole layer (mesh.context).
+    sequence_parallel: Megatron's sequence parallelism (mesh.sequence_parallel):
+      the activations outside the tensor-parallel matmuls split over
+      `tensor` too; needs tensor > 1.
+    context_attention: a key of CONTEXT_ATTENTION (model.context_attention);
+      what it says matters only with context > 1.
   """
 
   data: int
@@ -54,6 +68,9 @@ class Plan:
   stages: tuple[tuple[int, ...], ...]
   global_batch: int
   state_sharding: str = 'replicated'
+  context: int = 1
+  sequence_parallel: bool = False
+  context_attention: str = 'allgather'
 
   def __post_init__(self):
     p, v = self.pipe, self.virtual_stages
@@ -64,8 +81,16 @@ class Plan:
       )
     if any(n < v or n % v for n in self.layers):
       raise ValueError(f'each stage needs a positive multiple of v={v} layers: {self.layers}')
-    if any(len(s) != self.data * self.tensor for s in self.stages):
-      raise ValueError(f'each stage needs data*tensor={self.data * self.tensor} devices')
+    size = self.data * self.context * self.tensor
+    if any(len(s) != size for s in self.stages):
+      raise ValueError(f'each stage needs data*context*tensor={size} devices')
+    if self.context < 1 or self.context_attention not in CONTEXT_ATTENTION:
+      raise ValueError(
+        f'context must be >= 1 and context_attention one of {CONTEXT_ATTENTION}: '
+        f'{self.context}, {self.context_attention!r}'
+      )
+    if self.sequence_parallel and self.tensor == 1:
+      raise ValueError('sequence_parallel splits over tensor, which is 1')
     if self.global_batch % (self.data * self.microbatches):
       raise ValueError(
         f'global batch {self.global_batch} does not split into '
@@ -78,8 +103,41 @@ class Plan:
 
   @property
   def microbatch_size(self) -> int:
-    """Sequences per micro-batch per data replica (what one device computes)."""
+    """Sequences per micro-batch per data replica (a device computes 1/context
+    of each one's positions)."""
     return self.global_batch // (self.data * self.microbatches)
+
+  @property
+  def compute_batch(self) -> float:
+    """Sequences' worth of work one device does per micro-batch: the
+    micro-batch over the context degree. A context rank holds s/c positions
+    of each sequence, and its attention (s/c queries over all s keys) is 1/c
+    of the sequence's too, so it computes what data parallelism's device of
+    b/c whole sequences would (fractional where c > b)."""
+    return self.microbatch_size / self.context
+
+  def tensor_groups(self, stage: int) -> list[tuple[int, ...]]:
+    """The stage's tensor-parallel groups: t consecutive devices each."""
+    devs, t = self.stages[stage], self.tensor
+    return [devs[g * t : (g + 1) * t] for g in range(len(devs) // t)]
+
+  def gradient_groups(self, stage: int) -> list[tuple[int, ...]]:
+    """Per tensor rank, the stage's devices that hold the same weights and
+    reduce their gradients together: data x context (context ranks see other
+    positions of the same sequences, as data replicas see other sequences)."""
+    devs, t = self.stages[stage], self.tensor
+    return [devs[j::t] for j in range(t)]
+
+  def data_groups(self, stage: int) -> list[tuple[int, ...]]:
+    """Per (context rank, tensor rank), the stage's data replicas: what a
+    ZeRO / FSDP state is split over (mesh.fsdp's rule names `data` only)."""
+    devs, ct = self.stages[stage], self.context * self.tensor
+    return [devs[r::ct] for r in range(ct)]
+
+  def context_groups(self, stage: int) -> list[tuple[int, ...]]:
+    """Per (data replica, tensor rank), the c devices of one context ring, in rank order."""
+    devs, t, ct = self.stages[stage], self.tensor, self.context * self.tensor
+    return [devs[i * ct + j : (i + 1) * ct : t] for i in range(self.data) for j in range(t)]
 
   @property
   def num_layers(self) -> int:
@@ -119,9 +177,13 @@ class Plan:
   def describe(self) -> str:
     split = '' if self.even else ' layers=' + '/'.join(map(str, self.layers))
     state = '' if self.state_sharding == 'replicated' else f' {self.state_sharding}'
+    # Context and SP are named only when used: plans without them read as before.
+    context = f' c{self.context}' if self.context > 1 else ''
+    kind = f' {self.context_attention}' if self.context > 1 else ''
+    sp = ' sp' if self.sequence_parallel else ''
     return (
-      f'd{self.data} t{self.tensor} p{self.pipe} {self.schedule} m={self.microbatches}'
-      f' v={self.virtual_stages} mb={self.microbatch_size} remat={self.remat}{split}{state}'
+      f'd{self.data}{context} t{self.tensor}{sp} p{self.pipe} {self.schedule} m={self.microbatches}'
+      f' v={self.virtual_stages} mb={self.microbatch_size} remat={self.remat}{split}{state}{kind}'
     )
 
 

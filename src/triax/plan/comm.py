@@ -16,7 +16,8 @@ whole, each device holding or receiving 1/n) is either half of that: a
 ring all-reduce is one then the other, and so is each level of the
 hierarchical one. A pipeline transfer between nodes takes the
 inter-node path of its two devices (the simulator sends 1/t of an
-activation from each tensor rank, Megatron's scatter/gather).
+activation from each tensor rank, Megatron's scatter/gather), and so does
+each pass of a ring (ring attention's K/V blocks, all devices at once).
 """
 
 from __future__ import annotations
@@ -81,6 +82,14 @@ class Comm:
     cross = Link(min([cross.bandwidth] + caps), cross.latency)
     half = (k - 1) * intra.latency + (k - 1) / k * nbytes / intra.bandwidth
     return 2 * half + allreduce_time(cross, len(nodes), nbytes / k)
+
+  def ring_step(self, ring: Sequence[int], nbytes: float) -> float:
+    """Every device of `ring` sending nbytes to the next at once (ring
+    attention's one K/V block pass): as long as the slowest of those links."""
+    n = len(ring)
+    if n <= 1 or nbytes <= 0:
+      return 0.0
+    return max(self.p2p(ring[i], ring[(i + 1) % n], nbytes) for i in range(n))
 
   def link_of(self, a: int, b: int) -> Link:
     return self.profile.machine.p2p if self.measured else self.cluster.link(a, b)

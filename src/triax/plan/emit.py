@@ -7,7 +7,10 @@ the planner was given on the command line (`--config.*`) and the plan's own:
   mesh.data / tensor / pipe, pipeline.schedule / microbatches /
   virtual_stages / layers_per_stage, model.remat, train.global_batch_size,
   train.optimizer_sharding and mesh.fsdp (the plan's state_sharding:
-  replicated, zero1 = optimizer_sharding 'data', fsdp = mesh.fsdp)
+  replicated, zero1 = optimizer_sharding 'data', fsdp = mesh.fsdp), and
+  mesh.context / mesh.sequence_parallel / model.context_attention where
+  the plan uses them or the config it applies to says otherwise (so a plan
+  without them writes what it wrote before they existed)
 
 `pipeline.layers_per_stage` lists the layers of each model chunk in chunk
 order (chunk c runs on the stage the schedule's placement names: c % pipe
@@ -33,14 +36,37 @@ STATE_KEYS = {
 
 
 def device_order(plan: Plan) -> tuple[int, ...]:
-  """The plan's placement as `mesh.device_order`: mesh position (i, j, s)
-  (data replica i, tensor rank j, pipeline stage s; row-major) holds the
-  cluster's device stages[s][i * tensor + j]. Cluster device k is
-  jax.devices()[k] on the run (the cluster spec lists devices in that order)."""
-  t = plan.tensor
-  return tuple(
-    plan.stages[s][i * t + j] for i in range(plan.data) for j in range(t) for s in range(plan.pipe)
-  )
+  """The plan's placement as `mesh.device_order`: mesh position (i, k, j, s)
+  (data replica i, context rank k, tensor rank j, pipeline stage s;
+  row-major over config.MESH_AXES) holds the cluster's device
+  stages[s][(i * context + k) * tensor + j], which is Plan.stages' own
+  order. Cluster device k is jax.devices()[k] on the run (the cluster spec
+  lists devices in that order)."""
+  per_stage = plan.data * plan.context * plan.tensor
+  return tuple(plan.stages[s][r] for r in range(per_stage) for s in range(plan.pipe))
+
+
+# Context and sequence parallelism's keys: a plan writes each only where needed.
+SEQUENCE_KEYS = ('mesh.context', 'mesh.sequence_parallel', 'model.context_attention')
+
+
+def _sequence_keys(plan: Plan, cfg=None) -> dict[str, Any]:
+  """mesh.context, mesh.sequence_parallel and model.context_attention, each
+  where the plan's value differs from the default or from cfg's (the config
+  the plan is applied to); model.context_attention only with context > 1."""
+  values = (plan.context, plan.sequence_parallel, plan.context_attention)
+  wanted = dict(zip(SEQUENCE_KEYS[: 3 if plan.context > 1 else 2], values))
+  out = {}
+  for key, value in wanted.items():
+    if any(_dotted(c, key) != value for c in (config_lib.defaults(), cfg) if c is not None):
+      out[key] = value
+  return out
+
+
+def _dotted(cfg, key: str):
+  for part in key.split('.'):
+    cfg = cfg[part]
+  return cfg
 
 
 def device_ranges(devices) -> str:
@@ -58,10 +84,11 @@ def device_ranges(devices) -> str:
   return ','.join(out)
 
 
-def overrides(plan: Plan, heterogeneous: bool = False) -> dict[str, Any]:
+def overrides(plan: Plan, heterogeneous: bool = False, cfg=None) -> dict[str, Any]:
   """The dotted config keys a plan sets, with their values. On a cluster
   of mixed device types the placement matters, so it is written as
-  mesh.device_order; otherwise the mesh keeps its own topology-aware order."""
+  mesh.device_order; otherwise the mesh keeps its own topology-aware order.
+  cfg: the config the keys will be applied to (see `_sequence_keys`)."""
   values = {
     'mesh.data': plan.data,
     'mesh.tensor': plan.tensor,
@@ -74,6 +101,7 @@ def overrides(plan: Plan, heterogeneous: bool = False) -> dict[str, Any]:
     'train.global_batch_size': plan.global_batch,
     'train.optimizer_sharding': STATE_KEYS[plan.state_sharding][0],
     'mesh.fsdp': STATE_KEYS[plan.state_sharding][1],
+    **_sequence_keys(plan, cfg),
   }
   if heterogeneous:
     values['mesh.device_order'] = device_order(plan)
@@ -97,6 +125,7 @@ def write(
   command: str = '',
   heterogeneous: bool = False,
   run: str = '',
+  base_cfg=None,
 ) -> str:
   """Writes the plan file; returns its text.
 
@@ -111,6 +140,8 @@ def write(
     command: the planner command line, for the docstring.
     heterogeneous: the cluster mixes device types: write mesh.device_order.
     run: the command that trains the plan (default: triax train on it).
+    base_cfg: the planner's config (BASE with base_overrides): a
+      context / sequence-parallel key it sets otherwise is written too.
   """
   plan = estimate.plan
   folder = os.path.dirname(os.path.abspath(path))
@@ -122,7 +153,7 @@ def write(
     f'  stage {s}: devices {device_ranges(devs)}, {plan.layers[s]} layers'
     for s, devs in enumerate(plan.stages)
   )
-  plan_values = overrides(plan, heterogeneous)
+  plan_values = overrides(plan, heterogeneous, base_cfg)
   origin = f' ({command})' if command else ''
   placement = (
     "placed by PLAN's mesh.device_order"

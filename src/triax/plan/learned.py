@@ -95,10 +95,15 @@ class Problem:
 
 def problem(cfg, cluster: Cluster, profile: profile_lib.Profile, options: Options = Options()):
   """Encodes (cfg, cluster, profile) as the policy's graph, or None when no layout suits."""
+  # The policy decides no context or sequence parallelism (its decisions and
+  # trained weights predate them): it plans with both off.
   layouts = [
     l
     for l in search_lib.layouts(cfg, cluster.num_devices)
-    if l.tensor in profile.shards and l.pipe <= MAX_STAGES
+    if l.tensor in profile.shards
+    and l.pipe <= MAX_STAGES
+    and l.context == 1
+    and not l.sequence_parallel
   ]
   if not layouts:
     return None

@@ -15,6 +15,19 @@ a save or restore converts the state to or from the checkpoint's layout
 (about one more copy of the state's share), and the evaluation runs the
 model forward on the step's rows of one replica (global batch / data, all
 at once, unpipelined) with no stash. The peak is the largest of the four.
+
+Activations per device (`layer_stash`, `token_share`, `residual_share`):
+the profile's figures are per sequence on one tensor shard; context
+parallelism splits every sequence c ways for the whole layer (all of them
+fall by c; the all-gather kind also keeps the other ranks' gathered K/V
+for the backward), and sequence parallelism splits the part every tensor
+rank held whole (profile.SEQUENCE_STASH: norms, residual stream) over
+tensor too. That is Korthikanti et al.'s (2022) per-layer count, s b h e
+(4 + 12/t + a s/(h t)) with tensor parallelism alone and s b h e (16/t +
+a s/(h t)) with SP (their 10 + 24/t + 5as/(ht) and 34/t + 5as/(ht) at
+e = 2, less dropout's masks, which triax does not have); selective remat
+drops the a s / (h t) term, full keeps the layer input, s b h e (1/t
+with SP).
 """
 
 from __future__ import annotations
@@ -22,7 +35,7 @@ from __future__ import annotations
 from triax.pipeline import schedule as sched
 from triax.plan.candidate import Options, Plan
 from triax.plan.cluster import Cluster
-from triax.plan.profile import Profile
+from triax.plan.profile import Profile, Shard
 
 # Parameter, gradient accumulator, Adam mu and nu, each the parameter's size
 # (param_dtype: triax keeps no separate master copy; fp32 parameters are it).
@@ -93,23 +106,60 @@ def state_programs(plan: Plan, profile: Profile, params: float) -> dict[str, flo
   rest = resident(plan, profile, params)
   rows = plan.global_batch // plan.data
   copy = state(plan, profile, params)['params'] if plan.pipe > 1 else 0.0
-  forward = rows * (shard.stash_per_seq['none'] + 2 * shard.act_per_seq + shard.logits_per_seq)
+  forward = rows * (
+    layer_stash(plan, shard, 'none')
+    + 2 * shard.act_per_seq * residual_share(plan)
+    + shard.logits_per_seq * token_share(plan)
+  )
   gathered = shard.layer_param_bytes if plan.state_sharding == 'fsdp' else 0.0
   return {'save': 2 * rest, 'restore': 2 * rest, 'eval': rest + copy + gathered + forward}
 
 
+def token_share(plan: Plan) -> float:
+  """Share of each sequence's positions one device computes and holds: 1/context."""
+  return 1.0 / plan.context
+
+
+def residual_share(plan: Plan) -> float:
+  """Share of a sequence's residual stream [s, d] (a pipeline message, a
+  stage's input) one device holds: 1/context, and 1/tensor more with SP."""
+  return token_share(plan) / (plan.tensor if plan.sequence_parallel else 1)
+
+
+def gathers_kv(plan: Plan) -> bool:
+  """Whether attention all-gathers K/V over context (model.context_attention=allgather)."""
+  return plan.context > 1 and plan.context_attention == 'allgather'
+
+
+def layer_stash(plan: Plan, shard: Shard, remat: str | None = None) -> float:
+  """Residual bytes per layer per sequence one device keeps, under `remat`
+  (default the plan's): the shard's, its SEQUENCE_STASH part split over
+  tensor by SP, all of it over context by CP; without remat the all-gather
+  kind keeps the K/V it gathered from the other context ranks (a policy
+  that recomputes gathers them again). `plan`: a Plan or a search Layout."""
+  remat = remat or plan.remat
+  held = shard.stash_per_seq[remat]
+  if plan.sequence_parallel:
+    held -= shard.sequence_stash(remat) * (1 - 1 / plan.tensor)
+  own = held * token_share(plan)
+  if gathers_kv(plan) and remat == 'none':
+    own += shard.kv_per_seq * (1 - token_share(plan))
+  return own
+
+
 def chunk_stash(plan: Plan, profile: Profile, layers: int) -> float:
+  """Bytes of one stashed micro-batch of a chunk of `layers` layers: their
+  residuals and the chunk's input (the residual stream)."""
   shard = profile.shards[plan.tensor]
-  return plan.microbatch_size * (
-    layers * shard.stash_per_seq[plan.remat] + shard.stash_fixed_per_seq
-  )
+  fixed = shard.stash_fixed_per_seq * residual_share(plan)
+  return plan.microbatch_size * (layers * layer_stash(plan, shard) + fixed)
 
 
 def chunk_cut(plan: Plan, profile: Profile, layers: int) -> float:
   """Bytes of one cut (what a B hands its W: the cotangents at the weight
   matmuls' outputs), estimated as the residuals those matmuls keep without
   remat, which remat does not shrink: B recomputes what it needs."""
-  return plan.microbatch_size * layers * profile.shards[plan.tensor].stash_per_seq['none']
+  return plan.microbatch_size * layers * layer_stash(plan, profile.shards[plan.tensor], 'none')
 
 
 def pools(
@@ -123,7 +173,7 @@ def pools(
   def slots(buf: str) -> int:
     return program_.slots[buf] if options.padded else program_.peaks[buf][stage]
 
-  act = profile.shards[plan.tensor].act_per_seq * plan.microbatch_size
+  act = profile.shards[plan.tensor].act_per_seq * residual_share(plan) * plan.microbatch_size
   return {
     'stash': slots('stash') * chunk_stash(plan, profile, layers),
     'cut': slots('cut') * chunk_cut(plan, profile, layers),
@@ -143,7 +193,7 @@ def memory(
   b, v = plan.microbatch_size, plan.virtual_stages
   widest = max(plan.chunk_layers)
   # The head's logits, their softmax and gradient live at once in its backward.
-  logits = 3 * b * shard.logits_per_seq
+  logits = 3 * b * shard.logits_per_seq * token_share(plan)
   out, cap, temp, step, progs = [], [], [], [], []
   for s in range(plan.pipe):
     own = plan.layers[s] // v
@@ -155,7 +205,7 @@ def memory(
     else:
       pool = pools(plan, profile, options, program_, s, held)
       stash, buffers = pool['stash'], pool['cut'] + pool['msg']
-    workspace = 2 * b * shard.stash_per_seq['none'] + logits
+    workspace = 2 * b * layer_stash(plan, shard, 'none') + logits
     peak = sum(state(plan, profile, params).values()) + stash + buffers + workspace
     programs = max(state_programs(plan, profile, params).values())
     step.append(peak)

@@ -37,6 +37,12 @@ REMATS = ('none', 'selective', 'full')
 FUNCTIONS = ('layer_fwd', 'layer_bwd', 'embed', 'head')
 # The layer functions, whose fits are per remat policy (see `variant`).
 LAYER_FUNCTIONS = ('layer_fwd', 'layer_bwd')
+# Per remat policy, how many [s, d] activations of a layer's residuals lie
+# outside the tensor-parallel matmuls, so every tensor rank holds them whole
+# (Korthikanti et al. 2022, Sec. 4.2.2, without dropout: the two norms'
+# inputs and the two matmul inputs they produce; full remat keeps only the
+# layer's input). Sequence parallelism splits them over `tensor`.
+SEQUENCE_STASH = {'none': 4, 'selective': 4, 'full': 1}
 
 
 def variant(function: str, remat: str) -> str:
@@ -106,6 +112,9 @@ class Shard:
     logits_per_seq: bytes of one sequence's fp32 logits shard [s, V/t].
     attention_fraction: share of a layer's forward FLOPs in the attention
       core, which selective remat recomputes in the backward.
+    kv_per_seq: bytes of one layer's K and V per sequence on this shard
+      (2 s kv_heads/t head_dim e; every K/V head where they are fewer than
+      t): what context parallelism gathers or passes around its ring.
   """
 
   tensor: int
@@ -117,6 +126,20 @@ class Shard:
   act_per_seq: float
   logits_per_seq: float
   attention_fraction: float
+  kv_per_seq: float = 0.0
+
+  def sequence_stash(self, remat: str) -> float:
+    """The part of stash_per_seq[remat] every tensor rank holds whole (the
+    SEQUENCE_STASH activations), bounded by the stash itself."""
+    return min(self.stash_per_seq[remat], SEQUENCE_STASH[remat] * self.act_per_seq)
+
+
+def kv_per_seq(spec, t: int) -> float:
+  """Shard.kv_per_seq of a model spec (model.common.ModelSpec) at degree t:
+  K and V of one layer, one sequence, a tensor rank's K/V heads (all of
+  them where there are fewer than t: each rank then computes them whole)."""
+  kv = spec.kv_heads // t if spec.kv_heads >= t else spec.kv_heads
+  return float(2 * spec.seq_len * kv * spec.head_dim * np.dtype(spec.dtype).itemsize)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -285,11 +308,13 @@ def synthetic(
   edge_param_bytes: float = 0.0,
   stash_per_seq: float = 0.0,
   act_per_seq: float = 0.0,
+  kv_per_seq: float = 0.0,
   machine: Machine | None = None,
 ) -> Profile:
   """A made-up profile for tests and what-ifs: each function takes the given
   seconds per sequence at t=1 (1/t of it at degree t) and its FLOPs are that
-  many "FLOPs" on a machine of 1 FLOP/s; bytes are the given sizes."""
+  many "FLOPs" on a machine of 1 FLOP/s; bytes are the given sizes (the
+  parameters' and K/V's at t=1, 1/t of them at degree t)."""
   machine = machine or Machine(
     backend='synthetic',
     device_kind='synthetic',
@@ -316,6 +341,7 @@ def synthetic(
       act_per_seq=act_per_seq,
       logits_per_seq=0.0,
       attention_fraction=0.0,
+      kv_per_seq=kv_per_seq / t,
     )
     for t in tensors
   }

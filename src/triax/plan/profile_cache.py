@@ -21,8 +21,8 @@ from triax.plan.cluster import Link
 # What the profiler measures, by version: a profile measured before a change
 # to it is not read back as if it were measured now (2: the executor's B and
 # W timed as it splits them, and the chunk-length ratios; 3: those per remat
-# policy).
-FORMAT = 3
+# policy; 4: each shard's K/V bytes, which context parallelism moves).
+FORMAT = 4
 
 
 def key(model_cfg, tensors, sizes) -> str:

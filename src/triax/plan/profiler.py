@@ -77,6 +77,7 @@ from triax.plan.profile import (
   Profile,
   Shard,
   Work,
+  kv_per_seq,
   variant,
 )
 
@@ -459,6 +460,7 @@ class _Profiler:
       act_per_seq=act,
       logits_per_seq=float(s * self.spec['vocab_size'] // t * 4),
       attention_fraction=attention / (matmuls + attention),
+      kv_per_seq=kv_per_seq(self.model_spec, t),
     )
 
   # -- timing (compiles: the expensive part) --

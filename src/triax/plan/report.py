@@ -170,6 +170,7 @@ def run(request: Request, as_json: bool = False, out: TextIO | None = None) -> d
       command=_planner_command(request),
       heterogeneous=cluster.heterogeneous,
       run=train_command(request.out, cluster),
+      base_cfg=cfg,
     )
     summary['out'] = request.out
   if request.trace:
@@ -269,7 +270,7 @@ def _base_overrides(request: Request, base_path: str, base_arg: str | None, cfg)
   """Dotted keys where the planner's config differs from the base file's
   get_config (the --config.* flags), minus those the plan sets itself."""
   del base_path, base_arg, cfg
-  plan_keys = set(emit.overrides(_dummy_plan(), heterogeneous=True))
+  plan_keys = set(emit.overrides(_dummy_plan(), heterogeneous=True)) | set(emit.SEQUENCE_KEYS)
   return {k: v for k, v in request.config_overrides.items() if k not in plan_keys}
 
 
@@ -293,7 +294,10 @@ def _row(e: Estimate) -> dict:
   return {
     'plan': p.describe(),
     'data': p.data,
+    'context': p.context,
     'tensor': p.tensor,
+    'sequence_parallel': p.sequence_parallel,
+    'context_attention': p.context_attention,
     'pipe': p.pipe,
     'schedule': p.schedule,
     'microbatches': p.microbatches,

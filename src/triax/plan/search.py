@@ -2,8 +2,13 @@
 
 For a model config and a cluster it tries every
 
-  data x tensor x pipe  whose product is the device count (tensor must
-                        divide heads, d_ff and vocabulary),
+  data x context x tensor x pipe  whose product is the device count (tensor
+                        must divide heads, d_ff and vocabulary; context c
+                        needs seq_len % 2c == 0, the load-balanced split,
+                        the xla attention path, and gives each rank at
+                        least MIN_CONTEXT_POSITIONS positions),
+  sequence parallelism  off, and on where tensor > 1 and seq_len splits
+                        over context x tensor,
   micro-batches m       dividing the per-replica batch (size = B / (d m)),
   virtual stages v,     schedule (every entry of schedule.SCHEDULES the
                         config validator accepts for those sizes),
@@ -21,8 +26,11 @@ For a model config and a cluster it tries every
 
 simulates each (ranking by the lockstep model, the executor's, unless
 asked otherwise) and keeps the fastest plans that fit in memory and that
-triax's config validator accepts. Baselines, always reported beside the winner:
-the same degrees and schedule with an even layer split; data parallel only
+triax's config validator accepts. Of plans predicted equally fast, the one
+without context parallelism, then without sequence parallelism ranks first
+(the simpler mesh; plans without them read as they did). Baselines, always
+reported beside the winner: the same degrees, schedule and sequence
+splitting with an even layer split; data parallel only
 (replicated state); ZeRO-3 (data parallel only with FSDP, tensor = pipe =
 1); and the best plan found when every device is assumed to be the slowest
 type, evaluated on the real cluster.
@@ -48,6 +56,12 @@ REMATS = ('none', 'selective', 'full')
 # Largest micro-batch count tried: beyond it, ticks cost more than bubbles save.
 MAX_MICROBATCHES = 64
 MAX_VIRTUAL_STAGES = 4
+# Fewest positions a context rank is given: below it a ring pass outlasts the
+# block's attention it hides behind and the rank's matmuls thin, while data
+# or tensor parallelism would split the work as well (Llama 3 gives each of
+# 16 ranks 8k of 128k). It keeps CP off short sequences, where the search
+# would only multiply its candidates.
+MIN_CONTEXT_POSITIONS = 1024
 BASELINES = ('even_split', 'data_parallel', 'zero3', 'homogeneous_slowest')
 
 
@@ -61,6 +75,9 @@ class Layout:
   schedule: str
   microbatches: int
   virtual_stages: int
+  context: int = 1
+  sequence_parallel: bool = False
+  context_attention: str = 'allgather'
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,37 +125,63 @@ def _divisors(n: int) -> list[int]:
   return [k for k in range(1, n + 1) if n % k == 0]
 
 
-def layouts(cfg, num_devices: int) -> Iterator[Layout]:
-  """Every (d, t, p, schedule, m, v) the config validator accepts."""
+def _sequence_splits(model, c: int, t: int) -> list[tuple[bool, str]]:
+  """(sequence_parallel, context_attention) pairs for context c and tensor t
+  that config.validate accepts; [] when c does not suit the model.
+
+  The context attention kind is the config's (model.context_attention):
+  trying both would double every context-parallel candidate, and the
+  simulator prices either (`simulator.context_seconds`)."""
+  if c > 1 and (
+    model.seq_len % (2 * c) or model.seq_len < c * MIN_CONTEXT_POSITIONS or model.attention != 'xla'
+  ):
+    return []
+  sp = (False, True) if t > 1 and model.seq_len % (c * t) == 0 else (False,)
+  return [(x, model.context_attention) for x in sp]
+
+
+def _degrees(cfg, num_devices: int) -> Iterator[tuple[int, int, int, int, bool, str]]:
+  """(d, c, t, p, sequence_parallel, context_attention) the model allows."""
   model = cfg.model
   batch = cfg.train.global_batch_size
   for d in _divisors(num_devices):
-    for t in _divisors(num_devices // d):
-      p = num_devices // (d * t)
-      if model.num_heads % t or model.d_ff % t or model.vocab_size % t:
-        continue
-      # Grouped-query K/V heads split over tensor when there are enough, else
-      # replicate; as many or more that do not divide, validation refuses.
-      kv = model.get('num_kv_heads') or model.num_heads
-      if kv >= t and kv % t:
-        continue
-      if p > model.num_layers or batch % d:
-        continue
-      for m in _divisors(batch // d):
-        if m > MAX_MICROBATCHES or (p == 1 and m > 1 and m not in (2, 4, 8)):
+    for c in _divisors(num_devices // d):
+      for t in _divisors(num_devices // (d * c)):
+        p = num_devices // (d * c * t)
+        if model.num_heads % t or model.d_ff % t or model.vocab_size % t:
           continue
-        # One micro-batch or one stage: every schedule runs the same ticks.
-        names = ('1f1b',) if p == 1 or m == 1 else tuple(sched.SCHEDULES)
-        for name in names:
-          for v in (1, 2, 4, 8):
-            if v > MAX_VIRTUAL_STAGES or p * v > model.num_layers or (p == 1 and v > 1):
-              continue
-            if name == 'interleaved_1f1b' and v == 1:
-              continue  # the builder returns 1f1b itself
-            if name == 'interleaved_zb' and v == 1:
-              continue  # the same orders as zb_h1: one plan shown twice
-            if _buildable(name, p, m, v):
-              yield Layout(d, t, p, name, m, v)
+        # Grouped-query K/V heads split over tensor when there are enough, else
+        # replicate; as many or more that do not divide, validation refuses.
+        kv = model.get('num_kv_heads') or model.num_heads
+        if kv >= t and kv % t:
+          continue
+        if p > model.num_layers or batch % d:
+          continue
+        for sp, kind in _sequence_splits(model, c, t):
+          yield d, c, t, p, sp, kind
+
+
+def layouts(cfg, num_devices: int) -> Iterator[Layout]:
+  """Every (d, c, t, p, SP, context attention, schedule, m, v) the config
+  validator accepts."""
+  model = cfg.model
+  batch = cfg.train.global_batch_size
+  for d, c, t, p, sp, kind in _degrees(cfg, num_devices):
+    for m in _divisors(batch // d):
+      if m > MAX_MICROBATCHES or (p == 1 and m > 1 and m not in (2, 4, 8)):
+        continue
+      # One micro-batch or one stage: every schedule runs the same ticks.
+      names = ('1f1b',) if p == 1 or m == 1 else tuple(sched.SCHEDULES)
+      for name in names:
+        for v in (1, 2, 4, 8):
+          if v > MAX_VIRTUAL_STAGES or p * v > model.num_layers or (p == 1 and v > 1):
+            continue
+          if name == 'interleaved_1f1b' and v == 1:
+            continue  # the builder returns 1f1b itself
+          if name == 'interleaved_zb' and v == 1:
+            continue  # the same orders as zb_h1: one plan shown twice
+          if _buildable(name, p, m, v):
+            yield Layout(d, t, p, name, m, v, c, sp, kind)
 
 
 def profile_sizes(cfg, candidates: Sequence[Layout]) -> tuple[list[int], list[int]]:
@@ -177,11 +220,12 @@ def assignments(
   """Ways to form the pipeline stages from the cluster's devices.
 
   Devices are sorted (fastest first, slowest first, or left in node order)
-  and cut into consecutive groups of data*tensor: a stage gets devices of
-  one speed where it can (it runs at its slowest), and consecutive devices
-  mostly share a node (tensor groups want the fast intra-node links).
+  and cut into consecutive groups of data*context*tensor: a stage gets
+  devices of one speed where it can (it runs at its slowest), and
+  consecutive devices mostly share a node (tensor groups, then context
+  rings, want the fast intra-node links: Plan.stages is tensor-minor).
   """
-  size = layout.data * layout.tensor
+  size = layout.data * layout.context * layout.tensor
   speed = {name: _speed(profile, g, b, layout.tensor) for name, g in cluster.groups.items()}
   node_order = [d.index for d in cluster.devices]
   fast_first = sorted(node_order, key=lambda i: (speed[cluster.devices[i].group], i))
@@ -207,7 +251,8 @@ def _partitions(
 ) -> list[tuple[int, ...]]:
   """The even split (if any) and the balanced one for these stages."""
   p, v, t = layout.pipe, layout.virtual_stages, layout.tensor
-  b = batch // (layout.data * layout.microbatches)
+  rows = batch // (layout.data * layout.microbatches)
+  b = rows / layout.context  # what a device computes (Plan.compute_batch)
   out = []
   even = partition.even(num_layers, p, v)
   if even:
@@ -220,7 +265,8 @@ def _partitions(
   edge[0] += max(roofline.seconds(profile, g, 'embed', b, t) for g in groups[0])
   edge[-1] += max(roofline.seconds(profile, g, 'head', b, t) for g in groups[-1])
   shard = profile.shards[t]
-  stash = b * (shard.stash_per_seq[remat] + shard.stash_fixed_per_seq)
+  fixed = shard.stash_fixed_per_seq * memory_lib.residual_share(layout)
+  stash = rows * (memory_lib.layer_stash(layout, shard, remat) + fixed)
   capacity = [min(g.memory for g in gs) * options.memory_fraction for gs in groups]
 
   # Memory of a stage holding n layers, its stash slots taken as p (1F1B's
@@ -254,7 +300,7 @@ def with_plan(cfg, plan: Plan):
 
   from triax.plan import emit
 
-  return emit.apply(ml_collections.ConfigDict(cfg.to_dict()), emit.overrides(plan))
+  return emit.apply(ml_collections.ConfigDict(cfg.to_dict()), emit.overrides(plan, cfg=cfg))
 
 
 def search(
@@ -298,7 +344,7 @@ def search(
   started = time.perf_counter()
   found = _evaluate(cfg, cluster, profile, options, all_layouts)
   evaluated = len(found)
-  fitting = sorted((e for e in found if not e.oom), key=lambda e: e.step_time)
+  fitting = sorted((e for e in found if not e.oom), key=rank)
   top, seen = [], set()
   for e in fitting:
     if len(top) == top_k:
@@ -319,11 +365,17 @@ def search(
   )
 
 
+def rank(e: Estimate) -> tuple:
+  """Sort key of plans: the predicted step time; of equals, the one without
+  context parallelism, then without SP (see the module docstring)."""
+  return (e.step_time, e.plan.context, e.plan.sequence_parallel)
+
+
 def _evaluate(cfg, cluster, profile, options, all_layouts) -> list[Estimate]:
   found = []
   batch, layers = cfg.train.global_batch_size, cfg.model.num_layers
   for layout in all_layouts:
-    b = batch // (layout.data * layout.microbatches)
+    b = batch // (layout.data * layout.microbatches) / layout.context
     for stages in assignments(cluster, profile, layout, b):
       for remat in REMATS:
         fits = False
@@ -343,6 +395,9 @@ def _evaluate(cfg, cluster, profile, options, all_layouts) -> list[Estimate]:
               stages=stages,
               global_batch=batch,
               state_sharding=sharding,
+              context=layout.context,
+              sequence_parallel=layout.sequence_parallel,
+              context_attention=layout.context_attention,
             )
             estimate = simulate_plan(plan, profile, cluster, options)
             found.append(estimate)
@@ -363,45 +418,21 @@ def _baselines(cfg, cluster, profile, options, top, found, all_layouts) -> dict:
   n = cluster.num_devices
   if top:
     best = top[0].plan
-    even = [
-      e
-      for e in found
-      if not e.oom
-      and e.plan.even
-      and (
-        e.plan.data,
-        e.plan.tensor,
-        e.plan.pipe,
-        e.plan.schedule,
-        e.plan.microbatches,
-        e.plan.virtual_stages,
-        e.plan.stages,
-        e.plan.state_sharding,
-      )
-      == (
-        best.data,
-        best.tensor,
-        best.pipe,
-        best.schedule,
-        best.microbatches,
-        best.virtual_stages,
-        best.stages,
-        best.state_sharding,
-      )
-    ]
+    # The winner but for its layer split (and remat).
+    shape = lambda p: {**dataclasses.asdict(p), 'remat': None, 'layers': None}  # noqa: E731
+    even = [e for e in found if not e.oom and e.plan.even and shape(e.plan) == shape(best)]
     if even:
-      out['even_split'] = min(even, key=lambda e: e.step_time)
+      out['even_split'] = min(even, key=rank)
   dp = [e for e in found if not e.oom and e.plan.data == n]
   replicated = [e for e in dp if e.plan.state_sharding == 'replicated']
   if replicated:
-    out['data_parallel'] = min(replicated, key=lambda e: e.step_time)
+    out['data_parallel'] = min(replicated, key=rank)
   zero3 = [e for e in dp if e.plan.state_sharding == 'fsdp']
   if zero3:
-    out['zero3'] = min(zero3, key=lambda e: e.step_time)
+    out['zero3'] = min(zero3, key=rank)
   slow = homogenized(cluster, profile, cfg)
   assumed = sorted(
-    (e for e in _evaluate(cfg, slow, profile, options, all_layouts) if not e.oom),
-    key=lambda e: e.step_time,
+    (e for e in _evaluate(cfg, slow, profile, options, all_layouts) if not e.oom), key=rank
   )
   for e in assumed:
     if _plan_config_ok(cfg, e.plan, n):

@@ -1,4 +1,4 @@
-"""A `Plan` fixes the degrees (data, tensor, pipe), the schedule, micro-batches,
+"""A `Plan` fixes the degrees (data, context, tensor, pipe), the schedule, micro-batches,
 virtual stages, remat, which cluster devices form each pipeline stage and
 how many layers each stage holds. `simulate` turns it into per-action costs
 and times the schedule two ways:
@@ -52,6 +52,17 @@ what is communicated, as triax's step runs it:
   compute they overlap. The embedding's and head's are exposed, in the tail.
 
 The optimizer update of a sharded state moves 1/data of the bytes.
+
+Context parallelism (Plan.context = c) splits every sequence c ways for the
+whole layer: a device computes b/c sequences' worth (`Plan.compute_batch`;
+its attention, s/c queries over s keys, is 1/c of the sequence's too),
+its tensor all-reduces and pipeline messages carry 1/c of the positions,
+attention adds its K/V collectives (`context_seconds`), and weight
+gradients are summed over data x context. Sequence parallelism
+(Plan.sequence_parallel) turns each tensor all-reduce into a
+reduce-scatter and an all-gather of the same bytes (the same time here)
+and leaves pipeline messages split over tensor (no gather on arrival);
+what both do to memory is plan/memory.py's.
 
 Plan, Options and Estimate live in plan/candidate.py, the memory model in
 plan/memory.py, the trace writer in plan/trace.py.
@@ -122,13 +133,18 @@ def action_costs(
   plan: Plan, profile: Profile, cluster: Cluster, options: Options = Options()
 ) -> ActionCosts:
   """Per-chunk F/B/W durations on each stage's slowest device, with the
-  tensor-parallel all-reduces (2 per layer forward, 2 backward, Megatron)
-  and, per micro-batch, the data-parallel gradient all-reduce."""
+  tensor-parallel all-reduces (2 per layer forward, 2 backward, Megatron;
+  with sequence parallelism each a reduce-scatter and an all-gather of the
+  same bytes, the same time), context parallelism's K/V collectives
+  (`context_seconds`) and, per micro-batch, the data-parallel gradient
+  all-reduce. A device computes `plan.compute_batch` sequences' worth."""
   comm = Comm(cluster, profile)
-  p, t, b = plan.pipe, plan.tensor, plan.microbatch_size
+  p, t, b = plan.pipe, plan.tensor, plan.compute_batch
   shard = profile.shards[t]
   last = p * plan.virtual_stages - 1
-  act = shard.act_per_seq * b
+  # The [b, s/c, h] activation a tensor group all-reduces (or, with SP,
+  # reduce-scatters and all-gathers).
+  act = shard.act_per_seq * plan.microbatch_size * memory_lib.token_share(plan)
 
   def slowest(stage: int, costs) -> tuple[float, ...]:
     """costs(group, shared_cores) on the stage's slowest device type."""
@@ -160,33 +176,31 @@ def action_costs(
       roofline.node_share(profile, group, function, b, t, cores),
     )
 
-  def tensor_groups(stage):
-    devs = plan.stages[stage]
-    return [devs[i * t : (i + 1) * t] for i in range(plan.data)]
-
-  def data_groups(stage):
-    devs = plan.stages[stage]
-    return [devs[j::t] for j in range(t)]
-
   # Charged inside every backward only for a replicated state (see the docstring).
   per_microbatch = options.dp_allreduce == 'per_microbatch' and plan.state_sharding == 'replicated'
   per_stage = []
   for s in range(p):
     fwd, bwd, fwd_share, bwd_share, recompute, recompute_share = slowest(s, layer)
-    tp = max(comm.allreduce(g, act) for g in tensor_groups(s))
+    tp = max(comm.allreduce(g, act) for g in plan.tensor_groups(s))
+    cp_fwd, cp_bwd = context_seconds(plan, shard, comm, s, fwd)
+    grads = plan.gradient_groups(s)
     dp_layer = 0.0
     if per_microbatch:
-      dp_layer = max(comm.allreduce(g, shard.layer_param_bytes) for g in data_groups(s))
+      dp_layer = max(comm.allreduce(g, shard.layer_param_bytes) for g in grads)
     edge_dp = 0.0
     if per_microbatch:
-      edge_dp = max(comm.allreduce(g, shard.edge_param_bytes / 2) for g in data_groups(s))
+      edge_dp = max(comm.allreduce(g, shard.edge_param_bytes / 2) for g in grads)
     # FSDP per layer: what a layer's collectives add to its forward and
     # backward (fsdp_fwd, fsdp_bwd), and what the chunk's first gather and
     # last reduce-scatter add once (fsdp_fwd_once, fsdp_bwd_once).
     fsdp_fwd = fsdp_bwd = fsdp_fwd_once = fsdp_bwd_once = 0.0
     if plan.fsdp_per_layer:
-      gather = max(comm.allgather(g, shard.layer_param_bytes) for g in data_groups(s))
-      scatter = max(comm.reduce_scatter(g, shard.layer_param_bytes) for g in data_groups(s))
+      gather = max(comm.allgather(g, shard.layer_param_bytes) for g in plan.data_groups(s))
+      scatter = max(comm.reduce_scatter(g, shard.layer_param_bytes) for g in plan.data_groups(s))
+      # Context ranks then sum their 1/data shards of the gradient.
+      scatter += max(
+        comm.allreduce(g, shard.layer_param_bytes / plan.data) for g in plan.context_groups(s)
+      )
       layer_fwd, layer_bwd = fwd + 2 * tp, bwd + (4 if plan.remat == 'full' else 2) * tp
       # Overlapped, n layers take g + (n-1) max(c, g) + c: each gather but
       # the first runs beside the previous layer's compute (in the backward,
@@ -199,13 +213,15 @@ def action_costs(
       else:
         fsdp_fwd, fsdp_bwd = gather, gather + scatter
     (embed, embed_share), (head, head_share) = slowest(s, edge('embed')), slowest(s, edge('head'))
-    # Full remat's rerun forward runs its two all-reduces again.
-    tp_bwd = 2 * tp + (2 * tp if plan.remat == 'full' else 0.0)
+    # Full remat's rerun forward runs its two all-reduces again. tp_fwd and
+    # tp_bwd: the layer's collectives, which chunk-length ratios do not scale.
+    tp_fwd = 2 * tp + cp_fwd
+    tp_bwd = 2 * tp + (2 * tp if plan.remat == 'full' else 0.0) + cp_bwd
     per_stage.append(
       dict(
-        fwd=fwd + 2 * tp,
+        fwd=fwd + tp_fwd,
         bwd=bwd + tp_bwd,
-        tp_fwd=2 * tp,
+        tp_fwd=tp_fwd,
         tp_bwd=tp_bwd,
         dp=dp_layer,
         embed=embed,
@@ -308,12 +324,16 @@ def action_costs(
   # Megatron's scatter/gather (the executor's default, pipeline.scatter_gather):
   # each of a stage's t tensor ranks sends 1/t of an activation to its
   # counterpart, and the receiving tensor group all-gathers it (half a ring
-  # all-reduce's steps) over its own links.
-  split = options.scatter_gather and t > 1
+  # all-reduce's steps) over its own links. With sequence parallelism the
+  # activation is already split over tensor where it is sent and received:
+  # 1/t each, nothing to gather.
+  split = (options.scatter_gather or plan.sequence_parallel) and t > 1
   sent = act / t if split else act
   for s in range(p):
     neighbours = [plan.stages[(s + 1) % p], plan.stages[(s - 1) % p]]
-    gather = max(comm.allreduce(g, act) for g in tensor_groups(s)) / 2 if split else 0.0
+    gather = 0.0
+    if split and not plan.sequence_parallel:
+      gather = max(comm.allreduce(g, act) for g in plan.tensor_groups(s)) / 2
     transfer.append(
       max(comm.p2p(a, z, sent) for other in neighbours for a, z in zip(plan.stages[s], other))
       + gather
@@ -337,6 +357,39 @@ def action_costs(
     share=tuple(shares),
     fused=tuple(fused),
   )
+
+
+def context_seconds(
+  plan: Plan, shard: profile_lib.Shard, comm: Comm, stage: int, fwd: float
+) -> tuple[float, float]:
+  """Seconds context parallelism adds to one layer's forward and backward on
+  `stage`, whose forward computes for fwd (0, 0 with context = 1).
+
+  allgather: the forward all-gathers K and V over each context group (the
+  whole sequence's, b kv_per_seq; each device receives (c-1)/c of it), the
+  backward reduce-scatters their gradients; nothing overlaps them. ring: c-1
+  passes of one K/V block (1/c of it) to the next rank, each beside the
+  attention of the block in hand (the layer's attention_fraction of its
+  compute, over c blocks): only max(0, pass - block) shows; the backward's
+  passes carry K/V and their gradients beside twice the work (the
+  attention core's backward: two gradient matmuls per forward one). A remat
+  policy that recomputes the attention (selective, full) reruns its
+  forward's communication in the backward.
+  """
+  c = plan.context
+  if c == 1:
+    return 0.0, 0.0
+  kv = shard.kv_per_seq * plan.microbatch_size
+  rings = plan.context_groups(stage)
+  if plan.context_attention == 'allgather':
+    forward = max(comm.allgather(g, kv) for g in rings)
+    backward = max(comm.reduce_scatter(g, kv) for g in rings)
+  else:
+    block = fwd * shard.attention_fraction / c
+    forward = (c - 1) * max(0.0, max(comm.ring_step(g, kv / c) for g in rings) - block)
+    backward = (c - 1) * max(0.0, max(comm.ring_step(g, 2 * kv / c) for g in rings) - 2 * block)
+  rerun = forward if plan.remat != 'none' else 0.0
+  return forward, backward + rerun
 
 
 @dataclasses.dataclass(frozen=True)
@@ -472,9 +525,9 @@ def simulate_plan(
     comm = Comm(cluster, profile)
     shard = profile.shards[plan.tensor]
     dp_total = m * max(
-      comm.allreduce(stage[j :: plan.tensor], shard.layer_param_bytes * plan.layers[s])
-      for s, stage in enumerate(plan.stages)
-      for j in range(plan.tensor)
+      comm.allreduce(g, shard.layer_param_bytes * plan.layers[s])
+      for s in range(p)
+      for g in plan.gradient_groups(s)
     )
   chosen = lock if options.model == 'lockstep' else asy
   return Estimate(
@@ -515,7 +568,7 @@ def _tail(
   """
   comm = Comm(cluster, profile)
   shard = profile.shards[plan.tensor]
-  p, t = plan.pipe, plan.tensor
+  p = plan.pipe
   # The executor psums the embedding and head gradients over `pipe`.
   edge = 0.0
   if p > 1:
@@ -524,11 +577,7 @@ def _tail(
       comm.allreduce([stage[r] for stage in plan.stages], shard.edge_param_bytes)
       for r in range(ranks)
     )
-  dp = max(
-    _data_collectives(plan, shard, comm, options, stage[j::t], plan.layers[s])
-    for s, stage in enumerate(plan.stages)
-    for j in range(t)
-  )
+  dp = max(_data_collectives(plan, shard, comm, options, s) for s in range(p))
   widest = max(plan.chunk_layers)
   v = plan.virtual_stages
   # A sharded state's update runs on each replica's 1/data share.
@@ -563,20 +612,33 @@ def _tail(
 
 
 def _data_collectives(
-  plan: Plan, shard: profile_lib.Shard, comm: Comm, options: Options, group, layers: int
+  plan: Plan, shard: profile_lib.Shard, comm: Comm, options: Options, stage: int
 ) -> float:
-  """Seconds of the per-step collectives over one data group of a stage
-  holding `layers` layers (see the module docstring): the gradient
-  all-reduce of a replicated state (if modelled per step); ZeRO-1's
-  reduction (a reduce-scatter, or the executor's all-reduce) and parameter
-  all-gather; FSDP's gather before the executor's tick loop and its
-  all-reduce after, or without the executor what its per-layer gathers and
-  reduce-scatters leave exposed."""
-  whole = shard.layer_param_bytes * layers + shard.edge_param_bytes
+  """Seconds of the per-step collectives of stage `stage` (see the module
+  docstring): the gradient all-reduce of a replicated state over data x
+  context (if modelled per step); for a sharded state, over each data
+  group: ZeRO-1's reduction (a reduce-scatter, or the executor's
+  all-reduce) and parameter all-gather; FSDP's gather before the
+  executor's tick loop and its all-reduce after, or without the executor
+  what its per-layer gathers and reduce-scatters leave exposed; and, with
+  context > 1, the gradient's all-reduce over context first (context ranks
+  hold the same share)."""
+  whole = shard.layer_param_bytes * plan.layers[stage] + shard.edge_param_bytes
   kind = plan.state_sharding
   if kind == 'replicated':
-    return comm.allreduce(group, whole) if options.dp_allreduce == 'per_step' else 0.0
-  if kind == 'zero1':
+    if options.dp_allreduce != 'per_step':
+      return 0.0
+    return max(comm.allreduce(g, whole) for g in plan.gradient_groups(stage))
+  context = max(comm.allreduce(g, whole) for g in plan.context_groups(stage))
+  if plan.fsdp_per_layer:
+    # The layers' own are in their actions; only the edges' gradient is left.
+    context = max(comm.allreduce(g, shard.edge_param_bytes) for g in plan.context_groups(stage))
+  return context + max(_data_group(plan, shard, comm, g, whole) for g in plan.data_groups(stage))
+
+
+def _data_group(plan: Plan, shard: profile_lib.Shard, comm: Comm, group, whole: float) -> float:
+  """A sharded state's per-step collectives over one data group (`_data_collectives`)."""
+  if plan.state_sharding == 'zero1':
     reduce = comm.allreduce if plan.uses_executor else comm.reduce_scatter
     return reduce(group, whole) + comm.allgather(group, whole)
   if plan.uses_executor:

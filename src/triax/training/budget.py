@@ -1,19 +1,29 @@
 """Which way of fitting a per-device memory limit is fastest (BPipe's question).
 
-Given an experiment, the candidates are the standard answers to "1F1B does
-not fit": recompute activations (full or selective), halve the micro-batch
-(twice the micro-batches, same global batch), or BPipe without recompute.
-Each is compiled (XLA's peak bytes per device) and timed on this machine.
+Given an experiment, the candidates are the config as it is (its own
+schedule, layout and recompute: the reference) and the standard answers to
+"it does not fit", each on the config's own schedule where it can be:
+recompute activations (full or selective), halve the micro-batch (twice the
+micro-batches, same global batch), BPipe without recompute, and with data
+parallelism ZeRO-1 and FSDP. Every candidate is compiled first (XLA's peak
+bytes per device; nothing runs), a line each as it is; then only those that
+fit are timed (one over the limit could exhaust this host's memory). When
+the config fits as it is, that is the answer: a variant's few per cent on a
+shared CPU are noise, not a reason to change a layout.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import ml_collections
 
 from triax import config as config_lib
-from triax.training.measure import measure
+from triax.training.measure import compile_config, time_steps
+
+REFERENCE = 'as configured'
+_REMAT_NAMES = {'none': 'no remat', 'full': 'full remat', 'selective': 'selective remat'}
 
 
 @dataclasses.dataclass
@@ -29,57 +39,64 @@ class Candidate:
 
 
 def candidates(cfg) -> list[Candidate]:
-  m = cfg.pipeline.microbatches
-  return [
-    Candidate('1f1b, no remat (reference)', {'pipeline.schedule': '1f1b', 'model.remat': 'none'}),
-    Candidate('1f1b, full remat', {'pipeline.schedule': '1f1b', 'model.remat': 'full'}),
-    Candidate('1f1b, selective remat', {'pipeline.schedule': '1f1b', 'model.remat': 'selective'}),
-    Candidate(
-      f'1f1b, half micro-batch (m={2 * m})',
-      {'pipeline.schedule': '1f1b', 'model.remat': 'none', 'pipeline.microbatches': 2 * m},
-    ),
-    Candidate('bpipe, no remat', {'pipeline.schedule': 'bpipe', 'model.remat': 'none'}),
-  ] + (
-    [
-      Candidate(
-        '1f1b, ZeRO-1',
-        {'pipeline.schedule': '1f1b', 'model.remat': 'none', 'train.optimizer_sharding': 'data'},
-      ),
-      Candidate(
-        '1f1b, FSDP', {'pipeline.schedule': '1f1b', 'model.remat': 'none', 'mesh.fsdp': True}
-      ),
-    ]
-    if cfg.mesh.data > 1
-    else []
-  )
+  own, remat, m = cfg.pipeline.schedule, cfg.model.remat, cfg.pipeline.microbatches
+  out = [Candidate(f'{own}, {_REMAT_NAMES[remat]} ({REFERENCE})', {})]
+  out += [
+    Candidate(f'{own}, {_REMAT_NAMES[r]}', {'model.remat': r})
+    for r in ('full', 'selective')
+    if r != remat
+  ]
+  out.append(Candidate(f'{own}, half micro-batch (m={2 * m})', {'pipeline.microbatches': 2 * m}))
+  if (own, remat) != ('bpipe', 'none'):
+    bpipe = {'pipeline.schedule': 'bpipe', 'model.remat': 'none', 'pipeline.virtual_stages': 1}
+    out.append(Candidate('bpipe, no remat', bpipe))
+  if cfg.mesh.data > 1:
+    out.append(Candidate(f'{own}, ZeRO-1', {'train.optimizer_sharding': 'data'}))
+    out.append(Candidate(f'{own}, FSDP', {'mesh.fsdp': True}))
+  return out
 
 
 def _with(cfg, overrides: dict):
   c = ml_collections.ConfigDict(cfg.to_dict())
-  c.pipeline.virtual_stages = 1
   for key, value in overrides.items():
     config_lib.set_dotted(c, key, value)
   return c
 
 
-def evaluate(cfg, *, steps: int = 3) -> list[Candidate]:
-  """Compiles and times every candidate; a candidate the config cannot run records why."""
-  out = []
-  for cand in candidates(cfg):
+def evaluate(
+  cfg, limit: int, *, steps: int = 5, say: Callable[[str], None] = lambda _: None
+) -> list[Candidate]:
+  """Compiles every candidate, then times those that fit `limit` bytes per
+  device; a candidate the config cannot run records why. `say` gets a line
+  per compile and per timing as it finishes."""
+  cands, compiled = candidates(cfg), {}
+  for cand in cands:
     try:
-      result = measure(_with(cfg, cand.overrides), steps=steps, warmup=1)
+      compiled[cand.name] = compile_config(_with(cfg, cand.overrides))
     except ValueError as e:  # ConfigError (e.g. batch not divisible by the doubled m)
       cand.error = str(e)
-    else:
-      cand.peak_bytes, cand.step_time_s = result.peak_bytes, result.step_time_s
-    out.append(cand)
-  return out
+      say(f'budget: {cand.name}: cannot run: {e}')
+      continue
+    cand.peak_bytes = compiled[cand.name].peak_bytes
+    verdict = 'fits' if cand.fits(limit) else 'over the limit, not run'
+    say(f'budget: {cand.name}: {cand.peak_bytes / 2**20:.1f} MiB per device, {verdict}')
+  for cand in cands:
+    if cand.fits(limit):
+      cand.step_time_s = time_steps(compiled.pop(cand.name), steps=steps, warmup=1)
+      say(f'budget: {cand.name}: {cand.step_time_s * 1e3:.1f} ms a step')
+  return cands
+
+
+def answer(cands: list[Candidate], limit: int) -> Candidate | None:
+  """The config as it is when it fits; else the fastest candidate that fits."""
+  fitting = [c for c in cands if c.fits(limit)]
+  reference = next((c for c in fitting if REFERENCE in c.name), None)
+  return reference or (min(fitting, key=lambda c: c.step_time_s) if fitting else None)
 
 
 def report(cands: list[Candidate], limit: int) -> str:
-  fitting = [c for c in cands if c.fits(limit)]
-  best = min(fitting, key=lambda c: c.step_time_s) if fitting else None
-  # Times are compared with the reference, or the first candidate that ran if it could not.
+  best = answer(cands, limit)
+  # Times are compared with the reference, or the first candidate that ran if it did not.
   base = next((c for c in cands if c.step_time_s), None)
   ref = base.step_time_s if base else 1.0
   lines = [
@@ -92,19 +109,24 @@ def report(cands: list[Candidate], limit: int) -> str:
     if c.error:
       lines.append(f'| {c.name} | - | no | - | - | cannot run: {c.error} |')
       continue
-    mark = 'fastest that fits' if c is best else ''
+    mark = 'the answer' if c is best else ''
+    timed = c.step_time_s > 0
     lines.append(
       f'| {c.name} | {c.peak_bytes / 2**20:.1f} | {"yes" if c.fits(limit) else "no"} '
-      f'| {c.step_time_s * 1e3:.1f} | {c.step_time_s / ref:.2f} | {mark} |'
+      f'| {f"{c.step_time_s * 1e3:.1f}" if timed else "-"} '
+      f'| {f"{c.step_time_s / ref:.2f}" if timed else "-"} | {mark} |'
     )
   lines.append('')
   if base:
     lines.append(
       f'peak MiB/device: XLA temp + argument + output - aliased bytes of the compiled step; '
-      f'step: median of the timed steps here; relative time: step / that of "{base.name}" '
-      '(below 1 = faster)'
+      f'step: median of the timed steps here (within 10% of each other is noise on a shared '
+      f'CPU); relative time: step / that of "{base.name}" (below 1 = faster)'
     )
-  lines.append(
-    f'answer: {best.name}' if best else 'answer: nothing fits; lower the batch or add devices'
-  )
+  if best and REFERENCE in best.name:
+    lines.append(f'answer: {best.name}: it fits; nothing to change')
+  else:
+    lines.append(
+      f'answer: {best.name}' if best else 'answer: nothing fits; lower the batch or add devices'
+    )
   return '\n'.join(lines)

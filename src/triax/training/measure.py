@@ -38,19 +38,40 @@ class Measurement:
     return run_peak_bytes(self.stats)
 
 
-def measure(cfg, *, steps: int = 5, warmup: int = 2, devices=None) -> Measurement:
-  """Validates `cfg` for `devices` (default: all), compiles its train step and times it."""
+@dataclasses.dataclass
+class Compiled:
+  """A configuration's compiled train step, before anything has run."""
+
+  trainer: Trainer
+  step: object  # the compiled train step
+  stats: dict  # all_compile_stats()
+
+  @property
+  def peak_bytes(self) -> int:
+    return run_peak_bytes(self.stats)
+
+
+def compile_config(cfg, devices=None) -> Compiled:
+  """Validates `cfg` for `devices` (default: all) and compiles its programs;
+  nothing runs, so a layout far over the host's memory costs nothing here."""
   devices = list(jax.devices() if devices is None else devices)
   cfg = config_lib.validate(cfg, len(devices))
   config_lib.check_platform(cfg, devices[0].platform)
   trainer = build_trainer(cfg, build_mesh(cfg.mesh, devices))
+  with jax.set_mesh(trainer.mesh):
+    # The state programs too: a layout's peak may be a save or an eval (Measurement.peak_bytes).
+    compiled, _, stats = all_compile_stats(trainer)
+  return Compiled(trainer, compiled, stats)
+
+
+def time_steps(compiled: Compiled, *, steps: int = 5, warmup: int = 2) -> float:
+  """Median wall time of `steps` train steps on random tokens, after `warmup`."""
+  trainer, cfg = compiled.trainer, compiled.trainer.cfg
   rng = np.random.default_rng(0)
   shape = (cfg.train.global_batch_size, cfg.model.seq_len + 1)
   # Ids the data could hold: none past model.vocab_used (padding, whose targets would cost inf).
   tokens = rng.integers(0, cfg.model.vocab_used or cfg.model.vocab_size, shape).astype(np.int32)
   with jax.set_mesh(trainer.mesh):
-    # The state programs too: a layout's peak may be a save or an eval (Measurement.peak_bytes).
-    compiled, _, stats = all_compile_stats(trainer)
     batch = jax.device_put(
       {'inputs': tokens[:, :-1], 'targets': tokens[:, 1:]}, trainer.batch_sharding
     )
@@ -58,11 +79,18 @@ def measure(cfg, *, steps: int = 5, warmup: int = 2, devices=None) -> Measuremen
     times = []
     for i in range(warmup + steps):
       start = time.perf_counter()
-      state, out = compiled(state, batch)
+      state, out = compiled.step(state, batch)
       jax.block_until_ready(out)
       if i >= warmup:
         times.append(time.perf_counter() - start)
-  return Measurement(stats=stats, step_time_s=statistics.median(times), trainer=trainer)
+  return statistics.median(times)
+
+
+def measure(cfg, *, steps: int = 5, warmup: int = 2, devices=None) -> Measurement:
+  """Validates `cfg` for `devices` (default: all), compiles its train step and times it."""
+  compiled = compile_config(cfg, devices)
+  step_time = time_steps(compiled, steps=steps, warmup=warmup)
+  return Measurement(stats=compiled.stats, step_time_s=step_time, trainer=compiled.trainer)
 
 
 def write_report(path: str, lines: list[str]) -> None:

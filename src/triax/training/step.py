@@ -21,6 +21,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from triax import config, sharding
+from triax.model import context as context_lib
 from triax.model import registry
 from triax.model.common import DecoderModel
 from triax.pipeline import executor
@@ -205,7 +206,8 @@ class Trainer:
 
 def build_trainer(cfg, mesh: Mesh) -> Trainer:
   """Builds the model, optimizer, schedule program and jitted steps for `cfg` (validated)."""
-  spec = registry.spec_from_config(cfg.model)
+  # The sequence split over mesh.context: its slots hold load-balanced positions.
+  spec = dataclasses.replace(registry.spec_from_config(cfg.model), context=cfg.mesh.context)
   model = registry.build(spec)
   rules = cfg.sharding.logical_axis_rules
   p, v = cfg.mesh.pipe, cfg.pipeline.virtual_stages
@@ -301,7 +303,7 @@ def build_trainer(cfg, mesh: Mesh) -> Trainer:
     )
     counts = None if layout.even else layout.counts
     mb = global_batch // m
-    act_spec = sharding.logical_to_spec(('batch', 'seq', 'embed'), inner_rules)
+    act_spec = sharding.logical_to_spec(('batch', 'residual_seq', 'embed'), inner_rules)
     run = executor.pipeline_loss_and_grad(
       fns,
       program,
@@ -334,8 +336,10 @@ def build_trainer(cfg, mesh: Mesh) -> Trainer:
       return raw_loss_and_grad(params, inputs, targets, segments)
 
   def batch_args(batch: dict) -> tuple:
-    """inputs, targets and (data.mask_documents) the rows' document ids."""
-    return batch['inputs'], batch['targets'], batch['segment_ids'] if documents else None
+    """inputs, targets and (data.mask_documents) the rows' document ids, in the
+    slot order the model expects (load-balanced over context ranks)."""
+    args = (batch['inputs'], batch['targets'], batch['segment_ids'] if documents else None)
+    return tuple(None if a is None else context_lib.permute(a, spec.context) for a in args)
 
   def train_step(state: TrainState, batch: dict):
     loss, grads = loss_and_grad(state.params, *batch_args(batch))

@@ -1,0 +1,276 @@
+"""Long sequences: what context parallelism and sequence parallelism cost and save.
+
+Writes docs/bench_long_context.md:
+  1. llama_long (llama_tiny's width, 2 layers, full remat, one row) at 2k, 8k
+     and 32k positions on 1, 2, 4 and 8 CPU devices of `context`, both kinds
+     of attention: per-device temp bytes from XLA's compiled memory analysis
+     (deterministic) and the step time (2k and 8k only; ratios within one
+     run, this machine's 2 cores are shared by every device).
+  2. Megatron's sequence parallelism at t = 2 and 4, compiled by XLA:TPU for
+     v5p chips (libtpu on this host): per-device temp bytes with and without,
+     against Korthikanti et al.'s per-layer activation formula.
+  3. A 16k run that `triax budget` finds no way to fit under a limit with
+     context=1, and that trains with context=8 (its losses).
+
+  python scripts/bench_long_context.py [--sections=1,2,3]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+from absl import app, flags
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, 'src'))
+os.environ.setdefault('XLA_FLAGS', '--xla_force_host_platform_device_count=8')
+os.environ.setdefault('JAX_PLATFORMS', 'cpu')
+
+_SECTIONS = flags.DEFINE_list('sections', ['1', '2', '3'], 'Which sections to run.')
+_OUT = flags.DEFINE_string('out', os.path.join(ROOT, 'docs', 'bench_long_context.md'), 'Report.')
+
+LONG = os.path.join(ROOT, 'experiments', 'llama_long.py')
+MiB = 2**20
+SEQS = (2048, 8192, 32768)
+TIMED_UP_TO = 8192
+# Section 3's limit: what a context=8 device needs fits, context=1's does not.
+LIMIT_MIB = 2048
+# Section 3's run: 16k positions, one layer, three steps. At 32k, XLA:CPU's ring on
+# 8 devices held 18 GB of this host's 24 and had not finished a step in 12 minutes
+# (section 1 has 32k's per-device bytes, on XLA:TPU too).
+SEQ3 = 16384
+RUN = f'seq={SEQ3},layers=1,steps=3'
+
+
+def _context_rows() -> list[str]:
+  import jax
+
+  from triax import config
+  from triax.training import measure
+
+  rows = [
+    '| positions | context | attention | temp MiB per device (XLA:CPU) | temp MiB (XLA:TPU, v5p) '
+    '| step s (CPU) | vs context 1 |',
+    '|---|---|---|---|---|---|---|',
+  ]
+  for seq in SEQS:
+    base_time = None
+    for c in (1, 2, 4, 8):
+      for kind in ('allgather', 'ring') if c > 1 else ('allgather',):
+        cfg = config.from_file(LONG, f'seq={seq},context={c},kind={kind}')
+        cfg.mesh.data, cfg.train.global_batch_size = 1, 1
+        devices = jax.devices()[:c]
+        if seq <= TIMED_UP_TO:
+          m = measure.measure(cfg, steps=2, warmup=1, devices=devices)
+          stats, step = m.stats, m.step_time_s
+        else:
+          stats, step = _compile_only(cfg, devices), None
+        base_time = step if c == 1 else base_time
+        ratio = f'{step / base_time:.2f}x' if step and base_time else '—'
+        shown = f'{step:.2f}' if step else 'compiled only'
+        label = kind if c > 1 else '—'
+        tpu = _tpu_stats(f'seq={seq},context={c},kind={kind}', _CHIPS[c])['temp_bytes']
+        rows.append(
+          f'| {seq} | {c} | {label} | {stats["temp_bytes"] / MiB:.1f} | {tpu / MiB:.1f} '
+          f'| {shown} | {ratio} |'
+        )
+        print(rows[-1], flush=True)
+  return rows
+
+
+# A v5p slice of c chips: one row on the c context ranks, nothing else.
+_CHIPS = {1: 'v5p:1x1x1', 2: 'v5p:2x1x1', 4: 'v5p:2x2x1', 8: 'v5p:2x2x2'}
+
+
+def _tpu_stats(arg: str, topology: str, config: str = LONG, flags_=()) -> dict:
+  """compile_stats.json of `triax train --compile_only --topology` (XLA:TPU)."""
+  with tempfile.TemporaryDirectory() as workdir:
+    _run(
+      [
+        'triax.cli.train',
+        f'--config={config}:{arg}' if arg else f'--config={config}',
+        f'--workdir={workdir}/w',
+        '--compile_only',
+        f'--topology={topology}',
+        '--config.train.global_batch_size=1',
+        '--config.mesh.data=1',
+        *flags_,
+      ]
+    )
+    with open(os.path.join(workdir, 'w', 'compile_stats.json')) as f:
+      return json.load(f)
+
+
+def _compile_only(cfg, devices) -> dict:
+  import jax
+
+  from triax import config
+  from triax.mesh import build_mesh
+  from triax.training import loop
+  from triax.training.step import build_trainer
+
+  cfg = config.validate(cfg, len(devices))
+  trainer = build_trainer(cfg, build_mesh(cfg.mesh, devices))
+  with jax.set_mesh(trainer.mesh):
+    return loop.compile_stats(trainer)[1]
+
+
+# Korthikanti et al. 2022, bytes per layer with 2-byte activations (their
+# Table 2): tensor parallelism alone and with sequence parallelism. Their
+# count includes dropout (masks of 1 byte, the dropped attention
+# probabilities); triax has none, which removes sbh(2) and 3as^2b: the
+# second pair of columns.
+def _paper(s, b, h, a, t, sp):
+  return s * b * h * ((34 / t if sp else 10 + 24 / t) + 5 * a * s / (h * t))
+
+
+def _no_dropout(s, b, h, a, t, sp):
+  return s * b * h * ((32 / t if sp else 8 + 24 / t) + 2 * a * s / (h * t))
+
+
+SP_SHAPE = dict(s=512, b=16, h=1024, a=8)
+# The per-layer figure is the slope between these depths: what one more layer
+# adds to the step's temporaries (its activations; its share of the optimizer's
+# temporaries is a few per cent), not the embedding, head and update around them.
+SP_DEPTHS = (2, 4)
+
+
+def _sp_rows() -> list[str]:
+  s, b, h, a = (SP_SHAPE[k] for k in ('s', 'b', 'h', 'a'))
+  low, high = SP_DEPTHS
+  rows = [
+    f'gpt, d={h}, {a} heads, d_ff={4 * h}, {s} positions, batch {b}, fp32, no remat; XLA:TPU '
+    f'for v5p chips (compile only). Per layer: (temp at {high} layers - temp at {low}) / '
+    f'{high - low}. Formula: Korthikanti et al. per layer, x2 for fp32.',
+    '',
+    '| t | SP | MiB per layer (XLA:TPU) | SP / no SP | paper formula | without dropout | '
+    'formula SP / no SP | measured / without dropout |',
+    '|---|---|---|---|---|---|---|---|',
+  ]
+  for t, topology in ((2, 'v5p:2x1x1'), (4, 'v5p:2x2x1')):
+    plain = None
+    for sp in (False, True):
+      temps = [_tpu_temp(topology, t, sp, layers) for layers in SP_DEPTHS]
+      layer = (temps[1] - temps[0]) / (high - low)
+      plain = layer if not sp else plain
+      paper, ours = 2 * _paper(s, b, h, a, t, sp), 2 * _no_dropout(s, b, h, a, t, sp)
+      ratio = f'{layer / plain:.2f}' if sp else '—'
+      expected = _no_dropout(s, b, h, a, t, True) / _no_dropout(s, b, h, a, t, False)
+      rows.append(
+        f'| {t} | {"on" if sp else "off"} | {layer / MiB:.1f} | {ratio} | {paper / MiB:.1f} | '
+        f'{ours / MiB:.1f} | {expected:.2f} | {layer / ours:.2f} |'
+      )
+      print(rows[-1], flush=True)
+  return rows
+
+
+def _tpu_temp(topology: str, t: int, sp: bool, layers: int) -> int:
+  s, b, h, a = (SP_SHAPE[k] for k in ('s', 'b', 'h', 'a'))
+  flags_ = [
+    f'--config.mesh.tensor={t}',
+    '--config.mesh.pipe=1',
+    '--config.pipeline.microbatches=1',
+    '--config.pipeline.virtual_stages=1',
+    '--config.pipeline.schedule=1f1b',
+    f'--config.mesh.sequence_parallel={str(sp).lower()}',
+    f'--config.model.num_layers={layers}',
+    f'--config.model.d_model={h}',
+    f'--config.model.num_heads={a}',
+    f'--config.model.d_ff={4 * h}',
+    f'--config.model.seq_len={s}',
+    f'--config.train.global_batch_size={b}',
+  ]
+  gpt = os.path.join(ROOT, 'experiments', 'gpt_tiny.py')
+  return _tpu_stats('', topology, config=gpt, flags_=flags_)['temp_bytes']
+
+
+def _run(args: list[str]) -> str:
+  env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, 'src'))
+  env.pop('XLA_FLAGS', None)
+  result = subprocess.run(
+    [sys.executable, '-m', *args], cwd=ROOT, env=env, capture_output=True, text=True
+  )
+  if result.returncode not in (0, 3):
+    raise RuntimeError(f'{" ".join(args)} failed:\n{result.stderr[-3000:]}')
+  return result.stdout
+
+
+def _budget_and_training_rows() -> list[str]:
+  budget = _run(
+    [
+      'triax.cli.budget',
+      f'--config={LONG}:context=1,{RUN}',
+      f'--memory_limit_mib={LIMIT_MIB}',
+      '--cpu_devices=8',
+      '--steps=1',
+    ]
+  )
+  with tempfile.TemporaryDirectory() as workdir:
+    _run(
+      [
+        'triax.cli.train',
+        f'--config={LONG}:{RUN}',
+        f'--workdir={workdir}/w',
+        '--cpu_devices=8',
+        '--progress=false',
+      ]
+    )
+    with open(os.path.join(workdir, 'w', 'metrics.jsonl')) as f:
+      losses = [json.loads(line) for line in f]
+    with open(os.path.join(workdir, 'w', 'compile_stats.json')) as f:
+      peak = json.load(f)['peak_bytes']
+  losses = [(r['step'], r['loss']) for r in losses if 'loss' in r]
+  verdict = [line for line in budget.splitlines() if re.search(r'fit|none|limit', line)]
+  return [
+    f'`triax budget --config=experiments/llama_long.py:context=1,{RUN} '
+    f'--memory_limit_mib={LIMIT_MIB}` ({SEQ3:,} positions, 8 rows over data=8):',
+    '',
+    '```',
+    *(verdict or budget.strip().splitlines()[-5:]),
+    '```',
+    '',
+    f'`triax train --config=experiments/llama_long.py:{RUN}` (context=8, ring): per-device peak '
+    f'{peak / MiB:.0f} MiB (under the {LIMIT_MIB} MiB limit); losses by step:',
+    '',
+    '| step | loss |',
+    '|---|---|',
+    *(f'| {step} | {loss:.3f} |' for step, loss in losses),
+  ]
+
+
+# Each section's lines, kept after it runs: the report is assembled from all
+# of them, so one section can be rerun alone (each takes many minutes here).
+CACHE = os.path.join(ROOT, '.bench', 'long_context')
+SECTIONS = {
+  '1': ('Context parallelism on 8 CPU devices', _context_rows),
+  '2': ('Sequence parallelism against the formula', _sp_rows),
+  '3': ('16k positions under a memory limit', _budget_and_training_rows),
+}
+
+
+def main(argv):
+  del argv
+  os.makedirs(CACHE, exist_ok=True)
+  for key in _SECTIONS.value:
+    rows = SECTIONS[key][1]()
+    with open(os.path.join(CACHE, f'{key}.json'), 'w') as f:
+      json.dump(rows, f)
+  lines = ['# Long sequences: context and sequence parallelism', '']
+  lines += ['Written by `scripts/bench_long_context.py`.', '']
+  for key, (title, _) in SECTIONS.items():
+    path = os.path.join(CACHE, f'{key}.json')
+    if os.path.exists(path):
+      with open(path) as f:
+        lines += [f'## {title}', '', *json.load(f), '']
+  from triax.training import measure
+
+  measure.write_report(_OUT.value, lines)
+
+
+if __name__ == '__main__':
+  app.run(main)

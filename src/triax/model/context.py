@@ -1,0 +1,210 @@
+"""Context parallelism: a sequence split over the `context` mesh axis.
+
+The rules put the 'seq' logical axis on `context`, so every activation of a
+layer holds s/c positions per device. Causal attention is then uneven: the
+rank with the sequence's last positions attends to all earlier ones, the
+first rank to few. So the sequence is cut into 2c chunks and rank i holds
+chunks i and 2c-1-i (Megatron-Core's and Llama 3's load balancing): each
+rank has as many early as late queries. `positions(s, c)` is that order; the
+trainer permutes a batch's tokens, targets and document ids into it (the
+loss is a sum over positions, so it is unchanged), and the model reads each
+slot's true position from it: RoPE angles, learned position rows, and the
+causal mask, which compares positions, never slot indices.
+
+Attention then meets the other ranks' keys in one of two ways
+(model.context_attention):
+  allgather  K and V gathered over `context` (GSPMD inserts the all-gather
+             when they are constrained whole along the sequence; its
+             transpose is a reduce-scatter of their gradients): each rank
+             computes its own queries' rows of the [s/c, s] scores.
+  ring       K/V blocks passed around the ring with `ppermute`, c blocks per
+             rank, combined by an online softmax (flash attention's running
+             max and sum); the backward is flash attention's too, around the
+             ring (probabilities from the saved log-sum-exp, block by block,
+             the K/V gradients travelling with their blocks), so no [s/c, s]
+             scores exist in either pass.
+             The next block's transfer is issued before this block's work
+             and depends on nothing it computes, so XLA can overlap them.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from triax import sharding
+from triax.model import per_device
+
+# Where a query may not attend: a large negative bias, finite so that a row
+# that has seen no key yet (a ring block entirely after it) stays NaN-free.
+_NEG = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+def positions(seq_len: int, shards: int) -> jax.Array:
+  """The position each slot of a sequence holds when it is split over
+  `shards` context ranks with causal load balancing (int32 [seq_len]).
+
+  Computed from an iota, not held as a constant: a constant would enter the
+  pipeline's split backward as a value varying over no axis, beside ones
+  that vary over the executor's (its rebinding refuses the mix)."""
+  slots = jnp.arange(seq_len, dtype=jnp.int32)
+  if shards == 1:
+    return slots
+  size = seq_len // (2 * shards)
+  chunk, within = slots // size, slots % size
+  rank, second = chunk // 2, chunk % 2
+  return jnp.where(second == 0, rank, 2 * shards - 1 - rank) * size + within
+
+
+def permute(x: jax.Array, shards: int, axis: int = 1) -> jax.Array:
+  """x with its sequence axis in the load-balanced order (slot j <- position
+  positions()[j]): what the trainer does to tokens, targets and document ids."""
+  if shards == 1:
+    return x
+  return jnp.take(x, positions(x.shape[axis], shards), axis=axis)
+
+
+def bias(q_pos: jax.Array, k_pos: jax.Array, q_seg=None, k_seg=None) -> jax.Array:
+  """[1 or b, 1, tq, tk] float32: 0 where a query may attend (a key at an
+  earlier or equal position, in the same document), a large negative elsewhere."""
+  allowed = (q_pos[:, None] >= k_pos[None, :])[None, None]
+  if q_seg is not None:
+    allowed = allowed & (q_seg[:, :, None] == k_seg[:, None, :])[:, None]
+  return jnp.where(allowed, 0.0, _NEG).astype(jnp.float32)
+
+
+def allgather_attention(q, k, v, pos, segments=None):
+  """q [b, s, n, hd] split over `context` along s; k, v (one per query head)
+  made whole along s, so each rank scores its queries against every key."""
+  whole = ('batch', None, 'heads', 'kv')
+  k, v = sharding.constrain(k, whole), sharding.constrain(v, whole)
+  with jax.softmax_custom_jvp(True):  # see common.causal_attention
+    return jax.nn.dot_product_attention(
+      q, k, v, bias=bias(pos, pos, segments, segments), implementation='xla'
+    )
+
+
+def ring_attention(q, k, v, pos, segments=None):
+  """Ring attention of q, k, v [b, s, n, hd] (K/V one per query head), the
+  sequence split over the mesh axis the 'seq' rule names; each device's
+  rows, heads and positions under a shard_map (model/per_device.py), which
+  differentiates it with its own backward (no ring state kept between the
+  passes but the inputs)."""
+  spec = sharding.active_spec(per_device.QKV_AXES)
+  axis = spec[1] if spec is not None else None
+  if axis is None or jax.sharding.get_abstract_mesh().shape.get(axis, 1) == 1:
+    return allgather_attention(q, k, v, pos, segments)
+  # Typed like the queries: inside the pipeline executor they are residuals
+  # its stash holds beside varying ones (a constant would type it otherwise).
+  extras, axes = (sharding.vary_like(pos, q),), (('seq',),)
+  if segments is not None:
+    extras, axes = extras + (segments,), axes + (('batch', 'seq'),)
+  local = functools.partial(_ring, axis=axis)
+  return per_device.attention(local, q, k, v, extras, axes, own_backward=True)
+
+
+def _ring(q, k, v, pos, segments=None, *, axis: str):
+  """One context rank: its queries against each rank's K/V block in turn."""
+  return _ring_attention(q, k, v, pos, segments, axis)
+
+
+def _shift(axis: str):
+  """Sends a value to the next rank of the ring (receives the previous one's)."""
+  c = jax.lax.axis_size(axis)
+  return lambda x: jax.lax.ppermute(x, axis, [(i, (i + 1) % c) for i in range(c)])
+
+
+def _scores(q, q_pos, q_seg, k, k_pos, k_seg):
+  """Scaled, masked scores of one query block against one key block: fp32 [b, n, tq, tk]."""
+  scale = q.shape[-1] ** -0.5
+  scores = jnp.einsum('bqnd,bknd->bnqk', q, k, preferred_element_type=jnp.float32) * scale
+  return scores + bias(q_pos, k_pos, q_seg, k_seg)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _ring_attention(q, k, v, pos, segments, axis):
+  return _ring_forward(q, k, v, pos, segments, axis)[0]
+
+
+def _ring_forward(q, k, v, pos, segments, axis):
+  """(output [b, tq, n, hd], log-sum-exp of each query row's scores [b, n, tq])."""
+  b, tq, n, _ = q.shape
+  send = _shift(axis)
+  acc = (
+    jnp.zeros(q.shape, jnp.float32),
+    jnp.full((b, n, tq), _NEG, jnp.float32),
+    jnp.zeros((b, n, tq), jnp.float32),
+  )
+
+  def step(acc, block):
+    """The online softmax's update by one K/V block: the unnormalised output,
+    the running max and sum of each row."""
+    out, peak, total = acc
+    k, v, k_pos, k_seg = block
+    scores = _scores(q, pos, segments, k, k_pos, k_seg)
+    new_peak = jnp.maximum(peak, scores.max(-1))
+    fade = jnp.exp(peak - new_peak)
+    probs = jnp.exp(scores - new_peak[..., None])
+    mixed = jnp.einsum(
+      'bnqk,bknd->bqnd', probs.astype(v.dtype), v, preferred_element_type=jnp.float32
+    )
+    out = out * jnp.swapaxes(fade, 1, 2)[..., None] + mixed
+    return out, new_peak, total * fade + probs.sum(-1)
+
+  def body(carry, _):
+    acc, block = carry
+    incoming = jax.tree.map(send, block)  # issued first: overlaps this block's work
+    return (step(acc, block), incoming), None
+
+  block = (k, v, pos, segments)
+  (acc, block), _ = jax.lax.scan(body, (acc, block), None, length=jax.lax.axis_size(axis) - 1)
+  out, peak, total = step(acc, block)
+  out = out / jnp.swapaxes(total, 1, 2)[..., None]
+  return out.astype(q.dtype), peak + jnp.log(total)
+
+
+def _ring_fwd(q, k, v, pos, segments, axis):
+  out, lse = _ring_forward(q, k, v, pos, segments, axis)
+  return out, (q, k, v, pos, segments, out, lse)
+
+
+def _ring_bwd(axis, res, g):
+  """Flash attention's backward around the ring: each K/V block travels with
+  its gradient accumulators; a rank adds its queries' share to them, and
+  after c steps they are home. Per block: the probabilities from the saved
+  log-sum-exp, never a running softmax."""
+  q, k, v, pos, segments, out, lse = res
+  scale = q.shape[-1] ** -0.5
+  send = _shift(axis)
+  g32 = g.astype(jnp.float32)
+  # D = rowsum(dO * O): the softmax's Jacobian term for each query row [b, n, tq].
+  rows = jnp.swapaxes(jnp.sum(g32 * out.astype(jnp.float32), -1), 1, 2)
+
+  def step(dq, block):
+    k, v, k_pos, k_seg, dk, dv = block
+    probs = jnp.exp(_scores(q, pos, segments, k, k_pos, k_seg) - lse[..., None])
+    dv = dv + jnp.einsum('bnqk,bqnd->bknd', probs, g32)
+    dprobs = jnp.einsum('bqnd,bknd->bnqk', g32, v, preferred_element_type=jnp.float32)
+    dscores = probs * (dprobs - rows[..., None]) * scale
+    dq = dq + jnp.einsum('bnqk,bknd->bqnd', dscores, k, preferred_element_type=jnp.float32)
+    dk = dk + jnp.einsum('bnqk,bqnd->bknd', dscores, q, preferred_element_type=jnp.float32)
+    return dq, (k, v, k_pos, k_seg, dk, dv)
+
+  def body(carry, _):
+    dq, block = carry
+    incoming = jax.tree.map(send, block[:4])  # K/V go on while this block's work runs
+    dq, block = step(dq, block)
+    return (dq, incoming + tuple(send(a) for a in block[4:])), None
+
+  zeros = lambda x: jnp.zeros(x.shape, jnp.float32)
+  block = (k, v, pos, segments, zeros(k), zeros(v))
+  c = jax.lax.axis_size(axis)
+  (dq, block), _ = jax.lax.scan(body, (zeros(q), block), None, length=c - 1)
+  dq, block = step(dq, block)
+  dk, dv = (send(a) for a in block[4:])  # the c-th move brings each block's gradients home
+  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
+
+
+_ring_attention.defvjp(_ring_fwd, _ring_bwd)

@@ -1,0 +1,216 @@
+"""Sequence parallelism (mesh.sequence_parallel) and context parallelism
+(mesh.context, model.context_attention): one device's numbers on every
+layout, Megatron's collectives in XLA:TPU's program, the ring's transfers
+beside its work, and a run that saves on one context degree and resumes on
+another.
+"""
+
+import glob
+import json
+import os
+import re
+
+import harness
+import jax
+import numpy as np
+import pytest
+
+from triax.model import context
+
+# (family, (data, context, tensor, pipe), context_attention, sequence_parallel, extra config)
+PARITY = [
+  ('gpt', (1, 2, 1, 1), 'allgather', False, {}),
+  ('llama', (1, 2, 1, 1), 'ring', False, {}),
+  ('gpt', (1, 4, 1, 1), 'ring', False, {}),
+  ('llama', (1, 4, 1, 1), 'allgather', False, {}),
+  ('llama', (1, 2, 2, 1), 'allgather', True, {}),
+  ('gpt', (1, 2, 2, 1), 'ring', True, {}),
+  ('llama', (1, 2, 2, 1), 'ring', False, {}),
+  ('llama', (1, 2, 2, 2), 'allgather', True, {'pipeline.microbatches': 4}),
+  (
+    'gpt',
+    (2, 2, 1, 2),
+    'allgather',
+    False,
+    {'pipeline.schedule': 'zb_h1', 'pipeline.microbatches': 2},
+  ),
+  (
+    'llama',
+    (1, 2, 1, 4),
+    'allgather',
+    False,
+    {
+      'pipeline.schedule': 'interleaved_1f1b',
+      'pipeline.microbatches': 4,
+      'pipeline.virtual_stages': 2,
+    },
+  ),
+  ('llama', (2, 2, 2, 1), 'ring', True, {'mesh.fsdp': True}),
+  # The executor with one stage (gradient accumulation): the ring inside its branches.
+  ('gpt', (1, 2, 1, 1), 'ring', False, {'pipeline.microbatches': 2}),
+]
+
+
+def _masked_run(family, layout, kind='allgather', sp=False, extra=()):
+  data, ctx, tensor, pipe = layout
+  cfg = harness.tiny_config(
+    **{
+      'mesh.data': data,
+      'mesh.context': ctx,
+      'mesh.tensor': tensor,
+      'mesh.pipe': pipe,
+      'mesh.sequence_parallel': sp,
+      'model.family': family,
+      'model.context_attention': kind,
+      'data.source': 'tokens',
+      'data.path': 'unused',  # validation reads no files; the batch is made here
+      'data.mask_documents': True,
+      **dict(extra),
+    }
+  )
+  cfg.model.seq_len = 32
+  trainer = harness.make_trainer(cfg)
+  batch = harness.random_batch(cfg)
+  starts = np.random.default_rng(1).random(batch['inputs'].shape) < 0.2
+  batch['segment_ids'] = np.cumsum(starts, axis=1).astype(np.int32)
+  params = harness.initial_params(trainer, cfg.train.seed)
+  with jax.set_mesh(trainer.mesh):
+    loss, grads = trainer.loss_and_grad(params, jax.device_put(batch, trainer.batch_sharding))
+  return float(loss), jax.device_get(trainer.layout.tree_to_model_order(grads))
+
+
+_REFERENCE = {}
+
+
+@pytest.mark.parametrize(
+  'family, layout, kind, sp, extra',
+  PARITY,
+  ids=[f'{c[0]}-{"x".join(map(str, c[1]))}-{c[2]}{"-sp" if c[3] else ""}' for c in PARITY],
+)
+def test_a_split_sequence_matches_one_device(family, layout, kind, sp, extra):
+  if family not in _REFERENCE:
+    _REFERENCE[family] = _masked_run(family, (1, 1, 1, 1))
+  ref_loss, ref_grads = _REFERENCE[family]
+  loss, grads = _masked_run(family, layout, kind, sp, extra.items())
+  assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss)
+  assert harness.max_rel_err(ref_grads, grads) <= 1e-5
+
+
+@pytest.mark.fast
+def test_load_balancing_gives_every_rank_the_same_causal_work():
+  order = np.asarray(context.positions(16, 2))
+  assert order.tolist() == [0, 1, 2, 3, 12, 13, 14, 15, 4, 5, 6, 7, 8, 9, 10, 11]
+  for ranks in (2, 4, 8):
+    slots = np.asarray(context.positions(64, ranks)).reshape(ranks, -1)
+    # A query at position q attends to q + 1 keys: each rank's sum is the same.
+    work = (slots + 1).sum(axis=1)
+    assert len(set(work.tolist())) == 1, work
+    assert sorted(slots.ravel().tolist()) == list(range(64))
+  assert np.asarray(context.positions(16, 1)).tolist() == list(range(16))
+
+
+def _tpu_program(tmp_path, name, *flags):
+  """XLA:TPU's optimised train step for llama_tiny on 4 v5p chips, and its compile stats."""
+  dump = tmp_path / f'{name}-xla'
+  result = harness.run_cli(
+    'triax.cli.train',
+    '--config=experiments/llama_tiny.py',
+    f'--workdir={tmp_path / name}',
+    '--compile_only',
+    '--topology=v5p:2x2x1',
+    '--config.mesh.data=1',
+    '--config.mesh.pipe=1',
+    '--config.pipeline.microbatches=1',
+    *flags,
+    env_extra={'TRIAX_XLA_DUMP': str(dump)},
+  )
+  assert result.returncode == 0, result.stderr[-3000:]
+  (path,) = glob.glob(str(dump / '*jit_train_step*after_optimizations.txt'))
+  with open(path) as f:
+    hlo = f.read()
+  with open(tmp_path / name / 'compile_stats.json') as f:
+    return hlo, json.load(f)
+
+
+def _shapes(hlo, pattern):
+  return [m.group(1) for m in re.finditer(rf'= (\w+\[[\d,]*\])\S* {pattern}', hlo)]
+
+
+def test_sequence_parallel_is_megatrons_collectives_on_tpu(tmp_path):
+  """llama_tiny (b=32, s=128, d=128) at t=4: without SP, the tensor-parallel
+  regions end in all-reduces of [b, s, d]; with SP none is left, each is a
+  reduce-scatter to [b, s/4, d] (XLA:TPU's all-reduce-scatter fusion) and an
+  all-gather back to [b, s, d] before the next region; less memory."""
+  plain, plain_stats = _tpu_program(tmp_path, 'tp', '--config.mesh.tensor=4')
+  split, split_stats = _tpu_program(
+    tmp_path, 'sp', '--config.mesh.tensor=4', '--config.mesh.sequence_parallel=true'
+  )
+  whole, quarter = 'f32[32,128,128]', 'f32[32,32,128]'
+  assert _shapes(plain, r'all-reduce(?:-start)?\(').count(whole) >= 4
+  assert not re.search(r'calls=%all-reduce-scatter', plain)
+  # With SP, every [b, s, d] all-reduce sits inside a reduce-scatter fusion.
+  outside = [
+    line
+    for block in re.split(r'\n(?=\S)', split)
+    if not block.startswith('%all-reduce-scatter')
+    for line in block.splitlines()
+    if re.search(r'\ball-reduce(?:-start)?\(', line) and whole in line
+  ]
+  assert not outside, outside[:2]
+  assert _shapes(split, r'fusion\(.*calls=%all-reduce-scatter').count(quarter) >= 4
+  assert sum(s.endswith('[32,128,128]') for s in _shapes(split, r'all-gather(?:-start)?\(')) >= 4
+  assert split_stats['temp_bytes'] < 0.8 * plain_stats['temp_bytes']
+
+
+def test_ring_transfers_overlap_the_blocks_work_on_tpu(tmp_path):
+  """Each ring step's K/V collective-permute starts before a block's compute
+  and completes after it: XLA:TPU schedules them side by side."""
+  hlo, _ = _tpu_program(
+    tmp_path,
+    'ring',
+    '--config.mesh.tensor=1',
+    '--config.mesh.context=4',
+    '--config.model.context_attention=ring',
+  )
+  overlapped = 0
+  for block in re.split(r'\n(?=\S)', hlo):
+    lines = block.splitlines()
+    for i, line in enumerate(lines):
+      start = re.match(r'\s*(%collective-permute-start[.\d]*) = ', line)
+      if not start:
+        continue
+      done = next(
+        j for j in range(i, len(lines)) if f'collective-permute-done({start.group(1)})' in lines[j]
+      )
+      overlapped += any(
+        ' fusion(' in lines[j] or 'convolution(' in lines[j] for j in range(i + 1, done)
+      )
+  assert overlapped >= 2, overlapped
+
+
+def test_a_run_saved_on_two_context_ranks_resumes_on_one(tmp_path, compile_cache):
+  workdir = str(tmp_path / 'w')
+  common = [
+    '--config=experiments/gpt_tiny.py:smoke',
+    f'--workdir={workdir}',
+    '--cpu_devices=8',
+    '--progress=false',
+  ]
+  first = harness.run_cli(
+    'triax.cli.train',
+    *common,
+    '--config.train.steps=2',
+    '--config.mesh.data=1',
+    '--config.mesh.context=2',
+    '--config.mesh.sequence_parallel=true',
+    env_extra=compile_cache,
+  )
+  assert first.returncode == 0, first.stderr[-3000:]
+  assert 'context 2' in first.stdout
+  second = harness.run_cli(
+    'triax.cli.train', *common, '--config.train.steps=4', env_extra=compile_cache
+  )
+  assert second.returncode == 0, second.stderr[-3000:]
+  with open(os.path.join(workdir, 'metrics.jsonl')) as f:
+    steps = [json.loads(line) for line in f if '"loss"' in line]
+  assert [r['step'] for r in steps if 'loss' in r][-1] == 4
