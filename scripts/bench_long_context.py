@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -225,13 +224,13 @@ def _budget_and_training_rows() -> list[str]:
     with open(os.path.join(workdir, 'w', 'compile_stats.json')) as f:
       peak = json.load(f)['peak_bytes']
   losses = [(r['step'], r['loss']) for r in losses if 'loss' in r]
-  verdict = [line for line in budget.splitlines() if re.search(r'fit|none|limit', line)]
+  verdict = [line for line in budget.splitlines() if line.strip()]
   return [
     f'`triax budget --config=experiments/llama_long.py:context=1,{RUN} '
     f'--memory_limit_mib={LIMIT_MIB}` ({SEQ3:,} positions, 8 rows over data=8):',
     '',
     '```',
-    *(verdict or budget.strip().splitlines()[-5:]),
+    *verdict,
     '```',
     '',
     f'`triax train --config=experiments/llama_long.py:{RUN}` (context=8, ring): per-device peak '

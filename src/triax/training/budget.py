@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
+import jax
 import ml_collections
 
 from triax import config as config_lib
@@ -50,7 +51,8 @@ def candidates(cfg) -> list[Candidate]:
   if (own, remat) != ('bpipe', 'none'):
     bpipe = {'pipeline.schedule': 'bpipe', 'model.remat': 'none', 'pipeline.virtual_stages': 1}
     out.append(Candidate('bpipe, no remat', bpipe))
-  if cfg.mesh.data > 1:
+  # mesh.data may be -1 (the devices the other axes leave): resolved here.
+  if config_lib.resolve_mesh_shape(cfg.mesh, jax.device_count())[0] > 1:
     out.append(Candidate(f'{own}, ZeRO-1', {'train.optimizer_sharding': 'data'}))
     out.append(Candidate(f'{own}, FSDP', {'mesh.fsdp': True}))
   return out
