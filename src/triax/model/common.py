@@ -198,23 +198,8 @@ def causal_attention(
     return attend(q, repeat(k), repeat(v), positions, segments)
   if decode is None:
     if impl == 'xla':
-      # An additive bias rather than a mask: `where(mask, logits, -big)` keeps
-      # the broadcast [b, n, t, t] mask among the residuals of every layer
-      # (a pipeline stashes it per micro-batch), an addition keeps nothing.
-      # The logits and gradients are the mask's exactly (exp underflows to 0
-      # at masked positions either way). Softmax's newer derivative (JAX's
-      # default to come) keeps only the probabilities for the backward; the
-      # old one also kept exp(logits), a second [b, n, t, t] residual per
-      # layer (1F1B at p=8: 58.9 -> 50.2 MB of temp, more at longer t).
-      with jax.softmax_custom_jvp(True):
-        pos = jnp.arange(q.shape[1]) if positions is None else positions
-        return jax.nn.dot_product_attention(
-          q,
-          repeat(k),
-          repeat(v),
-          bias=context_lib.bias(pos, pos, segments, segments),
-          implementation=impl,
-        )
+      pos = jnp.arange(q.shape[1]) if positions is None else positions
+      return context_lib.masked_attention(q, repeat(k), repeat(v), pos, segments)
     mask = None if segments is None else (segments[:, :, None] == segments[:, None, :])[:, None]
     return jax.nn.dot_product_attention(
       q, repeat(k), repeat(v), mask=mask, is_causal=True, implementation=impl
