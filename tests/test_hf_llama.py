@@ -9,6 +9,7 @@ Nothing is downloaded.
 """
 
 import filecmp
+import json
 import os
 
 import harness
@@ -193,6 +194,15 @@ def test_import_without_the_tokenizer_its_vocabulary_needs_is_refused(tmp_path):
   tokenizer_lib.train_bpe(texts, 320, str(hf_dir / generation.TOKENIZER_FILE))
   hf_checkpoint.import_hf(str(hf_dir), workdir)
   assert filecmp.cmp(hf_dir / 'tokenizer.json', os.path.join(workdir, 'tokenizer.json'))
+  # It is the run's tokenizer: a fine-tune on bytes is refused with the way to tokenize text.
+  config_file = os.path.join(workdir, 'config.json')
+  with open(config_file) as f:
+    saved = json.load(f)
+  assert saved['data']['tokenizer'] == os.path.join(workdir, 'tokenizer.json')
+  fine_tune = harness.run_cli('triax', 'train', f'--workdir={workdir}')
+  assert fine_tune.returncode == 2, fine_tune.stderr[-3000:]
+  [line] = fine_tune.stderr.strip().splitlines()
+  assert line.startswith('error: data.tokenizer: data.source=stdlib reads bytes') and 'prepare' in line
   # ... and export writes it back beside the weights, every file readable by all.
   out = tmp_path / 'out'
   hf_checkpoint.export_hf(workdir, str(out))
@@ -204,6 +214,9 @@ def test_import_without_the_tokenizer_its_vocabulary_needs_is_refused(tmp_path):
   }
   # A workdir imported before convert refused (no tokenizer.json): sample says so, no traceback.
   os.remove(os.path.join(workdir, 'tokenizer.json'))
+  saved['data']['tokenizer'] = 'bytes'
+  with open(config_file, 'w') as f:
+    json.dump(saved, f)
   sampled = harness.run_cli('triax', 'sample', f'--workdir={workdir}', '--prompt=def ')
   assert sampled.returncode == 2, sampled.stderr[-3000:]
   [line] = sampled.stderr.strip().splitlines()

@@ -647,6 +647,22 @@ def test_report_text_and_plot(tmp_path, capsys):
   assert summary['plot'] == path
   with open(path, 'rb') as f:
     assert f.read(8) == b'\x89PNG\r\n\x1a\n'
+  # The picture replaces the grid (a column per tick); without --plot the grid is printed.
+  assert text.splitlines()[0].startswith('lockstep')
+  report.run(report.Request('gpipe', 2, 4))
+  assert capsys.readouterr().out.startswith('gpipe: stages=2')
+
+
+def test_plot_legend_names_each_kind_drawn_and_each_local_chunk_shade():
+  from matplotlib.patches import Patch
+
+  one = render._legend({sched.FORWARD, sched.BACKWARD}, 1, Patch)
+  assert [p.get_label() for p in one] == ['F', 'B']
+  two = render._legend({sched.FORWARD, sched.BACKWARD, sched.WEIGHT}, 2, Patch)
+  assert [p.get_label() for p in two] == [
+    f'{k}, local chunk {c}' for k in ('F', 'B', 'W') for c in (0, 1)
+  ]
+  assert two[0].get_facecolor() != two[1].get_facecolor()  # the later chunk is darker
 
 
 @pytest.mark.parametrize(

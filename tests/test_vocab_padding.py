@@ -147,3 +147,15 @@ def test_megatron_ids_past_vocab_used_are_refused(tmp_path):
   with pytest.raises(ConfigError) as info:
     sources.open_megatron(prefix, 'bytes', 256, 1, 150)
   assert info.value.key == 'model.vocab_used' and 'id 150' in info.value.message
+
+
+def test_a_vocabulary_too_small_names_vocab_used_only_when_it_pads():
+  byte = tokenizer_lib.BytesTokenizer()
+  with pytest.raises(ConfigError) as info:  # 256 is a multiple of 128: no padding to mask
+    tokenizer_lib.check_vocab(byte, 200, 1)
+  assert info.value.key == 'model.vocab_size'
+  assert info.value.message.endswith('set model.vocab_size=256')
+  with pytest.raises(ConfigError) as info:  # 256 ids over tensor=3: 384, the rest masked
+    tokenizer_lib.check_vocab(byte, 200, 3)
+  assert 'set model.vocab_size=384' in info.value.message
+  assert info.value.message.endswith('and model.vocab_used=256')

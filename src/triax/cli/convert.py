@@ -1,4 +1,4 @@
-"""Hugging Face Llama checkpoints in and out of triax workdirs.
+"""Hugging Face Llama and Mixtral checkpoints in and out of triax workdirs.
 
   python -m triax convert --hf_dir=DIR --workdir=WORKDIR [--tokenizer=tokenizer.json]
   python -m triax convert --workdir=WORKDIR --hf_dir=OUT --export
@@ -6,7 +6,7 @@
 Import reads DIR's config.json and *.safetensors (one file or shards) and
 writes a workdir at step 0 that `python -m triax train --workdir=WORKDIR`
 fine-tunes and `python -m triax sample --workdir=WORKDIR` samples; export
-writes the workdir's latest checkpoint back as transformers' Llama. Kept to
+writes the workdir's latest checkpoint back as transformers' Llama (Mixtral). Kept to
 flag parsing and one library call (triax.training.hf_checkpoint).
 """
 
@@ -17,7 +17,9 @@ from absl import flags
 from triax import cli
 
 _HF_DIR = flags.DEFINE_string(
-  'hf_dir', None, 'A Hugging Face Llama checkpoint directory (read; with --export, written).'
+  'hf_dir',
+  None,
+  'A Hugging Face Llama or Mixtral checkpoint directory (read; with --export, written).',
 )
 _WORKDIR = flags.DEFINE_string('workdir', None, 'The triax workdir (written; with --export, read).')
 _EXPORT = flags.DEFINE_bool(
@@ -56,7 +58,7 @@ def main(argv):
         _WORKDIR.value, _HF_DIR.value, max_shard_bytes=_MAX_SHARD_BYTES.value
       )
       print(
-        f'{_HF_DIR.value}: step {result["step"]} of {_WORKDIR.value} as LlamaForCausalLM '
+        f'{_HF_DIR.value}: step {result["step"]} of {_WORKDIR.value} as {result["architecture"]} '
         f'({", ".join(result["files"])})'
       )
       return
@@ -65,11 +67,20 @@ def main(argv):
     )
   m = result['config'].model
   print(
-    f'{_WORKDIR.value}: llama, {result["params"] / 1e6:.1f}M parameters ({m.num_layers} layers, '
-    f'd_model {m.d_model}, {m.num_heads} heads / {m.num_kv_heads} K/V), checkpoint at step 0',
+    f'{_WORKDIR.value}: {m.family}, {result["params"] / 1e6:.1f}M parameters ({m.num_layers} '
+    f'layers, d_model {m.d_model}, {m.num_heads} heads / {m.num_kv_heads} K/V), checkpoint at '
+    'step 0',
     file=sys.stderr,
   )
-  print(f'fine-tune: python -m triax train --workdir={_WORKDIR.value}')
+  workdir, tokenizer = _WORKDIR.value, result['tokenizer']
+  if not tokenizer:
+    print(f'fine-tune: python -m triax train --workdir={workdir}')
+  else:  # its text must be tokenized with the checkpoint's tokenizer first
+    print(
+      f'fine-tune: python -m triax prepare --input=TEXTS --tokenizer={tokenizer} --out=TOKENS\n'
+      f'           python -m triax train --workdir={workdir} '
+      '--config.data.source=tokens --config.data.path=TOKENS'
+    )
 
 
 def run():

@@ -205,12 +205,17 @@ def check_vocab(
   """
   n = tokenizer.vocab_size
   if n > model_vocab_size:
+    padded = padded_vocab_size(n, tensor)
+    # vocab_used only when there is padding to mask: otherwise it equals vocab_size.
+    fix = (
+      f'model.vocab_size={n}'
+      if padded == n
+      else f'model.vocab_size={padded} (its {n} ids padded to a multiple of mesh.tensor*'
+      f'{VOCAB_PAD_MULTIPLE}, as Megatron pads) and model.vocab_used={n}'
+    )
     raise ConfigError(
       'model.vocab_size',
-      f'{model_vocab_size} is smaller than the {tokenizer.describe()}; set '
-      f'model.vocab_size={padded_vocab_size(n, tensor)} '
-      f'(its {n} ids padded to a multiple of mesh.tensor*'
-      f'{VOCAB_PAD_MULTIPLE}, as Megatron pads) and model.vocab_used={n}',
+      f'{model_vocab_size} is smaller than the {tokenizer.describe()}; set {fix}',
     )
   if (vocab_used or model_vocab_size) == n:
     return

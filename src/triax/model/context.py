@@ -83,14 +83,38 @@ def masked_attention(q, k, v, pos, segments=None):
   the broadcast [b, n, t, t] mask among the residuals of every layer (a
   pipeline stashes it per micro-batch), an addition keeps nothing. The
   logits and gradients are the mask's exactly (exp underflows to 0 at
-  masked positions either way). Softmax's newer derivative (JAX's default
-  to come) keeps only the probabilities for the backward; the old one also
-  kept exp(logits), a second [b, n, t, t] residual per layer (1F1B at p=8:
-  58.9 -> 50.2 MB of temp, more at longer t)."""
-  with jax.softmax_custom_jvp(True):
-    return jax.nn.dot_product_attention(
-      q, k, v, bias=bias(pos, pos, segments, segments), implementation='xla'
-    )
+  masked positions either way). The logits and softmax are fp32; the
+  probabilities are the only [b, n, t, t] residual, in the activations'
+  dtype (`_probabilities`), as jax.nn.dot_product_attention computes them
+  otherwise."""
+  logits = jnp.einsum('btnh,bsnh->bnts', q, k, preferred_element_type=jnp.float32)
+  logits = logits * (q.shape[-1] ** -0.5) + bias(pos, pos, segments, segments)
+  return jnp.einsum('bnts,bsnh->btnh', _probabilities(logits, k.dtype), v)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _probabilities(logits, dtype):
+  """softmax(logits) cast to `dtype`, whose backward reads that cast only.
+
+  Autodiff of softmax-then-cast keeps both the fp32 probabilities (the
+  softmax's residual) and their bf16 cast (the value matmul's): under bf16
+  3 bytes per score of a layer where Megatron's fused softmax keeps 2
+  (Korthikanti et al.'s 2as^2b). In fp32 the one residual is the same array."""
+  return jax.nn.softmax(logits, axis=-1).astype(dtype)
+
+
+def _probabilities_fwd(logits, dtype):
+  probs = jax.nn.softmax(logits, axis=-1).astype(dtype)
+  return probs, probs
+
+
+def _probabilities_bwd(dtype, probs, g):
+  del dtype
+  y, g = probs.astype(jnp.float32), g.astype(jnp.float32)
+  return (y * (g - jnp.sum(g * y, axis=-1, keepdims=True)),)
+
+
+_probabilities.defvjp(_probabilities_fwd, _probabilities_bwd)
 
 
 def allgather_attention(q, k, v, pos, segments=None):

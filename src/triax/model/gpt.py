@@ -93,7 +93,7 @@ class Block(nn.Module):
 
     h = rms_norm(x, norm2, _NORM_EPS)
     u = constrain(jnp.einsum('bsd,df->bsf', h, w1.astype(dt)), ('batch', 'seq', 'mlp'))
-    u = jax.nn.gelu(u)
+    u = gelu(u)
     x = x + constrain(jnp.einsum('bsf,fd->bsd', u, w2.astype(dt)), RESIDUAL)
     return x if decode is None else (x, cache)
 
@@ -139,3 +139,28 @@ def validate(model_cfg, mesh_cfg, rules: tuple) -> tuple:
 
 Spec = GPTSpec
 Model = GPT
+
+
+@jax.custom_vjp
+def gelu(u):
+  """GELU (tanh form, jax.nn.gelu's default) whose backward keeps u only.
+
+  Autodiff keeps u and the tanh beside it, and XLA another elementwise
+  product: [b, s, d_ff] each, the largest per-layer residuals; Korthikanti
+  et al.'s count (and Megatron's fused bias-GELU) keeps the input alone."""
+  return jax.nn.gelu(u)
+
+
+def _gelu_fwd(u):
+  return jax.nn.gelu(u), u
+
+
+def _gelu_bwd(u, g):
+  x = u.astype(jnp.float32)
+  c = math.sqrt(2 / math.pi)
+  t = jnp.tanh(c * (x + 0.044715 * x**3))
+  slope = 0.5 * (1 + t) + 0.5 * x * (1 - t * t) * c * (1 + 3 * 0.044715 * x * x)
+  return ((g.astype(jnp.float32) * slope).astype(u.dtype),)
+
+
+gelu.defvjp(_gelu_fwd, _gelu_bwd)

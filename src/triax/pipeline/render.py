@@ -61,16 +61,16 @@ def gantt_png(schedule: Schedule, program: Program, costs: simulate.CostsLike, p
     _draw(ax, result)
     ax.set_xlim(0, longest * 1.01 if longest > 0 else 1)
   axes[-1].set_xlabel('time')
-  kinds = {a.kind for order in schedule.orders for a in order}
-  fig.legend(
-    handles=[Patch(color=_COLOURS[k], label=k) for k in _COLOURS if k in kinds],
-    loc='upper right',
-    fontsize=8,
-  )
+  # The lockstep panel may show W where the schedule has none (the executor splits every backward).
+  kinds = {span.action.kind for r in results for span in r.timeline}
+  legend = _legend(kinds, schedule.virtual_stages, Patch)
+  rows = schedule.virtual_stages  # a row of kinds per local chunk
+  fig.legend(handles=legend, loc='lower center', fontsize=8, ncol=len(legend) // rows)
   fig.suptitle(
     f'{schedule.name}: p={schedule.stages} m={schedule.microbatches} v={schedule.virtual_stages}'
   )
-  fig.tight_layout()
+  # Room for the legend's rows under the time axis, clear of the panels' titles.
+  fig.tight_layout(rect=(0, 0.05 * rows * 4.8 / fig.get_figheight(), 1, 1))
   fig.savefig(path, dpi=100)
 
 
@@ -112,6 +112,16 @@ def _draw(ax, result: simulate.Result) -> None:
   )
   ax.set_yticks(range(s.stages), [f'stage {i}' for i in range(s.stages)])
   ax.set_ylim(s.stages - 0.5, -0.5)
+
+
+def _legend(kinds: set[str], v: int, patch) -> list:
+  """One entry per kind drawn, and per local chunk when a stage holds v > 1 (its shade)."""
+  return [
+    patch(color=_shade(k, c, v), label=k if v == 1 else f'{k}, local chunk {c}')
+    for k in _COLOURS  # matplotlib fills columns first: a column per kind, a row per chunk
+    if k in kinds
+    for c in range(v)
+  ]
 
 
 def _shade(kind: str, local_chunk: int, virtual_stages: int) -> tuple[float, float, float]:

@@ -190,13 +190,12 @@ def _model(result: simulate.Result) -> dict:
   return out
 
 
-def text(analysis: Analysis) -> str:
-  """The grid and a few summary lines, for people."""
+def text(analysis: Analysis, grid: bool = True) -> str:
+  """The grid (unless `grid` is False) and a few summary lines, for people."""
   lock, asy = analysis.lockstep, analysis.asynchronous
   program = analysis.program
-  lines = [
-    render.text_grid(program),
-    '',
+  lines = [render.text_grid(program), ''] if grid else []
+  lines += [
     f'lockstep (the executor): {program.ticks} ticks, time '
     f'{lock.total_time:g}, bubble {lock.bubble_fraction:.2%}, peak '
     f'in-flight per stage {list(lock.peak_inflight)}',
@@ -254,7 +253,8 @@ def run(request: Request, as_json: bool = False, out: TextIO | None = None) -> d
   if as_json:
     print(json.dumps(report), file=out)
   else:
-    print(text(analysis), file=out)
+    # With a picture asked for, the grid (one column per tick: hundreds wide) would repeat it.
+    print(text(analysis, grid=request.plot is None), file=out)
     for flag in ('write_csv', 'plot'):
       if getattr(request, flag) is not None:
         print(f'wrote {getattr(request, flag)}', file=out)

@@ -1,13 +1,16 @@
-"""Hugging Face Llama checkpoints in and out of triax workdirs (`python -m triax convert`).
+"""Hugging Face Llama and Mixtral checkpoints in and out of triax workdirs (`python -m triax convert`).
 
 Import writes what a triax train run would have written at step 0: the
 validated config (config.json, the model keys from the HF config), a
 checkpoint of the converted weights with a fresh optimizer state, and the
 HF config itself (hf_config.json, so an export keeps its token ids and the
 like); with a tokenizer (given, or the checkpoint's own tokenizer.json), a
-copy of it (tokenizer.json), which triax sample encodes and decodes with. A
-vocabulary other than 256 ids needs one: without it, ids would be read as
-bytes. `python -m triax train --workdir=DIR` then fine-tunes it and
+copy of it (tokenizer.json), the run's data.tokenizer, which triax sample
+encodes and decodes with and `triax prepare` tokenizes fine-tuning text
+with. A vocabulary other than 256 ids needs one: without it, ids would be
+read as bytes. `python -m triax train --workdir=DIR` then fine-tunes it (on
+the stdlib's bytes when it has no tokenizer, else on
+`--config.data.source=tokens --config.data.path=TOKENS`) and
 `python -m triax sample --workdir=DIR` samples it. Export writes the latest
 checkpoint's parameters back as HF's config.json and safetensors, with the
 run's tokenizer beside them when it has one.
@@ -24,6 +27,7 @@ import shutil
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 
 from triax import config as config_lib
@@ -64,11 +68,26 @@ def import_config(hf: dict, seq_len: int):
   return cfg
 
 
+def _portable(cfg, workdir: str, tokenizer: str) -> str:
+  """The config.json an import writes: `cfg` with its tokenizer as data.tokenizer.
+
+  The tokenizer is named by the workdir's copy, as the workdir was given:
+  fine-tuning reads text tokenized with it (`triax prepare --tokenizer=` that
+  copy, `data.source=tokens`), and a byte source is then refused with that
+  advice, where it would otherwise train the model's embedding on byte ids.
+  """
+  portable = ml_collections.ConfigDict(cfg.to_dict())
+  if tokenizer:
+    portable.data.tokenizer = os.path.join(workdir, generation.TOKENIZER_FILE)
+  return portable.to_json(indent=2)
+
+
 def import_hf(hf_dir: str, workdir: str, *, tokenizer: str = '', seq_len: int = 0) -> dict:
-  """Writes a triax workdir holding the HF Llama checkpoint in `hf_dir`.
+  """Writes a triax workdir holding the HF Llama (Mixtral) checkpoint in `hf_dir`.
 
   Returns:
-    {'step': 0, 'params': parameter count, 'config': the triax config}
+    {'step': 0, 'params': parameter count, 'config': the triax config,
+     'tokenizer': the workdir's copy of the tokenizer ('' without one)}
   """
   from triax import mesh as mesh_lib
   from triax.training import checkpoint as ckpt_lib
@@ -104,7 +123,7 @@ def import_hf(hf_dir: str, workdir: str, *, tokenizer: str = '', seq_len: int = 
   cfg.mesh.data, cfg.mesh.tensor, cfg.mesh.pipe = -1, 1, 1
   # Saved as given (data = -1, whatever devices there are): validation
   # resolves it to this machine's count, which a fine-tune elsewhere lacks.
-  portable = cfg.to_json(indent=2)
+  portable = _portable(cfg, workdir, tokenizer)
   cfg = config_lib.validate(cfg, jax.device_count())
   dtype = np.dtype(cfg.model.param_dtype)
   params = hf_llama.params_from_hf(hf_llama.read_tensors(hf_dir), cfg.model, dtype)
@@ -112,9 +131,6 @@ def import_hf(hf_dir: str, workdir: str, *, tokenizer: str = '', seq_len: int = 
   lock_lib.check_free(workdir)
   os.makedirs(workdir, exist_ok=True)
   if tokenizer:
-    # Recorded beside the run, not as data.tokenizer: the default data is
-    # bytes (any byte id is a valid token id); fine-tuning on text tokenized
-    # with it goes through triax prepare and data.source=tokens.
     shutil.copyfile(tokenizer, os.path.join(workdir, generation.TOKENIZER_FILE))
   with lock_lib.WorkdirLock(workdir):
     trainer = step_lib.build_trainer(cfg, mesh_lib.build_mesh(cfg.mesh))
@@ -132,21 +148,23 @@ def import_hf(hf_dir: str, workdir: str, *, tokenizer: str = '', seq_len: int = 
     atomic.write_json(os.path.join(workdir, HF_CONFIG), hf)
     atomic.write_text(os.path.join(workdir, 'config.json'), portable)
   count = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(params))
-  return {'step': 0, 'params': count, 'config': cfg}
+  recorded = os.path.join(workdir, generation.TOKENIZER_FILE) if tokenizer else ''
+  return {'step': 0, 'params': count, 'config': cfg, 'tokenizer': recorded}
 
 
 def export_hf(workdir: str, out_dir: str, *, max_shard_bytes: int = MAX_SHARD_BYTES) -> dict:
-  """Writes the latest checkpoint of a llama workdir as an HF checkpoint directory.
+  """Writes the latest checkpoint of a llama (mixtral) workdir as an HF checkpoint directory.
 
   Returns:
-    {'step': the checkpoint's step, 'files': names written}
+    {'step': the checkpoint's step, 'files': names written, 'architecture': HF's class name}
   """
   cfg = generation.load_run_config(workdir)
-  if cfg.model.family != 'llama':
+  if cfg.model.family not in hf_llama.FAMILIES:
     raise ConfigError(
       '--workdir',
-      f'{workdir} holds a {cfg.model.family} model; only llama exports to HF: train one with '
-      'a llama config, e.g. --config=experiments/llama_tiny.py (the same flags as gpt_tiny.py)',
+      f'{workdir} holds a {cfg.model.family} model; only llama and mixtral export to HF: train '
+      'one with a llama config, e.g. --config=experiments/llama_tiny.py (the same flags as '
+      'gpt_tiny.py)',
     )
   if os.path.exists(out_dir) and os.listdir(out_dir):
     raise ConfigError('--hf_dir', f'{out_dir} is not empty; export into a new directory')
@@ -165,7 +183,8 @@ def export_hf(workdir: str, out_dir: str, *, max_shard_bytes: int = MAX_SHARD_BY
   for name in os.listdir(out_dir):
     # safetensors writes 0600; a checkpoint to share reads as HF's do.
     os.chmod(os.path.join(out_dir, name), 0o644)
-  return {'step': step, 'files': sorted(os.listdir(out_dir))}
+  architecture = hf_llama.FAMILIES[cfg.model.family]
+  return {'step': step, 'files': sorted(os.listdir(out_dir)), 'architecture': architecture}
 
 
 def _run_tokenizer_file(workdir: str, cfg) -> str | None:
