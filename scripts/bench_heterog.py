@@ -4,7 +4,7 @@ For every heterogeneous cluster spec shipped (experiments/clusters/*.yaml
 with more than one device type: the HeteroG testbed, the A100 + V100 mix),
 plans a ladder of GPT-shaped transformers, from BERT-large's size to the
 largest the cluster holds by the planner's memory model, with the analytic
-device model (plan/analytic.py: shapes and the spec's data sheets, nothing
+device model (plan/cost/analytic.py: shapes and the spec's data sheets, nothing
 run here), and reports the best plan's simulated step time and its speedup
 over the search's baselines: data parallel only (replicated, and with FSDP),
 the same layout with an even layer split, and the plan chosen as if every
@@ -114,8 +114,8 @@ def config_of(model: Model, batch: int = BATCH):
 def heterogeneous_clusters(names=None):
   """The shipped specs with more than one device type the analytic model can price."""
   from triax.errors import ConfigError
-  from triax.plan import analytic
   from triax.plan import cluster as cluster_lib
+  from triax.plan.cost import analytic
 
   out = []
   for path in sorted(glob.glob(os.path.join(CLUSTERS, '*.yaml'))):
@@ -136,14 +136,16 @@ def plan(model: Model, cluster, batch: int = BATCH) -> dict:
   """The search's best plan and baselines for a model on a cluster (analytic profile)."""
   import numpy as np
 
-  from triax.plan import analytic, search
+  from triax.plan.cost import analytic
+  from triax.plan.search import exhaustive
+  from triax.plan.search import layouts as layouts_lib
 
   cfg = config_of(model, batch)
   started = time.perf_counter()
-  layouts = list(search.layouts(cfg, cluster.num_devices))
-  tensors, _ = search.profile_sizes(cfg, layouts)
+  layouts = list(layouts_lib.layouts(cfg, cluster.num_devices))
+  tensors, _ = layouts_lib.profile_sizes(cfg, layouts)
   profile = analytic.build(cfg.model, tensors)
-  result = search.search(cfg, cluster, top_k=1, profile=profile)
+  result = exhaustive.search(cfg, cluster, top_k=1, profile=profile)
   shard = profile.shards[1]
   params = (shard.layer_param_bytes * model.layers + shard.edge_param_bytes) / np.dtype(
     cfg.model.param_dtype
@@ -188,7 +190,7 @@ def largest(fits: dict, cluster, batch: int = BATCH, max_layers: int = 512) -> d
 
 def speeds(cluster, model: Model) -> dict[str, float]:
   """Seconds of one layer's forward + backward, one sequence, per device type."""
-  from triax.plan import analytic, roofline
+  from triax.plan.cost import analytic, roofline
 
   cfg = config_of(model)
   profile = analytic.build(cfg.model, [1])

@@ -1,6 +1,6 @@
 """The learned strategy maker against the search: regret, budgets, times (all SIMULATED).
 
-Trains the learned planner's policy (plan/learned.py: a graph network over
+Trains the learned planner's policy (plan/learned/: a graph network over
 layers and device groups, REINFORCE against the simulator) on random
 heterogeneous clusters, never the shipped specs, then plans the model on
 every shipped spec (experiments/clusters/*.yaml) both ways with the same
@@ -38,10 +38,13 @@ sys.path.insert(0, os.path.join(ROOT, 'src'))
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 
 from triax import config as config_lib  # noqa: E402
-from triax.plan import analytic, learned  # noqa: E402
 from triax.plan import cluster as cluster_lib  # noqa: E402
-from triax.plan import search as search_lib  # noqa: E402
 from triax.plan.candidate import Options  # noqa: E402
+from triax.plan.cost import analytic  # noqa: E402
+from triax.plan.learned import catalogue, planner, training  # noqa: E402
+from triax.plan.learned import policy as policy_lib  # noqa: E402
+from triax.plan.search import evaluate, exhaustive  # noqa: E402
+from triax.plan.search import layouts as layouts_lib  # noqa: E402
 
 CLUSTERS = ROOT + '/experiments/clusters'
 RESIZE = {'dgx_h100': 64, 'selene': 64}
@@ -54,7 +57,7 @@ def config():
 
 
 def profile_for(cfg, cluster):
-  tensors = sorted({l.tensor for l in search_lib.layouts(cfg, cluster.num_devices)})
+  tensors = sorted({l.tensor for l in layouts_lib.layouts(cfg, cluster.num_devices)})
   return analytic.build(cfg.model, tensors)
 
 
@@ -62,15 +65,15 @@ def search_within(cfg, cluster, profile, options, budget_s: float):
   """The search's own candidates, layout by layout in its order, until
   budget_s has passed: the fastest plan found that fits and validates."""
   started = time.perf_counter()
-  layouts = [l for l in search_lib.layouts(cfg, cluster.num_devices) if l.tensor in profile.shards]
+  layouts = [l for l in layouts_lib.layouts(cfg, cluster.num_devices) if l.tensor in profile.shards]
   found, done = [], 0
   for layout in layouts:
     if time.perf_counter() - started > budget_s:
       break
-    found += search_lib._evaluate(cfg, cluster, profile, options, [layout])
+    found += evaluate.evaluate(cfg, cluster, profile, options, [layout])
     done += 1
   for e in sorted((e for e in found if not e.oom), key=lambda e: e.step_time):
-    if search_lib._plan_config_ok(cfg, e.plan, cluster.num_devices):
+    if evaluate.valid(cfg, e.plan, cluster.num_devices):
       return e, done, len(layouts), len(found), time.perf_counter() - started
   return None, done, len(layouts), len(found), time.perf_counter() - started
 
@@ -97,17 +100,17 @@ def main():
   say = lambda line: print(line, file=sys.stderr, flush=True)
 
   started = time.perf_counter()
-  problems = learned.training_problems(cfg, args.clusters, args.seed, options)
+  problems = training.training_problems(cfg, args.clusters, args.seed, options)
   built_s = time.perf_counter() - started
-  policy, log = learned.train(problems, steps=args.steps, seed=args.seed, progress=say)
+  policy, log = training.train(problems, steps=args.steps, seed=args.seed, progress=say)
   policy.meta.update(
-    model=learned.model_key(cfg),
+    model=training.model_key(cfg),
     steps=args.steps,
     clusters=args.clusters,
     seed=args.seed,
     train_s=round(log.seconds, 1),
   )
-  learned.save(policy, args.policy)
+  policy_lib.save(policy, args.policy)
   k = max(1, args.steps // 8)
   first, last = sum(log.rewards[:k]) / k, sum(log.rewards[-k:]) / k
   say(f'trained in {log.seconds:.1f} s; mean reward {first:.3f} -> {last:.3f}')
@@ -128,18 +131,18 @@ def main():
     prof = profile_for(cfg, cluster)
     if cluster.name == LARGE:
       t0 = time.perf_counter()
-      lr = learned.search(
+      lr = planner.search(
         cfg, cluster, options=options, profile=prof, policy=policy, samples=args.samples
       )
       infer_s = time.perf_counter() - t0
       within = search_within(cfg, cluster, prof, options, infer_s)
       say(f'{label}: full search ...')
-      full = search_lib.search(cfg, cluster, options=options, profile=prof)
+      full = exhaustive.search(cfg, cluster, options=options, profile=prof)
       rows.append((label, cluster, (full, lr, infer_s, within)))
       continue
-    full = search_lib.search(cfg, cluster, options=options, profile=prof)
+    full = exhaustive.search(cfg, cluster, options=options, profile=prof)
     t0 = time.perf_counter()
-    lr = learned.search(
+    lr = planner.search(
       cfg, cluster, options=options, profile=prof, policy=policy, samples=args.samples
     )
     rows.append((label, cluster, (full, lr, time.perf_counter() - t0, None)))
@@ -156,8 +159,8 @@ def main():
     'prediction of the same simulator and memory model; both planners use the same profile.',
     '',
     f'Training: {args.clusters} random heterogeneous clusters (1-3 device types of '
-    f'{len(learned.CATALOGUE)}, figures perturbed, 8-128 devices; none is a shipped spec), '
-    f'{args.steps} REINFORCE steps of {learned.ROWS} sampled plans: {log.seconds:.1f} s '
+    f'{len(catalogue.CATALOGUE)}, figures perturbed, 8-128 devices; none is a shipped spec), '
+    f'{args.steps} REINFORCE steps of {training.ROWS} sampled plans: {log.seconds:.1f} s '
     f'(+{built_s:.1f} s building the problems), {log.simulated} distinct plans simulated; mean '
     f'reward (-log step time) of the first {k} steps {first:.3f}, of the last {k} {last:.3f}. '
     f'Policy saved to `{os.path.relpath(args.policy, ROOT)}` '
@@ -166,10 +169,10 @@ def main():
     '',
     'Regret = learned plan step time / search best (1.00x = the same; higher = the learned '
     'plan is slower). Inference = greedy plan + '
-    f'{args.samples} samples (half at temperature {learned.INFER_TEMPERATURES[0]}, half at '
-    f"{learned.INFER_TEMPERATURES[1]}), each priced with the layer split of the search's "
+    f'{args.samples} samples (half at temperature {training.INFER_TEMPERATURES[0]}, half at '
+    f"{training.INFER_TEMPERATURES[1]}), each priced with the layer split of the search's "
     "partitioner; (plans) = distinct plans priced. Both wall clocks include each planner's "
-    "baselines (search.py's: the whole search again as if every device were the slowest; the "
+    "baselines (plan/search/baselines.py; the exhaustive search's: the whole search again as if every device were the slowest; the "
     "learned one's: the policy on that cluster, and the data-parallel layouts), and exclude "
     'loading the policy.',
     '',

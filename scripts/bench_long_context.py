@@ -136,8 +136,10 @@ def _no_dropout(s, b, h, a, t, sp):
 # bf16 copies of their operands beside the fp32 values, which no formula has.
 # a*s/h small: the s^2 term, which sequence parallelism splits no further than
 # tensor parallelism does, would hide the saving (the formula's own ratio is
-# 0.59 here, 0.62 at 8 heads and 512 positions).
-SP_SHAPE = dict(s=256, b=32, h=1024, a=4)
+# 0.59 here, 0.62 at 8 heads and 512 positions). A batch of 128 rows: the
+# per-layer slope also holds the layer's weight gradients and optimizer
+# temporaries, a small share beside this many activations.
+SP_SHAPE = dict(s=256, b=128, h=1024, a=4)
 # The per-layer figure is the slope between these depths: what one more layer
 # adds to the step's temporaries (its activations; its share of the optimizer's
 # temporaries is a few per cent), not the embedding, head and update around them.

@@ -17,7 +17,7 @@ degree GPUs / (t p); micro-batch size 1, which the table does not list but
 every pipelined row's interleaving needs at these batch sizes, as
 Megatron's GPT-3 example script uses; v = the smallest number > 1 of
 chunks that divides a stage's layers), prices it with the analytic device
-model (plan/analytic.py, Megatron's dropout kernels included) on
+model (plan/cost/analytic.py, Megatron's dropout kernels included) on
 experiments/clusters/selene.yaml, and simulates it; predicted TFLOP/s per
 GPU = F / (predicted step time x GPUs). The asynchronous model is compared
 (Megatron runs its schedule asynchronously); the lockstep one (triax's
@@ -42,9 +42,9 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), '..')
 sys.path.insert(0, os.path.join(ROOT, 'src'))
 
 from triax import config  # noqa: E402
-from triax.plan import analytic, memory  # noqa: E402
 from triax.plan import cluster as cluster_lib  # noqa: E402
-from triax.plan.simulator import Options, Plan, simulate_plan  # noqa: E402
+from triax.plan.cost import analytic, memory  # noqa: E402
+from triax.plan.cost.simulator import Options, Plan, simulate_plan  # noqa: E402
 
 SELENE = os.path.join(ROOT, 'experiments', 'clusters', 'selene.yaml')
 SEQ, VOCAB = 2048, 51200
@@ -232,9 +232,9 @@ def main() -> None:
     "Each row is the paper's layout (t, p, data = GPUs / (t p), the interleaved schedule",
     "with v = the smallest chunk count > 1 dividing a stage's layers, full recomputation,",
     "micro-batch size 1: the table does not list it; every pipelined row's interleaving",
-    'needs m to be a multiple of p, which holds at 1), priced by `plan/analytic.py` with',
+    'needs m to be a multiple of p, which holds at 1), priced by `plan/cost/analytic.py` with',
     "Megatron's dropout kernels, and simulated by the planner's simulator",
-    "(`plan/simulator.py`). Predicted TFLOP/s per GPU = the paper's FLOPs per step,",
+    "(`plan/cost/simulator.py`). Predicted TFLOP/s per GPU = the paper's FLOPs per step,",
     '96 B s l h^2 (1 + s/6h + V/16lh) (full recomputation counted), over (predicted step',
     'time x GPUs): the same count the published figure uses. The error column compares the',
     "asynchronous time model (what Megatron runs); the lockstep column is what triax's",

@@ -217,7 +217,8 @@ def main() -> int:
 
   from triax import config as config_lib
   from triax.plan import cluster as cluster_lib
-  from triax.plan import emit, profile, simulator
+  from triax.plan.cost import profile, simulator
+  from triax.plan.search import emit
 
   spec = importlib.util.spec_from_file_location('bench_base', os.path.join(ROOT, args.config))
   base = importlib.util.module_from_spec(spec)
@@ -339,7 +340,7 @@ def _clusters_report(cfg, prof) -> str:
   import glob
 
   from triax.plan import cluster as cluster_lib
-  from triax.plan import search
+  from triax.plan.search import exhaustive
 
   lines = [
     '## Strategy maker on the shipped clusters (SIMULATED)',
@@ -354,7 +355,7 @@ def _clusters_report(cfg, prof) -> str:
   ]
   for path in sorted(glob.glob(os.path.join(ROOT, 'experiments', 'clusters', '*.yaml'))):
     cluster = cluster_lib.load(path)
-    result = search.search(cfg, cluster, top_k=1, profile=prof)
+    result = exhaustive.search(cfg, cluster, top_k=1, profile=prof)
     if not result.top:
       lines.append(
         f'| {cluster.name} | no plan fits | | | | | {result.evaluated} | {result.search_s:.1f} |'

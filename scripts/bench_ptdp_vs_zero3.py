@@ -50,9 +50,9 @@ sys.path.insert(0, os.path.join(ROOT, 'src'))
 # (scripts/ is on the path: this file runs as a script beside it).
 import bench_megatron_table1 as T1  # noqa: E402
 
-from triax.plan import analytic  # noqa: E402
 from triax.plan import cluster as cluster_lib  # noqa: E402
-from triax.plan.simulator import Options, Plan, simulate_plan  # noqa: E402
+from triax.plan.cost import analytic  # noqa: E402
+from triax.plan.cost.simulator import Options, Plan, simulate_plan  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,7 +1,8 @@
 """Schedule comparison at p = 4: the lockstep lowering beside the one it replaced.
 
   PYTHONPATH=src .venv/bin/python scripts/bench_schedules.py [--out=docs/bench_schedules.md] \
-      [--baseline=650fb8b] [--microbatches=4,8,16,32] [--steps=3] [--rounds=3]
+      [--baseline=650fb8b] [--microbatches=4,8,16,32] [--steps=3] [--rounds=3] \
+      [--sections=schedules,v_family]
 
 Per schedule and m: lockstep ticks, simulated bubble in the executor's
 lockstep model and in the papers' asynchronous one (t_F = 1 and a fused
@@ -19,6 +20,14 @@ are measured by their own code on the same config.
 
 The last line gives zb_h1 against 1f1b at m = 16 from those rounds:
 zero-bubble must not cost more than the bubble it removes.
+
+The `v_family` section compares the controllable-memory V-schedules (v_min,
+v_half, v_zb; Qi et al., NeurIPS'24) with 1f1b and zb_v at p = 4 and p = 8,
+m = 4p, on the same activation-dominated config with one layer per V chunk
+(2p layers, data = 8/p): compiled per-device temp bytes and step time, each
+relative to 1f1b at the same p, beside the peak residual sets the schedule
+holds and the paper's figure. `--sections=v_family` measures only it and
+replaces its part of an existing `--out` file, leaving the rest as it was.
 """
 
 import json
@@ -45,20 +54,34 @@ NEW = (
   ('zb_v', 2),
 )
 OLD = {'gpipe', '1f1b', 'interleaved_1f1b', 'bpipe', 'zb_h1'}
+# The V-family section: (schedule, v) at each p, and the paper's peak memory
+# in micro-batches of a whole stage (Qi et al., NeurIPS'24; 1F1B's is p).
+V_POINTS = (('1f1b', 1), ('zb_v', 2), ('v_min', 2), ('v_half', 2), ('v_zb', 2))
+V_STAGES = (4, 8)
+PAPER_PEAK = {
+  '1f1b': lambda p: p,
+  'zb_v': lambda p: p,
+  'v_min': lambda p: (p + 4) // 3,
+  'v_half': lambda p: (p + 2) // 2,
+  'v_zb': lambda p: p,
+}
+V_HEADING = '## Controllable-memory V-schedules'
 
 
-def bench_config(config, m, name, v):
+def bench_config(config, m, name, v, p=P, data=DATA, layers=8):
   c = config.defaults()
   # Activation-heavy on purpose (long sequences, narrow model): where memory matters.
-  c.model.num_layers, c.model.d_model, c.model.num_heads = 8, 64, 4
+  c.model.num_layers, c.model.d_model, c.model.num_heads = layers, 64, 4
   c.model.d_ff, c.model.seq_len = 256, 128
-  c.mesh.data, c.mesh.pipe = DATA, P
+  c.mesh.data, c.mesh.pipe = data, p
   c.pipeline.schedule, c.pipeline.virtual_stages, c.pipeline.microbatches = name, v, m
-  c.train.global_batch_size = 4 * DATA * m  # fixed micro-batch of 4 sequences per data shard
+  c.train.global_batch_size = 4 * data * m  # fixed micro-batch of 4 sequences per data shard
   return c
 
 
-def measure_group(points, m: int, steps: int, rounds: int) -> dict:
+def measure_group(
+  points, m: int, steps: int, rounds: int, p: int = P, data: int = DATA, layers: int = 8
+) -> dict:
   """Every (name, v) of `points` at m, timed in alternating rounds.
 
   Measured by whichever triax is on sys.path (new or baseline). All programs
@@ -78,14 +101,16 @@ def measure_group(points, m: int, steps: int, rounds: int) -> dict:
 
   out, runs = {}, {}
   for name, v in points:
-    schedule = sched.build(name, P, m, v)
+    schedule = sched.build(name, p, m, v)
     program = sched.lower(schedule)
     costs = (
       simulate.Costs(t_forward=1.0, t_backward=1.0, t_weight=1.0)
       if schedule.split_backward
       else simulate.Costs(t_forward=1.0, t_backward=2.0)
     )
-    cfg = config_lib.validate(bench_config(config_lib, m, name, v), jax.device_count())
+    cfg = config_lib.validate(
+      bench_config(config_lib, m, name, v, p, data, layers), jax.device_count()
+    )
     trainer = build_trainer(cfg, build_mesh(cfg.mesh, jax.devices()))
     tokens = np.random.default_rng(0).integers(
       0, cfg.model.vocab_size, (cfg.train.global_batch_size, cfg.model.seq_len + 1)
@@ -159,6 +184,82 @@ def main(argv):
   del argv
   from triax.training.measure import write_report
 
+  unknown = set(_SECTIONS.value) - {'schedules', 'v_family'}
+  if unknown:
+    raise SystemExit(f'--sections: unknown {sorted(unknown)}; choose schedules, v_family')
+  if 'schedules' in _SECTIONS.value:
+    lines = schedules_section()
+  else:
+    lines = _without_v_section(_OUT.value)
+  if 'v_family' in _SECTIONS.value:
+    lines += [''] + v_family_section(_STEPS.value, _ROUNDS.value)
+  write_report(_OUT.value, lines)
+
+
+def _without_v_section(path: str) -> list[str]:
+  """The lines of an existing report up to its V-family section."""
+  if not os.path.exists(path):
+    return []
+  lines = open(path).read().rstrip('\n').split('\n')
+  if V_HEADING in lines:
+    lines = lines[: lines.index(V_HEADING)]
+  while lines and not lines[-1]:
+    lines.pop()
+  return lines
+
+
+def v_family_section(steps: int, rounds: int) -> list[str]:
+  """The V-family rows at p = 4 and 8, m = 4p, relative to 1f1b at each p."""
+  rows = {}
+  for p in V_STAGES:
+    m = 4 * p
+    group = measure_group(V_POINTS, m, steps, rounds, p=p, data=8 // p, layers=2 * p)
+    for name, row in group.items():
+      rows[(name, p)] = row
+      print('v_family', name, p, row, flush=True)
+  lines = [
+    V_HEADING,
+    '',
+    'V-Min, V-Half and V-ZB (Qi et al., "Pipeline Parallelism with Controllable Memory", '
+    'NeurIPS 2024) against 1f1b and zb_v at m = 4p: the config above with one layer per '
+    'V chunk (2p layers), data = 8/p, fp32, 8 forced CPU devices on '
+    f"{os.cpu_count()} cores. Peak stash counts residual sets per stage (a V chunk's set is "
+    'half of a 1f1b stage\'s); "paper" is the peak in micro-batches of a whole stage\'s '
+    'activations the paper gives (1F1B p, V-Min (p+4)//3, V-Half (p+2)//2, V-ZB p). Temp '
+    'and step time are relative to 1f1b at the same p, step times from alternating rounds '
+    'in one run. Bubbles: t_F = t_B = t_W = 1 (1f1b: a fused t_B = 2).',
+    '',
+    '| schedule | p | m | ticks | bubble lockstep | peak stash per stage | micro-batches / '
+    'paper | temp MiB | temp / 1f1b | step time / 1f1b |',
+    '|---|---|---|---|---|---|---|---|---|---|',
+  ]
+  for p in V_STAGES:
+    one = rows[('1f1b', p)]
+    for name, v in V_POINTS:
+      r = rows[(name, p)]
+      label = name + (f' v={v}' if v > 1 else '')
+      held = max(r['peak']) / v
+      lines.append(
+        f'| {label} | {p} | {4 * p} | {r["ticks"]} | {r["lockstep"]:.3f} '
+        f'| {",".join(map(str, r["peak"]))} | {held:g} / {PAPER_PEAK[name](p)} '
+        f'| {r["temp"] / 2**20:.1f} | {r["temp"] / one["temp"]:.2f} '
+        f'| {r["step"] / one["step"]:.2f} |'
+      )
+  bounds = '; '.join(
+    f'p={p}: v_min {PAPER_PEAK["v_min"](p) / p:.3f}, v_half {PAPER_PEAK["v_half"](p) / p:.3f}'
+    for p in V_STAGES
+  )
+  lines += [
+    '',
+    "The paper's own peaks bound the residual pools against 1f1b's p sets at "
+    f'{bounds} (its 1/3 and 1/2 are the large-p limits); what compiled temp holds beyond '
+    'the pool is the B-to-W cuts and the set a tick writes before it lands.',
+  ]
+  return lines
+
+
+def schedules_section() -> list[str]:
+  """The main table: every schedule at p = 4 over m, old lowering beside new."""
   ms = [int(x) for x in _MICROBATCHES.value]
   new = {}
   for m in ms:
@@ -203,7 +304,7 @@ def main(argv):
       f'zb_h1 against 1f1b at m=16 (medians of the alternating rounds): 1f1b {a * 1e3:.0f} ms, '
       f'zb_h1 {b * 1e3:.0f} ms, ratio **{b / a:.3f}**.',
     ]
-  write_report(_OUT.value, lines)
+  return lines
 
 
 if __name__ == '__main__':
@@ -223,4 +324,10 @@ if __name__ == '__main__':
       'baseline', '650fb8b', 'Commit whose lowering the "old" columns measure; \'\' to skip them.'
     )
     _ROUNDS = flags.DEFINE_integer('rounds', 3, 'Alternating timing rounds per m.')
+    _SECTIONS = flags.DEFINE_list(
+      'sections',
+      ['schedules', 'v_family'],
+      'What to measure: schedules (the main table), v_family (the V-schedules; alone, it '
+      'replaces its section of an existing --out).',
+    )
     app.run(main)

@@ -157,7 +157,9 @@ def _texts(clone: str) -> None:
   """A user's folder of 30 text files: the first 30 public standard-library modules over 2 kB."""
   stdlib = sysconfig.get_paths()['stdlib']
   names = sorted(n for n in os.listdir(stdlib) if n.endswith('.py'))
-  big = [n for n in names if not n.startswith('_') and os.path.getsize(os.path.join(stdlib, n)) > 2048]
+  big = [
+    n for n in names if not n.startswith('_') and os.path.getsize(os.path.join(stdlib, n)) > 2048
+  ]
   chosen = big[:30]
   os.makedirs(os.path.join(clone, 'texts'))
   for name in chosen:
@@ -227,7 +229,9 @@ def run_in_clone(run_blocks: list[Block], skip: list[str]) -> int:
   )
   start = time.time()
   code = subprocess.run(['bash', '-c', script], cwd=clone, env=env).returncode
-  print(f'readme: {"all passed" if code == 0 else f"FAILED (exit {code})"} in {time.time() - start:.0f} s')
+  print(
+    f'readme: {"all passed" if code == 0 else f"FAILED (exit {code})"} in {time.time() - start:.0f} s'
+  )
   if not _KEEP.value and code == 0:
     shutil.rmtree(clone)
   return code

@@ -156,6 +156,23 @@ CASES = [
     train('--config.model.family=llama', '--config.model.num_kv_heads=3'),
     'model.num_kv_heads',
   ),
+  ('gpt-with-experts', train('--config.model.num_experts=4'), 'model.num_experts'),
+  (
+    'experts-per-token-beyond-experts',
+    train(
+      '--config.model.experts_per_token=9', config='--config=experiments/mixtral_tiny.py:smoke'
+    ),
+    'model.experts_per_token',
+  ),
+  (
+    'mixtral-under-the-pipeline-executor',
+    train(
+      '--config.mesh.data=2',
+      '--config.mesh.pipe=2',
+      config='--config=experiments/mixtral_tiny.py:smoke',
+    ),
+    'mesh.pipe',
+  ),
   (
     'rope-scaling-frequency-factors',
     train(

@@ -15,8 +15,9 @@ from triax import config
 from triax.errors import ConfigError
 from triax.mesh import build_mesh
 from triax.plan import cluster as cluster_lib
-from triax.plan import emit, profile
-from triax.plan.simulator import Plan, simulate_plan
+from triax.plan.cost import profile
+from triax.plan.cost.simulator import Plan, simulate_plan
+from triax.plan.search import emit
 
 
 def test_mesh_places_devices_in_the_given_order():

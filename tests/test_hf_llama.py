@@ -13,6 +13,7 @@ import json
 import os
 
 import harness
+import hf_round_trip
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -148,24 +149,8 @@ def test_export_import_export_is_bit_identical(imported, tmp_path):
   model, hf_dir, workdir, _ = imported
   first = str(tmp_path / 'first')
   hf_checkpoint.export_hf(workdir, first, max_shard_bytes=100_000)
-  tensors = hf_llama.read_tensors(first)
   reference = {k: v.numpy() for k, v in model.state_dict().items()}
-  assert set(tensors) == set(reference)
-  for name, array in reference.items():
-    np.testing.assert_array_equal(tensors[name], array, err_msg=name)
-  again = str(tmp_path / 'w2')
-  hf_checkpoint.import_hf(first, again)
-  second = str(tmp_path / 'second')
-  hf_checkpoint.export_hf(again, second, max_shard_bytes=100_000)
-  names = sorted(os.listdir(first))
-  assert names == sorted(os.listdir(second)) and len(names) > 2  # shards and the index
-  match, mismatch, errors = filecmp.cmpfiles(first, second, names, shallow=False)
-  assert (mismatch, errors) == ([], []), (mismatch, errors)
-  # transformers reads the export back.
-  back = transformers.LlamaForCausalLM.from_pretrained(first).eval()
-  with torch.no_grad():
-    x = torch.from_numpy(_tokens()).long()
-    np.testing.assert_array_equal(back(x).logits.numpy(), model(x).logits.numpy())
+  hf_round_trip.check(first, reference, tmp_path, model, transformers.LlamaForCausalLM, _tokens())
 
 
 def test_export_of_a_gpt_run_points_to_the_llama_configs(tmp_path):
@@ -202,7 +187,9 @@ def test_import_without_the_tokenizer_its_vocabulary_needs_is_refused(tmp_path):
   fine_tune = harness.run_cli('triax', 'train', f'--workdir={workdir}')
   assert fine_tune.returncode == 2, fine_tune.stderr[-3000:]
   [line] = fine_tune.stderr.strip().splitlines()
-  assert line.startswith('error: data.tokenizer: data.source=stdlib reads bytes') and 'prepare' in line
+  assert (
+    line.startswith('error: data.tokenizer: data.source=stdlib reads bytes') and 'prepare' in line
+  )
   # ... and export writes it back beside the weights, every file readable by all.
   out = tmp_path / 'out'
   hf_checkpoint.export_hf(workdir, str(out))

@@ -12,9 +12,11 @@ import pytest
 from triax import config
 from triax.errors import ConfigError
 from triax.model import registry
-from triax.plan import analytic, emit, profile, profile_cache, report, simulator
 from triax.plan import cluster as cluster_lib
-from triax.plan.comm import Comm
+from triax.plan import report
+from triax.plan.cost import analytic, profile, profile_cache, simulator
+from triax.plan.cost.comm import Comm
+from triax.plan.search import emit
 
 ROOT = os.path.join(os.path.dirname(__file__), '..')
 SELENE = os.path.join(ROOT, 'experiments', 'clusters', 'selene.yaml')
@@ -247,12 +249,12 @@ def test_full_remat_reruns_the_tensor_all_reduces():
 
 
 def test_a_cluster_too_large_for_the_model_says_use_gpus():
-  from triax.plan import search
+  from triax.plan.search import exhaustive
 
   selene = cluster_lib.load(SELENE)  # 4480 devices; batch 8 cannot spread over them
   cfg = small_gpt()
   cfg.train.global_batch_size = 8
-  result = search.search(cfg, selene, profile=analytic.build(cfg.model, [1]))
+  result = exhaustive.search(cfg, selene, profile=analytic.build(cfg.model, [1]))
   assert result.top == () and result.evaluated == 0
   with pytest.raises(ConfigError, match='--gpus') as err:
     report.run(

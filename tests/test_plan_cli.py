@@ -10,7 +10,10 @@ import pytest
 
 from triax import config
 from triax.errors import ConfigError
-from triax.plan import profile, report, search
+from triax.plan import report
+from triax.plan.cost import profile
+from triax.plan.search import baselines
+from triax.plan.search import layouts as layouts_lib
 
 ROOT = os.path.join(os.path.dirname(__file__), '..')
 CPU = os.path.join(ROOT, 'experiments', 'clusters', 'cpu_forced_8.yaml')
@@ -48,7 +51,7 @@ def test_profile_of_a_tiny_model():
   # batch on 8 devices): one profile, cached in memory, serves both tests.
   # Two heads and four sequences keep it to 2 degrees x 3 sizes: profiling
   # compiles about a hundred programs, the suite's longest test.
-  tensors, sizes = search.profile_sizes(cfg, list(search.layouts(cfg, 8)))
+  tensors, sizes = layouts_lib.profile_sizes(cfg, list(layouts_lib.layouts(cfg, 8)))
   assert (tensors, sizes) == ([1, 2], [1, 2, 4])
   prof = profile.measure(cfg.model, tensors, sizes)
   assert prof is profile.measure(cfg.model, tensors[::-1], sizes[::-1])
@@ -125,7 +128,7 @@ def test_cli_plans_writes_a_runnable_plan_and_a_trace(tmp_path, capsys):
   assert captured.err.startswith('plan: 4 layers') and f'saved to {cache}' in captured.err
   assert printed['top'][0]['plan'] == summary['top'][0]['plan']
   assert printed['simulated'] is True and printed['devices'] == 8
-  assert set(printed['speedups']) == set(search.BASELINES)
+  assert set(printed['speedups']) == set(baselines.BASELINES)
   best = printed['top'][0]
   assert best['data'] * best['tensor'] * best['pipe'] == 8 and sum(best['layers']) == 4
   events = json.loads(trace.read_text())['traceEvents']

@@ -7,8 +7,10 @@ import pytest
 from test_plan_simulator import make_cluster, make_plan
 
 from triax import config
-from triax.plan import emit, partition, profile, search
-from triax.plan.simulator import Options, simulate_plan
+from triax.plan.cost import profile
+from triax.plan.cost.simulator import Options, simulate_plan
+from triax.plan.search import baselines, emit, exhaustive, partition
+from triax.plan.search import layouts as layouts_lib
 
 # The fast tier (scripts/test.sh --fast): seconds per test, no pipeline program.
 pytestmark = pytest.mark.fast
@@ -60,7 +62,7 @@ def test_search_returns_valid_plans_and_baselines():
     act_per_seq=1e5,
   )
   spec = make_cluster(groups=(('gpu', 8, 1.0, '80 GB'),), bandwidth=1e9, latency='10 us')
-  result = search.search(cfg, spec, top_k=4, profile=prof)
+  result = exhaustive.search(cfg, spec, top_k=4, profile=prof)
   assert 1 <= len(result.top) <= 4
   times = [e.step_time for e in result.top]
   assert times == sorted(times)
@@ -70,7 +72,7 @@ def test_search_returns_valid_plans_and_baselines():
     assert p.num_layers == 8 and sum(p.chunk_layers) == 8
     assert sorted(p.devices) == list(range(8))
     assert not e.oom
-  assert set(result.baselines) == set(search.BASELINES)
+  assert set(result.baselines) == set(baselines.BASELINES)
   assert result.baselines['data_parallel'].plan.data == 8
   assert result.baselines['data_parallel'].plan.state_sharding == 'replicated'
   assert result.baselines['zero3'].plan.state_sharding == 'fsdp'
@@ -86,7 +88,7 @@ def test_search_gives_fast_devices_more_layers():
     groups=(('slow', 1, 1.0, '80 GB'), ('fast', 1, 3.0, '80 GB')),
     nodes=[{'name': 'a', 'devices': {'slow': 1}}, {'name': 'b', 'devices': {'fast': 1}}],
   )
-  result = search.search(cfg, spec, top_k=3, profile=prof)
+  result = exhaustive.search(cfg, spec, top_k=3, profile=prof)
   best = result.top[0].plan
   assert best.pipe == 2
   fast_stage = next(s for s, devs in enumerate(best.stages) if devs == (1,))
@@ -106,12 +108,12 @@ def test_search_uses_remat_only_when_memory_demands_it():
   # The train step's memory alone: the evaluation's forward (no stash, so no
   # remat) of the whole batch would not fit in 2 GB either.
   step_only = Options(state_programs=False)
-  plenty = search.search(
+  plenty = exhaustive.search(
     cfg, make_cluster(groups=(('gpu', 2, 1.0, '80 GB'),)), profile=prof, options=step_only
   )
   assert plenty.top[0].plan.remat == 'none'
   # Without remat the stashed residuals no longer fit: recompute.
-  tight = search.search(
+  tight = exhaustive.search(
     cfg, make_cluster(groups=(('gpu', 2, 1.0, '2 GB'),)), profile=prof, options=step_only
   )
   assert tight.top and tight.top[0].plan.remat in ('selective', 'full')
@@ -175,7 +177,7 @@ def test_uneven_plan_file_names_its_chunks(tmp_path):
 def test_layouts_do_not_list_a_schedule_twice():
   # interleaved_zb at v = 1 builds zb_h1's orders (and interleaved_1f1b
   # 1f1b's): the same plan would fill two of the top rows.
-  found = list(search.layouts(small_config(layers=8, batch=16), 8))
+  found = list(layouts_lib.layouts(small_config(layers=8, batch=16), 8))
   assert not [
     l
     for l in found
@@ -190,4 +192,4 @@ def test_layouts_respect_grouped_query_heads():
   cfg.model.d_model, cfg.model.d_ff = 96, 192
   # tensor=4 divides the 12 query heads, but 6 K/V heads (>= 4) cannot split
   # over it and validation refuses them; tensor=8 divides no heads.
-  assert {l.tensor for l in search.layouts(cfg, 8)} == {1, 2}
+  assert {l.tensor for l in layouts_lib.layouts(cfg, 8)} == {1, 2}

@@ -1,7 +1,7 @@
 """Sequence (SP) and context (CP) parallelism in the planner: memory, collectives, choice, plan files.
 
 The memory figures are Korthikanti et al.'s (2022) per-layer count without
-dropout (plan/memory.py's docstring), on the analytic profile of a small
+dropout (plan/cost/memory.py's docstring), on the analytic profile of a small
 GPT; the collectives are arithmetic on plan/comm.py's ring formulas over
 test clusters.
 """
@@ -13,10 +13,12 @@ from test_plan_search import small_config
 from test_plan_simulator import make_cluster, make_plan
 
 from triax import config
-from triax.plan import analytic, emit, memory, profile, search, simulator
 from triax.plan import cluster as cluster_lib
-from triax.plan.comm import Comm
-from triax.plan.simulator import Options, simulate_plan
+from triax.plan.cost import analytic, memory, profile, simulator
+from triax.plan.cost.comm import Comm
+from triax.plan.cost.simulator import Options, simulate_plan
+from triax.plan.search import emit, evaluate, exhaustive
+from triax.plan.search import layouts as layouts_lib
 
 # The fast tier (scripts/test.sh --fast): seconds per test, no pipeline program.
 pytestmark = pytest.mark.fast
@@ -178,19 +180,19 @@ def test_layouts_offer_context_where_the_sequence_splits_and_sp_where_tensor_doe
   # Context degrees c dividing 8 with seq_len % 2c == 0 and at least
   # MIN_CONTEXT_POSITIONS (1024) a rank: 4 would leave 768.
   cfg.model.seq_len = 3072
-  found = list(search.layouts(cfg, 8))
+  found = list(layouts_lib.layouts(cfg, 8))
   assert {l.context for l in found} == {1, 2}
   assert all(l.tensor > 1 for l in found if l.sequence_parallel)
   # The config's context attention kind: the simulator prices either.
   assert {l.context_attention for l in found} == {'allgather'}
   cfg.model.context_attention = 'ring'
-  assert {l.context_attention for l in search.layouts(cfg, 8)} == {'ring'}
+  assert {l.context_attention for l in layouts_lib.layouts(cfg, 8)} == {'ring'}
   assert all(l.data * l.context * l.tensor * l.pipe == 8 for l in found)
   cfg.model.seq_len = 2050  # not 4 equal chunks
-  assert {l.context for l in search.layouts(cfg, 8)} == {1}
+  assert {l.context for l in layouts_lib.layouts(cfg, 8)} == {1}
   cfg.model.seq_len = 3072
   cfg.model.attention = 'splash'  # the load-balanced mask is the xla path's alone
-  assert {l.context for l in search.layouts(cfg, 8)} == {1}
+  assert {l.context for l in layouts_lib.layouts(cfg, 8)} == {1}
 
 
 def test_a_long_sequence_the_memory_cannot_hold_whole_is_split_over_context():
@@ -201,14 +203,14 @@ def test_a_long_sequence_the_memory_cannot_hold_whole_is_split_over_context():
   cfg.train.global_batch_size = 4
   prof = analytic.build(cfg.model, [1, 2])
   tight = gpus(4, '8 GB')
-  result = search.search(cfg, tight, top_k=3, profile=prof)
+  result = exhaustive.search(cfg, tight, top_k=3, profile=prof)
   best = result.top[0]
   assert best.plan.context > 1 and not best.oom
-  everything = search._evaluate(cfg, tight, prof, Options(), list(search.layouts(cfg, 4)))
+  everything = evaluate.evaluate(cfg, tight, prof, Options(), list(layouts_lib.layouts(cfg, 4)))
   assert all(e.oom for e in everything if e.plan.context == 1)
   # With room the same search keeps the sequence whole (data parallelism
   # moves no K/V).
-  roomy = search.search(cfg, gpus(4, '80 GB'), top_k=1, profile=prof)
+  roomy = exhaustive.search(cfg, gpus(4, '80 GB'), top_k=1, profile=prof)
   assert roomy.top[0].plan.context == 1
 
 
@@ -224,7 +226,7 @@ def test_plan_file_writes_the_sequence_keys_only_when_used(tmp_path):
   # Row-major over (data, context, tensor, pipe): stage s's devices in their
   # own order, the stages interleaved.
   assert keys['mesh.device_order'] == (0, 4, 1, 5, 2, 6, 3, 7)
-  validated = config.validate(search.with_plan(cfg, plan), 8)
+  validated = config.validate(evaluate.with_plan(cfg, plan), 8)
   assert (validated.mesh.context, validated.mesh.tensor, validated.mesh.pipe) == (2, 2, 2)
   # A config that says otherwise gets the plan's value written.
   cfg.mesh.context, cfg.mesh.data = 2, 2

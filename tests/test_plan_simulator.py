@@ -14,8 +14,8 @@ import pytest
 from triax.pipeline import schedule as sched
 from triax.pipeline import simulate
 from triax.plan import cluster as cluster_lib
-from triax.plan import profile, profiler, simulator, trace
-from triax.plan.simulator import Options, Plan, simulate_plan
+from triax.plan.cost import profile, profiler, simulator, trace
+from triax.plan.cost.simulator import Options, Plan, simulate_plan
 
 FAST = '1e30'  # bytes/s: communication that takes no time
 SRC = os.path.join(os.path.dirname(os.path.dirname(__file__)), 'src')

@@ -1,7 +1,7 @@
 """ZeRO-1 and FSDP in the planner: memory, collectives, choice, plan files, the zero3 baseline.
 
 Hand-built (synthetic) profiles and test clusters: every figure below is
-arithmetic on the formulas of plan/memory.py and plan/simulator.py.
+arithmetic on the formulas of plan/cost/memory.py and plan/cost/simulator.py.
 """
 
 import dataclasses
@@ -11,8 +11,9 @@ from test_plan_search import small_config
 from test_plan_simulator import make_cluster, make_plan
 
 from triax import config
-from triax.plan import emit, memory, profile, search
-from triax.plan.simulator import Options, simulate_plan
+from triax.plan.cost import memory, profile
+from triax.plan.cost.simulator import Options, simulate_plan
+from triax.plan.search import emit, evaluate, exhaustive
 
 # The fast tier (scripts/test.sh --fast): seconds per test, no pipeline program.
 pytestmark = pytest.mark.fast
@@ -83,12 +84,12 @@ def test_only_zero1_fits_and_is_chosen():
   # fits under 90% of 4 GB.
   cfg = small_config(layers=1, batch=2)
   prof = profile.synthetic(layer_param_bytes=1 * GB, edge_param_bytes=0.1 * GB)
-  result = search.search(
+  result = exhaustive.search(
     cfg, make_cluster(groups=(('gpu', 2, 1.0, '4 GB'),)), profile=prof, options=STEP_ONLY
   )
   assert result.top and {e.plan.state_sharding for e in result.top} == {'zero1'}
   assert result.baselines['data_parallel'] is None and result.baselines['zero3'] is None
-  roomy = search.search(
+  roomy = exhaustive.search(
     cfg, make_cluster(groups=(('gpu', 2, 1.0, '80 GB'),)), profile=prof, options=STEP_ONLY
   )
   assert roomy.baselines['data_parallel'] is not None
@@ -103,7 +104,7 @@ def test_only_fsdp_fits_with_a_checkpoint_save_and_is_chosen():
   cfg = small_config(layers=1, batch=4)
   cfg.model.d_model = 64
   prof = profile.synthetic(layer_param_bytes=1 * GB, edge_param_bytes=1 * GB)
-  result = search.search(cfg, make_cluster(groups=(('gpu', 4, 1.0, '5 GB'),)), profile=prof)
+  result = exhaustive.search(cfg, make_cluster(groups=(('gpu', 4, 1.0, '5 GB'),)), profile=prof)
   best = result.top[0]
   assert best.plan.state_sharding == 'fsdp' and best.plan.microbatches == 1
   assert best.step_memory[0] == pytest.approx(4 * GB)
@@ -176,13 +177,13 @@ def test_plan_file_sets_the_sharding_keys_and_validates(tmp_path, kind, keys):
 def test_zero3_baseline_is_reported():
   cfg = small_config(layers=4, batch=8)
   prof = profile.synthetic(layer_param_bytes=1e6, act_per_seq=1e5, tensors=(1, 2))
-  result = search.search(cfg, make_cluster(groups=(('gpu', 4, 1.0, '80 GB'),)), profile=prof)
+  result = exhaustive.search(cfg, make_cluster(groups=(('gpu', 4, 1.0, '80 GB'),)), profile=prof)
   zero3 = result.baselines['zero3']
   assert zero3 is not None and not zero3.oom
   assert (zero3.plan.data, zero3.plan.tensor, zero3.plan.pipe) == (4, 1, 1)
   assert zero3.plan.state_sharding == 'fsdp'
   assert result.speedup('zero3') >= 1.0 - 1e-9
   # Candidates carry every sharding where data > 1, only replicated where not.
-  assert search.state_shardings(cfg, 1) == ('replicated',)
-  assert search.state_shardings(cfg, 4) == ('replicated', 'zero1', 'fsdp')
-  assert search.state_shardings(cfg, 3) == ('replicated', 'zero1')  # 32 % 3: no FSDP
+  assert evaluate.state_shardings(cfg, 1) == ('replicated',)
+  assert evaluate.state_shardings(cfg, 4) == ('replicated', 'zero1', 'fsdp')
+  assert evaluate.state_shardings(cfg, 3) == ('replicated', 'zero1')  # 32 % 3: no FSDP

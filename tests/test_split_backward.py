@@ -78,7 +78,7 @@ def test_the_planner_times_the_executors_halves():
   (SplitBackward of the layer stack's vjp, each on its own), not the vjp
   asked for one gradient: B returns the input gradient, W from B's cut the
   weight gradients, both equal to the fused vjp's."""
-  from triax.plan import profiler
+  from triax.plan.cost import profiler
 
   cfg = harness.tiny_config(**{'model.num_layers': 2})
   prof = profiler._Profiler(profiler._model_key(cfg.model))

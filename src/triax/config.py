@@ -72,7 +72,8 @@ def defaults() -> ml_collections.ConfigDict:
 
   c.model = ml_collections.ConfigDict()
   # Model family, one file each in triax/model/: gpt (learned positions, GELU MLP, full
-  # multi-head attention) or llama (RoPE, SwiGLU, grouped-query attention, RMSNorm).
+  # multi-head attention), llama (RoPE, SwiGLU, grouped-query attention, RMSNorm) or
+  # mixtral (llama with a mixture of SwiGLU experts for each MLP).
   c.model.family = 'gpt'
   # Number of transformer blocks.
   c.model.num_layers = 4
@@ -125,6 +126,23 @@ def defaults() -> ml_collections.ConfigDict:
   c.model.norm_eps = 1e-5
   # llama: use the embedding table as the output layer (Llama 3.2 1B/3B do).
   c.model.tie_embeddings = False
+  # mixtral (llama's keys too): experts per MoE layer, each a SwiGLU of width d_ff.
+  c.model.num_experts = 8
+  # mixtral: experts each token runs (top-k of the router's softmax, renormalised: Mixtral's).
+  c.model.experts_per_token = 2
+  # mixtral: always-on shared experts beside the routed ones (DeepSeek / Qwen MoE); 0 = none.
+  c.model.shared_experts = 0
+  # mixtral: a MoE MLP in every n-th block; only 1 (every block) is implemented.
+  c.model.moe_every = 1
+  # mixtral: dropless (tokens sorted by expert, grouped matmuls, none dropped) or capacity
+  # (Switch/GShard buffers of capacity_factor x the even share per batch row; overflow dropped).
+  c.model.moe_dispatch = 'dropless'
+  # mixtral, capacity dispatch: an expert's buffer over the even share s*k/E of a row.
+  c.model.capacity_factor = 1.25
+  # mixtral: weight of the load-balancing loss (Switch's, as transformers computes it).
+  c.model.router_aux_loss_coef = 0.01
+  # mixtral: weight of the router z-loss (ST-MoE: mean logsumexp(router logits)^2).
+  c.model.router_z_loss_coef = 0.001
 
   c.pipeline = ml_collections.ConfigDict()
   # Pipeline schedule: gpipe, 1f1b, interleaved_1f1b, bpipe, zb_h1, interleaved_zb or zb_v
@@ -227,6 +245,8 @@ def defaults() -> ml_collections.ConfigDict:
     ('kv', None),
     # llama's K/V heads: validate() replicates them instead when fewer than the axis size.
     ('kv_heads', 'tensor'),
+    # mixtral's experts (their weights' leading axis): every device holds all of them.
+    ('experts', None),
     ('embed', None),
     # Positions inside the tensor-parallel regions (Q/K/V, the MLP's hidden units, logits).
     ('seq', 'context'),
@@ -462,14 +482,7 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int) -> ml_collections
     raise ConfigError(
       'model.num_heads', f'must divide model.d_model={m.d_model}, got {m.num_heads}'
     )
-  if m.num_heads % tensor:
-    raise ConfigError(
-      'model.num_heads',
-      f'{m.num_heads} heads cannot be split over mesh.tensor={tensor}; '
-      'use a multiple of mesh.tensor',
-    )
-  if m.d_ff % tensor:
-    raise ConfigError('model.d_ff', f'{m.d_ff} is not divisible by mesh.tensor={tensor}')
+  check_tensor_split(m, tensor)
   chunk = m.loss_chunk
   if (
     not isinstance(chunk, int)
@@ -480,12 +493,6 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int) -> ml_collections
     raise ConfigError(
       'model.loss_chunk',
       f'must be 0 (all at once) or a divisor of model.seq_len={m.seq_len}, got {chunk!r}',
-    )
-  if m.vocab_size % tensor:
-    raise ConfigError(
-      'model.vocab_size',
-      f'{m.vocab_size} is not divisible by mesh.tensor={tensor} '
-      '(the embedding and output layer are vocabulary-parallel)',
     )
   used = m.vocab_used
   if not isinstance(used, int) or isinstance(used, bool) or not 0 <= used <= m.vocab_size:
@@ -551,17 +558,7 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int) -> ml_collections
   t = cfg.train
   for key in ('steps', 'global_batch_size', 'eval_every', 'eval_batches', 'log_every'):
     _positive(cfg, 'train', key)
-  unit = data * p.microbatches
-  if t.global_batch_size % unit:
-    # Offer the multiples nearest the value given: the one below it, if any, and those above.
-    first = max(unit, t.global_batch_size // unit * unit)
-    near = [first + i * unit for i in range(3)]
-    raise ConfigError(
-      'train.global_batch_size',
-      f'{t.global_batch_size} must be a multiple of mesh.data*pipeline.microbatches = '
-      f'{data}*{p.microbatches} = {unit} (equal micro-batch shards), e.g. '
-      f'{near[0]}, {near[1]} or {near[2]}',
-    )
+  check_batch_split(t, data, p.microbatches)
   for key in ('learning_rate', 'weight_decay', 'grad_clip_norm', 'min_lr_ratio'):
     if not isinstance(t[key], (int, float)) or t[key] < 0:
       raise ConfigError(f'train.{key}', f'must be a non-negative number, got {t[key]!r}')
@@ -615,10 +612,14 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int) -> ml_collections
   if cfg.hardware.peak_flops_per_device < 0:
     raise ConfigError('hardware.peak_flops_per_device', 'must be >= 0 (0 = look up)')
   _check_rules(cfg.sharding.logical_axis_rules)
-  _check_sequence(cfg)
+  check_sequence(cfg.mesh, cfg.model)
   cfg.sharding.logical_axis_rules = _sequence_rules(cfg, _fsdp_rules(cfg))
   cfg.sharding.logical_axis_rules = registry.validate(
-    cfg.model, defaults().model, cfg.mesh, cfg.sharding.logical_axis_rules
+    cfg.model,
+    defaults().model,
+    cfg.mesh,
+    cfg.sharding.logical_axis_rules,
+    pipelined=cfg.mesh.pipe > 1 or cfg.pipeline.microbatches > 1,
   )
   return cfg
 
@@ -761,10 +762,46 @@ def _fsdp_rules(cfg) -> tuple:
   return tuple(r for r in rules if r[0] != 'embed') + (('embed', 'data'),)
 
 
-def _check_sequence(cfg) -> None:
+def check_tensor_split(m, tensor: int) -> None:
+  """What mesh.tensor needs of the model (validate's check, and the planner's
+  for every tensor degree it tries): heads, d_ff and the vocabulary split
+  over it. A family's own rules (llama's K/V heads) are its validate's."""
+  if m.num_heads % tensor:
+    raise ConfigError(
+      'model.num_heads',
+      f'{m.num_heads} heads cannot be split over mesh.tensor={tensor}; '
+      'use a multiple of mesh.tensor',
+    )
+  if m.d_ff % tensor:
+    raise ConfigError('model.d_ff', f'{m.d_ff} is not divisible by mesh.tensor={tensor}')
+  if m.vocab_size % tensor:
+    raise ConfigError(
+      'model.vocab_size',
+      f'{m.vocab_size} is not divisible by mesh.tensor={tensor} '
+      '(the embedding and output layer are vocabulary-parallel)',
+    )
+
+
+def check_batch_split(t, data: int, microbatches: int) -> None:
+  """train.global_batch_size over data replicas and micro-batches (validate's
+  check, and the planner's for every data degree it tries)."""
+  unit = data * microbatches
+  if t.global_batch_size % unit:
+    # Offer the multiples nearest the value given: the one below it, if any, and those above.
+    first = max(unit, t.global_batch_size // unit * unit)
+    near = [first + i * unit for i in range(3)]
+    raise ConfigError(
+      'train.global_batch_size',
+      f'{t.global_batch_size} must be a multiple of mesh.data*pipeline.microbatches = '
+      f'{data}*{microbatches} = {unit} (equal micro-batch shards), e.g. '
+      f'{near[0]}, {near[1]} or {near[2]}',
+    )
+
+
+def check_sequence(mesh, m) -> None:
   """mesh.context, mesh.sequence_parallel and model.context_attention against the
-  model: what splitting the sequence needs of it."""
-  mesh, m = cfg.mesh, cfg.model
+  model: what splitting the sequence needs of it (validate's check, and the
+  planner's for every context degree and SP choice it tries)."""
   c, t = mesh.context, mesh.tensor
   if m.context_attention not in CONTEXT_ATTENTION:
     raise ConfigError(

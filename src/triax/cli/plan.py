@@ -34,7 +34,7 @@ _PROFILE = flags.DEFINE_enum(
   'local',
   ['local', 'analytic'],
   'local: measure the model on this machine; analytic: price it from its shapes and the '
-  "cluster spec's data sheets (plan/analytic.py), nothing run here.",
+  "cluster spec's data sheets (plan/cost/analytic.py), nothing run here.",
 )
 _GPUS = flags.DEFINE_integer(
   'gpus', None, "Size the cluster to N devices (whole nodes of the spec's one node type)."
@@ -75,8 +75,8 @@ _SEARCH = flags.DEFINE_enum(
   'search',
   'exhaustive',
   ['exhaustive', 'learned'],
-  'exhaustive: enumerate and simulate every layout (plan/search.py); learned: a graph-network '
-  'policy trained against the simulator on random clusters (plan/learned.py).',
+  'exhaustive: enumerate and simulate every layout (plan/search/exhaustive.py); learned: a '
+  'graph-network policy trained against the simulator on random clusters (plan/learned/).',
 )
 _POLICY = flags.DEFINE_string(
   'policy',

@@ -11,6 +11,7 @@ family files hold only what differs between families.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, ClassVar
 
 import flax
@@ -21,7 +22,7 @@ import jax.numpy as jnp
 from triax.model import context as context_lib
 from triax.model import loss as loss_lib
 from triax.model import splash
-from triax.sharding import constrain
+from triax.sharding import active_spec, constrain
 
 Params = Any
 
@@ -110,6 +111,10 @@ class ModelSpec:
     `length` slots; () when the sequence is whole on each device."""
     return () if self.context == 1 else (self.positions(length), self.context_attention)
 
+  def executor_refusal(self) -> str:
+    """Why the pipeline executor cannot train this model ('' when it can)."""
+    return ''
+
   def tensor_shard(self, t: int) -> ModelSpec:
     """The spec of one of t tensor ranks' shards (Megatron's split: heads,
     MLP columns and vocabulary divided by t), for the planner's profiler."""
@@ -141,9 +146,91 @@ def rms_norm(x, scale, eps: float):
   GSPMD gathers its output for the next column-parallel matmul (and
   reduce-scatters the gradient back), rather than gathering the stream
   before the norm and all-reducing the norm's gradient whole."""
+  return constrain(_rms_norm(x, scale, eps), RESIDUAL)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _rms_norm(x, scale, eps: float):
+  """x / rms(x) * scale in fp32, cast back to x's dtype.
+
+  Its own backward keeps x (in its dtype) and the [b, s, 1] reciprocal rms
+  only, as Megatron's fused norm does: autodiff of the fp32 arithmetic kept
+  x's fp32 cast and the normalised x too, two fp32 [b, s, d] residuals per
+  norm (4x a bf16 input's bytes), the largest per-layer item after the MLP
+  and the attention probabilities in a bf16 run."""
+  return _rms_norm_fwd(x, scale, eps)[0]
+
+
+def _rms_norm_fwd(x, scale, eps: float):
   x32 = x.astype(jnp.float32)
-  y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-  return constrain((y * scale.astype(jnp.float32)).astype(x.dtype), RESIDUAL)
+  r = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+  return (x32 * r * scale.astype(jnp.float32)).astype(x.dtype), (x, scale, r)
+
+
+def _rms_norm_bwd(eps: float, residuals, g):
+  del eps
+  x, scale, r = residuals
+  xhat = x.astype(jnp.float32) * r
+  g = g.astype(jnp.float32)
+  d_scale = jnp.sum(g * xhat, axis=tuple(range(g.ndim - 1)))
+  d_xhat = g * scale.astype(jnp.float32)
+  d_x = r * (d_xhat - xhat * jnp.mean(d_xhat * xhat, axis=-1, keepdims=True))
+  return d_x.astype(x.dtype), d_scale.astype(scale.dtype)
+
+
+_rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
+
+
+def project(h, weights, equation: str, dtype, remat: str):
+  """h times each weight (cast to `dtype`), keeping h as it arrives for the backward.
+
+  Under sequence parallelism h arrives split along the sequence (rms_norm
+  pins it there) and GSPMD gathers it for these column-parallel matmuls;
+  autodiff would keep the gathered [b, s, d], t times the split one. The
+  gather is redone in the backward instead, as Megatron's SP all-gathers
+  the input again for the weight gradient: 2sbh/t bytes, the paper's count.
+  Not without SP (h is whole: nothing to save) nor under full remat (no
+  layer keeps residuals past its own backward), where the extra remat
+  region only costs: 0.37 GiB more on llama_1b at t=4 under XLA:TPU."""
+
+  def run(h, *ws):
+    return tuple(jnp.einsum(equation, h, w.astype(dtype)) for w in ws)
+
+  if remat == 'full' or not _sequence_split_over_tensor():
+    return run(h, *weights)
+  return jax.checkpoint(run, policy=jax.checkpoint_policies.nothing_saveable)(h, *weights)
+
+
+def _sequence_split_over_tensor() -> bool:
+  """Whether the active rules split the residual stream's positions over `tensor` (SP)."""
+  spec = active_spec(RESIDUAL)
+  seq = spec[1] if spec is not None and len(spec) > 1 else None
+  return 'tensor' in (seq if isinstance(seq, tuple) else (seq,))
+
+
+@jax.custom_vjp
+def swiglu(gate, up):
+  """silu(gate) * up (Llama's MLP) whose backward keeps gate and up only.
+
+  Autodiff keeps silu's three internals and the product beside them: six
+  [b, s, d_ff] residuals per layer where these two (and the down
+  projection's input) do."""
+  return jax.nn.silu(gate) * up
+
+
+def _swiglu_fwd(gate, up):
+  return jax.nn.silu(gate) * up, (gate, up)
+
+
+def _swiglu_bwd(residuals, g):
+  # In the activations' dtype, as autodiff's was: an fp32 [b, s, d_ff] cotangent
+  # would be a buffer of its own (XLA:TPU kept one, 0.25 GiB on llama_1b at t=4).
+  gate, up = residuals
+  sig = jax.nn.sigmoid(gate)
+  return g * up * sig * (1 + gate * (1 - sig)), g * gate * sig
+
+
+swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
 
 
 @flax.struct.dataclass
@@ -342,6 +429,30 @@ class DecoderModel:
     depth = jax.tree.leaves(stacked_params)[0].shape[0]
     x, _ = jax.lax.scan(step, x, (stacked_params, jnp.arange(depth)))
     return x
+
+  def layers_and_sown(self, stacked_params: Params, x: jax.Array, segments=None):
+    """(layers' output, what each block sowed into flax's 'intermediates'
+    (a MoE router's statistics), stacked over the layers). The stack runs
+    whole (no padded layers: the pipeline executor calls `layers`)."""
+
+    def layer(p, h):
+      out, sown = self._block.apply({'params': p}, h, None, segments, mutable=['intermediates'])
+      return out, sown['intermediates']
+
+    if self.spec.remat != 'none':
+      layer = jax.checkpoint(
+        lambda p, h, f=layer: f(_per_layer(p), h), policy=REMAT_POLICIES[self.spec.remat]
+      )
+    return jax.lax.scan(lambda h, p: layer(p, h), x, stacked_params)
+
+  def objective(self, params: Params, inputs, targets, segments=None):
+    """(what training minimises, {name: scalar} logged beside it). A dense
+    model's objective is its loss; a MoE adds its router's losses."""
+    return self.loss(params, inputs, targets, segments), {}
+
+  def active_parameters(self, total: int) -> int:
+    """Parameters one token's forward uses, of `total` (a MoE's unchosen experts are not)."""
+    return total
 
   def head_logits(self, head_params: Params, x: jax.Array) -> jax.Array:
     """fp32 logits [..., vocab] of hidden states x (vocabulary-parallel),

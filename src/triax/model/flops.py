@@ -14,7 +14,9 @@ Conventions (those of Megatron-LM, Narayanan et al. SC'21, and PaLM's MFU):
     forward once more; selective recomputes the attention core.
 
 Each family's `forward_flops()` gives one sequence's forward from its own
-shapes (model/gpt.py, model/llama.py). For GPT with d_ff = 4h this is
+shapes (model/gpt.py, model/llama.py, model/mixtral.py: a mixture of
+experts counts the router and the experts a token runs, its active
+parameters, not the experts it skips). For GPT with d_ff = 4h this is
 72 B s l h^2 (1 + s/(6h) + V/(12 l h)), Megatron's eq. 3 without its
 recomputed forward (its 96 and V/16lh assume full recomputation).
 """

@@ -26,6 +26,7 @@ from triax.model.common import (
   ModelSpec,
   causal_attention,
   param,
+  project,
   rms_norm,
 )
 from triax.sharding import constrain
@@ -81,10 +82,8 @@ class Block(nn.Module):
     w2 = param(self, 'w2', (s.d_ff, d), ('mlp', 'embed'), out_std, pdt)
 
     h = rms_norm(x, norm1, _NORM_EPS)
-    q = jnp.einsum('bsd,dnk->bsnk', h, wq.astype(dt))
-    k = jnp.einsum('bsd,dnk->bsnk', h, wk.astype(dt))
-    v = jnp.einsum('bsd,dnk->bsnk', h, wv.astype(dt))
-    q, k, v = (constrain(t, ('batch', 'seq', 'heads', 'kv')) for t in (q, k, v))
+    qkv = project(h, (wq, wk, wv), 'bsd,dnk->bsnk', dt, s.remat)
+    q, k, v = (constrain(t, ('batch', 'seq', 'heads', 'kv')) for t in qkv)
     where = () if decode is not None else s.split_sequence(x.shape[1])
     a = causal_attention(q, k, v, s.attention, decode, segments, s.splash_interpret, *where)
     if decode is not None:
@@ -92,7 +91,8 @@ class Block(nn.Module):
     x = x + constrain(jnp.einsum('bsnk,nkd->bsd', a, wo.astype(dt)), RESIDUAL)
 
     h = rms_norm(x, norm2, _NORM_EPS)
-    u = constrain(jnp.einsum('bsd,df->bsf', h, w1.astype(dt)), ('batch', 'seq', 'mlp'))
+    (u,) = project(h, (w1,), 'bsd,df->bsf', dt, s.remat)
+    u = constrain(u, ('batch', 'seq', 'mlp'))
     u = gelu(u)
     x = x + constrain(jnp.einsum('bsf,fd->bsd', u, w2.astype(dt)), RESIDUAL)
     return x if decode is None else (x, cache)
@@ -156,11 +156,10 @@ def _gelu_fwd(u):
 
 
 def _gelu_bwd(u, g):
-  x = u.astype(jnp.float32)
+  # In u's dtype, as autodiff's was (an fp32 cotangent would be a buffer of its own).
   c = math.sqrt(2 / math.pi)
-  t = jnp.tanh(c * (x + 0.044715 * x**3))
-  slope = 0.5 * (1 + t) + 0.5 * x * (1 - t * t) * c * (1 + 3 * 0.044715 * x * x)
-  return ((g.astype(jnp.float32) * slope).astype(u.dtype),)
+  t = jnp.tanh(c * (u + 0.044715 * u**3))
+  return (g * (0.5 * (1 + t) + 0.5 * u * (1 - t * t) * c * (1 + 3 * 0.044715 * u * u)),)
 
 
 gelu.defvjp(_gelu_fwd, _gelu_bwd)

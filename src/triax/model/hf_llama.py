@@ -1,4 +1,5 @@
-"""Hugging Face Llama checkpoints <-> the llama family's parameters and config.
+"""Hugging Face Llama and Mixtral checkpoints <-> the llama and mixtral
+families' parameters and config.
 
 transformers' `LlamaForCausalLM` defines what a Llama checkpoint means: its
 config.json names the shapes, and its tensors (one `model.safetensors` or
@@ -8,6 +9,14 @@ and rotates with HF's half-split `rotate_half`, so a weight maps by a
 transpose and a reshape, and nothing is permuted (Meta's original
 checkpoints interleave rotary pairs; transformers' own conversion script
 permuted q/k to the half-split order once, so every HF checkpoint has it).
+
+Mixtral (transformers' `MixtralForCausalLM`) is Llama's attention with a
+mixture of experts for each MLP, stored per expert as the Hub's checkpoints
+are: `block_sparse_moe.gate.weight` [E, d] (our 'router', transposed) and
+`block_sparse_moe.experts.{e}.w1/w3/w2.weight` (gate, up, down: our
+'w_gate'/'w_up'/'w_down' [E, ...], expert e's slice transposed).
+transformers 5 fuses them into 3-D tensors in memory and writes this layout
+back, so this is what every Mixtral checkpoint holds.
 
 Everything here is numpy: the training room puts the arrays into a train
 state (training/hf_checkpoint.py).
@@ -31,7 +40,11 @@ _REQUIRED = {
   'hidden_act': 'silu',
   'attention_bias': False,
   'mlp_bias': False,
+  # mixtral: training-time noise on the router's input, which triax does not add.
+  'router_jitter_noise': 0.0,
 }
+# HF model_type -> the triax family it converts to (and back, by its architecture).
+FAMILIES = {'llama': 'LlamaForCausalLM', 'mixtral': 'MixtralForCausalLM'}
 
 
 def _rope(hf: Mapping) -> tuple[float, dict]:
@@ -57,14 +70,23 @@ def _rope(hf: Mapping) -> tuple[float, dict]:
 
 
 def model_config(hf: Mapping, seq_len: int) -> dict:
-  """The config.model keys of an HF LlamaConfig (as a dict), for `seq_len` tokens.
+  """The config.model keys of an HF LlamaConfig or MixtralConfig (as a dict),
+  for `seq_len` tokens.
 
   Raises:
-    ConfigError('--hf_dir', ...): not a Llama, or a variant triax does not run.
+    ConfigError('--hf_dir', ...): neither, or a variant triax does not run.
   """
-  if hf.get('model_type') != 'llama':
+  family = hf.get('model_type')
+  if family not in FAMILIES:
     raise ConfigError(
-      '--hf_dir', f'config.json: model_type {hf.get("model_type")!r}; only llama is converted'
+      '--hf_dir',
+      f'config.json: model_type {family!r}; only {" and ".join(FAMILIES)} are converted',
+    )
+  if (hf.get('sliding_window') or seq_len) < seq_len:
+    raise ConfigError(
+      '--hf_dir',
+      f'config.json: sliding_window={hf["sliding_window"]} is shorter than the {seq_len}-token '
+      'window, and triax attends to the whole window; pass --seq_len at most that',
     )
   for key, value in _REQUIRED.items():
     if hf.get(key, value) != value:
@@ -76,8 +98,17 @@ def model_config(hf: Mapping, seq_len: int) -> dict:
       f'config.json: head_dim={hf.get("head_dim")} is not hidden_size/num_attention_heads',
     )
   theta, scaling = _rope(hf)
+  moe = {}
+  if family == 'mixtral':
+    moe = {
+      'num_experts': hf['num_local_experts'],
+      'experts_per_token': hf['num_experts_per_tok'],
+      # transformers' training objective: its aux loss weight, no z-loss.
+      'router_aux_loss_coef': float(hf.get('router_aux_loss_coef', 0.001)),
+      'router_z_loss_coef': 0.0,
+    }
   return {
-    'family': 'llama',
+    'family': family,
     'num_layers': hf['num_hidden_layers'],
     'd_model': d,
     'num_heads': n,
@@ -89,19 +120,39 @@ def model_config(hf: Mapping, seq_len: int) -> dict:
     'rope_scaling': scaling,
     'norm_eps': float(hf.get('rms_norm_eps', 1e-6)),
     'tie_embeddings': bool(hf.get('tie_word_embeddings', False)),
+    **moe,
   }
 
 
 def hf_config(model_cfg, base: Mapping | None = None) -> dict:
-  """An HF LlamaConfig dict for config.model, over `base` (the imported
-  checkpoint's own config.json, so its token ids and the like survive)."""
+  """An HF LlamaConfig (MixtralConfig) dict for config.model, over `base` (the
+  imported checkpoint's own config.json, so its token ids and the like survive).
+
+  Raises:
+    ConfigError('--workdir', ...): a mixtral with shared experts (HF's Mixtral has none).
+  """
   m = model_cfg
   out = dict(base or {})
   for key in ('rope_parameters', 'rope_scaling', 'rope_theta'):
     out.pop(key, None)
+  if m.family == 'mixtral':
+    if m.shared_experts:
+      raise ConfigError(
+        '--workdir', f'model.shared_experts={m.shared_experts}: MixtralForCausalLM has none'
+      )
+    out.update(
+      num_local_experts=m.num_experts,
+      num_experts_per_tok=m.experts_per_token,
+      router_aux_loss_coef=m.router_aux_loss_coef,
+      router_jitter_noise=0.0,
+      sliding_window=None,
+      output_router_logits=False,
+    )
+  else:
+    out.update(attention_bias=False, mlp_bias=False)
   out.update(
-    architectures=['LlamaForCausalLM'],
-    model_type='llama',
+    architectures=[FAMILIES[m.family]],
+    model_type=m.family,
     hidden_size=m.d_model,
     intermediate_size=m.d_ff,
     num_hidden_layers=m.num_layers,
@@ -113,8 +164,6 @@ def hf_config(model_cfg, base: Mapping | None = None) -> dict:
     rms_norm_eps=m.norm_eps,
     tie_word_embeddings=m.tie_embeddings,
     hidden_act='silu',
-    attention_bias=False,
-    mlp_bias=False,
     torch_dtype=m.param_dtype,
     rope_theta=m.rope_theta,
   )
@@ -156,26 +205,44 @@ def read_tensors(hf_dir: str) -> dict[str, np.ndarray]:
   return tensors
 
 
-def _layer_names(i: int) -> dict[str, str]:
+def _layer_names(i: int, m) -> dict[str, str | list[str]]:
+  """Layer i's HF tensor name of each triax layer key; a list, one per
+  expert, for the experts' weights (stacked on their leading axis)."""
   p = f'model.layers.{i}.'
-  return {
+  names = {
     'attn_norm': p + 'input_layernorm.weight',
     'wq': p + 'self_attn.q_proj.weight',
     'wk': p + 'self_attn.k_proj.weight',
     'wv': p + 'self_attn.v_proj.weight',
     'wo': p + 'self_attn.o_proj.weight',
     'mlp_norm': p + 'post_attention_layernorm.weight',
-    'w_gate': p + 'mlp.gate_proj.weight',
-    'w_up': p + 'mlp.up_proj.weight',
-    'w_down': p + 'mlp.down_proj.weight',
+  }
+  if m.family != 'mixtral':
+    return {
+      **names,
+      'w_gate': p + 'mlp.gate_proj.weight',
+      'w_up': p + 'mlp.up_proj.weight',
+      'w_down': p + 'mlp.down_proj.weight',
+    }
+  moe = p + 'block_sparse_moe.'
+  experts = lambda w: [f'{moe}experts.{e}.{w}.weight' for e in range(m.num_experts)]  # noqa: E731
+  return {
+    **names,
+    'router': moe + 'gate.weight',
+    'w_gate': experts('w1'),
+    'w_up': experts('w3'),
+    'w_down': experts('w2'),
   }
 
 
 def _shapes(m) -> dict[str, tuple[int, ...]]:
-  """Each layer weight's triax shape (without the layer axis)."""
+  """Each layer weight's triax shape (without the layer axis; an expert's
+  without the experts axis)."""
   n, kv, d, f = m.num_heads, m.num_kv_heads or m.num_heads, m.d_model, m.d_ff
   hd = d // n
+  router = {'router': (d, m.num_experts)} if m.family == 'mixtral' else {}
   return {
+    **router,
     'attn_norm': (d,),
     'wq': (d, n, hd),
     'wk': (d, kv, hd),
@@ -210,10 +277,14 @@ def params_from_hf(tensors: Mapping[str, np.ndarray], model_cfg, dtype) -> dict:
       )
     return out.reshape(shape)
 
-  shapes = _shapes(m)
+  def take_layer(names, shape):
+    if isinstance(names, list):  # one tensor per expert
+      return np.stack([take(name, shape) for name in names])
+    return take(names, shape)
+
   layers = {
-    key: np.stack([take(_layer_names(i)[key], shape) for i in range(m.num_layers)])
-    for key, shape in shapes.items()
+    key: np.stack([take_layer(_layer_names(i, m)[key], shape) for i in range(m.num_layers)])
+    for key, shape in _shapes(m).items()
   }
   params = {
     'embed': {'tokens': take('model.embed_tokens.weight', (m.vocab_size, m.d_model), False)},
@@ -225,7 +296,9 @@ def params_from_hf(tensors: Mapping[str, np.ndarray], model_cfg, dtype) -> dict:
   # A tied checkpoint may still carry lm_head.weight (a copy of the table).
   left = sorted(set(tensors) - used - {'lm_head.weight'} - _buffers(tensors))
   if left:
-    raise ConfigError('--hf_dir', f'tensors this Llama config does not use: {", ".join(left[:3])}')
+    raise ConfigError(
+      '--hf_dir', f'tensors this {m.family} config does not use: {", ".join(left[:3])}'
+    )
   return params
 
 
@@ -235,17 +308,24 @@ def _buffers(tensors) -> set[str]:
 
 
 def params_to_hf(params: Mapping, model_cfg) -> dict[str, np.ndarray]:
-  """HF tensors (numpy, the params' dtype) of a llama parameter tree."""
+  """HF tensors (numpy, the params' dtype) of a llama or mixtral parameter tree."""
   m = model_cfg
   out = {'model.embed_tokens.weight': np.asarray(params['embed']['tokens'])}
+
+  def linear(key, array):
+    if array.ndim == 1:
+      return array
+    # back to a Linear's [out, in]; wo's inputs are its (head, head_dim) dims
+    inputs = array.shape[0] * (array.shape[1] if key == 'wo' else 1)
+    return np.ascontiguousarray(array.reshape(inputs, -1).T)
+
   for i in range(m.num_layers):
-    for key, name in _layer_names(i).items():
+    for key, name in _layer_names(i, m).items():
       array = np.asarray(params['layers'][key][i])
-      if array.ndim == 1:
-        out[name] = array
-      else:  # back to a Linear's [out, in]; wo's inputs are its (head, head_dim) dims
-        inputs = array.shape[0] * (array.shape[1] if key == 'wo' else 1)
-        out[name] = np.ascontiguousarray(array.reshape(inputs, -1).T)
+      if isinstance(name, list):  # expert e's slice of the experts axis
+        out.update((n, linear(key, array[e])) for e, n in enumerate(name))
+      else:
+        out[name] = linear(key, array)
   out['model.norm.weight'] = np.asarray(params['head']['norm'])
   if not m.tie_embeddings:
     out['lm_head.weight'] = np.ascontiguousarray(np.asarray(params['head']['out']).T)

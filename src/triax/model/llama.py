@@ -41,7 +41,9 @@ from triax.model.common import (
   ModelSpec,
   causal_attention,
   param,
+  project,
   rms_norm,
+  swiglu,
 )
 from triax.sharding import constrain
 
@@ -124,6 +126,12 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
   return x * cos + rotated * sin
 
 
+def out_std(spec: ModelSpec) -> float:
+  """Init stddev of the matrices that write into the residual stream: GPT-2's
+  scaled residual init, as gpt.py."""
+  return 0.02 / math.sqrt(2 * spec.num_layers)
+
+
 class Embed(nn.Module):
   """Vocabulary-parallel token embedding (positions enter as rotations in attention)."""
 
@@ -146,23 +154,18 @@ class Block(nn.Module):
   def __call__(self, x, decode: Decode | None = None, segments=None):
     s = self.spec
     pdt, dt = jnp.dtype(s.param_dtype), jnp.dtype(s.dtype)
-    out_std = 0.02 / math.sqrt(2 * s.num_layers)  # GPT-2's scaled residual init, as gpt.py
-    n, kv, hd, d, f = s.num_heads, s.kv_heads, s.head_dim, s.d_model, s.d_ff
+    n, kv, hd, d = s.num_heads, s.kv_heads, s.head_dim, s.d_model
     attn_norm = param(self, 'attn_norm', (d,), ('embed',), 0, pdt)
     wq = param(self, 'wq', (d, n, hd), ('embed', 'heads', 'kv'), 0.02, pdt)
     wk = param(self, 'wk', (d, kv, hd), ('embed', 'kv_heads', 'kv'), 0.02, pdt)
     wv = param(self, 'wv', (d, kv, hd), ('embed', 'kv_heads', 'kv'), 0.02, pdt)
-    wo = param(self, 'wo', (n, hd, d), ('heads', 'kv', 'embed'), out_std, pdt)
+    wo = param(self, 'wo', (n, hd, d), ('heads', 'kv', 'embed'), out_std(s), pdt)
     mlp_norm = param(self, 'mlp_norm', (d,), ('embed',), 0, pdt)
-    w_gate = param(self, 'w_gate', (d, f), ('embed', 'mlp'), 0.02, pdt)
-    w_up = param(self, 'w_up', (d, f), ('embed', 'mlp'), 0.02, pdt)
-    w_down = param(self, 'w_down', (f, d), ('mlp', 'embed'), out_std, pdt)
 
     h = rms_norm(x, attn_norm, s.norm_eps)
     cos, sin = rope_tables(s, s.positions(x.shape[1]) if decode is None else decode.positions)
-    q = apply_rope(jnp.einsum('bsd,dnk->bsnk', h, wq.astype(dt)), cos, sin)
-    k = apply_rope(jnp.einsum('bsd,dnk->bsnk', h, wk.astype(dt)), cos, sin)
-    v = jnp.einsum('bsd,dnk->bsnk', h, wv.astype(dt))
+    q, k, v = project(h, (wq, wk, wv), 'bsd,dnk->bsnk', dt, s.remat)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     q = constrain(q, ('batch', 'seq', 'heads', 'kv'))
     k, v = (constrain(t, ('batch', 'seq', 'kv_heads', 'kv')) for t in (k, v))
     where = () if decode is not None else s.split_sequence(x.shape[1])
@@ -171,12 +174,26 @@ class Block(nn.Module):
       a, cache = a
     x = x + constrain(jnp.einsum('bsnk,nkd->bsd', a, wo.astype(dt)), RESIDUAL)
 
-    h = rms_norm(x, mlp_norm, s.norm_eps)
-    gate = constrain(jnp.einsum('bsd,df->bsf', h, w_gate.astype(dt)), ('batch', 'seq', 'mlp'))
-    up = constrain(jnp.einsum('bsd,df->bsf', h, w_up.astype(dt)), ('batch', 'seq', 'mlp'))
-    u = jax.nn.silu(gate) * up
-    x = x + constrain(jnp.einsum('bsf,fd->bsd', u, w_down.astype(dt)), RESIDUAL)
+    x = x + constrain(self.mlp(rms_norm(x, mlp_norm, s.norm_eps)), RESIDUAL)
     return x if decode is None else (x, cache)
+
+  def mlp(self, h):
+    """The MLP of normalised h [b, s, d]; mixtral.py's block replaces it with its experts."""
+    return self.swiglu(h, 'w_', self.spec.d_ff)
+
+  def swiglu(self, h, prefix: str, f: int):
+    """A SwiGLU MLP of width f, its weights PREFIX{gate,up,down} made here,
+    after the attention's (so the init order, and the init values, are those
+    of the block before the MLP became a method)."""
+    s = self.spec
+    pdt, dt = jnp.dtype(s.param_dtype), jnp.dtype(s.dtype)
+    d = s.d_model
+    w_gate = param(self, prefix + 'gate', (d, f), ('embed', 'mlp'), 0.02, pdt)
+    w_up = param(self, prefix + 'up', (d, f), ('embed', 'mlp'), 0.02, pdt)
+    w_down = param(self, prefix + 'down', (f, d), ('mlp', 'embed'), out_std(s), pdt)
+    gate, up = project(h, (w_gate, w_up), 'bsd,df->bsf', dt, s.remat)
+    gate, up = (constrain(t, ('batch', 'seq', 'mlp')) for t in (gate, up))
+    return jnp.einsum('bsf,fd->bsd', swiglu(gate, up), w_down.astype(dt))
 
 
 class Head(nn.Module):

@@ -1,13 +1,15 @@
 """Model families by name: `model.family` -> the module that defines it.
 
-A family module (gpt.py, llama.py) defines
+A family module (gpt.py, llama.py, mixtral.py) defines
   Spec      a frozen dataclass subclassing common.ModelSpec; its fields are
             the config keys `model.<field>` the family reads,
   Model     a common.DecoderModel subclass (its three flax modules and
             `forward_flops()`),
   validate(model_cfg, mesh_cfg, rules) -> rules
             its own checks (ConfigError naming the key) and the logical axis
-            rules it needs resolved for this mesh.
+            rules it needs resolved for this mesh; a Spec whose
+            `executor_refusal()` says why is refused under the pipeline
+            executor.
 Everything outside model/ goes through `spec_from_config` and `build`, so
 adding a family is its file, one line in FAMILIES, and its config keys
 (with their comments) in config.defaults().
@@ -18,10 +20,10 @@ from __future__ import annotations
 from types import ModuleType
 
 from triax.errors import ConfigError
-from triax.model import gpt, llama
+from triax.model import gpt, llama, mixtral
 from triax.model.common import DecoderModel, ModelSpec
 
-FAMILIES: dict[str, ModuleType] = {'gpt': gpt, 'llama': llama}
+FAMILIES: dict[str, ModuleType] = {'gpt': gpt, 'llama': llama, 'mixtral': mixtral}
 # The family of runs and checkpoints written before model.family existed.
 BEFORE_FAMILIES = 'gpt'
 
@@ -54,11 +56,12 @@ def _plain(value):
   return value.to_dict() if hasattr(value, 'to_dict') else value
 
 
-def validate(model_cfg, default_model_cfg, mesh_cfg, rules) -> tuple:
+def validate(model_cfg, default_model_cfg, mesh_cfg, rules, pipelined: bool = False) -> tuple:
   """Checks the family's keys; returns the logical axis rules resolved for it.
 
   A key the family does not read must keep its default: a set value would
-  otherwise be silently ignored (model.num_kv_heads=2 on a GPT).
+  otherwise be silently ignored (model.num_kv_heads=2 on a GPT). `pipelined`:
+  the pipeline executor will run the model (mesh.pipe or micro-batches > 1).
   """
   family = _family(model_cfg.family)
   used = set(family.Spec.config_fields())
@@ -74,4 +77,8 @@ def validate(model_cfg, default_model_cfg, mesh_cfg, rules) -> tuple:
       f'{_plain(default_model_cfg[key])!r}'
       + (f' or set model.family to {" or ".join(readers)}' if readers else ''),
     )
-  return family.validate(model_cfg, mesh_cfg, tuple(tuple(r) for r in rules))
+  rules = family.validate(model_cfg, mesh_cfg, tuple(tuple(r) for r in rules))
+  refusal = family.Spec.from_config(model_cfg).executor_refusal() if pipelined else ''
+  if refusal:
+    raise ConfigError('mesh.pipe' if mesh_cfg.pipe > 1 else 'pipeline.microbatches', refusal)
+  return rules

@@ -9,7 +9,7 @@ Two models, because the papers and our executor run schedules differently:
   and, where residual sets move (BPipe), the partner ppermute that opens it.
   What an action and a send phase cost is the cost model's (`TickCosts`):
   `Costs` here, the planner's measured per-chunk costs, shared cores and
-  per-tick ppermutes in plan/simulator.py. Both use this one tick loop.
+  per-tick ppermutes in plan/cost/simulator.py. Both use this one tick loop.
 - asynchronous (`simulate_async`): what the papers draw, run on the
   schedule as built. Each stage runs the compute actions (F, B, W) of its
   order as soon as its compute stream is free and the inputs have arrived.
@@ -283,7 +283,7 @@ class TickCosts(Protocol):
 
   `Costs` (one per stage or for all) is the simple one (see `StageCosts`);
   the planner's per-chunk costs with shared cores and the executor's
-  per-tick ppermutes are another (plan/simulator.py).
+  per-tick ppermutes are another (plan/cost/simulator.py).
   """
 
   def duration(self, stage: int, action: Action) -> float:

@@ -4,7 +4,7 @@ A `Plan` fixes the degrees (data, context, tensor, pipe), sequence
 parallelism and the context-parallel attention kind, the schedule,
 micro-batches, virtual stages, remat, which cluster devices form each
 pipeline stage and how many layers each stage holds, and how the training
-state is split over `data` (`STATE_SHARDINGS`); plan/simulator.py turns it into an
+state is split over `data` (`STATE_SHARDINGS`); plan/cost/simulator.py turns it into an
 `Estimate` under `Options`. `program` is a plan's lowered schedule (cached:
 the search asks for the same ones often).
 """

@@ -31,7 +31,7 @@ physical cores (forced XLA CPU devices do), so at most N of them compute at
 full speed at once; the simulator honours it.
 
 A group's `matmul_efficiency` is the analytic device model's one
-calibration constant (plan/analytic.py): the fraction of its data-sheet
+calibration constant (plan/cost/analytic.py): the fraction of its data-sheet
 peak a large matmul sustains. `resize` sizes a cluster of identical nodes
 to N devices (the planner's --gpus).
 

@@ -13,23 +13,18 @@ import sys
 from typing import Any, TextIO
 
 from triax.errors import ConfigError
-from triax.plan import candidate, emit, roofline, trace
+from triax.plan import candidate
 from triax.plan import cluster as cluster_lib
-from triax.plan import search as search_lib
 from triax.plan.candidate import Estimate
+from triax.plan.cost import roofline, trace
+from triax.plan.search import baselines as baselines_lib
+from triax.plan.search import emit, exhaustive, layouts
 
 PROFILES = ('local', 'analytic')
 SEARCHES = ('exhaustive', 'learned')
 # One layer's forward+backward above this many FLOPs takes tens of seconds
 # per timing on a CPU, and the profile times dozens: refuse, point to analytic.
 _LOCAL_MAX_LAYER_FLOPS = 2e11
-
-BASELINE_NAMES = {
-  'even_split': 'same degrees, even layer split',
-  'data_parallel': 'data parallel only',
-  'zero3': 'ZeRO-3: data parallel only, FSDP',
-  'homogeneous_slowest': 'best plan if all devices were the slowest type',
-}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,11 +41,11 @@ class Request:
     trace: write the best plan's predicted timeline (Chrome trace) here.
     model: 'lockstep' (triax's executor) or 'async' ranks the plans.
     dp_allreduce: 'per_step' (triax's executor) or 'per_microbatch'.
-    profile: 'local' (measure here) or 'analytic' (plan/analytic.py).
+    profile: 'local' (measure here) or 'analytic' (plan/cost/analytic.py).
     gpus: size the cluster to this many devices (cluster.resize), or None.
     profile_cache: JSON file of measured profiles to read and extend, or None.
     verbose: print the measurements behind the profile too.
-    search: 'exhaustive' (search.py) or 'learned' (plan/learned.py's policy).
+    search: 'exhaustive' (search/exhaustive.py) or 'learned' (plan/learned/'s policy).
     policy: with search='learned', the trained policy file (.msgpack) to use,
       trained first and written there when absent; None: trained here.
   """
@@ -135,20 +130,20 @@ def run(request: Request, as_json: bool = False, out: TextIO | None = None) -> d
     f'batch {cfg.train.global_batch_size} on {cluster.name} ({cluster.num_devices} devices); '
     f'profile {request.profile}'
   )
-  candidates = list(search_lib.layouts(cfg, cluster.num_devices))
+  candidates = list(layouts.layouts(cfg, cluster.num_devices))
   if not candidates:
-    raise search_lib.no_layout(cfg, cluster)
+    raise layouts.no_layout(cfg, cluster)
   profile = _profile(request, cfg, cluster, candidates)
   progress(f'searching {len(candidates)} layouts ...')
   if request.search == 'learned':
-    from triax.plan import learned
+    from triax.plan.learned import planner, training
 
-    policy = learned.trained(cfg, request.policy, progress=progress)
-    result = learned.search(
+    policy = training.trained(cfg, request.policy, progress=progress)
+    result = planner.search(
       cfg, cluster, top_k=request.top, options=options, profile=profile, policy=policy
     )
   else:
-    result = search_lib.search(cfg, cluster, top_k=request.top, options=options, profile=profile)
+    result = exhaustive.search(cfg, cluster, top_k=request.top, options=options, profile=profile)
   progress(f'searched {result.evaluated} plans in {result.search_s:.1f} s')
   if not result.top:
     raise ConfigError(
@@ -206,17 +201,17 @@ def progress(line: str) -> None:
 def _profile(request: Request, cfg, cluster, candidates):
   """The profile the search prices plans with: analytic, or measured here
   (from the cache file when it holds this one)."""
-  tensors, sizes = search_lib.profile_sizes(cfg, candidates)
+  tensors, sizes = layouts.profile_sizes(cfg, candidates)
   if request.profile == 'analytic':
-    from triax.plan import analytic
+    from triax.plan.cost import analytic
 
     analytic.check_cluster(cluster)
     prof = analytic.build(cfg.model, tensors)
     progress(f'profile: analytic, tensor degrees {tensors} (shapes and data sheets, nothing run)')
     return prof
   _check_local(cfg)
-  from triax.plan import profile as profile_lib
-  from triax.plan import profile_cache
+  from triax.plan.cost import profile as profile_lib
+  from triax.plan.cost import profile_cache
 
   key = profile_cache.key(cfg.model, tensors, sizes)
   if request.profile_cache:
@@ -320,7 +315,7 @@ def _row(e: Estimate) -> dict:
   }
 
 
-def to_json(result: search_lib.SearchResult, cfg) -> dict:
+def to_json(result: exhaustive.SearchResult, cfg) -> dict:
   prof, m = result.profile, result.profile.machine
   return {
     'cluster': result.cluster.name,
@@ -358,7 +353,7 @@ def _ms(seconds: float) -> str:
   return f'{seconds * 1e3:9.2f}'
 
 
-def text(result: search_lib.SearchResult, cfg, request: Request | None = None) -> str:
+def text(result: exhaustive.SearchResult, cfg, request: Request | None = None) -> str:
   """The human report: context, top plans, baselines, caveats."""
   c, prof, m = result.cluster, result.profile, result.profile.machine
   groups = ', '.join(f'{g.count}x {g.name}' for g in c.groups.values())
@@ -372,7 +367,7 @@ def text(result: search_lib.SearchResult, cfg, request: Request | None = None) -
   if prof.analytic is not None:
     effs = ', '.join(f'{g.name} {g.matmul_efficiency:.2f}' for g in c.groups.values())
     lines.append(
-      'profile: analytic (plan/analytic.py): GEMMs, attention and bandwidth-bound kernels '
+      'profile: analytic (plan/cost/analytic.py): GEMMs, attention and bandwidth-bound kernels '
       "priced by the spec's data-sheet peak and memory bandwidth, matmul_efficiency "
       f'{effs}; hierarchical collectives over its links'
     )
@@ -408,7 +403,7 @@ def text(result: search_lib.SearchResult, cfg, request: Request | None = None) -
     '  TF/s/dev: model FLOPs per step (no recompute: what MFU counts) over step time x devices'
   )
   lines += ['', 'baselines (speedup of #1 over each):']
-  for key, name in BASELINE_NAMES.items():
+  for key, name in baselines_lib.NAMES.items():
     e = result.baselines.get(key)
     if e is None:
       lines.append(f'  {name:50s}   ({_no_baseline(key, cfg, c.num_devices)})')

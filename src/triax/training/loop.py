@@ -310,8 +310,13 @@ def startup_line(trainer: Trainer, start: int) -> str:
   processes = f' in {jax.process_count()} processes' if jax.process_count() > 1 else ''
   tokens = cfg.train.global_batch_size * cfg.model.seq_len
   where = f'resuming from checkpoint {start}' if start else 'starting at step 0'
+  active = trainer.model.active_parameters(params)
+  if active != params:
+    params_text = f'{_count(params)} parameters ({_count(active)} active per token)'
+  else:
+    params_text = f'{_count(params)} parameters'
   return (
-    f'triax: {_count(params)} parameters; mesh {mesh}; {schedule}; {tokens} tokens per step; '
+    f'triax: {params_text}; mesh {mesh}; {schedule}; {tokens} tokens per step; '
     f'{len(devices)} devices ({kinds}){processes}; {where} of {cfg.train.steps}'
   )
 
@@ -564,6 +569,8 @@ def _train(
         'step_time_s': step_time,
         'epoch': data.train.epoch_at(step),
       }
+      # What the model adds (a MoE's router losses and expert load), beside the loss.
+      record.update({k: float(v) for k, v in out.items() if k not in ('loss', 'grad_norm')})
       record['model_flops_per_sec'] = stats['model_flops_per_step'] / step_time
       record['hardware_flops_per_sec'] = stats['hardware_flops_per_step'] / step_time
       if peak:

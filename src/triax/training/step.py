@@ -279,8 +279,11 @@ def build_trainer(cfg, mesh: Mesh) -> Trainer:
 
     def raw_loss_and_grad(params, inputs, targets, segments=None):
       flat = layout.tree_to_model_order(params)
-      loss, grads = jax.value_and_grad(model.loss)(flat, inputs, targets, segments)
-      return loss, layout.tree_to_pipeline(grads)
+      # The objective: the loss, plus a MoE's router losses (its metrics beside it).
+      (loss, metrics), grads = jax.value_and_grad(model.objective, has_aux=True)(
+        flat, inputs, targets, segments
+      )
+      return loss, layout.tree_to_pipeline(grads), metrics
   else:
     # The batch's mesh axis turns manual inside the executor, so that weight
     # gradients are reduced over it once per step; inside, the model sees
@@ -329,7 +332,7 @@ def build_trainer(cfg, mesh: Mesh) -> Trainer:
       edges = {'embed': params['embed'], 'head': params['head']}
       docs = () if segments is None else (split(segments),)
       loss, (g_layers, g_edges) = run(params['layers'], edges, split(inputs), split(targets), *docs)
-      return loss, {**g_edges, 'layers': g_layers}
+      return loss, {**g_edges, 'layers': g_layers}, {}
 
   def loss_and_grad(params, inputs, targets, segments=None):
     with sharding.axis_rules(rules):
@@ -342,7 +345,7 @@ def build_trainer(cfg, mesh: Mesh) -> Trainer:
     return tuple(None if a is None else context_lib.permute(a, spec.context) for a in args)
 
   def train_step(state: TrainState, batch: dict):
-    loss, grads = loss_and_grad(state.params, *batch_args(batch))
+    loss, grads, metrics = loss_and_grad(state.params, *batch_args(batch))
     grad_norm = optax.tree.norm(grads)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
@@ -355,7 +358,7 @@ def build_trainer(cfg, mesh: Mesh) -> Trainer:
       params = jax.tree.map(keep, params, state.params)
       opt_state = jax.tree.map(keep, opt_state, state.opt_state)
     new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state)
-    return new_state, {'loss': loss, 'grad_norm': grad_norm}
+    return new_state, {'loss': loss, 'grad_norm': grad_norm, **metrics}
 
   # Evaluation runs the model unpipelined, in layer order. With pipe > 1 the
   # weights stay split over `pipe` along d_model (FSDP's split, with pipe as
@@ -384,7 +387,7 @@ def build_trainer(cfg, mesh: Mesh) -> Trainer:
       eval_loss, in_shardings=(param_shardings, batch_sharding), out_shardings=replicated
     )
     jit_grad = jax.jit(
-      lambda params, batch: loss_and_grad(params, *batch_args(batch)),
+      lambda params, batch: loss_and_grad(params, *batch_args(batch))[:2],
       in_shardings=(param_shardings, batch_sharding),
       out_shardings=(replicated, param_shardings),
     )

@@ -17,6 +17,7 @@ from triax.pipeline.schedules.gpipe import gpipe
 from triax.pipeline.schedules.interleaved import interleaved_1f1b
 from triax.pipeline.schedules.interleaved_zb import interleaved_zb
 from triax.pipeline.schedules.one_f_one_b import one_f_one_b
+from triax.pipeline.schedules.v_family import v_half, v_min, v_zb
 from triax.pipeline.schedules.zb_h1 import zb_h1
 from triax.pipeline.schedules.zb_v import zb_v
 
@@ -28,6 +29,9 @@ SCHEDULES: dict[str, Callable[[int, int, int], Schedule]] = {
   'zb_h1': zb_h1,
   'interleaved_zb': interleaved_zb,
   'zb_v': zb_v,
+  'v_min': v_min,
+  'v_half': v_half,
+  'v_zb': v_zb,
 }
 
 
@@ -64,6 +68,9 @@ __all__ = [
   'interleaved_1f1b',
   'interleaved_zb',
   'one_f_one_b',
+  'v_half',
+  'v_min',
+  'v_zb',
   'zb_h1',
   'zb_v',
 ]

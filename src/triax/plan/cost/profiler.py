@@ -64,9 +64,9 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from triax.plan import microbench
 from triax.plan.cluster import Link
-from triax.plan.profile import (
+from triax.plan.cost import microbench
+from triax.plan.cost.profile import (
   FUNCTIONS,
   LAYER_FUNCTIONS,
   REMATS,

@@ -15,8 +15,8 @@ import json
 import os
 
 from triax.errors import ConfigError
-from triax.plan import profile as profile_lib
 from triax.plan.cluster import Link
+from triax.plan.cost import profile as profile_lib
 
 # What the profiler measures, by version: a profile measured before a change
 # to it is not read back as if it were measured now (2: the executor's B and

@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from triax.plan.cluster import Cluster, Link
-from triax.plan.profile import Profile
+from triax.plan.cost.profile import Profile
 
 
 class Comm:
@@ -90,9 +90,6 @@ class Comm:
     if n <= 1 or nbytes <= 0:
       return 0.0
     return max(self.p2p(ring[i], ring[(i + 1) % n], nbytes) for i in range(n))
-
-  def link_of(self, a: int, b: int) -> Link:
-    return self.profile.machine.p2p if self.measured else self.cluster.link(a, b)
 
 
 def allreduce_time(link: Link, n: int, nbytes: float) -> float:

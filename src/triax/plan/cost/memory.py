@@ -35,7 +35,7 @@ from __future__ import annotations
 from triax.pipeline import schedule as sched
 from triax.plan.candidate import Options, Plan
 from triax.plan.cluster import Cluster
-from triax.plan.profile import Profile, Shard
+from triax.plan.cost.profile import Profile, Shard
 
 # Parameter, gradient accumulator, Adam mu and nu, each the parameter's size
 # (param_dtype: triax keeps no separate master copy; fp32 parameters are it).

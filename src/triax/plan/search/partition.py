@@ -86,3 +86,10 @@ def even(num_layers: int, stages: int, unit: int = 1) -> tuple[int, ...] | None:
   if num_layers % (stages * unit):
     return None
   return (num_layers // stages,) * stages
+
+
+def nearest_even(num_layers: int, stages: int, unit: int = 1) -> tuple[int, ...]:
+  """The split nearest to even (the first stages take one unit more): what
+  the learned planner prices when memory allows no split (it runs out)."""
+  units, extra = divmod(num_layers // unit, stages)
+  return tuple(unit * (units + (s < extra)) for s in range(stages))

@@ -46,8 +46,8 @@ al. (2022) count it without dropout: s h e (4 + 12/t) + a s^2 e / t (the
 score probabilities; none with cuDNN attention, which keeps its output
 and log-sum-exp); selective drops the s^2 term; full keeps only the
 layer's input, s h e. The 4 (and full's 1) are profile.SEQUENCE_STASH,
-what sequence parallelism splits over t too; plan/memory.py applies that
-and context parallelism to every profile's figures. Parameters and Adam state: plan/memory.py's
+what sequence parallelism splits over t too; plan/cost/memory.py applies that
+and context parallelism to every profile's figures. Parameters and Adam state: plan/cost/memory.py's
 `state` (STATE_COPIES of the parameter bytes, split over data by the
 plan's state sharding).
 """
@@ -59,8 +59,8 @@ import functools
 import math
 
 from triax.errors import ConfigError
-from triax.plan import profile as profile_lib
 from triax.plan.cluster import Cluster, Group, Link
+from triax.plan.cost import profile as profile_lib
 
 # Bytes a bandwidth-bound op moves per element of its [s, d] input, forward:
 # an RMSNorm reads x and writes y (2), a residual add reads two and writes

@@ -62,10 +62,10 @@ gradients are summed over data x context. Sequence parallelism
 (Plan.sequence_parallel) turns each tensor all-reduce into a
 reduce-scatter and an all-gather of the same bytes (the same time here)
 and leaves pipeline messages split over tensor (no gather on arrival);
-what both do to memory is plan/memory.py's.
+what both do to memory is plan/cost/memory.py's.
 
 Plan, Options and Estimate live in plan/candidate.py, the memory model in
-plan/memory.py, the trace writer in plan/trace.py.
+plan/cost/memory.py, the trace writer in plan/cost/trace.py.
 """
 
 from __future__ import annotations
@@ -76,13 +76,13 @@ from collections.abc import Sequence
 from triax.pipeline import schedule as sched
 from triax.pipeline import simulate
 from triax.pipeline.schedule import Action
-from triax.plan import memory as memory_lib
-from triax.plan import profile as profile_lib
-from triax.plan import roofline
 from triax.plan.candidate import Estimate, Options, Plan, program
 from triax.plan.cluster import Cluster
-from triax.plan.comm import Comm
-from triax.plan.profile import Profile
+from triax.plan.cost import memory as memory_lib
+from triax.plan.cost import profile as profile_lib
+from triax.plan.cost import roofline
+from triax.plan.cost.comm import Comm
+from triax.plan.cost.profile import Profile
 
 # Share of a backward that its B (input gradient) and W (weight gradient)
 # each take where the profile has not measured them: the two halves of the
@@ -129,30 +129,103 @@ class ActionCosts:
     return self.chunk[chunk][sched.BACKWARD] + self.chunk[chunk][sched.WEIGHT]
 
 
+@dataclasses.dataclass(frozen=True, order=True)
+class Work:
+  """Seconds of one piece of work two ways: `alone`, on a device that has its
+  cores to itself; `at_once`, the seconds of a shared node's capacity it takes
+  when every device of the node runs (roofline.node_share; 0 where devices
+  do not share cores). Also a pair of factors that scale each (`*`)."""
+
+  alone: float = 0.0
+  at_once: float = 0.0
+
+  def __add__(self, other: Work) -> Work:
+    return Work(self.alone + other.alone, self.at_once + other.at_once)
+
+  def __sub__(self, other: Work) -> Work:
+    return Work(self.alone - other.alone, self.at_once - other.at_once)
+
+  def __mul__(self, k: Work | float) -> Work:
+    if isinstance(k, Work):
+      return Work(self.alone * k.alone, self.at_once * k.at_once)
+    return Work(self.alone * k, self.at_once * k)
+
+  def __truediv__(self, k: float) -> Work:
+    return Work(self.alone / k, self.at_once / k)
+
+
+@dataclasses.dataclass(frozen=True)
+class StageCosts:
+  """One layer's costs on a stage's slowest device, and its edges'.
+
+  fwd, bwd: a layer's forward and backward (`alone` with its collectives,
+  tp_fwd and tp_bwd, which a chunk's length does not scale; `at_once` its
+  compute only); recompute: what remat adds to the backward (the forward it
+  reruns); embed, head: the edges' functions; dp, edge_dp: the per-micro-batch
+  gradient all-reduce of a layer and of the edges (Options.dp_allreduce);
+  fsdp_fwd, fsdp_bwd: what FSDP per layer adds to each layer's forward and
+  backward beyond the first, fsdp_fwd_once, fsdp_bwd_once: the chunk's first
+  gather and last reduce-scatter (all 0 without FSDP per layer).
+  """
+
+  fwd: Work
+  bwd: Work
+  recompute: Work
+  tp_fwd: float
+  tp_bwd: float
+  embed: Work
+  head: Work
+  dp: float = 0.0
+  edge_dp: float = 0.0
+  fsdp_fwd: float = 0.0
+  fsdp_bwd: float = 0.0
+  fsdp_fwd_once: float = 0.0
+  fsdp_bwd_once: float = 0.0
+
+
 def action_costs(
   plan: Plan, profile: Profile, cluster: Cluster, options: Options = Options()
 ) -> ActionCosts:
-  """Per-chunk F/B/W durations on each stage's slowest device, with the
-  tensor-parallel all-reduces (2 per layer forward, 2 backward, Megatron;
-  with sequence parallelism each a reduce-scatter and an all-gather of the
-  same bytes, the same time), context parallelism's K/V collectives
-  (`context_seconds`) and, per micro-batch, the data-parallel gradient
-  all-reduce. A device computes `plan.compute_batch` sequences' worth."""
+  """Per-chunk F/B/W durations on each stage's slowest device (`stage_costs`:
+  with the tensor-parallel all-reduces, 2 per layer forward, 2 backward,
+  Megatron; with sequence parallelism each a reduce-scatter and an
+  all-gather of the same bytes, the same time; context parallelism's K/V
+  collectives, `context_seconds`; and, per micro-batch, the data-parallel
+  gradient all-reduce), run as the executor runs a chunk (`chunk_work`), and
+  the transfers (`transfers`). A device computes `plan.compute_batch`
+  sequences' worth."""
   comm = Comm(cluster, profile)
-  p, t, b = plan.pipe, plan.tensor, plan.compute_batch
-  shard = profile.shards[t]
-  last = p * plan.virtual_stages - 1
-  # The [b, s/c, h] activation a tensor group all-reduces (or, with SP,
-  # reduce-scatters and all-gathers).
-  act = shard.act_per_seq * plan.microbatch_size * memory_lib.token_share(plan)
+  stages = [stage_costs(plan, profile, cluster, options, comm, s) for s in range(plan.pipe)]
+  ratios = ExecutorRatios(profile.ratios if cluster.local else {}, plan.remat)
+  chunks, shares, fused = [], [], []
+  for c, n in enumerate(plan.chunk_layers):
+    f, b, w, whole = chunk_work(plan, stages[plan.placement[c]], c, n, ratios)
+    chunks.append({sched.FORWARD: f.alone, sched.BACKWARD: b.alone, sched.WEIGHT: w.alone})
+    shares.append({sched.FORWARD: f.at_once, sched.BACKWARD: b.at_once, sched.WEIGHT: w.at_once})
+    fused.append(whole)
+  transfer, evict, tick_transfer = transfers(plan, profile, options, comm)
+  return ActionCosts(
+    chunk=tuple(chunks),
+    transfer=tuple(transfer),
+    evict=tuple(evict),
+    tick_transfer=tick_transfer,
+    share=tuple(shares),
+    fused=tuple(fused),
+  )
 
-  def slowest(stage: int, costs) -> tuple[float, ...]:
-    """costs(group, shared_cores) on the stage's slowest device type."""
-    found = {
-      (cluster.devices[d].group, cluster.shared_cores(cluster.devices[d].node))
-      for d in plan.stages[stage]
-    }
-    return max(costs(cluster.groups[g], cores) for g, cores in found)
+
+def _slowest(plan: Plan, cluster: Cluster, stage: int, costs, key=None):
+  """costs(group, shared_cores) on the stage's slowest device type."""
+  found = {
+    (cluster.devices[d].group, cluster.shared_cores(cluster.devices[d].node))
+    for d in plan.stages[stage]
+  }
+  return max((costs(cluster.groups[g], cores) for g, cores in found), key=key)
+
+
+def _layer_work(plan: Plan, profile: Profile, cluster: Cluster, stage: int):
+  """A layer's forward, backward and recompute Work on the stage's slowest device."""
+  b, t = plan.compute_batch, plan.tensor
 
   def layer(group, cores):
     fwd, bwd = roofline.layer_seconds(profile, group, b, t, plan.remat)
@@ -168,159 +241,168 @@ def action_costs(
     ]
     # What remat adds to the backward: the forward it reruns.
     recompute = max(bwd - roofline.layer_seconds(profile, group, b, t, 'none')[1], 0.0)
-    return fwd, bwd, fwd * ratio[0], bwd * ratio[1], recompute, recompute * ratio[1]
+    return (
+      Work(fwd, fwd * ratio[0]),
+      Work(bwd, bwd * ratio[1]),
+      Work(recompute, recompute * ratio[1]),
+    )
+
+  # The slowest by its time alone: forward, then backward, then their shares.
+  order = lambda w: (w[0].alone, w[1].alone, w[0].at_once, w[1].at_once, w[2].alone, w[2].at_once)
+  return _slowest(plan, cluster, stage, layer, key=order)
+
+
+def stage_costs(
+  plan: Plan, profile: Profile, cluster: Cluster, options: Options, comm: Comm, s: int
+) -> StageCosts:
+  """Stage s's StageCosts (see `action_costs`)."""
+  b, t = plan.compute_batch, plan.tensor
+  shard = profile.shards[t]
+  # The [b, s/c, h] activation a tensor group all-reduces (or, with SP,
+  # reduce-scatters and all-gathers).
+  act = shard.act_per_seq * plan.microbatch_size * memory_lib.token_share(plan)
+  fwd, bwd, recompute = _layer_work(plan, profile, cluster, s)
+  tp = max(comm.allreduce(g, act) for g in plan.tensor_groups(s))
+  cp_fwd, cp_bwd = context_seconds(plan, shard, comm, s, fwd.alone)
+  # Full remat's rerun forward runs its two all-reduces again.
+  tp_fwd = 2 * tp + cp_fwd
+  tp_bwd = 2 * tp + (2 * tp if plan.remat == 'full' else 0.0) + cp_bwd
 
   def edge(function):
-    return lambda group, cores: (
+    return lambda group, cores: Work(
       roofline.seconds(profile, group, function, b, t),
       roofline.node_share(profile, group, function, b, t, cores),
     )
 
+  fsdp = _fsdp_per_layer(plan, shard, comm, options, s, fwd.alone, bwd.alone, tp)
+  dp = edge_dp = 0.0
   # Charged inside every backward only for a replicated state (see the docstring).
-  per_microbatch = options.dp_allreduce == 'per_microbatch' and plan.state_sharding == 'replicated'
-  per_stage = []
-  for s in range(p):
-    fwd, bwd, fwd_share, bwd_share, recompute, recompute_share = slowest(s, layer)
-    tp = max(comm.allreduce(g, act) for g in plan.tensor_groups(s))
-    cp_fwd, cp_bwd = context_seconds(plan, shard, comm, s, fwd)
+  if options.dp_allreduce == 'per_microbatch' and plan.state_sharding == 'replicated':
     grads = plan.gradient_groups(s)
-    dp_layer = 0.0
-    if per_microbatch:
-      dp_layer = max(comm.allreduce(g, shard.layer_param_bytes) for g in grads)
-    edge_dp = 0.0
-    if per_microbatch:
-      edge_dp = max(comm.allreduce(g, shard.edge_param_bytes / 2) for g in grads)
-    # FSDP per layer: what a layer's collectives add to its forward and
-    # backward (fsdp_fwd, fsdp_bwd), and what the chunk's first gather and
-    # last reduce-scatter add once (fsdp_fwd_once, fsdp_bwd_once).
-    fsdp_fwd = fsdp_bwd = fsdp_fwd_once = fsdp_bwd_once = 0.0
-    if plan.fsdp_per_layer:
-      gather = max(comm.allgather(g, shard.layer_param_bytes) for g in plan.data_groups(s))
-      scatter = max(comm.reduce_scatter(g, shard.layer_param_bytes) for g in plan.data_groups(s))
-      # Context ranks then sum their 1/data shards of the gradient.
-      scatter += max(
-        comm.allreduce(g, shard.layer_param_bytes / plan.data) for g in plan.context_groups(s)
-      )
-      layer_fwd, layer_bwd = fwd + 2 * tp, bwd + (4 if plan.remat == 'full' else 2) * tp
-      # Overlapped, n layers take g + (n-1) max(c, g) + c: each gather but
-      # the first runs beside the previous layer's compute (in the backward,
-      # the next layer's gather and the previous one's reduce-scatter
-      # beside it). Not overlapped: n (c + g).
-      fsdp_fwd_once, fsdp_bwd_once = gather, gather + scatter
-      if options.fsdp_overlap:
-        fsdp_fwd = max(0.0, gather - layer_fwd)
-        fsdp_bwd = max(0.0, gather + scatter - layer_bwd)
-      else:
-        fsdp_fwd, fsdp_bwd = gather, gather + scatter
-    (embed, embed_share), (head, head_share) = slowest(s, edge('embed')), slowest(s, edge('head'))
-    # Full remat's rerun forward runs its two all-reduces again. tp_fwd and
-    # tp_bwd: the layer's collectives, which chunk-length ratios do not scale.
-    tp_fwd = 2 * tp + cp_fwd
-    tp_bwd = 2 * tp + (2 * tp if plan.remat == 'full' else 0.0) + cp_bwd
-    per_stage.append(
-      dict(
-        fwd=fwd + tp_fwd,
-        bwd=bwd + tp_bwd,
-        tp_fwd=tp_fwd,
-        tp_bwd=tp_bwd,
-        dp=dp_layer,
-        embed=embed,
-        head=head,
-        edge_dp=edge_dp,
-        fwd_share=fwd_share,
-        bwd_share=bwd_share,
-        embed_share=embed_share,
-        recompute=recompute,
-        recompute_share=recompute_share,
-        head_share=head_share,
-        fsdp_fwd=fsdp_fwd,
-        fsdp_bwd=fsdp_bwd,
-        fsdp_fwd_once=fsdp_fwd_once,
-        fsdp_bwd_once=fsdp_bwd_once,
-      )
-    )
-  placement = plan.placement
-  # The executor's own variants of a layer, measured on this machine (see
-  # profile.EXECUTOR_RATIOS); elsewhere: a backward splits in halves, a
-  # layer under cond costs a plain one, a skipped one nothing.
-  measured = profile.ratios if cluster.local else {}
+    dp = max(comm.allreduce(g, shard.layer_param_bytes) for g in grads)
+    edge_dp = max(comm.allreduce(g, shard.edge_param_bytes / 2) for g in grads)
+  return StageCosts(
+    fwd=Work(fwd.alone + tp_fwd, fwd.at_once),
+    bwd=Work(bwd.alone + tp_bwd, bwd.at_once),
+    recompute=recompute,
+    tp_fwd=tp_fwd,
+    tp_bwd=tp_bwd,
+    embed=_slowest(plan, cluster, s, edge('embed')),
+    head=_slowest(plan, cluster, s, edge('head')),
+    dp=dp,
+    edge_dp=edge_dp,
+    **fsdp,
+  )
 
-  def ratio(name: str, i: int, default: float) -> float:
-    # The plan's remat policy's own measurement where there is one.
-    for key in (f'{name}/{plan.remat}', name):
-      if key in measured:
-        return measured[key][i]
-    return default
 
-  # Every lockstep program runs its backwards as B then W (lower.py), a
-  # fused schedule's too: charge each part, whatever the schedule built.
-  parts = [
-    (ratio('split_b', i, SPLIT_BACKWARD_SHARE), ratio('split_w', i, 1 - SPLIT_BACKWARD_SHARE))
-    for i in (0, 1)
-  ]
-  widest = max(plan.chunk_layers)
+def _fsdp_per_layer(
+  plan: Plan, shard, comm: Comm, options: Options, s: int, fwd: float, bwd: float, tp: float
+) -> dict:
+  """StageCosts' FSDP fields for FSDP per layer (no executor; {} otherwise):
+  fwd and bwd are a layer's compute, tp one tensor all-reduce."""
+  if not plan.fsdp_per_layer:
+    return {}
+  layer_bytes = shard.layer_param_bytes
+  gather = max(comm.allgather(g, layer_bytes) for g in plan.data_groups(s))
+  scatter = max(comm.reduce_scatter(g, layer_bytes) for g in plan.data_groups(s))
+  # Context ranks then sum their 1/data shards of the gradient.
+  scatter += max(comm.allreduce(g, layer_bytes / plan.data) for g in plan.context_groups(s))
+  layer_fwd, layer_bwd = fwd + 2 * tp, bwd + (4 if plan.remat == 'full' else 2) * tp
+  once = {'fsdp_fwd_once': gather, 'fsdp_bwd_once': gather + scatter}
+  if not options.fsdp_overlap:
+    return {'fsdp_fwd': gather, 'fsdp_bwd': gather + scatter, **once}
+  # Overlapped, n layers take g + (n-1) max(c, g) + c: each gather but the
+  # first runs beside the previous layer's compute (in the backward, the next
+  # layer's gather and the previous one's reduce-scatter beside it). Not
+  # overlapped: n (c + g).
+  return {
+    'fsdp_fwd': max(0.0, gather - layer_fwd),
+    'fsdp_bwd': max(0.0, gather + scatter - layer_bwd),
+    **once,
+  }
 
-  def stack_factor(part: str, layers: int, i: int) -> float:
-    # A layer in a chunk of `layers` over one in the profile's 2-layer chunk
-    # (profile.EXECUTOR_RATIOS' stackN_*), linear between the lengths measured.
-    one, four = ratio(f'stack1_{part}', i, 1.0), ratio(f'stack4_{part}', i, 1.0)
+
+class ExecutorRatios:
+  """The executor's own variants of a layer, measured on this machine
+  (profile.EXECUTOR_RATIOS: each an (alone, at once) pair over the plain
+  layer's, the plan's remat policy's own where measured); elsewhere the
+  defaults: a backward splits in halves, a layer under cond costs a plain
+  one, a skipped one nothing, a layer in any stack what it does in two."""
+
+  def __init__(self, measured: dict, remat: str):
+    self.measured, self.remat = measured, remat
+    # Every lockstep program runs its backwards as B then W (lower.py), a
+    # fused schedule's too: each part is charged, whatever the schedule built.
+    self.split_b = self.of('split_b', SPLIT_BACKWARD_SHARE)
+    self.split_w = self.of('split_w', 1 - SPLIT_BACKWARD_SHARE)
+
+  def of(self, name: str, default: float) -> Work:
+    for key in (f'{name}/{self.remat}', name):
+      if key in self.measured:
+        return Work(*self.measured[key])
+    return Work(default, default)
+
+  def stack(self, part: str, layers: int) -> Work:
+    """A layer in a chunk of `layers` over one in the profile's 2-layer
+    chunk (stackN_*), linear between the lengths measured."""
+    one, four = self.of(f'stack1_{part}', 1.0), self.of(f'stack4_{part}', 1.0)
     if layers <= 1:
       return one
-    return four if layers >= 4 else 1.0 + (four - 1.0) * (layers - 2) / 2
+    if layers >= 4:
+      return four
+    between = lambda x: 1.0 + (x - 1.0) * (layers - 2) / 2
+    return Work(between(four.alone), between(four.at_once))
 
-  chunks, shares, fused = [], [], []
-  for c, n in enumerate(plan.chunk_layers):
-    x = dict(per_stage[placement[c]])
-    first, final = c == 0, c == last
-    # The chunk's layers run as one scan over its stack (padded to the
-    # widest when the split is uneven; the whole model without the executor).
-    stack = n if plan.even else widest
-    sf, sb = (
-      [stack_factor('fwd', stack, i) for i in (0, 1)],
-      [stack_factor('bwd', stack, i) for i in (0, 1)],
-    )
-    x['fwd'] = (x['fwd'] - x['tp_fwd']) * sf[0] + x['tp_fwd']
-    x['bwd'] = (x['bwd'] - x['tp_bwd']) * sb[0] + x['tp_bwd']
-    x['recompute'] *= sb[0]
-    x['fwd_share'] *= sf[1]
-    x['bwd_share'] *= sb[1]
-    x['recompute_share'] *= sb[1]
-    # An uneven split runs every chunk's padded stack under cond (see
-    # model.layers): n layers that compute, widest - n that are skipped.
-    pad = 0 if plan.even else widest - n
-    active = [1.0 if plan.even else ratio('cond_active', i, 1.0) for i in (0, 1)]
-    skipped = [ratio('cond_skipped', i, 0.0) for i in (0, 1)]
-    layer_f = [n * active[i] + pad * skipped[i] for i in (0, 1)]
-    # FSDP's per-layer collectives beyond what the layers' compute hides
-    # (zero without FSDP per layer): the gathers in F, the backward's gathers
-    # and the gradients' reduce-scatters with the weight gradients, in W.
-    fsdp_f = (n - 1) * x['fsdp_fwd'] + x['fsdp_fwd_once']
-    fsdp_w = (n - 1) * x['fsdp_bwd'] + x['fsdp_bwd_once']
-    f = layer_f[0] * x['fwd'] + fsdp_f + (x['embed'] / 3 if first else 0.0)
-    f_share = layer_f[1] * x['fwd_share'] + (x['embed_share'] / 3 if first else 0.0)
-    if final:
-      f += x['head'] + x['edge_dp']
-      f_share += x['head_share']
-    # B reruns what remat dropped (once: W gets what it needs in the cut)
-    # and runs the embedding's backward in chunk 0 (it needs the input
-    # gradient); a per-micro-batch gradient all-reduce follows the weight
-    # gradients, in W. The rest of the backward splits by `parts`.
-    rerun = [layer_f[0] * x['recompute'], layer_f[1] * x['recompute_share']]
-    rest = [layer_f[0] * x['bwd'] - rerun[0], layer_f[1] * x['bwd_share'] - rerun[1]]
-    edge_b = [2 * x['embed'] / 3 + x['edge_dp'], 2 * x['embed_share'] / 3] if first else [0.0] * 2
-    b_part = [rest[i] * parts[i][0] + rerun[i] + edge_b[i] for i in (0, 1)]
-    w_part = [rest[0] * parts[0][1] + n * x['dp'] + fsdp_w, rest[1] * parts[1][1]]
-    if not plan.uses_executor:
-      # One value_and_grad: the backward runs fused (its B tick holds it all).
-      b_part = [rest[i] + rerun[i] + edge_b[i] for i in (0, 1)]
-      b_part[0] += n * x['dp'] + fsdp_w
-      w_part = [0.0, 0.0]
-    fused.append(rest[0] + rerun[0] + edge_b[0] + n * x['dp'] + fsdp_w)
-    chunks.append({sched.FORWARD: f, sched.BACKWARD: b_part[0], sched.WEIGHT: w_part[0]})
-    shares.append({sched.FORWARD: f_share, sched.BACKWARD: b_part[1], sched.WEIGHT: w_part[1]})
-  transfer, evict = [], []
+
+def chunk_work(plan: Plan, s: StageCosts, c: int, n: int, ratios: ExecutorRatios):
+  """Chunk c's (n layers on a stage costing `s`) F, B and W as Work, and its
+  backward as one action's seconds (a fused schedule's, asynchronous model)."""
+  first, final = c == 0, c == len(plan.chunk_layers) - 1
+  widest = max(plan.chunk_layers)
+  # The chunk's layers run as one scan over its stack (padded to the widest
+  # when the split is uneven; the whole model without the executor).
+  sf, sb = (
+    ratios.stack('fwd', n if plan.even else widest),
+    ratios.stack('bwd', n if plan.even else widest),
+  )
+  fwd = Work((s.fwd.alone - s.tp_fwd) * sf.alone + s.tp_fwd, s.fwd.at_once * sf.at_once)
+  bwd = Work((s.bwd.alone - s.tp_bwd) * sb.alone + s.tp_bwd, s.bwd.at_once * sb.at_once)
+  # An uneven split runs every chunk's padded stack under cond (see
+  # model.layers): n layers that compute, widest - n that are skipped.
+  active = Work(1.0, 1.0) if plan.even else ratios.of('cond_active', 1.0)
+  layers = active * n + ratios.of('cond_skipped', 0.0) * (0 if plan.even else widest - n)
+  # FSDP's per-layer collectives beyond what the layers' compute hides: the
+  # gathers in F, the backward's gathers and the reduce-scatters in W.
+  fsdp_f = (n - 1) * s.fsdp_fwd + s.fsdp_fwd_once
+  fsdp_w = (n - 1) * s.fsdp_bwd + s.fsdp_bwd_once
+  embed = s.embed if first else Work()
+  f = layers * fwd + Work(fsdp_f) + embed / 3
+  if final:
+    f = f + (s.head + Work(s.edge_dp))
+  # B reruns what remat dropped (once: W gets what it needs in the cut) and
+  # runs the embedding's backward in chunk 0 (it needs the input gradient);
+  # a per-micro-batch gradient all-reduce follows the weight gradients, in
+  # W. The rest of the backward splits by the executor's B/W shares.
+  rerun = layers * (s.recompute * sb)
+  rest = layers * bwd - rerun
+  edge_b = embed * 2 / 3 + Work(s.edge_dp if first else 0.0)
+  dp = n * s.dp
+  if plan.uses_executor:
+    b = rest * ratios.split_b + rerun + edge_b
+    w = rest * ratios.split_w + Work(dp) + Work(fsdp_w)
+  else:  # One value_and_grad: the backward runs fused (its B tick holds it all).
+    b, w = rest + rerun + edge_b + Work(dp + fsdp_w), Work()
+  return f, b, w, rest.alone + rerun.alone + edge_b.alone + dp + fsdp_w
+
+
+def transfers(plan: Plan, profile: Profile, options: Options, comm: Comm):
+  """Per stage, one activation (or gradient) ppermute out of it and one
+  chunk's residual set moved to or from its BPipe partner; and what the
+  executor's neighbour ppermutes cost in every tick."""
+  p, t = plan.pipe, plan.tensor
+  shard = profile.shards[t]
+  act = shard.act_per_seq * plan.microbatch_size * memory_lib.token_share(plan)
   stash_set = memory_lib.chunk_stash(plan, profile, max(plan.chunk_layers))
-  partner = [p - 1 - s for s in range(p)]
   # Megatron's scatter/gather (the executor's default, pipeline.scatter_gather):
   # each of a stage's t tensor ranks sends 1/t of an activation to its
   # counterpart, and the receiving tensor group all-gathers it (half a ring
@@ -329,6 +411,7 @@ def action_costs(
   # 1/t each, nothing to gather.
   split = (options.scatter_gather or plan.sequence_parallel) and t > 1
   sent = act / t if split else act
+  transfer, evict = [], []
   for s in range(p):
     neighbours = [plan.stages[(s + 1) % p], plan.stages[(s - 1) % p]]
     gather = 0.0
@@ -340,23 +423,13 @@ def action_costs(
       if p > 1
       else 0.0
     )
-    evict.append(
-      max(comm.p2p(a, z, stash_set) for a, z in zip(plan.stages[s], plan.stages[partner[s]]))
-    )
+    partner = plan.stages[p - 1 - s]
+    evict.append(max(comm.p2p(a, z, stash_set) for a, z in zip(plan.stages[s], partner)))
   # One ppermute per stage offset the placement uses (+1 and -1 around the
   # ring: one at p = 2) runs in every tick, one after the other.
-  offsets = [
-    o for o in program(plan.schedule, p, plan.microbatches, plan.virtual_stages).offsets if o
-  ]
-  tick_transfer = len(offsets) * max(transfer) if p > 1 else 0.0
-  return ActionCosts(
-    chunk=tuple(chunks),
-    transfer=tuple(transfer),
-    evict=tuple(evict),
-    tick_transfer=tick_transfer,
-    share=tuple(shares),
-    fused=tuple(fused),
-  )
+  program_ = program(plan.schedule, p, plan.microbatches, plan.virtual_stages)
+  offsets = [o for o in program_.offsets if o]
+  return transfer, evict, len(offsets) * max(transfer) if p > 1 else 0.0
 
 
 def context_seconds(

@@ -19,7 +19,7 @@ same fraction of its roofline as this one — is what `assumption()` prints.
 from __future__ import annotations
 
 from triax.plan.cluster import Group
-from triax.plan.profile import FUNCTIONS, LAYER_FUNCTIONS, Profile, variant
+from triax.plan.cost.profile import FUNCTIONS, LAYER_FUNCTIONS, Profile, variant
 
 
 def seconds(profile: Profile, group: Group, function: str, b: int, t: int) -> float:

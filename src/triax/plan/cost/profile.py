@@ -7,12 +7,12 @@ columns, vocab_size/t vocabulary rows): its FLOPs and bytes per function,
 parameter, residual and activation bytes; and how long each function takes.
 Two sources fill it:
 
-  - plan/profiler.py measures the model on this machine (JAX; the
-    machine's own micro-benchmarks in plan/microbench.py): times at the
+  - plan/cost/profiler.py measures the model on this machine (JAX; the
+    machine's own micro-benchmarks in plan/cost/microbench.py): times at the
     sizes measured, interpolated between them (`Profile.local_seconds`),
     and fits time = c0 + k * max(flops / peak, bytes / bandwidth) per
     function that the roofline carries to other device types;
-  - plan/analytic.py prices every kernel from the model's shapes and the
+  - plan/cost/analytic.py prices every kernel from the model's shapes and the
     cluster spec's data sheets (`Profile.analytic`), nothing run here.
 
 `synthetic` makes one up, for tests and what-ifs. This module is plain data
@@ -239,7 +239,7 @@ class Profile:
   # forward+backward measured alongside (alone, all devices at once); see
   # EXECUTOR_RATIOS. Empty: not measured (synthetic profiles).
   ratios: dict = dataclasses.field(default_factory=dict)
-  # The analytic device model (plan/analytic.py) when the profile was built
+  # The analytic device model (plan/cost/analytic.py) when the profile was built
   # from shapes and data sheets instead of measured: roofline asks it for
   # every time. None: measured here.
   analytic: Any = None
@@ -363,8 +363,8 @@ def measure(
   remats: Sequence[str] = REMATS,
   progress: Callable[[str], None] | None = None,
 ) -> Profile:
-  """Profiles config.model on this machine (plan/profiler.py, where JAX is
+  """Profiles config.model on this machine (plan/cost/profiler.py, where JAX is
   imported); see `profiler.measure` for the arguments."""
-  from triax.plan import profiler
+  from triax.plan.cost import profiler
 
   return profiler.measure(model_cfg, tensors, microbatches, remats, progress)

@@ -1,0 +1,174 @@
+"""The Mixtral family: Llama's block (RMSNorm, RoPE, grouped-query attention)
+with a mixture of SwiGLU experts for its MLP (model/moe.py routes and
+dispatches), optionally beside always-on shared experts (DeepSeek's, Qwen's).
+
+Parameter tree: llama.py's, the MLP's weights replaced by
+
+  'router': [L, d, E], 'w_gate': [L, E, d, f], 'w_up': [L, E, d, f],
+  'w_down': [L, E, f, d]  (+ 'shared_gate', 'shared_up': [L, d, S*f],
+  'shared_down': [L, S*f, d] with S = model.shared_experts)
+
+so that transformers' MixtralForCausalLM maps onto it by transposes
+(model/hf_llama.py): router = gate.weight.T, w_gate[e] = experts.e.w1.T,
+w_up[e] = w3.T, w_down[e] = w2.T. The experts' leading axis has the logical
+name 'experts' (None in the default rules: every device holds every expert;
+expert parallelism will map it to a mesh axis); each expert's hidden units
+are split over `tensor` as Llama's MLP is.
+
+Training minimises the mean cross-entropy plus router_aux_loss_coef times
+the load-balancing loss and router_z_loss_coef times the z-loss (`objective`;
+both over every layer's rows, as transformers computes its aux loss), and
+logs those and the expert load beside it. `loss` (evaluation) is the
+cross-entropy alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import jax.numpy as jnp
+
+from triax.errors import ConfigError
+from triax.model import llama, moe
+from triax.model.common import param
+
+DISPATCHES = ('dropless', 'capacity')
+
+
+@dataclasses.dataclass(frozen=True)
+class MixtralSpec(llama.LlamaSpec):
+  num_experts: int = 8
+  experts_per_token: int = 2
+  shared_experts: int = 0
+  moe_every: int = 1
+  moe_dispatch: str = 'dropless'
+  capacity_factor: float = 1.25
+  router_aux_loss_coef: float = 0.01
+  router_z_loss_coef: float = 0.001
+
+  SHAPE_KEYS: ClassVar[tuple[str, ...]] = llama.LlamaSpec.SHAPE_KEYS + (
+    'num_experts',
+    'shared_experts',
+    'moe_every',
+  )
+
+  def executor_refusal(self) -> str:
+    return (
+      'the mixtral family does not run under the pipeline executor yet (its router losses '
+      'and its per-device dispatch are not carried through it); use mesh.pipe=1 and '
+      'pipeline.microbatches=1'
+    )
+
+
+class Block(llama.Block):
+  """Llama's block, its MLP a mixture of experts."""
+
+  spec: MixtralSpec
+
+  def mlp(self, h):
+    s = self.spec
+    pdt = jnp.dtype(s.param_dtype)
+    e, d, f = s.num_experts, s.d_model, s.d_ff
+    router = param(self, 'router', (d, e), ('embed', None), 0.02, pdt)
+    w_gate = param(self, 'w_gate', (e, d, f), ('experts', 'embed', 'mlp'), 0.02, pdt)
+    w_up = param(self, 'w_up', (e, d, f), ('experts', 'embed', 'mlp'), 0.02, pdt)
+    w_down = param(self, 'w_down', (e, f, d), ('experts', 'mlp', 'embed'), llama.out_std(s), pdt)
+    routing = moe.route(h, router, s.experts_per_token)
+    if s.moe_dispatch == 'capacity':
+      out, dropped = moe.capacity(h, routing, w_gate, w_up, w_down, s.capacity_factor)
+    else:
+      out, dropped = moe.dropless(h, routing, w_gate, w_up, w_down), 0
+    # Kept only when the caller asks for 'intermediates' (Mixtral.objective).
+    self.sow('intermediates', 'router', moe.layer_stats(routing, dropped))
+    if s.shared_experts:
+      out = out + self.swiglu(h, 'shared_', s.shared_experts * s.d_ff)
+    return out
+
+
+class Mixtral(llama.Llama):
+  block_module = Block
+
+  def objective(self, params, inputs, targets, segments=None):
+    embed_params, head_params = self.edge_params(params)
+    x, sown = self.layers_and_sown(params['layers'], self.embed(embed_params, inputs), segments)
+    lm = self._head_loss_differentiated_forward(head_params, x, targets) / targets.size
+    (stats,) = sown['router']
+    metrics = moe.losses(stats)
+    s = self.spec
+    total = (
+      lm
+      + s.router_aux_loss_coef * metrics['router_aux_loss']
+      + s.router_z_loss_coef * metrics['router_z_loss']
+    )
+    return total, {'lm_loss': lm, **metrics}
+
+  def active_parameters(self, total: int) -> int:
+    s = self.spec
+    unused = s.num_experts - s.experts_per_token
+    return total - s.num_layers * unused * 3 * s.d_model * s.d_ff
+
+  def forward_flops(self) -> dict[str, float]:
+    """Forward FLOPs of one sequence, the chosen experts' only (model/flops.py)."""
+    s = self.spec
+    t, d = s.seq_len, s.d_model
+    dense = super().forward_flops()
+    experts = s.experts_per_token + s.shared_experts
+    # Llama's count has one SwiGLU of d_ff; a token runs k routed and S shared ones.
+    mlp = 2.0 * t * 3 * d * s.d_ff
+    router = 2.0 * t * d * s.num_experts
+    return {**dense, 'layer_matmul': dense['layer_matmul'] + (experts - 1) * mlp + router}
+
+
+def _count(m, key: str, low: int) -> int:
+  value = m[key]
+  if not isinstance(value, int) or isinstance(value, bool) or value < low:
+    raise ConfigError(f'model.{key}', f'must be an integer >= {low}, got {value!r}')
+  return value
+
+
+def _coef(m, key: str) -> None:
+  value = m[key]
+  if not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 0:
+    raise ConfigError(f'model.{key}', f'must be a number >= 0 (0 = off), got {value!r}')
+
+
+def validate(model_cfg, mesh_cfg, rules: tuple) -> tuple:
+  """Llama's checks, the MoE keys'; the 'experts' axis kept whole (no expert parallelism yet)."""
+  m = model_cfg
+  experts = _count(m, 'num_experts', 1)
+  k = _count(m, 'experts_per_token', 1)
+  if k > experts:
+    raise ConfigError(
+      'model.experts_per_token', f'{k} exceeds model.num_experts={experts}: at most all of them'
+    )
+  _count(m, 'shared_experts', 0)
+  if _count(m, 'moe_every', 1) != 1:
+    raise ConfigError(
+      'model.moe_every',
+      f'{m.moe_every}: only 1 (every block a MoE) is implemented; the layer stack is one scan '
+      'of identical blocks',
+    )
+  if m.moe_dispatch not in DISPATCHES:
+    raise ConfigError(
+      'model.moe_dispatch',
+      f'unknown value {m.moe_dispatch!r}; choose one of {", ".join(DISPATCHES)}',
+    )
+  factor = m.capacity_factor
+  if not isinstance(factor, (int, float)) or isinstance(factor, bool) or not factor > 0:
+    raise ConfigError('model.capacity_factor', f'must be a number > 0, got {factor!r}')
+  _coef(m, 'router_aux_loss_coef')
+  _coef(m, 'router_z_loss_coef')
+  mapping = dict(rules)
+  if mapping.get('experts') is not None:
+    raise ConfigError(
+      'sharding.logical_axis_rules',
+      f"('experts', {mapping['experts']!r}): expert parallelism is not implemented yet; map "
+      "'experts' to None",
+    )
+  rules = llama.validate(m, mesh_cfg, rules)
+  return tuple(r for r in rules if r[0] != 'experts') + (('experts', None),)
+
+
+Spec = MixtralSpec
+Model = Mixtral

@@ -1,0 +1,181 @@
+"""Mixture-of-experts routing and dispatch (mixtral.py's MLP), and the router's losses.
+
+Routing is Mixtral's: softmax over the router's logits (fp32), the top k
+experts, their k probabilities renormalised to sum to one.
+
+Dispatch, two ways:
+  dropless  (MaxText's and Megatron's grouped GEMM) each device sorts its own
+            tokens' (token, slot) assignments by expert and runs one
+            `jax.lax.ragged_dot` per expert weight over the groups; nothing
+            is dropped or padded. Under a `shard_map` over the automatic
+            mesh axes: a sort over a batch split over `data` would otherwise
+            be a global sort, every device computing every token. The
+            experts' hidden units are split over `tensor` as Llama's MLP
+            (Megatron): the down projection's partial sums meet in one psum.
+  capacity  (Switch / GShard) each batch row is one group; expert e takes at
+            most C = ceil(capacity_factor * s * k / E) of the row's
+            assignments, first slot 0 of every token in order, then slot 1,
+            ...; the rest are dropped (their share of the output is 0) and
+            counted. Dense einsums over [E, C] buffers, left to GSPMD.
+
+Statistics each MoE layer reports (`LayerStats`, summed over its tokens) make
+the losses of the whole model: transformers' `load_balancing_loss_func`
+(Switch's, over every layer's rows at once: E * sum_e f_e P_e, f_e the share
+of assignments to expert e, P_e its mean probability) and ST-MoE's router
+z-loss (the mean of logsumexp(logits)^2).
+"""
+
+from __future__ import annotations
+
+import math
+
+import flax
+import jax
+import jax.numpy as jnp
+
+from triax import sharding
+
+# Logical axes of a token tensor inside the MLP, of the experts' matrices.
+TOKENS = ('batch', 'seq', None)
+IN_AXES = ('experts', None, 'mlp')  # w_gate, w_up [E, d, f]
+OUT_AXES = ('experts', 'mlp', None)  # w_down [E, f, d]
+
+
+@flax.struct.dataclass
+class Routing:
+  """A layer's routing of tokens [b, s]: logits [b, s, E] (fp32), the k chosen
+  experts [b, s, k] (int32) and their renormalised weights [b, s, k] (fp32)."""
+
+  logits: jax.Array
+  experts: jax.Array
+  weights: jax.Array
+
+
+def route(h: jax.Array, router: jax.Array, k: int) -> Routing:
+  """Mixtral's top-k routing of h [b, s, d] by router [d, E]."""
+  logits = jnp.einsum('bsd,de->bse', h, router.astype(h.dtype)).astype(jnp.float32)
+  top, experts = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), k)
+  return Routing(logits, experts.astype(jnp.int32), top / jnp.sum(top, -1, keepdims=True))
+
+
+def _swiglu_grouped(xs, sizes, w_gate, w_up, w_down):
+  """Rows xs [n, d] sorted by expert, `sizes` [E] rows each: each group through its expert."""
+  gate = jax.lax.ragged_dot(xs, w_gate, sizes)
+  up = jax.lax.ragged_dot(xs, w_up, sizes)
+  return jax.lax.ragged_dot(jax.nn.silu(gate) * up, w_down, sizes)
+
+
+def _dropless_local(h, experts, weights, w_gate, w_up, w_down, psum_axes):
+  """dropless on one device's tokens h [b, s, d] and its share of each expert's columns."""
+  b, s, d = h.shape
+  k, num_experts = experts.shape[-1], w_gate.shape[0]
+  flat = experts.reshape(-1)  # assignment a = token * k + slot
+  order = jnp.argsort(flat, stable=True)
+  sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+  y = _swiglu_grouped(h.reshape(b * s, d)[order // k], sizes, w_gate, w_up, w_down)
+  # Back to (token, slot) order by the inverse permutation: a gather, not a scatter-add.
+  y = y[jnp.argsort(order)].reshape(b * s, k, d)
+  out = jnp.einsum('tkd,tk->td', y, weights.reshape(b * s, k).astype(y.dtype))
+  if psum_axes:
+    out = jax.lax.psum(out, psum_axes)
+  return out.reshape(b, s, d)
+
+
+def dropless(h, routing: Routing, w_gate, w_up, w_down) -> jax.Array:
+  """The experts' output [b, s, d] of h [b, s, d]: every assignment computed."""
+  dt = h.dtype
+  ws = tuple(w.astype(dt) for w in (w_gate, w_up, w_down))
+  mesh = jax.sharding.get_abstract_mesh()
+  in_spec = sharding.active_spec(IN_AXES)
+  if mesh.empty or in_spec is None:
+    return _dropless_local(h, routing.experts, routing.weights, *ws, ())
+  token_spec, out_spec = sharding.active_spec(TOKENS), sharding.active_spec(OUT_AXES)
+  mlp = in_spec[2]
+  psum_axes = () if mlp is None else ((mlp,) if isinstance(mlp, str) else tuple(mlp))
+  local = jax.shard_map(
+    lambda *a: _dropless_local(*a, psum_axes),
+    mesh=mesh,
+    in_specs=(token_spec, token_spec, token_spec, in_spec, in_spec, out_spec),
+    out_specs=token_spec,
+    axis_names=set(mesh.axis_names) - set(mesh.manual_axes),
+  )
+  return local(h, routing.experts, routing.weights, *ws)
+
+
+def capacity_of(seq_len: int, k: int, num_experts: int, factor: float) -> int:
+  """Assignments one expert takes from one batch row (GShard's group)."""
+  return max(1, math.ceil(factor * seq_len * k / num_experts))
+
+
+def capacity(h, routing: Routing, w_gate, w_up, w_down, factor: float):
+  """(the experts' output [b, s, d], assignments dropped) with capacity-bounded buffers."""
+  b, s, _ = h.shape
+  num_experts, k = w_gate.shape[0], routing.experts.shape[-1]
+  c = capacity_of(s, k, num_experts, factor)
+  dt = h.dtype
+  # [b, k, s, E]: slot-major, so cumsum ranks every token's first choice before any second.
+  onehot = jax.nn.one_hot(jnp.swapaxes(routing.experts, 1, 2), num_experts, dtype=jnp.int32)
+  rank = jnp.cumsum(onehot.reshape(b, k * s, num_experts), axis=1).reshape(onehot.shape) - 1
+  position = jnp.sum(rank * onehot, axis=-1)  # [b, k, s]: the assignment's place in its expert
+  kept = position < c
+  slots = jax.nn.one_hot(jnp.where(kept, position, c), c, dtype=dt)  # dropped: all zeros
+  dispatch = jnp.einsum('bkse,bksc->bsec', onehot.astype(dt), slots)
+  combine = jnp.einsum(
+    'bkse,bksc,bks->bsec', onehot.astype(dt), slots, jnp.swapaxes(routing.weights, 1, 2).astype(dt)
+  )
+  x = jnp.einsum('bsec,bsd->becd', dispatch, h)
+  gate = jnp.einsum('becd,edf->becf', x, w_gate.astype(dt))
+  up = jnp.einsum('becd,edf->becf', x, w_up.astype(dt))
+  y = jnp.einsum('becf,efd->becd', jax.nn.silu(gate) * up, w_down.astype(dt))
+  return jnp.einsum('bsec,becd->bsd', combine, y), jnp.sum(~kept)
+
+
+@flax.struct.dataclass
+class LayerStats:
+  """One MoE layer's router statistics over its tokens (sums, so layers and
+  batches add): assignments per expert [E], router probability per expert
+  [E], sum of logsumexp(logits)^2, tokens, assignments dropped."""
+
+  assigned: jax.Array
+  probability: jax.Array
+  z_squared: jax.Array
+  tokens: jax.Array
+  dropped: jax.Array
+
+
+def layer_stats(routing: Routing, dropped) -> LayerStats:
+  num_experts = routing.logits.shape[-1]
+  counts = jax.nn.one_hot(routing.experts, num_experts, dtype=jnp.float32)
+  probs = jax.nn.softmax(routing.logits, axis=-1)
+  lse = jax.nn.logsumexp(routing.logits, axis=-1)
+  return LayerStats(
+    assigned=jnp.sum(counts, axis=(0, 1, 2)),
+    probability=jnp.sum(probs, axis=(0, 1)),
+    z_squared=jnp.sum(lse * lse),
+    tokens=jnp.asarray(routing.logits.shape[0] * routing.logits.shape[1], jnp.float32),
+    dropped=jnp.asarray(dropped, jnp.float32),
+  )
+
+
+def losses(stats: LayerStats) -> dict[str, jax.Array]:
+  """The router's losses and load figures from stats stacked over layers ([L, ...]).
+
+  router_aux_loss: transformers' load_balancing_loss_func over every layer's
+  rows (k at perfect balance; E when one expert takes every token with all
+  the probability; below k when the k-th choices go where probability is
+  low); router_z_loss:
+  the mean over rows of logsumexp^2; moe_load_max: the busiest expert's
+  assignments over the mean, worst layer (1 = balanced);
+  moe_dropped_fraction: assignments dropped (capacity dispatch).
+  """
+  rows = jnp.sum(stats.tokens)
+  num_experts = stats.assigned.shape[-1]
+  share = jnp.sum(stats.assigned, axis=0) / rows
+  probability = jnp.sum(stats.probability, axis=0) / rows
+  per_layer = jnp.max(stats.assigned, axis=-1) / jnp.mean(stats.assigned, axis=-1)
+  return {
+    'router_aux_loss': num_experts * jnp.sum(share * probability),
+    'router_z_loss': jnp.sum(stats.z_squared) / rows,
+    'moe_load_max': jnp.max(per_layer),
+    'moe_dropped_fraction': jnp.sum(stats.dropped) / jnp.sum(stats.assigned),
+  }

@@ -1,0 +1,156 @@
+"""Hugging Face Mixtral checkpoints against the reference: transformers' MixtralForCausalLM.
+
+A small Mixtral with random weights (4 experts, 2 per token, grouped-query
+attention) is written by transformers itself, in shards, then imported:
+triax must give its logits (one device), its training loss with the
+load-balancing term (data x tensor layout) and its greedy tokens; export ->
+import -> export must be bit-identical and give back transformers' tensors.
+Nothing is downloaded.
+"""
+
+import os
+
+import harness
+import hf_round_trip
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+torch = pytest.importorskip('torch')
+transformers = pytest.importorskip('transformers')
+
+from triax import config as config_lib  # noqa: E402
+from triax.errors import ConfigError  # noqa: E402
+from triax.model import generation, hf_llama  # noqa: E402
+from triax.training import checkpoint as ckpt_lib  # noqa: E402
+from triax.training import hf_checkpoint  # noqa: E402
+
+SEQ = 32
+
+
+def _hf_model(**overrides):
+  cfg = transformers.MixtralConfig(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    num_local_experts=4,
+    num_experts_per_tok=2,
+    max_position_embeddings=SEQ,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    router_aux_loss_coef=0.02,
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=None,
+    **overrides,
+  )
+  torch.manual_seed(0)
+  model = transformers.MixtralForCausalLM(cfg).float().eval()
+  with torch.no_grad():  # norms start at ones: make them matter; routers sharper
+    for name, p in model.named_parameters():
+      if 'norm' in name:
+        p.add_(0.1 * torch.randn_like(p))
+      if name.endswith('mlp.gate.weight'):
+        p.mul_(20.0)
+  return model
+
+
+@pytest.fixture(scope='module')
+def imported(tmp_path_factory):
+  base = tmp_path_factory.mktemp('hf')
+  model = _hf_model()
+  hf_dir = str(base / 'hf')
+  model.save_pretrained(hf_dir, max_shard_size='100KB')
+  assert os.path.isfile(os.path.join(hf_dir, hf_llama.INDEX_FILE))
+  workdir = str(base / 'w')
+  result = hf_checkpoint.import_hf(hf_dir, workdir)
+  return model, hf_dir, workdir, result
+
+
+def _tokens(batch=2, length=SEQ, seed=0):
+  return np.random.default_rng(seed).integers(0, 256, (batch, length)).astype(np.int32)
+
+
+def test_import_gives_transformers_logits(imported):
+  model, _, workdir, result = imported
+  m = result['config'].model
+  assert (m.family, m.num_experts, m.experts_per_token, m.router_aux_loss_coef) == (
+    'mixtral',
+    4,
+    2,
+    0.02,
+  )
+  assert result['params'] == sum(p.numel() for p in model.parameters())
+  params = generation.restore_params(workdir, result['config'], 0)
+  ours = generation.sampling_model(result['config']).logits(params, jnp.asarray(_tokens()))
+  with torch.no_grad():
+    theirs = model(torch.from_numpy(_tokens()).long()).logits.numpy()
+  err = np.max(np.abs(np.asarray(ours) - theirs)) / np.max(np.abs(theirs))
+  assert err <= 1e-4, err
+
+
+def test_training_objective_is_transformers_loss_with_its_aux_loss(imported):
+  # transformers' loss with output_router_logits: cross-entropy + coef x aux loss over all layers.
+  model, _, workdir, _ = imported
+  cfg = config_lib.load_json(os.path.join(workdir, 'config.json'))
+  cfg.mesh.data, cfg.mesh.tensor = 2, 4
+  cfg.train.global_batch_size = 4
+  cfg = config_lib.validate(cfg, 8)
+  trainer = harness.make_trainer(cfg)
+  state = ckpt_lib.Checkpointer(workdir, cfg).restore(trainer)
+  tokens = _tokens(4, SEQ + 1, seed=1)
+  inputs, targets = tokens[:, :-1], tokens[:, 1:]
+  with jax.set_mesh(trainer.mesh):
+    batch = jax.device_put({'inputs': inputs, 'targets': targets}, trainer.batch_sharding)
+    ours, _ = trainer.loss_and_grad(state.params, batch)
+  with torch.no_grad():
+    out = model(torch.from_numpy(inputs).long(), output_router_logits=True)
+    ce = torch.nn.functional.cross_entropy(
+      out.logits.reshape(-1, 256), torch.from_numpy(targets).long().ravel()
+    )
+    theirs = float(ce + 0.02 * out.aux_loss)
+  assert float(out.aux_loss) > 2.0  # sharpened routers: unbalanced, the term is not constant
+  assert float(ours) == pytest.approx(theirs, rel=1e-5)
+
+
+def test_greedy_generation_gives_transformers_tokens(imported):
+  model, _, workdir, result = imported
+  params = generation.restore_params(workdir, result['config'], 0)
+  prompt = [5, 17, 200, 33]
+  ours = generation.generate(
+    generation.sampling_model(result['config']),
+    params,
+    prompt,
+    generation.Sampling(max_new_tokens=12, temperature=0.0),
+  )
+  with torch.no_grad():
+    theirs = model.generate(
+      torch.tensor([prompt]), max_new_tokens=12, do_sample=False, min_new_tokens=12
+    )[0, len(prompt) :].numpy()
+  assert ours.tolist() == theirs.tolist()
+
+
+def test_export_import_export_is_bit_identical(imported, tmp_path):
+  model, hf_dir, workdir, _ = imported
+  first = str(tmp_path / 'first')
+  assert hf_checkpoint.export_hf(workdir, first, max_shard_bytes=100_000)['architecture'] == (
+    'MixtralForCausalLM'
+  )
+  # What transformers itself wrote: the Hub's per-expert layout.
+  reference = hf_llama.read_tensors(hf_dir)
+  assert 'model.layers.1.block_sparse_moe.experts.3.w2.weight' in reference
+  hf_round_trip.check(first, reference, tmp_path, model, transformers.MixtralForCausalLM, _tokens())
+
+
+def test_a_sliding_window_shorter_than_the_training_window_is_refused(tmp_path):
+  hf_dir = str(tmp_path / 'hf')
+  _hf_model(sliding_window=16).save_pretrained(hf_dir)
+  with pytest.raises(ConfigError, match='sliding_window=16') as e:
+    hf_checkpoint.import_hf(hf_dir, str(tmp_path / 'w'))
+  assert e.value.key == '--hf_dir' and not (tmp_path / 'w').exists()
+  # Within the window, it never applies: a 16-token training window imports.
+  assert hf_checkpoint.import_hf(hf_dir, str(tmp_path / 'w16'), seq_len=16)['params'] > 0
