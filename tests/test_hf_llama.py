@@ -30,6 +30,7 @@ from triax.model import generation, hf_llama  # noqa: E402
 from triax.training import checkpoint as ckpt_lib  # noqa: E402
 from triax.training import hf_checkpoint  # noqa: E402
 from triax.training import step as step_lib  # noqa: E402
+from triax.training import workdir as workdir_lib  # noqa: E402
 
 SEQ = 32
 
@@ -93,7 +94,7 @@ def test_import_gives_transformers_logits(imported):
     8.0,
   )
   assert result['params'] == sum(p.numel() for p in model.parameters())
-  params = generation.restore_params(workdir, cfg, 0)
+  params = workdir_lib.restore_params(workdir, cfg, 0)
   ours = generation.sampling_model(cfg).logits(params, jnp.asarray(_tokens()))
   with torch.no_grad():
     theirs = model(torch.from_numpy(_tokens()).long()).logits.numpy()
@@ -130,7 +131,7 @@ def test_imported_checkpoint_gives_transformers_loss_on_parallel_layouts(importe
 def test_greedy_generation_gives_transformers_tokens(imported):
   model, _, workdir, result = imported
   cfg = result['config']
-  params = generation.restore_params(workdir, cfg, 0)
+  params = workdir_lib.restore_params(workdir, cfg, 0)
   prompt = [5, 17, 200, 33]
   ours = generation.generate(
     generation.sampling_model(cfg),
@@ -176,7 +177,7 @@ def test_import_without_the_tokenizer_its_vocabulary_needs_is_refused(tmp_path):
   assert not os.path.exists(workdir)
   # The checkpoint's own tokenizer.json, beside its weights, is taken without the flag ...
   texts = (f'text number {i} of a few words' for i in range(200))
-  tokenizer_lib.train_bpe(texts, 320, str(hf_dir / generation.TOKENIZER_FILE))
+  tokenizer_lib.train_bpe(texts, 320, str(hf_dir / workdir_lib.TOKENIZER))
   hf_checkpoint.import_hf(str(hf_dir), workdir)
   assert filecmp.cmp(hf_dir / 'tokenizer.json', os.path.join(workdir, 'tokenizer.json'))
   # It is the run's tokenizer: a fine-tune on bytes is refused with the way to tokenize text.
@@ -217,7 +218,7 @@ def test_tied_embeddings_import_and_export(tmp_path):
   workdir = str(tmp_path / 'w')
   result = hf_checkpoint.import_hf(hf_dir, workdir)
   assert result['config'].model.tie_embeddings
-  params = generation.restore_params(workdir, result['config'], 0)
+  params = workdir_lib.restore_params(workdir, result['config'], 0)
   assert 'out' not in params['head']
   ours = generation.sampling_model(result['config']).logits(params, jnp.asarray(_tokens()))
   with torch.no_grad():

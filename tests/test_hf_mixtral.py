@@ -25,6 +25,7 @@ from triax.errors import ConfigError  # noqa: E402
 from triax.model import generation, hf_llama  # noqa: E402
 from triax.training import checkpoint as ckpt_lib  # noqa: E402
 from triax.training import hf_checkpoint  # noqa: E402
+from triax.training import workdir as workdir_lib  # noqa: E402
 
 SEQ = 32
 
@@ -85,7 +86,7 @@ def test_import_gives_transformers_logits(imported):
     0.02,
   )
   assert result['params'] == sum(p.numel() for p in model.parameters())
-  params = generation.restore_params(workdir, result['config'], 0)
+  params = workdir_lib.restore_params(workdir, result['config'], 0)
   ours = generation.sampling_model(result['config']).logits(params, jnp.asarray(_tokens()))
   with torch.no_grad():
     theirs = model(torch.from_numpy(_tokens()).long()).logits.numpy()
@@ -119,7 +120,7 @@ def test_training_objective_is_transformers_loss_with_its_aux_loss(imported):
 
 def test_greedy_generation_gives_transformers_tokens(imported):
   model, _, workdir, result = imported
-  params = generation.restore_params(workdir, result['config'], 0)
+  params = workdir_lib.restore_params(workdir, result['config'], 0)
   prompt = [5, 17, 200, 33]
   ours = generation.generate(
     generation.sampling_model(result['config']),

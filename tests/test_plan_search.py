@@ -193,3 +193,15 @@ def test_layouts_respect_grouped_query_heads():
   # tensor=4 divides the 12 query heads, but 6 K/V heads (>= 4) cannot split
   # over it and validation refuses them; tensor=8 divides no heads.
   assert {l.tensor for l in layouts_lib.layouts(cfg, 8)} == {1, 2}
+
+
+def test_the_planner_prices_every_remat_policy_the_model_has():
+  # One list of policies: config's (what a run may ask for) and the model's, which the
+  # profile orders by recompute; the planner searches the profile's.
+  from triax import config
+  from triax.model import common
+  from triax.plan.cost import profile
+  from triax.plan.search import evaluate
+
+  assert set(profile.REMATS) == set(config.REMAT_POLICIES) == set(common.REMAT_POLICIES)
+  assert evaluate.REMATS is profile.REMATS

@@ -32,7 +32,7 @@ from triax import config
 from triax.training import metrics as metrics_lib
 from triax.training import preemption
 from triax.training.checkpoint import Checkpointer
-from triax.training.lock import LOCK_NAME
+from triax.training.workdir import LOCK as LOCK_NAME
 
 # Long enough to be signalled mid-run (~25 ms a step here); saves only at the
 # end or on a signal, so the checkpoint a stopped run leaves is the one the signal made.

@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 
 from triax.model import generation
+from triax.training import sampling as sampling_lib
+from triax.training import workdir as workdir_lib
 
 
 def _gpt_tiny_smoke():
@@ -45,9 +47,9 @@ def test_sample_prints_the_prompt_and_a_seeded_continuation(trained):
   assert '[checkpoint step 2 of' in result.stderr
   # The same seed gives the same text here too (8 devices; the CLI had 1); another seed differs.
   sampling = generation.Sampling(max_new_tokens=40, temperature=0.8, seed=3)
-  assert generation.sample(trained, 'def ', sampling)['text'] == text
+  assert sampling_lib.sample(trained, 'def ', sampling)['text'] == text
   other = generation.Sampling(max_new_tokens=40, temperature=0.8, seed=4)
-  assert generation.sample(trained, 'def ', other)['text'] != text
+  assert sampling_lib.sample(trained, 'def ', other)['text'] != text
 
 
 def test_greedy_generation_matches_step_by_step_argmax_through_the_sliding_buffer():
@@ -92,17 +94,15 @@ def test_prompt_longer_than_the_context_exits_2_naming_prompt(trained):
 
 
 def test_greedy_sampling_on_a_mesh_matches_one_device_and_splits_the_weights(trained):
-  cfg = generation.load_run_config(trained)
-  step = generation.latest_checkpoint(trained, cfg)
+  cfg = workdir_lib.load_config(trained)
+  step = workdir_lib.latest_step(trained, cfg)
   model = generation.sampling_model(cfg)
   sampling = generation.Sampling(max_new_tokens=16, temperature=0.0)
-  prompt = generation.encode_prompt(
-    'def ', cfg.model.seq_len, generation.run_tokenizer(trained, cfg)
-  )
+  prompt = generation.encode_prompt('def ', cfg.model.seq_len, workdir_lib.tokenizer(trained, cfg))
   outputs, weights = {}, {}
   for shape in (None, (2, 2, 2), (1, 1, 4)):
     placement = generation.Placement.build(cfg, shape)
-    params = generation.restore_params(trained, cfg, step, placement)
+    params = workdir_lib.restore_params(trained, cfg, step, placement.shardings(model))
     outputs[shape] = generation.generate(model, params, prompt, sampling, placement).tolist()
     # Per device, the weights the sampling program takes fall with the mesh.
     weights[shape] = sum(a.addressable_shards[0].data.nbytes for a in jax.tree.leaves(params))
@@ -112,7 +112,7 @@ def test_greedy_sampling_on_a_mesh_matches_one_device_and_splits_the_weights(tra
     trained, '--prompt=def ', '--temperature=0', '--max_new_tokens=16', '--mesh=1,2,2'
   )
   assert result.returncode == 0, result.stderr[-2000:]
-  text = generation.run_tokenizer(trained, cfg).decode(prompt + outputs[None])
+  text = workdir_lib.tokenizer(trained, cfg).decode(prompt + outputs[None])
   assert result.stdout[:-1] == text
 
 

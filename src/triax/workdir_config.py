@@ -11,12 +11,13 @@ import os
 
 from triax import config
 from triax.errors import ConfigError
+from triax.training import workdir as workdir_lib
 
 
 def get_config(arg=None):
   if not arg:
     raise ConfigError('--config', 'name the workdir: --config=experiments/from_workdir.py:WORKDIR')
-  path = os.path.join(arg, 'config.json')
+  path = workdir_lib.path(arg, workdir_lib.CONFIG)
   if not os.path.isfile(path):
-    raise ConfigError('--config', f'{arg} has no config.json: give a triax workdir')
+    raise ConfigError('--config', f'{arg} has no {workdir_lib.CONFIG}: give a triax workdir')
   return config.load_json(path, '--config')

@@ -4,7 +4,7 @@ Restores the latest checkpoint of DIR (written under any parallel layout)
 onto one device and prints the prompt followed by the sampled continuation,
 decoded with the run's tokenizer (bytes unless it trained on, or was
 imported with, another). Kept to flag parsing and one library call
-(triax.model.generation).
+(triax.training.sampling).
 """
 
 import sys
@@ -52,6 +52,7 @@ def main(argv):
     devices = mesh[0] * mesh[1] * mesh[2]
   cli.force_cpu_devices(devices)
   from triax.model import generation  # after the device count is set
+  from triax.training import sampling as sampling_lib
 
   sampling = generation.Sampling(
     max_new_tokens=_MAX_NEW_TOKENS.value,
@@ -61,7 +62,7 @@ def main(argv):
   )
   with cli.config_errors_exit():
     _check_tokenizer(_WORKDIR.value)
-    result = generation.sample(_WORKDIR.value, _PROMPT.value, sampling, mesh)
+    result = sampling_lib.sample(_WORKDIR.value, _PROMPT.value, sampling, mesh)
   # stdout holds the text alone, so it can be piped; where it came from goes to stderr.
   print(f'[checkpoint step {result["step"]} of {_WORKDIR.value}]', file=sys.stderr)
   print(result['text'])
@@ -71,16 +72,16 @@ def _check_tokenizer(workdir: str) -> None:
   """Refuses a model whose ids its tokenizer cannot decode: bytes stop at 255, and a
   workdir imported before convert asked for the tokenizer may have 128k ids."""
   from triax.data import tokenizer as tokenizer_lib
-  from triax.model import generation
+  from triax.training import workdir as workdir_lib
 
-  cfg = generation.load_run_config(workdir)
+  cfg = workdir_lib.load_config(workdir)
   ids = cfg.model.vocab_used or cfg.model.vocab_size
-  tok = generation.run_tokenizer(workdir, cfg)
+  tok = workdir_lib.tokenizer(workdir, cfg)
   if tok.kind == tokenizer_lib.BYTES and ids > tok.vocab_size:
     cli.fail(
       '--workdir',
       f'{workdir}: the model has {ids} token ids but no tokenizer (bytes decode 256): copy '
-      f"the checkpoint's tokenizer.json to {workdir}/{generation.TOKENIZER_FILE}",
+      f"the checkpoint's tokenizer.json to {workdir}/{workdir_lib.TOKENIZER}",
     )
 
 

@@ -148,13 +148,15 @@ def with_workdir_config(argv: list[str]) -> list[str]:
   workdir alone, where --config.x overrides need a config file to apply to."""
   if any(a == '--config' or a.startswith('--config=') for a in argv[1:]):
     return argv
+  from triax.training import workdir as workdir_lib  # names only: no JAX
+
   workdir = None
   for i, arg in enumerate(argv[1:], 1):
     if arg.startswith('--workdir='):
       workdir = arg.split('=', 1)[1]
     elif arg == '--workdir' and i + 1 < len(argv):
       workdir = argv[i + 1]
-  if not workdir or not os.path.isfile(os.path.join(workdir, 'config.json')):
+  if not workdir or not os.path.isfile(os.path.join(workdir, workdir_lib.CONFIG)):
     return argv
   return [argv[0], f'--config={workdir_config.__file__}:{workdir}', *argv[1:]]
 

@@ -1,9 +1,9 @@
-"""Text from a trained run: restore its latest parameters and sample bytes.
+"""Decoding a trained model: a prompt's continuation from given parameters.
 
-A run's workdir holds its validated config (config.json) and checkpoints in
-model layer order (see triax.training.checkpoint), so the parameters restore
-onto one device whatever (data, tensor, pipe, schedule) wrote them; only the
-params are read, not the optimizer state.
+A run's parameters come back from its workdir in model layer order
+(training/workdir.py), onto one device or a `Placement`'s mesh whatever
+(data, tensor, pipe, schedule) wrote them; training/sampling.py puts the two
+together for `triax sample`.
 
 Generation is one jitted program: a prefill of the (left-padded) prompts
 into a per-layer K/V cache (GQA-sized), then one token a step against it.
@@ -17,24 +17,16 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 
 import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
-import orbax.checkpoint as ocp
 
-from triax import config as config_lib
 from triax import sharding as sharding_lib
 from triax.data import tokenizer as tokenizer_lib
 from triax.errors import ConfigError
 from triax.model import registry
-from triax.training.checkpoint import Checkpointer
-
-CONFIG_FILE = 'config.json'
-# A tokenizer recorded beside an imported checkpoint (triax convert --tokenizer).
-TOKENIZER_FILE = 'tokenizer.json'
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,28 +51,6 @@ class Sampling:
       raise ConfigError('--seed', f'must be >= 0, got {self.seed}')
 
 
-def load_run_config(workdir: str) -> ml_collections.ConfigDict:
-  """The config a training run saved in its workdir."""
-  path = os.path.join(workdir, CONFIG_FILE)
-  if not os.path.isdir(workdir):
-    raise ConfigError('--workdir', f'{workdir}: no such directory')
-  if not os.path.isfile(path):
-    raise ConfigError(
-      '--workdir', f'{workdir} has no {CONFIG_FILE}: give the --workdir of a triax train run'
-    )
-  # Keys an older run lacks (model families, say) keep their defaults: a GPT.
-  return config_lib.load_json(path)
-
-
-def run_tokenizer(workdir: str, cfg) -> tokenizer_lib.Tokenizer:
-  """What the run's tokens mean: its data.tokenizer, else the tokenizer.json
-  an import recorded beside it (training/hf_checkpoint.py), else bytes."""
-  if cfg.data.tokenizer != tokenizer_lib.BYTES:
-    return tokenizer_lib.load(cfg.data.tokenizer)
-  recorded = os.path.join(workdir, TOKENIZER_FILE)
-  return tokenizer_lib.load(recorded if os.path.isfile(recorded) else tokenizer_lib.BYTES)
-
-
 def encode_prompt(prompt: str, seq_len: int, tok: tokenizer_lib.Tokenizer) -> list[int]:
   """The prompt's tokens, which must fit the model's context."""
   tokens = tok.encode(prompt)
@@ -93,18 +63,6 @@ def encode_prompt(prompt: str, seq_len: int, tok: tokenizer_lib.Tokenizer) -> li
       f'of model.seq_len={seq_len}; shorten it',
     )
   return tokens
-
-
-def latest_checkpoint(workdir: str, cfg) -> int:
-  """The step of the run's newest intact checkpoint."""
-  step = Checkpointer(workdir, cfg).latest_step()
-  if step is None:
-    raise ConfigError(
-      '--workdir',
-      f'{workdir} has no checkpoints yet: train first '
-      f'(python -m triax train ... --workdir={workdir})',
-    )
-  return step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,32 +115,6 @@ class Placement:
         lambda _: device, model.logical_axes(), is_leaf=lambda a: isinstance(a, tuple)
       )
     return sharding_lib.tree_shardings(model.logical_axes(), self.mesh, self.rules)
-
-
-def restore_params(workdir: str, cfg, step: int, placement: Placement = Placement()):
-  """The params of checkpoint `step`, on the first device or split over `placement`'s mesh."""
-  model = registry.build(registry.spec_from_config(cfg.model))
-  shardings = placement.shardings(model)
-  target = {
-    'params': jax.tree.map(
-      lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-      jax.eval_shape(model.init, jax.random.key(0)),
-      shardings,
-    )
-  }
-  path = os.path.join(os.path.abspath(workdir), 'checkpoints', str(step), 'state')
-  with ocp.PyTreeCheckpointer() as checkpointer:
-    restored = checkpointer.restore(
-      path,
-      args=ocp.args.PyTreeRestore(
-        item=target,
-        restore_args={
-          'params': jax.tree.map(lambda sh: ocp.ArrayRestoreArgs(sharding=sh), shardings)
-        },
-        partial_restore=True,
-      ),
-    )  # just the params: the optimizer state is twice their size
-  return restored['params']
 
 
 def sampling_model(cfg):
@@ -306,26 +238,3 @@ def generate(
     stack.enter_context(sharding_lib.axis_rules(rules))
     out = np.asarray(jax.device_get(run(params, tokens, start, jax.random.key(sampling.seed))))
   return out[0] if single else out
-
-
-def sample(
-  workdir: str, prompt: str, sampling: Sampling, mesh: tuple[int, int, int] | None = None
-) -> dict:
-  """Restores a run's latest params and continues `prompt`.
-
-  Everything about the input (workdir, checkpoint, prompt, sampling flags,
-  mesh) is checked before JAX starts compiling. `mesh` = (data, tensor, pipe)
-  samples on that many devices, the weights split (`Placement`); None, on one.
-
-  Returns:
-    {'text': prompt + continuation, 'step': checkpoint step, 'tokens': new tokens}
-  """
-  cfg = load_run_config(workdir)
-  tok = run_tokenizer(workdir, cfg)
-  prompt_tokens = encode_prompt(prompt, cfg.model.seq_len, tok)
-  sampling.check(cfg.model.vocab_used or cfg.model.vocab_size)  # padded ids: never drawn
-  placement = Placement.build(cfg, mesh)
-  step = latest_checkpoint(workdir, cfg)
-  params = restore_params(workdir, cfg, step, placement)
-  new = generate(sampling_model(cfg), params, prompt_tokens, sampling, placement)
-  return {'text': tok.decode(prompt_tokens + new.tolist()), 'step': step, 'tokens': new}

@@ -23,6 +23,7 @@ import re
 import statistics
 
 from triax.errors import ConfigError
+from triax.training import workdir as workdir_lib
 from triax.training.metrics import read_metrics
 
 # Written by the sweep runner into a point's directory once its process has ended.
@@ -82,7 +83,7 @@ def summarize_run(workdir: str) -> RunSummary:
     run.mfu = _median_after_first(train, 'mfu')
   if evals:
     run.final_eval_step, run.final_eval_loss = evals[-1]['step'], evals[-1]['eval_loss']
-  stats_path = os.path.join(workdir, 'compile_stats.json')
+  stats_path = workdir_lib.path(workdir, workdir_lib.COMPILE_STATS)
   if os.path.exists(stats_path):
     with open(stats_path) as f:
       run.peak_bytes = peak_bytes_per_device(json.load(f))
@@ -291,7 +292,7 @@ def benchmark_report(workdir: str) -> str:
   run = summarize_run(workdir)
   if run.tokens_per_sec is None:
     raise ConfigError('--workdir', f'{workdir} has no logged train steps')
-  stats_path = os.path.join(workdir, 'compile_stats.json')
+  stats_path = workdir_lib.path(workdir, workdir_lib.COMPILE_STATS)
   with open(stats_path) as f:
     stats = json.load(f)
   n = len(run.train_curve)

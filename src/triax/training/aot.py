@@ -21,6 +21,7 @@ from triax import topology as topology_lib
 from triax.mesh import build_mesh
 from triax.training import atomic, buffers, loop
 from triax.training import lock as lock_lib
+from triax.training import workdir as workdir_lib
 from triax.training.step import build_trainer
 
 
@@ -65,7 +66,7 @@ def compile_for_topology(cfg, workdir: str, topology: topology_lib.Topology) -> 
   workdir_lock = lock_lib.WorkdirLock(workdir)
   workdir_lock.acquire()
   try:
-    atomic.write_json(os.path.join(workdir, 'compile_stats.json'), stats)
+    atomic.write_json(workdir_lib.path(workdir, workdir_lib.COMPILE_STATS), stats)
   finally:
     workdir_lock.release()
   return stats

@@ -37,6 +37,7 @@ from absl import logging
 
 from triax.errors import ConfigError
 from triax.model import registry
+from triax.training import workdir as workdir_lib
 from triax.training.step import Trainer, TrainState
 
 MANIFEST = 'triax_manifest.json'
@@ -81,7 +82,7 @@ class Checkpointer:
       ConfigError: the path is a file or holds something else.
     """
     self.workdir = os.path.abspath(workdir)
-    self.directory = os.path.join(self.workdir, 'checkpoints')
+    self.directory = os.path.join(self.workdir, workdir_lib.CHECKPOINTS)
     self.cfg = cfg
     self.keep = cfg.checkpoint.keep
     # triax sample reads a run's config.json, which older runs wrote without this key.

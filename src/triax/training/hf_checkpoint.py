@@ -33,11 +33,11 @@ import numpy as np
 from triax import config as config_lib
 from triax.data import tokenizer as tokenizer_lib
 from triax.errors import ConfigError
-from triax.model import generation, hf_llama
+from triax.model import hf_llama
 from triax.training import atomic
 from triax.training import lock as lock_lib
+from triax.training import workdir as workdir_lib
 
-HF_CONFIG = 'hf_config.json'
 # Shards HF writes by default are at most 5 GB.
 MAX_SHARD_BYTES = 5 * 10**9
 
@@ -78,7 +78,7 @@ def _portable(cfg, workdir: str, tokenizer: str) -> str:
   """
   portable = ml_collections.ConfigDict(cfg.to_dict())
   if tokenizer:
-    portable.data.tokenizer = os.path.join(workdir, generation.TOKENIZER_FILE)
+    portable.data.tokenizer = os.path.join(workdir, workdir_lib.TOKENIZER)
   return portable.to_json(indent=2)
 
 
@@ -101,7 +101,7 @@ def import_hf(hf_dir: str, workdir: str, *, tokenizer: str = '', seq_len: int = 
       '--workdir', f'{workdir} is not empty; import into a new directory (nothing was written)'
     )
   cfg = import_config(hf, seq_len)
-  beside = os.path.join(hf_dir, generation.TOKENIZER_FILE)
+  beside = os.path.join(hf_dir, workdir_lib.TOKENIZER)
   if not tokenizer and os.path.isfile(beside):
     tokenizer = beside  # where transformers (and our export) keep it
   if tokenizer:
@@ -116,7 +116,7 @@ def import_hf(hf_dir: str, workdir: str, *, tokenizer: str = '', seq_len: int = 
     raise ConfigError(
       '--tokenizer',
       f'the checkpoint has {cfg.model.vocab_size} token ids and {hf_dir} holds no '
-      f'{generation.TOKENIZER_FILE}: give its tokenizer, --tokenizer=PATH/tokenizer.json '
+      f'{workdir_lib.TOKENIZER}: give its tokenizer, --tokenizer=PATH/tokenizer.json '
       '(nothing was written)',
     )
   # One device's worth of layout: the checkpoint restores under any other.
@@ -131,7 +131,7 @@ def import_hf(hf_dir: str, workdir: str, *, tokenizer: str = '', seq_len: int = 
   lock_lib.check_free(workdir)
   os.makedirs(workdir, exist_ok=True)
   if tokenizer:
-    shutil.copyfile(tokenizer, os.path.join(workdir, generation.TOKENIZER_FILE))
+    shutil.copyfile(tokenizer, os.path.join(workdir, workdir_lib.TOKENIZER))
   with lock_lib.WorkdirLock(workdir):
     trainer = step_lib.build_trainer(cfg, mesh_lib.build_mesh(cfg.mesh))
     shapes = trainer.abstract_canonical_state().params
@@ -145,10 +145,10 @@ def import_hf(hf_dir: str, workdir: str, *, tokenizer: str = '', seq_len: int = 
     ckpt.save(trainer, trainer.from_canonical(canonical))
     ckpt.wait()
     ckpt.close()
-    atomic.write_json(os.path.join(workdir, HF_CONFIG), hf)
-    atomic.write_text(os.path.join(workdir, 'config.json'), portable)
+    atomic.write_json(workdir_lib.path(workdir, workdir_lib.HF_CONFIG), hf)
+    atomic.write_text(workdir_lib.path(workdir, workdir_lib.CONFIG), portable)
   count = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(params))
-  recorded = os.path.join(workdir, generation.TOKENIZER_FILE) if tokenizer else ''
+  recorded = os.path.join(workdir, workdir_lib.TOKENIZER) if tokenizer else ''
   return {'step': 0, 'params': count, 'config': cfg, 'tokenizer': recorded}
 
 
@@ -158,7 +158,7 @@ def export_hf(workdir: str, out_dir: str, *, max_shard_bytes: int = MAX_SHARD_BY
   Returns:
     {'step': the checkpoint's step, 'files': names written, 'architecture': HF's class name}
   """
-  cfg = generation.load_run_config(workdir)
+  cfg = workdir_lib.load_config(workdir)
   if cfg.model.family not in hf_llama.FAMILIES:
     raise ConfigError(
       '--workdir',
@@ -168,17 +168,17 @@ def export_hf(workdir: str, out_dir: str, *, max_shard_bytes: int = MAX_SHARD_BY
     )
   if os.path.exists(out_dir) and os.listdir(out_dir):
     raise ConfigError('--hf_dir', f'{out_dir} is not empty; export into a new directory')
-  step = generation.latest_checkpoint(workdir, cfg)
-  params = jax.tree.map(np.asarray, generation.restore_params(workdir, cfg, step))
+  step = workdir_lib.latest_step(workdir, cfg)
+  params = jax.tree.map(np.asarray, workdir_lib.restore_params(workdir, cfg, step))
   base = None
-  if os.path.isfile(os.path.join(workdir, HF_CONFIG)):
-    base = _read_json(os.path.join(workdir, HF_CONFIG), '--workdir')
+  if os.path.isfile(workdir_lib.path(workdir, workdir_lib.HF_CONFIG)):
+    base = _read_json(workdir_lib.path(workdir, workdir_lib.HF_CONFIG), '--workdir')
   os.makedirs(out_dir, exist_ok=True)
   hf_llama.write_tensors(hf_llama.params_to_hf(params, cfg.model), out_dir, max_shard_bytes)
   atomic.write_json(os.path.join(out_dir, 'config.json'), hf_llama.hf_config(cfg.model, base))
   tok = _run_tokenizer_file(workdir, cfg)
   if tok is not None:
-    name = 'tokenizer.model' if tok.endswith('.model') else generation.TOKENIZER_FILE
+    name = 'tokenizer.model' if tok.endswith('.model') else workdir_lib.TOKENIZER
     shutil.copyfile(tok, os.path.join(out_dir, name))
   for name in os.listdir(out_dir):
     # safetensors writes 0600; a checkpoint to share reads as HF's do.
@@ -188,8 +188,8 @@ def export_hf(workdir: str, out_dir: str, *, max_shard_bytes: int = MAX_SHARD_BY
 
 
 def _run_tokenizer_file(workdir: str, cfg) -> str | None:
-  """The file of the run's tokenizer (as generation.run_tokenizer picks it), if it has one."""
+  """The file of the run's tokenizer (as workdir.tokenizer picks it), if it has one."""
   if cfg.data.tokenizer != tokenizer_lib.BYTES:
     return cfg.data.tokenizer if os.path.isfile(cfg.data.tokenizer) else None
-  recorded = os.path.join(workdir, generation.TOKENIZER_FILE)
+  recorded = os.path.join(workdir, workdir_lib.TOKENIZER)
   return recorded if os.path.isfile(recorded) else None

@@ -29,12 +29,11 @@ import sys
 from absl import logging
 
 from triax.errors import ConfigError
-
-LOCK_NAME = 'triax.lock'
+from triax.training import workdir as workdir_lib
 
 
 def lock_path(workdir: str) -> str:
-  return os.path.join(os.path.abspath(workdir), LOCK_NAME)
+  return os.path.join(os.path.abspath(workdir), workdir_lib.LOCK)
 
 
 def _process_start(pid: int) -> str | None:

@@ -39,20 +39,19 @@ from triax.pipeline import simulate
 from triax.training import atomic, preemption
 from triax.training import lock as lock_lib
 from triax.training import step as step_lib
+from triax.training import workdir as workdir_lib
 from triax.training.checkpoint import Checkpointer
 from triax.training.metrics import JsonLines, MetricsWriter
 from triax.training.step import Trainer, build_trainer
-
-# What a resume by workdir alone needs that config.json does not say: the CPU
-# device count (forced before JAX starts, so only the command line sets it).
-DEVICES_FILE = 'devices.json'
 
 
 def recorded_cpu_devices(workdir: str) -> int | None:
   """The CPU devices per process of the workdir's last run; None when it ran elsewhere or
   recorded nothing (a run before this file, or an import)."""
   try:
-    with open(os.path.join(workdir, DEVICES_FILE)) as f:
+    # What a resume by workdir alone needs that config.json does not say: the CPU
+    # device count (forced before JAX starts, so only the command line sets it).
+    with open(workdir_lib.path(workdir, workdir_lib.DEVICES)) as f:
       record = json.load(f)
   except (OSError, ValueError):
     return None
@@ -402,7 +401,7 @@ def _run(
     _, _, stats = all_compile_stats(trainer)
     _take_lock(workdir_lock)
     if main_process:
-      atomic.write_json(os.path.join(workdir, 'compile_stats.json'), stats)
+      atomic.write_json(workdir_lib.path(workdir, workdir_lib.COMPILE_STATS), stats)
     return stats
 
   position = _Position()
@@ -478,13 +477,13 @@ def _train(
   ckpt.prepare_to_write()
   if main_process:
     # What the run was (for triax sample and for people): the validated config.
-    atomic.write_text(os.path.join(workdir, 'config.json'), cfg.to_json(indent=2))
+    atomic.write_text(workdir_lib.path(workdir, workdir_lib.CONFIG), cfg.to_json(indent=2))
     record = {'platform': jax.default_backend(), 'local_devices': jax.local_device_count()}
-    atomic.write_json(os.path.join(workdir, DEVICES_FILE), record)
+    atomic.write_json(workdir_lib.path(workdir, workdir_lib.DEVICES), record)
   skip_limit = cfg.train.skip_nonfinite_steps
   compiled, compiled_eval, stats = all_compile_stats(trainer)
   if main_process:
-    atomic.write_json(os.path.join(workdir, 'compile_stats.json'), stats)
+    atomic.write_json(workdir_lib.path(workdir, workdir_lib.COMPILE_STATS), stats)
   metrics = MetricsWriter(
     workdir,
     start,
@@ -586,7 +585,7 @@ def _train(
   try:
     for step in range(start + 1, cfg.train.steps + 1):
       if profile and step == profile[0]:
-        jax.profiler.start_trace(os.path.join(workdir, 'profile'))
+        jax.profiler.start_trace(workdir_lib.path(workdir, workdir_lib.PROFILE))
       batch = global_batch(trainer, lambda lo, hi, s=step - 1: data.train.batch(s, (lo, hi)))
       # The logged learning rate is the schedule evaluated op by op, as always;
       # queued ahead of the step, it is ready when the step is (queued after

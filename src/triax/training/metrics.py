@@ -14,6 +14,7 @@ import secrets
 import struct
 
 from triax.training import atomic
+from triax.training import workdir as workdir_lib
 
 # tensorboardX is imported where events are written or read, not here: it
 # imports torch whenever torch is installed (the test extra installs it),
@@ -151,7 +152,7 @@ class WandbWriter:
   def __init__(self, workdir: str, project: str, mode: str, config: dict):
     import wandb  # optional: config validation checked it is installed
 
-    id_path = os.path.join(workdir, 'wandb_run_id')
+    id_path = workdir_lib.path(workdir, workdir_lib.WANDB_RUN_ID)
     if os.path.exists(id_path):
       with open(id_path) as f:
         run_id = f.read().strip()
@@ -196,8 +197,8 @@ class MetricsWriter:
     config: dict | None = None,
   ):
     self.enabled = enabled
-    self.path = os.path.join(workdir, 'metrics.jsonl')
-    self.tb_dir = os.path.join(workdir, 'tb')
+    self.path = workdir_lib.path(workdir, workdir_lib.METRICS)
+    self.tb_dir = workdir_lib.path(workdir, workdir_lib.TENSORBOARD)
     self._lines = JsonLines(self.path, start_step, enabled)
     self._tb = None
     self._wandb = None
@@ -235,7 +236,7 @@ class MetricsWriter:
 
 def read_metrics(workdir: str) -> list[dict]:
   """All records of a workdir's metrics.jsonl (empty if there is none)."""
-  path = os.path.join(workdir, 'metrics.jsonl')
+  path = workdir_lib.path(workdir, workdir_lib.METRICS)
   return _read_lines(path) if os.path.exists(path) else []
 
 

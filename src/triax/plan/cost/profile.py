@@ -30,7 +30,8 @@ import numpy as np
 
 from triax.plan.cluster import Link
 
-# Residual policies the model knows; kept in step with model.common.REMAT_POLICIES.
+# Residual policies the model knows (config.REMAT_POLICIES, a test holds them equal), in
+# order of more recompute.
 REMATS = ('none', 'selective', 'full')
 # Functions whose time is fitted: chunk forward and backward per layer, the
 # embedding's forward+backward, the head's loss+gradient.

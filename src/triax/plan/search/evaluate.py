@@ -26,7 +26,7 @@ from triax.plan.search.layouts import Layout
 
 # Least recomputation first: `evaluate` stops at the first that fits where
 # recomputation can only be slower (`remat_measured`).
-REMATS = ('none', 'selective', 'full')
+REMATS = profile_lib.REMATS  # one list: the profile's, in order of more recompute
 
 
 def speed(profile: profile_lib.Profile, group: Group, b: float, t: int) -> float:
