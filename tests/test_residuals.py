@@ -1,0 +1,83 @@
+"""What a layer's pieces keep for the backward, in a bf16 run: Korthikanti et
+al.'s count (the norm's input and its reciprocal rms, the attention
+probabilities once in bf16, an MLP nonlinearity's inputs), not what autodiff
+of the fp32 arithmetic kept beside them (fp32 copies, softmax's fp32 output,
+tanh / sigmoid internals). Read from JAX's own list of saved residuals;
+each piece's gradient is autodiff's to fp32 rounding."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax._src.ad_checkpoint import saved_residuals
+
+from triax.model import common, context, gpt
+
+pytestmark = pytest.mark.fast
+
+B, S, D, F, N, H = 2, 8, 16, 32, 4, 8
+
+
+def _kept(fn, *args):
+  """(dtype, shape) of every residual that is not an argument of `fn`."""
+  loss = lambda *a: fn(*a).astype(jnp.float32).sum()  # noqa: E731
+  return sorted(
+    (str(aval.dtype), aval.shape)
+    for aval, why in saved_residuals(loss, *args)
+    if 'from the argument' not in why and aval.shape
+  )
+
+
+def _x(shape, seed=0):
+  return jax.random.normal(jax.random.key(seed), shape).astype(jnp.bfloat16)
+
+
+def test_a_bf16_layer_keeps_the_papers_residuals():
+  scale = jnp.ones((D,), jnp.float32)
+  assert _kept(lambda x, w: common.rms_norm(x, w, 1e-6), _x((B, S, D)), scale) == [
+    ('float32', (B, S, 1))
+  ]
+  q = _x((B, S, N, H))
+  attention = lambda q, k, v: context.masked_attention(q, k, v, jnp.arange(S))  # noqa: E731
+  assert _kept(attention, q, _x((B, S, N, H), 1), _x((B, S, N, H), 2)) == [
+    ('bfloat16', (B, N, S, S))
+  ]
+  assert _kept(common.swiglu, _x((B, S, F)), _x((B, S, F), 1)) == []
+  assert _kept(gpt.gelu, _x((B, S, F))) == []
+
+
+@pytest.mark.parametrize(
+  'ours, autodiff',
+  [
+    (lambda x: common._rms_norm(x[..., :D], x[0, 0, D:], 1e-6), None),
+    (
+      lambda x: common.swiglu(x[..., :D], x[..., D:]),
+      lambda x: jax.nn.silu(x[..., :D]) * x[..., D:],
+    ),
+    (gpt.gelu, jax.nn.gelu),
+  ],
+)
+def test_each_backward_is_autodiffs(ours, autodiff):
+  x = 3 * jax.random.normal(jax.random.key(0), (B, S, 2 * D))
+  if autodiff is None:  # rms_norm: x / rms(x) * scale, written out
+
+    def autodiff(x):
+      y, w = x[..., :D], x[0, 0, D:]
+      return y * jax.lax.rsqrt(jnp.mean(y * y, axis=-1, keepdims=True) + 1e-6) * w
+
+  grad = lambda f: jax.grad(lambda x: jnp.sum(jnp.sin(f(x))))(x)  # noqa: E731
+  np.testing.assert_allclose(grad(ours), grad(autodiff), rtol=1e-5, atol=1e-5)
+
+
+def test_attention_backward_is_autodiffs_of_xlas_attention():
+  q, k, v = (jax.random.normal(jax.random.key(i), (B, S, N, H)) for i in range(3))
+  pos = jnp.arange(S)
+
+  def reference(q, k, v):
+    bias = context.bias(pos, pos, None, None)
+    return jax.nn.dot_product_attention(q, k, v, bias=bias, implementation='xla')
+
+  grad = lambda f: jax.grad(lambda *a: jnp.sum(jnp.sin(f(*a))), argnums=(0, 1, 2))(q, k, v)  # noqa: E731
+  ours = grad(lambda q, k, v: context.masked_attention(q, k, v, pos))
+  for a, b in zip(ours, grad(reference)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
