@@ -1,15 +1,36 @@
-"""What an HF export must satisfy, for every family that exports: the tensors
-transformers wrote, export -> import -> export bit-identical file by file
-(shards and index), and transformers reading the export back to the same
-logits. Shared by tests/test_hf_llama.py and tests/test_hf_mixtral.py."""
+"""What an HF checkpoint must satisfy, for every family that converts: greedy
+tokens equal to transformers' generate; on export the tensors transformers
+wrote, export -> import -> export bit-identical file by file (shards and
+index), and transformers reading the export back to the same logits. Shared
+by tests/test_hf_llama.py and tests/test_hf_mixtral.py."""
 
 import filecmp
 import os
 
 import numpy as np
 
-from triax.model import hf_llama
+from triax.model import generation, hf_llama
 from triax.training import hf_checkpoint
+from triax.training import workdir as workdir_lib
+
+
+def check_greedy(model, workdir, cfg):
+  """triax's greedy tokens from the imported checkpoint equal transformers'."""
+  import torch
+
+  params = workdir_lib.restore_params(workdir, cfg, 0)
+  prompt = [5, 17, 200, 33]
+  ours = generation.generate(
+    generation.sampling_model(cfg),
+    params,
+    prompt,
+    generation.Sampling(max_new_tokens=12, temperature=0.0),
+  )
+  with torch.no_grad():
+    theirs = model.generate(
+      torch.tensor([prompt]), max_new_tokens=12, do_sample=False, min_new_tokens=12
+    )[0, len(prompt) :].numpy()
+  assert ours.tolist() == theirs.tolist()
 
 
 def check(first, reference, tmp_path, model, reader, tokens):

@@ -130,20 +130,7 @@ def test_imported_checkpoint_gives_transformers_loss_on_parallel_layouts(importe
 
 def test_greedy_generation_gives_transformers_tokens(imported):
   model, _, workdir, result = imported
-  cfg = result['config']
-  params = workdir_lib.restore_params(workdir, cfg, 0)
-  prompt = [5, 17, 200, 33]
-  ours = generation.generate(
-    generation.sampling_model(cfg),
-    params,
-    prompt,
-    generation.Sampling(max_new_tokens=12, temperature=0.0),
-  )
-  with torch.no_grad():
-    theirs = model.generate(
-      torch.tensor([prompt]), max_new_tokens=12, do_sample=False, min_new_tokens=12
-    )[0, len(prompt) :].numpy()
-  assert ours.tolist() == theirs.tolist()
+  hf_round_trip.check_greedy(model, workdir, result['config'])
 
 
 def test_export_import_export_is_bit_identical(imported, tmp_path):
