@@ -14,6 +14,17 @@ from triax.training import hf_checkpoint
 from triax.training import workdir as workdir_lib
 
 
+def import_sharded(model, base):
+  """(hf_dir, workdir, import result): `model` saved by transformers in shards
+  of at most 100 kB (the index path, as large checkpoints are stored) under
+  `base`, then imported."""
+  hf_dir = str(base / 'hf')
+  model.save_pretrained(hf_dir, max_shard_size='100KB')
+  assert os.path.isfile(os.path.join(hf_dir, hf_llama.INDEX_FILE))
+  workdir = str(base / 'w')
+  return hf_dir, workdir, hf_checkpoint.import_hf(hf_dir, workdir)
+
+
 def check_greedy(model, workdir, cfg):
   """triax's greedy tokens from the imported checkpoint equal transformers'."""
   import torch

@@ -62,13 +62,8 @@ def _hf_model(**overrides):
 
 @pytest.fixture(scope='module')
 def imported(tmp_path_factory):
-  base = tmp_path_factory.mktemp('hf')
   model = _hf_model()
-  hf_dir = str(base / 'hf')
-  model.save_pretrained(hf_dir, max_shard_size='100KB')
-  assert os.path.isfile(os.path.join(hf_dir, hf_llama.INDEX_FILE))
-  workdir = str(base / 'w')
-  result = hf_checkpoint.import_hf(hf_dir, workdir)
+  hf_dir, workdir, result = hf_round_trip.import_sharded(model, tmp_path_factory.mktemp('hf'))
   return model, hf_dir, workdir, result
 
 
