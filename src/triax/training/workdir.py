@@ -95,13 +95,12 @@ def restore_params(workdir: str, cfg, step: int, shardings=None):
   import jax
   import orbax.checkpoint as ocp
 
-  from triax.model import registry
+  from triax.model import generation, registry
 
   model = registry.build(registry.spec_from_config(cfg.model))
   abstract = jax.eval_shape(model.init, jax.random.key(0))
   if shardings is None:
-    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    shardings = jax.tree.map(lambda _: device, abstract)
+    shardings = generation.Placement().shardings(model)  # the first device
   target = {
     'params': jax.tree.map(
       lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), abstract, shardings
