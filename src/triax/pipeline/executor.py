@@ -200,9 +200,7 @@ def pipeline_loss_and_grad(
     [pipe, v, layers_per_chunk, ...] sharded over `pipe`, local chunk i of
     stage s at [s, i]; inputs and targets are [m, mb, s].
   """
-  schedule = program.schedule
-  p = schedule.stages
-  last_chunk = schedule.num_chunks - 1
+  p = program.schedule.stages
   if mesh.shape['pipe'] != p:
     raise ValueError(f'mesh has pipe={mesh.shape["pipe"]} but the schedule has {p} stages')
   manual = ('pipe',) + ((data_axis,) if data_axis else ())
@@ -213,240 +211,28 @@ def pipeline_loss_and_grad(
         f'micro-batch of {act_shape[0]} rows does not split over {data_axis}={replicas}'
       )
     act_shape = (act_shape[0] // replicas,) + tuple(act_shape[1:])
-  # A write the table marks as "nothing arrives" (-1) goes to the index just
-  # past the message pool and is dropped (`mode='drop'`), so arrivals need no
-  # branch and no spare slot (one message less than writing into a spare).
-  moves = program.partner is not None
-  n_msg = program.slots['msg']
-  n_stash, n_cut = program.slots['stash'], program.slots['cut']
-  dropped = lambda table: jnp.asarray(np.where(table < 0, n_msg, table), jnp.int32)
-  tables = {
-    name: jnp.asarray(np.maximum(program.table[name], 0), jnp.int32)
-    for name in ('kind', 'mb', 'chunk', 'local', 'src', 'loss', 'stash', 'cut')
-  }
-  tables.update({f'recv{o}': dropped(program.recv[o]) for o in program.offsets})
-  if moves:
-    tables['move_send'] = jnp.asarray(np.maximum(program.table['move_send'], 0), jnp.int32)
-    tables['move_recv'] = jnp.asarray(program.table['move_recv'], jnp.int32)
-    # Whether any stage moves a set in the tick: the same on every device.
-    anyone = (program.table['move_send'] >= 0).any(axis=1, keepdims=True)
-    tables['any_move'] = jnp.asarray(
-      np.broadcast_to(anyone, program.table['move_send'].shape), jnp.int32
-    )
-    partner_pairs = [(s, q) for s, q in enumerate(program.partner) if s != q]
+  setup = _Setup(
+    fns=fns,
+    program=program,
+    manual=manual,
+    act_shape=tuple(act_shape),
+    act_dtype=act_dtype,
+    loss_scale=loss_scale,
+    act_spec=act_spec,
+    message_spec=act_spec if transfer_spec is None else transfer_spec,
+    chunk_layers=chunk_layers,
+  )
+  tables = _device_tables(program)
   info = {}
-  counts = None if chunk_layers is None else jnp.asarray(chunk_layers, jnp.int32)
-
-  def run_chunk(chunk_params, x, chunk, seg):
-    # A micro-batch's document ids enter the forward only: what the backward
-    # needs of them (the mask) is among the vjp's residuals.
-    extra = {} if seg is None else {'segments': seg}
-    if counts is None:
-      return fns.chunk(chunk_params, x, **extra)
-    return fns.chunk(chunk_params, x, counts[chunk], **extra)
-
-  def pin(x):
-    return jax.lax.with_sharding_constraint(x, act_spec)
-
-  message_spec = act_spec if transfer_spec is None else transfer_spec
-
-  def pin_message(x):
-    return jax.lax.with_sharding_constraint(x, message_spec)
-
-  def pin_buffer(x):
-    return jax.lax.with_sharding_constraint(x, P(None, *message_spec))
 
   def body(stage_params, edges, inputs, targets, *docs):
-    doc_ids = docs[0] if docs else None
-    local = jax.tree.map(lambda a: a[0], stage_params)  # [v, layers_per_chunk, ...]
-    # Replicated weights become per-device values here, outside any branch
-    # and the scan: a vjp inside a branch w.r.t. a pipe-invariant value would
-    # transpose into a psum over `pipe` that only some stages reach (a
-    # deadlock), and one w.r.t. a data-invariant value into a psum over
-    # `data` in every backward. Cast here, they transpose into one psum each,
-    # after the scan.
-    local = _varying(local, manual)
-    edges = _varying(edges, manual)
-    stage = jax.lax.axis_index('pipe')
-    x_zero = pin(_varying(jnp.zeros(act_shape, act_dtype), manual))
-
-    def chunk_vjp(chunk_params, x, chunk, seg):
-      return jax.vjp(lambda cp, h: run_chunk(cp, h, chunk, seg), chunk_params, x)
-
-    # Trace one chunk's vjp to learn the residual structure (which leaves are
-    # the chunk's own weights, not stashed; the shapes of the rest) and to
-    # split its backward program into B and W. The chunk index is traced as
-    # in the real forward, so an uneven split's layer count is a residual in
-    # both. The probe's values are unused (XLA drops them).
-    probe_params = _take(local, 0)
-    y_probe, vjp_probe = chunk_vjp(
-      probe_params, x_zero, stage, None if doc_ids is None else doc_ids[0]
+    stage = _Stage(setup, stage_params, edges, inputs, targets, docs[0] if docs else None)
+    info['residual_bytes'], info['cut_bytes'] = (
+      stage.residuals.stash_bytes,
+      stage.residuals.cut_bytes,
     )
-    res_leaves, treedef = jax.tree.flatten(vjp_probe)
-    weights = jax.tree.leaves(probe_params)
-    weight_of = [next((j for j, w in enumerate(weights) if w is leaf), None) for leaf in res_leaves]
-    stash_shapes = [leaf for leaf, j in zip(res_leaves, weight_of) if j is None]
-    split = SplitBackward(
-      lambda res, g: jax.tree.unflatten(treedef, res)(g), res_leaves, pin(y_probe.astype(act_dtype))
-    )
-    cut_leaves, cut_tree = jax.tree.flatten(split.cut_shapes)
-    info['residual_bytes'] = sum(s.size * s.dtype.itemsize for s in stash_shapes)
-    info['cut_bytes'] = sum(s.size * s.dtype.itemsize for s in cut_leaves)
-
-    def split_residuals(vjp_fn, chunk_params):
-      leaves, weights = jax.tree.leaves(vjp_fn), jax.tree.leaves(chunk_params)
-      # The probe's structure must hold for this trace too, or the stash would
-      # silently pair residuals with the wrong slots.
-      if len(leaves) != len(weight_of) or any(
-        j is not None and leaf is not weights[j] for leaf, j in zip(leaves, weight_of)
-      ):
-        raise AssertionError('chunk vjp residuals differ from the probe trace')
-      return [leaf for leaf, j in zip(leaves, weight_of) if j is None]
-
-    def join_residuals(stashed, chunk_params):
-      weights, stashed = jax.tree.leaves(chunk_params), iter(stashed)
-      return [next(stashed) if j is None else weights[j] for j in weight_of]
-
-    pool = lambda n, shapes: _varying([jnp.zeros((n,) + s.shape, s.dtype) for s in shapes], manual)
-    carry0 = dict(
-      msg=pin_buffer(_varying(jnp.zeros((n_msg,) + act_shape, act_dtype), manual)),
-      stash=pool(n_stash, stash_shapes),
-      cut=pool(n_cut, cut_leaves),
-      g_stage=_zeros_like_varying(local, manual),
-      g_edges=_zeros_like_varying(edges, manual),
-      loss=_varying(jnp.zeros((), jnp.float32), manual),
-    )
-    carry0 = jax.lax.optimization_barrier(carry0)
-
-    def forward(c, row):
-      mb, chunk = row['mb'], row['chunk']
-      chunk_params = _take(local, row['local'])
-      x = jax.lax.cond(
-        chunk == 0,
-        lambda: pin(fns.embed(edges, inputs[mb]).astype(act_dtype)),
-        lambda: pin(c['msg'][row['src']]),
-      )
-      y, vjp_fn = chunk_vjp(chunk_params, x, chunk, None if doc_ids is None else doc_ids[mb])
-      c = dict(c, stash=_put(c['stash'], row['stash'], split_residuals(vjp_fn, chunk_params)))
-
-      def loss_and_seed(c):
-        # The edges times a one XLA cannot fold (it depends on the tick's
-        # row): otherwise XLA hoists the head's bf16 cast of its table out of
-        # the tick loop and holds it for the whole step (0.5 GiB at 128k x
-        # 2048) rather than while the head runs. The product fuses into the
-        # cast, and its gradient into the accumulation.
-        one = (mb >= 0).astype(jnp.float32)
-        here = jax.tree.map(lambda a: a * one.astype(a.dtype), edges)
-        loss, g_edges, dy = fns.head_loss_and_grad(here, y, targets[mb], c['g_edges'], loss_scale)
-        return dict(
-          c,
-          loss=c['loss'] + loss,
-          g_edges=g_edges,
-          msg=c['msg'].at[row['loss']].set(pin_message(dy.astype(act_dtype))),
-        )
-
-      c = jax.lax.cond(chunk == last_chunk, loss_and_seed, lambda c: c, c)
-      return c, pin(y.astype(act_dtype))
-
-    def residuals(c, row):
-      return join_residuals([s[row['stash']] for s in c['stash']], _take(local, row['local']))
-
-    def backward(c, row):
-      mb, chunk = row['mb'], row['chunk']
-      dx, cut = split.b(residuals(c, row), pin(c['msg'][row['src']]))
-      c = dict(c, cut=_put(c['cut'], row['cut'], jax.tree.leaves(cut)))
-
-      def embed_backward(c):
-        _, embed_vjp = jax.vjp(lambda e: fns.embed(e, inputs[mb]).astype(act_dtype), edges)
-        (g_edges,) = embed_vjp(dx.astype(act_dtype))
-        return dict(c, g_edges=jax.tree.map(jnp.add, c['g_edges'], g_edges))
-
-      c = jax.lax.cond(chunk == 0, embed_backward, lambda c: c, c)
-      return c, pin(dx.astype(act_dtype))
-
-    def weight(c, row):
-      cut = jax.tree.unflatten(cut_tree, [s[row['cut']] for s in c['cut']])
-      # Added into the stage's gradients as W makes them (layer by layer in
-      # its scan): the chunk's gradients never exist on their own beside them.
-      g_stage = split.w(residuals(c, row), cut, acc=(c['g_stage'], row['local']))
-      return dict(c, g_stage=g_stage), x_zero
-
-    def idle(c, row):
-      return c, x_zero
-
-    def move(c, row):
-      """The partner ppermute: sends a residual set and lands the one arriving.
-
-      Entered only in ticks where some stage moves a set, under a predicate
-      every device evaluates alike, so all of them enter the branch and its
-      ppermute together (a stage with nothing to move sends a slot it does
-      not need and the receiver keeps nothing). A predicate that differed
-      between devices made XLA:CPU (jax 0.10.2) mix this ppermute's
-      rendezvous up with the tick's others (NaN gradients, or a check
-      failure counting 5 participants of 4).
-
-      It opens the tick, before F, B and W, so the slice it sends is the
-      step's only read of the stash before a write, and that write depends
-      on it. Run after B and W, whose reads nothing orders before a later
-      write, landing in the same step made XLA copy the whole pool (BPipe
-      at p=8: 74.9 MB of temp), and landing in the next step kept a landing
-      set between steps (44.2 MB; opening the tick, 42.9).
-      """
-      arrived = jax.lax.ppermute([s[row['move_send']] for s in c['stash']], 'pipe', partner_pairs)
-      return jax.lax.cond(
-        row['move_recv'] >= 0,
-        lambda c: dict(c, stash=_put(c['stash'], row['move_recv'], arrived)),
-        lambda c: c,
-        c,
-      )
-
-    def tick(c, rows):
-      row = {name: table[stage] for name, table in rows.items()}
-      if moves:
-        c = jax.lax.cond(row['any_move'] > 0, move, lambda c, row: c, c, row)
-      # One cond per kind rather than one switch over all four: a switch whose
-      # branches write (F) and read (B, W) the stash made XLA copy the whole
-      # pool (measured: 1f1b p=4 temp 132 MB -> see tests/test_pipeline_memory.py).
-      kind = row['kind']
-      c, y = jax.lax.cond(kind == lower_lib.RUN_F, forward, idle, c, row)
-      c, dx = jax.lax.cond(kind == lower_lib.RUN_B, backward, idle, c, row)
-      c, _ = jax.lax.cond(kind == lower_lib.RUN_W, weight, idle, c, row)
-      out = jnp.where(kind == lower_lib.RUN_F, y, dx)
-      msg = c['msg']
-      # Scatter: each tensor rank keeps (and sends) its 1/t of the output; the
-      # reader's pin() above all-gathers it.
-      out = pin_message(out)
-      for o in program.offsets:
-        arrived = (
-          out if o == 0 else jax.lax.ppermute(out, 'pipe', [(i, (i + o) % p) for i in range(p)])
-        )
-        msg = msg.at[row[f'recv{o}']].set(arrived, mode='drop')
-      c = dict(c, msg=msg)
-      return c, None
-
-    c, _ = jax.lax.scan(tick, carry0, tables)
-    # The step's only reductions: over every manual axis for the loss and the
-    # replicated embedding/head, over `data` for the stage's own layers.
-    replicas = manual[1:]
-    loss = jax.lax.psum(c['loss'], manual)
-    sizes = dict(mesh.shape)
-    leaves, tree = jax.tree.flatten(c['g_edges'])
-    # The reduce-scatter and all-gather are for XLA:TPU (see `_all_reduce`);
-    # elsewhere one psum each.
-    on_tpu = mesh.devices.flat[0].platform == 'tpu'
-    specs = (
-      jax.tree.leaves(edge_specs, is_leaf=lambda x: isinstance(x, P))
-      if on_tpu and edge_specs is not None
-      else [None] * len(leaves)
-    )
-    g_edges = tree.unflatten(
-      [_all_reduce(g, manual, sizes, spec) for g, spec in zip(leaves, specs, strict=True)]
-    )
-    g_stage = c['g_stage']
-    if replicas:
-      g_stage = jax.lax.psum(g_stage, replicas)
-    g_stage = jax.tree.map(lambda g: g[None], g_stage)
-    return loss, (g_stage, g_edges)
+    c, _ = jax.lax.scan(stage.tick, stage.initial_carry(), tables)
+    return _reduce_over_replicas(c, manual, mesh, edge_specs)
 
   rows = P(None, data_axis) if data_axis else P()
   run = jax.shard_map(
@@ -457,6 +243,298 @@ def pipeline_loss_and_grad(
     out_specs=(P(), (P('pipe'), P())),
   )
   return PipelineStep(run, info)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Setup:
+  """What every stage's trace shares, fixed before tracing (see
+  `pipeline_loss_and_grad` for the fields; act_shape is one replica's)."""
+
+  fns: StageFns
+  program: lower_lib.Program
+  manual: tuple[str, ...]
+  act_shape: tuple[int, ...]
+  act_dtype: Any
+  loss_scale: float
+  act_spec: P
+  message_spec: P
+  chunk_layers: tuple[int, ...] | None
+
+  def pin(self, x):
+    return jax.lax.with_sharding_constraint(x, self.act_spec)
+
+  def pin_message(self, x):
+    return jax.lax.with_sharding_constraint(x, self.message_spec)
+
+  def pin_buffer(self, x):
+    return jax.lax.with_sharding_constraint(x, P(None, *self.message_spec))
+
+
+def _device_tables(program: lower_lib.Program) -> dict[str, jax.Array]:
+  """The program's per-tick tables as the scan's xs ([ticks, stages] each).
+
+  A write the table marks as "nothing arrives" (-1) goes to the index just
+  past the message pool and is dropped (`mode='drop'`), so arrivals need no
+  branch and no spare slot (one message less than writing into a spare).
+  """
+  n_msg = program.slots['msg']
+  dropped = lambda table: jnp.asarray(np.where(table < 0, n_msg, table), jnp.int32)  # noqa: E731
+  tables = {
+    name: jnp.asarray(np.maximum(program.table[name], 0), jnp.int32)
+    for name in ('kind', 'mb', 'chunk', 'local', 'src', 'loss', 'stash', 'cut')
+  }
+  tables.update({f'recv{o}': dropped(program.recv[o]) for o in program.offsets})
+  if program.partner is not None:
+    tables['move_send'] = jnp.asarray(np.maximum(program.table['move_send'], 0), jnp.int32)
+    tables['move_recv'] = jnp.asarray(program.table['move_recv'], jnp.int32)
+    # Whether any stage moves a set in the tick: the same on every device.
+    anyone = (program.table['move_send'] >= 0).any(axis=1, keepdims=True)
+    tables['any_move'] = jnp.asarray(
+      np.broadcast_to(anyone, program.table['move_send'].shape), jnp.int32
+    )
+  return tables
+
+
+class _Residuals:
+  """Which leaves of a chunk's vjp are stashed, and the split of its backward.
+
+  Learnt from one probe trace of a chunk's vjp: residual leaves that are the
+  chunk's own weights (forwarded by JAX, not copies) are not stashed but
+  re-sliced from the parameters at the backward; the rest are stash slots'
+  shapes. The probe's values are unused (XLA drops them).
+  """
+
+  def __init__(self, vjp_fn, chunk_params, y, pin):
+    leaves, self._treedef = jax.tree.flatten(vjp_fn)
+    weights = jax.tree.leaves(chunk_params)
+    self._weight_of = [
+      next((j for j, w in enumerate(weights) if w is leaf), None) for leaf in leaves
+    ]
+    self.stash_shapes = [leaf for leaf, j in zip(leaves, self._weight_of) if j is None]
+    self.split = SplitBackward(
+      lambda res, g: jax.tree.unflatten(self._treedef, res)(g), leaves, pin(y)
+    )
+    self.cut_shapes, self.cut_tree = jax.tree.flatten(self.split.cut_shapes)
+    self.stash_bytes = sum(s.size * s.dtype.itemsize for s in self.stash_shapes)
+    self.cut_bytes = sum(s.size * s.dtype.itemsize for s in self.cut_shapes)
+
+  def stashed(self, vjp_fn, chunk_params) -> list:
+    """The leaves of `vjp_fn` to stash."""
+    leaves, weights = jax.tree.leaves(vjp_fn), jax.tree.leaves(chunk_params)
+    # The probe's structure must hold for this trace too, or the stash would
+    # silently pair residuals with the wrong slots.
+    if len(leaves) != len(self._weight_of) or any(
+      j is not None and leaf is not weights[j] for leaf, j in zip(leaves, self._weight_of)
+    ):
+      raise AssertionError('chunk vjp residuals differ from the probe trace')
+    return [leaf for leaf, j in zip(leaves, self._weight_of) if j is None]
+
+  def joined(self, stashed, chunk_params) -> list:
+    """All residual leaves again: the stashed ones and the chunk's weights."""
+    weights, stashed = jax.tree.leaves(chunk_params), iter(stashed)
+    return [next(stashed) if j is None else weights[j] for j in self._weight_of]
+
+
+class _Stage:
+  """One device's trace of the tick loop: its carry and what each kind does.
+
+  Built inside the shard_map, so `stage_params` and the batch are this
+  device's (and this replica's) shares.
+  """
+
+  def __init__(self, setup: _Setup, stage_params, edges, inputs, targets, doc_ids):
+    self.setup, self.fns = setup, setup.fns
+    self.inputs, self.targets, self.doc_ids = inputs, targets, doc_ids
+    manual = setup.manual
+    local = jax.tree.map(lambda a: a[0], stage_params)  # [v, layers_per_chunk, ...]
+    # Replicated weights become per-device values here, outside any branch
+    # and the scan: a vjp inside a branch w.r.t. a pipe-invariant value would
+    # transpose into a psum over `pipe` that only some stages reach (a
+    # deadlock), and one w.r.t. a data-invariant value into a psum over
+    # `data` in every backward. Cast here, they transpose into one psum each,
+    # after the scan.
+    self.local = _varying(local, manual)
+    self.edges = _varying(edges, manual)
+    self.stage = jax.lax.axis_index('pipe')
+    self.x_zero = setup.pin(_varying(jnp.zeros(setup.act_shape, setup.act_dtype), manual))
+    self.counts = None if setup.chunk_layers is None else jnp.asarray(setup.chunk_layers, jnp.int32)
+    # Trace one chunk's vjp to learn the residual structure and to split its
+    # backward program into B and W. The chunk index is traced as in the real
+    # forward, so an uneven split's layer count is a residual in both.
+    probe_params = _take(self.local, 0)
+    y_probe, vjp_probe = self.chunk_vjp(probe_params, self.x_zero, self.stage, self.segments(0))
+    self.residuals = _Residuals(vjp_probe, probe_params, y_probe.astype(setup.act_dtype), setup.pin)
+
+  def segments(self, mb):
+    return None if self.doc_ids is None else self.doc_ids[mb]
+
+  def chunk_vjp(self, chunk_params, x, chunk, seg):
+    # A micro-batch's document ids enter the forward only: what the backward
+    # needs of them (the mask) is among the vjp's residuals.
+    extra = {} if seg is None else {'segments': seg}
+    if self.counts is None:
+      run = lambda cp, h: self.fns.chunk(cp, h, **extra)  # noqa: E731
+    else:
+      run = lambda cp, h: self.fns.chunk(cp, h, self.counts[chunk], **extra)  # noqa: E731
+    return jax.vjp(run, chunk_params, x)
+
+  def initial_carry(self) -> dict:
+    s, manual, program = self.setup, self.setup.manual, self.setup.program
+    pool = lambda n, shapes: _varying([jnp.zeros((n,) + a.shape, a.dtype) for a in shapes], manual)  # noqa: E731
+    msg = jnp.zeros((program.slots['msg'],) + s.act_shape, s.act_dtype)
+    carry = dict(
+      msg=s.pin_buffer(_varying(msg, manual)),
+      stash=pool(program.slots['stash'], self.residuals.stash_shapes),
+      cut=pool(program.slots['cut'], self.residuals.cut_shapes),
+      g_stage=_zeros_like_varying(self.local, manual),
+      g_edges=_zeros_like_varying(self.edges, manual),
+      loss=_varying(jnp.zeros((), jnp.float32), manual),
+    )
+    return jax.lax.optimization_barrier(carry)
+
+  def tick(self, c, rows):
+    row = {name: table[self.stage] for name, table in rows.items()}
+    if 'any_move' in row:
+      c = jax.lax.cond(row['any_move'] > 0, self.move, lambda c, row: c, c, row)
+    # One cond per kind rather than one switch over all four: a switch whose
+    # branches write (F) and read (B, W) the stash made XLA copy the whole
+    # pool (measured: 1f1b p=4 temp 132 MB -> see tests/test_pipeline_memory.py).
+    kind = row['kind']
+    c, y = jax.lax.cond(kind == lower_lib.RUN_F, self.forward, self.idle, c, row)
+    c, dx = jax.lax.cond(kind == lower_lib.RUN_B, self.backward, self.idle, c, row)
+    c, _ = jax.lax.cond(kind == lower_lib.RUN_W, self.weight, self.idle, c, row)
+    return self.send(c, row, jnp.where(kind == lower_lib.RUN_F, y, dx)), None
+
+  def send(self, c, row, out):
+    """The tick's output to the stages that read it, into their message slots."""
+    p, msg = self.setup.program.schedule.stages, c['msg']
+    # Scatter: each tensor rank keeps (and sends) its 1/t of the output; the
+    # reader's pin() all-gathers it.
+    out = self.setup.pin_message(out)
+    for o in self.setup.program.offsets:
+      arrived = (
+        out if o == 0 else jax.lax.ppermute(out, 'pipe', [(i, (i + o) % p) for i in range(p)])
+      )
+      msg = msg.at[row[f'recv{o}']].set(arrived, mode='drop')
+    return dict(c, msg=msg)
+
+  def idle(self, c, row):
+    return c, self.x_zero
+
+  def forward(self, c, row):
+    pin, mb, chunk = self.setup.pin, row['mb'], row['chunk']
+    chunk_params = _take(self.local, row['local'])
+    x = jax.lax.cond(
+      chunk == 0,
+      lambda: pin(self.fns.embed(self.edges, self.inputs[mb]).astype(self.setup.act_dtype)),
+      lambda: pin(c['msg'][row['src']]),
+    )
+    y, vjp_fn = self.chunk_vjp(chunk_params, x, chunk, self.segments(mb))
+    c = dict(c, stash=_put(c['stash'], row['stash'], self.residuals.stashed(vjp_fn, chunk_params)))
+    last = self.setup.program.schedule.num_chunks - 1
+    c = jax.lax.cond(chunk == last, lambda c: self.loss_and_seed(c, row, y), lambda c: c, c)
+    return c, pin(y.astype(self.setup.act_dtype))
+
+  def loss_and_seed(self, c, row, y):
+    """The last chunk's loss, its edges' gradient and the B's seed gradient."""
+    mb = row['mb']
+    # The edges times a one XLA cannot fold (it depends on the tick's row):
+    # otherwise XLA hoists the head's bf16 cast of its table out of the tick
+    # loop and holds it for the whole step (0.5 GiB at 128k x 2048) rather
+    # than while the head runs. The product fuses into the cast, and its
+    # gradient into the accumulation.
+    one = (mb >= 0).astype(jnp.float32)
+    here = jax.tree.map(lambda a: a * one.astype(a.dtype), self.edges)
+    loss, g_edges, dy = self.fns.head_loss_and_grad(
+      here, y, self.targets[mb], c['g_edges'], self.setup.loss_scale
+    )
+    return dict(
+      c,
+      loss=c['loss'] + loss,
+      g_edges=g_edges,
+      msg=c['msg'].at[row['loss']].set(self.setup.pin_message(dy.astype(self.setup.act_dtype))),
+    )
+
+  def stashed_residuals(self, c, row):
+    stashed = [s[row['stash']] for s in c['stash']]
+    return self.residuals.joined(stashed, _take(self.local, row['local']))
+
+  def backward(self, c, row):
+    pin, mb, act_dtype = self.setup.pin, row['mb'], self.setup.act_dtype
+    dx, cut = self.residuals.split.b(self.stashed_residuals(c, row), pin(c['msg'][row['src']]))
+    c = dict(c, cut=_put(c['cut'], row['cut'], jax.tree.leaves(cut)))
+
+    def embed_backward(c):
+      _, embed_vjp = jax.vjp(
+        lambda e: self.fns.embed(e, self.inputs[mb]).astype(act_dtype), self.edges
+      )
+      (g_edges,) = embed_vjp(dx.astype(act_dtype))
+      return dict(c, g_edges=jax.tree.map(jnp.add, c['g_edges'], g_edges))
+
+    c = jax.lax.cond(row['chunk'] == 0, embed_backward, lambda c: c, c)
+    return c, pin(dx.astype(act_dtype))
+
+  def weight(self, c, row):
+    cut = jax.tree.unflatten(self.residuals.cut_tree, [s[row['cut']] for s in c['cut']])
+    # Added into the stage's gradients as W makes them (layer by layer in
+    # its scan): the chunk's gradients never exist on their own beside them.
+    g_stage = self.residuals.split.w(
+      self.stashed_residuals(c, row), cut, acc=(c['g_stage'], row['local'])
+    )
+    return dict(c, g_stage=g_stage), self.x_zero
+
+  def move(self, c, row):
+    """The partner ppermute: sends a residual set and lands the one arriving.
+
+    Entered only in ticks where some stage moves a set, under a predicate
+    every device evaluates alike, so all of them enter the branch and its
+    ppermute together (a stage with nothing to move sends a slot it does
+    not need and the receiver keeps nothing). A predicate that differed
+    between devices made XLA:CPU (jax 0.10.2) mix this ppermute's
+    rendezvous up with the tick's others (NaN gradients, or a check
+    failure counting 5 participants of 4).
+
+    It opens the tick, before F, B and W, so the slice it sends is the
+    step's only read of the stash before a write, and that write depends
+    on it. Run after B and W, whose reads nothing orders before a later
+    write, landing in the same step made XLA copy the whole pool (BPipe
+    at p=8: 74.9 MB of temp), and landing in the next step kept a landing
+    set between steps (44.2 MB; opening the tick, 42.9).
+    """
+    partner = self.setup.program.partner
+    pairs = [(s, q) for s, q in enumerate(partner) if s != q]
+    arrived = jax.lax.ppermute([s[row['move_send']] for s in c['stash']], 'pipe', pairs)
+    return jax.lax.cond(
+      row['move_recv'] >= 0,
+      lambda c: dict(c, stash=_put(c['stash'], row['move_recv'], arrived)),
+      lambda c: c,
+      c,
+    )
+
+
+def _reduce_over_replicas(c, manual, mesh: Mesh, edge_specs):
+  """The step's only reductions: over every manual axis for the loss and the
+  replicated embedding/head, over `data` for the stage's own layers."""
+  replicas = manual[1:]
+  loss = jax.lax.psum(c['loss'], manual)
+  sizes = dict(mesh.shape)
+  leaves, tree = jax.tree.flatten(c['g_edges'])
+  # The reduce-scatter and all-gather are for XLA:TPU (see `_all_reduce`);
+  # elsewhere one psum each.
+  on_tpu = mesh.devices.flat[0].platform == 'tpu'
+  specs = (
+    jax.tree.leaves(edge_specs, is_leaf=lambda x: isinstance(x, P))
+    if on_tpu and edge_specs is not None
+    else [None] * len(leaves)
+  )
+  g_edges = tree.unflatten(
+    [_all_reduce(g, manual, sizes, spec) for g, spec in zip(leaves, specs, strict=True)]
+  )
+  g_stage = c['g_stage']
+  if replicas:
+    g_stage = jax.lax.psum(g_stage, replicas)
+  g_stage = jax.tree.map(lambda g: g[None], g_stage)
+  return loss, (g_stage, g_edges)
 
 
 class PipelineStep:

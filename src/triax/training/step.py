@@ -212,7 +212,7 @@ def build_trainer(cfg, mesh: Mesh) -> Trainer:
   rules = cfg.sharding.logical_axis_rules
   p, v = cfg.mesh.pipe, cfg.pipeline.virtual_stages
   m = cfg.pipeline.microbatches
-  program, run, placement = None, None, None
+  program, placement = None, None
   if p > 1 or m > 1:
     schedule = sched.from_config(cfg.pipeline, p, m, v)
     program = sched.lower(schedule)
@@ -221,47 +221,11 @@ def build_trainer(cfg, mesh: Mesh) -> Trainer:
     spec.num_layers, p, v, cfg.pipeline.layers_per_stage, placement
   )
   optimizer = make_optimizer(cfg.train)
-
-  param_axes = pipeline_axes(model.logical_axes())
-  param_shardings = sharding.tree_shardings(param_axes, mesh, rules)
-  replicated = NamedSharding(mesh, P())
-
   zero1 = cfg.train.optimizer_sharding == 'data'
-
-  def state_shardings_for(param_shardings, param_shapes):
-    opt_shapes = jax.eval_shape(optimizer.init, param_shapes)
-    # Each moment is laid out like its parameter, and with ZeRO-1 also split
-    # over `data`: XLA then reduces the gradient into the shard each replica
-    # updates and all-gathers the updated parameters.
-    moment = (lambda a, s: split_over(s, a.shape, 'data')) if zero1 else (lambda _, s: s)
-    opt_shardings = optax.tree_map_params(
-      optimizer,
-      moment,
-      opt_shapes,
-      param_shardings,
-      transform_non_params=lambda _: replicated,
-    )
-    return TrainState(step=replicated, params=param_shardings, opt_state=opt_shardings)
+  param_shardings = sharding.tree_shardings(pipeline_axes(model.logical_axes()), mesh, rules)
 
   def init_params(rng):
-    params = model.init(rng)
-    return layout.tree_to_pipeline(params)
-
-  state_shardings = state_shardings_for(param_shardings, shapes_from_key(init_params))
-  # The checkpoint's layout (model layer order) split over `pipe` as well,
-  # the layer axis first: what every stage writes and reads is its share, not
-  # the whole state (replicated, pipe=8 made each device hold 7x the train
-  # state to save it). With an even split and v = 1 the shares are the
-  # stages' own layers, so converting moves nothing.
-  canonical_shapes = shapes_from_key(model.init)
-  canonical_shardings = state_shardings_for(
-    jax.tree.map(
-      lambda s, a: split_over(s, a.shape, 'pipe', prefer=0),
-      sharding.tree_shardings(model.logical_axes(), mesh, rules),
-      canonical_shapes,
-    ),
-    canonical_shapes,
-  )
+    return layout.tree_to_pipeline(model.init(rng))
 
   def init_state(rng):
     params = init_params(rng)
@@ -269,80 +233,176 @@ def build_trainer(cfg, mesh: Mesh) -> Trainer:
       step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params)
     )
 
-  batch_sharding = NamedSharding(mesh, P('data', None))
-  # Packed rows carry their document ids (batch['segment_ids']); attention stays inside each.
-  documents = bool(cfg.data.mask_documents)
-  global_batch, seq = cfg.train.global_batch_size, spec.seq_len
-  act_dtype = jnp.dtype(spec.dtype)
-
+  state_shardings = _state_shardings(
+    optimizer, param_shardings, shapes_from_key(init_params), zero1, mesh
+  )
+  canonical_shardings = _canonical_shardings(model, mesh, rules, optimizer, zero1)
   if program is None:
-
-    def raw_loss_and_grad(params, inputs, targets, segments=None):
-      flat = layout.tree_to_model_order(params)
-      # The objective: the loss, plus a MoE's router losses (its metrics beside it).
-      (loss, metrics), grads = jax.value_and_grad(model.objective, has_aux=True)(
-        flat, inputs, targets, segments
-      )
-      return loss, layout.tree_to_pipeline(grads), metrics
+    raw_loss_and_grad, run = _loss_and_grad_unpipelined(model, layout), None
   else:
-    # The batch's mesh axis turns manual inside the executor, so that weight
-    # gradients are reduced over it once per step; inside, the model sees
-    # one replica's rows and its constraints must not name that axis.
-    data_axis = dict(rules).get('batch')
-    data_axis = data_axis if data_axis == 'data' else None
-    inner_rules = tuple((name, None if axis == data_axis else axis) for name, axis in rules)
-
-    def inside(fn):
-      def call(*args, **kwargs):
-        with sharding.axis_rules(inner_rules):
-          return fn(*args, **kwargs)
-
-      return call
-
-    fns = executor.StageFns(
-      embed=inside(lambda edges, tokens: model.embed(model.edge_params(edges)[0], tokens)),
-      chunk=inside(model.layers),
-      head_loss_and_grad=inside(model.head_loss_and_grad),
-    )
-    counts = None if layout.even else layout.counts
-    mb = global_batch // m
-    act_spec = sharding.logical_to_spec(('batch', 'residual_seq', 'embed'), inner_rules)
-    run = executor.pipeline_loss_and_grad(
-      fns,
-      program,
-      mesh,
-      act_shape=(mb, seq, spec.d_model),
-      act_dtype=act_dtype,
-      loss_scale=1.0 / (global_batch * seq),
-      act_spec=act_spec,
-      chunk_layers=counts,
-      data_axis=data_axis,
-      transfer_spec=_transfer_spec(cfg, mesh, act_spec),
-      segments=documents,
-      edge_specs={
-        k: sharding.tree_specs(model.logical_axes()[k], inner_rules) for k in ('embed', 'head')
-      },
-    )
-
-    def raw_loss_and_grad(params, inputs, targets, segments=None):
-      # Micro-batch j takes rows j, j+m, ...: each micro-batch spans every data shard.
-      split = lambda a: jnp.swapaxes(a.reshape((mb, m) + a.shape[1:]), 0, 1)
-      # The first and last stages' params in one tree: a weight both use (tied
-      # embeddings) has one gradient, both ends' contributions added into it.
-      edges = {'embed': params['embed'], 'head': params['head']}
-      docs = () if segments is None else (split(segments),)
-      loss, (g_layers, g_edges) = run(params['layers'], edges, split(inputs), split(targets), *docs)
-      return loss, {**g_edges, 'layers': g_layers}, {}
+    raw_loss_and_grad, run = _loss_and_grad_pipelined(cfg, mesh, model, spec, layout, program)
 
   def loss_and_grad(params, inputs, targets, segments=None):
     with sharding.axis_rules(rules):
       return raw_loss_and_grad(params, inputs, targets, segments)
+
+  # Packed rows carry their document ids (batch['segment_ids']); attention stays inside each.
+  documents = bool(cfg.data.mask_documents)
 
   def batch_args(batch: dict) -> tuple:
     """inputs, targets and (data.mask_documents) the rows' document ids, in the
     slot order the model expects (load-balanced over context ranks)."""
     args = (batch['inputs'], batch['targets'], batch['segment_ids'] if documents else None)
     return tuple(None if a is None else context_lib.permute(a, spec.context) for a in args)
+
+  train_step = _train_step(cfg, optimizer, loss_and_grad, batch_args)
+  eval_loss = _eval_loss(cfg, mesh, model, spec, layout, batch_args)
+  replicated = NamedSharding(mesh, P())
+  batch_sharding = NamedSharding(mesh, P('data', None))
+  with jax.set_mesh(mesh):
+    jit_init = jax.jit(init_state, out_shardings=state_shardings)
+    jit_train = jax.jit(
+      train_step,
+      in_shardings=(state_shardings, batch_sharding),
+      out_shardings=(state_shardings, replicated),
+      donate_argnums=0,
+    )
+    jit_eval = jax.jit(
+      eval_loss, in_shardings=(param_shardings, batch_sharding), out_shardings=replicated
+    )
+    jit_grad = jax.jit(
+      lambda params, batch: loss_and_grad(params, *batch_args(batch))[:2],
+      in_shardings=(param_shardings, batch_sharding),
+      out_shardings=(replicated, param_shardings),
+    )
+  return Trainer(
+    cfg=cfg,
+    mesh=mesh,
+    model=model,
+    optimizer=optimizer,
+    program=program,
+    layout=layout,
+    pipeline=run,
+    state_shardings=state_shardings,
+    batch_sharding=batch_sharding,
+    init_state=jit_init,
+    train_step=jit_train,
+    eval_loss=jit_eval,
+    loss_and_grad=jit_grad,
+    optimizer_schedule=learning_rate_schedule(cfg.train),
+    canonical_shardings=canonical_shardings,
+    # Saves and restores convert leaf by leaf (relayout.py: what bounds their memory).
+    to_canonical=relayout.Relayout(layout, state_shardings, canonical_shardings, to_model=True),
+    from_canonical=relayout.Relayout(layout, canonical_shardings, state_shardings, to_model=False),
+  )
+
+
+def _state_shardings(optimizer, param_shardings, param_shapes, zero1: bool, mesh: Mesh):
+  """The train state's shardings for parameters laid out as `param_shardings`."""
+  replicated = NamedSharding(mesh, P())
+  opt_shapes = jax.eval_shape(optimizer.init, param_shapes)
+  # Each moment is laid out like its parameter, and with ZeRO-1 also split
+  # over `data`: XLA then reduces the gradient into the shard each replica
+  # updates and all-gathers the updated parameters.
+  moment = (lambda a, s: split_over(s, a.shape, 'data')) if zero1 else (lambda _, s: s)
+  opt_shardings = optax.tree_map_params(
+    optimizer,
+    moment,
+    opt_shapes,
+    param_shardings,
+    transform_non_params=lambda _: replicated,
+  )
+  return TrainState(step=replicated, params=param_shardings, opt_state=opt_shardings)
+
+
+def _canonical_shardings(model, mesh: Mesh, rules, optimizer, zero1: bool):
+  """The checkpoint's layout (model layer order), split over `pipe` as well.
+
+  The layer axis first: what every stage writes and reads is its share, not
+  the whole state (replicated, pipe=8 made each device hold 7x the train
+  state to save it). With an even split and v = 1 the shares are the
+  stages' own layers, so converting moves nothing.
+  """
+  shapes = shapes_from_key(model.init)
+  params = jax.tree.map(
+    lambda s, a: split_over(s, a.shape, 'pipe', prefer=0),
+    sharding.tree_shardings(model.logical_axes(), mesh, rules),
+    shapes,
+  )
+  return _state_shardings(optimizer, params, shapes, zero1, mesh)
+
+
+def _loss_and_grad_unpipelined(model, layout):
+  """f(params, inputs, targets, segments) -> (loss, grads, metrics), one program."""
+
+  def raw_loss_and_grad(params, inputs, targets, segments=None):
+    flat = layout.tree_to_model_order(params)
+    # The objective: the loss, plus a MoE's router losses (its metrics beside it).
+    (loss, metrics), grads = jax.value_and_grad(model.objective, has_aux=True)(
+      flat, inputs, targets, segments
+    )
+    return loss, layout.tree_to_pipeline(grads), metrics
+
+  return raw_loss_and_grad
+
+
+def _loss_and_grad_pipelined(cfg, mesh: Mesh, model, spec, layout, program):
+  """The same function run by the pipeline executor, and the executor's step."""
+  rules = cfg.sharding.logical_axis_rules
+  global_batch, seq, m = cfg.train.global_batch_size, spec.seq_len, cfg.pipeline.microbatches
+  # The batch's mesh axis turns manual inside the executor, so that weight
+  # gradients are reduced over it once per step; inside, the model sees
+  # one replica's rows and its constraints must not name that axis.
+  data_axis = dict(rules).get('batch')
+  data_axis = data_axis if data_axis == 'data' else None
+  inner_rules = tuple((name, None if axis == data_axis else axis) for name, axis in rules)
+
+  def inside(fn):
+    def call(*args, **kwargs):
+      with sharding.axis_rules(inner_rules):
+        return fn(*args, **kwargs)
+
+    return call
+
+  fns = executor.StageFns(
+    embed=inside(lambda edges, tokens: model.embed(model.edge_params(edges)[0], tokens)),
+    chunk=inside(model.layers),
+    head_loss_and_grad=inside(model.head_loss_and_grad),
+  )
+  mb = global_batch // m
+  act_spec = sharding.logical_to_spec(('batch', 'residual_seq', 'embed'), inner_rules)
+  run = executor.pipeline_loss_and_grad(
+    fns,
+    program,
+    mesh,
+    act_shape=(mb, seq, spec.d_model),
+    act_dtype=jnp.dtype(spec.dtype),
+    loss_scale=1.0 / (global_batch * seq),
+    act_spec=act_spec,
+    chunk_layers=None if layout.even else layout.counts,
+    data_axis=data_axis,
+    transfer_spec=_transfer_spec(cfg, mesh, act_spec),
+    segments=bool(cfg.data.mask_documents),
+    edge_specs={
+      k: sharding.tree_specs(model.logical_axes()[k], inner_rules) for k in ('embed', 'head')
+    },
+  )
+
+  def raw_loss_and_grad(params, inputs, targets, segments=None):
+    # Micro-batch j takes rows j, j+m, ...: each micro-batch spans every data shard.
+    split = lambda a: jnp.swapaxes(a.reshape((mb, m) + a.shape[1:]), 0, 1)  # noqa: E731
+    # The first and last stages' params in one tree: a weight both use (tied
+    # embeddings) has one gradient, both ends' contributions added into it.
+    edges = {'embed': params['embed'], 'head': params['head']}
+    docs = () if segments is None else (split(segments),)
+    loss, (g_layers, g_edges) = run(params['layers'], edges, split(inputs), split(targets), *docs)
+    return loss, {**g_edges, 'layers': g_layers}, {}
+
+  return raw_loss_and_grad, run
+
+
+def _train_step(cfg, optimizer, loss_and_grad, batch_args):
+  """state, batch -> (state, metrics): one optimizer update."""
 
   def train_step(state: TrainState, batch: dict):
     loss, grads, metrics = loss_and_grad(state.params, *batch_args(batch))
@@ -360,12 +420,21 @@ def build_trainer(cfg, mesh: Mesh) -> Trainer:
     new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state)
     return new_state, {'loss': loss, 'grad_norm': grad_norm, **metrics}
 
-  # Evaluation runs the model unpipelined, in layer order. With pipe > 1 the
-  # weights stay split over `pipe` along d_model (FSDP's split, with pipe as
-  # the sharding axis), so the layer scan gathers one layer at a time: per
-  # device, the model is never whole (it was: every layer on every stage).
+  return train_step
+
+
+def _eval_loss(cfg, mesh: Mesh, model, spec, layout, batch_args):
+  """params, batch -> the mean loss, the model run unpipelined in layer order.
+
+  With pipe > 1 the weights stay split over `pipe` along d_model (FSDP's
+  split, with pipe as the sharding axis), so the layer scan gathers one
+  layer at a time: per device, the model is never whole (it was: every
+  layer on every stage).
+  """
+  rules = cfg.sharding.logical_axis_rules
   eval_rules = tuple(r for r in rules if r[0] != 'embed') + (('embed', 'pipe'),)
   eval_shardings = sharding.tree_shardings(model.logical_axes(), mesh, eval_rules)
+  p = cfg.mesh.pipe
   split_eval = p > 1 and dict(rules).get('embed') is None and spec.d_model % p == 0
 
   def eval_loss(params, batch):
@@ -375,41 +444,4 @@ def build_trainer(cfg, mesh: Mesh) -> Trainer:
     with sharding.axis_rules(rules):
       return model.loss(flat, *batch_args(batch))
 
-  with jax.set_mesh(mesh):
-    jit_init = jax.jit(init_state, out_shardings=state_shardings)
-    jit_train = jax.jit(
-      train_step,
-      in_shardings=(state_shardings, batch_sharding),
-      out_shardings=(state_shardings, replicated),
-      donate_argnums=0,
-    )
-    jit_eval = jax.jit(
-      eval_loss, in_shardings=(param_shardings, batch_sharding), out_shardings=replicated
-    )
-    jit_grad = jax.jit(
-      lambda params, batch: loss_and_grad(params, *batch_args(batch))[:2],
-      in_shardings=(param_shardings, batch_sharding),
-      out_shardings=(replicated, param_shardings),
-    )
-  # Saves and restores convert leaf by leaf (relayout.py: what bounds their memory).
-  to_canonical = relayout.Relayout(layout, state_shardings, canonical_shardings, to_model=True)
-  from_canonical = relayout.Relayout(layout, canonical_shardings, state_shardings, to_model=False)
-  return Trainer(
-    cfg=cfg,
-    mesh=mesh,
-    model=model,
-    optimizer=optimizer,
-    program=program,
-    layout=layout,
-    pipeline=run,
-    state_shardings=state_shardings,
-    batch_sharding=batch_sharding,
-    init_state=jit_init,
-    train_step=jit_train,
-    eval_loss=jit_eval,
-    loss_and_grad=jit_grad,
-    optimizer_schedule=learning_rate_schedule(cfg.train),
-    canonical_shardings=canonical_shardings,
-    to_canonical=to_canonical,
-    from_canonical=from_canonical,
-  )
+  return eval_loss
