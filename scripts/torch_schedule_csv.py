@@ -60,6 +60,7 @@ FIXTURES = {
   'torch_interleaved_1f1b_p4_v2_m6': ('ScheduleInterleaved1F1B', 4, 2, 6),
   'torch_interleaved_zb_p4_v2_m8': ('ScheduleInterleavedZeroBubble', 4, 2, 8),
   'torch_zbv_p4_v2_m8': ('ScheduleZBVZeroBubble', 4, 2, 8),
+  'torch_dualpipev_p4_v2_m8': ('ScheduleDualPipeV', 4, 2, 8),
 }
 
 

@@ -17,7 +17,7 @@ import pytest
 from triax.pipeline import schedule as sched
 
 _MESHES = [((1, 1, 4), 'none'), ((2, 1, 4), 'selective'), ((1, 2, 4), 'full'), ((1, 1, 8), 'none')]
-_CHUNKED = {'interleaved_1f1b', 'interleaved_zb', 'zb_v', 'v_min', 'v_half', 'v_zb'}
+_CHUNKED = {'interleaved_1f1b', 'interleaved_zb', 'zb_v', 'v_min', 'v_half', 'v_zb', 'dualpipe_v'}
 
 # (schedule, (data, tensor, pipe), virtual stages, micro-batches, remat, layers)
 CASES = [

@@ -8,16 +8,22 @@ A cell is `{stage}{kind}{microbatch}`, where torch's stage is our global
 chunk: `5F2` is chunk 5's forward of micro-batch 2. Kinds: F forward, B
 full backward, I input-gradient backward, W weight gradient. A blank cell
 is an idle step; only each row's order counts here, not where its idle
-cells are. A file uses B throughout (a fused schedule) or I and W
-throughout (a split one, read as our B and W). torch's FSDP and gradient
-reduction markers (UNSHARD, RESHARD, REDUCE_GRAD; its single-stage
-schedules end each rank with one) say nothing about the order and are
-skipped; send/receive cells belong to torch's other, compute+comms format.
-The placement is read off the rows: chunk c is on the row that runs it.
+cells are. A file with no I or W is a fused schedule (B our fused
+backward); one with I and W is split, I read as our B, W as our W, and a B
+there (torch's full backward, which its DualPipeV mixes with I and W) as
+our B with its W right after it (`Schedule.full_backwards`). A cell
+`(0F3;7B1)OVERLAP_F_B` (DualPipeV) is a forward and a backward torch runs
+as one overlapped action: read as the two, consecutive in the row, and
+marked as a pair (`Schedule.overlaps`) so that it is written back as one
+cell. torch's FSDP and gradient reduction markers (UNSHARD, RESHARD,
+REDUCE_GRAD; its single-stage schedules end each rank with one) say
+nothing about the order and are skipped; send/receive cells belong to
+torch's other, compute+comms format. The placement is read off the rows:
+chunk c is on the row that runs it.
 
 triax's JSON holds a Schedule field for field, orders as Action strings
-(`F3.1`, `EVICT3.1`), so any schedule, BPipe's copies and partners
-included, round-trips exactly.
+(`F3.1`, `EVICT3.1`), so any schedule, BPipe's copies and partners and
+DualPipeV's overlapped pairs included, round-trips exactly.
 
 Errors name the file, row and cell (both counted from 0, like torch's ranks
 and steps; in JSON, row r cell c is orders[r][c]) and say what to do. A file
@@ -71,8 +77,11 @@ _JSON_KEYS = (
   'placement',
   'partner',
   'stash_cap',
+  'overlaps',
+  'full_backwards',
   'orders',
 )
+_OVERLAP_CELL = re.compile(r'\((.*)\)OVERLAP_F_B')
 
 
 def load(
@@ -124,11 +133,16 @@ def write_csv(schedule: Schedule, path: str) -> None:
 
   Each action sits at its lockstep tick with every action costing one
   tick (`lower.compute_ticks` of the schedule as built), so the file reads
-  as a timeline, as torch's own do.
+  as a timeline, as torch's own do. A schedule with overlapped pairs or
+  full backwards in a split one (DualPipeV) has cells of two or three of
+  our actions, which sit at no one tick: its rows list their cells in order
+  with no idle cells, as torch's ScheduleDualPipeV writes them, so a file
+  torch wrote is written back byte for byte.
 
   Raises:
     ValueError: for a schedule that moves residuals (BPipe's EVICT/LOAD),
-      which the compute-only CSV cannot hold (write JSON instead).
+      which the compute-only CSV cannot hold (write JSON instead), or whose
+      pair marks disagree with its orders.
     ScheduleDeadlock: for orders that cannot run.
   """
   copies = [a for order in schedule.orders for a in order if a.kind in COPY_KINDS]
@@ -138,16 +152,75 @@ def write_csv(schedule: Schedule, path: str) -> None:
       "which torch's compute-only CSV cannot hold; write triax's JSON "
       '(write_json) instead'
     )
-  backward = 'I' if schedule.split_backward else 'B'
-  letter = {FORWARD: 'F', BACKWARD: backward, WEIGHT: 'W'}
-  rows = [[] for _ in range(schedule.stages)]
-  for a, tick in sorted(lower_lib.compute_ticks(schedule).items(), key=lambda x: x[1]):
-    row = rows[schedule.stage_of(a.chunk)]
-    row.extend([''] * (tick - len(row)))
-    row.append(f'{a.chunk}{letter[a.kind]}{a.microbatch}')
+  if schedule.overlaps or schedule.full_backwards:
+    rows = [[_torch_spell(schedule, cell) for cell in row] for row in torch_cells(schedule)]
+  else:
+    rows = [[] for _ in range(schedule.stages)]
+    for a, tick in sorted(lower_lib.compute_ticks(schedule).items(), key=lambda x: x[1]):
+      row = rows[schedule.stage_of(a.chunk)]
+      row.extend([''] * (tick - len(row)))
+      row.append(_torch_spell(schedule, (a,)))
   # The csv module's default dialect is what torch writes: commas, CRLF.
   with open(path, 'w', newline='', encoding='utf-8') as f:
     csv.writer(f).writerows(rows)
+
+
+def torch_cells(schedule: Schedule) -> list[list[tuple[Action, ...]]]:
+  """Each stage's order cut into torch's cells.
+
+  A cell is an overlapped pair (F, B, and B's W if B is a full backward),
+  a full backward (B, W) or one action.
+
+  Raises:
+    ValueError: where `schedule.overlaps` or `full_backwards` disagree
+      with the orders (a pair apart, a full backward's W not right after it).
+  """
+  pairs = dict(schedule.overlaps)
+  if len(pairs) != len(schedule.overlaps):
+    raise ValueError('a forward overlaps two backwards; each forward is in one pair at most')
+  for f, b in schedule.overlaps:
+    if (f.kind, b.kind) != (FORWARD, BACKWARD):
+      raise ValueError(f'overlap ({f}, {b}) must pair a forward with a backward')
+  if any(b.kind != BACKWARD for b in schedule.full_backwards):
+    raise ValueError('full_backwards must hold backward (B) actions only')
+  if schedule.full_backwards and not schedule.split_backward:
+    raise ValueError('full backwards are marked in a schedule without W actions')
+  rows, used = [], 0
+  for order in schedule.orders:
+    row, i = [], 0
+    while i < len(order):
+      n = 1
+      if order[i] in pairs:
+        if order[i + 1 : i + 2] != (pairs[order[i]],):
+          raise ValueError(f'{order[i]} overlaps {pairs[order[i]]}, which must come right after it')
+        n, used = 2, used + 1
+      b = order[i + n - 1]
+      if b in schedule.full_backwards:
+        w = Action(WEIGHT, b.microbatch, b.chunk)
+        if order[i + n : i + n + 1] != (w,):
+          raise ValueError(f'{b} is a full backward: its {w} must come right after it')
+        n += 1
+      row.append(order[i : i + n])
+      i += n
+    rows.append(row)
+  marked_b = {b for order in schedule.orders for b in order} & schedule.full_backwards
+  if used != len(pairs) or marked_b != schedule.full_backwards:
+    raise ValueError('an overlap or full backward names an action that is in no order')
+  return rows
+
+
+def _torch_spell(schedule: Schedule, cell: tuple[Action, ...]) -> str:
+  """One of `torch_cells`' cells as torch writes it (5F2, 5I2, 5B2, (0F3;7B1)OVERLAP_F_B)."""
+
+  def one(a: Action) -> str:
+    if a.kind == BACKWARD:
+      fused = not schedule.split_backward or a in schedule.full_backwards
+      return f'{a.chunk}{"B" if fused else "I"}{a.microbatch}'
+    return f'{a.chunk}{a.kind}{a.microbatch}'
+
+  if len(cell) > 1 and cell[0].kind == FORWARD:
+    return f'({one(cell[0])};{one(cell[1])})OVERLAP_F_B'
+  return one(cell[0])
 
 
 def write_json(schedule: Schedule, path: str) -> None:
@@ -160,6 +233,8 @@ def write_json(schedule: Schedule, path: str) -> None:
     'placement': list(schedule.placement),
     'partner': None if schedule.partner is None else list(schedule.partner),
     'stash_cap': schedule.stash_cap,
+    'overlaps': [[str(f), str(b)] for f, b in sorted(schedule.overlaps)],
+    'full_backwards': [str(b) for b in sorted(schedule.full_backwards)],
   }
   lines = ['{'] + [f'  {json.dumps(k)}: {json.dumps(v)},' for k, v in head.items()]
   orders = [json.dumps([str(a) for a in order]) for order in schedule.orders]
@@ -328,49 +403,20 @@ def _parse_csv(path: str, text: str, config: dict[str, int | None]) -> tuple[Sch
     raise _error(path, f'not a CSV file ({e}); write one row of cells like 0F0 per rank') from None
   while rows and not rows[-1]:  # blank lines at the end
     rows.pop()
-  # Where the first full (B) and first split (I or W) backward were seen:
-  # B means the input and weight gradient only when no I or W appears.
-  first = {'B': None, 'IW': None}
-  letters: dict[Action, str] = {}
+  letters: dict[Action, str] = {}  # an action -> the letter its cell gave it
+  split = False  # any I or W: B is then a full backward, our B and W
 
   def spell(a: Action) -> str:
-    split = first['IW'] is not None
     letter = letters.get(a) or {FORWARD: 'F', WEIGHT: 'W'}.get(a.kind, 'I' if split else 'B')
     return f'{a.chunk}{letter}{a.microbatch}'
 
   cells = _Cells(path, spell)
-  home: dict[int, tuple[int, int]] = {}  # chunk -> (row, cell) where first seen
-  orders = [[] for _ in rows]
-  for r, row in enumerate(rows):
-    for c, raw in enumerate(row):
-      a, letter = _torch_cell(cells, r, c, raw.strip())
-      if a is None:
-        continue
-      family = 'B' if letter == 'B' else 'IW' if letter in 'IW' else None
-      other = {'B': 'IW', 'IW': 'B'}.get(family)
-      if other and first[other] is not None:
-        r0, c0 = first[other]
-        raise cells.error(
-          r,
-          c,
-          f'{raw.strip()} mixes full backwards (B) with split ones (I and '
-          f'W) (the other kind first at row {r0}, cell {c0}); use B throughout '
-          'or I and W throughout (older torch wrote B where it now writes I)',
-        )
-      if family and first[family] is None:
-        first[family] = (r, c)
-      if a.chunk in home and home[a.chunk][0] != r:
-        r0, c0 = home[a.chunk]
-        raise cells.error(
-          r,
-          c,
-          f'{raw.strip()}: torch stage {a.chunk} is already on row {r0} '
-          f'(cell {c0}); each stage (chunk) runs on one rank only',
-        )
-      home.setdefault(a.chunk, (r, c))
-      letters[a] = letter
-      cells.add(a, r, c)
-      orders[r].append(a)
+  read = [(r, c, raw.strip()) for r, row in enumerate(rows) for c, raw in enumerate(row)]
+  read = [(r, c, token, _torch_cell(cells, r, c, token)) for r, c, token in read]
+  read = [x for x in read if x[3]]
+  split = any(letter in 'IW' for *_, subs in read for _, letter in subs)
+  orders, home, full = _place_cells(cells, read, split, letters, len(rows))
+  overlaps = [(subs[0][0], subs[1][0]) for *_, subs in read if len(subs) == 2]
   if not home:
     raise _error(
       path,
@@ -403,22 +449,73 @@ def _parse_csv(path: str, text: str, config: dict[str, int | None]) -> tuple[Sch
     n // p,
     tuple(tuple(o) for o in orders),
     placement=tuple(home[k][0] for k in range(n)),
+    overlaps=overlaps,
+    full_backwards=full,
   )
   _check_sizes(cells, schedule, config)
   return schedule, cells
 
 
-def _torch_cell(cells: _Cells, r: int, c: int, token: str) -> tuple[Action | None, str]:
-  """One cell as (action, torch letter); (None, '') for idle and skipped ones."""
+def _place_cells(cells: _Cells, read: list, split: bool, letters: dict, p: int):
+  """The rows' actions as (orders, chunk -> (row, cell) first seen, full backwards).
+
+  In a split file a B is our B and its W, which the file must not hold
+  again: older torch wrote B where it now writes I.
+  """
+  explicit_w = {a: (r, c) for r, c, _, subs in read for a, letter in subs if letter == 'W'}
+  home: dict[int, tuple[int, int]] = {}
+  orders, full = [[] for _ in range(p)], []
+  for r, c, token, subs in read:
+    for a, letter in subs:
+      if a.chunk in home and home[a.chunk][0] != r:
+        r0, c0 = home[a.chunk]
+        raise cells.error(
+          r,
+          c,
+          f'{token}: torch stage {a.chunk} is already on row {r0} '
+          f'(cell {c0}); each stage (chunk) runs on one rank only',
+        )
+      home.setdefault(a.chunk, (r, c))
+      letters[a] = letter
+      cells.add(a, r, c)
+      orders[r].append(a)
+      if letter == 'B' and split:
+        w = Action(WEIGHT, a.microbatch, a.chunk)
+        if w in explicit_w:
+          raise cells.error(
+            *explicit_w[w],
+            f'{cells.spell(w)}: {token} at row {r}, cell {c} is a full backward, which '
+            'computes the weight gradient too; write I there for the input gradient only '
+            '(older torch wrote B where it now writes I) or delete this W',
+          )
+        cells.add(w, r, c)
+        orders[r].append(w)
+        full.append(a)
+  return orders, home, full
+
+
+def _torch_cell(cells: _Cells, r: int, c: int, token: str) -> list[tuple[Action, str]]:
+  """One cell as its (action, torch letter)s: none for idle and skipped
+  cells, two for an overlapped pair (F then B or I)."""
   if not token:
-    return None, ''
+    return []
   if token.startswith('('):
-    raise cells.error(
-      r,
-      c,
-      f'{token} overlaps a forward with a backward (DualPipeV), which '
-      'triax cannot run; write the two actions in separate cells',
-    )
+    m = _OVERLAP_CELL.fullmatch(token)
+    subs = [_torch_action(cells, r, c, x.strip()) for x in m[1].split(';')] if m else []
+    if [letter for _, letter in subs] not in (['F', 'B'], ['F', 'I']):
+      raise cells.error(
+        r,
+        c,
+        f'bad cell {token!r}; an overlapped pair is a forward then a backward, '
+        'like (0F3;7B1)OVERLAP_F_B',
+      )
+    return subs
+  a = _torch_action(cells, r, c, token)
+  return [a] if a[0] is not None else []
+
+
+def _torch_action(cells: _Cells, r: int, c: int, token: str) -> tuple[Action | None, str]:
+  """One action as (action, torch letter); (None, '') for skipped ones."""
   m = _TORCH_CELL.fullmatch(token)
   if not m:
     raise cells.error(
@@ -500,9 +597,36 @@ def _parse_json(path: str, text: str, config: dict[str, int | None]) -> tuple[Sc
   parsed = [
     [_json_action(cells, shape, r, c, x) for c, x in enumerate(o)] for r, o in enumerate(orders)
   ]
-  schedule = dataclasses.replace(shape, orders=tuple(tuple(o) for o in parsed))
+  schedule = dataclasses.replace(
+    shape,
+    orders=tuple(tuple(o) for o in parsed),
+    overlaps=_json_marks(path, doc, 'overlaps', 2),
+    full_backwards=_json_marks(path, doc, 'full_backwards', None),
+  )
+  try:
+    torch_cells(schedule)
+  except ValueError as e:
+    raise _error(path, f'{e}; fix overlaps or full_backwards') from None
   _check_sizes(cells, schedule, config)
   return schedule, cells
+
+
+def _json_marks(path: str, doc: dict, key: str, pair: int | None) -> list:
+  """doc[key] (absent or null: none) as Actions, or as `pair`-tuples of them."""
+  x = doc.get(key) or []
+
+  def actions(items) -> list[Action] | None:
+    out = [_parse_ours(a) if isinstance(a, str) else None for a in items]
+    return None if None in out else out
+
+  if isinstance(x, list) and pair is None and actions(x) is not None:
+    return actions(x)
+  if isinstance(x, list) and pair and all(isinstance(y, list) and len(y) == pair for y in x):
+    out = [actions(y) for y in x]
+    if None not in out:
+      return [tuple(y) for y in out]
+  want = 'pairs like ["F3.0", "B1.7"]' if pair else 'actions like "B1.7"'
+  raise _error(path, f'{key} must be null or a list of {want}; got {x!r}')
 
 
 def _json_action(cells: _Cells, shape: Schedule, r: int, c: int, text) -> Action:

@@ -80,6 +80,13 @@ class Schedule:
       for no promise. The validator holds lowered programs to it.
     placement: placement[c] = the stage holding chunk c; every stage holds
       v chunks. None (the default) means Megatron's c mod p.
+    overlaps: (forward, backward) pairs that torch runs as one overlapped
+      action (DualPipeV's `(0F3;3B1)OVERLAP_F_B`), each backward right after
+      its forward in their stage's order. The lockstep program still runs
+      them in consecutive ticks; the mark is what a written CSV keeps.
+    full_backwards: in a split schedule, the B actions torch runs as one
+      full backward (its `B`, input and weight gradient), each with its W
+      right after it in the order.
   """
 
   name: str
@@ -90,12 +97,16 @@ class Schedule:
   partner: tuple[int, ...] | None = None
   stash_cap: int | None = None
   placement: tuple[int, ...] | None = None
+  overlaps: frozenset[tuple[Action, Action]] = frozenset()
+  full_backwards: frozenset[Action] = frozenset()
 
   def __post_init__(self):
     if self.placement is None:
       object.__setattr__(self, 'placement', interleaved_placement(self.stages, self.virtual_stages))
     else:
       object.__setattr__(self, 'placement', tuple(int(s) for s in self.placement))
+    object.__setattr__(self, 'overlaps', frozenset(tuple(x) for x in self.overlaps))
+    object.__setattr__(self, 'full_backwards', frozenset(self.full_backwards))
 
   @property
   def num_chunks(self) -> int:

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from triax.errors import ConfigError
 from triax.pipeline.ir import Schedule
 from triax.pipeline.schedules.bpipe import bpipe, bpipe_stash_cap
+from triax.pipeline.schedules.dualpipe_v import dualpipe_v
 from triax.pipeline.schedules.gpipe import gpipe
 from triax.pipeline.schedules.interleaved import interleaved_1f1b
 from triax.pipeline.schedules.interleaved_zb import interleaved_zb
@@ -32,6 +33,7 @@ SCHEDULES: dict[str, Callable[[int, int, int], Schedule]] = {
   'v_min': v_min,
   'v_half': v_half,
   'v_zb': v_zb,
+  'dualpipe_v': dualpipe_v,
 }
 
 
@@ -64,6 +66,7 @@ __all__ = [
   'build',
   'bpipe',
   'bpipe_stash_cap',
+  'dualpipe_v',
   'gpipe',
   'interleaved_1f1b',
   'interleaved_zb',
