@@ -5,10 +5,22 @@ r"""Show, time and plot a pipeline schedule without any devices.
       [--write_csv=order.csv] \
       [--t_forward=1 --t_backward=2 --t_transfer=0 --t_weight=1 --t_evict=0]
   python -m triax schedule --schedule_file=order.csv [--stages=4 ...] [--json]
+  python -m triax schedule --synthesize --stages=4 --microbatches=8 \
+      [--virtual_stages=2] --memory_limit=4 [--time_limit_s=10] \
+      [--t_forward=1 --t_backward=1 --t_weight=1 --t_transfer=0] \
+      [--write_json=synth.json] [--write_csv=synth.csv] [--json] [--plot=x.png]
 
 --schedule_file reads torch's compute-only CSV or triax's JSON (see
 triax.pipeline.files) instead of building by name; the sizes come from the
 file, and any of --stages, --microbatches, --virtual_stages given must match.
+
+--synthesize finds the least-makespan schedule with a split backward (B and
+W, as zb_h1) whose stages each hold at most --memory_limit residual sets
+(micro-batch-chunks, the unit of `peak_inflight`: micro-batches of a stage's
+activations when v = 1), under the costs given (t_backward and t_weight
+default to 1 each, ZB-H1's t_F = t_B = t_W); see triax.pipeline.synthesis.
+Exact (HiGHS) for p <= 4 and m <= 8, a heuristic above. Write it with
+--write_json (or --write_csv) and train it with pipeline.schedule_file.
 
 Bad input prints one `error: <flag>: <message>` line and exits with 2.
 """
@@ -54,6 +66,18 @@ _SCHEDULE_FILE = flags.DEFINE_string(
   None,
   "Analyse this schedule file instead of --schedule: torch's compute-only .csv or triax's .json.",
 )
+_SYNTHESIZE = flags.DEFINE_bool(
+  'synthesize', False, 'Synthesise the schedule under --memory_limit instead of --schedule.'
+)
+_MEMORY_LIMIT = flags.DEFINE_integer(
+  'memory_limit',
+  None,
+  'With --synthesize: the most residual sets (micro-batch-chunks) a stage holds.',
+)
+_TIME_LIMIT_S = flags.DEFINE_float(
+  'time_limit_s', 10.0, "With --synthesize: the solver's time limit in seconds."
+)
+_WRITE_JSON = flags.DEFINE_string('write_json', None, "Write the schedule here as triax's JSON.")
 _JSON = flags.DEFINE_bool('json', False, 'Print one JSON object.')
 _PLOT = flags.DEFINE_string('plot', None, 'Write a Gantt chart PNG here.')
 _WRITE_CSV = flags.DEFINE_string(
@@ -65,6 +89,7 @@ def main(argv: list[str]) -> int:
   from_file = bool(_SCHEDULE_FILE.value)
   if from_file and _SCHEDULE.present:
     cli.fail('--schedule_file', 'give --schedule or --schedule_file, not both')
+  _check_synthesis_flags(from_file)
 
   def size(holder):
     # A file brings its own sizes; the flags then only check them if given.
@@ -75,7 +100,9 @@ def main(argv: list[str]) -> int:
       schedule=_SCHEDULE.value,
       stages=size(_STAGES),
       microbatches=size(_MICROBATCHES),
-      virtual_stages=size(_VIRTUAL_STAGES) if from_file else _own_virtual_stages(),
+      virtual_stages=size(_VIRTUAL_STAGES)
+      if from_file or _SYNTHESIZE.value
+      else _own_virtual_stages(),
       t_forward=_T_FORWARD.value,
       t_backward=_T_BACKWARD.value,
       t_transfer=_T_TRANSFER.value,
@@ -84,9 +111,27 @@ def main(argv: list[str]) -> int:
       plot=_PLOT.value,
       schedule_file=_SCHEDULE_FILE.value,
       write_csv=_WRITE_CSV.value,
+      memory_limit=_MEMORY_LIMIT.value if _SYNTHESIZE.value else None,
+      time_limit_s=_TIME_LIMIT_S.value,
+      write_json=_WRITE_JSON.value,
     ),
     as_json=_JSON.value,
   )
+
+
+def _check_synthesis_flags(from_file: bool) -> None:
+  """--synthesize needs --memory_limit and excludes a named or filed schedule."""
+  if not _SYNTHESIZE.value:
+    for holder in (_MEMORY_LIMIT, _TIME_LIMIT_S):
+      if holder.present:
+        cli.fail(f'--{holder.name}', 'only --synthesize reads it; add --synthesize')
+    return
+  if _SCHEDULE.present or from_file:
+    cli.fail('--synthesize', 'give --synthesize or --schedule / --schedule_file, not both')
+  if _MEMORY_LIMIT.value is None:
+    cli.fail(
+      '--memory_limit', 'give the most residual sets a stage may hold, e.g. --memory_limit=4'
+    )
 
 
 def _own_virtual_stages() -> int:

@@ -23,6 +23,10 @@ _FLAG_OF_KEY = {
   'mesh.pipe': '--stages',
   'pipeline.microbatches': '--microbatches',
   'pipeline.virtual_stages': '--virtual_stages',
+  'synthesis.memory_limit': '--memory_limit',
+  'synthesis.time_limit_s': '--time_limit_s',
+  'synthesis.t_forward': '--t_forward',
+  'synthesis.t_backward': '--t_backward',
 }
 
 
@@ -50,6 +54,11 @@ class Request:
       the named schedule, or None.
     write_csv: path to write the schedule to as torch's compute-only CSV, or
       None.
+    memory_limit: synthesise the schedule (`synthesis.run`) with at most
+      this many residual sets per stage instead of building by name; None
+      builds by name.
+    time_limit_s: the synthesiser's time limit.
+    write_json: path to write the schedule to as triax's JSON, or None.
   """
 
   schedule: str = '1f1b'
@@ -64,6 +73,9 @@ class Request:
   t_evict: float = 0.0
   schedule_file: str | None = None
   write_csv: str | None = None
+  memory_limit: int | None = None
+  time_limit_s: float = 10.0
+  write_json: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +89,7 @@ class Analysis:
   problems: tuple[str, ...]
   lockstep: simulate.Result
   asynchronous: simulate.Result
+  synthesis: object | None = None  # synthesis.Synthesis when synthesised
 
 
 def analyse(request: Request) -> Analysis:
@@ -87,8 +100,21 @@ def analyse(request: Request) -> Analysis:
       name.
   """
   _costs(request, split=False)  # bad numbers fail before any file is read
+  synthesised = None
   try:
-    if request.schedule_file:
+    if request.memory_limit is not None:
+      from triax.pipeline import synthesis  # only synthesis needs the solver
+
+      synthesised = synthesis.run(
+        request.stages,
+        request.microbatches,
+        request.virtual_stages,
+        request.memory_limit,
+        _costs(request, split=True),
+        request.time_limit_s,
+      )
+      schedule = synthesised.schedule
+    elif request.schedule_file:
       schedule = files.load(
         request.schedule_file,
         request.stages,
@@ -112,14 +138,16 @@ def analyse(request: Request) -> Analysis:
     problems=tuple(validate.validate(schedule, program)),
     lockstep=simulate.simulate_lockstep(program, costs),
     asynchronous=simulate.simulate_async(schedule, costs),
+    synthesis=synthesised,
   )
 
 
 def _costs(request: Request, split: bool) -> simulate.Costs:
+  default = simulate.Costs.design_point(split)
   request = dataclasses.replace(
     request,
-    t_backward=(1.0 if split else 2.0) if request.t_backward is None else request.t_backward,
-    t_weight=(1.0 if split else 0.0) if request.t_weight is None else request.t_weight,
+    t_backward=default.t_backward if request.t_backward is None else request.t_backward,
+    t_weight=default.t_weight if request.t_weight is None else request.t_weight,
   )
   for name in ('t_forward', 't_backward', 't_transfer', 't_weight', 't_evict'):
     value = getattr(request, name)
@@ -169,6 +197,15 @@ def summary(analysis: Analysis) -> dict:
   }
   if analysis.request.schedule_file:
     out['schedule_file'] = analysis.request.schedule_file
+  if analysis.synthesis is not None:
+    found = analysis.synthesis
+    out['synthesis'] = {
+      'memory_limit': s.stash_cap,
+      'method': found.method,
+      'optimal': found.optimal,
+      'lower_bound': found.lower_bound,
+      'warning': found.warning,
+    }
   if s.partner is not None:
     out['partner'] = list(s.partner)
     out['transfers_per_step'] = {
@@ -211,6 +248,15 @@ def text(analysis: Analysis, grid: bool = True) -> str:
     lines.append(
       f'backward split into B (t_backward={costs.t_backward:g}) and W (t_weight={costs.t_weight:g})'
     )
+  if analysis.synthesis is not None:
+    found = analysis.synthesis
+    lines.append(
+      f'synthesised under {analysis.schedule.stash_cap} residual sets per stage by '
+      f'{found.method}: asynchronous time {found.async_time:g}, '
+      + ('optimal' if found.optimal else f'proved lower bound {found.lower_bound:g}')
+    )
+    if found.warning:
+      lines.append(f'warning: {found.warning}')
   if analysis.schedule.partner is not None:
     moved = sched.transfers_per_step(program)
     lines.append(
@@ -239,6 +285,8 @@ def run(request: Request, as_json: bool = False, out: TextIO | None = None) -> d
     _check_out_path('--plot', request.plot, '.png')
   if request.write_csv is not None:
     _check_out_path('--write_csv', request.write_csv, '.csv')
+  if request.write_json is not None:
+    _check_out_path('--write_json', request.write_json, '.json')
   analysis = analyse(request)
   report = summary(analysis)
   if request.write_csv is not None:
@@ -247,6 +295,9 @@ def run(request: Request, as_json: bool = False, out: TextIO | None = None) -> d
     except (ValueError, OSError) as e:  # BPipe's copies have no CSV form
       raise ConfigError('--write_csv', str(e)) from None
     report['csv'] = request.write_csv
+  if request.write_json is not None:
+    files.write_json(analysis.schedule, request.write_json)
+    report['json'] = request.write_json
   if request.plot is not None:
     render.gantt_png(analysis.schedule, analysis.program, analysis.costs, request.plot)
     report['plot'] = request.plot
@@ -255,7 +306,7 @@ def run(request: Request, as_json: bool = False, out: TextIO | None = None) -> d
   else:
     # With a picture asked for, the grid (one column per tick: hundreds wide) would repeat it.
     print(text(analysis, grid=request.plot is None), file=out)
-    for flag in ('write_csv', 'plot'):
+    for flag in ('write_csv', 'write_json', 'plot'):
       if getattr(request, flag) is not None:
         print(f'wrote {getattr(request, flag)}', file=out)
   return report

@@ -82,6 +82,13 @@ class Costs:
       if not (isinstance(value, numbers.Real) and math.isfinite(value) and value >= 0):
         raise ValueError(f'Costs.{field.name} must be a finite number >= 0; got {value!r}')
 
+  @classmethod
+  def design_point(cls, split: bool) -> Costs:
+    """The papers' unit costs, the default wherever none are measured: a
+    backward of two forwards, as B and W of one each when it is split
+    (ZB-H1's t_F = t_B = t_W)."""
+    return cls(t_forward=1.0, t_backward=1.0 if split else 2.0, t_weight=1.0 if split else 0.0)
+
   def of(self, kind: str, virtual_stages: int) -> float:
     """Duration of one chunk action of this kind, as the schedule has it."""
     per_stage = {

@@ -1,0 +1,246 @@
+"""The schedule synthesiser under a memory limit (triax.pipeline.synthesis):
+exact against heuristic, against every named schedule, its limits and bad
+input, the CLI, files torch accepts, and parity with one device.
+
+Pure Python except the parity test (a compile) and the torch test (torch's
+own CSV loader and validator, under the test extra).
+"""
+
+import json
+
+import harness
+import pytest
+
+from triax.errors import ConfigError
+from triax.pipeline import files, synthesis
+from triax.pipeline import schedule as sched
+from triax.pipeline.simulate import Costs, simulate_async, simulate_lockstep
+from triax.pipeline.validate import validate
+
+UNIT = Costs(t_forward=1, t_backward=1, t_weight=1)
+UNEVEN = Costs(t_forward=1, t_backward=1.5, t_weight=0.5, t_transfer=0.25)
+
+
+def held(schedule):
+  """Each stage's peak residual sets in the lowered (executor's) program."""
+  return sched.lower(schedule).peaks['stash']
+
+
+# Small enough for HiGHS to prove the optimum in about a second each.
+EXACT_GRID = [
+  (p, m, k, costs)
+  for p in (2, 3, 4)
+  for m in (2, 4)
+  for k in (2, 3, p)
+  for costs in (UNIT, UNEVEN)
+  if k <= p
+]
+
+
+@pytest.mark.parametrize('p, m, k, costs', EXACT_GRID)
+def test_heuristic_is_within_2_percent_of_the_exact_optimum(p, m, k, costs):
+  exact = synthesis.run(p, m, 1, k, costs, time_limit_s=60, method='milp')
+  assert exact.optimal, exact.warning
+  heuristic = synthesis.run(p, m, 1, k, costs, method='heuristic')
+  assert exact.async_time <= heuristic.async_time + 1e-9
+  assert heuristic.async_time <= 1.02 * exact.async_time, (heuristic.async_time, exact.async_time)
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize('p, m', [(2, 4), (4, 8)])
+def test_enough_memory_reaches_zero_bubbles_optimum(p, m):
+  # With K >= p the least any schedule takes is 3m + p - 1 unit actions
+  # (the last stage waits p - 1 for its first input): ZB-H1's, proved.
+  found = synthesis.run(p, m, 1, p, UNIT)
+  assert found.optimal and found.async_time == 3 * m + p - 1
+  assert found.lockstep.total_time == found.async_time  # unit costs: one tick each
+
+
+# p = 8 with v = 2 is left to test_result_is_valid...: about 20 s per schedule compared.
+CASES = [(4, 8, 1), (4, 8, 2), (8, 16, 1)]
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize('p, m, v', CASES)
+@pytest.mark.parametrize('costs', [UNIT, UNEVEN], ids=['unit', 'uneven'])
+def test_never_above_a_named_schedule_that_meets_the_limit(p, m, v, costs):
+  compared = 0
+  for name in sched.SCHEDULES:
+    try:
+      built = sched.build(name, p, m, v)
+    except ConfigError:
+      continue
+    if built.evicted:
+      continue  # BPipe's moves are not in the synthesiser's model
+    split = sched.with_split_backward(built)
+    k = max(held(built))
+    # The named schedules seed the heuristic: the bound holds at any time limit.
+    found = synthesis.run(p, m, v, k, costs, time_limit_s=0.2, method='heuristic')
+    assert max(held(found.schedule)) <= k
+    assert found.async_time <= simulate_async(split, costs).total_time + 1e-9, name
+    if costs == UNIT:  # every action one tick: the executor's own count
+      assert sched.lower(found.schedule).ticks <= sched.lower(built).ticks, name
+    compared += 1
+  assert compared >= 2
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize('p, m, v, k', [(4, 8, 1, 2), (4, 8, 2, 3), (8, 16, 2, 6), (3, 5, 3, 4)])
+def test_result_is_valid_within_the_limit_and_says_so(p, m, v, k):
+  found = synthesis.run(p, m, v, k, UNEVEN, time_limit_s=5)
+  s = found.schedule
+  assert (s.stages, s.microbatches, s.virtual_stages, s.stash_cap) == (p, m, v, k)
+  assert s.split_backward and s.name == 'synthesized'
+  assert validate(s, sched.lower(s)) == []
+  assert max(held(s)) <= k
+  assert max(simulate_async(s, UNEVEN).peak_inflight) <= k
+  # The asynchronous makespan is what was optimised; the lockstep one is measured.
+  assert simulate_async(s, UNEVEN).total_time == pytest.approx(found.async_time)
+  assert found.lockstep.total_time == simulate_lockstep(sched.lower(s), UNEVEN).total_time
+  assert found.lower_bound <= found.async_time + 1e-9
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize('v, least', [(1, 1), (2, 2), (3, 3)])
+def test_a_limit_below_the_least_names_it(v, least):
+  assert synthesis.least_memory(4, 8, v) == least
+  assert max(held(synthesis.synthesize(4, 8, v, least, time_limit_s=1))) == least
+  with pytest.raises(ConfigError, match=f'below the least any schedule needs: {least} ') as e:
+    synthesis.synthesize(4, 8, v, least - 1)
+  assert e.value.key == 'synthesis.memory_limit'
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize(
+  'kwargs, key',
+  [
+    ({'memory_limit': 2.5}, 'synthesis.memory_limit'),
+    ({'time_limit_s': 0}, 'synthesis.time_limit_s'),
+    ({'method': 'guess'}, 'synthesis.method'),
+    ({'costs': Costs(t_forward=0)}, 'synthesis.t_forward'),
+    ({'stages': 0}, 'mesh.pipe'),
+  ],
+)
+def test_bad_input_names_the_key(kwargs, key):
+  args = {'stages': 4, 'microbatches': 8, 'memory_limit': 4, **kwargs}
+  with pytest.raises(ConfigError) as e:
+    synthesis.run(**args)
+  assert e.value.key == key
+
+
+@pytest.mark.fast
+def test_the_time_limit_keeps_the_best_found_and_warns(caplog):
+  found = synthesis.run(4, 8, 1, 3, UNIT, time_limit_s=1, method='milp')
+  assert not found.optimal
+  assert found.warning.startswith('synthesis: the time limit (1 s) stopped the exact program')
+  assert found.warning in caplog.text
+  assert validate(found.schedule, sched.lower(found.schedule)) == []
+  assert found.lower_bound < found.async_time
+
+
+@pytest.mark.fast
+def test_json_round_trip_keeps_the_limit(tmp_path):
+  s = synthesis.synthesize(4, 8, 2, 5, UNIT, time_limit_s=1)
+  path = str(tmp_path / 'synth.json')
+  files.write_json(s, path)
+  loaded = files.load(path, 4, 8, 2)
+  assert loaded == s and loaded.stash_cap == 5
+
+
+def test_cli_synthesises_writes_and_reports(tmp_path):
+  out_json, out_csv = str(tmp_path / 's.json'), str(tmp_path / 's.csv')
+  result = harness.run_cli(
+    'triax.cli.schedule',
+    '--synthesize',
+    '--stages=4',
+    '--microbatches=8',
+    '--memory_limit=3',
+    '--t_transfer=0.25',
+    f'--write_json={out_json}',
+    f'--write_csv={out_csv}',
+    '--json',
+    timeout=300,
+  )
+  assert result.returncode == 0, result.stderr
+  report = json.loads(result.stdout)
+  assert report['schedule'] == 'synthesized' and report['valid'] is True
+  assert max(report['peak_inflight']) <= 3 and report['stash_cap'] == 3
+  assert report['synthesis']['memory_limit'] == 3
+  assert report['synthesis']['method'] in ('milp', 'heuristic')
+  assert report['json'] == out_json and report['csv'] == out_csv
+  from_json = files.load(out_json, 4, 8, 1)
+  assert from_json.stash_cap == 3
+  assert files.load(out_csv, 4, 8, 1).orders == from_json.orders
+
+
+@pytest.mark.parametrize(
+  'args, line',
+  [
+    (
+      ['--synthesize', '--memory_limit=1', '--virtual_stages=2'],
+      'error: --memory_limit: 1 is below the least any schedule needs: 2 residual sets per '
+      'stage (each stage holds its 2 chunk set(s) of a micro-batch at once)',
+    ),
+    (['--synthesize'], 'error: --memory_limit: give the most residual sets a stage may hold'),
+    (['--memory_limit=3'], 'error: --memory_limit: only --synthesize reads it; add --synthesize'),
+    (
+      ['--synthesize', '--memory_limit=3', '--schedule=1f1b'],
+      'error: --synthesize: give --synthesize or --schedule / --schedule_file, not both',
+    ),
+  ],
+)
+def test_cli_bad_input_exits_2_with_one_line(args, line):
+  result = harness.run_cli(
+    'triax.cli.schedule', '--stages=4', '--microbatches=8', *args, timeout=120
+  )
+  assert result.returncode == 2 and result.stdout == ''
+  assert len(result.stderr.strip().splitlines()) == 1
+  assert result.stderr.startswith(line), result.stderr
+
+
+@pytest.mark.parametrize('p, m, v, k', [(4, 8, 1, 3), (4, 8, 2, 5), (8, 16, 2, 8)])
+def test_torch_loads_and_validates_the_csv(p, m, v, k, tmp_path):
+  """torch.distributed.pipelining's own loader: its order validator
+  (`_validate_and_set_stage_mapping`) and its lowering with send/recv
+  (`_add_send_recv`, which fails on an order that cannot progress)."""
+  pytest.importorskip('torch')
+  from torch.distributed.pipelining import schedules
+
+  sizes_only = harness.load_script('torch_schedule_csv')._SizesOnlyStage
+  s = synthesis.synthesize(p, m, v, k, UNIT, time_limit_s=2)
+  path = str(tmp_path / 'synth.csv')
+  files.write_csv(s, path)
+  runtime = schedules._PipelineScheduleRuntime([sizes_only(p * v, p) for _ in range(v)], m)
+  runtime._load_csv(path, 'compute_only')
+  assert runtime.stage_index_to_group_rank == dict(enumerate(s.placement))
+  for rank, order in enumerate(s.orders):
+    loaded = [str(a) for a in runtime.pipeline_order[rank] if a is not None]
+    letter = {'F': 'F', 'B': 'I', 'W': 'W'}
+    assert loaded == [f'{a.chunk}{letter[a.kind]}{a.microbatch}' for a in order]
+    kinds = {a.computation_type.name for a in runtime.pipeline_order_with_comms[rank]}
+    assert {'SEND_F', 'RECV_F', 'SEND_B', 'RECV_B'} & kinds or p == 1
+
+
+@pytest.mark.parametrize('v, k', [(1, 3), (2, 5)])
+def test_a_synthesised_schedule_matches_one_device(v, k, tmp_path):
+  """Loss and gradients at (data, tensor, pipe) = (1, 1, 4) against one
+  device, fp32, through pipeline.schedule_file."""
+  path = str(tmp_path / 'synth.json')
+  files.write_json(synthesis.synthesize(4, 8, v, k, UNIT, time_limit_s=2), path)
+  layers, batch = 8, 32
+  base = {'model.num_layers': layers, 'train.global_batch_size': batch}
+  ref_loss, ref_grads = harness.loss_and_grads(harness.tiny_config(**base, **{'mesh.data': 1}))
+  cfg = harness.tiny_config(
+    **base,
+    **{
+      'mesh.data': 1,
+      'mesh.tensor': 1,
+      'mesh.pipe': 4,
+      'pipeline.microbatches': 8,
+      'pipeline.virtual_stages': v,
+      'pipeline.schedule_file': path,
+    },
+  )
+  loss, grads = harness.loss_and_grads(cfg)
+  assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss), (loss, ref_loss)
+  assert harness.max_rel_err(ref_grads, grads) <= 1e-5
