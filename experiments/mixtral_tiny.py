@@ -6,7 +6,9 @@ over tokens sorted by expert). Each expert is half llama_tiny's MLP wide, so
 the parameters a token uses are llama_tiny's (plus the router), and the model
 holds 4x its MLP parameters. data=4 x tensor=2, no pipeline (the mixtral
 family does not run under the pipeline executor yet), each expert's hidden
-units split over tensor as Llama's MLP:
+units split over tensor as Llama's MLP, and the experts split over 2 of the 4
+data-parallel devices (mesh.expert=2: 4 experts per device, tokens sent to
+them by all-to-all):
 
   python -m triax train --config=experiments/mixtral_tiny.py --workdir=runs/mixtral_tiny --cpu_devices=8
 
@@ -26,6 +28,7 @@ def get_config(arg=None):
   c = config.from_file(LLAMA_TINY, arg)
   c.model.family = 'mixtral'
   c.mesh.data, c.mesh.tensor, c.mesh.pipe = 4, 2, 1
+  c.mesh.expert = 2
   c.pipeline.schedule = '1f1b'
   c.pipeline.virtual_stages = 1
   c.pipeline.microbatches = 1

@@ -48,6 +48,23 @@ def tiny_config(**overrides):
   return c
 
 
+def tiny_mixtral_config(**overrides):
+  """tiny_config as a 2-layer Mixtral: 4 experts of d_ff 32, top-2, one shared expert."""
+  return tiny_config(
+    **{
+      'model.family': 'mixtral',
+      'model.num_layers': 2,
+      'model.num_kv_heads': 4,
+      'model.num_experts': 4,
+      'model.experts_per_token': 2,
+      'model.shared_experts': 1,
+      'model.d_ff': 32,
+      'train.global_batch_size': 16,
+      **overrides,
+    }
+  )
+
+
 def model_of(**fields):
   """A family model from config.defaults().model with `fields` replaced."""
   model_cfg = config.defaults().model

@@ -128,19 +128,7 @@ def test_router_losses_are_transformers_and_switch_definitions():
 
 
 def _config(**overrides):
-  return harness.tiny_config(
-    **{
-      'model.family': 'mixtral',
-      'model.num_layers': 2,
-      'model.num_kv_heads': 4,
-      'model.num_experts': 4,
-      'model.experts_per_token': 2,
-      'model.shared_experts': 1,
-      'model.d_ff': 32,
-      'train.global_batch_size': 16,
-      **overrides,
-    }
-  )
+  return harness.tiny_mixtral_config(**overrides)
 
 
 @functools.cache
@@ -243,13 +231,13 @@ def test_bad_moe_settings_are_refused_naming_the_key(overrides, key):
   assert e.value.key == key
 
 
-def test_mixtral_tiny_is_a_valid_run_on_8_devices_with_the_experts_whole():
+def test_mixtral_tiny_is_a_valid_run_on_8_devices_with_the_experts_split():
   for arg in (None, 'smoke'):
     cfg = config_lib.validate(
       config_lib.from_file(f'{harness.ROOT}/experiments/mixtral_tiny.py', arg), 8
     )
-    assert cfg.model.family == 'mixtral' and cfg.mesh.tensor == 2
-    assert dict(cfg.sharding.logical_axis_rules)['experts'] is None
+    assert cfg.model.family == 'mixtral' and cfg.mesh.tensor == 2 and cfg.mesh.expert == 2
+    assert dict(cfg.sharding.logical_axis_rules)['experts'] == 'expert'
 
 
 def test_dropless_dispatch_keeps_each_data_shards_tokens_on_its_device():

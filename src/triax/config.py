@@ -15,6 +15,7 @@ import ml_collections
 
 from triax.errors import ConfigError
 from triax.model import registry
+from triax.model.moe import EXPERT_AXIS  # noqa: F401 (mesh.py's, beside MESH_AXES)
 from triax.pipeline import schedule as sched
 from triax.pipeline.layout import StackLayout
 
@@ -69,6 +70,9 @@ def defaults() -> ml_collections.ConfigDict:
   # tensor-parallel matmuls (norms, residuals) split along the sequence over `tensor` too;
   # each all-reduce becomes a reduce-scatter and an all-gather. Needs mesh.tensor > 1.
   c.mesh.sequence_parallel = False
+  # Expert parallelism (mixtral): each MoE layer's experts split this many ways, carved from
+  # the data-parallel devices (a divisor of mesh.data; tokens meet their experts by all-to-all).
+  c.mesh.expert = 1
 
   c.model = ml_collections.ConfigDict()
   # Model family, one file each in triax/model/: gpt (learned positions, GELU MLP, full
@@ -145,7 +149,7 @@ def defaults() -> ml_collections.ConfigDict:
   c.model.router_z_loss_coef = 0.001
 
   c.pipeline = ml_collections.ConfigDict()
-  # Pipeline schedule: gpipe, 1f1b, interleaved_1f1b, bpipe, zb_h1, interleaved_zb or zb_v
+  # Pipeline schedule: gpipe, 1f1b, interleaved_1f1b, bpipe, zb_h1, interleaved_zb, zb_v, dualpipe_v
   # (one file each in triax/pipeline/schedules/).
   c.pipeline.schedule = '1f1b'
   # A schedule file to run instead (torch's compute-only .csv or triax's .json); '' = by name.
@@ -198,6 +202,15 @@ def defaults() -> ml_collections.ConfigDict:
   c.train.log_every = 10
   # NaN/Inf steps to skip (state kept, logged as skipped_nonfinite) before stopping; 0 stops at the first.
   c.train.skip_nonfinite_steps = 0
+  # Roll back to the newest checkpoint before K consecutive bad steps (non-finite or spiking) and
+  # skip the batches they read (recorded in DIR/rollbacks.jsonl; data order otherwise kept); 0 = off.
+  c.train.spike_rollback = 0
+  # A step spikes when its loss > spike_threshold x the mean of the last spike_window good losses.
+  c.train.spike_threshold = 2.0
+  # Good (finite, non-spiking) losses in that mean; no step spikes before there are this many.
+  c.train.spike_window = 20
+  # Rollbacks in a run (DIR/rollbacks.jsonl counts them) before a bad run of steps stops it.
+  c.train.spike_max_rollbacks = 5
   # Write DIR/samples.jsonl: the window ids of each step's global batch (data accounting).
   c.train.record_sample_ids = False
   # Weights & Biases project to log to as well ('' = off; needs the wandb extra).
@@ -327,6 +340,19 @@ def load_json(path: str, key: str = '--workdir') -> ml_collections.ConfigDict:
   return cfg
 
 
+def _validate_spikes(t) -> None:
+  """train.spike_*: a threshold above the mean itself, a window and a rollback budget of >= 1."""
+  threshold = t.spike_threshold
+  if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 1 < threshold:
+    raise ConfigError(
+      'train.spike_threshold',
+      f'must be a number > 1 (2 = a loss twice the recent mean spikes), got {threshold!r}',
+    )
+  for key in ('spike_window', 'spike_max_rollbacks'):
+    if not isinstance(t[key], int) or isinstance(t[key], bool) or t[key] < 1:
+      raise ConfigError(f'train.{key}', f'must be an integer >= 1, got {t[key]!r}')
+
+
 def _validate_wandb(t) -> None:
   if not isinstance(t.wandb_project, str):
     raise ConfigError('train.wandb_project', f'must be a string; got {t.wandb_project!r}')
@@ -432,6 +458,27 @@ def resolve_mesh_shape(mesh_cfg, num_devices: int) -> tuple[int, ...]:
   return tuple(sizes)
 
 
+def _check_expert(mesh_cfg, family: str) -> None:
+  """mesh.expert: a divisor of the data-parallel degree inside one slice, for a MoE family."""
+  expert = mesh_cfg.expert
+  if not isinstance(expert, int) or isinstance(expert, bool) or expert < 1:
+    raise ConfigError('mesh.expert', f'must be a positive integer, got {expert!r}')
+  if expert == 1:
+    return
+  reader = registry.FAMILIES.get(family)
+  if reader is None or 'num_experts' not in reader.Spec.config_fields():
+    raise ConfigError(
+      'mesh.expert', f'model.family={family} has no experts to split; set it to 1'
+    )
+  within = mesh_cfg.data // mesh_cfg.dcn_data
+  if within % expert:
+    raise ConfigError(
+      'mesh.expert',
+      f'{expert} must divide the data-parallel devices of one slice (mesh.data / '
+      f'mesh.dcn_data = {within}): it is carved from them, and its all-to-all runs every layer',
+    )
+
+
 def _check_device_order(mesh_cfg, num_devices: int) -> None:
   """mesh.device_order: empty, or each device index exactly once."""
   order = mesh_cfg.device_order
@@ -474,6 +521,7 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int) -> ml_collections
         f'must be a positive divisor of mesh.{axis}={cfg.mesh[axis]}, got {dcn!r}',
       )
   _check_device_order(cfg.mesh, num_devices)
+  _check_expert(cfg.mesh, cfg.model.family)
 
   for key in ('num_layers', 'd_model', 'num_heads', 'd_ff', 'vocab_size', 'seq_len'):
     _positive(cfg, 'model', key)
@@ -562,9 +610,10 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int) -> ml_collections
   for key in ('learning_rate', 'weight_decay', 'grad_clip_norm', 'min_lr_ratio'):
     if not isinstance(t[key], (int, float)) or t[key] < 0:
       raise ConfigError(f'train.{key}', f'must be a non-negative number, got {t[key]!r}')
-  for key in ('warmup_steps', 'skip_nonfinite_steps'):
+  for key in ('warmup_steps', 'skip_nonfinite_steps', 'spike_rollback'):
     if not isinstance(t[key], int) or isinstance(t[key], bool) or t[key] < 0:
       raise ConfigError(f'train.{key}', f'must be a non-negative integer, got {t[key]!r}')
+  _validate_spikes(t)
   _validate_wandb(t)
   if t.optimizer_sharding not in OPTIMIZER_SHARDINGS:
     raise ConfigError(

@@ -1,4 +1,5 @@
-"""The device mesh: named axes (data, tensor, pipe) over the available devices.
+"""The device mesh: named axes (data, context, tensor, pipe) over the available
+devices, and `expert` carved from data when mesh.expert > 1.
 
 Axes are `Auto` (GSPMD-style): the model states logical shardings and XLA
 partitions the rest. Only the pipeline executor turns `pipe` manual, inside
@@ -16,7 +17,7 @@ from absl import logging
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
-from triax.config import MESH_AXES
+from triax.config import EXPERT_AXIS, MESH_AXES
 from triax.errors import ConfigError
 
 
@@ -42,7 +43,23 @@ def build_mesh(mesh_cfg, devices=None) -> Mesh:
     grid = _hybrid_grid(shape, dcn, devices)
   else:
     grid = _grid(shape, devices)
-  return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+  return _carve_expert(grid, mesh_cfg.get('expert', 1))
+
+
+def _carve_expert(grid: np.ndarray, expert: int) -> Mesh:
+  """The mesh, its `data` dimension split into (data, expert) when mesh.expert > 1.
+
+  Expert parallelism is carved from the data-parallel devices (Megatron's
+  way): mesh.data stays the data-parallel degree, the device count is
+  unchanged, and the expert axis is the inner part, neighbouring devices
+  (inside one slice when dcn_data > 1), because the MoE layers' all-to-all
+  runs over it every layer. A mesh without experts keeps its four axes.
+  """
+  axes = MESH_AXES
+  if expert > 1:
+    grid = grid.reshape((grid.shape[0] // expert, expert) + grid.shape[1:])
+    axes = (MESH_AXES[0], EXPERT_AXIS) + MESH_AXES[1:]
+  return Mesh(grid, axes, axis_types=(AxisType.Auto,) * len(axes))
 
 
 def _grid(shape: tuple[int, ...], devices: list) -> np.ndarray:

@@ -11,9 +11,10 @@ Parameter tree: llama.py's, the MLP's weights replaced by
 so that transformers' MixtralForCausalLM maps onto it by transposes
 (model/hf_llama.py): router = gate.weight.T, w_gate[e] = experts.e.w1.T,
 w_up[e] = w3.T, w_down[e] = w2.T. The experts' leading axis has the logical
-name 'experts' (None in the default rules: every device holds every expert;
-expert parallelism will map it to a mesh axis); each expert's hidden units
-are split over `tensor` as Llama's MLP is.
+name 'experts': whole on every device, or with mesh.expert > 1 split over the
+`expert` axis carved from data (validate writes the rules; moe.py's
+all-to-alls move the tokens); each expert's hidden units are split over
+`tensor` as Llama's MLP is.
 
 Training minimises the mean cross-entropy plus router_aux_loss_coef times
 the load-balancing loss and router_z_loss_coef times the z-loss (`objective`;
@@ -134,7 +135,8 @@ def _coef(m, key: str) -> None:
 
 
 def validate(model_cfg, mesh_cfg, rules: tuple) -> tuple:
-  """Llama's checks, the MoE keys'; the 'experts' axis kept whole (no expert parallelism yet)."""
+  """Llama's checks, the MoE keys'; the 'experts' axis over mesh.expert (config.py
+  checked that it divides the data-parallel devices), the batch over it too."""
   m = model_cfg
   experts = _count(m, 'num_experts', 1)
   k = _count(m, 'experts_per_token', 1)
@@ -159,15 +161,39 @@ def validate(model_cfg, mesh_cfg, rules: tuple) -> tuple:
     raise ConfigError('model.capacity_factor', f'must be a number > 0, got {factor!r}')
   _coef(m, 'router_aux_loss_coef')
   _coef(m, 'router_z_loss_coef')
+  degree = mesh_cfg.get('expert', 1)
+  if experts % degree:
+    raise ConfigError(
+      'mesh.expert',
+      f'model.num_experts={experts} cannot be split over mesh.expert={degree}; use a divisor',
+    )
   mapping = dict(rules)
   if mapping.get('experts') is not None:
     raise ConfigError(
       'sharding.logical_axis_rules',
-      f"('experts', {mapping['experts']!r}): expert parallelism is not implemented yet; map "
+      f"('experts', {mapping['experts']!r}): experts are split by mesh.expert; map "
       "'experts' to None",
     )
   rules = llama.validate(m, mesh_cfg, rules)
-  return tuple(r for r in rules if r[0] != 'experts') + (('experts', None),)
+  return _expert_rules(rules, degree)
+
+
+def _expert_rules(rules: tuple, degree: int) -> tuple:
+  """With mesh.expert > 1 the experts' leading axis over `expert`; whatever else
+  is split over `data` (the batch; with mesh.fsdp the parameters' 'embed')
+  over ('data', 'expert'): the expert axis is carved from data
+  (mesh.build_mesh), its devices data-parallel for all but the experts."""
+  if degree == 1:
+    return tuple(r for r in rules if r[0] != 'experts') + (('experts', None),)
+  out = []
+  for name, axis in rules:
+    names = (axis,) if isinstance(axis, str) else tuple(axis or ())
+    if 'data' in names:
+      at = names.index('data') + 1
+      axis = names[:at] + (moe.EXPERT_AXIS,) + names[at:]
+    if name != 'experts':
+      out.append((name, axis))
+  return tuple(out) + (('experts', moe.EXPERT_AXIS),)
 
 
 Spec = MixtralSpec

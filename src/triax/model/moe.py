@@ -18,6 +18,15 @@ Dispatch, two ways:
             ...; the rest are dropped (their share of the output is 0) and
             counted. Dense einsums over [E, C] buffers, left to GSPMD.
 
+Expert parallelism (mesh.expert > 1, carved from the data-parallel devices:
+mesh.build_mesh): each device holds E/ep experts (the logical 'experts' axis
+over the `expert` mesh axis) and its own rows of the batch (over data x
+expert). Inside the same shard_map, dropless sends each assignment to its
+expert's device and the result back (`_dropless_exchanged`: two all-to-alls
+over `expert`, fixed-size buffers with room for every assignment, so still
+nothing dropped); capacity sends each row's [E, C] buffers the GShard way.
+Tensor parallelism of each expert composes (the psum over `tensor` as above).
+
 Statistics each MoE layer reports (`LayerStats`, summed over its tokens) make
 the losses of the whole model: transformers' `load_balancing_loss_func`
 (Switch's, over every layer's rows at once: E * sum_e f_e P_e, f_e the share
@@ -27,6 +36,7 @@ z-loss (the mean of logsumexp(logits)^2).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import flax
@@ -35,10 +45,14 @@ import jax.numpy as jnp
 
 from triax import sharding
 
+# The mesh axis mesh.expert carves from data (mesh.build_mesh), when it is > 1.
+EXPERT_AXIS = 'expert'
 # Logical axes of a token tensor inside the MLP, of the experts' matrices.
 TOKENS = ('batch', 'seq', None)
 IN_AXES = ('experts', None, 'mlp')  # w_gate, w_up [E, d, f]
 OUT_AXES = ('experts', 'mlp', None)  # w_down [E, f, d]
+# capacity's buffers [b, E, C, d]: each device's rows, every expert's slots.
+BUFFERS = ('batch', None, None, None)
 
 
 @flax.struct.dataclass
@@ -74,11 +88,56 @@ def _dropless_local(h, experts, weights, w_gate, w_up, w_down, psum_axes):
   sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
   y = _swiglu_grouped(h.reshape(b * s, d)[order // k], sizes, w_gate, w_up, w_down)
   # Back to (token, slot) order by the inverse permutation: a gather, not a scatter-add.
-  y = y[jnp.argsort(order)].reshape(b * s, k, d)
-  out = jnp.einsum('tkd,tk->td', y, weights.reshape(b * s, k).astype(y.dtype))
+  return _combine(y[jnp.argsort(order)], weights, psum_axes, h.shape)
+
+
+def _combine(y, weights, psum_axes, shape):
+  """Assignments' outputs y [b*s*k, d] in (token, slot) order, weighted into tokens [b, s, d]."""
+  b, s, d = shape
+  y = y.reshape(b * s, -1, d)
+  out = jnp.einsum('tkd,tk->td', y, weights.reshape(b * s, -1).astype(y.dtype))
   if psum_axes:
     out = jax.lax.psum(out, psum_axes)
   return out.reshape(b, s, d)
+
+
+def _dropless_exchanged(h, experts, weights, w_gate, w_up, w_down, psum_axes, axis):
+  """dropless with the experts split over mesh `axis` (this device holds w_* [E/ep, ...]).
+
+  Each device sends every assignment to the device of its expert and gets
+  the result back: two all-to-alls over `axis`. A fixed-size exchange keeps
+  it dropless: each destination's buffer has room for all n of the sender's
+  assignments (rows past its count are zeros, computed as no expert's), so
+  no routing can overflow it; ep x the assignments' bytes is the price.
+  """
+  b, s, d = h.shape
+  k, local = experts.shape[-1], w_gate.shape[0]
+  ep, n = jax.lax.axis_size(axis), b * s * k
+  flat = experts.reshape(-1)
+  order = jnp.argsort(flat, stable=True)  # by expert, so by destination device
+  expert_sorted = flat[order]
+  counts = jnp.bincount(expert_sorted // local, length=ep)
+  starts = jnp.cumsum(counts) - counts
+  rank = jnp.arange(n)
+  valid = rank[None, :] < counts[:, None]  # [ep, n]: row r of destination j is real
+  pick = jnp.where(valid, starts[:, None] + rank[None, :], 0)
+  send = jnp.where(valid[..., None], h.reshape(b * s, d)[order // k][pick], 0)
+  send_expert = jnp.where(valid, expert_sorted[pick] % local, local)  # `local` = padding
+  recv = jax.lax.all_to_all(send, axis, 0, 0)  # [ep, n, d]: recv[i] came from device i
+  recv_expert = jax.lax.all_to_all(send_expert, axis, 0, 0).reshape(ep * n)
+  regroup = jnp.argsort(recv_expert, stable=True)  # padding rows last: no group, output 0
+  sizes = jnp.bincount(recv_expert, length=local + 1)[:local].astype(jnp.int32)
+  y = _swiglu_grouped(recv.reshape(ep * n, d)[regroup], sizes, w_gate, w_up, w_down)
+  y = y[jnp.argsort(regroup)].reshape(ep, n, d)
+  back = jax.lax.all_to_all(y, axis, 0, 0)  # back[j]: what device j computed of ours
+  dest = expert_sorted // local
+  y = back[dest, rank - starts[dest]]  # [n, d] in expert-sorted order
+  return _combine(y[jnp.argsort(order)], weights, psum_axes, h.shape)
+
+
+def _axes(entry) -> tuple:
+  """A PartitionSpec entry's mesh axes as a tuple."""
+  return () if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry))
 
 
 def dropless(h, routing: Routing, w_gate, w_up, w_down) -> jax.Array:
@@ -90,10 +149,13 @@ def dropless(h, routing: Routing, w_gate, w_up, w_down) -> jax.Array:
   if mesh.empty or in_spec is None:
     return _dropless_local(h, routing.experts, routing.weights, *ws, ())
   token_spec, out_spec = sharding.active_spec(TOKENS), sharding.active_spec(OUT_AXES)
-  mlp = in_spec[2]
-  psum_axes = () if mlp is None else ((mlp,) if isinstance(mlp, str) else tuple(mlp))
+  psum_axes = _axes(in_spec[2])
+  if in_spec[0] is None:
+    body = functools.partial(_dropless_local, psum_axes=psum_axes)
+  else:
+    body = functools.partial(_dropless_exchanged, psum_axes=psum_axes, axis=in_spec[0])
   local = jax.shard_map(
-    lambda *a: _dropless_local(*a, psum_axes),
+    body,
     mesh=mesh,
     in_specs=(token_spec, token_spec, token_spec, in_spec, in_spec, out_spec),
     out_specs=token_spec,
@@ -124,10 +186,43 @@ def capacity(h, routing: Routing, w_gate, w_up, w_down, factor: float):
     'bkse,bksc,bks->bsec', onehot.astype(dt), slots, jnp.swapaxes(routing.weights, 1, 2).astype(dt)
   )
   x = jnp.einsum('bsec,bsd->becd', dispatch, h)
-  gate = jnp.einsum('becd,edf->becf', x, w_gate.astype(dt))
-  up = jnp.einsum('becd,edf->becf', x, w_up.astype(dt))
-  y = jnp.einsum('becf,efd->becd', jax.nn.silu(gate) * up, w_down.astype(dt))
+  y = _buffers_through_experts(x, *(w.astype(dt) for w in (w_gate, w_up, w_down)))
   return jnp.einsum('bsec,becd->bsd', combine, y), jnp.sum(~kept)
+
+
+def _swiglu_buffers(x, w_gate, w_up, w_down):
+  """Buffers x [b, E, C, d] through their experts (w_* [E, ...])."""
+  gate = jnp.einsum('becd,edf->becf', x, w_gate)
+  up = jnp.einsum('becd,edf->becf', x, w_up)
+  return jnp.einsum('becf,efd->becd', jax.nn.silu(gate) * up, w_down)
+
+
+def _buffers_through_experts(x, w_gate, w_up, w_down):
+  """capacity's expert step. With the experts split over a mesh axis, GShard's:
+  each device's rows' buffers go to their experts' devices by one all-to-all
+  over that axis and come back by another; otherwise dense einsums left to GSPMD."""
+  mesh = jax.sharding.get_abstract_mesh()
+  in_spec = sharding.active_spec(IN_AXES)
+  if mesh.empty or in_spec is None or in_spec[0] is None:
+    return _swiglu_buffers(x, w_gate, w_up, w_down)
+  axis, psum_axes = in_spec[0], _axes(in_spec[2])
+
+  def exchanged(x, w_gate, w_up, w_down):
+    # [b, E, C, d] -> [ep * b, E/ep, C, d]: every group member's rows, this device's experts.
+    x = jax.lax.all_to_all(x, axis, 1, 0, tiled=True)
+    y = _swiglu_buffers(x, w_gate, w_up, w_down)
+    if psum_axes:
+      y = jax.lax.psum(y, psum_axes)
+    return jax.lax.all_to_all(y, axis, 0, 1, tiled=True)
+
+  buffer_spec = sharding.active_spec(BUFFERS)
+  return jax.shard_map(
+    exchanged,
+    mesh=mesh,
+    in_specs=(buffer_spec, in_spec, in_spec, sharding.active_spec(OUT_AXES)),
+    out_specs=buffer_spec,
+    axis_names=set(mesh.axis_names) - set(mesh.manual_axes),
+  )(x, w_gate, w_up, w_down)
 
 
 @flax.struct.dataclass
