@@ -49,8 +49,12 @@ def test_train_writes_metrics_checkpoints_and_resumes(tmp_path):
   assert any(name.startswith('events') for name in os.listdir(os.path.join(workdir, 'tb')))
   assert 'checkpoints' in first.stdout and 'metrics.jsonl' in first.stdout
 
-  second = _train(workdir, '--config.train.steps=6', *WANDB)
+  # Under a supervisor (training/heartbeat.py) each fetched step touches the heartbeat file.
+  beat = str(tmp_path / 'heartbeat')
+  second = _train(workdir, '--config.train.steps=6', *WANDB, env_extra={'TRIAX_HEARTBEAT': beat})
   assert second.returncode == 0, second.stderr
+  assert os.path.getmtime(beat) >= os.path.getmtime(os.path.join(workdir, 'config.json'))
+  assert not os.path.exists(os.path.join(workdir, 'heartbeat'))
   records = _records(workdir)
   steps = [r['step'] for r in records if 'loss' in r]
   assert steps == [1, 2, 3, 4, 5, 6]  # resumed at 5, nothing repeated or lost

@@ -3,12 +3,14 @@
 2 processes x 4 CPU devices must train exactly as 1 process x 8 devices; a
 checkpoint they write restores in one process (and on another mesh over two
 processes), and across processes and resumes each window of the text is used
-once per epoch.
+once per epoch. A run SIGKILLed and resumed on another layout and process
+count, twice (1 x 8 -> 2 x 4 -> 1 x 4), gives the uninterrupted run's losses.
 """
 
 import collections
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -19,6 +21,7 @@ from test_reliability import (
   assert_each_window_once_per_epoch,
   assert_same_losses,
   cli_env,
+  kill_when,
   losses,
   read_jsonl,
   sample_ids,
@@ -30,6 +33,25 @@ from triax.data.batches import BatchStream
 from triax.data.corpus import load_corpus
 
 LAUNCH = os.path.join(harness.ROOT, 'scripts', 'launch_local.sh')
+
+
+def _train_pids(port):
+  """Pids of the `triax train` processes of the launch on coordinator `port`, by process id."""
+  found = {}
+  for pid in filter(str.isdigit, os.listdir('/proc')):
+    try:
+      with open(f'/proc/{pid}/cmdline', 'rb') as f:
+        cmdline = f.read().split(b'\0')
+      with open(f'/proc/{pid}/environ', 'rb') as f:
+        env = dict(kv.split(b'=', 1) for kv in f.read().split(b'\0') if b'=' in kv)
+    except OSError:
+      continue
+    if (
+      b'triax.cli.train' in cmdline
+      and env.get(b'TRIAX_COORDINATOR') == f'127.0.0.1:{port}'.encode()
+    ):
+      found[int(env[b'TRIAX_PROCESS_ID'])] = int(pid)
+  return found
 
 
 def _free_port():
@@ -188,6 +210,42 @@ def test_two_processes_without_data_parallelism_resume_on_another_mesh(runs):
   ids = sample_ids(workdir)
   assert ids == sample_ids(runs['single'])
   assert_each_window_once_per_epoch(ids, runs['windows'])
+
+
+def _logged(workdir, step):
+  """Whether metrics.jsonl holds the loss of `step` or a later one."""
+  try:
+    records = read_jsonl(os.path.join(workdir, 'metrics.jsonl'))
+  except (OSError, ValueError):
+    return False  # absent, or a line being written
+  return any(r.get('step', 0) >= step and 'loss' in r for r in records)
+
+
+def test_sigkill_and_resume_on_other_layouts_and_process_counts(runs):
+  # 1 process x 8 devices (2x2x2 interleaved 1F1B, v=2) -> SIGKILL -> 2 processes x 4
+  # devices (2x2x2 1F1B, v=1) -> SIGKILL of process 0 -> 1 process x 4 devices (2x1x2).
+  workdir, flags, env = str(runs['root'] / 'invariance'), runs['flags'], runs['env']
+  kill_when(start_train(workdir, flags, workdir + '-1x8', env), lambda: _logged(workdir, 10))
+
+  port = _free_port()
+  one_f_one_b = ['--config.pipeline.schedule=1f1b', '--config.pipeline.virtual_stages=1']
+  launch = _launch(workdir, flags + one_f_one_b, env, port)
+  deadline = time.monotonic() + 600
+  while not _logged(workdir, 18) and launch.poll() is None and time.monotonic() < deadline:
+    time.sleep(0.01)
+  assert launch.poll() is None, launch.communicate()[0][-4000:]
+  os.kill(_train_pids(port)[0], signal.SIGKILL)  # the launcher stops the other one
+  out, _ = launch.communicate(timeout=120)
+  assert launch.returncode != 0 and 'resuming from checkpoint' in out, out[-4000:]
+
+  layout = ['--cpu_devices=4', '--config.mesh.tensor=1', *one_f_one_b]
+  proc = start_train(workdir, flags + layout, workdir + '-1x4', env)
+  assert proc.wait(timeout=600) == 0, open(workdir + '-1x4.err').read()[-3000:]
+  assert 'resumed at step' in open(workdir + '-1x4.out').read()
+  worst = assert_same_losses(losses(workdir), losses(runs['single']))
+  print(f'1x8 -> kill -> 2x4 -> kill -> 1x4 vs uninterrupted 1x8: max |loss diff| = {worst:.3g}')
+  assert sample_ids(workdir) == sample_ids(runs['single'])
+  assert_each_window_once_per_epoch(sample_ids(workdir), runs['windows'])
 
 
 def test_dcn_factor_keeps_each_block_of_an_axis_inside_one_host():

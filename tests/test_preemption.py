@@ -18,7 +18,7 @@ import time
 import harness
 import pytest
 import tensorboardX
-from test_multiprocess import LAUNCH, _free_port
+from test_multiprocess import LAUNCH, _free_port, _train_pids
 from test_reliability import (
   assert_same_losses,
   cli_env,
@@ -121,25 +121,6 @@ def test_sigterm_saves_the_step_in_flight_and_the_same_command_resumes(
   loss_steps = [s for s, _ in metrics_lib.read_scalars(os.path.join(workdir, 'tb'))['loss']]
   assert loss_steps == list(range(1, 61))  # each step once, in order
   print(f'SIGTERM after step {step}; resumed: max |loss - uninterrupted| = {worst:.3g}')
-
-
-def _train_pids(port):
-  """Pids of the `triax train` processes of the launch on coordinator `port`, by process id."""
-  found = {}
-  for pid in filter(str.isdigit, os.listdir('/proc')):
-    try:
-      with open(f'/proc/{pid}/cmdline', 'rb') as f:
-        cmdline = f.read().split(b'\0')
-      with open(f'/proc/{pid}/environ', 'rb') as f:
-        env = dict(kv.split(b'=', 1) for kv in f.read().split(b'\0') if b'=' in kv)
-    except OSError:
-      continue
-    if (
-      b'triax.cli.train' in cmdline
-      and env.get(b'TRIAX_COORDINATOR') == f'127.0.0.1:{port}'.encode()
-    ):
-      found[int(env[b'TRIAX_PROCESS_ID'])] = int(pid)
-  return found
 
 
 def test_sigterm_to_one_of_two_processes_stops_both_after_the_same_step(

@@ -1,8 +1,11 @@
 """Checkpoints across layouts, crash and resume, damaged checkpoints, NaN steps, data accounting.
 
 The crash test kills real `python -m triax train` processes (SIGKILL) during
-steps and during an asynchronous save, and checks the resumed run against an
-uninterrupted one: same losses, same samples, each window once per epoch.
+steps and during an asynchronous save (the save of step 8 is under way, so
+step 4 is the previous checkpoint, and it restores), damages a checkpoint
+(flipped bytes: an error, then `--restore_fallback`), and checks the resumed
+run against an uninterrupted one: same losses, same samples, each window
+once per epoch. Bad steps and rollbacks: tests/test_bad_steps.py.
 """
 
 import json
@@ -145,6 +148,15 @@ def truncate_half(path):
     f.truncate(os.path.getsize(path) // 2)
 
 
+def flip_bytes(path, count=16):
+  """Inverts `count` bytes in the middle of a file; its size stays the same."""
+  with open(path, 'r+b') as f:
+    f.seek(os.path.getsize(path) // 2)
+    data = f.read(count)
+    f.seek(-len(data), os.SEEK_CUR)
+    f.write(bytes(b ^ 0xFF for b in data))
+
+
 # ---------------------------------------------- canonical checkpoints (in-process)
 
 
@@ -220,19 +232,29 @@ def _save_steps(trainer, workdir, steps, keep=3):
   return cfg
 
 
-@pytest.mark.parametrize('damage', ['truncated', 'partly-deleted'])
+@pytest.mark.parametrize('damage', ['truncated', 'partly-deleted', 'flipped'])
 def test_damaged_latest_checkpoint_falls_back_to_previous(tmp_path, small_trainer, damage, caplog):
   workdir = str(tmp_path)
   cfg = _save_steps(small_trainer, workdir, [2, 4, 6])
   latest = os.path.join(workdir, 'checkpoints', '6')
+  shard = largest_file(os.path.join(latest, 'state'))
   if damage == 'truncated':
-    truncate_half(largest_file(os.path.join(latest, 'state')))
+    truncate_half(shard)
+  elif damage == 'flipped':
+    flip_bytes(shard)  # the size is right: only the checksum sees it
   else:
     shutil.rmtree(os.path.join(latest, 'state', 'd'))
 
   with jax.set_mesh(small_trainer.mesh):
-    ckpt = Checkpointer(workdir, cfg)
-    assert ckpt.latest_step() == 4
+    # Without the fallback, damage is an error naming the step and the file.
+    with pytest.raises(ConfigError) as error:
+      Checkpointer(workdir, cfg).restore(small_trainer)
+    assert error.value.key == '--workdir' and 'checkpoint 6 is damaged' in error.value.message
+    if damage != 'partly-deleted':
+      assert shard in error.value.message, error.value.message
+    assert '--restore_fallback' in error.value.message and '\n' not in error.value.message
+    ckpt = Checkpointer(workdir, cfg, restore_fallback=True)
+    assert ckpt.latest_step() == (6 if damage == 'flipped' else 4)  # sizes only: cheap
     restored = ckpt.restore(small_trainer)
     assert int(restored.step) == 4 and [s for s, _ in ckpt.damaged] == [6]
     warnings = [r.getMessage() for r in caplog.records if 'damaged checkpoint' in r.getMessage()]
@@ -244,6 +266,29 @@ def test_damaged_latest_checkpoint_falls_back_to_previous(tmp_path, small_traine
     ckpt.close()
     again = Checkpointer(workdir, cfg)
     assert int(again.restore(small_trainer).step) == 6 and again.damaged == []
+
+
+def test_manifest_holds_a_checksum_of_every_file(tmp_path, small_trainer):
+  workdir = str(tmp_path)
+  _save_steps(small_trainer, workdir, [2])
+  step = os.path.join(workdir, 'checkpoints', '2')
+  with open(os.path.join(step, ckpt_lib.MANIFEST)) as f:
+    files = json.load(f)['files']
+  assert files and any(rel.startswith('state' + os.sep) for rel in files)
+  for rel, entry in files.items():
+    path = os.path.join(step, rel)
+    assert entry == {'bytes': os.path.getsize(path), 'crc32': ckpt_lib.crc32(path)}, rel
+
+
+def test_fallback_with_no_intact_step_is_one_input_error(tmp_path, small_trainer):
+  workdir = str(tmp_path)
+  cfg = _save_steps(small_trainer, workdir, [2, 4])
+  for step in ('2', '4'):
+    flip_bytes(largest_file(os.path.join(workdir, 'checkpoints', step, 'state')))
+  with jax.set_mesh(small_trainer.mesh), pytest.raises(ConfigError) as error:
+    Checkpointer(workdir, cfg, restore_fallback=True).restore(small_trainer)
+  assert error.value.key == '--workdir' and 'no intact checkpoint' in error.value.message
+  assert '2: ' in error.value.message and '4: ' in error.value.message
 
 
 def test_no_intact_checkpoint_is_an_input_error(tmp_path, small_trainer):
@@ -414,25 +459,33 @@ def test_sigkill_anywhere_then_resume_gives_the_same_run(crash_setup):
   kill_when(start_train(workdir, flags, str(root / 'run2'), env), reached)
   assert intact_steps(workdir)[-1] >= 12
 
-  # 3. The latest checkpoint damaged too (truncated): the same command warns once,
-  #    naming it and the one before, resumes from that one and finishes.
+  # 3. The latest checkpoint damaged too (bytes flipped, sizes kept): the same command
+  #    stops with one error line naming the file and the step, and exit 2; with
+  #    --restore_fallback it warns once, naming it and the one before, resumes from
+  #    that one and finishes.
   *_, previous, latest = intact_steps(workdir)
-  truncate_half(largest_file(os.path.join(directory, str(latest), 'state')))
+  shard = largest_file(os.path.join(directory, str(latest), 'state'))
+  flip_bytes(shard)
   proc = start_train(workdir, flags, str(root / 'run3'), env)
-  assert proc.wait(timeout=600) == 0, open(str(root / 'run3.err')).read()[-3000:]
+  assert proc.wait(timeout=600) == 2, open(str(root / 'run3.err')).read()[-3000:]
+  errors = [l for l in open(str(root / 'run3.err')).read().splitlines() if l.startswith('error:')]
+  assert len(errors) == 1 and f'checkpoint {latest} is damaged' in errors[0], errors
+  assert shard in errors[0] and '--restore_fallback' in errors[0], errors
+  proc = start_train(workdir, [*flags, '--restore_fallback'], str(root / 'run4'), env)
+  assert proc.wait(timeout=600) == 0, open(str(root / 'run4.err')).read()[-3000:]
   warned = [
-    l for l in open(str(root / 'run3.err')).read().splitlines() if 'damaged checkpoint' in l
+    l for l in open(str(root / 'run4.err')).read().splitlines() if 'damaged checkpoint' in l
   ]
   assert len(warned) == 1, warned
   assert all(os.path.join(directory, str(s)) in warned[0] for s in (latest, previous)), warned
-  assert f'resumed at step {previous})' in open(str(root / 'run3.out')).read()
+  assert f'resumed at step {previous})' in open(str(root / 'run4.out')).read()
   assert os.path.isdir(os.path.join(workdir, ckpt_lib.DAMAGED_DIR, str(latest)))
   assert intact_steps(workdir) == [16, 20, 24]
 
   worst = assert_same_losses(losses(workdir), losses(reference))
   print(
     f'crash/resume: max |loss - uninterrupted| = {worst:.3g} (killed mid-save of 8 and at '
-    f'step >= {kill_step}; resumed from 4, then from {previous} past damaged {latest})'
+    f'step >= {kill_step}; resumed from 4, then from {previous} past flipped {latest})'
   )
   assert sample_ids(workdir) == sample_ids(reference)
   assert_each_window_once_per_epoch(sample_ids(workdir), windows)

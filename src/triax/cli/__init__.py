@@ -32,6 +32,7 @@ COMMANDS = {
   'tokenizer': 'train a byte-level BPE tokenizer from local text',
   'prepare': 'tokenize text, jsonl, Parquet or Arrow into token shards',
   'convert': 'import a Hugging Face Llama checkpoint into a workdir, or export one',
+  'supervise': 'run train as N processes; on a failure, re-plan for the devices left and resume',
 }
 
 

@@ -48,6 +48,12 @@ _PROFILE_STEPS = flags.DEFINE_string(
   'profile_steps', '', 'A:B: write a jax.profiler trace of steps A..B to WORKDIR/profile.'
 )
 _PROGRESS = flags.DEFINE_bool('progress', True, 'Show a progress bar.')
+_RESTORE_FALLBACK = flags.DEFINE_bool(
+  'restore_fallback',
+  False,
+  'When the newest checkpoint is damaged (its files fail their checksums), resume from the '
+  'newest intact one instead of stopping with an error.',
+)
 
 
 def main(argv):
@@ -76,6 +82,7 @@ def main(argv):
         compile_only=_COMPILE_ONLY.value,
         profile_steps=_PROFILE_STEPS.value,
         progress=_PROGRESS.value,
+        restore_fallback=_RESTORE_FALLBACK.value,
       )
   except loop.NonFiniteError as e:
     # Not bad input (exit 2): the run itself diverged. The last checkpoint stays the last good one.

@@ -9,12 +9,21 @@ the step: batches are a pure function of it.
 What makes a step directory a checkpoint:
 * orbax writes a step into a temporary directory and renames it when every
   process has finished; just before the rename, process 0 adds
-  `triax_manifest.json`, the size of every file. A checkpoint is *intact*
-  when each file of its manifest is there with that size, so an unfinished
-  save, a truncated file or a deleted one is detected without reading data.
-* Restore takes the newest intact checkpoint that also reads back. Newer
-  damaged ones are named in one warning and moved to DIR/checkpoints_damaged/
-  before training writes again (orbax refuses to save over a step).
+  `triax_manifest.json`, the size and CRC-32 of every file. A checkpoint is
+  *intact* when each file of its manifest is there with that size, so an
+  unfinished save, a truncated file or a deleted one is detected without
+  reading data (retention and `latest_step` ask only this); restore also
+  checks the checksums of the step it reads, so flipped bytes are caught.
+* A step directory without a manifest is a save that never finished (the
+  manifest commits with orbax's rename): restore passes over it by itself.
+  A step whose files do not match its manifest, or that does not read back,
+  is damage: restore stops with one error naming the file and the step,
+  unless `restore_fallback` (`triax train --restore_fallback`) lets it take
+  the newest intact step instead. Steps passed over are named in one warning
+  and moved to DIR/checkpoints_damaged/ before training writes again (orbax
+  refuses to save over a step).
+* A bad-step rollback (training/bad_steps.py) moves the steps from its first
+  bad one on to DIR/checkpoints_rolled_back/ and restores the one before.
 * Retention is ours, not orbax's `max_to_keep` (which picks what to delete
   counting the save in flight as kept, deletes even when that save's final
   error check failed, and would count a damaged step as kept): older
@@ -30,6 +39,7 @@ import json
 import os
 import re
 import shutil
+import zlib
 
 import jax
 import orbax.checkpoint as ocp
@@ -62,6 +72,15 @@ def _step_of(name: str) -> int | None:
   return int(name) if name.isdigit() else None
 
 
+def crc32(path: str) -> int:
+  """The CRC-32 of a file, read in 4 MiB blocks (zlib's: about a GB/s per core)."""
+  value = 0
+  with open(path, 'rb') as f:
+    while block := f.read(1 << 22):
+      value = zlib.crc32(block, value)
+  return value
+
+
 def _first_line(error: BaseException) -> str:
   text = str(error).strip()
   return f'{type(error).__name__}: {text.splitlines()[0][:200] if text else ""}'.rstrip(': ')
@@ -75,8 +94,11 @@ class Checkpointer:
   steps must be moved aside.
   """
 
-  def __init__(self, workdir: str, cfg):
+  def __init__(self, workdir: str, cfg, *, restore_fallback: bool = False):
     """Checks that DIR/checkpoints, if present, holds only triax checkpoints.
+
+    `restore_fallback`: restore passes over damaged steps to the newest intact
+    one instead of raising.
 
     Raises:
       ConfigError: the path is a file or holds something else.
@@ -87,6 +109,7 @@ class Checkpointer:
     self.keep = cfg.checkpoint.keep
     # triax sample reads a run's config.json, which older runs wrote without this key.
     self.keep_every = cfg.checkpoint.get('keep_every_steps', 0)
+    self.restore_fallback = restore_fallback
     self.restored_step: int | None = None
     self.restored_progress: dict = {}
     self.damaged: list[tuple[int, str]] = []  # newer than the restored step
@@ -126,8 +149,11 @@ class Checkpointer:
       if s is not None and os.path.isdir(self._step_dir(s))
     )
 
-  def verify(self, step: int) -> str | None:
-    """None if checkpoint `step` is intact, else what is wrong with it (cheap: no data read)."""
+  def verify(self, step: int, *, checksums: bool = False) -> str | None:
+    """None if checkpoint `step` is intact, else what is wrong with it.
+
+    Sizes only (no data read) unless `checksums`, which reads every file.
+    """
     path = self._step_dir(step)
     try:
       with open(os.path.join(path, MANIFEST)) as f:
@@ -136,14 +162,21 @@ class Checkpointer:
       return f'{MANIFEST} is missing (an unfinished save, or not a triax checkpoint)'
     except (OSError, ValueError, KeyError, TypeError) as e:
       return f'{MANIFEST} is unreadable ({_first_line(e)})'
-    for rel, size in sorted(files.items()):
+    for rel, entry in sorted(files.items()):
+      # A manifest written before checksums holds the size alone.
+      size, crc = (entry, None) if isinstance(entry, int) else (entry['bytes'], entry['crc32'])
       try:
         actual = os.path.getsize(os.path.join(path, rel))
       except OSError:
         return f'{rel} is missing'
       if actual != size:
         return f'{rel} has {actual} bytes, the manifest says {size}'
+      if checksums and crc is not None and crc32(os.path.join(path, rel)) != crc:
+        return f'{rel} does not match its checksum (its bytes changed after the save)'
     return None
+
+  def _unfinished(self, step: int) -> bool:
+    return not os.path.exists(os.path.join(self._step_dir(step), MANIFEST))
 
   def latest_step(self) -> int | None:
     """The newest intact checkpoint's step (None if there is none)."""
@@ -167,55 +200,69 @@ class Checkpointer:
     self._check_model(step, record, trainer)
     return step
 
-  def restore(self, trainer: Trainer) -> TrainState | None:
-    """The newest intact checkpoint's state, or None when the workdir has none yet.
+  def restore(self, trainer: Trainer, *, before: int | None = None) -> TrainState | None:
+    """The newest intact checkpoint's state (of a step below `before`, when given), or
+    None when there is none yet.
 
-    A newer checkpoint that is damaged (fails the manifest check or does not
-    read back) is skipped with one warning naming it and the one restored;
-    it is moved aside by the first save.
+    Its files are checked against their checksums first. A newer step that
+    never finished saving is passed over; a newer damaged one too with
+    restore_fallback. Steps passed over are named in one warning and moved
+    aside by the first save.
 
     Raises:
-      ConfigError: the checkpoint is of another model, or no checkpoint is intact.
+      ConfigError: a damaged step (without restore_fallback), no intact step,
+        or a checkpoint of another model.
     """
-    steps = self.steps()
+    steps = [s for s in self.steps() if before is None or s < before]
     if not steps:
       return None
-    damaged = []
+    passed = []
     for step in reversed(steps):
-      reason = self.verify(step)
+      reason = self.verify(step, checksums=True)
       if reason is None:
-        try:
-          items = self._read(step, model=ocp.args.JsonRestore(), progress=ocp.args.JsonRestore())
-        except Exception as e:  # pylint: disable=broad-except  # anything unreadable is damage
-          reason = f'unreadable ({_first_line(e)})'
+        state, reason = self._read_state(step, trainer)
       if reason is None:
-        self._check_model(step, items['model'], trainer)
-        try:
-          state = self._read(
-            step, state=ocp.args.StandardRestore(trainer.abstract_canonical_state())
-          )['state']
-        except Exception as e:  # pylint: disable=broad-except
-          reason = f'unreadable ({_first_line(e)})'
-      if reason is not None:
-        damaged.append((step, reason))
-        continue
-      self.restored_step, self.restored_progress, self.damaged = step, items['progress'], damaged
-      if damaged and self._main:
-        named = '; '.join(f'{self._step_dir(s)} ({r})' for s, r in damaged)
-        logging.warning(
-          'damaged checkpoint %s: resuming from %s instead (the damaged one moves to %s)',
-          named,
-          self._step_dir(step),
-          os.path.join(self.workdir, DAMAGED_DIR),
+        self.restored_step, self.damaged = step, passed
+        self._warn_passed(step)
+        logging.info('restored step %d from %s', step, self.directory)
+        return trainer.from_canonical(state)
+      if not (self.restore_fallback or self._unfinished(step)):
+        raise ConfigError(
+          '--workdir',
+          f'checkpoint {step} is damaged: {self._step_dir(step)}/{reason}; rerun with '
+          '--restore_fallback to resume from the newest intact step before it',
         )
-      logging.info('restored step %d from %s', step, self.directory)
-      return trainer.from_canonical(state)
-    found = '; '.join(f'{s}: {r}' for s, r in damaged)
+      passed.append((step, reason))
+    found = '; '.join(f'{s}: {r}' for s, r in passed)
     raise ConfigError(
       '--workdir',
       f'{self.directory} holds no intact checkpoint ({found}); '
       'move it away to start afresh, or choose another --workdir',
     )
+
+  def _read_state(self, step: int, trainer: Trainer) -> tuple[object, str | None]:
+    """Checkpoint `step`'s canonical state and progress (None and why when it does not read)."""
+    try:
+      items = self._read(step, model=ocp.args.JsonRestore(), progress=ocp.args.JsonRestore())
+    except Exception as e:  # pylint: disable=broad-except  # anything unreadable is damage
+      return None, f'unreadable ({_first_line(e)})'
+    self._check_model(step, items['model'], trainer)
+    try:
+      state = self._read(step, state=ocp.args.StandardRestore(trainer.abstract_canonical_state()))
+    except Exception as e:  # pylint: disable=broad-except
+      return None, f'unreadable ({_first_line(e)})'
+    self.restored_progress = items['progress']
+    return state['state'], None
+
+  def _warn_passed(self, step: int) -> None:
+    if self.damaged and self._main:
+      named = '; '.join(f'{self._step_dir(s)} ({r})' for s, r in self.damaged)
+      logging.warning(
+        'damaged checkpoint %s: resuming from %s instead (the damaged one moves to %s)',
+        named,
+        self._step_dir(step),
+        os.path.join(self.workdir, DAMAGED_DIR),
+      )
 
   def _read(self, step: int, **items) -> dict:
     with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as reader:
@@ -252,13 +299,7 @@ class Checkpointer:
     self._sync('triax_checkpoint_restored')  # every process has read what it needs
     if self._main:
       os.makedirs(self.directory, exist_ok=True)
-      for step, _ in self.damaged:
-        target = os.path.join(self.workdir, DAMAGED_DIR, str(step))
-        suffix = 0
-        while os.path.exists(target + (f'-{suffix}' if suffix else '')):
-          suffix += 1
-        os.makedirs(os.path.dirname(target), exist_ok=True)
-        os.replace(self._step_dir(step), target + (f'-{suffix}' if suffix else ''))
+      self._move_aside([step for step, _ in self.damaged], DAMAGED_DIR)
     self._sync('triax_checkpoint_prepare')
     options = ocp.CheckpointManagerOptions(
       max_to_keep=None,
@@ -268,6 +309,33 @@ class Checkpointer:
       async_options=ocp.AsyncOptions(post_finalization_callback=self._write_manifest),
     )
     self._manager = ocp.CheckpointManager(self.directory, options=options)
+
+  def _move_aside(self, steps: list[int], folder: str) -> None:
+    """Moves step directories to DIR/folder/STEP (STEP-1, ... when that exists)."""
+    for step in steps:
+      target = os.path.join(self.workdir, folder, str(step))
+      suffix = 0
+      while os.path.exists(target + (f'-{suffix}' if suffix else '')):
+        suffix += 1
+      os.makedirs(os.path.dirname(target), exist_ok=True)
+      os.replace(self._step_dir(step), target + (f'-{suffix}' if suffix else ''))
+
+  def roll_back(self, trainer: Trainer, first_bad: int) -> TrainState | None:
+    """The newest intact state before step `first_bad` (None: none, start afresh).
+
+    Waits for a save in flight, then moves the steps from `first_bad` on to
+    DIR/checkpoints_rolled_back/ (their states hold the bad steps, and the run
+    will save those steps again).
+    """
+    self.close()
+    self._sync('triax_checkpoint_roll_back')
+    if self._main:
+      self._move_aside([s for s in self.steps() if s >= first_bad], workdir_lib.ROLLED_BACK)
+    self._sync('triax_checkpoint_rolled_back')
+    self.restored_progress, self.damaged = {}, []  # those were moved by the first save
+    state = self.restore(trainer, before=first_bad)
+    self.prepare_to_write()
+    return state
 
   def save(self, trainer: Trainer, state: TrainState, *, progress: dict | None = None) -> None:
     """Starts an asynchronous save of `state` (after the previous one has finished).
@@ -305,7 +373,8 @@ class Checkpointer:
       for name in names:
         rel = os.path.relpath(os.path.join(root, name), path)
         if os.sep in rel:  # items' files; orbax rewrites its top-level files after this
-          files[rel] = os.path.getsize(os.path.join(root, name))
+          full = os.path.join(root, name)
+          files[rel] = {'bytes': os.path.getsize(full), 'crc32': crc32(full)}
     if not files:
       raise RuntimeError(f'checkpoint step {step}: found no files to list under {path}')
     with open(os.path.join(path, MANIFEST), 'w') as f:

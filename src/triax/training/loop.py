@@ -14,7 +14,14 @@ fetches step s-1's loss and gradient norm (done by now, or nearly), so the
 device always has the next step queued. A NaN/Inf is therefore noticed one
 step later than it happens, but never too late: every evaluation and save
 fetches its own step first, so a non-finite step's state is never evaluated
-or saved, and the error names the step that produced it.
+or saved, and the error names the step that produced it. Each fetched step
+is judged (training/bad_steps.py): a NaN/Inf or a loss spike may be skipped
+or roll the run back to a checkpoint, past the batches that caused it.
+
+A run is `_Training`: `prepare` (records, compile, writers), then `steps`,
+whose pieces are `_dispatch` (queue a step, fetch the one before),
+`_after_step` (evaluate, save, stop on a signal), `fetch` (judge and log one
+step) and `_roll_back`.
 """
 
 from __future__ import annotations
@@ -36,7 +43,7 @@ from triax.mesh import build_mesh
 from triax.model.flops import peak_flops, step_flops
 from triax.pipeline import schedule as sched
 from triax.pipeline import simulate
-from triax.training import atomic, preemption
+from triax.training import atomic, bad_steps, heartbeat, preemption
 from triax.training import lock as lock_lib
 from triax.training import step as step_lib
 from triax.training import workdir as workdir_lib
@@ -61,23 +68,8 @@ def recorded_cpu_devices(workdir: str) -> int | None:
   return count if isinstance(count, int) and count >= 1 else None
 
 
-class NonFiniteError(RuntimeError):
-  """The loss or gradient of `step` became NaN/Inf; that state is not saved.
-
-  The loop may notice it while the next step runs (it reads each step's loss
-  one step behind); the state of that next step, computed from it, is not
-  saved either.
-  """
-
-  def __init__(self, step: int, loss: float, grad_norm: float):
-    self.step = step
-    super().__init__(
-      f'step {step}: loss={loss} grad_norm={grad_norm} is not finite; stopped '
-      'without saving this step (lower train.learning_rate, or let '
-      'train.skip_nonfinite_steps=N skip such steps)'
-    )
-
-
+# Where callers (the CLI) catch a diverged run.
+NonFiniteError = bad_steps.NonFiniteError
 Data = data_pipeline.Data
 
 
@@ -296,9 +288,7 @@ def startup_line(trainer: Trainer, start: int) -> str:
     schedule = 'no pipeline schedule (one micro-batch, one stage)'
   else:
     s = program.schedule
-    # The schedule CLI's default costs: a backward is two forwards (B and W one each when split).
-    split = program.split_backward
-    costs = simulate.Costs(t_backward=1.0 if split else 2.0, t_weight=1.0 if split else 0.0)
+    costs = simulate.Costs.design_point(program.split_backward)  # the schedule CLI's default
     bubble = simulate.simulate_lockstep(program, costs).bubble_fraction
     schedule = (
       f'schedule {s.name} (p={s.stages}, m={s.microbatches}, v={s.virtual_stages}): '
@@ -345,7 +335,13 @@ def _take_lock(workdir_lock: lock_lib.WorkdirLock) -> None:
 
 
 def train_and_evaluate(
-  cfg, workdir: str, *, compile_only: bool = False, profile_steps: str = '', progress: bool = True
+  cfg,
+  workdir: str,
+  *,
+  compile_only: bool = False,
+  profile_steps: str = '',
+  progress: bool = True,
+  restore_fallback: bool = False,
 ) -> dict:
   """Runs (or resumes) training as configured; returns a summary of the run.
 
@@ -353,11 +349,13 @@ def train_and_evaluate(
   is touched: config, data, profile range, a lock held by another run, and
   an existing checkpoint directory (its contents and its model). Then the
   workdir's lock is taken (DIR/triax.lock, by process 0) and held until
-  this returns or raises.
+  this returns or raises. `restore_fallback`: a damaged newest checkpoint
+  is passed over for the newest intact one instead of being an error.
 
   Raises:
     ConfigError: bad input, or the workdir is in use (nothing written).
-    NonFiniteError: a NaN/Inf step beyond train.skip_nonfinite_steps (its state is not saved).
+    NonFiniteError: a NaN/Inf step beyond train.skip_nonfinite_steps (its state is not saved),
+      or bad again after train.spike_max_rollbacks rollbacks.
     preemption.Stopped: SIGTERM or SIGINT; the step it stopped after is saved and complete
       (a SystemExit with status 0: an entry point exits 0 without catching it).
   """
@@ -373,9 +371,20 @@ def train_and_evaluate(
   workdir_lock = lock_lib.WorkdirLock(workdir)
   try:
     with jax.set_mesh(mesh):  # jitted functions trace on first call: they need the mesh
-      return _run(cfg, trainer, data, workdir, workdir_lock, compile_only, profile, progress)
+      run = _RunOptions(compile_only, profile, progress, restore_fallback)
+      return _run(cfg, trainer, data, workdir, workdir_lock, run)
   finally:
     workdir_lock.release()
+
+
+@dataclasses.dataclass(frozen=True)
+class _RunOptions:
+  """The command line's choices beside the config."""
+
+  compile_only: bool
+  profile: tuple[int, int] | None  # steps A..B to trace
+  progress: bool  # a progress bar
+  restore_fallback: bool  # pass over a damaged newest checkpoint
 
 
 @dataclasses.dataclass
@@ -392,12 +401,10 @@ def _run(
   data: Data,
   workdir: str,
   workdir_lock: lock_lib.WorkdirLock,
-  compile_only: bool,
-  profile: tuple[int, int] | None,
-  progress: bool,
+  options: _RunOptions,
 ) -> dict:
   main_process = jax.process_index() == 0
-  if compile_only:
+  if options.compile_only:
     _, _, stats = all_compile_stats(trainer)
     _take_lock(workdir_lock)
     if main_process:
@@ -421,7 +428,8 @@ def _run(
 
   signals = preemption.StopSignals(on_second=interrupted)  # bound before a signal can call it
   with signals:
-    ckpt = Checkpointer(workdir, cfg)  # only reads until the first save
+    # Only reads until the first save.
+    ckpt = Checkpointer(workdir, cfg, restore_fallback=options.restore_fallback)
     position.ckpt = ckpt
     finished = ckpt.finished_step(trainer, cfg.train.steps)
     if finished is not None:
@@ -436,9 +444,9 @@ def _run(
     if main_process:
       print(data.description, flush=True)
       print(startup_line(trainer, start), flush=True)
-    return _train(
-      cfg, trainer, data, workdir, ckpt, state, start, signals, position, profile, progress
-    )
+    run = _Training(cfg, trainer, data, workdir, ckpt, signals, position, options.profile)
+    run.prepare(state, start, options.progress)
+    return run.steps()
 
 
 def _nothing_to_do(cfg, workdir: str, data: Data, step: int) -> dict:
@@ -454,199 +462,278 @@ def _nothing_to_do(cfg, workdir: str, data: Data, step: int) -> dict:
     'data': data.description,
     'temp_bytes': None,
     'skipped_nonfinite': [],
+    'skipped_batches': [],
+    'rollbacks': [],
     'restored_step': step,
     'damaged_checkpoints': [],
   }
 
 
-def _train(
-  cfg,
-  trainer: Trainer,
-  data: Data,
-  workdir: str,
-  ckpt: Checkpointer,
-  state,
-  start: int,
-  signals: preemption.StopSignals,
-  position: _Position,
-  profile: tuple[int, int] | None,
-  progress: bool,
-) -> dict:
-  main_process = jax.process_index() == 0
-  skipped = list(ckpt.restored_progress.get('skipped_nonfinite', []))
-  ckpt.prepare_to_write()
-  if main_process:
-    # What the run was (for triax sample and for people): the validated config.
-    atomic.write_text(workdir_lib.path(workdir, workdir_lib.CONFIG), cfg.to_json(indent=2))
-    record = {'platform': jax.default_backend(), 'local_devices': jax.local_device_count()}
-    atomic.write_json(workdir_lib.path(workdir, workdir_lib.DEVICES), record)
-  skip_limit = cfg.train.skip_nonfinite_steps
-  compiled, compiled_eval, stats = all_compile_stats(trainer)
-  if main_process:
-    atomic.write_json(workdir_lib.path(workdir, workdir_lib.COMPILE_STATS), stats)
-  metrics = MetricsWriter(
-    workdir,
-    start,
-    enabled=main_process,
-    wandb_project=cfg.train.wandb_project,
-    wandb_mode=cfg.train.wandb_mode,
-    config=cfg.to_dict(),
-  )
-  samples = JsonLines(
-    os.path.join(workdir, 'samples.jsonl'),
-    start,
-    enabled=main_process and cfg.train.record_sample_ids,
-  )
-  peak = peak_flops(jax.devices()[0].device_kind, cfg.hardware.peak_flops_per_device)
-  tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_len
-  lr = trainer.optimizer_schedule
-  every, every_seconds = cfg.checkpoint.every_steps, cfg.checkpoint.every_seconds
+class _Training:
+  """The steps of one run, from a restored (or fresh) state to train.steps.
 
-  def evaluate(step: int) -> float:
+  The host queues step s, then fetches step s-1's outputs (`pending`), so the
+  device always has the next step queued; each fetched step is judged
+  (training/bad_steps.py), logged, and may roll the run back.
+  """
+
+  def __init__(self, cfg, trainer, data, workdir, ckpt, signals, position, profile):
+    self.cfg, self.trainer, self.data, self.workdir = cfg, trainer, data, workdir
+    self.ckpt, self.signals, self.position, self.profile = ckpt, signals, position, profile
+    self.main = jax.process_index() == 0
+    self.bad = bad_steps.BadSteps.from_config(
+      cfg.train, ckpt.restored_progress, bad_steps.read_rollbacks(workdir)
+    )
+    self.pending = []  # the step whose outputs are not fetched yet: (step, out, lr)
+    self.last_loss = math.nan
+    self.last_save = time.monotonic()
+    self.rollbacks: list[dict] = []
+
+  def prepare(self, state, start: int, progress: bool) -> None:
+    """Writes the run's records, compiles, opens the writers, evaluates a fresh start."""
+    cfg, workdir = self.cfg, self.workdir
+    self.state, self.start = state, start
+    self.ckpt.prepare_to_write()
+    if self.main:
+      # What the run was (for triax sample and for people): the validated config.
+      atomic.write_text(workdir_lib.path(workdir, workdir_lib.CONFIG), cfg.to_json(indent=2))
+      record = {'platform': jax.default_backend(), 'local_devices': jax.local_device_count()}
+      atomic.write_json(workdir_lib.path(workdir, workdir_lib.DEVICES), record)
+    self.compiled, self.compiled_eval, self.stats = all_compile_stats(self.trainer)
+    if self.main:
+      atomic.write_json(workdir_lib.path(workdir, workdir_lib.COMPILE_STATS), self.stats)
+    self.peak = peak_flops(jax.devices()[0].device_kind, cfg.hardware.peak_flops_per_device)
+    self._open_writers(start)
+    self.first_eval = self.evaluate(start) if start == 0 else None
+    self.last_eval = self.first_eval
+    self.bar = tqdm(
+      total=cfg.train.steps,
+      initial=start,
+      disable=not (progress and self.main),
+      dynamic_ncols=True,
+      desc='train',
+    )
+    self.signals.bar = self.bar
+    self.window_start, self.window_steps = time.perf_counter(), 0
+
+  def _open_writers(self, start: int) -> None:
+    """Metrics and sample logs, cut back to `start` (a resume's, or a rollback's, step)."""
+    cfg = self.cfg
+    self.metrics = MetricsWriter(
+      self.workdir,
+      start,
+      enabled=self.main,
+      wandb_project=cfg.train.wandb_project,
+      wandb_mode=cfg.train.wandb_mode,
+      config=cfg.to_dict(),
+    )
+    self.samples = JsonLines(
+      os.path.join(self.workdir, 'samples.jsonl'),
+      start,
+      enabled=self.main and cfg.train.record_sample_ids,
+    )
+
+  def evaluate(self, step: int) -> float:
+    data = self.data
     losses = [
-      compiled_eval(
-        state.params, global_batch(trainer, lambda lo, hi, i=i: data.val.eval_batch(i, (lo, hi)))
+      self.compiled_eval(
+        self.state.params,
+        global_batch(self.trainer, lambda lo, hi, i=i: data.val.eval_batch(i, (lo, hi))),
       )
       for i in range(data.eval_count)
     ]
     value = float(np.mean(jax.device_get(losses)))
-    metrics.write({'step': step, 'eval_loss': value})
+    self.metrics.write({'step': step, 'eval_loss': value})
     return value
 
-  first_eval = evaluate(start) if start == 0 else None
-  last_eval = first_eval
-  bar = tqdm(
-    total=cfg.train.steps,
-    initial=start,
-    disable=not (progress and main_process),
-    dynamic_ncols=True,
-    desc='train',
-  )
-  signals.bar = bar
-  window = {'start': time.perf_counter(), 'steps': 0}
-  last_loss = math.nan
-  last_save = time.monotonic()
-  pending = []  # the step whose outputs are not fetched yet: (step, out, lr)
+  def steps(self) -> dict:
+    """Runs the steps; the run's summary (raises preemption.Stopped after a signal's save)."""
+    stopped = None
+    try:
+      step = self.start
+      while step < self.cfg.train.steps:
+        step += 1
+        if not self._dispatch(step):
+          step = self.position.step  # rolled back
+          continue
+        stopped, rolled_back = self._after_step(step)
+        if rolled_back:
+          step = self.position.step
+        if stopped is not None:
+          break
+    finally:
+      self.bar.close()
+      self.ckpt.close()
+      self.metrics.close()
+    if stopped is not None:
+      if self.main:
+        print(stopped.message, flush=True)
+      raise stopped
+    return self.summary()
 
-  def fetch() -> None:
-    """Fetches the pending step's loss and gradient norm; logs them or stops on a NaN/Inf."""
-    nonlocal last_loss
-    if not pending:
-      return
-    step, out, step_lr = pending.pop()
+  def _dispatch(self, step: int) -> bool:
+    """Queues `step`, then fetches the step before it; False if that one rolled the run back."""
+    cfg, data = self.cfg, self.data
+    if self.profile and step == self.profile[0]:
+      jax.profiler.start_trace(workdir_lib.path(self.workdir, workdir_lib.PROFILE))
+    at = self.bad.position(step)
+    batch = global_batch(self.trainer, lambda lo, hi: data.train.batch(at, (lo, hi)))
+    # The logged learning rate is the schedule evaluated op by op, as always;
+    # queued ahead of the step, it is ready when the step is (queued after
+    # it, reading it would wait for the step queued next).
+    logged = step % cfg.train.log_every == 0 or step == cfg.train.steps
+    step_lr = self.trainer.optimizer_schedule(step - 1) if logged else None
+    self.state, out = self.compiled(self.state, batch)
+    self.position.step = step
+    if not self.fetch():  # the previous step's: the device has this one queued meanwhile
+      return False
+    self.pending.append((step, out, step_lr))
+    if self.profile and step == self.profile[1]:
+      jax.block_until_ready(out)
+      jax.profiler.stop_trace()
+    return True
+
+  def _after_step(self, step: int) -> tuple[preemption.Stopped | None, bool]:
+    """Evaluates and saves `step` when due; (a stop after its save, whether it rolled back)."""
+    cfg, ckpt = self.cfg, self.ckpt
+    every, every_seconds = cfg.checkpoint.every_steps, cfg.checkpoint.every_seconds
+    last = step == cfg.train.steps
+    # Every process asks every step, the last too: process 0 answers for all.
+    stop, by_time = self.signals.decide(
+      step, bool(every_seconds) and time.monotonic() - self.last_save >= every_seconds
+    )
+    stop = stop and not last  # a signal at the last step: the run simply ends
+    eval_now = step % cfg.train.eval_every == 0 or last
+    save_now = (
+      last or stop or by_time or bool(every and step % every == 0) or ckpt.is_milestone(step)
+    )
+    # This step's outputs first: a non-finite one stops or rolls back here, before
+    # it is evaluated or saved.
+    if (eval_now or save_now) and not self.fetch():
+      return None, True
+    save_now = save_now and (last or stop or not self.bad.amid_bad_steps)
+    if eval_now:
+      self.last_eval = self.evaluate(step)
+      self.window_start = time.perf_counter()
+    if save_now:
+      ckpt.save(self.trainer, self.state, progress=self.bad.progress())
+      self.last_save = time.monotonic()
+      self.window_start = time.perf_counter()
+    if not stop:
+      return None, False
+    ckpt.wait()
+    problem = ckpt.verify(step) if self.main else None
+    if problem:
+      raise RuntimeError(f'checkpoint {step} failed its check after saving: {problem}')
+    message = (
+      f'stopped by {self.signals.name} after step {step}; checkpoint {step} is complete; '
+      'rerun the same command to resume'
+    )
+    return preemption.Stopped(message, step), False
+
+  def fetch(self) -> bool:
+    """Fetches the pending step's loss and gradient norm, judges and logs them.
+
+    Returns False when that step rolled the run back (nothing is pending then).
+    Raises bad_steps.NonFiniteError when no skip or rollback covers a NaN/Inf.
+    """
+    if not self.pending:
+      return True
+    step, out, step_lr = self.pending.pop()
     out, step_lr = jax.device_get((out, step_lr))
     # One clock reading ends this window and starts the next: host work between
     # fetches (logging, dispatch) belongs to some step's time.
     fetched = time.perf_counter()
-    window['steps'] += 1
+    self.window_steps += 1
     loss, grad_norm = float(out['loss']), float(out['grad_norm'])
-    log_now = step % cfg.train.log_every == 0 or step == cfg.train.steps
-    if not (math.isfinite(loss) and math.isfinite(grad_norm)):
-      if len(skipped) >= skip_limit:
-        raise NonFiniteError(step, loss, grad_norm)
-      skipped.append(step)  # that step's state holds the previous parameters (see training.step)
-      metrics.write(
+    verdict = self.bad.judge(step, loss, grad_norm)
+    if verdict == bad_steps.ROLLBACK:
+      self._roll_back()
+      return False
+    if verdict != bad_steps.GOOD:
+      # A skipped step's state holds the previous parameters (see training.step).
+      self.metrics.write(
         {
           'step': step,
-          'skipped_nonfinite': True,
+          f'{verdict}_{"nonfinite" if verdict == bad_steps.SKIPPED else "loss"}': True,
           'loss': loss,
           'grad_norm': grad_norm,
-          'skipped_so_far': len(skipped),
+          'skipped_so_far': len(self.bad.skipped_nonfinite),
         }
       )
-      log_now = False
-    if samples.enabled:
-      samples.write({'step': step, 'sample_ids': data.train.sample_ids(step - 1).tolist()})
-    if log_now:
-      step_time = (fetched - window['start']) / window['steps']
-      record = {
-        'step': step,
-        'loss': loss,
-        'learning_rate': float(step_lr),
-        'grad_norm': grad_norm,
-        'tokens_per_sec': tokens_per_step / step_time,
-        'step_time_s': step_time,
-        'epoch': data.train.epoch_at(step),
-      }
-      # What the model adds (a MoE's router losses and expert load), beside the loss.
-      record.update({k: float(v) for k, v in out.items() if k not in ('loss', 'grad_norm')})
-      record['model_flops_per_sec'] = stats['model_flops_per_step'] / step_time
-      record['hardware_flops_per_sec'] = stats['hardware_flops_per_step'] / step_time
-      if peak:
-        record['mfu'] = record['model_flops_per_sec'] / (peak * jax.device_count())
-        record['hfu'] = record['hardware_flops_per_sec'] / (peak * jax.device_count())
-      metrics.write(record)
-      last_loss = loss
-      bar.set_postfix(loss=f'{loss:.3f}', tok_s=f'{record["tokens_per_sec"]:.0f}')
-      window['start'], window['steps'] = fetched, 0
-    bar.update(1)
+    if self.samples.enabled:
+      ids = self.data.train.sample_ids(self.bad.position(step))
+      self.samples.write({'step': step, 'sample_ids': ids.tolist()})
+    log_now = step % self.cfg.train.log_every == 0 or step == self.cfg.train.steps
+    if log_now and verdict == bad_steps.GOOD:
+      self._log(step, out, step_lr, fetched)
+    self.bar.update(1)
+    heartbeat.beat()  # for a supervisor: this process is not stuck
+    return True
 
-  stopped = None
-  try:
-    for step in range(start + 1, cfg.train.steps + 1):
-      if profile and step == profile[0]:
-        jax.profiler.start_trace(workdir_lib.path(workdir, workdir_lib.PROFILE))
-      batch = global_batch(trainer, lambda lo, hi, s=step - 1: data.train.batch(s, (lo, hi)))
-      # The logged learning rate is the schedule evaluated op by op, as always;
-      # queued ahead of the step, it is ready when the step is (queued after
-      # it, reading it would wait for the step queued next).
-      step_lr = lr(step - 1) if step % cfg.train.log_every == 0 or step == cfg.train.steps else None
-      state, out = compiled(state, batch)
-      position.step = step
-      fetch()  # the previous step's: the device has this one queued meanwhile
-      pending.append((step, out, step_lr))
-      if profile and step == profile[1]:
-        jax.block_until_ready(out)
-        jax.profiler.stop_trace()
-      last = step == cfg.train.steps
-      # Every process asks every step, the last too: process 0 answers for all.
-      stop, by_time = signals.decide(
-        step, bool(every_seconds) and time.monotonic() - last_save >= every_seconds
+  def _log(self, step: int, out: dict, step_lr, fetched: float) -> None:
+    """One metrics record for `step`: loss, rate, throughput, MFU."""
+    stats = self.stats
+    step_time = (fetched - self.window_start) / self.window_steps
+    record = {
+      'step': step,
+      'loss': float(out['loss']),
+      'learning_rate': float(step_lr),
+      'grad_norm': float(out['grad_norm']),
+      'tokens_per_sec': self.cfg.train.global_batch_size * self.cfg.model.seq_len / step_time,
+      'step_time_s': step_time,
+      'epoch': self.data.train.epoch_at(self.bad.position(step) + 1),
+    }
+    # What the model adds (a MoE's router losses and expert load), beside the loss.
+    record.update({k: float(v) for k, v in out.items() if k not in ('loss', 'grad_norm')})
+    record['model_flops_per_sec'] = stats['model_flops_per_step'] / step_time
+    record['hardware_flops_per_sec'] = stats['hardware_flops_per_step'] / step_time
+    if self.peak:
+      record['mfu'] = record['model_flops_per_sec'] / (self.peak * jax.device_count())
+      record['hfu'] = record['hardware_flops_per_sec'] / (self.peak * jax.device_count())
+    self.metrics.write(record)
+    self.last_loss = record['loss']
+    self.bar.set_postfix(loss=f'{record["loss"]:.3f}', tok_s=f'{record["tokens_per_sec"]:.0f}')
+    self.window_start, self.window_steps = fetched, 0
+
+  def _roll_back(self) -> None:
+    """Back to the newest checkpoint before the bad steps, whose batches are then skipped."""
+    bad = self.bad.streak
+    self.pending.clear()  # the step queued after the bad one is computed from it
+    state = self.ckpt.roll_back(self.trainer, bad[0])
+    if state is None:
+      state = self.trainer.init_state(jax.random.key(self.cfg.train.seed))
+    self.state = state
+    restored = self.position.step = int(jax.device_get(state.step))
+    record = self.bad.rolled_back(self.workdir, restored, self.ckpt.restored_progress, self.main)
+    self.rollbacks.append(record)
+    self.metrics.close()
+    self._open_writers(restored)
+    if self.main:
+      preemption.say(
+        f'rolled back: steps {bad} were non-finite or spiked (loss > '
+        f'{self.cfg.train.spike_threshold} x the mean of the last good ones); resumed from '
+        f'step {restored}, skipping batches {record["skipped_batches"]}',
+        self.bar,
       )
-      stop = stop and not last  # a signal at the last step: the run simply ends
-      eval_now = step % cfg.train.eval_every == 0 or last
-      save_now = (
-        last or stop or by_time or bool(every and step % every == 0) or ckpt.is_milestone(step)
-      )
-      if eval_now or save_now:
-        fetch()  # this step's: a non-finite one stops here, before it is evaluated or saved
-      if eval_now:
-        last_eval = evaluate(step)
-        window['start'] = time.perf_counter()
-      if save_now:
-        ckpt.save(trainer, state, progress={'skipped_nonfinite': skipped})
-        last_save = time.monotonic()
-        window['start'] = time.perf_counter()
-      if stop:
-        ckpt.wait()
-        problem = ckpt.verify(step) if main_process else None
-        if problem:
-          raise RuntimeError(f'checkpoint {step} failed its check after saving: {problem}')
-        stopped = preemption.Stopped(
-          f'stopped by {signals.name} after step {step}; checkpoint {step} is complete; '
-          'rerun the same command to resume',
-          step,
-        )
-        break
-  finally:
-    bar.close()
-    ckpt.close()
-    metrics.close()
-  if stopped is not None:
-    if main_process:
-      print(stopped.message, flush=True)
-    raise stopped
-  return {
-    'workdir': os.path.abspath(workdir),
-    'start_step': start,
-    'steps': cfg.train.steps,
-    'first_eval_loss': first_eval,
-    'final_eval_loss': last_eval,
-    'final_loss': last_loss,
-    'unigram_entropy_nats': data.unigram_entropy,
-    'data': data.description,
-    'temp_bytes': stats['temp_bytes'],
-    'skipped_nonfinite': skipped,
-    'restored_step': ckpt.restored_step,
-    'damaged_checkpoints': ckpt.damaged,
-  }
+    self.bar.n = restored
+    self.bar.refresh()
+    self.window_start, self.window_steps = time.perf_counter(), 0
+
+  def summary(self) -> dict:
+    return {
+      'workdir': os.path.abspath(self.workdir),
+      'start_step': self.start,
+      'steps': self.cfg.train.steps,
+      'first_eval_loss': self.first_eval,
+      'final_eval_loss': self.last_eval,
+      'final_loss': self.last_loss,
+      'unigram_entropy_nats': self.data.unigram_entropy,
+      'data': self.data.description,
+      'temp_bytes': self.stats['temp_bytes'],
+      'skipped_nonfinite': self.bad.skipped_nonfinite,
+      'skipped_batches': self.bad.skipped_batches,
+      'rollbacks': self.rollbacks,
+      'restored_step': self.ckpt.restored_step,
+      'damaged_checkpoints': self.ckpt.damaged,
+    }

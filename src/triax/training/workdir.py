@@ -11,6 +11,9 @@
   DIR/tokenizer.json       an import's tokenizer (triax convert)
   DIR/hf_config.json       an import's HF config (export keeps its ids)
   DIR/triax.lock           who is writing the workdir (training/lock.py)
+  DIR/elastic.jsonl        one record per restart of `triax supervise` (training/elastic.py)
+  DIR/rollbacks.jsonl      one line per bad-step rollback (training/bad_steps.py)
+  DIR/checkpoints_rolled_back/STEP/  checkpoints a rollback set aside
 
 `sample`, `convert --export` and a resume read a run back with
 `load_config`, `tokenizer`, `latest_step` and `restore_params`.
@@ -36,6 +39,9 @@ CHECKPOINTS = 'checkpoints'
 TOKENIZER = 'tokenizer.json'
 HF_CONFIG = 'hf_config.json'
 LOCK = 'triax.lock'
+ELASTIC = 'elastic.jsonl'
+ROLLBACKS = 'rollbacks.jsonl'
+ROLLED_BACK = 'checkpoints_rolled_back'
 
 
 def path(workdir: str, name: str) -> str:
