@@ -122,6 +122,77 @@ ROWS = {
   ),
 }
 
+LLAMA_1B_SELECTIVE = 'experiments/llama_1b.py:attention=splash,remat=selective'
+# Llama 3.1 70B's shape over llama_8b's file (its keys otherwise).
+LLAMA_70B = {
+  'model.num_layers': 80,
+  'model.d_model': 8192,
+  'model.num_heads': 64,
+  'model.num_kv_heads': 8,
+  'model.d_ff': 28672,
+}
+PIPE_4 = {'mesh.data': 1, 'mesh.pipe': 4, 'pipeline.microbatches': 8}
+# Compiled by triax alone, for the planner's memory model: name -> (what, topology,
+# (config, overrides)). The planner section covers these and ROWS.
+PLANNER_ROWS = {
+  'dp4_zero1': (
+    'DP 4, ZeRO-1',
+    'v5p:2x2x1',
+    (LLAMA_1B, {'mesh.data': 4, 'train.optimizer_sharding': 'data'}),
+  ),
+  'tp4_selective': (
+    'TP 4, selective remat',
+    'v5p:2x2x1',
+    (LLAMA_1B_SELECTIVE, {'mesh.data': 1, 'mesh.tensor': 4}),
+  ),
+  'dp2tp2_sp': (
+    'DP 2 x TP 2, sequence parallel',
+    'v5p:2x2x1',
+    (LLAMA_1B, {'mesh.data': 2, 'mesh.tensor': 2, 'mesh.sequence_parallel': True}),
+  ),
+  'pp4_gpipe': (
+    'PP 4, m=8, gpipe',
+    'v5p:2x2x1',
+    (LLAMA_1B, {**PIPE_4, 'pipeline.schedule': 'gpipe'}),
+  ),
+  'pp4_bpipe': (
+    'PP 4, m=8, bpipe',
+    'v5p:2x2x1',
+    (LLAMA_1B, {**PIPE_4, 'pipeline.schedule': 'bpipe'}),
+  ),
+  'pp4_zbv': (
+    'PP 4, m=8, zb_v',
+    'v5p:2x2x1',
+    (LLAMA_1B, {**PIPE_4, 'pipeline.schedule': 'zb_v', 'pipeline.virtual_stages': 2}),
+  ),
+  'fsdp8_8b': ('8B shape, FSDP 8', 'v5p:2x2x2', (LLAMA_8B, {'mesh.data': 8, 'mesh.fsdp': True})),
+  'tp8_8b': ('8B shape, TP 8', 'v5p:2x2x2', (LLAMA_8B, {'mesh.data': 1, 'mesh.tensor': 8})),
+  'tp8pp4_70b': (
+    '70B shape, TP 8 x PP 4 on 32 chips, m=8, 1f1b',
+    'v5p:2x4x4',
+    (
+      LLAMA_8B,
+      {**LLAMA_70B, 'mesh.data': 1, 'mesh.tensor': 8, 'mesh.pipe': 4, 'pipeline.microbatches': 8},
+    ),
+  ),
+  'dp2tp8pp4_70b': (
+    '70B shape, DP 2 x TP 8 x PP 4 on 64 chips, m=4, zb_h1, ZeRO-1',
+    'v5p:4x4x4',
+    (
+      LLAMA_8B,
+      {
+        **LLAMA_70B,
+        'mesh.data': 2,
+        'mesh.tensor': 8,
+        'mesh.pipe': 4,
+        'pipeline.microbatches': 4,
+        'pipeline.schedule': 'zb_h1',
+        'train.optimizer_sharding': 'data',
+      },
+    ),
+  ),
+}
+
 # Issue 24's table (tree 2caa00b: jax 0.10.2, libtpu 0.0.42.1, XLA attention), GiB of
 # per-device temp: triax then, and MaxText 0.2.5 as that session measured it.
 ISSUE_24 = {
@@ -266,7 +337,11 @@ def versions(python: str) -> str:
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument('--out', default=os.path.join(ROOT, 'docs', 'bench_tpu_compile.md'))
-  parser.add_argument('--rows', default=','.join(ROWS))
+  parser.add_argument(
+    '--rows',
+    default=','.join([*ROWS, *PLANNER_ROWS]),
+    help="names of ROWS and PLANNER_ROWS to compile; '' = none: the doc from the cache",
+  )
   parser.add_argument('--skip_maxtext', action='store_true')
   parser.add_argument('--results', default=os.path.join(BENCH, 'tpu_compile.json'))
   args = parser.parse_args()
@@ -276,8 +351,11 @@ def main():
     with open(args.results) as f:
       results = json.load(f)
   mt_python = None if args.skip_maxtext else maxtext_python()
-  for name in args.rows.split(','):
-    what, topology, (config, overrides), mt = ROWS[name]
+  for name in filter(None, args.rows.split(',')):
+    if name in PLANNER_ROWS:
+      (what, topology, (config, overrides)), mt = PLANNER_ROWS[name], None
+    else:
+      what, topology, (config, overrides), mt = ROWS[name]
     started = time.time()
     stats = triax_row(name, topology, config, overrides, sys.executable)
     row = {
@@ -286,6 +364,7 @@ def main():
       'triax_largest': stats['largest_buffers'][:3],
     }
     if mt is not None and mt_python:
+      results['versions'] = {'triax': versions(sys.executable), 'maxtext': versions(mt_python)}
       m = maxtext_row(name, topology, config, mt, mt_python)
       row.update(maxtext_temp=m['temp_size_in_bytes'], maxtext_argument=m['argument_size_in_bytes'])
     results[name] = {**results.get(name, {}), **row}
@@ -299,6 +378,57 @@ def main():
   write_doc(args.out, results, sys.executable, mt_python)
 
 
+def planner_peak(topology: str, config: str, overrides: dict) -> float:
+  """The planner's per-device peak of the train step (analytic profile, the
+  v5p cluster file), for the layout the row compiles: the most of any stage."""
+  from triax import config as config_lib
+  from triax.plan import candidate
+  from triax.plan import cluster as cluster_lib
+  from triax.plan.cost import analytic, simulator
+
+  path, _, arg = config.partition(':')
+  cfg = config_lib.from_file(os.path.join(ROOT, path), arg or None)
+  for key, value in overrides.items():
+    config_lib.set_dotted(cfg, key, value)
+  cfg = config_lib.validate(cfg, _chips(topology))
+  cluster = cluster_lib.load(os.path.join(ROOT, 'experiments', 'clusters', 'tpu_v5p.yaml'))
+  profile = analytic.build(cfg.model, (cfg.mesh.tensor,))
+  options = candidate.Options(state_programs=False)
+  estimate = simulator.simulate_plan(candidate.from_config(cfg), profile, cluster, options)
+  return max(estimate.step_memory)
+
+
+def _maxtext_versions(results: dict, mt_python: str | None) -> str:
+  """The MaxText venv's jax and libtpu: asked now, or as recorded when its rows ran."""
+  if mt_python:
+    return versions(mt_python)
+  return results.get('versions', {}).get('maxtext', 'not run')
+
+
+def planner_section(results: dict) -> list[str]:
+  lines = [
+    '',
+    '## The planner against XLA:TPU',
+    '',
+    "The planner's predicted per-device peak of the train step (`plan/cost/memory.py`,",
+    'analytic profile, experiments/clusters/tpu_v5p.yaml) for the layout of each row,',
+    "against XLA:TPU's compiled peak (arguments + temporaries; the step donates its",
+    "state, so outputs take the arguments' buffers), GiB.",
+    '',
+    '| layout | planner | XLA:TPU | planner / XLA |',
+    '|---|---|---|---|',
+  ]
+  rows = {**{k: v[:3] for k, v in ROWS.items()}, **PLANNER_ROWS}
+  for name, (what, topology, (config, overrides)) in rows.items():
+    if name not in results:
+      continue
+    r = results[name]
+    compiled = (r['triax_argument'] + r['triax_temp']) / GiB
+    predicted = planner_peak(topology, config, overrides) / GiB
+    lines.append(f'| {what} | {predicted:.2f} | {compiled:.2f} | {predicted / compiled:.2f} |')
+  return lines
+
+
 def write_doc(path: str, results: dict, python: str, mt_python: str | None) -> None:
   lines = [
     '# triax against MaxText on XLA:TPU (compiled here, no TPU)',
@@ -310,7 +440,7 @@ def write_doc(path: str, results: dict, python: str, mt_python: str | None) -> N
     'sequences x 2048 tokens, bf16 compute, fp32 parameters and Adam, full remat, splash',
     'attention on both sides.',
     '',
-    f'triax: {versions(python)}. MaxText 0.2.5: {versions(mt_python) if mt_python else "not run"}.',
+    f'triax: {versions(python)}. MaxText 0.2.5: {_maxtext_versions(results, mt_python)}.',
     '',
     '| layout | topology | triax | MaxText | triax / MaxText | arguments triax / MaxText | '
     'issue 24: triax / MaxText then |',
@@ -337,6 +467,9 @@ def write_doc(path: str, results: dict, python: str, mt_python: str | None) -> N
     "Issue 24's columns are that session's measurements (XLA attention on triax's side,",
     "splash on MaxText's but for its 4.91 GiB FSDP row with materialised scores); the",
     "other columns are this script's, MaxText in its own venv with its own jax and libtpu.",
+  ]
+  lines += planner_section(results)
+  lines += [
     '',
     '## The largest buffers of each triax step',
     '',

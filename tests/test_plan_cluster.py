@@ -45,7 +45,7 @@ def test_shipped_specs_load():
     'cpu_forced_8.yaml',
   } <= names
   # The seed's scale: Selene as the Megatron paper ran it, and DGX H100s.
-  sizes = {'selene.yaml': 4480, 'dgx_h100.yaml': 1024, 'hetero_256.yaml': 256}
+  sizes = {'selene.yaml': 4480, 'dgx_h100.yaml': 1024, 'hetero_256.yaml': 256, 'tpu_v5p.yaml': 256}
   assert set(sizes) <= names
   for path in SHIPPED:
     spec = cluster.load(path)

@@ -275,6 +275,41 @@ class Options:
       raise ValueError(f'dp_allreduce must be one of {DP_ALLREDUCE}')
 
 
+def from_config(cfg) -> Plan:
+  """The plan a validated config runs, on devices numbered in mesh order:
+  what the planner predicts for a layout it did not choose (scripts compare
+  it with what XLA compiles)."""
+  m, pipe = cfg.mesh, cfg.pipeline
+  p, v = m.pipe, pipe.virtual_stages
+  if pipe.layers_per_stage:
+    chunks = tuple(pipe.layers_per_stage)
+    placement = program(pipe.schedule, p, pipe.microbatches, v).schedule.placement
+    layers = tuple(sum(n for n, s in zip(chunks, placement) if s == stage) for stage in range(p))
+  else:
+    layers = (cfg.model.num_layers // p,) * p
+  per_stage = m.data * m.context * m.tensor
+  if m.fsdp:
+    state = 'fsdp'
+  else:
+    state = 'zero1' if cfg.train.optimizer_sharding == 'data' else 'replicated'
+  return Plan(
+    data=m.data,
+    tensor=m.tensor,
+    pipe=p,
+    schedule=pipe.schedule,
+    microbatches=pipe.microbatches,
+    virtual_stages=v,
+    remat=cfg.model.remat,
+    layers=layers,
+    stages=tuple(tuple(range(s * per_stage, (s + 1) * per_stage)) for s in range(p)),
+    global_batch=cfg.train.global_batch_size,
+    state_sharding=state,
+    context=m.context,
+    sequence_parallel=m.sequence_parallel,
+    context_attention=cfg.model.context_attention,
+  )
+
+
 @functools.lru_cache(maxsize=4096)
 def program(name: str, p: int, m: int, v: int) -> sched.Program:
   """The lowered schedule (cached: the search asks for the same ones often)."""

@@ -219,10 +219,13 @@ def _build(spec, tensors: tuple[int, ...], dropout: bool = False) -> profile_lib
   )
 
 
-def _nbytes(tree) -> float:
+def _nbytes(*trees) -> float:
+  """Bytes of the arrays of `trees`, each counted once: a tied embedding
+  table is both the embedding's and the head's, one buffer."""
   import jax
 
-  return float(sum(math.prod(a.shape) * a.dtype.itemsize for a in jax.tree.leaves(tree)))
+  unique = {id(a): a for a in jax.tree.leaves(trees)}.values()
+  return float(sum(math.prod(a.shape) * a.dtype.itemsize for a in unique))
 
 
 def _shapes(spec, t: int):
@@ -251,7 +254,8 @@ def _shard(spec, t: int, dropout: bool = False) -> tuple[profile_lib.Shard, Shar
   s, d = spec.seq_len, spec.d_model
   heads, hd = shard.num_heads, shard.head_dim
   vocab = shard.vocab_size
-  fused = spec.attention == 'cudnn'
+  # Flash kernels (cuDNN's on GPU, Pallas's splash on TPU) keep no [s, s] scores.
+  fused = spec.attention in ('cudnn', 'splash')
 
   fwd, bwd, layer_params = [], [], 0.0
   for shape in weights:
@@ -304,8 +308,10 @@ def _shard(spec, t: int, dropout: bool = False) -> tuple[profile_lib.Shard, Shar
   fwd += [*attention, Kernel('norms, adds, activation', 0.0, elementwise)]
   bwd += [*attention_bwd, Kernel('norms, adds, activation bwd', 0.0, _BACKWARD_IO * elementwise)]
 
-  edge_params = _nbytes(embed_params) + _nbytes(head_params)
+  edge_params = _nbytes(embed_params, head_params)
   logits = s * vocab * 4
+  # model.loss_chunk: the cross-entropy's fp32 logits exist that many positions at a time.
+  live_logits = min(spec.loss_chunk or s, s) * vocab * 4
   head_flops = 2.0 * s * d * vocab
   head = (
     Kernel('head gemm', head_flops, (s * d + s * vocab) * e, d * vocab * e),
@@ -345,7 +351,7 @@ def _shard(spec, t: int, dropout: bool = False) -> tuple[profile_lib.Shard, Shar
     stash_per_seq=stash,
     stash_fixed_per_seq=act,
     act_per_seq=act,
-    logits_per_seq=float(logits),
+    logits_per_seq=float(live_logits),
     attention_fraction=attn_flops / max(sum(k.flops for k in fwd), 1.0),
     kv_per_seq=profile_lib.kv_per_seq(spec, t),
   )

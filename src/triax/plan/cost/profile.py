@@ -110,7 +110,8 @@ class Shard:
       layer (the chunk's input).
     act_per_seq: bytes of one activation [s, d] (a pipeline transfer, a
       Megatron all-reduce, an act/grad buffer slot), per sequence.
-    logits_per_seq: bytes of one sequence's fp32 logits shard [s, V/t].
+    logits_per_seq: bytes of one sequence's fp32 logits shard that live at
+      once: [s, V/t], or [loss_chunk, V/t] with model.loss_chunk.
     attention_fraction: share of a layer's forward FLOPs in the attention
       core, which selective remat recomputes in the backward.
     kv_per_seq: bytes of one layer's K and V per sequence on this shard

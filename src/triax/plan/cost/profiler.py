@@ -458,7 +458,8 @@ class _Profiler:
       stash_per_seq=stash,
       stash_fixed_per_seq=fixed,
       act_per_seq=act,
-      logits_per_seq=float(s * self.spec['vocab_size'] // t * 4),
+      # model.loss_chunk: the fp32 logits live that many positions at a time.
+      logits_per_seq=float(min(self.spec['loss_chunk'] or s, s) * self.spec['vocab_size'] // t * 4),
       attention_fraction=attention / (matmuls + attention),
       kv_per_seq=kv_per_seq(self.model_spec, t),
     )
