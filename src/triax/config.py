@@ -467,9 +467,7 @@ def _check_expert(mesh_cfg, family: str) -> None:
     return
   reader = registry.FAMILIES.get(family)
   if reader is None or 'num_experts' not in reader.Spec.config_fields():
-    raise ConfigError(
-      'mesh.expert', f'model.family={family} has no experts to split; set it to 1'
-    )
+    raise ConfigError('mesh.expert', f'model.family={family} has no experts to split; set it to 1')
   within = mesh_cfg.data // mesh_cfg.dcn_data
   if within % expert:
     raise ConfigError(
