@@ -110,3 +110,45 @@ def test_a_slice_too_small_exits_3_and_says_by_how_much(tmp_path):
   assert 'GiB over the 15.75 GiB it may use' in line
   assert not stats['fits'] and stats['required_bytes'] > stats['available_bytes'] == 15.75 * GiB
   assert stats['device_kind'] == 'TPU v5 lite' and stats['largest_buffers']
+
+
+def _plan(*flags):
+  return harness.run_cli(
+    'triax.cli.plan',
+    f'--config={SMOKE}',
+    '--cluster=experiments/clusters/tpu_v5p.yaml',
+    '--gpus=4',
+    '--profile=analytic',
+    '--top=1',
+    *flags,
+    timeout=600,
+  )
+
+
+def test_plan_verify_compiles_the_best_plan_for_the_slice():
+  result = _plan('--verify=v5p:2x2x1', '--json')
+  assert result.returncode == 0, result.stderr
+  report = json.loads(result.stdout)
+  verify, best = report['verify'], report['top'][0]
+  assert verify['topology'] == 'v5p:2x2x1' and verify['fits'] is True
+  assert verify['planned_step_peak_bytes'] == max(best['memory_bytes'])
+  assert verify['xla_step_peak_bytes'] > 0
+  ratio = verify['planned_step_peak_bytes'] / verify['xla_step_peak_bytes']
+  assert verify['planned_over_xla'] == pytest.approx(ratio)
+  assert verify['line'].startswith('verify: XLA:TPU compiled the best plan for v5p:2x2x1: ')
+  assert verify['line'].endswith(verify['fit_line'])
+
+
+@pytest.mark.parametrize(
+  'flags, line',
+  [
+    (['--verify=v9:2x2'], "error: --verify: unknown topology 'v9:2x2'"),
+    (['--verify=v5p:2x2x2'], 'error: --verify: the slice has 8 chips and the cluster 4 devices'),
+    (['--verify_slices=2'], 'error: --verify_slices: only --verify reads it'),
+  ],
+)
+def test_plan_verify_bad_input_is_one_line(flags, line):
+  result = _plan(*flags)
+  assert result.returncode == 2 and result.stdout == ''
+  assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+  assert result.stderr.startswith(line), result.stderr

@@ -5,6 +5,7 @@
       [--profile=local|analytic] [--gpus=N] [--top=5] [--json] [--verbose]
       [--out=plan.py] [--trace=trace.json] [--profile_cache=FILE]
       [--search=exhaustive|learned] [--policy=FILE.msgpack]
+      [--verify=v5p:2x2x1 [--verify_slices=N]]
 
 Profiles the model on this machine (--profile=local) or prices it from its
 shapes and the spec's data sheets (--profile=analytic: any model, any
@@ -84,6 +85,39 @@ _POLICY = flags.DEFINE_string(
   'With --search=learned: the trained policy (.msgpack); trained first (minutes) and written '
   'here when absent. E.g. experiments/policies/gpt_1b_b64.msgpack.',
 )
+_VERIFY = flags.DEFINE_string(
+  'verify',
+  None,
+  'Compile the best plan for this TPU slice (KIND:AxB[xC], e.g. v5p:2x2x1; its chip count the '
+  "cluster's) with XLA:TPU here, as train --compile_only --topology does, and print its train "
+  "step's peak per device beside the planner's; exit 3 if it does not fit.",
+)
+_VERIFY_SLICES = flags.DEFINE_integer(
+  'verify_slices', 1, 'With --verify: this many slices joined by the data-centre network.'
+)
+
+
+def _verifier():
+  """The --verify callable and the slice's chips ((None, None) without the flag);
+  a bad name fails before any search."""
+  if _VERIFY.value is None:
+    if _VERIFY_SLICES.present:
+      cli.fail('--verify_slices', 'only --verify reads it; add --verify=KIND:AxB[xC]')
+    return None, None
+  from triax import topology
+  from triax.errors import ConfigError
+
+  try:
+    slice_ = topology.parse(_VERIFY.value, _VERIFY_SLICES.value)
+  except ConfigError as e:
+    cli.fail('--verify' if e.key == '--topology' else '--verify_slices', e.message)
+
+  def verify(cfg, estimate):
+    from triax.training import aot
+
+    return aot.verify_plan(cfg, estimate, slice_)
+
+  return verify, slice_.chips
 
 
 def main(argv):
@@ -104,6 +138,7 @@ def main(argv):
     cfg.to_dict()  # a config file that failed to load raises on first use
   except Exception as e:  # pylint: disable=broad-except
     cli.fail('--config', f'{type(e).__name__}: {str(e).splitlines()[0] if str(e) else e!r}')
+  verify, verify_chips = _verifier()
   request = report.Request(
     cfg=cfg,
     config_path=config_path,
@@ -120,6 +155,8 @@ def main(argv):
     verbose=_VERBOSE.value,
     search=_SEARCH.value,
     policy=_POLICY.value,
+    verify=verify,
+    verify_chips=verify_chips,
   )
   sys.exit(report.main(request, as_json=_JSON.value))
 

@@ -10,6 +10,7 @@ import dataclasses
 import json
 import os
 import sys
+from collections.abc import Callable
 from typing import Any, TextIO
 
 from triax.errors import ConfigError
@@ -48,6 +49,11 @@ class Request:
     search: 'exhaustive' (search/exhaustive.py) or 'learned' (plan/learned/'s policy).
     policy: with search='learned', the trained policy file (.msgpack) to use,
       trained first and written there when absent; None: trained here.
+    verify: called with the best plan's config and its estimate before the
+      report is printed; what it returns is the report's `verify` (the
+      entry point compiles the plan there: the planner compiles nothing).
+    verify_chips: with verify, the chips of the slice it compiles for: the
+      cluster must have as many devices.
   """
 
   cfg: Any
@@ -65,6 +71,8 @@ class Request:
   verbose: bool = False
   search: str = 'exhaustive'
   policy: str | None = None
+  verify: Callable[[Any, Estimate], dict] | None = None
+  verify_chips: int | None = None
 
 
 def local_devices(cluster_path: str) -> int | None:
@@ -116,6 +124,12 @@ def run(request: Request, as_json: bool = False, out: TextIO | None = None) -> d
   cluster = cluster_lib.load(request.cluster)
   if request.gpus is not None:
     cluster = cluster_lib.resize(cluster, request.gpus)
+  if request.verify_chips not in (None, cluster.num_devices):
+    raise ConfigError(
+      '--verify',
+      f'the slice has {request.verify_chips} chips and the cluster {cluster.num_devices} '
+      f'devices; size the cluster to the slice (--gpus={request.verify_chips})',
+    )
   import ml_collections
 
   cfg = ml_collections.ConfigDict(request.cfg.to_dict())
@@ -172,10 +186,17 @@ def run(request: Request, as_json: bool = False, out: TextIO | None = None) -> d
     with open(request.trace, 'w') as f:
       json.dump(trace.chrome_trace(best), f)
     summary['trace'] = request.trace
+  if request.verify is not None:
+    planned = emit.apply(
+      ml_collections.ConfigDict(cfg.to_dict()), emit.overrides(best.plan, cfg=cfg)
+    )
+    summary['verify'] = request.verify(planned, best)
   if as_json:
     print(json.dumps(summary), file=out)
   else:
     print(text(result, cfg, request), file=out)
+    if 'verify' in summary:
+      print(summary['verify']['line'], file=out)
   return summary
 
 
@@ -512,8 +533,10 @@ def _measurements(prof) -> list[str]:
 def main(request: Request, as_json: bool = False) -> int:
   """Runs the request; returns the exit status (2 for bad input)."""
   try:
-    run(request, as_json=as_json)
+    summary = run(request, as_json=as_json)
   except ConfigError as e:
     print(f'error: {e.key}: {e.message}', file=sys.stderr)
     return 2
+  if summary.get('verify', {}).get('fits') is False:
+    return 3  # cli.EXIT_DOES_NOT_FIT, as train --compile_only --topology
   return 0

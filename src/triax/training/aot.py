@@ -101,3 +101,37 @@ def _refused(error: Exception) -> dict:
       f'{available / 2**30:.2f} GiB it may use'
     ),
   }
+
+
+def verify_plan(cfg, estimate, topology: topology_lib.Topology) -> dict:
+  """`triax plan --verify`: a plan's config compiled for `topology` by XLA:TPU,
+  its train step's per-device peak against the planner's prediction.
+
+  `estimate`: the planner's candidate.Estimate of the plan (`step_memory`:
+  the train step's peak per stage). Returns the report's `verify` record,
+  `line` the one line that says it; `fits`: the run's peak (the step, or a
+  save, restore or evaluation beside the state) within the chip's HBM.
+
+  The planner checked that the plan's devices are the slice's chips
+  (report.run, `verify_chips`).
+  """
+  predicted = max(estimate.step_memory)
+  with tempfile.TemporaryDirectory(prefix='triax-verify-') as workdir:
+    stats = compile_for_topology(cfg, workdir, topology)
+  out = {
+    'topology': topology.name,
+    'planned_step_peak_bytes': predicted,
+    'fits': stats['fits'],
+    'fit_line': stats['fit_line'],
+  }
+  if 'temp_bytes' not in stats:  # refused for want of HBM: no figures to compare
+    out['line'] = f'verify: {topology.name}: {stats["fit_line"]}'
+    return out
+  compiled = loop.step_peak_bytes(stats)
+  out.update(xla_step_peak_bytes=compiled, planned_over_xla=predicted / compiled)
+  out['line'] = (
+    f'verify: XLA:TPU compiled the best plan for {topology.name}: train step peak '
+    f'{compiled / 2**30:.2f} GiB per device, the planner predicted {predicted / 2**30:.2f} GiB '
+    f'({predicted / compiled:.2f}x); {stats["fit_line"]}'
+  )
+  return out
