@@ -329,28 +329,22 @@ def _stuck_text(options: Options) -> str:
 
 def _record_stuck(command, options, processes, number, say) -> None:
   """Records a restart of a stuck job on the same processes and layout."""
-  reached = last_step(command.workdir)
-  restored = reached
-  if os.path.isfile(workdir_lib.path(command.workdir, workdir_lib.CONFIG)):
-    restored = checkpoint_step(command.workdir, workdir_lib.load_config(command.workdir))
+  has_config = os.path.isfile(workdir_lib.path(command.workdir, workdir_lib.CONFIG))
+  cfg = workdir_lib.load_config(command.workdir) if has_config else None
   devices = processes * options.cpu_devices
-  record = {
-    'time': datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds'),
-    'restart': number,
-    'stuck': _stuck_text(options),
-    'processes_before': processes,
-    'processes_after': processes,
-    'devices_before': devices,
-    'devices_after': devices,
-    'how': 'stuck: the same layout again',
-    'last_step': reached,
-    'restored_step': restored,
-    'steps_lost': max(0, reached - restored),
-  }
-  append_record(command.workdir, record)
+  record = _append_record(
+    command,
+    cfg,
+    number,
+    (processes, processes),
+    (devices, devices),
+    stuck=_stuck_text(options),
+    how='stuck: the same layout again',
+  )
   say(
     f'restart {number}: {record["stuck"]}; all {processes} processes stopped and started '
-    f'again on the same layout; resuming from step {restored}, {record["steps_lost"]} steps lost'
+    f'again on the same layout; resuming from step {record["restored_step"]}, '
+    f'{record["steps_lost"]} steps lost'
   )
 
 
@@ -369,26 +363,42 @@ def _restart(command, options, job, failed, processes, number, say) -> tuple[lis
   if chosen is None:
     raise GiveUp(f'{what}: no layout of {after} devices suits this model and batch')
   layout, how = chosen
-  reached, restored = last_step(command.workdir), checkpoint_step(command.workdir, cfg)
+  record = _append_record(
+    command,
+    cfg,
+    number,
+    (processes, left),
+    (before, after),
+    failed=[{'process': i, 'status': status_text(job.procs[i].returncode)} for i in failed],
+    layout_before=dataclasses.asdict(replan_lib.layout_of(cfg)),
+    layout_after=dataclasses.asdict(layout),
+    how=how,
+  )
+  old, new = replan_lib.describe(replan_lib.layout_of(cfg)), replan_lib.describe(layout)
+  say(
+    f'restart {number}: {what}; {before} -> {after} devices; {old} -> {new} ({how}); '
+    f'resuming from step {record["restored_step"]}, {record["steps_lost"]} steps lost'
+  )
+  return replan_lib.override_flags(replan_lib.overrides(cfg, layout)), left
+
+
+def _append_record(command, cfg, number, processes, devices, **fields) -> dict:
+  """Appends restart `number`'s record to DIR/elastic.jsonl and returns it: when, the
+  processes and devices (before, after), `fields`, and how far the run had got
+  against the step it resumes from (0 without a config: nothing was saved yet)."""
+  reached = last_step(command.workdir)
+  restored = 0 if cfg is None else checkpoint_step(command.workdir, cfg)
   record = {
     'time': datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds'),
     'restart': number,
-    'failed': [{'process': i, 'status': status_text(job.procs[i].returncode)} for i in failed],
-    'processes_before': processes,
-    'processes_after': left,
-    'devices_before': before,
-    'devices_after': after,
-    'layout_before': dataclasses.asdict(replan_lib.layout_of(cfg)),
-    'layout_after': dataclasses.asdict(layout),
-    'how': how,
+    **fields,
+    'processes_before': processes[0],
+    'processes_after': processes[1],
+    'devices_before': devices[0],
+    'devices_after': devices[1],
     'last_step': reached,
     'restored_step': restored,
     'steps_lost': max(0, reached - restored),
   }
   append_record(command.workdir, record)
-  old, new = replan_lib.describe(replan_lib.layout_of(cfg)), replan_lib.describe(layout)
-  say(
-    f'restart {number}: {what}; {before} -> {after} devices; {old} -> {new} ({how}); '
-    f'resuming from step {restored}, {record["steps_lost"]} steps lost'
-  )
-  return replan_lib.override_flags(replan_lib.overrides(cfg, layout)), left
+  return record
