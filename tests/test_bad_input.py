@@ -165,13 +165,21 @@ CASES = [
     'model.experts_per_token',
   ),
   (
-    'mixtral-under-the-pipeline-executor',
+    'mixtral-batch-wide-aux-loss-under-the-pipeline-executor',
     train(
       '--config.mesh.data=2',
       '--config.mesh.pipe=2',
       config='--config=experiments/mixtral_tiny.py:smoke',
     ),
     'mesh.pipe',
+  ),
+  (
+    'unknown-aux-loss-scope',
+    train(
+      '--config.model.router_aux_loss_scope=layer',
+      config='--config=experiments/mixtral_tiny.py:smoke',
+    ),
+    'model.router_aux_loss_scope',
   ),
   (
     'rope-scaling-frequency-factors',

@@ -75,7 +75,7 @@ def _masked_run(family, layout, kind='allgather', sp=False, extra=()):
   batch['segment_ids'] = np.cumsum(starts, axis=1).astype(np.int32)
   params = harness.initial_params(trainer, cfg.train.seed)
   with jax.set_mesh(trainer.mesh):
-    loss, grads = trainer.loss_and_grad(params, jax.device_put(batch, trainer.batch_sharding))
+    loss, grads, _ = trainer.loss_and_grad(params, jax.device_put(batch, trainer.batch_sharding))
   return float(loss), jax.device_get(trainer.layout.tree_to_model_order(grads))
 
 

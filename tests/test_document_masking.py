@@ -51,7 +51,7 @@ def _masked(layout, extra=()):
   params = harness.initial_params(trainer, cfg.train.seed)
   with jax.set_mesh(trainer.mesh):
     placed = jax.device_put(batch, trainer.batch_sharding)
-    loss, grads = trainer.loss_and_grad(params, placed)
+    loss, grads, _ = trainer.loss_and_grad(params, placed)
   return float(loss), jax.device_get(trainer.layout.tree_to_model_order(grads)), batch
 
 

@@ -102,7 +102,7 @@ def test_training_objective_is_transformers_loss_with_its_aux_loss(imported):
   inputs, targets = tokens[:, :-1], tokens[:, 1:]
   with jax.set_mesh(trainer.mesh):
     batch = jax.device_put({'inputs': inputs, 'targets': targets}, trainer.batch_sharding)
-    ours, _ = trainer.loss_and_grad(state.params, batch)
+    ours, _, _ = trainer.loss_and_grad(state.params, batch)
   with torch.no_grad():
     out = model(torch.from_numpy(inputs).long(), output_router_logits=True)
     ce = torch.nn.functional.cross_entropy(

@@ -125,6 +125,11 @@ def test_router_losses_are_transformers_and_switch_definitions():
   np.testing.assert_allclose(got['router_z_loss'], z, rtol=1e-6)
   load = max(np.max(np.asarray(s.assigned)) / np.mean(np.asarray(s.assigned)) for s in stats)
   np.testing.assert_allclose(got['moe_load_max'], load, rtol=1e-6)
+  # model.router_aux_loss_scope=microbatch: Megatron's, each layer's own loss, averaged.
+  per_layer = moe.losses(jax.tree.map(lambda *a: jnp.stack(a), *stats), per_layer=True)
+  each = [mixtral.load_balancing_loss_func((t,), E, K).item() for t in as_torch]
+  np.testing.assert_allclose(per_layer['router_aux_loss'], np.mean(each), rtol=1e-6)
+  assert abs(np.mean(each) - want.item()) > 1e-3  # the two scopes differ here
 
 
 def _config(**overrides):

@@ -145,6 +145,10 @@ def defaults() -> ml_collections.ConfigDict:
   c.model.capacity_factor = 1.25
   # mixtral: weight of the load-balancing loss (Switch's, as transformers computes it).
   c.model.router_aux_loss_coef = 0.01
+  # mixtral: what the load-balancing loss balances over: batch (transformers': every layer's
+  # rows of the whole batch at once) or microbatch (Megatron's: each layer over each
+  # micro-batch, averaged; what the pipeline executor computes, stage by stage).
+  c.model.router_aux_loss_scope = 'batch'
   # mixtral: weight of the router z-loss (ST-MoE: mean logsumexp(router logits)^2).
   c.model.router_z_loss_coef = 0.001
 

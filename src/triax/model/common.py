@@ -408,42 +408,63 @@ class DecoderModel:
     padding (uneven pipeline splits) and are skipped under `cond`. With
     `segments` [b, s], attention stays inside each packed document.
     """
+    layer = lambda p, h: (self.layer(p, h, segments), None)  # noqa: E731
+    return self._scan_layers(layer, stacked_params, x, num_active, None)[0]
 
-    layer = lambda p, h: self.layer(p, h, segments)  # noqa: E731
+  def _scan_layers(self, layer, stacked_params: Params, x, num_active, skipped):
+    """(the stack's output, each layer's second output stacked): layer(p, h)
+    -> (h, out) under the configured remat; a padded layer (index >=
+    num_active) passes h through and gives `skipped` for its out."""
     if self.spec.remat != 'none':
       # Recomputed, the weights' product with _per_layer's one is no
       # residual (without remat it would be one: a copy of the weights in
       # every stashed micro-batch).
       layer = jax.checkpoint(
-        lambda p, h: self.layer(_per_layer(p), h, segments),
-        policy=REMAT_POLICIES[self.spec.remat],
+        lambda p, h, f=layer: f(_per_layer(p), h), policy=REMAT_POLICIES[self.spec.remat]
       )
     if num_active is None:
-      x, _ = jax.lax.scan(lambda h, p: (layer(p, h), None), x, stacked_params)
-      return x
+      return jax.lax.scan(lambda h, p: layer(p, h), x, stacked_params)
 
     def step(h, args):
       p, i = args
-      return jax.lax.cond(i < num_active, layer, lambda p, h: h, p, h), None
+      return jax.lax.cond(i < num_active, layer, lambda p, h: (h, skipped), p, h)
 
     depth = jax.tree.leaves(stacked_params)[0].shape[0]
-    x, _ = jax.lax.scan(step, x, (stacked_params, jnp.arange(depth)))
-    return x
+    return jax.lax.scan(step, x, (stacked_params, jnp.arange(depth)))
 
   def layers_and_sown(self, stacked_params: Params, x: jax.Array, segments=None):
     """(layers' output, what each block sowed into flax's 'intermediates'
     (a MoE router's statistics), stacked over the layers). The stack runs
-    whole (no padded layers: the pipeline executor calls `layers`)."""
+    whole (no padded layers: the pipeline executor calls `stage_chunk`'s)."""
+    return self._scan_layers(self._sowing_layer(segments), stacked_params, x, None, None)
 
+  def _sowing_layer(self, segments):
     def layer(p, h):
       out, sown = self._block.apply({'params': p}, h, None, segments, mutable=['intermediates'])
       return out, sown['intermediates']
 
-    if self.spec.remat != 'none':
-      layer = jax.checkpoint(
-        lambda p, h, f=layer: f(_per_layer(p), h), policy=REMAT_POLICIES[self.spec.remat]
-      )
-    return jax.lax.scan(lambda h, p: layer(p, h), x, stacked_params)
+    return layer
+
+  def stage_chunk(self, microbatches: int, replica_axes: tuple[str, ...]):
+    """The pipeline executor's chunk function: (chunk_params, x[, num_active][,
+    segments=]) -> (y, (shares, maxima)), `layers` with what a chunk
+    contributes to the logged figures (`stage_objective`), summed and
+    maximised over chunks and micro-batches by the executor. A dense model
+    contributes nothing; a MoE adds its router losses' gradients itself
+    (model/moe.py). `replica_axes`: the manual mesh axes a micro-batch's
+    rows are split over."""
+    del microbatches, replica_axes
+
+    def chunk(stacked_params, x, num_active=None, segments=None):
+      return self.layers(stacked_params, x, num_active, segments), ({}, {})
+
+    return chunk
+
+  def stage_objective(self, lm_loss, shares: dict, maxima: dict):
+    """(what training minimised, logged figures) of a pipelined step, from
+    its mean cross-entropy and the chunks' summed `shares` and `maxima`."""
+    del shares, maxima
+    return lm_loss, {}
 
   def objective(self, params: Params, inputs, targets, segments=None):
     """(what training minimises, {name: scalar} logged beside it). A dense

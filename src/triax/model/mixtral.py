@@ -17,10 +17,15 @@ all-to-alls move the tokens); each expert's hidden units are split over
 `tensor` as Llama's MLP is.
 
 Training minimises the mean cross-entropy plus router_aux_loss_coef times
-the load-balancing loss and router_z_loss_coef times the z-loss (`objective`;
-both over every layer's rows, as transformers computes its aux loss), and
-logs those and the expert load beside it. `loss` (evaluation) is the
-cross-entropy alone.
+the load-balancing loss and router_z_loss_coef times the z-loss (`objective`),
+and logs those and the expert load beside it. `loss` (evaluation) is the
+cross-entropy alone. The load-balancing loss balances over
+model.router_aux_loss_scope: `batch`, every layer's rows of the whole batch
+at once (transformers'); or `microbatch`, each layer over each micro-batch,
+averaged (Megatron's). Only the second runs under the pipeline executor: a
+stage sees its own layers of one micro-batch, and each MoE layer adds its
+share's gradient itself (`stage_chunk`, moe.with_gradient_of). The z-loss is
+a mean over rows either way, the same under both.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
+import jax
 import jax.numpy as jnp
 
 from triax.errors import ConfigError
@@ -35,6 +41,7 @@ from triax.model import llama, moe
 from triax.model.common import param
 
 DISPATCHES = ('dropless', 'capacity')
+AUX_LOSS_SCOPES = ('batch', 'microbatch')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +53,7 @@ class MixtralSpec(llama.LlamaSpec):
   moe_dispatch: str = 'dropless'
   capacity_factor: float = 1.25
   router_aux_loss_coef: float = 0.01
+  router_aux_loss_scope: str = 'batch'
   router_z_loss_coef: float = 0.001
 
   SHAPE_KEYS: ClassVar[tuple[str, ...]] = llama.LlamaSpec.SHAPE_KEYS + (
@@ -55,10 +63,12 @@ class MixtralSpec(llama.LlamaSpec):
   )
 
   def executor_refusal(self) -> str:
+    if self.router_aux_loss_scope == 'microbatch':
+      return ''
     return (
-      'the mixtral family does not run under the pipeline executor yet (its router losses '
-      'and its per-device dispatch are not carried through it); use mesh.pipe=1 and '
-      'pipeline.microbatches=1'
+      "model.router_aux_loss_scope='batch' balances every layer over the whole batch at "
+      "once, which no pipeline stage sees; set it to microbatch (Megatron's: each layer over "
+      'each micro-batch) to pipeline a mixtral, or use mesh.pipe=1 and pipeline.microbatches=1'
     )
 
 
@@ -95,14 +105,47 @@ class Mixtral(llama.Llama):
     x, sown = self.layers_and_sown(params['layers'], self.embed(embed_params, inputs), segments)
     lm = self._head_loss_differentiated_forward(head_params, x, targets) / targets.size
     (stats,) = sown['router']
-    metrics = moe.losses(stats)
     s = self.spec
+    metrics = moe.losses(stats, per_layer=s.router_aux_loss_scope == 'microbatch')
     total = (
       lm
       + s.router_aux_loss_coef * metrics['router_aux_loss']
       + s.router_z_loss_coef * metrics['router_z_loss']
     )
     return total, {'lm_loss': lm, **metrics}
+
+  def stage_chunk(self, microbatches: int, replica_axes: tuple[str, ...]):
+    """`layers`, each MoE layer adding its share of the router losses to the
+    gradient (moe.with_gradient_of) and reporting its share of the figures."""
+    s = self.spec
+    coefs = (s.router_aux_loss_coef, s.router_z_loss_coef)
+    parts = s.num_layers * microbatches
+    zeros = jax.eval_shape(lambda: _layer_figures(moe.layer_stats(*_dummy_routing(s), 0)))
+
+    def chunk(stacked_params, x, num_active=None, segments=None):
+      sowing = self._sowing_layer(segments)
+
+      def layer(p, h):
+        out, sown = sowing(p, h)
+        (stats,) = sown['router']
+        term, shares, maxima = moe.layer_share(stats, coefs, parts, replica_axes)
+        return moe.with_gradient_of(out, term), (shares, maxima)
+
+      skipped = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), zeros)
+      y, (shares, maxima) = self._scan_layers(layer, stacked_params, x, num_active, skipped)
+      return y, (jax.tree.map(jnp.sum, shares), jax.tree.map(jnp.max, maxima))
+
+    return chunk
+
+  def stage_objective(self, lm_loss, shares: dict, maxima: dict):
+    s = self.spec
+    metrics = moe.figures(shares, maxima)
+    total = (
+      lm_loss
+      + s.router_aux_loss_coef * metrics['router_aux_loss']
+      + s.router_z_loss_coef * metrics['router_z_loss']
+    )
+    return total, {'lm_loss': lm_loss, **metrics}
 
   def active_parameters(self, total: int) -> int:
     s = self.spec
@@ -119,6 +162,17 @@ class Mixtral(llama.Llama):
     mlp = 2.0 * t * 3 * d * s.d_ff
     router = 2.0 * t * d * s.num_experts
     return {**dense, 'layer_matmul': dense['layer_matmul'] + (experts - 1) * mlp + router}
+
+
+def _dummy_routing(s: MixtralSpec) -> tuple:
+  """A one-token routing, for the shapes of a layer's figures."""
+  k, e = s.experts_per_token, s.num_experts
+  return (moe.Routing(jnp.zeros((1, 1, e)), jnp.zeros((1, 1, k), jnp.int32), jnp.zeros((1, 1, k))),)
+
+
+def _layer_figures(stats):
+  _, shares, maxima = moe.layer_share(stats, (0.0, 0.0), 1, ())
+  return shares, maxima
 
 
 def _count(m, key: str, low: int) -> int:
@@ -160,6 +214,11 @@ def validate(model_cfg, mesh_cfg, rules: tuple) -> tuple:
   if not isinstance(factor, (int, float)) or isinstance(factor, bool) or not factor > 0:
     raise ConfigError('model.capacity_factor', f'must be a number > 0, got {factor!r}')
   _coef(m, 'router_aux_loss_coef')
+  if m.router_aux_loss_scope not in AUX_LOSS_SCOPES:
+    raise ConfigError(
+      'model.router_aux_loss_scope',
+      f'unknown value {m.router_aux_loss_scope!r}; choose one of {", ".join(AUX_LOSS_SCOPES)}',
+    )
   _coef(m, 'router_z_loss_coef')
   degree = mesh_cfg.get('expert', 1)
   if experts % degree:

@@ -42,8 +42,10 @@ import math
 import flax
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from triax import sharding
+from triax.model import per_device
 
 # The mesh axis mesh.expert carves from data (mesh.build_mesh), when it is > 1.
 EXPERT_AXIS = 'expert'
@@ -135,6 +137,12 @@ def _dropless_exchanged(h, experts, weights, w_gate, w_up, w_down, psum_axes, ax
   return _combine(y[jnp.argsort(order)], weights, psum_axes, h.shape)
 
 
+def _splits(mesh, *specs) -> bool:
+  """Whether any of `specs` splits over an automatic mesh axis of more than one device."""
+  named = {a for spec in specs for entry in spec for a in _axes(entry)}
+  return any(mesh.shape[a] > 1 for a in named - set(mesh.manual_axes))
+
+
 def _axes(entry) -> tuple:
   """A PartitionSpec entry's mesh axes as a tuple."""
   return () if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry))
@@ -149,11 +157,19 @@ def dropless(h, routing: Routing, w_gate, w_up, w_down) -> jax.Array:
   if mesh.empty or in_spec is None:
     return _dropless_local(h, routing.experts, routing.weights, *ws, ())
   token_spec, out_spec = sharding.active_spec(TOKENS), sharding.active_spec(OUT_AXES)
+  if not _splits(mesh, token_spec, in_spec, out_spec):
+    # Nothing split over an automatic axis (a pipeline stage's one replica
+    # of rows): the whole is this device's, and no shard_map nests in the
+    # executor's (whose split backward cannot rebind a checked one).
+    return _dropless_local(h, routing.experts, routing.weights, *ws, ())
   psum_axes = _axes(in_spec[2])
-  if in_spec[0] is None:
+  axis = in_spec[0]
+  if mesh.manual_axes:
+    return _dropless_in_stage(h, routing, ws, (token_spec, in_spec, out_spec), psum_axes, axis)
+  if axis is None:
     body = functools.partial(_dropless_local, psum_axes=psum_axes)
   else:
-    body = functools.partial(_dropless_exchanged, psum_axes=psum_axes, axis=in_spec[0])
+    body = functools.partial(_dropless_exchanged, psum_axes=psum_axes, axis=axis)
   local = jax.shard_map(
     body,
     mesh=mesh,
@@ -162,6 +178,34 @@ def dropless(h, routing: Routing, w_gate, w_up, w_down) -> jax.Array:
     axis_names=set(mesh.axis_names) - set(mesh.manual_axes),
   )
   return local(h, routing.experts, routing.weights, *ws)
+
+
+def _dropless_in_stage(h, routing: Routing, ws, specs, psum_axes, axis):
+  """dropless inside the pipeline executor's shard_map: per device by
+  model/per_device.py (an unchecked shard_map with its own backward, which
+  reruns the dispatch; the executor's split backward cannot rebind a checked
+  one). With the experts' columns split over `tensor`, no psum inside
+  (unchecked, its transpose would not be Megatron's): the tokens and their
+  routing weights enter as one copy per tensor rank and the ranks' partial
+  outputs leave stacked on a leading axis split over `tensor`; GSPMD adds
+  the partial outputs, and in the backward the copies' partial gradients."""
+  token_spec, in_spec, out_spec = specs
+  if axis is None:
+    body = functools.partial(_dropless_local, psum_axes=())
+  else:
+    body = functools.partial(_dropless_exchanged, psum_axes=(), axis=axis)
+  mesh = jax.sharding.get_abstract_mesh()
+  ranks = math.prod(mesh.shape[a] for a in psum_axes)
+  copies = lambda x: jnp.broadcast_to(x[None], (ranks,) + x.shape)  # noqa: E731
+  stacked = P(psum_axes or None, *token_spec)
+
+  def local(h, weights, w_gate, w_up, w_down, experts):
+    out = body(h[0], experts, weights[0], w_gate, w_up, w_down)
+    return out[None]
+
+  args = (copies(h), copies(routing.weights), *ws, routing.experts)
+  specs = (stacked, stacked, in_spec, in_spec, out_spec, token_spec)
+  return jnp.sum(per_device.apply(local, args, specs, stacked, diff=5), 0)
 
 
 def capacity_of(seq_len: int, k: int, num_experts: int, factor: float) -> int:
@@ -252,25 +296,103 @@ def layer_stats(routing: Routing, dropped) -> LayerStats:
   )
 
 
-def losses(stats: LayerStats) -> dict[str, jax.Array]:
+def _balance(assigned, probability, rows):
+  """Switch's load-balancing loss E * sum_e f_e P_e from summed assignments and
+  probabilities [..., E] over `rows` tokens."""
+  return assigned.shape[-1] * jnp.sum((assigned / rows) * (probability / rows), axis=-1)
+
+
+def losses(stats: LayerStats, per_layer: bool = False) -> dict[str, jax.Array]:
   """The router's losses and load figures from stats stacked over layers ([L, ...]).
 
   router_aux_loss: transformers' load_balancing_loss_func over every layer's
   rows (k at perfect balance; E when one expert takes every token with all
   the probability; below k when the k-th choices go where probability is
-  low); router_z_loss:
-  the mean over rows of logsumexp^2; moe_load_max: the busiest expert's
-  assignments over the mean, worst layer (1 = balanced);
-  moe_dropped_fraction: assignments dropped (capacity dispatch).
+  low); with `per_layer` (model.router_aux_loss_scope=microbatch, the stats
+  of one micro-batch) Megatron's instead: each layer's own, averaged over
+  the layers. router_z_loss: the mean over rows of logsumexp^2;
+  moe_load_max: the busiest expert's assignments over the mean, worst layer
+  (1 = balanced); moe_dropped_fraction: assignments dropped (capacity dispatch).
   """
   rows = jnp.sum(stats.tokens)
-  num_experts = stats.assigned.shape[-1]
-  share = jnp.sum(stats.assigned, axis=0) / rows
-  probability = jnp.sum(stats.probability, axis=0) / rows
-  per_layer = jnp.max(stats.assigned, axis=-1) / jnp.mean(stats.assigned, axis=-1)
+  if per_layer:
+    aux = jnp.mean(_balance(stats.assigned, stats.probability, stats.tokens[:, None]))
+  else:
+    aux = _balance(jnp.sum(stats.assigned, 0), jnp.sum(stats.probability, 0), rows)
+  per_layer_load = jnp.max(stats.assigned, axis=-1) / jnp.mean(stats.assigned, axis=-1)
   return {
-    'router_aux_loss': num_experts * jnp.sum(share * probability),
+    'router_aux_loss': aux,
     'router_z_loss': jnp.sum(stats.z_squared) / rows,
-    'moe_load_max': jnp.max(per_layer),
+    'moe_load_max': jnp.max(per_layer_load),
     'moe_dropped_fraction': jnp.sum(stats.dropped) / jnp.sum(stats.assigned),
+  }
+
+
+# The pipeline executor's view (model.router_aux_loss_scope=microbatch): a
+# stage runs some layers of one micro-batch and never sees the objective
+# whole, so each MoE layer adds its share of the router losses to the
+# gradient itself (`with_gradient_of`, Megatron's MoEAuxLossAutoScaler) and
+# reports its share of the logged figures.
+
+
+@jax.custom_vjp
+def with_gradient_of(x, term):
+  """x, whose backward also differentiates the scalar `term` as if it were
+  added to the objective: term's cotangent is 1, whatever x's is."""
+  del term
+  return x
+
+
+def _with_gradient_of_fwd(x, term):
+  return x, term
+
+
+def _with_gradient_of_bwd(term, g):
+  # 1 typed like term (its varying mesh axes), as a cotangent must be.
+  return g, jnp.zeros_like(term) + 1
+
+
+with_gradient_of.defvjp(_with_gradient_of_fwd, _with_gradient_of_bwd)
+
+
+def layer_share(stats: LayerStats, coefs: tuple[float, float], parts: int, axes: tuple):
+  """One layer's share of one micro-batch's router losses: (a term whose
+  gradient is that of its share of the objective, {figure: share} summed
+  over layers, micro-batches and replicas to give `losses(..., per_layer=True)`'s
+  averages, {figure: value} whose maximum gives moe_load_max).
+
+  coefs: (router_aux_loss_coef, router_z_loss_coef); parts: MoE layers x
+  micro-batches, the terms averaged; axes: manual mesh axes the micro-batch's
+  rows are split over. Every replica balances the whole micro-batch: the
+  assignment counts and token count are summed over `axes` (they carry no
+  gradient), and each replica differentiates its own rows' probabilities
+  against them, E * sum_e f_e P_e being linear in P. The term is built from
+  this replica's values only, so its gradient needs no collective.
+  """
+  counts = (stats.assigned, stats.tokens)
+  if axes:
+    counts = jax.lax.psum(counts, axes)
+  assigned, rows = jax.lax.stop_gradient(counts)
+  probability = jax.lax.psum(stats.probability, axes) if axes else stats.probability
+  replicas = jax.lax.psum(1, axes) if axes else 1
+  aux = _balance(assigned, probability, rows) / parts
+  z = stats.z_squared / rows / parts  # this replica's rows; the replicas' add up
+  term = coefs[0] * _balance(assigned, stats.probability, rows) / parts + coefs[1] * z
+  dropped = jax.lax.psum(stats.dropped, axes) if axes else stats.dropped
+  shares = {
+    'router_aux_loss': aux / replicas,
+    'router_z_loss': z,
+    'moe_assigned': jnp.sum(assigned) / replicas,
+    'moe_dropped': dropped / replicas,
+  }
+  return term, shares, {'moe_load_max': jnp.max(assigned) / jnp.mean(assigned)}
+
+
+def figures(shares: dict, maxima: dict) -> dict[str, jax.Array]:
+  """The logged figures from every layer's and micro-batch's summed shares and maxima."""
+  return {
+    'router_aux_loss': shares['router_aux_loss'],
+    'router_z_loss': shares['router_z_loss'],
+    'moe_load_max': maxima['moe_load_max'],
+    'moe_dropped_fraction': shares['moe_dropped'] / shares['moe_assigned'],
   }

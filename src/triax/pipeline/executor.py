@@ -73,9 +73,12 @@ class StageFns:
   gradient buffer, into which both ends' gradients are added.
 
   embed(edges, tokens[mb, s]) -> x[mb, s, d]                 first chunk's input
-  chunk(chunk_params, x[, num_layers][, segments=]) -> y      one chunk's layers (the
-      first num_layers of its padded stack, when the split is uneven; with
-      segments[mb, s], attention stays inside each packed document)
+  chunk(chunk_params, x[, num_layers][, segments=]) -> (y, (shares, maxima))
+      one chunk's layers (the first num_layers of its padded stack, when the
+      split is uneven; with segments[mb, s], attention stays inside each
+      packed document), and what it reports: two trees of figures, summed
+      (shares) and maximised (maxima) over every chunk, micro-batch and
+      replica of the step (a MoE's router losses; empty for a dense model)
   head_loss_and_grad(edges, y, targets[mb, s], acc, scale) -> (loss, acc, dy):
       scale x the summed token loss, `acc` (a gradient tree like edges) with
       that loss's gradient w.r.t. edges added, and its gradient w.r.t. y. The
@@ -93,11 +96,7 @@ def _varying(tree, axes=('pipe',)):
   own): fresh carries, and weights whose gradients must stay per device."""
 
   def cast(a):
-    aval = jax.typeof(a)
-    # jax 0.10 names the varying axes `manual_axis_type.varying`, older ones `vma`.
-    varying = getattr(aval, 'vma', None)
-    if varying is None:
-      varying = aval.manual_axis_type.varying
+    varying = _vma(a)
     missing = tuple(x for x in axes if x not in varying)
     if not missing:
       return a
@@ -146,10 +145,26 @@ def _put(buffers, index, values):
   # A one-slot pool is replaced, not updated: XLA then keeps the new value's
   # buffer instead of copying it into the old one (one cut set less at the
   # peak of 1f1b, whose W follows its B at once).
+  # Typed as the pool: a cut made by an unchecked shard_map (per_device's
+  # backward) carries no varying axes, the pool all of them.
   return [
-    v[None].astype(b.dtype) if b.shape[0] == 1 else b.at[index].set(v)
+    _vary_as(v[None].astype(b.dtype), b) if b.shape[0] == 1 else b.at[index].set(v)
     for b, v in zip(buffers, values)
   ]
+
+
+def _vary_as(x, like):
+  """x typed as varying over the manual axes `like` varies over."""
+  have, want = _vma(x), _vma(like)
+  missing = tuple(a for a in want if a not in have)
+  return jax.lax.pcast(x, missing, to='varying') if missing else x
+
+
+def _vma(a) -> frozenset:
+  aval = jax.typeof(a)
+  # jax 0.10 names the varying axes `manual_axis_type.varying`, older ones `vma`.
+  varying = getattr(aval, 'vma', None)
+  return frozenset(aval.manual_axis_type.varying if varying is None else varying)
 
 
 def pipeline_loss_and_grad(
@@ -195,8 +210,8 @@ def pipeline_loss_and_grad(
       1/t of it, and the reader all-gathers it); None: as act_spec.
 
   Returns:
-    f(stage_params, edge_params, inputs, targets) -> (loss, (stage_grads,
-    edge_grads)). `stage_params` leaves are
+    f(stage_params, edge_params, inputs, targets) -> ((loss, (shares,
+    maxima)), (stage_grads, edge_grads)). `stage_params` leaves are
     [pipe, v, layers_per_chunk, ...] sharded over `pipe`, local chunk i of
     stage s at [s, i]; inputs and targets are [m, mb, s].
   """
@@ -240,7 +255,7 @@ def pipeline_loss_and_grad(
     mesh=mesh,
     axis_names=set(manual),
     in_specs=(P('pipe'), P(), rows, rows) + ((rows,) if segments else ()),
-    out_specs=(P(), (P('pipe'), P())),
+    out_specs=((P(), P()), (P('pipe'), P())),
   )
   return PipelineStep(run, info)
 
@@ -362,7 +377,10 @@ class _Stage:
     # backward program into B and W. The chunk index is traced as in the real
     # forward, so an uneven split's layer count is a residual in both.
     probe_params = _take(self.local, 0)
-    y_probe, vjp_probe = self.chunk_vjp(probe_params, self.x_zero, self.stage, self.segments(0))
+    y_probe, vjp_probe, figures = self.chunk_vjp(
+      probe_params, self.x_zero, self.stage, self.segments(0)
+    )
+    self.no_figures = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), figures)
     self.residuals = _Residuals(vjp_probe, probe_params, y_probe.astype(setup.act_dtype), setup.pin)
 
   def segments(self, mb):
@@ -376,7 +394,7 @@ class _Stage:
       run = lambda cp, h: self.fns.chunk(cp, h, **extra)  # noqa: E731
     else:
       run = lambda cp, h: self.fns.chunk(cp, h, self.counts[chunk], **extra)  # noqa: E731
-    return jax.vjp(run, chunk_params, x)
+    return jax.vjp(run, chunk_params, x, has_aux=True)
 
   def initial_carry(self) -> dict:
     s, manual, program = self.setup, self.setup.manual, self.setup.program
@@ -389,6 +407,7 @@ class _Stage:
       g_stage=_zeros_like_varying(self.local, manual),
       g_edges=_zeros_like_varying(self.edges, manual),
       loss=_varying(jnp.zeros((), jnp.float32), manual),
+      figures=_varying(self.no_figures, manual),
     )
     return jax.lax.optimization_barrier(carry)
 
@@ -429,8 +448,13 @@ class _Stage:
       lambda: pin(self.fns.embed(self.edges, self.inputs[mb]).astype(self.setup.act_dtype)),
       lambda: pin(c['msg'][row['src']]),
     )
-    y, vjp_fn = self.chunk_vjp(chunk_params, x, chunk, self.segments(mb))
+    y, vjp_fn, (shares, maxima) = self.chunk_vjp(chunk_params, x, chunk, self.segments(mb))
     c = dict(c, stash=_put(c['stash'], row['stash'], self.residuals.stashed(vjp_fn, chunk_params)))
+    summed, top = c['figures']
+    c['figures'] = (
+      jax.tree.map(jnp.add, summed, shares),
+      jax.tree.map(jnp.maximum, top, maxima),
+    )
     last = self.setup.program.schedule.num_chunks - 1
     c = jax.lax.cond(chunk == last, lambda c: self.loss_and_seed(c, row, y), lambda c: c, c)
     return c, pin(y.astype(self.setup.act_dtype))
@@ -534,7 +558,9 @@ def _reduce_over_replicas(c, manual, mesh: Mesh, edge_specs):
   if replicas:
     g_stage = jax.lax.psum(g_stage, replicas)
   g_stage = jax.tree.map(lambda g: g[None], g_stage)
-  return loss, (g_stage, g_edges)
+  shares, maxima = c['figures']
+  figures = (jax.lax.psum(shares, manual), jax.lax.pmax(maxima, manual))
+  return (loss, figures), (g_stage, g_edges)
 
 
 class PipelineStep:

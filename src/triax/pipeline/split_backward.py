@@ -123,9 +123,32 @@ def _read(env, v):
 def _bind(eqn, invals):
   # As jax's own eval_jaxpr binds an equation (jax 0.10: no subfuns).
   params = eqn.primitive.get_bind_params(eqn.params)
+  if _casts_to_varying(eqn):
+    # A value the executor already holds varying (a cut read back from its
+    # pool, typed as the pool) meets the jaxpr's own cast: cast only what is missing.
+    (x,) = invals
+    have = _varying_axes(x)
+    axes = tuple(a for a in params['axes'] if a not in have)
+    if not axes:
+      return [x]
+    params = dict(params, axes=axes)
   with eqn.ctx.manager:
     outs = eqn.primitive.bind(*invals, **params)
   return outs if eqn.primitive.multiple_results else [outs]
+
+
+def _casts_to_varying(eqn) -> bool:
+  """Whether eqn is a cast to varying over manual axes (jax 0.10's pvary, later pcast)."""
+  name = eqn.primitive.name
+  return name == 'pvary' or (name == 'pcast' and str(eqn.params.get('to', '')).endswith('varying'))
+
+
+def _varying_axes(x) -> frozenset:
+  aval = jax.typeof(x)
+  varying = getattr(aval, 'vma', None)
+  if varying is None:
+    varying = getattr(getattr(aval, 'manual_axis_type', None), 'varying', ())
+  return frozenset(varying or ())
 
 
 def _env(plan: _Plan, invals: dict[int, Any]) -> dict:

@@ -177,7 +177,8 @@ class Trainer:
   init_state: Callable[[jax.Array], TrainState]
   train_step: Callable[[TrainState, dict], tuple[TrainState, dict]]
   eval_loss: Callable[[Any, dict], jax.Array]
-  loss_and_grad: Callable[[Any, dict], tuple[jax.Array, Any]]  # no update: for parity checks
+  # (loss, grads, logged figures) without an update: for parity checks
+  loss_and_grad: Callable[[Any, dict], tuple[jax.Array, Any, dict]]
   optimizer_schedule: optax.Schedule
   canonical_shardings: Any  # the state in model layer order (what checkpoints hold)
   to_canonical: relayout.Relayout  # TrainState -> the checkpoint's layout
@@ -271,9 +272,9 @@ def build_trainer(cfg, mesh: Mesh) -> Trainer:
       eval_loss, in_shardings=(param_shardings, batch_sharding), out_shardings=replicated
     )
     jit_grad = jax.jit(
-      lambda params, batch: loss_and_grad(params, *batch_args(batch))[:2],
+      lambda params, batch: loss_and_grad(params, *batch_args(batch)),
       in_shardings=(param_shardings, batch_sharding),
-      out_shardings=(replicated, param_shardings),
+      out_shardings=(replicated, param_shardings, replicated),
     )
   return Trainer(
     cfg=cfg,
@@ -366,7 +367,7 @@ def _loss_and_grad_pipelined(cfg, mesh: Mesh, model, spec, layout, program):
 
   fns = executor.StageFns(
     embed=inside(lambda edges, tokens: model.embed(model.edge_params(edges)[0], tokens)),
-    chunk=inside(model.layers),
+    chunk=inside(model.stage_chunk(m, (data_axis,) if data_axis else ())),
     head_loss_and_grad=inside(model.head_loss_and_grad),
   )
   mb = global_batch // m
@@ -395,8 +396,11 @@ def _loss_and_grad_pipelined(cfg, mesh: Mesh, model, spec, layout, program):
     # embeddings) has one gradient, both ends' contributions added into it.
     edges = {'embed': params['embed'], 'head': params['head']}
     docs = () if segments is None else (split(segments),)
-    loss, (g_layers, g_edges) = run(params['layers'], edges, split(inputs), split(targets), *docs)
-    return loss, {**g_edges, 'layers': g_layers}, {}
+    (lm, figures), (g_layers, g_edges) = run(
+      params['layers'], edges, split(inputs), split(targets), *docs
+    )
+    loss, metrics = model.stage_objective(lm, *figures)
+    return loss, {**g_edges, 'layers': g_layers}, metrics
 
   return raw_loss_and_grad, run
 
