@@ -2,7 +2,7 @@
 
   PYTHONPATH=src .venv/bin/python scripts/bench_schedules.py [--out=docs/bench_schedules.md] \
       [--baseline=650fb8b] [--microbatches=4,8,16,32] [--steps=3] [--rounds=3] \
-      [--sections=schedules,v_family]
+      [--sections=schedules,v_family,bpipe_zb]
 
 Per schedule and m: lockstep ticks, simulated bubble in the executor's
 lockstep model and in the papers' asynchronous one (t_F = 1 and a fused
@@ -26,8 +26,14 @@ v_half, v_zb; Qi et al., NeurIPS'24) with 1f1b and zb_v at p = 4 and p = 8,
 m = 4p, on the same activation-dominated config with one layer per V chunk
 (2p layers, data = 8/p): compiled per-device temp bytes and step time, each
 relative to 1f1b at the same p, beside the peak residual sets the schedule
-holds and the paper's figure. `--sections=v_family` measures only it and
-replaces its part of an existing `--out` file, leaving the rest as it was.
+holds and the paper's figure.
+
+The `bpipe_zb` section sets BPipe's evictions inside zero-bubble against
+zb_h1, bpipe and 1f1b at p = 8, m = 32 on the V-family's config (2p layers,
+data = 1): compiled temp and step time relative to zb_h1.
+
+`--sections` measures only the sections named and replaces their parts of
+an existing `--out` file, leaving the others as they were.
 """
 
 import json
@@ -53,6 +59,7 @@ NEW = (
   ('interleaved_zb', 2),
   ('zb_v', 2),
   ('dualpipe_v', 2),  # needs m >= 2p: absent from the rows of smaller m
+  ('bpipe_zb', 1),
 )
 OLD = {'gpipe', '1f1b', 'interleaved_1f1b', 'bpipe', 'zb_h1'}
 # The V-family section: (schedule, v) at each p, and the paper's peak memory
@@ -67,6 +74,13 @@ PAPER_PEAK = {
   'v_zb': lambda p: p,
 }
 V_HEADING = '## Controllable-memory V-schedules'
+# The bpipe_zb section: schedules at BZ_STAGES stages, m = 4p, against zb_h1.
+BZ_POINTS = (('1f1b', 1), ('bpipe', 1), ('zb_h1', 1), ('bpipe_zb', 1))
+BZ_STAGES = 8
+BZ_HEADING = '## BPipe inside zero-bubble'
+# Sections in the order the report holds them; the main table has no heading.
+SECTIONS = ('schedules', 'v_family', 'bpipe_zb')
+HEADINGS = {V_HEADING: 'v_family', BZ_HEADING: 'bpipe_zb'}
 
 
 def bench_config(config, m, name, v, p=P, data=DATA, layers=8):
@@ -200,28 +214,38 @@ def main(argv):
   del argv
   from triax.training.measure import write_report
 
-  unknown = set(_SECTIONS.value) - {'schedules', 'v_family'}
+  unknown = set(_SECTIONS.value) - set(SECTIONS)
   if unknown:
-    raise SystemExit(f'--sections: unknown {sorted(unknown)}; choose schedules, v_family')
-  if 'schedules' in _SECTIONS.value:
-    lines = schedules_section()
-  else:
-    lines = _without_v_section(_OUT.value)
-  if 'v_family' in _SECTIONS.value:
-    lines += [''] + v_family_section(_STEPS.value, _ROUNDS.value)
+    raise SystemExit(f'--sections: unknown {sorted(unknown)}; choose {", ".join(SECTIONS)}')
+  measure = {
+    'schedules': schedules_section,
+    'v_family': lambda: v_family_section(_STEPS.value, _ROUNDS.value),
+    'bpipe_zb': lambda: bpipe_zb_section(_STEPS.value, _ROUNDS.value),
+  }
+  parts = _existing_sections(_OUT.value)
+  for name in SECTIONS:
+    if name in _SECTIONS.value:
+      parts[name] = measure[name]()
+  lines = []
+  for name in SECTIONS:
+    if parts.get(name):
+      lines += ([''] if lines else []) + parts[name]
   write_report(_OUT.value, lines)
 
 
-def _without_v_section(path: str) -> list[str]:
-  """The lines of an existing report up to its V-family section."""
+def _existing_sections(path: str) -> dict[str, list[str]]:
+  """An existing report's lines by section (the main table's has no heading)."""
+  out = {}
   if not os.path.exists(path):
-    return []
-  lines = open(path).read().rstrip('\n').split('\n')
-  if V_HEADING in lines:
-    lines = lines[: lines.index(V_HEADING)]
-  while lines and not lines[-1]:
-    lines.pop()
-  return lines
+    return out
+  name = 'schedules'
+  for line in open(path).read().rstrip('\n').split('\n'):
+    name = HEADINGS.get(line, name)
+    out.setdefault(name, []).append(line)
+  for lines in out.values():
+    while lines and not lines[-1]:
+      lines.pop()
+  return out
 
 
 def v_family_section(steps: int, rounds: int) -> list[str]:
@@ -270,6 +294,55 @@ def v_family_section(steps: int, rounds: int) -> list[str]:
     "The paper's own peaks bound the residual pools against 1f1b's p sets at "
     f'{bounds} (its 1/3 and 1/2 are the large-p limits); what compiled temp holds beyond '
     'the pool is the B-to-W cuts and the set a tick writes before it lands.',
+  ]
+  return lines
+
+
+def bpipe_zb_section(steps: int, rounds: int) -> list[str]:
+  """bpipe_zb beside zb_h1, bpipe and 1f1b at p = 8, m = 32, relative to zb_h1."""
+  from triax.pipeline import schedule as sched
+
+  p, m = BZ_STAGES, 4 * BZ_STAGES
+  rows = measure_group(BZ_POINTS, m, steps, rounds, p=p, data=8 // p, layers=2 * p)
+  for name, row in rows.items():
+    print('bpipe_zb', name, p, row, flush=True)
+  zb = rows['zb_h1']
+  lines = [
+    BZ_HEADING,
+    '',
+    "BPipe's activation balancing inside zero-bubble (`bpipe_zb`: 1F1B's order with the "
+    "backward split, the last q stages lagging their W's as ZB-H1 does over their last q+1 "
+    "backwards, BPipe's evictions between stages s and p-1-s at bpipe's own cap) against "
+    f'zb_h1, bpipe and 1f1b at p = {p}, m = {m}: the V-family config with one chunk per '
+    f'stage ({2 * p} layers, data = {8 // p}), fp32, 8 forced CPU devices on {os.cpu_count()} '
+    'cores. Temp and step time are relative to zb_h1, step times from alternating rounds in '
+    f'one run ({rounds} rounds of {steps} steps). Bubbles: '
+    't_F = t_B = t_W = 1 (fused schedules: t_B = 2), moves free. Cuts are the B-to-W values '
+    'a stage holds; sets moved count evictions and loads per step.',
+    '',
+    '| schedule | p | m | ticks | bubble lockstep | peak stash per stage | cuts per stage '
+    '| sets moved | temp MiB | temp / zb_h1 | step time / zb_h1 |',
+    '|---|---|---|---|---|---|---|---|---|---|---|',
+  ]
+  cuts = {}
+  for name, _v in BZ_POINTS:
+    r, program = rows[name], sched.lower(sched.build(name, p, m))
+    cuts[name] = max(program.peaks['cut'])
+    lines.append(
+      f'| {name} | {p} | {m} | {r["ticks"]} | {r["lockstep"]:.3f} '
+      f'| {",".join(map(str, r["peak"]))} | {",".join(map(str, program.peaks["cut"]))} '
+      f'| {sched.transfers_per_step(program)["total"]} | {r["temp"] / 2**20:.1f} '
+      f'| {r["temp"] / zb["temp"]:.2f} | {r["step"] / zb["step"]:.2f} |'
+    )
+  bz = rows['bpipe_zb']
+  lines += [
+    '',
+    f"bpipe_zb against zb_h1: the worst device's compiled temp "
+    f'**{bz["temp"] / zb["temp"]:.3f}x** ({max(bz["peak"])} residual sets and '
+    f'{cuts["bpipe_zb"]} cuts a device against {max(zb["peak"])} and {cuts["zb_h1"]}), '
+    f'step time **{bz["step"] / zb["step"]:.3f}x** (medians: zb_h1 {zb["step"] * 1e3:.0f} ms, '
+    f'bpipe_zb {bz["step"] * 1e3:.0f} ms; {bz["ticks"]} ticks against {zb["ticks"]}, and the '
+    'ticks that move a set).',
   ]
   return lines
 
@@ -342,8 +415,9 @@ if __name__ == '__main__':
     _ROUNDS = flags.DEFINE_integer('rounds', 3, 'Alternating timing rounds per m.')
     _SECTIONS = flags.DEFINE_list(
       'sections',
-      ['schedules', 'v_family'],
-      'What to measure: schedules (the main table), v_family (the V-schedules; alone, it '
-      'replaces its section of an existing --out).',
+      list(SECTIONS),
+      'What to measure: schedules (the main table), v_family (the V-schedules), bpipe_zb '
+      '(BPipe inside zero-bubble at p = 8); the sections not named keep their part of an '
+      'existing --out.',
     )
     app.run(main)

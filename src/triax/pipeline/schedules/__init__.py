@@ -13,6 +13,7 @@ from collections.abc import Callable
 from triax.errors import ConfigError
 from triax.pipeline.ir import Schedule
 from triax.pipeline.schedules.bpipe import bpipe, bpipe_stash_cap
+from triax.pipeline.schedules.bpipe_zb import bpipe_zb
 from triax.pipeline.schedules.dualpipe_v import dualpipe_v
 from triax.pipeline.schedules.gpipe import gpipe
 from triax.pipeline.schedules.interleaved import interleaved_1f1b
@@ -34,6 +35,7 @@ SCHEDULES: dict[str, Callable[[int, int, int], Schedule]] = {
   'v_half': v_half,
   'v_zb': v_zb,
   'dualpipe_v': dualpipe_v,
+  'bpipe_zb': bpipe_zb,
 }
 
 
@@ -66,6 +68,7 @@ __all__ = [
   'build',
   'bpipe',
   'bpipe_stash_cap',
+  'bpipe_zb',
   'dualpipe_v',
   'gpipe',
   'interleaved_1f1b',

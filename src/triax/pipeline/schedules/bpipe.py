@@ -45,17 +45,34 @@ def bpipe(stages: int, microbatches: int, virtual_stages: int = 1) -> Schedule:
   """
   p, m, v = check_sizes(stages, microbatches, virtual_stages)
   one_chunk_only('bpipe', v)
-  base = one_f_one_b(p, m)
+  return evict_to_partners(one_f_one_b(p, m), 'bpipe')
+
+
+def evict_to_partners(base: Schedule, name: str, cap: int | None = None) -> Schedule:
+  """`base` (one chunk per stage) with BPipe's evictions added (see `bpipe`).
+
+  With `cap` None the least cap that fits is found by trying; else exactly
+  `cap` is planned for. bpipe_zb reuses this on zero-bubble orders, whose
+  W's keep their sets home from the B to the W: those sets count against
+  the cap but are never moved.
+
+  Raises:
+    ScheduleDeadlock: if no eviction plan fits `cap`.
+  """
+  p, m = base.stages, base.microbatches
   at = compute_ticks(with_split_backward(base))
   partner = tuple(p - 1 - s for s in range(p))
   held = _held(base, at)
   lower_bound = max([-(-(max(held[s]) + max(held[partner[s]])) // 2) for s in range(p)] or [1])
-  for cap in range(lower_bound, max(max(h) for h in held) + 1):
+  caps = range(lower_bound, max(max(h) for h in held) + 1) if cap is None else (cap,)
+  for cap in caps:
     try:
       evicted = _plan_evictions(base, at, partner, cap)
       break
     except ScheduleDeadlock:
-      continue
+      # The largest cap of the search evicts nothing, so only a given one fails.
+      if cap == caps[-1]:
+        raise
   orders = []
   for s, order in enumerate(base.orders):
     order = list(order)
@@ -71,7 +88,7 @@ def bpipe(stages: int, microbatches: int, virtual_stages: int = 1) -> Schedule:
     order.insert(
       order.index(Action(BACKWARD, j, partner[base.stage_of(c)])) + 1, Action(LOAD, j, c)
     )
-  return schedule('bpipe', p, m, 1, orders, partner=partner, stash_cap=cap)
+  return schedule(name, p, m, 1, orders, partner=partner, stash_cap=cap)
 
 
 def bpipe_stash_cap(stages: int, microbatches: int) -> int:
