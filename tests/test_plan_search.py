@@ -1,8 +1,8 @@
 """The strategy maker: layer partitions, enumeration, baselines, plan files."""
 
-import importlib.util
 import random
 
+import harness
 import pytest
 from test_plan_simulator import make_cluster, make_plan
 
@@ -121,10 +121,7 @@ def test_search_uses_remat_only_when_memory_demands_it():
 
 
 def _load(path):
-  spec = importlib.util.spec_from_file_location('plan_under_test', path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+  return harness.load_file(path, 'plan_under_test')
 
 
 def test_plan_file_round_trips(tmp_path):

@@ -16,6 +16,7 @@ from triax.pipeline import files, synthesis
 from triax.pipeline import schedule as sched
 from triax.pipeline.simulate import Costs, simulate_async, simulate_lockstep
 from triax.pipeline.validate import validate
+from triax.plan.search import synthesized
 
 UNIT = Costs(t_forward=1, t_backward=1, t_weight=1)
 UNEVEN = Costs(t_forward=1, t_backward=1.5, t_weight=0.5, t_transfer=0.25)
@@ -129,6 +130,39 @@ def test_bad_input_names_the_key(kwargs, key):
 
 
 @pytest.mark.fast
+@pytest.mark.parametrize('p, m, v, k', [(4, 8, 1, 4)])
+def test_a_cut_limit_bounds_the_executor_cuts_and_trades_bubble(p, m, v, k):
+  """Each cut (B done, W not yet) is a buffer of the executor's beside the
+  stash: fewer cuts, the later W's fill less bubble."""
+  times = []
+  for c in range(1, k + 1):
+    found = synthesis.run(p, m, v, k, UNIT, time_limit_s=0.5, cut_limit=c)
+    program = sched.lower(found.schedule)
+    assert max(program.peaks['cut']) <= c and max(program.peaks['stash']) <= k
+    assert validate(found.schedule, program) == [] and found.method == 'heuristic'
+    times.append(found.async_time)
+  # 1F1B's one cut at one end, a zero-bubble order's at the other.
+  assert times[0] > times[-1]
+  assert (
+    times[0] <= simulate_async(sched.build('1f1b', p, m, v), Costs.design_point(False)).total_time
+  )
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize(
+  'kwargs, message',
+  [
+    ({'cut_limit': 0}, 'must be an integer >= 1'),
+    ({'cut_limit': 2, 'method': 'milp'}, 'the exact program does not model cuts'),
+  ],
+)
+def test_a_bad_cut_limit_names_the_key(kwargs, message):
+  with pytest.raises(ConfigError, match=message) as e:
+    synthesis.run(4, 8, 1, 4, UNIT, **kwargs)
+  assert e.value.key == 'synthesis.cut_limit'
+
+
+@pytest.mark.fast
 def test_the_time_limit_keeps_the_best_found_and_warns(caplog):
   found = synthesis.run(4, 8, 1, 3, UNIT, time_limit_s=1, method='milp')
   assert not found.optimal
@@ -187,6 +221,18 @@ def test_cli_synthesises_writes_and_reports(tmp_path):
       ['--synthesize', '--memory_limit=3', '--schedule=1f1b'],
       'error: --synthesize: give --synthesize or --schedule / --schedule_file, not both',
     ),
+    (
+      ['--synthesize', '--memory_limit=3', '--memory_limit_mib=64'],
+      'error: --memory_limit_mib: give --memory_limit (sets) or --memory_limit_mib, not both',
+    ),
+    (
+      ['--synthesize', '--memory_limit_mib=64'],
+      'error: --config: give the experiment config whose model sizes one residual set',
+    ),
+    (
+      ['--synthesize', '--memory_limit_mib=0.01', '--config=experiments/gpt_tiny.py'],
+      'error: --memory_limit_mib: 0.01 MiB holds 0 residual set(s) of ',
+    ),
   ],
 )
 def test_cli_bad_input_exits_2_with_one_line(args, line):
@@ -196,6 +242,54 @@ def test_cli_bad_input_exits_2_with_one_line(args, line):
   assert result.returncode == 2 and result.stdout == ''
   assert len(result.stderr.strip().splitlines()) == 1
   assert result.stderr.startswith(line), result.stderr
+
+
+def _gpt_tiny():
+  """experiments/gpt_tiny.py's config."""
+  import importlib.util
+  import os
+
+  path = os.path.join(harness.ROOT, 'experiments', 'gpt_tiny.py')
+  spec = importlib.util.spec_from_file_location('gpt_tiny', path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config()
+
+
+@pytest.mark.fast
+def test_a_limit_in_bytes_counts_the_planners_sets():
+  """One set is one micro-batch of one chunk as the planner's memory model
+  prices a stash slot: it scales with the micro-batch and the chunk."""
+  cfg = _gpt_tiny()  # data 2, batch 32, 4 layers
+  _, per_set = synthesized.sets_within(cfg, 2, 8, 1, 1e9)
+  assert synthesized.sets_within(cfg, 2, 16, 1, 1e9)[1] == pytest.approx(per_set / 2)
+  assert synthesized.sets_within(cfg, 2, 8, 2, 1e9)[1] < per_set  # half the layers a chunk
+  assert synthesized.sets_within(cfg, 2, 8, 1, 3 * per_set)[0] == 3
+  assert synthesized.sets_within(cfg, 2, 8, 1, 3 * per_set - 1)[0] == 2
+  cfg.mesh.data = -1
+  with pytest.raises(ConfigError, match='give the data degree') as e:
+    synthesized.sets_within(cfg, 2, 8, 1, 1e9)
+  assert e.value.key == '--config'
+
+
+def test_cli_memory_limit_mib_synthesises_under_the_sets_it_holds():
+  cfg = _gpt_tiny()
+  k, _ = synthesized.sets_within(cfg, 4, 8, 1, 10 * 2**20)
+  result = harness.run_cli(
+    'triax.cli.schedule',
+    '--synthesize',
+    '--stages=4',
+    '--microbatches=8',
+    '--memory_limit_mib=10',
+    '--config=experiments/gpt_tiny.py',
+    '--time_limit_s=1',
+    '--json',
+    timeout=300,
+  )
+  assert result.returncode == 0, result.stderr
+  assert f'10 MiB holds {k} residual sets' in result.stderr
+  report = json.loads(result.stdout)
+  assert report['stash_cap'] == k and max(report['peak_inflight']) <= k
 
 
 @pytest.mark.parametrize('p, m, v, k', [(4, 8, 1, 3), (4, 8, 2, 5), (8, 16, 2, 8)])

@@ -5,12 +5,19 @@
       [--profile=local|analytic] [--gpus=N] [--top=5] [--json] [--verbose]
       [--out=plan.py] [--trace=trace.json] [--profile_cache=FILE]
       [--search=exhaustive|learned] [--policy=FILE.msgpack]
-      [--verify=v5p:2x2x1 [--verify_slices=N]]
+      [--verify=v5p:2x2x1 [--verify_slices=N]] [--moe_imbalance=1.0]
+
+A MoE model (model.family=mixtral) also gets its expert degree searched
+(mesh.expert, carved from data), priced with its all-to-alls and, under
+--moe_imbalance, the busiest expert's device.
 
 Profiles the model on this machine (--profile=local) or prices it from its
 shapes and the spec's data sheets (--profile=analytic: any model, any
 cluster, in seconds), simulates candidate plans on the cluster and prints
-the best ones beside baselines. Bad input prints one
+the best ones beside baselines. Where the device's memory leaves the named
+schedules bubble, a synthesised schedule competes too
+(plan/search/synthesized.py); a plan file that names one holds it and
+trains it as it is (--out). Bad input prints one
 `error: KEY: message` line and exits with 2.
 """
 
@@ -95,6 +102,12 @@ _VERIFY = flags.DEFINE_string(
 _VERIFY_SLICES = flags.DEFINE_integer(
   'verify_slices', 1, 'With --verify: this many slices joined by the data-centre network.'
 )
+_MOE_IMBALANCE = flags.DEFINE_float(
+  'moe_imbalance',
+  1.0,
+  "A MoE model's expert load: the busiest expert's tokens over the mean (metrics' "
+  'moe_load_max; 1 = balanced). With the experts split, the busiest one slows every device.',
+)
 
 
 def _verifier():
@@ -157,6 +170,7 @@ def main(argv):
     policy=_POLICY.value,
     verify=verify,
     verify_chips=verify_chips,
+    moe_imbalance=_MOE_IMBALANCE.value,
   )
   sys.exit(report.main(request, as_json=_JSON.value))
 

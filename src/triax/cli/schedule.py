@@ -9,6 +9,8 @@ r"""Show, time and plot a pipeline schedule without any devices.
       [--virtual_stages=2] --memory_limit=4 [--time_limit_s=10] \
       [--t_forward=1 --t_backward=1 --t_weight=1 --t_transfer=0] \
       [--write_json=synth.json] [--write_csv=synth.csv] [--json] [--plot=x.png]
+  python -m triax schedule --synthesize --stages=4 --microbatches=8 \
+      --memory_limit_mib=512 --config=experiments/gpt_tiny.py [--config.mesh.data=2]
 
 --schedule_file reads torch's compute-only CSV or triax's JSON (see
 triax.pipeline.files) instead of building by name; the sizes come from the
@@ -22,12 +24,23 @@ default to 1 each, ZB-H1's t_F = t_B = t_W); see triax.pipeline.synthesis.
 Exact (HiGHS) for p <= 4 and m <= 8, a heuristic above. Write it with
 --write_json (or --write_csv) and train it with pipeline.schedule_file.
 
+--memory_limit_mib gives the limit as the MiB of activations a stage may
+hold instead: K is how many residual sets fit, one set being one
+micro-batch (global_batch / (mesh.data x microbatches) sequences) of one
+chunk (num_layers / (stages x virtual_stages) layers, the largest if
+uneven), priced as `triax plan` prices a stash slot (plan/cost/memory.py's
+chunk_stash) from --config's model by the analytic profile (its shapes,
+tensor and context degrees, sequence parallelism and remat; nothing runs).
+The conversion is printed on stderr.
+
 Bad input prints one `error: <flag>: <message>` line and exits with 2.
 """
 
 import inspect
+import sys
 
 from absl import flags
+from ml_collections import config_flags
 
 from triax import cli
 from triax.pipeline import report
@@ -74,6 +87,18 @@ _MEMORY_LIMIT = flags.DEFINE_integer(
   None,
   'With --synthesize: the most residual sets (micro-batch-chunks) a stage holds.',
 )
+_MEMORY_LIMIT_MIB = flags.DEFINE_float(
+  'memory_limit_mib',
+  None,
+  'With --synthesize and --config: the MiB of residual sets a stage may hold, instead of '
+  '--memory_limit.',
+)
+_CONFIG = config_flags.DEFINE_config_file(
+  'config',
+  None,
+  'With --memory_limit_mib: the experiment config (FILE[:ARG]) whose model sizes one set.',
+  lock_config=True,
+)
 _TIME_LIMIT_S = flags.DEFINE_float(
   'time_limit_s', 10.0, "With --synthesize: the solver's time limit in seconds."
 )
@@ -111,7 +136,7 @@ def main(argv: list[str]) -> int:
       plot=_PLOT.value,
       schedule_file=_SCHEDULE_FILE.value,
       write_csv=_WRITE_CSV.value,
-      memory_limit=_MEMORY_LIMIT.value if _SYNTHESIZE.value else None,
+      memory_limit=_memory_limit() if _SYNTHESIZE.value else None,
       time_limit_s=_TIME_LIMIT_S.value,
       write_json=_WRITE_JSON.value,
     ),
@@ -120,18 +145,62 @@ def main(argv: list[str]) -> int:
 
 
 def _check_synthesis_flags(from_file: bool) -> None:
-  """--synthesize needs --memory_limit and excludes a named or filed schedule."""
+  """--synthesize needs one of --memory_limit and --memory_limit_mib (that
+  one with --config) and excludes a named or filed schedule."""
   if not _SYNTHESIZE.value:
-    for holder in (_MEMORY_LIMIT, _TIME_LIMIT_S):
+    for holder in (_MEMORY_LIMIT, _MEMORY_LIMIT_MIB, _TIME_LIMIT_S):
       if holder.present:
         cli.fail(f'--{holder.name}', 'only --synthesize reads it; add --synthesize')
     return
   if _SCHEDULE.present or from_file:
     cli.fail('--synthesize', 'give --synthesize or --schedule / --schedule_file, not both')
-  if _MEMORY_LIMIT.value is None:
+  if _MEMORY_LIMIT.value is not None and _MEMORY_LIMIT_MIB.value is not None:
+    cli.fail('--memory_limit_mib', 'give --memory_limit (sets) or --memory_limit_mib, not both')
+  if _MEMORY_LIMIT.value is None and _MEMORY_LIMIT_MIB.value is None:
     cli.fail(
-      '--memory_limit', 'give the most residual sets a stage may hold, e.g. --memory_limit=4'
+      '--memory_limit',
+      'give the most residual sets a stage may hold, e.g. --memory_limit=4 '
+      '(or --memory_limit_mib=MiB with --config)',
     )
+  given = flags.FLAGS['config'].present
+  if _MEMORY_LIMIT_MIB.value is None and given:
+    cli.fail('--config', 'only --memory_limit_mib reads it; drop it or give the limit in MiB')
+  if _MEMORY_LIMIT_MIB.value is not None and not given:
+    cli.fail('--config', 'give the experiment config whose model sizes one residual set')
+
+
+def _memory_limit() -> int:
+  """--memory_limit, or the sets --memory_limit_mib holds (said on stderr)."""
+  if _MEMORY_LIMIT_MIB.value is None:
+    return _MEMORY_LIMIT.value
+  mib = _MEMORY_LIMIT_MIB.value
+  if not mib > 0 or mib == float('inf'):
+    cli.fail('--memory_limit_mib', f'must be a finite number of MiB > 0; got {mib}')
+  try:
+    cfg = _CONFIG.value
+    cfg.to_dict()  # a config file that failed to load raises on first use
+  except Exception as e:  # pylint: disable=broad-except
+    cli.fail('--config', f'{type(e).__name__}: {str(e).splitlines()[0] if str(e) else e!r}')
+  from triax.plan.search import synthesized
+
+  v = _VIRTUAL_STAGES.value
+  with cli.config_errors_exit():
+    sets, per_set = synthesized.sets_within(cfg, _STAGES.value, _MICROBATCHES.value, v, mib * 2**20)
+  least = v  # a stage holds every chunk's set of one micro-batch at once
+  if sets < least:
+    cli.fail(
+      '--memory_limit_mib',
+      f'{mib:g} MiB holds {sets} residual set(s) of {per_set / 2**20:.3g} MiB (one '
+      f'micro-batch of one chunk); the least any schedule needs is {least}: give at least '
+      f'{least * per_set / 2**20:.4g} MiB',
+    )
+  print(
+    f'memory_limit_mib: {mib:g} MiB holds {sets} residual sets of {per_set / 2**20:.3g} MiB '
+    '(one micro-batch of one chunk, plan/cost/memory.chunk_stash): --memory_limit='
+    f'{sets}',
+    file=sys.stderr,
+  )
+  return sets
 
 
 def _own_virtual_stages() -> int:

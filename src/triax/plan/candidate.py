@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 
 from triax.pipeline import schedule as sched
 from triax.pipeline import simulate
@@ -36,7 +37,8 @@ class Plan:
   Attributes:
     data, tensor, pipe: mesh degrees; with context their product is the
       device count.
-    schedule: a key of schedule.SCHEDULES.
+    schedule: a key of schedule.SCHEDULES, or the name `given_schedule`
+      gave a schedule no builder makes (a synthesised one).
     microbatches: m, micro-batches per step.
     virtual_stages: v, model chunks per pipeline device.
     remat: 'none', 'selective' or 'full'.
@@ -55,6 +57,9 @@ class Plan:
       `tensor` too; needs tensor > 1.
     context_attention: a key of CONTEXT_ATTENTION (model.context_attention);
       what it says matters only with context > 1.
+    expert: mesh.expert, a MoE model's experts split this many ways over
+      the inner part of `data` (it divides data: the expert group of data
+      replica i is the `expert` replicas around it, `expert_groups`).
   """
 
   data: int
@@ -71,6 +76,7 @@ class Plan:
   context: int = 1
   sequence_parallel: bool = False
   context_attention: str = 'allgather'
+  expert: int = 1
 
   def __post_init__(self):
     p, v = self.pipe, self.virtual_stages
@@ -100,6 +106,8 @@ class Plan:
       raise ValueError(f'state_sharding must be one of {STATE_SHARDINGS}: {self.state_sharding!r}')
     if self.state_sharding != 'replicated' and self.data == 1:
       raise ValueError(f'state_sharding={self.state_sharding} splits over data, which is 1')
+    if self.expert < 1 or self.data % self.expert:
+      raise ValueError(f'expert={self.expert} must divide data={self.data}')
 
   @property
   def microbatch_size(self) -> int:
@@ -133,6 +141,15 @@ class Plan:
     ZeRO / FSDP state is split over (mesh.fsdp's rule names `data` only)."""
     devs, ct = self.stages[stage], self.context * self.tensor
     return [devs[r::ct] for r in range(ct)]
+
+  def expert_groups(self, stage: int) -> list[tuple[int, ...]]:
+    """Per (outer data index, context rank, tensor rank), the `expert`
+    consecutive data replicas one MoE all-to-all runs over (mesh.build_mesh
+    carves the expert axis from the inner part of data)."""
+    devs, ct, e = self.stages[stage], self.context * self.tensor, self.expert
+    return [
+      devs[g * e * ct + r : (g + 1) * e * ct : ct] for g in range(self.data // e) for r in range(ct)
+    ]
 
   def context_groups(self, stage: int) -> list[tuple[int, ...]]:
     """Per (data replica, tensor rank), the c devices of one context ring, in rank order."""
@@ -181,8 +198,9 @@ class Plan:
     context = f' c{self.context}' if self.context > 1 else ''
     kind = f' {self.context_attention}' if self.context > 1 else ''
     sp = ' sp' if self.sequence_parallel else ''
+    expert = f' e{self.expert}' if self.expert > 1 else ''
     return (
-      f'd{self.data}{context} t{self.tensor}{sp} p{self.pipe} {self.schedule} m={self.microbatches}'
+      f'd{self.data}{expert}{context} t{self.tensor}{sp} p{self.pipe} {self.schedule} m={self.microbatches}'
       f' v={self.virtual_stages} mb={self.microbatch_size} remat={self.remat}{split}{state}{kind}'
     )
 
@@ -258,6 +276,10 @@ class Options:
       collectives. False (the default): they add, as triax's layer scan
       runs them (each layer's gather inside its own iteration, which
       XLA's default flags do not move into the previous one).
+    moe_imbalance: a MoE model's expert load, the busiest expert's tokens
+      over the mean (metrics' moe_load_max; 1 = balanced): with the experts
+      split (mesh.expert > 1) the device holding the busiest one computes
+      longer and every other waits for it (plan/cost/experts.py).
   """
 
   model: str = 'lockstep'
@@ -267,10 +289,13 @@ class Options:
   scatter_gather: bool = True
   state_programs: bool = True
   fsdp_overlap: bool = False
+  moe_imbalance: float = 1.0
 
   def __post_init__(self):
     if self.model not in MODELS:
       raise ValueError(f'model must be one of {MODELS}, got {self.model!r}')
+    if not self.moe_imbalance >= 1.0:
+      raise ValueError(f'moe_imbalance must be >= 1 (1 = balanced), got {self.moe_imbalance!r}')
     if self.dp_allreduce not in DP_ALLREDUCE:
       raise ValueError(f'dp_allreduce must be one of {DP_ALLREDUCE}')
 
@@ -281,9 +306,12 @@ def from_config(cfg) -> Plan:
   it with what XLA compiles)."""
   m, pipe = cfg.mesh, cfg.pipeline
   p, v = m.pipe, pipe.virtual_stages
+  name = pipe.schedule
+  if pipe.get('schedule_file'):  # the file's schedule, not the unread name
+    name = given_schedule(sched.from_config(pipe, p, pipe.microbatches, v))
   if pipe.layers_per_stage:
     chunks = tuple(pipe.layers_per_stage)
-    placement = program(pipe.schedule, p, pipe.microbatches, v).schedule.placement
+    placement = program(name, p, pipe.microbatches, v).schedule.placement
     layers = tuple(sum(n for n, s in zip(chunks, placement) if s == stage) for stage in range(p))
   else:
     layers = (cfg.model.num_layers // p,) * p
@@ -296,7 +324,7 @@ def from_config(cfg) -> Plan:
     data=m.data,
     tensor=m.tensor,
     pipe=p,
-    schedule=pipe.schedule,
+    schedule=name,
     microbatches=pipe.microbatches,
     virtual_stages=v,
     remat=cfg.model.remat,
@@ -307,10 +335,41 @@ def from_config(cfg) -> Plan:
     context=m.context,
     sequence_parallel=m.sequence_parallel,
     context_attention=cfg.model.context_attention,
+    expert=m.expert,
   )
+
+
+# Schedules no builder makes (a synthesised one, a schedule file's), by the
+# name `given_schedule` gave them: a Plan keeps naming its schedule with a
+# string, and `program` finds these as it builds the named ones.
+_GIVEN: dict[str, sched.Schedule] = {}
+
+
+def given_schedule(schedule: sched.Schedule) -> str:
+  """A name for a schedule no builder makes, for `Plan.schedule`: its own
+  name and a digest of its orders, so two different schedules never share one."""
+  text = repr(
+    (schedule.placement, schedule.stash_cap, [list(map(str, o)) for o in schedule.orders])
+  )
+  name = f'{schedule.name}-{hashlib.sha1(text.encode()).hexdigest()[:8]}'
+  _GIVEN[name] = schedule
+  return name
+
+
+def given(name: str) -> sched.Schedule | None:
+  """The schedule `given_schedule` named `name`; None for a builder's name."""
+  return _GIVEN.get(name)
 
 
 @functools.lru_cache(maxsize=4096)
 def program(name: str, p: int, m: int, v: int) -> sched.Program:
   """The lowered schedule (cached: the search asks for the same ones often)."""
-  return sched.lower(sched.build(name, p, m, v))
+  schedule = _GIVEN.get(name)
+  if schedule is None:
+    return sched.lower(sched.build(name, p, m, v))
+  if (schedule.stages, schedule.microbatches, schedule.virtual_stages) != (p, m, v):
+    raise ValueError(
+      f'{name} runs p, m, v = {schedule.stages}, {schedule.microbatches}, '
+      f'{schedule.virtual_stages}, not {p}, {m}, {v}'
+    )
+  return sched.lower(schedule)

@@ -54,6 +54,8 @@ class Request:
       entry point compiles the plan there: the planner compiles nothing).
     verify_chips: with verify, the chips of the slice it compiles for: the
       cluster must have as many devices.
+    moe_imbalance: a MoE model's busiest expert's tokens over the mean
+      (candidate.Options.moe_imbalance; 1 = balanced).
   """
 
   cfg: Any
@@ -73,6 +75,7 @@ class Request:
   policy: str | None = None
   verify: Callable[[Any, Estimate], dict] | None = None
   verify_chips: int | None = None
+  moe_imbalance: float = 1.0
 
 
 def local_devices(cluster_path: str) -> int | None:
@@ -137,6 +140,7 @@ def run(request: Request, as_json: bool = False, out: TextIO | None = None) -> d
     model=request.model,
     dp_allreduce=request.dp_allreduce,
     scatter_gather=bool(cfg.pipeline.scatter_gather),
+    moe_imbalance=_moe_imbalance(request),
   )
   m = cfg.model
   progress(
@@ -287,6 +291,7 @@ def _base_overrides(request: Request, base_path: str, base_arg: str | None, cfg)
   get_config (the --config.* flags), minus those the plan sets itself."""
   del base_path, base_arg, cfg
   plan_keys = set(emit.overrides(_dummy_plan(), heterogeneous=True)) | set(emit.SEQUENCE_KEYS)
+  plan_keys.add(emit.SCHEDULE_FILE_KEY)  # a plan names its schedule one way or the other
   return {k: v for k, v in request.config_overrides.items() if k not in plan_keys}
 
 
@@ -310,12 +315,14 @@ def _row(e: Estimate) -> dict:
   return {
     'plan': p.describe(),
     'data': p.data,
+    'expert': p.expert,
     'context': p.context,
     'tensor': p.tensor,
     'sequence_parallel': p.sequence_parallel,
     'context_attention': p.context_attention,
     'pipe': p.pipe,
     'schedule': p.schedule,
+    'synthesized': _synthesized(p),
     'microbatches': p.microbatches,
     'microbatch_size': p.microbatch_size,
     'virtual_stages': p.virtual_stages,
@@ -334,6 +341,15 @@ def _row(e: Estimate) -> dict:
     'capacity_bytes': list(e.capacity),
     'oom': e.oom,
   }
+
+
+def _synthesized(plan: candidate.Plan) -> dict | None:
+  """A synthesised schedule's most residual sets and cuts per stage (its
+  program's slots); None for a named schedule."""
+  if candidate.given(plan.schedule) is None:
+    return None
+  prog = candidate.program(plan.schedule, plan.pipe, plan.microbatches, plan.virtual_stages)
+  return {'sets': prog.slots['stash'], 'cuts': prog.slots['cut']}
 
 
 def to_json(result: exhaustive.SearchResult, cfg) -> dict:
@@ -441,6 +457,13 @@ def text(result: exhaustive.SearchResult, cfg, request: Request | None = None) -
     )
   if len(best.stages) > 8:
     lines.append(f'  ... {len(best.stages) - 8} more stages')
+  held = _synthesized(best)
+  if held is not None:
+    lines.append(
+      f'note: #1 runs a synthesised schedule ({held["sets"]} residual sets and {held["cuts"]} '
+      "cuts per stage at most, what this memory leaves; triax.pipeline.synthesis's heuristic "
+      "under the plan's costs); the plan file holds it"
+    )
   if c.heterogeneous:
     lines.append(
       'note: the plan file sets mesh.device_order, so the trainer places '
@@ -540,3 +563,14 @@ def main(request: Request, as_json: bool = False) -> int:
   if summary.get('verify', {}).get('fits') is False:
     return 3  # cli.EXIT_DOES_NOT_FIT, as train --compile_only --topology
   return 0
+
+
+def _moe_imbalance(request: Request) -> float:
+  """--moe_imbalance, checked: the busiest expert's load over the mean."""
+  x = request.moe_imbalance
+  if isinstance(x, bool) or not isinstance(x, (int, float)) or not x >= 1:
+    raise ConfigError(
+      '--moe_imbalance',
+      f"must be a number >= 1 (the busiest expert's tokens over the mean; 1 = balanced), got {x!r}",
+    )
+  return float(x)

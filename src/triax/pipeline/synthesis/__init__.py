@@ -10,6 +10,11 @@ simulators, writers and plots take it unchanged. Its `stash_cap` is K, so
 the validator holds its lowered program to the limit, also when it is read
 back from triax's JSON.
 
+With `cut_limit` C it also holds at most C cuts (backwards whose W is
+still to run, the executor's other per-set buffer; problem.py): the
+planner's way to price a schedule's memory as the executor allocates it.
+The exact program does not model cuts, so a cut limit runs the heuristic.
+
 Two methods behind the one function (problem.py says what both solve):
 `heuristic` (the zero-bubble paper's greedy, widened and then improved by
 local swaps) for any size, and `milp` (exact, HiGHS) for p <= 4 and m <= 8,
@@ -39,7 +44,7 @@ from triax.pipeline.ir import (
 from triax.pipeline.schedules import SCHEDULES, build
 from triax.pipeline.schedules.common import check_sizes
 from triax.pipeline.synthesis import heuristic, milp
-from triax.pipeline.synthesis.problem import Problem, asap, lower_bound, makespan, peak_held
+from triax.pipeline.synthesis.problem import Problem, asap, lower_bound, makespan, within
 
 NAME = 'synthesized'
 # The sizes the exact program is offered for; above them it rarely proves
@@ -89,10 +94,11 @@ def synthesize(
   costs: simulate.Costs = simulate.Costs.design_point(split=True),
   time_limit_s: float = 10.0,
   method: str = 'auto',
+  cut_limit: int | None = None,
 ) -> Schedule:
   """The least-makespan schedule found under the memory limit (see `run`)."""
   return run(
-    stages, microbatches, virtual_stages, memory_limit, costs, time_limit_s, method
+    stages, microbatches, virtual_stages, memory_limit, costs, time_limit_s, method, cut_limit
   ).schedule
 
 
@@ -104,6 +110,7 @@ def run(
   costs: simulate.Costs = simulate.Costs.design_point(split=True),
   time_limit_s: float = 10.0,
   method: str = 'auto',
+  cut_limit: int | None = None,
 ) -> Synthesis:
   """Synthesises a schedule; see the module docstring.
 
@@ -116,8 +123,10 @@ def run(
       t_transfer; the forward and backward must take time.
     time_limit_s: the solver's time limit; a program stopped by it returns
       the best orders found and says so in `warning` (also logged).
-    method: 'auto' (exact where p <= 4 and m <= 8, else heuristic),
-      'heuristic' or 'milp'.
+    method: 'auto' (exact where p <= 4 and m <= 8 without a cut limit,
+      else heuristic), 'heuristic' or 'milp'.
+    cut_limit: C, the most cuts (B done, W not yet) a stage holds; None:
+      no limit. Not with method 'milp'.
 
   Raises:
     ConfigError: for bad sizes, costs or method, or a limit below the least
@@ -129,6 +138,10 @@ def run(
     raise ConfigError('synthesis.time_limit_s', f'must be a number > 0; got {time_limit_s}')
   if method not in METHODS:
     raise ConfigError('synthesis.method', f'choose one of {", ".join(METHODS)}; got {method!r}')
+  if cut_limit is not None:
+    _check_cut_limit(cut_limit, method)
+    problems = [dataclasses.replace(x, cut_limit=cut_limit) for x in problems]
+    method = 'heuristic'
   found = [_solve(problem, time_limit_s / len(problems), method) for problem in problems]
   best = min(found, key=lambda x: x.async_time)
   # Optimal overall only if no other placement may do better.
@@ -140,6 +153,18 @@ def run(
     lower_bound=best.async_time if optimal else min(x.lower_bound for x in found),
     warning='; '.join(warnings) or None,
   )
+
+
+def _check_cut_limit(cut_limit, method: str) -> None:
+  if isinstance(cut_limit, bool) or not isinstance(cut_limit, int) or cut_limit < 1:
+    raise ConfigError(
+      'synthesis.cut_limit',
+      f'must be an integer >= 1 (a B holds its cut until its W); got {cut_limit!r}',
+    )
+  if method == 'milp':
+    raise ConfigError(
+      'synthesis.cut_limit', "the exact program does not model cuts; use method 'heuristic'"
+    )
 
 
 def _placements(stages, virtual_stages) -> list[tuple[int, ...]]:
@@ -258,7 +283,7 @@ def _built_in(problem: Problem) -> list[list]:
     orders = [[a for a in o if a.kind in COMPUTE_KINDS] for o in built.orders]
     if built.evicted or built.placement != problem.placement:
       continue
-    if max(peak_held(o) for o in orders) <= problem.memory_limit:
+    if all(within(problem, o) for o in orders):
       out.append(orders)
   return out
 

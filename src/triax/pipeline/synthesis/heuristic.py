@@ -27,7 +27,7 @@ import random
 import time
 
 from triax.pipeline.ir import BACKWARD, FORWARD, WEIGHT, Action
-from triax.pipeline.synthesis.problem import Problem, peak_held
+from triax.pipeline.synthesis.problem import Problem, within
 
 Orders = list[list[Action]]
 
@@ -148,8 +148,10 @@ class _Pass:
     cands = self.candidates(s)
     now = [(a, r) for a, r in cands if r <= t]
     fs = [a for a, _ in now if a.kind == FORWARD and self.room(s, a)]
-    bs = [a for a, _ in now if a.kind == BACKWARD]
-    blocked = any(a.kind == FORWARD and a not in fs for a, _ in now)
+    # A B past the cut limit waits for a W, which is always ready.
+    cut_full = self.pr.cut_limit is not None and len(self.waiting[s]) >= self.pr.cut_limit
+    bs = [a for a, _ in now if a.kind == BACKWARD and not cut_full]
+    blocked = any(a not in fs and a not in bs for a, _ in now)
     # Deeper chunks first: their work is nearer the loss and the backward.
     fs.sort(key=lambda a: -a.chunk)
     bs.sort(key=lambda a: -a.chunk)
@@ -232,7 +234,7 @@ def _best_move(problem, orders, s, i, window, score, best):
       continue  # micro-batches stay in order
     trial = order[:i] + order[i + 1 :]
     trial.insert(k, x)
-    if peak_held(trial) > problem.memory_limit:
+    if not within(problem, trial):
       continue
     candidate = orders[:s] + [trial] + orders[s + 1 :]
     value = score(candidate)

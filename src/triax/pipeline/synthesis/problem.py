@@ -8,6 +8,13 @@ limit K: the most residual sets (micro-batch-chunks, what
 from its F until its W, so a stage's peak is a property of its order alone:
 count +1 at each F and -1 at each W along the order.
 
+Optionally a cut limit C too: the most backwards whose W is still to run
+(each holds a cut, what B hands its W: the executor's 'cut' pool, beside
+the stash). Zero-bubble orders delay W to fill bubbles, and each delayed W
+keeps a cut, about a residual set's bytes again (plan/cost/memory.py's
+`chunk_cut`); 1F1B runs W right after B and holds one. Bounding both is how
+the planner fits a schedule between those two in the executor's memory.
+
 Time is the asynchronous model of `simulate.simulate_async`: an action
 starts once its stage is free and its inputs have arrived (a producer's end
 plus t_transfer when it ran on another stage), so a synthesised order timed
@@ -33,6 +40,7 @@ class Problem:
   placement: tuple[int, ...]
   memory_limit: int
   costs: Costs
+  cut_limit: int | None = None
 
   @property
   def num_chunks(self) -> int:
@@ -110,14 +118,31 @@ class Problem:
 
 def peak_held(order: tuple[Action, ...] | list[Action]) -> int:
   """The most residual sets a stage holds running `order` (F +1, W -1)."""
+  return _peak(order, FORWARD)
+
+
+def peak_cuts(order: tuple[Action, ...] | list[Action]) -> int:
+  """The most cuts a stage holds running `order` (B +1, W -1)."""
+  return _peak(order, BACKWARD)
+
+
+def _peak(order, opens) -> int:
+  """The most of what `opens` makes and W frees that `order` holds at once."""
   held = peak = 0
   for a in order:
-    if a.kind == FORWARD:
+    if a.kind == opens:
       held += 1
       peak = max(peak, held)
     elif a.kind == WEIGHT:
       held -= 1
   return peak
+
+
+def within(problem: Problem, order) -> bool:
+  """Whether one stage's order keeps to the problem's set and cut limits."""
+  if peak_held(order) > problem.memory_limit:
+    return False
+  return problem.cut_limit is None or peak_cuts(order) <= problem.cut_limit
 
 
 def asap(problem: Problem, orders) -> dict[Action, float] | None:

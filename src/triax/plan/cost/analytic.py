@@ -15,6 +15,9 @@ sequences of s tokens:
     (the side equal to d_model is the model side) is a [b s, k] x [k, n]
     matmul forward, and two of the same FLOPs backward (input and weight
     gradient);
+    a MoE's routed experts ([E, k, n], the 'experts' axis first) one
+    grouped matmul of every expert's weights, each token through the
+    model.experts_per_token it is routed to (active FLOPs only);
   - the attention core per head: Q K^T and the weighted V, each batched
     over b x heads/t, with the s x s scores written and read; with
     model.attention=cudnn one fused kernel instead (no scores in memory,
@@ -240,9 +243,14 @@ def _shapes(spec, t: int):
   # changes no parameter shape, and cuDNN's refuses to trace off a GPU.
   model = registry.build(dataclasses.replace(shard, attention='xla'))
   params = jax.eval_shape(model.init, jax.random.key(0))
-  layer = jax.tree.map(lambda a: a.shape[1:], params['layers'])
+  is_tuple = lambda x: isinstance(x, tuple)
+  layer = jax.tree.leaves(jax.tree.map(lambda a: a.shape[1:], params['layers']), is_leaf=is_tuple)
+  # A routed expert's weight ('experts' axis first, [E, ...]): a token runs k of the E.
+  routed = [
+    'experts' in a for a in jax.tree.leaves(model.logical_axes()['layers'], is_leaf=is_tuple)
+  ]
   embed, head = model.edge_params(params)
-  return shard, jax.tree.leaves(layer, is_leaf=lambda x: isinstance(x, tuple)), embed, head
+  return shard, list(zip(layer, routed)), embed, head
 
 
 def _shard(spec, t: int, dropout: bool = False) -> tuple[profile_lib.Shard, ShardKernels]:
@@ -258,21 +266,25 @@ def _shard(spec, t: int, dropout: bool = False) -> tuple[profile_lib.Shard, Shar
   fused = spec.attention in ('cudnn', 'splash')
 
   fwd, bwd, layer_params = [], [], 0.0
-  for shape in weights:
+  for shape, routed in weights:
     layer_params += math.prod(shape) * pe
     if len(shape) < 2:
       continue  # norm scales and biases: elementwise, counted below
+    # A routed expert's [E, k, n]: one grouped matmul over the E experts'
+    # weights (each read once), each token's row through k of them.
+    copies, rows = (shape[0], spec.experts_per_token) if routed else (1, 1)
+    shape = shape[1:] if routed else shape
     if shape[0] == d:
       k, n = d, math.prod(shape[1:])
     else:
       k, n = math.prod(shape[:-1]), shape[-1]
-    flops = 2.0 * s * k * n
-    # Activations in and out per sequence; the weight read once a call.
-    io = (s * k + s * n) * e
-    fwd.append(Kernel(f'gemm {k}x{n}', flops, io, k * n * e))
+    flops = 2.0 * s * rows * k * n
+    # Activations in and out per sequence; the weights read once a call.
+    io = rows * (s * k + s * n) * e
+    fwd.append(Kernel(f'gemm {k}x{n}', flops, io, copies * k * n * e))
     # Input gradient (reads the weight) and weight gradient (writes it).
-    bwd.append(Kernel(f'dgrad {k}x{n}', flops, io, k * n * e))
-    bwd.append(Kernel(f'wgrad {k}x{n}', flops, io, 2 * k * n * pe))
+    bwd.append(Kernel(f'dgrad {k}x{n}', flops, io, copies * k * n * e))
+    bwd.append(Kernel(f'wgrad {k}x{n}', flops, io, 2 * copies * k * n * pe))
   scores = heads * s * s  # elements of one sequence's score square
   if fused:
     flops = 4.0 * s * s * heads * hd * _FLASH_CAUSAL
@@ -354,5 +366,6 @@ def _shard(spec, t: int, dropout: bool = False) -> tuple[profile_lib.Shard, Shar
     logits_per_seq=float(live_logits),
     attention_fraction=attn_flops / max(sum(k.flops for k in fwd), 1.0),
     kv_per_seq=profile_lib.kv_per_seq(spec, t),
+    experts=profile_lib.experts_of(shard, sum(k.flops for k in fwd)),
   )
   return out, kernels

@@ -18,6 +18,13 @@ hierarchical one. A pipeline transfer between nodes takes the
 inter-node path of its two devices (the simulator sends 1/t of an
 activation from each tensor rank, Megatron's scatter/gather), and so does
 each pass of a ring (ring attention's K/V blocks, all devices at once).
+
+An all-to-all (expert parallelism's token exchange) of a buffer of nbytes
+per device sends 1/n of it to each other device: (n-1)/n of it leaves each
+device, pairwise over a switch (NVSwitch, a fat tree), every link busy at
+once. Across nodes the (k-1)/n that stays on a device's node moves over the
+intra-node link while the (n-k)/n bound elsewhere crosses the inter-node
+path, whose NIC its node's k group members share; the two run at once.
 """
 
 from __future__ import annotations
@@ -65,6 +72,35 @@ class Comm:
   def reduce_scatter(self, devices: Sequence[int], nbytes: float) -> float:
     """Reduce-scatter of nbytes per device into 1/n shards over `devices`."""
     return self.allreduce(devices, nbytes) / 2
+
+  def alltoall(self, devices: Sequence[int], nbytes: float) -> float:
+    """All-to-all over `devices` of an nbytes buffer per device (1/n of it
+    for each device, its own share staying put)."""
+    n = len(set(devices))
+    if n <= 1 or nbytes <= 0:
+      return 0.0
+    if self.measured:
+      return (n - 1) * self.profile.machine.p2p.time(nbytes / n)
+    by_node: dict[str, list[int]] = {}
+    for d in dict.fromkeys(devices):
+      by_node.setdefault(self.cluster.devices[d].node, []).append(d)
+    if len(by_node) == 1:
+      link = self.cluster.slowest_link(devices)
+      return (n - 1) * link.latency + (n - 1) / n * nbytes / link.bandwidth
+    c, k = self.cluster, max(len(v) for v in by_node.values())
+    heads = [devs[0] for devs in by_node.values()]
+    cross = c.slowest_link(heads)
+    caps = [c.node(c.devices[h].node).nic_bandwidth for h in heads]
+    bandwidth = min([cross.bandwidth] + [x / k for x in caps if x])
+    inter = (n - k) / n * nbytes / bandwidth
+    intra = 0.0
+    if k > 1:
+      link = min(
+        (c.slowest_link(devs) for devs in by_node.values() if len(devs) > 1),
+        key=lambda l: (l.bandwidth, -l.latency),
+      )
+      intra = (k - 1) / n * nbytes / link.bandwidth
+    return (n - 1) * cross.latency + max(inter, intra)
 
   def _hierarchical(self, nodes: list[list[int]], k: int, nbytes: float) -> float:
     """Reduce-scatter in each node, all-reduce of a 1/k shard across nodes

@@ -28,6 +28,10 @@ a s/(h t)) with SP (their 10 + 24/t + 5as/(ht) and 34/t + 5as/(ht) at
 e = 2, less dropout's masks, which triax does not have); selective remat
 drops the a s / (h t) term, full keeps the layer input, s b h e (1/t
 with SP).
+
+A MoE model with its experts split (Plan.expert > 1): the experts' share of
+the state over the expert degree (`state`'s `experts`), and dropless's
+exchanged rows in each layer's residuals (experts.dispatch_stash).
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from __future__ import annotations
 from triax.pipeline import schedule as sched
 from triax.plan.candidate import Options, Plan
 from triax.plan.cluster import Cluster
+from triax.plan.cost import experts as experts_lib
 from triax.plan.cost.profile import Profile, Shard
 
 # Parameter, gradient accumulator, Adam mu and nu, each the parameter's size
@@ -57,9 +62,13 @@ def copies(kind: str, data: int, per_layer: bool = False) -> dict[str, float]:
   return {'params': 1 / d, 'grads': 1.0, 'moments': MOMENTS / d, 'gathered': 1.0}
 
 
-def state(plan: Plan, profile: Profile, params: float) -> dict[str, float]:
+def state(plan: Plan, profile: Profile, params: float, experts: float = 0.0) -> dict[str, float]:
   """The train step's state bytes per device for a stage holding `params`
-  bytes of parameters (its layers and the edges), by the plan's state_sharding:
+  bytes of parameters (its layers and the edges, the experts whole), by the
+  plan's state_sharding (of them, `experts` bytes are routed experts', split
+  over plan.expert, and the sharding then splits their part over the
+  data / expert replicas holding the same experts; ZeRO-1's moments come
+  out at 1/data either way):
 
   - replicated: parameters, gradient accumulator, moments, all whole;
   - zero1: the moments / data (the gradient accumulator stays whole: the
@@ -74,8 +83,11 @@ def state(plan: Plan, profile: Profile, params: float) -> dict[str, float]:
     layer scan gathers one layer at a time; the larger of a layer and the
     embedding + head).
   """
+  kind, per_layer, e = plan.state_sharding, plan.fsdp_per_layer, plan.expert
+  split = copies(kind, plan.data // e, per_layer)
   out = {
-    k: x * params for k, x in copies(plan.state_sharding, plan.data, plan.fsdp_per_layer).items()
+    k: x * (params - experts) + split[k] / e * experts
+    for k, x in copies(kind, plan.data, per_layer).items()
   }
   if plan.fsdp_per_layer:
     shard = profile.shards[plan.tensor]
@@ -83,14 +95,16 @@ def state(plan: Plan, profile: Profile, params: float) -> dict[str, float]:
   return out
 
 
-def resident(plan: Plan, profile: Profile, params: float) -> float:
+def resident(plan: Plan, profile: Profile, params: float, experts: float = 0.0) -> float:
   """Bytes of the state kept between steps (parameters and moments; the
   gradients are the step's): what a save or an evaluation sits beside."""
-  x = state(plan, profile, params)
+  x = state(plan, profile, params, experts)
   return x['params'] + x['moments']
 
 
-def state_programs(plan: Plan, profile: Profile, params: float) -> dict[str, float]:
+def state_programs(
+  plan: Plan, profile: Profile, params: float, experts: float = 0.0
+) -> dict[str, float]:
   """Peak bytes per device of a checkpoint save, a restore and an
   evaluation, each beside the resident state.
 
@@ -103,9 +117,9 @@ def state_programs(plan: Plan, profile: Profile, params: float) -> dict[str, flo
   and output, and the rows' fp32 logits.
   """
   shard = profile.shards[plan.tensor]
-  rest = resident(plan, profile, params)
+  rest = resident(plan, profile, params, experts)
   rows = plan.global_batch // plan.data
-  copy = state(plan, profile, params)['params'] if plan.pipe > 1 else 0.0
+  copy = state(plan, profile, params, experts)['params'] if plan.pipe > 1 else 0.0
   forward = rows * (
     layer_stash(plan, shard, 'none')
     + 2 * shard.act_per_seq * residual_share(plan)
@@ -144,7 +158,7 @@ def layer_stash(plan: Plan, shard: Shard, remat: str | None = None) -> float:
   own = held * token_share(plan)
   if gathers_kv(plan) and remat == 'none':
     own += shard.kv_per_seq * (1 - token_share(plan))
-  return own
+  return own + experts_lib.dispatch_stash(plan, shard, remat)
 
 
 def chunk_stash(plan: Plan, profile: Profile, layers: int) -> float:
@@ -199,6 +213,7 @@ def memory(
     own = plan.layers[s] // v
     held = widest if options.padded else own
     params = shard.layer_param_bytes * held * v + shard.edge_param_bytes
+    experts = experts_lib.expert_param_bytes(shard) * held * v
     if program_ is None:  # no pipeline: one value_and_grad over the whole model
       stash = chunk_stash(plan, profile, plan.num_layers)
       buffers = 0.0
@@ -206,8 +221,8 @@ def memory(
       pool = pools(plan, profile, options, program_, s, held)
       stash, buffers = pool['stash'], pool['cut'] + pool['msg']
     workspace = 2 * b * layer_stash(plan, shard, 'none') + logits
-    peak = sum(state(plan, profile, params).values()) + stash + buffers + workspace
-    programs = max(state_programs(plan, profile, params).values())
+    peak = sum(state(plan, profile, params, experts).values()) + stash + buffers + workspace
+    programs = max(state_programs(plan, profile, params, experts).values())
     step.append(peak)
     progs.append(programs)
     out.append(max(peak, programs) if options.state_programs else peak)

@@ -96,6 +96,64 @@ class Work:
 
 
 @dataclasses.dataclass(frozen=True)
+class Experts:
+  """A mixture-of-experts layer's routed experts on one tensor shard
+  (model/mixtral.py, model/moe.py): what expert parallelism splits and what
+  its all-to-alls move (plan/cost/experts.py prices them). None on a Shard:
+  a dense layer.
+
+  Attributes:
+    num_experts: E, routed experts per layer.
+    per_token: k, the experts each token runs.
+    dispatch: model.moe_dispatch, 'dropless' or 'capacity'.
+    capacity_factor: model.capacity_factor (capacity dispatch's buffers).
+    seq_len, d_model: positions per sequence and the token width the
+      all-to-alls carry (whole on every tensor rank: moe.TOKENS).
+    hidden: one expert's hidden units on this shard (d_ff / t).
+    dtype_bytes: bytes of an activation element.
+    param_bytes: the routed experts' parameter bytes of one layer shard
+      (3 E d hidden weights), what mesh.expert splits.
+    fraction: share of the shard's layer forward FLOPs in the k routed
+      experts' matmuls (the part expert load imbalance slows).
+  """
+
+  num_experts: int
+  per_token: int
+  dispatch: str
+  capacity_factor: float
+  seq_len: int
+  d_model: int
+  hidden: int
+  dtype_bytes: int
+  param_bytes: float
+  fraction: float
+
+
+def experts_of(shard_spec, layer_flops: float) -> Experts | None:
+  """The Experts of a tensor shard's spec (ModelSpec.tensor_shard), None for
+  a family without them; layer_flops: the shard's layer forward FLOPs per
+  sequence, active experts only (the family's forward_flops)."""
+  if 'num_experts' not in type(shard_spec).config_fields():
+    return None
+  s, d, f = shard_spec.seq_len, shard_spec.d_model, shard_spec.d_ff
+  k, e = shard_spec.experts_per_token, shard_spec.num_experts
+  # A SwiGLU expert is three d x f matmuls a token runs through, k of them.
+  routed = 2.0 * s * 3 * d * f * k
+  return Experts(
+    num_experts=e,
+    per_token=k,
+    dispatch=shard_spec.moe_dispatch,
+    capacity_factor=float(shard_spec.capacity_factor),
+    seq_len=s,
+    d_model=d,
+    hidden=f,
+    dtype_bytes=np.dtype(shard_spec.dtype).itemsize,
+    param_bytes=float(3 * e * d * f * np.dtype(shard_spec.param_dtype).itemsize),
+    fraction=min(routed / layer_flops, 1.0) if layer_flops > 0 else 0.0,
+  )
+
+
+@dataclasses.dataclass(frozen=True)
 class Shard:
   """Cost figures of one tensor shard (degree `tensor`).
 
@@ -117,6 +175,7 @@ class Shard:
     kv_per_seq: bytes of one layer's K and V per sequence on this shard
       (2 s kv_heads/t head_dim e; every K/V head where they are fewer than
       t): what context parallelism gathers or passes around its ring.
+    experts: a MoE layer's routed experts (`Experts`), None for a dense one.
   """
 
   tensor: int
@@ -129,6 +188,7 @@ class Shard:
   logits_per_seq: float
   attention_fraction: float
   kv_per_seq: float = 0.0
+  experts: Experts | None = None
 
   def sequence_stash(self, remat: str) -> float:
     """The part of stash_per_seq[remat] every tensor rank holds whole (the
@@ -312,11 +372,13 @@ def synthetic(
   act_per_seq: float = 0.0,
   kv_per_seq: float = 0.0,
   machine: Machine | None = None,
+  experts: Experts | None = None,
 ) -> Profile:
   """A made-up profile for tests and what-ifs: each function takes the given
   seconds per sequence at t=1 (1/t of it at degree t) and its FLOPs are that
   many "FLOPs" on a machine of 1 FLOP/s; bytes are the given sizes (the
-  parameters' and K/V's at t=1, 1/t of them at degree t)."""
+  parameters' and K/V's at t=1, 1/t of them at degree t; so are the experts'
+  hidden units and parameters, `experts` being the t=1 shard's)."""
   machine = machine or Machine(
     backend='synthetic',
     device_kind='synthetic',
@@ -344,6 +406,10 @@ def synthetic(
       logits_per_seq=0.0,
       attention_fraction=0.0,
       kv_per_seq=kv_per_seq / t,
+      experts=experts
+      and dataclasses.replace(
+        experts, hidden=experts.hidden // t, param_bytes=experts.param_bytes / t
+      ),
     )
     for t in tensors
   }

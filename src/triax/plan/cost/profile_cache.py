@@ -21,8 +21,9 @@ from triax.plan.cost import profile as profile_lib
 # What the profiler measures, by version: a profile measured before a change
 # to it is not read back as if it were measured now (2: the executor's B and
 # W timed as it splits them, and the chunk-length ratios; 3: those per remat
-# policy; 4: each shard's K/V bytes, which context parallelism moves).
-FORMAT = 4
+# policy; 4: each shard's K/V bytes, which context parallelism moves; 5: a MoE
+# shard's routed experts).
+FORMAT = 5
 
 
 def key(model_cfg, tensors, sizes) -> str:
@@ -91,7 +92,8 @@ def from_dict(raw: dict) -> profile_lib.Profile:
   shards = {}
   for t, sh in raw['shards'].items():
     work = {f: profile_lib.Work(**w) for f, w in sh['work'].items()}
-    shards[int(t)] = profile_lib.Shard(**{**sh, 'work': work})
+    experts = sh.get('experts') and profile_lib.Experts(**sh['experts'])
+    shards[int(t)] = profile_lib.Shard(**{**sh, 'work': work, 'experts': experts})
   return profile_lib.Profile(
     seq_len=raw['seq_len'],
     d_model=raw['d_model'],

@@ -77,6 +77,7 @@ from triax.plan.cost.profile import (
   Profile,
   Shard,
   Work,
+  experts_of,
   kv_per_seq,
   variant,
 )
@@ -462,6 +463,7 @@ class _Profiler:
       logits_per_seq=float(min(self.spec['loss_chunk'] or s, s) * self.spec['vocab_size'] // t * 4),
       attention_fraction=attention / (matmuls + attention),
       kv_per_seq=kv_per_seq(self.model_spec, t),
+      experts=experts_of(self.model_spec.tensor_shard(t), matmuls + attention),
     )
 
   # -- timing (compiles: the expensive part) --

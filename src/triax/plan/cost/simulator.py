@@ -64,6 +64,12 @@ reduce-scatter and an all-gather of the same bytes (the same time here)
 and leaves pipeline messages split over tensor (no gather on arrival);
 what both do to memory is plan/cost/memory.py's.
 
+A MoE model's experts split over Plan.expert devices (plan/cost/experts.py):
+each layer's forward and backward add their all-to-alls over the expert
+groups (collectives, as the tensor all-reduces), the layer's compute waits
+for the device of the busiest expert (Options.moe_imbalance), and the
+gradient and optimizer bytes of the experts are 1/expert of theirs.
+
 Plan, Options and Estimate live in plan/candidate.py, the memory model in
 plan/cost/memory.py, the trace writer in plan/cost/trace.py.
 """
@@ -78,6 +84,7 @@ from triax.pipeline import simulate
 from triax.pipeline.schedule import Action
 from triax.plan.candidate import Estimate, Options, Plan, program
 from triax.plan.cluster import Cluster
+from triax.plan.cost import experts as experts_lib
 from triax.plan.cost import memory as memory_lib
 from triax.plan.cost import profile as profile_lib
 from triax.plan.cost import roofline
@@ -261,12 +268,15 @@ def stage_costs(
   # The [b, s/c, h] activation a tensor group all-reduces (or, with SP,
   # reduce-scatters and all-gathers).
   act = shard.act_per_seq * plan.microbatch_size * memory_lib.token_share(plan)
-  fwd, bwd, recompute = _layer_work(plan, profile, cluster, s)
+  # With the experts split, every device waits for the busiest expert's.
+  slowest = experts_lib.compute_scale(plan, shard, options.moe_imbalance)
+  fwd, bwd, recompute = (w * slowest for w in _layer_work(plan, profile, cluster, s))
   tp = max(comm.allreduce(g, act) for g in plan.tensor_groups(s))
   cp_fwd, cp_bwd = context_seconds(plan, shard, comm, s, fwd.alone)
+  ep_fwd, ep_bwd = experts_lib.seconds(plan, shard, comm, s)
   # Full remat's rerun forward runs its two all-reduces again.
-  tp_fwd = 2 * tp + cp_fwd
-  tp_bwd = 2 * tp + (2 * tp if plan.remat == 'full' else 0.0) + cp_bwd
+  tp_fwd = 2 * tp + cp_fwd + ep_fwd
+  tp_bwd = 2 * tp + (2 * tp if plan.remat == 'full' else 0.0) + cp_bwd + ep_bwd
 
   def edge(function):
     return lambda group, cores: Work(
@@ -279,7 +289,7 @@ def stage_costs(
   # Charged inside every backward only for a replicated state (see the docstring).
   if options.dp_allreduce == 'per_microbatch' and plan.state_sharding == 'replicated':
     grads = plan.gradient_groups(s)
-    dp = max(comm.allreduce(g, shard.layer_param_bytes) for g in grads)
+    dp = max(comm.allreduce(g, experts_lib.layer_params(plan, shard)) for g in grads)
     edge_dp = max(comm.allreduce(g, shard.edge_param_bytes / 2) for g in grads)
   return StageCosts(
     fwd=Work(fwd.alone + tp_fwd, fwd.at_once),
@@ -302,7 +312,7 @@ def _fsdp_per_layer(
   fwd and bwd are a layer's compute, tp one tensor all-reduce."""
   if not plan.fsdp_per_layer:
     return {}
-  layer_bytes = shard.layer_param_bytes
+  layer_bytes = experts_lib.layer_params(plan, shard)
   gather = max(comm.allgather(g, layer_bytes) for g in plan.data_groups(s))
   scatter = max(comm.reduce_scatter(g, layer_bytes) for g in plan.data_groups(s))
   # Context ranks then sum their 1/data shards of the gradient.
@@ -546,7 +556,7 @@ def simulate_async(plan: Plan, costs: ActionCosts, share: Sharing = Sharing(()))
   backward, `ActionCosts.fused`), floored by the core-sharing bound over the
   whole step."""
   p, v = plan.pipe, plan.virtual_stages
-  schedule = sched.build(plan.schedule, p, plan.microbatches, v)
+  schedule = program(plan.schedule, p, plan.microbatches, v).source  # a synthesised one too
   per = []
   for s in range(p):
     mine = schedule.chunks_of(s)
@@ -598,7 +608,7 @@ def simulate_plan(
     comm = Comm(cluster, profile)
     shard = profile.shards[plan.tensor]
     dp_total = m * max(
-      comm.allreduce(g, shard.layer_param_bytes * plan.layers[s])
+      comm.allreduce(g, experts_lib.layer_params(plan, shard) * plan.layers[s])
       for s in range(p)
       for g in plan.gradient_groups(s)
     )
@@ -658,7 +668,8 @@ def _tail(
   moving, shares = [], []
   for s, stage in enumerate(plan.stages):
     held = widest * v if options.padded else plan.layers[s]
-    nbytes = OPTIMIZER_TRAFFIC * updated * (shard.layer_param_bytes * held + shard.edge_param_bytes)
+    layer = experts_lib.layer_params(plan, shard)
+    nbytes = OPTIMIZER_TRAFFIC * updated * (layer * held + shard.edge_param_bytes)
     if program_ is not None:
       chunk = widest if options.padded else plan.layers[s] // v
       # Every pool zeroed once, and each F's residuals and each B's cut
@@ -696,7 +707,7 @@ def _data_collectives(
   what its per-layer gathers and reduce-scatters leave exposed; and, with
   context > 1, the gradient's all-reduce over context first (context ranks
   hold the same share)."""
-  whole = shard.layer_param_bytes * plan.layers[stage] + shard.edge_param_bytes
+  whole = experts_lib.layer_params(plan, shard) * plan.layers[stage] + shard.edge_param_bytes
   kind = plan.state_sharding
   if kind == 'replicated':
     if options.dp_allreduce != 'per_step':

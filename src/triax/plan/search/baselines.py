@@ -5,7 +5,8 @@
                        fastest such plan the search priced, else the winner
                        re-priced with the even split;
   data_parallel        the fastest data-parallel-only plan (d = devices)
-                       with a replicated state;
+                       with a replicated state (a MoE model's experts
+                       whole on every device: no expert parallelism);
   zero3                the same with FSDP (ZeRO-3);
   homogeneous_slowest  the plan the search picks when every device is
                        assumed to be the slowest type (`homogenized`),
@@ -61,7 +62,7 @@ def compute(
   if best is not None:
     out['even_split'] = even_split(best, found, profile, cluster, options)
   n = cluster.num_devices
-  dp = [e for e in data_parallel if not e.oom and e.plan.data == n]
+  dp = [e for e in data_parallel if not e.oom and e.plan.data == n and e.plan.expert == 1]
   for key, sharding in (('data_parallel', 'replicated'), ('zero3', 'fsdp')):
     mine = [e for e in dp if e.plan.state_sharding == sharding]
     if mine:

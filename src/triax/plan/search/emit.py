@@ -10,23 +10,37 @@ the planner was given on the command line (`--config.*`) and the plan's own:
   replicated, zero1 = optimizer_sharding 'data', fsdp = mesh.fsdp), and
   mesh.context / mesh.sequence_parallel / model.context_attention where
   the plan uses them or the config it applies to says otherwise (so a plan
-  without them writes what it wrote before they existed)
+  without them writes what it wrote before they existed), and mesh.expert
+  the same way (a MoE plan's expert degree)
 
 `pipeline.layers_per_stage` lists the layers of each model chunk in chunk
 order (chunk c runs on the stage the schedule's placement names: c % pipe
 for Megatron's interleaving, a V for zb_v); an even split writes ().
+
+A plan whose schedule no builder makes (a synthesised one,
+plan/search/synthesized.py) holds the schedule itself, as triax's JSON, in
+the plan file: `get_config` writes it beside the file (PLAN.schedule.json,
+rewritten only when it differs) and sets `pipeline.schedule_file` to it,
+the key training reads schedule files from, so the plan reruns exactly
+without synthesising again (`pipeline.schedule` is then not read). A
+named plan clears a `pipeline.schedule_file` its config had.
 """
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
+import shutil
+import tempfile
 from typing import Any
 
 from triax import config as config_lib
-from triax.plan.candidate import Estimate, Plan
+from triax.pipeline import files
+from triax.plan.candidate import Estimate, Plan, given
 
 LAYERS_KEY = 'pipeline.layers_per_stage'
+SCHEDULE_FILE_KEY = 'pipeline.schedule_file'
 # Plan.state_sharding -> (train.optimizer_sharding, mesh.fsdp).
 STATE_KEYS = {
   'replicated': ('replicated', False),
@@ -63,6 +77,14 @@ def _sequence_keys(plan: Plan, cfg=None) -> dict[str, Any]:
   return out
 
 
+def _expert_key(plan: Plan, cfg=None) -> dict[str, Any]:
+  """mesh.expert where the plan splits a MoE model's experts, or where cfg
+  (the config the plan is applied to) splits them and the plan does not."""
+  if plan.expert > 1 or (cfg is not None and cfg.mesh.expert != plan.expert):
+    return {'mesh.expert': plan.expert}
+  return {}
+
+
 def _dotted(cfg, key: str):
   for part in key.split('.'):
     cfg = cfg[part]
@@ -93,7 +115,7 @@ def overrides(plan: Plan, heterogeneous: bool = False, cfg=None) -> dict[str, An
     'mesh.data': plan.data,
     'mesh.tensor': plan.tensor,
     'mesh.pipe': plan.pipe,
-    'pipeline.schedule': plan.schedule,
+    **_schedule_keys(plan, cfg),
     'pipeline.microbatches': plan.microbatches,
     'pipeline.virtual_stages': plan.virtual_stages,
     LAYERS_KEY: () if plan.even else tuple(plan.chunk_layers),
@@ -102,10 +124,41 @@ def overrides(plan: Plan, heterogeneous: bool = False, cfg=None) -> dict[str, An
     'train.optimizer_sharding': STATE_KEYS[plan.state_sharding][0],
     'mesh.fsdp': STATE_KEYS[plan.state_sharding][1],
     **_sequence_keys(plan, cfg),
+    **_expert_key(plan, cfg),
   }
   if heterogeneous:
     values['mesh.device_order'] = device_order(plan)
   return values
+
+
+def _schedule_keys(plan: Plan, cfg=None) -> dict[str, Any]:
+  """pipeline.schedule, or for a schedule no builder makes pipeline.schedule_file
+  (`scratch_file`'s); a named plan clears a schedule file cfg names."""
+  path = scratch_file(plan)
+  if path is not None:
+    return {SCHEDULE_FILE_KEY: path}
+  if cfg is not None and cfg.pipeline.get('schedule_file'):
+    return {'pipeline.schedule': plan.schedule, SCHEDULE_FILE_KEY: ''}
+  return {'pipeline.schedule': plan.schedule}
+
+
+_SCRATCH: list[str] = []
+
+
+def scratch_file(plan: Plan) -> str | None:
+  """For a plan whose schedule no builder makes, that schedule as triax's
+  JSON in this process's scratch folder (what the config validator reads
+  while the search checks the plan); None for a named schedule."""
+  schedule = given(plan.schedule)
+  if schedule is None:
+    return None
+  if not _SCRATCH:
+    _SCRATCH.append(tempfile.mkdtemp(prefix='triax-plan-'))
+    atexit.register(shutil.rmtree, _SCRATCH[0], ignore_errors=True)
+  path = os.path.join(_SCRATCH[0], f'{plan.schedule}.json')
+  if not os.path.exists(path):
+    files.write_json(schedule, path)
+  return path
 
 
 def apply(cfg, values: dict[str, Any]):
@@ -154,6 +207,9 @@ def write(
     for s, devs in enumerate(plan.stages)
   )
   plan_values = overrides(plan, heterogeneous, base_cfg)
+  schedule = _beside(plan, path)
+  if schedule:  # get_config points pipeline.schedule_file at the copy beside it
+    plan_values.pop(SCHEDULE_FILE_KEY)
   origin = f' ({command})' if command else ''
   placement = (
     "placed by PLAN's mesh.device_order"
@@ -187,7 +243,7 @@ BASE_ARG = {base_arg!r}
 # Keys the planner's config set beyond BASE (its --config.* flags).
 BASE_OVERRIDES = {_literal(base_overrides)}
 # The plan.
-PLAN = {_literal(plan_values)}
+PLAN = {_literal(plan_values)}{_schedule_text(schedule, path)}
 
 
 def _apply(cfg, values):
@@ -205,11 +261,63 @@ def get_config(arg=None):
   spec.loader.exec_module(base)
   arg = BASE_ARG if arg is None else arg
   cfg = base.get_config(arg) if arg is not None else base.get_config()
-  return _apply(_apply(cfg, BASE_OVERRIDES), PLAN)
-'''
+  {_RETURN_WITH_SCHEDULE if schedule else _RETURN}'''
   with open(path, 'w') as f:
     f.write(text)
   return text
+
+
+def _beside(plan: Plan, path: str) -> str:
+  """For a schedule no builder makes: writes it beside the plan file as
+  triax's JSON and returns that text (what the plan file holds); else ''."""
+  schedule = given(plan.schedule)
+  if schedule is None:
+    return ''
+  beside = _schedule_path(path)
+  files.write_json(schedule, beside)
+  with open(beside, encoding='utf-8') as f:
+    return f.read()
+
+
+def _schedule_path(path: str) -> str:
+  return os.path.splitext(os.path.abspath(path))[0] + '.schedule.json'
+
+
+def _schedule_text(schedule: str, path: str) -> str:
+  """The plan file's SCHEDULE (triax's JSON of a synthesised schedule); '' if none."""
+  if not schedule:
+    return ''
+  assert "'''" not in schedule and '\\' not in schedule  # JSON of action names only
+  return (
+    "\n\n# The plan's schedule, synthesised (no builder makes it), as triax's JSON: get_config\n"
+    f'# writes it to SCHEDULE_FILE beside this file and trains it from there.\n'
+    f'SCHEDULE_FILE = {os.path.basename(_schedule_path(path))!r}\n'
+    f"SCHEDULE = r'''{schedule}'''"
+  )
+
+
+# How get_config ends: a plan file with a schedule of its own writes it
+# where training reads it.
+_RETURN = 'return _apply(_apply(cfg, BASE_OVERRIDES), PLAN)\n'
+_RETURN_WITH_SCHEDULE = '''cfg = _apply(_apply(cfg, BASE_OVERRIDES), PLAN)
+  cfg.pipeline.schedule_file = _schedule_file()
+  return cfg
+
+
+def _schedule_file():
+  """SCHEDULE beside this file (rewritten only when it differs), its path."""
+  path = os.path.join(os.path.dirname(os.path.abspath(__file__)), SCHEDULE_FILE)
+  try:
+    with open(path, encoding='utf-8') as f:
+      same = f.read() == SCHEDULE
+  except OSError:
+    same = False
+  if not same:
+    with open(path + '.tmp', 'w', encoding='utf-8') as f:
+      f.write(SCHEDULE)
+    os.replace(path + '.tmp', path)
+  return path
+'''
 
 
 def _literal(values: dict[str, Any]) -> str:

@@ -5,8 +5,10 @@ each stage, a remat policy and a state sharding; `price` gives it its
 layer splits (the even one and the dynamic program's under each stage's
 memory) and simulates each. `evaluate` does that for every device order,
 remat and sharding of a list of layouts (the exhaustive search, and the
-baselines of both). `valid` is what every plan shown must pass (the config
-validator), `top_plans` picks the plans shown, `rank` orders them.
+baselines of both), for the exhaustive search adding plans with a
+synthesised schedule where one can win (plan/search/synthesized.py). `valid` is what every plan shown
+must pass (the config validator), `top_plans` picks the plans shown,
+`rank` orders them.
 """
 
 from __future__ import annotations
@@ -17,11 +19,12 @@ from triax import config as config_lib
 from triax.errors import ConfigError
 from triax.plan.candidate import STATE_SHARDINGS, Estimate, Options, Plan
 from triax.plan.cluster import Cluster, Group
+from triax.plan.cost import experts as experts_lib
 from triax.plan.cost import memory as memory_lib
 from triax.plan.cost import profile as profile_lib
 from triax.plan.cost import roofline
 from triax.plan.cost.simulator import simulate_plan
-from triax.plan.search import partition
+from triax.plan.search import partition, synthesized
 from triax.plan.search.layouts import Layout
 
 # Least recomputation first: `evaluate` stops at the first that fits where
@@ -97,7 +100,9 @@ def partitions(
   state_copies = sum(memory_lib.copies(sharding, layout.data).values())
 
   def allowed(s, n):
-    params = state_copies * (shard.layer_param_bytes * n + shard.edge_param_bytes)
+    # A MoE layer's experts split over the expert degree.
+    layer = experts_lib.layer_params(layout, shard)
+    params = state_copies * (layer * n + shard.edge_param_bytes)
     return params + p * stash * n / v <= capacity[s]
 
   balanced = partition.balance(
@@ -144,16 +149,27 @@ def price(
       context=layout.context,
       sequence_parallel=layout.sequence_parallel,
       context_attention=layout.context_attention,
+      expert=layout.expert,
     )
     out.append(simulate_plan(plan, profile, cluster, options))
   return out
 
 
-def evaluate(cfg, cluster: Cluster, profile, options: Options, layouts: Iterable[Layout]):
+def evaluate(
+  cfg,
+  cluster: Cluster,
+  profile,
+  options: Options,
+  layouts: Iterable[Layout],
+  synthesize: bool = False,
+):
   """Every device order, remat and state sharding of `layouts`, priced.
 
   Remat beyond 'none' is tried only where 'none' runs out of memory (on
-  paper recomputation never speeds up), unless it was measured here."""
+  paper recomputation never speeds up), unless it was measured here.
+  synthesize: also plans with a synthesised schedule where one can win
+  (a search's whole set of layouts; off for callers that keep to named
+  schedules, as training/replan.py's layout keys do)."""
   found = []
   batch = cfg.train.global_batch_size
   for layout in layouts:
@@ -167,7 +183,10 @@ def evaluate(cfg, cluster: Cluster, profile, options: Options, layouts: Iterable
           fits |= any(not e.oom for e in priced)
         if fits and not remat_measured(profile, cluster):
           break  # on paper, more recomputation would only be slower
-  return found
+  if not synthesize:
+    return found
+  # Where memory leaves the named schedules bubble, a synthesised one may fill it.
+  return found + synthesized.candidates(cfg, cluster, profile, options, found)
 
 
 def remat_measured(profile: profile_lib.Profile, cluster: Cluster) -> bool:

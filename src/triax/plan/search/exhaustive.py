@@ -9,7 +9,11 @@ For a model config and a cluster it tries every
                         least MIN_CONTEXT_POSITIONS positions),
   sequence parallelism  off, and on where tensor > 1 and seq_len splits
                         over context x tensor,
-  micro-batches m       dividing the per-replica batch (size = B / (d m)),
+  expert degree         a MoE model's mesh.expert: each divisor of data that
+                        divides num_experts (1 for a dense model);
+  micro-batches m       dividing the per-replica batch (size = B / (d m));
+                        pipe = m = 1 only for a family whose spec refuses
+                        the pipeline executor (Spec.executor_refusal),
   virtual stages v,     schedule (every entry of schedule.SCHEDULES the
                         config validator accepts for those sizes),
   assignment            of devices to pipeline stages: by speed, fastest
@@ -25,7 +29,8 @@ For a model config and a cluster it tries every
                         divide by data): candidate.STATE_SHARDINGS,
 
 (layouts.py: the layouts; evaluate.py: devices, splits, remat and state
-sharding of each, priced), simulates each (ranking by the lockstep model,
+sharding of each, priced; synthesized.py: a synthesised schedule where the
+device's memory leaves the named ones bubble), simulates each (ranking by the lockstep model,
 the executor's, unless asked otherwise) and keeps the fastest plans that fit in memory and that
 triax's config validator accepts. Of plans predicted equally fast, the one
 without context parallelism, then without sequence parallelism ranks first
@@ -108,11 +113,11 @@ def search(
   else:  # a given profile bounds the tensor degrees
     all_layouts = [l for l in all_layouts if l.tensor in profile.shards]
   started = time.perf_counter()
-  found = evaluate.evaluate(cfg, cluster, profile, options, all_layouts)
+  found = evaluate.evaluate(cfg, cluster, profile, options, all_layouts, synthesize=True)
   top = evaluate.top_plans(cfg, found, top_k, n)
 
   def on_slowest(slow: Cluster):
-    plans = evaluate.evaluate(cfg, slow, profile, options, all_layouts)
+    plans = evaluate.evaluate(cfg, slow, profile, options, all_layouts, synthesize=True)
     return sorted((e for e in plans if not e.oom), key=evaluate.rank)
 
   best = top[0] if top else None

@@ -2,11 +2,14 @@
 
 A `Layout` is data x context x tensor x pipe (their product the device
 count), sequence parallelism and the context attention kind, micro-batches
-m, virtual stages v and the schedule: everything of a plan but its devices,
-layer split, remat and state sharding. Which degrees suit the model is
-decided by config.py's own checks (`check_tensor_split`, `check_sequence`,
-`check_batch_split`, the family's validate for its K/V heads), called for
-every degree tried, never re-derived here; what is the planner's own is
+m, virtual stages v, the schedule and a MoE model's expert degree (carved
+from data): everything of a plan but its devices, layer split, remat and
+state sharding. A family whose spec refuses the pipeline executor
+(`executor_refusal`: the MoE family's, today) gets pipe = m = 1 layouts
+only. Which degrees suit the model is decided by config.py's own checks
+(`check_tensor_split`, `check_sequence`, `check_batch_split`, the family's
+validate for its K/V heads and its experts), called for every degree
+tried, never re-derived here; what is the planner's own is
 said where it is (`MIN_CONTEXT_POSITIONS`, `MAX_MICROBATCHES`, ...).
 """
 
@@ -48,6 +51,7 @@ class Layout:
   context: int = 1
   sequence_parallel: bool = False
   context_attention: str = 'allgather'
+  expert: int = 1
 
 
 def no_layout(cfg, cluster: Cluster) -> ConfigError:
@@ -67,7 +71,8 @@ def _divisors(n: int) -> list[int]:
 def _accepted(cfg, family_defaults, c: int, t: int, sp: bool) -> bool:
   """Whether config.py's checks accept context c, tensor t and SP for the model."""
   mesh = ml_collections.ConfigDict(cfg.mesh.to_dict())
-  mesh.update(data=1, context=c, tensor=t, pipe=1, sequence_parallel=sp)
+  # The expert degree is tried apart (`_expert_degrees`): the config's own is not the plan's.
+  mesh.update(data=1, context=c, tensor=t, pipe=1, sequence_parallel=sp, expert=1)
   try:
     config_lib.check_tensor_split(cfg.model, t)
     config_lib.check_sequence(mesh, cfg.model)
@@ -111,14 +116,38 @@ def _degrees(cfg, num_devices: int) -> Iterator[tuple[int, int, int, int, bool, 
             yield d, c, t, p, sp, model.context_attention
 
 
+def _expert_degrees(cfg, data: int) -> list[int]:
+  """mesh.expert degrees for `data` data-parallel devices: 1, and for a
+  family with experts each divisor of data its validate accepts (it splits
+  model.num_experts)."""
+  if 'num_experts' not in type(registry.spec_from_config(cfg.model)).config_fields():
+    return [1]
+  family_defaults = config_lib.defaults().model
+  out = []
+  for e in _divisors(data):
+    mesh = ml_collections.ConfigDict(cfg.mesh.to_dict())
+    mesh.update(data=data, context=1, tensor=1, pipe=1, expert=e)
+    try:
+      registry.validate(cfg.model, family_defaults, mesh, cfg.sharding.logical_axis_rules)
+    except ConfigError:
+      continue
+    out.append(e)
+  return out
+
+
 def layouts(cfg, num_devices: int) -> Iterator[Layout]:
-  """Every (d, c, t, p, SP, context attention, schedule, m, v) the config
-  validator accepts."""
+  """Every (d, c, t, p, SP, context attention, schedule, m, v, expert) the
+  config validator accepts."""
   model = cfg.model
   batch = cfg.train.global_batch_size
+  # The family's own word on the pipeline executor (pipe or m > 1).
+  unpipelined = bool(registry.spec_from_config(model).executor_refusal())
+  experts = functools.cache(lambda d: _expert_degrees(cfg, d))
   for d, c, t, p, sp, kind in _degrees(cfg, num_devices):
     for m in _divisors(batch // d):
       if m > MAX_MICROBATCHES or (p == 1 and m > 1 and m not in (2, 4, 8)):
+        continue
+      if unpipelined and (p > 1 or m > 1):
         continue
       # One micro-batch or one stage: every schedule runs the same ticks.
       names = ('1f1b',) if p == 1 or m == 1 else tuple(sched.SCHEDULES)
@@ -131,7 +160,8 @@ def layouts(cfg, num_devices: int) -> Iterator[Layout]:
           if name == 'interleaved_zb' and v == 1:
             continue  # the same orders as zb_h1: one plan shown twice
           if _buildable(name, p, m, v):
-            yield Layout(d, t, p, name, m, v, c, sp, kind)
+            for e in experts(d):
+              yield Layout(d, t, p, name, m, v, c, sp, kind, e)
 
 
 def profile_sizes(cfg, candidates: Sequence[Layout]) -> tuple[list[int], list[int]]:

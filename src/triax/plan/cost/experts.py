@@ -1,0 +1,137 @@
+"""Mixture of experts in a plan's costs: the all-to-alls, the busiest expert's device, the state split.
+
+A MoE layer's routed experts (a Shard's `Experts`) are split over
+`Plan.expert` devices, carved from the inner part of `data`
+(mesh.build_mesh), as model/moe.py runs them:
+
+  - tokens meet their experts by all-to-all over each expert group
+    (`Plan.expert_groups`). Dropless (`moe._dropless_exchanged`) sends
+    fixed buffers with room for every assignment: each device sends
+    expert x its assignments' rows (b s/c tokens x k, d wide: rows past a
+    destination's count are zeros), plus the rows' expert ids (int32), and
+    gets the outputs back in a second all-to-all of the same buffer.
+    Capacity (`moe._buffers_through_experts`) sends each row's [E, C, d]
+    buffers and gets them back (GShard). The backward runs each token
+    all-to-all's transpose, an all-to-all of the same bytes; a remat policy
+    reruns the forward's (selective keeps dot outputs only, and a grouped
+    matmul is no dot, so it recomputes the whole exchange). The tokens are
+    whole over `tensor` (moe.TOKENS): every tensor rank sends its own.
+  - dropless's compute waits for the busiest device. `imbalance` is the
+    busiest expert's tokens over the mean (metrics' moe_load_max); the
+    device holding it holds E/expert experts, the rest taken as average, so
+    it computes (imbalance + g - 1) / g of a balanced share (g = E/expert):
+    imbalance itself with one expert per device, 1 (no slowdown) with all E
+    on every device (each then computes its own tokens' assignments,
+    however they fall). The exchanged buffers' padding rows are taken as
+    free (a grouped matmul stops at the groups' rows); XLA:CPU's
+    ragged_dot computes every row of every group densely at any degree,
+    which a profile measured here holds already.
+  - parameters, gradients and Adam moments of the experts are split over
+    `expert` (`layer_params`); ZeRO-1 and FSDP split them further over the
+    data replicas that hold the same experts (memory.state).
+  - the dropless exchange's rows are expert x as many as one device's own
+    assignments, and the grouped matmuls keep theirs for the backward
+    (`dispatch_stash`).
+
+Plain arithmetic, no JAX (moe.py imports it): `capacity` repeats
+moe.capacity_of's one line, and a test holds them equal.
+"""
+
+from __future__ import annotations
+
+import math
+
+from triax.plan.cost.profile import Experts, Shard
+
+# Bytes of one routed assignment's expert id in dropless's exchange (int32).
+ID_BYTES = 4
+# Per exchanged row the grouped matmuls keep for their backward: its input
+# row (d) and, hidden wide, the gate and up projections, silu(gate) and
+# their product (the down projection's input).
+HIDDEN_RESIDUALS = 4
+
+
+def capacity(experts: Experts) -> int:
+  """Assignments one expert takes from one batch row (moe.capacity_of)."""
+  e = experts
+  return max(1, math.ceil(e.capacity_factor * e.seq_len * e.per_token / e.num_experts))
+
+
+def split(plan, shard: Shard) -> bool:
+  """Whether the plan splits a MoE layer's experts (else nothing here applies)."""
+  return shard.experts is not None and plan.expert > 1
+
+
+def exchange_bytes(plan, experts: Experts) -> float:
+  """One token all-to-all's buffer per device per micro-batch (what each
+  device sends, its own share included)."""
+  token = experts.d_model * experts.dtype_bytes
+  rows = plan.microbatch_size
+  if experts.dispatch == 'capacity':
+    # [b, E, C, d]: the rows are whole over context (moe.BUFFERS).
+    return rows * experts.num_experts * capacity(experts) * token
+  assignments = rows * experts.seq_len / plan.context * experts.per_token
+  return plan.expert * assignments * token
+
+
+def seconds(plan, shard: Shard, comm, stage: int) -> tuple[float, float]:
+  """Seconds the all-to-alls add to one MoE layer's forward and backward on
+  `stage` (0, 0 unless the experts are split)."""
+  if not split(plan, shard):
+    return 0.0, 0.0
+  experts = shard.experts
+  groups = plan.expert_groups(stage)
+  nbytes = exchange_bytes(plan, experts)
+  one = max(comm.alltoall(g, nbytes) for g in groups)
+  forward = 2 * one
+  if experts.dispatch == 'dropless':
+    ids = nbytes / (experts.d_model * experts.dtype_bytes) * ID_BYTES
+    forward += max(comm.alltoall(g, ids) for g in groups)
+  backward = 2 * one + (forward if plan.remat != 'none' else 0.0)
+  return forward, backward
+
+
+def busiest_load(plan, experts: Experts, imbalance: float) -> float:
+  """The busiest device's expert work over a balanced device's (see the
+  module docstring)."""
+  if plan.expert == 1:
+    return 1.0
+  if experts.num_experts % plan.expert:
+    raise ValueError(f'expert={plan.expert} does not divide num_experts={experts.num_experts}')
+  local = experts.num_experts // plan.expert
+  return (imbalance + local - 1) / local
+
+
+def compute_scale(plan, shard: Shard, imbalance: float) -> float:
+  """What a layer's compute on the busiest device is over a balanced one:
+  its experts' share of the FLOPs slowed by `busiest_load`. Capacity
+  dispatch's experts run their fixed [C] buffers however the tokens fall
+  (the busiest one's excess is dropped, not computed)."""
+  if not split(plan, shard) or shard.experts.dispatch == 'capacity':
+    return 1.0
+  experts = shard.experts
+  return 1.0 + experts.fraction * (busiest_load(plan, experts, imbalance) - 1.0)
+
+
+def expert_param_bytes(shard: Shard) -> float:
+  """One layer shard's routed experts' parameter bytes (0 for a dense layer)."""
+  return shard.experts.param_bytes if shard.experts is not None else 0.0
+
+
+def layer_params(plan, shard: Shard) -> float:
+  """One layer's parameter bytes on a device: the experts' over plan.expert."""
+  return shard.layer_param_bytes - expert_param_bytes(shard) * (1 - 1 / plan.expert)
+
+
+def dispatch_stash(plan, shard: Shard, remat: str) -> float:
+  """Residual bytes per layer per sequence dropless's exchange adds to what
+  one device's own assignments keep (the profile's, at expert 1): with the
+  experts split each device's grouped matmuls run expert x as many rows
+  (room for every sender's assignments) and keep them, unless a remat
+  policy recomputes the layer's experts (both do: no dot is saved)."""
+  if not split(plan, shard) or remat != 'none' or shard.experts.dispatch != 'dropless':
+    return 0.0
+  e = shard.experts
+  assignments = e.seq_len / plan.context * e.per_token
+  row = (e.d_model + HIDDEN_RESIDUALS * e.hidden) * e.dtype_bytes
+  return (plan.expert - 1) * assignments * row
