@@ -76,3 +76,47 @@ def compile_cache(tmp_path_factory):
     'JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS': '0',
     'JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES': '0',
   }
+
+
+@pytest.fixture(scope='session')
+def smoke_text_run(tmp_path_factory, compile_cache):
+  """gpt_tiny's smoke config for 24 steps over a small text, never interrupted
+  (harness.smoke_text_flags, every checkpoint kept): the run that the crash,
+  resume, elastic and multi-process tests must reproduce. Read it, never write
+  into it (copy it first).
+
+  One run per test session: the first worker that asks runs it under a lock
+  in the folder the workers share, the others find it there. Returns its
+  corpus, flags (without the `keep`), workdir, the compile-cache environment
+  and the number of windows in an epoch.
+  """
+  import fcntl
+
+  import harness
+
+  from triax.data.batches import BatchStream
+  from triax.data.corpus import load_corpus
+
+  shared = tmp_path_factory.getbasetemp()
+  if os.environ.get('PYTEST_XDIST_WORKER'):
+    shared = shared.parent  # every worker's basetemp sits in it
+  root = shared / 'smoke-text-run'
+  with open(shared / 'smoke-text-run.lock', 'w') as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+    if not (root / 'finished').exists():
+      shutil.rmtree(root, ignore_errors=True)
+      root.mkdir()
+      corpus = harness.write_corpus(root / 'corpus.txt')
+      workdir = str(root / 'run')
+      flags = harness.smoke_text_flags(corpus) + ['--config.checkpoint.keep=10']
+      proc = harness.start_train(workdir, flags, workdir, compile_cache)
+      assert proc.wait(timeout=600) == 0, open(workdir + '.err').read()[-3000:]
+      (root / 'finished').write_text('')
+  corpus = str(root / 'corpus.txt')
+  return dict(
+    corpus=corpus,
+    flags=harness.smoke_text_flags(corpus),
+    workdir=str(root / 'run'),
+    env=compile_cache,
+    windows=BatchStream(load_corpus('text', corpus).train, 32, 8, seed=0).num_windows,
+  )

@@ -22,9 +22,14 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), '..'))
 
 def load_script(name: str):
   """scripts/NAME.py as a module (benchmarks whose functions tests pin)."""
+  return load_file(os.path.join(ROOT, 'scripts', f'{name}.py'), name)
+
+
+def load_file(path: str, name: str):
+  """The Python file at `path` as module `name` (a plan or config file under test)."""
   import importlib.util
 
-  spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, 'scripts', f'{name}.py'))
+  spec = importlib.util.spec_from_file_location(name, path)
   module = importlib.util.module_from_spec(spec)
   sys.modules[spec.name] = module  # its dataclasses look their module up
   spec.loader.exec_module(module)
@@ -112,7 +117,7 @@ def loss_and_grads(cfg, seed=0):
   params = initial_params(trainer, cfg.train.seed)
   with jax.set_mesh(trainer.mesh):
     batch = jax.device_put(random_batch(cfg, seed), trainer.batch_sharding)
-    loss, grads = trainer.loss_and_grad(params, batch)
+    loss, grads, _ = trainer.loss_and_grad(params, batch)
   return float(loss), jax.device_get(trainer.layout.tree_to_model_order(grads))
 
 
@@ -179,3 +184,85 @@ def run_cli(module: str, *args: str, timeout: int = 600, env_extra=None):
     text=True,
     timeout=timeout,
   )
+
+
+# ------------------------------------------------ runs of `python -m triax train` on a text
+
+SMOKE = 'experiments/gpt_tiny.py:smoke'
+
+
+def write_corpus(path, size=5700, seed=0):
+  """A text file whose training split is ~21 steps of the smoke config (one epoch)."""
+  import random
+
+  rng = random.Random(seed)
+  words = 'alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu'.split()
+  text = ''
+  while len(text) < size:
+    text += ' '.join(rng.choice(words) for _ in range(8)) + '\n'
+  path.write_text(text)
+  return str(path)
+
+
+def smoke_text_flags(corpus):
+  """The `--config.*` flags of a 24-step smoke run over `corpus` (write_corpus's:
+  ~1.15 epochs), a checkpoint every 4 steps, an eval every 8, sample ids recorded:
+  the run crash, resume, elastic and multi-process tests replay."""
+  return [
+    '--config.data.source=text',
+    f'--config.data.path={corpus}',
+    '--config.train.steps=24',
+    '--config.checkpoint.every_steps=4',
+    '--config.train.eval_every=8',
+    '--config.train.record_sample_ids=true',
+  ]
+
+
+def text_run_config(corpus, **overrides):
+  """tiny_config on every device (mesh.data=-1) reading the text `corpus`, in-process:
+  a batch of 8, a metrics line every step, no eval, no warm-up, 10 checkpoints kept."""
+  return tiny_config(
+    **{
+      'mesh.data': -1,
+      'train.warmup_steps': 0,
+      'checkpoint.keep': 10,
+      'data.source': 'text',
+      'data.path': corpus,
+      'train.eval_every': 100,
+      'train.log_every': 1,
+      'train.global_batch_size': 8,
+      **overrides,
+    }
+  )
+
+
+def cli_env(extra=None):
+  env = dict(os.environ)
+  env['PYTHONPATH'] = os.path.join(ROOT, 'src') + os.pathsep + env.get('PYTHONPATH', '')
+  env.pop('XLA_FLAGS', None)
+  # scripts/launch_local.sh's trainers run this interpreter, not .venv's (which may be another jax).
+  env['PYTHON'] = sys.executable
+  env.update(extra or {})
+  return env
+
+
+def start_train(workdir, flags, log, env_extra=None):
+  """Starts `python -m triax train` on the smoke config, 8 CPU devices (stdout and
+  stderr to `log`.out/.err)."""
+  with open(f'{log}.out', 'w') as out, open(f'{log}.err', 'w') as err:
+    return subprocess.Popen(
+      [
+        sys.executable,
+        '-m',
+        'triax.cli.train',
+        f'--config={SMOKE}',
+        f'--workdir={workdir}',
+        '--cpu_devices=8',
+        '--progress=false',
+        *flags,
+      ],
+      cwd=ROOT,
+      env=cli_env(env_extra),
+      stdout=out,
+      stderr=err,
+    )

@@ -19,6 +19,8 @@ import numpy as np
 import pytest
 from test_reliability import intact_steps, read_jsonl, write_corpus
 
+from triax import config as config_lib
+from triax.errors import ConfigError
 from triax.training import bad_steps, loop
 
 
@@ -78,21 +80,14 @@ def nan_on_zero_batch(monkeypatch):
 
 def config(tmp_path, **overrides):
   corpus = write_corpus(tmp_path / 'corpus.txt', size=20000)
-  return harness.tiny_config(
+  return harness.text_run_config(
+    corpus,
     **{
-      'mesh.data': -1,
       'train.steps': 16,
-      'train.warmup_steps': 0,
       'checkpoint.every_steps': 4,
-      'checkpoint.keep': 10,
-      'data.source': 'text',
-      'data.path': corpus,
-      'train.eval_every': 100,
-      'train.log_every': 1,
-      'train.global_batch_size': 8,
       'train.record_sample_ids': True,
       **overrides,
-    }
+    },
   )
 
 
@@ -215,25 +210,37 @@ def test_a_run_that_stays_bad_stops_after_the_rollback_budget(tmp_path, monkeypa
   assert len(bad_steps.read_rollbacks(workdir)) == 2
 
 
-SMOKE = 'experiments/gpt_tiny.py:smoke'
+@pytest.mark.fast
+@pytest.mark.parametrize(
+  'key, value',
+  [
+    ('train.spike_rollback', -1),
+    ('train.spike_threshold', 1.0),
+    ('train.spike_window', 0),
+    ('train.spike_max_rollbacks', 0),
+  ],
+)
+def test_bad_spike_settings_are_config_errors(key, value):
+  cfg = config_lib.from_file(os.path.join(harness.ROOT, 'experiments', 'gpt_tiny.py'), 'smoke')
+  group, name = key.split('.')
+  cfg[group][name] = value
+  with pytest.raises(ConfigError) as error:
+    config_lib.validate(cfg, 8)
+  assert error.value.key == key
 
 
 @pytest.mark.fast
-@pytest.mark.parametrize(
-  'flag, key',
-  [
-    ('--config.train.spike_rollback=-1', 'train.spike_rollback'),
-    ('--config.train.spike_threshold=1.0', 'train.spike_threshold'),
-    ('--config.train.spike_window=0', 'train.spike_window'),
-    ('--config.train.spike_max_rollbacks=0', 'train.spike_max_rollbacks'),
-  ],
-)
-def test_bad_spike_settings_are_one_error_line(tmp_path, flag, key):
+def test_a_bad_spike_setting_is_one_error_line(tmp_path):
+  # How train says any of them (the checks themselves: the test above, in-process).
   workdir = tmp_path / 'run'
   result = harness.run_cli(
-    'triax.cli.train', f'--config={SMOKE}', f'--workdir={workdir}', '--cpu_devices=8', flag
+    'triax.cli.train',
+    f'--config={harness.SMOKE}',
+    f'--workdir={workdir}',
+    '--cpu_devices=8',
+    '--config.train.spike_threshold=1.0',
   )
   assert result.returncode == 2, result.stderr[-2000:]
   lines = [l for l in result.stderr.splitlines() if l.startswith('error:')]
-  assert len(lines) == 1 and lines[0].startswith(f'error: {key}: '), result.stderr[-2000:]
+  assert len(lines) == 1 and lines[0].startswith('error: train.spike_threshold: '), result.stderr
   assert not workdir.exists()

@@ -2,8 +2,11 @@
 
 import json
 import os
+import shutil
+from pathlib import Path
 
 import harness
+import pytest
 import wandb_files
 
 SMOKE = 'experiments/gpt_tiny.py:smoke'
@@ -35,10 +38,24 @@ def _records(workdir):
     return [json.loads(line) for line in f]
 
 
-def test_train_writes_metrics_checkpoints_and_resumes(tmp_path):
+@pytest.fixture(scope='module')
+def first_run(tmp_path_factory, compile_cache):
+  """The smoke config's 4 steps with W&B, on the suite's compile cache: (workdir, result).
+  Tests copy the workdir before they write into it."""
+  workdir = str(tmp_path_factory.mktemp('train') / 'run')
+  result = _train(workdir, *WANDB, env_extra=compile_cache)
+  assert result.returncode == 0, result.stderr
+  return workdir, result
+
+
+def _copy(first_run, tmp_path):
   workdir = str(tmp_path / 'run')
-  first = _train(workdir, *WANDB)
-  assert first.returncode == 0, first.stderr
+  shutil.copytree(first_run[0], workdir)  # mtimes kept
+  return workdir
+
+
+def test_train_writes_metrics_checkpoints_and_resumes(first_run, tmp_path, compile_cache):
+  workdir, first = first_run
   records = _records(workdir)
   train = [r for r in records if 'loss' in r]
   assert [r['step'] for r in train] == [1, 2, 3, 4]
@@ -49,12 +66,23 @@ def test_train_writes_metrics_checkpoints_and_resumes(tmp_path):
   assert any(name.startswith('events') for name in os.listdir(os.path.join(workdir, 'tb')))
   assert 'checkpoints' in first.stdout and 'metrics.jsonl' in first.stdout
 
-  # Under a supervisor (training/heartbeat.py) each fetched step touches the heartbeat file.
+  # Resumed by the workdir alone with an override: no --config and no --cpu_devices,
+  # the workdir's config.json and devices.json say them (W&B's flags too). Under a
+  # supervisor (training/heartbeat.py) each fetched step touches the heartbeat file.
+  workdir = _copy(first_run, tmp_path)
   beat = str(tmp_path / 'heartbeat')
-  second = _train(workdir, '--config.train.steps=6', *WANDB, env_extra={'TRIAX_HEARTBEAT': beat})
-  assert second.returncode == 0, second.stderr
+  second = harness.run_cli(
+    'triax',
+    'train',
+    f'--workdir={workdir}',
+    '--config.train.steps=6',
+    '--progress=false',
+    env_extra={**compile_cache, 'TRIAX_HEARTBEAT': beat},
+  )
+  assert second.returncode == 0, second.stderr[-3000:]
   assert os.path.getmtime(beat) >= os.path.getmtime(os.path.join(workdir, 'config.json'))
   assert not os.path.exists(os.path.join(workdir, 'heartbeat'))
+  assert json.loads(_read(workdir, 'config.json'))['train']['steps'] == 6
   records = _records(workdir)
   steps = [r['step'] for r in records if 'loss' in r]
   assert steps == [1, 2, 3, 4, 5, 6]  # resumed at 5, nothing repeated or lost
@@ -67,18 +95,20 @@ def test_train_writes_metrics_checkpoints_and_resumes(tmp_path):
   assert evals == [(r['step'], r['eval_loss']) for r in records if 'eval_loss' in r]
 
 
-def test_same_command_twice_gives_identical_losses(tmp_path):
-  runs = []
-  for name in ('a', 'b'):
-    result = _train(str(tmp_path / name), '--config.checkpoint.every_steps=0')
-    assert result.returncode == 0, result.stderr
-    runs.append([r['loss'] for r in _records(str(tmp_path / name)) if 'loss' in r])
-  assert runs[0] == runs[1]
+def test_same_command_twice_gives_identical_losses(first_run, tmp_path):
+  # The first run's command again, compiled afresh (no shared cache): two compiles
+  # and two runs of the same command agree to the bit.
+  workdir = str(tmp_path / 'again')
+  result = _train(workdir, *WANDB)
+  assert result.returncode == 0, result.stderr
+  runs = [[r['loss'] for r in _records(w) if 'loss' in r] for w in (first_run[0], workdir)]
+  assert len(runs[0]) == 4 and runs[0] == runs[1]
 
 
-def test_compile_only_writes_stats_and_does_not_train(tmp_path):
+def test_compile_only_writes_stats_and_does_not_train(tmp_path, compile_cache):
   workdir = str(tmp_path / 'c')
-  result = _train(workdir, '--compile_only')
+  # The suite's compile cache: a cached executable's memory and cost analyses are XLA's.
+  result = _train(workdir, '--compile_only', env_extra=compile_cache)
   assert result.returncode == 0, result.stderr
   with open(os.path.join(workdir, 'compile_stats.json')) as f:
     stats = json.load(f)
@@ -147,24 +177,6 @@ def test_own_text_recipe_on_30_small_files(tmp_path, compile_cache):
   assert [r['step'] for r in _records(workdir) if 'eval_loss' in r] == [0, 2]
 
 
-def test_resume_by_workdir_alone_with_an_override(tmp_path, compile_cache):
-  # No --config and no --cpu_devices: the workdir's config.json and devices.json say them.
-  workdir = str(tmp_path / 'run')
-  first = _train(workdir, env_extra=compile_cache)
-  assert first.returncode == 0, first.stderr
-  more = harness.run_cli(
-    'triax',
-    'train',
-    f'--workdir={workdir}',
-    '--config.train.steps=6',
-    '--progress=false',
-    env_extra=compile_cache,
-  )
-  assert more.returncode == 0, more.stderr[-3000:]
-  assert [r['step'] for r in _records(workdir) if 'loss' in r] == [1, 2, 3, 4, 5, 6]
-  assert json.loads(_read(workdir, 'config.json'))['train']['steps'] == 6
-
-
 def _compiled(cache):
   """The programs a run compiled, named as their cache entries are ('jit_train_step', ...)."""
   return {name.split('-')[0] for name in os.listdir(cache)}
@@ -180,11 +192,15 @@ def _cache_env(cache):
   }
 
 
-def test_rerun_of_a_finished_run_compiles_nothing_and_opens_no_tracker(tmp_path):
-  workdir = str(tmp_path / 'run')
-  first = _train(workdir, *WANDB, env_extra=_cache_env(tmp_path / 'first'))
-  assert first.returncode == 0, first.stderr
-  assert {'jit_train_step', 'jit_eval_loss'} <= _compiled(tmp_path / 'first')
+def test_rerun_of_a_finished_run_compiles_nothing_and_opens_no_tracker(
+  first_run, tmp_path, compile_cache
+):
+  # Runs write their programs to the cache under these names (so an empty answer
+  # below means nothing compiled, not a name that changed).
+  assert {'jit_train_step', 'jit_eval_loss'} <= _compiled(
+    Path(compile_cache['JAX_COMPILATION_CACHE_DIR'])
+  )
+  workdir = _copy(first_run, tmp_path)
   wandb_runs = sorted(os.listdir(os.path.join(workdir, 'wandb')))
   before = {name: os.stat(os.path.join(workdir, name)).st_mtime_ns for name in os.listdir(workdir)}
   again = _train(workdir, *WANDB, env_extra=_cache_env(tmp_path / 'again'))

@@ -22,13 +22,9 @@ from test_reliability import (
   losses,
   read_jsonl,
   sample_ids,
-  start_train,
-  write_corpus,
 )
 
 from triax import config as config_lib
-from triax.data.batches import BatchStream
-from triax.data.corpus import load_corpus
 from triax.errors import ConfigError
 from triax.training import checkpoint as ckpt_lib
 from triax.training import elastic, replan
@@ -84,18 +80,11 @@ def _kill_process_after(supervisor, workdir, process_id, checkpoint, step, timeo
 
 
 @pytest.fixture(scope='module')
-def elastic_run(tmp_path_factory, compile_cache):
+def elastic_run(tmp_path_factory, smoke_text_run):
   root = tmp_path_factory.mktemp('elastic')
-  corpus = write_corpus(root / 'corpus.txt')
-  flags = [
-    '--config.data.source=text',
-    f'--config.data.path={corpus}',
-    '--config.train.steps=24',
-    '--config.checkpoint.every_steps=4',
-    '--config.checkpoint.keep=10',
-    '--config.train.eval_every=8',
-    '--config.train.record_sample_ids=true',
-  ]
+  compile_cache = smoke_text_run['env']
+  # The uninterrupted run's text and flags, every checkpoint kept.
+  flags = smoke_text_run['flags'] + ['--config.checkpoint.keep=10']
   train = [sys.executable, '-m', 'triax', 'train', f'--config={SMOKE}', '--progress=false']
   workdir = str(root / 'supervised')
   log = root / 'supervised.log'
@@ -148,16 +137,13 @@ def elastic_run(tmp_path_factory, compile_cache):
   )
   assert plain.returncode == 0, plain.stderr[-4000:]
   assert f'resumed at step {restored})' in plain.stdout, plain.stdout
-  windows = BatchStream(load_corpus('text', corpus).train, 32, 8, seed=0).num_windows
   return dict(
     workdir=workdir,
     output=output,
     records=records,
     reference=reference,
-    windows=windows,
-    root=root,
-    flags=flags,
-    env=compile_cache,
+    windows=smoke_text_run['windows'],
+    uninterrupted=smoke_text_run['workdir'],
   )
 
 
@@ -201,11 +187,10 @@ def test_losses_after_the_restart_equal_a_run_started_there_on_the_new_layout(el
 
 
 def test_the_restarted_run_follows_the_uninterrupted_one(elastic_run):
-  # The same data, batch by batch: one process x 8 devices on the first layout, never killed.
-  # Only the sums differ (8 micro-batches of one replica, not 4 of two), hence 1e-5.
-  workdir = str(elastic_run['root'] / 'uninterrupted')
-  proc = start_train(workdir, elastic_run['flags'], workdir, elastic_run['env'])
-  assert proc.wait(timeout=600) == 0, open(workdir + '.err').read()[-3000:]
+  # The same data, batch by batch: one process x 8 devices on the first layout, never
+  # killed (conftest.py's smoke_text_run, the same flags). Only the sums differ (8
+  # micro-batches of one replica, not 4 of two), hence 1e-5.
+  workdir = elastic_run['uninterrupted']
   worst = assert_same_losses(losses(elastic_run['workdir']), losses(workdir), tol=1e-5)
   print(f'supervised restart vs uninterrupted 2 x 2 x 2: max |loss diff| = {worst:.3g}')
   assert sample_ids(elastic_run['workdir']) == sample_ids(workdir)

@@ -26,11 +26,7 @@ from test_reliability import (
   read_jsonl,
   sample_ids,
   start_train,
-  write_corpus,
 )
-
-from triax.data.batches import BatchStream
-from triax.data.corpus import load_corpus
 
 LAUNCH = os.path.join(harness.ROOT, 'scripts', 'launch_local.sh')
 
@@ -116,21 +112,13 @@ def _copy_until(source, target, last_step):
 
 
 @pytest.fixture(scope='module')
-def runs(tmp_path_factory, compile_cache):
+def runs(tmp_path_factory, smoke_text_run):
   root = tmp_path_factory.mktemp('mp')
-  corpus = write_corpus(root / 'corpus.txt')
-  flags = [
-    '--config.data.source=text',
-    f'--config.data.path={corpus}',
-    '--config.train.steps=24',
-    '--config.checkpoint.every_steps=4',
-    '--config.checkpoint.keep=10',
-    '--config.train.eval_every=8',
-    '--config.train.record_sample_ids=true',
-  ]
-  single = str(root / 'single')
-  proc = start_train(single, flags, single, compile_cache)
-  assert proc.wait(timeout=600) == 0, open(single + '.err').read()[-3000:]
+  compile_cache = smoke_text_run['env']
+  # One process x 8 devices: conftest.py's uninterrupted run; the same flags here,
+  # every checkpoint kept (the tests resume from several).
+  flags = smoke_text_run['flags'] + ['--config.checkpoint.keep=10']
+  single = smoke_text_run['workdir']
 
   port = _free_port()
   two = str(root / 'two')
@@ -140,7 +128,6 @@ def runs(tmp_path_factory, compile_cache):
     addresses = _listening(port)
     time.sleep(0.05)
   out = _finish(proc)
-  windows = BatchStream(load_corpus('text', corpus).train, 32, 8, seed=0).num_windows
   return dict(
     root=root,
     flags=flags,
@@ -149,7 +136,7 @@ def runs(tmp_path_factory, compile_cache):
     two_output=out,
     env=compile_cache,
     coordinator_addresses=addresses,
-    windows=windows,
+    windows=smoke_text_run['windows'],
   )
 
 

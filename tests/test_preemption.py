@@ -15,13 +15,11 @@ import subprocess
 import sys
 import time
 
-import harness
 import pytest
 import tensorboardX
-from test_multiprocess import LAUNCH, _free_port, _train_pids
+from test_multiprocess import _free_port, _launch, _train_pids
 from test_reliability import (
   assert_same_losses,
-  cli_env,
   losses,
   read_jsonl,
   start_train,
@@ -41,7 +39,6 @@ FLAGS = [
   '--config.checkpoint.every_steps=0',
   '--config.train.eval_every=1000',
 ]
-SMOKE = 'experiments/gpt_tiny.py:smoke'
 STOPPED = re.compile(
   r'stopped by (SIGTERM|SIGINT) after step (\d+); checkpoint \2 is complete; '
   r'rerun the same command to resume'
@@ -130,24 +127,9 @@ def test_sigterm_to_one_of_two_processes_stops_both_after_the_same_step(
 ):
   workdir = str(tmp_path / 'run')
   port = _free_port()
-  env = cli_env(compile_cache)
-  env['TRIAX_PORT'] = str(port)
-  launch = subprocess.Popen(
-    [
-      LAUNCH,
-      '2',
-      f'--config={SMOKE}',
-      f'--workdir={workdir}',
-      '--progress=false',
-      *FLAGS,
-      # Process 0's clock decides time-based saves for both (never, here): through the coordinator.
-      '--config.checkpoint.every_seconds=86400',
-    ],
-    cwd=harness.ROOT,
-    env=env,
-    stdout=subprocess.PIPE,
-    stderr=subprocess.STDOUT,
-    text=True,
+  # Process 0's clock decides time-based saves for both (never, here): through the coordinator.
+  launch = _launch(
+    workdir, FLAGS + ['--config.checkpoint.every_seconds=86400'], compile_cache, port
   )
   try:
     _wait_for_steps(launch, workdir, 1)

@@ -13,8 +13,6 @@ import os
 import random
 import shutil
 import signal
-import subprocess
-import sys
 import time
 
 import harness
@@ -23,58 +21,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from triax.data.batches import BatchStream
-from triax.data.corpus import load_corpus
+# Also imported from here by the other run tests (their home is harness.py).
+from harness import SMOKE, cli_env, start_train, write_corpus  # noqa: F401
+
 from triax.errors import ConfigError
 from triax.training import checkpoint as ckpt_lib
 from triax.training.checkpoint import Checkpointer
 
-SMOKE = 'experiments/gpt_tiny.py:smoke'
-
-
 # ---------------------------------------------------------------- helpers
-
-
-def write_corpus(path, size=5700, seed=0):
-  """A text file whose training split is ~21 steps of the smoke config (one epoch)."""
-  rng = random.Random(seed)
-  words = 'alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu'.split()
-  text = ''
-  while len(text) < size:
-    text += ' '.join(rng.choice(words) for _ in range(8)) + '\n'
-  path.write_text(text)
-  return str(path)
-
-
-def cli_env(extra=None):
-  env = dict(os.environ)
-  env['PYTHONPATH'] = os.path.join(harness.ROOT, 'src') + os.pathsep + env.get('PYTHONPATH', '')
-  env.pop('XLA_FLAGS', None)
-  # scripts/launch_local.sh's trainers run this interpreter, not .venv's (which may be another jax).
-  env['PYTHON'] = sys.executable
-  env.update(extra or {})
-  return env
-
-
-def start_train(workdir, flags, log, env_extra=None):
-  """Starts `python -m triax train` (stdout and stderr to `log`.out/.err)."""
-  with open(f'{log}.out', 'w') as out, open(f'{log}.err', 'w') as err:
-    return subprocess.Popen(
-      [
-        sys.executable,
-        '-m',
-        'triax.cli.train',
-        f'--config={SMOKE}',
-        f'--workdir={workdir}',
-        '--cpu_devices=8',
-        '--progress=false',
-        *flags,
-      ],
-      cwd=harness.ROOT,
-      env=cli_env(env_extra),
-      stdout=out,
-      stderr=err,
-    )
 
 
 def kill_when(proc, condition, timeout=300):
@@ -374,22 +328,15 @@ def test_skip_nonfinite_steps_keeps_the_state_then_stops(tmp_path):
   from triax.training import loop
 
   corpus = write_corpus(tmp_path / 'corpus.txt', size=20000)
-  cfg = harness.tiny_config(
+  cfg = harness.text_run_config(
+    corpus,
     **{
-      'mesh.data': -1,
       'train.learning_rate': 1e30,
       'train.grad_clip_norm': 0.0,
-      'train.warmup_steps': 0,
       'train.steps': 4,
       'checkpoint.every_steps': 1,
-      'checkpoint.keep': 10,
-      'data.source': 'text',
-      'data.path': corpus,
-      'train.eval_every': 100,
-      'train.log_every': 1,
-      'train.global_batch_size': 8,
       'train.skip_nonfinite_steps': 1,
-    }
+    },
   )
   workdir = str(tmp_path / 'run')
   with pytest.raises(loop.NonFiniteError) as error:
@@ -410,23 +357,12 @@ def test_skip_nonfinite_steps_keeps_the_state_then_stops(tmp_path):
 
 
 @pytest.fixture(scope='module')
-def crash_setup(tmp_path_factory, compile_cache):
-  """The flags of a 24-step run over ~1.15 epochs of a small text, and its uninterrupted result."""
+def crash_setup(tmp_path_factory, smoke_text_run):
+  """The flags of a 24-step run over ~1.15 epochs of a small text, and its uninterrupted
+  result (conftest.py: one run for every test file that replays it)."""
+  run = smoke_text_run
   root = tmp_path_factory.mktemp('crash')
-  corpus = write_corpus(root / 'corpus.txt')
-  flags = [
-    '--config.data.source=text',
-    f'--config.data.path={corpus}',
-    '--config.train.steps=24',
-    '--config.checkpoint.every_steps=4',
-    '--config.train.eval_every=8',
-    '--config.train.record_sample_ids=true',
-  ]
-  reference = str(root / 'reference')
-  proc = start_train(reference, flags, str(root / 'reference'), compile_cache)
-  assert proc.wait(timeout=600) == 0, open(str(root / 'reference') + '.err').read()[-3000:]
-  windows = BatchStream(load_corpus('text', corpus).train, 32, 8, seed=0).num_windows
-  return root, flags, reference, windows, compile_cache
+  return root, run['flags'], run['workdir'], run['windows'], run['env']
 
 
 def test_sigkill_anywhere_then_resume_gives_the_same_run(crash_setup):
