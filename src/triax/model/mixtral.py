@@ -105,8 +105,12 @@ class Mixtral(llama.Llama):
     x, sown = self.layers_and_sown(params['layers'], self.embed(embed_params, inputs), segments)
     lm = self._head_loss_differentiated_forward(head_params, x, targets) / targets.size
     (stats,) = sown['router']
+    per_layer = self.spec.router_aux_loss_scope == 'microbatch'
+    return self._with_router_losses(lm, moe.losses(stats, per_layer=per_layer))
+
+  def _with_router_losses(self, lm, metrics: dict):
+    """(the objective: the cross-entropy plus the weighted router losses, the logged figures)."""
     s = self.spec
-    metrics = moe.losses(stats, per_layer=s.router_aux_loss_scope == 'microbatch')
     total = (
       lm
       + s.router_aux_loss_coef * metrics['router_aux_loss']
@@ -120,7 +124,8 @@ class Mixtral(llama.Llama):
     s = self.spec
     coefs = (s.router_aux_loss_coef, s.router_z_loss_coef)
     parts = s.num_layers * microbatches
-    zeros = jax.eval_shape(lambda: _layer_figures(moe.layer_stats(*_dummy_routing(s), 0)))
+    # A padded layer's figures (uneven splits): zeros shaped as a real layer's.
+    zeros = jax.eval_shape(lambda: moe.layer_share(_one_token_stats(s), coefs, parts, ())[1:])
 
     def chunk(stacked_params, x, num_active=None, segments=None):
       sowing = self._sowing_layer(segments)
@@ -138,14 +143,7 @@ class Mixtral(llama.Llama):
     return chunk
 
   def stage_objective(self, lm_loss, shares: dict, maxima: dict):
-    s = self.spec
-    metrics = moe.figures(shares, maxima)
-    total = (
-      lm_loss
-      + s.router_aux_loss_coef * metrics['router_aux_loss']
-      + s.router_z_loss_coef * metrics['router_z_loss']
-    )
-    return total, {'lm_loss': lm_loss, **metrics}
+    return self._with_router_losses(lm_loss, moe.figures(shares, maxima))
 
   def active_parameters(self, total: int) -> int:
     s = self.spec
@@ -164,15 +162,11 @@ class Mixtral(llama.Llama):
     return {**dense, 'layer_matmul': dense['layer_matmul'] + (experts - 1) * mlp + router}
 
 
-def _dummy_routing(s: MixtralSpec) -> tuple:
-  """A one-token routing, for the shapes of a layer's figures."""
+def _one_token_stats(s: MixtralSpec) -> moe.LayerStats:
+  """A layer's statistics over one token, for the shapes of its figures."""
   k, e = s.experts_per_token, s.num_experts
-  return (moe.Routing(jnp.zeros((1, 1, e)), jnp.zeros((1, 1, k), jnp.int32), jnp.zeros((1, 1, k))),)
-
-
-def _layer_figures(stats):
-  _, shares, maxima = moe.layer_share(stats, (0.0, 0.0), 1, ())
-  return shares, maxima
+  routing = moe.Routing(jnp.zeros((1, 1, e)), jnp.zeros((1, 1, k), jnp.int32), jnp.zeros((1, 1, k)))
+  return moe.layer_stats(routing, 0)
 
 
 def _count(m, key: str, low: int) -> int:

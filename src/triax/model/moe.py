@@ -166,18 +166,22 @@ def dropless(h, routing: Routing, w_gate, w_up, w_down) -> jax.Array:
   axis = in_spec[0]
   if mesh.manual_axes:
     return _dropless_in_stage(h, routing, ws, (token_spec, in_spec, out_spec), psum_axes, axis)
-  if axis is None:
-    body = functools.partial(_dropless_local, psum_axes=psum_axes)
-  else:
-    body = functools.partial(_dropless_exchanged, psum_axes=psum_axes, axis=axis)
   local = jax.shard_map(
-    body,
+    _dropless_body(axis, psum_axes),
     mesh=mesh,
     in_specs=(token_spec, token_spec, token_spec, in_spec, in_spec, out_spec),
     out_specs=token_spec,
     axis_names=set(mesh.axis_names) - set(mesh.manual_axes),
   )
   return local(h, routing.experts, routing.weights, *ws)
+
+
+def _dropless_body(axis, psum_axes):
+  """dropless on one device's tokens: its own experts, or with the experts
+  split over mesh `axis`, theirs by all-to-all; `psum_axes` add the partial sums."""
+  if axis is None:
+    return functools.partial(_dropless_local, psum_axes=psum_axes)
+  return functools.partial(_dropless_exchanged, psum_axes=psum_axes, axis=axis)
 
 
 def _dropless_in_stage(h, routing: Routing, ws, specs, psum_axes, axis):
@@ -190,10 +194,7 @@ def _dropless_in_stage(h, routing: Routing, ws, specs, psum_axes, axis):
   outputs leave stacked on a leading axis split over `tensor`; GSPMD adds
   the partial outputs, and in the backward the copies' partial gradients."""
   token_spec, in_spec, out_spec = specs
-  if axis is None:
-    body = functools.partial(_dropless_local, psum_axes=())
-  else:
-    body = functools.partial(_dropless_exchanged, psum_axes=(), axis=axis)
+  body = _dropless_body(axis, ())
   mesh = jax.sharding.get_abstract_mesh()
   ranks = math.prod(mesh.shape[a] for a in psum_axes)
   copies = lambda x: jnp.broadcast_to(x[None], (ranks,) + x.shape)  # noqa: E731

@@ -58,6 +58,7 @@ import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from triax import sharding
 from triax.pipeline import lower as lower_lib
 from triax.pipeline.split_backward import SplitBackward
 
@@ -96,7 +97,7 @@ def _varying(tree, axes=('pipe',)):
   own): fresh carries, and weights whose gradients must stay per device."""
 
   def cast(a):
-    varying = _vma(a)
+    varying = sharding.varying_axes(a)
     missing = tuple(x for x in axes if x not in varying)
     if not missing:
       return a
@@ -148,23 +149,9 @@ def _put(buffers, index, values):
   # Typed as the pool: a cut made by an unchecked shard_map (per_device's
   # backward) carries no varying axes, the pool all of them.
   return [
-    _vary_as(v[None].astype(b.dtype), b) if b.shape[0] == 1 else b.at[index].set(v)
+    sharding.vary_like(v[None].astype(b.dtype), b) if b.shape[0] == 1 else b.at[index].set(v)
     for b, v in zip(buffers, values)
   ]
-
-
-def _vary_as(x, like):
-  """x typed as varying over the manual axes `like` varies over."""
-  have, want = _vma(x), _vma(like)
-  missing = tuple(a for a in want if a not in have)
-  return jax.lax.pcast(x, missing, to='varying') if missing else x
-
-
-def _vma(a) -> frozenset:
-  aval = jax.typeof(a)
-  # jax 0.10 names the varying axes `manual_axis_type.varying`, older ones `vma`.
-  varying = getattr(aval, 'vma', None)
-  return frozenset(aval.manual_axis_type.varying if varying is None else varying)
 
 
 def pipeline_loss_and_grad(

@@ -127,7 +127,7 @@ def _bind(eqn, invals):
     # A value the executor already holds varying (a cut read back from its
     # pool, typed as the pool) meets the jaxpr's own cast: cast only what is missing.
     (x,) = invals
-    have = _varying_axes(x)
+    have = _varying_axes(jax.typeof(x))
     axes = tuple(a for a in params['axes'] if a not in have)
     if not axes:
       return [x]
@@ -141,14 +141,6 @@ def _casts_to_varying(eqn) -> bool:
   """Whether eqn is a cast to varying over manual axes (jax 0.10's pvary, later pcast)."""
   name = eqn.primitive.name
   return name == 'pvary' or (name == 'pcast' and str(eqn.params.get('to', '')).endswith('varying'))
-
-
-def _varying_axes(x) -> frozenset:
-  aval = jax.typeof(x)
-  varying = getattr(aval, 'vma', None)
-  if varying is None:
-    varying = getattr(getattr(aval, 'manual_axis_type', None), 'varying', ())
-  return frozenset(varying or ())
 
 
 def _env(plan: _Plan, invals: dict[int, Any]) -> dict:
