@@ -1,7 +1,11 @@
 """triax against MaxText on XLA:TPU, compiled here for TPU slices that are not here.
 
   .venv/bin/python scripts/bench_tpu_compile.py [--out=docs/bench_tpu_compile.md] \
-      [--rows=fsdp4,tp4,...] [--skip_maxtext] [--jobs=2]
+      [--rows=fsdp4,tp4,...] [--skip_maxtext] [--skip_triax]
+
+Every figure is kept, in exact bytes with each triax step's largest buffers,
+in docs/bench_tpu_compile.json (--results): `--rows=''` writes the doc from
+it without compiling anything (the planner's table is priced afresh).
 
 Each row compiles the same model, batch and remat policy both ways for the
 same v5p topology and reads XLA:TPU's per-device temporary bytes (what a
@@ -246,6 +250,8 @@ MAXTEXT_COMMON = {
 def triax_row(name: str, topology: str, config: str, overrides: dict, python: str) -> dict:
   workdir = os.path.join(BENCH, 'triax', name)
   shutil.rmtree(workdir, ignore_errors=True)
+  dump = dump_dir(name)
+  shutil.rmtree(dump, ignore_errors=True)
   cmd = [
     python,
     '-m',
@@ -256,12 +262,42 @@ def triax_row(name: str, topology: str, config: str, overrides: dict, python: st
     f'--topology={topology}',
     f'--workdir={workdir}',
   ] + [f'--config.{k}={v}' for k, v in overrides.items()]
-  env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, 'src'))
+  # XLA's HLO and buffer assignment of the train step, kept (training/aot.py).
+  env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, 'src'), TRIAX_XLA_DUMP=dump)
   done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
   if done.returncode not in (0, 3):
     raise RuntimeError(f'{name}: triax failed:\n{done.stderr[-3000:]}')
   with open(os.path.join(workdir, 'compile_stats.json')) as f:
     return json.load(f)
+
+
+def dump_dir(name: str) -> str:
+  return os.path.join(BENCH, 'triax', f'{name}-xla-dump')
+
+
+def heap_bytes(dump: str) -> int | None:
+  """The train step's preallocated temp in XLA:TPU's buffer assignment: the
+  heap the program allocates in HBM, holes included.
+
+  memory_analysis()'s temp_size_in_bytes is this heap plus the heap's
+  fragmentation again: XLA:TPU's backend log (TPU_MIN_LOG_LEVEL=0) says, at
+  PP 4 1F1B, "Program hbm requirement 3.68G: ... HLO temp 3.65G (...
+  16.5% fragmentation (615.84M))" and "Total hbm usage >= 9.59G: reserved
+  263.00M, program 3.68G, arguments 5.65G", where temp_size_in_bytes is
+  3.65G + 615.84M (4565410016 bytes); at TP 4, 2.98G + 1.91G.
+  """
+  found = sorted(
+    glob.glob(os.path.join(dump, '*train_step*after_optimizations-buffer-assignment.txt'))
+  )
+  if not found:
+    return None
+  with open(found[-1]) as f:
+    for line in f:
+      # The device's HBM has no color; VMEM, SMEM and the rest say `color N`.
+      head = re.match(r'^allocation \d+: size (\d+), preallocated-temp:', line)
+      if head:
+        return int(head.group(1))
+  return None
 
 
 def maxtext_python() -> str:
@@ -343,7 +379,14 @@ def main():
     help="names of ROWS and PLANNER_ROWS to compile; '' = none: the doc from the cache",
   )
   parser.add_argument('--skip_maxtext', action='store_true')
-  parser.add_argument('--results', default=os.path.join(BENCH, 'tpu_compile.json'))
+  parser.add_argument(
+    '--skip_triax',
+    action='store_true',
+    help="compile only MaxText's side of --rows; triax's figures from --results",
+  )
+  # Tracked beside the doc, exact byte counts: the doc regenerates from it
+  # (--rows='') without compiling, MaxText's columns included.
+  parser.add_argument('--results', default=os.path.join(ROOT, 'docs', 'bench_tpu_compile.json'))
   args = parser.parse_args()
   os.makedirs(BENCH, exist_ok=True)
   results = {}
@@ -357,12 +400,15 @@ def main():
     else:
       what, topology, (config, overrides), mt = ROWS[name]
     started = time.time()
-    stats = triax_row(name, topology, config, overrides, sys.executable)
-    row = {
-      'triax_temp': stats['temp_bytes'],
-      'triax_argument': stats['argument_bytes'],
-      'triax_largest': stats['largest_buffers'][:3],
-    }
+    row = {}
+    if not args.skip_triax:
+      stats = triax_row(name, topology, config, overrides, sys.executable)
+      row = {
+        'triax_temp': stats['temp_bytes'],
+        'triax_argument': stats['argument_bytes'],
+        'triax_heap': heap_bytes(dump_dir(name)),
+        'triax_largest': stats['largest_buffers'],
+      }
     if mt is not None and mt_python:
       results['versions'] = {'triax': versions(sys.executable), 'maxtext': versions(mt_python)}
       m = maxtext_row(name, topology, config, mt, mt_python)
@@ -375,6 +421,7 @@ def main():
     )
     with open(args.results, 'w') as f:
       json.dump(results, f, indent=1)
+      f.write('\n')
   write_doc(args.out, results, sys.executable, mt_python)
 
 
@@ -413,19 +460,42 @@ def planner_section(results: dict) -> list[str]:
     "The planner's predicted per-device peak of the train step (`plan/cost/memory.py`,",
     'analytic profile, experiments/clusters/tpu_v5p.yaml) for the layout of each row,',
     "against XLA:TPU's compiled peak (arguments + temporaries; the step donates its",
-    "state, so outputs take the arguments' buffers), GiB.",
+    "state, so outputs take the arguments' buffers), GiB. `XLA:TPU` takes the",
+    'temporaries from memory_analysis(), `program` from the buffer assignment: the',
+    'heap the program allocates (holes included). memory_analysis() adds the',
+    "heap's fragmentation to it a second time (XLA:TPU's backend log at PP 4 1F1B:",
+    '"Program hbm requirement 3.68G: HLO temp 3.65G (... fragmentation (615.84M))",',
+    '"Total hbm usage >= 9.59G: reserved 263.00M, program 3.68G, arguments 5.65G",',
+    'where temp_size_in_bytes is 3.65G + 615.84M); `fragmentation` is that excess.',
     '',
-    '| layout | planner | XLA:TPU | planner / XLA |',
-    '|---|---|---|---|',
+    '| layout | planner | XLA:TPU | planner / XLA | program | planner / program | fragmentation |',
+    '|---|---|---|---|---|---|---|',
   ]
   rows = {**{k: v[:3] for k, v in ROWS.items()}, **PLANNER_ROWS}
+  within, within_program, priced = 0, 0, 0
   for name, (what, topology, (config, overrides)) in rows.items():
     if name not in results:
       continue
     r = results[name]
     compiled = (r['triax_argument'] + r['triax_temp']) / GiB
     predicted = planner_peak(topology, config, overrides) / GiB
-    lines.append(f'| {what} | {predicted:.2f} | {compiled:.2f} | {predicted / compiled:.2f} |')
+    priced += 1
+    within += 0.9 <= predicted / compiled <= 1.1
+    heap = r.get('triax_heap')
+    if heap is None:
+      program_text = '- | - | -'
+    else:
+      program = (r['triax_argument'] + heap) / GiB
+      within_program += 0.9 <= predicted / program <= 1.1
+      extra = (r['triax_temp'] - heap) / GiB
+      program_text = f'{program:.2f} | {predicted / program:.3f} | {extra:.2f}'
+    lines.append(
+      f'| {what} | {predicted:.2f} | {compiled:.2f} | {predicted / compiled:.3f} | {program_text} |'
+    )
+  lines += [
+    '',
+    f'Within 10%: {within} of {priced} against XLA:TPU, {within_program} against the program.',
+  ]
   return lines
 
 
@@ -433,8 +503,10 @@ def write_doc(path: str, results: dict, python: str, mt_python: str | None) -> N
   lines = [
     '# triax against MaxText on XLA:TPU (compiled here, no TPU)',
     '',
-    'Written by `scripts/bench_tpu_compile.py`. Per-device temporary bytes of the train',
-    'step as XLA:TPU compiles it for the topology (its `memory_analysis()`), GiB; the',
+    'Written by `scripts/bench_tpu_compile.py` from docs/bench_tpu_compile.json (every',
+    "figure in exact bytes; `--rows=''` rewrites this page from it, compiling nothing).",
+    'Per-device temporary bytes of the train step as XLA:TPU compiles it for the',
+    'topology (its `memory_analysis()`), GiB; the',
     'arguments (parameters, Adam state, batch) are the same state in both. Every row:',
     "the 1B shape is Llama 3.2 1B's (tied embeddings), the 8B one Llama 3.1 8B's; 8",
     'sequences x 2048 tokens, bf16 compute, fp32 parameters and Adam, full remat, splash',
@@ -473,7 +545,11 @@ def write_doc(path: str, results: dict, python: str, mt_python: str | None) -> N
     '',
     '## The largest buffers of each triax step',
     '',
-    "From XLA:TPU's buffer assignment (compile_stats.json's `largest_buffers`).",
+    "From XLA:TPU's buffer assignment (compile_stats.json's `largest_buffers`; all ten",
+    'of each in docs/bench_tpu_compile.json). Values that share bytes at different',
+    "times each appear: the pipelines' three fp32 tables are one buffer (offset and",
+    "size the same), the tied table's gradient accumulator in the tick loop's carry,",
+    "which the head's dot_general and the embedding's scatter-add update in place.",
     '',
   ]
   for _, (what, _, _, _), r in measured:
@@ -481,7 +557,7 @@ def write_doc(path: str, results: dict, python: str, mt_python: str | None) -> N
       f'- {what}: '
       + '; '.join(
         f'{b["shape"]} {b["bytes"] / GiB:.2f} GiB ({b["op_name"].split("/")[-1] or "-"})'
-        for b in r['triax_largest']
+        for b in r['triax_largest'][:3]
       )
     )
   with open(path, 'w') as f:

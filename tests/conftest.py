@@ -11,8 +11,16 @@ import tempfile
 
 import pytest
 
+# LLVM's optimisation of the machine code XLA:CPU emits is a third of a test's
+# compile, and nothing a test asserts depends on it: it runs after XLA's own
+# passes, so HLO text, buffer assignment (memory_analysis) and cost_analysis
+# are the same bytes at -O0 (checked on pipelined and TP steps, and on an
+# XLA:TPU topology compile, which ignores it). Parity compares programs built
+# alike. Subprocesses get these flags too (harness.subprocess_env).
+TEST_XLA_FLAGS = '--xla_backend_optimization_level=0'
+os.environ['TRIAX_TEST_XLA_FLAGS'] = TEST_XLA_FLAGS
 os.environ['XLA_FLAGS'] = (
-  os.environ.get('XLA_FLAGS', '') + ' --xla_force_host_platform_device_count=8'
+  f'{os.environ.get("XLA_FLAGS", "")} --xla_force_host_platform_device_count=8 {TEST_XLA_FLAGS}'
 ).strip()
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), '..', 'src'))

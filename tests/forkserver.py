@@ -50,10 +50,9 @@ class ForkServer:
   """A warm process that runs each case in a forked child (see the module doc)."""
 
   def __init__(self, env_extra: dict | None = None):
-    env = dict(os.environ)
-    env['PYTHONPATH'] = os.path.join(ROOT, 'src') + os.pathsep + env.get('PYTHONPATH', '')
-    env.pop('XLA_FLAGS', None)  # each case's --cpu_devices decides, as in run_cli
-    env.update(env_extra or {})
+    import harness  # the test process's module (this file is also the server's __main__)
+
+    env = harness.subprocess_env(env_extra)  # each case's --cpu_devices decides, as in run_cli
     self._proc = subprocess.Popen(
       [sys.executable, os.path.abspath(__file__)],
       cwd=ROOT,

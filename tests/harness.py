@@ -172,14 +172,10 @@ def max_rel_err(a, b) -> float:
 
 def run_cli(module: str, *args: str, timeout: int = 600, env_extra=None):
   """Runs `python -m module args` in a fresh process (its own device count)."""
-  env = dict(os.environ)
-  env['PYTHONPATH'] = os.path.join(ROOT, 'src') + os.pathsep + env.get('PYTHONPATH', '')
-  env.pop('XLA_FLAGS', None)  # the CLI's --cpu_devices decides
-  env.update(env_extra or {})
   return subprocess.run(
     [sys.executable, '-m', module, *args],
     cwd=ROOT,
-    env=env,
+    env=subprocess_env(env_extra),
     capture_output=True,
     text=True,
     timeout=timeout,
@@ -236,14 +232,19 @@ def text_run_config(corpus, **overrides):
   )
 
 
-def cli_env(extra=None):
+def subprocess_env(extra=None) -> dict:
+  """A child process's environment: this source tree, and the suite's XLA
+  flags without the device count (the CLI's --cpu_devices decides it)."""
   env = dict(os.environ)
   env['PYTHONPATH'] = os.path.join(ROOT, 'src') + os.pathsep + env.get('PYTHONPATH', '')
-  env.pop('XLA_FLAGS', None)
-  # scripts/launch_local.sh's trainers run this interpreter, not .venv's (which may be another jax).
-  env['PYTHON'] = sys.executable
+  env['XLA_FLAGS'] = env.get('TRIAX_TEST_XLA_FLAGS', '')
   env.update(extra or {})
   return env
+
+
+def cli_env(extra=None):
+  # scripts/launch_local.sh's trainers run this interpreter, not .venv's (which may be another jax).
+  return subprocess_env({'PYTHON': sys.executable, **(extra or {})})
 
 
 def start_train(workdir, flags, log, env_extra=None):

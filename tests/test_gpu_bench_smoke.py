@@ -18,12 +18,10 @@ SCRIPT = os.path.join(harness.ROOT, 'scripts', 'gpu_bench.sh')
 
 
 def _bench(*args):
-  env = dict(os.environ)
-  env.pop('XLA_FLAGS', None)  # --cpu_devices decides
+  env = harness.subprocess_env()  # --cpu_devices decides the device count
   # This venv is set up already: skip scripts/env.sh (its pip install) and use this python.
   env['TRIAX_SKIP_ENV'] = '1'
   env['PATH'] = os.path.dirname(sys.executable) + os.pathsep + env['PATH']
-  env['PYTHONPATH'] = os.path.join(harness.ROOT, 'src') + os.pathsep + env.get('PYTHONPATH', '')
   return subprocess.run(
     ['bash', SCRIPT, *args], cwd=harness.ROOT, env=env, capture_output=True, text=True, timeout=300
   )

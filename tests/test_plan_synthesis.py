@@ -25,6 +25,9 @@ from triax.plan.search import emit, exhaustive, synthesized
 # The train step's memory alone: evaluating the whole batch at once would
 # not fit these made-up devices either.
 STEP_ONLY = Options(state_programs=False)
+# Devices on which the zero-bubble schedules' cuts do not fit but a
+# synthesised schedule's do.
+BINDING = '1.56 GB'
 
 
 def _profile():
@@ -42,18 +45,26 @@ def _search(memory: str):
 
 @pytest.mark.fast
 def test_planner_picks_a_synthesised_schedule_where_memory_binds(monkeypatch):
-  found = _search('1.5 GB')
+  # (A cut holds the weight matmuls' inputs and their output cotangents:
+  # twice this profile's stash set; memory.chunk_cut.)
+  found = _search(BINDING)
   best = found.top[0]
   schedule = candidate.given(best.plan.schedule)
   assert schedule is not None and schedule.name == 'synthesized', best.plan.describe()
-  assert (best.plan.pipe, best.plan.microbatches, best.plan.virtual_stages) == (4, 8, 1)
-  prog = candidate.program(best.plan.schedule, 4, 8, 1)
+  # The layout synthesised first, its bubble-free bound the lowest
+  # (synthesized.LAYOUTS): d2 p2 v2 m4 was 0.002% faster, found only when
+  # every layout is synthesised.
+  p, m, v = best.plan.pipe, best.plan.microbatches, best.plan.virtual_stages
+  assert (p, m, v) == (4, 8, 1)
+  prog = candidate.program(best.plan.schedule, p, m, v)
   assert not best.oom and prog.slots['stash'] <= schedule.stash_cap
-  assert prog.slots['cut'] < 4  # ZB-H1's cuts are what does not fit
-  # Without synthesis the same search's best is slower: 1F1B, as ZB-H1 does not fit.
+  # ZB-H1's cuts are what does not fit.
+  assert prog.slots['cut'] < candidate.program('zb_h1', p, m, v).slots['cut']
+  # Without synthesis the same search's best is slower: 1F1B, as no
+  # zero-bubble schedule fits.
   monkeypatch.setattr(synthesized, 'candidates', lambda *args: [])
-  named = _search('1.5 GB').top[0]
-  assert named.plan.schedule == '1f1b' and named.step_time > best.step_time * 1.05
+  named = _search(BINDING).top[0]
+  assert named.plan.schedule == '1f1b' and named.step_time > best.step_time * 1.03
 
 
 @pytest.mark.fast
@@ -83,7 +94,8 @@ def _load(path):
 
 
 def test_plan_file_holds_the_schedule_and_trains_it_as_given_directly(tmp_path):
-  best = _search('1.5 GB').top[0]
+  best = _search(BINDING).top[0]
+  p, m, v = best.plan.pipe, best.plan.microbatches, best.plan.virtual_stages
   schedule = candidate.given(best.plan.schedule)
   base, out = tmp_path / 'base.py', str(tmp_path / 'plan.py')
   _write_base(base)
@@ -92,8 +104,8 @@ def test_plan_file_holds_the_schedule_and_trains_it_as_given_directly(tmp_path):
   os.remove(beside)  # the plan file alone brings it back
   cfg = _load(out).get_config()
   assert cfg.pipeline.schedule_file == beside
-  assert files.load(beside, 4, 8, 1) == schedule
-  assert (cfg.mesh.pipe, cfg.pipeline.microbatches, cfg.model.remat) == (4, 8, best.plan.remat)
+  assert files.load(beside, p, m, v) == schedule
+  assert (cfg.mesh.pipe, cfg.pipeline.microbatches, cfg.model.remat) == (p, m, best.plan.remat)
   direct = str(tmp_path / 'direct.json')
   files.write_json(schedule, direct)
   cfg_direct = _load(out).get_config()

@@ -4,9 +4,14 @@ moments, each the parameter's size: 16 B/param in fp32, split over `data`
 as the plan's state_sharding says), the stashed residuals
 (the executor allocates `slots['stash']` slots of the largest chunk on
 every stage; uneven splits store padded stacks), the cuts B hands its W
-(`slots['cut']`, each estimated as one unrematerialised stash set: the
-profile does not measure them) and the message pool of activations and
-gradients, plus one layer's backward workspace and the head's logits.
+(`slots['cut']`, each the weight matmuls' inputs and output cotangents:
+`chunk_cut`) and the message pool of activations and gradients, plus one
+layer's backward workspace and the head's logits and its weight cast to
+the compute dtype (`head_cast`).
+
+docs/bench_tpu_compile.md holds this model against XLA:TPU's compiled
+peak for 17 layouts, and tests/test_plan_tpu_memory.py pins it there
+(docs/bench_tpu_compile.json's byte counts).
 
 Beside the train step, the run saves and restores checkpoints and
 evaluates on the same resident state (`state_programs`, what
@@ -36,6 +41,8 @@ exchanged rows in each layer's residuals (experts.dispatch_stash).
 
 from __future__ import annotations
 
+import numpy as np
+
 from triax.pipeline import schedule as sched
 from triax.plan.candidate import Options, Plan
 from triax.plan.cluster import Cluster
@@ -46,6 +53,9 @@ from triax.plan.cost.profile import Profile, Shard
 # (param_dtype: triax keeps no separate master copy; fp32 parameters are it).
 STATE_COPIES = 4
 MOMENTS = 2
+# Bytes of a parameter: model.param_dtype's default, float32 (what STATE_COPIES
+# prices too); the compute-dtype copies below are counted at dtype / this.
+PARAM_BYTES = 4
 
 
 def copies(kind: str, data: int, per_layer: bool = False) -> dict[str, float]:
@@ -90,9 +100,39 @@ def state(plan: Plan, profile: Profile, params: float, experts: float = 0.0) -> 
     for k, x in copies(kind, plan.data, per_layer).items()
   }
   if plan.fsdp_per_layer:
+    # Two gathered copies of the widest weight, in the compute dtype: XLA
+    # converts the shard before the all-gather, and gathers the head's
+    # weight for its forward and again for its backward (the embedding
+    # looks its rows up in the shard). The FSDP steps' largest buffers:
+    # two bf16[128256,2048] at 1B, two bf16[4096,128256] at 8B; the
+    # gradients are reduce-scattered as they come (f32[32,512,14336]).
     shard = profile.shards[plan.tensor]
-    out['gathered'] = 2 * max(shard.layer_param_bytes, shard.edge_param_bytes)
+    widest = max(shard.layer_param_bytes, head_weight(shard))
+    out['gathered'] = 2 * widest * compute_share(profile)
   return out
+
+
+def head_weight(shard: Shard) -> float:
+  """Bytes of the head's weight (the parameters' dtype): the embedding
+  table's shape, tied or not, what the profile's embedding work reads (its
+  fixed bytes); half the edges without that figure."""
+  embed = shard.work.get('embed')
+  return embed.bytes_fixed if embed is not None else shard.edge_param_bytes / 2
+
+
+def compute_share(profile: Profile) -> float:
+  """Bytes of a parameter's compute-dtype copy per byte of the parameter."""
+  return min(np.dtype(profile.dtype).itemsize / PARAM_BYTES, 1.0)
+
+
+def head_cast(profile: Profile, shard: Shard) -> float:
+  """Bytes of the head's weight cast to the compute dtype, live while the
+  head runs: bf16[128256,2048] (multiply_convert_fusion, 0.49 GiB) inside the
+  executor's tick loop at the 1B shape, bf16[32064,2048] in the TP 4 step."""
+  share = compute_share(profile)
+  if share >= 1.0:
+    return 0.0  # computing in the parameters' dtype: the head reads them as they are
+  return head_weight(shard) * share
 
 
 def resident(plan: Plan, profile: Profile, params: float, experts: float = 0.0) -> float:
@@ -162,18 +202,48 @@ def layer_stash(plan: Plan, shard: Shard, remat: str | None = None) -> float:
 
 
 def chunk_stash(plan: Plan, profile: Profile, layers: int) -> float:
-  """Bytes of one stashed micro-batch of a chunk of `layers` layers: their
-  residuals and the chunk's input (the residual stream)."""
+  """Bytes of one stashed micro-batch of a chunk of `layers` layers in the
+  executor's pool: their residuals and the chunk's input (the residual
+  stream).
+
+  The pool holds the part every tensor rank computes whole (the layer
+  inputs a full remat keeps, profile.SEQUENCE_STASH) split over tensor, as
+  sequence parallelism would: the executor does not pin the pool, and
+  GSPMD lays it out as [slots, layers, mb, s, d / t] (XLA:TPU's
+  bf16[2,8,1,2048,1024] at 1B with t = 2, bf16[2,16,1,2048,1024] at 8B with
+  t = 4, bf16[4,20,1,2048,1024] at 70B with t = 8; seen with full remat).
+  """
   shard = profile.shards[plan.tensor]
   fixed = shard.stash_fixed_per_seq * residual_share(plan)
-  return plan.microbatch_size * (layers * layer_stash(plan, shard) + fixed)
+  whole = shard.sequence_stash(plan.remat) * token_share(plan) * (1 - 1 / plan.tensor)
+  held = layer_stash(plan, shard) - (0.0 if plan.sequence_parallel else whole)
+  return plan.microbatch_size * (layers * held + fixed)
 
 
 def chunk_cut(plan: Plan, profile: Profile, layers: int) -> float:
-  """Bytes of one cut (what a B hands its W: the cotangents at the weight
-  matmuls' outputs), estimated as the residuals those matmuls keep without
-  remat, which remat does not shrink: B recomputes what it needs."""
-  return plan.microbatch_size * layers * layer_stash(plan, profile.shards[plan.tensor], 'none')
+  """Bytes of one cut (what a B hands its W): every weight matmul's input
+  and the cotangent at its output, which remat does not shrink (B
+  recomputes what it needs).
+
+  The inputs are what the stash counts without the attention core
+  (Korthikanti's s h e (4 + 12/t) per layer); the cotangents add its
+  tensor-split part again (at Q, K, V and the MLP's two d_ff-wide outputs;
+  those at the attention's and the MLP's outputs are [s, d], the size of
+  the 4's inputs). XLA:TPU's cut pool (the tick loop's carry), per layer and
+  sequence in bf16 [s, d] units: four bf16 [s, d], four bf16 [s, d_ff / t],
+  four f32 [s, d / t], Q's input and cotangent [s, heads / t, head_dim],
+  K's and V's: 32.8 at 1B with t = 1, 18.5 at t = 2, 10.1 at 8B with t = 4,
+  7.0 at 70B with t = 8; this gives 28, 16, 10 and 7 (short at 1B: its f32
+  cotangents and its head_dim of 64, which TPU tiles pad to 128 lanes).
+  With data = 2 (70B, zb_h1, 4 slots) GSPMD splits the four [s, d] over
+  tensor too (bf16[4,20,1,2048,1024]), which this does not count.
+  """
+  shard = profile.shards[plan.tensor]
+  # Selective's count: all but the attention core (whose scores no weight
+  # matmul reads).
+  inputs = layer_stash(plan, shard, 'selective')
+  tensor_split = shard.stash_per_seq['selective'] - shard.sequence_stash('selective')
+  return plan.microbatch_size * layers * (inputs + tensor_split * token_share(plan))
 
 
 def pools(
@@ -206,8 +276,12 @@ def memory(
   shard = profile.shards[plan.tensor]
   b, v = plan.microbatch_size, plan.virtual_stages
   widest = max(plan.chunk_layers)
-  # The head's logits, their softmax and gradient live at once in its backward.
-  logits = 3 * b * shard.logits_per_seq * token_share(plan)
+  # The head's logits, in the compute dtype, once: XLA fuses the softmax and
+  # its gradient into the loss chunk's matmuls, and holds one bf16[b, chunk,
+  # V/t] (bf16[2,256,128256] in the 1B FSDP step, bf16[8,256,32064] at TP 4,
+  # bf16[256,128256] in the executor's tick loop), not three fp32 ones.
+  # (logits_per_seq counts them in fp32.)
+  logits = b * shard.logits_per_seq * token_share(plan) * np.dtype(profile.dtype).itemsize / 4
   out, cap, temp, step, progs = [], [], [], [], []
   for s in range(plan.pipe):
     own = plan.layers[s] // v
@@ -215,12 +289,17 @@ def memory(
     params = shard.layer_param_bytes * held * v + shard.edge_param_bytes
     experts = experts_lib.expert_param_bytes(shard) * held * v
     if program_ is None:  # no pipeline: one value_and_grad over the whole model
-      stash = chunk_stash(plan, profile, plan.num_layers)
+      # The layer scan's residuals, whole on every tensor rank (bf16[16, 8,
+      # 2048, 2048] at 1B with t = 4): no pool to split.
+      fixed = shard.stash_fixed_per_seq * residual_share(plan)
+      stash = b * (plan.num_layers * layer_stash(plan, shard) + fixed)
       buffers = 0.0
     else:
       pool = pools(plan, profile, options, program_, s, held)
       stash, buffers = pool['stash'], pool['cut'] + pool['msg']
-    workspace = 2 * b * layer_stash(plan, shard, 'none') + logits
+    # The head's compute-dtype weight is FSDP's gathered copy when it gathers.
+    cast = 0.0 if plan.fsdp_per_layer else head_cast(profile, shard)
+    workspace = 2 * b * layer_stash(plan, shard, 'none') + logits + cast
     peak = sum(state(plan, profile, params, experts).values()) + stash + buffers + workspace
     programs = max(state_programs(plan, profile, params, experts).values())
     step.append(peak)

@@ -16,7 +16,13 @@ beside the named ones, only where one can win:
 - some named schedule of the same layout is faster than its best that fits
   but runs out of memory (else memory is not what costs the bubble);
 - the layout's bubble-free bound (its busiest stage's work, the tail) is
-  below the best plan found so far.
+  below the best plan found so far;
+- it is among the `LAYOUTS` such layouts with the lowest bound: a
+  synthesis takes seconds at m = 32 (6 s at p = 4, v = 4, K = 13; up to
+  `PAIRS` per layout), and a search on a mixed cluster meets many layouts
+  with costs of their own. gpt_1b at batch 64 on the HeteroG testbed
+  (analytic profile): 47 s with this cap, 46 s synthesising nothing, more
+  than 8 minutes synthesising every such layout.
 
 The bytes a layout has for sets and cuts are what its fastest such named
 plan leaves beside them (the same state, messages and workspace); for each
@@ -53,6 +59,8 @@ TIME_LIMIT_S = 1.0
 # Set limits K tried per layout, largest first: fewer sets mostly mean more
 # bubble, and each try is a synthesis.
 PAIRS = 3
+# Layouts synthesised per search, lowest bubble-free bound first.
+LAYOUTS = 4
 
 
 def candidates(
@@ -62,11 +70,14 @@ def candidates(
   (see the module docstring); each the fastest that fits for its layout."""
   del cfg  # the layouts in `found` already passed the config's checks
   best = min((e.step_time for e in found if not e.oom), default=math.inf)
-  out = []
-  for group in _groups(found):
+  out, tried = [], 0
+  for group in sorted(_groups(found), key=_bound):
     faster = _faster_oom(group, best)
     if faster is None:
       continue
+    if tried == LAYOUTS:
+      break
+    tried += 1
     priced = [
       _priced(faster.plan, k, c, profile, cluster, options)
       for k, c in _limits(faster, profile, options)
@@ -94,11 +105,15 @@ def _faster_oom(group: list[Estimate], best: float) -> Estimate | None:
   slower one fits, or None where a synthesised schedule cannot win."""
   fits = min((e.step_time for e in group if not e.oom), default=math.inf)
   faster = [e for e in group if e.oom and e.step_time < fits]
-  # No schedule beats its busiest stage's work: the bubble-free bound.
-  bound = min(e.tail_time + e.pipeline_time * (1 - e.bubble_fraction) for e in group)
-  if not faster or bound >= best:
+  if not faster or _bound(group) >= best:
     return None
   return min(faster, key=lambda e: e.step_time)
+
+
+def _bound(group: list[Estimate]) -> float:
+  """No schedule of the layout beats its busiest stage's work: the
+  bubble-free bound."""
+  return min(e.tail_time + e.pipeline_time * (1 - e.bubble_fraction) for e in group)
 
 
 def _limits(e: Estimate, profile, options: Options) -> list[tuple[int, int]]:

@@ -1,0 +1,103 @@
+"""The planner's memory model against XLA:TPU's compiled train steps.
+
+docs/bench_tpu_compile.json holds what scripts/bench_tpu_compile.py read
+from XLA:TPU for each layout (compiled for v5p slices on a CPU, no TPU):
+memory_analysis()'s arguments and temporaries, and the heap of the buffer
+assignment (`triax_heap`: the temporaries the program allocates;
+memory_analysis() adds the heap's fragmentation to it again). The planner's
+predicted per-device peak for the same layout (the script's planner_peak:
+analytic profile, the v5p cluster file) must stay within 10% of arguments +
+heap on the rows below, and of arguments + temporaries on those that reach
+it. No compile here: the figures are the JSON's.
+"""
+
+import json
+import os
+
+import harness
+import pytest
+
+RESULTS = os.path.join(harness.ROOT, 'docs', 'bench_tpu_compile.json')
+
+# Rows within 10% of arguments + the program's heap.
+WITHIN_PROGRAM = (
+  'tp4',
+  'tp2pp2',
+  'pp4',
+  'pp4_zb',
+  'pp4_v2',
+  'tp4pp2_8b',
+  'dp4_zero1',
+  'dp2tp2_sp',
+  'pp4_gpipe',
+  'pp4_bpipe',
+  'pp4_zbv',
+  'tp8_8b',
+  'tp8pp4_70b',
+)
+# Rows within 10% of arguments + memory_analysis()'s temporaries.
+WITHIN_TEMP = (
+  'fsdp4',
+  'tp2pp2',
+  'pp4',
+  'tp4pp2_8b',
+  'dp4_zero1',
+  'tp4_selective',
+  'pp4_gpipe',
+  'pp4_bpipe',
+  'fsdp8_8b',
+  'tp8pp4_70b',
+  'dp2tp8pp4_70b',
+)
+
+
+@pytest.fixture(scope='module')
+def bench():
+  return harness.load_script('bench_tpu_compile')
+
+
+@pytest.fixture(scope='module')
+def results():
+  with open(RESULTS) as f:
+    return json.load(f)
+
+
+@pytest.fixture(scope='module')
+def predicted(bench, results):
+  rows = {**{k: v[:3] for k, v in bench.ROWS.items()}, **bench.PLANNER_ROWS}
+  return {
+    name: bench.planner_peak(topology, config, overrides)
+    for name, (_, topology, (config, overrides)) in rows.items()
+    if name in results
+  }
+
+
+@pytest.mark.parametrize('name', WITHIN_PROGRAM)
+def test_planner_peak_within_ten_percent_of_the_program(results, predicted, name):
+  r = results[name]
+  assert 0.9 <= predicted[name] / (r['triax_argument'] + r['triax_heap']) <= 1.1
+
+
+@pytest.mark.parametrize('name', WITHIN_TEMP)
+def test_planner_peak_within_ten_percent_of_memory_analysis(results, predicted, name):
+  r = results[name]
+  assert 0.9 <= predicted[name] / (r['triax_argument'] + r['triax_temp']) <= 1.1
+
+
+def test_most_layouts_within_ten_percent_of_the_program(results, predicted):
+  assert len(predicted) == 17
+  ratios = {
+    n: x / (results[n]['triax_argument'] + results[n]['triax_heap']) for n, x in predicted.items()
+  }
+  assert sum(0.9 <= x <= 1.1 for x in ratios.values()) >= 12, ratios
+
+
+def test_results_hold_exact_bytes_and_buffers(results):
+  for name, r in results.items():
+    if name == 'versions':
+      continue
+    for key in ('triax_temp', 'triax_argument', 'triax_heap'):
+      assert isinstance(r[key], int), (name, key)
+    # memory_analysis() counts the heap and its fragmentation once more.
+    assert r['triax_heap'] <= r['triax_temp']
+    assert r['triax_largest'] and all('shape' in b and 'bytes' in b for b in r['triax_largest'])
