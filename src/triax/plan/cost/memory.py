@@ -201,22 +201,24 @@ def layer_stash(plan: Plan, shard: Shard, remat: str | None = None) -> float:
   return own + experts_lib.dispatch_stash(plan, shard, remat)
 
 
-def chunk_stash(plan: Plan, profile: Profile, layers: int) -> float:
-  """Bytes of one stashed micro-batch of a chunk of `layers` layers in the
-  executor's pool: their residuals and the chunk's input (the residual
-  stream).
+def chunk_stash(plan: Plan, profile: Profile, layers: int, pooled: bool = True) -> float:
+  """Bytes of one stashed micro-batch of a chunk of `layers` layers: their
+  residuals and the chunk's input (the residual stream).
 
-  The pool holds the part every tensor rank computes whole (the layer
-  inputs a full remat keeps, profile.SEQUENCE_STASH) split over tensor, as
-  sequence parallelism would: the executor does not pin the pool, and
-  GSPMD lays it out as [slots, layers, mb, s, d / t] (XLA:TPU's
-  bf16[2,8,1,2048,1024] at 1B with t = 2, bf16[2,16,1,2048,1024] at 8B with
-  t = 4, bf16[4,20,1,2048,1024] at 70B with t = 8; seen with full remat).
+  In the executor's pool (`pooled`) the part every tensor rank computes
+  whole (the layer inputs a full remat keeps, profile.SEQUENCE_STASH) is
+  split over tensor, as sequence parallelism would: the executor does not
+  pin the pool, and GSPMD lays it out as [slots, layers, mb, s, d / t]
+  (XLA:TPU's bf16[2,8,1,2048,1024] at 1B with t = 2, bf16[2,16,1,2048,1024]
+  at 8B with t = 4, bf16[4,20,1,2048,1024] at 70B with t = 8; seen with
+  full remat). The layer scan's residuals without a pipeline stay whole on
+  every tensor rank (bf16[16, 8, 2048, 2048] at 1B with t = 4).
   """
   shard = profile.shards[plan.tensor]
   fixed = shard.stash_fixed_per_seq * residual_share(plan)
-  whole = shard.sequence_stash(plan.remat) * token_share(plan) * (1 - 1 / plan.tensor)
-  held = layer_stash(plan, shard) - (0.0 if plan.sequence_parallel else whole)
+  held = layer_stash(plan, shard)
+  if pooled and not plan.sequence_parallel:
+    held -= shard.sequence_stash(plan.remat) * token_share(plan) * (1 - 1 / plan.tensor)
   return plan.microbatch_size * (layers * held + fixed)
 
 
@@ -289,10 +291,7 @@ def memory(
     params = shard.layer_param_bytes * held * v + shard.edge_param_bytes
     experts = experts_lib.expert_param_bytes(shard) * held * v
     if program_ is None:  # no pipeline: one value_and_grad over the whole model
-      # The layer scan's residuals, whole on every tensor rank (bf16[16, 8,
-      # 2048, 2048] at 1B with t = 4): no pool to split.
-      fixed = shard.stash_fixed_per_seq * residual_share(plan)
-      stash = b * (plan.num_layers * layer_stash(plan, shard) + fixed)
+      stash = chunk_stash(plan, profile, plan.num_layers, pooled=False)
       buffers = 0.0
     else:
       pool = pools(plan, profile, options, program_, s, held)
