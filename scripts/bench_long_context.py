@@ -151,31 +151,35 @@ def _sp_rows() -> list[str]:
   low, high = SP_DEPTHS
   rows = [
     f'gpt, d={h}, {a} heads, d_ff={4 * h}, {s} positions, batch {b}, bf16 activations, no '
-    f'remat; XLA:TPU for v5p chips (compile only). Per layer: (temp at {high} layers - temp at '
-    f'{low}) / {high - low}. Formula: Korthikanti et al. per layer (2-byte activations).',
+    f'remat; XLA:TPU for v5p chips (compile only). Per layer: (bytes at {high} layers - bytes '
+    f'at {low}) / {high - low}, of memory_analysis() temp and of the heap XLA:TPU allocates '
+    "for the program's temporaries (its buffer assignment; temp counts the heap's "
+    'fragmentation a second time, compile_stats.json `temp_heap_bytes`). Formula: Korthikanti '
+    'et al. per layer (2-byte activations).',
     '',
-    '| t | SP | MiB per layer (XLA:TPU) | SP / no SP | paper formula | without dropout | '
-    'formula SP / no SP | measured / without dropout |',
-    '|---|---|---|---|---|---|---|---|',
+    '| t | SP | temp MiB per layer | SP / no SP | heap MiB per layer | SP / no SP (heap) | '
+    'paper formula | without dropout | formula SP / no SP | heap / without dropout |',
+    '|---|---|---|---|---|---|---|---|---|---|',
   ]
   for t, topology in ((2, 'v5p:2x1x1'), (4, 'v5p:2x2x1')):
     plain = None
     for sp in (False, True):
-      temps = [_tpu_temp(topology, t, sp, layers) for layers in SP_DEPTHS]
-      layer = (temps[1] - temps[0]) / (high - low)
+      stats = [_sp_stats(topology, t, sp, layers) for layers in SP_DEPTHS]
+      layer = {k: (stats[1][k] - stats[0][k]) / (high - low) for k in stats[0]}
       plain = layer if not sp else plain
       paper, ours = _paper(s, b, h, a, t, sp), _no_dropout(s, b, h, a, t, sp)
-      ratio = f'{layer / plain:.2f}' if sp else '—'
+      ratio = {k: f'{layer[k] / plain[k]:.2f}' if sp else '—' for k in layer}
       expected = _no_dropout(s, b, h, a, t, True) / _no_dropout(s, b, h, a, t, False)
       rows.append(
-        f'| {t} | {"on" if sp else "off"} | {layer / MiB:.1f} | {ratio} | {paper / MiB:.1f} | '
-        f'{ours / MiB:.1f} | {expected:.2f} | {layer / ours:.2f} |'
+        f'| {t} | {"on" if sp else "off"} | {layer["temp"] / MiB:.1f} | {ratio["temp"]} '
+        f'| {layer["heap"] / MiB:.1f} | {ratio["heap"]} | {paper / MiB:.1f} | {ours / MiB:.1f} '
+        f'| {expected:.2f} | {layer["heap"] / ours:.2f} |'
       )
       print(rows[-1], flush=True)
   return rows
 
 
-def _tpu_temp(topology: str, t: int, sp: bool, layers: int) -> int:
+def _sp_stats(topology: str, t: int, sp: bool, layers: int) -> dict[str, int]:
   s, b, h, a = (SP_SHAPE[k] for k in ('s', 'b', 'h', 'a'))
   flags_ = [
     f'--config.mesh.tensor={t}',
@@ -193,7 +197,8 @@ def _tpu_temp(topology: str, t: int, sp: bool, layers: int) -> int:
     '--config.model.dtype=bfloat16',
   ]
   gpt = os.path.join(ROOT, 'experiments', 'gpt_tiny.py')
-  return _tpu_stats('', topology, config=gpt, flags_=flags_)['temp_bytes']
+  stats = _tpu_stats('', topology, config=gpt, flags_=flags_)
+  return {'temp': stats['temp_bytes'], 'heap': stats['temp_heap_bytes']}
 
 
 def _run(args: list[str]) -> str:

@@ -275,31 +275,6 @@ def dump_dir(name: str) -> str:
   return os.path.join(BENCH, 'triax', f'{name}-xla-dump')
 
 
-def heap_bytes(dump: str) -> int | None:
-  """The train step's preallocated temp in XLA:TPU's buffer assignment: the
-  heap the program allocates in HBM, holes included.
-
-  memory_analysis()'s temp_size_in_bytes is this heap plus the heap's
-  fragmentation again: XLA:TPU's backend log (TPU_MIN_LOG_LEVEL=0) says, at
-  PP 4 1F1B, "Program hbm requirement 3.68G: ... HLO temp 3.65G (...
-  16.5% fragmentation (615.84M))" and "Total hbm usage >= 9.59G: reserved
-  263.00M, program 3.68G, arguments 5.65G", where temp_size_in_bytes is
-  3.65G + 615.84M (4565410016 bytes); at TP 4, 2.98G + 1.91G.
-  """
-  found = sorted(
-    glob.glob(os.path.join(dump, '*train_step*after_optimizations-buffer-assignment.txt'))
-  )
-  if not found:
-    return None
-  with open(found[-1]) as f:
-    for line in f:
-      # The device's HBM has no color; VMEM, SMEM and the rest say `color N`.
-      head = re.match(r'^allocation \d+: size (\d+), preallocated-temp:', line)
-      if head:
-        return int(head.group(1))
-  return None
-
-
 def maxtext_python() -> str:
   """The MaxText venv's python, built on first use."""
   venv = os.path.join(BENCH, 'maxtext-venv')
@@ -406,7 +381,7 @@ def main():
       row = {
         'triax_temp': stats['temp_bytes'],
         'triax_argument': stats['argument_bytes'],
-        'triax_heap': heap_bytes(dump_dir(name)),
+        'triax_heap': stats['temp_heap_bytes'],
         'triax_largest': stats['largest_buffers'],
       }
     if mt is not None and mt_python:

@@ -46,7 +46,8 @@ def pytest_configure(config):
   (JAX decides once per process whether it uses a cache); subprocesses get
   it only through the `compile_cache` fixture.
   """
-  del config
+  if hasattr(config.option, 'loadscopereorder'):
+    config.option.loadscopereorder = False  # files in collection order: see _by_seconds
   if not os.environ.get(CACHE_VAR):
     os.environ[CACHE_VAR] = tempfile.mkdtemp(prefix='triax-test-jax-cache-')
     _OWNED.append(os.environ[CACHE_VAR])  # removed when this run ends
@@ -129,3 +130,52 @@ def smoke_text_run(tmp_path_factory, compile_cache):
     env=compile_cache,
     windows=BatchStream(load_corpus('text', corpus).train, 32, 8, seed=0).num_windows,
   )
+
+
+# The two workers take whole files (`--dist loadfile`); xdist hands them out
+# in the order it is given, by default the files with the most tests first,
+# which put the few-but-long files (multi-process runs, the profiler) last
+# and left one worker idle while the other finished them. Files are ordered
+# by their last measured seconds instead, longest first (a file not listed
+# counts DEFAULT_SECONDS). TRIAX_TEST_SECONDS=write rewrites the list from
+# this run. The order only decides which worker runs what, never a result.
+SECONDS_FILE = os.path.join(os.path.dirname(__file__), 'file_seconds.json')
+DEFAULT_SECONDS = 10.0
+_seconds: dict[str, float] = {}
+
+
+def _file_of(nodeid: str) -> str:
+  return nodeid.split('::')[0]
+
+
+def _by_seconds(items) -> None:
+  import json
+
+  with open(SECONDS_FILE) as f:
+    seconds = json.load(f)
+  # A stable sort: each file's tests stay together and in their order.
+  items.sort(key=lambda item: -seconds.get(_file_of(item.nodeid), DEFAULT_SECONDS))
+
+
+def pytest_collection_modifyitems(config, items):
+  del config
+  _by_seconds(items)
+
+
+def pytest_runtest_logreport(report):
+  if os.environ.get('TRIAX_TEST_SECONDS') == 'write' and not os.environ.get('PYTEST_XDIST_WORKER'):
+    path = _file_of(report.nodeid)
+    _seconds[path] = _seconds.get(path, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session):
+  del session
+  if _seconds:
+    import json
+
+    with open(SECONDS_FILE) as f:
+      seconds = json.load(f)  # files this run did not measure keep their figure
+    seconds.update({k: round(v, 1) for k, v in _seconds.items()})
+    with open(SECONDS_FILE, 'w') as f:
+      json.dump(dict(sorted(seconds.items())), f, indent=0)
+      f.write('\n')

@@ -88,7 +88,7 @@ def test_never_above_a_named_schedule_that_meets_the_limit(p, m, v, costs):
 @pytest.mark.fast
 @pytest.mark.parametrize('p, m, v, k', [(4, 8, 1, 2), (4, 8, 2, 3), (8, 16, 2, 6), (3, 5, 3, 4)])
 def test_result_is_valid_within_the_limit_and_says_so(p, m, v, k):
-  found = synthesis.run(p, m, v, k, UNEVEN, time_limit_s=5)
+  found = synthesis.run(p, m, v, k, UNEVEN, time_limit_s=2)
   s = found.schedule
   assert (s.stages, s.microbatches, s.virtual_stages, s.stash_cap) == (p, m, v, k)
   assert s.split_backward and s.name == 'synthesized'
@@ -301,7 +301,9 @@ def test_torch_loads_and_validates_the_csv(p, m, v, k, tmp_path):
   from torch.distributed.pipelining import schedules
 
   sizes_only = harness.load_script('torch_schedule_csv')._SizesOnlyStage
-  s = synthesis.synthesize(p, m, v, k, UNIT, time_limit_s=2)
+  # The heuristic alone: the exact program would run to its time limit and
+  # only reorder what torch reads the same way.
+  s = synthesis.synthesize(p, m, v, k, UNIT, time_limit_s=2, method='heuristic')
   path = str(tmp_path / 'synth.csv')
   files.write_csv(s, path)
   runtime = schedules._PipelineScheduleRuntime([sizes_only(p * v, p) for _ in range(v)], m)
@@ -320,7 +322,10 @@ def test_a_synthesised_schedule_matches_one_device(v, k, tmp_path):
   """Loss and gradients at (data, tensor, pipe) = (1, 1, 4) against one
   device, fp32, through pipeline.schedule_file."""
   path = str(tmp_path / 'synth.json')
-  files.write_json(synthesis.synthesize(4, 8, v, k, UNIT, time_limit_s=2), path)
+  # The heuristic's orders (the exact program's differ only by where its
+  # time limit stopped it): the executor runs any valid order alike.
+  schedule = synthesis.synthesize(4, 8, v, k, UNIT, time_limit_s=2, method='heuristic')
+  files.write_json(schedule, path)
   layers, batch = 8, 32
   base = {'model.num_layers': layers, 'train.global_batch_size': batch}
   ref_loss, ref_grads = harness.loss_and_grads(harness.tiny_config(**base, **{'mesh.data': 1}))

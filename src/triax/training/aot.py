@@ -29,7 +29,9 @@ def compile_for_topology(cfg, workdir: str, topology: topology_lib.Topology) -> 
   """Compiles `cfg`'s programs for `topology`; writes WORKDIR/compile_stats.json.
 
   Returns the stats, with the fit against the chip's HBM (`fits`, `fit_line`)
-  and the train step's largest buffers (`largest_buffers`).
+  the train step's largest buffers (`largest_buffers`) and the heap its
+  temporaries take (`temp_heap_bytes`: on XLA:TPU, temp_bytes less the
+  fragmentation it counts twice; buffers.temp_heap).
 
   Raises:
     ConfigError: bad config or topology (a mesh whose device count is not the
@@ -54,6 +56,7 @@ def compile_for_topology(cfg, workdir: str, topology: topology_lib.Topology) -> 
       stats = _refused(e)  # XLA:TPU compiles nothing that exceeds the chip's HBM
       fits, line = False, stats['compile_error']
     stats['largest_buffers'] = buffers.largest(dump)
+    stats['temp_heap_bytes'] = buffers.temp_heap(dump)
   stats.update(
     topology=topology.name,
     topology_slices=topology.slices,

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import heapq
 import itertools
 import random
 import time
@@ -30,6 +31,7 @@ from triax.pipeline.ir import BACKWARD, FORWARD, WEIGHT, Action
 from triax.pipeline.synthesis.problem import Problem, within
 
 Orders = list[list[Action]]
+Key = tuple[str, int, int]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,7 +85,13 @@ class _Pass:
   def __init__(self, problem: Problem, policy: Policy):
     self.pr, self.policy = problem, policy
     p = problem.stages
-    self.ends: dict[Action, float] = {}
+    # Actions as (kind, microbatch, chunk) tuples: a pass asks millions of
+    # times whether an input has run, and a tuple hashes in C.
+    self.inputs = _keyed_inputs(problem)
+    self.ends: dict[Key, float] = {}
+    # An action's ready time, once all its inputs have run (it cannot change
+    # after): a pass asks again at every step of its stage.
+    self.ready: dict[Key, float] = {}
     self.free = [0.0] * p
     self.orders: Orders = [[] for _ in range(p)]
     self.next = {(k, c): 0 for k in (FORWARD, BACKWARD) for c in range(problem.num_chunks)}
@@ -101,17 +109,29 @@ class _Pass:
     return default if self.rng is None else self.rng.random() < 0.5
 
   def run(self) -> Orders:
-    while any(self.left):
-      s = min((s for s in range(self.pr.stages) if self.left[s]), key=lambda s: self.free[s])
+    # The stage that frees first steps next (the lowest index among equals):
+    # only the stepped stage's time changes, so a heap keeps the order.
+    heap = [(self.free[s], s) for s in range(self.pr.stages) if self.left[s]]
+    heapq.heapify(heap)
+    while heap:
+      _, s = heapq.heappop(heap)
       self.step(s)
+      if self.left[s]:
+        heapq.heappush(heap, (self.free[s], s))
     return self.orders
 
-  def ready_time(self, a: Action) -> float | None:
+  def ready_time(self, key: Key) -> float | None:
+    """When the action may start; None while an input has not run."""
+    t = self.ready.get(key)
+    if t is not None:
+      return t
     t = 0.0
-    for dep, lag in self.pr.predecessors(a):
-      if dep not in self.ends:
+    for dep, dep_duration, lag in self.inputs[key]:
+      end = self.ends.get(dep)
+      if end is None:
         return None
-      t = max(t, self.ends[dep] - self.pr.duration(dep.kind) + lag)
+      t = max(t, end - dep_duration + lag)
+    self.ready[key] = t
     return t
 
   def candidates(self, s: int) -> list[tuple[Action, float]]:
@@ -120,10 +140,9 @@ class _Pass:
       for kind in (FORWARD, BACKWARD):
         j = self.next[(kind, c)]
         if j < self.pr.microbatches:
-          a = Action(kind, j, c)
-          r = self.ready_time(a)
+          r = self.ready_time((kind, j, c))
           if r is not None:
-            out.append((a, r))
+            out.append((Action(kind, j, c), r))
     return out
 
   def room(self, s: int, a: Action) -> bool:
@@ -180,9 +199,9 @@ class _Pass:
     return min(times, default=None)
 
   def run_action(self, s: int, a: Action, t: float) -> None:
-    start = t if a.kind == WEIGHT else max(t, self.ready_time(a))
+    start = t if a.kind == WEIGHT else max(t, self.ready_time((a.kind, a.microbatch, a.chunk)))
     end = start + self.pr.duration(a.kind)
-    self.ends[a] = end
+    self.ends[(a.kind, a.microbatch, a.chunk)] = end
     self.free[s] = end
     self.orders[s].append(a)
     self.left[s] -= 1
@@ -195,6 +214,16 @@ class _Pass:
     else:
       self.held[s] -= 1
       self.waiting[s].popleft()
+
+
+def _keyed_inputs(problem: Problem) -> dict[Key, tuple[tuple[Key, float, float], ...]]:
+  """Per action, its inputs as (input, input's duration, lag) (`Problem.predecessors`)."""
+  key = lambda a: (a.kind, a.microbatch, a.chunk)  # noqa: E731
+  return {
+    key(a): tuple((key(d), problem.duration(d.kind), lag) for d, lag in problem.predecessors(a))
+    for actions in problem.actions_of
+    for a in actions
+  }
 
 
 def improve(problem: Problem, orders: Orders, score, deadline: float, window: int = 6) -> Orders:
