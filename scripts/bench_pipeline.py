@@ -45,7 +45,7 @@ def bench_config(**overrides):
 
 def bubbles(name, m, v):
   program = sched.lower(sched.build(name, P, m, v))
-  costs = simulate.Costs(t_forward=1.0, t_backward=2.0)
+  costs = simulate.Costs.design_point(split=False)
   return (
     program.ticks,
     simulate.simulate_lockstep(program, costs).bubble_fraction,

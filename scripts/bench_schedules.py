@@ -133,11 +133,7 @@ def measure_group(
   for name, v in points:
     schedule = sched.build(name, p, m, v)
     program = sched.lower(schedule)
-    costs = (
-      simulate.Costs(t_forward=1.0, t_backward=1.0, t_weight=1.0)
-      if schedule.split_backward
-      else simulate.Costs(t_forward=1.0, t_backward=2.0)
-    )
+    costs = simulate.Costs.design_point(schedule.split_backward)
     cfg = config_lib.validate(
       bench_config(config_lib, m, name, v, p, data, layers), jax.device_count()
     )

@@ -43,7 +43,7 @@ EPS = 1e-9
 def unit_costs():
   from triax.pipeline.simulate import Costs
 
-  return Costs(t_forward=1, t_backward=1, t_weight=1)
+  return Costs.design_point(split=True)
 
 
 def memory_free_bound(p, m, v, costs):

@@ -206,18 +206,11 @@ def pipeline_loss_and_grad(
   if mesh.shape['pipe'] != p:
     raise ValueError(f'mesh has pipe={mesh.shape["pipe"]} but the schedule has {p} stages')
   manual = ('pipe',) + ((data_axis,) if data_axis else ())
-  if data_axis:
-    replicas = mesh.shape[data_axis]
-    if act_shape[0] % replicas:
-      raise ValueError(
-        f'micro-batch of {act_shape[0]} rows does not split over {data_axis}={replicas}'
-      )
-    act_shape = (act_shape[0] // replicas,) + tuple(act_shape[1:])
   setup = _Setup(
     fns=fns,
     program=program,
     manual=manual,
-    act_shape=tuple(act_shape),
+    act_shape=_replica_shape(act_shape, mesh, data_axis),
     act_dtype=act_dtype,
     loss_scale=loss_scale,
     act_spec=act_spec,
@@ -236,15 +229,31 @@ def pipeline_loss_and_grad(
     c, _ = jax.lax.scan(stage.tick, stage.initial_carry(), tables)
     return _reduce_over_replicas(c, manual, mesh, edge_specs)
 
+  return PipelineStep(_per_stage(body, mesh, manual, data_axis, segments), info)
+
+
+def _replica_shape(act_shape, mesh: Mesh, data_axis: str | None) -> tuple[int, ...]:
+  """One micro-batch's activation shape as one replica of `data_axis` holds it."""
+  if not data_axis:
+    return tuple(act_shape)
+  replicas = mesh.shape[data_axis]
+  if act_shape[0] % replicas:
+    raise ValueError(
+      f'micro-batch of {act_shape[0]} rows does not split over {data_axis}={replicas}'
+    )
+  return (act_shape[0] // replicas,) + tuple(act_shape[1:])
+
+
+def _per_stage(body, mesh: Mesh, manual, data_axis: str | None, segments: bool):
+  """`body` shard_mapped: a stage's parameters, every edge, its replica's rows."""
   rows = P(None, data_axis) if data_axis else P()
-  run = jax.shard_map(
+  return jax.shard_map(
     body,
     mesh=mesh,
     axis_names=set(manual),
     in_specs=(P('pipe'), P(), rows, rows) + ((rows,) if segments else ()),
     out_specs=((P(), P()), (P('pipe'), P())),
   )
-  return PipelineStep(run, info)
 
 
 @dataclasses.dataclass(frozen=True)

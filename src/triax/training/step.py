@@ -211,16 +211,7 @@ def build_trainer(cfg, mesh: Mesh) -> Trainer:
   spec = dataclasses.replace(registry.spec_from_config(cfg.model), context=cfg.mesh.context)
   model = registry.build(spec)
   rules = cfg.sharding.logical_axis_rules
-  p, v = cfg.mesh.pipe, cfg.pipeline.virtual_stages
-  m = cfg.pipeline.microbatches
-  program, placement = None, None
-  if p > 1 or m > 1:
-    schedule = sched.from_config(cfg.pipeline, p, m, v)
-    program = sched.lower(schedule)
-    placement = schedule.placement
-  layout = layout_lib.StackLayout.build(
-    spec.num_layers, p, v, cfg.pipeline.layers_per_stage, placement
-  )
+  program, layout = _program_and_layout(cfg, spec.num_layers)
   optimizer = make_optimizer(cfg.train)
   zero1 = cfg.train.optimizer_sharding == 'data'
   param_shardings = sharding.tree_shardings(pipeline_axes(model.logical_axes()), mesh, rules)
@@ -247,15 +238,7 @@ def build_trainer(cfg, mesh: Mesh) -> Trainer:
     with sharding.axis_rules(rules):
       return raw_loss_and_grad(params, inputs, targets, segments)
 
-  # Packed rows carry their document ids (batch['segment_ids']); attention stays inside each.
-  documents = bool(cfg.data.mask_documents)
-
-  def batch_args(batch: dict) -> tuple:
-    """inputs, targets and (data.mask_documents) the rows' document ids, in the
-    slot order the model expects (load-balanced over context ranks)."""
-    args = (batch['inputs'], batch['targets'], batch['segment_ids'] if documents else None)
-    return tuple(None if a is None else context_lib.permute(a, spec.context) for a in args)
-
+  batch_args = _batch_args(bool(cfg.data.mask_documents), spec.context)
   train_step = _train_step(cfg, optimizer, loss_and_grad, batch_args)
   eval_loss = _eval_loss(cfg, mesh, model, spec, layout, batch_args)
   replicated = NamedSharding(mesh, P())
@@ -296,6 +279,32 @@ def build_trainer(cfg, mesh: Mesh) -> Trainer:
     to_canonical=relayout.Relayout(layout, state_shardings, canonical_shardings, to_model=True),
     from_canonical=relayout.Relayout(layout, canonical_shardings, state_shardings, to_model=False),
   )
+
+
+def _program_and_layout(cfg, num_layers: int):
+  """The lowered schedule (None without a pipeline or micro-batches) and
+  where each layer's weights sit in the stage-major stacks."""
+  p, v, m = cfg.mesh.pipe, cfg.pipeline.virtual_stages, cfg.pipeline.microbatches
+  program, placement = None, None
+  if p > 1 or m > 1:
+    schedule = sched.from_config(cfg.pipeline, p, m, v)
+    program = sched.lower(schedule)
+    placement = schedule.placement
+  layout = layout_lib.StackLayout.build(num_layers, p, v, cfg.pipeline.layers_per_stage, placement)
+  return program, layout
+
+
+def _batch_args(documents: bool, context: int):
+  """batch -> (inputs, targets, document ids or None), in the slot order the
+  model expects (load-balanced over `context` ranks). Packed rows carry their
+  document ids (batch['segment_ids']) with data.mask_documents; attention
+  then stays inside each."""
+
+  def batch_args(batch: dict) -> tuple:
+    args = (batch['inputs'], batch['targets'], batch['segment_ids'] if documents else None)
+    return tuple(None if a is None else context_lib.permute(a, context) for a in args)
+
+  return batch_args
 
 
 def _state_shardings(optimizer, param_shardings, param_shapes, zero1: bool, mesh: Mesh):
