@@ -514,17 +514,42 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int) -> ml_collections
   cfg = ml_collections.ConfigDict(cfg.to_dict())  # unlocked copy; caller's stays as given
   for axis, size in zip(MESH_AXES, resolve_mesh_shape(cfg.mesh, num_devices)):
     cfg.mesh[axis] = size
-  data, tensor, pipe = cfg.mesh.data, cfg.mesh.tensor, cfg.mesh.pipe
+  _check_mesh(cfg.mesh, cfg.model.family, num_devices)
+  _check_model(cfg)
+  _check_attention(cfg.model, cfg.data)
+  _check_pipeline(cfg)
+  _check_train(cfg)
+  _check_checkpoint(cfg)
+  if cfg.hardware.peak_flops_per_device < 0:
+    raise ConfigError('hardware.peak_flops_per_device', 'must be >= 0 (0 = look up)')
+  _check_rules(cfg.sharding.logical_axis_rules)
+  check_sequence(cfg.mesh, cfg.model)
+  cfg.sharding.logical_axis_rules = _sequence_rules(cfg, _fsdp_rules(cfg))
+  cfg.sharding.logical_axis_rules = registry.validate(
+    cfg.model,
+    defaults().model,
+    cfg.mesh,
+    cfg.sharding.logical_axis_rules,
+    pipelined=cfg.mesh.pipe > 1 or cfg.pipeline.microbatches > 1,
+  )
+  return cfg
+
+
+def _check_mesh(mesh, family: str, num_devices: int) -> None:
+  """The mesh group, its axes already resolved: dcn factors, device order, the expert axis."""
   for axis in MESH_AXES:
-    dcn = cfg.mesh[f'dcn_{axis}']
-    if not isinstance(dcn, int) or dcn <= 0 or cfg.mesh[axis] % dcn:
+    dcn = mesh[f'dcn_{axis}']
+    if not isinstance(dcn, int) or dcn <= 0 or mesh[axis] % dcn:
       raise ConfigError(
         f'mesh.dcn_{axis}',
-        f'must be a positive divisor of mesh.{axis}={cfg.mesh[axis]}, got {dcn!r}',
+        f'must be a positive divisor of mesh.{axis}={mesh[axis]}, got {dcn!r}',
       )
-  _check_device_order(cfg.mesh, num_devices)
-  _check_expert(cfg.mesh, cfg.model.family)
+  _check_device_order(mesh, num_devices)
+  _check_expert(mesh, family)
 
+
+def _check_model(cfg) -> None:
+  """The model group's shapes and dtypes against the tensor degree and the data it reads."""
   for key in ('num_layers', 'd_model', 'num_heads', 'd_ff', 'vocab_size', 'seq_len'):
     _positive(cfg, 'model', key)
   m = cfg.model
@@ -532,7 +557,7 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int) -> ml_collections
     raise ConfigError(
       'model.num_heads', f'must divide model.d_model={m.d_model}, got {m.num_heads}'
     )
-  check_tensor_split(m, tensor)
+  check_tensor_split(m, cfg.mesh.tensor)
   chunk = m.loss_chunk
   if (
     not isinstance(chunk, int)
@@ -570,7 +595,11 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int) -> ml_collections
       raise ConfigError(
         f'model.{key}', f'unknown value {m[key]!r}; choose one of {", ".join(choices)}'
       )
-  if m.attention == 'cudnn' and cfg.data.mask_documents:
+
+
+def _check_attention(m, data) -> None:
+  """What the attention kernel chosen accepts (cudnn's and splash's rules)."""
+  if m.attention == 'cudnn' and data.mask_documents:
     raise ConfigError(
       'model.attention',
       'cudnn takes no document mask here (data.mask_documents=true); use xla',
@@ -590,7 +619,10 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int) -> ml_collections
 
   _check_splash(m)
 
-  p = cfg.pipeline
+
+def _check_pipeline(cfg) -> None:
+  """The pipeline group: the schedule's own rules (its builder's) and the layer split."""
+  p, m, pipe = cfg.pipeline, cfg.model, cfg.mesh.pipe
   if p.schedule not in SCHEDULES:
     raise ConfigError(
       'pipeline.schedule', f'unknown schedule {p.schedule!r}; choose one of {", ".join(SCHEDULES)}'
@@ -605,10 +637,13 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int) -> ml_collections
   sched.from_config(p, pipe, p.microbatches, v)
   StackLayout.build(m.num_layers, pipe, v, tuple(p.layers_per_stage or ()))
 
+
+def _check_train(cfg) -> None:
+  """The train group: counts, the batch split, the optimizer and its schedule."""
   t = cfg.train
   for key in ('steps', 'global_batch_size', 'eval_every', 'eval_batches', 'log_every'):
     _positive(cfg, 'train', key)
-  check_batch_split(t, data, p.microbatches)
+  check_batch_split(t, cfg.mesh.data, cfg.pipeline.microbatches)
   for key in ('learning_rate', 'weight_decay', 'grad_clip_norm', 'min_lr_ratio'):
     if not isinstance(t[key], (int, float)) or t[key] < 0:
       raise ConfigError(f'train.{key}', f'must be a non-negative number, got {t[key]!r}')
@@ -643,6 +678,10 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int) -> ml_collections
         f'stable phase after train.warmup_steps={t.warmup_steps}; lower one of them '
         f'(warmup_steps + decay steps must be below steps)',
       )
+
+
+def _check_checkpoint(cfg) -> None:
+  """The checkpoint group: when to save and what to keep."""
   if not isinstance(cfg.checkpoint.every_steps, int) or cfg.checkpoint.every_steps < 0:
     raise ConfigError('checkpoint.every_steps', 'must be >= 0 (0 = only at the end)')
   seconds = cfg.checkpoint.every_seconds
@@ -660,19 +699,6 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int) -> ml_collections
       'checkpoint.keep_every_steps', f'must be an integer >= 0 (0 = off), got {milestone!r}'
     )
   _positive(cfg, 'checkpoint', 'keep')
-  if cfg.hardware.peak_flops_per_device < 0:
-    raise ConfigError('hardware.peak_flops_per_device', 'must be >= 0 (0 = look up)')
-  _check_rules(cfg.sharding.logical_axis_rules)
-  check_sequence(cfg.mesh, cfg.model)
-  cfg.sharding.logical_axis_rules = _sequence_rules(cfg, _fsdp_rules(cfg))
-  cfg.sharding.logical_axis_rules = registry.validate(
-    cfg.model,
-    defaults().model,
-    cfg.mesh,
-    cfg.sharding.logical_axis_rules,
-    pipelined=cfg.mesh.pipe > 1 or cfg.pipeline.microbatches > 1,
-  )
-  return cfg
 
 
 def _check_splash(m) -> None:
