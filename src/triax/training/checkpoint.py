@@ -107,8 +107,7 @@ class Checkpointer:
     self.directory = os.path.join(self.workdir, workdir_lib.CHECKPOINTS)
     self.cfg = cfg
     self.keep = cfg.checkpoint.keep
-    # triax sample reads a run's config.json, which older runs wrote without this key.
-    self.keep_every = cfg.checkpoint.get('keep_every_steps', 0)
+    self.keep_every = cfg.checkpoint.keep_every_steps
     self.restore_fallback = restore_fallback
     self.restored_step: int | None = None
     self.restored_progress: dict = {}
