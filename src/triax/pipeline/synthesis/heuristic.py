@@ -28,10 +28,9 @@ import random
 import time
 
 from triax.pipeline.ir import BACKWARD, FORWARD, WEIGHT, Action
-from triax.pipeline.synthesis.problem import Problem, within
+from triax.pipeline.synthesis.problem import Key, Problem, key, within
 
 Orders = list[list[Action]]
-Key = tuple[str, int, int]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,9 +84,8 @@ class _Pass:
   def __init__(self, problem: Problem, policy: Policy):
     self.pr, self.policy = problem, policy
     p = problem.stages
-    # Actions as (kind, microbatch, chunk) tuples: a pass asks millions of
-    # times whether an input has run, and a tuple hashes in C.
-    self.inputs = _keyed_inputs(problem)
+    # Actions keyed as tuples (problem.key): a tuple hashes in C.
+    self.inputs = problem.keyed_inputs
     self.ends: dict[Key, float] = {}
     # An action's ready time, once all its inputs have run (it cannot change
     # after): a pass asks again at every step of its stage.
@@ -120,18 +118,18 @@ class _Pass:
         heapq.heappush(heap, (self.free[s], s))
     return self.orders
 
-  def ready_time(self, key: Key) -> float | None:
+  def ready_time(self, action: Key) -> float | None:
     """When the action may start; None while an input has not run."""
-    t = self.ready.get(key)
+    t = self.ready.get(action)
     if t is not None:
       return t
     t = 0.0
-    for dep, dep_duration, lag in self.inputs[key]:
+    for dep, dep_duration, lag in self.inputs[action]:
       end = self.ends.get(dep)
       if end is None:
         return None
       t = max(t, end - dep_duration + lag)
-    self.ready[key] = t
+    self.ready[action] = t
     return t
 
   def candidates(self, s: int) -> list[tuple[Action, float]]:
@@ -199,9 +197,9 @@ class _Pass:
     return min(times, default=None)
 
   def run_action(self, s: int, a: Action, t: float) -> None:
-    start = t if a.kind == WEIGHT else max(t, self.ready_time((a.kind, a.microbatch, a.chunk)))
+    start = t if a.kind == WEIGHT else max(t, self.ready_time(key(a)))
     end = start + self.pr.duration(a.kind)
-    self.ends[(a.kind, a.microbatch, a.chunk)] = end
+    self.ends[key(a)] = end
     self.free[s] = end
     self.orders[s].append(a)
     self.left[s] -= 1
@@ -214,16 +212,6 @@ class _Pass:
     else:
       self.held[s] -= 1
       self.waiting[s].popleft()
-
-
-def _keyed_inputs(problem: Problem) -> dict[Key, tuple[tuple[Key, float, float], ...]]:
-  """Per action, its inputs as (input, input's duration, lag) (`Problem.predecessors`)."""
-  key = lambda a: (a.kind, a.microbatch, a.chunk)  # noqa: E731
-  return {
-    key(a): tuple((key(d), problem.duration(d.kind), lag) for d, lag in problem.predecessors(a))
-    for actions in problem.actions_of
-    for a in actions
-  }
 
 
 def improve(problem: Problem, orders: Orders, score, deadline: float, window: int = 6) -> Orders:

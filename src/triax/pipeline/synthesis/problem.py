@@ -29,6 +29,13 @@ import functools
 from triax.pipeline.ir import BACKWARD, FORWARD, WEIGHT, Action
 from triax.pipeline.simulate import Costs
 
+# An action as (kind, microbatch, chunk): what the greedy passes key by.
+Key = tuple[str, int, int]
+
+
+def key(a: Action) -> Key:
+  return (a.kind, a.microbatch, a.chunk)
+
 
 @dataclasses.dataclass(frozen=True)
 class Problem:
@@ -86,6 +93,17 @@ class Problem:
   @functools.cached_property
   def _predecessors(self) -> dict[Action, tuple[tuple[Action, float], ...]]:
     return {a: self._inputs(a) for actions in self.actions_of for a in actions}
+
+  @functools.cached_property
+  def keyed_inputs(self) -> dict[Key, tuple[tuple[Key, float, float], ...]]:
+    """`predecessors` keyed by `key`, each input with its duration:
+    (input, input's duration, lag). The greedy passes ask millions of times
+    whether an input has run, and a tuple hashes in C (an Action in Python)."""
+    return {
+      key(a): tuple((key(d), self.duration(d.kind), lag) for d, lag in self.predecessors(a))
+      for actions in self.actions_of
+      for a in actions
+    }
 
   def _inputs(self, a: Action) -> tuple[tuple[Action, float], ...]:
     """(input, lag): `a` may start `lag` after its input starts.
