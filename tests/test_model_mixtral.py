@@ -136,6 +136,14 @@ def _config(**overrides):
   return harness.tiny_mixtral_config(**overrides)
 
 
+# What the pipeline executor needs of a mixtral (each layer balanced per micro-batch).
+PIPELINED = {
+  'model.router_aux_loss_scope': 'microbatch',
+  'pipeline.microbatches': 2,
+  'mesh.data': 4,
+}
+
+
 @functools.cache
 def _reference(dispatch):
   return harness.loss_and_grads(_config(**{'mesh.data': 1, 'model.moe_dispatch': dispatch}))
@@ -186,7 +194,8 @@ def test_objective_adds_the_router_losses_and_training_logs_them():
   assert 1 <= out['moe_load_max'] <= E / K and out['moe_dropped_fraction'] == 0
 
 
-def test_flops_count_the_active_parameters_and_the_total_is_beside():
+@pytest.mark.parametrize('every', [1, 3])
+def test_flops_count_the_active_parameters_and_the_total_is_beside(every):
   model = harness.model_of(
     family='mixtral',
     num_layers=3,
@@ -198,25 +207,72 @@ def test_flops_count_the_active_parameters_and_the_total_is_beside():
     num_experts=8,
     experts_per_token=2,
     shared_experts=1,
+    moe_every=every,
   )
   shapes = jax.eval_shape(model.init, jax.random.key(0))
   total = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(shapes))
   active = model.active_parameters(total)
   s = model.spec
-  # Six of eight routed experts sit out each layer: 3 matrices of d x f each.
-  assert total - active == s.num_layers * 6 * 3 * s.d_model * s.d_ff
-  # The layers' matmul FLOPs are 2 per active weight per token (norm scales aside).
+  # Six of eight routed experts sit out each MoE layer: 3 matrices of d x f each.
+  assert total - active == s.num_layers // every * 6 * 3 * s.d_model * s.d_ff
+  # The layers' matmul FLOPs are 2 per active weight per token (norm scales aside),
+  # dense blocks' and MoE blocks' alike.
   norms = s.num_layers * 2 * s.d_model
   layer_weights = active - norms - 2 * s.vocab_size * s.d_model - s.d_model
   fwd = model.forward_flops()
   assert s.num_layers * fwd['layer_matmul'] == 2.0 * s.seq_len * layer_weights
 
 
+def test_moe_every_nth_block_the_others_llamas_decoding_too():
+  from triax.model import llama, mixtral
+
+  model = harness.model_of(
+    family='mixtral',
+    num_layers=4,
+    d_model=32,
+    num_heads=4,
+    d_ff=32,
+    vocab_size=64,
+    seq_len=16,
+    num_experts=4,
+    moe_every=2,
+  )
+  params = model.init(jax.random.key(0))
+  assert set(params['layers']) == {'dense_0', 'moe'}  # one stack entry: blocks 2i and 2i+1
+  assert params['layers']['moe']['w_gate'].shape == (2, 4, 32, 32)
+  assert params['layers']['dense_0']['w_gate'].shape == (2, 32, 32)
+  tokens = jax.random.randint(jax.random.key(1), (2, 16), 0, 64)
+  x = model.embed(params['embed'], tokens)
+  for i in range(2):
+    entry = jax.tree.map(lambda a, i=i: a[i], params['layers'])
+    x = llama.Block(model.spec).apply({'params': entry['dense_0']}, x)
+    x = mixtral.Block(model.spec).apply({'params': entry['moe']}, x)
+  logits = model.logits(params, tokens)
+  np.testing.assert_allclose(logits, model.head_logits(params['head'], x), atol=1e-5)
+  # The K/V cache stays one per block: 4 layers, whatever the stack's grouping.
+  decoded, cache = model.decode(params, tokens, model.init_cache(2), 0, jnp.zeros(2, jnp.int32))
+  assert cache[0].shape[0] == 4
+  np.testing.assert_allclose(decoded, logits, atol=1e-5)
+  _, figures = model.objective(params, tokens, tokens)
+  assert 0 < figures['router_aux_loss'] and 1 <= figures['moe_load_max']
+
+
 @pytest.mark.parametrize(
   'overrides,key',
   [
     ({'model.num_experts': 0}, 'model.num_experts'),
-    ({'model.moe_every': 2}, 'model.moe_every'),
+    ({'model.moe_every': 3}, 'model.moe_every'),  # not a divisor of 2 layers
+    ({'model.moe_every': 2, 'mesh.pipe': 2, **PIPELINED}, 'model.num_layers'),
+    (
+      {
+        'model.num_layers': 6,
+        'model.moe_every': 2,
+        'mesh.pipe': 2,
+        **PIPELINED,
+        'pipeline.layers_per_stage': (3, 3),
+      },
+      'pipeline.layers_per_stage',
+    ),
     ({'model.moe_dispatch': 'sinkhorn'}, 'model.moe_dispatch'),
     ({'model.capacity_factor': 0.0}, 'model.capacity_factor'),
     ({'model.router_z_loss_coef': -1.0}, 'model.router_z_loss_coef'),
@@ -255,3 +311,18 @@ def test_dropless_dispatch_keeps_each_data_shards_tokens_on_its_device():
   gathered = re.findall(r'= f32\[([\d,]+)\]\S* all-gather(?:-start)?\(', compiled.as_text())
   # Only the router's logits [b, s, E] are gathered (for the load statistics), never a token's d.
   assert gathered and all(int(shape.split(',')[-1]) == cfg.model.num_experts for shape in gathered)
+
+
+@pytest.mark.parametrize(
+  'overrides,says',
+  [
+    ({'model.shared_experts': 1}, 'shared_experts=1'),
+    ({'model.shared_experts': 0, 'model.moe_every': 2}, 'moe_every=2'),
+  ],
+)
+def test_export_refuses_what_a_mixtral_checkpoint_cannot_hold(overrides, says):
+  from triax.model import hf_llama
+
+  with pytest.raises(ConfigError, match=says) as e:
+    hf_llama.hf_config(_config(**overrides).model)
+  assert e.value.key == '--workdir'

@@ -26,10 +26,11 @@ def _config(**overrides):
 
 
 @functools.cache
-def _reference(m: int, dispatch: str):
+def _reference(m: int, dispatch: str, shape: tuple = ()):
   """One device: the objective of each micro-batch (rows j, j+m, ... as the
-  trainer splits them) on one program, averaged; its gradient; the figures."""
-  cfg = _config(**{'model.moe_dispatch': dispatch, 'model.capacity_factor': 0.5})
+  trainer splits them) on one program, averaged; its gradient; the figures.
+  `shape`: (model key, value) pairs of the model compared."""
+  cfg = _config(**{'model.moe_dispatch': dispatch, 'model.capacity_factor': 0.5, **dict(shape)})
   spec = registry.spec_from_config(config_lib.validate(cfg, 1).model)
   model = registry.build(spec)
   params = jax.device_get(jax.jit(model.init)(jax.random.key(cfg.train.seed)))
@@ -52,7 +53,8 @@ def _reference(m: int, dispatch: str):
 
 
 def _check(data, tensor, pipe, expert, m, schedule='1f1b', dispatch='dropless', **extra):
-  ref_loss, ref_grads, ref_figures = _reference(m, dispatch)
+  shape = tuple(sorted((k, v) for k, v in extra.items() if k.startswith('model.')))
+  ref_loss, ref_grads, ref_figures = _reference(m, dispatch, shape)
   cfg = _config(
     **{'mesh.data': data, 'mesh.tensor': tensor, 'mesh.pipe': pipe, 'mesh.expert': expert},
     **{'pipeline.microbatches': m, 'pipeline.schedule': schedule},
@@ -86,3 +88,10 @@ def test_dropless_pipeline_matches_one_device(data, tensor, pipe, expert, m, sch
 
 def test_capacity_pipeline_drops_what_one_device_drops():
   _check(2, 1, 2, 1, 2, dispatch='capacity')
+
+
+def test_moe_every_other_block_in_uneven_chunks_matches_one_device():
+  # Groups of a dense block and a MoE block, 2 groups on stage 0 and 1 on
+  # stage 1 (a padded entry skipped there), the experts split too.
+  shape = {'model.num_layers': 6, 'model.moe_every': 2, 'pipeline.layers_per_stage': (4, 2)}
+  _check(2, 1, 2, 2, 2, **shape)

@@ -240,3 +240,14 @@ def test_cli_plans_mixtral_tiny_end_to_end(tmp_path, capsys):
   config.validate(cfg, 8)
   with pytest.raises(ConfigError, match='--moe_imbalance'):
     report.run(dataclasses.replace(request, out=None, moe_imbalance=0.5))
+
+
+def test_groups_of_dense_and_moe_blocks_are_refused_in_one_line(tmp_path):
+  cfg = config.from_file(MIXTRAL_TINY)
+  cfg.model.moe_every = 2
+  request = report.Request(
+    cfg=cfg, config_path=MIXTRAL_TINY, config_overrides={}, cluster=H100, top=3, out=None
+  )
+  with pytest.raises(ConfigError) as e:
+    report.run(request, as_json=True)
+  assert e.value.key == 'model.moe_every' and 'every block as a MoE' in e.value.message

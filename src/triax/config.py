@@ -136,7 +136,8 @@ def defaults() -> ml_collections.ConfigDict:
   c.model.experts_per_token = 2
   # mixtral: always-on shared experts beside the routed ones (DeepSeek / Qwen MoE); 0 = none.
   c.model.shared_experts = 0
-  # mixtral: a MoE MLP in every n-th block; only 1 (every block) is implemented.
+  # mixtral: a MoE MLP in every n-th block (Qwen2-MoE's decoder_sparse_step: block i when
+  # (i + 1) % n == 0), Llama's dense MLP of width d_ff in the others; divides num_layers.
   c.model.moe_every = 1
   # mixtral: dropless (tokens sorted by expert, grouped matmuls, none dropped) or capacity
   # (Switch/GShard buffers of capacity_factor x the even share per batch row; overflow dropped).
@@ -532,6 +533,7 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int) -> ml_collections
     cfg.sharding.logical_axis_rules,
     pipelined=cfg.mesh.pipe > 1 or cfg.pipeline.microbatches > 1,
   )
+  _check_layer_split(cfg)
   return cfg
 
 
@@ -621,8 +623,8 @@ def _check_attention(m, data) -> None:
 
 
 def _check_pipeline(cfg) -> None:
-  """The pipeline group: the schedule's own rules (its builder's) and the layer split."""
-  p, m, pipe = cfg.pipeline, cfg.model, cfg.mesh.pipe
+  """The pipeline group: the schedule's own rules (its builder's)."""
+  p, pipe = cfg.pipeline, cfg.mesh.pipe
   if p.schedule not in SCHEDULES:
     raise ConfigError(
       'pipeline.schedule', f'unknown schedule {p.schedule!r}; choose one of {", ".join(SCHEDULES)}'
@@ -635,7 +637,20 @@ def _check_pipeline(cfg) -> None:
   # The builder knows each schedule's rules (v allowed, m a multiple of p, ...);
   # a schedule file is read, checked against p, m, v and lowered here.
   sched.from_config(p, pipe, p.microbatches, v)
-  StackLayout.build(m.num_layers, pipe, v, tuple(p.layers_per_stage or ()))
+
+
+def _check_layer_split(cfg) -> None:
+  """The layers' cut into the pipeline's chunks, whole stack entries each (the
+  family's: a MoE family's groups of model.moe_every blocks), so after the model's checks."""
+  p = cfg.pipeline
+  entry = registry.spec_from_config(cfg.model).layers_per_entry
+  StackLayout.build(
+    cfg.model.num_layers,
+    cfg.mesh.pipe,
+    p.virtual_stages,
+    tuple(p.layers_per_stage or ()),
+    per_entry=entry,
+  )
 
 
 def _check_train(cfg) -> None:

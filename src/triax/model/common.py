@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from triax.model import context as context_lib
 from triax.model import loss as loss_lib
 from triax.model import splash
-from triax.sharding import active_spec, constrain
+from triax.sharding import active_spec, constrain, vary_like
 
 Params = Any
 
@@ -100,6 +100,18 @@ class ModelSpec:
   @property
   def head_dim(self) -> int:
     return self.shard_head_dim or self.d_model // self.num_heads
+
+  @property
+  def layers_per_entry(self) -> int:
+    """Blocks one entry of the stacked 'layers' axis holds: one, or a MoE
+    family's group of dense blocks and a MoE block (mixtral.Group). The
+    scan, the pipeline's chunks and the checkpoints count entries."""
+    return 1
+
+  @property
+  def stack_depth(self) -> int:
+    """Entries of the stacked 'layers' axis."""
+    return self.num_layers // self.layers_per_entry
 
   def positions(self, length: int) -> jax.Array:
     """The position each of a training window's `length` slots holds: 0..length-1,
@@ -362,7 +374,7 @@ class DecoderModel:
   def init(self, rng: jax.Array) -> Params:
     tokens, x = self._dummy()
     k_embed, k_layers, k_head = jax.random.split(rng, 3)
-    layer_keys = jax.random.split(k_layers, self.spec.num_layers)
+    layer_keys = jax.random.split(k_layers, self.spec.stack_depth)
     return {
       'embed': nn.unbox(self._embed.init(k_embed, tokens))['params'],
       'layers': jax.vmap(lambda k: nn.unbox(self._block.init(k, x))['params'])(layer_keys),
@@ -425,9 +437,19 @@ class DecoderModel:
     if num_active is None:
       return jax.lax.scan(lambda h, p: layer(p, h), x, stacked_params)
 
+    # cond's branches must match in type: both outputs varying over the manual
+    # axes h does (in a pipeline stage, its figures differ per stage; a
+    # constant figure, dropless dispatch's zero drops, varies over none).
+    def run(p, h):
+      h, out = layer(p, h)
+      return h, jax.tree.map(lambda z: vary_like(z, h), out)
+
+    def skip(p, h):
+      return h, jax.tree.map(lambda z: vary_like(z, h), skipped)
+
     def step(h, args):
       p, i = args
-      return jax.lax.cond(i < num_active, layer, lambda p, h: (h, skipped), p, h)
+      return jax.lax.cond(i < num_active, run, skip, p, h)
 
     depth = jax.tree.leaves(stacked_params)[0].shape[0]
     return jax.lax.scan(step, x, (stacked_params, jnp.arange(depth)))
@@ -537,7 +559,11 @@ class DecoderModel:
       x, (k, v) = self._block.apply({'params': p}, x, Decode(k, v, index, start, positions))
       return x, (k, v)
 
-    x, cache = jax.lax.scan(layer, x, (params['layers'], *cache))
+    # The cache is per block; an entry of a grouped stack takes its blocks' [n, ...].
+    n = self.spec.layers_per_entry
+    grouped = tuple(c.reshape((-1, n) + c.shape[1:]) if n > 1 else c for c in cache)
+    x, cache = jax.lax.scan(layer, x, (params['layers'], *grouped))
+    cache = tuple(c.reshape((-1,) + c.shape[2:]) if n > 1 else c for c in cache)
     return loss_lib.mask_padding(self.head_logits(head_params, x), self.spec.vocab_used), cache
 
   def logits(self, params: Params, tokens: jax.Array, segments=None) -> jax.Array:

@@ -129,7 +129,8 @@ def hf_config(model_cfg, base: Mapping | None = None) -> dict:
   imported checkpoint's own config.json, so its token ids and the like survive).
 
   Raises:
-    ConfigError('--workdir', ...): a mixtral with shared experts (HF's Mixtral has none).
+    ConfigError('--workdir', ...): a mixtral with shared experts or dense blocks
+      (model.moe_every > 1): HF's Mixtral has neither.
   """
   m = model_cfg
   out = dict(base or {})
@@ -139,6 +140,11 @@ def hf_config(model_cfg, base: Mapping | None = None) -> dict:
     if m.shared_experts:
       raise ConfigError(
         '--workdir', f'model.shared_experts={m.shared_experts}: MixtralForCausalLM has none'
+      )
+    if m.moe_every != 1:
+      raise ConfigError(
+        '--workdir',
+        f'model.moe_every={m.moe_every}: MixtralForCausalLM has experts in every block',
       )
     out.update(
       num_local_experts=m.num_experts,

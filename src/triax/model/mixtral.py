@@ -26,6 +26,15 @@ averaged (Megatron's). Only the second runs under the pipeline executor: a
 stage sees its own layers of one micro-batch, and each MoE layer adds its
 share's gradient itself (`stage_chunk`, moe.with_gradient_of). The z-loss is
 a mean over rows either way, the same under both.
+
+With model.moe_every = n > 1 only every n-th block is a MoE (Qwen2-MoE's
+decoder_sparse_step: block i when (i + 1) % n == 0), the others Llama's
+dense blocks of width d_ff. One entry of the layer stack is then a `Group`
+of n blocks, {'dense_0': ..., 'dense_{n-2}': ..., 'moe': ...} stacked on
+the 'layers' axis [L/n, ...]: the scan stays one of identical entries, and
+the pipeline cuts chunks at group boundaries (layer counts multiples of n).
+Remat applies to an entry: under full remat a group's n blocks are
+recomputed together, so the backward holds n blocks' activations at once.
 """
 
 from __future__ import annotations
@@ -33,12 +42,13 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from triax.errors import ConfigError
 from triax.model import llama, moe
-from triax.model.common import param
+from triax.model.common import Decode, param
 
 DISPATCHES = ('dropless', 'capacity')
 AUX_LOSS_SCOPES = ('batch', 'microbatch')
@@ -61,6 +71,14 @@ class MixtralSpec(llama.LlamaSpec):
     'shared_experts',
     'moe_every',
   )
+
+  @property
+  def layers_per_entry(self) -> int:
+    return self.moe_every
+
+  @property
+  def moe_layers(self) -> int:
+    return self.num_layers // self.moe_every
 
   def executor_refusal(self) -> str:
     if self.router_aux_loss_scope == 'microbatch':
@@ -97,14 +115,47 @@ class Block(llama.Block):
     return out
 
 
+class Group(nn.Module):
+  """model.moe_every blocks as one entry of the layer stack: moe_every - 1 of
+  Llama's, then one with experts. A decode's caches arrive as the group's
+  blocks' [n, ...] and leave so."""
+
+  spec: MixtralSpec
+
+  @nn.compact
+  def __call__(self, x, decode: Decode | None = None, segments=None):
+    n = self.spec.moe_every
+    caches = []
+    for i in range(n):
+      block = (
+        Block(self.spec, name='moe') if i == n - 1 else llama.Block(self.spec, name=f'dense_{i}')
+      )
+      if decode is None:
+        x = block(x, None, segments)
+        continue
+      x, cache = block(x, decode.replace(k=decode.k[i], v=decode.v[i]), segments)
+      caches.append(cache)
+    return x if decode is None else (x, tuple(jnp.stack(c) for c in zip(*caches)))
+
+
+def _router_stats(sown) -> moe.LayerStats:
+  """The MoE block's sown statistics, from a block's or a Group's intermediates."""
+  return (sown['moe'] if 'moe' in sown else sown)['router'][0]
+
+
 class Mixtral(llama.Llama):
   block_module = Block
+
+  def __init__(self, spec: MixtralSpec):
+    super().__init__(spec)
+    if spec.moe_every > 1:
+      self._block = Group(spec)
 
   def objective(self, params, inputs, targets, segments=None):
     embed_params, head_params = self.edge_params(params)
     x, sown = self.layers_and_sown(params['layers'], self.embed(embed_params, inputs), segments)
     lm = self._head_loss_differentiated_forward(head_params, x, targets) / targets.size
-    (stats,) = sown['router']
+    stats = _router_stats(sown)
     per_layer = self.spec.router_aux_loss_scope == 'microbatch'
     return self._with_router_losses(lm, moe.losses(stats, per_layer=per_layer))
 
@@ -123,7 +174,7 @@ class Mixtral(llama.Llama):
     gradient (moe.with_gradient_of) and reporting its share of the figures."""
     s = self.spec
     coefs = (s.router_aux_loss_coef, s.router_z_loss_coef)
-    parts = s.num_layers * microbatches
+    parts = s.moe_layers * microbatches
     # A padded layer's figures (uneven splits): zeros shaped as a real layer's.
     zeros = jax.eval_shape(lambda: moe.layer_share(_one_token_stats(s), coefs, parts, ())[1:])
 
@@ -132,8 +183,7 @@ class Mixtral(llama.Llama):
 
       def layer(p, h):
         out, sown = sowing(p, h)
-        (stats,) = sown['router']
-        term, shares, maxima = moe.layer_share(stats, coefs, parts, replica_axes)
+        term, shares, maxima = moe.layer_share(_router_stats(sown), coefs, parts, replica_axes)
         return moe.with_gradient_of(out, term), (shares, maxima)
 
       skipped = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), zeros)
@@ -148,18 +198,20 @@ class Mixtral(llama.Llama):
   def active_parameters(self, total: int) -> int:
     s = self.spec
     unused = s.num_experts - s.experts_per_token
-    return total - s.num_layers * unused * 3 * s.d_model * s.d_ff
+    return total - s.moe_layers * unused * 3 * s.d_model * s.d_ff
 
   def forward_flops(self) -> dict[str, float]:
-    """Forward FLOPs of one sequence, the chosen experts' only (model/flops.py)."""
+    """Forward FLOPs of one sequence, the chosen experts' only (model/flops.py);
+    per layer, averaged over a group's dense blocks and its MoE block."""
     s = self.spec
     t, d = s.seq_len, s.d_model
     dense = super().forward_flops()
     experts = s.experts_per_token + s.shared_experts
-    # Llama's count has one SwiGLU of d_ff; a token runs k routed and S shared ones.
+    # Llama's count has one SwiGLU of d_ff; a MoE token runs k routed and S shared ones.
     mlp = 2.0 * t * 3 * d * s.d_ff
     router = 2.0 * t * d * s.num_experts
-    return {**dense, 'layer_matmul': dense['layer_matmul'] + (experts - 1) * mlp + router}
+    extra = ((experts - 1) * mlp + router) / s.moe_every
+    return {**dense, 'layer_matmul': dense['layer_matmul'] + extra}
 
 
 def _one_token_stats(s: MixtralSpec) -> moe.LayerStats:
@@ -193,11 +245,12 @@ def validate(model_cfg, mesh_cfg, rules: tuple) -> tuple:
       'model.experts_per_token', f'{k} exceeds model.num_experts={experts}: at most all of them'
     )
   _count(m, 'shared_experts', 0)
-  if _count(m, 'moe_every', 1) != 1:
+  every = _count(m, 'moe_every', 1)
+  if m.num_layers % every:
     raise ConfigError(
       'model.moe_every',
-      f'{m.moe_every}: only 1 (every block a MoE) is implemented; the layer stack is one scan '
-      'of identical blocks',
+      f'{every} does not divide model.num_layers={m.num_layers}: the stack is groups of '
+      f'moe_every blocks, the last one a MoE; use a divisor',
     )
   if m.moe_dispatch not in DISPATCHES:
     raise ConfigError(

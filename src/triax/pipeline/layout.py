@@ -35,7 +35,7 @@ class StackLayout:
 
   stages: int
   virtual: int
-  counts: tuple[int, ...]  # layers of each chunk, in chunk (= model) order
+  counts: tuple[int, ...]  # stack entries (layers) of each chunk, in chunk (= model) order
   placement: tuple[int, ...] | None = None  # stage of each chunk; None: c mod p
 
   def __post_init__(self):
@@ -50,26 +50,35 @@ class StackLayout:
     virtual: int,
     layers_per_stage: Sequence[int] = (),
     placement: Sequence[int] | None = None,
+    per_entry: int = 1,
   ) -> StackLayout:
-    layout = cls._build(num_layers, stages, virtual, layers_per_stage)
+    """The layout of `num_layers` blocks stacked `per_entry` to an entry (a MoE
+    family's model.moe_every): chunks are cut between entries and counted in them."""
+    layout = cls._build(num_layers, stages, virtual, layers_per_stage, per_entry)
     if placement is None:
       return layout
     return dataclasses.replace(layout, placement=tuple(placement))
 
   @classmethod
   def _build(
-    cls, num_layers: int, stages: int, virtual: int, layers_per_stage: Sequence[int] = ()
+    cls,
+    num_layers: int,
+    stages: int,
+    virtual: int,
+    layers_per_stage: Sequence[int] = (),
+    per_entry: int = 1,
   ) -> StackLayout:
     chunks = stages * virtual
+    groups = f' in groups of model.moe_every={per_entry}' if per_entry > 1 else ''
     if not layers_per_stage:
-      if num_layers % chunks:
+      if num_layers % (chunks * per_entry):
         raise ConfigError(
           'model.num_layers',
-          f'{num_layers} layers cannot be cut into mesh.pipe*pipeline.'
+          f'{num_layers} layers{groups} cannot be cut into mesh.pipe*pipeline.'
           f'virtual_stages = {stages}*{virtual} equal chunks; use a multiple of '
-          f'{chunks} or set pipeline.layers_per_stage',
+          f'{chunks * per_entry} or set pipeline.layers_per_stage',
         )
-      return cls(stages, virtual, (num_layers // chunks,) * chunks)
+      return cls(stages, virtual, (num_layers // chunks // per_entry,) * chunks)
     counts = tuple(layers_per_stage)
     if len(counts) != chunks:
       raise ConfigError(
@@ -84,7 +93,13 @@ class StackLayout:
         'pipeline.layers_per_stage',
         f'counts sum to {sum(counts)} but model.num_layers = {num_layers}',
       )
-    return cls(stages, virtual, counts)
+    if any(n % per_entry for n in counts):
+      raise ConfigError(
+        'pipeline.layers_per_stage',
+        f'counts must be multiples of model.moe_every={per_entry} (a chunk holds whole '
+        f'groups of dense blocks and their MoE block), got {counts}',
+      )
+    return cls(stages, virtual, tuple(n // per_entry for n in counts))
 
   @property
   def even(self) -> bool:

@@ -211,7 +211,7 @@ def build_trainer(cfg, mesh: Mesh) -> Trainer:
   spec = dataclasses.replace(registry.spec_from_config(cfg.model), context=cfg.mesh.context)
   model = registry.build(spec)
   rules = cfg.sharding.logical_axis_rules
-  program, layout = _program_and_layout(cfg, spec.num_layers)
+  program, layout = _program_and_layout(cfg, spec)
   optimizer = make_optimizer(cfg.train)
   zero1 = cfg.train.optimizer_sharding == 'data'
   param_shardings = sharding.tree_shardings(pipeline_axes(model.logical_axes()), mesh, rules)
@@ -281,16 +281,18 @@ def build_trainer(cfg, mesh: Mesh) -> Trainer:
   )
 
 
-def _program_and_layout(cfg, num_layers: int):
+def _program_and_layout(cfg, spec):
   """The lowered schedule (None without a pipeline or micro-batches) and
-  where each layer's weights sit in the stage-major stacks."""
+  where each stack entry's weights sit in the stage-major stacks."""
   p, v, m = cfg.mesh.pipe, cfg.pipeline.virtual_stages, cfg.pipeline.microbatches
   program, placement = None, None
   if p > 1 or m > 1:
     schedule = sched.from_config(cfg.pipeline, p, m, v)
     program = sched.lower(schedule)
     placement = schedule.placement
-  layout = layout_lib.StackLayout.build(num_layers, p, v, cfg.pipeline.layers_per_stage, placement)
+  layout = layout_lib.StackLayout.build(
+    spec.num_layers, p, v, cfg.pipeline.layers_per_stage, placement, spec.layers_per_entry
+  )
   return program, layout
 
 
