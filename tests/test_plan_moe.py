@@ -251,3 +251,28 @@ def test_groups_of_dense_and_moe_blocks_are_refused_in_one_line(tmp_path):
   with pytest.raises(ConfigError) as e:
     report.run(request, as_json=True)
   assert e.value.key == 'model.moe_every' and 'every block as a MoE' in e.value.message
+
+
+def test_the_learned_planner_takes_the_best_expert_degree_of_its_decisions():
+  # The memory-bound case above: only split experts fit. The policy decides
+  # no expert degree; pricing its decisions takes the best one accepted.
+  from triax.plan.learned import decisions
+
+  cfg = mixtral_config()
+  big = dataclasses.replace(EXPERTS, param_bytes=0.9e9)
+  prof = moe_profile(big, layer_fwd=1e-3, layer_bwd=2e-3, layer_param_bytes=1e9)
+  cluster = make_cluster(groups=(('gpu', 8, 1.0, '6 GB'),), bandwidth='10 GB/s', latency='5 us')
+  best = exhaustive.search(cfg, cluster, profile=prof, top_k=1).top[0]
+  b = best.plan
+  choices = {
+    'tensor': b.tensor,
+    'pipe': b.pipe,
+    'microbatches': b.microbatches,
+    'schedule': (b.schedule, b.virtual_stages),
+    'remat': b.remat,
+    'sharding': b.state_sharding,
+  }
+  part = decisions.Partial(choices=choices, stages=list(b.stages))
+  got = decisions.plan_of(decisions.problem(cfg, cluster, prof), part)
+  assert got.plan.expert == b.expert > 1 and not got.oom
+  assert got.step_time == pytest.approx(best.step_time)

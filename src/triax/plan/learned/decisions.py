@@ -11,7 +11,8 @@ left, the rest come from the fastest groups with devices left). Each
 `Decision` is a choice among candidates with their named features.
 `plan_of` prices complete decisions through the search's own API
 (plan/search/evaluate.py: the even and the balanced layer split, the
-better of the two).
+better of the two; for a MoE, each expert degree the validator accepts,
+the best of them).
 """
 
 from __future__ import annotations
@@ -348,20 +349,36 @@ def plan_of(prob: Problem, part: Partial) -> Estimate:
     name, v = c['schedule']
     layout = Layout(prob.n // (t * p), t, p, name, m, v)
     # always: when the memory screen refuses every split, the nearest to
-    # even is priced (and runs out of memory: the penalty).
-    found = evaluate.price(
-      prob.cfg,
-      prob.cluster,
-      prob.profile,
-      prob.options,
-      layout,
-      tuple(part.stages),
-      c['remat'],
-      c['sharding'],
-      always=True,
-    )
+    # even is priced (and runs out of memory: the penalty). A MoE's expert
+    # degree is no decision (the policy's weights predate it): like the
+    # split, the best of those the validator accepts for this layout.
+    found = [
+      e
+      for degree in _expert_degrees(prob, layout)
+      for e in evaluate.price(
+        prob.cfg,
+        prob.cluster,
+        prob.profile,
+        prob.options,
+        dataclasses.replace(layout, expert=degree),
+        tuple(part.stages),
+        c['remat'],
+        c['sharding'],
+        always=True,
+      )
+    ]
     prob.cache[key] = min(found, key=lambda e: (e.oom, e.step_time))
   return prob.cache[key]
+
+
+def _expert_degrees(prob: Problem, layout: Layout) -> list[int]:
+  """The expert degrees prob.layouts holds for `layout` (its other fields); [1] for a dense model."""
+
+  def key(l: Layout) -> tuple:
+    return l.data, l.tensor, l.pipe, l.schedule, l.microbatches, l.virtual_stages
+
+  degrees = {l.expert for l in prob.layouts if key(l) == key(layout)}
+  return sorted(degrees) or [1]
 
 
 def reward(e: Estimate) -> float:
