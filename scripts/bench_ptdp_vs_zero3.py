@@ -207,6 +207,7 @@ def write(path: str, results, selene, wall: float, budget: float) -> None:
       f'| {z["estimate"].peak_memory / 2**30:.1f}{oom} |'
     )
   small = [r for r in results if r[0].params_b < 200]
+  unfit = [str(r[0].gpus) for r in results if r[0].params_b > 200 and r[4]['estimate'].oom]
   series = lambda pick: ' -> '.join(f'{pick(r):.0f}' for r in small)
   lines += [
     '',
@@ -238,10 +239,11 @@ def write(path: str, results, selene, wall: float, budget: float) -> None:
     '  launch latencies, overlap that was partial at best, memory fragmentation on a nearly',
     "  full device). Read the planner's ZeRO-3 as what the layout could do with collectives",
     '  at link speed beside the compute, not as what DeepSpeed did in 2021.',
-    "- Memory: in the planner's model 530B ZeRO-3 does not fit at 560, 640 or 1120 GPUs",
-    "  (the paper ran 640 and 1120): it holds one layer's gathered fp32 weights and their",
-    '  gradient (2 x 20 GB for a 530B layer) beside the stash, where DeepSpeed gathers fp16',
-    '  ones in pieces.',
+    "- Memory: in the planner's model 530B ZeRO-3 does not fit at "
+    f"{' or '.join(unfit) or 'no'} GPUs (the paper ran 640 and 1120): a layer's backward",
+    "  holds two bf16 copies of the layer's gathered weights (10 GB each at 530B) beside the",
+    "  stash, a layer's workspace and the sharded state, where DeepSpeed gathers fp16 ones",
+    '  in pieces.',
     '',
     'Assumptions:',
     '',

@@ -72,7 +72,10 @@ def test_layer_kernels_count_the_familys_flops_and_memory_by_formula():
     stash = prof.shards[t].stash_per_seq
     probs = heads / t * s * s * e
     assert stash['none'] == pytest.approx(s * d * e * (4 + 12 / t) + probs)
-    assert stash['selective'] == pytest.approx(stash['none'] - probs)
+    # Selective (triax's policy): the layer's input and the attention's output
+    # projection, Q, K, V and fc1's outputs. A B/W cut: all but the attention core.
+    assert stash['selective'] == pytest.approx(s * d * e * (2 + 7 / t))
+    assert prof.shards[t].cut_per_seq == pytest.approx(stash['none'] - probs)
     assert stash['full'] == s * d * e == prof.shards[t].act_per_seq
   # cuDNN attention keeps no score square; shapes are traced without cuDNN.
   fused = analytic.build(small_gpt('cudnn').model, [2])

@@ -21,6 +21,7 @@ RESULTS = os.path.join(harness.ROOT, 'docs', 'bench_tpu_compile.json')
 
 # Rows within 10% of arguments + the program's heap.
 WITHIN_PROGRAM = (
+  'fsdp4',
   'tp4',
   'tp2pp2',
   'pp4',
@@ -28,10 +29,12 @@ WITHIN_PROGRAM = (
   'pp4_v2',
   'tp4pp2_8b',
   'dp4_zero1',
+  'tp4_selective',
   'dp2tp2_sp',
   'pp4_gpipe',
   'pp4_bpipe',
   'pp4_zbv',
+  'fsdp8_8b',
   'tp8_8b',
   'tp8pp4_70b',
 )
@@ -42,7 +45,6 @@ WITHIN_TEMP = (
   'pp4',
   'tp4pp2_8b',
   'dp4_zero1',
-  'tp4_selective',
   'pp4_gpipe',
   'pp4_bpipe',
   'fsdp8_8b',

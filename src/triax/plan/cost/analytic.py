@@ -245,12 +245,13 @@ def _shapes(spec, t: int):
   params = jax.eval_shape(model.init, jax.random.key(0))
   is_tuple = lambda x: isinstance(x, tuple)
   layer = jax.tree.leaves(jax.tree.map(lambda a: a.shape[1:], params['layers']), is_leaf=is_tuple)
+  axes = jax.tree.leaves(model.logical_axes()['layers'], is_leaf=is_tuple)
   # A routed expert's weight ('experts' axis first, [E, ...]): a token runs k of the E.
-  routed = [
-    'experts' in a for a in jax.tree.leaves(model.logical_axes()['layers'], is_leaf=is_tuple)
-  ]
+  routed = ['experts' in a for a in axes]
+  # A weight whose first axis (after the stack's) is the model width reads the residual stream.
+  reads_stream = [len(a) > 2 and a[1] == 'embed' for a in axes]
   embed, head = model.edge_params(params)
-  return shard, list(zip(layer, routed)), embed, head
+  return shard, list(zip(layer, routed, reads_stream)), embed, head
 
 
 def _shard(spec, t: int, dropout: bool = False) -> tuple[profile_lib.Shard, ShardKernels]:
@@ -266,8 +267,13 @@ def _shard(spec, t: int, dropout: bool = False) -> tuple[profile_lib.Shard, Shar
   fused = spec.attention in ('cudnn', 'splash')
 
   fwd, bwd, layer_params = [], [], 0.0
-  for shape, routed in weights:
+  # Elements a position keeps under the selective policy beyond SEQUENCE_STASH's:
+  # the outputs of the dense matmuls that read the normed stream (see below).
+  selective_kept = 0
+  for shape, routed, reads_stream in weights:
     layer_params += math.prod(shape) * pe
+    if reads_stream and not routed:
+      selective_kept += math.prod(shape[1:])
     if len(shape) < 2:
       continue  # norm scales and biases: elementwise, counted below
     # A routed expert's [E, k, n]: one grouped matmul over the E experts'
@@ -337,7 +343,17 @@ def _shard(spec, t: int, dropout: bool = False) -> tuple[profile_lib.Shard, Shar
   probs = 0.0 if fused else heads * s * s * e
   whole = profile_lib.SEQUENCE_STASH
   stash_none = act * (whole['none'] + _TENSOR_STASH / t) + probs + masks / t
-  stash = {'none': stash_none, 'selective': stash_none - probs, 'full': act * whole['full']}
+  # model.remat=selective (common.REMAT_POLICIES: every matmul output without
+  # batch dimensions saveable) keeps the layer's input, the attention's output
+  # projection (the second norm's input is recomputed from the two) and the
+  # outputs of the matmuls reading the normed stream: Q, K and V (GQA-sized),
+  # the MLP's gate and up (GPT's fc1), a MoE's router and shared experts; not
+  # a routed expert's grouped matmul (ragged_dot is no dot_general), the down
+  # projection (nothing reads it back) or dropout's masks (redrawn from their
+  # key). Megatron's selective keeps everything but the attention core
+  # (stash_none - probs): 1.27x what XLA:TPU allocated at llama_1b's TP 4.
+  selective = act * whole['selective'] + s * selective_kept * e
+  stash = {'none': stash_none, 'selective': selective, 'full': act * whole['full']}
 
   def work(kernels):
     return profile_lib.Work(
@@ -367,5 +383,7 @@ def _shard(spec, t: int, dropout: bool = False) -> tuple[profile_lib.Shard, Shar
     attention_fraction=attn_flops / max(sum(k.flops for k in fwd), 1.0),
     kv_per_seq=profile_lib.kv_per_seq(spec, t),
     experts=profile_lib.experts_of(shard, sum(k.flops for k in fwd)),
+    # The weight matmuls' inputs: all but the attention core (Megatron's selective count).
+    cut_per_seq=stash_none - probs,
   )
   return out, kernels

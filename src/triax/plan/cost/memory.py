@@ -88,10 +88,8 @@ def state(plan: Plan, profile: Profile, params: float, experts: float = 0.0) -> 
     data at rest, but the stage's weights are gathered once per step
     before the tick loop and that copy, like the whole gradient
     accumulator, is live through it ('gathered');
-  - fsdp without it (pipe = m = 1): everything / data, plus one layer's
-    gathered weights and their gradient before its reduce-scatter (the
-    layer scan gathers one layer at a time; the larger of a layer and the
-    embedding + head).
+  - fsdp without it (pipe = m = 1): everything / data; the weights a layer
+    or the head gathers as it runs are the work's (`_workspace`).
   """
   kind, per_layer, e = plan.state_sharding, plan.fsdp_per_layer, plan.expert
   split = copies(kind, plan.data // e, per_layer)
@@ -99,16 +97,6 @@ def state(plan: Plan, profile: Profile, params: float, experts: float = 0.0) -> 
     k: x * (params - experts) + split[k] / e * experts
     for k, x in copies(kind, plan.data, per_layer).items()
   }
-  if plan.fsdp_per_layer:
-    # Two gathered copies of the widest weight, in the compute dtype: XLA
-    # converts the shard before the all-gather, and gathers the head's
-    # weight for its forward and again for its backward (the embedding
-    # looks its rows up in the shard). The FSDP steps' largest buffers:
-    # two bf16[128256,2048] at 1B, two bf16[4096,128256] at 8B; the
-    # gradients are reduce-scattered as they come (f32[32,512,14336]).
-    shard = profile.shards[plan.tensor]
-    widest = max(shard.layer_param_bytes, head_weight(shard))
-    out['gathered'] = 2 * widest * compute_share(profile)
   return out
 
 
@@ -222,6 +210,11 @@ def chunk_stash(plan: Plan, profile: Profile, layers: int, pooled: bool = True) 
   return plan.microbatch_size * (layers * held + fixed)
 
 
+# The [s, d] weight matmul inputs a cut holds (Korthikanti's 4: the two
+# norms' outputs, the attention's output and the MLP's hidden one's input).
+CUT_WHOLE = 4
+
+
 def chunk_cut(plan: Plan, profile: Profile, layers: int) -> float:
   """Bytes of one cut (what a B hands its W): every weight matmul's input
   and the cotangent at its output, which remat does not shrink (B
@@ -241,11 +234,13 @@ def chunk_cut(plan: Plan, profile: Profile, layers: int) -> float:
   tensor too (bf16[4,20,1,2048,1024]), which this does not count.
   """
   shard = profile.shards[plan.tensor]
-  # Selective's count: all but the attention core (whose scores no weight
-  # matmul reads).
-  inputs = layer_stash(plan, shard, 'selective')
-  tensor_split = shard.stash_per_seq['selective'] - shard.sequence_stash('selective')
-  return plan.microbatch_size * layers * (inputs + tensor_split * token_share(plan))
+  # All but the attention core (whose scores no weight matmul reads); its
+  # CUT_WHOLE [s, d] inputs whole on every tensor rank but under SP.
+  cut = shard.cut_per_seq or shard.stash_per_seq['selective']
+  whole = min(cut, CUT_WHOLE * shard.act_per_seq)
+  held = cut - (whole * (1 - 1 / plan.tensor) if plan.sequence_parallel else 0.0)
+  inputs = held * token_share(plan) + experts_lib.dispatch_stash(plan, shard, 'selective')
+  return plan.microbatch_size * layers * (inputs + (cut - whole) * token_share(plan))
 
 
 def pools(
@@ -265,6 +260,32 @@ def pools(
     'cut': slots('cut') * chunk_cut(plan, profile, layers),
     'msg': (program_.slots['msg'] + 1 + 2) * act,
   }
+
+
+def _workspace(plan: Plan, profile: Profile, shard: Shard, logits: float, pipelined: bool) -> float:
+  """Bytes the step's work holds beside its state and stash: the head's
+  (its logits; its weight's compute-dtype copy, FSDP's two gathered ones)
+  and one layer's backward (its activations, twice; FSDP's two gathered
+  copies of its weights). One value_and_grad holds the larger: the head's
+  gradient is made in the forward (common._head_loss_differentiated_forward),
+  before the layers' backward; XLA:TPU's FSDP and TP steps at 1B and 8B
+  allocate within 10% of that where the sum overshot by up to 27%
+  (docs/bench_tpu_compile.md). The executor's tick loop holds both: its
+  buffers live across the ticks."""
+  layer = 2 * plan.microbatch_size * layer_stash(plan, shard, 'none')
+  if plan.fsdp_per_layer:
+    # Two gathered copies, in the compute dtype: XLA converts the shard before
+    # the all-gather, and gathers the weight for the forward and again for
+    # the backward (the embedding looks its rows up in the shard). The FSDP
+    # steps' largest buffers: two bf16[128256,2048] at 1B, two
+    # bf16[4096,128256] at 8B; the gradients are reduce-scattered as they
+    # come (f32[32,512,14336]).
+    share = compute_share(profile)
+    head = logits + 2 * head_weight(shard) * share
+    layer += 2 * shard.layer_param_bytes * share
+  else:
+    head = logits + head_cast(profile, shard)
+  return head + layer if pipelined else max(head, layer)
 
 
 def memory(
@@ -296,9 +317,7 @@ def memory(
     else:
       pool = pools(plan, profile, options, program_, s, held)
       stash, buffers = pool['stash'], pool['cut'] + pool['msg']
-    # The head's compute-dtype weight is FSDP's gathered copy when it gathers.
-    cast = 0.0 if plan.fsdp_per_layer else head_cast(profile, shard)
-    workspace = 2 * b * layer_stash(plan, shard, 'none') + logits + cast
+    workspace = _workspace(plan, profile, shard, logits, program_ is not None)
     peak = sum(state(plan, profile, params, experts).values()) + stash + buffers + workspace
     programs = max(state_programs(plan, profile, params, experts).values())
     step.append(peak)

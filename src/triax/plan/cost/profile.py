@@ -41,9 +41,11 @@ LAYER_FUNCTIONS = ('layer_fwd', 'layer_bwd')
 # Per remat policy, how many [s, d] activations of a layer's residuals lie
 # outside the tensor-parallel matmuls, so every tensor rank holds them whole
 # (Korthikanti et al. 2022, Sec. 4.2.2, without dropout: the two norms'
-# inputs and the two matmul inputs they produce; full remat keeps only the
-# layer's input). Sequence parallelism splits them over `tensor`.
-SEQUENCE_STASH = {'none': 4, 'selective': 4, 'full': 1}
+# inputs and the two matmul inputs they produce; selective keeps the layer's
+# input and the attention's output projection, from which the rest is
+# recomputed (plan/cost/analytic.py); full remat keeps only the layer's
+# input). Sequence parallelism splits them over `tensor`.
+SEQUENCE_STASH = {'none': 4, 'selective': 2, 'full': 1}
 
 
 def variant(function: str, remat: str) -> str:
@@ -176,6 +178,9 @@ class Shard:
       (2 s kv_heads/t head_dim e; every K/V head where they are fewer than
       t): what context parallelism gathers or passes around its ring.
     experts: a MoE layer's routed experts (`Experts`), None for a dense one.
+    cut_per_seq: bytes per layer per sequence of every weight matmul's input
+      (what a B/W cut keeps for W, memory.chunk_cut); 0: the selective
+      stash's (a measured profile's).
   """
 
   tensor: int
@@ -189,6 +194,7 @@ class Shard:
   attention_fraction: float
   kv_per_seq: float = 0.0
   experts: Experts | None = None
+  cut_per_seq: float = 0.0
 
   def sequence_stash(self, remat: str) -> float:
     """The part of stash_per_seq[remat] every tensor rank holds whole (the
