@@ -37,6 +37,7 @@ WITHIN_PROGRAM = (
   'fsdp8_8b',
   'tp8_8b',
   'tp8pp4_70b',
+  'dp2tp8pp4_70b',
 )
 # Rows within 10% of arguments + memory_analysis()'s temporaries.
 WITHIN_TEMP = (
@@ -49,7 +50,6 @@ WITHIN_TEMP = (
   'pp4_bpipe',
   'fsdp8_8b',
   'tp8pp4_70b',
-  'dp2tp8pp4_70b',
 )
 
 

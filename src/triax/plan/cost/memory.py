@@ -230,15 +230,18 @@ def chunk_cut(plan: Plan, profile: Profile, layers: int) -> float:
   K's and V's: 32.8 at 1B with t = 1, 18.5 at t = 2, 10.1 at 8B with t = 4,
   7.0 at 70B with t = 8; this gives 28, 16, 10 and 7 (short at 1B: its f32
   cotangents and its head_dim of 64, which TPU tiles pad to 128 lanes).
-  With data = 2 (70B, zb_h1, 4 slots) GSPMD splits the four [s, d] over
-  tensor too (bf16[4,20,1,2048,1024]), which this does not count.
+  With data > 1 (the executor manual over `data` too) GSPMD splits the four
+  [s, d] over tensor as well, as sequence parallelism would: bf16[4,20,1,2048,
+  1024] at 70B with data = 2, t = 8 (zb_h1, 4 slots), where the whole ones put
+  the planner 14% over the program.
   """
   shard = profile.shards[plan.tensor]
   # All but the attention core (whose scores no weight matmul reads); its
-  # CUT_WHOLE [s, d] inputs whole on every tensor rank but under SP.
+  # CUT_WHOLE [s, d] inputs whole on every tensor rank but under SP or data > 1.
   cut = shard.cut_per_seq or shard.stash_per_seq['selective']
   whole = min(cut, CUT_WHOLE * shard.act_per_seq)
-  held = cut - (whole * (1 - 1 / plan.tensor) if plan.sequence_parallel else 0.0)
+  split = plan.sequence_parallel or plan.data > 1
+  held = cut - (whole * (1 - 1 / plan.tensor) if split else 0.0)
   inputs = held * token_share(plan) + experts_lib.dispatch_stash(plan, shard, 'selective')
   return plan.microbatch_size * layers * (inputs + (cut - whole) * token_share(plan))
 
