@@ -197,6 +197,25 @@ PLANNER_ROWS = {
   ),
 }
 
+# train.offload_optimizer on three of ROWS' layouts: name -> (what, topology,
+# (config, overrides), the row it is compared with).
+OFFLOAD = {'train.offload_optimizer': True}
+OFFLOAD_ROWS = {
+  'fsdp4_offload': (
+    'FSDP 4',
+    'v5p:2x2x1',
+    (LLAMA_1B, {'mesh.data': 4, 'mesh.fsdp': True, **OFFLOAD}),
+    'fsdp4',
+  ),
+  'tp4_offload': (
+    'TP 4',
+    'v5p:2x2x1',
+    (LLAMA_1B, {'mesh.data': 1, 'mesh.tensor': 4, **OFFLOAD}),
+    'tp4',
+  ),
+  'pp4_offload': ('PP 4, m=8, 1f1b', 'v5p:2x2x1', (LLAMA_1B, {**PIPE_4, **OFFLOAD}), 'pp4'),
+}
+
 # Issue 24's table (tree 2caa00b: jax 0.10.2, libtpu 0.0.42.1, XLA attention), GiB of
 # per-device temp: triax then, and MaxText 0.2.5 as that session measured it.
 ISSUE_24 = {
@@ -350,8 +369,9 @@ def main():
   parser.add_argument('--out', default=os.path.join(ROOT, 'docs', 'bench_tpu_compile.md'))
   parser.add_argument(
     '--rows',
-    default=','.join([*ROWS, *PLANNER_ROWS]),
-    help="names of ROWS and PLANNER_ROWS to compile; '' = none: the doc from the cache",
+    default=','.join([*ROWS, *PLANNER_ROWS, *OFFLOAD_ROWS]),
+    help="names of ROWS, PLANNER_ROWS and OFFLOAD_ROWS to compile; '' = none: the doc "
+    'from the cache',
   )
   parser.add_argument('--skip_maxtext', action='store_true')
   parser.add_argument(
@@ -372,6 +392,8 @@ def main():
   for name in filter(None, args.rows.split(',')):
     if name in PLANNER_ROWS:
       (what, topology, (config, overrides)), mt = PLANNER_ROWS[name], None
+    elif name in OFFLOAD_ROWS:
+      (what, topology, (config, overrides), _), mt = OFFLOAD_ROWS[name], None
     else:
       what, topology, (config, overrides), mt = ROWS[name]
     started = time.time()
@@ -383,6 +405,7 @@ def main():
         'triax_argument': stats['argument_bytes'],
         'triax_heap': stats['temp_heap_bytes'],
         'triax_largest': stats['largest_buffers'],
+        'triax_offloaded': stats['offloaded_bytes'],
       }
     if mt is not None and mt_python:
       results['versions'] = {'triax': versions(sys.executable), 'maxtext': versions(mt_python)}
@@ -474,6 +497,34 @@ def planner_section(results: dict) -> list[str]:
   return lines
 
 
+def offload_section(results: dict) -> list[str]:
+  """train.offload_optimizer against the same layout without it."""
+  lines = [
+    '',
+    '## The optimizer state in host memory',
+    '',
+    "`train.offload_optimizer=true`: Adam's moments (and its count) live in pinned host",
+    'memory between steps and come to the device for the update, after the backward.',
+    "Per device, GiB: XLA:TPU's arguments in device memory and the program's heap",
+    '(the buffer assignment), without and with; HBM = the two together.',
+    '',
+    '| layout | offloaded | device arguments | heap | HBM | HBM saved |',
+    '|---|---|---|---|---|---|',
+  ]
+  for name, (what, _, _, base) in OFFLOAD_ROWS.items():
+    if name not in results or base not in results:
+      continue
+    r, b = results[name], results[base]
+    hbm = [x['triax_argument'] + x['triax_heap'] for x in (b, r)]
+    lines.append(
+      f'| {what} | {r["triax_offloaded"] / GiB:.2f} '
+      f'| {b["triax_argument"] / GiB:.2f} -> {r["triax_argument"] / GiB:.2f} '
+      f'| {b["triax_heap"] / GiB:.2f} -> {r["triax_heap"] / GiB:.2f} '
+      f'| {hbm[0] / GiB:.2f} -> {hbm[1] / GiB:.2f} | {(hbm[0] - hbm[1]) / GiB:.2f} |'
+    )
+  return lines
+
+
 def write_doc(path: str, results: dict, python: str, mt_python: str | None) -> None:
   lines = [
     '# triax against MaxText on XLA:TPU (compiled here, no TPU)',
@@ -516,6 +567,7 @@ def write_doc(path: str, results: dict, python: str, mt_python: str | None) -> N
     "other columns are this script's, MaxText in its own venv with its own jax and libtpu.",
   ]
   lines += planner_section(results)
+  lines += offload_section(results)
   lines += [
     '',
     '## The largest buffers of each triax step',

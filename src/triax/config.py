@@ -195,6 +195,10 @@ def defaults() -> ml_collections.ConfigDict:
   # replicated, or data: Adam's moments sharded over the data axis (ZeRO-1, Megatron's
   # distributed optimizer); the update all-gathers the parameters it changes.
   c.train.optimizer_sharding = 'replicated'
+  # Keep the optimizer state in host memory (pinned_host) between steps, brought to the
+  # device for the update after the backward: its bytes leave the accelerator while the
+  # forward and backward run. Needs a backend with host memory (TPU, GPU; CPU for tests).
+  c.train.offload_optimizer = False
   # Global-norm gradient clipping threshold; 0 disables clipping.
   c.train.grad_clip_norm = 1.0
   # Seed for parameters and data order: the same seed gives identical losses.
@@ -667,6 +671,10 @@ def _check_train(cfg) -> None:
       raise ConfigError(f'train.{key}', f'must be a non-negative integer, got {t[key]!r}')
   _validate_spikes(t)
   _validate_wandb(t)
+  if not isinstance(t.offload_optimizer, bool):
+    raise ConfigError(
+      'train.offload_optimizer', f'must be true or false, got {t.offload_optimizer!r}'
+    )
   if t.optimizer_sharding not in OPTIMIZER_SHARDINGS:
     raise ConfigError(
       'train.optimizer_sharding',

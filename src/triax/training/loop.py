@@ -148,6 +148,12 @@ def compile_stats(trainer: Trainer, compiler_options: dict | None = None) -> tup
     # divides by the data degree is the optimizer's; gradients are laid out as parameters.
     'param_bytes': params,
     'optimizer_bytes': step_lib.per_device_bytes(state.opt_state, shardings.opt_state),
+    # Of the state's bytes, those kept in host memory (train.offload_optimizer).
+    'offloaded_bytes': (
+      step_lib.per_device_bytes(state.opt_state, shardings.opt_state)
+      if cfg.train.offload_optimizer
+      else 0
+    ),
     'gradient_bytes': params,
     'generated_code_bytes': int(mem.generated_code_size_in_bytes),
     # XLA counts a loop body once, not once per iteration (see WORKSPACE.md).
@@ -218,12 +224,15 @@ def run_peak_bytes(stats: dict) -> int:
   evaluation beside the resident state, whichever is larger (a layout that
   trains must also checkpoint and evaluate)."""
   s = stats
-  state = s['param_bytes'] + s['optimizer_bytes']
+  # The device's: an offloaded optimizer state is in host memory (memory_analysis
+  # counts the train step's host arguments apart too).
+  optimizer = s['optimizer_bytes'] - s.get('offloaded_bytes', 0)
+  state = s['param_bytes'] + optimizer
   return max(
     step_peak_bytes(s),
     state + s['checkpoint_save_bytes'],
     state + s['checkpoint_restore_bytes'],
-    s['optimizer_bytes'] + s['eval_bytes'],  # eval_bytes holds the params it reads
+    optimizer + s['eval_bytes'],  # eval_bytes holds the params it reads
   )
 
 

@@ -75,6 +75,16 @@ def converter(layout: StackLayout, model_sharding: NamedSharding, to_model: bool
   return layout.to_model_order if to_model else layout.to_pipeline
 
 
+def _on_device(convert, in_sharding: NamedSharding):
+  """`convert` of a leaf kept in host memory (train.offload_optimizer), run on
+  its device copy: XLA computes on device memory only (the output goes back
+  where the program's out_shardings put it)."""
+  if in_sharding.memory_kind in (None, 'device'):
+    return convert
+  on_device = in_sharding.with_memory_kind('device')
+  return lambda x: convert(jax.device_put(x, on_device))
+
+
 class Relayout:
   """The layer stacks (the leaves under 'layers': parameters and Adam moments)
   converted one by one to model order (`to_model`) or to pipeline order; the
@@ -98,7 +108,7 @@ class Relayout:
     key = (leaf.shape, leaf.dtype, in_sharding, out_sharding)
     if key not in self._programs:
       model_sharding = out_sharding if self._to_model else in_sharding
-      convert = converter(self._layout, model_sharding, self._to_model)
+      convert = _on_device(converter(self._layout, model_sharding, self._to_model), in_sharding)
       self._programs[key] = jax.jit(convert, in_shardings=in_sharding, out_shardings=out_sharding)
     return self._programs[key]
 

@@ -21,6 +21,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from triax import config, sharding
+from triax.errors import ConfigError
 from triax.model import context as context_lib
 from triax.model import registry
 from triax.model.common import DecoderModel
@@ -225,10 +226,15 @@ def build_trainer(cfg, mesh: Mesh) -> Trainer:
       step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params)
     )
 
+  offload = cfg.train.offload_optimizer
+  if offload:
+    check_host_memory(mesh.devices.flat[0])
   state_shardings = _state_shardings(
-    optimizer, param_shardings, shapes_from_key(init_params), zero1, mesh
+    optimizer, param_shardings, shapes_from_key(init_params), zero1, mesh, offload
   )
-  canonical_shardings = _canonical_shardings(model, mesh, rules, optimizer, zero1)
+  # Offloaded, the checkpoint's copy stays in host memory too: a save's conversion
+  # would otherwise bring the whole optimizer state back to the device.
+  canonical_shardings = _canonical_shardings(model, mesh, rules, optimizer, zero1, offload)
   if program is None:
     raw_loss_and_grad, run = _loss_and_grad_unpipelined(model, layout), None
   else:
@@ -239,7 +245,8 @@ def build_trainer(cfg, mesh: Mesh) -> Trainer:
       return raw_loss_and_grad(params, inputs, targets, segments)
 
   batch_args = _batch_args(bool(cfg.data.mask_documents), spec.context)
-  train_step = _train_step(cfg, optimizer, loss_and_grad, batch_args)
+  moved = (_in_memory(state_shardings.opt_state, 'device'), state_shardings.opt_state)
+  train_step = _train_step(cfg, optimizer, loss_and_grad, batch_args, moved if offload else None)
   eval_loss = _eval_loss(cfg, mesh, model, spec, layout, batch_args)
   replicated = NamedSharding(mesh, P())
   batch_sharding = NamedSharding(mesh, P('data', None))
@@ -309,8 +316,11 @@ def _batch_args(documents: bool, context: int):
   return batch_args
 
 
-def _state_shardings(optimizer, param_shardings, param_shapes, zero1: bool, mesh: Mesh):
-  """The train state's shardings for parameters laid out as `param_shardings`."""
+def _state_shardings(
+  optimizer, param_shardings, param_shapes, zero1: bool, mesh: Mesh, offload: bool = False
+):
+  """The train state's shardings for parameters laid out as `param_shardings`;
+  `offload`: the optimizer state's in host memory (train.offload_optimizer)."""
   replicated = NamedSharding(mesh, P())
   opt_shapes = jax.eval_shape(optimizer.init, param_shapes)
   # Each moment is laid out like its parameter, and with ZeRO-1 also split
@@ -324,10 +334,12 @@ def _state_shardings(optimizer, param_shardings, param_shapes, zero1: bool, mesh
     param_shardings,
     transform_non_params=lambda _: replicated,
   )
+  if offload:
+    opt_shardings = _in_memory(opt_shardings, HOST)
   return TrainState(step=replicated, params=param_shardings, opt_state=opt_shardings)
 
 
-def _canonical_shardings(model, mesh: Mesh, rules, optimizer, zero1: bool):
+def _canonical_shardings(model, mesh: Mesh, rules, optimizer, zero1: bool, offload: bool):
   """The checkpoint's layout (model layer order), split over `pipe` as well.
 
   The layer axis first: what every stage writes and reads is its share, not
@@ -341,7 +353,7 @@ def _canonical_shardings(model, mesh: Mesh, rules, optimizer, zero1: bool):
     sharding.tree_shardings(model.logical_axes(), mesh, rules),
     shapes,
   )
-  return _state_shardings(optimizer, params, shapes, zero1, mesh)
+  return _state_shardings(optimizer, params, shapes, zero1, mesh, offload)
 
 
 def _loss_and_grad_unpipelined(model, layout):
@@ -416,13 +428,35 @@ def _loss_and_grad_pipelined(cfg, mesh: Mesh, model, spec, layout, program):
   return raw_loss_and_grad, run
 
 
-def _train_step(cfg, optimizer, loss_and_grad, batch_args):
-  """state, batch -> (state, metrics): one optimizer update."""
+# The memory kind train.offload_optimizer keeps the optimizer state in between steps.
+HOST = 'pinned_host'
+
+
+def _in_memory(shardings, kind: str):
+  return jax.tree.map(lambda s: s.with_memory_kind(kind), shardings)
+
+
+def check_host_memory(device) -> None:
+  """Raises ConfigError unless `device` has the HOST memory train.offload_optimizer uses."""
+  kinds = {m.kind for m in device.addressable_memories()}
+  if HOST not in kinds:
+    raise ConfigError(
+      'train.offload_optimizer',
+      f'{device.platform} devices have no {HOST} memory (only {", ".join(sorted(kinds))}); '
+      'set it to false',
+    )
+
+
+def _train_step(cfg, optimizer, loss_and_grad, batch_args, moved=None):
+  """state, batch -> (state, metrics): one optimizer update. `moved`: with
+  the optimizer state in host memory, its (device, host) shardings: it is
+  brought to the device for the update, after the backward, and back."""
 
   def train_step(state: TrainState, batch: dict):
     loss, grads, metrics = loss_and_grad(state.params, *batch_args(batch))
     grad_norm = optax.tree.norm(grads)
-    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    old = state.opt_state if moved is None else jax.device_put(state.opt_state, moved[0])
+    updates, opt_state = optimizer.update(grads, old, state.params)
     params = optax.apply_updates(state.params, updates)
     if cfg.train.skip_nonfinite_steps:
       # A NaN/Inf step leaves parameters and optimizer state (so Adam's count)
@@ -431,7 +465,9 @@ def _train_step(cfg, optimizer, loss_and_grad, batch_args):
       ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
       keep = lambda new, old: jnp.where(ok, new, old)
       params = jax.tree.map(keep, params, state.params)
-      opt_state = jax.tree.map(keep, opt_state, state.opt_state)
+      opt_state = jax.tree.map(keep, opt_state, old)
+    if moved is not None:
+      opt_state = jax.device_put(opt_state, moved[1])
     new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state)
     return new_state, {'loss': loss, 'grad_norm': grad_norm, **metrics}
 

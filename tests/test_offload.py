@@ -1,0 +1,98 @@
+"""train.offload_optimizer: Adam's state in host memory between steps.
+
+On the CPU's XLA (its devices have a pinned_host memory) the numbers must be
+the device-resident run's exactly, through a save's and a restore's
+conversions; on XLA:TPU (compiled for a v5p slice here, no TPU) the
+device's argument bytes fall by the optimizer state's, and the run's peak
+with them.
+"""
+
+import os
+import types
+
+import harness
+import jax
+import numpy as np
+import pytest
+
+from triax.errors import ConfigError
+from triax.training import step as step_lib
+
+# A pipelined layout (the executor's train step) with ZeRO-1 moments split over data.
+LAYOUT = {
+  'mesh.data': 2,
+  'mesh.tensor': 2,
+  'mesh.pipe': 2,
+  'pipeline.microbatches': 4,
+  'train.optimizer_sharding': 'data',
+}
+
+
+def _run(offload: bool, steps: int = 3):
+  cfg = harness.tiny_config(**LAYOUT, **{'train.offload_optimizer': offload})
+  trainer = harness.make_trainer(cfg)
+  state = harness.initial_state(trainer, cfg.train.seed)
+  losses = []
+  with jax.set_mesh(trainer.mesh):
+    for i in range(steps):
+      batch = jax.device_put(harness.random_batch(cfg, seed=i), trainer.batch_sharding)
+      state, out = trainer.train_step(state, batch)
+      losses.append(float(out['loss']))
+    # A save's conversion and a restore's, back to the train state's layout.
+    restored = trainer.from_canonical(trainer.to_canonical(state))
+  return trainer, state, restored, losses
+
+
+def test_offloaded_optimizer_state_trains_and_converts_as_on_the_device():
+  _, state, _, losses = _run(offload=False)
+  trainer, off_state, off_restored, off_losses = _run(offload=True)
+  assert off_losses == losses
+  for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(off_state)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  for a, b in zip(jax.tree.leaves(off_state), jax.tree.leaves(off_restored)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  kinds = {x.sharding.memory_kind for x in jax.tree.leaves(off_state.opt_state)}
+  assert kinds == {step_lib.HOST}
+  assert {x.sharding.memory_kind for x in jax.tree.leaves(off_state.params)} == {'device'}
+  # The checkpoint's copy stays on the host too.
+  canonical = trainer.canonical_shardings.opt_state
+  assert {s.memory_kind for s in jax.tree.leaves(canonical)} == {step_lib.HOST}
+
+
+def test_a_backend_without_host_memory_is_refused():
+  memory = types.SimpleNamespace(kind='device')
+  device = types.SimpleNamespace(platform='abc', addressable_memories=lambda: [memory])
+  with pytest.raises(ConfigError) as e:
+    step_lib.check_host_memory(device)
+  assert e.value.key == 'train.offload_optimizer' and 'no pinned_host' in e.value.message
+  step_lib.check_host_memory(jax.devices()[0])  # the CPU's has one
+
+
+def _tpu_stats(tmp_path, offload: bool) -> dict:
+  import json
+
+  workdir = str(tmp_path / str(offload))
+  result = harness.run_cli(
+    'triax.cli.train',
+    '--config=experiments/llama_1b.py:smoke,attention=xla',
+    f'--workdir={workdir}',
+    '--compile_only',
+    '--topology=v5p:2x2x1',
+    '--config.mesh.data=4',
+    '--config.mesh.fsdp=true',
+    f'--config.train.offload_optimizer={str(offload).lower()}',
+  )
+  assert result.returncode == 0, result.stderr
+  with open(os.path.join(workdir, 'compile_stats.json')) as f:
+    return json.load(f)
+
+
+def test_on_a_tpu_the_devices_hold_no_optimizer_state(tmp_path):
+  pytest.importorskip('libtpu')
+  on, off = _tpu_stats(tmp_path, False), _tpu_stats(tmp_path, True)
+  assert off['offloaded_bytes'] == off['optimizer_bytes'] == on['optimizer_bytes'] > 0
+  # XLA:TPU's arguments in device memory: the parameters and the batch, no
+  # moments (TPU tiles pad small arrays: more than their logical bytes leave).
+  assert off['param_bytes'] <= off['argument_bytes']
+  assert off['argument_bytes'] <= on['argument_bytes'] - on['optimizer_bytes']
+  assert off['peak_bytes'] < on['peak_bytes']
