@@ -214,7 +214,6 @@ def build_trainer(cfg, mesh: Mesh) -> Trainer:
   rules = cfg.sharding.logical_axis_rules
   program, layout = _program_and_layout(cfg, spec)
   optimizer = make_optimizer(cfg.train)
-  zero1 = cfg.train.optimizer_sharding == 'data'
   param_shardings = sharding.tree_shardings(pipeline_axes(model.logical_axes()), mesh, rules)
 
   def init_params(rng):
@@ -226,15 +225,9 @@ def build_trainer(cfg, mesh: Mesh) -> Trainer:
       step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params)
     )
 
-  offload = cfg.train.offload_optimizer
-  if offload:
-    check_host_memory(mesh.devices.flat[0])
-  state_shardings = _state_shardings(
-    optimizer, param_shardings, shapes_from_key(init_params), zero1, mesh, offload
+  state_shardings, canonical_shardings = _state_and_canonical_shardings(
+    cfg, model, mesh, optimizer, param_shardings, shapes_from_key(init_params)
   )
-  # Offloaded, the checkpoint's copy stays in host memory too: a save's conversion
-  # would otherwise bring the whole optimizer state back to the device.
-  canonical_shardings = _canonical_shardings(model, mesh, rules, optimizer, zero1, offload)
   if program is None:
     raw_loss_and_grad, run = _loss_and_grad_unpipelined(model, layout), None
   else:
@@ -245,8 +238,7 @@ def build_trainer(cfg, mesh: Mesh) -> Trainer:
       return raw_loss_and_grad(params, inputs, targets, segments)
 
   batch_args = _batch_args(bool(cfg.data.mask_documents), spec.context)
-  moved = (_in_memory(state_shardings.opt_state, 'device'), state_shardings.opt_state)
-  train_step = _train_step(cfg, optimizer, loss_and_grad, batch_args, moved if offload else None)
+  train_step = _train_step(cfg, optimizer, loss_and_grad, batch_args, state_shardings.opt_state)
   eval_loss = _eval_loss(cfg, mesh, model, spec, layout, batch_args)
   replicated = NamedSharding(mesh, P())
   batch_sharding = NamedSharding(mesh, P('data', None))
@@ -314,6 +306,19 @@ def _batch_args(documents: bool, context: int):
     return tuple(None if a is None else context_lib.permute(a, context) for a in args)
 
   return batch_args
+
+
+def _state_and_canonical_shardings(cfg, model, mesh, optimizer, param_shardings, param_shapes):
+  """The train state's shardings and the checkpoint's (relayout.py converts between them)."""
+  zero1 = cfg.train.optimizer_sharding == 'data'
+  offload = cfg.train.offload_optimizer
+  if offload:
+    check_host_memory(mesh.devices.flat[0])
+  state = _state_shardings(optimizer, param_shardings, param_shapes, zero1, mesh, offload)
+  # Offloaded, the checkpoint's copy stays in host memory too: a save's conversion
+  # would otherwise bring the whole optimizer state back to the device.
+  rules = cfg.sharding.logical_axis_rules
+  return state, _canonical_shardings(model, mesh, rules, optimizer, zero1, offload)
 
 
 def _state_shardings(
@@ -447,10 +452,13 @@ def check_host_memory(device) -> None:
     )
 
 
-def _train_step(cfg, optimizer, loss_and_grad, batch_args, moved=None):
-  """state, batch -> (state, metrics): one optimizer update. `moved`: with
-  the optimizer state in host memory, its (device, host) shardings: it is
-  brought to the device for the update, after the backward, and back."""
+def _train_step(cfg, optimizer, loss_and_grad, batch_args, opt_shardings):
+  """state, batch -> (state, metrics): one optimizer update. With the
+  optimizer state in host memory (`opt_shardings`, train.offload_optimizer)
+  it is brought to the device for the update, after the backward, and back."""
+  moved = None
+  if cfg.train.offload_optimizer:
+    moved = (_in_memory(opt_shardings, 'device'), opt_shardings)
 
   def train_step(state: TrainState, batch: dict):
     loss, grads, metrics = loss_and_grad(state.params, *batch_args(batch))
