@@ -9,6 +9,7 @@ that build torch's orders at other sizes need torch (the test extra).
 """
 
 import collections
+import functools
 import json
 import os
 
@@ -257,13 +258,21 @@ def test_json_marks_must_agree_with_the_orders(change, says, tmp_path):
 # ---------------------------------------------------------------- one device's losses
 
 
+_BASE = {'model.num_layers': 8, 'train.global_batch_size': 32, 'pipeline.microbatches': 8}
+
+
+@functools.cache
+def _one_device():
+  """The reference every layout below is compared with: one model, one batch, one run."""
+  return harness.loss_and_grads(harness.tiny_config(**_BASE, **{'mesh.data': 1}))
+
+
 def _check(mesh, **overrides):
   """Loss and gradients at (data, 1, 4) against one device (fp32, 1e-5)."""
-  base = {'model.num_layers': 8, 'train.global_batch_size': 32, 'pipeline.microbatches': 8}
-  ref_loss, ref_grads = harness.loss_and_grads(harness.tiny_config(**base, **{'mesh.data': 1}))
+  ref_loss, ref_grads = _one_device()
   data, tensor, pipe = mesh
   cfg = harness.tiny_config(
-    **base,
+    **_BASE,
     **{'mesh.data': data, 'mesh.tensor': tensor, 'mesh.pipe': pipe},
     **{'pipeline.virtual_stages': 2},
     **overrides,
@@ -283,10 +292,9 @@ def test_matches_one_device(source, mesh):
 
 
 def test_torchs_file_trains_with_one_devices_losses():
-  base = {'model.num_layers': 8, 'train.global_batch_size': 32, 'pipeline.microbatches': 8}
-  ref = harness.train_losses(harness.tiny_config(**base, **{'mesh.data': 1}), 3)
+  ref = harness.train_losses(harness.tiny_config(**_BASE, **{'mesh.data': 1}), 3)
   cfg = harness.tiny_config(
-    **base,
+    **_BASE,
     **{'mesh.data': 2, 'mesh.pipe': 4, 'pipeline.virtual_stages': 2},
     **{'pipeline.schedule_file': FIXTURE},
   )

@@ -5,6 +5,7 @@ once per micro-batch inside it: with tensor=1 no all-reduce may sit in any
 computation but the entry one (the loop body and its branches are others).
 """
 
+import functools
 import re
 
 import harness
@@ -36,28 +37,36 @@ def test_data_parallel_gradients_are_reduced_once_per_step(schedule, v):
   assert not inside, f'all-reduces inside the tick loop (once per micro-batch): {inside}'
 
 
+# gpt_tiny's widths: the failure the BPipe test guards against (XLA:CPU pairing
+# the residual ppermute's rendezvous with another collective's, when `data` is
+# manual too) did not show at the harness's tiny widths.
+_GPT_TINY = {
+  'mesh.tensor': 1,
+  'pipeline.microbatches': 8,
+  'model.d_model': 128,
+  'model.num_heads': 4,
+  'model.d_ff': 512,
+  'model.seq_len': 128,
+}
+
+
+@functools.cache
+def _one_device_losses():
+  """3 steps on one device: the same model and batches for every layout, so one run."""
+  return tuple(
+    harness.train_losses(harness.tiny_config(**_GPT_TINY, **{'mesh.data': 1, 'mesh.pipe': 1}), 3)
+  )
+
+
 @pytest.mark.parametrize('data, pipe', [(2, 4), (1, 4), (2, 2)])
 def test_bpipe_train_steps_match_one_device(data, pipe):
   """Whole train steps (gradients, clip norm, Adam), not only gradients: the
   residual moves' ppermute must not run alongside the tick's other two
   (without the executor's barrier: NaN gradients at (2, 4), an abort at (1, 4))."""
-  # gpt_tiny's widths: the failure this guards against (XLA:CPU pairing the
-  # residual ppermute's rendezvous with another collective's, when `data` is
-  # manual too) did not show at the harness's tiny widths.
-  overrides = {
-    'mesh.tensor': 1,
-    'pipeline.microbatches': 8,
-    'model.d_model': 128,
-    'model.num_heads': 4,
-    'model.d_ff': 512,
-    'model.seq_len': 128,
-  }
-  ref = harness.train_losses(
-    harness.tiny_config(**overrides, **{'mesh.data': 1, 'mesh.pipe': 1}), 3
-  )
+  ref = _one_device_losses()
   got = harness.train_losses(
     harness.tiny_config(
-      **overrides, **{'mesh.data': data, 'mesh.pipe': pipe, 'pipeline.schedule': 'bpipe'}
+      **_GPT_TINY, **{'mesh.data': data, 'mesh.pipe': pipe, 'pipeline.schedule': 'bpipe'}
     ),
     3,
   )

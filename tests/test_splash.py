@@ -4,6 +4,8 @@ on one device, under every kind of sharding the kernel's shard_map takes,
 and inside the pipeline executor's (a nested shard_map with its own
 backward)."""
 
+import functools
+
 import harness
 import jax
 import jax.numpy as jnp
@@ -43,6 +45,20 @@ def test_the_tile_divides_the_sequence():
   assert [splash.block_size(t) for t in (2048, 768, 384, 128)] == [512, 256, 128, 128]
 
 
+def _family(family):
+  """The model of the layout tests: `family` at 128 positions, full remat."""
+  overrides = {'model.family': family, 'model.seq_len': 128, 'model.remat': 'full'}
+  if family == 'llama':
+    overrides['model.num_kv_heads'] = 4
+  return overrides
+
+
+@functools.cache
+def _one_device_with_xla(family):
+  """The reference of every layout of `family` (one model, one batch): run once."""
+  return harness.loss_and_grads(harness.tiny_config(**_family(family), **{'mesh.data': 1}))
+
+
 @pytest.mark.parametrize(
   'mesh',
   [(2, 2, 1), (1, 2, 2), (2, 1, 4)],
@@ -51,10 +67,8 @@ def test_the_tile_divides_the_sequence():
 @pytest.mark.parametrize('family', ['gpt', 'llama'])
 def test_splash_layouts_equal_one_device_with_xla(family, mesh):
   """A layout with splash (interpreted) gives one device's XLA-attention loss and gradients."""
-  overrides = {'model.family': family, 'model.seq_len': 128, 'model.remat': 'full'}
-  if family == 'llama':
-    overrides['model.num_kv_heads'] = 4
-  ref = harness.loss_and_grads(harness.tiny_config(**overrides, **{'mesh.data': 1}))
+  overrides = _family(family)
+  ref = _one_device_with_xla(family)
   data, tensor, pipe = mesh
   cfg = harness.tiny_config(
     **overrides,
