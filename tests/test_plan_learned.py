@@ -147,10 +147,11 @@ def test_the_shipped_policy_makes_the_decisions_it_made_before_schemas():
   policy = policy_lib.load(SHIPPED)
   expected = {
     # Retrained (scripts/bench_learned_planner.py) when the memory model's
-    # cuts came to hold the weight matmuls' output cotangents
-    # (plan/cost/memory.py's chunk_cut).
-    'heterog_testbed': 'd2 t1 p4 1f1b m=32 v=1 mb=1 remat=none layers=5/5/6/4 fsdp',
-    'hetero_256': 'd16 t2 p8 1f1b m=4 v=1 mb=1 remat=none layers=6/6/2/2/1/1/1/1 zero1',
+    # selective remat came to keep what triax's policy keeps (smaller than
+    # Megatron's: plan/cost/analytic.py) and a cut with data > 1 its inputs
+    # split over tensor (plan/cost/memory.py's chunk_cut).
+    'heterog_testbed': 'd2 t1 p4 1f1b m=32 v=1 mb=1 remat=selective layers=4/5/6/5 zero1',
+    'hetero_256': 'd16 t2 p8 1f1b m=4 v=1 mb=1 remat=selective layers=1/1/3/3/3/3/3/3 zero1',
   }
   for name, plan in expected.items():
     cluster = cluster_lib.load(os.path.join(ROOT, 'experiments', 'clusters', name + '.yaml'))
