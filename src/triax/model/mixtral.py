@@ -149,6 +149,7 @@ class Mixtral(llama.Llama):
   def __init__(self, spec: MixtralSpec):
     super().__init__(spec)
     if spec.moe_every > 1:
+      # The stack's entry (what the scan, init and the pipeline's chunks run) is a group.
       self._block = Group(spec)
 
   def objective(self, params, inputs, targets, segments=None):
