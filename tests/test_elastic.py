@@ -6,6 +6,7 @@ input of training/elastic.py alone.
 
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -414,6 +415,35 @@ def test_sigterm_to_the_supervisor_stops_the_trainers_without_a_restart(tmp_path
   assert sorted(l for l in out.splitlines() if 'saved' in l) == ['[0] saved 0', '[1] saved 1']
   assert sorted(who for who, _ in launches) == ['0', '1']
   assert not (workdir / workdir_lib.ELASTIC).exists()
+
+
+# A trainer's end of it (training/heartbeat.py): its SIGTERM handler (a save,
+# here a file), then follow_supervisor, as the train loop does.
+FOLLOWER = (
+  'import os, signal, time\n'
+  'from triax.training import heartbeat\n'
+  'def saved(*_):\n'
+  '  open(os.path.join(os.environ["DIR"], "saved." + os.environ["TRIAX_PROCESS_ID"]), "w")\n'
+  '  os._exit(0)\n'
+  'signal.signal(signal.SIGTERM, saved)\n'
+  'heartbeat.follow_supervisor()\n'
+  'time.sleep(600)\n'
+)
+
+
+@pytest.mark.fast
+def test_a_killed_supervisor_stops_its_trainers_as_a_preemption_would(tmp_path):
+  # SIGKILL leaves the supervisor no time to stop anyone: each trainer gets
+  # SIGTERM from the kernel instead (its save), not an orphan's life.
+  follow = f'exec "$PYTHON" -c {shlex.quote(FOLLOWER)}'
+  status, _, _, launches, _ = _supervise_fake(
+    tmp_path, zero=follow, one=follow, started=lambda proc: proc.send_signal(signal.SIGKILL)
+  )
+  assert status == -signal.SIGKILL and sorted(who for who, _ in launches) == ['0', '1']
+  deadline = time.monotonic() + 30
+  while not all((tmp_path / f'saved.{i}').exists() for i in (0, 1)):
+    assert time.monotonic() < deadline, 'the trainers outlived their supervisor'
+    time.sleep(0.05)
 
 
 @pytest.mark.fast

@@ -129,6 +129,7 @@ def launch(command: TrainCommand, extra: Sequence[str], processes: int, cpu_devi
     env = {k: v for k, v in os.environ.items() if k not in _DISTRIBUTED}  # not inherited
     job.beats.append(os.path.join(beats, str(i)))
     env[heartbeat.VAR] = job.beats[-1]
+    env[heartbeat.SUPERVISOR] = str(os.getpid())  # its death stops the trainers
     if processes > 1:
       env.update(
         TRIAX_COORDINATOR=coordinator, TRIAX_NUM_PROCESSES=str(processes), TRIAX_PROCESS_ID=str(i)

@@ -437,6 +437,7 @@ def _run(
 
   signals = preemption.StopSignals(on_second=interrupted)  # bound before a signal can call it
   with signals:
+    heartbeat.follow_supervisor()  # a supervisor's death comes as SIGTERM: saved, exits
     # Only reads until the first save.
     ckpt = Checkpointer(workdir, cfg, restore_fallback=options.restore_fallback)
     position.ckpt = ckpt
