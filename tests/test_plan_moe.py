@@ -251,6 +251,14 @@ def test_groups_of_dense_and_moe_blocks_are_refused_in_one_line(tmp_path):
   with pytest.raises(ConfigError) as e:
     report.run(request, as_json=True)
   assert e.value.key == 'model.moe_every' and 'every block as a MoE' in e.value.message
+  # An elastic restart with a cluster does not price it either: the nearest layout.
+  from triax.plan import cluster as cluster_lib
+  from triax.training import replan
+
+  _, how = replan.searched(cfg, 4, cluster_lib.load(H100))
+  assert how == 'nearest valid layout'
+  cfg.model.moe_every = 1
+  assert replan.searched(cfg, 4, cluster_lib.load(H100))[1] == 'planner search'
 
 
 def test_the_learned_planner_takes_the_best_expert_degree_of_its_decisions():

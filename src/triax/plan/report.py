@@ -108,15 +108,7 @@ def _check(request: Request) -> None:
     raise ConfigError('--search', f'one of {", ".join(SEARCHES)}, got {request.search}')
   if request.profile not in PROFILES:
     raise ConfigError('--profile', f'one of {", ".join(PROFILES)}, got {request.profile}')
-  every = request.cfg.model.get('moe_every', 1)
-  if every != 1:
-    # Its profiles are of one block, each a MoE's: a group of dense blocks and
-    # a MoE block would be priced as that many MoE blocks.
-    raise ConfigError(
-      'model.moe_every',
-      f'{every}: the planner prices every block as a MoE block; plan with moe_every=1 '
-      "(an upper bound on the experts' cost) or set the layout by hand",
-    )
+  layouts.check_priced(request.cfg)
   if request.profile_cache is not None:
     folder = os.path.dirname(request.profile_cache) or '.'
     if not request.profile_cache.endswith('.json') or not os.path.isdir(folder):

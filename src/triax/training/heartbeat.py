@@ -17,6 +17,8 @@ import signal
 import sys
 import time
 
+from triax.training import lock
+
 VAR = 'TRIAX_HEARTBEAT'
 SUPERVISOR = 'TRIAX_SUPERVISOR'
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
@@ -54,7 +56,7 @@ def follow_supervisor() -> None:
   signal.signal(signal.SIGHUP, _orphaned)
   if os.getppid() == supervisor:
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGHUP)
-  if os.getppid() != supervisor and not _alive(supervisor):  # gone before prctl took
+  if os.getppid() != supervisor and not lock.pid_exists(supervisor):  # gone before prctl took
     _orphaned(signal.SIGHUP, None)
 
 
@@ -69,13 +71,3 @@ def _orphaned(signum, frame) -> None:
   os.dup2(null, 2)
   os.close(null)
   os.kill(os.getpid(), signal.SIGTERM)
-
-
-def _alive(pid: int) -> bool:
-  try:
-    os.kill(pid, 0)
-  except ProcessLookupError:
-    return False
-  except PermissionError:
-    pass
-  return True

@@ -57,17 +57,22 @@ def this_process() -> dict:
   }
 
 
-def _alive_here(holder: dict) -> bool:
-  """Whether the holder, a process of this host, is still running."""
-  pid = holder.get('pid')
-  if not isinstance(pid, int) or pid <= 0:
-    return False
+def pid_exists(pid: int) -> bool:
+  """Whether a process `pid` runs on this host (perhaps another user's)."""
   try:
     os.kill(pid, 0)
   except ProcessLookupError:
     return False
   except PermissionError:
     pass  # it exists, run by another user
+  return True
+
+
+def _alive_here(holder: dict) -> bool:
+  """Whether the holder, a process of this host, is still running."""
+  pid = holder.get('pid')
+  if not isinstance(pid, int) or pid <= 0 or not pid_exists(pid):
+    return False
   recorded, now = holder.get('process_start'), _process_start(pid)
   return recorded is None or now is None or recorded == now
 

@@ -139,6 +139,7 @@ def compile_stats(trainer: Trainer, compiler_options: dict | None = None) -> tup
   flops = step_flops(trainer.model, b)
   shardings = trainer.state_shardings
   params = step_lib.per_device_bytes(state.params, shardings.params)
+  optimizer = step_lib.per_device_bytes(state.opt_state, shardings.opt_state)
   stats = {
     'temp_bytes': int(mem.temp_size_in_bytes),
     'argument_bytes': int(mem.argument_size_in_bytes),
@@ -147,13 +148,9 @@ def compile_stats(trainer: Trainer, compiler_options: dict | None = None) -> tup
     # Per device, from the state's shardings: what ZeRO-1 (train.optimizer_sharding=data)
     # divides by the data degree is the optimizer's; gradients are laid out as parameters.
     'param_bytes': params,
-    'optimizer_bytes': step_lib.per_device_bytes(state.opt_state, shardings.opt_state),
+    'optimizer_bytes': optimizer,
     # Of the state's bytes, those kept in host memory (train.offload_optimizer).
-    'offloaded_bytes': (
-      step_lib.per_device_bytes(state.opt_state, shardings.opt_state)
-      if cfg.train.offload_optimizer
-      else 0
-    ),
+    'offloaded_bytes': optimizer if cfg.train.offload_optimizer else 0,
     'gradient_bytes': params,
     'generated_code_bytes': int(mem.generated_code_size_in_bytes),
     # XLA counts a loop body once, not once per iteration (see WORKSPACE.md).
@@ -226,7 +223,7 @@ def run_peak_bytes(stats: dict) -> int:
   s = stats
   # The device's: an offloaded optimizer state is in host memory (memory_analysis
   # counts the train step's host arguments apart too).
-  optimizer = s['optimizer_bytes'] - s.get('offloaded_bytes', 0)
+  optimizer = s['optimizer_bytes'] - s['offloaded_bytes']
   state = s['param_bytes'] + optimizer
   return max(
     step_peak_bytes(s),

@@ -154,9 +154,12 @@ def _fastest(cfg, devices, cluster, candidates, budget_s) -> Layout | None:
   from triax.plan.search import evaluate
 
   try:
+    layouts_lib.check_priced(cfg)
     sized = cluster_lib.resize(cluster, devices)
   except ConfigError:
-    return None  # its nodes cannot make this count: the nearest layout instead
+    # A model the planner cannot price, or nodes that cannot make this count:
+    # the nearest layout instead.
+    return None
   profile = analytic.build(cfg.model, sorted({l.tensor for l in candidates}))
   deadline = time.monotonic() + budget_s
   found = []

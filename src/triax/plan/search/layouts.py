@@ -54,6 +54,19 @@ class Layout:
   expert: int = 1
 
 
+def check_priced(cfg) -> None:
+  """Raises ConfigError for a model the planner cannot price: its profiles
+  are of one block, so a stack entry of several (a MoE family's groups of
+  model.moe_every blocks, one a MoE) would be priced as that many MoE blocks."""
+  every = registry.spec_from_config(cfg.model).layers_per_entry
+  if every != 1:
+    raise ConfigError(
+      'model.moe_every',
+      f'{every}: the planner prices every block as a MoE block; plan with moe_every=1 '
+      "(an upper bound on the experts' cost) or set the layout by hand",
+    )
+
+
 def no_layout(cfg, cluster: Cluster) -> ConfigError:
   """The error for a cluster none of whose layouts suits the model."""
   return ConfigError(
