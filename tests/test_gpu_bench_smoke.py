@@ -1,4 +1,5 @@
-"""scripts/gpu_bench.sh --smoke on CPU, and the shape of the real benchmark's config."""
+"""scripts/gpu_bench.sh --smoke on CPU, the shape of the real benchmark's config, and
+scripts/bench_gpu.sh's refusals off a GPU."""
 
 import dataclasses
 import importlib.util
@@ -17,13 +18,13 @@ from triax.model import registry
 SCRIPT = os.path.join(harness.ROOT, 'scripts', 'gpu_bench.sh')
 
 
-def _bench(*args):
+def _bench(*args, script=SCRIPT):
   env = harness.subprocess_env()  # --cpu_devices decides the device count
   # This venv is set up already: skip scripts/env.sh (its pip install) and use this python.
   env['TRIAX_SKIP_ENV'] = '1'
   env['PATH'] = os.path.dirname(sys.executable) + os.pathsep + env['PATH']
   return subprocess.run(
-    ['bash', SCRIPT, *args], cwd=harness.ROOT, env=env, capture_output=True, text=True, timeout=300
+    ['bash', script, *args], cwd=harness.ROOT, env=env, capture_output=True, text=True, timeout=300
   )
 
 
@@ -79,3 +80,14 @@ def test_llama_1b_is_llama_3_2_1b_shaped():
   assert shapes['layers']['wk'].shape == (16, 2048, 8, 64)  # 8 K/V heads of 64
   count = sum(leaf.size for leaf in jax.tree.leaves(shapes))
   assert 1.23e9 < count < 1.24e9  # 1,235,814,400 in the Hugging Face checkpoint
+
+
+def test_the_gpu_report_refuses_a_machine_without_one_and_writes_nothing(tmp_path):
+  script = os.path.join(harness.ROOT, 'scripts', 'bench_gpu.sh')
+  out, runs = tmp_path / 'docs', tmp_path / 'runs'
+  result = _bench(f'--out_dir={out}', f'--runs={runs}', script=script)
+  assert result.returncode == 2, result.stderr
+  assert result.stderr.startswith('error: scripts/bench_gpu.sh: jax sees no GPU (backend cpu)')
+  assert not out.exists() and not runs.exists()
+  result = _bench('--steps=3', script=script)
+  assert result.returncode == 2 and result.stderr.startswith('error: --steps=3: unknown flag')

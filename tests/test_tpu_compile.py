@@ -9,10 +9,12 @@ import json
 import os
 
 import harness
+import jax
 import pytest
 
 from triax import topology
 from triax.errors import ConfigError
+from triax.training import loop
 
 GiB = 2**30
 SMOKE = 'experiments/llama_1b.py:smoke,attention=xla'
@@ -39,6 +41,28 @@ def test_the_fit_line_says_by_how_much():
   assert fits and line.startswith('fits: 15.00 GiB per device of 16 GiB HBM (1.00 GiB spare)')
   fits, line = topology.fit_line(slice_, 18 * GiB)
   assert not fits and line.startswith('does not fit: 18.00 GiB per device, 2.00 GiB over')
+
+
+class _Gpu:
+  """A device as a GPU reports itself: its allocator's limit in memory_stats()."""
+
+  device_kind = 'NVIDIA H200'
+
+  def memory_stats(self):
+    return {'bytes_limit': 128 * GiB, 'bytes_in_use': 0}
+
+
+def test_compile_only_on_a_gpu_fits_against_what_its_allocator_may_take():
+  fit = loop.local_fit({'peak_bytes': 100 * GiB}, [_Gpu(), _Gpu()])
+  assert fit['fits'] and fit['memory_bytes_per_device'] == 128 * GiB
+  assert fit['fit_line'] == (
+    'fits: 100.00 GiB per device of 128 GiB that XLA may allocate (28.00 GiB spare) '
+    'on 2 x NVIDIA H200'
+  )
+  fit = loop.local_fit({'peak_bytes': 130 * GiB}, [_Gpu()])
+  assert not fit['fits'] and fit['fit_line'].startswith('does not fit: 130.00 GiB per device, 2.00')
+  # A CPU device reports no limit: nothing to fit against, no line.
+  assert loop.local_fit({'peak_bytes': 1}, jax.devices()) == {}
 
 
 def _compile(workdir, *flags, config=SMOKE, topology_name='v5p:2x2x1'):

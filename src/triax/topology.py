@@ -158,16 +158,20 @@ def parse(name: str, slices: int = 1) -> Topology:
 
 def fit_line(topology: Topology, peak_bytes: int) -> tuple[bool, str]:
   """(fits, one line saying so): the per-device peak against the kind's HBM."""
-  hbm = topology.hbm_bytes
   where = f'{topology.chips} x {topology.kind.device_kind}'
   if topology.slices > 1:
     where += f' ({topology.slices} slices)'
-  if peak_bytes <= hbm:
+  return fit(peak_bytes, topology.hbm_bytes, 'HBM', where)
+
+
+def fit(peak_bytes: int, capacity: int, memory: str, where: str) -> tuple[bool, str]:
+  """(fits, one line saying so): a per-device peak against `capacity` bytes of `memory`."""
+  if peak_bytes <= capacity:
     return True, (
-      f'fits: {peak_bytes / GiB:.2f} GiB per device of {hbm / GiB:.0f} GiB HBM '
-      f'({hbm / GiB - peak_bytes / GiB:.2f} GiB spare) on {where}'
+      f'fits: {peak_bytes / GiB:.2f} GiB per device of {capacity / GiB:.0f} GiB {memory} '
+      f'({capacity / GiB - peak_bytes / GiB:.2f} GiB spare) on {where}'
     )
   return False, (
-    f'does not fit: {peak_bytes / GiB:.2f} GiB per device, {(peak_bytes - hbm) / GiB:.2f} GiB '
-    f'over the {hbm / GiB:.0f} GiB HBM of {where}'
+    f'does not fit: {peak_bytes / GiB:.2f} GiB per device, {(peak_bytes - capacity) / GiB:.2f} GiB '
+    f'over the {capacity / GiB:.0f} GiB {memory} of {where}'
   )

@@ -32,7 +32,10 @@ _CPU_DEVICES = flags.DEFINE_integer(
   'Force this many CPU devices (set before JAX starts; ignored when an accelerator is present).',
 )
 _COMPILE_ONLY = flags.DEFINE_bool(
-  'compile_only', False, 'Compile the train step, write WORKDIR/compile_stats.json and exit.'
+  'compile_only',
+  False,
+  'Compile the train step, write WORKDIR/compile_stats.json and exit. On a GPU, also the fit '
+  'against the memory XLA may allocate there; exit 3 if it does not fit.',
 )
 _TOPOLOGY = flags.DEFINE_string(
   'topology',
@@ -98,6 +101,10 @@ def main(argv):
       f'compile stats: {workdir}/compile_stats.json '
       f'(temp {summary["temp_bytes"] / 2**20:.1f} MiB per device)'
     )
+    if 'fit_line' in summary:  # an accelerator that reports its memory (a GPU)
+      print(summary['fit_line'])
+      if not summary['fits']:
+        sys.exit(cli.EXIT_DOES_NOT_FIT)
     return
   print(f'metrics:     {workdir}/metrics.jsonl')
   # The tensorboard beside this interpreter (the venv's), so the printed

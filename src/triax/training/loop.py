@@ -37,6 +37,7 @@ import numpy as np
 from tqdm import tqdm
 
 from triax import config as config_lib
+from triax import topology as topology_lib
 from triax.data import pipeline as data_pipeline
 from triax.errors import ConfigError
 from triax.mesh import build_mesh
@@ -244,6 +245,21 @@ def all_compile_stats(
   return compiled, compiled_eval, stats
 
 
+def local_fit(stats: dict, devices: list) -> dict:
+  """The compiled run's per-device peak against the memory the local accelerator's
+  allocator may take (on a GPU, XLA_PYTHON_CLIENT_MEM_FRACTION of the card):
+  `fits`, `fit_line`, the device kind and that limit. {} where the device reports
+  no limit (CPU): there is nothing to fit then."""
+  limit = (devices[0].memory_stats() or {}).get('bytes_limit')
+  if not limit:
+    return {}
+  where = f'{len(devices)} x {devices[0].device_kind}'
+  fits, line = topology_lib.fit(stats['peak_bytes'], limit, 'that XLA may allocate', where)
+  return dict(
+    device_kind=devices[0].device_kind, memory_bytes_per_device=limit, fits=fits, fit_line=line
+  )
+
+
 def _parse_profile_steps(spec: str, last_step: int) -> tuple[int, int] | None:
   if not spec:
     return None
@@ -412,6 +428,7 @@ def _run(
   main_process = jax.process_index() == 0
   if options.compile_only:
     _, _, stats = all_compile_stats(trainer)
+    stats.update(local_fit(stats, list(trainer.mesh.devices.flat)))
     _take_lock(workdir_lock)
     if main_process:
       atomic.write_json(workdir_lib.path(workdir, workdir_lib.COMPILE_STATS), stats)
