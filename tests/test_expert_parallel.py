@@ -107,6 +107,23 @@ def test_experts_and_their_adam_moments_are_split_over_expert():
   assert rules['batch'] == ('data', 'expert') and rules['experts'] == 'expert'
 
 
+@pytest.mark.fast
+@pytest.mark.parametrize('fsdp', [False, True])
+def test_a_validated_config_validates_again_under_any_expert_degree(fsdp):
+  # A workdir's config.json is the validated config: a resume validates it
+  # again, an elastic re-plan with another expert degree too.
+  given = _config(**{'mesh.data': 4, 'mesh.expert': 2, 'mesh.fsdp': fsdp})
+  validated = config_lib.validate(given, 4)
+  again = config_lib.validate(validated, 4)
+  assert again.sharding.logical_axis_rules == validated.sharding.logical_axis_rules
+  for expert in (1, 4):
+    validated.mesh.expert = given.mesh.expert = expert
+    assert (
+      config_lib.validate(validated, 4).sharding.logical_axis_rules
+      == config_lib.validate(given, 4).sharding.logical_axis_rules
+    )
+
+
 @pytest.mark.parametrize(
   'overrides,key',
   [

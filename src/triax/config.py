@@ -517,6 +517,11 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int) -> ml_collections
     ConfigError: naming the first offending key and how to fix it.
   """
   cfg = ml_collections.ConfigDict(cfg.to_dict())  # unlocked copy; caller's stays as given
+  # A validated config (a workdir's config.json: a resume, an elastic re-plan)
+  # is validated again from the rules it was given.
+  cfg.sharding.logical_axis_rules = registry.rules_as_given(
+    cfg.model, cfg.sharding.logical_axis_rules
+  )
   for axis, size in zip(MESH_AXES, resolve_mesh_shape(cfg.mesh, num_devices)):
     cfg.mesh[axis] = size
   _check_mesh(cfg.mesh, cfg.model.family, num_devices)

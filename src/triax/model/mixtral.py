@@ -285,6 +285,24 @@ def validate(model_cfg, mesh_cfg, rules: tuple) -> tuple:
   return _expert_rules(rules, degree)
 
 
+def rules_as_given(rules: tuple) -> tuple:
+  """`rules` as they were before `_expert_rules` placed the expert axis: the
+  experts' own rule dropped, `expert` taken out where it follows `data`."""
+  out = []
+  for name, axis in rules:
+    if name == 'experts' and axis == moe.EXPERT_AXIS:
+      continue
+    names = (axis,) if isinstance(axis, str) else tuple(axis or ())
+    if 'data' in names and names[names.index('data') + 1 : names.index('data') + 2] == (
+      moe.EXPERT_AXIS,
+    ):
+      at = names.index('data') + 1
+      kept = names[:at] + names[at + 1 :]
+      axis = kept[0] if len(kept) == 1 else kept
+    out.append((name, axis))
+  return tuple(out)
+
+
 def _expert_rules(rules: tuple, degree: int) -> tuple:
   """With mesh.expert > 1 the experts' leading axis over `expert`; whatever else
   is split over `data` (the batch; with mesh.fsdp the parameters' 'embed')

@@ -56,6 +56,16 @@ def _plain(value):
   return value.to_dict() if hasattr(value, 'to_dict') else value
 
 
+def rules_as_given(model_cfg, rules) -> tuple:
+  """The logical axis rules before the family's `validate` resolved them: the
+  family's `rules_as_given` where its validate adds rules that validating
+  again would refuse (a MoE's expert axis), else the rules as they are."""
+  family = FAMILIES.get(model_cfg.family)
+  rules = tuple(tuple(r) for r in rules)
+  undo = getattr(family, 'rules_as_given', None)
+  return undo(rules) if undo is not None else rules
+
+
 def validate(model_cfg, default_model_cfg, mesh_cfg, rules, pipelined: bool = False) -> tuple:
   """Checks the family's keys; returns the logical axis rules resolved for it.
 
@@ -77,7 +87,7 @@ def validate(model_cfg, default_model_cfg, mesh_cfg, rules, pipelined: bool = Fa
       f'{_plain(default_model_cfg[key])!r}'
       + (f' or set model.family to {" or ".join(readers)}' if readers else ''),
     )
-  rules = family.validate(model_cfg, mesh_cfg, tuple(tuple(r) for r in rules))
+  rules = family.validate(model_cfg, mesh_cfg, rules_as_given(model_cfg, rules))
   refusal = family.Spec.from_config(model_cfg).executor_refusal() if pipelined else ''
   if refusal:
     raise ConfigError('mesh.pipe' if mesh_cfg.pipe > 1 else 'pipeline.microbatches', refusal)
