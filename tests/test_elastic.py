@@ -200,9 +200,10 @@ def test_the_restarted_run_follows_the_uninterrupted_one(elastic_run):
 # ---------------------------------------------------------------- the choices alone
 
 
-def _smoke(**overrides):
-  """gpt_tiny's smoke config on 8 devices (data 2 x tensor 2 x pipe 2, m=4), validated."""
-  cfg = config_lib.from_file(os.path.join(harness.ROOT, 'experiments', 'gpt_tiny.py'), 'smoke')
+def _smoke(experiment='gpt_tiny.py', **overrides):
+  """An experiment's smoke config on 8 devices, validated (gpt_tiny's: data 2 x
+  tensor 2 x pipe 2, m=4)."""
+  cfg = config_lib.from_file(os.path.join(harness.ROOT, 'experiments', experiment), 'smoke')
   for key, value in overrides.items():
     group, name = key.split('.')
     cfg[group][name] = value
@@ -241,6 +242,32 @@ def test_with_a_cluster_the_planner_prices_the_layouts():
   assert how == 'planner search'
   assert replan.fits(cfg, layout, 4)
   assert layout.data * layout.context * layout.tensor * layout.pipe == 4
+
+
+def _moe(**overrides):
+  """mixtral_tiny's (data 4 x tensor 2, experts over 2 of data), its router loss
+  per micro-batch: a shrunk data degree accumulates micro-batches."""
+  return _smoke('mixtral_tiny.py', **{'model.router_aux_loss_scope': 'microbatch', **overrides})
+
+
+@pytest.mark.fast
+def test_a_moe_model_keeps_its_expert_degree_or_the_new_one_is_in_the_flags():
+  from triax.plan import cluster as cluster_lib
+
+  cfg = _moe()
+  layout = replan.shrunk(cfg, 4)  # data 4 -> 2: expert 2 still divides it
+  assert (layout.data, layout.tensor, layout.expert) == (2, 2, 2)
+  assert 'mesh.expert' not in replan.overrides(cfg, layout)
+  cfg = _moe(**{'mesh.expert': 4})  # data 2 cannot hold 4 expert groups
+  assert replan.shrunk(cfg, 4) is None
+  cluster = cluster_lib.load(os.path.join(harness.ROOT, 'experiments/clusters/h100_8x_nvlink.yaml'))
+  layout, how = replan.replan(cfg, 4)
+  assert how == 'nearest valid layout'  # tensor 2 kept: data 2 and fewer expert groups
+  assert (layout.data, layout.tensor, layout.expert) == (2, 2, 2)
+  assert replan.overrides(cfg, layout)['mesh.expert'] == 2
+  layout, how = replan.replan(cfg, 4, cluster, budget_s=20)
+  assert how == 'planner search' and replan.fits(cfg, layout, 4)
+  assert replan.overrides(cfg, layout).get('mesh.expert', 4) == layout.expert
 
 
 @pytest.mark.fast

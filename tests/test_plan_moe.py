@@ -11,6 +11,7 @@ from test_plan_simulator import make_cluster
 from triax import config
 from triax.errors import ConfigError
 from triax.model import mixtral, moe
+from triax.plan import cluster as cluster_lib
 from triax.plan import report
 from triax.plan.candidate import Options, Plan
 from triax.plan.cost import analytic, memory, profile, profile_cache
@@ -141,6 +142,8 @@ def test_imbalance_slows_the_experts_only_where_they_are_split():
 def test_profile_cache_keeps_the_experts():
   prof = moe_profile()
   assert profile_cache.from_dict(json.loads(json.dumps(profile_cache.to_dict(prof)))) == prof
+  grouped = dataclasses.replace(prof, layers_per_entry=2)
+  assert profile_cache.from_dict(json.loads(json.dumps(profile_cache.to_dict(grouped)))) == grouped
 
 
 def mixtral_config(**model):
@@ -242,22 +245,105 @@ def test_cli_plans_mixtral_tiny_end_to_end(tmp_path, capsys):
     report.run(dataclasses.replace(request, out=None, moe_imbalance=0.5))
 
 
-def test_groups_of_dense_and_moe_blocks_are_refused_in_one_line(tmp_path):
-  cfg = config.from_file(MIXTRAL_TINY)
-  cfg.model.moe_every = 2
-  request = report.Request(
-    cfg=cfg, config_path=MIXTRAL_TINY, config_overrides={}, cluster=H100, top=3, out=None
+def grouped_config(every=2, **model):
+  """mixtral_tiny with a MoE block in every `every` and pipelines allowed."""
+  return mixtral_config(moe_every=every, router_aux_loss_scope='microbatch', **model)
+
+
+def dense_config():
+  """The dense Llama of mixtral_tiny's shapes (d_ff that of one expert)."""
+  cfg = config.from_file(os.path.join(ROOT, 'experiments', 'llama_tiny.py'))
+  cfg.model.d_ff = mixtral_config().model.d_ff
+  return cfg
+
+
+def test_groups_of_dense_and_moe_blocks_price_as_their_average_block():
+  # moe_every=2: a group of a dense block and a MoE block, priced per block
+  # as their mean, between the dense model and the all-MoE one.
+  dense, grouped, moe_only = (
+    analytic.build(c.model, [1]) for c in (dense_config(), grouped_config(), mixtral_config())
   )
-  with pytest.raises(ConfigError) as e:
-    report.run(request, as_json=True)
-  assert e.value.key == 'model.moe_every' and 'every block as a MoE' in e.value.message
-  # An elastic restart with a cluster does not price it either: the nearest layout.
-  from triax.plan import cluster as cluster_lib
+  assert (dense.layers_per_entry, grouped.layers_per_entry, moe_only.layers_per_entry) == (1, 2, 1)
+  d, g, m = (p.shards[1] for p in (dense, grouped, moe_only))
+  for f in ('layer_fwd', 'layer_bwd'):
+    for key in ('flops_per_seq', 'bytes_fixed', 'bytes_per_seq'):
+      mean = (getattr(d.work[f], key) + getattr(m.work[f], key)) / 2
+      assert getattr(g.work[f], key) == pytest.approx(mean, rel=1e-12)
+  assert g.layer_param_bytes == pytest.approx((d.layer_param_bytes + m.layer_param_bytes) / 2)
+  assert g.stash_per_seq['none'] == d.stash_per_seq['none'] == m.stash_per_seq['none']
+  # Full remat keeps a group's input only: half a block's.
+  assert g.stash_per_seq['full'] == m.stash_per_seq['full'] / 2
+  # The experts: half a MoE block's parameters and FLOP share, the same exchange.
+  assert g.experts.every == 2 and g.experts.param_bytes == m.experts.param_bytes / 2
+  routed = m.experts.fraction * m.work['layer_fwd'].flops_per_seq
+  assert g.experts.fraction * g.work['layer_fwd'].flops_per_seq == pytest.approx(routed / 2)
+  # A step: strictly between the dense and the all-MoE model, at every expert degree.
+  cluster = cluster_lib.load(H100)
+  for e in (1, 4):
+    steps = [
+      simulate_plan(moe_plan(8, e if p is not dense else 1), p, cluster).step_time
+      for p in (dense, grouped, moe_only)
+    ]
+    assert steps[0] < steps[1] < steps[2]
+  # Only the MoE block exchanges tokens: the average block, half its all-to-alls.
+  comm = Comm(cluster, grouped)
+  for remat in ('none', 'full'):
+    plan = moe_plan(data=8, expert=4, remat=remat)
+    one = experts_lib.seconds(plan, m, comm, 0)
+    assert one[0] > 0 and experts_lib.seconds(plan, g, comm, 0) == (one[0] / 2, one[1] / 2)
+    assert (
+      experts_lib.dispatch_stash(plan, g, remat) == experts_lib.dispatch_stash(plan, m, remat) / 2
+    )
+  assert experts_lib.seconds(moe_plan(data=8, expert=4), d, comm, 0) == (0.0, 0.0)
+
+
+def test_groups_of_dense_and_moe_blocks_split_in_whole_groups():
+  # 8 blocks in groups of 2 on a fast and a slow stage: balancing by block
+  # would give the fast stage 5 (every block's cost equal to the slow
+  # stage's 3); in whole groups it takes 6. Every split is one config.py accepts.
+  cfg = grouped_config(num_layers=8)
+  prof = dataclasses.replace(moe_profile(num_layers=8), layers_per_entry=2)
+  cluster = make_cluster(groups=(('fast', 4, 2.0, '80 GB'), ('slow', 4, 1.0, '80 GB')))
+  layouts = [l for l in layouts_lib.layouts(cfg, 8) if l.pipe > 1]
+  assert {(l.pipe, l.virtual_stages) for l in layouts} == {(2, 1), (2, 2), (4, 1)}
+  found = evaluate.evaluate(cfg, cluster, prof, Options(), layouts)
+  splits = {e.plan.layers for e in found}
+  assert (6, 2) in splits and all(n % 2 == 0 for e in found for n in e.plan.chunk_layers)
+  for plan in {
+    dataclasses.replace(e.plan, remat='none', state_sharding='replicated') for e in found
+  }:
+    config.validate(evaluate.with_plan(cfg, plan), 8)
+
+
+def test_cli_plans_groups_of_dense_and_moe_blocks(tmp_path, capsys):
+  cfg = grouped_config()
+  out = tmp_path / 'plan.py'
+  request = report.Request(
+    cfg=cfg,
+    config_path=MIXTRAL_TINY,
+    config_overrides={'model.moe_every': 2, 'model.router_aux_loss_scope': 'microbatch'},
+    cluster=H100,
+    top=5,
+    out=str(out),
+    profile='analytic',
+  )
+  top = report.run(request, as_json=True)['top']
+  capsys.readouterr()
+  assert any(p['pipe'] > 1 for p in top)
+  assert all(n % 2 == 0 for p in top for n in p['layers_per_chunk'])
+  spec = importlib.util.spec_from_file_location('grouped_plan', str(out))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  planned = module.get_config()
+  assert planned.model.moe_every == 2
+  config.validate(planned, 8)
+  # Every plan the search shows is one the validator takes.
+  prof = analytic.build(cfg.model, [1, 2, 4])
+  for e in exhaustive.search(cfg, cluster_lib.load(H100), profile=prof, top_k=10).top:
+    config.validate(evaluate.with_plan(cfg, e.plan), 8)
+  # An elastic restart with a cluster prices it too.
   from triax.training import replan
 
-  _, how = replan.searched(cfg, 4, cluster_lib.load(H100))
-  assert how == 'nearest valid layout'
-  cfg.model.moe_every = 1
   assert replan.searched(cfg, 4, cluster_lib.load(H100))[1] == 'planner search'
 
 

@@ -108,7 +108,6 @@ def _check(request: Request) -> None:
     raise ConfigError('--search', f'one of {", ".join(SEARCHES)}, got {request.search}')
   if request.profile not in PROFILES:
     raise ConfigError('--profile', f'one of {", ".join(PROFILES)}, got {request.profile}')
-  layouts.check_priced(request.cfg)
   if request.profile_cache is not None:
     folder = os.path.dirname(request.profile_cache) or '.'
     if not request.profile_cache.endswith('.json') or not os.path.isdir(folder):

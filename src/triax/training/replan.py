@@ -33,6 +33,7 @@ def layout_of(cfg) -> Layout:
     context=cfg.mesh.context,
     sequence_parallel=cfg.mesh.sequence_parallel,
     context_attention=cfg.model.context_attention,
+    expert=cfg.mesh.expert,
   )
 
 
@@ -40,6 +41,8 @@ def describe(layout: Layout) -> str:
   parts = [f'data {layout.data}', f'tensor {layout.tensor}', f'pipe {layout.pipe}']
   if layout.context > 1:
     parts.insert(1, f'context {layout.context}')
+  if layout.expert > 1:
+    parts[0] += f' (expert {layout.expert})'
   return (
     ' x '.join(parts) + f' ({layout.schedule}, m={layout.microbatches}, v={layout.virtual_stages})'
   )
@@ -62,6 +65,10 @@ def overrides(cfg, layout: Layout) -> dict[str, Any]:
     out['pipeline.virtual_stages'] = layout.virtual_stages
   if layout.sequence_parallel != cfg.mesh.sequence_parallel:
     out['mesh.sequence_parallel'] = layout.sequence_parallel
+  if layout.expert != cfg.mesh.expert:
+    out['mesh.expert'] = layout.expert
+  if layout.context_attention != cfg.model.context_attention:
+    out['model.context_attention'] = layout.context_attention
   if tuple(cfg.mesh.device_order):
     out['mesh.device_order'] = ()
   for axis in config_lib.MESH_AXES:
@@ -103,7 +110,8 @@ def fits(cfg, layout: Layout, devices: int) -> bool:
 def shrunk(cfg, devices: int) -> Layout | None:
   """The same context x tensor x pipe with the data degree `devices` leave, and
   as many more micro-batches as keep each one's rows: None if that does not
-  divide or validate."""
+  divide or validate (a MoE model's expert degree kept: it must divide the new
+  data degree)."""
   old = layout_of(cfg)
   rest = old.context * old.tensor * old.pipe
   if devices % rest:
@@ -117,7 +125,8 @@ def shrunk(cfg, devices: int) -> Layout | None:
 
 def nearness(old: Layout, new: Layout) -> tuple:
   """Sort key: the layout that changes least first: fewest axes of context, tensor and
-  pipe moved, and by the smallest factors; then schedule, v and micro-batch rows kept."""
+  pipe moved, and by the smallest factors; then schedule, v, the expert degree and
+  micro-batch rows kept."""
   axes = ('context', 'tensor', 'pipe')
   moved = sum(getattr(old, a) != getattr(new, a) for a in axes)
   factors = sum(abs(math.log(getattr(new, a) / getattr(old, a))) for a in axes)
@@ -127,6 +136,7 @@ def nearness(old: Layout, new: Layout) -> tuple:
     round(factors, 9),
     new.schedule != old.schedule,
     new.virtual_stages != old.virtual_stages,
+    round(abs(math.log(new.expert / old.expert)), 9),  # the expert degree nearest the old
     round(rows, 9),
     -new.data,
   )
@@ -154,11 +164,9 @@ def _fastest(cfg, devices, cluster, candidates, budget_s) -> Layout | None:
   from triax.plan.search import evaluate
 
   try:
-    layouts_lib.check_priced(cfg)
     sized = cluster_lib.resize(cluster, devices)
   except ConfigError:
-    # A model the planner cannot price, or nodes that cannot make this count:
-    # the nearest layout instead.
+    # Nodes that cannot make this count: the nearest layout instead.
     return None
   profile = analytic.build(cfg.model, sorted({l.tensor for l in candidates}))
   deadline = time.monotonic() + budget_s
@@ -181,6 +189,7 @@ def _fastest(cfg, devices, cluster, candidates, budget_s) -> Layout | None:
     p.context,
     p.sequence_parallel,
     p.context_attention,
+    p.expert,
   )
 
 

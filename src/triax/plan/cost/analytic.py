@@ -39,6 +39,13 @@ intensity * bandwidth / peak), lower for thin GEMMs and for the attention
 core's small per-head ones. Each layer action adds the group's
 `overhead_per_layer` (its ~20 kernel launches).
 
+A model whose stack entry is a group of n blocks (model.moe_every = n:
+n - 1 dense, one MoE) is priced as the average block
+(plan/cost/profile.py): the entry's GEMMs from its own shapes and n of
+each per-block kernel (attention, elementwise), all over n; its parameters
+over n; and its residuals per block, but full remat's (one input per
+entry: remat wraps the entry) and selective's kept matmul outputs over n.
+
 Recomputation, per remat policy: full reruns the forward in the backward
 (+1 forward, its tensor all-reduces too: the simulator adds those);
 selective reruns the attention core (+ its forward kernels).
@@ -219,6 +226,7 @@ def _build(spec, tensors: tuple[int, ...], dropout: bool = False) -> profile_lib
     fits={f: profile_lib.Fit(0.0, 1.0) for f in profile_lib.FUNCTIONS},
     machine=machine,
     analytic=Analytic(spec.dtype, kernels),
+    layers_per_entry=spec.layers_per_entry,
   )
 
 
@@ -232,13 +240,14 @@ def _nbytes(*trees) -> float:
 
 
 def _shapes(spec, t: int):
-  """One layer's parameter shapes, the edge parameters' bytes, and the shard
-  spec: from the family's own modules, abstractly (no memory, no compute)."""
+  """One stack entry's parameter shapes (a layer's, or a group's blocks'),
+  the edge parameters' bytes, and the shard spec: from the family's own
+  modules, abstractly (no memory, no compute)."""
   import jax
 
   from triax.model import registry
 
-  shard = dataclasses.replace(spec.tensor_shard(t), num_layers=1)
+  shard = dataclasses.replace(spec.tensor_shard(t), num_layers=spec.layers_per_entry)
   # Tracing init runs the block once, abstractly; the attention kernel
   # changes no parameter shape, and cuDNN's refuses to trace off a GPU.
   model = registry.build(dataclasses.replace(shard, attention='xla'))
@@ -252,6 +261,17 @@ def _shapes(spec, t: int):
   reads_stream = [len(a) > 2 and a[1] == 'embed' for a in axes]
   embed, head = model.edge_params(params)
   return shard, list(zip(layer, routed, reads_stream)), embed, head
+
+
+def _averaged(kernels: list[Kernel], n: int) -> list[Kernel]:
+  """An entry's kernels over its n blocks, the average block's (a kernel's
+  time is linear in its FLOPs and bytes together)."""
+  if n == 1:
+    return kernels
+  return [
+    dataclasses.replace(k, flops=k.flops / n, bytes=k.bytes / n, fixed_bytes=k.fixed_bytes / n)
+    for k in kernels
+  ]
 
 
 def _shard(spec, t: int, dropout: bool = False) -> tuple[profile_lib.Shard, ShardKernels]:
@@ -270,6 +290,8 @@ def _shard(spec, t: int, dropout: bool = False) -> tuple[profile_lib.Shard, Shar
   # Elements a position keeps under the selective policy beyond SEQUENCE_STASH's:
   # the outputs of the dense matmuls that read the normed stream (see below).
   selective_kept = 0
+  # Blocks of the stack entry the weights below are of; every figure is their average.
+  every = spec.layers_per_entry
   for shape, routed, reads_stream in weights:
     layer_params += math.prod(shape) * pe
     if reads_stream and not routed:
@@ -291,6 +313,7 @@ def _shard(spec, t: int, dropout: bool = False) -> tuple[profile_lib.Shard, Shar
     # Input gradient (reads the weight) and weight gradient (writes it).
     bwd.append(Kernel(f'dgrad {k}x{n}', flops, io, copies * k * n * e))
     bwd.append(Kernel(f'wgrad {k}x{n}', flops, io, 2 * copies * k * n * pe))
+  fwd, bwd, layer_params = _averaged(fwd, every), _averaged(bwd, every), layer_params / every
   scores = heads * s * s  # elements of one sequence's score square
   if fused:
     flops = 4.0 * s * s * heads * hd * _FLASH_CAUSAL
@@ -352,8 +375,9 @@ def _shard(spec, t: int, dropout: bool = False) -> tuple[profile_lib.Shard, Shar
   # projection (nothing reads it back) or dropout's masks (redrawn from their
   # key). Megatron's selective keeps everything but the attention core
   # (stash_none - probs): 1.27x what XLA:TPU allocated at llama_1b's TP 4.
-  selective = act * whole['selective'] + s * selective_kept * e
-  stash = {'none': stash_none, 'selective': selective, 'full': act * whole['full']}
+  selective = act * whole['selective'] + s * selective_kept * e / every
+  # Full remat keeps an entry's input only: the group's blocks are recomputed together.
+  stash = {'none': stash_none, 'selective': selective, 'full': act * whole['full'] / every}
 
   def work(kernels):
     return profile_lib.Work(

@@ -33,6 +33,11 @@ A MoE layer's routed experts (a Shard's `Experts`) are split over
     assignments, and the grouped matmuls keep theirs for the backward
     (`dispatch_stash`).
 
+With model.moe_every = n only one block in n is a MoE block, and a
+profile's layer is the average block (plan/cost/profile.py): its
+all-to-alls and exchanged rows are 1/n of a MoE block's (`Experts.every`;
+the parameter bytes and FLOP share the profile averaged already).
+
 Plain arithmetic, no JAX (moe.py imports it): `capacity` repeats
 moe.capacity_of's one line, and a test holds them equal.
 """
@@ -75,8 +80,9 @@ def exchange_bytes(plan, experts: Experts) -> float:
 
 
 def seconds(plan, shard: Shard, comm, stage: int) -> tuple[float, float]:
-  """Seconds the all-to-alls add to one MoE layer's forward and backward on
-  `stage` (0, 0 unless the experts are split)."""
+  """Seconds the all-to-alls add to one layer's forward and backward on
+  `stage` (0, 0 unless the experts are split): a MoE layer's, over
+  Experts.every."""
   if not split(plan, shard):
     return 0.0, 0.0
   experts = shard.experts
@@ -88,7 +94,7 @@ def seconds(plan, shard: Shard, comm, stage: int) -> tuple[float, float]:
     ids = nbytes / (experts.d_model * experts.dtype_bytes) * ID_BYTES
     forward += max(comm.alltoall(g, ids) for g in groups)
   backward = 2 * one + (forward if plan.remat != 'none' else 0.0)
-  return forward, backward
+  return forward / experts.every, backward / experts.every
 
 
 def busiest_load(plan, experts: Experts, imbalance: float) -> float:
@@ -128,10 +134,11 @@ def dispatch_stash(plan, shard: Shard, remat: str) -> float:
   one device's own assignments keep (the profile's, at expert 1): with the
   experts split each device's grouped matmuls run expert x as many rows
   (room for every sender's assignments) and keep them, unless a remat
-  policy recomputes the layer's experts (both do: no dot is saved)."""
+  policy recomputes the layer's experts (both do: no dot is saved); over
+  Experts.every, as a MoE layer's share of the average one."""
   if not split(plan, shard) or remat != 'none' or shard.experts.dispatch != 'dropless':
     return 0.0
   e = shard.experts
   assignments = e.seq_len / plan.context * e.per_token
   row = (e.d_model + HIDDEN_RESIDUALS * e.hidden) * e.dtype_bytes
-  return (plan.expert - 1) * assignments * row
+  return (plan.expert - 1) * assignments * row / e.every

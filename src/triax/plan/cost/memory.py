@@ -34,6 +34,11 @@ e = 2, less dropout's masks, which triax does not have); selective remat
 drops the a s / (h t) term, full keeps the layer input, s b h e (1/t
 with SP).
 
+A model whose stack entry is a group of blocks (model.moe_every = n): the
+profile's per-layer figures are its average block's (plan/cost/profile.py),
+and what one layer at a time holds (a backward's workspace, the
+evaluation's forward, FSDP's gathered weights) is one entry's, n of them.
+
 A MoE model with its experts split (Plan.expert > 1): the experts' share of
 the state over the expert degree (`state`'s `experts`), and dropless's
 exchanged rows in each layer's residuals (experts.dispatch_stash).
@@ -148,12 +153,13 @@ def state_programs(
   rest = resident(plan, profile, params, experts)
   rows = plan.global_batch // plan.data
   copy = state(plan, profile, params, experts)['params'] if plan.pipe > 1 else 0.0
+  entry = profile.layers_per_entry  # the layers one step of the scan runs
   forward = rows * (
-    layer_stash(plan, shard, 'none')
+    layer_stash(plan, shard, 'none') * entry
     + 2 * shard.act_per_seq * residual_share(plan)
     + shard.logits_per_seq * token_share(plan)
   )
-  gathered = shard.layer_param_bytes if plan.state_sharding == 'fsdp' else 0.0
+  gathered = shard.layer_param_bytes * entry if plan.state_sharding == 'fsdp' else 0.0
   return {'save': 2 * rest, 'restore': 2 * rest, 'eval': rest + copy + gathered + forward}
 
 
@@ -274,8 +280,10 @@ def _workspace(plan: Plan, profile: Profile, shard: Shard, logits: float, pipeli
   before the layers' backward; XLA:TPU's FSDP and TP steps at 1B and 8B
   allocate within 10% of that where the sum overshot by up to 27%
   (docs/bench_tpu_compile.md). The executor's tick loop holds both: its
-  buffers live across the ticks."""
-  layer = 2 * plan.microbatch_size * layer_stash(plan, shard, 'none')
+  buffers live across the ticks. A layer is a stack entry here (remat and
+  FSDP's gathers take a group of blocks at once)."""
+  entry = profile.layers_per_entry
+  layer = 2 * plan.microbatch_size * layer_stash(plan, shard, 'none') * entry
   if plan.fsdp_per_layer:
     # Two gathered copies, in the compute dtype: XLA converts the shard before
     # the all-gather, and gathers the weight for the forward and again for
@@ -285,7 +293,7 @@ def _workspace(plan: Plan, profile: Profile, shard: Shard, logits: float, pipeli
     # come (f32[32,512,14336]).
     share = compute_share(profile)
     head = logits + 2 * head_weight(shard) * share
-    layer += 2 * shard.layer_param_bytes * share
+    layer += 2 * shard.layer_param_bytes * entry * share
   else:
     head = logits + head_cast(profile, shard)
   return head + layer if pipelined else max(head, layer)

@@ -15,6 +15,22 @@ Two sources fill it:
   - plan/cost/analytic.py prices every kernel from the model's shapes and the
     cluster spec's data sheets (`Profile.analytic`), nothing run here.
 
+A model whose stack entry holds several blocks (a MoE family's
+model.moe_every = n: n - 1 dense blocks, then a MoE block; ModelSpec.
+layers_per_entry) is profiled as one entry, and every per-layer figure is
+the entry's over n: the *average block*, (n-1)/n of a dense one and 1/n of
+a MoE one (FLOPs, bytes and times, parameters, residuals). The pipeline
+cuts chunks between entries (config.py's layer-split check; the search
+splits in multiples of n), so a stage's blocks times the average is their
+exact sum. Averaging, rather than making the profile's layer an entry,
+keeps layer counts in blocks, as the config, plans, plan files and reports
+count them, and every per-layer consumer (simulator, memory, search,
+learned features) as it is; the few costs paid once per entry say so
+(`Profile.layers_per_entry`: a chunk's scan length, FSDP's per-layer
+gathers, a layer's backward workspace), and the experts' all-to-alls,
+which only the MoE block runs, are charged 1/n of them per layer
+(`Experts.every`).
+
 `synthetic` makes one up, for tests and what-ifs. This module is plain data
 and arithmetic: it does not import JAX.
 """
@@ -114,9 +130,13 @@ class Experts:
     hidden: one expert's hidden units on this shard (d_ff / t).
     dtype_bytes: bytes of an activation element.
     param_bytes: the routed experts' parameter bytes of one layer shard
-      (3 E d hidden weights), what mesh.expert splits.
+      (3 E d hidden weights; over `every` of an average block), what
+      mesh.expert splits.
     fraction: share of the shard's layer forward FLOPs in the k routed
       experts' matmuls (the part expert load imbalance slows).
+    every: model.moe_every, one layer in `every` a MoE layer: the figures
+      above are of the average layer, and a layer runs 1/every of a MoE
+      layer's all-to-alls and exchanged rows (plan/cost/experts.py).
   """
 
   num_experts: int
@@ -129,18 +149,21 @@ class Experts:
   dtype_bytes: int
   param_bytes: float
   fraction: float
+  every: int = 1
 
 
 def experts_of(shard_spec, layer_flops: float) -> Experts | None:
   """The Experts of a tensor shard's spec (ModelSpec.tensor_shard), None for
   a family without them; layer_flops: the shard's layer forward FLOPs per
-  sequence, active experts only (the family's forward_flops)."""
+  sequence, active experts only (the family's forward_flops: with
+  model.moe_every = n, of the average block, as the routed ones here)."""
   if 'num_experts' not in type(shard_spec).config_fields():
     return None
   s, d, f = shard_spec.seq_len, shard_spec.d_model, shard_spec.d_ff
   k, e = shard_spec.experts_per_token, shard_spec.num_experts
+  every = shard_spec.moe_every
   # A SwiGLU expert is three d x f matmuls a token runs through, k of them.
-  routed = 2.0 * s * 3 * d * f * k
+  routed = 2.0 * s * 3 * d * f * k / every
   return Experts(
     num_experts=e,
     per_token=k,
@@ -150,8 +173,9 @@ def experts_of(shard_spec, layer_flops: float) -> Experts | None:
     d_model=d,
     hidden=f,
     dtype_bytes=np.dtype(shard_spec.dtype).itemsize,
-    param_bytes=float(3 * e * d * f * np.dtype(shard_spec.param_dtype).itemsize),
+    param_bytes=float(3 * e * d * f * np.dtype(shard_spec.param_dtype).itemsize) / every,
     fraction=min(routed / layer_flops, 1.0) if layer_flops > 0 else 0.0,
+    every=every,
   )
 
 
@@ -292,6 +316,9 @@ class Profile:
     machine: the local backend.
     points: the measurements behind the fits.
     wall_s: seconds the profiling took (0 if from the cache).
+    layers_per_entry: blocks one entry of the model's layer stack holds
+      (ModelSpec.layers_per_entry): the per-layer figures are the average of
+      an entry's blocks (see the module docstring).
   """
 
   seq_len: int
@@ -311,6 +338,7 @@ class Profile:
   # from shapes and data sheets instead of measured: roofline asks it for
   # every time. None: measured here.
   analytic: Any = None
+  layers_per_entry: int = 1
 
   def fitted_seconds(self, function: str, b: int, t: int) -> float:
     """The fit's time of `function` (a fits key) on b sequences at degree t;

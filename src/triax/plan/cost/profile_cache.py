@@ -105,4 +105,5 @@ def from_dict(raw: dict) -> profile_lib.Profile:
     points=tuple(profile_lib.Point(**p) for p in raw['points']),
     wall_s=0.0,
     ratios={k: tuple(v) for k, v in raw['ratios'].items()},
+    layers_per_entry=raw.get('layers_per_entry', 1),
   )

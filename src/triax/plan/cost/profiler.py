@@ -35,6 +35,11 @@ What is measured here, warm and jitted, median of a few runs:
     others compute too (forced CPU devices share cores), and ppermute /
     all-reduce times on the local mesh, fitted as latency + bytes/bandwidth.
 
+A model whose stack entry is a group of blocks (model.moe_every = n) is
+measured as the executor runs it, by entries (chunks of 1, 2 or 4 entries),
+and every per-layer figure is then the entry's over n, the average block
+(plan/cost/profile.py): times, FLOPs, parameter and residual bytes.
+
 From XLA's cost analysis of the lowered functions (no execution) come FLOPs
 and bytes accessed per shard, linear in the micro-batch size b; from
 `jax.eval_shape` of the chunk's vjp come the residual bytes the executor
@@ -192,6 +197,7 @@ def _measure_cached(
     shards=shards,
     fits=fits,
     machine=machine,
+    layers_per_entry=model_key.layers_per_entry,
   )
   rows = tuple(
     Point(
@@ -261,6 +267,8 @@ class _Profiler:
     self.jax = jax
     self.model_spec = model_spec  # the family's ModelSpec (model/common.py)
     self.spec = dataclasses.asdict(model_spec)
+    # Blocks a stack entry holds: a measured entry's figures over it are the average block's.
+    self.every = model_spec.layers_per_entry
     self._functions = {}
     # (name, b, t, remat) -> (alone, all devices at once) seconds per call,
     # of every function timed so far (executor_ratios reuses the layer pair).
@@ -413,7 +421,8 @@ class _Profiler:
       # gradient written and read
       'head': (edge_params, 2 * act_per_seq + 4 * logits),
     }[function]
-    return Work(flops_per_seq=flops(2) / 2, bytes_fixed=fixed, bytes_per_seq=per_seq)
+    per = self.every if function in LAYER_FUNCTIONS else 1  # an entry's blocks
+    return Work(flops_per_seq=flops(2) / (2 * per), bytes_fixed=fixed, bytes_per_seq=per_seq)
 
   def _stash_bytes(self, t: int, remat: str, layers: int, b: int = 1) -> float:
     """Residual bytes the executor stashes for a chunk of `layers` layers."""
@@ -439,7 +448,7 @@ class _Profiler:
     fixed = 0.0
     for remat in REMATS:
       one, two = self._stash_bytes(t, remat, 1), self._stash_bytes(t, remat, 2)
-      stash[remat] = two - one
+      stash[remat] = (two - one) / self.every
       if remat == 'none':
         fixed = max(one - (two - one), 0.0)
     s, d = self.spec['seq_len'], self.spec['d_model']
@@ -448,7 +457,7 @@ class _Profiler:
     matmuls, attention = flops['layer_matmul'], flops['layer_attention']
     dtype_bytes = np.dtype(self.spec['dtype']).itemsize
     act = float(s * d * dtype_bytes)
-    layer_params = nbytes(self._stack(model, 1))
+    layer_params = nbytes(self._stack(model, 1)) / self.every
     edge_params = nbytes(edges['embed']) + nbytes(edges['head'])
     work = {f: self._work(t, f, stash['none'], act, layer_params, edge_params) for f in FUNCTIONS}
     return Shard(
@@ -501,7 +510,7 @@ class _Profiler:
     forward: the executor runs them in one program, and on XLA:CPU that is
     not what a backward fed the forward's outputs costs on its own.
     """
-    layers = min(2, self.spec['num_layers'])
+    layers = min(2, self.model_spec.stack_depth)
     jobs = {}
     for function, b, t in points:
       base, _, remat = function.partition('/')
@@ -512,7 +521,7 @@ class _Profiler:
     n = len(self.jax.local_devices())
     timed = self._time_all(jobs)
     for key, (solo, together) in timed.items():
-      per = layers if key[0].startswith('layer') else 1
+      per = layers * self.every if key[0].startswith('layer') else 1
       timed[key] = (solo / per, together / per if n > 1 else 0.0)
     out = {}
     for function, b, t in points:
@@ -572,8 +581,8 @@ class _Profiler:
 
     The plain layer pair comes from time_points' measurement at (b, t) when
     it made one (it does: the largest size at every degree)."""
-    layers = min(2, self.spec['num_layers'])
-    stacks = [n for n in STACK_LENGTHS if n != layers and n <= self.spec['num_layers']]
+    layers = min(2, self.model_spec.stack_depth)  # chunk lengths in entries, as the scan's
+    stacks = [n for n in STACK_LENGTHS if n != layers and n <= self.model_spec.stack_depth]
     jobs = {}
     for remat in remats:
       built = {**self.functions(t, b, layers, remat), **self.split_functions(t, b, layers, remat)}

@@ -70,6 +70,13 @@ groups (collectives, as the tensor all-reduces), the layer's compute waits
 for the device of the busiest expert (Options.moe_imbalance), and the
 gradient and optimizer bytes of the experts are 1/expert of theirs.
 
+A model whose stack entry is a group of blocks (model.moe_every = n) is
+priced per block from the profile's average block (plan/cost/profile.py;
+every stage holds whole groups); what runs once per entry is counted in
+entries (StageCosts.entry): a chunk's scan length for the executor's
+measured chunk-length ratios, and FSDP's per-layer gathers, of a whole
+entry's weights.
+
 Plan, Options and Estimate live in plan/candidate.py, the memory model in
 plan/cost/memory.py, the trace writer in plan/cost/trace.py.
 """
@@ -172,7 +179,8 @@ class StageCosts:
   gradient all-reduce of a layer and of the edges (Options.dp_allreduce);
   fsdp_fwd, fsdp_bwd: what FSDP per layer adds to each layer's forward and
   backward beyond the first, fsdp_fwd_once, fsdp_bwd_once: the chunk's first
-  gather and last reduce-scatter (all 0 without FSDP per layer).
+  gather and last reduce-scatter (all 0 without FSDP per layer); FSDP's are
+  per stack entry, which holds `entry` layers (ModelSpec.layers_per_entry).
   """
 
   fwd: Work
@@ -188,6 +196,7 @@ class StageCosts:
   fsdp_bwd: float = 0.0
   fsdp_fwd_once: float = 0.0
   fsdp_bwd_once: float = 0.0
+  entry: int = 1
 
 
 def action_costs(
@@ -284,7 +293,9 @@ def stage_costs(
       roofline.node_share(profile, group, function, b, t, cores),
     )
 
-  fsdp = _fsdp_per_layer(plan, shard, comm, options, s, fwd.alone, bwd.alone, tp)
+  fsdp = _fsdp_per_layer(
+    plan, shard, comm, options, s, fwd.alone, bwd.alone, tp, profile.layers_per_entry
+  )
   dp = edge_dp = 0.0
   # Charged inside every backward only for a replicated state (see the docstring).
   if options.dp_allreduce == 'per_microbatch' and plan.state_sharding == 'replicated':
@@ -301,23 +312,34 @@ def stage_costs(
     head=_slowest(plan, cluster, s, edge('head')),
     dp=dp,
     edge_dp=edge_dp,
+    entry=profile.layers_per_entry,
     **fsdp,
   )
 
 
 def _fsdp_per_layer(
-  plan: Plan, shard, comm: Comm, options: Options, s: int, fwd: float, bwd: float, tp: float
+  plan: Plan,
+  shard,
+  comm: Comm,
+  options: Options,
+  s: int,
+  fwd: float,
+  bwd: float,
+  tp: float,
+  entry: int = 1,
 ) -> dict:
   """StageCosts' FSDP fields for FSDP per layer (no executor; {} otherwise):
-  fwd and bwd are a layer's compute, tp one tensor all-reduce."""
+  fwd and bwd are a layer's compute, tp one tensor all-reduce; the layer
+  scan gathers one stack entry (`entry` layers) at a time."""
   if not plan.fsdp_per_layer:
     return {}
-  layer_bytes = experts_lib.layer_params(plan, shard)
+  layer_bytes = experts_lib.layer_params(plan, shard) * entry
   gather = max(comm.allgather(g, layer_bytes) for g in plan.data_groups(s))
   scatter = max(comm.reduce_scatter(g, layer_bytes) for g in plan.data_groups(s))
   # Context ranks then sum their 1/data shards of the gradient.
   scatter += max(comm.allreduce(g, layer_bytes / plan.data) for g in plan.context_groups(s))
-  layer_fwd, layer_bwd = fwd + 2 * tp, bwd + (4 if plan.remat == 'full' else 2) * tp
+  layer_fwd = (fwd + 2 * tp) * entry
+  layer_bwd = (bwd + (4 if plan.remat == 'full' else 2) * tp) * entry
   once = {'fsdp_fwd_once': gather, 'fsdp_bwd_once': gather + scatter}
   if not options.fsdp_overlap:
     return {'fsdp_fwd': gather, 'fsdp_bwd': gather + scatter, **once}
@@ -353,8 +375,8 @@ class ExecutorRatios:
     return Work(default, default)
 
   def stack(self, part: str, layers: int) -> Work:
-    """A layer in a chunk of `layers` over one in the profile's 2-layer
-    chunk (stackN_*), linear between the lengths measured."""
+    """A layer in a chunk of `layers` stack entries over one in the
+    profile's 2-entry chunk (stackN_*), linear between the lengths measured."""
     one, four = self.of(f'stack1_{part}', 1.0), self.of(f'stack4_{part}', 1.0)
     if layers <= 1:
       return one
@@ -369,12 +391,10 @@ def chunk_work(plan: Plan, s: StageCosts, c: int, n: int, ratios: ExecutorRatios
   backward as one action's seconds (a fused schedule's, asynchronous model)."""
   first, final = c == 0, c == len(plan.chunk_layers) - 1
   widest = max(plan.chunk_layers)
-  # The chunk's layers run as one scan over its stack (padded to the widest
-  # when the split is uneven; the whole model without the executor).
-  sf, sb = (
-    ratios.stack('fwd', n if plan.even else widest),
-    ratios.stack('bwd', n if plan.even else widest),
-  )
+  # The chunk's layers run as one scan over its stack's entries (padded to
+  # the widest when the split is uneven; the whole model without the executor).
+  scanned = (n if plan.even else widest) // s.entry
+  sf, sb = ratios.stack('fwd', scanned), ratios.stack('bwd', scanned)
   fwd = Work((s.fwd.alone - s.tp_fwd) * sf.alone + s.tp_fwd, s.fwd.at_once * sf.at_once)
   bwd = Work((s.bwd.alone - s.tp_bwd) * sb.alone + s.tp_bwd, s.bwd.at_once * sb.at_once)
   # An uneven split runs every chunk's padded stack under cond (see
@@ -383,8 +403,9 @@ def chunk_work(plan: Plan, s: StageCosts, c: int, n: int, ratios: ExecutorRatios
   layers = active * n + ratios.of('cond_skipped', 0.0) * (0 if plan.even else widest - n)
   # FSDP's per-layer collectives beyond what the layers' compute hides: the
   # gathers in F, the backward's gathers and the reduce-scatters in W.
-  fsdp_f = (n - 1) * s.fsdp_fwd + s.fsdp_fwd_once
-  fsdp_w = (n - 1) * s.fsdp_bwd + s.fsdp_bwd_once
+  entries = n // s.entry
+  fsdp_f = (entries - 1) * s.fsdp_fwd + s.fsdp_fwd_once
+  fsdp_w = (entries - 1) * s.fsdp_bwd + s.fsdp_bwd_once
   embed = s.embed if first else Work()
   f = layers * fwd + Work(fsdp_f) + embed / 3
   if final:

@@ -85,7 +85,9 @@ def even_split(best: Estimate, found, profile, cluster, options) -> Estimate | N
   if even:
     return min(even, key=evaluate.rank)
   plan = best.plan
-  layers = partition.even(plan.num_layers, plan.pipe, plan.virtual_stages)
+  # Chunks of whole stack entries (a MoE family's groups of model.moe_every).
+  unit = plan.virtual_stages * profile.layers_per_entry
+  layers = partition.even(plan.num_layers, plan.pipe, unit)
   if layers is None:
     return None
   e = simulate_plan(dataclasses.replace(plan, layers=layers), profile, cluster, options)

@@ -25,7 +25,7 @@ from triax.plan.cost import profile as profile_lib
 from triax.plan.cost import roofline
 from triax.plan.cost.simulator import simulate_plan
 from triax.plan.search import partition, synthesized
-from triax.plan.search.layouts import Layout
+from triax.plan.search.layouts import Layout, entry_layers
 
 # Least recomputation first: `evaluate` stops at the first that fits where
 # recomputation can only be slower (`remat_measured`).
@@ -74,13 +74,15 @@ def state_shardings(cfg, data: int) -> tuple[str, ...]:
 def partitions(
   cfg, layout: Layout, stages, profile, cluster: Cluster, options: Options, remat: str, sharding
 ) -> list[tuple[int, ...]]:
-  """The even split (if any) and the balanced one for these stages."""
+  """The even split (if any) and the balanced one for these stages: each
+  stage's v chunks of whole stack entries (`entry_layers`)."""
   p, v, t = layout.pipe, layout.virtual_stages, layout.tensor
   num_layers = cfg.model.num_layers
+  unit = v * entry_layers(cfg)
   rows = cfg.train.global_batch_size // (layout.data * layout.microbatches)
   b = rows / layout.context  # what a device computes (Plan.compute_batch)
   out = []
-  even = partition.even(num_layers, p, v)
+  even = partition.even(num_layers, p, unit)
   if even:
     out.append(even)
   if p == 1:
@@ -106,7 +108,7 @@ def partitions(
     return params + p * stash * n / v <= capacity[s]
 
   balanced = partition.balance(
-    num_layers, p, lambda s, n: edge[s] + n * per_layer[s], allowed, unit=v
+    num_layers, p, lambda s, n: edge[s] + n * per_layer[s], allowed, unit=unit
   )
   if balanced and balanced[0] not in out:
     out.append(balanced[0])
@@ -131,7 +133,8 @@ def price(
   reward needs a price for every choice it makes."""
   splits = partitions(cfg, layout, stages, profile, cluster, options, remat, sharding)
   if not splits and always:
-    splits = [partition.nearest_even(cfg.model.num_layers, layout.pipe, layout.virtual_stages)]
+    unit = layout.virtual_stages * entry_layers(cfg)
+    splits = [partition.nearest_even(cfg.model.num_layers, layout.pipe, unit)]
   out = []
   for split in splits:
     plan = Plan(

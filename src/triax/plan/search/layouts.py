@@ -10,7 +10,10 @@ only. Which degrees suit the model is decided by config.py's own checks
 (`check_tensor_split`, `check_sequence`, `check_batch_split`, the family's
 validate for its K/V heads and its experts), called for every degree
 tried, never re-derived here; what is the planner's own is
-said where it is (`MIN_CONTEXT_POSITIONS`, `MAX_MICROBATCHES`, ...).
+said where it is (`MIN_CONTEXT_POSITIONS`, `MAX_MICROBATCHES`, ...). A
+model whose stack entry holds several blocks (a MoE family's groups of
+model.moe_every) has its layers split in whole entries (`entry_layers`,
+the figure config.py's layer-split check counts in).
 """
 
 from __future__ import annotations
@@ -54,17 +57,11 @@ class Layout:
   expert: int = 1
 
 
-def check_priced(cfg) -> None:
-  """Raises ConfigError for a model the planner cannot price: its profiles
-  are of one block, so a stack entry of several (a MoE family's groups of
-  model.moe_every blocks, one a MoE) would be priced as that many MoE blocks."""
-  every = registry.spec_from_config(cfg.model).layers_per_entry
-  if every != 1:
-    raise ConfigError(
-      'model.moe_every',
-      f'{every}: the planner prices every block as a MoE block; plan with moe_every=1 '
-      "(an upper bound on the experts' cost) or set the layout by hand",
-    )
+def entry_layers(cfg) -> int:
+  """Layers one entry of the model's stack holds (the family's
+  ModelSpec.layers_per_entry, what config.py's layer-split check cuts
+  chunks by): every chunk's layer count is a multiple of it."""
+  return registry.spec_from_config(cfg.model).layers_per_entry
 
 
 def no_layout(cfg, cluster: Cluster) -> ConfigError:
@@ -114,6 +111,7 @@ def _degrees(cfg, num_devices: int) -> Iterator[tuple[int, int, int, int, bool, 
   model = cfg.model
   family_defaults = config_lib.defaults().model
   accepted = functools.cache(lambda c, t, sp: _accepted(cfg, family_defaults, c, t, sp))
+  entry = entry_layers(cfg)
   for d in _divisors(num_devices):
     if not _batch_splits(cfg, d):
       continue
@@ -122,7 +120,7 @@ def _degrees(cfg, num_devices: int) -> Iterator[tuple[int, int, int, int, bool, 
         continue
       for t in _divisors(num_devices // (d * c)):
         p = num_devices // (d * c * t)
-        if p > model.num_layers:  # a stage holds at least one layer
+        if p * entry > model.num_layers:  # a stage holds at least one entry
           continue
         for sp in (False, True) if t > 1 else (False,):
           if accepted(c, t, sp):
@@ -156,6 +154,7 @@ def layouts(cfg, num_devices: int) -> Iterator[Layout]:
   # The family's own word on the pipeline executor (pipe or m > 1).
   unpipelined = bool(registry.spec_from_config(model).executor_refusal())
   experts = functools.cache(lambda d: _expert_degrees(cfg, d))
+  entry = entry_layers(cfg)
   for d, c, t, p, sp, kind in _degrees(cfg, num_devices):
     for m in _divisors(batch // d):
       if m > MAX_MICROBATCHES or (p == 1 and m > 1 and m not in (2, 4, 8)):
@@ -166,7 +165,8 @@ def layouts(cfg, num_devices: int) -> Iterator[Layout]:
       names = ('1f1b',) if p == 1 or m == 1 else tuple(sched.SCHEDULES)
       for name in names:
         for v in (1, 2, 4, 8):
-          if v > MAX_VIRTUAL_STAGES or p * v > model.num_layers or (p == 1 and v > 1):
+          # Every chunk holds at least one entry.
+          if v > MAX_VIRTUAL_STAGES or p * v * entry > model.num_layers or (p == 1 and v > 1):
             continue
           if name == 'interleaved_1f1b' and v == 1:
             continue  # the builder returns 1f1b itself

@@ -228,5 +228,8 @@ def sets_within(cfg, stages: int, microbatches: int, virtual_stages: int, limit_
   except ValueError as e:
     raise ConfigError('--microbatches', f'{e}; choose micro-batches that divide it') from None
   profile = analytic.build(cfg.model, [mesh.tensor])
-  per_set = memory_lib.chunk_stash(plan, profile, -(-cfg.model.num_layers // (p * v)))
+  # The largest chunk, in whole stack entries (a MoE family's groups of model.moe_every).
+  entry = profile.layers_per_entry
+  widest = -(-(cfg.model.num_layers // entry) // (p * v)) * entry
+  per_set = memory_lib.chunk_stash(plan, profile, widest)
   return int(limit_bytes // per_set), per_set
