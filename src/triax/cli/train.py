@@ -102,9 +102,7 @@ def main(argv):
       f'(temp {summary["temp_bytes"] / 2**20:.1f} MiB per device)'
     )
     if 'fit_line' in summary:  # an accelerator that reports its memory (a GPU)
-      print(summary['fit_line'])
-      if not summary['fits']:
-        sys.exit(cli.EXIT_DOES_NOT_FIT)
+      _say_fit(summary)
     return
   print(f'metrics:     {workdir}/metrics.jsonl')
   # The tensorboard beside this interpreter (the venv's), so the printed
@@ -151,6 +149,11 @@ def _compile_for_topology(cfg) -> None:
   print(f'compile stats: {os.path.abspath(_WORKDIR.value)}/compile_stats.json')
   for buffer in stats['largest_buffers'][:3]:
     print(f'  {buffer["bytes"] / 2**30:7.2f} GiB  {buffer["shape"]}  {buffer["op_name"]}')
+  _say_fit(stats)
+
+
+def _say_fit(stats: dict) -> None:
+  """The compiled run's fit line; exit 3 when it does not fit."""
   print(stats['fit_line'])
   if not stats['fits']:
     sys.exit(cli.EXIT_DOES_NOT_FIT)

@@ -9,7 +9,11 @@ A family module (gpt.py, llama.py, mixtral.py) defines
             its own checks (ConfigError naming the key) and the logical axis
             rules it needs resolved for this mesh; a Spec whose
             `executor_refusal()` says why is refused under the pipeline
-            executor.
+            executor,
+  rules_as_given(rules) -> rules
+            the rules before its validate added to them: a validated config
+            (a workdir's config.json: a resume, an elastic re-plan) is
+            validated again from these.
 Everything outside model/ goes through `spec_from_config` and `build`, so
 adding a family is its file, one line in FAMILIES, and its config keys
 (with their comments) in config.defaults().
@@ -57,13 +61,11 @@ def _plain(value):
 
 
 def rules_as_given(model_cfg, rules) -> tuple:
-  """The logical axis rules before the family's `validate` resolved them: the
-  family's `rules_as_given` where its validate adds rules that validating
-  again would refuse (a MoE's expert axis), else the rules as they are."""
-  family = FAMILIES.get(model_cfg.family)
+  """The logical axis rules before the family's `validate` resolved them (an
+  unknown family's as they are: validate names it)."""
   rules = tuple(tuple(r) for r in rules)
-  undo = getattr(family, 'rules_as_given', None)
-  return undo(rules) if undo is not None else rules
+  family = FAMILIES.get(model_cfg.family)
+  return rules if family is None else family.rules_as_given(rules)
 
 
 def validate(model_cfg, default_model_cfg, mesh_cfg, rules, pipelined: bool = False) -> tuple:

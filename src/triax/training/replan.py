@@ -166,8 +166,7 @@ def _fastest(cfg, devices, cluster, candidates, budget_s) -> Layout | None:
   try:
     sized = cluster_lib.resize(cluster, devices)
   except ConfigError:
-    # Nodes that cannot make this count: the nearest layout instead.
-    return None
+    return None  # its nodes cannot make this count: the nearest layout instead
   profile = analytic.build(cfg.model, sorted({l.tensor for l in candidates}))
   deadline = time.monotonic() + budget_s
   found = []

@@ -326,7 +326,7 @@ def _fsdp_per_layer(
   fwd: float,
   bwd: float,
   tp: float,
-  entry: int = 1,
+  entry: int,
 ) -> dict:
   """StageCosts' FSDP fields for FSDP per layer (no executor; {} otherwise):
   fwd and bwd are a layer's compute, tp one tensor all-reduce; the layer
