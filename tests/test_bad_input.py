@@ -481,13 +481,6 @@ CASES = [
     'model.context_attention',
   ),
   (
-    'ring-in-cpu-pipeline',
-    train(
-      '--config.mesh.data=1', '--config.mesh.context=2', '--config.model.context_attention=ring'
-    ),
-    'model.context_attention',
-  ),
-  (
     'sequence-parallel-without-tensor',
     train(
       '--config.mesh.sequence_parallel=true', '--config.mesh.tensor=1', '--config.mesh.context=2'

@@ -48,6 +48,26 @@ PARITY = [
   ('llama', (2, 2, 2, 1), 'ring', True, {'mesh.fsdp': True}),
   # The executor with one stage (gradient accumulation): the ring inside its branches.
   ('gpt', (1, 2, 1, 1), 'ring', False, {'pipeline.microbatches': 2}),
+  # The ring inside pipeline stages (on CPU its blocks are gathered: step._ring_transport).
+  ('gpt', (1, 2, 2, 2), 'ring', True, {'pipeline.microbatches': 4}),
+  (
+    'llama',
+    (2, 2, 1, 2),
+    'ring',
+    False,
+    {'pipeline.schedule': 'zb_h1', 'pipeline.microbatches': 2},
+  ),
+  (
+    'gpt',
+    (1, 2, 1, 4),
+    'ring',
+    False,
+    {
+      'pipeline.schedule': 'interleaved_1f1b',
+      'pipeline.microbatches': 4,
+      'pipeline.virtual_stages': 2,
+    },
+  ),
 ]
 
 
@@ -94,6 +114,25 @@ def test_a_split_sequence_matches_one_device(family, layout, kind, sp, extra):
   loss, grads = _masked_run(family, layout, kind, sp, extra.items())
   assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss)
   assert harness.max_rel_err(ref_grads, grads) <= 1e-5
+
+
+@pytest.mark.fast
+def test_the_ring_gathers_its_blocks_only_inside_pipeline_stages_on_cpu():
+  """XLA:CPU's collective-permute waits for every device of the program, so
+  the ring cannot use it where stages take different branches of a tick."""
+  from types import SimpleNamespace
+
+  from triax.training import step
+
+  def transport(pipe, platform):
+    cfg = SimpleNamespace(mesh=SimpleNamespace(pipe=pipe))
+    device = SimpleNamespace(platform=platform)
+    return step._ring_transport(cfg, SimpleNamespace(devices=np.array([device])))
+
+  assert transport(2, 'cpu') == 'allgather'
+  assert transport(1, 'cpu') == 'ppermute'
+  assert transport(4, 'tpu') == transport(4, 'gpu') == 'ppermute'
+  assert set(context.TRANSPORTS) == {'ppermute', 'allgather'}
 
 
 @pytest.mark.fast

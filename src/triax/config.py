@@ -763,22 +763,6 @@ def check_platform(cfg, platform: str) -> None:
     raise ConfigError(
       'model.attention', f'cudnn is a GPU kernel and the devices are {platform}; use xla'
     )
-  if (
-    platform == 'cpu'
-    and cfg.mesh.context > 1
-    and cfg.mesh.pipe > 1
-    and m.context_attention == 'ring'
-  ):
-    # A pipeline stage runs its ticks' work under lax.cond, and the ring's
-    # collective-permutes with it; XLA:CPU's waits for every device of the
-    # program, also those of stages on another branch (it hangs or pairs
-    # unrelated transfers). GPU and TPU pair only the ring's own devices.
-    raise ConfigError(
-      'model.context_attention',
-      'ring attention inside pipeline stages needs GPU or TPU devices: XLA:CPU cannot run a '
-      'collective-permute that only some stages reach; use model.context_attention=allgather '
-      '(or mesh.pipe=1) here',
-    )
 
 
 def _check_data(d) -> None:

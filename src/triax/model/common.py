@@ -70,6 +70,9 @@ class ModelSpec:
   # sequence over; with more than one, its slots hold load-balanced positions
   # (context.positions) and attention meets the other ranks' keys.
   context: int = dataclasses.field(default=1, metadata={'config': False})
+  # Not a config key: how ring attention moves its K/V blocks between context
+  # ranks (context.TRANSPORTS); the trainer picks it for the devices.
+  ring_transport: str = dataclasses.field(default='ppermute', metadata={'config': False})
 
   # Keys of the model-shape record a checkpoint is checked against
   # (training/checkpoint.py): what decides the parameter tree's shapes.
@@ -119,9 +122,12 @@ class ModelSpec:
     return context_lib.positions(length, self.context)
 
   def split_sequence(self, length: int) -> tuple:
-    """causal_attention's (positions, context kind) for a training window of
-    `length` slots; () when the sequence is whole on each device."""
-    return () if self.context == 1 else (self.positions(length), self.context_attention)
+    """causal_attention's (positions, context kind, ring transport) for a
+    training window of `length` slots; () when the sequence is whole on each
+    device."""
+    if self.context == 1:
+      return ()
+    return (self.positions(length), self.context_attention, self.ring_transport)
 
   def executor_refusal(self) -> str:
     """Why the pipeline executor cannot train this model ('' when it can)."""
@@ -272,6 +278,7 @@ def causal_attention(
   interpret: bool = False,
   positions: jax.Array | None = None,
   context: str = '',
+  ring_transport: str = 'ppermute',
 ):
   """Causal attention of q [b, t, n, hd] over k, v [b, t, kv, hd] (kv divides n).
 
@@ -286,15 +293,19 @@ def causal_attention(
   `impl`: xla, cudnn or splash (the TPU kernel; `interpret` runs it through
   Pallas's interpreter on any backend). `positions` [t]: each slot's
   position (the causal mask compares them; 0..t-1 if None); `context`
-  (allgather or ring) with the sequence split over context ranks.
+  (allgather or ring) with the sequence split over context ranks, the
+  ring's blocks moved by `ring_transport` (context.TRANSPORTS).
   """
   group = q.shape[2] // k.shape[2]
   repeat = lambda t: constrain(jnp.repeat(t, group, axis=2), ('batch', 'seq', 'heads', 'kv'))
   if decode is None and impl == 'splash':
     return splash.attention(q, repeat(k), repeat(v), segments, interpret=interpret)
   if decode is None and context:
-    attend = context_lib.ring_attention if context == 'ring' else context_lib.allgather_attention
-    return attend(q, repeat(k), repeat(v), positions, segments)
+    if context == 'ring':
+      return context_lib.ring_attention(
+        q, repeat(k), repeat(v), positions, segments, transport=ring_transport
+      )
+    return context_lib.allgather_attention(q, repeat(k), repeat(v), positions, segments)
   if decode is None:
     if impl == 'xla':
       pos = jnp.arange(q.shape[1]) if positions is None else positions

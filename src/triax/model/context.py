@@ -25,6 +25,8 @@ Attention then meets the other ranks' keys in one of two ways
              scores exist in either pass.
              The next block's transfer is issued before this block's work
              and depends on nothing it computes, so XLA can overlap them.
+             The blocks move by one of TRANSPORTS, which the trainer picks
+             for the devices (ModelSpec.ring_transport).
 """
 
 from __future__ import annotations
@@ -40,6 +42,17 @@ from triax.model import per_device
 # Where a query may not attend: a large negative bias, finite so that a row
 # that has seen no key yet (a ring block entirely after it) stays NaN-free.
 _NEG = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+# How a ring step moves each rank's block to the next rank:
+#   ppermute   one collective-permute (GPU and TPU; CPU outside pipeline stages).
+#   allgather  every rank's block gathered, the previous rank's kept: the same
+#              blocks in the same order for c times the bytes. For XLA:CPU inside
+#              pipeline stages, whose collective-permute waits for every device
+#              of the program, also those of stages on another branch of the
+#              executor's per-tick cond (it hangs or pairs unrelated transfers);
+#              its all-gather waits only for the gathering group, like allgather
+#              attention's.
+TRANSPORTS = ('ppermute', 'allgather')
 
 
 def positions(seq_len: int, shards: int) -> jax.Array:
@@ -125,12 +138,12 @@ def allgather_attention(q, k, v, pos, segments=None):
   return masked_attention(q, k, v, pos, segments)
 
 
-def ring_attention(q, k, v, pos, segments=None):
+def ring_attention(q, k, v, pos, segments=None, transport: str = 'ppermute'):
   """Ring attention of q, k, v [b, s, n, hd] (K/V one per query head), the
   sequence split over the mesh axis the 'seq' rule names; each device's
   rows, heads and positions under a shard_map (model/per_device.py), which
   differentiates it with its own backward (no ring state kept between the
-  passes but the inputs)."""
+  passes but the inputs). `transport`: one of TRANSPORTS."""
   spec = sharding.active_spec(per_device.QKV_AXES)
   axis = spec[1] if spec is not None else None
   if axis is None or jax.sharding.get_abstract_mesh().shape.get(axis, 1) == 1:
@@ -140,19 +153,35 @@ def ring_attention(q, k, v, pos, segments=None):
   extras, axes = (sharding.vary_like(pos, q),), (('seq',),)
   if segments is not None:
     extras, axes = extras + (segments,), axes + (('batch', 'seq'),)
-  local = functools.partial(_ring, axis=axis)
+  local = functools.partial(_ring, axis=axis, transport=transport)
   return per_device.attention(local, q, k, v, extras, axes, own_backward=True)
 
 
-def _ring(q, k, v, pos, segments=None, *, axis: str):
+def _ring(q, k, v, pos, segments=None, *, axis: str, transport: str):
   """One context rank: its queries against each rank's K/V block in turn."""
-  return _ring_attention(q, k, v, pos, segments, axis)
+  return _ring_attention(q, k, v, pos, segments, axis, transport)
 
 
-def _shift(axis: str):
-  """Sends a value to the next rank of the ring (receives the previous one's)."""
+def _shift(axis: str, transport: str):
+  """Sends a value to the next rank of the ring (receives the previous one's),
+  and how the ring's first blocks are typed for that transport.
+
+  An all_gather inside the per-device shard_map (unchecked) returns a value
+  typed as varying over no manual axis, whatever its input; a scan whose
+  carry it feeds must start from blocks typed alike.
+  """
   c = jax.lax.axis_size(axis)
-  return lambda x: jax.lax.ppermute(x, axis, [(i, (i + 1) % c) for i in range(c)])
+  if transport == 'ppermute':
+    send = lambda x: jax.lax.ppermute(x, axis, [(i, (i + 1) % c) for i in range(c)])  # noqa: E731
+    return send, lambda block: block
+
+  def from_previous(x):
+    return jax.lax.all_gather(x, axis)[(jax.lax.axis_index(axis) - 1) % c]
+
+  def untyped(block):
+    return jax.tree.map(lambda x: jax.lax.select(jnp.ones(x.shape, bool), x, x), block)
+
+  return from_previous, untyped
 
 
 def _scores(q, q_pos, q_seg, k, k_pos, k_seg):
@@ -162,15 +191,15 @@ def _scores(q, q_pos, q_seg, k, k_pos, k_seg):
   return scores + bias(q_pos, k_pos, q_seg, k_seg)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _ring_attention(q, k, v, pos, segments, axis):
-  return _ring_forward(q, k, v, pos, segments, axis)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _ring_attention(q, k, v, pos, segments, axis, transport):
+  return _ring_forward(q, k, v, pos, segments, axis, transport)[0]
 
 
-def _ring_forward(q, k, v, pos, segments, axis):
+def _ring_forward(q, k, v, pos, segments, axis, transport):
   """(output [b, tq, n, hd], log-sum-exp of each query row's scores [b, n, tq])."""
   b, tq, n, _ = q.shape
-  send = _shift(axis)
+  send, start = _shift(axis, transport)
   acc = (
     jnp.zeros(q.shape, jnp.float32),
     jnp.full((b, n, tq), _NEG, jnp.float32),
@@ -197,26 +226,26 @@ def _ring_forward(q, k, v, pos, segments, axis):
     incoming = jax.tree.map(send, block)  # issued first: overlaps this block's work
     return (step(acc, block), incoming), None
 
-  block = (k, v, pos, segments)
+  block = start((k, v, pos, segments))
   (acc, block), _ = jax.lax.scan(body, (acc, block), None, length=jax.lax.axis_size(axis) - 1)
   out, peak, total = step(acc, block)
   out = out / jnp.swapaxes(total, 1, 2)[..., None]
   return out.astype(q.dtype), peak + jnp.log(total)
 
 
-def _ring_fwd(q, k, v, pos, segments, axis):
-  out, lse = _ring_forward(q, k, v, pos, segments, axis)
+def _ring_fwd(q, k, v, pos, segments, axis, transport):
+  out, lse = _ring_forward(q, k, v, pos, segments, axis, transport)
   return out, (q, k, v, pos, segments, out, lse)
 
 
-def _ring_bwd(axis, res, g):
+def _ring_bwd(axis, transport, res, g):
   """Flash attention's backward around the ring: each K/V block travels with
   its gradient accumulators; a rank adds its queries' share to them, and
   after c steps they are home. Per block: the probabilities from the saved
   log-sum-exp, never a running softmax."""
   q, k, v, pos, segments, out, lse = res
   scale = q.shape[-1] ** -0.5
-  send = _shift(axis)
+  send, start = _shift(axis, transport)
   g32 = g.astype(jnp.float32)
   # D = rowsum(dO * O): the softmax's Jacobian term for each query row [b, n, tq].
   rows = jnp.swapaxes(jnp.sum(g32 * out.astype(jnp.float32), -1), 1, 2)
@@ -238,7 +267,7 @@ def _ring_bwd(axis, res, g):
     return (dq, incoming + tuple(send(a) for a in block[4:])), None
 
   zeros = lambda x: jnp.zeros(x.shape, jnp.float32)
-  block = (k, v, pos, segments, zeros(k), zeros(v))
+  block = start((k, v, pos, segments, zeros(k), zeros(v)))
   c = jax.lax.axis_size(axis)
   (dq, block), _ = jax.lax.scan(body, (zeros(q), block), None, length=c - 1)
   dq, block = step(dq, block)

@@ -206,10 +206,26 @@ class Trainer:
     )
 
 
+def _ring_transport(cfg, mesh: Mesh) -> str:
+  """How ring attention moves its blocks on these devices (context.TRANSPORTS).
+
+  Pipeline stages run a tick's work under a cond each takes on its own
+  ticks, and XLA:CPU's collective-permute waits for every device of the
+  program, also those of stages on the other branch: there the blocks are
+  gathered instead. GPU and TPU pair only the ring's own devices.
+  """
+  on_cpu = mesh.devices.flat[0].platform == 'cpu'
+  return 'allgather' if on_cpu and cfg.mesh.pipe > 1 else 'ppermute'
+
+
 def build_trainer(cfg, mesh: Mesh) -> Trainer:
   """Builds the model, optimizer, schedule program and jitted steps for `cfg` (validated)."""
   # The sequence split over mesh.context: its slots hold load-balanced positions.
-  spec = dataclasses.replace(registry.spec_from_config(cfg.model), context=cfg.mesh.context)
+  spec = dataclasses.replace(
+    registry.spec_from_config(cfg.model),
+    context=cfg.mesh.context,
+    ring_transport=_ring_transport(cfg, mesh),
+  )
   model = registry.build(spec)
   rules = cfg.sharding.logical_axis_rules
   program, layout = _program_and_layout(cfg, spec)
