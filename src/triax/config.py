@@ -130,12 +130,19 @@ def defaults() -> ml_collections.ConfigDict:
   c.model.norm_eps = 1e-5
   # llama: use the embedding table as the output layer (Llama 3.2 1B/3B do).
   c.model.tie_embeddings = False
+  # llama: biases on the q, k and v projections (Qwen2's and Qwen2-MoE's).
+  c.model.qkv_bias = False
   # mixtral (llama's keys too): experts per MoE layer, each a SwiGLU of width d_ff.
   c.model.num_experts = 8
   # mixtral: experts each token runs (top-k of the router's softmax, renormalised: Mixtral's).
   c.model.experts_per_token = 2
   # mixtral: always-on shared experts beside the routed ones (DeepSeek / Qwen MoE); 0 = none.
   c.model.shared_experts = 0
+  # mixtral: the shared experts' output scaled by a learnt sigmoid gate of the token (Qwen2-MoE's).
+  c.model.shared_expert_gate = False
+  # mixtral: renormalise the k chosen experts' weights to sum to 1 (Mixtral's); false keeps
+  # their softmax probabilities (Qwen2-MoE's norm_topk_prob=false).
+  c.model.norm_topk_prob = True
   # mixtral: a MoE MLP in every n-th block (Qwen2-MoE's decoder_sparse_step: block i when
   # (i + 1) % n == 0), Llama's dense MLP of width d_ff in the others; divides num_layers.
   c.model.moe_every = 1

@@ -1,5 +1,5 @@
-"""Hugging Face Llama and Mixtral checkpoints <-> the llama and mixtral
-families' parameters and config.
+"""Hugging Face Llama, Mixtral and Qwen2-MoE checkpoints <-> the llama and
+mixtral families' parameters and config.
 
 transformers' `LlamaForCausalLM` defines what a Llama checkpoint means: its
 config.json names the shapes, and its tensors (one `model.safetensors` or
@@ -17,6 +17,16 @@ are: `block_sparse_moe.gate.weight` [E, d] (our 'router', transposed) and
 'w_gate'/'w_up'/'w_down' [E, ...], expert e's slice transposed).
 transformers 5 fuses them into 3-D tensors in memory and writes this layout
 back, so this is what every Mixtral checkpoint holds.
+
+Qwen2-MoE (`Qwen2MoeForCausalLM`) is a mixtral with q/k/v biases
+(`self_attn.{q,k,v}_proj.bias`: 'bq', 'bk', 'bv'), routing weights left
+unnormalised when its norm_topk_prob is false, and one shared expert of
+width shared_expert_intermediate_size (a multiple S of the experts' width:
+model.shared_experts = S) scaled by sigmoid(shared_expert_gate): under
+`mlp.`, `gate.weight` (the router), `experts.{e}.gate_proj/up_proj/down_proj`,
+`shared_expert.gate_proj/up_proj/down_proj` and `shared_expert_gate.weight`.
+Only its released form converts: experts in every block (decoder_sparse_step
+1, no mlp_only_layers).
 
 Everything here is numpy: the training room puts the arrays into a train
 state (training/hf_checkpoint.py).
@@ -42,9 +52,32 @@ _REQUIRED = {
   'mlp_bias': False,
   # mixtral: training-time noise on the router's input, which triax does not add.
   'router_jitter_noise': 0.0,
+  # qwen2_moe: experts in every block (triax's moe_every > 1 has no converter).
+  'decoder_sparse_step': 1,
+  'mlp_only_layers': [],
 }
-# HF model_type -> the triax family it converts to (and back, by its architecture).
-FAMILIES = {'llama': 'LlamaForCausalLM', 'mixtral': 'MixtralForCausalLM'}
+# HF model_type -> (the triax family it converts to, HF's architecture class).
+MODEL_TYPES = {
+  'llama': ('llama', 'LlamaForCausalLM'),
+  'mixtral': ('mixtral', 'MixtralForCausalLM'),
+  'qwen2_moe': ('mixtral', 'Qwen2MoeForCausalLM'),
+}
+# The triax families that convert.
+FAMILIES = ('llama', 'mixtral')
+
+
+def model_type(model_cfg) -> str:
+  """The HF model_type a triax model config exports to (whose tensor names
+  its layers have): a mixtral with Qwen2-MoE's parts is a qwen2_moe."""
+  m = model_cfg
+  if m.family == 'mixtral' and (m.qkv_bias or m.shared_experts or not m.norm_topk_prob):
+    return 'qwen2_moe'
+  return m.family
+
+
+def architecture(model_cfg) -> str:
+  """HF's class name for a triax model config (see `model_type`)."""
+  return MODEL_TYPES[model_type(model_cfg)][1]
 
 
 def _rope(hf: Mapping) -> tuple[float, dict]:
@@ -76,13 +109,15 @@ def model_config(hf: Mapping, seq_len: int) -> dict:
   Raises:
     ConfigError('--hf_dir', ...): neither, or a variant triax does not run.
   """
-  family = hf.get('model_type')
-  if family not in FAMILIES:
+  kind = hf.get('model_type')
+  if kind not in MODEL_TYPES:
     raise ConfigError(
       '--hf_dir',
-      f'config.json: model_type {family!r}; only {" and ".join(FAMILIES)} are converted',
+      f'config.json: model_type {kind!r}; only {", ".join(MODEL_TYPES)} are converted',
     )
-  if (hf.get('sliding_window') or seq_len) < seq_len:
+  # Qwen's configs name a window they do not use (use_sliding_window false).
+  window = hf.get('sliding_window') if hf.get('use_sliding_window', True) else None
+  if (window or seq_len) < seq_len:
     raise ConfigError(
       '--hf_dir',
       f'config.json: sliding_window={hf["sliding_window"]} is shorter than the {seq_len}-token '
@@ -99,21 +134,23 @@ def model_config(hf: Mapping, seq_len: int) -> dict:
     )
   theta, scaling = _rope(hf)
   moe = {}
-  if family == 'mixtral':
+  if kind != 'llama':
     moe = {
-      'num_experts': hf['num_local_experts'],
+      'num_experts': hf['num_local_experts' if kind == 'mixtral' else 'num_experts'],
       'experts_per_token': hf['num_experts_per_tok'],
       # transformers' training objective: its aux loss weight, no z-loss.
       'router_aux_loss_coef': float(hf.get('router_aux_loss_coef', 0.001)),
       'router_z_loss_coef': 0.0,
     }
+  if kind == 'qwen2_moe':
+    moe.update(_qwen2_moe(hf))
   return {
-    'family': family,
+    'family': MODEL_TYPES[kind][0],
     'num_layers': hf['num_hidden_layers'],
     'd_model': d,
     'num_heads': n,
     'num_kv_heads': hf.get('num_key_value_heads') or n,
-    'd_ff': hf['intermediate_size'],
+    'd_ff': hf['moe_intermediate_size' if kind == 'qwen2_moe' else 'intermediate_size'],
     'vocab_size': hf['vocab_size'],
     'seq_len': seq_len,
     'rope_theta': theta,
@@ -124,28 +161,86 @@ def model_config(hf: Mapping, seq_len: int) -> dict:
   }
 
 
-def hf_config(model_cfg, base: Mapping | None = None) -> dict:
-  """An HF LlamaConfig (MixtralConfig) dict for config.model, over `base` (the
-  imported checkpoint's own config.json, so its token ids and the like survive).
+def _qwen2_moe(hf: Mapping) -> dict:
+  """The config.model keys of Qwen2-MoE's own parts."""
+  f, shared = hf['moe_intermediate_size'], hf['shared_expert_intermediate_size']
+  if not shared or shared % f:
+    raise ConfigError(
+      '--hf_dir',
+      f'config.json: shared_expert_intermediate_size={shared} is not a multiple of '
+      f"moe_intermediate_size={f}; triax runs shared experts of the experts' width",
+    )
+  return {
+    'shared_experts': shared // f,
+    'shared_expert_gate': True,
+    'norm_topk_prob': bool(hf.get('norm_topk_prob', False)),
+    'qkv_bias': bool(hf.get('qkv_bias', True)),
+  }
+
+
+def _qwen2_moe_hf(m, base: Mapping | None) -> dict:
+  """HF's Qwen2MoeConfig keys of a mixtral config with Qwen2-MoE's parts.
 
   Raises:
-    ConfigError('--workdir', ...): a mixtral with shared experts or dense blocks
-      (model.moe_every > 1): HF's Mixtral has neither.
+    ConfigError('--workdir', ...): parts Qwen2-MoE always has, missing.
+  """
+  parts = {
+    'qkv_bias': m.qkv_bias,
+    'shared_experts': m.shared_experts > 0,
+    'shared_expert_gate': m.shared_expert_gate,
+  }
+  lacking = [f'model.{key}' for key, ok in parts.items() if not ok]
+  if lacking:
+    given = [f'model.{key}={m[key]}' for key, ok in parts.items() if ok]
+    given += [] if m.norm_topk_prob else ['model.norm_topk_prob=False']
+    raise ConfigError(
+      '--workdir',
+      f'{" and ".join(given)} without {" and ".join(lacking)}: neither MixtralForCausalLM nor '
+      'Qwen2MoeForCausalLM holds that (Qwen2-MoE has q/k/v biases and a gated shared expert, '
+      'Mixtral neither)',
+    )
+  return dict(
+    num_experts=m.num_experts,
+    num_experts_per_tok=m.experts_per_token,
+    moe_intermediate_size=m.d_ff,
+    shared_expert_intermediate_size=m.shared_experts * m.d_ff,
+    # The dense MLP's width, which no block of this model has (every block is a MoE).
+    intermediate_size=(base or {}).get('intermediate_size', m.shared_experts * m.d_ff),
+    norm_topk_prob=m.norm_topk_prob,
+    qkv_bias=True,
+    decoder_sparse_step=1,
+    mlp_only_layers=[],
+    use_sliding_window=False,
+    router_aux_loss_coef=m.router_aux_loss_coef,
+    output_router_logits=False,
+  )
+
+
+def hf_config(model_cfg, base: Mapping | None = None) -> dict:
+  """An HF LlamaConfig (MixtralConfig, Qwen2MoeConfig: see `model_type`) dict
+  for config.model, over `base` (the imported checkpoint's own config.json,
+  so its token ids and the like survive).
+
+  Raises:
+    ConfigError('--workdir', ...): a mixtral with dense blocks (model.moe_every
+      > 1), or with parts of Qwen2-MoE but not all of them; a llama with
+      q/k/v biases.
   """
   m = model_cfg
+  kind = model_type(m)
   out = dict(base or {})
   for key in ('rope_parameters', 'rope_scaling', 'rope_theta'):
     out.pop(key, None)
-  if m.family == 'mixtral':
-    if m.shared_experts:
-      raise ConfigError(
-        '--workdir', f'model.shared_experts={m.shared_experts}: MixtralForCausalLM has none'
-      )
-    if m.moe_every != 1:
-      raise ConfigError(
-        '--workdir',
-        f'model.moe_every={m.moe_every}: MixtralForCausalLM has experts in every block',
-      )
+  if m.family == 'mixtral' and m.moe_every != 1:
+    raise ConfigError(
+      '--workdir',
+      f'model.moe_every={m.moe_every}: the converter writes experts in every block',
+    )
+  if kind == 'llama' and m.qkv_bias:
+    raise ConfigError('--workdir', 'model.qkv_bias=true: LlamaForCausalLM has no q/k/v biases')
+  if kind == 'qwen2_moe':
+    out.update(_qwen2_moe_hf(m, base))
+  elif kind == 'mixtral':
     out.update(
       num_local_experts=m.num_experts,
       num_experts_per_tok=m.experts_per_token,
@@ -156,11 +251,12 @@ def hf_config(model_cfg, base: Mapping | None = None) -> dict:
     )
   else:
     out.update(attention_bias=False, mlp_bias=False)
+  if kind != 'qwen2_moe':
+    out['intermediate_size'] = m.d_ff
   out.update(
-    architectures=[FAMILIES[m.family]],
-    model_type=m.family,
+    architectures=[MODEL_TYPES[kind][1]],
+    model_type=kind,
     hidden_size=m.d_model,
-    intermediate_size=m.d_ff,
     num_hidden_layers=m.num_layers,
     num_attention_heads=m.num_heads,
     num_key_value_heads=m.num_kv_heads or m.num_heads,
@@ -223,12 +319,29 @@ def _layer_names(i: int, m) -> dict[str, str | list[str]]:
     'wo': p + 'self_attn.o_proj.weight',
     'mlp_norm': p + 'post_attention_layernorm.weight',
   }
-  if m.family != 'mixtral':
+  if m.qkv_bias:
+    names.update({f'b{x}': f'{p}self_attn.{x}_proj.bias' for x in 'qkv'})
+  kind = model_type(m)
+  if kind == 'llama':
     return {
       **names,
       'w_gate': p + 'mlp.gate_proj.weight',
       'w_up': p + 'mlp.up_proj.weight',
       'w_down': p + 'mlp.down_proj.weight',
+    }
+  if kind == 'qwen2_moe':
+    moe = p + 'mlp.'
+    experts = lambda w: [f'{moe}experts.{e}.{w}.weight' for e in range(m.num_experts)]  # noqa: E731
+    return {
+      **names,
+      'router': moe + 'gate.weight',
+      'w_gate': experts('gate_proj'),
+      'w_up': experts('up_proj'),
+      'w_down': experts('down_proj'),
+      'shared_gate': moe + 'shared_expert.gate_proj.weight',
+      'shared_up': moe + 'shared_expert.up_proj.weight',
+      'shared_down': moe + 'shared_expert.down_proj.weight',
+      'shared_expert_gate': moe + 'shared_expert_gate.weight',
     }
   moe = p + 'block_sparse_moe.'
   experts = lambda w: [f'{moe}experts.{e}.{w}.weight' for e in range(m.num_experts)]  # noqa: E731
@@ -246,9 +359,16 @@ def _shapes(m) -> dict[str, tuple[int, ...]]:
   without the experts axis)."""
   n, kv, d, f = m.num_heads, m.num_kv_heads or m.num_heads, m.d_model, m.d_ff
   hd = d // n
-  router = {'router': (d, m.num_experts)} if m.family == 'mixtral' else {}
+  extra = {'router': (d, m.num_experts)} if m.family == 'mixtral' else {}
+  if m.qkv_bias:
+    extra.update(bq=(n, hd), bk=(kv, hd), bv=(kv, hd))
+  if m.family == 'mixtral' and m.shared_experts:
+    s = m.shared_experts * f
+    extra.update(shared_gate=(d, s), shared_up=(d, s), shared_down=(s, d))
+    if m.shared_expert_gate:
+      extra['shared_expert_gate'] = (d, 1)
   return {
-    **router,
+    **extra,
     'attn_norm': (d,),
     'wq': (d, n, hd),
     'wk': (d, kv, hd),
@@ -308,19 +428,24 @@ def params_from_hf(tensors: Mapping[str, np.ndarray], model_cfg, dtype) -> dict:
   return params
 
 
+# Layer keys of biases: [heads, head_dim] here, one vector in HF.
+_BIASES = ('bq', 'bk', 'bv')
+
+
 def _buffers(tensors) -> set[str]:
   """Non-parameter entries some exports include (rotary inverse frequencies)."""
   return {name for name in tensors if name.endswith('rotary_emb.inv_freq')}
 
 
 def params_to_hf(params: Mapping, model_cfg) -> dict[str, np.ndarray]:
-  """HF tensors (numpy, the params' dtype) of a llama or mixtral parameter tree."""
+  """HF tensors (numpy, the params' dtype) of a llama or mixtral parameter tree
+  (named as `model_type` says)."""
   m = model_cfg
   out = {'model.embed_tokens.weight': np.asarray(params['embed']['tokens'])}
 
   def linear(key, array):
-    if array.ndim == 1:
-      return array
+    if array.ndim == 1 or key in _BIASES:
+      return array.reshape(-1)
     # back to a Linear's [out, in]; wo's inputs are its (head, head_dim) dims
     inputs = array.shape[0] * (array.shape[1] if key == 'wo' else 1)
     return np.ascontiguousarray(array.reshape(inputs, -1).T)

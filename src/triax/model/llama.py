@@ -1,6 +1,7 @@
 """The Llama family: RMSNorm, rotary position embeddings (with Llama 3's
-long-context scaling), grouped-query attention, a SwiGLU MLP, no biases,
-optionally tied input and output embeddings.
+long-context scaling), grouped-query attention, a SwiGLU MLP, no biases
+(but Qwen2's optional q/k/v ones, model.qkv_bias), optionally tied input and
+output embeddings.
 
 Conventions follow transformers' LlamaForCausalLM so that a Hugging Face
 checkpoint maps onto this parameter tree by transposes and reshapes only:
@@ -10,6 +11,8 @@ checkpoint maps onto this parameter tree by transposes and reshapes only:
               'wv': [L, d, kv, hd], 'wo': [L, n, hd, d], 'mlp_norm': [L, d],
               'w_gate': [L, d, f], 'w_up': [L, d, f], 'w_down': [L, f, d]},
    'head': {'norm': [d], 'out': [d, V]}}          ('out' absent when tied)
+
+  (+ 'bq': [L, n, hd], 'bk', 'bv': [L, kv, hd] with model.qkv_bias)
 
   wq[l] = q_proj.weight.T.reshape(d, n, hd), and so on: the head dimension
   is in HF's stored order, and rotary embeddings use HF's half-split
@@ -66,8 +69,13 @@ class LlamaSpec(ModelSpec):
   rope_scaling: RopeScaling = RopeScaling()
   norm_eps: float = 1e-5
   tie_embeddings: bool = False
+  qkv_bias: bool = False
 
-  SHAPE_KEYS: ClassVar[tuple[str, ...]] = ModelSpec.SHAPE_KEYS + ('num_kv_heads', 'tie_embeddings')
+  SHAPE_KEYS: ClassVar[tuple[str, ...]] = ModelSpec.SHAPE_KEYS + (
+    'num_kv_heads',
+    'tie_embeddings',
+    'qkv_bias',
+  )
 
   @classmethod
   def from_config(cls, model_cfg) -> LlamaSpec:
@@ -165,6 +173,13 @@ class Block(nn.Module):
     h = rms_norm(x, attn_norm, s.norm_eps)
     cos, sin = rope_tables(s, s.positions(x.shape[1]) if decode is None else decode.positions)
     q, k, v = project(h, (wq, wk, wv), 'bsd,dnk->bsnk', dt, s.remat)
+    if s.qkv_bias:  # made after the block's other weights: a model without keeps its init values
+      zeros = lambda name, shape, axes: self.param(  # noqa: E731
+        name, nn.with_logical_partitioning(nn.initializers.zeros, axes), shape, pdt
+      )
+      bq = zeros('bq', (n, hd), ('heads', 'kv'))
+      bk, bv = (zeros(name, (kv, hd), ('kv_heads', 'kv')) for name in ('bk', 'bv'))
+      q, k, v = (t + b.astype(dt) for t, b in ((q, bq), (k, bk), (v, bv)))
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     q = constrain(q, ('batch', 'seq', 'heads', 'kv'))
     k, v = (constrain(t, ('batch', 'seq', 'kv_heads', 'kv')) for t in (k, v))
@@ -276,8 +291,9 @@ def validate(model_cfg, mesh_cfg, rules: tuple) -> tuple:
     raise ConfigError('model.rope_theta', f'must be a positive number, got {m.rope_theta!r}')
   if not _positive_number(m.norm_eps):
     raise ConfigError('model.norm_eps', f'must be a positive number, got {m.norm_eps!r}')
-  if not isinstance(m.tie_embeddings, bool):
-    raise ConfigError('model.tie_embeddings', f'must be true or false, got {m.tie_embeddings!r}')
+  for key in ('tie_embeddings', 'qkv_bias'):
+    if not isinstance(m[key], bool):
+      raise ConfigError(f'model.{key}', f'must be true or false, got {m[key]!r}')
   r = m.rope_scaling
   unknown = set(r) - {f.name for f in dataclasses.fields(RopeScaling)}
   if unknown:

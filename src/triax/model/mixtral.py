@@ -6,11 +6,14 @@ Parameter tree: llama.py's, the MLP's weights replaced by
 
   'router': [L, d, E], 'w_gate': [L, E, d, f], 'w_up': [L, E, d, f],
   'w_down': [L, E, f, d]  (+ 'shared_gate', 'shared_up': [L, d, S*f],
-  'shared_down': [L, S*f, d] with S = model.shared_experts)
+  'shared_down': [L, S*f, d] with S = model.shared_experts, and
+  'shared_expert_gate': [L, d, 1] with model.shared_expert_gate)
 
 so that transformers' MixtralForCausalLM maps onto it by transposes
 (model/hf_llama.py): router = gate.weight.T, w_gate[e] = experts.e.w1.T,
-w_up[e] = w3.T, w_down[e] = w2.T. The experts' leading axis has the logical
+w_up[e] = w3.T, w_down[e] = w2.T; Qwen2MoeForCausalLM too, with q/k/v
+biases (model.qkv_bias), a gated shared expert and its routing weights left
+unnormalised (model.norm_topk_prob=false). The experts' leading axis has the logical
 name 'experts': whole on every device, or with mesh.expert > 1 split over the
 `expert` axis carved from data (validate writes the rules; moe.py's
 all-to-alls move the tokens); each expert's hidden units are split over
@@ -59,6 +62,8 @@ class MixtralSpec(llama.LlamaSpec):
   num_experts: int = 8
   experts_per_token: int = 2
   shared_experts: int = 0
+  shared_expert_gate: bool = False
+  norm_topk_prob: bool = True
   moe_every: int = 1
   moe_dispatch: str = 'dropless'
   capacity_factor: float = 1.25
@@ -69,6 +74,7 @@ class MixtralSpec(llama.LlamaSpec):
   SHAPE_KEYS: ClassVar[tuple[str, ...]] = llama.LlamaSpec.SHAPE_KEYS + (
     'num_experts',
     'shared_experts',
+    'shared_expert_gate',
     'moe_every',
   )
 
@@ -103,7 +109,7 @@ class Block(llama.Block):
     w_gate = param(self, 'w_gate', (e, d, f), ('experts', 'embed', 'mlp'), 0.02, pdt)
     w_up = param(self, 'w_up', (e, d, f), ('experts', 'embed', 'mlp'), 0.02, pdt)
     w_down = param(self, 'w_down', (e, f, d), ('experts', 'mlp', 'embed'), llama.out_std(s), pdt)
-    routing = moe.route(h, router, s.experts_per_token)
+    routing = moe.route(h, router, s.experts_per_token, s.norm_topk_prob)
     if s.moe_dispatch == 'capacity':
       out, dropped = moe.capacity(h, routing, w_gate, w_up, w_down, s.capacity_factor)
     else:
@@ -111,7 +117,11 @@ class Block(llama.Block):
     # Kept only when the caller asks for 'intermediates' (Mixtral.objective).
     self.sow('intermediates', 'router', moe.layer_stats(routing, dropped))
     if s.shared_experts:
-      out = out + self.swiglu(h, 'shared_', s.shared_experts * s.d_ff)
+      shared = self.swiglu(h, 'shared_', s.shared_experts * s.d_ff)
+      if s.shared_expert_gate:  # Qwen2-MoE's: a sigmoid of one learnt projection of the token
+        gate = param(self, 'shared_expert_gate', (d, 1), ('embed', None), 0.02, pdt)
+        shared = shared * jax.nn.sigmoid(jnp.einsum('bsd,do->bso', h, gate.astype(h.dtype)))
+      out = out + shared
     return out
 
 
@@ -245,7 +255,14 @@ def validate(model_cfg, mesh_cfg, rules: tuple) -> tuple:
     raise ConfigError(
       'model.experts_per_token', f'{k} exceeds model.num_experts={experts}: at most all of them'
     )
-  _count(m, 'shared_experts', 0)
+  shared = _count(m, 'shared_experts', 0)
+  for key in ('shared_expert_gate', 'norm_topk_prob'):
+    if not isinstance(m[key], bool):
+      raise ConfigError(f'model.{key}', f'must be true or false, got {m[key]!r}')
+  if m.shared_expert_gate and not shared:
+    raise ConfigError(
+      'model.shared_expert_gate', 'gates the shared experts, and model.shared_experts is 0'
+    )
   every = _count(m, 'moe_every', 1)
   if m.num_layers % every:
     raise ConfigError(

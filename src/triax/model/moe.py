@@ -67,11 +67,14 @@ class Routing:
   weights: jax.Array
 
 
-def route(h: jax.Array, router: jax.Array, k: int) -> Routing:
-  """Mixtral's top-k routing of h [b, s, d] by router [d, E]."""
+def route(h: jax.Array, router: jax.Array, k: int, normalize: bool = True) -> Routing:
+  """Mixtral's top-k routing of h [b, s, d] by router [d, E]: the k largest
+  softmax probabilities, renormalised to sum to 1 unless `normalize` is false
+  (Qwen2-MoE's norm_topk_prob=false)."""
   logits = jnp.einsum('bsd,de->bse', h, router.astype(h.dtype)).astype(jnp.float32)
   top, experts = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), k)
-  return Routing(logits, experts.astype(jnp.int32), top / jnp.sum(top, -1, keepdims=True))
+  weights = top / jnp.sum(top, -1, keepdims=True) if normalize else top
+  return Routing(logits, experts.astype(jnp.int32), weights)
 
 
 def _swiglu_grouped(xs, sizes, w_gate, w_up, w_down):

@@ -183,7 +183,7 @@ def export_hf(workdir: str, out_dir: str, *, max_shard_bytes: int = MAX_SHARD_BY
   for name in os.listdir(out_dir):
     # safetensors writes 0600; a checkpoint to share reads as HF's do.
     os.chmod(os.path.join(out_dir, name), 0o644)
-  architecture = hf_llama.FAMILIES[cfg.model.family]
+  architecture = hf_llama.architecture(cfg.model)
   return {'step': step, 'files': sorted(os.listdir(out_dir)), 'architecture': architecture}
 
 
