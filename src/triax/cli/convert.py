@@ -1,4 +1,5 @@
-"""Hugging Face Llama, Mixtral and Qwen2-MoE checkpoints in and out of triax workdirs.
+"""Hugging Face Llama, Qwen2, Mixtral and Qwen2-MoE checkpoints in and out
+of triax workdirs.
 
   python -m triax convert --hf_dir=DIR --workdir=WORKDIR [--tokenizer=tokenizer.json]
   python -m triax convert --workdir=WORKDIR --hf_dir=OUT --export
@@ -6,8 +7,9 @@
 Import reads DIR's config.json and *.safetensors (one file or shards) and
 writes a workdir at step 0 that `python -m triax train --workdir=WORKDIR`
 fine-tunes and `python -m triax sample --workdir=WORKDIR` samples; export
-writes the workdir's latest checkpoint back as transformers' Llama (Mixtral, Qwen2-MoE). Kept to
-flag parsing and one library call (triax.training.hf_checkpoint).
+writes the workdir's latest checkpoint back as transformers' Llama (Qwen2,
+Mixtral, Qwen2-MoE). Kept to flag parsing and one library call
+(triax.training.hf_checkpoint).
 """
 
 import sys
@@ -19,7 +21,7 @@ from triax import cli
 _HF_DIR = flags.DEFINE_string(
   'hf_dir',
   None,
-  'A Hugging Face Llama, Mixtral or Qwen2-MoE checkpoint directory (read; with --export, written).',
+  'A Hugging Face Llama, Qwen2, Mixtral or Qwen2-MoE checkpoint directory (read; with --export, written).',
 )
 _WORKDIR = flags.DEFINE_string('workdir', None, 'The triax workdir (written; with --export, read).')
 _EXPORT = flags.DEFINE_bool(

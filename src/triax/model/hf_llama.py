@@ -1,5 +1,5 @@
-"""Hugging Face Llama, Mixtral and Qwen2-MoE checkpoints <-> the llama and
-mixtral families' parameters and config.
+"""Hugging Face Llama, Qwen2, Mixtral and Qwen2-MoE checkpoints <-> the
+llama and mixtral families' parameters and config.
 
 transformers' `LlamaForCausalLM` defines what a Llama checkpoint means: its
 config.json names the shapes, and its tensors (one `model.safetensors` or
@@ -18,8 +18,10 @@ are: `block_sparse_moe.gate.weight` [E, d] (our 'router', transposed) and
 transformers 5 fuses them into 3-D tensors in memory and writes this layout
 back, so this is what every Mixtral checkpoint holds.
 
-Qwen2-MoE (`Qwen2MoeForCausalLM`) is a mixtral with q/k/v biases
-(`self_attn.{q,k,v}_proj.bias`: 'bq', 'bk', 'bv'), routing weights left
+Qwen2 (`Qwen2ForCausalLM`) is a llama with q/k/v biases
+(`self_attn.{q,k,v}_proj.bias`: 'bq', 'bk', 'bv'; model.qkv_bias).
+Qwen2-MoE (`Qwen2MoeForCausalLM`) is a mixtral with the same biases
+, routing weights left
 unnormalised when its norm_topk_prob is false, and one shared expert of
 width shared_expert_intermediate_size (a multiple S of the experts' width:
 model.shared_experts = S) scaled by sigmoid(shared_expert_gate): under
@@ -59,6 +61,7 @@ _REQUIRED = {
 # HF model_type -> (the triax family it converts to, HF's architecture class).
 MODEL_TYPES = {
   'llama': ('llama', 'LlamaForCausalLM'),
+  'qwen2': ('llama', 'Qwen2ForCausalLM'),
   'mixtral': ('mixtral', 'MixtralForCausalLM'),
   'qwen2_moe': ('mixtral', 'Qwen2MoeForCausalLM'),
 }
@@ -68,9 +71,12 @@ FAMILIES = ('llama', 'mixtral')
 
 def model_type(model_cfg) -> str:
   """The HF model_type a triax model config exports to (whose tensor names
-  its layers have): a mixtral with Qwen2-MoE's parts is a qwen2_moe."""
+  its layers have): a llama with q/k/v biases is a qwen2, a mixtral with
+  Qwen2-MoE's parts a qwen2_moe."""
   m = model_cfg
-  if m.family == 'mixtral' and (m.qkv_bias or m.shared_experts or not m.norm_topk_prob):
+  if m.family == 'llama':
+    return 'qwen2' if m.qkv_bias else 'llama'
+  if m.qkv_bias or m.shared_experts or not m.norm_topk_prob:
     return 'qwen2_moe'
   return m.family
 
@@ -133,8 +139,8 @@ def model_config(hf: Mapping, seq_len: int) -> dict:
       f'config.json: head_dim={hf.get("head_dim")} is not hidden_size/num_attention_heads',
     )
   theta, scaling = _rope(hf)
-  moe = {}
-  if kind != 'llama':
+  moe = {'qkv_bias': True} if kind == 'qwen2' else {}
+  if MODEL_TYPES[kind][0] == 'mixtral':
     moe = {
       'num_experts': hf['num_local_experts' if kind == 'mixtral' else 'num_experts'],
       'experts_per_token': hf['num_experts_per_tok'],
@@ -223,8 +229,7 @@ def hf_config(model_cfg, base: Mapping | None = None) -> dict:
 
   Raises:
     ConfigError('--workdir', ...): a mixtral with dense blocks (model.moe_every
-      > 1), or with parts of Qwen2-MoE but not all of them; a llama with
-      q/k/v biases.
+      > 1), or with parts of Qwen2-MoE but not all of them.
   """
   m = model_cfg
   kind = model_type(m)
@@ -236,8 +241,6 @@ def hf_config(model_cfg, base: Mapping | None = None) -> dict:
       '--workdir',
       f'model.moe_every={m.moe_every}: the converter writes experts in every block',
     )
-  if kind == 'llama' and m.qkv_bias:
-    raise ConfigError('--workdir', 'model.qkv_bias=true: LlamaForCausalLM has no q/k/v biases')
   if kind == 'qwen2_moe':
     out.update(_qwen2_moe_hf(m, base))
   elif kind == 'mixtral':
@@ -249,6 +252,8 @@ def hf_config(model_cfg, base: Mapping | None = None) -> dict:
       sliding_window=None,
       output_router_logits=False,
     )
+  elif kind == 'qwen2':
+    out.update(use_sliding_window=False, sliding_window=None)
   else:
     out.update(attention_bias=False, mlp_bias=False)
   if kind != 'qwen2_moe':
@@ -322,7 +327,7 @@ def _layer_names(i: int, m) -> dict[str, str | list[str]]:
   if m.qkv_bias:
     names.update({f'b{x}': f'{p}self_attn.{x}_proj.bias' for x in 'qkv'})
   kind = model_type(m)
-  if kind == 'llama':
+  if kind in ('llama', 'qwen2'):
     return {
       **names,
       'w_gate': p + 'mlp.gate_proj.weight',
