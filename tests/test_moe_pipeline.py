@@ -95,3 +95,21 @@ def test_moe_every_other_block_in_uneven_chunks_matches_one_device():
   # stage 1 (a padded entry skipped there), the experts split too.
   shape = {'model.num_layers': 6, 'model.moe_every': 2, 'pipeline.layers_per_stage': (4, 2)}
   _check(2, 1, 2, 2, 2, **shape)
+
+
+def test_a_grouped_pipelined_mixtral_converts_to_the_checkpoint_layout():
+  """A save's relayout runs one program per leaf, each with collectives of every
+  device; on XLA:CPU, run at once, they waited for each other (a mixtral with
+  moe_every=2 at data 4 x pipe 2 aborted its first save: 7 of 8 devices in one
+  program's collective-permute). Converted three times, it gives model order."""
+  cfg = _config(
+    **{'mesh.data': 4, 'mesh.pipe': 2, 'mesh.expert': 1, 'model.moe_every': 2},
+    **{'pipeline.microbatches': 2},
+  )
+  trainer = harness.make_trainer(cfg)
+  with jax.set_mesh(trainer.mesh):
+    state = trainer.init_state(jax.random.key(cfg.train.seed))
+    for _ in range(3):
+      canonical = jax.block_until_ready(trainer.to_canonical(state))
+  want = trainer.layout.tree_to_model_order(jax.device_get(state.params))
+  assert harness.max_rel_err(want, jax.device_get(canonical.params)) == 0

@@ -85,6 +85,23 @@ def _on_device(convert, in_sharding: NamedSharding):
   return lambda x: convert(jax.device_put(x, on_device))
 
 
+def _in_turn(leaves, shardings):
+  """What makes the conversion's programs run one after another.
+
+  On XLA:CPU each device runs its share of a program on a thread of its own
+  when the inputs are ready, so programs dispatched back to back, on
+  independent leaves, run at once; every one holds collectives of all the
+  devices, and devices that entered different programs wait for each other
+  (a mixtral with moe_every=2 at data 4 x pipe 2 aborted its first save so,
+  7 of 8 devices in one program's collective-permute). Each program is
+  awaited there. GPU and TPU run a device's programs in launch order; traced
+  (inside a caller's jit) there is one program.
+  """
+  traced = any(isinstance(x, jax.core.Tracer) for _, x in leaves)
+  on_cpu = any(d.platform == 'cpu' for s in shardings for d in s.device_set)
+  return jax.block_until_ready if on_cpu and not traced else lambda x: x
+
+
 class Relayout:
   """The layer stacks (the leaves under 'layers': parameters and Adam moments)
   converted one by one to model order (`to_model`) or to pipeline order; the
@@ -127,11 +144,12 @@ class Relayout:
     leaves, treedef, ins, outs = self._parts(tree)
     result = [None] * len(leaves)
     idx, still = self._still(leaves, ins, outs)
-    for i, x in zip(idx, still([leaves[i][1] for i in idx])):
+    in_turn = _in_turn(leaves, ins)
+    for i, x in zip(idx, in_turn(still([leaves[i][1] for i in idx]))):
       result[i] = x
     for i, (path, leaf) in enumerate(leaves):
       if under_layers(path):
-        result[i] = self._program(leaf, ins[i], outs[i])(leaf)
+        result[i] = in_turn(self._program(leaf, ins[i], outs[i])(leaf))
     return jax.tree_util.tree_unflatten(treedef, result)
 
   def added_bytes(self, abstract) -> int:
