@@ -1,12 +1,15 @@
-"""What an HF checkpoint must satisfy, for every family that converts: greedy
+"""What an HF checkpoint must satisfy, for every family that converts: its
+parameter count and logits, a MoE's training loss with its aux term, greedy
 tokens equal to transformers' generate; on export the tensors transformers
 wrote, export -> import -> export bit-identical file by file (shards and
 index), and transformers reading the export back to the same logits. Shared
-by tests/test_hf_llama.py and tests/test_hf_mixtral.py."""
+by tests/test_hf_*.py."""
 
 import filecmp
 import os
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from triax.model import generation, hf_llama
@@ -23,6 +26,50 @@ def import_sharded(model, base):
   assert os.path.isfile(os.path.join(hf_dir, hf_llama.INDEX_FILE))
   workdir = str(base / 'w')
   return hf_dir, workdir, hf_checkpoint.import_hf(hf_dir, workdir)
+
+
+def check_logits(model, workdir, result, tokens):
+  """The import (`result`) holds the model's parameters and gives its logits to 1e-4."""
+  import torch
+
+  assert result['params'] == sum(p.numel() for p in model.parameters())
+  params = workdir_lib.restore_params(workdir, result['config'], 0)
+  ours = generation.sampling_model(result['config']).logits(params, jnp.asarray(tokens))
+  with torch.no_grad():
+    theirs = model(torch.from_numpy(tokens).long()).logits.numpy()
+  err = np.max(np.abs(np.asarray(ours) - theirs)) / np.max(np.abs(theirs))
+  assert err <= 1e-4, err
+
+
+def check_moe_objective(model, workdir, tokens, coef):
+  """A MoE import's training loss on data x tensor = 2 x 4 is transformers'
+  with output_router_logits: cross-entropy + coef x its aux loss over all
+  layers (to 1e-5); `tokens` [4, s + 1]."""
+  import harness
+  import torch
+
+  from triax import config as config_lib
+  from triax.training import checkpoint as ckpt_lib
+
+  cfg = config_lib.load_json(os.path.join(workdir, 'config.json'))
+  cfg.mesh.data, cfg.mesh.tensor = 2, 4
+  cfg.train.global_batch_size = 4
+  cfg = config_lib.validate(cfg, 8)
+  trainer = harness.make_trainer(cfg)
+  state = ckpt_lib.Checkpointer(workdir, cfg).restore(trainer)
+  inputs, targets = tokens[:, :-1], tokens[:, 1:]
+  with jax.set_mesh(trainer.mesh):
+    batch = jax.device_put({'inputs': inputs, 'targets': targets}, trainer.batch_sharding)
+    ours, _, _ = trainer.loss_and_grad(state.params, batch)
+  vocab = cfg.model.vocab_size
+  with torch.no_grad():
+    out = model(torch.from_numpy(inputs).long(), output_router_logits=True)
+    ce = torch.nn.functional.cross_entropy(
+      out.logits.reshape(-1, vocab), torch.from_numpy(targets).long().ravel()
+    )
+    theirs = float(ce + coef * out.aux_loss)
+  assert float(out.aux_loss) > 2.0  # sharpened routers: unbalanced, the term is not constant
+  assert abs(float(ours) - theirs) <= 1e-5 * abs(theirs), (float(ours), theirs)
 
 
 def check_greedy(model, workdir, cfg):

@@ -87,13 +87,7 @@ def test_import_gives_transformers_logits(imported):
     2,
     8.0,
   )
-  assert result['params'] == sum(p.numel() for p in model.parameters())
-  params = workdir_lib.restore_params(workdir, cfg, 0)
-  ours = generation.sampling_model(cfg).logits(params, jnp.asarray(_tokens()))
-  with torch.no_grad():
-    theirs = model(torch.from_numpy(_tokens()).long()).logits.numpy()
-  err = np.max(np.abs(np.asarray(ours) - theirs)) / np.max(np.abs(theirs))
-  assert err <= 1e-4, err
+  hf_round_trip.check_logits(model, workdir, result, _tokens())
 
 
 @pytest.mark.parametrize('layout', [(2, 2, 2), (1, 2, 4)])

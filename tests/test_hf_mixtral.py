@@ -8,24 +8,16 @@ import -> export must be bit-identical and give back transformers' tensors.
 Nothing is downloaded.
 """
 
-import os
-
-import harness
 import hf_round_trip
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 torch = pytest.importorskip('torch')
 transformers = pytest.importorskip('transformers')
 
-from triax import config as config_lib  # noqa: E402
 from triax.errors import ConfigError  # noqa: E402
-from triax.model import generation, hf_llama  # noqa: E402
-from triax.training import checkpoint as ckpt_lib  # noqa: E402
+from triax.model import hf_llama  # noqa: E402
 from triax.training import hf_checkpoint  # noqa: E402
-from triax.training import workdir as workdir_lib  # noqa: E402
 
 SEQ = 32
 
@@ -80,37 +72,12 @@ def test_import_gives_transformers_logits(imported):
     2,
     0.02,
   )
-  assert result['params'] == sum(p.numel() for p in model.parameters())
-  params = workdir_lib.restore_params(workdir, result['config'], 0)
-  ours = generation.sampling_model(result['config']).logits(params, jnp.asarray(_tokens()))
-  with torch.no_grad():
-    theirs = model(torch.from_numpy(_tokens()).long()).logits.numpy()
-  err = np.max(np.abs(np.asarray(ours) - theirs)) / np.max(np.abs(theirs))
-  assert err <= 1e-4, err
+  hf_round_trip.check_logits(model, workdir, result, _tokens())
 
 
 def test_training_objective_is_transformers_loss_with_its_aux_loss(imported):
-  # transformers' loss with output_router_logits: cross-entropy + coef x aux loss over all layers.
   model, _, workdir, _ = imported
-  cfg = config_lib.load_json(os.path.join(workdir, 'config.json'))
-  cfg.mesh.data, cfg.mesh.tensor = 2, 4
-  cfg.train.global_batch_size = 4
-  cfg = config_lib.validate(cfg, 8)
-  trainer = harness.make_trainer(cfg)
-  state = ckpt_lib.Checkpointer(workdir, cfg).restore(trainer)
-  tokens = _tokens(4, SEQ + 1, seed=1)
-  inputs, targets = tokens[:, :-1], tokens[:, 1:]
-  with jax.set_mesh(trainer.mesh):
-    batch = jax.device_put({'inputs': inputs, 'targets': targets}, trainer.batch_sharding)
-    ours, _, _ = trainer.loss_and_grad(state.params, batch)
-  with torch.no_grad():
-    out = model(torch.from_numpy(inputs).long(), output_router_logits=True)
-    ce = torch.nn.functional.cross_entropy(
-      out.logits.reshape(-1, 256), torch.from_numpy(targets).long().ravel()
-    )
-    theirs = float(ce + 0.02 * out.aux_loss)
-  assert float(out.aux_loss) > 2.0  # sharpened routers: unbalanced, the term is not constant
-  assert float(ours) == pytest.approx(theirs, rel=1e-5)
+  hf_round_trip.check_moe_objective(model, workdir, _tokens(4, SEQ + 1, seed=1), 0.02)
 
 
 def test_greedy_generation_gives_transformers_tokens(imported):
