@@ -11,6 +11,8 @@ Nothing is downloaded.
 import filecmp
 import json
 import os
+import shutil
+import zlib
 
 import harness
 import hf_round_trip
@@ -127,6 +129,31 @@ def test_export_import_export_is_bit_identical(imported, tmp_path):
   hf_checkpoint.export_hf(workdir, first, max_shard_bytes=100_000)
   reference = {k: v.numpy() for k, v in model.state_dict().items()}
   hf_round_trip.check(first, reference, tmp_path, model, transformers.LlamaForCausalLM, _tokens())
+
+
+def test_a_checkpoint_written_before_qkv_bias_existed_restores(imported, tmp_path):
+  """Its model record has no 'qkv_bias' (registry.RECORD_DEFAULTS): the
+  Llama of then, without biases, which this config still is."""
+  _, _, workdir, result = imported
+  old = str(tmp_path / 'old')
+  shutil.copytree(workdir, old)
+  step_dir = os.path.join(old, 'checkpoints', '0')
+  path = os.path.join(step_dir, 'model', 'metadata')
+  with open(path) as f:
+    record = json.load(f)
+  del record['qkv_bias']
+  data = json.dumps(record).encode()
+  with open(path, 'wb') as f:
+    f.write(data)
+  manifest = os.path.join(step_dir, 'triax_manifest.json')
+  with open(manifest) as f:
+    entries = json.load(f)
+  entries['files']['model/metadata'] = {'bytes': len(data), 'crc32': zlib.crc32(data)}
+  with open(manifest, 'w') as f:
+    json.dump(entries, f)
+  cfg = result['config']
+  state = ckpt_lib.Checkpointer(old, cfg).restore(harness.make_trainer(cfg))
+  assert int(state.step) == 0
 
 
 def test_export_of_a_gpt_run_points_to_the_llama_configs(tmp_path):

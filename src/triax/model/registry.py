@@ -30,6 +30,10 @@ from triax.model.common import DecoderModel, ModelSpec
 FAMILIES: dict[str, ModuleType] = {'gpt': gpt, 'llama': llama, 'mixtral': mixtral}
 # The family of runs and checkpoints written before model.family existed.
 BEFORE_FAMILIES = 'gpt'
+# A checkpoint's model record (shape_record) written before one of these keys
+# existed lacks it and holds the model as it was then: no family (gpt), no
+# q/k/v biases, no gate on the shared experts.
+RECORD_DEFAULTS = {'family': BEFORE_FAMILIES, 'qkv_bias': False, 'shared_expert_gate': False}
 
 
 def _family(name: str) -> ModuleType:

@@ -268,7 +268,7 @@ class Checkpointer:
       return reader.restore(self._step_dir(step), args=ocp.args.Composite(**items))
 
   def _check_model(self, step: int, record: dict, trainer: Trainer) -> None:
-    record = {'family': registry.BEFORE_FAMILIES, **record}  # a record older than families
+    record = {**registry.RECORD_DEFAULTS, **record}  # a record older than some of its keys
     for key, value in model_record(self.cfg).items():
       if record.get(key) != value:
         raise ConfigError(
