@@ -20,10 +20,9 @@ back, so this is what every Mixtral checkpoint holds.
 
 Qwen2 (`Qwen2ForCausalLM`) is a llama with q/k/v biases
 (`self_attn.{q,k,v}_proj.bias`: 'bq', 'bk', 'bv'; model.qkv_bias).
-Qwen2-MoE (`Qwen2MoeForCausalLM`) is a mixtral with the same biases
-, routing weights left
-unnormalised when its norm_topk_prob is false, and one shared expert of
-width shared_expert_intermediate_size (a multiple S of the experts' width:
+Qwen2-MoE (`Qwen2MoeForCausalLM`) is a mixtral with the same biases,
+routing weights left unnormalised when its norm_topk_prob is false, and one
+shared expert of width shared_expert_intermediate_size (a multiple S of the experts' width:
 model.shared_experts = S) scaled by sigmoid(shared_expert_gate): under
 `mlp.`, `gate.weight` (the router), `experts.{e}.gate_proj/up_proj/down_proj`,
 `shared_expert.gate_proj/up_proj/down_proj` and `shared_expert_gate.weight`.
@@ -139,9 +138,9 @@ def model_config(hf: Mapping, seq_len: int) -> dict:
       f'config.json: head_dim={hf.get("head_dim")} is not hidden_size/num_attention_heads',
     )
   theta, scaling = _rope(hf)
-  moe = {'qkv_bias': True} if kind == 'qwen2' else {}
+  extra = {'qkv_bias': True} if kind == 'qwen2' else {}
   if MODEL_TYPES[kind][0] == 'mixtral':
-    moe = {
+    extra = {
       'num_experts': hf['num_local_experts' if kind == 'mixtral' else 'num_experts'],
       'experts_per_token': hf['num_experts_per_tok'],
       # transformers' training objective: its aux loss weight, no z-loss.
@@ -149,7 +148,7 @@ def model_config(hf: Mapping, seq_len: int) -> dict:
       'router_z_loss_coef': 0.0,
     }
   if kind == 'qwen2_moe':
-    moe.update(_qwen2_moe(hf))
+    extra.update(_qwen2_moe(hf))
   return {
     'family': MODEL_TYPES[kind][0],
     'num_layers': hf['num_hidden_layers'],
@@ -163,7 +162,7 @@ def model_config(hf: Mapping, seq_len: int) -> dict:
     'rope_scaling': scaling,
     'norm_eps': float(hf.get('rms_norm_eps', 1e-6)),
     'tie_embeddings': bool(hf.get('tie_word_embeddings', False)),
-    **moe,
+    **extra,
   }
 
 
@@ -334,29 +333,25 @@ def _layer_names(i: int, m) -> dict[str, str | list[str]]:
       'w_up': p + 'mlp.up_proj.weight',
       'w_down': p + 'mlp.down_proj.weight',
     }
-  if kind == 'qwen2_moe':
-    moe = p + 'mlp.'
-    experts = lambda w: [f'{moe}experts.{e}.{w}.weight' for e in range(m.num_experts)]  # noqa: E731
-    return {
-      **names,
-      'router': moe + 'gate.weight',
-      'w_gate': experts('gate_proj'),
-      'w_up': experts('up_proj'),
-      'w_down': experts('down_proj'),
-      'shared_gate': moe + 'shared_expert.gate_proj.weight',
-      'shared_up': moe + 'shared_expert.up_proj.weight',
-      'shared_down': moe + 'shared_expert.down_proj.weight',
-      'shared_expert_gate': moe + 'shared_expert_gate.weight',
-    }
-  moe = p + 'block_sparse_moe.'
+  block, weights = _MOE_NAMES[kind]
+  moe = p + block
   experts = lambda w: [f'{moe}experts.{e}.{w}.weight' for e in range(m.num_experts)]  # noqa: E731
-  return {
-    **names,
-    'router': moe + 'gate.weight',
-    'w_gate': experts('w1'),
-    'w_up': experts('w3'),
-    'w_down': experts('w2'),
-  }
+  names.update(router=moe + 'gate.weight')
+  names.update({key: experts(w) for key, w in zip(('w_gate', 'w_up', 'w_down'), weights)})
+  if kind == 'qwen2_moe':
+    names.update({f'shared_{w}': f'{moe}shared_expert.{w}_proj.weight' for w in _SHARED})
+    names['shared_expert_gate'] = moe + 'shared_expert_gate.weight'
+  return names
+
+
+# A MoE model_type's MLP: its module under the layer, and the experts' gate,
+# up and down weights' names.
+_MOE_NAMES = {
+  'mixtral': ('block_sparse_moe.', ('w1', 'w3', 'w2')),
+  'qwen2_moe': ('mlp.', ('gate_proj', 'up_proj', 'down_proj')),
+}
+# The shared expert's weights (triax's 'shared_gate', ...; HF's '{w}_proj').
+_SHARED = ('gate', 'up', 'down')
 
 
 def _shapes(m) -> dict[str, tuple[int, ...]]:
