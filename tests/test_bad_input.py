@@ -174,6 +174,15 @@ CASES = [
     'mesh.pipe',
   ),
   (
+    'shared-expert-gate-without-shared-experts',
+    train(
+      '--config.model.shared_expert_gate=true',
+      config='--config=experiments/mixtral_tiny.py:smoke',
+    ),
+    'model.shared_expert_gate',
+  ),
+  ('qkv-bias-on-a-gpt', train('--config.model.qkv_bias=true'), 'model.qkv_bias'),
+  (
     'unknown-aux-loss-scope',
     train(
       '--config.model.router_aux_loss_scope=layer',

@@ -270,6 +270,13 @@ def _positive_number(value) -> bool:
   return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
 
 
+def check_flags(model_cfg, keys) -> None:
+  """Raises ConfigError unless each model key of `keys` is true or false."""
+  for key in keys:
+    if not isinstance(model_cfg[key], bool):
+      raise ConfigError(f'model.{key}', f'must be true or false, got {model_cfg[key]!r}')
+
+
 def validate(model_cfg, mesh_cfg, rules: tuple) -> tuple:
   """Llama's keys; maps 'kv_heads' to the mesh axis 'heads' uses when the K/V
   heads divide over it, else replicates them (Megatron's GQA rule)."""
@@ -291,9 +298,7 @@ def validate(model_cfg, mesh_cfg, rules: tuple) -> tuple:
     raise ConfigError('model.rope_theta', f'must be a positive number, got {m.rope_theta!r}')
   if not _positive_number(m.norm_eps):
     raise ConfigError('model.norm_eps', f'must be a positive number, got {m.norm_eps!r}')
-  for key in ('tie_embeddings', 'qkv_bias'):
-    if not isinstance(m[key], bool):
-      raise ConfigError(f'model.{key}', f'must be true or false, got {m[key]!r}')
+  check_flags(m, ('tie_embeddings', 'qkv_bias'))
   r = m.rope_scaling
   unknown = set(r) - {f.name for f in dataclasses.fields(RopeScaling)}
   if unknown:

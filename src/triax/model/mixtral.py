@@ -13,8 +13,8 @@ so that transformers' MixtralForCausalLM maps onto it by transposes
 (model/hf_llama.py): router = gate.weight.T, w_gate[e] = experts.e.w1.T,
 w_up[e] = w3.T, w_down[e] = w2.T; Qwen2MoeForCausalLM too, with q/k/v
 biases (model.qkv_bias), a gated shared expert and its routing weights left
-unnormalised (model.norm_topk_prob=false). The experts' leading axis has the logical
-name 'experts': whole on every device, or with mesh.expert > 1 split over the
+unnormalised (model.norm_topk_prob=false). The experts' leading axis has the
+logical name 'experts': whole on every device, or with mesh.expert > 1 split over the
 `expert` axis carved from data (validate writes the rules; moe.py's
 all-to-alls move the tokens); each expert's hidden units are split over
 `tensor` as Llama's MLP is.
@@ -256,9 +256,7 @@ def validate(model_cfg, mesh_cfg, rules: tuple) -> tuple:
       'model.experts_per_token', f'{k} exceeds model.num_experts={experts}: at most all of them'
     )
   shared = _count(m, 'shared_experts', 0)
-  for key in ('shared_expert_gate', 'norm_topk_prob'):
-    if not isinstance(m[key], bool):
-      raise ConfigError(f'model.{key}', f'must be true or false, got {m[key]!r}')
+  llama.check_flags(m, ('shared_expert_gate', 'norm_topk_prob'))
   if m.shared_expert_gate and not shared:
     raise ConfigError(
       'model.shared_expert_gate', 'gates the shared experts, and model.shared_experts is 0'
