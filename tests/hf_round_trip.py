@@ -17,6 +17,24 @@ from triax.training import hf_checkpoint
 from triax.training import workdir as workdir_lib
 
 
+def random_model(cls, cfg, sharpened=()):
+  """transformers' `cls` of `cfg` with seeded random weights, fp32, in eval
+  mode; norms (which start at ones) and biases (at zeros) moved so that they
+  matter, and the weights named ending in one of `sharpened` (routers, gates)
+  times 20, so that their choices are not near-uniform."""
+  import torch
+
+  torch.manual_seed(0)
+  model = cls(cfg).float().eval()
+  with torch.no_grad():
+    for name, p in model.named_parameters():
+      if 'norm' in name or name.endswith('bias'):
+        p.add_(0.1 * torch.randn_like(p))
+      if name.endswith(tuple(sharpened)):
+        p.mul_(20.0)
+  return model
+
+
 def import_sharded(model, base):
   """(hf_dir, workdir, import result): `model` saved by transformers in shards
   of at most 100 kB (the index path, as large checkpoints are stored) under

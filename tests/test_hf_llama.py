@@ -61,13 +61,7 @@ def _hf_model(tie=False, vocab_size=256):
     eos_token_id=None,
     pad_token_id=None,
   )
-  torch.manual_seed(0)
-  model = transformers.LlamaForCausalLM(cfg).float().eval()
-  with torch.no_grad():  # norms start at ones: make them matter
-    for name, p in model.named_parameters():
-      if 'norm' in name:
-        p.add_(0.1 * torch.randn_like(p))
-  return model
+  return hf_round_trip.random_model(transformers.LlamaForCausalLM, cfg)
 
 
 @pytest.fixture(scope='module')

@@ -41,15 +41,7 @@ def _hf_model(**overrides):
     pad_token_id=None,
     **overrides,
   )
-  torch.manual_seed(0)
-  model = transformers.MixtralForCausalLM(cfg).float().eval()
-  with torch.no_grad():  # norms start at ones: make them matter; routers sharper
-    for name, p in model.named_parameters():
-      if 'norm' in name:
-        p.add_(0.1 * torch.randn_like(p))
-      if name.endswith('mlp.gate.weight'):
-        p.mul_(20.0)
-  return model
+  return hf_round_trip.random_model(transformers.MixtralForCausalLM, cfg, ['mlp.gate.weight'])
 
 
 @pytest.fixture(scope='module')

@@ -42,12 +42,7 @@ def imported(tmp_path_factory):
     eos_token_id=None,
     pad_token_id=None,
   )
-  torch.manual_seed(0)
-  model = transformers.Qwen2ForCausalLM(cfg).float().eval()
-  with torch.no_grad():  # norms start at ones and biases at zeros: make them matter
-    for name, p in model.named_parameters():
-      if 'norm' in name or name.endswith('bias'):
-        p.add_(0.1 * torch.randn_like(p))
+  model = hf_round_trip.random_model(transformers.Qwen2ForCausalLM, cfg)
   hf_dir, workdir, result = hf_round_trip.import_sharded(model, tmp_path_factory.mktemp('hf'))
   return model, hf_dir, workdir, result
 

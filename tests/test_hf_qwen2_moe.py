@@ -45,15 +45,8 @@ def _hf_model(**overrides):
     pad_token_id=None,
   )
   cfg = transformers.Qwen2MoeConfig(**{**fields, **overrides})
-  torch.manual_seed(0)
-  model = transformers.Qwen2MoeForCausalLM(cfg).float().eval()
-  with torch.no_grad():  # norms start at ones and biases at zeros: make them matter
-    for name, p in model.named_parameters():
-      if 'norm' in name or name.endswith('bias'):
-        p.add_(0.1 * torch.randn_like(p))
-      if name.endswith('mlp.gate.weight') or name.endswith('shared_expert_gate.weight'):
-        p.mul_(20.0)
-  return model
+  gates = ['mlp.gate.weight', 'shared_expert_gate.weight']
+  return hf_round_trip.random_model(transformers.Qwen2MoeForCausalLM, cfg, gates)
 
 
 @pytest.fixture(scope='module')
