@@ -59,33 +59,60 @@ def check_logits(model, workdir, result, tokens):
   assert err <= 1e-4, err
 
 
-def check_moe_objective(model, workdir, tokens, coef):
-  """A MoE import's training loss on data x tensor = 2 x 4 is transformers'
-  with output_router_logits: cross-entropy + coef x its aux loss over all
-  layers (to 1e-5); `tokens` [4, s + 1]."""
+def _restored(workdir, tokens, data, tensor, pipe=1):
+  """(trainer, its state restored from the import at `workdir`, the batch of
+  `tokens` [4, s + 1] on its devices, inputs, targets) on that layout, m = 4 / data."""
   import harness
-  import torch
 
   from triax import config as config_lib
   from triax.training import checkpoint as ckpt_lib
 
   cfg = config_lib.load_json(os.path.join(workdir, 'config.json'))
-  cfg.mesh.data, cfg.mesh.tensor = 2, 4
+  cfg.mesh.data, cfg.mesh.tensor, cfg.mesh.pipe = data, tensor, pipe
+  if pipe > 1:
+    cfg.pipeline.microbatches = 4 // data
   cfg.train.global_batch_size = 4
-  cfg = config_lib.validate(cfg, 8)
-  trainer = harness.make_trainer(cfg)
-  state = ckpt_lib.Checkpointer(workdir, cfg).restore(trainer)
+  trainer = harness.make_trainer(config_lib.validate(cfg, 8))
+  state = ckpt_lib.Checkpointer(workdir, trainer.cfg).restore(trainer)
   inputs, targets = tokens[:, :-1], tokens[:, 1:]
+  batch = jax.device_put({'inputs': inputs, 'targets': targets}, trainer.batch_sharding)
+  return trainer, state, batch, inputs, targets
+
+
+def _cross_entropy(logits, targets) -> float:
+  import torch
+
+  vocab = logits.shape[-1]
+  return torch.nn.functional.cross_entropy(
+    logits.reshape(-1, vocab), torch.from_numpy(targets).long().ravel()
+  )
+
+
+def check_eval_loss(model, workdir, tokens, data, tensor, pipe):
+  """The import's loss on (data, tensor, pipe) is transformers' cross-entropy
+  (to 1e-5); `tokens` [4, s + 1]."""
+  import torch
+
+  trainer, state, batch, inputs, targets = _restored(workdir, tokens, data, tensor, pipe)
   with jax.set_mesh(trainer.mesh):
-    batch = jax.device_put({'inputs': inputs, 'targets': targets}, trainer.batch_sharding)
+    ours = float(trainer.eval_loss(state.params, batch))
+  with torch.no_grad():
+    theirs = float(_cross_entropy(model(torch.from_numpy(inputs).long()).logits, targets))
+  assert abs(ours - theirs) <= 1e-5 * abs(theirs), (ours, theirs)
+
+
+def check_moe_objective(model, workdir, tokens, coef):
+  """A MoE import's training loss on data x tensor = 2 x 4 is transformers'
+  with output_router_logits: cross-entropy + coef x its aux loss over all
+  layers (to 1e-5); `tokens` [4, s + 1]."""
+  import torch
+
+  trainer, state, batch, inputs, targets = _restored(workdir, tokens, 2, 4)
+  with jax.set_mesh(trainer.mesh):
     ours, _, _ = trainer.loss_and_grad(state.params, batch)
-  vocab = cfg.model.vocab_size
   with torch.no_grad():
     out = model(torch.from_numpy(inputs).long(), output_router_logits=True)
-    ce = torch.nn.functional.cross_entropy(
-      out.logits.reshape(-1, vocab), torch.from_numpy(targets).long().ravel()
-    )
-    theirs = float(ce + coef * out.aux_loss)
+    theirs = float(_cross_entropy(out.logits, targets) + coef * out.aux_loss)
   assert float(out.aux_loss) > 2.0  # sharpened routers: unbalanced, the term is not constant
   assert abs(float(ours) - theirs) <= 1e-5 * abs(theirs), (float(ours), theirs)
 

@@ -16,7 +16,6 @@ import zlib
 
 import harness
 import hf_round_trip
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -25,13 +24,11 @@ torch = pytest.importorskip('torch')
 transformers = pytest.importorskip('transformers')
 
 from triax import config as config_lib  # noqa: E402
-from triax import mesh as mesh_lib  # noqa: E402
 from triax.data import tokenizer as tokenizer_lib  # noqa: E402
 from triax.errors import ConfigError  # noqa: E402
 from triax.model import generation, hf_llama  # noqa: E402
 from triax.training import checkpoint as ckpt_lib  # noqa: E402
 from triax.training import hf_checkpoint  # noqa: E402
-from triax.training import step as step_lib  # noqa: E402
 from triax.training import workdir as workdir_lib  # noqa: E402
 
 SEQ = 32
@@ -88,28 +85,9 @@ def test_import_gives_transformers_logits(imported):
 
 @pytest.mark.parametrize('layout', [(2, 2, 2), (1, 2, 4)])
 def test_imported_checkpoint_gives_transformers_loss_on_parallel_layouts(imported, layout):
-  model, _, workdir, result = imported
-  cfg = config_lib.load_json(os.path.join(workdir, 'config.json'))
-  cfg.mesh.data, cfg.mesh.tensor, cfg.mesh.pipe = layout
-  cfg.pipeline.microbatches = 4 // layout[0]
-  cfg.train.global_batch_size = 4
-  cfg = config_lib.validate(cfg, 8)
-  trainer = step_lib.build_trainer(cfg, mesh_lib.build_mesh(cfg.mesh))
-  state = ckpt_lib.Checkpointer(workdir, cfg).restore(trainer)
+  model, _, workdir, _ = imported
   tokens = np.random.default_rng(1).integers(0, 256, (4, SEQ + 1)).astype(np.int32)
-  inputs, targets = tokens[:, :-1], tokens[:, 1:]
-  batch = {
-    'inputs': jax.device_put(inputs, trainer.batch_sharding),
-    'targets': jax.device_put(targets, trainer.batch_sharding),
-  }
-  with jax.set_mesh(trainer.mesh):
-    ours = float(trainer.eval_loss(state.params, batch))
-  with torch.no_grad():
-    logits = model(torch.from_numpy(inputs).long()).logits.reshape(-1, 256)
-    theirs = float(
-      torch.nn.functional.cross_entropy(logits, torch.from_numpy(targets).long().ravel())
-    )
-  assert ours == pytest.approx(theirs, rel=1e-5)
+  hf_round_trip.check_eval_loss(model, workdir, tokens, *layout)
 
 
 def test_greedy_generation_gives_transformers_tokens(imported):

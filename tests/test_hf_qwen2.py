@@ -8,20 +8,14 @@ and its greedy tokens; export -> import -> export must be bit-identical and
 give back transformers' tensors. Nothing is downloaded.
 """
 
-import os
-
-import harness
 import hf_round_trip
-import jax
 import numpy as np
 import pytest
 
 torch = pytest.importorskip('torch')
 transformers = pytest.importorskip('transformers')
 
-from triax import config as config_lib  # noqa: E402
 from triax.model import hf_llama  # noqa: E402
-from triax.training import checkpoint as ckpt_lib  # noqa: E402
 from triax.training import hf_checkpoint  # noqa: E402
 
 SEQ = 32
@@ -60,24 +54,7 @@ def test_import_gives_transformers_logits(imported):
 
 def test_loss_on_a_tensor_and_pipeline_layout_is_transformers(imported):
   model, _, workdir, _ = imported
-  cfg = config_lib.load_json(os.path.join(workdir, 'config.json'))
-  cfg.mesh.data, cfg.mesh.tensor, cfg.mesh.pipe = 1, 4, 2
-  cfg.pipeline.microbatches = 4
-  cfg.train.global_batch_size = 4
-  cfg = config_lib.validate(cfg, 8)
-  trainer = harness.make_trainer(cfg)
-  state = ckpt_lib.Checkpointer(workdir, cfg).restore(trainer)
-  tokens = _tokens(4, SEQ + 1, seed=1)
-  inputs, targets = tokens[:, :-1], tokens[:, 1:]
-  with jax.set_mesh(trainer.mesh):
-    batch = jax.device_put({'inputs': inputs, 'targets': targets}, trainer.batch_sharding)
-    ours = float(trainer.eval_loss(state.params, batch))
-  with torch.no_grad():
-    logits = model(torch.from_numpy(inputs).long()).logits.reshape(-1, 256)
-    theirs = float(
-      torch.nn.functional.cross_entropy(logits, torch.from_numpy(targets).long().ravel())
-    )
-  assert ours == pytest.approx(theirs, rel=1e-5)
+  hf_round_trip.check_eval_loss(model, workdir, _tokens(4, SEQ + 1, seed=1), 1, 4, 2)
 
 
 def test_greedy_generation_gives_transformers_tokens(imported):
