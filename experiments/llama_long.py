@@ -3,8 +3,9 @@
 llama_tiny's width (d=128, 8 query heads over 2 K/V heads) at 32k positions
 on the Python standard library's bytes. One row's attention scores would be
 8 x 32k x 32k fp32 values (32 GiB) on one device; with context=8 and ring
-attention each device holds its 4k positions and one 4k x 4k block at a time
-(load-balanced: rank i holds chunks i and 15-i of 16). On 8 forced CPU devices:
+attention each device holds its 4k positions and scores one block of 4k keys
+at a time, 512 keys per tile (context.KEY_TILE; load-balanced: rank i holds
+chunks i and 15-i of 16). Three steps take a few minutes on 8 forced CPU devices:
 
   python -m triax train --config=experiments/llama_long.py --workdir=runs/llama_long --cpu_devices=8
 

@@ -5,6 +5,7 @@ beside its work, and a run that saves on one context degree and resumes on
 another.
 """
 
+import functools
 import glob
 import json
 import os
@@ -17,7 +18,9 @@ import pytest
 
 from triax.model import context
 
-# (family, (data, context, tensor, pipe), context_attention, sequence_parallel, extra config)
+# (family, (data, context, tensor, pipe), context_attention, sequence_parallel, extra config).
+# Every layout runs both kinds and both families, in pairs rather than all four
+# combinations: both families reach the kinds through the one common.attention.
 PARITY = [
   ('gpt', (1, 2, 1, 1), 'allgather', False, {}),
   ('llama', (1, 2, 1, 1), 'ring', False, {}),
@@ -26,6 +29,7 @@ PARITY = [
   ('llama', (1, 2, 2, 1), 'allgather', True, {}),
   ('gpt', (1, 2, 2, 1), 'ring', True, {}),
   ('llama', (1, 2, 2, 1), 'ring', False, {}),
+  ('gpt', (1, 2, 2, 1), 'allgather', False, {}),
   ('llama', (1, 2, 2, 2), 'allgather', True, {'pipeline.microbatches': 4}),
   (
     'gpt',
@@ -146,6 +150,43 @@ def test_load_balancing_gives_every_rank_the_same_causal_work():
     assert len(set(work.tolist())) == 1, work
     assert sorted(slots.ravel().tolist()) == list(range(64))
   assert np.asarray(context.positions(16, 1)).tolist() == list(range(16))
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize('tile', (16, 6), ids=('whole', 'tiled'))
+@pytest.mark.parametrize('transport', context.TRANSPORTS)
+def test_a_ring_scored_in_key_tiles_is_attention(transport, tile):
+  """4 ranks of 16 positions, each block scored whole or 4 keys at a time
+  (6 asks for 4: the largest divisor), with documents: outputs and the
+  q, k, v gradients of one device's masked attention."""
+  from jax.sharding import PartitionSpec as P
+
+  b, s, n, hd, ranks = 2, 64, 2, 8, 4
+  q, k, v = (jax.random.normal(jax.random.key(i), (b, s, n, hd)) for i in range(3))
+  pos = context.positions(s, ranks)  # the load-balanced slots
+  documents = np.stack([np.repeat([0, 1], [25, 39]), np.repeat([0, 1], [40, 24])])
+  segments = jax.numpy.asarray(documents[:, np.asarray(pos)])
+  cotangent = jax.random.normal(jax.random.key(3), (b, s, n, hd))
+  assert context._tile_size(16, 6) == 4 and context._tile_size(16, 512) == 16
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:ranks]), ('context',))
+  seq, row = P(None, 'context'), P('context')
+  ring = jax.shard_map(
+    functools.partial(context._ring, axis='context', transport=transport, tile=tile),
+    mesh=mesh,
+    in_specs=(seq, seq, seq, row, seq),
+    out_specs=seq,
+    check_vma=False,
+  )
+
+  def loss(q, k, v, attend):
+    return jax.numpy.sum(attend(q, k, v, pos, segments) * cotangent)
+
+  reference = jax.value_and_grad(loss, argnums=(0, 1, 2))(q, k, v, context.masked_attention)
+  value, grads = jax.jit(
+    jax.value_and_grad(functools.partial(loss, attend=ring), argnums=(0, 1, 2))
+  )(q, k, v)
+  assert abs(float(value) - float(reference[0])) <= 1e-5 * abs(float(reference[0]))
+  assert harness.max_rel_err(reference[1], grads) <= 1e-5
 
 
 def _tpu_program(tmp_path, name, *flags):

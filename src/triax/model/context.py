@@ -23,6 +23,8 @@ Attention then meets the other ranks' keys in one of two ways
              ring (probabilities from the saved log-sum-exp, block by block,
              the K/V gradients travelling with their blocks), so no [s/c, s]
              scores exist in either pass.
+             Each block is scored KEY_TILE keys at a time, so one step's
+             fp32 scores are [b, n, s/c, KEY_TILE], whatever s/c is.
              The next block's transfer is issued before this block's work
              and depends on nothing it computes, so XLA can overlap them.
              The blocks move by one of TRANSPORTS, which the trainer picks
@@ -53,6 +55,14 @@ _NEG = -0.7 * float(jnp.finfo(jnp.float32).max)
 #              its all-gather waits only for the gathering group, like allgather
 #              attention's.
 TRANSPORTS = ('ppermute', 'allgather')
+
+# Keys of a ring block scored at once against a rank's queries. A whole
+# block's fp32 scores (and their probabilities, and the backward's three
+# arrays like them) grow with (s/c)^2: 512 MiB each per rank at 32k
+# positions over 8 ranks, and 8 forced CPU devices share one host's memory.
+# 512 keys bound them to [b, n, s/c, 512] (64 MiB there); a block of at most
+# this many keys is scored whole, in the same operations as before tiling.
+KEY_TILE = 512
 
 
 def positions(seq_len: int, shards: int) -> jax.Array:
@@ -157,9 +167,10 @@ def ring_attention(q, k, v, pos, segments=None, transport: str = 'ppermute'):
   return per_device.attention(local, q, k, v, extras, axes, own_backward=True)
 
 
-def _ring(q, k, v, pos, segments=None, *, axis: str, transport: str):
-  """One context rank: its queries against each rank's K/V block in turn."""
-  return _ring_attention(q, k, v, pos, segments, axis, transport)
+def _ring(q, k, v, pos, segments=None, *, axis: str, transport: str, tile: int = KEY_TILE):
+  """One context rank: its queries against each rank's K/V block in turn,
+  `tile` keys at a time."""
+  return _ring_attention(q, k, v, pos, segments, axis, transport, tile)
 
 
 def _shift(axis: str, transport: str):
@@ -192,12 +203,46 @@ def _scores(q, q_pos, q_seg, k, k_pos, k_seg):
   return scores + bias(q_pos, k_pos, q_seg, k_seg)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _ring_attention(q, k, v, pos, segments, axis, transport):
-  return _ring_forward(q, k, v, pos, segments, axis, transport)[0]
+# The key axis of each array a ring block carries: k, v, their positions,
+# their document ids (and in the backward the K/V gradients, like k and v).
+_KEY_AXES = (1, 1, 0, 1, 1, 1)
 
 
-def _ring_forward(q, k, v, pos, segments, axis, transport):
+def _tile_size(keys: int, tile: int) -> int:
+  """The largest divisor of `keys` that is at most `tile`."""
+  return max(d for d in range(1, min(keys, tile) + 1) if keys % d == 0)
+
+
+def _by_key_tiles(fn, carry, block, tile: int):
+  """fn(carry, piece) -> (carry, piece's outputs) over `block` cut into tiles
+  of keys, in key order; the outputs joined back along the keys. A block of
+  at most `tile` keys is one piece, and fn sees it uncut."""
+  keys = block[0].shape[1]
+  size = _tile_size(keys, tile)
+  if size == keys:
+    return fn(carry, block)
+
+  def cut(x, axis):
+    if x is None:
+      return None
+    x = x.reshape(x.shape[:axis] + (keys // size, size) + x.shape[axis + 1 :])
+    return jnp.moveaxis(x, axis, 0)
+
+  def join(x):  # [tiles, b, size, ...] -> [b, keys, ...]
+    x = jnp.moveaxis(x, 0, 1)
+    return x.reshape(x.shape[:1] + (keys,) + x.shape[3:])
+
+  pieces = tuple(cut(x, axis) for x, axis in zip(block, _KEY_AXES))
+  carry, outs = jax.lax.scan(fn, carry, pieces)
+  return carry, jax.tree.map(join, outs)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _ring_attention(q, k, v, pos, segments, axis, transport, tile):
+  return _ring_forward(q, k, v, pos, segments, axis, transport, tile)[0]
+
+
+def _ring_forward(q, k, v, pos, segments, axis, transport, tile):
   """(output [b, tq, n, hd], log-sum-exp of each query row's scores [b, n, tq])."""
   b, tq, n, _ = q.shape
   send, start = _shift(axis, transport)
@@ -207,11 +252,11 @@ def _ring_forward(q, k, v, pos, segments, axis, transport):
     jnp.zeros((b, n, tq), jnp.float32),
   )
 
-  def step(acc, block):
-    """The online softmax's update by one K/V block: the unnormalised output,
+  def absorb(acc, keys):
+    """The online softmax's update by some keys: the unnormalised output,
     the running max and sum of each row."""
     out, peak, total = acc
-    k, v, k_pos, k_seg = block
+    k, v, k_pos, k_seg = keys
     scores = _scores(q, pos, segments, k, k_pos, k_seg)
     new_peak = jnp.maximum(peak, scores.max(-1))
     fade = jnp.exp(peak - new_peak)
@@ -220,7 +265,10 @@ def _ring_forward(q, k, v, pos, segments, axis, transport):
       'bnqk,bknd->bqnd', probs.astype(v.dtype), v, preferred_element_type=jnp.float32
     )
     out = out * jnp.swapaxes(fade, 1, 2)[..., None] + mixed
-    return out, new_peak, total * fade + probs.sum(-1)
+    return (out, new_peak, total * fade + probs.sum(-1)), None
+
+  def step(acc, block):
+    return _by_key_tiles(absorb, acc, block, tile)[0]
 
   def body(carry, _):
     acc, block = carry
@@ -234,12 +282,12 @@ def _ring_forward(q, k, v, pos, segments, axis, transport):
   return out.astype(q.dtype), peak + jnp.log(total)
 
 
-def _ring_fwd(q, k, v, pos, segments, axis, transport):
-  out, lse = _ring_forward(q, k, v, pos, segments, axis, transport)
+def _ring_fwd(q, k, v, pos, segments, axis, transport, tile):
+  out, lse = _ring_forward(q, k, v, pos, segments, axis, transport, tile)
   return out, (q, k, v, pos, segments, out, lse)
 
 
-def _ring_bwd(axis, transport, res, g):
+def _ring_bwd(axis, transport, tile, res, g):
   """Flash attention's backward around the ring: each K/V block travels with
   its gradient accumulators; a rank adds its queries' share to them, and
   after c steps they are home. Per block: the probabilities from the saved
@@ -251,15 +299,20 @@ def _ring_bwd(axis, transport, res, g):
   # D = rowsum(dO * O): the softmax's Jacobian term for each query row [b, n, tq].
   rows = jnp.swapaxes(jnp.sum(g32 * out.astype(jnp.float32), -1), 1, 2)
 
-  def step(dq, block):
-    k, v, k_pos, k_seg, dk, dv = block
+  def gradients(dq, keys):
+    """This rank's share of the gradients of some keys; dq accumulated."""
+    k, v, k_pos, k_seg, dk, dv = keys
     probs = jnp.exp(_scores(q, pos, segments, k, k_pos, k_seg) - lse[..., None])
     dv = dv + jnp.einsum('bnqk,bqnd->bknd', probs, g32)
     dprobs = jnp.einsum('bqnd,bknd->bnqk', g32, v, preferred_element_type=jnp.float32)
     dscores = probs * (dprobs - rows[..., None]) * scale
     dq = dq + jnp.einsum('bnqk,bknd->bqnd', dscores, k, preferred_element_type=jnp.float32)
     dk = dk + jnp.einsum('bnqk,bqnd->bknd', dscores, q, preferred_element_type=jnp.float32)
-    return dq, (k, v, k_pos, k_seg, dk, dv)
+    return dq, (dk, dv)
+
+  def step(dq, block):
+    dq, grads = _by_key_tiles(gradients, dq, block, tile)
+    return dq, block[:4] + grads
 
   def body(carry, _):
     dq, block = carry
