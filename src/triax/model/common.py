@@ -21,7 +21,6 @@ import jax.numpy as jnp
 
 from triax.model import context as context_lib
 from triax.model import loss as loss_lib
-from triax.model import splash
 from triax.sharding import active_spec, constrain, vary_like
 
 Params = Any
@@ -299,6 +298,10 @@ def causal_attention(
   group = q.shape[2] // k.shape[2]
   repeat = lambda t: constrain(jnp.repeat(t, group, axis=2), ('batch', 'seq', 'heads', 'kv'))
   if decode is None and impl == 'splash':
+    # Imported here: Pallas's TPU modules take ~0.1 s to import, at every
+    # process start of a run that does not use them.
+    from triax.model import splash
+
     return splash.attention(q, repeat(k), repeat(v), segments, interpret=interpret)
   if decode is None and context:
     if context == 'ring':

@@ -12,13 +12,35 @@ import math
 import os
 import secrets
 import struct
+import sys
 
 from triax.training import atomic
 from triax.training import workdir as workdir_lib
 
-# tensorboardX is imported where events are written or read, not here: it
-# imports torch whenever torch is installed (the test extra installs it),
-# about 0.85 s that every start-up, even one refusing its config, would pay.
+# tensorboardX is imported where events are written or read, not here, and
+# through `_tensorboardx`: its package imports torch whenever torch is
+# installed (the test extra installs it, and many users' environments hold
+# it), about 0.85 s of CPU and a few hundred MB at every start, for torch
+# tensors triax never passes it.
+
+
+def _tensorboardx():
+  """The tensorboardX package, imported without importing torch for it.
+
+  tensorboardX tries `import torch` and carries on without it; a None in
+  sys.modules makes that try fail at once. The entry is removed again, so a
+  later `import torch` in this process imports it as usual; a process that
+  has torch already keeps it and tensorboardX uses it."""
+  blocked = 'torch' not in sys.modules
+  if blocked:
+    sys.modules['torch'] = None
+  try:
+    import tensorboardX
+    import tensorboardX.proto.event_pb2
+  finally:
+    if blocked:
+      del sys.modules['torch']
+  return tensorboardX
 
 
 def _read_lines(path: str) -> list[dict]:
@@ -79,7 +101,7 @@ def _event_records(path: str):
   first record that is cut short or does not parse (a crash while writing):
   everything after it is suspect.
   """
-  from tensorboardX.proto import event_pb2
+  event_pb2 = _tensorboardx().proto.event_pb2
 
   with open(path, 'rb') as f:
     data = f.read()
@@ -209,9 +231,7 @@ class MetricsWriter:
       # A file is named for the second it was opened: number them, so a run
       # resumed within that second does not overwrite the last one's file.
       opened = len(_event_files(self.tb_dir))
-      from tensorboardX import SummaryWriter
-
-      self._tb = SummaryWriter(
+      self._tb = _tensorboardx().SummaryWriter(
         self.tb_dir,
         purge_step=start_step + 1 if start_step else None,
         filename_suffix=f'.{opened}',
