@@ -9,6 +9,7 @@ import jax
 import numpy as np
 import pytest
 
+from triax import sharding
 from triax.model import generation
 from triax.training import sampling as sampling_lib
 from triax.training import workdir as workdir_lib
@@ -114,6 +115,62 @@ def test_greedy_sampling_on_a_mesh_matches_one_device_and_splits_the_weights(tra
   assert result.returncode == 0, result.stderr[-2000:]
   text = workdir_lib.tokenizer(trained, cfg).decode(prompt + outputs[None])
   assert result.stdout[:-1] == text
+
+
+def test_prefill_split_over_context_ranks_gives_one_devices_tokens(trained):
+  """--mesh=DATA,CONTEXT,TENSOR,PIPE: the prompt's prefill split over context
+  ranks (a 5-token prompt left-padded to a multiple of the ranks), decode
+  steps whole; the greedy tokens of one device. Only the prefill's split puts
+  collectives in the program (the weights are not split over context)."""
+  cfg = workdir_lib.load_config(trained)
+  step = workdir_lib.latest_step(trained, cfg)
+  model = generation.sampling_model(cfg)
+  sampling = generation.Sampling(max_new_tokens=12, temperature=0.0)
+  tok = workdir_lib.tokenizer(trained, cfg)
+  outputs = {}
+  for text in ('def ', 'def f'):
+    prompt = generation.encode_prompt(text, cfg.model.seq_len, tok)
+    for shape in (None, (1, 2, 1, 1), (1, 4, 2, 1)):
+      placement = generation.Placement.build(cfg, shape)
+      params = workdir_lib.restore_params(trained, cfg, step, placement.shardings(model))
+      outputs[text, shape] = generation.generate(model, params, prompt, sampling, placement)
+    assert outputs[text, (1, 2, 1, 1)].tolist() == outputs[text, None].tolist()
+    assert outputs[text, (1, 4, 2, 1)].tolist() == outputs[text, None].tolist()
+
+  placement = generation.Placement.build(cfg, (1, 2, 1, 1))
+  params = workdir_lib.restore_params(trained, cfg, step, placement.shardings(model))
+  args = (params, np.zeros((1, 4), np.int32), np.zeros((1,), np.int32), jax.random.key(0))
+
+  def collectives(prefill_rules):
+    run = generation.sampler(model, sampling, 4, prefill_rules=prefill_rules)
+    with jax.set_mesh(placement.mesh), sharding.axis_rules(placement.rules):
+      hlo = run.lower(*args).compile().as_text()
+    return sum(hlo.count(f'{op}(') for op in ('all-gather', 'all-reduce', 'collective-permute'))
+
+  assert collectives(placement.prefill_rules) > 0 == collectives(placement.rules)
+  result = _sample(
+    trained, '--prompt=def f', '--temperature=0', '--max_new_tokens=12', '--mesh=1,2,1,1'
+  )
+  assert result.returncode == 0, result.stderr[-2000:]
+  prompt = generation.encode_prompt('def f', cfg.model.seq_len, tok)
+  assert result.stdout[:-1] == tok.decode(prompt + outputs['def f', None].tolist())
+
+
+def test_a_context_mesh_that_cannot_hold_the_prompt_is_one_line(trained):
+  from triax.errors import ConfigError
+
+  cfg = workdir_lib.load_config(trained)
+  with pytest.raises(ConfigError, match='does not divide by context=3') as e:
+    generation.Placement.build(cfg, (1, 3, 1, 1))
+  assert e.value.key == '--mesh'
+  placement = generation.Placement.build(cfg, (1, 2, 1, 1))
+  model = generation.sampling_model(cfg)
+  too_many = generation.Sampling(max_new_tokens=cfg.model.seq_len, temperature=0.0)
+  with pytest.raises(ConfigError, match='padded to 6 tokens') as e:
+    generation.generate(model, None, [1, 2, 3, 4, 5], too_many, placement)
+  assert e.value.key == '--max_new_tokens'
+  result = _sample(trained, '--prompt=def ', '--mesh=1,2')
+  assert result.returncode == 2 and result.stderr.startswith('error: --mesh: give DATA,TENSOR,PIPE')
 
 
 @pytest.mark.parametrize('family', ['gpt', 'llama'])

@@ -7,6 +7,7 @@ imported with, another). Kept to flag parsing and one library call
 (triax.training.sampling).
 """
 
+import math
 import sys
 
 from absl import flags
@@ -24,7 +25,8 @@ _SEED = flags.DEFINE_integer('seed', 0, 'Sampling seed: the same seed gives the 
 _MESH = flags.DEFINE_string(
   'mesh',
   '',
-  'DATA,TENSOR,PIPE: sample on that mesh with the weights split (a model that needs it to fit); '
+  'DATA,TENSOR,PIPE or DATA,CONTEXT,TENSOR,PIPE: sample on that mesh with the weights split '
+  "(a model that needs it to fit), the prompt's prefill split over CONTEXT ranks; "
   "'' = one device. On a CPU it forces that many devices.",
 )
 _CPU_DEVICES = flags.DEFINE_integer(
@@ -45,11 +47,15 @@ def main(argv):
       mesh = tuple(int(x) for x in _MESH.value.split(','))
     except ValueError:
       mesh = ()
-    if len(mesh) != 3 or min(mesh) < 1:
-      cli.fail('--mesh', f'give DATA,TENSOR,PIPE as three positive integers, got {_MESH.value!r}')
+    if len(mesh) not in (3, 4) or min(mesh) < 1:
+      cli.fail(
+        '--mesh',
+        'give DATA,TENSOR,PIPE or DATA,CONTEXT,TENSOR,PIPE as positive integers, '
+        f'got {_MESH.value!r}',
+      )
   devices = _CPU_DEVICES.value
   if mesh and _CPU_DEVICES.present == 0:
-    devices = mesh[0] * mesh[1] * mesh[2]
+    devices = math.prod(mesh)
   cli.force_cpu_devices(devices)
   from triax.model import generation  # after the device count is set
   from triax.training import sampling as sampling_lib

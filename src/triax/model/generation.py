@@ -67,46 +67,55 @@ def encode_prompt(prompt: str, seq_len: int, tok: tokenizer_lib.Tokenizer) -> li
 
 @dataclasses.dataclass(frozen=True)
 class Placement:
-  """Where sampling runs: one device, or a (data, tensor, pipe) mesh.
+  """Where sampling runs: one device, or a (data, context, tensor, pipe) mesh.
 
   On a mesh the weights are split as evaluation splits them (training's rules
   for heads, MLP and vocabulary over `tensor`; d_model over `pipe`, gathered
   a layer at a time), so a model that needs the mesh to fit is sampled there.
   The batch of one prompt is not split (data replicas compute the same).
+  With context ranks the prefill's sequence is split over them
+  (`prefill_rules`: the prompt's activations, s/c positions a device; GSPMD
+  gathers what attention needs); a decode step's one position is not split
+  (`rules`), and the weights never are.
   """
 
   mesh: jax.sharding.Mesh | None = None
   rules: tuple = ()
+  prefill_rules: tuple = ()
+  context: int = 1
 
   @classmethod
-  def build(cls, cfg, shape: tuple[int, int, int] | None) -> Placement:
+  def build(cls, cfg, shape: tuple[int, ...] | None) -> Placement:
+    """`shape`: (data, tensor, pipe) or (data, context, tensor, pipe); None: one device."""
     if shape is None:
       return cls()
-    data, tensor, pipe = shape
+    data, context, tensor, pipe = shape if len(shape) == 4 else (shape[0], 1, *shape[1:])
     m = cfg.model
     for key, size in (('num_heads', tensor), ('d_ff', tensor), ('vocab_size', tensor)):
       if m[key] % size:
         raise ConfigError('--mesh', f'model.{key}={m[key]} does not divide by tensor={tensor}')
     if m.d_model % pipe:
       raise ConfigError('--mesh', f'model.d_model={m.d_model} does not divide by pipe={pipe}')
-    if data * tensor * pipe > jax.device_count():
+    if m.seq_len % context:
+      raise ConfigError('--mesh', f'model.seq_len={m.seq_len} does not divide by context={context}')
+    devices = data * context * tensor * pipe
+    if devices > jax.device_count():
       raise ConfigError(
         '--mesh',
-        f'{data}x{tensor}x{pipe} needs {data * tensor * pipe} devices, '
-        f'there are {jax.device_count()}',
+        f'{"x".join(map(str, shape))} needs {devices} devices, there are {jax.device_count()}',
       )
     from triax import mesh as mesh_lib
 
     mesh_cfg = ml_collections.ConfigDict(cfg.mesh.to_dict())
-    # No context ranks: the weights are never split over them, and a decode
-    # step's one new position is no sequence to split.
-    mesh_cfg.data, mesh_cfg.context, mesh_cfg.tensor, mesh_cfg.pipe = data, 1, tensor, pipe
+    mesh_cfg.data, mesh_cfg.context, mesh_cfg.tensor, mesh_cfg.pipe = data, context, tensor, pipe
     mesh_cfg.dcn_data = mesh_cfg.dcn_context = mesh_cfg.dcn_tensor = mesh_cfg.dcn_pipe = 1
     mesh_cfg.device_order = ()
-    mesh = mesh_lib.build_mesh(mesh_cfg, jax.devices()[: data * tensor * pipe])
+    mesh = mesh_lib.build_mesh(mesh_cfg, jax.devices()[:devices])
     split = {'batch': None, 'embed': 'pipe' if pipe > 1 else None, 'residual_seq': None}
     rules = tuple((name, split.get(name, axis)) for name, axis in cfg.sharding.logical_axis_rules)
-    return cls(mesh, rules)
+    decode = tuple((name, None if name == 'seq' else axis) for name, axis in rules)
+    prefill = tuple((name, 'context' if name == 'seq' else axis) for name, axis in rules)
+    return cls(mesh, decode, prefill if context > 1 else decode, context)
 
   def shardings(self, model) -> object:
     if self.mesh is None:
@@ -159,7 +168,15 @@ def _sliding(model, params, pick, buffer, length, key, out, first: int, last: in
   return jax.lax.fori_loop(first, last, step, (buffer, length, key, out))[-1]
 
 
-def sampler(model, sampling: Sampling, prompt_len: int, batch: int = 1, *, cache: bool = True):
+def sampler(
+  model,
+  sampling: Sampling,
+  prompt_len: int,
+  batch: int = 1,
+  *,
+  cache: bool = True,
+  prefill_rules: tuple | None = None,
+):
   """The jitted generation of `sampling.max_new_tokens` tokens after
   left-padded prompts: (params, tokens [batch, prompt_len], start [batch], key)
   -> tokens [batch, max_new_tokens].
@@ -170,6 +187,8 @@ def sampler(model, sampling: Sampling, prompt_len: int, batch: int = 1, *, cache
   computation; past it (one prompt only) the remaining tokens come from the
   cache-less sliding window, as before, so the output is the same.
   `cache=False` is that cache-less loop throughout (benchmarks compare them).
+  `prefill_rules`: the logical rules the prefill is traced under (a
+  Placement's, splitting the prompt over context ranks); None, the caller's.
   """
   seq_len, n = model.spec.seq_len, sampling.max_new_tokens
   pick = _picker(sampling)
@@ -185,7 +204,10 @@ def sampler(model, sampling: Sampling, prompt_len: int, batch: int = 1, *, cache
     out = jnp.zeros((batch, n), jnp.int32)
     if cached:
       caches = model.init_cache(batch)
-      logits, caches = model.decode(params, tokens, caches, 0, start)
+      with contextlib.ExitStack() as stack:
+        if prefill_rules is not None:
+          stack.enter_context(sharding_lib.axis_rules(prefill_rules))
+        logits, caches = model.decode(params, tokens, caches, 0, start)
       key, sub = jax.random.split(key)
       token = pick(logits[:, -1], sub)
       out = out.at[:, 0].set(token)
@@ -226,12 +248,24 @@ def generate(
   single = not prompts or not isinstance(prompts[0], (list, tuple, np.ndarray))
   rows = [list(prompts)] if single else [list(p) for p in prompts]
   width = max(len(r) for r in rows)
+  if placement.context > 1:
+    # The prefill's positions split evenly: more left padding, which `start` masks.
+    width = -(-width // placement.context) * placement.context
+    if width + sampling.max_new_tokens - 1 > model.spec.seq_len:
+      raise ConfigError(
+        '--max_new_tokens',
+        f'a prompt padded to {width} tokens (a multiple of context={placement.context}) and '
+        f'{sampling.max_new_tokens} new ones exceed model.seq_len={model.spec.seq_len}: past it '
+        'the sliding window reruns the model on one device; sample fewer tokens or without '
+        'context ranks',
+      )
   tokens = np.zeros((len(rows), width), np.int32)
   start = np.array([width - len(r) for r in rows], np.int32)
   for i, r in enumerate(rows):
     tokens[i, start[i] :] = r  # left-padded: every row's last prompt token at width-1
-  run = sampler(model, sampling, width, len(rows), cache=cache)
   rules = placement.rules if placement.mesh is not None else None
+  prefill = placement.prefill_rules if placement.mesh is not None else None
+  run = sampler(model, sampling, width, len(rows), cache=cache, prefill_rules=prefill)
   with contextlib.ExitStack() as stack:
     if placement.mesh is not None:
       stack.enter_context(jax.set_mesh(placement.mesh))

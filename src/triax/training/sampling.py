@@ -14,14 +14,14 @@ def sample(
   workdir: str,
   prompt: str,
   sampling: generation.Sampling,
-  mesh: tuple[int, int, int] | None = None,
+  mesh: tuple[int, ...] | None = None,
 ) -> dict:
   """Restores a run's latest params and continues `prompt`.
 
   Everything about the input (workdir, checkpoint, prompt, sampling flags,
   mesh) is checked before JAX starts compiling. `mesh` = (data, tensor, pipe)
-  samples on that many devices, the weights split (`generation.Placement`);
-  None, on one.
+  or (data, context, tensor, pipe) samples on that many devices, the weights
+  split and the prefill over context ranks (`generation.Placement`); None, on one.
 
   Returns:
     {'text': prompt + continuation, 'step': checkpoint step, 'tokens': new tokens}
