@@ -189,6 +189,28 @@ def test_a_ring_scored_in_key_tiles_is_attention(transport, tile):
   assert harness.max_rel_err(reference[1], grads) <= 1e-5
 
 
+def test_key_tiles_bound_what_a_ring_step_holds(monkeypatch):
+  """llama_long's width at 4096 positions over 2 context ranks (blocks of 2048
+  keys), one layer, compiled by XLA:CPU: temp per device with 512-key tiles
+  against whole blocks (whose fp32 scores are 128 MiB an array)."""
+  from triax import config
+  from triax.training import loop
+
+  def temp_mib():
+    cfg = config.from_file(
+      os.path.join(harness.ROOT, 'experiments', 'llama_long.py'), 'seq=4096,context=2,layers=1'
+    )
+    cfg.mesh.data, cfg.train.global_batch_size = 1, 1
+    trainer = harness.make_trainer(cfg)
+    with jax.set_mesh(trainer.mesh):
+      return loop.compile_stats(trainer)[1]['temp_bytes'] / 2**20
+
+  tiled = temp_mib()
+  monkeypatch.setattr(context, 'KEY_TILE', 1 << 20)
+  whole = temp_mib()
+  assert tiled < 0.3 * whole, (tiled, whole)
+
+
 def _tpu_program(tmp_path, name, *flags):
   """XLA:TPU's optimised train step for llama_tiny on 4 v5p chips, and its compile stats."""
   dump = tmp_path / f'{name}-xla'

@@ -163,11 +163,11 @@ def ring_attention(q, k, v, pos, segments=None, transport: str = 'ppermute'):
   extras, axes = (sharding.vary_like(pos, q),), (('seq',),)
   if segments is not None:
     extras, axes = extras + (segments,), axes + (('batch', 'seq'),)
-  local = functools.partial(_ring, axis=axis, transport=transport)
+  local = functools.partial(_ring, axis=axis, transport=transport, tile=KEY_TILE)
   return per_device.attention(local, q, k, v, extras, axes, own_backward=True)
 
 
-def _ring(q, k, v, pos, segments=None, *, axis: str, transport: str, tile: int = KEY_TILE):
+def _ring(q, k, v, pos, segments=None, *, axis: str, transport: str, tile: int):
   """One context rank: its queries against each rank's K/V block in turn,
   `tile` keys at a time."""
   return _ring_attention(q, k, v, pos, segments, axis, transport, tile)
