@@ -85,7 +85,7 @@ def test_the_planner_times_the_executors_halves():
   split = prof.split_functions(1, 2, 2)
   (b_fn, b_args), (w_fn, w_args) = split['split_b'], split['split_w']
   fwd, (stack, x) = prof.functions(1, 2, 2)['layer_fwd']
-  stack, x = prof._concrete((stack, x))
+  stack, x = jax.device_put(prof._host_values((stack, x)))
   y, vjp_fn = fwd(stack, x)
   g = jnp.cos(y)
   leaves = jax.tree.leaves(vjp_fn)

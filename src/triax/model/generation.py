@@ -82,7 +82,10 @@ class Placement:
   mesh: jax.sharding.Mesh | None = None
   rules: tuple = ()
   prefill_rules: tuple = ()
-  context: int = 1
+
+  @property
+  def context(self) -> int:
+    return 1 if self.mesh is None else self.mesh.shape['context']
 
   @classmethod
   def build(cls, cfg, shape: tuple[int, ...] | None) -> Placement:
@@ -115,7 +118,7 @@ class Placement:
     rules = tuple((name, split.get(name, axis)) for name, axis in cfg.sharding.logical_axis_rules)
     decode = tuple((name, None if name == 'seq' else axis) for name, axis in rules)
     prefill = tuple((name, 'context' if name == 'seq' else axis) for name, axis in rules)
-    return cls(mesh, decode, prefill if context > 1 else decode, context)
+    return cls(mesh, decode, prefill if context > 1 else decode)
 
   def shardings(self, model) -> object:
     if self.mesh is None:
@@ -176,6 +179,7 @@ def sampler(
   *,
   cache: bool = True,
   prefill_rules: tuple | None = None,
+  padded: bool = False,
 ):
   """The jitted generation of `sampling.max_new_tokens` tokens after
   left-padded prompts: (params, tokens [batch, prompt_len], start [batch], key)
@@ -189,15 +193,20 @@ def sampler(
   `cache=False` is that cache-less loop throughout (benchmarks compare them).
   `prefill_rules`: the logical rules the prefill is traced under (a
   Placement's, splitting the prompt over context ranks); None, the caller's.
+  `padded`: the one prompt may be left-padded (context ranks pad it to a
+  multiple of theirs).
+  The sliding window reruns one unpadded prompt, so several prompts, or a
+  padded one, must fit the cache with every new token.
   """
   seq_len, n = model.spec.seq_len, sampling.max_new_tokens
   pick = _picker(sampling)
   cached = min(n, seq_len - prompt_len + 1) if cache else 0
-  if batch > 1 and prompt_len + n - 1 > seq_len:
+  if (batch > 1 or padded) and prompt_len + n - 1 > seq_len:
+    prompts = f'{batch} prompts of up to' if batch > 1 else 'a prompt padded to'
     raise ConfigError(
       '--max_new_tokens',
-      f'{batch} prompts of up to {prompt_len} tokens and {n} new ones exceed '
-      f'model.seq_len={seq_len}; a sliding window is for one prompt',
+      f'{prompts} {prompt_len} tokens and {n} new ones exceed model.seq_len={seq_len}; '
+      'a sliding window is for one unpadded prompt (no context ranks): sample fewer tokens',
     )
 
   def run(params, tokens, start, key):
@@ -248,24 +257,19 @@ def generate(
   single = not prompts or not isinstance(prompts[0], (list, tuple, np.ndarray))
   rows = [list(prompts)] if single else [list(p) for p in prompts]
   width = max(len(r) for r in rows)
-  if placement.context > 1:
-    # The prefill's positions split evenly: more left padding, which `start` masks.
-    width = -(-width // placement.context) * placement.context
-    if width + sampling.max_new_tokens - 1 > model.spec.seq_len:
-      raise ConfigError(
-        '--max_new_tokens',
-        f'a prompt padded to {width} tokens (a multiple of context={placement.context}) and '
-        f'{sampling.max_new_tokens} new ones exceed model.seq_len={model.spec.seq_len}: past it '
-        'the sliding window reruns the model on one device; sample fewer tokens or without '
-        'context ranks',
-      )
+  # The prefill's positions split evenly over context ranks: more left
+  # padding, which `start` masks.
+  width = -(-width // placement.context) * placement.context
   tokens = np.zeros((len(rows), width), np.int32)
   start = np.array([width - len(r) for r in rows], np.int32)
   for i, r in enumerate(rows):
     tokens[i, start[i] :] = r  # left-padded: every row's last prompt token at width-1
   rules = placement.rules if placement.mesh is not None else None
   prefill = placement.prefill_rules if placement.mesh is not None else None
-  run = sampler(model, sampling, width, len(rows), cache=cache, prefill_rules=prefill)
+  padded = placement.context > 1
+  run = sampler(
+    model, sampling, width, len(rows), cache=cache, prefill_rules=prefill, padded=padded
+  )
   with contextlib.ExitStack() as stack:
     if placement.mesh is not None:
       stack.enter_context(jax.set_mesh(placement.mesh))

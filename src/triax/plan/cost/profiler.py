@@ -510,10 +510,6 @@ class _Profiler:
         out.append(np.random.default_rng(i).normal(0, 0.02, a.shape).astype(a.dtype))
     return jax.tree.unflatten(tree, out)
 
-  def _concrete(self, args):
-    """`_host_values` on the default device: what a function is timed alone on."""
-    return self.jax.device_put(self._host_values(args))
-
   def time_points(self, points: Sequence[tuple[str, int, int]]) -> dict:
     """(function, b, t) -> (solo, concurrent) median seconds per layer
     (layer functions) or per call; concurrent is every local device running
@@ -657,7 +653,7 @@ class _Profiler:
     )
 
   def _stacked(self, args):
-    """Per-device copies of host args (`_host_values`'), laid out one per local device."""
+    """Per-device copies of host args (`_host_values`' output), laid out one per local device."""
     jax = self.jax
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
