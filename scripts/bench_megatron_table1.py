@@ -143,7 +143,9 @@ def predict(row: Row, plan: Plan, selene) -> dict:
   # The train step's memory, as the table's runs are compared: triax's
   # evaluation forwards a replica's whole share of the batch at once, which
   # at these batch sizes the planner's state-program check would refuse.
-  est = simulate_plan(plan, profile, cluster, Options(model='async', state_programs=False))
+  est = simulate_plan(
+    plan, profile, cluster, Options(model='async', state_programs=False, edge_grads='loop')
+  )
   flops = megatron_flops(row)
   return {
     'estimate': est,

@@ -125,7 +125,7 @@ def zero3(point: Point, selene, overlap: bool) -> dict:
     state_sharding='fsdp',
   )
   profile = analytic.build(T1.model_config(row).model, [1], dropout=True)
-  options = Options(model='async', state_programs=False, fsdp_overlap=overlap)
+  options = Options(model='async', state_programs=False, fsdp_overlap=overlap, edge_grads='loop')
   est = simulate_plan(plan, profile, cluster_lib.resize(selene, n), options)
   return {'estimate': est, 'tflops': T1.megatron_flops(row) / (est.async_time * n) / 1e12}
 

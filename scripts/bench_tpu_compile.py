@@ -197,6 +197,15 @@ PLANNER_ROWS = {
   ),
 }
 
+# pipeline.edge_grads=loop on ROWS' pipelined layouts, where the default (auto)
+# makes the edges' gradients after the tick loop: name -> (what, topology,
+# (config, overrides), the row it repeats).
+EDGE_ROWS = {
+  f'{name}_loop': (what, topology, (config, {**overrides, 'pipeline.edge_grads': 'loop'}), name)
+  for name, (what, topology, (config, overrides), _) in ROWS.items()
+  if overrides.get('mesh.pipe', 1) > 1
+}
+
 # train.offload_optimizer on three of ROWS' layouts: name -> (what, topology,
 # (config, overrides), the row it is compared with).
 OFFLOAD = {'train.offload_optimizer': True}
@@ -266,7 +275,16 @@ MAXTEXT_COMMON = {
 }
 
 
-def triax_row(name: str, topology: str, config: str, overrides: dict, python: str) -> dict:
+# What MaxText's venv needs to load libtpu here (no TPU, no metadata server).
+MAXTEXT_ENV = {'ALLOW_MULTIPLE_LIBTPU_LOAD': '1', 'TPU_SKIP_MDS_QUERY': '1'}
+
+
+def triax_row(
+  name: str, topology: str, config: str, overrides: dict, python: str, env: dict | None = None
+) -> dict:
+  """triax's compile_stats.json for the row, compiled by `python` (this venv's,
+  or MaxText's with `env`: the same jax and libtpu as MaxText's column)."""
+  name = name if env is None else f'{name}-maxtext-venv'
   workdir = os.path.join(BENCH, 'triax', name)
   shutil.rmtree(workdir, ignore_errors=True)
   dump = dump_dir(name)
@@ -282,7 +300,7 @@ def triax_row(name: str, topology: str, config: str, overrides: dict, python: st
     f'--workdir={workdir}',
   ] + [f'--config.{k}={v}' for k, v in overrides.items()]
   # XLA's HLO and buffer assignment of the train step, kept (training/aot.py).
-  env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, 'src'), TRIAX_XLA_DUMP=dump)
+  env = dict(os.environ, **(env or {}), PYTHONPATH=os.path.join(ROOT, 'src'), TRIAX_XLA_DUMP=dump)
   done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
   if done.returncode not in (0, 3):
     raise RuntimeError(f'{name}: triax failed:\n{done.stderr[-3000:]}')
@@ -340,13 +358,19 @@ def maxtext_row(name: str, topology: str, config: str, overrides: dict, python: 
   ).stdout.strip()
   cmd = [python, '-m', 'maxtext.trainers.pre_train.train_compile', f'{base}/configs/base.yml']
   cmd += [f'{k}={v}' for k, v in settings.items()]
-  env = dict(os.environ, ALLOW_MULTIPLE_LIBTPU_LOAD='1', TPU_SKIP_MDS_QUERY='1')
+  # Its buffer assignment, for the heap its temporaries take (as triax's).
+  dump = os.path.join(BENCH, 'maxtext-out', f'{name}-xla-dump')
+  shutil.rmtree(dump, ignore_errors=True)
+  env = dict(os.environ, **MAXTEXT_ENV, XLA_FLAGS=f'--xla_dump_to={dump}')
   done = subprocess.run(cmd, env=env, capture_output=True, text=True)
   text = done.stdout + done.stderr
   found = re.search(r'Memory analysis: CompiledMemoryStats\(([^)]*)\)', text)
   if done.returncode or not found:
     raise RuntimeError(f'{name}: MaxText failed:\n{text[-3000:]}')
-  return {k: int(v) for k, v in re.findall(r'(\w+)=(\d+)', found.group(1))}
+  stats = {k: int(v) for k, v in re.findall(r'(\w+)=(\d+)', found.group(1))}
+  from triax.training import buffers
+
+  return dict(stats, heap=buffers.temp_heap(dump))
 
 
 def _chips(topology: str) -> int:
@@ -369,8 +393,8 @@ def main():
   parser.add_argument('--out', default=os.path.join(ROOT, 'docs', 'bench_tpu_compile.md'))
   parser.add_argument(
     '--rows',
-    default=','.join([*ROWS, *PLANNER_ROWS, *OFFLOAD_ROWS]),
-    help="names of ROWS, PLANNER_ROWS and OFFLOAD_ROWS to compile; '' = none: the doc "
+    default=','.join([*ROWS, *PLANNER_ROWS, *OFFLOAD_ROWS, *EDGE_ROWS]),
+    help="names of ROWS, PLANNER_ROWS, OFFLOAD_ROWS and EDGE_ROWS to compile; '' = none: the doc "
     'from the cache',
   )
   parser.add_argument('--skip_maxtext', action='store_true')
@@ -392,8 +416,8 @@ def main():
   for name in filter(None, args.rows.split(',')):
     if name in PLANNER_ROWS:
       (what, topology, (config, overrides)), mt = PLANNER_ROWS[name], None
-    elif name in OFFLOAD_ROWS:
-      (what, topology, (config, overrides), _), mt = OFFLOAD_ROWS[name], None
+    elif name in OFFLOAD_ROWS or name in EDGE_ROWS:
+      (what, topology, (config, overrides), _), mt = {**OFFLOAD_ROWS, **EDGE_ROWS}[name], None
     else:
       what, topology, (config, overrides), mt = ROWS[name]
     started = time.time()
@@ -410,7 +434,14 @@ def main():
     if mt is not None and mt_python:
       results['versions'] = {'triax': versions(sys.executable), 'maxtext': versions(mt_python)}
       m = maxtext_row(name, topology, config, mt, mt_python)
-      row.update(maxtext_temp=m['temp_size_in_bytes'], maxtext_argument=m['argument_size_in_bytes'])
+      row.update(
+        maxtext_temp=m['temp_size_in_bytes'],
+        maxtext_argument=m['argument_size_in_bytes'],
+        maxtext_heap=m['heap'],
+      )
+      if not args.skip_triax:
+        same = triax_row(name, topology, config, overrides, mt_python, MAXTEXT_ENV)
+        row.update(triax_same_temp=same['temp_bytes'], triax_same_heap=same['temp_heap_bytes'])
     results[name] = {**results.get(name, {}), **row}
     print(
       f'{name}: {json.dumps({k: v for k, v in row.items() if k != "triax_largest"})} '
@@ -497,6 +528,13 @@ def planner_section(results: dict) -> list[str]:
   return lines
 
 
+def _against_base(rows: dict, results: dict):
+  """(what, the row's results, its base row's) for each of `rows` measured with its base."""
+  for name, (what, _, _, base) in rows.items():
+    if name in results and base in results:
+      yield what, results[name], results[base]
+
+
 def offload_section(results: dict) -> list[str]:
   """train.offload_optimizer against the same layout without it."""
   lines = [
@@ -511,10 +549,7 @@ def offload_section(results: dict) -> list[str]:
     '| layout | offloaded | device arguments | heap | HBM | HBM saved |',
     '|---|---|---|---|---|---|',
   ]
-  for name, (what, _, _, base) in OFFLOAD_ROWS.items():
-    if name not in results or base not in results:
-      continue
-    r, b = results[name], results[base]
+  for what, r, b in _against_base(OFFLOAD_ROWS, results):
     hbm = [x['triax_argument'] + x['triax_heap'] for x in (b, r)]
     lines.append(
       f'| {what} | {r["triax_offloaded"] / GiB:.2f} '
@@ -523,6 +558,52 @@ def offload_section(results: dict) -> list[str]:
       f'| {hbm[0] / GiB:.2f} -> {hbm[1] / GiB:.2f} | {(hbm[0] - hbm[1]) / GiB:.2f} |'
     )
   return lines
+
+
+def edge_section(results: dict) -> list[str]:
+  """pipeline.edge_grads: in the tick loop against after it (auto's choice here)."""
+  lines = [
+    '',
+    "## The edges' weight gradients after the tick loop",
+    '',
+    "`pipeline.edge_grads`: the embedding's and head's weight gradients made in the",
+    'tick loop (`loop`, an fp32 accumulator of the vocabulary tables carried through it)',
+    'or after it (`auto` here: the loop keeps one activation per micro-batch instead,',
+    "and each stage makes 1/p of the micro-batches' edge gradients once it ends).",
+    "triax's own jax and libtpu; per device, GiB: memory_analysis()'s temp and the",
+    "program's heap (the buffer assignment).",
+    '',
+    '| layout | temp, loop -> after | heap, loop -> after | heap saved |',
+    '|---|---|---|---|',
+  ]
+  for what, r, b in _against_base(EDGE_ROWS, results):
+    lines.append(
+      f'| {what} | {r["triax_temp"] / GiB:.2f} -> {b["triax_temp"] / GiB:.2f} '
+      f'| {r["triax_heap"] / GiB:.2f} -> {b["triax_heap"] / GiB:.2f} '
+      f'| {(r["triax_heap"] - b["triax_heap"]) / GiB:.2f} |'
+    )
+  return lines
+
+
+def _heap_note(measured) -> list[str]:
+  """What the newer libtpu's temp_size_in_bytes is: the heap, for both sides."""
+  gaps = [
+    abs(r[temp] - r[heap])
+    for _, _, r in measured
+    for temp, heap in (('maxtext_temp', 'maxtext_heap'), ('triax_same_temp', 'triax_same_heap'))
+    if r.get(temp) is not None and r.get(heap) is not None
+  ]
+  if not gaps:
+    return []
+  own = [r['triax_temp'] - r['triax_heap'] for _, _, r in measured if r.get('triax_heap')]
+  return [
+    '',
+    "With MaxText's libtpu, `temp_size_in_bytes` is the heap the buffer assignment",
+    f'allocates, for both frameworks (within {max(gaps) / 2**10:.0f} KiB on every row); with',
+    "triax's own (libtpu 0.0.42) it is the heap plus its fragmentation a second time",
+    f'(up to {max(own) / GiB:.2f} GiB here; the planner section below), so the `triax`',
+    'column overstates what its program holds.',
+  ]
 
 
 def write_doc(path: str, results: dict, python: str, mt_python: str | None) -> None:
@@ -539,26 +620,26 @@ def write_doc(path: str, results: dict, python: str, mt_python: str | None) -> N
     'attention on both sides.',
     '',
     f'triax: {versions(python)}. MaxText 0.2.5: {_maxtext_versions(results, mt_python)}.',
+    "`same compiler`: triax compiled by the MaxText venv's python (its jax, libtpu,",
+    'flax and optax; triax from src/), so that both columns come from one XLA:TPU.',
     '',
-    '| layout | topology | triax | MaxText | triax / MaxText | arguments triax / MaxText | '
+    '| layout | topology | triax | triax, same compiler | MaxText | '
+    'triax / MaxText, same compiler | triax / MaxText | arguments triax / MaxText | '
     'issue 24: triax / MaxText then |',
-    '|---|---|---|---|---|---|---|',
+    '|---|---|---|---|---|---|---|---|---|',
   ]
   measured = [(name, ROWS[name], results[name]) for name in ROWS if name in results]
+  gib = lambda x: '-' if x is None else f'{x / GiB:.2f}'  # noqa: E731
   for name, (what, topology, _, _), r in measured:
-    mt = r.get('maxtext_temp')
+    mt, same = r.get('maxtext_temp'), r.get('triax_same_temp')
     ratio = f'{r["triax_temp"] / mt:.2f}' if mt else '-'
-    args = (
-      f'{r["triax_argument"] / GiB:.2f} / {r["maxtext_argument"] / GiB:.2f}'
-      if mt
-      else f'{r["triax_argument"] / GiB:.2f} / -'
-    )
-    mt_text = f'{mt / GiB:.2f}' if mt else '-'
+    same_ratio = f'{same / mt:.2f}' if mt and same else '-'
+    args = f'{gib(r["triax_argument"])} / {gib(r.get("maxtext_argument"))}'
     then = ISSUE_24.get(name, (None, None))
     then_text = ' / '.join('-' if x is None else f'{x:.2f}' for x in then)
     lines.append(
-      f'| {what} | {topology} | {r["triax_temp"] / GiB:.2f} | {mt_text} | {ratio} | {args} | '
-      f'{then_text} |'
+      f'| {what} | {topology} | {gib(r["triax_temp"])} | {gib(same)} | {gib(mt)} | '
+      f'{same_ratio} | {ratio} | {args} | {then_text} |'
     )
   lines += [
     '',
@@ -566,7 +647,9 @@ def write_doc(path: str, results: dict, python: str, mt_python: str | None) -> N
     "splash on MaxText's but for its 4.91 GiB FSDP row with materialised scores); the",
     "other columns are this script's, MaxText in its own venv with its own jax and libtpu.",
   ]
+  lines += _heap_note(measured)
   lines += planner_section(results)
+  lines += edge_section(results)
   lines += offload_section(results)
   lines += [
     '',
@@ -575,8 +658,9 @@ def write_doc(path: str, results: dict, python: str, mt_python: str | None) -> N
     "From XLA:TPU's buffer assignment (compile_stats.json's `largest_buffers`; all ten",
     'of each in docs/bench_tpu_compile.json). Values that share bytes at different',
     "times each appear: the pipelines' three fp32 tables are one buffer (offset and",
-    "size the same), the tied table's gradient accumulator in the tick loop's carry,",
-    "which the head's dot_general and the embedding's scatter-add update in place.",
+    "size the same), the tied table's gradient accumulator, made after the tick loop",
+    "(`pipeline.edge_grads`), which the head's dot_general and the embedding's",
+    'scatter-add update in place.',
     '',
   ]
   for _, (what, _, _, _), r in measured:

@@ -134,6 +134,7 @@ CASES = [
     'pipeline.microbatches',
   ),
   ('unknown-schedule', train('--config.pipeline.schedule=zigzag'), 'pipeline.schedule'),
+  ('unknown-edge-grads', train('--config.pipeline.edge_grads=later'), 'pipeline.edge_grads'),
   ('unknown-wandb-mode', train('--config.train.wandb_mode=cloud'), 'train.wandb_mode'),
   (
     'schedule-file-bad-cell',

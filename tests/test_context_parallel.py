@@ -30,7 +30,14 @@ PARITY = [
   ('gpt', (1, 2, 2, 1), 'ring', True, {}),
   ('llama', (1, 2, 2, 1), 'ring', False, {}),
   ('gpt', (1, 2, 2, 1), 'allgather', False, {}),
-  ('llama', (1, 2, 2, 2), 'allgather', True, {'pipeline.microbatches': 4}),
+  # The edges' gradients after the tick loop (pipeline.edge_grads), its pools split over context.
+  (
+    'llama',
+    (1, 2, 2, 2),
+    'allgather',
+    True,
+    {'pipeline.microbatches': 4, 'pipeline.edge_grads': 'after'},
+  ),
   (
     'gpt',
     (2, 2, 1, 2),
@@ -53,7 +60,7 @@ PARITY = [
   # The executor with one stage (gradient accumulation): the ring inside its branches.
   ('gpt', (1, 2, 1, 1), 'ring', False, {'pipeline.microbatches': 2}),
   # The ring inside pipeline stages (on CPU its blocks are gathered: step._ring_transport).
-  ('gpt', (1, 2, 2, 2), 'ring', True, {'pipeline.microbatches': 4}),
+  ('gpt', (1, 2, 2, 2), 'ring', True, {'pipeline.microbatches': 4, 'pipeline.edge_grads': 'after'}),
   (
     'llama',
     (2, 2, 1, 2),

@@ -6,6 +6,7 @@ import functools
 import harness
 import jax
 import jax.numpy as jnp
+import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -81,3 +82,27 @@ def test_chunked_loss_in_the_pipeline_with_tensor_parallelism_matches_one_device
   )
   assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss)
   assert harness.max_rel_err(ref_grads, grads) <= 1e-5
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize('chunk', [0, 16])
+def test_each_gradient_of_the_loss_can_be_made_alone(chunk):
+  """head_loss_and_grad without one of its two gradients (the pipeline makes
+  the head's weight gradient after its tick loop): the other one and the
+  loss as when both are made, chunked and whole."""
+  model = harness.model_of(
+    family='llama', num_layers=1, d_model=32, num_heads=2, d_ff=32, vocab_size=512, seq_len=64,
+    loss_chunk=chunk,
+  )  # fmt: skip
+  params = jax.jit(model.init)(jax.random.key(0))
+  edges = {'embed': params['embed'], 'head': params['head']}
+  x = jax.random.normal(jax.random.key(1), (2, 64, 32))
+  targets = jax.random.randint(jax.random.key(2), (2, 64), 0, 512)
+  zeros = jax.tree.map(jnp.zeros_like, edges)
+  loss, g, dx = model.head_loss_and_grad(edges, x, targets, zeros, 0.5)
+  loss_x, no_g, dx_alone = model.head_loss_and_grad(edges, x, targets, None, 0.5)
+  loss_w, g_alone, no_dx = model.head_loss_and_grad(edges, x, targets, zeros, 0.5, input_grad=False)
+  assert no_g is None and no_dx is None
+  assert float(loss_x) == float(loss) == float(loss_w)
+  assert harness.max_rel_err(g, g_alone) <= 1e-6
+  assert harness.max_rel_err(dx, dx_alone) <= 1e-6

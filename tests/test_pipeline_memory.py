@@ -159,3 +159,40 @@ def test_v_schedules_hold_the_papers_fraction_of_1f1b(one_f_one_b):
   assert temp['v_min'] < temp['v_half'] < temp['v_zb'] < temp['zb_v']
   ratio = {name: t / one_f_one_b['temp_bytes'] for name, t in temp.items()}
   assert ratio['v_min'] <= 0.60 and ratio['v_half'] <= 0.80, ratio
+
+
+def _edge_temp_bytes(edge_grads):
+  """Temp bytes of a 1f1b step (p = 4, m = 8) whose edges' gradient is a
+  vocabulary of 32768 x 64 in fp32 (8 MiB, the tied table) beside 16 KiB
+  activations: what decides where the edges' gradients are made."""
+  return _stats(
+    '1f1b',
+    8,
+    **{
+      'train.global_batch_size': 8,
+      'model.seq_len': 64,
+      'model.vocab_size': 32768,
+      'pipeline.edge_grads': edge_grads,
+    },
+  )['temp_bytes']
+
+
+def test_edge_gradients_after_the_loop_free_the_tables_accumulator():
+  loop, after, auto = (_edge_temp_bytes(e) for e in ('loop', 'after', 'auto'))
+  table_grad = 32768 * 64 * 4
+  assert after <= loop - 0.75 * table_grad, (loop, after)
+  assert auto == after  # the pools (a few activations) hold less than the table
+
+
+@pytest.mark.fast
+def test_auto_makes_the_edge_gradients_where_fewer_bytes_wait():
+  from triax.pipeline.executor import edge_grads_after_loop
+
+  # 1B's table (1 GiB of fp32 gradient) against 8 MiB micro-batches at p = 4:
+  # m = 8 pools 80 MiB, m = 128 1.25 GiB.
+  table, act = 2**30, 8 * 2**20
+  assert edge_grads_after_loop('auto', 8, 4, act, table)
+  assert not edge_grads_after_loop('auto', 128, 4, act, table)
+  assert not edge_grads_after_loop('auto', 8, 1, act, table)  # nothing shares the head's rerun
+  assert edge_grads_after_loop('after', 128, 4, act, table)
+  assert not edge_grads_after_loop('loop', 8, 4, act, table)

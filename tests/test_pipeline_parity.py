@@ -56,15 +56,15 @@ def _batch(m: int) -> int:
 
 
 @functools.cache
-def _reference(layers, batch=32):
+def _reference(layers, batch=32, family='gpt'):
   return harness.loss_and_grads(
-    _config(layers, **{'mesh.data': 1, 'train.global_batch_size': batch})
+    _config(layers, **{'mesh.data': 1, 'train.global_batch_size': batch, 'model.family': family})
   )
 
 
 def _check(layers, mesh, m, **overrides):
   """Runs the layout on `mesh` and compares it with one device."""
-  ref_loss, ref_grads = _reference(layers, _batch(m))
+  ref_loss, ref_grads = _reference(layers, _batch(m), overrides.get('model.family', 'gpt'))
   data, tensor, pipe = mesh
   cfg = _config(
     layers,
@@ -119,6 +119,35 @@ def test_uneven_split_matches_one_device(schedule, mesh, v, m, split):
       'pipeline.schedule': schedule,
       'pipeline.virtual_stages': v,
       'pipeline.layers_per_stage': split,
+    },
+  )
+
+
+# The edges' weight gradients made after the tick loop (pipeline.edge_grads=
+# after; at this model's size 'auto' keeps them in it): both ends' chunks on
+# one stage (V placements) or on two, m not a multiple of p (padded pools),
+# with data and tensor axes, BPipe's moves, an untied Llama.
+AFTER = [
+  ('1f1b', (2, 1, 4), 1, 8, 'gpt'),
+  ('zb_v', (1, 2, 2), 2, 4, 'gpt'),
+  ('interleaved_1f1b', (1, 1, 4), 2, 6, 'llama'),
+  ('bpipe', (2, 2, 2), 1, 4, 'llama'),
+]
+
+
+@pytest.mark.parametrize(
+  'schedule,mesh,v,m,family', AFTER, ids=[f'{c[0]}-{c[4]}-m{c[3]}' for c in AFTER]
+)
+def test_edge_gradients_after_the_loop_match_one_device(schedule, mesh, v, m, family):
+  _check(
+    8,
+    mesh,
+    m,
+    **{
+      'pipeline.schedule': schedule,
+      'pipeline.virtual_stages': v,
+      'pipeline.edge_grads': 'after',
+      'model.family': family,
     },
   )
 

@@ -17,6 +17,7 @@ from triax.errors import ConfigError
 from triax.model import registry
 from triax.model.moe import EXPERT_AXIS  # noqa: F401 (mesh.py's, beside MESH_AXES)
 from triax.pipeline import schedule as sched
+from triax.pipeline.executor import EDGE_GRADS
 from triax.pipeline.layout import StackLayout
 
 MESH_AXES = ('data', 'context', 'tensor', 'pipe')
@@ -175,6 +176,10 @@ def defaults() -> ml_collections.ConfigDict:
   # Megatron's scatter/gather: an activation or gradient crossing stages travels (and waits)
   # split over `tensor`, 1/t per rank, and is all-gathered where it is used.
   c.pipeline.scatter_gather = True
+  # Where the embedding's and head's weight gradients are made: loop (in the tick loop, an fp32
+  # accumulator of the edge weights carried through it), after (after it, each stage taking
+  # 1/p of the micro-batches from pools of their activations), auto (whichever holds fewer bytes).
+  c.pipeline.edge_grads = 'auto'
 
   c.train = ml_collections.ConfigDict()
   # Optimizer steps to run in total (a resumed run stops at the same step).
@@ -647,6 +652,10 @@ def _check_pipeline(cfg) -> None:
     )
   _positive(cfg, 'pipeline', 'microbatches')
   _positive(cfg, 'pipeline', 'virtual_stages')
+  if p.edge_grads not in EDGE_GRADS:
+    raise ConfigError(
+      'pipeline.edge_grads', f'got {p.edge_grads!r}; choose one of {", ".join(EDGE_GRADS)}'
+    )
   if not isinstance(p.scatter_gather, bool):
     raise ConfigError('pipeline.scatter_gather', f'must be true or false; got {p.scatter_gather!r}')
   v = p.virtual_stages

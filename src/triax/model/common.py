@@ -530,14 +530,21 @@ class DecoderModel:
       self.spec.vocab_used,
     )
 
-  def head_loss_and_grad(self, edges: Params, x, targets, acc: Params, scale: float):
+  def head_loss_and_grad(
+    self, edges: Params, x, targets, acc: Params | None, scale: float, input_grad: bool = True
+  ):
     """The pipeline's last stage: (scale x head_loss, acc + its gradient
     w.r.t. `edges`, its gradient w.r.t. x). `edges` holds the model's 'embed'
     and 'head' params (a tied table's gradient lands in 'embed'); each loss
-    chunk's gradient is added to `acc` as it is made (loss.cross_entropy_and_grad)."""
-    return self._head_grad(lambda e: self.edge_params(e)[1], edges, x, targets, acc, scale)
+    chunk's gradient is added to `acc` as it is made (loss.cross_entropy_and_grad).
+    `acc` None or `input_grad` False: that gradient is not made (None)."""
+    return self._head_grad(
+      lambda e: self.edge_params(e)[1], edges, x, targets, acc, scale, input_grad
+    )
 
-  def _head_grad(self, head_of, params: Params, x, targets, acc: Params, scale: float):
+  def _head_grad(
+    self, head_of, params: Params, x, targets, acc, scale: float, input_grad: bool = True
+  ):
     return loss_lib.cross_entropy_and_grad(
       lambda p, h: self.head_logits(head_of(p), h),
       params,
@@ -547,6 +554,7 @@ class DecoderModel:
       scale,
       self.spec.loss_chunk,
       self.spec.vocab_used,
+      input_grad,
     )
 
   def init_cache(self, batch: int) -> tuple[jax.Array, jax.Array]:

@@ -87,6 +87,7 @@ def cross_entropy_and_grad(
   scale: float,
   chunk: int = 0,
   vocab_used: int = 0,
+  input_grad: bool = True,
 ):
   """(scale x the summed cross-entropy, acc + its gradient w.r.t. params, its gradient w.r.t. x).
 
@@ -99,12 +100,22 @@ def cross_entropy_and_grad(
   the caller's buffer only, and each chunk's logits are computed once (the
   checkpointed scan of `cross_entropy_sum` computes them again in its
   backward).
+
+  Either gradient can be left out, and is then never computed: `acc` None
+  gives no parameter gradient (None in its place), `input_grad` False none
+  w.r.t. x (the pipeline makes the two at different times, executor.py).
   """
 
   def piece(p, h, t):
     return _summed(logits_fn(p, h), t, vocab_used) * scale
 
   def grads(acc, h, t):
+    if acc is None:
+      loss, vjp = jax.vjp(lambda h: piece(params, h, t), h)
+      return None, loss, vjp(jnp.ones_like(loss))[0]
+    if not input_grad:
+      loss, vjp = jax.vjp(lambda p: piece(p, h, t), params)
+      return jax.tree.map(jnp.add, acc, vjp(jnp.ones_like(loss))[0]), loss, None
     loss, vjp = jax.vjp(lambda p, h: piece(p, h, t), params, h)
     g, dh = vjp(jnp.ones_like(loss))
     return jax.tree.map(jnp.add, acc, g), loss, dh
@@ -122,4 +133,5 @@ def cross_entropy_and_grad(
     return acc, (loss, dh)
 
   acc, (losses, dxs) = jax.lax.scan(step, acc, (xs, ts))
-  return jnp.sum(losses), acc, jnp.swapaxes(dxs, 0, 1).reshape(x.shape)
+  dx = None if dxs is None else jnp.swapaxes(dxs, 0, 1).reshape(x.shape)
+  return jnp.sum(losses), acc, dx

@@ -28,6 +28,15 @@ receiver's table names. BPipe's evictions and loads move whole residual
 sets between partner stages (s <-> p-1-s) in one more ppermute, which opens
 the tick (see `move`).
 
+The two ends' weight gradients (embedding, head: `edges`) are made in the
+loop, into one accumulator carried through it, or after it
+(`edge_grads_after_loop`): the loop then keeps the last chunk's outputs and
+the first chunk's input gradients, one per micro-batch, and each stage
+makes 1/p of the micro-batches' edge gradients once it ends
+(`_Stage.edge_gradients`). A 128k vocabulary's fp32 table is 1 GiB at
+d = 2048, carried by every stage; the micro-batches' activations are
+usually far less.
+
 Stash, message and cut pools have as many slots as the lowering says, so
 activation memory is bounded by the schedule, not by the number of
 micro-batches. Residual leaves that are the chunk's own weights (forwarded
@@ -80,16 +89,54 @@ class StageFns:
       packed document), and what it reports: two trees of figures, summed
       (shares) and maximised (maxima) over every chunk, micro-batch and
       replica of the step (a MoE's router losses; empty for a dense model)
-  head_loss_and_grad(edges, y, targets[mb, s], acc, scale) -> (loss, acc, dy):
+  head_loss_and_grad(edges, y, targets[mb, s], acc, scale[, input_grad]) -> (loss, acc, dy):
       scale x the summed token loss, `acc` (a gradient tree like edges) with
       that loss's gradient w.r.t. edges added, and its gradient w.r.t. y. The
       accumulator is handed in so that no second vocabulary-sized gradient
       exists beside it (model/loss.py adds each chunk's share as it goes).
+      `acc` None: no gradient w.r.t. edges (None returned); input_grad
+      False: none w.r.t. y. Either is then not computed.
   """
 
   embed: Callable[[Params, jax.Array], jax.Array]
   chunk: Callable[[Params, jax.Array], jax.Array]
   head_loss_and_grad: Callable[..., tuple[jax.Array, Params, jax.Array]]
+
+
+# Where the two ends' weight gradients are made (pipeline.edge_grads):
+# 'loop' in the tick loop, 'after' after it, 'auto' whichever holds fewer bytes.
+EDGE_GRADS = ('auto', 'loop', 'after')
+
+
+def edge_grads_after_loop(
+  setting: str, microbatches: int, stages: int, act_bytes: float, edge_grad_bytes: float
+) -> bool:
+  """Whether the embedding's and head's weight gradients are made after the
+  tick loop rather than in it (see `_Stage.edge_gradients`).
+
+  In the loop they take an fp32 accumulator of every edge weight (a 128k
+  vocabulary's table: 1 GiB at d = 2048), carried through all the ticks by
+  every stage. After it, the loop carries two pools instead, each with one
+  activation per micro-batch (the last chunk's outputs and the first
+  chunk's input gradients, `act_bytes` each, padded to a multiple of the
+  stages), and each stage then takes 1/stages of them. 'auto' picks the
+  fewer bytes (the pools grow with the micro-batches, the table does not),
+  on more than one stage: one stage alone would run the head's forward
+  again for every micro-batch, with no stage to share it.
+  """
+  if setting != 'auto':
+    return setting == 'after'
+  rows = -(-microbatches // stages)
+  return stages > 1 and 2 * (stages + 1) * rows * act_bytes < edge_grad_bytes
+
+
+def _device_bytes(shape, dtype, spec: P | None, mesh: Mesh) -> float:
+  """Bytes of one device's share of an array split over `spec`'s mesh axes."""
+  split = 1
+  for names in spec or ():
+    for name in (names,) if isinstance(names, str) else names or ():
+      split *= mesh.shape[name]
+  return math.prod(shape) * np.dtype(dtype).itemsize / split
 
 
 def _varying(tree, axes=('pipe',)):
@@ -167,6 +214,7 @@ def pipeline_loss_and_grad(
   transfer_spec: P | None = None,
   segments: bool = False,
   edge_specs: Any = None,
+  edge_grads: str = 'auto',
 ):
   """Builds f(stage_params, edge_params, inputs, targets[, segments]).
 
@@ -190,7 +238,10 @@ def pipeline_loss_and_grad(
       name it. None: left to GSPMD (reduced per micro-batch).
     edge_specs: how each edge parameter is split over the automatic axes
       (a tree of PartitionSpecs like edge_params'), which decides how their
-      gradients are summed (see `_all_reduce`); None: one psum each.
+      gradients are summed (see `_all_reduce`) and what a device holds of
+      them; None: one psum each, whole on every device.
+    edge_grads: where the edges' weight gradients are made: 'loop',
+      'after' the loop, or 'auto' (`edge_grads_after_loop`).
     transfer_spec: how an activation or gradient is split while it travels
       between stages and waits in the message pool (Megatron's
       scatter/gather, e.g. P(None, None, 'tensor'): each tensor rank sends
@@ -216,6 +267,9 @@ def pipeline_loss_and_grad(
     act_spec=act_spec,
     message_spec=act_spec if transfer_spec is None else transfer_spec,
     chunk_layers=chunk_layers,
+    mesh=mesh,
+    edge_specs=edge_specs,
+    edge_grads=edge_grads,
   )
   tables = _device_tables(program)
   info = {}
@@ -226,7 +280,10 @@ def pipeline_loss_and_grad(
       stage.residuals.stash_bytes,
       stage.residuals.cut_bytes,
     )
+    info['edge_grads_after_loop'] = stage.after
     c, _ = jax.lax.scan(stage.tick, stage.initial_carry(), tables)
+    if stage.after:
+      c = stage.edge_gradients(c)
     return _reduce_over_replicas(c, manual, mesh, edge_specs)
 
   return PipelineStep(_per_stage(body, mesh, manual, data_axis, segments), info)
@@ -270,6 +327,9 @@ class _Setup:
   act_spec: P
   message_spec: P
   chunk_layers: tuple[int, ...] | None
+  mesh: Mesh
+  edge_specs: Any
+  edge_grads: str
 
   def pin(self, x):
     return jax.lax.with_sharding_constraint(x, self.act_spec)
@@ -378,6 +438,28 @@ class _Stage:
     )
     self.no_figures = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), figures)
     self.residuals = _Residuals(vjp_probe, probe_params, y_probe.astype(setup.act_dtype), setup.pin)
+    self.y_like = jax.ShapeDtypeStruct(y_probe.shape, y_probe.dtype)
+    self.after = self._edge_grads_after_loop()
+
+  def _edge_grads_after_loop(self) -> bool:
+    s = self.setup
+    specs = s.edge_specs or jax.tree.map(lambda _: None, self.edges)
+    edge_bytes = sum(
+      _device_bytes(e.shape, jnp.float32, spec, s.mesh)
+      for e, spec in zip(
+        jax.tree.leaves(self.edges),
+        jax.tree.leaves(specs, is_leaf=lambda x: x is None or isinstance(x, P)),
+        strict=True,
+      )
+    )
+    act_bytes = _device_bytes(s.act_shape, s.act_dtype, s.message_spec, s.mesh)
+    m = self.inputs.shape[0]
+    return edge_grads_after_loop(s.edge_grads, m, s.program.schedule.stages, act_bytes, edge_bytes)
+
+  @property
+  def rows(self) -> int:
+    """Micro-batches whose edge gradients each stage makes after the loop."""
+    return -(-self.inputs.shape[0] // self.setup.program.schedule.stages)
 
   def segments(self, mb):
     return None if self.doc_ids is None else self.doc_ids[mb]
@@ -401,10 +483,18 @@ class _Stage:
       stash=pool(program.slots['stash'], self.residuals.stash_shapes),
       cut=pool(program.slots['cut'], self.residuals.cut_shapes),
       g_stage=_zeros_like_varying(self.local, manual),
-      g_edges=_zeros_like_varying(self.edges, manual),
       loss=_varying(jnp.zeros((), jnp.float32), manual),
       figures=_varying(self.no_figures, manual),
     )
+    if self.after:
+      # One row per micro-batch (padded to a multiple of the stages): the
+      # last chunk's output and the first chunk's input gradient, kept for
+      # `edge_gradients`, split over `tensor` as messages are.
+      rows = self.rows * program.schedule.stages
+      for name, like in (('heads', self.y_like), ('embeds', self.x_zero)):
+        carry[name] = s.pin_buffer(_varying(jnp.zeros((rows,) + like.shape, like.dtype), manual))
+    else:
+      carry['g_edges'] = _zeros_like_varying(self.edges, manual)
     return jax.lax.optimization_barrier(carry)
 
   def tick(self, c, rows):
@@ -455,24 +545,34 @@ class _Stage:
     c = jax.lax.cond(chunk == last, lambda c: self.loss_and_seed(c, row, y), lambda c: c, c)
     return c, pin(y.astype(self.setup.act_dtype))
 
-  def loss_and_seed(self, c, row, y):
-    """The last chunk's loss, its edges' gradient and the B's seed gradient."""
-    mb = row['mb']
-    # The edges times a one XLA cannot fold (it depends on the tick's row):
-    # otherwise XLA hoists the head's bf16 cast of its table out of the tick
-    # loop and holds it for the whole step (0.5 GiB at 128k x 2048) rather
-    # than while the head runs. The product fuses into the cast, and its
-    # gradient into the accumulation.
+  def unhoisted_edges(self, mb):
+    """The edges times a one XLA cannot fold (it depends on the micro-batch).
+
+    Otherwise XLA hoists the head's bf16 cast of its table out of the loop
+    around the head and holds it for the whole loop (0.5 GiB at 128k x
+    2048) rather than while the head runs. The product fuses into the cast,
+    and its gradient into the accumulation.
+    """
     one = (mb >= 0).astype(jnp.float32)
-    here = jax.tree.map(lambda a: a * one.astype(a.dtype), self.edges)
-    loss, g_edges, dy = self.fns.head_loss_and_grad(
-      here, y, self.targets[mb], c['g_edges'], self.setup.loss_scale
+    return jax.tree.map(lambda a: a * one.astype(a.dtype), self.edges)
+
+  def loss_and_seed(self, c, row, y):
+    """The last chunk's loss, its edges' gradient (or its output, kept for
+    `edge_gradients`) and the B's seed gradient."""
+    mb, s = row['mb'], self.setup
+    acc = None if self.after else c['g_edges']
+    loss, g_edges, dy = s.fns.head_loss_and_grad(
+      self.unhoisted_edges(mb), y, self.targets[mb], acc, s.loss_scale
     )
+    if self.after:
+      kept = dict(heads=c['heads'].at[mb].set(s.pin_message(y)))
+    else:
+      kept = dict(g_edges=g_edges)
     return dict(
       c,
+      **kept,
       loss=c['loss'] + loss,
-      g_edges=g_edges,
-      msg=c['msg'].at[row['loss']].set(self.setup.pin_message(dy.astype(self.setup.act_dtype))),
+      msg=c['msg'].at[row['loss']].set(s.pin_message(dy.astype(s.act_dtype))),
     )
 
   def stashed_residuals(self, c, row):
@@ -485,14 +585,57 @@ class _Stage:
     c = dict(c, cut=_put(c['cut'], row['cut'], jax.tree.leaves(cut)))
 
     def embed_backward(c):
-      _, embed_vjp = jax.vjp(
-        lambda e: self.fns.embed(e, self.inputs[mb]).astype(act_dtype), self.edges
-      )
-      (g_edges,) = embed_vjp(dx.astype(act_dtype))
-      return dict(c, g_edges=jax.tree.map(jnp.add, c['g_edges'], g_edges))
+      if self.after:
+        return dict(c, embeds=c['embeds'].at[mb].set(self.setup.pin_message(dx.astype(act_dtype))))
+      return dict(c, g_edges=self.embed_gradient(c['g_edges'], mb, dx))
 
     c = jax.lax.cond(row['chunk'] == 0, embed_backward, lambda c: c, c)
     return c, pin(dx.astype(act_dtype))
+
+  def embed_gradient(self, acc, mb, dx):
+    """acc + the embedding's gradient for micro-batch mb's input gradient dx."""
+    act_dtype = self.setup.act_dtype
+    _, embed_vjp = jax.vjp(
+      lambda e: self.fns.embed(e, self.inputs[mb]).astype(act_dtype), self.edges
+    )
+    (g_edges,) = embed_vjp(dx.astype(act_dtype))
+    return jax.tree.map(jnp.add, acc, g_edges)
+
+  def edge_gradients(self, c):
+    """The edges' weight gradients, after the tick loop, from its two pools.
+
+    A reduce-scatter over `pipe` hands each stage `rows` of the pools'
+    micro-batches (only the stages that ran the first and the last chunk
+    wrote theirs; the others' rows are zeros), and each stage makes their
+    head and embedding gradients, one micro-batch at a time. The head runs
+    its forward again, and its weight gradient is made here rather than on
+    the last stage in the loop: that stage's ticks lose a third of the
+    head's work, and the stages share the rest (the balance Yeung et al.'s
+    vocabulary parallelism, 2024, gets by splitting the vocabulary's rows;
+    here by micro-batches, which leaves the model's head as it is).
+    """
+    s, rows, m = self.setup, self.rows, self.inputs.shape[0]
+    pools = [
+      jax.lax.psum_scatter(c[name], 'pipe', scatter_dimension=0, tiled=True)
+      for name in ('heads', 'embeds')
+    ]
+
+    def one(acc, j):
+      mb = self.stage * rows + j
+
+      def add(acc):
+        y, dx = (s.pin(pool[j]) for pool in pools)
+        _, acc, _ = s.fns.head_loss_and_grad(
+          self.unhoisted_edges(mb), y, self.targets[mb], acc, s.loss_scale, input_grad=False
+        )
+        return self.embed_gradient(acc, mb, dx)
+
+      # Rows past the last micro-batch pad the pools to a multiple of the stages.
+      padded = rows * s.program.schedule.stages > m
+      return (jax.lax.cond(mb < m, add, lambda a: a, acc) if padded else add(acc)), None
+
+    g_edges, _ = jax.lax.scan(one, _zeros_like_varying(self.edges, s.manual), jnp.arange(rows))
+    return {k: v for k, v in c.items() if k not in ('heads', 'embeds')} | dict(g_edges=g_edges)
 
   def weight(self, c, row):
     cut = jax.tree.unflatten(self.residuals.cut_tree, [s[row['cut']] for s in c['cut']])

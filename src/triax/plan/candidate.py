@@ -17,6 +17,7 @@ import hashlib
 
 from triax.pipeline import schedule as sched
 from triax.pipeline import simulate
+from triax.pipeline.executor import EDGE_GRADS
 
 MODELS = ('lockstep', 'async')
 DP_ALLREDUCE = ('per_microbatch', 'per_step')
@@ -267,6 +268,9 @@ class Options:
     scatter_gather: pipeline transfers split over the tensor group and
       all-gathered (the executor's pipeline.scatter_gather); False: each
       tensor rank sends the whole activation.
+    edge_grads: where the executor makes the embedding's and head's weight
+      gradients (its pipeline.edge_grads: auto, loop or after the tick
+      loop); 'loop' is Megatron's, for the papers' tables.
     state_programs: memory counts a checkpoint save / restore and the
       evaluation beside the resident state (what triax budget measures), not
       only the train step: a plan that trains must also save and evaluate.
@@ -287,6 +291,7 @@ class Options:
   memory_fraction: float = 0.9
   padded: bool = True
   scatter_gather: bool = True
+  edge_grads: str = 'auto'
   state_programs: bool = True
   fsdp_overlap: bool = False
   moe_imbalance: float = 1.0
@@ -294,6 +299,8 @@ class Options:
   def __post_init__(self):
     if self.model not in MODELS:
       raise ValueError(f'model must be one of {MODELS}, got {self.model!r}')
+    if self.edge_grads not in EDGE_GRADS:
+      raise ValueError(f'edge_grads must be one of {EDGE_GRADS}, got {self.edge_grads!r}')
     if not self.moe_imbalance >= 1.0:
       raise ValueError(f'moe_imbalance must be >= 1 (1 = balanced), got {self.moe_imbalance!r}')
     if self.dp_allreduce not in DP_ALLREDUCE:

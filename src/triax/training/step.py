@@ -431,6 +431,7 @@ def _loss_and_grad_pipelined(cfg, mesh: Mesh, model, spec, layout, program):
     edge_specs={
       k: sharding.tree_specs(model.logical_axes()[k], inner_rules) for k in ('embed', 'head')
     },
+    edge_grads=cfg.pipeline.edge_grads,
   )
 
   def raw_loss_and_grad(params, inputs, targets, segments=None):

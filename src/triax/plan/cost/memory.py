@@ -49,6 +49,7 @@ from __future__ import annotations
 import numpy as np
 
 from triax.pipeline import schedule as sched
+from triax.pipeline.executor import edge_grads_after_loop
 from triax.plan.candidate import Options, Plan
 from triax.plan.cluster import Cluster
 from triax.plan.cost import experts as experts_lib
@@ -271,6 +272,23 @@ def pools(
   }
 
 
+def edge_grads_after(plan: Plan, profile: Profile, options: Options) -> tuple[float, float]:
+  """(bytes the tick loop sheds, bytes it adds) when the executor makes the
+  edges' weight gradients after it (options.edge_grads, its pipeline.edge_grads):
+  the edges' gradient accumulator, and the two activation pools that
+  replace it (`executor.edge_grads_after_loop`, which this asks); (0, 0)
+  when it keeps them in the loop."""
+  shard = profile.shards[plan.tensor]
+  act = shard.act_per_seq * residual_share(plan) * plan.microbatch_size
+  if options.scatter_gather and not plan.sequence_parallel:
+    act /= plan.tensor  # the pools wait split over tensor, as messages do
+  grads = shard.edge_param_bytes * copies(plan.state_sharding, plan.data)['grads']
+  if not edge_grads_after_loop(options.edge_grads, plan.microbatches, plan.pipe, act, grads):
+    return 0.0, 0.0
+  rows = -(-plan.microbatches // plan.pipe)
+  return grads, 2 * (plan.pipe + 1) * rows * act
+
+
 def _workspace(plan: Plan, profile: Profile, shard: Shard, logits: float, pipelined: bool) -> float:
   """Bytes the step's work holds beside its state and stash: the head's
   (its logits; its weight's compute-dtype copy, FSDP's two gathered ones)
@@ -329,6 +347,13 @@ def memory(
       pool = pools(plan, profile, options, program_, s, held)
       stash, buffers = pool['stash'], pool['cut'] + pool['msg']
     workspace = _workspace(plan, profile, shard, logits, program_ is not None)
+    if program_ is not None:
+      # With the edges' gradients made after the tick loop, the loop holds
+      # two pools instead of their accumulator, and after it the step holds
+      # the whole state and the head's work only.
+      shed, pooled = edge_grads_after(plan, profile, options)
+      after = logits + head_cast(profile, shard)
+      workspace = max(workspace + pooled - shed, after - stash - buffers) if shed else workspace
     peak = sum(state(plan, profile, params, experts).values()) + stash + buffers + workspace
     programs = max(state_programs(plan, profile, params, experts).values())
     step.append(peak)

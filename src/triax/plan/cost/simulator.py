@@ -214,8 +214,9 @@ def action_costs(
   stages = [stage_costs(plan, profile, cluster, options, comm, s) for s in range(plan.pipe)]
   ratios = ExecutorRatios(profile.ratios if cluster.local else {}, plan.remat)
   chunks, shares, fused = [], [], []
+  after = edges_after_loop(plan, profile, options)
   for c, n in enumerate(plan.chunk_layers):
-    f, b, w, whole = chunk_work(plan, stages[plan.placement[c]], c, n, ratios)
+    f, b, w, whole = chunk_work(plan, stages[plan.placement[c]], c, n, ratios, after)
     chunks.append({sched.FORWARD: f.alone, sched.BACKWARD: b.alone, sched.WEIGHT: w.alone})
     shares.append({sched.FORWARD: f.at_once, sched.BACKWARD: b.at_once, sched.WEIGHT: w.at_once})
     fused.append(whole)
@@ -272,8 +273,7 @@ def stage_costs(
   plan: Plan, profile: Profile, cluster: Cluster, options: Options, comm: Comm, s: int
 ) -> StageCosts:
   """Stage s's StageCosts (see `action_costs`)."""
-  b, t = plan.compute_batch, plan.tensor
-  shard = profile.shards[t]
+  shard = profile.shards[plan.tensor]
   # The [b, s/c, h] activation a tensor group all-reduces (or, with SP,
   # reduce-scatters and all-gathers).
   act = shard.act_per_seq * plan.microbatch_size * memory_lib.token_share(plan)
@@ -286,12 +286,6 @@ def stage_costs(
   # Full remat's rerun forward runs its two all-reduces again.
   tp_fwd = 2 * tp + cp_fwd + ep_fwd
   tp_bwd = 2 * tp + (2 * tp if plan.remat == 'full' else 0.0) + cp_bwd + ep_bwd
-
-  def edge(function):
-    return lambda group, cores: Work(
-      roofline.seconds(profile, group, function, b, t),
-      roofline.node_share(profile, group, function, b, t, cores),
-    )
 
   fsdp = _fsdp_per_layer(
     plan, shard, comm, options, s, fwd.alone, bwd.alone, tp, profile.layers_per_entry
@@ -308,12 +302,49 @@ def stage_costs(
     recompute=recompute,
     tp_fwd=tp_fwd,
     tp_bwd=tp_bwd,
-    embed=_slowest(plan, cluster, s, edge('embed')),
-    head=_slowest(plan, cluster, s, edge('head')),
+    embed=_edge_work(plan, profile, cluster, s, 'embed'),
+    head=_edge_work(plan, profile, cluster, s, 'head'),
     dp=dp,
     edge_dp=edge_dp,
     entry=profile.layers_per_entry,
     **fsdp,
+  )
+
+
+def _edge_work(plan: Plan, profile: Profile, cluster: Cluster, s: int, function: str) -> Work:
+  """The embedding's or the head's work (`function`) on stage s's slowest device."""
+  b, t = plan.compute_batch, plan.tensor
+  return _slowest(
+    plan,
+    cluster,
+    s,
+    lambda group, cores: Work(
+      roofline.seconds(profile, group, function, b, t),
+      roofline.node_share(profile, group, function, b, t, cores),
+    ),
+  )
+
+
+def edges_after_loop(plan: Plan, profile: Profile, options: Options) -> bool:
+  """Whether the executor makes the edges' weight gradients after its tick
+  loop (options.edge_grads; memory_lib.edge_grads_after asks the executor's
+  rule)."""
+  return plan.uses_executor and memory_lib.edge_grads_after(plan, profile, options)[0] > 0
+
+
+def edge_seconds_after_loop(plan: Plan, profile: Profile, cluster: Cluster) -> float:
+  """Seconds of the edges' weight gradients after the tick loop: each stage
+  makes ceil(m/p) micro-batches' (the head's forward again and its weight
+  gradient, two thirds of its work; the embedding's backward), the slowest
+  stage's time."""
+  rows = -(-plan.microbatches // plan.pipe)
+  return max(
+    rows
+    * (
+      _edge_work(plan, profile, cluster, s, 'head') * EDGE_SHARE
+      + _edge_work(plan, profile, cluster, s, 'embed') * EDGE_SHARE
+    ).alone
+    for s in range(plan.pipe)
   )
 
 
@@ -386,9 +417,20 @@ class ExecutorRatios:
     return Work(between(four.alone), between(four.at_once))
 
 
-def chunk_work(plan: Plan, s: StageCosts, c: int, n: int, ratios: ExecutorRatios):
+# Two of the three equal matmuls of the head's loss and gradient (logits,
+# their input gradient, the weight's), or the embedding's backward share of
+# its work (its lookup the third).
+EDGE_SHARE = 2 / 3
+
+
+def chunk_work(
+  plan: Plan, s: StageCosts, c: int, n: int, ratios: ExecutorRatios, edges_after: bool = False
+):
   """Chunk c's (n layers on a stage costing `s`) F, B and W as Work, and its
-  backward as one action's seconds (a fused schedule's, asynchronous model)."""
+  backward as one action's seconds (a fused schedule's, asynchronous model).
+  edges_after: the edges' weight gradients are made after the loop
+  (`edge_seconds_after_loop`), so the last chunk's F makes the head's loss
+  and input gradient only, and chunk 0's B no embedding gradient."""
   first, final = c == 0, c == len(plan.chunk_layers) - 1
   widest = max(plan.chunk_layers)
   # The chunk's layers run as one scan over its stack's entries (padded to
@@ -409,14 +451,14 @@ def chunk_work(plan: Plan, s: StageCosts, c: int, n: int, ratios: ExecutorRatios
   embed = s.embed if first else Work()
   f = layers * fwd + Work(fsdp_f) + embed / 3
   if final:
-    f = f + (s.head + Work(s.edge_dp))
+    f = f + (s.head * (EDGE_SHARE if edges_after else 1.0) + Work(s.edge_dp))
   # B reruns what remat dropped (once: W gets what it needs in the cut) and
   # runs the embedding's backward in chunk 0 (it needs the input gradient);
   # a per-micro-batch gradient all-reduce follows the weight gradients, in
   # W. The rest of the backward splits by the executor's B/W shares.
   rerun = layers * (s.recompute * sb)
   rest = layers * bwd - rerun
-  edge_b = embed * 2 / 3 + Work(s.edge_dp if first else 0.0)
+  edge_b = (Work() if edges_after else embed * EDGE_SHARE) + Work(s.edge_dp if first else 0.0)
   dp = n * s.dp
   if plan.uses_executor:
     b = rest * ratios.split_b + rerun + edge_b
@@ -625,6 +667,8 @@ def simulate_plan(
     plan, profile, cluster, options, prog if uses_executor else None
   )
   tail, dp_total = _tail(plan, profile, cluster, options, share, prog if uses_executor else None)
+  if edges_after_loop(plan, profile, options):
+    tail += edge_seconds_after_loop(plan, profile, cluster)
   if options.dp_allreduce == 'per_microbatch' and plan.state_sharding == 'replicated':
     comm = Comm(cluster, profile)
     shard = profile.shards[plan.tensor]
