@@ -724,3 +724,10 @@ class PipelineStep:
   def cut_bytes(self) -> int | None:
     """Bytes of one cut slot (what a B hands its W), once traced."""
     return self._info.get('cut_bytes')
+
+  @property
+  def edge_grads(self) -> str | None:
+    """Where the edges' weight gradients are made ('loop' or 'after' the
+    tick loop: what pipeline.edge_grads, 'auto' included, came to), once traced."""
+    after = self._info.get('edge_grads_after_loop')
+    return None if after is None else ('after' if after else 'loop')

@@ -180,6 +180,7 @@ def compile_stats(trainer: Trainer, compiler_options: dict | None = None) -> tup
       'cut_slots': prog.slots['cut'],
       'residual_bytes_per_slot': trainer.pipeline.residual_bytes,
       'cut_bytes_per_slot': trainer.pipeline.cut_bytes,
+      'edge_grads': trainer.pipeline.edge_grads,
     }
     moved = sched.transfers_per_step(prog)['total']
     # Residual sets BPipe moves between partners per step (global bytes,
