@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 
-from triax.training import step as step_lib
+from triax import sharding
 
 
 @functools.cache
@@ -49,8 +49,8 @@ def _sizes(trainer):
   state = trainer.abstract_state()
   shardings = trainer.state_shardings
   return (
-    step_lib.per_device_bytes(state.opt_state, shardings.opt_state),
-    step_lib.per_device_bytes(state.params, shardings.params),
+    sharding.per_device_bytes(state.opt_state, shardings.opt_state),
+    sharding.per_device_bytes(state.params, shardings.params),
   )
 
 

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 
-from triax.training import step as step_lib
+from triax import sharding
 
 SHAPE = {'model.num_layers': 16, 'model.d_model': 64, 'model.d_ff': 256}
 
@@ -60,11 +60,11 @@ def test_save_and_restore_hold_about_one_train_state(layout, extra, bound):
   )
   trainer = harness.make_trainer(cfg)
   state = trainer.abstract_state()
-  state_bytes = step_lib.per_device_bytes(state, trainer.state_shardings)
+  state_bytes = sharding.per_device_bytes(state, trainer.state_shardings)
   canonical = trainer.abstract_canonical_state()
   # The checkpoint's share per device is 1/pipe of the model (everything splits here) ...
   whole = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(canonical))
-  shards = step_lib.per_device_bytes(canonical, trainer.canonical_shardings)
+  shards = sharding.per_device_bytes(canonical, trainer.canonical_shardings)
   assert shards * pipe * tensor <= whole * 1.01
   with jax.set_mesh(trainer.mesh):
     save = trainer.to_canonical.added_bytes(state)

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import math
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from triax.errors import ConfigError
@@ -21,6 +23,12 @@ Rules = Sequence[tuple[str, str | None]]
 _ACTIVE_RULES: contextvars.ContextVar[Rules | None] = contextvars.ContextVar(
   'triax_axis_rules', default=None
 )
+
+
+def per_device_bytes(shapes: Any, shardings: Any) -> int:
+  """Bytes one device holds of a tree of arrays laid out by `shardings`."""
+  leaves = zip(jax.tree.leaves(shapes), jax.tree.leaves(shardings), strict=True)
+  return sum(math.prod(sh.shard_shape(a.shape)) * np.dtype(a.dtype).itemsize for a, sh in leaves)
 
 
 def logical_to_spec(axes: Sequence[str | None], rules: Rules) -> PartitionSpec:

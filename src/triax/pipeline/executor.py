@@ -64,7 +64,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from triax import sharding
@@ -126,17 +126,19 @@ def edge_grads_after_loop(
   """
   if setting != 'auto':
     return setting == 'after'
-  rows = -(-microbatches // stages)
-  return stages > 1 and 2 * (stages + 1) * rows * act_bytes < edge_grad_bytes
+  return stages > 1 and edge_pool_bytes(microbatches, stages, act_bytes) < edge_grad_bytes
 
 
-def _device_bytes(shape, dtype, spec: P | None, mesh: Mesh) -> float:
-  """Bytes of one device's share of an array split over `spec`'s mesh axes."""
-  split = 1
-  for names in spec or ():
-    for name in (names,) if isinstance(names, str) else names or ():
-      split *= mesh.shape[name]
-  return math.prod(shape) * np.dtype(dtype).itemsize / split
+def edge_rows(microbatches: int, stages: int) -> int:
+  """Micro-batches whose edge gradients each stage makes after the loop."""
+  return -(-microbatches // stages)
+
+
+def edge_pool_bytes(microbatches: int, stages: int, act_bytes: float) -> float:
+  """Bytes making the edges' gradients after the loop holds: its two pools
+  (a row per micro-batch, padded to a multiple of the stages) and a stage's
+  share of each."""
+  return 2 * (stages + 1) * edge_rows(microbatches, stages) * act_bytes
 
 
 def _varying(tree, axes=('pipe',)):
@@ -443,23 +445,20 @@ class _Stage:
 
   def _edge_grads_after_loop(self) -> bool:
     s = self.setup
-    specs = s.edge_specs or jax.tree.map(lambda _: None, self.edges)
-    edge_bytes = sum(
-      _device_bytes(e.shape, jnp.float32, spec, s.mesh)
-      for e, spec in zip(
-        jax.tree.leaves(self.edges),
-        jax.tree.leaves(specs, is_leaf=lambda x: x is None or isinstance(x, P)),
-        strict=True,
-      )
+    specs = s.edge_specs or jax.tree.map(lambda _: P(), self.edges)
+    # The accumulator is like the edges: their bytes, as each device holds them.
+    edge_bytes = sharding.per_device_bytes(
+      self.edges, jax.tree.map(lambda spec: NamedSharding(s.mesh, spec), specs)
     )
-    act_bytes = _device_bytes(s.act_shape, s.act_dtype, s.message_spec, s.mesh)
+    act = jax.ShapeDtypeStruct(s.act_shape, s.act_dtype)
+    act_bytes = sharding.per_device_bytes(act, NamedSharding(s.mesh, s.message_spec))
     m = self.inputs.shape[0]
     return edge_grads_after_loop(s.edge_grads, m, s.program.schedule.stages, act_bytes, edge_bytes)
 
   @property
   def rows(self) -> int:
     """Micro-batches whose edge gradients each stage makes after the loop."""
-    return -(-self.inputs.shape[0] // self.setup.program.schedule.stages)
+    return edge_rows(self.inputs.shape[0], self.setup.program.schedule.stages)
 
   def segments(self, mb):
     return None if self.doc_ids is None else self.doc_ids[mb]

@@ -37,6 +37,7 @@ import numpy as np
 from tqdm import tqdm
 
 from triax import config as config_lib
+from triax import sharding
 from triax import topology as topology_lib
 from triax.data import pipeline as data_pipeline
 from triax.errors import ConfigError
@@ -46,7 +47,6 @@ from triax.pipeline import schedule as sched
 from triax.pipeline import simulate
 from triax.training import atomic, bad_steps, heartbeat, preemption
 from triax.training import lock as lock_lib
-from triax.training import step as step_lib
 from triax.training import workdir as workdir_lib
 from triax.training.checkpoint import Checkpointer
 from triax.training.metrics import JsonLines, MetricsWriter
@@ -139,8 +139,8 @@ def compile_stats(trainer: Trainer, compiler_options: dict | None = None) -> tup
   mem = compiled.memory_analysis()
   flops = step_flops(trainer.model, b)
   shardings = trainer.state_shardings
-  params = step_lib.per_device_bytes(state.params, shardings.params)
-  optimizer = step_lib.per_device_bytes(state.opt_state, shardings.opt_state)
+  params = sharding.per_device_bytes(state.params, shardings.params)
+  optimizer = sharding.per_device_bytes(state.opt_state, shardings.opt_state)
   stats = {
     'temp_bytes': int(mem.temp_size_in_bytes),
     'argument_bytes': int(mem.argument_size_in_bytes),

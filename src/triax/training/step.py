@@ -15,7 +15,6 @@ from typing import Any
 import flax
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -124,14 +123,6 @@ def shapes_from_key(init: Callable[[jax.Array], Any]) -> Any:
   eager key lands on the current mesh's devices, and a TPU topology's
   abstract devices (a compile on a CPU host) can hold no array."""
   return jax.eval_shape(lambda: init(jax.random.key(0)))
-
-
-def per_device_bytes(shapes: Any, shardings: Any) -> int:
-  """Bytes one device holds of a tree of arrays laid out by `shardings`."""
-  leaves = zip(jax.tree.leaves(shapes), jax.tree.leaves(shardings), strict=True)
-  return sum(
-    int(np.prod(sh.shard_shape(a.shape))) * jnp.dtype(a.dtype).itemsize for a, sh in leaves
-  )
 
 
 def pipeline_axes(model_axes: Any) -> Any:

@@ -49,7 +49,7 @@ from __future__ import annotations
 import numpy as np
 
 from triax.pipeline import schedule as sched
-from triax.pipeline.executor import edge_grads_after_loop
+from triax.pipeline.executor import edge_grads_after_loop, edge_pool_bytes
 from triax.plan.candidate import Options, Plan
 from triax.plan.cluster import Cluster
 from triax.plan.cost import experts as experts_lib
@@ -285,8 +285,7 @@ def edge_grads_after(plan: Plan, profile: Profile, options: Options) -> tuple[fl
   grads = shard.edge_param_bytes * copies(plan.state_sharding, plan.data)['grads']
   if not edge_grads_after_loop(options.edge_grads, plan.microbatches, plan.pipe, act, grads):
     return 0.0, 0.0
-  rows = -(-plan.microbatches // plan.pipe)
-  return grads, 2 * (plan.pipe + 1) * rows * act
+  return grads, edge_pool_bytes(plan.microbatches, plan.pipe, act)
 
 
 def _workspace(plan: Plan, profile: Profile, shard: Shard, logits: float, pipelined: bool) -> float:
@@ -335,6 +334,7 @@ def memory(
   # (logits_per_seq counts them in fp32.)
   logits = b * shard.logits_per_seq * token_share(plan) * np.dtype(profile.dtype).itemsize / 4
   out, cap, temp, step, progs = [], [], [], [], []
+  shed, pooled = edge_grads_after(plan, profile, options)
   for s in range(plan.pipe):
     own = plan.layers[s] // v
     held = widest if options.padded else own
@@ -351,7 +351,6 @@ def memory(
       # With the edges' gradients made after the tick loop, the loop holds
       # two pools instead of their accumulator, and after it the step holds
       # the whole state and the head's work only.
-      shed, pooled = edge_grads_after(plan, profile, options)
       after = logits + head_cast(profile, shard)
       workspace = max(workspace + pooled - shed, after - stash - buffers) if shed else workspace
     peak = sum(state(plan, profile, params, experts).values()) + stash + buffers + workspace

@@ -88,6 +88,7 @@ from collections.abc import Sequence
 
 from triax.pipeline import schedule as sched
 from triax.pipeline import simulate
+from triax.pipeline.executor import edge_rows
 from triax.pipeline.schedule import Action
 from triax.plan.candidate import Estimate, Options, Plan, program
 from triax.plan.cluster import Cluster
@@ -337,7 +338,7 @@ def edge_seconds_after_loop(plan: Plan, profile: Profile, cluster: Cluster) -> f
   makes ceil(m/p) micro-batches' (the head's forward again and its weight
   gradient, two thirds of its work; the embedding's backward), the slowest
   stage's time."""
-  rows = -(-plan.microbatches // plan.pipe)
+  rows = edge_rows(plan.microbatches, plan.pipe)
   return max(
     rows
     * (
