@@ -225,6 +225,30 @@ OFFLOAD_ROWS = {
   'pp4_offload': ('PP 4, m=8, 1f1b', 'v5p:2x2x1', (LLAMA_1B, {**PIPE_4, **OFFLOAD}), 'pp4'),
 }
 
+# pipeline.offload_stash: name -> (what, topology, (config, overrides), the row
+# it is compared with, the same layout with the stash on the device). Without
+# remat a set is every layer's activations; under full remat, each layer's input.
+LLAMA_1B_NO_REMAT = 'experiments/llama_1b.py:attention=splash,remat=none'
+STASH = {'pipeline.offload_stash': True}
+ZB_H1 = {**PIPE_4, 'pipeline.schedule': 'zb_h1'}
+STASH_ROWS = {
+  'pp4_stash': ('PP 4, m=8, 1f1b, full remat', 'v5p:2x2x1', (LLAMA_1B, {**PIPE_4, **STASH}), 'pp4'),
+  'pp4_none': ('PP 4, m=8, 1f1b, no remat', 'v5p:2x2x1', (LLAMA_1B_NO_REMAT, PIPE_4), None),
+  'pp4_none_stash': (
+    'PP 4, m=8, 1f1b, no remat',
+    'v5p:2x2x1',
+    (LLAMA_1B_NO_REMAT, {**PIPE_4, **STASH}),
+    'pp4_none',
+  ),
+  'pp4_zb_none': ('PP 4, m=8, zb_h1, no remat', 'v5p:2x2x1', (LLAMA_1B_NO_REMAT, ZB_H1), None),
+  'pp4_zb_none_stash': (
+    'PP 4, m=8, zb_h1, no remat',
+    'v5p:2x2x1',
+    (LLAMA_1B_NO_REMAT, {**ZB_H1, **STASH}),
+    'pp4_zb_none',
+  ),
+}
+
 # Issue 24's table (tree 2caa00b: jax 0.10.2, libtpu 0.0.42.1, XLA attention), GiB of
 # per-device temp: triax then, and MaxText 0.2.5 as that session measured it.
 ISSUE_24 = {
@@ -393,9 +417,9 @@ def main():
   parser.add_argument('--out', default=os.path.join(ROOT, 'docs', 'bench_tpu_compile.md'))
   parser.add_argument(
     '--rows',
-    default=','.join([*ROWS, *PLANNER_ROWS, *OFFLOAD_ROWS, *EDGE_ROWS]),
-    help="names of ROWS, PLANNER_ROWS, OFFLOAD_ROWS and EDGE_ROWS to compile; '' = none: the doc "
-    'from the cache',
+    default=','.join([*ROWS, *PLANNER_ROWS, *OFFLOAD_ROWS, *EDGE_ROWS, *STASH_ROWS]),
+    help="names of ROWS, PLANNER_ROWS, OFFLOAD_ROWS, EDGE_ROWS and STASH_ROWS to compile; '' = "
+    'none: the doc from the cache',
   )
   parser.add_argument('--skip_maxtext', action='store_true')
   parser.add_argument(
@@ -416,8 +440,9 @@ def main():
   for name in filter(None, args.rows.split(',')):
     if name in PLANNER_ROWS:
       (what, topology, (config, overrides)), mt = PLANNER_ROWS[name], None
-    elif name in OFFLOAD_ROWS or name in EDGE_ROWS:
-      (what, topology, (config, overrides), _), mt = {**OFFLOAD_ROWS, **EDGE_ROWS}[name], None
+    elif name in OFFLOAD_ROWS or name in EDGE_ROWS or name in STASH_ROWS:
+      others = {**OFFLOAD_ROWS, **EDGE_ROWS, **STASH_ROWS}
+      (what, topology, (config, overrides), _), mt = others[name], None
     else:
       what, topology, (config, overrides), mt = ROWS[name]
     started = time.time()
@@ -430,6 +455,9 @@ def main():
         'triax_heap': stats['temp_heap_bytes'],
         'triax_largest': stats['largest_buffers'],
         'triax_offloaded': stats['offloaded_bytes'],
+        'triax_host_temp': stats['host_temp_bytes'],
+        'triax_stash_slots': (stats['schedule'] or {}).get('stash_slots'),
+        'triax_set_bytes': (stats['schedule'] or {}).get('residual_bytes_per_slot'),
       }
     if mt is not None and mt_python:
       results['versions'] = {'triax': versions(sys.executable), 'maxtext': versions(mt_python)}
@@ -469,7 +497,7 @@ def planner_peak(topology: str, config: str, overrides: dict) -> float:
   cfg = config_lib.validate(cfg, _chips(topology))
   cluster = cluster_lib.load(os.path.join(ROOT, 'experiments', 'clusters', 'tpu_v5p.yaml'))
   profile = analytic.build(cfg.model, (cfg.mesh.tensor,))
-  options = candidate.Options(state_programs=False)
+  options = candidate.Options(state_programs=False, offload_stash=bool(cfg.pipeline.offload_stash))
   estimate = simulator.simulate_plan(candidate.from_config(cfg), profile, cluster, options)
   return max(estimate.step_memory)
 
@@ -556,6 +584,32 @@ def offload_section(results: dict) -> list[str]:
       f'| {b["triax_argument"] / GiB:.2f} -> {r["triax_argument"] / GiB:.2f} '
       f'| {b["triax_heap"] / GiB:.2f} -> {r["triax_heap"] / GiB:.2f} '
       f'| {hbm[0] / GiB:.2f} -> {hbm[1] / GiB:.2f} | {(hbm[0] - hbm[1]) / GiB:.2f} |'
+    )
+  return lines
+
+
+def stash_section(results: dict) -> list[str]:
+  """pipeline.offload_stash against the same layout with the stash on the device."""
+  lines = [
+    '',
+    '## The stash in host memory',
+    '',
+    "`pipeline.offload_stash=true`: each micro-batch's residual set waits in pinned host",
+    'memory between its F and its B and W, copied out after the F and back before',
+    "each of them. Per device, GiB: the pool's sets (slots x one set's bytes, the",
+    "lowering's), the program's heap without and with, and what XLA:TPU places in host",
+    'memory (host temp; the pool and its spare slot are slots + 1 sets of it).',
+    '',
+    '| layout | slots x set | heap | heap saved | host temp |',
+    '|---|---|---|---|---|',
+  ]
+  rows = {k: v for k, v in STASH_ROWS.items() if v[3] is not None}
+  for what, r, b in _against_base(rows, results):
+    pool = r['triax_stash_slots'] * r['triax_set_bytes']
+    lines.append(
+      f'| {what} | {r["triax_stash_slots"]} x {r["triax_set_bytes"] / GiB:.2f} = {pool / GiB:.2f} '
+      f'| {b["triax_heap"] / GiB:.2f} -> {r["triax_heap"] / GiB:.2f} '
+      f'| {(b["triax_heap"] - r["triax_heap"]) / GiB:.2f} | {r["triax_host_temp"] / GiB:.2f} |'
     )
   return lines
 
@@ -651,6 +705,7 @@ def write_doc(path: str, results: dict, python: str, mt_python: str | None) -> N
   lines += planner_section(results)
   lines += edge_section(results)
   lines += offload_section(results)
+  lines += stash_section(results)
   lines += [
     '',
     '## The largest buffers of each triax step',

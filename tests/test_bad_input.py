@@ -135,6 +135,27 @@ CASES = [
   ),
   ('unknown-schedule', train('--config.pipeline.schedule=zigzag'), 'pipeline.schedule'),
   ('unknown-edge-grads', train('--config.pipeline.edge_grads=later'), 'pipeline.edge_grads'),
+  # BPipe's moves balance the residual sets offloading takes off the devices.
+  (
+    'offload-stash-with-bpipe',
+    train(
+      '--config.pipeline.schedule=bpipe',
+      '--config.pipeline.virtual_stages=1',
+      '--config.pipeline.offload_stash=true',
+    ),
+    'pipeline.offload_stash',
+  ),
+  (
+    'offload-stash-without-a-pipeline',
+    train(
+      '--config.mesh.pipe=1',
+      '--config.mesh.data=4',
+      '--config.pipeline.virtual_stages=1',
+      '--config.pipeline.microbatches=1',
+      '--config.pipeline.offload_stash=true',
+    ),
+    'pipeline.offload_stash',
+  ),
   ('unknown-wandb-mode', train('--config.train.wandb_mode=cloud'), 'train.wandb_mode'),
   (
     'schedule-file-bad-cell',

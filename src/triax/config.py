@@ -180,6 +180,10 @@ def defaults() -> ml_collections.ConfigDict:
   # accumulator of the edge weights carried through it), after (after it, each stage taking
   # 1/p of the micro-batches from pools of their activations), auto (whichever holds fewer bytes).
   c.pipeline.edge_grads = 'auto'
+  # Keep the stash (each micro-batch's residuals between its F and its B and W) in host memory
+  # (pinned_host), copied out after the F and back before the B and the W (PipeOffload);
+  # not with a schedule that moves residual sets between stages (bpipe, bpipe_zb).
+  c.pipeline.offload_stash = False
 
   c.train = ml_collections.ConfigDict()
   # Optimizer steps to run in total (a resumed run stops at the same step).
@@ -661,7 +665,28 @@ def _check_pipeline(cfg) -> None:
   v = p.virtual_stages
   # The builder knows each schedule's rules (v allowed, m a multiple of p, ...);
   # a schedule file is read, checked against p, m, v and lowered here.
-  sched.from_config(p, pipe, p.microbatches, v)
+  schedule = sched.from_config(p, pipe, p.microbatches, v)
+  _check_offload_stash(p, pipe, schedule)
+
+
+def _check_offload_stash(p, pipe: int, schedule) -> None:
+  """The stash is the executor's, which runs with stages or micro-batches."""
+  if not isinstance(p.offload_stash, bool):
+    raise ConfigError('pipeline.offload_stash', f'must be true or false; got {p.offload_stash!r}')
+  if not p.offload_stash:
+    return
+  if pipe == 1 and p.microbatches == 1:
+    raise ConfigError(
+      'pipeline.offload_stash',
+      'only the pipeline executor has a stash: set mesh.pipe or pipeline.microbatches > 1, '
+      'or set it to false',
+    )
+  if schedule.partner is not None:
+    raise ConfigError(
+      'pipeline.offload_stash',
+      f'{schedule.name} moves residual sets between stages to balance them, which offloading '
+      'replaces; choose another schedule (1f1b, zb_h1, ...) or set it to false',
+    )
 
 
 def _check_layer_split(cfg) -> None:

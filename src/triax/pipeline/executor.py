@@ -37,6 +37,15 @@ makes 1/p of the micro-batches' edge gradients once it ends
 d = 2048, carried by every stage; the micro-batches' activations are
 usually far less.
 
+With `offload_stash` the stash pool lives in host memory, as PipeOffload
+offloads it: an F's residual set is copied out at the end of its tick and
+a B's or W's is copied back at the start of theirs, so the device holds
+about two sets, not the pool. The pool is made by broadcasting a
+host value, which XLA:TPU turns into a host allocation; zeros made on the
+device and copied out would hold the whole pool on the device first. The
+copies run at the tick's top level: written or read inside a `cond`, XLA
+kept the pool on the device.
+
 Stash, message and cut pools have as many slots as the lowering says, so
 activation memory is bounded by the schedule, not by the number of
 micro-batches. Residual leaves that are the chunk's own weights (forwarded
@@ -106,6 +115,9 @@ class StageFns:
 # Where the two ends' weight gradients are made (pipeline.edge_grads):
 # 'loop' in the tick loop, 'after' after it, 'auto' whichever holds fewer bytes.
 EDGE_GRADS = ('auto', 'loop', 'after')
+
+# Where an offloaded stash pool lives and where its sets are used (offload_stash).
+HOST, DEVICE = jax.memory.Space.Host, jax.memory.Space.Device
 
 
 def edge_grads_after_loop(
@@ -217,6 +229,7 @@ def pipeline_loss_and_grad(
   segments: bool = False,
   edge_specs: Any = None,
   edge_grads: str = 'auto',
+  offload_stash: bool = False,
 ):
   """Builds f(stage_params, edge_params, inputs, targets[, segments]).
 
@@ -244,6 +257,8 @@ def pipeline_loss_and_grad(
       them; None: one psum each, whole on every device.
     edge_grads: where the edges' weight gradients are made: 'loop',
       'after' the loop, or 'auto' (`edge_grads_after_loop`).
+    offload_stash: keep the stash pool in host memory (module docstring);
+      not with a schedule that moves residual sets between stages (BPipe).
     transfer_spec: how an activation or gradient is split while it travels
       between stages and waits in the message pool (Megatron's
       scatter/gather, e.g. P(None, None, 'tensor'): each tensor rank sends
@@ -258,6 +273,10 @@ def pipeline_loss_and_grad(
   p = program.schedule.stages
   if mesh.shape['pipe'] != p:
     raise ValueError(f'mesh has pipe={mesh.shape["pipe"]} but the schedule has {p} stages')
+  if offload_stash and program.partner is not None:
+    raise ValueError(
+      f'{program.schedule.name} moves residual sets between stages; offload_stash keeps them on the host'
+    )
   manual = ('pipe',) + ((data_axis,) if data_axis else ())
   setup = _Setup(
     fns=fns,
@@ -272,6 +291,7 @@ def pipeline_loss_and_grad(
     mesh=mesh,
     edge_specs=edge_specs,
     edge_grads=edge_grads,
+    offload_stash=offload_stash,
   )
   tables = _device_tables(program)
   info = {}
@@ -332,6 +352,7 @@ class _Setup:
   mesh: Mesh
   edge_specs: Any
   edge_grads: str
+  offload_stash: bool
 
   def pin(self, x):
     return jax.lax.with_sharding_constraint(x, self.act_spec)
@@ -408,6 +429,54 @@ class _Residuals:
     return [next(stashed) if j is None else weights[j] for j in self._weight_of]
 
 
+class _HostStash:
+  """Which stashed leaves live in host memory (offload_stash), and their pool.
+
+  The host pool has a slot more than the lowering's, which every tick
+  without an F writes (`_Stage.spill`). Leaves with fewer than two
+  dimensions over one stay in the device pool: XLA:TPU's host copies do not
+  update a slot that falls inside a tile (scalars, vectors; a few bytes).
+  """
+
+  def __init__(self, shapes, offload: bool):
+    host = [offload and sum(d > 1 for d in a.shape) >= 2 for a in shapes]
+    self.host = [i for i, h in enumerate(host) if h]
+    self.kept = [i for i, h in enumerate(host) if not h]
+    self.host_shapes = [shapes[i] for i in self.host]
+    self.kept_shapes = [shapes[i] for i in self.kept]
+
+  def split(self, leaves) -> tuple[list, list]:
+    """A set's leaves: (those kept on the device, those sent to the host)."""
+    return [leaves[i] for i in self.kept], [leaves[i] for i in self.host]
+
+  def joined(self, kept, host) -> list:
+    leaves = [None] * (len(kept) + len(host))
+    for i, leaf in zip(self.kept + self.host, list(kept) + list(host)):
+      leaves[i] = leaf
+    return leaves
+
+  def pool(self, slots: int, manual) -> list:
+    # Broadcast from one host slot, so that XLA:TPU allocates the pool on the
+    # host; zeros made whole on the device would be held there, then copied out.
+    pool = []
+    for a in self.host_shapes:
+      one = jax.device_put(_varying(jnp.zeros((1,) + a.shape, a.dtype), manual), HOST)
+      pool.append(jnp.broadcast_to(one, (slots,) + a.shape))
+    return pool
+
+  def zeros(self) -> list:
+    return [jnp.zeros(a.shape, a.dtype) for a in self.host_shapes]
+
+  def write(self, pool: list, values: list, slot) -> list:
+    return [
+      jax.lax.dynamic_update_index_in_dim(p, jax.device_put(v.astype(p.dtype), HOST), slot, 0)
+      for p, v in zip(pool, values)
+    ]
+
+  def read(self, pool: list, slot) -> list:
+    return [jax.device_put(p[slot], DEVICE) for p in pool]
+
+
 class _Stage:
   """One device's trace of the tick loop: its carry and what each kind does.
 
@@ -442,6 +511,7 @@ class _Stage:
     self.residuals = _Residuals(vjp_probe, probe_params, y_probe.astype(setup.act_dtype), setup.pin)
     self.y_like = jax.ShapeDtypeStruct(y_probe.shape, y_probe.dtype)
     self.after = self._edge_grads_after_loop()
+    self.host_stash = _HostStash(self.residuals.stash_shapes, setup.offload_stash)
 
   def _edge_grads_after_loop(self) -> bool:
     s = self.setup
@@ -479,7 +549,7 @@ class _Stage:
     msg = jnp.zeros((program.slots['msg'],) + s.act_shape, s.act_dtype)
     carry = dict(
       msg=s.pin_buffer(_varying(msg, manual)),
-      stash=pool(program.slots['stash'], self.residuals.stash_shapes),
+      stash=pool(program.slots['stash'], self.host_stash.kept_shapes),
       cut=pool(program.slots['cut'], self.residuals.cut_shapes),
       g_stage=_zeros_like_varying(self.local, manual),
       loss=_varying(jnp.zeros((), jnp.float32), manual),
@@ -494,6 +564,8 @@ class _Stage:
         carry[name] = s.pin_buffer(_varying(jnp.zeros((rows,) + like.shape, like.dtype), manual))
     else:
       carry['g_edges'] = _zeros_like_varying(self.edges, manual)
+    if self.host_stash.host:
+      carry['host_stash'] = self.host_stash.pool(program.slots['stash'] + 1, manual)
     return jax.lax.optimization_barrier(carry)
 
   def tick(self, c, rows):
@@ -504,10 +576,27 @@ class _Stage:
     # branches write (F) and read (B, W) the stash made XLA copy the whole
     # pool (measured: 1f1b p=4 temp 132 MB -> see tests/test_pipeline_memory.py).
     kind = row['kind']
+    offload = bool(self.host_stash.host)
+    if offload:
+      # This tick's B or W reads its set (an F tick's read goes unused), and
+      # an F's set is written out after it; top-level copies, see the module.
+      row = dict(row, fetched=self.host_stash.read(c['host_stash'], row['stash']))
+      c = dict(c, spill=_varying(self.host_stash.zeros(), self.setup.manual))
     c, y = jax.lax.cond(kind == lower_lib.RUN_F, self.forward, self.idle, c, row)
+    if offload:
+      c = self.spill(c, row)
     c, dx = jax.lax.cond(kind == lower_lib.RUN_B, self.backward, self.idle, c, row)
     c, _ = jax.lax.cond(kind == lower_lib.RUN_W, self.weight, self.idle, c, row)
     return self.send(c, row, jnp.where(kind == lower_lib.RUN_F, y, dx)), None
+
+  def spill(self, c, row):
+    """Writes the tick's F's set (c['spill']) to its host slot; a tick without
+    an F writes its zeros to the spare slot past the lowering's."""
+    spare = self.setup.program.slots['stash']
+    slot = jnp.where(row['kind'] == lower_lib.RUN_F, row['stash'], spare)
+    c = dict(c)
+    c['host_stash'] = self.host_stash.write(c['host_stash'], c.pop('spill'), slot)
+    return c
 
   def send(self, c, row, out):
     """The tick's output to the stages that read it, into their message slots."""
@@ -534,7 +623,10 @@ class _Stage:
       lambda: pin(c['msg'][row['src']]),
     )
     y, vjp_fn, (shares, maxima) = self.chunk_vjp(chunk_params, x, chunk, self.segments(mb))
-    c = dict(c, stash=_put(c['stash'], row['stash'], self.residuals.stashed(vjp_fn, chunk_params)))
+    kept, host = self.host_stash.split(self.residuals.stashed(vjp_fn, chunk_params))
+    c = dict(c, stash=_put(c['stash'], row['stash'], kept))
+    if host:
+      c['spill'] = _varying(host, self.setup.manual)  # written out by `spill`
     summed, top = c['figures']
     c['figures'] = (
       jax.tree.map(jnp.add, summed, shares),
@@ -575,7 +667,8 @@ class _Stage:
     )
 
   def stashed_residuals(self, c, row):
-    stashed = [s[row['stash']] for s in c['stash']]
+    kept = [s[row['stash']] for s in c['stash']]
+    stashed = self.host_stash.joined(kept, row.get('fetched', []))
     return self.residuals.joined(stashed, _take(self.local, row['local']))
 
   def backward(self, c, row):

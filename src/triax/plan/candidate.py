@@ -271,6 +271,9 @@ class Options:
     edge_grads: where the executor makes the embedding's and head's weight
       gradients (its pipeline.edge_grads: auto, loop or after the tick
       loop); 'loop' is Megatron's, for the papers' tables.
+    offload_stash: the executor's stash in host memory (its
+      pipeline.offload_stash): the device holds one residual set of it, the
+      one an F has made or a B or W reads, not the pool.
     state_programs: memory counts a checkpoint save / restore and the
       evaluation beside the resident state (what triax budget measures), not
       only the train step: a plan that trains must also save and evaluate.
@@ -292,6 +295,7 @@ class Options:
   padded: bool = True
   scatter_gather: bool = True
   edge_grads: str = 'auto'
+  offload_stash: bool = False
   state_programs: bool = True
   fsdp_overlap: bool = False
   moe_imbalance: float = 1.0

@@ -141,6 +141,7 @@ def run(request: Request, as_json: bool = False, out: TextIO | None = None) -> d
     dp_allreduce=request.dp_allreduce,
     scatter_gather=bool(cfg.pipeline.scatter_gather),
     edge_grads=cfg.pipeline.edge_grads,
+    offload_stash=bool(cfg.pipeline.offload_stash),
     moe_imbalance=_moe_imbalance(request),
   )
   m = cfg.model

@@ -153,6 +153,8 @@ def compile_stats(trainer: Trainer, compiler_options: dict | None = None) -> tup
     # Of the state's bytes, those kept in host memory (train.offload_optimizer).
     'offloaded_bytes': optimizer if cfg.train.offload_optimizer else 0,
     'gradient_bytes': params,
+    # Temporaries XLA places in host memory: an offloaded stash (pipeline.offload_stash).
+    'host_temp_bytes': int(mem.host_temp_size_in_bytes),
     'generated_code_bytes': int(mem.generated_code_size_in_bytes),
     # XLA counts a loop body once, not once per iteration (see WORKSPACE.md).
     'flops': float(_cost(compiled).get('flops', 0.0)),
@@ -181,6 +183,7 @@ def compile_stats(trainer: Trainer, compiler_options: dict | None = None) -> tup
       'residual_bytes_per_slot': trainer.pipeline.residual_bytes,
       'cut_bytes_per_slot': trainer.pipeline.cut_bytes,
       'edge_grads': trainer.pipeline.edge_grads,
+      'offload_stash': cfg.pipeline.offload_stash,
     }
     moved = sched.transfers_per_step(prog)['total']
     # Residual sets BPipe moves between partners per step (global bytes,

@@ -218,6 +218,8 @@ def build_trainer(cfg, mesh: Mesh) -> Trainer:
     ring_transport=_ring_transport(cfg, mesh),
   )
   model = registry.build(spec)
+  if cfg.pipeline.offload_stash:
+    check_host_memory(mesh.devices.flat[0], 'pipeline.offload_stash')
   rules = cfg.sharding.logical_axis_rules
   program, layout = _program_and_layout(cfg, spec)
   optimizer = make_optimizer(cfg.train)
@@ -423,6 +425,7 @@ def _loss_and_grad_pipelined(cfg, mesh: Mesh, model, spec, layout, program):
       k: sharding.tree_specs(model.logical_axes()[k], inner_rules) for k in ('embed', 'head')
     },
     edge_grads=cfg.pipeline.edge_grads,
+    offload_stash=cfg.pipeline.offload_stash,
   )
 
   def raw_loss_and_grad(params, inputs, targets, segments=None):
@@ -449,12 +452,12 @@ def _in_memory(shardings, kind: str):
   return jax.tree.map(lambda s: s.with_memory_kind(kind), shardings)
 
 
-def check_host_memory(device) -> None:
-  """Raises ConfigError unless `device` has the HOST memory train.offload_optimizer uses."""
+def check_host_memory(device, key: str = 'train.offload_optimizer') -> None:
+  """Raises ConfigError (on `key`) unless `device` has the HOST memory offloading uses."""
   kinds = {m.kind for m in device.addressable_memories()}
   if HOST not in kinds:
     raise ConfigError(
-      'train.offload_optimizer',
+      key,
       f'{device.platform} devices have no {HOST} memory (only {", ".join(sorted(kinds))}); '
       'set it to false',
     )

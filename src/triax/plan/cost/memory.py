@@ -265,8 +265,10 @@ def pools(
     return program_.slots[buf] if options.padded else program_.peaks[buf][stage]
 
   act = profile.shards[plan.tensor].act_per_seq * residual_share(plan) * plan.microbatch_size
+  # Offloaded, the pool is in host memory and one set at a time is on the device.
+  stash_slots = min(1, slots('stash')) if options.offload_stash else slots('stash')
   return {
-    'stash': slots('stash') * chunk_stash(plan, profile, layers),
+    'stash': stash_slots * chunk_stash(plan, profile, layers),
     'cut': slots('cut') * chunk_cut(plan, profile, layers),
     'msg': (program_.slots['msg'] + 1 + 2) * act,
   }
