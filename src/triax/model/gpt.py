@@ -25,6 +25,7 @@ from triax.model.common import (
   DecoderModel,
   ModelSpec,
   causal_attention,
+  matmul,
   param,
   project,
   rms_norm,
@@ -88,13 +89,13 @@ class Block(nn.Module):
     a = causal_attention(q, k, v, s.attention, decode, segments, s.splash_interpret, *where)
     if decode is not None:
       a, cache = a
-    x = x + constrain(jnp.einsum('bsnk,nkd->bsd', a, wo.astype(dt)), RESIDUAL)
+    x = x + constrain(matmul('bsnk,nkd->bsd', a, wo, dt, s.remat), RESIDUAL)
 
     h = rms_norm(x, norm2, _NORM_EPS)
     (u,) = project(h, (w1,), 'bsd,df->bsf', dt, s.remat)
     u = constrain(u, ('batch', 'seq', 'mlp'))
     u = gelu(u)
-    x = x + constrain(jnp.einsum('bsf,fd->bsd', u, w2.astype(dt)), RESIDUAL)
+    x = x + constrain(matmul('bsf,fd->bsd', u, w2, dt, s.remat), RESIDUAL)
     return x if decode is None else (x, cache)
 
 

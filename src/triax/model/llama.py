@@ -43,6 +43,7 @@ from triax.model.common import (
   DecoderModel,
   ModelSpec,
   causal_attention,
+  matmul,
   param,
   project,
   rms_norm,
@@ -187,7 +188,7 @@ class Block(nn.Module):
     a = causal_attention(q, k, v, s.attention, decode, segments, s.splash_interpret, *where)
     if decode is not None:
       a, cache = a
-    x = x + constrain(jnp.einsum('bsnk,nkd->bsd', a, wo.astype(dt)), RESIDUAL)
+    x = x + constrain(matmul('bsnk,nkd->bsd', a, wo, dt, s.remat), RESIDUAL)
 
     x = x + constrain(self.mlp(rms_norm(x, mlp_norm, s.norm_eps)), RESIDUAL)
     return x if decode is None else (x, cache)
@@ -208,7 +209,7 @@ class Block(nn.Module):
     w_down = param(self, prefix + 'down', (f, d), ('mlp', 'embed'), out_std(s), pdt)
     gate, up = project(h, (w_gate, w_up), 'bsd,df->bsf', dt, s.remat)
     gate, up = (constrain(t, ('batch', 'seq', 'mlp')) for t in (gate, up))
-    return jnp.einsum('bsf,fd->bsd', swiglu(gate, up), w_down.astype(dt))
+    return matmul('bsf,fd->bsd', swiglu(gate, up), w_down, dt, s.remat)
 
 
 class Head(nn.Module):
