@@ -2,7 +2,8 @@
 al.'s count (the norm's input and its reciprocal rms, the attention
 probabilities once in bf16, an MLP nonlinearity's inputs), not what autodiff
 of the fp32 arithmetic kept beside them (fp32 copies, softmax's fp32 output,
-tanh / sigmoid internals). Read from JAX's own list of saved residuals;
+tanh / sigmoid internals), and no bf16 copy of a layer's weights without
+remat. Read from JAX's own list of saved residuals;
 each piece's gradient is autodiff's to fp32 rounding."""
 
 import jax
@@ -81,3 +82,35 @@ def test_attention_backward_is_autodiffs_of_xlas_attention():
   ours = grad(lambda q, k, v: context.masked_attention(q, k, v, pos))
   for a, b in zip(ours, grad(reference)):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_a_weights_matmul_keeps_no_cast_of_it_without_remat():
+  x, w = _x((B, S, D)), jax.random.normal(jax.random.key(3), (D, F))  # an fp32 weight
+
+  def ours(x, w):
+    return common.matmul('bsd,df->bsf', x, w, jnp.bfloat16, 'none')
+
+  def autodiff(x, w):
+    return jnp.einsum('bsd,df->bsf', x, w.astype(jnp.bfloat16))
+
+  # Autodiff keeps the weight's bf16 cast; ours keeps its arguments only.
+  assert _kept(autodiff, x, w) == [('bfloat16', (D, F))]
+  assert _kept(ours, x, w) == []
+  grad = lambda f: jax.grad(lambda *a: jnp.sum(jnp.sin(f(*a).astype(jnp.float32))), (0, 1))(x, w)  # noqa: E731
+  for a, b in zip(grad(ours), grad(autodiff), strict=True):
+    assert a.dtype == b.dtype
+    np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize('family', ['gpt', 'llama'])
+def test_a_bf16_layer_stack_keeps_no_copy_of_its_weights(family):
+  import harness
+
+  model = harness.model_of(
+    family=family, dtype='bfloat16', remat='none', num_layers=2, d_model=32, d_ff=64
+  )
+  params = model.init(jax.random.key(0))
+  stack, x = params['layers'], _x((B, model.spec.seq_len, 32))
+  weights = {(a.shape, 'bfloat16') for a in jax.tree.leaves(stack)}
+  kept = _kept(lambda x, p: model.layers(p, x), x, stack)
+  assert kept and not [k for k in kept if (k[1], k[0]) in weights]
