@@ -528,7 +528,7 @@ def planner_section(results: dict) -> list[str]:
     '| layout | planner | XLA:TPU | planner / XLA | program | planner / program | fragmentation |',
     '|---|---|---|---|---|---|---|',
   ]
-  rows = {**{k: v[:3] for k, v in ROWS.items()}, **PLANNER_ROWS}
+  rows = {**{k: v[:3] for k, v in {**ROWS, **STASH_ROWS}.items()}, **PLANNER_ROWS}
   within, within_program, priced = 0, 0, 0
   for name, (what, topology, (config, overrides)) in rows.items():
     if name not in results:

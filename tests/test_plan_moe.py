@@ -270,7 +270,11 @@ def test_groups_of_dense_and_moe_blocks_price_as_their_average_block():
       mean = (getattr(d.work[f], key) + getattr(m.work[f], key)) / 2
       assert getattr(g.work[f], key) == pytest.approx(mean, rel=1e-12)
   assert g.layer_param_bytes == pytest.approx((d.layer_param_bytes + m.layer_param_bytes) / 2)
-  assert g.stash_per_seq['none'] == d.stash_per_seq['none'] == m.stash_per_seq['none']
+  # Without remat the dense block's gated MLP keeps a hidden-wide value more
+  # than the MoE block's own (its experts' are the dispatch's, plan/cost/experts.py).
+  mean = (d.stash_per_seq['none'] + m.stash_per_seq['none']) / 2
+  assert d.stash_per_seq['none'] > m.stash_per_seq['none']
+  assert g.stash_per_seq['none'] == pytest.approx(mean, rel=1e-12)
   # Full remat keeps a group's input only: half a block's.
   assert g.stash_per_seq['full'] == m.stash_per_seq['full'] / 2
   # The experts: half a MoE block's parameters and FLOP share, the same exchange.

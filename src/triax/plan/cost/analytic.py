@@ -292,10 +292,14 @@ def _shard(spec, t: int, dropout: bool = False) -> tuple[profile_lib.Shard, Shar
   selective_kept = 0
   # Blocks of the stack entry the weights below are of; every figure is their average.
   every = spec.layers_per_entry
+  # Dense weights reading the stream into the MLP's hidden width: GPT's fc1,
+  # a gated MLP's gate and up (whose product is one more hidden-wide value kept).
+  mlp_inputs = 0
   for shape, routed, reads_stream in weights:
     layer_params += math.prod(shape) * pe
     if reads_stream and not routed:
       selective_kept += math.prod(shape[1:])
+      mlp_inputs += math.prod(shape[1:]) == shard.d_ff
     if len(shape) < 2:
       continue  # norm scales and biases: elementwise, counted below
     # A routed expert's [E, k, n]: one grouped matmul over the E experts'
@@ -365,7 +369,12 @@ def _shard(spec, t: int, dropout: bool = False) -> tuple[profile_lib.Shard, Shar
   act = float(s * d * e)
   probs = 0.0 if fused else heads * s * s * e
   whole = profile_lib.SEQUENCE_STASH
-  stash_none = act * (whole['none'] + _TENSOR_STASH / t) + probs + masks / t
+  # Without remat, a dense gated MLP (two of those weights) keeps its gate,
+  # its up and their product: one hidden-wide value more than
+  # _TENSOR_STASH's two (Llama 1B's compiled layer keeps 20 [s, d]'s worth,
+  # bf16, at PP 4 on XLA:TPU). Over the entry's blocks, as every figure here.
+  gated = (mlp_inputs // 2) * spec.d_ff / d / every
+  stash_none = act * (whole['none'] + (_TENSOR_STASH + gated) / t) + probs + masks / t
   # model.remat=selective (common.REMAT_POLICIES: every matmul output without
   # batch dimensions saveable) keeps the layer's input, the attention's output
   # projection (the second norm's input is recomputed from the two) and the
