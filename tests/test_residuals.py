@@ -114,3 +114,25 @@ def test_a_bf16_layer_stack_keeps_no_copy_of_its_weights(family):
   weights = {(a.shape, 'bfloat16') for a in jax.tree.leaves(stack)}
   kept = _kept(lambda x, p: model.layers(p, x), x, stack)
   assert kept and not [k for k in kept if (k[1], k[0]) in weights]
+
+
+@pytest.mark.parametrize('dispatch', ['dropless', 'capacity'])
+def test_experts_keep_no_cast_of_their_weights(dispatch):
+  from triax.model import moe
+
+  experts = 4
+  h = _x((B, S, D))
+  ws = [
+    jax.random.normal(jax.random.key(i), shape)
+    for i, shape in enumerate([(experts, D, F), (experts, D, F), (experts, F, D)])
+  ]
+  router = jax.random.normal(jax.random.key(9), (D, experts))
+
+  def layer(h, *ws):
+    routing = moe.route(h, router, 2)
+    if dispatch == 'capacity':
+      return moe.capacity(h, routing, *ws, 2.0)[0]
+    return moe.dropless(h, routing, *ws)
+
+  kept = _kept(layer, h, *ws)
+  assert kept and not [k for k in kept if k[1] in {w.shape for w in ws}]

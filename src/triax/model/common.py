@@ -209,6 +209,13 @@ def matmul(equation: str, x, w, dtype, remat: str):
   product from `selective`'s policy."""
   if remat != 'none':
     return jnp.einsum(equation, x, w.astype(dtype))
+  return recast_einsum(equation, x, w, dtype)
+
+
+def recast_einsum(equation: str, x, w, dtype):
+  """einsum(equation, x, w cast to `dtype`), whose backward casts w again
+  rather than keep the cast (`matmul`; moe.py's batched expert einsums, which
+  no remat policy saves, use it under all)."""
   return _recast_einsum(equation, jnp.dtype(dtype), x, w)
 
 

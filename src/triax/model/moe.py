@@ -46,6 +46,7 @@ from jax.sharding import PartitionSpec as P
 
 from triax import sharding
 from triax.model import per_device
+from triax.model.common import recast_einsum
 
 # The mesh axis mesh.expert carves from data (mesh.build_mesh), when it is > 1.
 EXPERT_AXIS = 'expert'
@@ -78,10 +79,34 @@ def route(h: jax.Array, router: jax.Array, k: int, normalize: bool = True) -> Ro
 
 
 def _swiglu_grouped(xs, sizes, w_gate, w_up, w_down):
-  """Rows xs [n, d] sorted by expert, `sizes` [E] rows each: each group through its expert."""
-  gate = jax.lax.ragged_dot(xs, w_gate, sizes)
-  up = jax.lax.ragged_dot(xs, w_up, sizes)
-  return jax.lax.ragged_dot(jax.nn.silu(gate) * up, w_down, sizes)
+  """Rows xs [n, d] sorted by expert, `sizes` [E] rows each: each group through
+  its expert (weights cast to xs's dtype where used, `_grouped`)."""
+  gate = _grouped(xs, w_gate, sizes)
+  up = _grouped(xs, w_up, sizes)
+  return _grouped(jax.nn.silu(gate) * up, w_down, sizes)
+
+
+@jax.custom_vjp
+def _grouped(x, w, sizes):
+  """ragged_dot(x, w cast to x's dtype, sizes), whose backward casts w again
+  rather than keep the cast: kept, it would be a copy of every expert's
+  weights in each micro-batch a pipeline stashes. No remat policy saves a
+  grouped matmul, so nothing else changes."""
+  return jax.lax.ragged_dot(x, w.astype(x.dtype), sizes)
+
+
+def _grouped_fwd(x, w, sizes):
+  return _grouped(x, w, sizes), (x, w, sizes)
+
+
+def _grouped_bwd(residuals, g):
+  x, w, sizes = residuals
+  _, pull = jax.vjp(lambda x, c: jax.lax.ragged_dot(x, c, sizes), x, w.astype(x.dtype))
+  dx, dc = pull(g)
+  return dx, dc.astype(w.dtype), None
+
+
+_grouped.defvjp(_grouped_fwd, _grouped_bwd)
 
 
 def _dropless_local(h, experts, weights, w_gate, w_up, w_down, psum_axes):
@@ -153,8 +178,8 @@ def _axes(entry) -> tuple:
 
 def dropless(h, routing: Routing, w_gate, w_up, w_down) -> jax.Array:
   """The experts' output [b, s, d] of h [b, s, d]: every assignment computed."""
-  dt = h.dtype
-  ws = tuple(w.astype(dt) for w in (w_gate, w_up, w_down))
+  # In their own dtype: each grouped matmul casts its weight (`_grouped`).
+  ws = (w_gate, w_up, w_down)
   mesh = jax.sharding.get_abstract_mesh()
   in_spec = sharding.active_spec(IN_AXES)
   if mesh.empty or in_spec is None:
@@ -234,15 +259,16 @@ def capacity(h, routing: Routing, w_gate, w_up, w_down, factor: float):
     'bkse,bksc,bks->bsec', onehot.astype(dt), slots, jnp.swapaxes(routing.weights, 1, 2).astype(dt)
   )
   x = jnp.einsum('bsec,bsd->becd', dispatch, h)
-  y = _buffers_through_experts(x, *(w.astype(dt) for w in (w_gate, w_up, w_down)))
+  y = _buffers_through_experts(x, w_gate, w_up, w_down)
   return jnp.einsum('bsec,becd->bsd', combine, y), jnp.sum(~kept)
 
 
 def _swiglu_buffers(x, w_gate, w_up, w_down):
-  """Buffers x [b, E, C, d] through their experts (w_* [E, ...])."""
-  gate = jnp.einsum('becd,edf->becf', x, w_gate)
-  up = jnp.einsum('becd,edf->becf', x, w_up)
-  return jnp.einsum('becf,efd->becd', jax.nn.silu(gate) * up, w_down)
+  """Buffers x [b, E, C, d] through their experts (w_* [E, ...], cast to x's
+  dtype where used and again in the backward: `recast_einsum`)."""
+  gate = recast_einsum('becd,edf->becf', x, w_gate, x.dtype)
+  up = recast_einsum('becd,edf->becf', x, w_up, x.dtype)
+  return recast_einsum('becf,efd->becd', jax.nn.silu(gate) * up, w_down, x.dtype)
 
 
 def _buffers_through_experts(x, w_gate, w_up, w_down):
