@@ -68,28 +68,34 @@ def test_a_backend_without_host_memory_is_refused():
   step_lib.check_host_memory(jax.devices()[0])  # the CPU's has one
 
 
-def _tpu_stats(tmp_path, offload: bool) -> dict:
+def _tpu_stats(tmp_path, name: str, *flags: str) -> dict:
+  """compile_stats.json of the 1B smoke config compiled for 4 v5p chips with `flags`."""
   import json
 
-  workdir = str(tmp_path / str(offload))
+  workdir = str(tmp_path / name)
   result = harness.run_cli(
     'triax.cli.train',
     '--config=experiments/llama_1b.py:smoke,attention=xla',
     f'--workdir={workdir}',
     '--compile_only',
     '--topology=v5p:2x2x1',
-    '--config.mesh.data=4',
-    '--config.mesh.fsdp=true',
-    f'--config.train.offload_optimizer={str(offload).lower()}',
+    *flags,
   )
   assert result.returncode == 0, result.stderr
   with open(os.path.join(workdir, 'compile_stats.json')) as f:
     return json.load(f)
 
 
+def _optimizer_stats(tmp_path, offload: bool) -> dict:
+  flag = f'--config.train.offload_optimizer={str(offload).lower()}'
+  return _tpu_stats(
+    tmp_path, f'optimizer_{offload}', '--config.mesh.data=4', '--config.mesh.fsdp=true', flag
+  )
+
+
 def test_on_a_tpu_the_devices_hold_no_optimizer_state(tmp_path):
   pytest.importorskip('libtpu')
-  on, off = _tpu_stats(tmp_path, False), _tpu_stats(tmp_path, True)
+  on, off = _optimizer_stats(tmp_path, False), _optimizer_stats(tmp_path, True)
   assert off['offloaded_bytes'] == off['optimizer_bytes'] == on['optimizer_bytes'] > 0
   # XLA:TPU's arguments in device memory: the parameters and the batch, no
   # moments (TPU tiles pad small arrays: more than their logical bytes leave).
@@ -123,20 +129,14 @@ def test_an_offloaded_stash_gives_the_devices_numbers(layout):
 
 
 def _stash_stats(tmp_path, offload: bool) -> dict:
-  import json
-
-  workdir = str(tmp_path / f'stash_{offload}')
-  result = harness.run_cli(
-    'triax.cli.train',
-    # The smoke model made wide enough that its stash, not XLA:TPU's tiles, dominates.
-    '--config=experiments/llama_1b.py:smoke,attention=xla',
-    f'--workdir={workdir}',
-    '--compile_only',
-    '--topology=v5p:2x2x1',
+  return _tpu_stats(
+    tmp_path,
+    f'stash_{offload}',
     '--config.mesh.data=1',
     '--config.mesh.pipe=4',
     '--config.pipeline.microbatches=8',
     '--config.pipeline.schedule=gpipe',  # a slot per micro-batch
+    # The smoke model made wide enough that its stash, not XLA:TPU's tiles, dominates.
     '--config.train.global_batch_size=16',
     '--config.model.num_layers=4',
     '--config.model.d_model=512',
@@ -144,9 +144,6 @@ def _stash_stats(tmp_path, offload: bool) -> dict:
     '--config.model.seq_len=512',
     f'--config.pipeline.offload_stash={str(offload).lower()}',
   )
-  assert result.returncode == 0, result.stderr
-  with open(os.path.join(workdir, 'compile_stats.json')) as f:
-    return json.load(f)
 
 
 def test_on_a_tpu_an_offloaded_stash_leaves_the_devices(tmp_path):
