@@ -169,6 +169,9 @@ def test_on_a_tpu_an_offloaded_stash_leaves_the_devices(tmp_path):
   # one an F has made and the one a B or W reads (7.35 of the 8 sets leave it
   # on libtpu 0.0.42, 7.17 on 0.0.50).
   assert off['host_temp_bytes'] >= 0.99 * (slots + 1) * one_set
+  # The fit line says what waits in host memory, beside HBM's figure.
+  host = f'; {off["host_temp_bytes"] / 2**30:.2f} GiB per device in host memory'
+  assert off['fit_line'].endswith(host) and 'host memory' not in on['fit_line']
   assert off['temp_heap_bytes'] <= on['temp_heap_bytes'] - (slots - 2) * one_set
 
 

@@ -52,6 +52,7 @@ def compile_for_topology(cfg, workdir: str, topology: topology_lib.Topology) -> 
     try:
       _, _, stats = loop.all_compile_stats(trainer, buffers.compile_options(dump))
       fits, line = topology_lib.fit_line(topology, stats['peak_bytes'])
+      line += _host_note(stats)
     except jax.errors.JaxRuntimeError as e:
       stats = _refused(e)  # XLA:TPU compiles nothing that exceeds the chip's HBM
       fits, line = False, stats['compile_error']
@@ -73,6 +74,13 @@ def compile_for_topology(cfg, workdir: str, topology: topology_lib.Topology) -> 
   finally:
     workdir_lock.release()
   return stats
+
+
+def _host_note(stats: dict) -> str:
+  """What the fit line adds for what a device keeps in its host's memory (an
+  offloaded optimizer state or stash), which HBM does not hold."""
+  host = stats['offloaded_bytes'] + stats['host_temp_bytes']
+  return f'; {host / 2**30:.2f} GiB per device in host memory' if host else ''
 
 
 # XLA:TPU's refusal: "... the total memory required for HLO temporaries
