@@ -603,8 +603,8 @@ def stash_section(results: dict) -> list[str]:
     '| layout | slots x set | heap | heap saved | host temp |',
     '|---|---|---|---|---|',
   ]
-  rows = {k: v for k, v in STASH_ROWS.items() if v[3] is not None}
-  for what, r, b in _against_base(rows, results):
+  # The rows without a base (None) are other rows' bases: _against_base skips them.
+  for what, r, b in _against_base(STASH_ROWS, results):
     pool = r['triax_stash_slots'] * r['triax_set_bytes']
     lines.append(
       f'| {what} | {r["triax_stash_slots"]} x {r["triax_set_bytes"] / GiB:.2f} = {pool / GiB:.2f} '

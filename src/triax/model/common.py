@@ -209,33 +209,40 @@ def matmul(equation: str, x, w, dtype, remat: str):
   product from `selective`'s policy."""
   if remat != 'none':
     return jnp.einsum(equation, x, w.astype(dtype))
-  return recast_einsum(equation, x, w, dtype)
+  return recast(einsum_of(equation), x, w, dtype)
 
 
-def recast_einsum(equation: str, x, w, dtype):
-  """einsum(equation, x, w cast to `dtype`), whose backward casts w again
-  rather than keep the cast (`matmul`; moe.py's batched expert einsums, which
-  no remat policy saves, use it under all)."""
-  return _recast_einsum(equation, jnp.dtype(dtype), x, w)
+@functools.cache
+def einsum_of(equation: str):
+  """(x, w) -> einsum(equation, x, w): one function per equation, for `recast`."""
+  return functools.partial(jnp.einsum, equation)
+
+
+def recast(op, x, w, dtype, *args):
+  """op(x, w cast to `dtype`, *args), whose backward casts w again rather
+  than keep the cast: `matmul`'s einsum, and moe.py's grouped and batched
+  expert matmuls, which no remat policy saves, under every policy. `args`
+  (ragged_dot's group sizes) get no gradient."""
+  return _recast(op, jnp.dtype(dtype), x, w, *args)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _recast_einsum(equation, dtype, x, w):
-  return jnp.einsum(equation, x, w.astype(dtype))
+def _recast(op, dtype, x, w, *args):
+  return op(x, w.astype(dtype), *args)
 
 
-def _recast_einsum_fwd(equation, dtype, x, w):
-  return _recast_einsum(equation, dtype, x, w), (x, w)
+def _recast_fwd(op, dtype, x, w, *args):
+  return _recast(op, dtype, x, w, *args), (x, w, args)
 
 
-def _recast_einsum_bwd(equation, dtype, residuals, g):
-  x, w = residuals
-  _, pull = jax.vjp(lambda x, c: jnp.einsum(equation, x, c), x, w.astype(dtype))
+def _recast_bwd(op, dtype, residuals, g):
+  x, w, args = residuals
+  _, pull = jax.vjp(lambda x, c: op(x, c, *args), x, w.astype(dtype))
   dx, dc = pull(g)
-  return dx, dc.astype(w.dtype)
+  return (dx, dc.astype(w.dtype), *(None for _ in args))
 
 
-_recast_einsum.defvjp(_recast_einsum_fwd, _recast_einsum_bwd)
+_recast.defvjp(_recast_fwd, _recast_bwd)
 
 
 def project(h, weights, equation: str, dtype, remat: str):

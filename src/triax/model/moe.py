@@ -46,7 +46,7 @@ from jax.sharding import PartitionSpec as P
 
 from triax import sharding
 from triax.model import per_device
-from triax.model.common import recast_einsum
+from triax.model.common import einsum_of, recast
 
 # The mesh axis mesh.expert carves from data (mesh.build_mesh), when it is > 1.
 EXPERT_AXIS = 'expert'
@@ -86,27 +86,12 @@ def _swiglu_grouped(xs, sizes, w_gate, w_up, w_down):
   return _grouped(jax.nn.silu(gate) * up, w_down, sizes)
 
 
-@jax.custom_vjp
 def _grouped(x, w, sizes):
   """ragged_dot(x, w cast to x's dtype, sizes), whose backward casts w again
   rather than keep the cast: kept, it would be a copy of every expert's
   weights in each micro-batch a pipeline stashes. No remat policy saves a
   grouped matmul, so nothing else changes."""
-  return jax.lax.ragged_dot(x, w.astype(x.dtype), sizes)
-
-
-def _grouped_fwd(x, w, sizes):
-  return _grouped(x, w, sizes), (x, w, sizes)
-
-
-def _grouped_bwd(residuals, g):
-  x, w, sizes = residuals
-  _, pull = jax.vjp(lambda x, c: jax.lax.ragged_dot(x, c, sizes), x, w.astype(x.dtype))
-  dx, dc = pull(g)
-  return dx, dc.astype(w.dtype), None
-
-
-_grouped.defvjp(_grouped_fwd, _grouped_bwd)
+  return recast(jax.lax.ragged_dot, x, w, x.dtype, sizes)
 
 
 def _dropless_local(h, experts, weights, w_gate, w_up, w_down, psum_axes):
@@ -265,10 +250,10 @@ def capacity(h, routing: Routing, w_gate, w_up, w_down, factor: float):
 
 def _swiglu_buffers(x, w_gate, w_up, w_down):
   """Buffers x [b, E, C, d] through their experts (w_* [E, ...], cast to x's
-  dtype where used and again in the backward: `recast_einsum`)."""
-  gate = recast_einsum('becd,edf->becf', x, w_gate, x.dtype)
-  up = recast_einsum('becd,edf->becf', x, w_up, x.dtype)
-  return recast_einsum('becf,efd->becd', jax.nn.silu(gate) * up, w_down, x.dtype)
+  dtype where used and again in the backward: `recast`)."""
+  gate = recast(einsum_of('becd,edf->becf'), x, w_gate, x.dtype)
+  up = recast(einsum_of('becd,edf->becf'), x, w_up, x.dtype)
+  return recast(einsum_of('becf,efd->becd'), jax.nn.silu(gate) * up, w_down, x.dtype)
 
 
 def _buffers_through_experts(x, w_gate, w_up, w_down):
