@@ -497,7 +497,11 @@ def planner_peak(topology: str, config: str, overrides: dict) -> float:
   cfg = config_lib.validate(cfg, _chips(topology))
   cluster = cluster_lib.load(os.path.join(ROOT, 'experiments', 'clusters', 'tpu_v5p.yaml'))
   profile = analytic.build(cfg.model, (cfg.mesh.tensor,))
-  options = candidate.Options(state_programs=False, offload_stash=bool(cfg.pipeline.offload_stash))
+  options = candidate.Options(
+    state_programs=False,
+    offload_stash=bool(cfg.pipeline.offload_stash),
+    offload_optimizer=bool(cfg.train.offload_optimizer),
+  )
   estimate = simulator.simulate_plan(candidate.from_config(cfg), profile, cluster, options)
   return max(estimate.step_memory)
 
@@ -507,6 +511,20 @@ def _maxtext_versions(results: dict, mt_python: str | None) -> str:
   if mt_python:
     return versions(mt_python)
   return results.get('versions', {}).get('maxtext', 'not run')
+
+
+def planner_rows() -> dict:
+  """name -> (what, topology, (config, overrides)) of every row the planner is held against."""
+  rows = {k: v[:3] for k, v in ROWS.items()}
+  for name, (what, topology, (config, overrides), _) in {**OFFLOAD_ROWS, **STASH_ROWS}.items():
+    # Named apart from the row they repeat on the device.
+    for key, part in (
+      ('train.offload_optimizer', 'optimizer'),
+      ('pipeline.offload_stash', 'stash'),
+    ):
+      what += f', {part} in host memory' if overrides.get(key) else ''
+    rows[name] = (what, topology, (config, overrides))
+  return {**rows, **PLANNER_ROWS}
 
 
 def planner_section(results: dict) -> list[str]:
@@ -528,7 +546,7 @@ def planner_section(results: dict) -> list[str]:
     '| layout | planner | XLA:TPU | planner / XLA | program | planner / program | fragmentation |',
     '|---|---|---|---|---|---|---|',
   ]
-  rows = {**{k: v[:3] for k, v in {**ROWS, **STASH_ROWS}.items()}, **PLANNER_ROWS}
+  rows = planner_rows()
   within, within_program, priced = 0, 0, 0
   for name, (what, topology, (config, overrides)) in rows.items():
     if name not in results:

@@ -202,3 +202,36 @@ def test_the_planner_counts_one_set_of_an_offloaded_stash():
     return memory.pools(plan, profile, options, program, 0, 4)['stash']
 
   assert stash(False) == 8 * one_set and stash(True) == one_set
+
+
+@pytest.mark.fast
+def test_the_planner_keeps_offloaded_moments_off_the_device_until_the_update(capsys):
+  """`triax plan` reads train.offload_optimizer: each layout's peak loses
+  Adam's moments through the forward and backward, and holds them again,
+  beside the parameters and gradients, for the update."""
+  from triax import config as config_lib
+  from triax.plan import report
+
+  config = os.path.join(harness.ROOT, 'experiments', 'llama_1b.py')
+  cluster = os.path.join(harness.ROOT, 'experiments', 'clusters', 'tpu_v5p.yaml')
+
+  def top(offload):
+    cfg = config_lib.from_file(config, 'attention=splash')
+    cfg.train.offload_optimizer = offload
+    request = report.Request(
+      cfg=cfg,
+      config_path=config,
+      config_overrides={},
+      cluster=cluster,
+      top=100,
+      profile='analytic',
+      gpus=4,
+    )
+    return {row['plan']: row for row in report.run(request)['top']}
+
+  on_device, offloaded = top(False), top(True)
+  capsys.readouterr()
+  assert on_device.keys() == offloaded.keys() and len(on_device) > 4
+  for plan, row in offloaded.items():
+    for before, after in zip(on_device[plan]['memory_bytes'], row['memory_bytes']):
+      assert after < before, plan

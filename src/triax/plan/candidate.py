@@ -274,6 +274,9 @@ class Options:
     offload_stash: the executor's stash in host memory (its
       pipeline.offload_stash): the device holds one residual set of it, the
       one an F has made or a B or W reads, not the pool.
+    offload_optimizer: Adam's moments in host memory between steps (the
+      trainer's train.offload_optimizer): the device holds them only for
+      the update, after the backward (see memory.memory).
     state_programs: memory counts a checkpoint save / restore and the
       evaluation beside the resident state (what triax budget measures), not
       only the train step: a plan that trains must also save and evaluate.
@@ -296,6 +299,7 @@ class Options:
   scatter_gather: bool = True
   edge_grads: str = 'auto'
   offload_stash: bool = False
+  offload_optimizer: bool = False
   state_programs: bool = True
   fsdp_overlap: bool = False
   moe_imbalance: float = 1.0

@@ -142,6 +142,7 @@ def run(request: Request, as_json: bool = False, out: TextIO | None = None) -> d
     scatter_gather=bool(cfg.pipeline.scatter_gather),
     edge_grads=cfg.pipeline.edge_grads,
     offload_stash=bool(cfg.pipeline.offload_stash),
+    offload_optimizer=bool(cfg.train.offload_optimizer),
     moe_imbalance=_moe_imbalance(request),
   )
   m = cfg.model

@@ -10,7 +10,7 @@ layer's backward workspace and the head's logits and its weight cast to
 the compute dtype (`head_cast`).
 
 docs/bench_tpu_compile.md holds this model against XLA:TPU's compiled
-peak for 17 layouts, and tests/test_plan_tpu_memory.py pins it there
+peak layout by layout, and tests/test_plan_tpu_memory.py pins it there
 (docs/bench_tpu_compile.json's byte counts).
 
 Beside the train step, the run saves and restores checkpoints and
@@ -129,15 +129,18 @@ def head_cast(profile: Profile, shard: Shard) -> float:
   return head_weight(shard) * share
 
 
-def resident(plan: Plan, profile: Profile, params: float, experts: float = 0.0) -> float:
-  """Bytes of the state kept between steps (parameters and moments; the
-  gradients are the step's): what a save or an evaluation sits beside."""
+def resident(
+  plan: Plan, profile: Profile, params: float, experts: float = 0.0, offloaded: bool = False
+) -> float:
+  """Bytes of the device's state kept between steps (parameters and moments,
+  the moments not when `offloaded` to host memory; the gradients are the
+  step's): what a save or an evaluation sits beside."""
   x = state(plan, profile, params, experts)
-  return x['params'] + x['moments']
+  return x['params'] + (0.0 if offloaded else x['moments'])
 
 
 def state_programs(
-  plan: Plan, profile: Profile, params: float, experts: float = 0.0
+  plan: Plan, profile: Profile, params: float, experts: float = 0.0, offloaded: bool = False
 ) -> dict[str, float]:
   """Peak bytes per device of a checkpoint save, a restore and an
   evaluation, each beside the resident state.
@@ -148,10 +151,12 @@ def state_programs(
   (the step splits eval's weights over `pipe` along d_model), and the
   forward of global_batch / data rows through one layer at a time without
   stash, bounded by one layer's unrematerialised residuals and its input
-  and output, and the rows' fp32 logits.
+  and output, and the rows' fp32 logits. With the moments `offloaded`, a
+  save or restore converts each in turn on the device and puts it back
+  (training/relayout.py): the device's state is the parameters.
   """
   shard = profile.shards[plan.tensor]
-  rest = resident(plan, profile, params, experts)
+  rest = resident(plan, profile, params, experts, offloaded)
   rows = plan.global_batch // plan.data
   copy = state(plan, profile, params, experts)['params'] if plan.pipe > 1 else 0.0
   entry = profile.layers_per_entry  # the layers one step of the scan runs
@@ -355,12 +360,22 @@ def memory(
       # the whole state and the head's work only.
       after = logits + head_cast(profile, shard)
       workspace = max(workspace + pooled - shed, after - stash - buffers) if shed else workspace
-    peak = sum(state(plan, profile, params, experts).values()) + stash + buffers + workspace
-    programs = max(state_programs(plan, profile, params, experts).values())
+    kept = state(plan, profile, params, experts)
+    peak = sum(kept.values()) + stash + buffers + workspace
+    if options.offload_optimizer:
+      # The moments wait in host memory through the forward and backward and
+      # come back whole for the update, beside the parameters and gradients:
+      # the step's peak is the larger of the two phases (XLA:TPU at the 1B
+      # shape on v5p: 4.43, 4.75 and 8.00 GiB at FSDP 4, TP 4 and PP 4,
+      # where the update's three come to 4.60, 4.60 and 7.53).
+      update = kept['params'] + kept['grads'] + kept['moments']
+      peak = max(peak - kept['moments'], update)
+    offloaded = options.offload_optimizer
+    programs = max(state_programs(plan, profile, params, experts, offloaded).values())
     step.append(peak)
     progs.append(programs)
     out.append(max(peak, programs) if options.state_programs else peak)
-    temp.append(stash + buffers + workspace)
+    temp.append(peak - sum(kept.values()) + (kept['moments'] if offloaded else 0.0))
     cap.append(
       min(cluster.groups[cluster.devices[d].group].memory for d in plan.stages[s])
       * options.memory_fraction
