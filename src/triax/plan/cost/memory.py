@@ -152,8 +152,8 @@ def state_programs(
   forward of global_batch / data rows through one layer at a time without
   stash, bounded by one layer's unrematerialised residuals and its input
   and output, and the rows' fp32 logits. With the moments `offloaded`, a
-  save or restore converts each in turn on the device and puts it back
-  (training/relayout.py): the device's state is the parameters.
+  save or restore brings one leaf of them at a time to the device and puts
+  it back (training/relayout.py): the device's state is the parameters.
   """
   shard = profile.shards[plan.tensor]
   rest = resident(plan, profile, params, experts, offloaded)
@@ -362,15 +362,15 @@ def memory(
       workspace = max(workspace + pooled - shed, after - stash - buffers) if shed else workspace
     kept = state(plan, profile, params, experts)
     peak = sum(kept.values()) + stash + buffers + workspace
-    if options.offload_optimizer:
+    offloaded = options.offload_optimizer
+    if offloaded:
       # The moments wait in host memory through the forward and backward and
       # come back whole for the update, beside the parameters and gradients:
       # the step's peak is the larger of the two phases (XLA:TPU at the 1B
       # shape on v5p: 4.43, 4.75 and 8.00 GiB at FSDP 4, TP 4 and PP 4,
-      # where the update's three come to 4.60, 4.60 and 7.53).
+      # where the update's three come to 4.60, 4.60 and 7.54).
       update = kept['params'] + kept['grads'] + kept['moments']
       peak = max(peak - kept['moments'], update)
-    offloaded = options.offload_optimizer
     programs = max(state_programs(plan, profile, params, experts, offloaded).values())
     step.append(peak)
     progs.append(programs)
