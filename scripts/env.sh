@@ -32,6 +32,14 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   # grep drops this machine's pip warnings about index locations it cannot use.
   "$VENV/bin/python" -m pip install --quiet --upgrade pip 2>&1 | { grep -v 'is ignored' || true; }
   "$VENV/bin/python" -m pip install --quiet -e ".${extra:+[$extra]}" 2>&1 | { grep -v 'is ignored' || true; }
+  if [ "$extra" = test ]; then
+    # XLA:GPU for the GPU topology tests: jax's CUDA plugin for the installed jax,
+    # outside site-packages so that JAX does not load it at every start-up
+    # (tests/test_gpu_topology.py passes it as TRIAX_XLA_CUDA_PLUGIN).
+    jax_version="$("$VENV/bin/python" -c 'import jax; print(jax.__version__)')"
+    "$VENV/bin/python" -m pip install --quiet --no-deps --upgrade --target "$VENV/xla-cuda" \
+      "jax-cuda12-pjrt==$jax_version" 2>&1 | { grep -v 'is ignored' || true; }
+  fi
   echo "$want" > "$stamp"
 fi
 export PATH="$ROOT/$VENV/bin:$PATH"

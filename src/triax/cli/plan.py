@@ -5,7 +5,7 @@
       [--profile=local|analytic] [--gpus=N] [--top=5] [--json] [--verbose]
       [--out=plan.py] [--trace=trace.json] [--profile_cache=FILE]
       [--search=exhaustive|learned] [--policy=FILE.msgpack]
-      [--verify=v5p:2x2x1 [--verify_slices=N]] [--moe_imbalance=1.0]
+      [--verify=v5p:2x2x1|h100:8 [--verify_slices=N]] [--moe_imbalance=1.0]
 
 A MoE model (model.family=mixtral) also gets its expert degree searched
 (mesh.expert, carved from data), priced with its all-to-alls and, under
@@ -95,9 +95,10 @@ _POLICY = flags.DEFINE_string(
 _VERIFY = flags.DEFINE_string(
   'verify',
   None,
-  'Compile the best plan for this TPU slice (KIND:AxB[xC], e.g. v5p:2x2x1; its chip count the '
-  "cluster's) with XLA:TPU here, as train --compile_only --topology does, and print its train "
-  "step's peak per device beside the planner's; exit 3 if it does not fit.",
+  'Compile the best plan for this TPU slice (KIND:AxB[xC], e.g. v5p:2x2x1) or these GPUs '
+  "(h100:8, a100:4x8; its chip count the cluster's) with XLA:TPU or XLA:GPU here, as train "
+  "--compile_only --topology does, and print its train step's peak per device beside the "
+  "planner's; exit 3 if it does not fit.",
 )
 _VERIFY_SLICES = flags.DEFINE_integer(
   'verify_slices', 1, 'With --verify: this many slices joined by the data-centre network.'

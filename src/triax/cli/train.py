@@ -40,9 +40,11 @@ _COMPILE_ONLY = flags.DEFINE_bool(
 _TOPOLOGY = flags.DEFINE_string(
   'topology',
   None,
-  'With --compile_only: compile for this TPU slice instead of the local devices, on any host '
-  "(needs libtpu: pip install 'triax[tpu]'): KIND:AxB or KIND:AxBxC chips, e.g. v5p:2x2x2, "
-  'v5e:4x4, v6e:8x8, v4:2x2x2. Writes the fit against its HBM; exit 3 if it does not fit.',
+  'With --compile_only: compile for this TPU slice or these GPUs instead of the local devices, '
+  "on any host. TPU (needs libtpu: pip install 'triax[tpu]'): KIND:AxB or KIND:AxBxC chips, "
+  "e.g. v5p:2x2x2, v5e:4x4, v6e:8x8, v4:2x2x2. GPU (needs jax's CUDA plugin: pip install "
+  "'triax[gpu]', or TRIAX_XLA_CUDA_PLUGIN=its .so): h100:8 or a100:8 (one host of 8), "
+  'h100:4x8 (4 hosts of 8). Writes the fit against its HBM; exit 3 if it does not fit.',
 )
 _TOPOLOGY_SLICES = flags.DEFINE_integer(
   'topology_slices', 1, 'With --topology: this many slices joined by the data-centre network.'
@@ -133,7 +135,8 @@ def main(argv):
 
 
 def _compile_for_topology(cfg) -> None:
-  """--compile_only --topology: the run's programs compiled by XLA:TPU here; exit 3 if they do not fit."""
+  """--compile_only --topology: the run's programs compiled by XLA:TPU or XLA:GPU here; exit 3
+  if they do not fit."""
   if not _COMPILE_ONLY.value:
     cli.fail(
       '--topology', 'compiles only: add --compile_only (there is no such slice here to train on)'

@@ -1,11 +1,13 @@
-"""Ahead of time: a run's programs compiled for a TPU slice that is not here.
+"""Ahead of time: a run's programs compiled for a TPU slice or GPU hosts
+that are not here.
 
-`triax train --compile_only --topology=v5p:2x2x2` builds the run's mesh over
-the slice's compile-only devices (topology.py), compiles the train step, the
-evaluation and the checkpoint conversions with XLA:TPU, and writes what they
-hold per device beside the chip's HBM: the same figures a run on the slice
-would show, before anyone has the chips. Nothing is trained and no data is
-read (the data may live only where the slice is).
+`triax train --compile_only --topology=v5p:2x2x2` (or h100:8) builds the
+run's mesh over the slice's compile-only devices (topology.py), compiles the
+train step, the evaluation and the checkpoint conversions with XLA:TPU (or
+XLA:GPU), and writes what they hold per device beside the chip's HBM: the
+same figures a run on the slice would show, before anyone has the chips.
+Nothing is trained and no data is read (the data may live only where the
+slice is).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import jax
 
 from triax import config as config_lib
 from triax import topology as topology_lib
+from triax.errors import ConfigError
 from triax.mesh import build_mesh
 from triax.training import atomic, buffers, loop
 from triax.training import lock as lock_lib
@@ -38,9 +41,19 @@ def compile_for_topology(cfg, workdir: str, topology: topology_lib.Topology) -> 
       slice's, dcn factors that are not its slice count: mesh.build_mesh), or
       a busy workdir; nothing is written then.
   """
+  # The config first: its errors come before libtpu or the CUDA plugin loads
+  # (and logs what it found of a driver), in one line.
+  cfg = config_lib.validate(cfg, topology.chips)
+  config_lib.check_platform(cfg, topology.platform)
+  if cfg.model.attention == 'cudnn':
+    # jax asks the cuDNN library for its version as it traces the kernel, and
+    # cuDNN builds the kernel's graph on a GPU: neither is here.
+    raise ConfigError(
+      'model.attention',
+      'cudnn attention is built by the cuDNN library on a GPU, which a topology compile has '
+      'not; compile with attention=xla (it holds the scores, so its bytes are an upper bound)',
+    )
   devices = topology.devices()
-  cfg = config_lib.validate(cfg, len(devices))
-  config_lib.check_platform(cfg, devices[0].platform)
   loop.check_workdir(workdir)
   lock_lib.check_free(workdir)
   # build_mesh checks the dcn factors against the slice count.
@@ -115,7 +128,7 @@ def _refused(error: Exception) -> dict:
 
 
 def verify_plan(cfg, estimate, topology: topology_lib.Topology) -> dict:
-  """`triax plan --verify`: a plan's config compiled for `topology` by XLA:TPU,
+  """`triax plan --verify`: a plan's config compiled for `topology` by its XLA,
   its train step's per-device peak against the planner's prediction.
 
   `estimate`: the planner's candidate.Estimate of the plan (`step_memory`:
@@ -141,7 +154,7 @@ def verify_plan(cfg, estimate, topology: topology_lib.Topology) -> dict:
   compiled = loop.step_peak_bytes(stats)
   out.update(xla_step_peak_bytes=compiled, planned_over_xla=predicted / compiled)
   out['line'] = (
-    f'verify: XLA:TPU compiled the best plan for {topology.name}: train step peak '
+    f'verify: {topology.compiler} compiled the best plan for {topology.name}: train step peak '
     f'{compiled / 2**30:.2f} GiB per device, the planner predicted {predicted / 2**30:.2f} GiB '
     f'({predicted / compiled:.2f}x); {stats["fit_line"]}'
   )

@@ -1,0 +1,139 @@
+"""Compiling for GPUs that are not here: `triax train --compile_only --topology=h100:8`.
+
+XLA's GPU compiler runs on this CPU host from a description of the GPU
+(topology.GpuKind.target_config), through jax's CUDA PJRT plugin, which
+scripts/env.sh puts in .venv/xla-cuda/ for the test extra (outside
+site-packages: installed, JAX would load it at every start-up). Its memory
+figures are deterministic, so they may be asserted.
+"""
+
+import json
+import os
+import sys
+
+import harness
+import pytest
+
+from triax import topology
+from triax.errors import ConfigError
+
+GiB = 2**30
+SMOKE = 'experiments/llama_1b.py:smoke,attention=xla'
+# The smoke config's batch over h100:8's devices.
+EIGHT_REPLICAS = ('--config.mesh.data=8', '--config.train.global_batch_size=8')
+PLUGIN = os.path.join(sys.prefix, 'xla-cuda', 'jax_plugins', 'xla_cuda12', 'xla_cuda_plugin.so')
+
+
+@pytest.mark.fast
+def test_gpu_topology_names():
+  node = topology.parse('h100:8')
+  assert (node.shape, node.chips, node.compiler) == ((1, 8), 8, 'XLA:GPU')
+  assert node.kind.device_kind == 'NVIDIA H100 80GB HBM3'
+  assert node.hbm_bytes == 81559 * 2**20
+  assert topology.parse('a100:4x8').chips == 32
+  assert topology.parse('v5p:2x2x1').compiler == 'XLA:TPU'
+  for bad in ('h100:2x2x2', 'h100:0', 'h200:8'):
+    with pytest.raises(ConfigError) as error:
+      topology.parse(bad)
+    assert error.value.key == '--topology' and 'h100:N or h100:HxN' in error.value.message
+  with pytest.raises(ConfigError) as error:
+    topology.parse('h100:8', slices=2)
+  assert error.value.key == '--topology_slices' and 'h100:2x8' in error.value.message
+  config = topology.parse('a100:8').kind.target_config()
+  assert 'core_count: 108' in config and 'major: 8 minor: 0' in config
+
+
+def _compile(workdir, *flags, plugin=PLUGIN, config=SMOKE, name='h100:8'):
+  result = harness.run_cli(
+    'triax.cli.train',
+    f'--config={config}',
+    f'--workdir={workdir}',
+    '--compile_only',
+    f'--topology={name}',
+    *flags,
+    env_extra={topology.CUDA_PLUGIN_VAR: plugin} if plugin else None,
+  )
+  path = os.path.join(workdir, 'compile_stats.json')
+  stats = None
+  if os.path.exists(path):
+    with open(path) as f:
+      stats = json.load(f)
+  return result, stats
+
+
+def test_fsdp_splits_the_state_over_eight_h100s(tmp_path):
+  """The same train step for 8 H100s, replicated and FSDP: XLA:GPU's per-device
+  arguments (the state and the batch) fall to an eighth of the state."""
+  assert os.path.isfile(PLUGIN), 'scripts/env.sh test installs the CUDA plugin there'
+  runs = {}
+  for name, flags in (('dp', ()), ('fsdp', ('--config.mesh.fsdp=true',))):
+    result, stats = _compile(str(tmp_path / name), *EIGHT_REPLICAS, *flags)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1].startswith('fits: '), result.stdout
+    assert 'on 8 x NVIDIA H100 80GB HBM3' in result.stdout
+    assert (stats['device_kind'], stats['chips'], stats['topology']) == (
+      'NVIDIA H100 80GB HBM3',
+      8,
+      'h100:8',
+    )
+    assert stats['hbm_bytes_per_device'] == 81559 * 2**20 and stats['fits']
+    assert any('train_step' in b['op_name'] for b in stats['largest_buffers'])
+    runs[name] = stats
+  state = runs['dp']['param_bytes'] + runs['dp']['optimizer_bytes']
+  batch = runs['dp']['argument_bytes'] - state
+  assert 0 <= batch < state / 100
+  assert runs['fsdp']['argument_bytes'] == pytest.approx(state / 8 + batch, rel=0.01)
+
+
+def test_a_pipeline_compiles_for_two_hosts_of_eight(tmp_path):
+  result, stats = _compile(
+    str(tmp_path / 'w'),
+    '--config.mesh.data=4',
+    '--config.mesh.tensor=2',
+    '--config.mesh.pipe=2',
+    '--config.pipeline.microbatches=2',
+    '--config.train.global_batch_size=8',
+    name='h100:2x8',
+  )
+  assert result.returncode == 0, result.stderr
+  assert stats['chips'] == 16 and stats['schedule']['stages'] == 2
+  assert 0 < stats['temp_bytes'] < GiB
+
+
+@pytest.mark.parametrize(
+  'plugin, flags, line',
+  [
+    (
+      None,
+      (),
+      "error: --topology: compiling for a GPU needs jax's CUDA plugin: pip install 'triax[gpu]'",
+    ),
+    ('/no/such/plugin.so', (), 'error: TRIAX_XLA_CUDA_PLUGIN: /no/such/plugin.so is not a file'),
+    (PLUGIN, ('--config.model.attention=cudnn',), 'error: model.attention: cudnn attention is'),
+  ],
+)
+def test_what_a_gpu_compile_cannot_do_is_one_line(tmp_path, plugin, flags, line):
+  result, stats = _compile(str(tmp_path / 'w'), *EIGHT_REPLICAS, *flags, plugin=plugin)
+  assert result.returncode == 2 and stats is None, result.stderr
+  (error,) = result.stderr.splitlines()
+  assert error.startswith(line), result.stderr
+
+
+def test_plan_verify_compiles_the_best_plan_for_eight_h100s():
+  result = harness.run_cli(
+    'triax.cli.plan',
+    f'--config={SMOKE}',
+    '--config.train.global_batch_size=8',
+    '--cluster=experiments/clusters/dgx_h100.yaml',
+    '--gpus=8',
+    '--profile=analytic',
+    '--top=1',
+    '--verify=h100:8',
+    '--json',
+    env_extra={topology.CUDA_PLUGIN_VAR: PLUGIN},
+  )
+  assert result.returncode == 0, result.stderr
+  verify = json.loads(result.stdout)['verify']
+  assert verify['topology'] == 'h100:8' and verify['fits'] is True
+  assert verify['xla_step_peak_bytes'] > 0
+  assert verify['line'].startswith('verify: XLA:GPU compiled the best plan for h100:8: ')
