@@ -482,9 +482,10 @@ def main():
   write_doc(args.out, results, sys.executable, mt_python)
 
 
-def planner_peak(topology: str, config: str, overrides: dict) -> float:
+def planner_peak(topology: str, config: str, overrides: dict, cluster: str = 'tpu_v5p') -> float:
   """The planner's per-device peak of the train step (analytic profile, the
-  v5p cluster file), for the layout the row compiles: the most of any stage."""
+  cluster file: the v5p one unless named), for the layout the row compiles:
+  the most of any stage."""
   from triax import config as config_lib
   from triax.plan import candidate
   from triax.plan import cluster as cluster_lib
@@ -495,7 +496,7 @@ def planner_peak(topology: str, config: str, overrides: dict) -> float:
   for key, value in overrides.items():
     config_lib.set_dotted(cfg, key, value)
   cfg = config_lib.validate(cfg, _chips(topology))
-  cluster = cluster_lib.load(os.path.join(ROOT, 'experiments', 'clusters', 'tpu_v5p.yaml'))
+  cluster = cluster_lib.load(os.path.join(ROOT, 'experiments', 'clusters', f'{cluster}.yaml'))
   profile = analytic.build(cfg.model, (cfg.mesh.tensor,))
   options = candidate.Options(
     state_programs=False,

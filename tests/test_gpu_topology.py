@@ -137,3 +137,24 @@ def test_plan_verify_compiles_the_best_plan_for_eight_h100s():
   assert verify['topology'] == 'h100:8' and verify['fits'] is True
   assert verify['xla_step_peak_bytes'] > 0
   assert verify['line'].startswith('verify: XLA:GPU compiled the best plan for h100:8: ')
+
+
+# docs/bench_gpu_compile.json: XLA:GPU's bytes of each row (scripts/bench_gpu_compile.py).
+# Rows where the planner's memory model (fitted to XLA:TPU) is within 10% of XLA:GPU.
+WITHIN_XLA_GPU = ('fsdp8', 'tp8', 'tp2pp4', 'tp8_8b', 'fsdp16_8b')
+
+
+@pytest.fixture(scope='module')
+def gpu_bench():
+  return harness.load_script('bench_gpu_compile')
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize('name', WITHIN_XLA_GPU)
+def test_planner_peak_within_ten_percent_of_xla_gpu(gpu_bench, name):
+  with open(os.path.join(harness.ROOT, 'docs', 'bench_gpu_compile.json')) as f:
+    row = json.load(f)[name]
+  assert isinstance(row['temp'], int) and isinstance(row['argument'], int)
+  _, topology_name, (config, overrides) = gpu_bench.ROWS[name]
+  predicted = gpu_bench.tpu.planner_peak(topology_name, config, overrides, gpu_bench.CLUSTER)
+  assert 0.9 <= predicted / (row['argument'] + row['temp']) <= 1.1
