@@ -112,30 +112,31 @@ device_description_str: "{self.device_kind}"
 
 MiB = 2**20
 GPU_KINDS = {
-  # H100 SXM5 80GB HBM3 (nvidia-smi: 81559 MiB) and A100 SXM4 80GB (81920 MiB).
+  # H100 SXM5 80GB HBM3 (nvidia-smi: 81559 MiB).
   'h100': GpuKind(
-    'NVIDIA H100 80GB HBM3',
-    81559 * MiB,
-    (9, 0),
-    132,
-    128,
-    228 * 1024,
-    227 * 1024,
-    50 * MiB,
-    3_352_320_000_000,
-    1.98,
+    device_kind='NVIDIA H100 80GB HBM3',
+    hbm_bytes=81559 * MiB,
+    compute_capability=(9, 0),
+    sms=132,
+    fpus_per_sm=128,
+    shared_memory_per_sm=228 * 1024,
+    shared_memory_per_block_optin=227 * 1024,
+    l2_cache_bytes=50 * MiB,
+    memory_bandwidth=3_352_320_000_000,
+    clock_ghz=1.98,
   ),
+  # A100 SXM4 80GB (nvidia-smi: 81920 MiB).
   'a100': GpuKind(
-    'NVIDIA A100-SXM4-80GB',
-    81920 * MiB,
-    (8, 0),
-    108,
-    64,
-    164 * 1024,
-    163 * 1024,
-    40 * MiB,
-    2_039_000_000_000,
-    1.41,
+    device_kind='NVIDIA A100-SXM4-80GB',
+    hbm_bytes=81920 * MiB,
+    compute_capability=(8, 0),
+    sms=108,
+    fpus_per_sm=64,
+    shared_memory_per_sm=164 * 1024,
+    shared_memory_per_block_optin=163 * 1024,
+    l2_cache_bytes=40 * MiB,
+    memory_bandwidth=2_039_000_000_000,
+    clock_ghz=1.41,
   ),
 }
 # Where jax's CUDA plugin is not installed: the path of its xla_cuda_plugin.so
