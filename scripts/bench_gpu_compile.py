@@ -67,7 +67,7 @@ def main():
   parser.add_argument('--out', default=os.path.join(ROOT, 'docs', 'bench_gpu_compile.md'))
   parser.add_argument('--rows', default=','.join(ROWS), help="rows to compile; '' for none")
   args = parser.parse_args()
-  plugin = os.environ.get('TRIAX_XLA_CUDA_PLUGIN', PLUGIN)
+  plugin = os.environ.setdefault('TRIAX_XLA_CUDA_PLUGIN', PLUGIN)  # the rows' processes inherit it
   results_path = os.path.splitext(args.out)[0] + '.json'
   results = {}
   if os.path.exists(results_path):
@@ -75,9 +75,7 @@ def main():
       results = json.load(f)
   for name in filter(None, args.rows.split(',')):
     what, topology, (config, overrides) = ROWS[name]
-    stats = tpu.triax_row(
-      f'gpu-{name}', topology, config, overrides, sys.executable, {'TRIAX_XLA_CUDA_PLUGIN': plugin}
-    )
+    stats = tpu.triax_row(f'gpu-{name}', topology, config, overrides, sys.executable)
     results[name] = {
       'temp': stats['temp_bytes'],
       'argument': stats['argument_bytes'],

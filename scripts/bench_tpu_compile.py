@@ -489,7 +489,7 @@ def planner_peak(topology: str, config: str, overrides: dict, cluster: str = 'tp
   from triax import config as config_lib
   from triax.plan import candidate
   from triax.plan import cluster as cluster_lib
-  from triax.plan.cost import analytic, simulator
+  from triax.plan.cost import analytic, memory
 
   path, _, arg = config.partition(':')
   cfg = config_lib.from_file(os.path.join(ROOT, path), arg or None)
@@ -503,8 +503,12 @@ def planner_peak(topology: str, config: str, overrides: dict, cluster: str = 'tp
     offload_stash=bool(cfg.pipeline.offload_stash),
     offload_optimizer=bool(cfg.train.offload_optimizer),
   )
-  estimate = simulator.simulate_plan(candidate.from_config(cfg), profile, cluster, options)
-  return max(estimate.step_memory)
+  plan = candidate.from_config(cfg)
+  program = None
+  if plan.uses_executor:
+    program = candidate.program(plan.schedule, plan.pipe, plan.microbatches, plan.virtual_stages)
+  # Memory only: no step time (an offloading row's would need the cluster's host link).
+  return max(memory.memory(plan, profile, cluster, options, program)[3])
 
 
 def _maxtext_versions(results: dict, mt_python: str | None) -> str:

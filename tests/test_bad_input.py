@@ -473,6 +473,18 @@ CASES = [
     ),
     '--cluster',
   ),
+  (
+    'plan-offload-without-host-link',
+    command(
+      'triax.cli.plan',
+      '--config=experiments/gpt_tiny.py',
+      '--config.train.offload_optimizer=true',
+      '--cluster=experiments/clusters/tpu_v5p.yaml',
+      '--gpus=4',
+      '--profile=analytic',
+    ),
+    'train.offload_optimizer',
+  ),
   # -- compiling for a TPU slice that is not here
   ('topology-unknown', tpu('--topology=v9p:2x2'), '--topology'),
   ('topology-without-compile-only', tpu('--topology=v5p:2x2x1', compile_only=False), '--topology'),

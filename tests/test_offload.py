@@ -208,15 +208,16 @@ def test_the_planner_counts_one_set_of_an_offloaded_stash():
 def test_the_planner_keeps_offloaded_moments_off_the_device_until_the_update(capsys):
   """`triax plan` reads train.offload_optimizer: each layout's peak loses
   Adam's moments through the forward and backward, and holds them again,
-  beside the parameters and gradients, for the update."""
+  beside the parameters and gradients, for the update; each step takes their
+  trip over the host link, there and back."""
   from triax import config as config_lib
   from triax.plan import report
 
   config = os.path.join(harness.ROOT, 'experiments', 'llama_1b.py')
-  cluster = os.path.join(harness.ROOT, 'experiments', 'clusters', 'tpu_v5p.yaml')
+  cluster = os.path.join(harness.ROOT, 'experiments', 'clusters', 'dgx_h100.yaml')
 
   def top(offload):
-    cfg = config_lib.from_file(config, 'attention=splash')
+    cfg = config_lib.from_file(config, 'attention=xla')
     cfg.train.offload_optimizer = offload
     request = report.Request(
       cfg=cfg,
@@ -225,13 +226,75 @@ def test_the_planner_keeps_offloaded_moments_off_the_device_until_the_update(cap
       cluster=cluster,
       top=100,
       profile='analytic',
-      gpus=4,
+      gpus=8,
     )
     return {row['plan']: row for row in report.run(request)['top']}
 
   on_device, offloaded = top(False), top(True)
   capsys.readouterr()
-  assert on_device.keys() == offloaded.keys() and len(on_device) > 4
-  for plan, row in offloaded.items():
+  both = on_device.keys() & offloaded.keys()  # the top 100 of each ranking
+  assert len(both) > 4
+  for plan in both:
+    row = offloaded[plan]
+    assert row['step_time_s'] > on_device[plan]['step_time_s'], plan
     for before, after in zip(on_device[plan]['memory_bytes'], row['memory_bytes']):
       assert after < before, plan
+
+
+def _pp4_plan(cluster_name):
+  from triax import config as config_lib
+  from triax.plan import candidate
+  from triax.plan import cluster as cluster_lib
+  from triax.plan.cost import analytic
+
+  cfg = config_lib.from_file(
+    os.path.join(harness.ROOT, 'experiments', 'llama_1b.py'), 'attention=xla,remat=none'
+  )
+  for key, value in {'mesh.data': 1, 'mesh.pipe': 4, 'pipeline.microbatches': 8}.items():
+    config_lib.set_dotted(cfg, key, value)
+  cfg = config_lib.validate(cfg, 4)
+  cluster = cluster_lib.load(
+    os.path.join(harness.ROOT, 'experiments', 'clusters', f'{cluster_name}.yaml')
+  )
+  return candidate.from_config(cfg), analytic.build(cfg.model, (1,)), cluster_lib.resize(cluster, 4)
+
+
+@pytest.mark.fast
+def test_the_planner_prices_the_host_copies():
+  import dataclasses
+
+  from triax.plan import candidate
+  from triax.plan.cost import host, memory, simulator
+
+  plan, profile, cluster = _pp4_plan('dgx_h100')
+  stash = candidate.Options(offload_stash=True)
+  one_set = memory.chunk_stash(plan, profile, 4)
+  assert host.stash_seconds(plan, profile, cluster, stash) == (one_set / 64e9,) * 4
+  base = simulator.simulate_plan(plan, profile, cluster)
+  assert simulator.simulate_plan(plan, profile, cluster, stash).step_time >= base.step_time
+  # Over a slow link every tick waits for its copy: the ticks times one set's.
+  slow = dataclasses.replace(
+    cluster,
+    groups={k: dataclasses.replace(g, host_bandwidth=1e6) for k, g in cluster.groups.items()},
+  )
+  estimate = simulator.simulate_plan(plan, profile, slow, stash)
+  ticks = candidate.program(plan.schedule, 4, 8, 1).ticks
+  assert ticks * one_set / 1e6 <= estimate.pipeline_time <= 1.01 * ticks * one_set / 1e6
+  # The optimizer's moments: there and back once a step, after the backward.
+  moved = simulator.simulate_plan(plan, profile, cluster, candidate.Options(offload_optimizer=True))
+  trip = host.optimizer_seconds(plan, profile, cluster, candidate.Options(offload_optimizer=True))
+  assert trip > 0 and moved.tail_time - base.tail_time == pytest.approx(trip)
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize('key', ['pipeline.offload_stash', 'train.offload_optimizer'])
+def test_an_offload_on_a_cluster_without_its_host_link_says_what_to_add(key):
+  from triax.plan import candidate
+  from triax.plan.cost import simulator
+
+  plan, profile, cluster = _pp4_plan('tpu_v5p')
+  options = candidate.Options(**{key.split('.')[1]: True})
+  with pytest.raises(ConfigError) as error:
+    simulator.simulate_plan(plan, profile, cluster, options)
+  assert error.value.key == key
+  assert "host_bandwidth of tpu_v5p's group v5p" in error.value.message

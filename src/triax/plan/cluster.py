@@ -32,7 +32,10 @@ full speed at once; the simulator honours it.
 
 A group's `matmul_efficiency` is the analytic device model's one
 calibration constant (plan/cost/analytic.py): the fraction of its data-sheet
-peak a large matmul sustains. `resize` sizes a cluster of identical nodes
+peak a large matmul sustains. Its optional `host_bandwidth` is one device's
+link to its host's memory, one way (PCIe Gen5 x16: 64 GB/s): what the host
+copies of pipeline.offload_stash and train.offload_optimizer take
+(plan/cost/host.py); a plan that offloads needs it. `resize` sizes a cluster of identical nodes
 to N devices (the planner's --gpus).
 
 Every problem raises ConfigError('--cluster', '<file>: <what, how to fix>').
@@ -120,6 +123,8 @@ class Group:
       a floor the roofline cannot see for small layers.
     matmul_efficiency: fraction of peak a large matmul sustains (the
       analytic model's calibration constant); None = not stated.
+    host_bandwidth: bytes/s one way between a device and its host's memory;
+      None = not stated.
   """
 
   name: str
@@ -132,6 +137,7 @@ class Group:
   efficiency: float | None = None
   overhead_per_layer: float = 0.0
   matmul_efficiency: float | None = None
+  host_bandwidth: float | None = None
 
   def peak(self, dtype: str) -> float | None:
     """Peak FLOP/s at the compute dtype (float16 falls back to bfloat16)."""
@@ -379,6 +385,7 @@ def _group(g: Any, where: str, bad) -> Group:
     'efficiency',
     'overhead_per_layer',
     'matmul_efficiency',
+    'host_bandwidth',
   }
   if not isinstance(g, dict):
     raise bad(f'{where}: want a mapping')
@@ -433,6 +440,11 @@ def _group(g: Any, where: str, bad) -> Group:
     efficiency=efficiency,
     overhead_per_layer=overhead,
     matmul_efficiency=matmul_efficiency,
+    host_bandwidth=(
+      None
+      if g.get('host_bandwidth') is None
+      else _quantity(g['host_bandwidth'], 'bandwidth', f'{where}.host_bandwidth', bad)
+    ),
   )
 
 

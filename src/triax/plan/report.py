@@ -17,7 +17,7 @@ from triax.errors import ConfigError
 from triax.plan import candidate
 from triax.plan import cluster as cluster_lib
 from triax.plan.candidate import Estimate
-from triax.plan.cost import roofline, trace
+from triax.plan.cost import host, roofline, trace
 from triax.plan.search import baselines as baselines_lib
 from triax.plan.search import emit, exhaustive, layouts
 
@@ -145,6 +145,7 @@ def run(request: Request, as_json: bool = False, out: TextIO | None = None) -> d
     offload_optimizer=bool(cfg.train.offload_optimizer),
     moe_imbalance=_moe_imbalance(request),
   )
+  host.require(cluster, options)
   m = cfg.model
   progress(
     f'plan: {m.num_layers} layers, d_model {m.d_model}, {m.num_heads} heads, seq {m.seq_len}, '

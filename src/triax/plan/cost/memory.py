@@ -323,6 +323,21 @@ def _workspace(plan: Plan, profile: Profile, shard: Shard, logits: float, pipeli
   return head + layer if pipelined else max(head, layer)
 
 
+def stage_layers(plan: Plan, options: Options, stage: int) -> int:
+  """Layers of each chunk a stage allocates: the widest chunk's when padded
+  (the executor's stacks), else its own."""
+  return max(plan.chunk_layers) if options.padded else plan.layers[stage] // plan.virtual_stages
+
+
+def stage_params(plan: Plan, profile: Profile, layers: int) -> tuple[float, float]:
+  """(parameter bytes, of them the routed experts') of a stage whose chunks
+  hold `layers` layers each: its layers and the edges."""
+  shard = profile.shards[plan.tensor]
+  v = plan.virtual_stages
+  params = shard.layer_param_bytes * layers * v + shard.edge_param_bytes
+  return params, experts_lib.expert_param_bytes(shard) * layers * v
+
+
 def memory(
   plan: Plan, profile: Profile, cluster: Cluster, options: Options, program_: sched.Program | None
 ) -> tuple[tuple[float, ...], ...]:
@@ -332,8 +347,7 @@ def memory(
   peak (all but the training state), the train step's peak and the state
   programs' peak."""
   shard = profile.shards[plan.tensor]
-  b, v = plan.microbatch_size, plan.virtual_stages
-  widest = max(plan.chunk_layers)
+  b = plan.microbatch_size
   # The head's logits, in the compute dtype, once: XLA fuses the softmax and
   # its gradient into the loss chunk's matmuls, and holds one bf16[b, chunk,
   # V/t] (bf16[2,256,128256] in the 1B FSDP step, bf16[8,256,32064] at TP 4,
@@ -343,10 +357,8 @@ def memory(
   out, cap, temp, step, progs = [], [], [], [], []
   shed, pooled = edge_grads_after(plan, profile, options)
   for s in range(plan.pipe):
-    own = plan.layers[s] // v
-    held = widest if options.padded else own
-    params = shard.layer_param_bytes * held * v + shard.edge_param_bytes
-    experts = experts_lib.expert_param_bytes(shard) * held * v
+    held = stage_layers(plan, options, s)
+    params, experts = stage_params(plan, profile, held)
     if program_ is None:  # no pipeline: one value_and_grad over the whole model
       stash = chunk_stash(plan, profile, plan.num_layers, pooled=False)
       buffers = 0.0

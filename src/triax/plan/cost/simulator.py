@@ -93,6 +93,7 @@ from triax.pipeline.schedule import Action
 from triax.plan.candidate import Estimate, Options, Plan, program
 from triax.plan.cluster import Cluster
 from triax.plan.cost import experts as experts_lib
+from triax.plan.cost import host as host_lib
 from triax.plan.cost import memory as memory_lib
 from triax.plan.cost import profile as profile_lib
 from triax.plan.cost import roofline
@@ -122,7 +123,9 @@ class ActionCosts:
   cores; see roofline.node_share). transfer[s] is one activation (or
   gradient) ppermute out of stage s; evict[s] one chunk's residual set
   moved to or from stage s's partner; tick_transfer what the executor's
-  neighbour ppermutes cost in every tick, whatever they carry.
+  neighbour ppermutes cost in every tick, whatever they carry; host[s] one
+  residual set copied between stage s and its host's memory, one way (an
+  offloaded stash, plan/cost/host.py; () without one).
   """
 
   chunk: tuple[dict[str, float], ...]
@@ -131,6 +134,7 @@ class ActionCosts:
   tick_transfer: float
   share: tuple[dict[str, float], ...] | None = None
   fused: tuple[float, ...] | None = None
+  host: tuple[float, ...] = ()
 
   def of(self, a: Action) -> float:
     return self.chunk[a.chunk][a.kind]
@@ -229,6 +233,7 @@ def action_costs(
     tick_transfer=tick_transfer,
     share=tuple(shares),
     fused=tuple(fused),
+    host=host_lib.stash_seconds(plan, profile, cluster, options),
   )
 
 
@@ -583,7 +588,9 @@ class PlanTickCosts:
   as the busiest stage, or longer where stages share cores (`Sharing.tick`);
   its send phase is `simulate.send_phase` with the executor's per-tick
   neighbour ppermutes (`tick_transfer`) as the floor, and a tick where
-  residual sets move opens with `simulate.move_phase`.
+  residual sets move opens with `simulate.move_phase`. With the stash in
+  host memory, every tick copies a set each way beside its compute, and
+  lasts at least that copy (plan/cost/host.py).
   """
 
   def __init__(self, costs: ActionCosts, share: Sharing = Sharing(())):
@@ -594,7 +601,7 @@ class PlanTickCosts:
 
   def tick_time(self, tick: simulate.Tick, work: Sequence[float]) -> float:
     shares = [0.0 if a is None else self.costs.share_of(a) for a in tick.compute]
-    return self.share.tick(work, shares)
+    return max([self.share.tick(work, shares), *self.costs.host])
 
   def transfer(self, tick: simulate.Tick) -> float:
     return simulate.send_phase(tick, self.costs.transfer, self.costs.tick_transfer)
@@ -638,6 +645,14 @@ def simulate_async(plan: Plan, costs: ActionCosts, share: Sharing = Sharing(()))
         t_evict=costs.evict[s] * v,
       )
     )
+  if costs.host:
+    # Each chunk action copies one set over the host link beside it (F out, B
+    # and W in); the stage's costs are its v chunks' (as t_evict).
+    kinds = ('t_forward', 't_backward') + (('t_weight',) if schedule.split_backward else ())
+    per = [
+      dataclasses.replace(c, **{k: max(getattr(c, k), costs.host[s] * v) for k in kinds})
+      for s, c in enumerate(per)
+    ]
   result = simulate.simulate_async(schedule, per)
   if share.nodes:
     m = plan.microbatches
@@ -670,6 +685,7 @@ def simulate_plan(
   tail, dp_total = _tail(plan, profile, cluster, options, share, prog if uses_executor else None)
   if edges_after_loop(plan, profile, options):
     tail += edge_seconds_after_loop(plan, profile, cluster)
+  tail += host_lib.optimizer_seconds(plan, profile, cluster, options)
   if options.dp_allreduce == 'per_microbatch' and plan.state_sharding == 'replicated':
     comm = Comm(cluster, profile)
     shard = profile.shards[plan.tensor]
