@@ -32,7 +32,8 @@ def test_gpu_topology_names():
   assert node.hbm_bytes == 81559 * 2**20
   assert topology.parse('a100:4x8').chips == 32
   assert topology.parse('v5p:2x2x1').compiler == 'XLA:TPU'
-  for bad in ('h100:2x2x2', 'h100:0', 'h200:8'):
+  assert topology.parse('h200:8').hbm_bytes == 143771 * 2**20
+  for bad in ('h100:2x2x2', 'h100:0', 'b300:8'):
     with pytest.raises(ConfigError) as error:
       topology.parse(bad)
     assert error.value.key == '--topology' and 'h100:N or h100:HxN' in error.value.message

@@ -43,8 +43,8 @@ _TOPOLOGY = flags.DEFINE_string(
   'With --compile_only: compile for this TPU slice or these GPUs instead of the local devices, '
   "on any host. TPU (needs libtpu: pip install 'triax[tpu]'): KIND:AxB or KIND:AxBxC chips, "
   "e.g. v5p:2x2x2, v5e:4x4, v6e:8x8, v4:2x2x2. GPU (needs jax's CUDA plugin: pip install "
-  "'triax[gpu]', or TRIAX_XLA_CUDA_PLUGIN=its .so): h100:8 or a100:8 (one host of 8), "
-  'h100:4x8 (4 hosts of 8). Writes the fit against its HBM; exit 3 if it does not fit.',
+  "'triax[gpu]', or TRIAX_XLA_CUDA_PLUGIN=its .so): h100:8, h200:8 or a100:8 (one host of "
+  '8), h100:4x8 (4 hosts of 8). Writes the fit against its HBM; exit 3 if it does not fit.',
 )
 _TOPOLOGY_SLICES = flags.DEFINE_integer(
   'topology_slices', 1, 'With --topology: this many slices joined by the data-centre network.'
