@@ -111,32 +111,27 @@ device_description_str: "{self.device_kind}"
 
 
 MiB = 2**20
+# H100 SXM5 80GB HBM3 (nvidia-smi: 81559 MiB).
+_H100 = GpuKind(
+  device_kind='NVIDIA H100 80GB HBM3',
+  hbm_bytes=81559 * MiB,
+  compute_capability=(9, 0),
+  sms=132,
+  fpus_per_sm=128,
+  shared_memory_per_sm=228 * 1024,
+  shared_memory_per_block_optin=227 * 1024,
+  l2_cache_bytes=50 * MiB,
+  memory_bandwidth=3_352_320_000_000,
+  clock_ghz=1.98,
+)
 GPU_KINDS = {
-  # H100 SXM5 80GB HBM3 (nvidia-smi: 81559 MiB).
-  'h100': GpuKind(
-    device_kind='NVIDIA H100 80GB HBM3',
-    hbm_bytes=81559 * MiB,
-    compute_capability=(9, 0),
-    sms=132,
-    fpus_per_sm=128,
-    shared_memory_per_sm=228 * 1024,
-    shared_memory_per_block_optin=227 * 1024,
-    l2_cache_bytes=50 * MiB,
-    memory_bandwidth=3_352_320_000_000,
-    clock_ghz=1.98,
-  ),
+  'h100': _H100,
   # H200 SXM 141GB HBM3e (nvidia-smi: 143771 MiB): H100's chip, more and faster memory.
-  'h200': GpuKind(
+  'h200': dataclasses.replace(
+    _H100,
     device_kind='NVIDIA H200',
     hbm_bytes=143771 * MiB,
-    compute_capability=(9, 0),
-    sms=132,
-    fpus_per_sm=128,
-    shared_memory_per_sm=228 * 1024,
-    shared_memory_per_block_optin=227 * 1024,
-    l2_cache_bytes=50 * MiB,
     memory_bandwidth=4_800_000_000_000,
-    clock_ghz=1.98,
   ),
   # A100 SXM4 80GB (nvidia-smi: 81920 MiB).
   'a100': GpuKind(
