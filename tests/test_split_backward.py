@@ -97,3 +97,36 @@ def test_the_planner_times_the_executors_halves():
   np.testing.assert_allclose(dx, want_dx, rtol=1e-5, atol=1e-6)
   for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_the_cut_holds_the_weight_matmuls_operands_only():
+  """A Llama layer's cut is each weight matmul's input and the cotangent at
+  its output, nothing W could make from less: B makes the RMSNorm scales'
+  [d] gradients (not handing W two [tokens, d] tensors per norm) and
+  SwiGLU's product (not its gate and up)."""
+  d, ff, heads, kv_heads, layers = 32, 64, 4, 2, 2
+  model = harness.model_of(
+    family='llama',
+    num_layers=layers,
+    d_model=d,
+    num_heads=heads,
+    num_kv_heads=kv_heads,
+    d_ff=ff,
+    vocab_size=256,
+    seq_len=16,
+    remat='full',
+  )
+  params = model.init(jax.random.key(0))['layers']
+  x = jax.random.normal(jax.random.key(1), (2, 16, d))
+  y, vjp_fn = jax.vjp(model.layers, params, x)
+  residuals, treedef = jax.tree.flatten(vjp_fn)
+  split = SplitBackward(lambda res, g: jax.tree.unflatten(treedef, res)(g), residuals, y)
+  tokens = 2 * 16
+  leaves = jax.tree.leaves(split.cut_shapes)
+  kv = kv_heads * d // heads
+  # Inputs: both norms' outputs, the attention's output, the MLP's product;
+  # cotangents: Q, K, V, the attention's and the MLP's outputs, gate and up.
+  per_token = 3 * d + ff + (d + 2 * kv + 2 * d + 2 * ff)
+  assert sum(a.size for a in leaves if a.ndim > 2) == layers * tokens * per_token
+  # Beside them, per layer: the two scales' gradients and a scalar.
+  assert sum(a.size for a in leaves if a.ndim <= 2) == layers * (2 * d + 1)

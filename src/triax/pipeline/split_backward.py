@@ -20,6 +20,9 @@ also emits each iteration's cut as stacked outputs and a W scan that
 consumes them; a `cond` (a padded layer of an uneven split) a B switch and
 a W switch; a nested `jit` or `checkpoint` is inlined. Every equation runs
 exactly once, in B or in W, so B + W execute the fused backward's FLOPs.
+Cheap W equations (elementwise and reductions, no matmul) move into B where
+that makes the cut no larger (`_promote_cheap`), so it holds each weight
+matmul's operands and little else.
 
 The split is generic: it needs no cooperation from the model.
 """
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -94,6 +98,7 @@ def _analyze(jaxpr, consts, need_b, need_w) -> _Plan:
     elif ow:
       roles[n] = _W
       live_w |= {v for v in eqn.invars if _is_var(v)}
+  live_w = _promote_cheap(jaxpr, roles, subs, live_b, defined_b, need_w)
   cuts = sorted((v for v in live_w if v in defined_b), key=_order(jaxpr))
   return _Plan(
     jaxpr,
@@ -106,6 +111,73 @@ def _analyze(jaxpr, consts, need_b, need_w) -> _Plan:
     {i for i, v in enumerate(jaxpr.invars) if v in live_w},
     cuts,
   )
+
+
+# Equations too costly to move from W to B: the weight gradients' matmuls
+# (what W exists to defer) and anything that talks to other devices.
+_COSTLY = frozenset({'dot_general', 'conv_general_dilated', 'ragged_dot', 'ragged_dot_general'})
+
+
+def _cheap(eqn) -> bool:
+  """Elementwise, reduction or shape work on this device only (a `jit` of such)."""
+  name, params = eqn.primitive.name, eqn.params
+  collective = 'axis_name' in params or 'axis_index_groups' in params
+  if name in _COSTLY or collective:
+    return False
+  if name in ('jit', 'pjit'):
+    return all(_cheap(e) for e in _open(params['jaxpr'])[0].eqns)
+  return not any(isinstance(p, (core.Jaxpr, core.ClosedJaxpr)) for p in params.values())
+
+
+def _nbytes(v) -> int:
+  aval = v.aval
+  return math.prod(aval.shape) * aval.dtype.itemsize
+
+
+def _w_reads(jaxpr, roles, subs, need_w) -> collections.Counter:
+  """How often W reads each var: its equations, split equations' W parts, its outputs."""
+  reads = collections.Counter(jaxpr.outvars[i] for i in need_w if _is_var(jaxpr.outvars[i]))
+  for n, eqn in enumerate(jaxpr.eqns):
+    if roles[n] == _W:
+      reads.update(v for v in eqn.invars if _is_var(v))
+    elif roles[n] == _SPLIT:
+      reads.update(eqn.invars[i] for i in subs[n].ins_w if _is_var(eqn.invars[i]))
+  return reads
+
+
+def _promote_cheap(jaxpr, roles, subs, live_b, defined_b, need_w) -> set:
+  """Moves cheap W equations into B where that makes the cut no larger; the new live_w.
+
+  Backward reachability leaves in W everything only the weight gradients
+  need, so B hands W the big inputs of small results: an RMSNorm's output
+  gradient and normalised input (two [tokens, d] tensors, fp32) for its
+  [d] scale gradient, SwiGLU's gate and up projections for the down
+  projection's input. Made in B, the cut holds the result instead (the
+  [d] gradient, one [tokens, ff] input): at Llama 3.1 8B's shape, 0.7 GiB
+  of each micro-batch's cut on a TP 4 x PP 2 stage. Moves that leave the
+  cut's bytes as they are count too, so chains (silu, then the product)
+  move together. An equation moves only when B already has its inputs
+  (B's values, the invars B reads, consts), so B reads nothing new.
+  """
+  available = set(defined_b) | {v for v in jaxpr.invars if v in live_b} | set(jaxpr.constvars)
+  reads = _w_reads(jaxpr, roles, subs, need_w)
+  moved = True
+  while moved:
+    moved = False
+    for n, eqn in enumerate(jaxpr.eqns):
+      ins = [v for v in eqn.invars if _is_var(v)]
+      if roles[n] != _W or not _cheap(eqn) or not all(v in available for v in ins):
+        continue
+      own = collections.Counter(ins)
+      freed = sum(_nbytes(v) for v in own if v in defined_b and reads[v] == own[v])
+      added = sum(_nbytes(v) for v in eqn.outvars if reads[v])
+      if added <= freed:
+        roles[n] = _B
+        reads.subtract(own)
+        available |= set(eqn.outvars)
+        defined_b |= set(eqn.outvars)
+        moved = True
+  return {v for v, count in reads.items() if count > 0}
 
 
 def _order(jaxpr) -> Callable:
