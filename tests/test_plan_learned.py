@@ -149,8 +149,10 @@ def test_the_shipped_policy_makes_the_decisions_it_made_before_schemas():
     # Retrained (scripts/bench_learned_planner.py) when the memory model's
     # selective remat came to keep what triax's policy keeps (smaller than
     # Megatron's: plan/cost/analytic.py) and a cut with data > 1 its inputs
-    # split over tensor (plan/cost/memory.py's chunk_cut).
-    'heterog_testbed': 'd2 t1 p4 1f1b m=32 v=1 mb=1 remat=selective layers=4/5/6/5 zero1',
+    # split over tensor (plan/cost/memory.py's chunk_cut). The same policy
+    # picks zb_h1 on the testbed since the cut lost what W can make from
+    # less (pipeline/split_backward.py's _promote_cheap): its cuts now fit.
+    'heterog_testbed': 'd2 t1 p4 zb_h1 m=32 v=1 mb=1 remat=selective layers=5/6/4/5 zero1',
     'hetero_256': 'd16 t2 p8 1f1b m=4 v=1 mb=1 remat=selective layers=1/1/3/3/3/3/3/3 zero1',
   }
   for name, plan in expected.items():

@@ -58,7 +58,7 @@ WITHIN_TEMP = (
   'dp4_zero1',
   'fsdp8_8b',
   'tp8pp4_70b',
-  'pp4_zb_none',
+  'pp4_zb',
 )
 
 

@@ -295,6 +295,10 @@ def _shard(spec, t: int, dropout: bool = False) -> tuple[profile_lib.Shard, Shar
   # Dense weights reading the stream into the MLP's hidden width: GPT's fc1,
   # a gated MLP's gate and up (whose product is one more hidden-wide value kept).
   mlp_inputs = 0
+  # Elements a position's B/W cut keeps (pipeline/split_backward.py): every
+  # dense weight matmul's output cotangent and its input, the two normed
+  # streams (attention's, MLP's) once each however many weights read them.
+  cut_kept = 2 * d * every
   for shape, routed, reads_stream in weights:
     layer_params += math.prod(shape) * pe
     if reads_stream and not routed:
@@ -310,6 +314,8 @@ def _shard(spec, t: int, dropout: bool = False) -> tuple[profile_lib.Shard, Shar
       k, n = d, math.prod(shape[1:])
     else:
       k, n = math.prod(shape[:-1]), shape[-1]
+    if not routed:
+      cut_kept += n + (0 if reads_stream else k)
     flops = 2.0 * s * rows * k * n
     # Activations in and out per sequence; the weights read once a call.
     io = rows * (s * k + s * n) * e
@@ -416,7 +422,6 @@ def _shard(spec, t: int, dropout: bool = False) -> tuple[profile_lib.Shard, Shar
     attention_fraction=attn_flops / max(sum(k.flops for k in fwd), 1.0),
     kv_per_seq=profile_lib.kv_per_seq(spec, t),
     experts=profile_lib.experts_of(shard, sum(k.flops for k in fwd)),
-    # The weight matmuls' inputs: all but the attention core (Megatron's selective count).
-    cut_per_seq=stash_none - probs,
+    cut_per_seq=s * cut_kept * e / every,
   )
   return out, kernels

@@ -222,40 +222,42 @@ def chunk_stash(plan: Plan, profile: Profile, layers: int, pooled: bool = True) 
   return plan.microbatch_size * (layers * held + fixed)
 
 
-# The [s, d] weight matmul inputs a cut holds (Korthikanti's 4: the two
-# norms' outputs, the attention's output and the MLP's hidden one's input).
+# The [s, d] values a cut holds whole on every tensor rank: the two norms'
+# outputs (the attention's and the MLP's input) and the cotangents at the
+# attention's and the MLP's outputs.
 CUT_WHOLE = 4
 
 
 def chunk_cut(plan: Plan, profile: Profile, layers: int) -> float:
   """Bytes of one cut (what a B hands its W): every weight matmul's input
   and the cotangent at its output, which remat does not shrink (B
-  recomputes what it needs).
+  recomputes what it needs), and nothing W could make from less
+  (split_backward's `_promote_cheap`: B makes the norms' scale gradients).
 
-  The inputs are what the stash counts without the attention core
-  (Korthikanti's s h e (4 + 12/t) per layer); the cotangents add its
-  tensor-split part again (at Q, K, V and the MLP's two d_ff-wide outputs;
-  those at the attention's and the MLP's outputs are [s, d], the size of
-  the 4's inputs). XLA:TPU's cut pool (the tick loop's carry), per layer and
-  sequence in bf16 [s, d] units: four bf16 [s, d], four bf16 [s, d_ff / t],
-  four f32 [s, d / t], Q's input and cotangent [s, heads / t, head_dim],
-  K's and V's: 32.8 at 1B with t = 1, 18.5 at t = 2, 10.1 at 8B with t = 4,
-  7.0 at 70B with t = 8; this gives 28, 16, 10 and 7 (short at 1B: its f32
-  cotangents and its head_dim of 64, which TPU tiles pad to 128 lanes).
-  With data > 1 (the executor manual over `data` too) GSPMD splits the four
-  [s, d] over tensor as well, as sequence parallelism would: bf16[4,20,1,2048,
-  1024] at 70B with data = 2, t = 8 (zb_h1, 4 slots), where the whole ones put
-  the planner 14% over the program.
+  Per layer and position (the analytic profile's cut_per_seq): the two
+  normed streams, the attention's output and the MLP's hidden product; the
+  cotangents at Q, K, V, the attention's output, gate and up (or fc1), and
+  the MLP's output. XLA:TPU's cut pool at Llama 3.1 8B's shape with t = 4:
+  four bf16 [s, d], three [s, d_ff / t], two [s, heads / t, head_dim] and
+  two [s, kv_heads / t, head_dim]. With data > 1 (the executor manual over
+  `data` too) GSPMD splits the four [s, d] over tensor as well, as
+  sequence parallelism would: bf16[4,20,1,2048,1024] at 70B with data = 2,
+  t = 8 (zb_h1, 4 slots). A measured profile (no cut_per_seq) takes the
+  selective stash as the inputs and as much again, less the whole four,
+  for the cotangents.
   """
   shard = profile.shards[plan.tensor]
-  # All but the attention core (whose scores no weight matmul reads); its
-  # CUT_WHOLE [s, d] inputs whole on every tensor rank but under SP or data > 1.
-  cut = shard.cut_per_seq or shard.stash_per_seq['selective']
-  whole = min(cut, CUT_WHOLE * shard.act_per_seq)
+  whole = CUT_WHOLE * shard.act_per_seq
+  if shard.cut_per_seq:
+    cut = shard.cut_per_seq
+  else:
+    inputs = shard.stash_per_seq['selective']
+    cut = 2 * inputs - min(inputs, whole)
+  whole = min(cut, whole)
   split = plan.sequence_parallel or plan.data > 1
   held = cut - (whole * (1 - 1 / plan.tensor) if split else 0.0)
   inputs = held * token_share(plan) + experts_lib.dispatch_stash(plan, shard, 'selective')
-  return plan.microbatch_size * layers * (inputs + (cut - whole) * token_share(plan))
+  return plan.microbatch_size * layers * inputs
 
 
 def pools(

@@ -203,8 +203,8 @@ class Shard:
       t): what context parallelism gathers or passes around its ring.
     experts: a MoE layer's routed experts (`Experts`), None for a dense one.
     cut_per_seq: bytes per layer per sequence of every weight matmul's input
-      (what a B/W cut keeps for W, memory.chunk_cut); 0: the selective
-      stash's (a measured profile's).
+      and output cotangent (what a B/W cut keeps for W, memory.chunk_cut); 0:
+      estimated from the selective stash (a measured profile's).
   """
 
   tensor: int
