@@ -130,3 +130,30 @@ def test_the_cut_holds_the_weight_matmuls_operands_only():
   assert sum(a.size for a in leaves if a.ndim > 2) == layers * tokens * per_token
   # Beside them, per layer: the two scales' gradients and a scalar.
   assert sum(a.size for a in leaves if a.ndim <= 2) == layers * (2 * d + 1)
+
+
+def test_only_elementwise_and_reductions_move_into_b():
+  """What `_promote_cheap` may move: no matmul, no inner program that may
+  hold one (a cond's branches), no collective."""
+  from jax.sharding import PartitionSpec as P
+
+  from triax.pipeline import split_backward
+
+  def f(w, x):
+    y = jax.lax.cond(x.sum() > 0, lambda: x @ w, lambda: x)
+    return jnp.tanh(y) @ w
+
+  eqns = jax.make_jaxpr(f)(jnp.ones((4, 4)), jnp.ones((4, 4))).jaxpr.eqns
+  cheap = {e.primitive.name: split_backward._cheap(e) for e in eqns}
+  assert cheap == {
+    'reduce_sum': True,
+    'gt': True,
+    'convert_element_type': True,
+    'cond': False,
+    'tanh': True,
+    'dot_general': False,
+  }
+  mesh = jax.make_mesh((1,), ('d',))
+  summed = jax.shard_map(lambda x: jax.lax.psum(x, 'd'), mesh=mesh, in_specs=P(), out_specs=P())
+  inner = jax.make_jaxpr(summed)(jnp.ones(4)).jaxpr.eqns[0].params['jaxpr']
+  assert [split_backward._cheap(e) for e in inner.eqns if 'psum' in e.primitive.name] == [False]

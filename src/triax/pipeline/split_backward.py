@@ -121,12 +121,17 @@ _COSTLY = frozenset({'dot_general', 'conv_general_dilated', 'ragged_dot', 'ragge
 def _cheap(eqn) -> bool:
   """Elementwise, reduction or shape work on this device only (a `jit` of such)."""
   name, params = eqn.primitive.name, eqn.params
-  collective = 'axis_name' in params or 'axis_index_groups' in params
+  # psum and its kin name mesh axes (a reduction's axes are dimensions); a
+  # cast to varying names them too but moves nothing.
+  named = any(isinstance(a, str) for a in params.get('axes', ()))
+  collective = 'axis_name' in params or (named and not _casts_to_varying(eqn))
   if name in _COSTLY or collective:
     return False
   if name in ('jit', 'pjit'):
     return all(_cheap(e) for e in _open(params['jaxpr'])[0].eqns)
-  return not any(isinstance(p, (core.Jaxpr, core.ClosedJaxpr)) for p in params.values())
+  # Any other inner program (a cond's branches, a loop's body) may hold matmuls.
+  inner = [q for p in params.values() for q in (p if isinstance(p, (tuple, list)) else (p,))]
+  return not any(isinstance(q, (core.Jaxpr, core.ClosedJaxpr)) for q in inner)
 
 
 def _nbytes(v) -> int:
@@ -158,6 +163,7 @@ def _promote_cheap(jaxpr, roles, subs, live_b, defined_b, need_w) -> set:
   cut's bytes as they are count too, so chains (silu, then the product)
   move together. An equation moves only when B already has its inputs
   (B's values, the invars B reads, consts), so B reads nothing new.
+  `roles` and `defined_b` are updated in place.
   """
   available = set(defined_b) | {v for v in jaxpr.invars if v in live_b} | set(jaxpr.constvars)
   reads = _w_reads(jaxpr, roles, subs, need_w)
