@@ -195,6 +195,14 @@ PLANNER_ROWS = {
       },
     ),
   ),
+  'fsdp32tp8_70b': (
+    '70B shape, FSDP 32 x TP 8 on 256 chips, 32 sequences',
+    'v5p:4x8x8',
+    (
+      LLAMA_8B.replace('remat=full', 'remat=full,batch=32'),
+      {**LLAMA_70B, 'mesh.data': 32, 'mesh.fsdp': True, 'mesh.tensor': 8},
+    ),
+  ),
 }
 
 # pipeline.edge_grads=loop on ROWS' pipelined layouts, where the default (auto)
