@@ -34,10 +34,15 @@ def _chunk_backward(remat, active):
     if active is None
     else (lambda p, h: model.layers(p, h, jnp.int32(active)))
   )
+  bwd, residuals, y = _vjp_parts(run, params, x)
+  return bwd, residuals, jax.random.normal(jax.random.key(2), y.shape)
+
+
+def _vjp_parts(run, params, x):
+  """(bwd(residuals, g), residuals, y) of run(params, x)'s vjp."""
   y, vjp_fn = jax.vjp(run, params, x)
   residuals, treedef = jax.tree.flatten(vjp_fn)
-  bwd = lambda res, g: jax.tree.unflatten(treedef, res)(g)
-  return bwd, residuals, jax.random.normal(jax.random.key(2), y.shape)
+  return (lambda res, g: jax.tree.unflatten(treedef, res)(g)), residuals, y
 
 
 @pytest.mark.parametrize(
@@ -118,9 +123,7 @@ def test_the_cut_holds_the_weight_matmuls_operands_only():
   )
   params = model.init(jax.random.key(0))['layers']
   x = jax.random.normal(jax.random.key(1), (2, 16, d))
-  y, vjp_fn = jax.vjp(model.layers, params, x)
-  residuals, treedef = jax.tree.flatten(vjp_fn)
-  split = SplitBackward(lambda res, g: jax.tree.unflatten(treedef, res)(g), residuals, y)
+  split = SplitBackward(*_vjp_parts(model.layers, params, x))
   tokens = 2 * 16
   leaves = jax.tree.leaves(split.cut_shapes)
   kv = kv_heads * d // heads

@@ -248,11 +248,8 @@ def chunk_cut(plan: Plan, profile: Profile, layers: int) -> float:
   """
   shard = profile.shards[plan.tensor]
   whole = CUT_WHOLE * shard.act_per_seq
-  if shard.cut_per_seq:
-    cut = shard.cut_per_seq
-  else:
-    inputs = shard.stash_per_seq['selective']
-    cut = 2 * inputs - min(inputs, whole)
+  selective = shard.stash_per_seq['selective']
+  cut = shard.cut_per_seq or 2 * selective - min(selective, whole)
   whole = min(cut, whole)
   split = plan.sequence_parallel or plan.data > 1
   held = cut - (whole * (1 - 1 / plan.tensor) if split else 0.0)
