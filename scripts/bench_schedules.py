@@ -22,11 +22,13 @@ The last line gives zb_h1 against 1f1b at m = 16 from those rounds:
 zero-bubble must not cost more than the bubble it removes.
 
 The `v_family` section compares the controllable-memory V-schedules (v_min,
-v_half, v_zb; Qi et al., NeurIPS'24) with 1f1b and zb_v at p = 4 and p = 8,
+v_half, v_zb; Qi et al., NeurIPS'24) with 1f1b and zb_v at p = 4, 8 and 16,
 m = 4p, on the same activation-dominated config with one layer per V chunk
-(2p layers, data = 8/p): compiled per-device temp bytes and step time, each
+(2p layers, data = 8/p; at p = 16 data = 1 on 16 forced devices, in a
+process of its own): compiled per-device temp bytes and step time, each
 relative to 1f1b at the same p, beside the peak residual sets the schedule
-holds and the paper's figure.
+holds and the paper's figure. p = 16 is where the paper's own peaks come
+near its large-p fractions (V-Min 6 and V-Half 9 of 1F1B's 16 micro-batches).
 
 The `bpipe_zb` section sets BPipe's evictions inside zero-bubble against
 zb_h1, bpipe and 1f1b at p = 8, m = 32 on the V-family's config (2p layers,
@@ -65,7 +67,7 @@ OLD = {'gpipe', '1f1b', 'interleaved_1f1b', 'bpipe', 'zb_h1'}
 # The V-family section: (schedule, v) at each p, and the paper's peak memory
 # in micro-batches of a whole stage (Qi et al., NeurIPS'24; 1F1B's is p).
 V_POINTS = (('1f1b', 1), ('zb_v', 2), ('v_min', 2), ('v_half', 2), ('v_zb', 2))
-V_STAGES = (4, 8)
+V_STAGES = (4, 8, 16)
 PAPER_PEAK = {
   '1f1b': lambda p: p,
   'zb_v': lambda p: p,
@@ -183,6 +185,26 @@ def _design_point(simulate, split: bool):
   return simulate.Costs(t_forward=1.0, t_backward=2.0)
 
 
+def run_group(
+  points, m: int, steps: int, rounds: int, p: int, data: int, layers: int, devices: int, **kw
+) -> dict:
+  """measure_group in a process of its own: on `devices` forced CPU devices,
+  or by another commit's triax (kw: its `cwd` and an `env` naming its src)."""
+  spec = ';'.join(f'{n},{v}' for n, v in points)
+  env = dict(kw.pop('env', os.environ))
+  env['XLA_FLAGS'] = f'--xla_force_host_platform_device_count={devices}'
+  run = subprocess.run(
+    [sys.executable, os.path.abspath(__file__), '--_group']
+    + [f'{m}:{steps}:{rounds}:{spec}:{p}:{data}:{layers}'],
+    env=env,
+    cwd=kw.pop('cwd', ROOT),
+    check=True,
+    capture_output=True,
+    text=True,
+  )
+  return json.loads(run.stdout.strip().splitlines()[-1])
+
+
 def baseline_groups(rev: str, ms, steps: int, rounds: int) -> dict:
   """Measures the baseline's schedules with the code of commit `rev` (a worktree)."""
   out = {}
@@ -197,16 +219,8 @@ def baseline_groups(rev: str, ms, steps: int, rounds: int) -> dict:
     try:
       env = dict(os.environ, PYTHONPATH=os.path.join(tree, 'src'))
       for m in ms:
-        spec = ';'.join(f'{n},{v}' for n, v in points)
-        run = subprocess.run(
-          [sys.executable, os.path.abspath(__file__), '--_group', f'{m}:{steps}:{rounds}:{spec}'],
-          env=env,
-          cwd=tree,
-          check=True,
-          capture_output=True,
-          text=True,
-        )
-        for name, row in json.loads(run.stdout.strip().splitlines()[-1]).items():
+        group = run_group(points, m, steps, rounds, P, DATA, 8, 8, env=env, cwd=tree)
+        for name, row in group.items():
           out[(name, m)] = row
           print('baseline', name, m, row, flush=True)
     finally:
@@ -258,8 +272,11 @@ def v_family_section(steps: int, rounds: int) -> list[str]:
   """The V-family rows at p = 4 and 8, m = 4p, relative to 1f1b at each p."""
   rows = {}
   for p in V_STAGES:
-    m = 4 * p
-    group = measure_group(V_POINTS, m, steps, rounds, p=p, data=8 // p, layers=2 * p)
+    m, data = 4 * p, max(1, 8 // p)
+    if p <= 8:
+      group = measure_group(V_POINTS, m, steps, rounds, p=p, data=data, layers=2 * p)
+    else:
+      group = run_group(V_POINTS, m, steps, rounds, p, data, 2 * p, devices=p)
     for name, row in group.items():
       rows[(name, p)] = row
       print('v_family', name, p, row, flush=True)
@@ -269,7 +286,8 @@ def v_family_section(steps: int, rounds: int) -> list[str]:
     'V-Min, V-Half and V-ZB (Qi et al., "Pipeline Parallelism with Controllable Memory", '
     'NeurIPS 2024) against 1f1b and zb_v at m = 4p: the config above with one layer per '
     'V chunk (2p layers), data = 8/p, fp32, 8 forced CPU devices on '
-    f"{os.cpu_count()} cores. Peak stash counts residual sets per stage (a V chunk's set is "
+    f'{os.cpu_count()} cores (at p = 16: data = 1 on 16 devices, in a process of its own). '
+    "Peak stash counts residual sets per stage (a V chunk's set is "
     'half of a 1f1b stage\'s); "paper" is the peak in micro-batches of a whole stage\'s '
     'activations the paper gives (1F1B p, V-Min (p+4)//3, V-Half (p+2)//2, V-ZB p). Temp '
     'and step time are relative to 1f1b at the same p, step times from alternating rounds '
@@ -404,11 +422,13 @@ def schedules_section() -> list[str]:
 
 if __name__ == '__main__':
   if len(sys.argv) == 3 and sys.argv[1] == '--_group':
-    # A baseline measurement: this script run by the baseline's triax.
-    m, steps, rounds, spec = sys.argv[2].split(':')
+    # A group measured in a process of its own (run_group): on more devices,
+    # or by the baseline's triax.
+    m, steps, rounds, spec, p, data, layers = sys.argv[2].split(':')
     sys.path.insert(0, os.path.join(os.getcwd(), 'src'))
     points = [(n, int(v)) for n, v in (x.split(',') for x in spec.split(';'))]
-    print(json.dumps(measure_group(points, int(m), int(steps), int(rounds))))
+    sizes = dict(p=int(p), data=int(data), layers=int(layers))
+    print(json.dumps(measure_group(points, int(m), int(steps), int(rounds), **sizes)))
   else:
     from absl import app, flags
 
