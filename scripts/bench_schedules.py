@@ -187,18 +187,27 @@ def _design_point(simulate, split: bool):
 
 
 def run_group(
-  points, m: int, steps: int, rounds: int, p: int, data: int, layers: int, devices: int, **kw
+  points,
+  m: int,
+  steps: int,
+  rounds: int,
+  p: int,
+  data: int,
+  layers: int,
+  devices: int,
+  env: dict | None = None,
+  cwd: str = ROOT,
 ) -> dict:
   """measure_group in a process of its own: on `devices` forced CPU devices,
-  or by another commit's triax (kw: its `cwd` and an `env` naming its src)."""
+  or by another commit's triax (its worktree as `cwd`, an `env` naming its src)."""
   spec = ';'.join(f'{n},{v}' for n, v in points)
-  env = dict(kw.pop('env', os.environ))
+  env = dict(os.environ if env is None else env)
   env['XLA_FLAGS'] = f'--xla_force_host_platform_device_count={devices}'
   run = subprocess.run(
     [sys.executable, os.path.abspath(__file__), '--_group']
     + [f'{m}:{steps}:{rounds}:{spec}:{p}:{data}:{layers}'],
     env=env,
-    cwd=kw.pop('cwd', ROOT),
+    cwd=cwd,
     check=True,
     capture_output=True,
     text=True,
@@ -270,7 +279,8 @@ def _existing_sections(path: str) -> dict[str, list[str]]:
 
 
 def v_family_section(steps: int, rounds: int) -> list[str]:
-  """The V-family rows at p = 4 and 8, m = 4p, relative to 1f1b at each p."""
+  """The V-family rows at each p of V_STAGES, m = 4p, relative to 1f1b at
+  that p; a p beyond this process's 8 devices in a process of its own."""
   rows = {}
   for p in V_STAGES:
     m, data = 4 * p, max(1, 8 // p)
@@ -349,10 +359,10 @@ def bpipe_zb_section(steps: int, rounds: int) -> list[str]:
     '| sets moved | temp MiB | temp / zb_h1 | step time / zb_h1 |',
     '|---|---|---|---|---|---|---|---|---|---|---|',
   ]
-  cuts = {}
+  programs = {name: sched.lower(sched.build(name, p, m)) for name, _v in BZ_POINTS}
+  cuts = {name: max(program.peaks['cut']) for name, program in programs.items()}
   for name, _v in BZ_POINTS:
-    r, program = rows[name], sched.lower(sched.build(name, p, m))
-    cuts[name] = max(program.peaks['cut'])
+    r, program = rows[name], programs[name]
     lines.append(
       f'| {name} | {p} | {m} | {r["ticks"]} | {r["lockstep"]:.3f} '
       f'| {",".join(map(str, r["peak"]))} | {",".join(map(str, program.peaks["cut"]))} '
@@ -360,9 +370,8 @@ def bpipe_zb_section(steps: int, rounds: int) -> list[str]:
       f'| {r["temp"] / zb["temp"]:.2f} | {r["step"] / zb["step"]:.2f} |'
     )
   bz = rows['bpipe_zb']
-  program = sched.lower(sched.build('bpipe_zb', p, m))
-  moving = int((program.table['move_send'] >= 0).any(axis=1).sum())
-  moved = sched.transfers_per_step(program)['total']
+  moving = int((programs['bpipe_zb'].table['move_send'] >= 0).any(axis=1).sum())
+  moved = sched.transfers_per_step(programs['bpipe_zb'])['total']
   lines += [
     '',
     f"bpipe_zb against zb_h1: the worst device's compiled temp "
