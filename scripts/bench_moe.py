@@ -7,11 +7,20 @@ Writes docs/bench_moe.md:
      (XLA's memory analysis: deterministic) and the step time (ratios to
      expert 1 dropless within this one run; this machine's cores are shared
      by the 8 devices, so the all-to-all costs no link time here).
-  2. 1f1b against DualPipeV at pipe=4, experts whole and split over 2
-     devices: compiled temp bytes, step time, and what the all-to-all adds
-     to each schedule's step.
+  2. 1f1b against DualPipeV at pipe=4, unfused and with its overlapped
+     pairs fused into one tick (pipeline.fuse_overlaps), experts whole and
+     split over 2 devices: compiled temp bytes, step time, and what the
+     all-to-all adds to each schedule's step.
+  3. The fused tick in the lockstep time model (pipeline/simulate.py):
+     DualPipeV's step unfused and fused, by all-to-all time per action
+     against its compute (t_exchange), where fusing starts to pay.
+  4. The fused tick on XLA:GPU's compiler (h100:8, compile only, through
+     jax's CUDA plugin): the kernels its schedule runs inside the fused
+     branch's all-to-all windows, and how many are the other micro-batch's
+     (training/hlo_schedule.py), with XLA's passes as they are and with
+     its multi-output fusion off.
 
-  python scripts/bench_moe.py [--sections=1,2] [--steps=5]
+  python scripts/bench_moe.py [--sections=1,2,3,4] [--steps=5]
 """
 
 from __future__ import annotations
@@ -26,7 +35,7 @@ sys.path.insert(0, os.path.join(ROOT, 'src'))
 os.environ.setdefault('XLA_FLAGS', '--xla_force_host_platform_device_count=8')
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 
-_SECTIONS = flags.DEFINE_list('sections', ['1', '2'], 'Which sections to run.')
+_SECTIONS = flags.DEFINE_list('sections', ['1', '2', '3', '4'], 'Which sections to run.')
 _STEPS = flags.DEFINE_integer('steps', 5, 'Timed steps per configuration (after 2 warm-up).')
 _OUT = flags.DEFINE_string('out', os.path.join(ROOT, 'docs', 'bench_moe.md'), 'Report.')
 
@@ -85,20 +94,24 @@ def _schedule_rows() -> list[str]:
 
   rows = [
     'The same model with 8 layers, data=2 x pipe=4, m=8, the aux loss per micro-batch (model.router_aux_loss_scope='
-    'microbatch, what the executor computes); DualPipeV with its v=2 chunks. The all-to-all '
+    'microbatch, what the executor computes); DualPipeV with its v=2 chunks, and fused: each '
+    "overlapped pair in one tick (pipeline.fuse_overlaps), one micro-batch's B and W, then "
+    "another's F. The all-to-all "
     'cost of a schedule is its step time at expert 2 less its step time at expert 1 (no '
-    'all-to-all); a schedule that hides it under compute would show none.',
+    'all-to-all); a schedule that hides it under compute would show none. On CPU no '
+    'collective runs beside compute, so none can hide here (section 3 models it).',
     '',
     '| schedule | expert | temp MiB | step s (CPU) | vs 1f1b at expert 1 |',
     '|---|---|---|---|---|',
   ]
   base, times = None, {}
-  for schedule in ('1f1b', 'dualpipe_v'):
+  for schedule in SCHEDULES:
     for expert in (1, 2):
       # 8 layers: DualPipeV's 2 chunks per stage at pipe 4.
       cfg = _config(expert, 'dropless', **{'mesh.data': 2, 'mesh.pipe': 4, 'model.num_layers': 8})
-      cfg.pipeline.schedule, cfg.pipeline.microbatches = schedule, 8
-      cfg.pipeline.virtual_stages = 2 if schedule == 'dualpipe_v' else 1
+      cfg.pipeline.schedule, cfg.pipeline.microbatches = schedule.split('+')[0], 8
+      cfg.pipeline.virtual_stages = 1 if schedule == '1f1b' else 2
+      cfg.pipeline.fuse_overlaps = schedule.endswith('+fused')
       cfg.model.router_aux_loss_scope = 'microbatch'
       try:
         config.validate(cfg, 8)
@@ -113,7 +126,7 @@ def _schedule_rows() -> list[str]:
       )
       print(rows[-1], flush=True)
   rows.append('')
-  for schedule in ('1f1b', 'dualpipe_v'):
+  for schedule in SCHEDULES:
     cost = times[schedule, 2] - times[schedule, 1]
     rows.append(
       f'- {schedule}: the all-to-all costs {cost:+.3f} s a step '
@@ -122,9 +135,113 @@ def _schedule_rows() -> list[str]:
   return rows
 
 
+def _model_rows() -> list[str]:
+  from triax.pipeline import schedule as sched
+  from triax.pipeline import simulate
+
+  rows = [
+    'DualPipeV at pipe=4 in the lockstep time model (`simulate.simulate_lockstep`, what '
+    '`triax schedule --t_exchange=X [--fuse_overlaps]` prints): each chunk action costs 1, '
+    'and an F or a B also waits for its all-to-alls, X of its compute. A fused tick lasts the '
+    "longer of its three actions' compute and its two exchanges (the exchanges run beside the "
+    "other micro-batch's compute, DualPipe's overlap at best); a stage beside it running "
+    'one action waits for it.',
+    '',
+    '| m | all-to-all / compute | ticks unfused | ticks fused | time unfused | time fused | fused / unfused |',
+    '|---|---|---|---|---|---|---|',
+  ]
+  p = 4
+  for m in (2 * p, 4 * p):
+    s = sched.build('dualpipe_v', p, m, 2)
+    plain, fused = sched.lower(s), sched.lower(s, fuse_overlaps=True)
+    for x in EXCHANGES:
+      costs = simulate.Costs(2.0, 2.0, 2.0, t_exchange=2.0 * x)  # a stage's: 1 a chunk action
+      a = simulate.simulate_lockstep(plain, costs).total_time
+      b = simulate.simulate_lockstep(fused, costs).total_time
+      rows.append(f'| {m} | {x:g} | {plain.ticks} | {fused.ticks} | {a:g} | {b:g} | {b / a:.2f}x |')
+  return rows
+
+
+def _gpu_rows() -> list[str]:
+  import glob
+  import subprocess
+  import tempfile
+
+  from triax.training import hlo_schedule
+
+  plugin = os.environ.get('TRIAX_XLA_CUDA_PLUGIN') or GPU_PLUGIN
+  if not os.path.isfile(plugin):
+    return [f'Not measured: no CUDA plugin at {plugin} (`source scripts/env.sh test` installs it).']
+  rows = [
+    "mixtral_tiny's model with 8 layers at data=2 x pipe=4 x expert 2, DualPipeV fused "
+    '(pipeline.fuse_overlaps), its layers unrolled (model.scan_layers=false: a chunk is '
+    "loop-free code), compiled for h100:8 (`--compile_only`). In the fused branch's scheduled "
+    'HLO: its async all-to-all pairs, their chains (all-to-alls linked by data flow: one '
+    "micro-batch's dispatch and combine), the kernels scheduled inside their windows, and "
+    "those of another chain only (the other micro-batch's work, what hides an all-to-all).",
+    '',
+    '| XLA passes | all-to-all pairs | chains | kernels in windows | of another chain |',
+    '|---|---|---|---|---|',
+  ]
+  for label, xla_flags in GPU_PASSES:
+    with tempfile.TemporaryDirectory() as tmp:
+      env = dict(
+        os.environ,
+        PYTHONPATH=os.path.join(ROOT, 'src'),
+        XLA_FLAGS=xla_flags,
+        TRIAX_XLA_CUDA_PLUGIN=plugin,
+        TRIAX_XLA_DUMP=os.path.join(tmp, 'dump'),
+      )
+      flags_ = [f'--config.{k}={v}' for k, v in GPU_CONFIG.items()]
+      subprocess.run(
+        [sys.executable, '-m', 'triax', 'train', f'--config={MIXTRAL_TINY}', '--compile_only']
+        + ['--topology=h100:8', f'--workdir={os.path.join(tmp, "w")}', *flags_],
+        env=env,
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+      )
+      (path,) = glob.glob(os.path.join(tmp, 'dump', '*gpu_after_optimizations.txt'))
+      with open(path) as f:
+        w = hlo_schedule.windows(f.read())
+    rows.append(
+      f'| {label} | {w.pairs} | {" + ".join(map(str, w.chains))} | {w.kernels} | {w.other_chain} |'
+    )
+    print(rows[-1], flush=True)
+  return rows
+
+
+# jax's CUDA plugin where scripts/env.sh installs it for the test extra.
+GPU_PLUGIN = os.path.join(sys.prefix, 'xla-cuda', 'jax_plugins', 'xla_cuda12', 'xla_cuda_plugin.so')
+# Section 4's layout (flags of `triax train`).
+GPU_CONFIG = {
+  'mesh.data': 2,
+  'mesh.tensor': 1,
+  'mesh.pipe': 4,
+  'mesh.expert': 2,
+  'model.num_layers': 8,
+  'model.router_aux_loss_scope': 'microbatch',
+  'model.scan_layers': 'false',
+  'pipeline.schedule': 'dualpipe_v',
+  'pipeline.virtual_stages': 2,
+  'pipeline.microbatches': 8,
+  'pipeline.fuse_overlaps': 'true',
+}
+# XLA as it is, and with the pass that fused the two micro-batches' kernels.
+GPU_PASSES = (
+  ('as they are', ''),
+  ('multi_output_fusion off', '--xla_disable_hlo_passes=multi_output_fusion'),
+)
+# 1f1b, DualPipeV, and DualPipeV with its overlapped pairs fused into one tick.
+SCHEDULES = ('1f1b', 'dualpipe_v', 'dualpipe_v+fused')
+# All-to-all time of an F or a B against its compute, in section 3.
+EXCHANGES = (0.0, 0.1, 0.25, 0.5, 1.0)
+
 SECTIONS = {
   '1': ('Expert degree and dispatch on 8 CPU devices', _degree_rows),
   '2': ('1f1b against DualPipeV at pipe=4', _schedule_rows),
+  '3': ("DualPipeV's fused tick in the time model", _model_rows),
+  '4': ("DualPipeV's fused tick on XLA:GPU's compiler", _gpu_rows),
 }
 
 

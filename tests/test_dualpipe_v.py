@@ -9,11 +9,13 @@ that build torch's orders at other sizes need torch (the test extra).
 """
 
 import collections
+import dataclasses
 import functools
 import json
 import os
 
 import harness
+import numpy as np
 import pytest
 
 from triax import config
@@ -21,7 +23,7 @@ from triax.errors import ConfigError
 from triax.pipeline import files
 from triax.pipeline import schedule as sched
 from triax.pipeline.ir import Action
-from triax.pipeline.simulate import Costs, simulate_async
+from triax.pipeline.simulate import Costs, simulate_async, simulate_lockstep
 from triax.pipeline.validate import validate
 
 FIXTURE = os.path.join(harness.ROOT, 'tests', 'data', 'torch_dualpipev_p4_v2_m8.csv')
@@ -110,6 +112,60 @@ def test_valid_and_as_short_as_zb_v(p, m):
 
 
 @pytest.mark.fast
+@pytest.mark.parametrize('p, m', SIZES)
+def test_fused_ticks_run_each_pair_with_its_w(p, m):
+  """pipeline.fuse_overlaps: every overlapped pair runs in one tick with its
+  B's W; the F's set is written after that W freed its own, so every stage
+  but the last holds one set less. For p >= 3 the program takes 2m + 6p - 2
+  ticks."""
+  s = sched.build('dualpipe_v', p, m, 2)
+  program = sched.lower(s, fuse_overlaps=True)
+  assert validate(s, program) == []
+  cells = {tuple(cell) for row in program.grid for cell in row if len(cell) > 1}
+  assert cells == {(f, b, Action('W', b.microbatch, b.chunk)) for f, b in s.overlaps}
+  assert program.peaks['stash'] == (2 * p,) * (p - 1) + (2 * p + 1,)
+  if p >= 3:
+    assert program.ticks == 2 * m + 6 * p - 2
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize('p', [4, 8])
+def test_a_fused_tick_hides_the_exchange_at_a_price_in_the_ramps(p):
+  """Timed in lockstep (costs 2 a stage, so 1 a chunk action): a fused tick
+  lasts its three actions, and a stage beside it running one waits, which
+  costs the ramps the same time at m = 2p and 4p; with an all-to-all as
+  long as the compute (DeepSeek-V3's case), hiding it wins."""
+  extra, won = [], []
+  for m in (2 * p, 4 * p):
+    s = sched.build('dualpipe_v', p, m, 2)
+    plain, fused = sched.lower(s), sched.lower(s, fuse_overlaps=True)
+    time = lambda prog, x: simulate_lockstep(prog, Costs(2, 2, 2, t_exchange=x)).total_time  # noqa: E731
+    extra.append(time(fused, 0) - time(plain, 0))
+    won.append(time(fused, 2) / time(plain, 2))
+  assert extra[0] == extra[1] > 0
+  assert 1 > won[0] > won[1]  # and more so the longer the steady state
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize(
+  'table, says',
+  [
+    ('src2', 'holds act'),
+    ('stash2', 'holds set'),
+    ('mb2', "but the tables say ['F"),
+  ],
+)
+def test_the_validator_replays_the_second_lane(table, says):
+  s = sched.build('dualpipe_v', 4, 8, 2)
+  program = sched.lower(s, fuse_overlaps=True)
+  t, stage = (int(x) for x in np.argwhere(program.table['mb2'] >= 0)[5])
+  tables = {k: v.copy() for k, v in program.table.items()}
+  tables[table][t, stage] = (tables[table][t, stage] + 1) % 3
+  problems = validate(s, dataclasses.replace(program, table=tables))
+  assert problems and says in problems[0], problems
+
+
+@pytest.mark.fast
 def test_cli_times_plots_and_writes_torchs_csv(tmp_path):
   out_csv, png = str(tmp_path / 'd.csv'), str(tmp_path / 'd.png')
   result = harness.run_cli(
@@ -147,17 +203,70 @@ def test_cli_times_plots_and_writes_torchs_csv(tmp_path):
       ('--microbatches=8', '--virtual_stages=1'),
       'error: --virtual_stages: dualpipe_v runs exactly 2 model chunks per stage (a V); got 1',
     ),
+    (
+      ('--schedule=zb_v', '--fuse_overlaps'),
+      'error: --fuse_overlaps: zb_v marks no overlapped pairs to fuse; dualpipe_v does, and a '
+      'schedule file with OVERLAP_F_B cells',
+    ),
+    (
+      ('--t_exchange=-1',),
+      'error: --t_exchange: must be a finite number >= 0; got -1.0',
+    ),
   ],
 )
 def test_cli_bad_sizes_one_line_exit_2(flags, says):
-  result = harness.run_cli(
-    'triax.cli.schedule', '--schedule=dualpipe_v', '--stages=4', *flags, timeout=120
-  )
+  name = () if any(f.startswith('--schedule=') for f in flags) else ('--schedule=dualpipe_v',)
+  result = harness.run_cli('triax.cli.schedule', *name, '--stages=4', *flags, timeout=120)
   assert result.returncode == 2 and result.stdout == ''
   assert result.stderr.strip().splitlines() == [says]
 
 
 @pytest.mark.fast
+@pytest.mark.fast
+@pytest.mark.parametrize(
+  'overrides, says',
+  [
+    (
+      {'pipeline.schedule': 'zb_v'},
+      'zb_v marks no overlapped pairs to fuse; dualpipe_v does, and a schedule file with '
+      'OVERLAP_F_B cells',
+    ),
+    (
+      {'pipeline.offload_stash': True},
+      'a fused tick reads one residual set and writes another, and pipeline.offload_stash '
+      'copies one a tick; set one of them to false',
+    ),
+  ],
+)
+def test_fuse_overlaps_needs_pairs_and_a_stash_on_the_device(overrides, says):
+  fused = {
+    'mesh.pipe': 4,
+    'pipeline.schedule': 'dualpipe_v',
+    'pipeline.virtual_stages': 2,
+    'pipeline.microbatches': 8,
+    'pipeline.fuse_overlaps': True,
+  }
+  cfg = harness.tiny_config(**{**fused, **overrides})
+  with pytest.raises(ConfigError) as e:
+    config.validate(cfg, 4)
+  assert (e.value.key, e.value.message) == ('pipeline.fuse_overlaps', says)
+
+
+@pytest.mark.fast
+def test_a_pair_whose_w_comes_later_is_refused_for_fusing():
+  """An `(F;I)` cell (torch's I: input gradient only) with its W later."""
+  f, b, w = (Action(k, j, 0) for k, j in (('F', 1), ('B', 0), ('W', 0)))
+  order = (Action('F', 0, 0), f, b, Action('B', 1, 0), w, Action('W', 1, 0))
+  s = sched.Schedule('file', 1, 2, 1, (order,), overlaps=[(f, b)])
+  with pytest.raises(ConfigError) as e:
+    sched.check_fusable(s)
+  assert e.value.key == 'pipeline.fuse_overlaps'
+  assert e.value.message == (
+    'file: the pair (F1.0;B0.0) has its W later, not at once after its B, so it cannot run '
+    'as one tick (1 such pair(s)); make its backward whole'
+  )
+
+
 def test_config_names_the_key():
   c = harness.tiny_config(
     **{
@@ -289,6 +398,13 @@ def test_matches_one_device(source, mesh):
     _check(mesh, **{'pipeline.schedule_file': FIXTURE})
   else:
     _check(mesh, **{'pipeline.schedule': 'dualpipe_v'})
+
+
+@pytest.mark.parametrize('mesh', [(2, 1, 4), (1, 2, 4)], ids=['2x1x4', '1x2x4'])
+def test_fused_ticks_match_one_device(mesh):
+  # A fused tick sends two outputs (its F's and its B's) in one ppermute,
+  # split over tensor at 1x2x4 (Megatron's scatter/gather).
+  _check(mesh, **{'pipeline.schedule': 'dualpipe_v', 'pipeline.fuse_overlaps': True})
 
 
 def test_torchs_file_trains_with_one_devices_losses():

@@ -7,6 +7,7 @@ site-packages: installed, JAX would load it at every start-up). Its memory
 figures are deterministic, so they may be asserted.
 """
 
+import glob
 import json
 import os
 import sys
@@ -16,6 +17,7 @@ import pytest
 
 from triax import topology
 from triax.errors import ConfigError
+from triax.training import hlo_schedule
 
 GiB = 2**30
 SMOKE = 'experiments/llama_1b.py:smoke,attention=xla'
@@ -99,6 +101,61 @@ def test_a_pipeline_compiles_for_two_hosts_of_eight(tmp_path):
   assert result.returncode == 0, result.stderr
   assert stats['chips'] == 16 and stats['schedule']['stages'] == 2
   assert 0 < stats['temp_bytes'] < GiB
+
+
+_SCHEDULED = """
+%branch (p: (f32[4], f32[4])) -> f32[4] {
+  %p = (f32[4], f32[4]) parameter(0)
+  %a = f32[4] get-tuple-element(%p), index=0
+  %b = f32[4] get-tuple-element(%p), index=1
+  %all-to-all-start.1 = ((f32[4]), f32[4]) all-to-all-start(%a), metadata={op_name="x"}
+  %k1 = f32[4] fusion(%b), kind=kLoop, calls=%f1
+  %k2 = f32[4] fusion(%a), kind=kLoop, calls=%f2
+  %all-to-all-done.1 = f32[4] all-to-all-done(%all-to-all-start.1)
+  %all-to-all-start.2 = ((f32[4]), f32[4]) all-to-all-start(%k1)
+  %all-to-all-done.2 = f32[4] all-to-all-done(%all-to-all-start.2)
+  ROOT %r = f32[4] add(%all-to-all-done.1, %all-to-all-done.2)
+}
+"""
+
+
+@pytest.mark.fast
+def test_windows_count_the_other_chains_kernels():
+  """k1 feeds the second all-to-all, so inside the first's window it is the
+  other chain's; k2 shares only an input with the first and is neither's."""
+  w = hlo_schedule.windows(_SCHEDULED)
+  assert w == hlo_schedule.Windows('branch', 2, (1, 1), 2, 1)
+
+
+def test_a_fused_tick_lets_xla_gpu_hide_one_micro_batchs_all_to_all(tmp_path):
+  """DualPipeV fused (pipeline.fuse_overlaps) with the layers unrolled: in
+  its fused branch XLA:GPU's scheduler runs the other micro-batch's
+  kernels inside each all-to-all's window, once its multi-output fusion no
+  longer merges kernels of both micro-batches (docs/bench_moe.md shows
+  both: with the pass, one chain and none)."""
+  bench = harness.load_script('bench_moe')
+  label, xla_flags = bench.GPU_PASSES[1]
+  assert label == 'multi_output_fusion off'
+  result = harness.run_cli(
+    'triax.cli.train',
+    '--config=experiments/mixtral_tiny.py',
+    f'--workdir={tmp_path / "w"}',
+    '--compile_only',
+    '--topology=h100:8',
+    *(f'--config.{k}={v}' for k, v in bench.GPU_CONFIG.items()),
+    env_extra={
+      topology.CUDA_PLUGIN_VAR: PLUGIN,
+      'XLA_FLAGS': xla_flags,
+      'TRIAX_XLA_DUMP': str(tmp_path / 'dump'),
+    },
+  )
+  assert result.returncode == 0, result.stderr
+  (path,) = glob.glob(str(tmp_path / 'dump' / '*gpu_after_optimizations.txt'))
+  with open(path) as f:
+    w = hlo_schedule.windows(f.read())
+  # The B's five all-to-alls (its dispatch run again, then transposed) and the F's three.
+  assert (w.pairs, w.chains) == (8, (5, 3))
+  assert w.other_chain > w.kernels / 3, w
 
 
 @pytest.mark.parametrize(

@@ -2,6 +2,7 @@
 (Megatron's GQA rule), and keys no family knows."""
 
 import harness
+import jax
 import pytest
 
 from triax import config, sharding
@@ -58,3 +59,24 @@ def test_llama_tiny_is_a_valid_gqa_pipeline_run_on_8_devices():
     m = cfg.model
     assert m.family == 'llama' and 0 < m.num_kv_heads < m.num_heads
     assert cfg.mesh.pipe > 1 and cfg.pipeline.schedule == 'interleaved_1f1b'
+
+
+@pytest.mark.parametrize('family', ['llama', 'mixtral'])
+def test_unscanned_layers_are_loop_free_and_compute_the_same(family):
+  """model.scan_layers=false unrolls the layer stack: no while loop left in
+  the objective's gradient, and the same loss and gradients (fp32)."""
+  make = harness.tiny_mixtral_config if family == 'mixtral' else harness.tiny_config
+
+  def run(scan: bool):
+    cfg = config.validate(make(**{'model.scan_layers': scan, 'model.family': family}), 1)
+    model = registry.build(registry.spec_from_config(cfg.model))
+    params = jax.jit(model.init)(jax.random.key(0))
+    batch = harness.random_batch(cfg)
+    loss = lambda p: model.objective(p, batch['inputs'], batch['targets'])[0]  # noqa: E731
+    grad = jax.jit(jax.value_and_grad(loss))
+    return (grad.lower(params).as_text().count('stablehlo.while'), *grad(params))
+
+  (loops, loss, grads), (loops_unrolled, loss_unrolled, grads_unrolled) = run(True), run(False)
+  assert loops >= 2 and loops_unrolled == 0  # the forward's loop and its transpose
+  assert abs(float(loss) - float(loss_unrolled)) <= 1e-6 * abs(float(loss))
+  assert harness.max_rel_err(jax.device_get(grads), jax.device_get(grads_unrolled)) <= 1e-5

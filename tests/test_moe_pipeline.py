@@ -88,6 +88,15 @@ def test_dropless_pipeline_matches_one_device(data, tensor, pipe, expert, m, sch
   _check(data, tensor, pipe, expert, m, schedule, **(v if schedule == 'dualpipe_v' else {}))
 
 
+@pytest.mark.parametrize('scan_layers', [True, False], ids=['scanned', 'unrolled'])
+def test_fused_dualpipe_v_matches_one_device(scan_layers):
+  # Each overlapped pair in one tick: one micro-batch's B and W, then
+  # another's F, their all-to-alls in one computation (loop-free with the
+  # layers unrolled, where XLA may run one's under the other's compute).
+  fused = {'pipeline.virtual_stages': 2, 'pipeline.fuse_overlaps': True}
+  _check(2, 1, 2, 2, 4, 'dualpipe_v', **fused, **{'model.scan_layers': scan_layers})
+
+
 def test_capacity_pipeline_drops_what_one_device_drops():
   _check(2, 1, 2, 1, 2, dispatch='capacity')
 

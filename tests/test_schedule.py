@@ -525,7 +525,10 @@ def test_validator_rejects_two_compute_actions_in_a_tick():
   grid[1][1] = (F(0, 1), B(0, 1))
   grid[2][1] = ()
   problems = validate(s, with_tables(program, {}, grid))
-  assert 'tick 1 stage 1: runs 2 compute actions (F0.1, B0.1); a tick runs one' in problems
+  assert (
+    'tick 1 stage 1: runs 2 compute actions (F0.1, B0.1); a tick runs one, '
+    'or an overlapped pair with its W'
+  ) in problems
 
 
 def test_validator_rejects_a_stage_out_of_its_order():

@@ -101,6 +101,10 @@ def defaults() -> ml_collections.ConfigDict:
   c.model.param_dtype = 'float32'
   # Activation recomputation: none, full (per layer), selective (keep matmul outputs).
   c.model.remat = 'none'
+  # Run the layer stack as a loop (true) or unrolled (false: longer compiles; XLA may then overlap
+  # one layer's collectives with another's compute, and with the other micro-batch's in a fused
+  # pipeline tick, pipeline.fuse_overlaps). MaxText's scan_layers.
+  c.model.scan_layers = True
   # Attention kernel: xla everywhere, cudnn (fused, GPU only) or splash (Pallas's flash
   # attention for TPU: no [b, n, s, s] scores in memory).
   c.model.attention = 'xla'
@@ -184,6 +188,11 @@ def defaults() -> ml_collections.ConfigDict:
   # (pinned_host), copied out after the F and back before the B and the W (PipeOffload);
   # not with a schedule that moves residual sets between stages (bpipe, bpipe_zb).
   c.pipeline.offload_stash = False
+  # Run each overlapped pair a schedule marks (dualpipe_v's (F;B), a file's OVERLAP_F_B) in one
+  # tick: one micro-batch's B and its W, then another's F, in one computation, where XLA may hide
+  # an expert-parallel all-to-all of one under the other's compute. The tick lasts all three, so
+  # on a dense model it lengthens the step (docs/bench_moe.md); false runs them in three ticks.
+  c.pipeline.fuse_overlaps = False
 
   c.train = ml_collections.ConfigDict()
   # Optimizer steps to run in total (a resumed run stops at the same step).
@@ -603,6 +612,8 @@ def _check_model(cfg) -> None:
       f'must be in [0, model.vocab_size={m.vocab_size}] (0 = every id used; the ids from it '
       f'on are padding), got {used!r}',
     )
+  if not isinstance(m.scan_layers, bool):
+    raise ConfigError('model.scan_layers', f'must be true or false; got {m.scan_layers!r}')
   _check_data(cfg.data)
   if m.vocab_size < 256 and cfg.data.source in BYTE_SOURCES:
     raise ConfigError('model.vocab_size', f'the byte-level corpus needs 256, got {m.vocab_size}')
@@ -667,6 +678,22 @@ def _check_pipeline(cfg) -> None:
   # a schedule file is read, checked against p, m, v and lowered here.
   schedule = sched.from_config(p, pipe, p.microbatches, v)
   _check_offload_stash(p, pipe, schedule)
+  _check_fuse_overlaps(p, schedule)
+
+
+def _check_fuse_overlaps(p, schedule) -> None:
+  """Fusing needs pairs that fuse, and a stash on the device."""
+  if not isinstance(p.fuse_overlaps, bool):
+    raise ConfigError('pipeline.fuse_overlaps', f'must be true or false; got {p.fuse_overlaps!r}')
+  if not p.fuse_overlaps:
+    return
+  sched.check_fusable(schedule)
+  if p.offload_stash:
+    raise ConfigError(
+      'pipeline.fuse_overlaps',
+      'a fused tick reads one residual set and writes another, and pipeline.offload_stash copies '
+      'one a tick; set one of them to false',
+    )
 
 
 def _check_offload_stash(p, pipe: int, schedule) -> None:

@@ -3,7 +3,8 @@ r"""Show, time and plot a pipeline schedule without any devices.
   python -m triax schedule --schedule=interleaved_1f1b --stages=4 \
       --microbatches=8 --virtual_stages=2 [--json] [--plot=grid.png] \
       [--write_csv=order.csv] \
-      [--t_forward=1 --t_backward=2 --t_transfer=0 --t_weight=1 --t_evict=0]
+      [--t_forward=1 --t_backward=2 --t_transfer=0 --t_weight=1 --t_evict=0] \
+      [--t_exchange=0] [--fuse_overlaps]
   python -m triax schedule --schedule_file=order.csv [--stages=4 ...] [--json]
   python -m triax schedule --synthesize --stages=4 --microbatches=8 \
       [--virtual_stages=2] --memory_limit=4 [--time_limit_s=10] \
@@ -74,6 +75,18 @@ _T_WEIGHT = flags.DEFINE_float(
 _T_EVICT = flags.DEFINE_float(
   't_evict', 0.0, 'Time to move one residual set to or from the partner stage (bpipe).'
 )
+_T_EXCHANGE = flags.DEFINE_float(
+  't_exchange',
+  0.0,
+  "Expert parallelism's all-to-all time in one micro-batch's forward through one stage, and "
+  'again in its backward.',
+)
+_FUSE_OVERLAPS = flags.DEFINE_bool(
+  'fuse_overlaps',
+  False,
+  "Run each overlapped pair (dualpipe_v's) in one tick, its all-to-alls beside the other's "
+  'compute (pipeline.fuse_overlaps).',
+)
 _SCHEDULE_FILE = flags.DEFINE_string(
   'schedule_file',
   None,
@@ -139,6 +152,8 @@ def main(argv: list[str]) -> int:
       memory_limit=_memory_limit() if _SYNTHESIZE.value else None,
       time_limit_s=_TIME_LIMIT_S.value,
       write_json=_WRITE_JSON.value,
+      t_exchange=_T_EXCHANGE.value,
+      fuse_overlaps=_FUSE_OVERLAPS.value,
     ),
     as_json=_JSON.value,
   )

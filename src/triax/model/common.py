@@ -52,6 +52,8 @@ class ModelSpec:
   dtype: str = 'float32'
   param_dtype: str = 'float32'
   remat: str = 'none'
+  # False: the layer stack runs unrolled, not as a loop (MaxText's scan_layers).
+  scan_layers: bool = True
   attention: str = 'xla'
   # splash only: the kernel through Pallas's interpreter, on any backend (tests; slow).
   splash_interpret: bool = False
@@ -495,8 +497,12 @@ class DecoderModel:
       layer = jax.checkpoint(
         lambda p, h, f=layer: f(_per_layer(p), h), policy=REMAT_POLICIES[self.spec.remat]
       )
+    # Unrolled, a chunk is loop-free code: XLA may schedule one layer's
+    # collectives under another's compute, and in a fused pipeline tick
+    # under the other micro-batch's.
+    unroll = self.spec.scan_layers is False
     if num_active is None:
-      return jax.lax.scan(lambda h, p: layer(p, h), x, stacked_params)
+      return jax.lax.scan(lambda h, p: layer(p, h), x, stacked_params, unroll=unroll)
 
     # cond's branches must match in type: both outputs varying over the manual
     # axes h does (in a pipeline stage, its figures differ per stage; a
@@ -513,7 +519,7 @@ class DecoderModel:
       return jax.lax.cond(i < num_active, run, skip, p, h)
 
     depth = jax.tree.leaves(stacked_params)[0].shape[0]
-    return jax.lax.scan(step, x, (stacked_params, jnp.arange(depth)))
+    return jax.lax.scan(step, x, (stacked_params, jnp.arange(depth)), unroll=unroll)
 
   def layers_and_sown(self, stacked_params: Params, x: jax.Array, segments=None):
     """(layers' output, what each block sowed into flax's 'intermediates'

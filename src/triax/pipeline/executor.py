@@ -28,6 +28,13 @@ receiver's table names. BPipe's evictions and loads move whole residual
 sets between partner stages (s <-> p-1-s) in one more ppermute, which opens
 the tick (see `move`).
 
+A fused tick (`lower`'s fuse_overlaps, DualPipeV's overlapped pairs) is a
+fourth cond, taken instead of F's: its branch runs one micro-batch's B and
+W, the cut passed straight from one to the other, then another's F, so
+that both sit in one computation, where XLA may run one's collectives (a
+MoE layer's all-to-alls) under the other's compute; its two outputs travel
+in one ppermute per offset.
+
 The two ends' weight gradients (embedding, head: `edges`) are made in the
 loop, into one accumulator carried through it, or after it
 (`edge_grads_after_loop`): the loop then keeps the last chunk's outputs and
@@ -277,6 +284,11 @@ def pipeline_loss_and_grad(
     raise ValueError(
       f'{program.schedule.name} moves residual sets between stages; offload_stash keeps them on the host'
     )
+  if offload_stash and program.fused:
+    raise ValueError(
+      f'{program.schedule.name} fuses overlapped pairs into one tick; offload_stash copies one '
+      'set a tick'
+    )
   manual = ('pipe',) + ((data_axis,) if data_axis else ())
   setup = _Setup(
     fns=fns,
@@ -378,6 +390,11 @@ def _device_tables(program: lower_lib.Program) -> dict[str, jax.Array]:
     for name in ('kind', 'mb', 'chunk', 'local', 'src', 'loss', 'stash', 'cut')
   }
   tables.update({f'recv{o}': dropped(program.recv[o]) for o in program.offsets})
+  if program.fused:
+    for name in lower_lib.LANE2:
+      tables[name] = jnp.asarray(np.maximum(program.table[name], 0), jnp.int32)
+    tables['fused'] = jnp.asarray(program.table['mb2'] >= 0, jnp.int32)
+    tables.update({f'recv2_{o}': dropped(program.recv2[o]) for o in program.recv2})
   if program.partner is not None:
     tables['move_send'] = jnp.asarray(np.maximum(program.table['move_send'], 0), jnp.int32)
     tables['move_recv'] = jnp.asarray(program.table['move_recv'], jnp.int32)
@@ -582,12 +599,28 @@ class _Stage:
       # an F's set is written out after it; top-level copies, see the module.
       row = dict(row, fetched=self.host_stash.read(c['host_stash'], row['stash']))
       c = dict(c, spill=_varying(self.host_stash.zeros(), self.setup.manual))
-    c, y = jax.lax.cond(kind == lower_lib.RUN_F, self.forward, self.idle, c, row)
+    runs_f = kind == lower_lib.RUN_F
+    if 'fused' in row:
+      fused = row['fused'] > 0
+      runs_f = runs_f & ~fused
+    c, y = jax.lax.cond(runs_f, self.forward, self.idle, c, row)
     if offload:
       c = self.spill(c, row)
     c, dx = jax.lax.cond(kind == lower_lib.RUN_B, self.backward, self.idle, c, row)
     c, _ = jax.lax.cond(kind == lower_lib.RUN_W, self.weight, self.idle, c, row)
-    return self.send(c, row, jnp.where(kind == lower_lib.RUN_F, y, dx)), None
+    outs = {'recv': jnp.where(kind == lower_lib.RUN_F, y, dx)}
+    if 'fused' in row:
+      c, (y, outs['recv2_'], kept) = jax.lax.cond(fused, self.overlapped, self.idle_fused, c, row)
+      outs['recv'] = jnp.where(fused, y, outs['recv'])
+      # The fused F's set is written here, not in the branch that reads the
+      # B's: a branch that reads and writes the pool made XLA copy it whole
+      # (bench_moe's DualPipeV at pipe 4: 116.9 MiB of temp against 75.6).
+      # A tick without one writes past the pool, which drops it.
+      slot = jnp.where(fused, row['stash'], self.setup.program.slots['stash'])
+      c['stash'] = [
+        b.at[slot].set(v.astype(b.dtype), mode='drop') for b, v in zip(c['stash'], kept)
+      ]
+    return self.send(c, row, outs), None
 
   def spill(self, c, row):
     """Writes the tick's F's set (c['spill']) to its host slot; a tick without
@@ -598,23 +631,58 @@ class _Stage:
     c['host_stash'] = self.host_stash.write(c['host_stash'], c.pop('spill'), slot)
     return c
 
-  def send(self, c, row, out):
-    """The tick's output to the stages that read it, into their message slots."""
-    p, msg = self.setup.program.schedule.stages, c['msg']
+  def send(self, c, row, outs: dict):
+    """The tick's outputs to the stages that read them, into their message slots.
+
+    `outs`: receive-table prefix -> output: 'recv' for the tick's F or B,
+    'recv2_' for a fused tick's B. Outputs that travel the same offset go
+    in one ppermute.
+    """
+    program, msg = self.setup.program, c['msg']
+    p = program.schedule.stages
     # Scatter: each tensor rank keeps (and sends) its 1/t of the output; the
     # reader's pin() all-gathers it.
-    out = self.setup.pin_message(out)
-    for o in self.setup.program.offsets:
-      arrived = (
-        out if o == 0 else jax.lax.ppermute(out, 'pipe', [(i, (i + o) % p) for i in range(p)])
-      )
-      msg = msg.at[row[f'recv{o}']].set(arrived, mode='drop')
+    outs = {k: self.setup.pin_message(v) for k, v in outs.items()}
+    tables = {'recv': program.recv, 'recv2_': program.recv2}
+    for o in sorted({o for x in outs for o in tables[x]}):
+      lanes = [x for x in outs if o in tables[x]]
+      out = [outs[x] for x in lanes]
+      if o:
+        out = jax.lax.ppermute(out, 'pipe', [(i, (i + o) % p) for i in range(p)])
+      for x, arrived in zip(lanes, out):
+        msg = msg.at[row[f'{x}{o}']].set(arrived, mode='drop')
     return dict(c, msg=msg)
 
   def idle(self, c, row):
     return c, self.x_zero
 
+  def idle_fused(self, c, row):
+    nothing = [jnp.zeros(a.shape, a.dtype) for a in self.host_stash.kept_shapes]
+    return c, (self.x_zero, self.x_zero, _varying(nothing, self.setup.manual))
+
+  def overlapped(self, c, row):
+    """A fused tick: one micro-batch's B and W, then another's F, in one
+    computation (so that XLA may run one's collectives under the other's
+    compute). The B's cut goes straight to its W, through no slot; the F's
+    residual set is returned for `tick` to stash."""
+    lane2 = dict(
+      row, **{name: row[f'{name}2'] for name in ('mb', 'chunk', 'local', 'src', 'stash')}
+    )
+    c, dx, cut = self.input_gradient(c, lane2)
+    g_stage = self.residuals.split.w(
+      self.stashed_residuals(c, lane2), cut, acc=(c['g_stage'], lane2['local'])
+    )
+    c, y, kept = self.forward_unstashed(dict(c, g_stage=g_stage), row)
+    return c, (y, dx, kept)
+
   def forward(self, c, row):
+    c, y, kept = self.forward_unstashed(c, row)
+    return dict(c, stash=_put(c['stash'], row['stash'], kept)), y
+
+  def forward_unstashed(self, c, row):
+    """F, but its residual set (the leaves kept on the device) is returned
+    instead of stashed."""
+    c = dict(c)
     pin, mb, chunk = self.setup.pin, row['mb'], row['chunk']
     chunk_params = _take(self.local, row['local'])
     x = jax.lax.cond(
@@ -624,7 +692,6 @@ class _Stage:
     )
     y, vjp_fn, (shares, maxima) = self.chunk_vjp(chunk_params, x, chunk, self.segments(mb))
     kept, host = self.host_stash.split(self.residuals.stashed(vjp_fn, chunk_params))
-    c = dict(c, stash=_put(c['stash'], row['stash'], kept))
     if host:
       c['spill'] = _varying(host, self.setup.manual)  # written out by `spill`
     summed, top = c['figures']
@@ -634,7 +701,7 @@ class _Stage:
     )
     last = self.setup.program.schedule.num_chunks - 1
     c = jax.lax.cond(chunk == last, lambda c: self.loss_and_seed(c, row, y), lambda c: c, c)
-    return c, pin(y.astype(self.setup.act_dtype))
+    return c, pin(y.astype(self.setup.act_dtype)), kept
 
   def unhoisted_edges(self, mb):
     """The edges times a one XLA cannot fold (it depends on the micro-batch).
@@ -672,9 +739,13 @@ class _Stage:
     return self.residuals.joined(stashed, _take(self.local, row['local']))
 
   def backward(self, c, row):
+    c, dx, cut = self.input_gradient(c, row)
+    return dict(c, cut=_put(c['cut'], row['cut'], jax.tree.leaves(cut))), dx
+
+  def input_gradient(self, c, row):
+    """B: the input gradient (and, on chunk 0, the embedding's part) and the cut."""
     pin, mb, act_dtype = self.setup.pin, row['mb'], self.setup.act_dtype
     dx, cut = self.residuals.split.b(self.stashed_residuals(c, row), pin(c['msg'][row['src']]))
-    c = dict(c, cut=_put(c['cut'], row['cut'], jax.tree.leaves(cut)))
 
     def embed_backward(c):
       if self.after:
@@ -682,7 +753,7 @@ class _Stage:
       return dict(c, g_edges=self.embed_gradient(c['g_edges'], mb, dx))
 
     c = jax.lax.cond(row['chunk'] == 0, embed_backward, lambda c: c, c)
-    return c, pin(dx.astype(act_dtype))
+    return c, pin(dx.astype(act_dtype)), cut
 
   def embed_gradient(self, acc, mb, dx):
     """acc + the embedding's gradient for micro-batch mb's input gradient dx."""

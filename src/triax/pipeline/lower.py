@@ -19,6 +19,9 @@ runs at most one compute action of its order, in the order's sequence:
             evict/load ppermute over partner pairs;
   receive   arrivals are written into the buffer slots assigned below.
 
+With `fuse_overlaps` an overlapped pair (DualPipeV's) runs in one tick with
+its B's W: B, W, then F, all in the compute phase, both outputs sent.
+
 An action runs in the first tick after everything it needs has arrived, so
 the lockstep program is the asynchronous schedule with unit costs: its
 ticks, peak in-flight micro-batches and bubble are the papers' (1F1B stage
@@ -39,6 +42,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from triax.errors import ConfigError
 from triax.pipeline import grid as grid_lib
 from triax.pipeline.ir import (
   BACKWARD,
@@ -68,7 +72,21 @@ _SEND, _LAND, _COMPUTE, _RECV = range(4)
 _PHASES = 4
 
 # The per-tick tables every program has, [ticks, stages] int32 each; -1 = none.
-TABLES = ('kind', 'mb', 'chunk', 'local', 'src', 'loss', 'stash', 'cut', 'move_send', 'move_recv')
+# The last five are the second lane of a fused tick (`lower`'s fuse_overlaps):
+# the B that runs beside the tick's F, its W at once after it.
+TABLES = (
+  'kind',
+  'mb',
+  'chunk',
+  'local',
+  'src',
+  'loss',
+  'stash',
+  'cut',
+  'move_send',
+  'move_recv',
+) + tuple(f'{name}2' for name in ('mb', 'chunk', 'local', 'src', 'stash'))
+LANE2 = TABLES[-5:]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -83,7 +101,8 @@ class Program:
     source: the schedule as built.
     ticks: T, the number of lockstep ticks.
     grid: [tick][stage] -> the actions the stage runs (at most one compute
-      action, then the copies it sends at the tick's start).
+      action, or a fused tick's F, B and W; then the copies it sends at the
+      tick's start).
     table: name -> int32 [T, p]: `kind` (IDLE, RUN_F, RUN_B, RUN_W), `mb`,
       `chunk` (global), `local` (the chunk's index on its stage), `src`
       (message slot read: an F's input activation, -1 for chunk 0, which
@@ -92,7 +111,9 @@ class Program:
       W read, W frees), `cut` (slot B writes its cut to, W reads),
       `move_send` (stash slot sent to the partner this tick), `move_recv`
       (stash slot the set arriving from the partner lands in). Both at the
-      tick's start, before its compute.
+      tick's start, before its compute. A fused tick's B (its W implied)
+      is in `mb2`, `chunk2`, `local2`, `src2` and `stash2` (`LANE2`); its
+      F in the others, kind RUN_F.
     recv: stage offset o -> int32 [T, p]: message slot where the output
       sent by stage (s - o) mod p this tick lands on stage s; -1 none.
       Offset 0 is a stage's own output (a chunk whose successor is on the
@@ -101,6 +122,8 @@ class Program:
       'msg' (activations and gradients), 'stash', 'cut'.
     peaks: buffer -> per stage, the most slots in use at once.
     partner: the partner pairing for residual moves, or None.
+    recv2: like `recv`, for the input gradient a fused tick's B sends
+      (empty without fused ticks).
   """
 
   schedule: Schedule
@@ -112,6 +135,12 @@ class Program:
   slots: dict[str, int]
   peaks: dict[str, tuple[int, ...]]
   partner: tuple[int, ...] | None
+  recv2: dict[int, np.ndarray] = dataclasses.field(default_factory=dict)
+
+  @property
+  def fused(self) -> bool:
+    """True iff some tick runs an overlapped pair (F with a B and its W)."""
+    return bool((self.table['mb2'] >= 0).any())
 
   @property
   def num_stash_slots(self) -> int:
@@ -131,11 +160,19 @@ class Program:
     return self.source.split_backward
 
 
-def lower(schedule: Schedule) -> Program:
+def lower(schedule: Schedule, fuse_overlaps: bool = False) -> Program:
   """Lowers a schedule to lockstep ticks and assigns buffer slots.
 
   The schedule must be valid (see validate.py): one F and one B per
   (micro-batch, chunk), at most one W and one EVICT/LOAD pair.
+
+  With `fuse_overlaps`, each overlapped pair the schedule marks
+  (`Schedule.overlaps`, DualPipeV's `(F;B)`) whose B has its W right after
+  it runs in one tick: the B, its W, then the F (`fused_units`). The tick
+  then costs the three, and a stage beside it that runs one action waits
+  for it; what it buys is one computation holding two micro-batches'
+  work, in which an expert-parallel all-to-all of one can run under the
+  other's compute.
 
   Raises:
     ScheduleDeadlock: if no stage can run its next action while actions
@@ -145,7 +182,7 @@ def lower(schedule: Schedule) -> Program:
       copy a tick from one stage).
   """
   run = with_split_backward(schedule)
-  at = compute_ticks(run)
+  at = compute_ticks(run, fuse_overlaps)
   at.update(_copy_ticks(run, at))
   ticks = max(at.values(), default=-1) + 1
   grid = [[[] for _ in range(run.stages)] for _ in range(ticks)]
@@ -154,17 +191,67 @@ def lower(schedule: Schedule) -> Program:
   grid = tuple(
     tuple(tuple(sorted(cell, key=lambda a: KINDS.index(a.kind))) for cell in row) for row in grid
   )
-  slots, counts = _assign_slots(run, at)
-  return _tabulate(run, schedule, grid, at, slots, counts)
+  fused = _fused(run, at) if fuse_overlaps else {}
+  slots, counts = _assign_slots(run, at, fused)
+  return _tabulate(run, schedule, grid, at, slots, counts, fused)
 
 
-def compute_ticks(schedule: Schedule) -> dict[Action, int]:
-  """Each stage's compute actions in order, one per tick, each in the first
-  tick after its inputs were produced (an evicted set leaves at the start
-  of the tick after its F and can be back at the start of its B's tick, so
-  the B must be two ticks after the F, see `_copy_ticks`)."""
+def fused_units(order: Sequence[Action], schedule: Schedule) -> list[tuple[Action, ...]]:
+  """A stage's compute actions cut into what each tick runs when pairs fuse:
+  (F, B, W) for an overlapped pair whose B's W follows it at once, else one
+  action. A pair whose W comes later runs in consecutive ticks."""
+  pairs = dict(schedule.overlaps)
+  acts = [a for a in order if a.kind in COMPUTE_KINDS]
+  units, i = [], 0
+  while i < len(acts):
+    f = acts[i]
+    b = pairs.get(f)
+    w = None if b is None else Action(WEIGHT, b.microbatch, b.chunk)
+    if acts[i + 1 : i + 3] == [b, w]:
+      units.append((f, b, w))
+      i += 3
+    else:
+      units.append((f,))
+      i += 1
+  return units
+
+
+def check_fusable(schedule: Schedule) -> None:
+  """That `lower(schedule, fuse_overlaps=True)` fuses every overlapped pair.
+
+  Raises:
+    ConfigError: for a schedule with no pairs, or one whose pair has its
+      B's W later (a file's `(F;I)` cell), which would run apart.
+  """
+  if not schedule.overlaps:
+    raise ConfigError(
+      'pipeline.fuse_overlaps',
+      f'{schedule.name} marks no overlapped pairs to fuse; dualpipe_v does, and a schedule '
+      'file with OVERLAP_F_B cells',
+    )
+  run = with_split_backward(schedule)
+  fused = {u[:2] for o in run.orders for u in fused_units(o, run) if len(u) == 3}
+  apart = sorted(set(run.overlaps) - fused)
+  if apart:
+    f, b = apart[0]
+    raise ConfigError(
+      'pipeline.fuse_overlaps',
+      f'{schedule.name}: the pair ({f};{b}) has its W later, not at once after its B, so it '
+      f'cannot run as one tick ({len(apart)} such pair(s)); make its backward whole',
+    )
+
+
+def compute_ticks(schedule: Schedule, fuse_overlaps: bool = False) -> dict[Action, int]:
+  """Each stage's compute actions in order, one per tick (or one fused
+  pair, see `lower`), each in the first tick after its inputs were produced
+  (an evicted set leaves at the start of the tick after its F and can be
+  back at the start of its B's tick, so the B must be two ticks after the
+  F, see `_copy_ticks`)."""
   p = schedule.stages
-  streams = [[a for a in o if a.kind in COMPUTE_KINDS] for o in schedule.orders]
+  if fuse_overlaps:
+    streams = [fused_units(o, schedule) for o in schedule.orders]
+  else:
+    streams = [[(a,) for a in o if a.kind in COMPUTE_KINDS] for o in schedule.orders]
   nxt = [0] * p
   at: dict[Action, int] = {}
   remaining = sum(len(x) for x in streams)
@@ -174,22 +261,29 @@ def compute_ticks(schedule: Schedule) -> dict[Action, int]:
     for s in range(p):
       if nxt[s] == len(streams[s]):
         continue
-      a = streams[s][nxt[s]]
-      if all(_done_before(d, at, t) for d in dependencies(a, schedule)):
-        ran.append((s, a))
+      unit = streams[s][nxt[s]]
+      # Within a fused unit the W reads its own B's cut, made earlier in the tick.
+      if all(d in unit or _done_before(d, at, t) for a in unit for d in dependencies(a, schedule)):
+        ran.append((s, unit))
     if not ran:
-      heads = [streams[s][nxt[s]] for s in range(p) if nxt[s] < len(streams[s])]
+      heads = [streams[s][nxt[s]][0] for s in range(p) if nxt[s] < len(streams[s])]
       if any(_waits_only_for_a_copy(a, schedule, at) for a in heads):
         t += 1  # an idle tick: an evicted set comes back in the next one
         continue
-      heads = [[streams[s][nxt[s]]] if nxt[s] < len(streams[s]) else [] for s in range(p)]
+      heads = [list(streams[s][nxt[s]]) if nxt[s] < len(streams[s]) else [] for s in range(p)]
       raise _deadlock(schedule, at, t, heads)
-    for s, a in ran:
-      at[a] = t
+    for s, unit in ran:
+      for a in unit:
+        at[a] = t
       nxt[s] += 1
     remaining -= len(ran)
     t += 1
   return at
+
+
+def _fused(schedule: Schedule, at: dict[Action, int]) -> dict[Action, Action]:
+  """The F -> B pairs that share a tick."""
+  return {f: b for f, b in schedule.overlaps if at.get(f) is not None and at[f] == at.get(b)}
 
 
 def _waits_only_for_a_copy(a: Action, schedule: Schedule, at: dict[Action, int]) -> bool:
@@ -272,7 +366,7 @@ def _time(tick: int, phase: int) -> int:
   return _PHASES * tick + phase
 
 
-def _intervals(schedule: Schedule, at: dict[Action, int]) -> dict:
+def _intervals(schedule: Schedule, at: dict[Action, int], fused: dict[Action, Action]) -> dict:
   """Per stage and buffer, the [write, read] event times of each entry.
 
   Stash keys are (micro-batch, chunk, segment): segment 0 from the F until
@@ -280,9 +374,14 @@ def _intervals(schedule: Schedule, at: dict[Action, int]) -> dict:
   from the LOAD until W frees it. Message keys are ('x', j, c) for chunk
   c's input activation and ('g', j, c) for its output gradient; cut keys
   (j, c).
+
+  A fused tick (`fused`, F -> B) runs its B and W before its F, so the F's
+  set is written after the W freed its own (half a phase later) and the
+  B's cut goes straight to its W, with no slot.
   """
   p, last = schedule.stages, schedule.num_chunks - 1
   out = {(s, buf): [] for s in range(p) for buf in ('msg', 'stash', 'cut')}
+  fused_backwards = set(fused.values())
   for a, tf in at.items():
     if a.kind != FORWARD:
       continue
@@ -290,16 +389,18 @@ def _intervals(schedule: Schedule, at: dict[Action, int]) -> dict:
     s = schedule.stage_of(c)
     tb, tw = at[Action(BACKWARD, j, c)], at[Action(WEIGHT, j, c)]
     freed = _time(tw, _COMPUTE)
+    stashed = _time(tf, _COMPUTE) + 0.5 * (a in fused)
     evict = Action(EVICT, j, c)
     if evict in at:
       te, tl = at[evict], at[Action(LOAD, j, c)]
       guest = schedule.partner[s]
-      out[(s, 'stash')].append((_time(tf, _COMPUTE), _time(te, _SEND), (j, c, 0)))
+      out[(s, 'stash')].append((stashed, _time(te, _SEND), (j, c, 0)))
       out[(guest, 'stash')].append((_time(te, _LAND), _time(tl, _SEND), (j, c, 1)))
       out[(s, 'stash')].append((_time(tl, _LAND), freed, (j, c, 2)))
     else:
-      out[(s, 'stash')].append((_time(tf, _COMPUTE), freed, (j, c, 0)))
-    out[(s, 'cut')].append((_time(tb, _COMPUTE), freed, (j, c)))
+      out[(s, 'stash')].append((stashed, freed, (j, c, 0)))
+    if Action(BACKWARD, j, c) not in fused_backwards:
+      out[(s, 'cut')].append((_time(tb, _COMPUTE), freed, (j, c)))
     if c > 0:
       out[(s, 'msg')].append(
         (_time(at[Action(FORWARD, j, c - 1)], _RECV), _time(tf, _COMPUTE), ('x', j, c))
@@ -336,26 +437,37 @@ def _colour_intervals(intervals: Sequence[tuple[float, float, tuple]]) -> tuple[
   return slot_of, used
 
 
-def _assign_slots(schedule: Schedule, at: dict[Action, int]) -> tuple[dict, dict]:
+def _assign_slots(
+  schedule: Schedule, at: dict[Action, int], fused: dict[Action, Action]
+) -> tuple[dict, dict]:
   slots, counts = {}, {}
-  for where, xs in _intervals(schedule, at).items():
+  for where, xs in _intervals(schedule, at, fused).items():
     slots[where], counts[where] = _colour_intervals(xs)
   return slots, counts
 
 
 def _tabulate(
-  run: Schedule, source: Schedule, grid: tuple, at: dict[Action, int], slot: dict, counts: dict
+  run: Schedule,
+  source: Schedule,
+  grid: tuple,
+  at: dict[Action, int],
+  slot: dict,
+  counts: dict,
+  fused: dict[Action, Action],
 ) -> Program:
   p, last, ticks = run.stages, run.num_chunks - 1, len(grid)
   table = {name: np.full((ticks, p), -1, np.int32) for name in TABLES}
   table['kind'][:] = IDLE
   recv: dict[int, np.ndarray] = {}
+  recv2: dict[int, np.ndarray] = {}
+  lane2 = set(fused.values())
+  lane2 |= {Action(WEIGHT, b.microbatch, b.chunk) for b in lane2}
 
-  def arrive(t: int, src: int, dst: int, key: tuple) -> None:
+  def arrive(t: int, src: int, dst: int, key: tuple, into: dict = recv) -> None:
     o = (dst - src) % p
-    if o not in recv:
-      recv[o] = np.full((ticks, p), -1, np.int32)
-    recv[o][t, dst] = slot[(dst, 'msg')][key]
+    if o not in into:
+      into[o] = np.full((ticks, p), -1, np.int32)
+    into[o][t, dst] = slot[(dst, 'msg')][key]
 
   def home(j: int, c: int) -> int:
     """The stash slot B and W read: back from the partner if evicted."""
@@ -364,6 +476,16 @@ def _tabulate(
   for a, t in at.items():
     j, c = a.microbatch, a.chunk
     s = run.stage_of(c)
+    if a in lane2:
+      # A fused tick's B (its W implied): the second lane's tables.
+      if a.kind == BACKWARD:
+        table['mb2'][t, s], table['chunk2'][t, s] = j, c
+        table['local2'][t, s] = run.local_of(c)
+        table['stash2'][t, s] = home(j, c)
+        table['src2'][t, s] = slot[(s, 'msg')][('g', j, c)]
+        if c > 0:
+          arrive(t, s, run.stage_of(c - 1), ('g', j, c - 1), recv2)
+      continue
     if a.kind in KIND_CODE:
       table['kind'][t, s] = KIND_CODE[a.kind]
       table['mb'][t, s], table['chunk'][t, s] = j, c
@@ -407,6 +529,7 @@ def _tabulate(
     slots={buf: most(buf) for buf in ('msg', 'stash', 'cut')},
     peaks={buf: tuple(counts[(s, buf)] for s in range(p)) for buf in ('msg', 'stash', 'cut')},
     partner=run.partner if run.evicted else None,
+    recv2=recv2,
   )
 
 

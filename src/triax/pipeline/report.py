@@ -27,6 +27,7 @@ _FLAG_OF_KEY = {
   'synthesis.time_limit_s': '--time_limit_s',
   'synthesis.t_forward': '--t_forward',
   'synthesis.t_backward': '--t_backward',
+  'pipeline.fuse_overlaps': '--fuse_overlaps',
 }
 
 
@@ -59,6 +60,10 @@ class Request:
       builds by name.
     time_limit_s: the synthesiser's time limit.
     write_json: path to write the schedule to as triax's JSON, or None.
+    t_exchange: expert parallelism's all-to-alls in one micro-batch's
+      forward through one stage, and in its backward (`simulate.Costs`).
+    fuse_overlaps: lower each overlapped pair into one tick (pipeline.
+      fuse_overlaps), where the exchanges run beside the other's compute.
   """
 
   schedule: str = '1f1b'
@@ -76,6 +81,8 @@ class Request:
   memory_limit: int | None = None
   time_limit_s: float = 10.0
   write_json: str | None = None
+  t_exchange: float = 0.0
+  fuse_overlaps: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,9 +133,11 @@ def analyse(request: Request) -> Analysis:
       schedule = sched.build(
         request.schedule, request.stages, request.microbatches, request.virtual_stages
       )
+    if request.fuse_overlaps:
+      sched.check_fusable(schedule)
   except ConfigError as e:
     raise ConfigError(_FLAG_OF_KEY.get(e.key, e.key), e.message) from None
-  program = sched.lower(schedule)
+  program = sched.lower(schedule, request.fuse_overlaps)
   costs = _costs(request, schedule.split_backward)
   return Analysis(
     request=request,
@@ -149,7 +158,7 @@ def _costs(request: Request, split: bool) -> simulate.Costs:
     t_backward=default.t_backward if request.t_backward is None else request.t_backward,
     t_weight=default.t_weight if request.t_weight is None else request.t_weight,
   )
-  for name in ('t_forward', 't_backward', 't_transfer', 't_weight', 't_evict'):
+  for name in ('t_forward', 't_backward', 't_transfer', 't_weight', 't_evict', 't_exchange'):
     value = getattr(request, name)
     if not value >= 0 or value == float('inf'):
       raise ConfigError(f'--{name}', f'must be a finite number >= 0; got {value}')
@@ -159,6 +168,7 @@ def _costs(request: Request, split: bool) -> simulate.Costs:
     t_weight=request.t_weight,
     t_transfer=request.t_transfer,
     t_evict=request.t_evict,
+    t_exchange=request.t_exchange,
   )
 
 
@@ -168,7 +178,8 @@ def summary(analysis: Analysis) -> dict:
   `models` has both time models (total time, bubble, peak in-flight per
   stage, and the lockstep ticks). `slots` are the buffer entries every
   device allocates (messages, stashed residual sets, B-to-W cuts), `peaks`
-  each stage's own most in use. `residual_sets_moved` counts EVICTs and
+  each stage's own most in use. `fused_ticks` counts (tick, stage) cells
+  that run an overlapped pair with its W. `residual_sets_moved` counts EVICTs and
   LOADs per step; schedules that move residuals (bpipe) add their
   `partner` and the per-stage `transfers_per_step`.
   """
@@ -193,6 +204,7 @@ def summary(analysis: Analysis) -> dict:
     'peaks': {buf: list(peaks) for buf, peaks in program.peaks.items()},
     'stash_cap': s.stash_cap,
     'split_backward': program.split_backward,
+    'fused_ticks': int((program.table['mb2'] >= 0).sum()),
     'residual_sets_moved': moved['total'],
   }
   if analysis.request.schedule_file:
@@ -247,6 +259,11 @@ def text(analysis: Analysis, grid: bool = True) -> str:
     costs = analysis.costs
     lines.append(
       f'backward split into B (t_backward={costs.t_backward:g}) and W (t_weight={costs.t_weight:g})'
+    )
+  if program.fused:
+    lines.append(
+      f'{int((program.table["mb2"] >= 0).sum())} fused ticks (a B and its W, then another '
+      f"micro-batch's F); t_exchange={analysis.costs.t_exchange:g} runs beside their compute"
     )
   if analysis.synthesis is not None:
     found = analysis.synthesis

@@ -25,7 +25,7 @@ from triax.pipeline.ir import (
   v_placement,
   with_split_backward,
 )
-from triax.pipeline.lower import Program, lower, transfers_per_step
+from triax.pipeline.lower import Program, check_fusable, lower, transfers_per_step
 from triax.pipeline.schedules import (
   SCHEDULES,
   bpipe,
@@ -59,6 +59,7 @@ __all__ = [
   'bpipe_stash_cap',
   'bpipe_zb',
   'build',
+  'check_fusable',
   'copy_issue_points',
   'from_config',
   'dependencies',

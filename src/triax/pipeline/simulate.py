@@ -4,8 +4,9 @@ Two models, because the papers and our executor run schedules differently:
 
 - lockstep (`simulate_lockstep`): what triax's SPMD executor does with the
   lowered program (lower.py). All stages advance tick by tick, each running
-  at most one compute action a tick (a fused backward runs as B then W); a
-  tick lasts as long as its slowest stage's action, plus its send phase,
+  at most one compute action a tick (a fused backward runs as B then W), or
+  a fused tick's overlapped pair with its W; a tick lasts as long as its
+  slowest stage's work, plus its send phase,
   and, where residual sets move (BPipe), the partner ppermute that opens it.
   What an action and a send phase cost is the cost model's (`TickCosts`):
   `Costs` here, the planner's measured per-chunk costs, shared cores and
@@ -68,6 +69,10 @@ class Costs:
     t_transfer: sending one activation or gradient to a neighbour stage.
     t_evict: moving one stage's residual set for one micro-batch to or from
       its partner (BPipe EVICT or LOAD); a chunk's set takes t_evict / v.
+    t_exchange: expert parallelism's all-to-alls in one micro-batch's
+      forward through one stage, and as long again in its backward (B); a
+      chunk's take t_exchange / v. F and B wait for theirs, except in a
+      fused tick (`overlapped`).
   """
 
   t_forward: float = 1.0
@@ -75,6 +80,7 @@ class Costs:
   t_weight: float = 0.0
   t_transfer: float = 0.0
   t_evict: float = 0.0
+  t_exchange: float = 0.0
 
   def __post_init__(self):
     for field in dataclasses.fields(self):
@@ -92,8 +98,8 @@ class Costs:
   def of(self, kind: str, virtual_stages: int) -> float:
     """Duration of one chunk action of this kind, as the schedule has it."""
     per_stage = {
-      sched.FORWARD: self.t_forward,
-      sched.BACKWARD: self.t_backward,
+      sched.FORWARD: self.t_forward + self.t_exchange,
+      sched.BACKWARD: self.t_backward + self.t_exchange,
       sched.WEIGHT: self.t_weight,
       sched.EVICT: self.t_evict,
       sched.LOAD: self.t_evict,
@@ -119,10 +125,23 @@ class Costs:
         B the program runs as B then W.
     """
     if fused and kind == sched.BACKWARD:
-      return (self.t_backward - self.weight_part) / virtual_stages
+      return (self.t_backward - self.weight_part + self.t_exchange) / virtual_stages
     if fused and kind == sched.WEIGHT:
       return self.weight_part / virtual_stages
     return self.of(kind, virtual_stages)
+
+  def exchange(self, kind: str, virtual_stages: int) -> float:
+    """The all-to-all part of one chunk action's duration."""
+    return self.t_exchange / virtual_stages if kind in (sched.FORWARD, sched.BACKWARD) else 0.0
+
+  def overlapped(self, kinds: Sequence[str], virtual_stages: int, fused: bool) -> float:
+    """One fused tick's actions (a B, its W and another micro-batch's F):
+    each one's all-to-alls run beside the others' compute, so the tick lasts
+    the longer of their compute and their exchanges (at best: DualPipe's
+    overlap, with nothing left exposed)."""
+    total = sum(self.lockstep(k, virtual_stages, fused) for k in kinds)
+    exchange = sum(self.exchange(k, virtual_stages) for k in kinds)
+    return max(total - exchange, exchange)
 
 
 CostsLike = Costs | Sequence[Costs]
@@ -236,7 +255,10 @@ class Tick:
 
   Attributes:
     index: the tick, 0..T-1.
-    compute: per stage, the compute action it runs, or None (idle).
+    compute: per stage, the compute action it runs, or None (idle); in a
+      fused tick, its F.
+    fused: per stage, the B and W a fused tick runs before its F (see
+      `lower.lower`'s fuse_overlaps), or () where it runs one action.
     messages: (sender, receiver) of each activation or gradient that
       crosses stages in the tick's send phase (one whose neighbouring chunk
       is on the same stage stays there and is not listed).
@@ -252,6 +274,12 @@ class Tick:
   messages: tuple[tuple[int, int], ...]
   copies: tuple[tuple[int, Action], ...]
   movers: tuple[int, ...]
+  fused: tuple[tuple[Action, ...], ...] = ()
+
+  def actions(self, stage: int) -> tuple[Action, ...]:
+    """The compute actions `stage` runs in the tick, in the executor's order."""
+    one = self.compute[stage]
+    return (self.fused[stage] if self.fused else ()) + ((one,) if one is not None else ())
 
 
 def send_phase(tick: Tick, transfer: Sequence[float], floor: float = 0.0) -> float:
@@ -296,6 +324,10 @@ class TickCosts(Protocol):
   def duration(self, stage: int, action: Action) -> float:
     """The time `stage` takes for one compute action, with its devices to itself."""
 
+  def overlapped(self, stage: int, actions: Sequence[Action]) -> float:
+    """The time `stage` takes for a fused tick's actions (B, W, then F) run
+    in one computation, with its devices to itself."""
+
   def tick_time(self, tick: Tick, work: Sequence[float]) -> float:
     """The compute phase of `tick`, given each stage's duration (0 if idle):
     at least the slowest stage's, more where stages share cores."""
@@ -333,6 +365,9 @@ class StageCosts:
   def duration(self, stage: int, action: Action) -> float:
     return self._per[stage].lockstep(action.kind, self._v, self._fused)
 
+  def overlapped(self, stage: int, actions: Sequence[Action]) -> float:
+    return self._per[stage].overlapped([a.kind for a in actions], self._v, self._fused)
+
   def tick_time(self, tick: Tick, work: Sequence[float]) -> float:
     return max(work, default=0.0)
 
@@ -355,11 +390,12 @@ def ticks(program: Program) -> list[Tick]:
   )
   out = []
   for t, row in enumerate(program.grid):
-    compute, messages, copies = [], [], []
+    compute, messages, copies, fused = [], [], [], []
     moving = any(a.kind in sched.COPY_KINDS for cell in row for a in cell)
     for s, cell in enumerate(row):
       run = [a for a in cell if a.kind in sched.COMPUTE_KINDS]
       compute.append(run[0] if run else None)
+      fused.append(tuple(run[1:]))
       copies += [(s, a) for a in cell if a.kind in sched.COPY_KINDS]
       for a in run:
         if a.kind == sched.FORWARD and a.chunk < last:
@@ -377,6 +413,7 @@ def ticks(program: Program) -> list[Tick]:
         messages=tuple(messages),
         copies=tuple(copies),
         movers=paired if moving else (),
+        fused=tuple(fused),
       )
     )
   return out
@@ -401,18 +438,31 @@ def simulate_lockstep(program: Program, costs: CostsLike | TickCosts = Costs()) 
     costs = StageCosts(program, costs)
   spans, now = [], 0.0
   for tick in ticks(program):
-    work = [0.0 if a is None else costs.duration(s, a) for s, a in enumerate(tick.compute)]
+    work = [_work(costs, s, tick.actions(s)) for s in range(len(tick.compute))]
     compute = costs.tick_time(tick, work)
     longest = max(work, default=0.0)
     stretch = compute / longest if longest > 0 else 1.0
     for s, a in tick.copies:
       spans.append(Span(s, a, now, now + costs.copy(s, a)))
     now += costs.move(tick)
-    for s, a in enumerate(tick.compute):
-      if a is not None:
-        spans.append(Span(s, a, now, now + work[s] * stretch))
+    for s in range(len(tick.compute)):
+      # A fused tick's actions drawn one after another, in its time.
+      acts = tick.actions(s)
+      alone = [costs.duration(s, a) for a in acts]
+      scale = work[s] * stretch / sum(alone) if sum(alone) > 0 else 0.0
+      start = now
+      for a, d in zip(acts, alone):
+        spans.append(Span(s, a, start, start + d * scale))
+        start += d * scale
     now += compute + costs.transfer(tick)
   return _result('lockstep', program.schedule, spans, now, program.peaks['stash'], program.ticks)
+
+
+def _work(costs: TickCosts, stage: int, actions: Sequence[Action]) -> float:
+  """A stage's compute in a tick: its one action, or a fused tick's."""
+  if len(actions) > 1:
+    return costs.overlapped(stage, actions)
+  return sum(costs.duration(stage, a) for a in actions)
 
 
 def simulate_async(schedule: Schedule, costs: CostsLike = Costs()) -> Result:

@@ -242,6 +242,8 @@ _BUFFER_OF = {
   'cut': 'cut',
   'move_send': 'stash',
   'move_recv': 'stash',
+  'src2': 'msg',
+  'stash2': 'stash',
 }
 _BUFFERS = ('msg', 'stash', 'cut')
 _KIND_OF_CODE = {code: kind for kind, code in lower_lib.KIND_CODE.items()}
@@ -294,11 +296,12 @@ def _check_shapes(run: Schedule, program: Program) -> list[str]:
       problems.append(f'program.table has no {name!r} table')
     elif table.shape != (t, p) or not np.issubdtype(table.dtype, np.integer):
       problems.append(f'program.table[{name!r}] is {table.dtype} {table.shape}; want int {(t, p)}')
-  for o, table in program.recv.items():
-    if not 0 <= o < p:
-      problems.append(f'program.recv has offset {o}, outside 0..{p - 1}')
-    if table.shape != (t, p) or not np.issubdtype(table.dtype, np.integer):
-      problems.append(f'program.recv[{o}] is {table.dtype} {table.shape}; want int {(t, p)}')
+  for name, recv in (('recv', program.recv), ('recv2', program.recv2)):
+    for o, table in recv.items():
+      if not 0 <= o < p:
+        problems.append(f'program.{name} has offset {o}, outside 0..{p - 1}')
+      if table.shape != (t, p) or not np.issubdtype(table.dtype, np.integer):
+        problems.append(f'program.{name}[{o}] is {table.dtype} {table.shape}; want int {(t, p)}')
   if len(program.grid) != t or any(len(row) != p for row in program.grid):
     problems.append(f'program.grid is not {t} ticks x {p} stages')
   for buf in _BUFFERS:
@@ -323,6 +326,7 @@ def _check_slot_ranges(program: Program) -> list[str]:
     problems.append(f'tick {t} stage {s}: kind {kind[t, s]} is not IDLE, RUN_F, RUN_B or RUN_W')
   columns = [(name, program.table[name], _BUFFER_OF[name]) for name in _BUFFER_OF]
   columns += [(f'recv[{o}]', program.recv[o], 'msg') for o in sorted(program.recv)]
+  columns += [(f'recv2[{o}]', program.recv2[o], 'msg') for o in sorted(program.recv2)]
   for name, values, buf in columns:
     count = program.slots[buf]
     for t, s in zip(*((values >= count) | (values < -1)).nonzero()):
@@ -370,10 +374,47 @@ def _decode(
   return a
 
 
+def _decode2(
+  schedule: Schedule, program: Program, t: int, s: int, problems: list[str] | None = None
+) -> tuple[Action, ...]:
+  """The B and W the second lane's tables say stage s runs beside its F at
+  tick t (a fused tick), or () where they name none."""
+  table = program.table
+  where = f'tick {t} stage {s}'
+  if table['mb2'][t, s] < 0:
+    if problems is not None:
+      for name in lower_lib.LANE2:
+        if table[name][t, s] != -1:
+          problems.append(f'{where}: no second lane, but {name} is {table[name][t, s]}')
+    return ()
+  j, c = int(table['mb2'][t, s]), int(table['chunk2'][t, s])
+  pair = (Action(sched.BACKWARD, j, c), Action(sched.WEIGHT, j, c))
+  if problems is None:
+    return pair
+  if not (0 <= j < schedule.microbatches and 0 <= c < schedule.num_chunks):
+    problems.append(f'{where}: the second lane runs {pair[0]}, outside the schedule')
+  elif schedule.stage_of(c) != s or table['local2'][t, s] != schedule.local_of(c):
+    problems.append(
+      f'{where}: the second lane runs {pair[0]} as local chunk {table["local2"][t, s]}; '
+      f'chunk {c} is local {schedule.local_of(c)} on stage {schedule.stage_of(c)}'
+    )
+  if table['kind'][t, s] != lower_lib.RUN_F:
+    problems.append(f'{where}: the second lane runs {pair[0]} beside no forward')
+  return pair
+
+
+def _fused_cell(schedule: Schedule, compute: Sequence[Action]) -> bool:
+  """An overlapped pair with its B's W: what one fused tick runs."""
+  if [a.kind for a in compute] != [sched.FORWARD, sched.BACKWARD, sched.WEIGHT]:
+    return False
+  f, b, w = compute
+  return (f, b) in schedule.overlaps and (w.microbatch, w.chunk) == (b.microbatch, b.chunk)
+
+
 def _check_grid(schedule: Schedule, program: Program) -> list[str]:
-  """At most one compute and one copy action per cell, each on its stage;
-  the tables say what the grid says; every action runs once, and each
-  stage's compute actions run in its order."""
+  """At most one compute action per cell (or a fused pair with its W) and
+  one copy action, each on its stage; the tables say what the grid says;
+  every action runs once, and each stage's compute actions run in its order."""
   problems = []
   seen = collections.Counter()
   ran = [[] for _ in range(schedule.stages)]
@@ -386,10 +427,11 @@ def _check_grid(schedule: Schedule, program: Program) -> list[str]:
         continue
       compute = [a for a in cell if a.kind in sched.COMPUTE_KINDS]
       copies = [a for a in cell if a.kind in sched.COPY_KINDS]
-      if len(compute) > 1:
+      if len(compute) > 1 and not _fused_cell(schedule, compute):
         problems.append(
           f'{where}: runs {len(compute)} compute actions '
-          f'({", ".join(map(str, compute))}); a tick runs one'
+          f'({", ".join(map(str, compute))}); a tick runs one, or an overlapped '
+          'pair with its W'
         )
       if len(copies) > 1:
         problems.append(
@@ -397,10 +439,11 @@ def _check_grid(schedule: Schedule, program: Program) -> list[str]:
           f'({", ".join(map(str, copies))}); a tick sends one'
         )
       decoded = _decode(schedule, program, t, s, problems)
-      if (decoded,) != tuple(compute[:1] or [None]):
+      tables = ((decoded,) if decoded else ()) + _decode2(schedule, program, t, s, problems)
+      if tables != tuple(compute) and (len(compute) < 2 or _fused_cell(schedule, compute)):
         problems.append(
           f'{where}: grid says {list(map(str, compute))} but '
-          f'the tables say {[str(decoded)] if decoded else []}'
+          f'the tables say {list(map(str, tables))}'
         )
       sends = program.table['move_send'][t, s] >= 0
       if sends != bool(copies):
@@ -436,13 +479,21 @@ def _check_lockstep_dependencies(schedule: Schedule, program: Program) -> list[s
   send phase, which ends the tick. Copies move in the partner ppermute
   that opens a tick, before its compute: a LOAD at tick t is back for a B
   in tick t, an EVICT sends its F's residuals in a later tick than the F's,
-  and a LOAD sends them back in a later tick than they arrived in."""
+  and a LOAD sends them back in a later tick than they arrived in. A fused
+  tick's W runs after its own B, in the same tick."""
   tick = {a: t for t, row in enumerate(program.grid) for cell in row for a in cell}
+  # A fused tick's W reads its own B's cut, made earlier in the tick.
+  fused_w = {
+    cell[-1]
+    for row in program.grid
+    for cell in row
+    if _fused_cell(schedule, [a for a in cell if a.kind in sched.COMPUTE_KINDS])
+  }
   problems = []
   for a, t in sorted(tick.items(), key=lambda x: (x[1], str(x[0]))):
     for d in sched.dependencies(a, schedule):
       td = tick.get(d)
-      landed_first = d.kind in sched.COPY_KINDS and a.kind in sched.COMPUTE_KINDS
+      landed_first = (d.kind in sched.COPY_KINDS and a.kind in sched.COMPUTE_KINDS) or a in fused_w
       late = td is None or (td > t if landed_first else td >= t)
       if late:
         problems.append(
@@ -502,10 +553,16 @@ def _replay_buffers(schedule: Schedule, program: Program) -> list[str]:
       if slot is not None:
         buffers[s].write('stash', slot, value, f'tick {t} stage {s}: landing {value}', problems)
     actions = [_decode(run, program, t, s) for s in range(p)]
+    # A fused tick runs its B and W first, then its F (executor order).
+    lane2 = [_decode2(run, program, t, s) for s in range(p)]
     for s, a in enumerate(actions):
+      for b in lane2[s]:
+        _replay_compute(run, program, t, s, b, buffers[s], problems, lane2=True)
       if a is not None:
         _replay_compute(run, program, t, s, a, buffers[s], problems)
-    _replay_messages(run, program, t, actions, buffers, problems)
+    _replay_messages(run, t, actions, program.recv, buffers, problems)
+    backwards = [x[0] if x else None for x in lane2]
+    _replay_messages(run, t, backwards, program.recv2, buffers, problems, 'recv2')
   for s, buf in enumerate(buffers):
     for name, held in buf.held.items():
       for slot, value in sorted(held.items()):
@@ -536,9 +593,29 @@ def _replay_buffers(schedule: Schedule, program: Program) -> list[str]:
 
 
 def _replay_compute(
-  run: Schedule, program: Program, t: int, s: int, a: Action, buffers: _Buffers, problems: list[str]
+  run: Schedule,
+  program: Program,
+  t: int,
+  s: int,
+  a: Action,
+  buffers: _Buffers,
+  problems: list[str],
+  lane2: bool = False,
 ) -> None:
-  """One F, B or W: the reads and writes of its branch in the executor."""
+  """One F, B or W: the reads and writes of its branch in the executor.
+
+  `lane2`: a fused tick's B or W, read from the second lane's tables; its
+  B hands its cut straight to its W, through no slot.
+  """
+  if lane2:
+    table = program.table
+    row = dict(src=int(table['src2'][t, s]), stash=int(table['stash2'][t, s]))
+    where, mine = f'tick {t} stage {s}: {a} (second lane)', f'{a.microbatch}.{a.chunk}'
+    free = a.kind == sched.WEIGHT
+    buffers.read('stash', row['stash'], f'set {mine}', where, problems, free=free)
+    if not free:
+      buffers.read('msg', row['src'], f'grad {mine}', where, problems)
+    return
   row = {name: int(program.table[name][t, s]) for name in ('src', 'loss', 'stash', 'cut')}
   j, c = a.microbatch, a.chunk
   where = f'tick {t} stage {s}: {a}'
@@ -614,14 +691,16 @@ def _replay_moves(
 
 def _replay_messages(
   run: Schedule,
-  program: Program,
   t: int,
   actions: Sequence[Action | None],
+  recv: dict[int, np.ndarray],
   buffers: Sequence[_Buffers],
   problems: list[str],
+  name: str = 'recv',
 ) -> None:
   """The receive phase: each F's activation and B's input gradient lands in
-  the slot its receiver's recv table names, for the offset it travels."""
+  the slot its receiver's `recv` table (program.`name`) names, for the
+  offset it travels."""
   p, last = run.stages, run.num_chunks - 1
   sent = {}  # (offset, receiver) -> (value, sender)
   for s, a in enumerate(actions):
@@ -635,9 +714,9 @@ def _replay_messages(
     else:
       continue
     sent[((to - s) % p, to)] = (value, s)
-  for o in sorted(program.recv):
+  for o in sorted(recv):
     for r in range(p):
-      slot = int(program.recv[o][t, r])
+      slot = int(recv[o][t, r])
       where = f'tick {t} stage {r}'
       if (o, r) not in sent:
         if slot != -1:
@@ -656,5 +735,5 @@ def _replay_messages(
   for (o, r), (value, source) in sorted(sent.items()):
     problems.append(
       f'tick {t} stage {r}: drops {value} from stage {source} '
-      f'(the program has no recv table for offset {o})'
+      f'(the program has no {name} table for offset {o})'
     )

@@ -296,7 +296,7 @@ def _program_and_layout(cfg, spec):
   program, placement = None, None
   if p > 1 or m > 1:
     schedule = sched.from_config(cfg.pipeline, p, m, v)
-    program = sched.lower(schedule)
+    program = sched.lower(schedule, cfg.pipeline.fuse_overlaps)
     placement = schedule.placement
   layout = layout_lib.StackLayout.build(
     spec.num_layers, p, v, cfg.pipeline.layers_per_stage, placement, spec.layers_per_entry

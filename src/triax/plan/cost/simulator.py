@@ -599,8 +599,15 @@ class PlanTickCosts:
   def duration(self, stage: int, action: Action) -> float:
     return self.costs.of(action)
 
+  def overlapped(self, stage: int, actions: Sequence[Action]) -> float:
+    # The plan's costs hold each action's all-to-all inside its time, not
+    # apart: a fused tick is charged their sum, with nothing hidden.
+    return sum(self.costs.of(a) for a in actions)
+
   def tick_time(self, tick: simulate.Tick, work: Sequence[float]) -> float:
-    shares = [0.0 if a is None else self.costs.share_of(a) for a in tick.compute]
+    shares = [
+      sum(self.costs.share_of(a) for a in tick.actions(s)) for s in range(len(tick.compute))
+    ]
     return max([self.share.tick(work, shares), *self.costs.host])
 
   def transfer(self, tick: simulate.Tick) -> float:
