@@ -227,7 +227,8 @@ GPU_CONFIG = {
   'pipeline.microbatches': 8,
   'pipeline.fuse_overlaps': 'true',
 }
-# XLA as it is, and with the pass that fused the two micro-batches' kernels.
+# XLA as it is, and without its multi-output fusion (which merged kernels of
+# both micro-batches into one while jnp's gathers shared a zeros array; moe._rows).
 GPU_PASSES = (
   ('as they are', ''),
   ('multi_output_fusion off', '--xla_disable_hlo_passes=multi_output_fusion'),

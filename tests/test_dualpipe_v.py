@@ -187,6 +187,27 @@ def test_cli_times_plots_and_writes_torchs_csv(tmp_path):
   assert read_bytes(png)[:4] == b'\x89PNG'
 
 
+@pytest.mark.fast
+def test_cli_times_the_fused_ticks_with_their_exchange():
+  result = harness.run_cli(
+    'triax.cli.schedule',
+    '--schedule=dualpipe_v',
+    '--stages=4',
+    '--microbatches=16',
+    '--fuse_overlaps',
+    '--t_exchange=1',
+    '--json',
+    timeout=120,
+  )
+  assert result.returncode == 0, result.stderr
+  report = json.loads(result.stdout)
+  assert (report['ticks'], report['fused_ticks'], report['valid']) == (54, 89, True)
+  # Half docs/bench_moe.md's one-to-one row at m = 16 (136): here a chunk
+  # action and its exchange cost 0.5 each (stage costs of 1 over v = 2).
+  assert report['models']['lockstep']['total_time'] == 68
+  assert report['peak_inflight'] == [8, 8, 8, 9]
+
+
 # ---------------------------------------------------------------- bad input
 
 

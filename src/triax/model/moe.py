@@ -101,9 +101,17 @@ def _dropless_local(h, experts, weights, w_gate, w_up, w_down, psum_axes):
   flat = experts.reshape(-1)  # assignment a = token * k + slot
   order = jnp.argsort(flat, stable=True)
   sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
-  y = _swiglu_grouped(h.reshape(b * s, d)[order // k], sizes, w_gate, w_up, w_down)
+  y = _swiglu_grouped(_rows(h.reshape(b * s, d), order // k), sizes, w_gate, w_up, w_down)
   # Back to (token, slot) order by the inverse permutation: a gather, not a scatter-add.
-  return _combine(y[jnp.argsort(order)], weights, psum_axes, h.shape)
+  return _combine(_rows(y, jnp.argsort(order)), weights, psum_axes, h.shape)
+
+
+def _rows(x, index):
+  """x[index] for indices known to be in range: unsigned, so jnp adds no
+  negative-index fix-up. Its zeros, one array CSE'd across two micro-batches
+  in a fused pipeline tick, made XLA:GPU fuse their gathers into one kernel,
+  which tied the two micro-batches' all-to-alls together."""
+  return x[index.astype(jnp.uint32)]
 
 
 def _combine(y, weights, psum_axes, shape):
@@ -130,24 +138,24 @@ def _dropless_exchanged(h, experts, weights, w_gate, w_up, w_down, psum_axes, ax
   ep, n = jax.lax.axis_size(axis), b * s * k
   flat = experts.reshape(-1)
   order = jnp.argsort(flat, stable=True)  # by expert, so by destination device
-  expert_sorted = flat[order]
+  expert_sorted = _rows(flat, order)
   counts = jnp.bincount(expert_sorted // local, length=ep)
   starts = jnp.cumsum(counts) - counts
   rank = jnp.arange(n)
   valid = rank[None, :] < counts[:, None]  # [ep, n]: row r of destination j is real
   pick = jnp.where(valid, starts[:, None] + rank[None, :], 0)
-  send = jnp.where(valid[..., None], h.reshape(b * s, d)[order // k][pick], 0)
-  send_expert = jnp.where(valid, expert_sorted[pick] % local, local)  # `local` = padding
+  send = jnp.where(valid[..., None], _rows(_rows(h.reshape(b * s, d), order // k), pick), 0)
+  send_expert = jnp.where(valid, _rows(expert_sorted, pick) % local, local)  # `local` = padding
   recv = jax.lax.all_to_all(send, axis, 0, 0)  # [ep, n, d]: recv[i] came from device i
   recv_expert = jax.lax.all_to_all(send_expert, axis, 0, 0).reshape(ep * n)
   regroup = jnp.argsort(recv_expert, stable=True)  # padding rows last: no group, output 0
   sizes = jnp.bincount(recv_expert, length=local + 1)[:local].astype(jnp.int32)
-  y = _swiglu_grouped(recv.reshape(ep * n, d)[regroup], sizes, w_gate, w_up, w_down)
-  y = y[jnp.argsort(regroup)].reshape(ep, n, d)
+  y = _swiglu_grouped(_rows(recv.reshape(ep * n, d), regroup), sizes, w_gate, w_up, w_down)
+  y = _rows(y, jnp.argsort(regroup)).reshape(ep, n, d)
   back = jax.lax.all_to_all(y, axis, 0, 0)  # back[j]: what device j computed of ours
   dest = expert_sorted // local
-  y = back[dest, rank - starts[dest]]  # [n, d] in expert-sorted order
-  return _combine(y[jnp.argsort(order)], weights, psum_axes, h.shape)
+  y = back[dest.astype(jnp.uint32), (rank - _rows(starts, dest)).astype(jnp.uint32)]  # [n, d]
+  return _combine(_rows(y, jnp.argsort(order)), weights, psum_axes, h.shape)
 
 
 def _splits(mesh, *specs) -> bool:

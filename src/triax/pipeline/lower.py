@@ -138,9 +138,14 @@ class Program:
   recv2: dict[int, np.ndarray] = dataclasses.field(default_factory=dict)
 
   @property
+  def fused_cells(self) -> int:
+    """(tick, stage) cells that run an overlapped pair with its W."""
+    return int((self.table['mb2'] >= 0).sum())
+
+  @property
   def fused(self) -> bool:
     """True iff some tick runs an overlapped pair (F with a B and its W)."""
-    return bool((self.table['mb2'] >= 0).any())
+    return self.fused_cells > 0
 
   @property
   def num_stash_slots(self) -> int:

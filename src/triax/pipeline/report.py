@@ -204,7 +204,7 @@ def summary(analysis: Analysis) -> dict:
     'peaks': {buf: list(peaks) for buf, peaks in program.peaks.items()},
     'stash_cap': s.stash_cap,
     'split_backward': program.split_backward,
-    'fused_ticks': int((program.table['mb2'] >= 0).sum()),
+    'fused_ticks': program.fused_cells,
     'residual_sets_moved': moved['total'],
   }
   if analysis.request.schedule_file:
@@ -262,7 +262,7 @@ def text(analysis: Analysis, grid: bool = True) -> str:
     )
   if program.fused:
     lines.append(
-      f'{int((program.table["mb2"] >= 0).sum())} fused ticks (a B and its W, then another '
+      f'{program.fused_cells} fused ticks (a B and its W, then another '
       f"micro-batch's F); t_exchange={analysis.costs.t_exchange:g} runs beside their compute"
     )
   if analysis.synthesis is not None:

@@ -7,7 +7,8 @@ gradient W exactly once, after its B), every EVICT has one LOAD, partners
 are consistent, and the per-stage orders can all run to completion.
 
 A program (lower.py) is sound when its tables say what its grid says, each
-stage runs at most one compute action a tick and in its order, every input
+stage runs at most one compute action a tick (or a fused tick's overlapped
+pair with its W) and in its order, every input
 was produced in an earlier tick, and every buffer write and read the
 executor does finds the value it expects. The validator replays the tables
 tick by tick in the executor's phases (land, compute, send, receive)
