@@ -421,11 +421,22 @@ def test_matches_one_device(source, mesh):
     _check(mesh, **{'pipeline.schedule': 'dualpipe_v'})
 
 
-@pytest.mark.parametrize('mesh', [(2, 1, 4), (1, 2, 4)], ids=['2x1x4', '1x2x4'])
-def test_fused_ticks_match_one_device(mesh):
-  # A fused tick sends two outputs (its F's and its B's) in one ppermute,
-  # split over tensor at 1x2x4 (Megatron's scatter/gather).
-  _check(mesh, **{'pipeline.schedule': 'dualpipe_v', 'pipeline.fuse_overlaps': True})
+@pytest.mark.parametrize(
+  'source, mesh',
+  [('torch_file', (2, 1, 4)), ('by_name', (1, 2, 4))],
+  ids=['torch_file-2x1x4', 'by_name-1x2x4'],
+)
+def test_fused_ticks_match_one_device(source, mesh):
+  # torch's file fuses its OVERLAP_F_B cells; the orders built by name are
+  # torch's (test_orders_and_cells_are_torchs), so each source runs one
+  # layout. A fused tick sends two outputs (its F's and its B's) in one
+  # ppermute, split over tensor at 1x2x4 (Megatron's scatter/gather).
+  order = (
+    {'pipeline.schedule_file': FIXTURE}
+    if source == 'torch_file'
+    else {'pipeline.schedule': 'dualpipe_v'}
+  )
+  _check(mesh, **order, **{'pipeline.fuse_overlaps': True})
 
 
 def test_torchs_file_trains_with_one_devices_losses():
