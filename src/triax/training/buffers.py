@@ -6,7 +6,9 @@ assignment into `dir` while it compiles (XLA:CPU and XLA:TPU alike);
 `largest(dir)` then lists the biggest values of the program's temporary
 allocation in the device's memory, each with its shape, its HLO name and
 the JAX operation it came from (the HLO's `op_name` metadata), which says
-what a figure of memory_analysis() is made of.
+what a figure of memory_analysis() is made of; `temp_heap(dir)` is that
+allocation's size and `live_peak(dir)` the bytes in use at once at the
+program's worst point.
 """
 
 from __future__ import annotations
@@ -15,10 +17,12 @@ import glob
 import os
 import re
 
-_ALLOCATION = re.compile(r'^allocation \d+: size (\d+)(.*):$')
+_ALLOCATION = re.compile(r'^allocation (\d+): size (\d+)(.*):$')
 _VALUE = re.compile(r'^ value: <\d+ (\S+?)(?:\{[\d,]*\})? @\d+> \(size=(\d+),offset=(\d+)\): (.*)$')
 _OP_NAME = re.compile(r'^\s*(?:ROOT )?%(\S+) = .*metadata=\{[^}]*op_name="([^"]*)"')
 _LAYOUT = re.compile(r'\{[^{}]*\}')
+_PLACE = re.compile(r'^ value: <\d+ (\S+) @\d+> \(size=(\d+),offset=(\d+)\)')
+_LIVE = re.compile(r'^\s+(\S+\{[\d,]*\}):(\d+)-(\d+)$')
 
 
 def compile_options(dump_dir: str, module: str = 'train_step') -> dict:
@@ -69,9 +73,70 @@ def temp_heap(dump_dir: str, module: str = 'train_step') -> int | None:
   with open(path) as f:
     for line in f:
       head = _ALLOCATION.match(line.rstrip('\n'))
-      if head and _in_device_temp(head.group(2)):
-        return int(head.group(1))
+      if head and _in_device_temp(head.group(3)):
+        return int(head.group(2))
   return None
+
+
+def live_peak(dump_dir: str, module: str = 'train_step') -> int | None:
+  """Bytes in use at once at the program's worst point: arguments, outputs
+  and temporaries, without the holes the heap's packing leaves between them
+  (`temp_heap` counts those). None when the dump lacks what it needs.
+
+  From the buffer assignment (where each value sits: its allocation, offset
+  and size) and XLA's live-range analysis of the schedule (when each value
+  is live). Values that share bytes count once: an output in the buffer of
+  the argument it was donated, an update made in place. (XLA's own "peak
+  usage" line adds values, so it counts those twice.) This is what the
+  planner's memory model prices; docs/bench_gpu_compile.md sets it beside
+  XLA:GPU's arguments and heap, layout by layout.
+  """
+  path = _assignment(dump_dir, module)
+  ranges = path and path.replace('-buffer-assignment.txt', '-live-range.txt')
+  if not ranges or not os.path.exists(ranges):
+    return None
+  places = _places(path)
+  events = []  # (time, +1 starts / -1 ends, (allocation, offset, size))
+  with open(ranges) as f:
+    for line in f:
+      match = _LIVE.match(line)
+      place = match and places.get(match.group(1))
+      if place:
+        # A range ends at its last reader, inclusive: an instruction's
+        # operands and its output are in use at once.
+        events.append((int(match.group(2)), 1, place))
+        events.append((int(match.group(3)) + 1, -1, place))
+  if not events:
+    return None
+  events.sort(key=lambda e: (e[0], e[1]))  # at one time, ends before starts
+  live, used, peak = {}, 0, 0
+  for _, step, place in events:
+    # Bytes in use: each distinct (allocation, offset, size) once.
+    before = live.get(place, 0)
+    live[place] = before + step
+    if before == 0 and step > 0:
+      used += place[2]
+    elif before == 1 and step < 0:
+      used -= place[2]
+    peak = max(peak, used)
+  return peak
+
+
+def _places(path: str) -> dict[str, tuple[int, int, int]]:
+  """Value (`name{index}`, as the live-range dump names it) -> (allocation,
+  offset, size), for the values in the device's memory (see _in_device_temp)."""
+  out, allocation = {}, None
+  with open(path) as f:
+    for line in f:
+      head = _ALLOCATION.match(line.rstrip('\n'))
+      if head:
+        allocation = None if 'color' in head.group(3) else int(head.group(1))
+        continue
+      value = _PLACE.match(line)
+      if value and allocation is not None:
+        name = value.group(1) if '{' in value.group(1) else value.group(1) + '{}'
+        out[name] = (allocation, int(value.group(3)), int(value.group(2)))
+  return out
 
 
 def _assignment(dump_dir: str, module: str) -> str | None:
@@ -95,7 +160,7 @@ def _temp_values(path: str) -> list[dict]:
       line = line.rstrip('\n')
       head = _ALLOCATION.match(line)
       if head:
-        in_temp = _in_device_temp(head.group(2))
+        in_temp = _in_device_temp(head.group(3))
         continue
       value = _VALUE.match(line) if in_temp else None
       if value and not value.group(4).startswith('('):  # a tuple is a table of pointers
