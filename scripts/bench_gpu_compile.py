@@ -77,12 +77,13 @@ def main():
 
   for name in filter(None, args.rows.split(',')):
     what, topology, (config, overrides) = ROWS[name]
-    stats = tpu.triax_row(f'gpu-{name}', topology, config, overrides, sys.executable)
+    row = f'gpu-{name}'
+    stats = tpu.triax_row(row, topology, config, overrides, sys.executable)
     results[name] = {
       'temp': stats['temp_bytes'],
       'argument': stats['argument_bytes'],
       'heap': stats['temp_heap_bytes'],
-      'live': buffers.live_peak(tpu.dump_dir(f'gpu-{name}')),
+      'live': buffers.live_peak(tpu.dump_dir(row)),
       'device_kind': stats['device_kind'],
       'largest': stats['largest_buffers'][:3],
     }

@@ -209,11 +209,16 @@ def gpu_bench():
   return harness.load_script('bench_gpu_compile')
 
 
+@pytest.fixture(scope='module')
+def gpu_rows():
+  with open(os.path.join(harness.ROOT, 'docs', 'bench_gpu_compile.json')) as f:
+    return json.load(f)
+
+
 @pytest.mark.fast
 @pytest.mark.parametrize('name', WITHIN_XLA_GPU)
-def test_planner_peak_within_ten_percent_of_xla_gpu(gpu_bench, name):
-  with open(os.path.join(harness.ROOT, 'docs', 'bench_gpu_compile.json')) as f:
-    row = json.load(f)[name]
+def test_planner_peak_within_ten_percent_of_xla_gpu(gpu_bench, gpu_rows, name):
+  row = gpu_rows[name]
   assert isinstance(row['temp'], int) and isinstance(row['argument'], int)
   _, topology_name, (config, overrides) = gpu_bench.ROWS[name]
   predicted = gpu_bench.tpu.planner_peak(topology_name, config, overrides, gpu_bench.CLUSTER)
@@ -221,16 +226,14 @@ def test_planner_peak_within_ten_percent_of_xla_gpu(gpu_bench, name):
 
 
 @pytest.mark.fast
-def test_xla_gpus_steps_use_their_arguments_and_part_of_their_heap(gpu_bench):
+def test_xla_gpus_steps_use_their_arguments_and_part_of_their_heap(gpu_bench, gpu_rows):
   """The bytes in use at a step's worst point (buffers.live_peak) lie between
   its arguments and its arguments plus its heap: the rest of the heap is
   holes, which the planner does not model (docs/bench_gpu_compile.md)."""
-  with open(os.path.join(harness.ROOT, 'docs', 'bench_gpu_compile.json')) as f:
-    rows = json.load(f)
   for name in gpu_bench.ROWS:
-    row = rows[name]
+    row = gpu_rows[name]
     assert row['argument'] < row['live'] <= row['argument'] + row['heap'], name
   # The two rows the planner misses by over 10%: holes, not bytes in use.
   for name in ('pp8_zb', 'tp4pp2_8b'):
-    row = rows[name]
+    row = gpu_rows[name]
     assert row['argument'] + row['heap'] - row['live'] > 2 * GiB, name

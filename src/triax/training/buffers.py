@@ -18,10 +18,10 @@ import os
 import re
 
 _ALLOCATION = re.compile(r'^allocation (\d+): size (\d+)(.*):$')
-_VALUE = re.compile(r'^ value: <\d+ (\S+?)(?:\{[\d,]*\})? @\d+> \(size=(\d+),offset=(\d+)\): (.*)$')
+# A value's name, its tuple index ({} when it is none), size, offset and shape.
+_VALUE = re.compile(r'^ value: <\d+ (\S+?)(\{[\d,]*\})? @\d+> \(size=(\d+),offset=(\d+)\): (.*)$')
 _OP_NAME = re.compile(r'^\s*(?:ROOT )?%(\S+) = .*metadata=\{[^}]*op_name="([^"]*)"')
 _LAYOUT = re.compile(r'\{[^{}]*\}')
-_PLACE = re.compile(r'^ value: <\d+ (\S+) @\d+> \(size=(\d+),offset=(\d+)\)')
 _LIVE = re.compile(r'^\s+(\S+\{[\d,]*\}):(\d+)-(\d+)$')
 
 
@@ -132,10 +132,10 @@ def _places(path: str) -> dict[str, tuple[int, int, int]]:
       if head:
         allocation = None if 'color' in head.group(3) else int(head.group(1))
         continue
-      value = _PLACE.match(line)
+      value = _VALUE.match(line.rstrip('\n'))
       if value and allocation is not None:
-        name = value.group(1) if '{' in value.group(1) else value.group(1) + '{}'
-        out[name] = (allocation, int(value.group(3)), int(value.group(2)))
+        name = value.group(1) + (value.group(2) or '{}')
+        out[name] = (allocation, int(value.group(4)), int(value.group(3)))
   return out
 
 
@@ -163,12 +163,12 @@ def _temp_values(path: str) -> list[dict]:
         in_temp = _in_device_temp(head.group(3))
         continue
       value = _VALUE.match(line) if in_temp else None
-      if value and not value.group(4).startswith('('):  # a tuple is a table of pointers
+      if value and not value.group(5).startswith('('):  # a tuple is a table of pointers
         values.append(
           {
             'name': value.group(1),
-            'bytes': int(value.group(2)),
-            'shape': _LAYOUT.sub('', value.group(4)).strip(),
+            'bytes': int(value.group(3)),
+            'shape': _LAYOUT.sub('', value.group(5)).strip(),
           }
         )
   return values
