@@ -514,7 +514,7 @@ def planner_peak(topology: str, config: str, overrides: dict, cluster: str = 'tp
   plan = candidate.from_config(cfg)
   program = None
   if plan.uses_executor:
-    program = candidate.program(plan.schedule, plan.pipe, plan.microbatches, plan.virtual_stages)
+    program = plan.lowered
   # Memory only: no step time (an offloading row's would need the cluster's host link).
   return max(memory.memory(plan, profile, cluster, options, program)[3])
 

@@ -13,6 +13,7 @@ import pytest
 
 from triax.pipeline import schedule as sched
 from triax.pipeline import simulate
+from triax.plan import candidate
 from triax.plan import cluster as cluster_lib
 from triax.plan.cost import profile, profiler, simulator, trace
 from triax.plan.cost.simulator import Options, Plan, simulate_plan
@@ -154,7 +155,7 @@ def test_cli_and_planner_agree_on_the_lockstep_time():
     evict=(0.0,) * p,
     tick_transfer=0.0,
   )
-  planner = simulator.simulate_lockstep(simulator.program('1f1b', p, 8, 1), costs)
+  planner = simulator.simulate_lockstep(candidate.program('1f1b', p, 8, 1), costs)
   assert planner.ticks == 30
   assert cli == pytest.approx(planner.total_time) == pytest.approx(30 + 28 * 0.1)
 

@@ -19,6 +19,7 @@ from triax.model.moe import EXPERT_AXIS  # noqa: F401 (mesh.py's, beside MESH_AX
 from triax.pipeline import schedule as sched
 from triax.pipeline.executor import EDGE_GRADS
 from triax.pipeline.layout import StackLayout
+from triax.pipeline.rounds import PACKINGS
 
 MESH_AXES = ('data', 'context', 'tensor', 'pipe')
 CONTEXT_ATTENTION = ('allgather', 'ring')
@@ -193,6 +194,11 @@ def defaults() -> ml_collections.ConfigDict:
   # an expert-parallel all-to-all of one under the other's compute. The tick lasts all three, so
   # on a dense model it lengthens the step (docs/bench_moe.md); false runs them in three ticks.
   c.pipeline.fuse_overlaps = False
+  # How the lockstep program packs ticks: auto (where the model recomputes its forward in B,
+  # model.remat=full, a round gives each stage actions worth the same time, so a stage's B lasts
+  # its neighbours' W and F; pipeline/rounds.py), off (one action per stage per tick, the
+  # papers' lowering). A schedule that fuses pairs or moves residual sets runs off either way.
+  c.pipeline.tick_packing = 'auto'
 
   c.train = ml_collections.ConfigDict()
   # Optimizer steps to run in total (a resumed run stops at the same step).
@@ -673,6 +679,10 @@ def _check_pipeline(cfg) -> None:
     )
   if not isinstance(p.scatter_gather, bool):
     raise ConfigError('pipeline.scatter_gather', f'must be true or false; got {p.scatter_gather!r}')
+  if p.tick_packing not in PACKINGS:
+    raise ConfigError(
+      'pipeline.tick_packing', f'got {p.tick_packing!r}; choose one of {", ".join(PACKINGS)}'
+    )
   v = p.virtual_stages
   # The builder knows each schedule's rules (v allowed, m a multiple of p, ...);
   # a schedule file is read, checked against p, m, v and lowered here.

@@ -395,6 +395,16 @@ def _device_tables(program: lower_lib.Program) -> dict[str, jax.Array]:
       tables[name] = jnp.asarray(np.maximum(program.table[name], 0), jnp.int32)
     tables['fused'] = jnp.asarray(program.table['mb2'] >= 0, jnp.int32)
     tables.update({f'recv2_{o}': dropped(program.recv2[o]) for o in program.recv2})
+  if program.packed:
+    # The slot each output for another stage waits in, the slots each send
+    # reads (one per offset; -1 sends slot 0, which nobody keeps), and
+    # whether the tick sends (the same on every device).
+    tables['pend'] = dropped(program.table['pend'])
+    tables.update(
+      {f'out{o}': jnp.asarray(np.maximum(t, 0), jnp.int32) for o, t in program.outbox.items()}
+    )
+    sends = np.isin(np.arange(program.ticks), sorted(program.sends))[:, None]
+    tables['sends'] = jnp.asarray(np.broadcast_to(sends, program.table['kind'].shape), jnp.int32)
   if program.partner is not None:
     tables['move_send'] = jnp.asarray(np.maximum(program.table['move_send'], 0), jnp.int32)
     tables['move_recv'] = jnp.asarray(program.table['move_recv'], jnp.int32)
@@ -589,6 +599,11 @@ class _Stage:
     row = {name: table[self.stage] for name, table in rows.items()}
     if 'any_move' in row:
       c = jax.lax.cond(row['any_move'] > 0, self.move, lambda c, row: c, c, row)
+    packed = self.setup.program.packed
+    if packed and self.setup.program.send_under:
+      # Sent before the tick's compute, which reads nothing it brings: XLA
+      # runs the ppermute beside the branches. It lands when they are done.
+      arrived = self.send_pending(c, row)
     # One cond per kind rather than one switch over all four: a switch whose
     # branches write (F) and read (B, W) the stash made XLA copy the whole
     # pool (measured: 1f1b p=4 temp 132 MB -> see tests/test_pipeline_memory.py).
@@ -620,7 +635,44 @@ class _Stage:
       c['stash'] = [
         b.at[slot].set(v.astype(b.dtype), mode='drop') for b, v in zip(c['stash'], kept)
       ]
-    return self.send(c, row, outs), None
+    if not packed:
+      return self.send(c, row, outs), None
+    # An output for another stage waits in its own stage's pool (`pend`)
+    # for the send that carries it.
+    out = self.setup.pin_message(outs['recv'])
+    c = dict(c, msg=c['msg'].at[row['pend']].set(out, mode='drop'))
+    if not self.setup.program.send_under:
+      arrived = self.send_pending(c, row)
+    return self.land(c, row, arrived, out), None
+
+  def send_pending(self, c, row) -> list:
+    """In a tick that sends (the same on every device, so all enter the
+    ppermutes together), each offset's waiting output to the stage it
+    names (`outbox`); zeros, which nobody keeps, in the others."""
+    program = self.setup.program
+    p, offsets = program.schedule.stages, sorted(program.outbox)
+
+    def send(msg):
+      return [
+        jax.lax.ppermute(msg[row[f'out{o}']], 'pipe', [(i, (i + o) % p) for i in range(p)])
+        for o in offsets
+      ]
+
+    def none(msg):
+      return [jnp.zeros_like(msg[0]) for _ in offsets]
+
+    return jax.lax.cond(row['sends'] > 0, send, none, c['msg'])
+
+  def land(self, c, row, arrived, out):
+    """A packed tick's last phase: its output, where its chunk's neighbour
+    on this stage reads it, and what a send brought, where the receivers'
+    tables name (after the send read the slots it sends from)."""
+    msg = c['msg']
+    if 0 in self.setup.program.recv:
+      msg = msg.at[row['recv0']].set(out, mode='drop')
+    for o, x in zip(sorted(self.setup.program.outbox), arrived):
+      msg = msg.at[row[f'recv{o}']].set(x, mode='drop')
+    return dict(c, msg=msg)
 
   def spill(self, c, row):
     """Writes the tick's F's set (c['spill']) to its host slot; a tick without

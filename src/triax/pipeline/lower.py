@@ -44,6 +44,7 @@ import numpy as np
 
 from triax.errors import ConfigError
 from triax.pipeline import grid as grid_lib
+from triax.pipeline import rounds as rounds_lib
 from triax.pipeline.ir import (
   BACKWARD,
   COMPUTE_KINDS,
@@ -85,6 +86,7 @@ TABLES = (
   'cut',
   'move_send',
   'move_recv',
+  'pend',
 ) + tuple(f'{name}2' for name in ('mb', 'chunk', 'local', 'src', 'stash'))
 LANE2 = TABLES[-5:]
 
@@ -124,6 +126,17 @@ class Program:
     partner: the partner pairing for residual moves, or None.
     recv2: like `recv`, for the input gradient a fused tick's B sends
       (empty without fused ticks).
+    rounds: a packed program's rounds (rounds.py): the first tick of
+      each; () for the papers' lowering, where every tick is a round of
+      its own and sends at its end. In a packed program an output for
+      another stage waits in a message slot of its own stage (the `pend`
+      table, at the tick that makes it) until a tick in `sends` carries it
+      (`outbox`); `recv[o][t]` names where what tick t sends lands.
+    sends: a packed program's ticks that run the send phase.
+    send_under: a packed program's sends run under their tick's compute
+      (before it, landing when it ends), not after it.
+    outbox: a packed program's stage offset o -> int32 [T, p]: the message
+      slot whose output stage s sends over offset o at tick t; -1 none.
   """
 
   schedule: Schedule
@@ -136,6 +149,15 @@ class Program:
   peaks: dict[str, tuple[int, ...]]
   partner: tuple[int, ...] | None
   recv2: dict[int, np.ndarray] = dataclasses.field(default_factory=dict)
+  rounds: tuple[int, ...] = ()
+  sends: frozenset[int] = frozenset()
+  send_under: bool = False
+  outbox: dict[int, np.ndarray] = dataclasses.field(default_factory=dict)
+
+  @property
+  def packed(self) -> bool:
+    """True iff ticks are grouped into rounds (rounds.py)."""
+    return bool(self.rounds)
 
   @property
   def fused_cells(self) -> int:
@@ -165,7 +187,9 @@ class Program:
     return self.source.split_backward
 
 
-def lower(schedule: Schedule, fuse_overlaps: bool = False) -> Program:
+def lower(
+  schedule: Schedule, fuse_overlaps: bool = False, units: rounds_lib.TickUnits | None = None
+) -> Program:
   """Lowers a schedule to lockstep ticks and assigns buffer slots.
 
   The schedule must be valid (see validate.py): one F and one B per
@@ -179,6 +203,11 @@ def lower(schedule: Schedule, fuse_overlaps: bool = False) -> Program:
   work, in which an expert-parallel all-to-all of one can run under the
   other's compute.
 
+  With `units` that are not all equal (`rounds.units_for`: a model that
+  recomputes its forward in B), ticks are packed into rounds (rounds.py),
+  unless pairs fuse or residual sets move (BPipe), which run one action a
+  tick as before.
+
   Raises:
     ScheduleDeadlock: if no stage can run its next action while actions
       remain (an order that waits on itself).
@@ -187,6 +216,8 @@ def lower(schedule: Schedule, fuse_overlaps: bool = False) -> Program:
       copy a tick from one stage).
   """
   run = with_split_backward(schedule)
+  if units is not None and not units.uniform and not fuse_overlaps and not run.evicted:
+    return _lower_packed(run, schedule, units)
   at = compute_ticks(run, fuse_overlaps)
   at.update(_copy_ticks(run, at))
   ticks = max(at.values(), default=-1) + 1
@@ -197,8 +228,50 @@ def lower(schedule: Schedule, fuse_overlaps: bool = False) -> Program:
     tuple(tuple(sorted(cell, key=lambda a: KINDS.index(a.kind))) for cell in row) for row in grid
   )
   fused = _fused(run, at) if fuse_overlaps else {}
-  slots, counts = _assign_slots(run, at, fused)
-  return _tabulate(run, schedule, grid, at, slots, counts, fused)
+  slots, counts = _assign_slots(run, at, fused, at, {})
+  return _tabulate(run, schedule, grid, at, slots, counts, fused, at, {})
+
+
+def _lower_packed(run: Schedule, source: Schedule, units: rounds_lib.TickUnits) -> Program:
+  """The packed program (rounds.py) that the lockstep time model times
+  fastest at the design costs: each rule, sending after and under."""
+  from triax.pipeline import simulate  # simulate imports this module
+
+  split = source.split_backward
+  design = simulate.Costs(
+    t_forward=units.forward,
+    t_backward=units.backward + (0 if split else units.weight),
+    t_weight=units.weight,
+    t_transfer=rounds_lib.MESSAGE_UNITS,
+  )
+  best = None
+  for rule in rounds_lib.RULES:
+    for under in (False, True):
+      program = _tabulate_packing(run, source, rounds_lib.pack(run, units, rule, under))
+      took = simulate.simulate_lockstep(program, design).total_time
+      if best is None or took < best[0]:
+        best = (took, program)
+  return best[1]
+
+
+def _tabulate_packing(run: Schedule, source: Schedule, packing: rounds_lib.Packing) -> Program:
+  at = packing.at
+  grid = [[[] for _ in range(run.stages)] for _ in range(packing.ticks)]
+  for a, t in at.items():
+    grid[t][run.stage_of(a.chunk)].append(a)
+  grid = tuple(tuple(tuple(cell) for cell in row) for row in grid)
+  land = {a: rounds_lib.land_tick(packing, a, run) for a in at}
+  # Where an output for another stage waits: a slot of its sender's message
+  # pool, written after its tick's compute, read by the send that carries it.
+  sent = _time(0, _SEND) if packing.under else _time(0, _RECV) - 0.25
+  pending = {
+    a: sent + _time(land[a], 0) for a in at if rounds_lib.cross_offset(run, a) is not None
+  }
+  slots, counts = _assign_slots(run, at, {}, land, pending)
+  program = _tabulate(run, source, grid, at, slots, counts, {}, land, pending)
+  return dataclasses.replace(
+    program, rounds=packing.rounds, sends=packing.sends, send_under=packing.under
+  )
 
 
 def fused_units(order: Sequence[Action], schedule: Schedule) -> list[tuple[Action, ...]]:
@@ -371,7 +444,13 @@ def _time(tick: int, phase: int) -> int:
   return _PHASES * tick + phase
 
 
-def _intervals(schedule: Schedule, at: dict[Action, int], fused: dict[Action, Action]) -> dict:
+def _intervals(
+  schedule: Schedule,
+  at: dict[Action, int],
+  fused: dict[Action, Action],
+  land: dict[Action, int],
+  pending: dict[Action, float],
+) -> dict:
   """Per stage and buffer, the [write, read] event times of each entry.
 
   Stash keys are (micro-batch, chunk, segment): segment 0 from the F until
@@ -383,6 +462,12 @@ def _intervals(schedule: Schedule, at: dict[Action, int], fused: dict[Action, Ac
   A fused tick (`fused`, F -> B) runs its B and W before its F, so the F's
   set is written after the W freed its own (half a phase later) and the
   B's cut goes straight to its W, with no slot.
+
+  `land`: the tick at whose end each action's output lands (its own tick,
+  or in a packed program the tick that sends it); `pending`: a packed
+  program's outputs for other stages, by the event time their send reads
+  them, each waiting in a slot of its sender's pool from its tick's end
+  (key ('out', j, c) of the chunk it goes to, or ('back', j, c)).
   """
   p, last = schedule.stages, schedule.num_chunks - 1
   out = {(s, buf): [] for s in range(p) for buf in ('msg', 'stash', 'cut')}
@@ -408,16 +493,26 @@ def _intervals(schedule: Schedule, at: dict[Action, int], fused: dict[Action, Ac
       out[(s, 'cut')].append((_time(tb, _COMPUTE), freed, (j, c)))
     if c > 0:
       out[(s, 'msg')].append(
-        (_time(at[Action(FORWARD, j, c - 1)], _RECV), _time(tf, _COMPUTE), ('x', j, c))
+        (_time(land[Action(FORWARD, j, c - 1)], _RECV), _time(tf, _COMPUTE), ('x', j, c))
       )
     # The last chunk's F writes its loss gradient while it computes; it must
     # not take the slot its own input is read from, so it counts from just
     # after the read.
     written = (
-      _time(tf, _COMPUTE) + 0.5 if c == last else _time(at[Action(BACKWARD, j, c + 1)], _RECV)
+      _time(tf, _COMPUTE) + 0.5 if c == last else _time(land[Action(BACKWARD, j, c + 1)], _RECV)
     )
     out[(s, 'msg')].append((written, _time(tb, _COMPUTE), ('g', j, c)))
+  for a, read in pending.items():
+    kept = _time(at[a], _RECV) - 0.5  # after its compute, before the tick's landing
+    out[(schedule.stage_of(a.chunk), 'msg')].append((kept, read, _pending_key(a)))
   return out
+
+
+def _pending_key(a: Action) -> tuple:
+  """The slot key of an F's or B's output waiting on its own stage."""
+  if a.kind == FORWARD:
+    return ('out', a.microbatch, a.chunk + 1)
+  return ('back', a.microbatch, a.chunk - 1)
 
 
 def _colour_intervals(intervals: Sequence[tuple[float, float, tuple]]) -> tuple[dict, int]:
@@ -443,10 +538,14 @@ def _colour_intervals(intervals: Sequence[tuple[float, float, tuple]]) -> tuple[
 
 
 def _assign_slots(
-  schedule: Schedule, at: dict[Action, int], fused: dict[Action, Action]
+  schedule: Schedule,
+  at: dict[Action, int],
+  fused: dict[Action, Action],
+  land: dict[Action, int],
+  pending: dict[Action, float],
 ) -> tuple[dict, dict]:
   slots, counts = {}, {}
-  for where, xs in _intervals(schedule, at, fused).items():
+  for where, xs in _intervals(schedule, at, fused, land, pending).items():
     slots[where], counts[where] = _colour_intervals(xs)
   return slots, counts
 
@@ -459,20 +558,28 @@ def _tabulate(
   slot: dict,
   counts: dict,
   fused: dict[Action, Action],
+  land: dict[Action, int],
+  pending: dict[Action, float],
 ) -> Program:
   p, last, ticks = run.stages, run.num_chunks - 1, len(grid)
   table = {name: np.full((ticks, p), -1, np.int32) for name in TABLES}
   table['kind'][:] = IDLE
   recv: dict[int, np.ndarray] = {}
   recv2: dict[int, np.ndarray] = {}
+  outbox: dict[int, np.ndarray] = {}
   lane2 = set(fused.values())
   lane2 |= {Action(WEIGHT, b.microbatch, b.chunk) for b in lane2}
 
-  def arrive(t: int, src: int, dst: int, key: tuple, into: dict = recv) -> None:
+  def arrive(a: Action, src: int, dst: int, key: tuple, into: dict = recv) -> None:
+    """a's output, sent by stage src, lands on dst: where and when."""
     o = (dst - src) % p
     if o not in into:
       into[o] = np.full((ticks, p), -1, np.int32)
-    into[o][t, dst] = slot[(dst, 'msg')][key]
+    into[o][land[a], dst] = slot[(dst, 'msg')][key]
+    if a in pending:  # waits in a slot of its sender until a send carries it
+      kept = slot[(src, 'msg')][_pending_key(a)]
+      table['pend'][at[a], src] = kept
+      outbox.setdefault(o, np.full((ticks, p), -1, np.int32))[land[a], src] = kept
 
   def home(j: int, c: int) -> int:
     """The stash slot B and W read: back from the partner if evicted."""
@@ -489,7 +596,7 @@ def _tabulate(
         table['stash2'][t, s] = home(j, c)
         table['src2'][t, s] = slot[(s, 'msg')][('g', j, c)]
         if c > 0:
-          arrive(t, s, run.stage_of(c - 1), ('g', j, c - 1), recv2)
+          arrive(a, s, run.stage_of(c - 1), ('g', j, c - 1), recv2)
       continue
     if a.kind in KIND_CODE:
       table['kind'][t, s] = KIND_CODE[a.kind]
@@ -502,13 +609,13 @@ def _tabulate(
       if c == last:
         table['loss'][t, s] = slot[(s, 'msg')][('g', j, c)]
       else:
-        arrive(t, s, run.stage_of(c + 1), ('x', j, c + 1))
+        arrive(a, s, run.stage_of(c + 1), ('x', j, c + 1))
     elif a.kind == BACKWARD:
       table['stash'][t, s] = home(j, c)
       table['src'][t, s] = slot[(s, 'msg')][('g', j, c)]
       table['cut'][t, s] = slot[(s, 'cut')][(j, c)]
       if c > 0:
-        arrive(t, s, run.stage_of(c - 1), ('g', j, c - 1))
+        arrive(a, s, run.stage_of(c - 1), ('g', j, c - 1))
     elif a.kind == WEIGHT:
       table['stash'][t, s] = home(j, c)
       table['cut'][t, s] = slot[(s, 'cut')][(j, c)]
@@ -535,6 +642,7 @@ def _tabulate(
     peaks={buf: tuple(counts[(s, buf)] for s in range(p)) for buf in ('msg', 'stash', 'cut')},
     partner=run.partner if run.evicted else None,
     recv2=recv2,
+    outbox=outbox,
   )
 
 

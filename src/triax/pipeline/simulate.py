@@ -8,6 +8,9 @@ Two models, because the papers and our executor run schedules differently:
   a fused tick's overlapped pair with its W; a tick lasts as long as its
   slowest stage's work, plus its send phase,
   and, where residual sets move (BPipe), the partner ppermute that opens it.
+  A packed program (rounds.py) meets only at its sends: a round lasts as
+  long as its busiest stage's run of actions, plus the send after it, or
+  with the send under its first actions.
   What an action and a send phase cost is the cost model's (`TickCosts`):
   `Costs` here, the planner's measured per-chunk costs, shared cores and
   per-tick ppermutes in plan/cost/simulator.py. Both use this one tick loop.
@@ -276,10 +279,53 @@ class Tick:
   movers: tuple[int, ...]
   fused: tuple[tuple[Action, ...], ...] = ()
 
+  # Ticks it spans: 1 (a `Round` spans several).
+  span = 1
+
   def actions(self, stage: int) -> tuple[Action, ...]:
     """The compute actions `stage` runs in the tick, in the executor's order."""
     one = self.compute[stage]
     return (self.fused[stage] if self.fused else ()) + ((one,) if one is not None else ())
+
+
+@dataclasses.dataclass(frozen=True)
+class Round:
+  """A packed program's round (rounds.py) as a cost model sees it: what a
+  `Tick` says, for the round's ticks together. Each stage runs its actions
+  one after another, and the messages they make travel in one send phase.
+
+  Attributes:
+    index: the round, 0..R-1.
+    ticks: its ticks.
+  """
+
+  index: int
+  ticks: tuple[Tick, ...]
+  copies = ()
+  movers = ()
+
+  @property
+  def span(self) -> int:
+    return len(self.ticks)
+
+  @property
+  def compute(self) -> tuple[Action | None, ...]:
+    """Per stage, its first action in the round, or None."""
+    return tuple(next(iter(self.actions(s)), None) for s in range(len(self.ticks[0].compute)))
+
+  @property
+  def messages(self) -> tuple[tuple[int, int], ...]:
+    return tuple(m for t in self.ticks for m in t.messages)
+
+  def actions(self, stage: int) -> tuple[Action, ...]:
+    return tuple(a for t in self.ticks for a in t.actions(stage))
+
+
+def rounds(program: Program) -> list[Round]:
+  """A packed program's rounds as cost models see them."""
+  all_ticks = ticks(program)
+  bounds = list(program.rounds) + [program.ticks]
+  return [Round(r, tuple(all_ticks[a:b])) for r, (a, b) in enumerate(zip(bounds, bounds[1:]))]
 
 
 def send_phase(tick: Tick, transfer: Sequence[float], floor: float = 0.0) -> float:
@@ -436,6 +482,8 @@ def simulate_lockstep(program: Program, costs: CostsLike | TickCosts = Costs()) 
   """
   if isinstance(costs, Costs) or (not hasattr(costs, 'duration') and isinstance(costs, Sequence)):
     costs = StageCosts(program, costs)
+  if program.packed:
+    return _simulate_rounds(program, costs)
   spans, now = [], 0.0
   for tick in ticks(program):
     work = [_work(costs, s, tick.actions(s)) for s in range(len(tick.compute))]
@@ -455,6 +503,32 @@ def simulate_lockstep(program: Program, costs: CostsLike | TickCosts = Costs()) 
         spans.append(Span(s, a, start, start + d * scale))
         start += d * scale
     now += compute + costs.transfer(tick)
+  return _result('lockstep', program.schedule, spans, now, program.peaks['stash'], program.ticks)
+
+
+def _simulate_rounds(program: Program, costs: TickCosts) -> Result:
+  """`simulate_lockstep` of a packed program: round by round, each stage's
+  actions one after another; a send after a round adds its send phase, a
+  send under a round's first tick lasts beside each stage's first action
+  (the next one reads what it brings)."""
+  spans, now, before = [], 0.0, None
+  for view in rounds(program):
+    first = view.ticks[0].index
+    send = costs.transfer(before) if program.send_under and first in program.sends else 0.0
+    alone = [[costs.duration(s, a) for a in view.actions(s)] for s in range(len(view.compute))]
+    work = [max(d[0], send) + sum(d[1:]) if d else send for d in alone]
+    compute = costs.tick_time(view, work)
+    longest = max(work, default=0.0)
+    stretch = compute / longest if longest > 0 else 1.0
+    for s, durations in enumerate(alone):
+      at = 0.0  # into the round, before the stretch
+      for k, (a, d) in enumerate(zip(view.actions(s), durations)):
+        spans.append(Span(s, a, now + at * stretch, now + (at + d) * stretch))
+        at = max(at + d, send) if k == 0 else at + d
+    now += compute
+    if not program.send_under and view.ticks[-1].index in program.sends:
+      now += costs.transfer(view)
+    before = view
   return _result('lockstep', program.schedule, spans, now, program.peaks['stash'], program.ticks)
 
 

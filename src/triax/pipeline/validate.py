@@ -493,6 +493,8 @@ def _check_lockstep_dependencies(schedule: Schedule, program: Program) -> list[s
   problems = []
   for a, t in sorted(tick.items(), key=lambda x: (x[1], str(x[0]))):
     for d in sched.dependencies(a, schedule):
+      # (In a packed program an input from another stage must also have been
+      # sent; the replay finds the read of a slot nothing landed in.)
       td = tick.get(d)
       landed_first = (d.kind in sched.COPY_KINDS and a.kind in sched.COMPUTE_KINDS) or a in fused_w
       late = td is None or (td > t if landed_first else td >= t)
@@ -554,6 +556,9 @@ def _replay_buffers(schedule: Schedule, program: Program) -> list[str]:
       if slot is not None:
         buffers[s].write('stash', slot, value, f'tick {t} stage {s}: landing {value}', problems)
     actions = [_decode(run, program, t, s) for s in range(p)]
+    if program.packed:
+      _replay_packed_tick(run, program, t, actions, buffers, problems)
+      continue
     # A fused tick runs its B and W first, then its F (executor order).
     lane2 = [_decode2(run, program, t, s) for s in range(p)]
     for s, a in enumerate(actions):
@@ -702,19 +707,41 @@ def _replay_messages(
   """The receive phase: each F's activation and B's input gradient lands in
   the slot its receiver's `recv` table (program.`name`) names, for the
   offset it travels."""
-  p, last = run.stages, run.num_chunks - 1
   sent = {}  # (offset, receiver) -> (value, sender)
   for s, a in enumerate(actions):
-    if a is None:
-      continue
-    j, c = a.microbatch, a.chunk
-    if a.kind == sched.FORWARD and c < last:
-      to, value = run.stage_of(c + 1), f'act {j}.{c + 1}'
-    elif a.kind == sched.BACKWARD and c > 0:
-      to, value = run.stage_of(c - 1), f'grad {j}.{c - 1}'
-    else:
-      continue
-    sent[((to - s) % p, to)] = (value, s)
+    out = _output(run, s, a)
+    if out is not None:
+      o, to, value = out
+      sent[(o, to)] = (value, s)
+  _land(run, t, sent, recv, buffers, problems, name)
+
+
+def _output(run: Schedule, s: int, a: Action | None) -> tuple[int, int, str] | None:
+  """(offset, receiving stage, value) of the message `a` makes on stage s, if any."""
+  if a is None:
+    return None
+  j, c = a.microbatch, a.chunk
+  if a.kind == sched.FORWARD and c < run.num_chunks - 1:
+    to, value = run.stage_of(c + 1), f'act {j}.{c + 1}'
+  elif a.kind == sched.BACKWARD and c > 0:
+    to, value = run.stage_of(c - 1), f'grad {j}.{c - 1}'
+  else:
+    return None
+  return (to - s) % run.stages, to, value
+
+
+def _land(
+  run: Schedule,
+  t: int,
+  sent: dict,
+  recv: dict[int, np.ndarray],
+  buffers: Sequence[_Buffers],
+  problems: list[str],
+  name: str = 'recv',
+) -> None:
+  """The receive phase: each message in `sent` ((offset, receiver) ->
+  (value, sender)) lands in the slot its receiver's `recv` table names."""
+  p = run.stages
   for o in sorted(recv):
     for r in range(p):
       slot = int(recv[o][t, r])
@@ -738,3 +765,60 @@ def _replay_messages(
       f'tick {t} stage {r}: drops {value} from stage {source} '
       f'(the program has no {name} table for offset {o})'
     )
+
+
+def _replay_packed_tick(
+  run: Schedule,
+  program: Program,
+  t: int,
+  actions: Sequence[Action | None],
+  buffers: Sequence[_Buffers],
+  problems: list[str],
+) -> None:
+  """One tick of a packed program (rounds.py), in the executor's order: a
+  send under the tick reads its waiting outputs first; the compute; each
+  output for another stage into its own stage's pool (`pend`) to wait; a
+  send after the tick reads them then; last, the outputs for a chunk on
+  the same stage and what a send carried land."""
+  under, sends = program.send_under, t in program.sends
+  sent = _replay_sends(program, t, buffers, problems) if sends and under else {}
+  for s, a in enumerate(actions):
+    if a is not None:
+      _replay_compute(run, program, t, s, a, buffers[s], problems)
+  local = {}
+  for s, a in enumerate(actions):
+    out = _output(run, s, a)
+    slot = int(program.table['pend'][t, s])
+    where = f'tick {t} stage {s}'
+    if out is None or out[0] == 0:
+      if slot != -1:
+        problems.append(f'{where}: pend is {slot}, but its output stays on its stage')
+      if out is not None:
+        local[(0, s)] = (out[2], s)
+      continue
+    buffers[s].write('msg', slot, out[2], f'{where}: {a} keeps {out[2]} to send', problems)
+  if sends and not under:
+    sent = _replay_sends(program, t, buffers, problems)
+  _land(run, t, local, {o: r for o, r in program.recv.items() if o == 0}, buffers, problems)
+  _land(run, t, sent, {o: r for o, r in program.recv.items() if o}, buffers, problems)
+
+
+def _replay_sends(
+  program: Program, t: int, buffers: Sequence[_Buffers], problems: list[str]
+) -> dict:
+  """A packed program's send at tick t: each `outbox` slot read (and freed)
+  on its stage. Returns (offset, receiver) -> (value, sender)."""
+  p, sent = program.schedule.stages, {}
+  for o, box in sorted(program.outbox.items()):
+    for s in range(p):
+      slot = int(box[t, s])
+      if slot < 0:
+        continue
+      held = buffers[s].held['msg'].get(slot)
+      where = f'tick {t} stage {s}: sending over offset {o}'
+      if held is None:
+        problems.append(f'{where}: msg slot {slot} is empty (nothing waits there)')
+        continue
+      buffers[s].read('msg', slot, held, where, problems)
+      sent[(o, (s + o) % p)] = (held, s)
+  return sent

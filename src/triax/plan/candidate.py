@@ -15,8 +15,8 @@ import dataclasses
 import functools
 import hashlib
 
+from triax.pipeline import rounds, simulate
 from triax.pipeline import schedule as sched
-from triax.pipeline import simulate
 from triax.pipeline.executor import EDGE_GRADS
 
 MODELS = ('lockstep', 'async')
@@ -61,6 +61,8 @@ class Plan:
     expert: mesh.expert, a MoE model's experts split this many ways over
       the inner part of `data` (it divides data: the expert group of data
       replica i is the `expert` replicas around it, `expert_groups`).
+    tick_packing: pipeline.tick_packing, how the executor's lockstep
+      program packs ticks under remat (rounds.py).
   """
 
   data: int
@@ -78,6 +80,7 @@ class Plan:
   sequence_parallel: bool = False
   context_attention: str = 'allgather'
   expert: int = 1
+  tick_packing: str = 'auto'
 
   def __post_init__(self):
     p, v = self.pipe, self.virtual_stages
@@ -167,6 +170,12 @@ class Plan:
     return program(
       self.schedule, self.pipe, self.microbatches, self.virtual_stages
     ).schedule.placement
+
+  @property
+  def lowered(self) -> sched.Program:
+    """The lockstep program the executor runs for this plan."""
+    units = rounds.units_for(self.remat, self.tick_packing)
+    return program(self.schedule, self.pipe, self.microbatches, self.virtual_stages, units)
 
   @property
   def chunk_layers(self) -> tuple[int, ...]:
@@ -351,6 +360,7 @@ def from_config(cfg) -> Plan:
     sequence_parallel=m.sequence_parallel,
     context_attention=cfg.model.context_attention,
     expert=m.expert,
+    tick_packing=pipe.tick_packing,
   )
 
 
@@ -377,14 +387,17 @@ def given(name: str) -> sched.Schedule | None:
 
 
 @functools.lru_cache(maxsize=4096)
-def program(name: str, p: int, m: int, v: int) -> sched.Program:
-  """The lowered schedule (cached: the search asks for the same ones often)."""
+def program(
+  name: str, p: int, m: int, v: int, units: rounds.TickUnits | None = None
+) -> sched.Program:
+  """The lowered schedule, packed by `units` (rounds.py; None: one action a
+  tick), cached: the search asks for the same ones often."""
   schedule = _GIVEN.get(name)
   if schedule is None:
-    return sched.lower(sched.build(name, p, m, v))
+    return sched.lower(sched.build(name, p, m, v), units=units)
   if (schedule.stages, schedule.microbatches, schedule.virtual_stages) != (p, m, v):
     raise ValueError(
       f'{name} runs p, m, v = {schedule.stages}, {schedule.microbatches}, '
       f'{schedule.virtual_stages}, not {p}, {m}, {v}'
     )
-  return sched.lower(schedule)
+  return sched.lower(schedule, units=units)

@@ -352,7 +352,7 @@ def _synthesized(plan: candidate.Plan) -> dict | None:
   program's slots); None for a named schedule."""
   if candidate.given(plan.schedule) is None:
     return None
-  prog = candidate.program(plan.schedule, plan.pipe, plan.microbatches, plan.virtual_stages)
+  prog = plan.lowered
   return {'sets': prog.slots['stash'], 'cuts': prog.slots['cut']}
 
 

@@ -24,7 +24,7 @@ from triax.errors import ConfigError
 from triax.model import context as context_lib
 from triax.model import registry
 from triax.model.common import DecoderModel
-from triax.pipeline import executor
+from triax.pipeline import executor, rounds
 from triax.pipeline import layout as layout_lib
 from triax.pipeline import schedule as sched
 from triax.training import relayout
@@ -296,7 +296,8 @@ def _program_and_layout(cfg, spec):
   program, placement = None, None
   if p > 1 or m > 1:
     schedule = sched.from_config(cfg.pipeline, p, m, v)
-    program = sched.lower(schedule, cfg.pipeline.fuse_overlaps)
+    units = rounds.units_for(cfg.model.remat, cfg.pipeline.tick_packing)
+    program = sched.lower(schedule, cfg.pipeline.fuse_overlaps, units)
     placement = schedule.placement
   layout = layout_lib.StackLayout.build(
     spec.num_layers, p, v, cfg.pipeline.layers_per_stage, placement, spec.layers_per_entry

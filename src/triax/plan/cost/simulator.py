@@ -90,7 +90,7 @@ from triax.pipeline import schedule as sched
 from triax.pipeline import simulate
 from triax.pipeline.executor import edge_rows
 from triax.pipeline.schedule import Action
-from triax.plan.candidate import Estimate, Options, Plan, program
+from triax.plan.candidate import Estimate, Options, Plan
 from triax.plan.cluster import Cluster
 from triax.plan.cost import experts as experts_lib
 from triax.plan.cost import host as host_lib
@@ -506,7 +506,7 @@ def transfers(plan: Plan, profile: Profile, options: Options, comm: Comm):
     evict.append(max(comm.p2p(a, z, stash_set) for a, z in zip(plan.stages[s], partner)))
   # One ppermute per stage offset the placement uses (+1 and -1 around the
   # ring: one at p = 2) runs in every tick, one after the other.
-  program_ = program(plan.schedule, p, plan.microbatches, plan.virtual_stages)
+  program_ = plan.lowered
   offsets = [o for o in program_.offsets if o]
   return transfer, evict, len(offsets) * max(transfer) if p > 1 else 0.0
 
@@ -608,7 +608,8 @@ class PlanTickCosts:
     shares = [
       sum(self.costs.share_of(a) for a in tick.actions(s)) for s in range(len(tick.compute))
     ]
-    return max([self.share.tick(work, shares), *self.costs.host])
+    # An offloaded stash copies a set each way in every tick (a round's each).
+    return max([self.share.tick(work, shares), *(h * tick.span for h in self.costs.host)])
 
   def transfer(self, tick: simulate.Tick) -> float:
     return simulate.send_phase(tick, self.costs.transfer, self.costs.tick_transfer)
@@ -634,7 +635,7 @@ def simulate_async(plan: Plan, costs: ActionCosts, share: Sharing = Sharing(()))
   backward, `ActionCosts.fused`), floored by the core-sharing bound over the
   whole step."""
   p, v = plan.pipe, plan.virtual_stages
-  schedule = program(plan.schedule, p, plan.microbatches, v).source  # a synthesised one too
+  schedule = plan.lowered.source  # a synthesised one too
   per = []
   for s in range(p):
     mine = schedule.chunks_of(s)
@@ -679,9 +680,9 @@ def simulate_plan(
   plan: Plan, profile: Profile, cluster: Cluster, options: Options = Options()
 ) -> Estimate:
   """Predicts step time (both models) and memory of `plan` on `cluster`."""
-  p, m, v = plan.pipe, plan.microbatches, plan.virtual_stages
+  p, m = plan.pipe, plan.microbatches
   uses_executor = plan.uses_executor
-  prog = program(plan.schedule, p, m, v)
+  prog = plan.lowered
   costs = action_costs(plan, profile, cluster, options)
   share = sharing(plan, cluster)
   lock = simulate_lockstep(prog, costs, share)

@@ -49,7 +49,7 @@ from collections.abc import Sequence
 from triax.errors import ConfigError
 from triax.pipeline import schedule as sched
 from triax.pipeline import simulate, synthesis
-from triax.plan.candidate import Estimate, Options, Plan, given_schedule, program
+from triax.plan.candidate import Estimate, Options, Plan, given_schedule
 from triax.plan.cost import memory as memory_lib
 from triax.plan.cost.simulator import action_costs, simulate_plan
 
@@ -121,7 +121,7 @@ def _limits(e: Estimate, profile, options: Options) -> list[tuple[int, int]]:
   for the `PAIRS` largest K up to e's sets that leave room for a cut, the
   most cuts C <= K (a cut belongs to a held set) the rest holds."""
   plan = e.plan
-  prog = program(plan.schedule, plan.pipe, plan.microbatches, plan.virtual_stages)
+  prog = plan.lowered
   if any(x > c for x, c in zip(e.state_memory, e.capacity)):
     return []  # a save, restore or evaluation does not fit: no schedule helps
   room = []  # per stage: bytes for sets and cuts, and one set's and one cut's

@@ -1,0 +1,270 @@
+"""Rounds: lockstep ticks packed where a model's actions cost unequal amounts.
+
+The papers' lockstep program (lower.py) runs one compute action per stage
+per tick, and every tick ends with a send phase that all stages wait for.
+That is as fast as the asynchronous schedule only when F, B and W cost
+about the same. Under full recomputation B reruns the chunk's forward
+before its input gradient, so it costs two forwards, and every tick where
+one stage runs B while its neighbour runs F or W waits the difference:
+Megatron's 530B layout would run 1.4x slower than its asynchronous
+schedule (docs/bench_megatron_table1.md).
+
+A packed program groups ticks into rounds. A round gives each stage a run
+of consecutive actions from its order whose costs (`TickUnits`, in
+forwards) add up to at most the round's length, so one stage's B lasts as
+long as its neighbour's W and F; the stages meet only where messages
+cross: no collective runs inside a round, so a stage that finishes early
+goes on to its next tick and waits at the round's send. Every action still
+has a tick of its own (a round of K ticks: a stage's k-th action of the
+round runs in its k-th tick), so tables, slots, validator and executor
+keep one action per stage per tick; only the send phase moves:
+
+  after   the round's messages go in one send phase after its last tick
+          (each stage's outputs wait in a pending buffer, one per stage
+          offset, until then); they can be read in the next round;
+  under   they go in the first tick of the next round, under its compute
+          (XLA runs the ppermute beside the tick's branch, which reads
+          nothing it brings), and land when that tick ends: a stage can
+          read them from the next round's second action on.
+
+`under` hides the send behind compute where the schedule leaves slack (the
+interleaved schedules); `after` delays no one (1F1B). Messages between a
+stage's own chunks, a stage's stash and its cuts never wait for a send.
+
+How a round's length is chosen (`RULES`): `longest`, the longest first
+action any stage can run (the others fill up to it); `fill`, of the lengths
+the stages' ready runs can fill, the one that leaves the least of the
+round idle. `lower.lower` packs with each rule in each mode and keeps the
+program the lockstep time model (simulate.py) times fastest at the design
+costs (`TickUnits`, with a message costing `MESSAGE_UNITS`).
+
+Plain Python: the planner and the CLI use this without devices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from triax.pipeline.ir import (
+  BACKWARD,
+  COMPUTE_KINDS,
+  FORWARD,
+  WEIGHT,
+  Action,
+  Schedule,
+  ScheduleDeadlock,
+  dependencies,
+)
+
+RULES = ('longest', 'fill')
+# What one pipeline message costs at the design point, in forwards of one
+# stage: how the lowering weighs a send it cannot hide (a 530B layer's
+# activation over InfiniBand beside its forward on an A100 is about 0.05-0.1).
+MESSAGE_UNITS = 0.1
+# The most actions a stage's ready run is looked at (a round is never longer).
+_LOOKAHEAD = 8
+# pipeline.tick_packing: 'auto' packs where the model's recompute makes B
+# cost two forwards; 'off' runs the papers' one action per tick.
+PACKINGS = ('auto', 'off')
+
+
+@dataclasses.dataclass(frozen=True)
+class TickUnits:
+  """What each compute action of a stage costs the packing, in forwards."""
+
+  forward: int = 1
+  backward: int = 1
+  weight: int = 1
+
+  def of(self, kind: str) -> int:
+    return {FORWARD: self.forward, BACKWARD: self.backward, WEIGHT: self.weight}[kind]
+
+  @property
+  def uniform(self) -> bool:
+    return self.forward == self.backward == self.weight
+
+
+# Full recomputation: B reruns the forward, then computes the input
+# gradient (two forwards' work); W, the weight gradient, costs one.
+FULL_RECOMPUTE = TickUnits(forward=1, backward=2, weight=1)
+
+
+def units_for(remat: str, packing: str = 'auto') -> TickUnits | None:
+  """The units a model's lockstep program packs by: None (one action per
+  tick) unless its backward recomputes the whole forward."""
+  if packing == 'off' or remat != 'full':
+    return None
+  return FULL_RECOMPUTE
+
+
+@dataclasses.dataclass(frozen=True)
+class Packing:
+  """Where a packed program runs each compute action.
+
+  Attributes:
+    at: each compute action's tick.
+    rounds: the first tick of each round, ascending.
+    sends: ticks whose send phase carries the pending messages.
+    under: the send runs under its tick's compute ('under'), else after
+      it ('after'); see the module docstring.
+    ticks: ticks in all.
+  """
+
+  at: dict[Action, int]
+  rounds: tuple[int, ...]
+  sends: frozenset[int]
+  under: bool
+  ticks: int
+
+
+def cross_offset(schedule: Schedule, a: Action) -> int | None:
+  """The stage offset `a`'s output travels to another stage, or None (no
+  output, or it stays on its stage)."""
+  if a.kind == FORWARD and a.chunk < schedule.num_chunks - 1:
+    to = schedule.stage_of(a.chunk + 1)
+  elif a.kind == BACKWARD and a.chunk > 0:
+    to = schedule.stage_of(a.chunk - 1)
+  else:
+    return None
+  s = schedule.stage_of(a.chunk)
+  return None if to == s else (to - s) % schedule.stages
+
+
+def pack(run: Schedule, units: TickUnits, rule: str, under: bool) -> Packing:
+  """Packs the split schedule `run` (every B followed by its W somewhere)
+  into rounds by `rule` (one of RULES), sending `under` or after.
+
+  Raises:
+    ScheduleDeadlock: if the orders cannot run to the end.
+  """
+  packer = _Packer(run, units, under)
+  while packer.remaining:
+    runs = [packer.ready_run(s) for s in range(run.stages)]
+    if not any(runs):
+      packer.idle_round()
+      continue
+    length = _round_length(runs, units, rule)
+    packer.place([_fitting(x, units, length) for x in runs])
+  return packer.result()
+
+
+def _round_length(runs: Sequence[Sequence[Action]], units: TickUnits, rule: str) -> int:
+  """The round's length in units: at least every stage's first action."""
+  shortest = max(units.of(x[0].kind) for x in runs if x)
+  if rule == 'longest':
+    return shortest
+  lengths = {sum(units.of(a.kind) for a in x[:k]) for x in runs for k in range(1, len(x) + 1)}
+
+  def idle(length: int) -> tuple[float, int]:
+    used = sum(sum(units.of(a.kind) for a in _fitting(x, units, length)) for x in runs)
+    return 1 - used / (len(runs) * length), length
+
+  return min((n for n in lengths if n >= shortest), key=idle)
+
+
+def _fitting(run: Sequence[Action], units: TickUnits, length: int) -> list[Action]:
+  """The longest prefix of a ready run whose units fit in `length`."""
+  out, used = [], 0
+  for a in run:
+    used += units.of(a.kind)
+    if used > length:
+      break
+    out.append(a)
+  return out
+
+
+class _Packer:
+  """The rounds placed so far, and what each stage may run next."""
+
+  def __init__(self, run: Schedule, units: TickUnits, under: bool):
+    self.run, self.units, self.under = run, units, under
+    self.streams = [[a for a in o if a.kind in COMPUTE_KINDS] for o in run.orders]
+    self.next = [0] * run.stages
+    self.remaining = sum(map(len, self.streams))
+    self.round_of: dict[Action, int] = {}
+    self.at: dict[Action, int] = {}
+    self.rounds: list[int] = []
+    self.sends: set[int] = set()
+    self.tick = 0
+    self.sent_last = False  # the last round left messages pending
+
+  def ready_run(self, s: int) -> list[Action]:
+    """Stage s's next actions that can run in this round, in order: each
+    input made by an earlier action of the run or landed in time (module
+    docstring), and at most one message per stage offset pending."""
+    got: list[Action] = []
+    offsets: set[int] = set()
+    for a in self.streams[s][self.next[s] : self.next[s] + _LOOKAHEAD]:
+      if not all(self._available(d, s, len(got), got) for d in dependencies(a, self.run)):
+        break
+      o = cross_offset(self.run, a)
+      if o is not None and o in offsets:
+        break
+      offsets.add(o)
+      got.append(a)
+    return got
+
+  def _available(self, d: Action, s: int, position: int, earlier: list[Action]) -> bool:
+    if d in earlier:
+      return True
+    r = self.round_of.get(d)
+    if r is None:
+      return False
+    if self.run.stage_of_action(d) == s:
+      return True  # made on this stage, in an earlier round
+    here = len(self.rounds)
+    return r < here - 1 or (r == here - 1 and (not self.under or position > 0))
+
+  def place(self, cells: list[list[Action]]) -> None:
+    here, start = len(self.rounds), self.tick
+    width = max(len(c) for c in cells)
+    outputs = False
+    for s, cell in enumerate(cells):
+      for k, a in enumerate(cell):
+        self.round_of[a], self.at[a] = here, start + k
+        outputs |= cross_offset(self.run, a) is not None
+      self.next[s] += len(cell)
+      self.remaining -= len(cell)
+    self._close(start, width, outputs)
+
+  def idle_round(self) -> None:
+    """A tick where nobody can run: under, it carries the last round's send."""
+    if not (self.under and self.sent_last):
+      heads = [
+        str(self.streams[s][self.next[s]])
+        for s in range(self.run.stages)
+        if self.next[s] < len(self.streams[s])
+      ]
+      raise ScheduleDeadlock(
+        f'{self.run.name}: packed lowering makes no progress at tick {self.tick}; '
+        f'stages wait on {", ".join(heads)}'
+      )
+    self._close(self.tick, 1, False)
+
+  def _close(self, start: int, width: int, outputs: bool) -> None:
+    if self.under and self.sent_last:
+      self.sends.add(start)
+    if not self.under and outputs:
+      self.sends.add(start + width - 1)
+    self.rounds.append(start)
+    self.tick += width
+    self.sent_last = outputs
+
+  def result(self) -> Packing:
+    return Packing(
+      at=self.at,
+      rounds=tuple(self.rounds),
+      sends=frozenset(self.sends),
+      under=self.under,
+      ticks=self.tick,
+    )
+
+
+def land_tick(packing: Packing, a: Action, schedule: Schedule) -> int:
+  """The tick at whose end `a`'s output lands on the stage that reads it:
+  its own tick for a stage's own chunk, else the tick that sends it."""
+  t = packing.at[a]
+  if cross_offset(schedule, a) is None:
+    return t
+  return min(x for x in packing.sends if x > t or (x == t and not packing.under))
