@@ -54,6 +54,21 @@ def tpu(*flags, compile_only=True):
   return command('triax.cli.train', f'--config={SMOKE}', '--workdir={d}/w', *extra, *flags)
 
 
+H100 = 'experiments/clusters/h100_8x_nvlink.yaml'
+
+
+def plan_evaluate(*flags):
+  """A `triax plan --evaluate` case: gpt_tiny priced on eight H100s."""
+  return command(
+    'triax.cli.plan',
+    '--config=experiments/gpt_tiny.py',
+    f'--cluster={H100}',
+    '--profile=analytic',
+    '--evaluate',
+    *flags,
+  )
+
+
 def write(relpath, text):
   def setup(d):
     path = os.path.join(d, relpath)
@@ -484,6 +499,16 @@ CASES = [
       '--profile=analytic',
     ),
     'train.offload_optimizer',
+  ),
+  ('plan-evaluate-with-top', plan_evaluate('--top=3'), '--top'),
+  ('plan-evaluate-with-search', plan_evaluate('--search=learned'), '--search'),
+  ('plan-evaluate-layout-token', plan_evaluate('--layout=d8,q2'), '--layout'),
+  (
+    'plan-layout-without-evaluate',
+    command(
+      'triax.cli.plan', '--config=experiments/gpt_tiny.py', f'--cluster={H100}', '--layout=d8'
+    ),
+    '--layout',
   ),
   # -- compiling for a TPU slice that is not here
   ('topology-unknown', tpu('--topology=v9p:2x2'), '--topology'),

@@ -13,7 +13,7 @@ from triax import config
 from triax.errors import ConfigError
 from triax.model import registry
 from triax.plan import cluster as cluster_lib
-from triax.plan import report
+from triax.plan import evaluate, report
 from triax.plan.cost import analytic, profile, profile_cache, simulator
 from triax.plan.cost.comm import Comm
 from triax.plan.search import emit
@@ -221,7 +221,7 @@ def test_cli_local_profile_of_a_gpu_config_is_one_line():
 
 
 def test_report_helpers():
-  assert report._pct(-1e-17) == '0.0%' and report._pct(0.123) == '12.3%'
+  assert evaluate.percent(-1e-17) == '0.0%' and evaluate.percent(0.123) == '12.3%'
   assert emit.device_ranges((0, 1, 2, 3, 8, 10, 11)) == '0-3,8,10-11'
   cpu = cluster_lib.load(CPU)
   assert report.train_command('p.py', cpu).endswith('--workdir=DIR --cpu_devices=8')

@@ -6,6 +6,7 @@
       [--out=plan.py] [--trace=trace.json] [--profile_cache=FILE]
       [--search=exhaustive|learned] [--policy=FILE.msgpack]
       [--verify=v5p:2x2x1|h100:8 [--verify_slices=N]] [--moe_imbalance=1.0]
+      [--evaluate [--layout=d8,t8,p35,v3,m280]]
 
 A MoE model (model.family=mixtral) also gets its expert degree searched
 (mesh.expert, carved from data), priced with its all-to-alls and, under
@@ -17,8 +18,11 @@ cluster, in seconds), simulates candidate plans on the cluster and prints
 the best ones beside baselines. Where the device's memory leaves the named
 schedules bubble, a synthesised schedule competes too
 (plan/search/synthesized.py); a plan file that names one holds it and
-trains it as it is (--out). Bad input prints one
-`error: KEY: message` line and exits with 2.
+trains it as it is (--out). With --evaluate nothing is searched: the
+config's own layout, or --layout's, is priced on the cluster (step time,
+tokens/s, TFLOP/s and MFU per device, bubble, memory per device by part,
+and whether it fits: exit 3 when it does not; plan/evaluate.py).
+Bad input prints one `error: KEY: message` line and exits with 2.
 """
 
 import os
@@ -58,13 +62,15 @@ _JSON = flags.DEFINE_bool('json', False, 'Print one JSON object instead of table
 _OUT = flags.DEFINE_string(
   'out',
   None,
-  'Write the best plan as a config file (.py) here, to train from: '
+  'Write the best plan (with --evaluate: the layout priced) as a config file (.py) here, to '
+  'train from: '
   'python -m triax train --config=FILE --workdir=DIR.',
 )
 _TRACE = flags.DEFINE_string(
   'trace',
   None,
-  "Write the best plan's predicted timeline as a Chrome trace (.json, opens in Perfetto) here.",
+  "Write the best (or the evaluated) plan's predicted timeline as a Chrome trace (.json, opens "
+  'in Perfetto) here.',
 )
 _MODEL = flags.DEFINE_enum(
   'model',
@@ -95,7 +101,7 @@ _POLICY = flags.DEFINE_string(
 _VERIFY = flags.DEFINE_string(
   'verify',
   None,
-  'Compile the best plan for this TPU slice (KIND:AxB[xC], e.g. v5p:2x2x1) or these GPUs '
+  'Compile the best (or the evaluated) plan for this TPU slice (KIND:AxB[xC], e.g. v5p:2x2x1) or these GPUs '
   "(h100:8, a100:4x8; its chip count the cluster's) with XLA:TPU or XLA:GPU here, as train "
   "--compile_only --topology does, and print its train step's peak per device beside the "
   "planner's; exit 3 if it does not fit.",
@@ -103,6 +109,25 @@ _VERIFY = flags.DEFINE_string(
 _VERIFY_SLICES = flags.DEFINE_integer(
   'verify_slices', 1, 'With --verify: this many slices joined by the data-centre network.'
 )
+_EVALUATE = flags.DEFINE_bool(
+  'evaluate',
+  False,
+  "Price one layout instead of searching: the config's own (its mesh, pipeline, train and "
+  "model keys) or --layout's. Prints step time, tokens/s, TFLOP/s and MFU per device, bubble, "
+  'memory per device by part and whether it fits (exit 3 if not); --out, --trace and '
+  '--verify act on it.',
+)
+_LAYOUT = flags.DEFINE_string(
+  'layout',
+  None,
+  'With --evaluate: the layout to price, in the words the search prints its plans in, comma- '
+  'or space-separated: dN eN cN tN pN (mesh degrees), mN or mbN (micro-batches, or sequences '
+  'in one), vN, a schedule name, remat=POLICY, sp|nosp, replicated|zero1|fsdp, '
+  'allgather|ring, layers=A/B/... (per stage). E.g. d8,t8,p35,interleaved_1f1b,v3,m280. '
+  "Keys it does not name keep the config's values.",
+)
+# Flags only a search reads: refused with --evaluate rather than ignored.
+_SEARCH_ONLY = ('top', 'search', 'policy')
 _MOE_IMBALANCE = flags.DEFINE_float(
   'moe_imbalance',
   1.0,
@@ -137,6 +162,10 @@ def _verifier():
 def main(argv):
   if _CONFIG.value is None:
     cli.fail('--config', 'is required, e.g. --config=experiments/gpt_tiny.py')
+  if _EVALUATE.value:
+    for name in _SEARCH_ONLY:
+      if flags.FLAGS[name].present:
+        cli.fail(f'--{name}', 'only a search reads it, and --evaluate prices one layout; remove it')
   if not _CLUSTER.value:
     cli.fail('--cluster', 'is required, e.g. --cluster=experiments/clusters/h100_8x_nvlink.yaml')
   config_path = config_flags.get_config_filename(flags.FLAGS['config'])
@@ -172,6 +201,8 @@ def main(argv):
     verify=verify,
     verify_chips=verify_chips,
     moe_imbalance=_MOE_IMBALANCE.value,
+    evaluate=_EVALUATE.value,
+    layout=_LAYOUT.value,
   )
   sys.exit(report.main(request, as_json=_JSON.value))
 

@@ -238,6 +238,8 @@ class Estimate:
     step_memory: per stage, the train step's peak alone.
     state_memory: per stage, the largest of save / restore / evaluation
       beside the resident state (memory.state_programs).
+    memory_parts: per stage, what its memory is made of (memory.parts:
+      the training state, pools and work of the step, each state program).
   """
 
   plan: Plan
@@ -255,6 +257,7 @@ class Estimate:
   result: simulate.Result
   step_memory: tuple[float, ...] = ()
   state_memory: tuple[float, ...] = ()
+  memory_parts: tuple[dict[str, float], ...] = ()
 
   @property
   def peak_memory(self) -> float:
@@ -325,8 +328,9 @@ class Options:
 
 
 def from_config(cfg) -> Plan:
-  """The plan a validated config runs, on devices numbered in mesh order:
-  what the planner predicts for a layout it did not choose (scripts compare
+  """The plan a validated config runs, on devices numbered in mesh order
+  (or where its mesh.device_order places them): what the planner predicts
+  for a layout it did not choose (`triax plan --evaluate`; scripts compare
   it with what XLA compiles)."""
   m, pipe = cfg.mesh, cfg.pipeline
   p, v = m.pipe, pipe.virtual_stages
@@ -340,6 +344,13 @@ def from_config(cfg) -> Plan:
   else:
     layers = (cfg.model.num_layers // p,) * p
   per_stage = m.data * m.context * m.tensor
+  if m.get('device_order'):
+    # A plan's placement (search/emit.device_order): mesh position r * p + s,
+    # row-major over (data, context, tensor, pipe), is stage s's r-th device.
+    order = tuple(m.device_order)
+    stages = tuple(tuple(order[r * p + s] for r in range(per_stage)) for s in range(p))
+  else:
+    stages = tuple(tuple(range(s * per_stage, (s + 1) * per_stage)) for s in range(p))
   if m.fsdp:
     state = 'fsdp'
   else:
@@ -353,7 +364,7 @@ def from_config(cfg) -> Plan:
     virtual_stages=v,
     remat=cfg.model.remat,
     layers=layers,
-    stages=tuple(tuple(range(s * per_stage, (s + 1) * per_stage)) for s in range(p)),
+    stages=stages,
     global_batch=cfg.train.global_batch_size,
     state_sharding=state,
     context=m.context,

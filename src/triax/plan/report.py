@@ -1,7 +1,10 @@
 """What `python -m triax plan` does: load, profile, search, print, write.
 
 The entry point (triax/cli/plan.py) parses flags into a `Request` and
-calls `main`; everything here is importable and tested in-process.
+calls `main`; everything here is importable and tested in-process. With
+`Request.evaluate` one layout is priced instead of searched for (the
+config's own or `Request.layout`'s, plan/evaluate.py): the same profile,
+options, simulator and outputs (--out, --trace, --verify) as the search's.
 """
 
 from __future__ import annotations
@@ -9,15 +12,17 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shlex
 import sys
 from collections.abc import Callable
 from typing import Any, TextIO
 
 from triax.errors import ConfigError
-from triax.plan import candidate
+from triax.plan import candidate, evaluate
 from triax.plan import cluster as cluster_lib
 from triax.plan.candidate import Estimate
 from triax.plan.cost import host, roofline, trace
+from triax.plan.cost.simulator import simulate_plan
 from triax.plan.search import baselines as baselines_lib
 from triax.plan.search import emit, exhaustive, layouts
 
@@ -56,6 +61,10 @@ class Request:
       cluster must have as many devices.
     moe_imbalance: a MoE model's busiest expert's tokens over the mean
       (candidate.Options.moe_imbalance; 1 = balanced).
+    evaluate: price one layout (the config's own, or `layout`) instead of
+      searching; `top`, `search` and `policy` are not read.
+    layout: with evaluate, the layout to price (plan/evaluate.py's tokens,
+      Plan.describe's words: 'd8,t8,p35,v3,m280'), or None: the config's.
   """
 
   cfg: Any
@@ -76,6 +85,8 @@ class Request:
   verify: Callable[[Any, Estimate], dict] | None = None
   verify_chips: int | None = None
   moe_imbalance: float = 1.0
+  evaluate: bool = False
+  layout: str | None = None
 
 
 def local_devices(cluster_path: str) -> int | None:
@@ -90,6 +101,10 @@ def local_devices(cluster_path: str) -> int | None:
 
 
 def _check(request: Request) -> None:
+  if request.layout is not None and not request.evaluate:
+    raise ConfigError(
+      '--layout', 'is read only with --evaluate (which prices that layout); add --evaluate'
+    )
   if request.top < 1:
     raise ConfigError('--top', f'must be >= 1, got {request.top}')
   for flag, path, suffix in (('--out', request.out, '.py'), ('--trace', request.trace, '.json')):
@@ -136,15 +151,13 @@ def run(request: Request, as_json: bool = False, out: TextIO | None = None) -> d
   import ml_collections
 
   cfg = ml_collections.ConfigDict(request.cfg.to_dict())
-  options = candidate.Options(
-    model=request.model,
-    dp_allreduce=request.dp_allreduce,
-    scatter_gather=bool(cfg.pipeline.scatter_gather),
-    edge_grads=cfg.pipeline.edge_grads,
-    offload_stash=bool(cfg.pipeline.offload_stash),
-    offload_optimizer=bool(cfg.train.offload_optimizer),
-    moe_imbalance=_moe_imbalance(request),
-  )
+  if request.evaluate:
+    # The layout's own keys (pipeline.*, train.*) set what the simulator is told.
+    planned, plan, keys = evaluate.configure(cfg, request.layout, cluster.num_devices)
+    options = _options(request, planned)
+    host.require(cluster, options)
+    return _evaluate(request, cfg, (planned, plan, keys), cluster, options, as_json, out)
+  options = _options(request, cfg)
   host.require(cluster, options)
   m = cfg.model
   progress(
@@ -175,11 +188,72 @@ def run(request: Request, as_json: bool = False, out: TextIO | None = None) -> d
     )
   best = result.top[0]
   summary = to_json(result, cfg)
+  _outputs(request, best, cfg, cluster, summary)
+  if as_json:
+    print(json.dumps(summary), file=out)
+  else:
+    print(text(result, cfg, request), file=out)
+    if 'verify' in summary:
+      print(summary['verify']['line'], file=out)
+  return summary
+
+
+def _options(request: Request, cfg) -> candidate.Options:
+  """The simulator's options: the flags' and the config's executor keys."""
+  return candidate.Options(
+    model=request.model,
+    dp_allreduce=request.dp_allreduce,
+    scatter_gather=bool(cfg.pipeline.scatter_gather),
+    edge_grads=cfg.pipeline.edge_grads,
+    offload_stash=bool(cfg.pipeline.offload_stash),
+    offload_optimizer=bool(cfg.train.offload_optimizer),
+    moe_imbalance=_moe_imbalance(request),
+  )
+
+
+def _evaluate(request: Request, cfg, layout, cluster, options, as_json: bool, out: TextIO) -> dict:
+  """--evaluate: prices `layout` (evaluate.configure's validated config, plan
+  and keys), prints and writes what was asked; returns the JSON summary."""
+  planned, plan, keys = layout
+  progress(
+    f'evaluate: {plan.describe()} on {cluster.name} ({cluster.num_devices} devices); '
+    f'profile {request.profile}'
+  )
+  profile = _profile(request, planned, cluster, [plan])
+  estimate = simulate_plan(plan, profile, cluster, options)
+  summary = {
+    **_context_json(cluster, profile, planned),
+    'layout': {'given': request.layout, 'config_keys': keys},
+    'plan': _row(estimate),
+    **evaluate.summary(estimate, planned, cluster, options.memory_fraction, _model_flops(planned)),
+  }
+  _outputs(request, estimate, cfg, cluster, summary)
+  if as_json:
+    print(json.dumps(summary), file=out)
+    return summary
+  lines = [evaluate.text(summary, _context_lines(cluster, profile, planned))]
+  if request.verbose:
+    lines += ['', *_measurements(profile)]
+  if request.out:
+    lines.append(f'wrote {request.out}: {train_command(request.out, cluster)}')
+  if request.trace:
+    lines.append(f'wrote {request.trace} (open in https://ui.perfetto.dev)')
+  if 'verify' in summary:
+    lines.append(summary['verify']['line'])
+  print('\n'.join(lines), file=out)
+  return summary
+
+
+def _outputs(request: Request, estimate: Estimate, cfg, cluster, summary: dict) -> None:
+  """--out (a plan file), --trace and --verify of the plan chosen or
+  evaluated, each noted in `summary`."""
+  import ml_collections
+
   if request.out:
     base_path, _, base_arg = request.config_path.partition(':')
     emit.write(
       request.out,
-      best,
+      estimate,
       base_path,
       base_arg or None,
       _base_overrides(request, base_path, base_arg or None, cfg),
@@ -192,25 +266,20 @@ def run(request: Request, as_json: bool = False, out: TextIO | None = None) -> d
     summary['out'] = request.out
   if request.trace:
     with open(request.trace, 'w') as f:
-      json.dump(trace.chrome_trace(best), f)
+      json.dump(trace.chrome_trace(estimate), f)
     summary['trace'] = request.trace
   if request.verify is not None:
     planned = emit.apply(
-      ml_collections.ConfigDict(cfg.to_dict()), emit.overrides(best.plan, cfg=cfg)
+      ml_collections.ConfigDict(cfg.to_dict()), emit.overrides(estimate.plan, cfg=cfg)
     )
-    summary['verify'] = request.verify(planned, best)
-  if as_json:
-    print(json.dumps(summary), file=out)
-  else:
-    print(text(result, cfg, request), file=out)
-    if 'verify' in summary:
-      print(summary['verify']['line'], file=out)
-  return summary
+    summary['verify'] = request.verify(planned, estimate)
 
 
 def _planner_command(request: Request) -> str:
   """The planner flags that made a plan, for its file's docstring."""
   flags = f'--config={request.config_path} --cluster={request.cluster}'
+  if request.evaluate:
+    flags += ' --evaluate' + (f' --layout={shlex.quote(request.layout)}' if request.layout else '')
   if request.profile != 'local':
     flags += f' --profile={request.profile}'
   if request.gpus is not None:
@@ -357,10 +426,22 @@ def _synthesized(plan: candidate.Plan) -> dict | None:
 
 
 def to_json(result: exhaustive.SearchResult, cfg) -> dict:
-  prof, m = result.profile, result.profile.machine
   return {
-    'cluster': result.cluster.name,
-    'devices': result.cluster.num_devices,
+    **_context_json(result.cluster, result.profile, cfg),
+    'search_s': result.search_s,
+    'evaluated': result.evaluated,
+    'top': [_row(e) for e in result.top],
+    'baselines': {k: (_row(e) if e else None) for k, e in result.baselines.items()},
+    'speedups': {k: result.speedup(k) for k in result.baselines},
+  }
+
+
+def _context_json(cluster, prof, cfg) -> dict:
+  """The cluster, model and profile a report priced its plans on."""
+  m = prof.machine
+  return {
+    'cluster': cluster.name,
+    'devices': cluster.num_devices,
     'model': {
       k: cfg.model[k]
       for k in ('num_layers', 'd_model', 'num_heads', 'd_ff', 'vocab_size', 'seq_len', 'dtype')
@@ -382,11 +463,6 @@ def to_json(result: exhaustive.SearchResult, cfg) -> dict:
       'executor_ratios': {k: list(v) for k, v in prof.ratios.items()},
       'assumption': roofline.assumption(prof) if prof.analytic is None else 'analytic',
     },
-    'search_s': result.search_s,
-    'evaluated': result.evaluated,
-    'top': [_row(e) for e in result.top],
-    'baselines': {k: (_row(e) if e else None) for k, e in result.baselines.items()},
-    'speedups': {k: result.speedup(k) for k in result.baselines},
   }
 
 
@@ -394,9 +470,9 @@ def _ms(seconds: float) -> str:
   return f'{seconds * 1e3:9.2f}'
 
 
-def text(result: exhaustive.SearchResult, cfg, request: Request | None = None) -> str:
-  """The human report: context, top plans, baselines, caveats."""
-  c, prof, m = result.cluster, result.profile, result.profile.machine
+def _context_lines(c, prof, cfg) -> list[str]:
+  """The cluster, model and profile a report priced its plans on."""
+  m = prof.machine
   groups = ', '.join(f'{g.count}x {g.name}' for g in c.groups.values())
   mc = cfg.model
   lines = [
@@ -421,6 +497,13 @@ def text(result: exhaustive.SearchResult, cfg, request: Request | None = None) -
     )
     if not c.local:  # how the other device types were derived from this one
       lines.append(roofline.assumption(prof))
+  return lines
+
+
+def text(result: exhaustive.SearchResult, cfg, request: Request | None = None) -> str:
+  """The human report: context, top plans, baselines, caveats."""
+  c, prof = result.cluster, result.profile
+  lines = _context_lines(c, prof, cfg)
   lines.append(
     f'searched {result.evaluated} plans in {result.search_s:.2f} s; times are '
     "SIMULATED predictions (lockstep = what triax's executor runs; async = the "
@@ -436,7 +519,7 @@ def text(result: exhaustive.SearchResult, cfg, request: Request | None = None) -
   for i, e in enumerate(result.top):
     lines.append(
       f'{i + 1:>2}  {e.plan.describe():{width}s} {_ms(e.step_time)} '
-      f'{_ms(e.async_time)} {_pct(e.bubble_fraction):>6} '
+      f'{_ms(e.async_time)} {evaluate.percent(e.bubble_fraction):>6} '
       f'{e.peak_memory / 2**30:7.3f} {_tflops(flops, e, c.num_devices):>8}  '
       f'{_stages(e.plan)}'
     )
@@ -504,11 +587,6 @@ def train_command(plan_path: str, cluster) -> str:
   return f'python -m triax train --config={plan_path} --workdir=DIR{cpu}'
 
 
-def _pct(x: float) -> str:
-  """A share as a percentage; never '-0.0%' (float noise below 0.05%)."""
-  return f'{0.0 if abs(x) < 5e-4 else x:.1%}'
-
-
 def _model_flops(cfg) -> float | None:
   """Model FLOPs of one step (the family's count, no recompute), or None."""
   try:
@@ -558,14 +636,17 @@ def _measurements(prof) -> list[str]:
 
 
 def main(request: Request, as_json: bool = False) -> int:
-  """Runs the request; returns the exit status (2 for bad input)."""
+  """Runs the request; returns the exit status (2 for bad input, 3 for a
+  verified plan or an evaluated layout that does not fit)."""
   try:
     summary = run(request, as_json=as_json)
   except ConfigError as e:
     print(f'error: {e.key}: {e.message}', file=sys.stderr)
     return 2
-  if summary.get('verify', {}).get('fits') is False:
-    return 3  # cli.EXIT_DOES_NOT_FIT, as train --compile_only --topology
+  if summary.get('verify', {}).get('fits') is False or summary.get('fits') is False:
+    # cli.EXIT_DOES_NOT_FIT, as train --compile_only --topology: the compiled
+    # plan, or the layout --evaluate priced, does not fit.
+    return 3
   return 0
 
 

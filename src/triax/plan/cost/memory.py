@@ -337,14 +337,22 @@ def stage_params(plan: Plan, profile: Profile, layers: int) -> tuple[float, floa
   return params, experts_lib.expert_param_bytes(shard) * layers * v
 
 
-def memory(
+# The parts of a stage's train-step peak per device, as `parts` names them:
+# the training state (`state`), the executor's pools (`pools`: stash, cuts,
+# messages; without the executor the layer scan's stash) and the work beside
+# them (`_workspace`).
+STEP_PARTS = ('params', 'grads', 'moments', 'gathered', 'stash', 'cut', 'msg', 'workspace')
+
+
+def parts(
   plan: Plan, profile: Profile, cluster: Cluster, options: Options, program_: sched.Program | None
-) -> tuple[tuple[float, ...], ...]:
-  """Per stage: peak bytes per device (the train step's, or with
-  options.state_programs a save, restore or evaluation if larger), the
-  usable bytes of its smallest device, the temporary part of the step's
-  peak (all but the training state), the train step's peak and the state
-  programs' peak."""
+) -> tuple[dict[str, float], ...]:
+  """Per stage, its peak bytes per device by part: STEP_PARTS, 'step' (the
+  train step's peak: their sum, or with options.offload_optimizer the larger
+  of the forward and backward without the moments and the update with
+  them), the state programs' 'save', 'restore' and 'eval' (`state_programs`)
+  and 'capacity' (the usable bytes of the stage's smallest device).
+  program_: the plan's lowered schedule, None without the executor."""
   shard = profile.shards[plan.tensor]
   b = plan.microbatch_size
   # The head's logits, in the compute dtype, once: XLA fuses the softmax and
@@ -353,26 +361,27 @@ def memory(
   # bf16[256,128256] in the executor's tick loop), not three fp32 ones.
   # (logits_per_seq counts them in fp32.)
   logits = b * shard.logits_per_seq * token_share(plan) * np.dtype(profile.dtype).itemsize / 4
-  out, cap, temp, step, progs = [], [], [], [], []
+  out = []
   shed, pooled = edge_grads_after(plan, profile, options)
   for s in range(plan.pipe):
     held = stage_layers(plan, options, s)
     params, experts = stage_params(plan, profile, held)
     if program_ is None:  # no pipeline: one value_and_grad over the whole model
       stash = chunk_stash(plan, profile, plan.num_layers, pooled=False)
-      buffers = 0.0
+      pool = {'stash': stash, 'cut': 0.0, 'msg': 0.0}
     else:
       pool = pools(plan, profile, options, program_, s, held)
-      stash, buffers = pool['stash'], pool['cut'] + pool['msg']
+    buffers = pool['cut'] + pool['msg']
     workspace = _workspace(plan, profile, shard, logits, program_ is not None)
-    if program_ is not None:
+    if program_ is not None and shed:
       # With the edges' gradients made after the tick loop, the loop holds
       # two pools instead of their accumulator, and after it the step holds
       # the whole state and the head's work only.
       after = logits + head_cast(profile, shard)
-      workspace = max(workspace + pooled - shed, after - stash - buffers) if shed else workspace
+      workspace = max(workspace + pooled - shed, after - pool['stash'] - buffers)
     kept = state(plan, profile, params, experts)
-    peak = sum(kept.values()) + stash + buffers + workspace
+    part = {**kept, **pool, 'workspace': workspace}
+    peak = sum(kept.values()) + pool['stash'] + buffers + workspace
     offloaded = options.offload_optimizer
     if offloaded:
       # The moments wait in host memory through the forward and backward and
@@ -382,13 +391,32 @@ def memory(
       # where the update's three come to 4.60, 4.60 and 7.54).
       update = kept['params'] + kept['grads'] + kept['moments']
       peak = max(peak - kept['moments'], update)
-    programs = max(state_programs(plan, profile, params, experts, offloaded).values())
-    step.append(peak)
-    progs.append(programs)
-    out.append(max(peak, programs) if options.state_programs else peak)
-    temp.append(peak - sum(kept.values()) + (kept['moments'] if offloaded else 0.0))
-    cap.append(
+    part['step'] = peak
+    part.update(state_programs(plan, profile, params, experts, offloaded))
+    part['capacity'] = (
       min(cluster.groups[cluster.devices[d].group].memory for d in plan.stages[s])
       * options.memory_fraction
     )
-  return tuple(out), tuple(cap), tuple(temp), tuple(step), tuple(progs)
+    out.append(part)
+  return tuple(out)
+
+
+def memory(
+  plan: Plan, profile: Profile, cluster: Cluster, options: Options, program_: sched.Program | None
+) -> tuple[tuple, ...]:
+  """Per stage: peak bytes per device (the train step's, or with
+  options.state_programs a save, restore or evaluation if larger), the
+  usable bytes of its smallest device, the temporary part of the step's
+  peak (all but the training state), the train step's peak, the state
+  programs' peak, and its `parts`."""
+  out, cap, temp, step, progs = [], [], [], [], []
+  stages = parts(plan, profile, cluster, options, program_)
+  for part in stages:
+    programs = max(part[k] for k in ('save', 'restore', 'eval'))
+    kept = sum(part[k] for k in ('params', 'grads', 'moments', 'gathered'))
+    step.append(part['step'])
+    progs.append(programs)
+    out.append(max(part['step'], programs) if options.state_programs else part['step'])
+    temp.append(part['step'] - kept + (part['moments'] if options.offload_optimizer else 0.0))
+    cap.append(part['capacity'])
+  return tuple(out), tuple(cap), tuple(temp), tuple(step), tuple(progs), stages

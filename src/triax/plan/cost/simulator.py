@@ -687,7 +687,7 @@ def simulate_plan(
   share = sharing(plan, cluster)
   lock = simulate_lockstep(prog, costs, share)
   asy = simulate_async(plan, costs, share)
-  mem, cap, _, step_mem, state_mem = memory_lib.memory(
+  mem, cap, _, step_mem, state_mem, parts = memory_lib.memory(
     plan, profile, cluster, options, prog if uses_executor else None
   )
   tail, dp_total = _tail(plan, profile, cluster, options, share, prog if uses_executor else None)
@@ -719,6 +719,7 @@ def simulate_plan(
     result=chosen,
     step_memory=step_mem,
     state_memory=state_mem,
+    memory_parts=parts,
   )
 
 
