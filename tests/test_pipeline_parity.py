@@ -40,6 +40,10 @@ CASES += [
   ('interleaved_1f1b', (1, 1, 4), 2, 6, 'none', 8),
   ('interleaved_zb', (1, 2, 2), 2, 3, 'none', 8),
   ('zb_v', (2, 2, 2), 2, 4, 'full', 8),
+  # Packed rounds (pipeline/rounds.py) at p = 8: sending under the next
+  # round (interleaved), and after it (zb_h1).
+  ('interleaved_1f1b', (1, 1, 8), 2, 16, 'full', 16),
+  ('zb_h1', (1, 1, 8), 1, 16, 'full', 8),
 ]
 # The fast tier's one pipelined program (both jax lines run it): the split
 # backward through the layer scan and remat, on the smallest pipe.

@@ -199,6 +199,13 @@ BAD = [
     "row 1, cell 3: 1X1: unknown kind 'X'",
   ),
   (
+    'recompute-cell',
+    'x.csv',
+    GOOD.replace('1B1', '1R1,1B1'),
+    None,
+    'row 1, cell 3: 1R1: torch has no recompute action; B reruns the forward',
+  ),
+  (
     'no-microbatch',
     'x.csv',
     GOOD.replace('1B1', '1B'),

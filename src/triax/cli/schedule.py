@@ -4,7 +4,7 @@ r"""Show, time and plot a pipeline schedule without any devices.
       --microbatches=8 --virtual_stages=2 [--json] [--plot=grid.png] \
       [--write_csv=order.csv] \
       [--t_forward=1 --t_backward=2 --t_transfer=0 --t_weight=1 --t_evict=0] \
-      [--t_exchange=0] [--fuse_overlaps]
+      [--t_exchange=0] [--fuse_overlaps] [--full_remat]
   python -m triax schedule --schedule_file=order.csv [--stages=4 ...] [--json]
   python -m triax schedule --synthesize --stages=4 --microbatches=8 \
       [--virtual_stages=2] --memory_limit=4 [--time_limit_s=10] \
@@ -87,6 +87,13 @@ _FUSE_OVERLAPS = flags.DEFINE_bool(
   "Run each overlapped pair (dualpipe_v's) in one tick, its all-to-alls beside the other's "
   'compute (pipeline.fuse_overlaps).',
 )
+_FULL_REMAT = flags.DEFINE_bool(
+  'full_remat',
+  False,
+  'Lower for a model whose backward reruns its forward (model.remat=full): B costs two '
+  "forwards, so the lockstep program packs ticks into rounds (pipeline.tick_packing's auto); "
+  'the default costs become B 2, W 1.',
+)
 _SCHEDULE_FILE = flags.DEFINE_string(
   'schedule_file',
   None,
@@ -154,6 +161,7 @@ def main(argv: list[str]) -> int:
       write_json=_WRITE_JSON.value,
       t_exchange=_T_EXCHANGE.value,
       fuse_overlaps=_FUSE_OVERLAPS.value,
+      full_remat=_FULL_REMAT.value,
     ),
     as_json=_JSON.value,
   )

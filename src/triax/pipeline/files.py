@@ -19,7 +19,11 @@ cell. torch's FSDP and gradient reduction markers (UNSHARD, RESHARD,
 REDUCE_GRAD; its single-stage schedules end each rank with one) say
 nothing about the order and are skipped; send/receive cells belong to
 torch's other, compute+comms format. The placement is read off the rows:
-chunk c is on the row that runs it.
+chunk c is on the row that runs it. torch has no recompute action, and
+neither do these files: under activation checkpointing the forward is
+rerun inside B, as torch runs it, and where that makes B cost two forwards
+the lockstep program packs its ticks (pipeline/rounds.py), not the file; a
+cell of kind R or RECOMPUTE is refused with that said.
 
 triax's JSON holds a Schedule field for field, orders as Action strings
 (`F3.1`, `EVICT3.1`), so any schedule, BPipe's copies and partners and
@@ -533,6 +537,13 @@ def _torch_action(cells: _Cells, r: int, c: int, token: str) -> tuple[Action | N
       c,
       f"{token} is a communication action of torch's compute+comms "
       "format; write the compute-only CSV (_dump_csv(path, 'compute_only'))",
+    )
+  if kind == 'R' or kind.startswith('RECOMPUTE'):
+    raise cells.error(
+      r,
+      c,
+      f'{token}: torch has no recompute action; B reruns the forward under '
+      'model.remat=full and pipeline.tick_packing packs the ticks for it: drop the cell',
     )
   if kind not in _TORCH_KIND:
     raise cells.error(

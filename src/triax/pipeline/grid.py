@@ -10,14 +10,19 @@ _SHORT = {EVICT: 'E', LOAD: 'L'}
 
 
 def format_grid(
-  grid: Sequence[Sequence[Sequence[Action]]], stages: int, partner: Sequence[int] | None = None
+  grid: Sequence[Sequence[Sequence[Action]]],
+  stages: int,
+  partner: Sequence[int] | None = None,
+  rounds: Sequence[int] = (),
+  sends: Sequence[int] = (),
 ) -> str:
   """An aligned table: a band of rows per stage, a column per tick.
 
   Each stage gets an F and a B row, a W row if any stage runs W, and an X
   row if residuals move: 'E3.0'/'L3.0' where the stage sends EVICT/LOAD of
   micro-batch 3, chunk 0, and 'e3.0'/'l3.0' where it receives them (shown
-  only when `partner` is given).
+  only when `partner` is given). A packed program's `rounds` (their first
+  ticks) and `sends` (ticks that send) get a row each under the ticks.
   """
   kinds = {a.kind for row in grid for cell in row for a in cell}
   bands = [FORWARD, BACKWARD] + [WEIGHT] * (WEIGHT in kinds)
@@ -49,6 +54,11 @@ def format_grid(
   width = max([len(x) for _, _, cells in rows for x in cells] + [len(str(len(grid) - 1))])
   label_width = len(f's{stages - 1}')
   lines = [f'{"tick":<{label_width + 4}}' + ' '.join(str(t).rjust(width) for t in range(len(grid)))]
+  if rounds:
+    first = {t: str(r) for r, t in enumerate(rounds)}
+    for name, marks in (('round', first), ('send', {t: 'S' for t in sends})):
+      cells = [marks.get(t, '.') for t in range(len(grid))]
+      lines.append(f'{name:<{label_width + 4}}' + ' '.join(x.rjust(width) for x in cells))
   for label, kind, cells in rows:
     lines.append(f'{label:<{label_width}} {kind}  ' + ' '.join(x.rjust(width) for x in cells))
   return '\n'.join(lines)

@@ -137,6 +137,7 @@ class Program:
       (before it, landing when it ends), not after it.
     outbox: a packed program's stage offset o -> int32 [T, p]: the message
       slot whose output stage s sends over offset o at tick t; -1 none.
+    units: what the packing took each action to cost (None: not packed).
   """
 
   schedule: Schedule
@@ -153,6 +154,7 @@ class Program:
   sends: frozenset[int] = frozenset()
   send_under: bool = False
   outbox: dict[int, np.ndarray] = dataclasses.field(default_factory=dict)
+  units: rounds_lib.TickUnits | None = None
 
   @property
   def packed(self) -> bool:
@@ -237,24 +239,21 @@ def _lower_packed(run: Schedule, source: Schedule, units: rounds_lib.TickUnits) 
   fastest at the design costs: each rule, sending after and under."""
   from triax.pipeline import simulate  # simulate imports this module
 
-  split = source.split_backward
-  design = simulate.Costs(
-    t_forward=units.forward,
-    t_backward=units.backward + (0 if split else units.weight),
-    t_weight=units.weight,
-    t_transfer=rounds_lib.MESSAGE_UNITS,
-  )
+  design = simulate.Costs.design_point(source.split_backward, units)
+  design = dataclasses.replace(design, t_transfer=rounds_lib.MESSAGE_UNITS)
   best = None
   for rule in rounds_lib.RULES:
     for under in (False, True):
-      program = _tabulate_packing(run, source, rounds_lib.pack(run, units, rule, under))
+      program = _tabulate_packing(run, source, rounds_lib.pack(run, units, rule, under), units)
       took = simulate.simulate_lockstep(program, design).total_time
       if best is None or took < best[0]:
         best = (took, program)
   return best[1]
 
 
-def _tabulate_packing(run: Schedule, source: Schedule, packing: rounds_lib.Packing) -> Program:
+def _tabulate_packing(
+  run: Schedule, source: Schedule, packing: rounds_lib.Packing, units: rounds_lib.TickUnits
+) -> Program:
   at = packing.at
   grid = [[[] for _ in range(run.stages)] for _ in range(packing.ticks)]
   for a, t in at.items():
@@ -264,13 +263,11 @@ def _tabulate_packing(run: Schedule, source: Schedule, packing: rounds_lib.Packi
   # Where an output for another stage waits: a slot of its sender's message
   # pool, written after its tick's compute, read by the send that carries it.
   sent = _time(0, _SEND) if packing.under else _time(0, _RECV) - 0.25
-  pending = {
-    a: sent + _time(land[a], 0) for a in at if rounds_lib.cross_offset(run, a) is not None
-  }
+  pending = {a: sent + _time(land[a], 0) for a in at if rounds_lib.cross_offset(run, a) is not None}
   slots, counts = _assign_slots(run, at, {}, land, pending)
   program = _tabulate(run, source, grid, at, slots, counts, {}, land, pending)
   return dataclasses.replace(
-    program, rounds=packing.rounds, sends=packing.sends, send_under=packing.under
+    program, rounds=packing.rounds, sends=packing.sends, send_under=packing.under, units=units
   )
 
 

@@ -31,12 +31,19 @@ def text_grid(program: Program) -> str:
   partner at the end of the tick and `e3.0`/`l3.0` receive one.
   """
   s = program.schedule
+  rounds = ''
+  if program.packed:
+    when = 'under the marked tick' if program.send_under else 'after the marked tick'
+    rounds = f' in {len(program.rounds)} rounds, sending {when}'
   head = (
     f'{s.name}: stages={s.stages} microbatches={s.microbatches} '
-    f'virtual_stages={s.virtual_stages}, {program.ticks} lockstep ticks '
+    f'virtual_stages={s.virtual_stages}, {program.ticks} lockstep ticks{rounds} '
     '(cell = kind micro-batch.chunk)'
   )
-  return head + '\n' + sched.format_grid(program.grid, s.stages, program.partner)
+  grid = sched.format_grid(
+    program.grid, s.stages, program.partner, program.rounds, sorted(program.sends)
+  )
+  return head + '\n' + grid
 
 
 def gantt_png(schedule: Schedule, program: Program, costs: simulate.CostsLike, path: str) -> None:

@@ -13,7 +13,7 @@ import sys
 from typing import TextIO
 
 from triax.errors import ConfigError
-from triax.pipeline import files, render, simulate, validate
+from triax.pipeline import files, render, rounds, simulate, validate
 from triax.pipeline import schedule as sched
 
 # Builder errors name config keys; on the command line we name the flag.
@@ -64,6 +64,9 @@ class Request:
       forward through one stage, and in its backward (`simulate.Costs`).
     fuse_overlaps: lower each overlapped pair into one tick (pipeline.
       fuse_overlaps), where the exchanges run beside the other's compute.
+    full_remat: lower for a model whose B reruns the forward (model.remat=
+      full): ticks packed into rounds (pipeline/rounds.py), and the
+      default costs B 2, W 1.
   """
 
   schedule: str = '1f1b'
@@ -83,6 +86,7 @@ class Request:
   write_json: str | None = None
   t_exchange: float = 0.0
   fuse_overlaps: bool = False
+  full_remat: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,7 +141,7 @@ def analyse(request: Request) -> Analysis:
       sched.check_fusable(schedule)
   except ConfigError as e:
     raise ConfigError(_FLAG_OF_KEY.get(e.key, e.key), e.message) from None
-  program = sched.lower(schedule, request.fuse_overlaps)
+  program = sched.lower(schedule, request.fuse_overlaps, _units(request))
   costs = _costs(request, schedule.split_backward)
   return Analysis(
     request=request,
@@ -151,8 +155,12 @@ def analyse(request: Request) -> Analysis:
   )
 
 
+def _units(request: Request) -> rounds.TickUnits | None:
+  return rounds.units_for('full' if request.full_remat else 'none')
+
+
 def _costs(request: Request, split: bool) -> simulate.Costs:
-  default = simulate.Costs.design_point(split)
+  default = simulate.Costs.design_point(split, _units(request))
   request = dataclasses.replace(
     request,
     t_backward=default.t_backward if request.t_backward is None else request.t_backward,
@@ -192,6 +200,9 @@ def summary(analysis: Analysis) -> dict:
     'virtual_stages': s.virtual_stages,
     'placement': list(s.placement),
     'ticks': program.ticks,
+    # A packed program's (pipeline/rounds.py): rounds, and where each sends.
+    'rounds': len(program.rounds),
+    'send': ('under' if program.send_under else 'after') if program.packed else None,
     'bubble_fraction': analysis.lockstep.bubble_fraction,
     'peak_inflight': list(analysis.lockstep.peak_inflight),
     'valid': not analysis.problems,
@@ -267,11 +278,20 @@ def text(analysis: Analysis, grid: bool = True) -> str:
     )
   if analysis.synthesis is not None:
     found = analysis.synthesis
-    lines.append(
-      f'synthesised under {analysis.schedule.stash_cap} residual sets per stage by '
-      f'{found.method}: asynchronous time {found.async_time:g}, '
-      + ('optimal' if found.optimal else f'proved lower bound {found.lower_bound:g}')
-    )
+    limit = analysis.request.memory_limit
+    if found.method == 'built-in':
+      lines.append(
+        f'under {limit} residual sets per stage the named {analysis.schedule.name} is '
+        f'fastest: asynchronous time {found.async_time:g}, where the synthesiser found '
+        f'{found.beaten:g} (proved lower bound {found.lower_bound:g} for schedules that '
+        'move no residual sets)'
+      )
+    else:
+      lines.append(
+        f'synthesised under {limit} residual sets per stage by {found.method}: asynchronous '
+        f'time {found.async_time:g}, '
+        + ('optimal' if found.optimal else f'proved lower bound {found.lower_bound:g}')
+      )
     if found.warning:
       lines.append(f'warning: {found.warning}')
   if analysis.schedule.partner is not None:

@@ -41,6 +41,7 @@ import numbers
 from collections.abc import Sequence
 from typing import Protocol
 
+from triax.pipeline import rounds as rounds_lib
 from triax.pipeline import schedule as sched
 from triax.pipeline.schedule import Action, Program, Schedule
 
@@ -92,11 +93,15 @@ class Costs:
         raise ValueError(f'Costs.{field.name} must be a finite number >= 0; got {value!r}')
 
   @classmethod
-  def design_point(cls, split: bool) -> Costs:
+  def design_point(cls, split: bool, units: rounds_lib.TickUnits | None = None) -> Costs:
     """The papers' unit costs, the default wherever none are measured: a
     backward of two forwards, as B and W of one each when it is split
-    (ZB-H1's t_F = t_B = t_W)."""
-    return cls(t_forward=1.0, t_backward=1.0 if split else 2.0, t_weight=1.0 if split else 0.0)
+    (ZB-H1's t_F = t_B = t_W). With `units` (a packed program's, rounds.py),
+    theirs: full recomputation's B of two forwards, W of one."""
+    if units is None:
+      return cls(t_forward=1.0, t_backward=1.0 if split else 2.0, t_weight=1.0 if split else 0.0)
+    backward = units.backward + (0 if split else units.weight)
+    return cls(t_forward=units.forward, t_backward=backward, t_weight=units.weight)
 
   def of(self, kind: str, virtual_stages: int) -> float:
     """Duration of one chunk action of this kind, as the schedule has it."""

@@ -176,6 +176,8 @@ def compile_stats(trainer: Trainer, compiler_options: dict | None = None) -> tup
       'microbatches': prog.schedule.microbatches,
       'virtual_stages': prog.schedule.virtual_stages,
       'ticks': prog.ticks,
+      # Rounds of a packed program (pipeline/rounds.py); 0: one action a tick.
+      'rounds': len(prog.rounds),
       'stash_slots': prog.num_stash_slots,
       'peak_stash': list(prog.peak_stash),
       'message_slots': prog.slots['msg'],
@@ -314,7 +316,8 @@ def startup_line(trainer: Trainer, start: int) -> str:
     schedule = 'no pipeline schedule (one micro-batch, one stage)'
   else:
     s = program.schedule
-    costs = simulate.Costs.design_point(program.split_backward)  # the schedule CLI's default
+    # The schedule CLI's default (a packed program's: full recomputation's).
+    costs = simulate.Costs.design_point(program.split_backward, program.units)
     bubble = simulate.simulate_lockstep(program, costs).bubble_fraction
     schedule = (
       f'schedule {s.name} (p={s.stages}, m={s.microbatches}, v={s.virtual_stages}): '

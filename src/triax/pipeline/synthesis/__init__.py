@@ -22,6 +22,12 @@ started from the heuristic's orders so it only ever improves on them.
 Both optimise the asynchronous makespan (`simulate.simulate_async`); the
 lockstep makespan the executor runs is measured too (`Synthesis`), and with
 t_F = t_B = t_W and no transfer time the two are the same.
+
+With method 'auto' (the CLI's and the planner's), what `run` returns is
+never slower in that makespan than a named schedule within the same
+limits: where one is faster (BPipe's, whose residual moves the synthesiser
+cannot make, or one it did not find), that one is returned. A method named
+explicitly returns what that method found.
 """
 
 from __future__ import annotations
@@ -66,7 +72,9 @@ class Synthesis:
 
   Attributes:
     schedule: the validated schedule.
-    method: 'milp' or 'heuristic': which produced the orders.
+    method: 'milp' or 'heuristic': which produced the orders; 'built-in'
+      where a named schedule within the limits was faster (`schedule` is
+      that one, by its name, its backward split as the synthesiser's).
     optimal: True if proved optimal in the asynchronous model (the program
       proved it, or the makespan meets `problem.lower_bound`).
     lower_bound: the best lower bound on the makespan proved (the makespan
@@ -75,6 +83,7 @@ class Synthesis:
     lockstep: the lockstep timing of the lowered program (the executor's).
     warning: one line if the time limit stopped the program short of a
       proof, else None.
+    beaten: with method 'built-in', the synthesised makespan it beat.
   """
 
   schedule: Schedule
@@ -84,6 +93,7 @@ class Synthesis:
   async_time: float
   lockstep: simulate.Result
   warning: str | None
+  beaten: float | None = None
 
 
 def synthesize(
@@ -124,7 +134,8 @@ def run(
     time_limit_s: the solver's time limit; a program stopped by it returns
       the best orders found and says so in `warning` (also logged).
     method: 'auto' (exact where p <= 4 and m <= 8 without a cut limit,
-      else heuristic), 'heuristic' or 'milp'.
+      else heuristic; a faster named schedule within the limits instead, if
+      any), 'heuristic' or 'milp'.
     cut_limit: C, the most cuts (B done, W not yet) a stage holds; None:
       no limit. Not with method 'milp'.
 
@@ -138,6 +149,7 @@ def run(
     raise ConfigError('synthesis.time_limit_s', f'must be a number > 0; got {time_limit_s}')
   if method not in METHODS:
     raise ConfigError('synthesis.method', f'choose one of {", ".join(METHODS)}; got {method!r}')
+  named = method == 'auto'
   if cut_limit is not None:
     _check_cut_limit(cut_limit, method)
     problems = [dataclasses.replace(x, cut_limit=cut_limit) for x in problems]
@@ -147,12 +159,44 @@ def run(
   # Optimal overall only if no other placement may do better.
   optimal = best.optimal and all(best.async_time <= x.lower_bound + 1e-9 for x in found)
   warnings = [x.warning for x in found if x.warning]
-  return dataclasses.replace(
+  best = dataclasses.replace(
     best,
     optimal=optimal,
     lower_bound=best.async_time if optimal else min(x.lower_bound for x in found),
     warning='; '.join(warnings) or None,
   )
+  return _or_built_in(best, problems[0]) if named else best
+
+
+def _or_built_in(found: Synthesis, problem: Problem) -> Synthesis:
+  """`found`, or the fastest named schedule (its backward split, as the
+  synthesiser's, timed at the same costs) whose lowered program holds no
+  more residual sets and cuts per stage than the limits, moves included.
+  `found`'s lower bound is kept: it bounds schedules that move nothing."""
+  best = found
+  for name in SCHEDULES:
+    try:
+      built = build(name, problem.stages, problem.microbatches, problem.virtual_stages)
+    except ConfigError:
+      continue
+    built = with_split_backward(built)
+    program = lower_lib.lower(built)
+    if max(program.peaks['stash']) > problem.memory_limit:
+      continue
+    if problem.cut_limit is not None and max(program.peaks['cut']) > problem.cut_limit:
+      continue
+    took = simulate.simulate_async(built, problem.costs).total_time
+    if took < best.async_time - 1e-9:
+      best = dataclasses.replace(
+        found,
+        schedule=built,
+        method='built-in',
+        optimal=False,
+        async_time=took,
+        lockstep=simulate.simulate_lockstep(program, problem.costs),
+        beaten=found.async_time,
+      )
+  return best
 
 
 def _check_cut_limit(cut_limit, method: str) -> None:
