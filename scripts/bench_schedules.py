@@ -2,7 +2,7 @@
 
   PYTHONPATH=src .venv/bin/python scripts/bench_schedules.py [--out=docs/bench_schedules.md] \
       [--baseline=650fb8b] [--microbatches=4,8,16,32] [--steps=3] [--rounds=3] \
-      [--sections=schedules,v_family,bpipe_zb]
+      [--sections=schedules,v_family,bpipe_zb,full_remat]
 
 Per schedule and m: lockstep ticks, simulated bubble in the executor's
 lockstep model and in the papers' asynchronous one (t_F = 1 and a fused
@@ -33,6 +33,11 @@ near its large-p fractions (V-Min 6 and V-Half 9 of 1F1B's 16 micro-batches).
 The `bpipe_zb` section sets BPipe's evictions inside zero-bubble against
 zb_h1, bpipe and 1f1b at p = 8, m = 32 on the V-family's config (2p layers,
 data = 1): compiled temp and step time relative to zb_h1.
+
+The `full_remat` section runs 1f1b, interleaved_1f1b and zb_h1 under full
+recomputation at p = 4 and 8 with their ticks packed into rounds
+(pipeline.tick_packing=auto) beside one action a tick (off), alternating:
+ticks, simulated bubbles, compiled temp and step time.
 
 `--sections` measures only the sections named and replaces their parts of
 an existing `--out` file, leaving the others as they were.
@@ -80,9 +85,14 @@ V_HEADING = '## Controllable-memory V-schedules'
 BZ_POINTS = (('1f1b', 1), ('bpipe', 1), ('zb_h1', 1), ('bpipe_zb', 1))
 BZ_STAGES = 8
 BZ_HEADING = '## BPipe inside zero-bubble'
+# The full_remat section: schedules under model.remat=full at (p, data), m = 4p,
+# packed into rounds (pipeline.tick_packing=auto) and one action a tick (off).
+FR_POINTS = (('1f1b', 1), ('interleaved_1f1b', 2), ('zb_h1', 1))
+FR_LAYOUTS = ((4, 2), (8, 1))
+FR_HEADING = '## Full recomputation: rounds against one action a tick'
 # Sections in the order the report holds them; the main table has no heading.
-SECTIONS = ('schedules', 'v_family', 'bpipe_zb')
-HEADINGS = {V_HEADING: 'v_family', BZ_HEADING: 'bpipe_zb'}
+SECTIONS = ('schedules', 'v_family', 'bpipe_zb', 'full_remat')
+HEADINGS = {V_HEADING: 'v_family', BZ_HEADING: 'bpipe_zb', FR_HEADING: 'full_remat'}
 
 
 def bench_config(config, m, name, v, p=P, data=DATA, layers=8):
@@ -132,14 +142,19 @@ def measure_group(
   from triax.training.step import build_trainer
 
   out, runs = {}, {}
-  for name, v in points:
+  for point in points:
+    name, v, key = point[0], point[1], point_key(point)
     schedule = sched.build(name, p, m, v)
-    program = sched.lower(schedule)
-    costs = _design_point(simulate, schedule.split_backward)
-    cfg = config_lib.validate(
-      bench_config(config_lib, m, name, v, p, data, layers), jax.device_count()
-    )
+    c = bench_config(config_lib, m, name, v, p, data, layers)
+    for dotted, value in point[2] if len(point) > 2 else ():
+      group, field = dotted.split('.')
+      c[group][field] = value
+    cfg = config_lib.validate(c, jax.device_count())
     trainer = build_trainer(cfg, build_mesh(cfg.mesh, jax.devices()))
+    # The executor's own program (a packed one under full remat); the
+    # baseline's trainer may not name it.
+    program = getattr(trainer, 'program', None) or sched.lower(schedule)
+    costs = _design_point(simulate, schedule.split_backward, _units(cfg))
     tokens = np.random.default_rng(0).integers(
       0, cfg.model.vocab_size, (cfg.train.global_batch_size, cfg.model.seq_len + 1)
     )
@@ -152,33 +167,52 @@ def measure_group(
       state = trainer.init_state(jax.random.key(0))
       state, metrics = compiled(state, batch)
       jax.block_until_ready(metrics)
-    runs[name] = [trainer, compiled, state, batch, []]
-    out[name] = {
+    runs[key] = [trainer, compiled, state, batch, []]
+    out[key] = {
       'ticks': program.ticks,
       'lockstep': simulate.simulate_lockstep(program, costs).bubble_fraction,
       'async': simulate.simulate_async(schedule, costs).bubble_fraction,
       'temp': stats['temp_bytes'],
       'peak': list(program.peak_stash),
       'set_bytes': stats.get('schedule', {}).get('residual_bytes_per_slot'),
+      'rounds': len(getattr(program, 'rounds', ())),
     }
   for _ in range(rounds):
-    for name, _v in points:
-      trainer, compiled, state, batch, times = runs[name]
+    for point in points:
+      trainer, compiled, state, batch, times = runs[point_key(point)]
       with jax.set_mesh(trainer.mesh):
         for _ in range(steps):
           start = time.perf_counter()
           state, metrics = compiled(state, batch)
           jax.block_until_ready(metrics)
           times.append(time.perf_counter() - start)
-      runs[name][2] = state
-  for name, _v in points:
-    out[name]['step'] = statistics.median(runs[name][4])
+      runs[point_key(point)][2] = state
+  for point in points:
+    out[point_key(point)]['step'] = statistics.median(runs[point_key(point)][4])
   return out
 
 
-def _design_point(simulate, split: bool):
-  """The papers' unit costs; spelled out where the baseline's code predates
-  `Costs.design_point`."""
+def point_key(point) -> str:
+  """A measured point's name in the results: the schedule's, and its config
+  overrides where it has any ((name, v) or (name, v, ((key, value), ...)))."""
+  return ' '.join([point[0]] + [f'{k}={x}' for k, x in (point[2] if len(point) > 2 else ())])
+
+
+def _units(cfg):
+  """The design costs' units of the config's remat, packed or not (None
+  where the baseline's code has no rounds)."""
+  try:
+    from triax.pipeline import rounds
+  except ImportError:
+    return None
+  return rounds.units_for(cfg.model.remat)
+
+
+def _design_point(simulate, split: bool, units=None):
+  """The papers' unit costs (a packed program's: its units'); spelled out
+  where the baseline's code predates `Costs.design_point`."""
+  if units is not None:
+    return simulate.Costs.design_point(split, units)
   if hasattr(simulate.Costs, 'design_point'):
     return simulate.Costs.design_point(split)
   if split:
@@ -251,6 +285,7 @@ def main(argv):
     'schedules': schedules_section,
     'v_family': lambda: v_family_section(_STEPS.value, _ROUNDS.value),
     'bpipe_zb': lambda: bpipe_zb_section(_STEPS.value, _ROUNDS.value),
+    'full_remat': lambda: full_remat_section(_STEPS.value, _ROUNDS.value),
   }
   parts = _existing_sections(_OUT.value)
   for name in SECTIONS:
@@ -386,6 +421,64 @@ def bpipe_zb_section(steps: int, rounds: int) -> list[str]:
   return lines
 
 
+def full_remat_section(steps: int, rounds: int) -> list[str]:
+  """Each of FR_POINTS under full recomputation at FR_LAYOUTS, m = 4p, packed
+  (pipeline/rounds.py) beside one action a tick, alternating in one run."""
+  rows = {}
+  for p, data in FR_LAYOUTS:
+    m = 4 * p
+    points = [
+      (name, v, (('model.remat', 'full'), ('pipeline.tick_packing', packing)))
+      for name, v in FR_POINTS
+      for packing in ('off', 'auto')
+    ]
+    group = measure_group(points, m, steps, rounds, p=p, data=data, layers=2 * p)
+    for point in points:
+      rows[(point[0], p, point[2][1][1])] = group[point_key(point)]
+      print('full_remat', point_key(point), p, group[point_key(point)], flush=True)
+  lines = [
+    FR_HEADING,
+    '',
+    'Under full recomputation (`model.remat=full`) B reruns the forward before its input '
+    'gradient: two forwards of work against one for F and W. "off" runs one action per stage '
+    'per tick (`pipeline.tick_packing=off`), so a tick where one stage runs B and another F '
+    'or W lasts the B; "rounds" packs ticks into rounds whose stages each run actions worth '
+    'the same time and meet only at sends (`tick_packing=auto`, pipeline/rounds.py). The '
+    "main table's config with 2 layers a stage at each p (data = 8/p), m = 4p, fp32, 8 "
+    f"forced CPU devices on {os.cpu_count()} cores. Bubbles simulated at full recomputation's "
+    "design costs (t_F = 1, B 2, W 1) in each program's own lockstep model, and for the "
+    "schedule run asynchronously (the papers'). Step times: medians of alternating rounds "
+    f'({rounds} rounds of {steps} steps) in one run, rounds over off. On this machine idle '
+    'devices give their cores to the busy ones, so a lockstep wait costs little here: the '
+    'simulated bubble is what an accelerator would lose.',
+    '',
+    '| schedule | p | m | ticks off / rounds | rounds | bubble lockstep off / rounds '
+    '| bubble async | temp MiB off / rounds | peak stash off / rounds | step time rounds / off |',
+    '|---|---|---|---|---|---|---|---|---|---|',
+  ]
+  for p, _data in FR_LAYOUTS:
+    for name, v in FR_POINTS:
+      off, on = rows[(name, p, 'off')], rows[(name, p, 'auto')]
+      label = name + (f' v={v}' if v > 1 else '')
+      lines.append(
+        f'| {label} | {p} | {4 * p} | {off["ticks"]} / {on["ticks"]} | {on["rounds"]} '
+        f'| {off["lockstep"]:.3f} / {on["lockstep"]:.3f} | {on["async"]:.3f} '
+        f'| {off["temp"] / 2**20:.2f} / {on["temp"] / 2**20:.2f} '
+        f'| {",".join(map(str, off["peak"]))} / {",".join(map(str, on["peak"]))} '
+        f'| {on["step"] / off["step"]:.3f} |'
+      )
+  temp = max(
+    rows[(n, p, 'auto')]['temp'] / rows[(n, p, 'off')]['temp']
+    for n, _ in FR_POINTS
+    for p, _ in FR_LAYOUTS
+  )
+  lines += [
+    '',
+    f'Compiled temp, rounds over off: at most **{temp:.4f}x** on these rows.',
+  ]
+  return lines
+
+
 def schedules_section() -> list[str]:
   """The main table: every schedule at p = 4 over m, old lowering beside new."""
   ms = [int(x) for x in _MICROBATCHES.value]
@@ -458,7 +551,8 @@ if __name__ == '__main__':
       'sections',
       list(SECTIONS),
       'What to measure: schedules (the main table), v_family (the V-schedules), bpipe_zb '
-      '(BPipe inside zero-bubble at p = 8); the sections not named keep their part of an '
+      '(BPipe inside zero-bubble at p = 8), full_remat (packed rounds against one action a '
+      'tick under full recomputation); the sections not named keep their part of an '
       'existing --out.',
     )
     app.run(main)

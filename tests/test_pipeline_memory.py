@@ -198,3 +198,17 @@ def test_auto_makes_the_edge_gradients_where_fewer_bytes_wait():
   assert not edge_grads_after_loop('auto', 8, 1, act, table)  # nothing shares the head's rerun
   assert edge_grads_after_loop('after', 128, 4, act, table)
   assert not edge_grads_after_loop('loop', 8, 4, act, table)
+
+
+def test_packed_rounds_hold_what_one_action_a_tick_holds():
+  """Under full recomputation the program packs its ticks into rounds
+  (pipeline/rounds.py): the same residual sets and cuts, its waiting
+  messages in the message pool's own slots, so the compiled temp stays
+  within 1% of one action a tick's (docs/bench_schedules.md has the rows)."""
+  full = {'model.remat': 'full', 'model.num_layers': 8}
+  packed = _stats('1f1b', 16, **full)
+  plain = _stats('1f1b', 16, **full, **{'pipeline.tick_packing': 'off'})
+  assert packed['schedule']['rounds'] > 0 and plain['schedule']['rounds'] == 0
+  for key in ('peak_stash', 'cut_slots', 'message_slots'):
+    assert packed['schedule'][key] == plain['schedule'][key], key
+  assert packed['temp_bytes'] <= 1.01 * plain['temp_bytes'], (packed, plain)

@@ -35,6 +35,14 @@ that both sit in one computation, where XLA may run one's collectives (a
 MoE layer's all-to-alls) under the other's compute; its two outputs travel
 in one ppermute per offset.
 
+A packed program (rounds.py: a backward that reruns the forward, twice an
+F's or a W's work) groups ticks into rounds. Its devices meet only where a
+message crosses stages: an output for another stage waits in a slot of its
+sender's message pool, and only the ticks the program names send, all
+devices entering the ppermutes together under a cond they take alike;
+there the sends run before the tick's compute (which reads nothing they
+bring, so XLA may run them beside it) or after it, and land when it ends.
+
 The two ends' weight gradients (embedding, head: `edges`) are made in the
 loop, into one accumulator carried through it, or after it
 (`edge_grads_after_loop`): the loop then keeps the last chunk's outputs and

@@ -20,7 +20,9 @@ runs at most one compute action of its order, in the order's sequence:
   receive   arrivals are written into the buffer slots assigned below.
 
 With `fuse_overlaps` an overlapped pair (DualPipeV's) runs in one tick with
-its B's W: B, W, then F, all in the compute phase, both outputs sent.
+its B's W: B, W, then F, all in the compute phase, both outputs sent. With
+`units` in which B costs more than F and W (full recomputation), ticks are
+packed into rounds that send only where messages cross (rounds.py).
 
 An action runs in the first tick after everything it needs has arrived, so
 the lockstep program is the asynchronous schedule with unit costs: its
@@ -138,6 +140,8 @@ class Program:
     outbox: a packed program's stage offset o -> int32 [T, p]: the message
       slot whose output stage s sends over offset o at tick t; -1 none.
     units: what the packing took each action to cost (None: not packed).
+    packing: while the lowering compares packings, the one a program's
+      grid came from (None in every program it returns).
   """
 
   schedule: Schedule
@@ -155,6 +159,7 @@ class Program:
   send_under: bool = False
   outbox: dict[int, np.ndarray] = dataclasses.field(default_factory=dict)
   units: rounds_lib.TickUnits | None = None
+  packing: rounds_lib.Packing | None = None
 
   @property
   def packed(self) -> bool:
@@ -236,7 +241,8 @@ def lower(
 
 def _lower_packed(run: Schedule, source: Schedule, units: rounds_lib.TickUnits) -> Program:
   """The packed program (rounds.py) that the lockstep time model times
-  fastest at the design costs: each rule, sending after and under."""
+  fastest at the design costs: each rule, sending after and under (timed
+  from their grids; only the one kept gets its slots and tables)."""
   from triax.pipeline import simulate  # simulate imports this module
 
   design = simulate.Costs.design_point(source.split_backward, units)
@@ -244,30 +250,55 @@ def _lower_packed(run: Schedule, source: Schedule, units: rounds_lib.TickUnits) 
   best = None
   for rule in rounds_lib.RULES:
     for under in (False, True):
-      program = _tabulate_packing(run, source, rounds_lib.pack(run, units, rule, under), units)
-      took = simulate.simulate_lockstep(program, design).total_time
+      untabled = _packed_grid(run, source, rounds_lib.pack(run, units, rule, under), units)
+      took = simulate.simulate_lockstep(untabled, design).total_time
       if best is None or took < best[0]:
-        best = (took, program)
-  return best[1]
+        best = (took, untabled)
+  return _tabulate_packing(best[1])
 
 
-def _tabulate_packing(
+def _packed_grid(
   run: Schedule, source: Schedule, packing: rounds_lib.Packing, units: rounds_lib.TickUnits
 ) -> Program:
-  at = packing.at
+  """A packed program's grid and rounds, without slots and tables yet: all
+  the time model reads of it (`_tabulate_packing` adds the rest)."""
   grid = [[[] for _ in range(run.stages)] for _ in range(packing.ticks)]
-  for a, t in at.items():
+  for a, t in packing.at.items():
     grid[t][run.stage_of(a.chunk)].append(a)
-  grid = tuple(tuple(tuple(cell) for cell in row) for row in grid)
-  land = {a: rounds_lib.land_tick(packing, a, run) for a in at}
+  return Program(
+    schedule=run,
+    source=source,
+    ticks=packing.ticks,
+    grid=tuple(tuple(tuple(cell) for cell in row) for row in grid),
+    table={},
+    recv={},
+    slots={},
+    peaks={'stash': (0,) * run.stages},
+    partner=None,
+    rounds=packing.rounds,
+    sends=packing.sends,
+    send_under=packing.under,
+    units=units,
+    packing=packing,
+  )
+
+
+def _tabulate_packing(untabled: Program) -> Program:
+  run, packing = untabled.schedule, untabled.packing
+  at = packing.at
+  land = rounds_lib.land_ticks(packing, run)
   # Where an output for another stage waits: a slot of its sender's message
   # pool, written after its tick's compute, read by the send that carries it.
   sent = _time(0, _SEND) if packing.under else _time(0, _RECV) - 0.25
   pending = {a: sent + _time(land[a], 0) for a in at if rounds_lib.cross_offset(run, a) is not None}
   slots, counts = _assign_slots(run, at, {}, land, pending)
-  program = _tabulate(run, source, grid, at, slots, counts, {}, land, pending)
+  program = _tabulate(run, untabled.source, untabled.grid, at, slots, counts, {}, land, pending)
   return dataclasses.replace(
-    program, rounds=packing.rounds, sends=packing.sends, send_under=packing.under, units=units
+    program,
+    rounds=packing.rounds,
+    sends=packing.sends,
+    send_under=packing.under,
+    units=untabled.units,
   )
 
 
@@ -576,7 +607,9 @@ def _tabulate(
     if a in pending:  # waits in a slot of its sender until a send carries it
       kept = slot[(src, 'msg')][_pending_key(a)]
       table['pend'][at[a], src] = kept
-      outbox.setdefault(o, np.full((ticks, p), -1, np.int32))[land[a], src] = kept
+      if o not in outbox:
+        outbox[o] = np.full((ticks, p), -1, np.int32)
+      outbox[o][land[a], src] = kept
 
   def home(j: int, c: int) -> int:
     """The stash slot B and W read: back from the partner if evicted."""

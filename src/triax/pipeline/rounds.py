@@ -43,6 +43,7 @@ Plain Python: the planner and the CLI use this without devices.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from collections.abc import Sequence
 
@@ -50,7 +51,6 @@ from triax.pipeline.ir import (
   BACKWARD,
   COMPUTE_KINDS,
   FORWARD,
-  WEIGHT,
   Action,
   Schedule,
   ScheduleDeadlock,
@@ -78,7 +78,9 @@ class TickUnits:
   weight: int = 1
 
   def of(self, kind: str) -> int:
-    return {FORWARD: self.forward, BACKWARD: self.backward, WEIGHT: self.weight}[kind]
+    if kind == FORWARD:
+      return self.forward
+    return self.backward if kind == BACKWARD else self.weight
 
   @property
   def uniform(self) -> bool:
@@ -188,6 +190,14 @@ class _Packer:
     self.sends: set[int] = set()
     self.tick = 0
     self.sent_last = False  # the last round left messages pending
+    # Per action: its inputs, each with whether its own stage made it; the
+    # offset its output travels (None: none to another stage).
+    self.inputs, self.offset = {}, {}
+    for s, stream in enumerate(self.streams):
+      for a in stream:
+        deps = dependencies(a, run)
+        self.inputs[a] = tuple((d, run.stage_of_action(d) == s) for d in deps)
+        self.offset[a] = cross_offset(run, a)
 
   def ready_run(self, s: int) -> list[Action]:
     """Stage s's next actions that can run in this round, in order: each
@@ -196,22 +206,20 @@ class _Packer:
     got: list[Action] = []
     offsets: set[int] = set()
     for a in self.streams[s][self.next[s] : self.next[s] + _LOOKAHEAD]:
-      if not all(self._available(d, s, len(got), got) for d in dependencies(a, self.run)):
+      if not all(self._available(d, mine, len(got), got) for d, mine in self.inputs[a]):
         break
-      o = cross_offset(self.run, a)
+      o = self.offset[a]
       if o is not None and o in offsets:
         break
       offsets.add(o)
       got.append(a)
     return got
 
-  def _available(self, d: Action, s: int, position: int, earlier: list[Action]) -> bool:
-    if d in earlier:
-      return True
+  def _available(self, d: Action, mine: bool, position: int, earlier: list[Action]) -> bool:
     r = self.round_of.get(d)
     if r is None:
-      return False
-    if self.run.stage_of_action(d) == s:
+      return mine and d in earlier
+    if mine:
       return True  # made on this stage, in an earlier round
     here = len(self.rounds)
     return r < here - 1 or (r == here - 1 and (not self.under or position > 0))
@@ -223,7 +231,7 @@ class _Packer:
     for s, cell in enumerate(cells):
       for k, a in enumerate(cell):
         self.round_of[a], self.at[a] = here, start + k
-        outputs |= cross_offset(self.run, a) is not None
+        outputs |= self.offset[a] is not None
       self.next[s] += len(cell)
       self.remaining -= len(cell)
     self._close(start, width, outputs)
@@ -261,10 +269,16 @@ class _Packer:
     )
 
 
-def land_tick(packing: Packing, a: Action, schedule: Schedule) -> int:
-  """The tick at whose end `a`'s output lands on the stage that reads it:
-  its own tick for a stage's own chunk, else the tick that sends it."""
-  t = packing.at[a]
-  if cross_offset(schedule, a) is None:
-    return t
-  return min(x for x in packing.sends if x > t or (x == t and not packing.under))
+def land_ticks(packing: Packing, schedule: Schedule) -> dict[Action, int]:
+  """The tick at whose end each action's output lands on the stage that
+  reads it: its own tick for a stage's own chunk, else the tick that sends
+  it (after: the send at its round's end; under: the next round's first)."""
+  sends = sorted(packing.sends)
+  land = {}
+  for a, t in packing.at.items():
+    if cross_offset(schedule, a) is None:
+      land[a] = t
+    else:
+      find = bisect.bisect_right if packing.under else bisect.bisect_left
+      land[a] = sends[find(sends, t)]
+  return land
