@@ -16,7 +16,7 @@ pipe = data = tensor = 1: one device.
 ARG is `key=value,...`:
   attention=cudnn|xla  the attention kernel (default cudnn: GPU only)
   batch=N              sequences per step (default 16)
-  remat=none|selective|full
+  remat=none|attention|dots|full
   pipe=P               P pipeline stages (1F1B), the rest of the devices data-parallel, with
                        min(batch, 4P) micro-batches when P > 1 (default 1: one device)
   smoke                a tiny model of the same shape family that runs on one CPU

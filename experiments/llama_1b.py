@@ -17,7 +17,7 @@ not count), cuDNN fused attention. pipe = data = tensor = 1: one device.
 ARG is `key=value,...`:
   attention=cudnn|xla|splash  the attention kernel (default cudnn: GPU only; splash: TPU only)
   batch=N              sequences per step (default 8)
-  remat=none|selective|full
+  remat=none|attention|dots|full
   pipe=P               P pipeline stages with min(batch, 4P) micro-batches (gpt_1b's)
   smoke                a tiny model of the same shape family that runs on one CPU
                        device in seconds (scripts/gpu_bench.sh --smoke, tests)

@@ -70,7 +70,7 @@ PLANS = (
   (2, 1, 4, '1f1b', 8, 1, 'none', (3, 2, 2, 1)),
   (4, 1, 2, '1f1b', 4, 1, 'none', (5, 3)),
   (8, 1, 1, '1f1b', 1, 1, 'full', None),
-  (2, 1, 4, '1f1b', 8, 1, 'selective', None),
+  (2, 1, 4, '1f1b', 8, 1, 'dots', None),
   (2, 2, 2, 'interleaved_1f1b', 4, 2, 'full', None),
   # The search's pick on cpu_forced_8 (the table below; without its ZeRO-1):
   # 1-layer chunks under full remat, both priced by executor ratios.

@@ -126,7 +126,7 @@ ROWS = {
   ),
 }
 
-LLAMA_1B_SELECTIVE = 'experiments/llama_1b.py:attention=splash,remat=selective'
+LLAMA_1B_DOTS = 'experiments/llama_1b.py:attention=splash,remat=dots'
 # Llama 3.1 70B's shape over llama_8b's file (its keys otherwise).
 LLAMA_70B = {
   'model.num_layers': 80,
@@ -144,10 +144,10 @@ PLANNER_ROWS = {
     'v5p:2x2x1',
     (LLAMA_1B, {'mesh.data': 4, 'train.optimizer_sharding': 'data'}),
   ),
-  'tp4_selective': (
-    'TP 4, selective remat',
+  'tp4_dots': (
+    'TP 4, dots remat',
     'v5p:2x2x1',
-    (LLAMA_1B_SELECTIVE, {'mesh.data': 1, 'mesh.tensor': 4}),
+    (LLAMA_1B_DOTS, {'mesh.data': 1, 'mesh.tensor': 4}),
   ),
   'dp2tp2_sp': (
     'DP 2 x TP 2, sequence parallel',

@@ -178,6 +178,8 @@ CASES = [
     'pipeline.schedule_file',
   ),
   ('unknown-dtype', train('--config.model.dtype=float8'), 'model.dtype'),
+  # A renamed policy is named with what replaced it, not just refused.
+  ('renamed-remat', train('--config.model.remat=selective'), 'model.remat'),
   ('float16-without-loss-scaling', train('--config.model.dtype=float16'), 'model.dtype'),
   ('cudnn-in-float32', train('--config.model.attention=cudnn'), 'model.attention'),
   ('unknown-family', train('--config.model.family=mamba'), 'model.family'),

@@ -268,6 +268,16 @@ def test_sequence_parallel_is_megatrons_collectives_on_tpu(tmp_path):
   assert not outside, outside[:2]
   assert _shapes(split, r'fusion\(.*calls=%all-reduce-scatter').count(quarter) >= 4
   assert sum(s.endswith('[32,128,128]') for s in _shapes(split, r'all-gather(?:-start)?\(')) >= 4
+  # Per layer (the forward's and the backward's loop bodies): the forward
+  # gathers before its two column-parallel regions; the backward holds the
+  # reduce-scatters' two transposes and gathers the normed stream again for
+  # the two regions' weight gradients (common.project keeps it split), which
+  # the planner prices (simulator.sequence_parallel_regathers).
+  gathers = [
+    sum(s.endswith('[32,128,128]') for s in _shapes(block, r'all-gather(?:-start)?\('))
+    for block in re.split(r'\n(?=\S)', split)
+  ]
+  assert sorted(gathers)[-2:] == [2, 4], sorted(gathers)
   assert split_stats['temp_bytes'] < 0.8 * plain_stats['temp_bytes']
 
 

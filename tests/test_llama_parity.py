@@ -17,9 +17,9 @@ import pytest
 
 # (data, tensor, pipe) -> (K/V heads, remat, tied embeddings)
 _MESHES = {
-  (8, 1, 1): (2, 'none', True),
+  (8, 1, 1): (2, 'attention', True),
   (2, 2, 2): (2, 'full', False),
-  (1, 2, 4): (1, 'selective', False),
+  (1, 2, 4): (1, 'dots', False),
   (1, 1, 8): (2, 'none', True),
 }
 _SCHEDULES = (('1f1b', 1), ('interleaved_1f1b', 2), ('zb_h1', 1), ('bpipe', 1))

@@ -64,14 +64,17 @@ def test_gpt_with_4h_mlp_is_megatrons_formula_without_and_with_recompute():
 def test_gpt_reads_d_ff_from_its_shape():
   b, s, l, h, f = 8, 1024, 20, 2048, 6144
   model = harness.model_of(
-    num_layers=l, d_model=h, num_heads=16, d_ff=f, vocab_size=50304, seq_len=s, remat='selective'
+    num_layers=l, d_model=h, num_heads=16, d_ff=f, vocab_size=50304, seq_len=s, remat='dots'
   )
   got = step_flops(model, b)
   assert got['model'] == pytest.approx(_by_parameters(model, b), rel=1e-12)
   layer = 2 * s * (4 * h * h + 2 * h * f)
   assert got['model'] == pytest.approx(3 * b * (l * (layer + 4 * s * s * h) + 2 * s * h * 50304))
-  # Selective remat recomputes the attention core only.
+  # dots recomputes the attention core's two matmuls, attention its scores' one.
   assert got['hardware'] - got['model'] == pytest.approx(b * l * 4 * s * s * h, rel=1e-12)
+  fields = dict(num_layers=l, d_model=h, num_heads=16, d_ff=f, vocab_size=50304, seq_len=s)
+  attention = step_flops(harness.model_of(remat='attention', **fields), b)
+  assert attention['hardware'] - attention['model'] == pytest.approx(b * l * 2 * s * s * h)
 
 
 def test_llama_1b_shape_counts_swiglu_and_gqa():

@@ -155,7 +155,7 @@ def _reference(dispatch):
     ('dropless', 8, 1, 'none'),
     ('dropless', 2, 4, 'none'),
     ('dropless', 4, 2, 'full'),
-    ('capacity', 2, 4, 'selective'),
+    ('capacity', 2, 4, 'dots'),
   ],
 )
 def test_train_step_loss_and_gradients_match_one_device(dispatch, data, tensor, remat):

@@ -18,7 +18,7 @@ import pytest
 
 from triax.pipeline import schedule as sched
 
-_MESHES = [((2, 1, 4), 'selective'), ((1, 2, 4), 'full'), ((1, 1, 8), 'none')]
+_MESHES = [((2, 1, 4), 'dots'), ((1, 2, 4), 'full'), ((1, 1, 8), 'none')]
 _CHUNKED = {'interleaved_1f1b', 'interleaved_zb', 'zb_v', 'v_min', 'v_half', 'v_zb', 'dualpipe_v'}
 
 # (schedule, (data, tensor, pipe), virtual stages, micro-batches, remat, layers)
@@ -36,7 +36,7 @@ CASES = [
 ]
 CASES += [
   ('gpipe', (4, 1, 2), 2, 4, 'full', 8),
-  ('1f1b', (2, 2, 2), 1, 4, 'selective', 8),
+  ('1f1b', (2, 2, 2), 1, 4, 'attention', 8),
   ('interleaved_1f1b', (1, 1, 4), 2, 6, 'none', 8),
   ('interleaved_zb', (1, 2, 2), 2, 3, 'none', 8),
   ('zb_v', (2, 2, 2), 2, 4, 'full', 8),

@@ -9,13 +9,14 @@ import sys
 
 import harness
 import pytest
+from test_plan_simulator import make_plan
 
 from triax import config
 from triax.errors import ConfigError
 from triax.model import registry
 from triax.plan import cluster as cluster_lib
 from triax.plan import evaluate, report
-from triax.plan.cost import analytic, profile, profile_cache, simulator
+from triax.plan.cost import analytic, memory, profile, profile_cache, simulator
 from triax.plan.cost.comm import Comm
 from triax.plan.search import emit
 
@@ -91,14 +92,56 @@ def test_layer_kernels_count_the_familys_flops_and_memory_by_formula():
     stash = prof.shards[t].stash_per_seq
     probs = heads / t * s * s * e
     assert stash['none'] == pytest.approx(s * d * e * (4 + 12 / t) + probs)
-    # Selective (triax's policy): the layer's input and the attention's output
-    # projection, Q, K, V and fc1's outputs. A B/W cut: all but the attention core.
-    assert stash['selective'] == pytest.approx(s * d * e * (2 + 7 / t))
+    # attention (Megatron's selective): all but the attention core's scores.
+    assert stash['attention'] == pytest.approx(stash['none'] - probs)
+    # dots: the layer's input and the attention's output projection, Q, K, V
+    # and fc1's outputs. A B/W cut: all but the attention core.
+    assert stash['dots'] == pytest.approx(s * d * e * (2 + 7 / t))
     assert prof.shards[t].cut_per_seq == pytest.approx(stash['none'] - probs)
     assert stash['full'] == s * d * e == prof.shards[t].act_per_seq
   # cuDNN attention keeps no score square; shapes are traced without cuDNN.
   fused = analytic.build(small_gpt('cudnn').model, [2])
   assert fused.shards[2].stash_per_seq['none'] == pytest.approx(s * d * e * (4 + 6))
+  assert fused.shards[2].stash_per_seq['attention'] == fused.shards[2].stash_per_seq['none']
+
+
+def korthikanti_gpt():
+  """The 22B GPT of Korthikanti et al.'s Table 3 (h 6144, a 64, s 2048), two
+  layers: the per-layer figures do not depend on the depth."""
+  cfg = config.defaults()
+  m = cfg.model
+  m.num_layers, m.d_model, m.num_heads, m.d_ff = 2, 6144, 64, 4 * 6144
+  m.vocab_size, m.seq_len, m.dtype = 51200, 2048, 'bfloat16'
+  return cfg
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize('remat', ['none', 'attention', 'full'])
+@pytest.mark.parametrize('t', [1, 8])
+def test_activation_memory_is_korthikantis_table_2(remat, t):
+  """Per-layer activation bytes of a GPT layer as Megatron runs it (dropout
+  on the attention probabilities and after both sublayers, 2-byte
+  activations, 1-byte masks), in units of s b h, against Korthikanti et al.
+  (2022), Table 2: no recomputation 34 + 5as/h at t = 1, 10 + 24/t +
+  5as/(ht) with tensor parallelism, 34/t + 5as/(ht) with sequence
+  parallelism too; their selective recomputation (model.remat=attention)
+  drops the 5as/(ht); full recomputation keeps the layer's input, 2."""
+  cfg = korthikanti_gpt()
+  s, h, a = 2048, 6144, 64
+  shard = analytic.build(cfg.model, [t], dropout=True).shards[t]
+  attention = 5 * a * s / (h * t)
+  tp, sp = {
+    'none': (10 + 24 / t + attention, 34 / t + attention),
+    'attention': (10 + 24 / t, 34 / t),
+    'full': (2, 2 / t),  # with SP the input is held split too
+  }[remat]
+  plan = make_plan(p=1, m=1, d=1, t=t, remat=remat)
+  split = dataclasses.replace(plan, sequence_parallel=t > 1)
+  assert memory.layer_stash(plan, shard) == pytest.approx(s * h * tp)
+  assert memory.layer_stash(split, shard) == pytest.approx(s * h * sp)
+  if (remat, t) == ('none', 8):
+    # 10 + 3 + 13.3 (the masks once over t, the hidden ones whole), not 17.6.
+    assert memory.layer_stash(plan, shard) / (s * h) == pytest.approx(26.33, abs=0.01)
 
 
 def _group(**changes):
@@ -113,14 +156,17 @@ def test_kernel_times_follow_peak_efficiency_and_bandwidth():
   model = prof.analytic
   g = _group(overhead_per_layer=0.0)
   fwd, bwd = model.layer_seconds(g, 4, 1, 'none')
-  # Remat: full reruns the forward, selective the attention core only.
+  # Remat: full reruns the forward, dots the attention core, attention the
+  # core's scores (not their product with V: the backward needs the probabilities).
   assert model.layer_seconds(g, 4, 1, 'full') == pytest.approx((fwd, bwd + fwd))
-  attn = sum(
-    k.seconds(4, 312e12 * g.matmul_efficiency, g.memory_bandwidth)
-    for k in model.kernels[1].attention
+  rate = lambda kernels: sum(  # noqa: E731
+    k.seconds(4, 312e12 * g.matmul_efficiency, g.memory_bandwidth) for k in kernels
   )
-  assert model.layer_seconds(g, 4, 1, 'selective')[1] == pytest.approx(bwd + attn)
-  assert 0 < attn < fwd
+  attn, scores = rate(model.kernels[1].attention), rate(model.kernels[1].scores)
+  assert model.layer_seconds(g, 4, 1, 'dots')[1] == pytest.approx(bwd + attn)
+  assert model.layer_seconds(g, 4, 1, 'attention')[1] == pytest.approx(bwd + scores)
+  assert [k.name for k in model.kernels[1].scores] == ['q k^T', 'softmax']
+  assert 0 < scores < attn < fwd
   # Each kernel is max(flops / (peak * eff), bytes / bandwidth): a faster
   # peak cannot make a layer faster than its bytes allow, and more
   # bandwidth never slows it.

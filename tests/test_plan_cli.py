@@ -66,8 +66,10 @@ def test_profile_of_a_tiny_model():
   assert prof.shards[1].work['layer_fwd'].flops(1) == pytest.approx(matmul, rel=0.2)
   assert prof.shards[2].work['layer_fwd'].flops(4) < prof.shards[1].work['layer_fwd'].flops(4)
   stash = prof.shards[1].stash_per_seq
-  assert stash['none'] > stash['selective'] > 0 and stash['full'] >= 0
-  assert stash['full'] <= stash['selective']
+  # The executor's residuals of a chunk, measured per policy: attention keeps
+  # all but the score square, dots the weight matmuls' outputs.
+  assert stash['none'] > stash['attention'] > stash['dots'] > 0 and stash['full'] >= 0
+  assert stash['full'] <= stash['dots']
   for point in prof.points:
     # Every function is timed alone and again with all 8 devices running it
     # at once (which is slower on 2 cores, but a wall-clock order is not
@@ -75,7 +77,7 @@ def test_profile_of_a_tiny_model():
     assert point.seconds > 0 and point.fitted > 0 and point.concurrent > 0
   assert all(fit.k > 0 and fit.c0 >= 0 for fit in prof.fits.values())
   # Layer costs are measured under every remat policy, with their sharing.
-  for remat in ('none', 'selective', 'full'):
+  for remat in profile.REMATS:
     for function in profile.LAYER_FUNCTIONS:
       fit = prof.fits[profile.variant(function, remat)]
       assert 1.0 <= fit.cores <= 8
@@ -99,7 +101,7 @@ def test_profile_of_a_tiny_model():
   # The split and chunk-length ones again under each remat policy.
   per_policy = {k for k in profile.EXECUTOR_RATIOS if not k.startswith('cond_')}
   assert set(prof.ratios) == set(profile.EXECUTOR_RATIOS) | {
-    f'{k}/{remat}' for k in per_policy for remat in ('selective', 'full')
+    f'{k}/{remat}' for k in per_policy for remat in ('attention', 'dots', 'full')
   }
   for alone, together in prof.ratios.values():
     assert alone > 0 and together > 0

@@ -141,19 +141,20 @@ def test_a_policy_file_without_a_schema_is_refused(tmp_path):
 
 def test_the_shipped_policy_makes_the_decisions_it_made_before_schemas():
   """experiments/policies/gpt_1b_b64.msgpack (re-saved with the schema of
-  its columns) plans as it did before: plans recorded with the code that
-  trained it, on a testbed and on the 256-device cluster."""
+  its columns, and again with remat 'selective' renamed 'dots' in it: the
+  same policy, so the same features) plans as it did before: plans recorded
+  with the code that trained it, on a testbed and on the 256-device cluster."""
   cfg = config.from_file(os.path.join(ROOT, 'experiments', 'gpt_1b.py'), 'batch=64')
   policy = policy_lib.load(SHIPPED)
   expected = {
     # Retrained (scripts/bench_learned_planner.py) when the memory model's
-    # selective remat came to keep what triax's policy keeps (smaller than
+    # selective remat (now dots) came to keep what triax's policy keeps (smaller than
     # Megatron's: plan/cost/analytic.py) and a cut with data > 1 its inputs
     # split over tensor (plan/cost/memory.py's chunk_cut). The same policy
     # picks zb_h1 on the testbed since the cut lost what W can make from
     # less (pipeline/split_backward.py's _promote_cheap): its cuts now fit.
-    'heterog_testbed': 'd2 t1 p4 zb_h1 m=32 v=1 mb=1 remat=selective layers=5/6/4/5 zero1',
-    'hetero_256': 'd16 t2 p8 1f1b m=4 v=1 mb=1 remat=selective layers=1/1/3/3/3/3/3/3 zero1',
+    'heterog_testbed': 'd2 t1 p4 zb_h1 m=32 v=1 mb=1 remat=dots layers=5/6/4/5 zero1',
+    'hetero_256': 'd16 t2 p8 1f1b m=4 v=1 mb=1 remat=dots layers=1/1/3/3/3/3/3/3 zero1',
   }
   for name, plan in expected.items():
     cluster = cluster_lib.load(os.path.join(ROOT, 'experiments', 'clusters', name + '.yaml'))

@@ -7,6 +7,7 @@ import pytest
 from test_plan_simulator import make_cluster, make_plan
 
 from triax import config
+from triax.errors import ConfigError
 from triax.plan.cost import profile
 from triax.plan.cost.simulator import Options, simulate_plan
 from triax.plan.search import baselines, emit, exhaustive, partition
@@ -104,7 +105,7 @@ def test_search_uses_remat_only_when_memory_demands_it():
   prof = profile.synthetic(
     layer_fwd=1.0, layer_bwd=2.0, tensors=(1,), layer_param_bytes=1e8, stash_per_seq=2e8
   )
-  prof.shards[1].stash_per_seq.update(selective=1e7, full=1e6)
+  prof.shards[1].stash_per_seq.update(attention=1e8, dots=1e7, full=1e6)
   # The train step's memory alone: the evaluation's forward (no stash, so no
   # remat) of the whole batch would not fit in 2 GB either.
   step_only = Options(state_programs=False)
@@ -116,7 +117,7 @@ def test_search_uses_remat_only_when_memory_demands_it():
   tight = exhaustive.search(
     cfg, make_cluster(groups=(('gpu', 2, 1.0, '2 GB'),)), profile=prof, options=step_only
   )
-  assert tight.top and tight.top[0].plan.remat in ('selective', 'full')
+  assert tight.top and tight.top[0].plan.remat in ('attention', 'dots', 'full')
   assert all(not e.oom for e in tight.top)
 
 
@@ -132,7 +133,7 @@ def test_plan_file_round_trips(tmp_path):
     '  c = config.defaults()\n  c.model.num_layers = 8\n'
     '  c.model.d_model = 64 if arg == "wide" else 32\n  return c\n'
   )
-  plan = make_plan(p=2, m=4, d=2, t=2, name='gpipe', remat='selective', layers=(4, 4))
+  plan = make_plan(p=2, m=4, d=2, t=2, name='gpipe', remat='attention', layers=(4, 4))
   prof = profile.synthetic(tensors=(2,))
   est = simulate_plan(plan, prof, make_cluster())
   out = tmp_path / 'plans' / 'plan.py'
@@ -142,7 +143,7 @@ def test_plan_file_round_trips(tmp_path):
   cfg = _load(str(out)).get_config()
   assert (cfg.mesh.data, cfg.mesh.tensor, cfg.mesh.pipe) == (2, 2, 2)
   assert cfg.pipeline.schedule == 'gpipe' and cfg.pipeline.microbatches == 4
-  assert cfg.pipeline.virtual_stages == 1 and cfg.model.remat == 'selective'
+  assert cfg.pipeline.virtual_stages == 1 and cfg.model.remat == 'attention'
   assert cfg.train.global_batch_size == plan.global_batch and cfg.train.steps == 7
   assert cfg.model.d_model == 64 and cfg.model.num_layers == 8  # the base, with its arg
   if 'layers_per_stage' in config.defaults().pipeline:
@@ -202,3 +203,9 @@ def test_the_planner_prices_every_remat_policy_the_model_has():
 
   assert set(profile.REMATS) == set(config.REMAT_POLICIES) == set(common.REMAT_POLICIES)
   assert evaluate.REMATS is profile.REMATS
+  # A renamed policy is refused naming what replaced it.
+  cfg = config.defaults()
+  cfg.model.remat = 'selective'
+  with pytest.raises(ConfigError, match="'dots'.*'attention'") as e:
+    config.validate(cfg, 1)
+  assert e.value.key == 'model.remat'

@@ -13,6 +13,7 @@ from test_plan_search import small_config
 from test_plan_simulator import make_cluster, make_plan
 
 from triax import config
+from triax.pipeline import schedule as sched
 from triax.plan import cluster as cluster_lib
 from triax.plan.cost import analytic, memory, profile, simulator
 from triax.plan.cost.comm import Comm
@@ -65,17 +66,19 @@ def sequence_plan(c=1, t=1, sp=False, kind='allgather', remat='none', d=1, p=1, 
   )
 
 
-@pytest.mark.parametrize('remat', ['none', 'selective', 'full'])
+@pytest.mark.parametrize('remat', profile.REMATS)
 def test_sequence_parallel_lowers_activations_by_the_papers_ratio(remat):
   # A 1B-ish GPT at t = 4: s = h = 2048, a = 16, 2-byte activations.
   s, h, a, t, e = 2048, 2048, 16, 4, 2
   shard = analytic.build(gpt().model, [t]).shards[t]
   # Per layer and sequence (Korthikanti et al., less dropout): s h e times;
-  # triax's selective keeps the layer's input and the attention's output
-  # projection (2) and Q, K, V and fc1's outputs (7 / t), Megatron's 4 + 12 / t.
+  # attention (their selective recomputation) keeps 4 + 12 / t; dots keeps
+  # the layer's input and the attention's output projection (2) and Q, K, V
+  # and fc1's outputs (7 / t).
   per_she = {
     'none': (4 + 12 / t + a * s / (h * t), 16 / t + a * s / (h * t)),
-    'selective': (2 + 7 / t, 9 / t),
+    'attention': (4 + 12 / t, 16 / t),
+    'dots': (2 + 7 / t, 9 / t),
     'full': (1, 1 / t),
   }[remat]
   tp = memory.layer_stash(sequence_plan(t=t, remat=remat), shard)
@@ -96,7 +99,7 @@ def test_sequence_parallel_lowers_activations_by_the_papers_ratio(remat):
   )
 
 
-@pytest.mark.parametrize('remat', ['none', 'selective', 'full'])
+@pytest.mark.parametrize('remat', profile.REMATS)
 def test_context_parallel_halves_the_activations(remat):
   prof = analytic.build(gpt().model, [1, 4])
   for t in (1, 4):
@@ -105,10 +108,12 @@ def test_context_parallel_halves_the_activations(remat):
     ring = memory.layer_stash(sequence_plan(c=2, t=t, kind='ring', remat=remat), shard)
     gathered = memory.layer_stash(sequence_plan(c=2, t=t, remat=remat), shard)
     assert ring == pytest.approx(whole / 2)
-    # Without remat the all-gather kind keeps the other rank's K and V for the backward.
+    # The all-gather kind keeps the other rank's K and V for the backward,
+    # unless the layer's checkpoint gathers them again.
     kv = 2 * 2048 * (16 // t) * 128 * 2
     assert shard.kv_per_seq == kv
-    assert gathered == pytest.approx(whole / 2 + (kv / 2 if remat == 'none' else 0.0))
+    kept = remat in ('none', 'attention')
+    assert gathered == pytest.approx(whole / 2 + (kv / 2 if kept else 0.0))
   # Messages and the head's logits: half the positions.
   plain, split = sequence_plan(t=4), sequence_plan(c=2, t=4)
   assert memory.residual_share(split) == memory.residual_share(plain) / 2
@@ -130,10 +135,14 @@ def test_context_and_sequence_collectives_are_priced_by_the_links():
   step = 3 * 1e-3 + 0.75 * 0.1
   gathered = sequence_plan(c=4, remat='none')
   assert simulator.context_seconds(gathered, shard, comm, 0, 0.01) == pytest.approx((step, step))
-  # Recomputing the attention gathers again in the backward.
+  # Recomputing the layer gathers again in the backward; recomputing the
+  # attention core alone does not (the gathered K/V are its inputs).
   assert simulator.context_seconds(
-    dataclasses.replace(gathered, remat='selective'), shard, comm, 0, 0.01
+    dataclasses.replace(gathered, remat='dots'), shard, comm, 0, 0.01
   ) == pytest.approx((step, 2 * step))
+  assert simulator.context_seconds(
+    dataclasses.replace(gathered, remat='attention'), shard, comm, 0, 0.01
+  ) == pytest.approx((step, step))
   # ring: 3 passes of a 1/4 block, each beside the attention of one block
   # (half the layer's 0.01 s forward, over 4 blocks); the backward's carry
   # K/V and their gradients beside twice that.
@@ -145,19 +154,24 @@ def test_context_and_sequence_collectives_are_priced_by_the_links():
   )
   # SP: each tensor all-reduce becomes a reduce-scatter and an all-gather
   # of the same bytes (the same time); a pipeline message needs no gather.
-  tp, sp = (
-    sequence_plan(t=2, p=2, m=2, layers=(1, 1)),
-    sequence_plan(t=2, p=2, m=2, sp=True, layers=(1, 1)),
-  )
-  tp_costs = simulator.action_costs(
-    tp, profile.synthetic(tensors=(2,), act_per_seq=0.2 * GB, num_layers=2), cluster
-  )
-  sp_costs = simulator.action_costs(
-    sp, profile.synthetic(tensors=(2,), act_per_seq=0.2 * GB, num_layers=2), cluster
-  )
-  assert sp_costs.chunk == tp_costs.chunk
+  # The backward gathers the normed stream again before the weight
+  # gradients of attention's and the MLP's first matmuls (common.project),
+  # which B and W share as they share the backward; full remat's rerun
+  # forward gathers it instead.
   gather = 1e-3 + 0.5 * 0.2  # half a ring all-reduce over the 2 tensor ranks
-  assert tp_costs.transfer[0] - sp_costs.transfer[0] == pytest.approx(gather)
+  synthetic = profile.synthetic(tensors=(2,), act_per_seq=0.2 * GB, num_layers=2)
+  for remat, regathers in (('none', 2 * gather), ('attention', 2 * gather), ('full', 0.0)):
+    tp, sp = (
+      sequence_plan(t=2, p=2, m=2, layers=(1, 1), remat=remat),
+      sequence_plan(t=2, p=2, m=2, sp=True, layers=(1, 1), remat=remat),
+    )
+    tp_costs = simulator.action_costs(tp, synthetic, cluster)
+    sp_costs = simulator.action_costs(sp, synthetic, cluster)
+    for a, b in zip(sp_costs.chunk, tp_costs.chunk, strict=True):
+      assert a[sched.FORWARD] == b[sched.FORWARD]
+      backward = a[sched.BACKWARD] + a[sched.WEIGHT] - b[sched.BACKWARD] - b[sched.WEIGHT]
+      assert backward == pytest.approx(regathers)
+    assert tp_costs.transfer[0] - sp_costs.transfer[0] == pytest.approx(gather)
 
 
 def test_gradients_are_reduced_over_data_and_context():

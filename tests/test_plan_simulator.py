@@ -296,8 +296,9 @@ def test_measured_sharing_is_per_function_and_remat_is_measured():
   full = simulate_plan(make_plan(p=1, m=1, d=8, layers=(1,), remat='full'), prof, local)
   assert full.step_time == pytest.approx(8 * (2.0 + 4.0) / 8)
   # A policy not measured is priced on paper: the forward again in the backward.
-  selective = simulate_plan(make_plan(p=1, m=1, d=8, layers=(1,), remat='selective'), prof, local)
-  assert selective.step_time == pytest.approx(plain.step_time)  # attention_fraction = 0
+  for remat in ('attention', 'dots'):
+    recompute = simulate_plan(make_plan(p=1, m=1, d=8, layers=(1,), remat=remat), prof, local)
+    assert recompute.step_time == pytest.approx(plain.step_time)  # attention_fraction = 0
 
 
 def test_memory_and_oom_flag():

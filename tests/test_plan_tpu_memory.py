@@ -29,7 +29,7 @@ WITHIN_PROGRAM = (
   'pp4_v2',
   'tp4pp2_8b',
   'dp4_zero1',
-  'tp4_selective',
+  'tp4_dots',
   'dp2tp2_sp',
   'pp4_gpipe',
   'pp4_bpipe',

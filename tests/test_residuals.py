@@ -3,7 +3,8 @@ al.'s count (the norm's input and its reciprocal rms, the attention
 probabilities once in bf16, an MLP nonlinearity's inputs), not what autodiff
 of the fp32 arithmetic kept beside them (fp32 copies, softmax's fp32 output,
 tanh / sigmoid internals), and no bf16 copy of a layer's weights without
-remat. Read from JAX's own list of saved residuals;
+remat; under remat=attention (Megatron's selective recomputation) the
+same less the probabilities. Read from JAX's own list of saved residuals;
 each piece's gradient is autodiff's to fp32 rounding."""
 
 import jax
@@ -136,3 +137,53 @@ def test_experts_keep_no_cast_of_their_weights(dispatch):
 
   kept = _kept(layer, h, *ws)
   assert kept and not [k for k in kept if k[1] in {w.shape for w in ws}]
+
+
+def _layer_stack(family: str, remat: str, dtype: str = 'bfloat16'):
+  import harness
+
+  return harness.model_of(
+    family=family, dtype=dtype, remat=remat, num_layers=2, d_model=32, d_ff=64, num_heads=4
+  )
+
+
+@pytest.mark.parametrize('family', ['gpt', 'llama'])
+def test_attention_remat_keeps_all_but_the_attention_cores_scores(family):
+  """model.remat=attention is Megatron's selective recomputation: a layer
+  keeps what it keeps without remat (Q, K, V, the attention's output, the
+  norms' inputs, the MLP's) less the one [b, n, s, s] value, its
+  probabilities, which the backward recomputes from Q and K (and the [s]
+  positions its causal bias is made from); `dots` keeps no score square
+  either, but recomputes all that is not a weight's matmul."""
+  none = _layer_stack(family, 'none')
+  stack = jax.eval_shape(none.init, jax.random.key(0))['layers']
+  x = jax.ShapeDtypeStruct((B, none.spec.seq_len, 32), jnp.bfloat16)
+  kept = {}
+  for remat in ('none', 'attention', 'dots'):
+    model = _layer_stack(family, remat)
+    kept[remat] = _kept(lambda x, p, model=model: model.layers(p, x), x, stack)
+  s, n = none.spec.seq_len, none.spec.num_heads
+  scores = ('bfloat16', (2, B, n, s, s))  # the stacked layers' probabilities
+  assert kept['none'].count(scores) == 1
+  without = list(kept['none'])
+  without.remove(scores)
+  assert kept['attention'] == sorted(without + [('int32', (s,))])
+  assert [k for k in kept['dots'] if k[1][-2:] == (s, s)] == []
+  assert len(kept['dots']) < len(kept['attention'])
+
+
+@pytest.mark.parametrize('family', ['gpt', 'llama'])
+def test_attention_remat_gives_remat_nones_gradient(family):
+  """A policy changes what is kept, not what is computed: fp32 loss and
+  gradients of a layer stack equal remat=none's."""
+  models = {r: _layer_stack(family, r, 'float32') for r in ('none', 'attention')}
+  params = jax.jit(models['none'].init)(jax.random.key(0))['layers']
+  x = jax.random.normal(jax.random.key(1), (B, models['none'].spec.seq_len, 32))
+
+  def grads(model):
+    loss = lambda p, x: jnp.sum(jnp.sin(model.layers(p, x)))  # noqa: E731
+    return jax.jit(jax.value_and_grad(loss, (0, 1)))(params, x)
+
+  got, want = grads(models['attention']), grads(models['none'])
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)

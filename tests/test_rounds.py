@@ -29,7 +29,7 @@ def design(schedule, transfer=0.0):
 def test_units_pack_only_a_backward_that_recomputes_the_forward():
   assert rounds.units_for('full') == FULL and FULL.of('B') == 2 * FULL.of('F')
   assert rounds.units_for('full', 'off') is None
-  assert rounds.units_for('none') is None and rounds.units_for('selective') is None
+  assert rounds.units_for('none') is None and rounds.units_for('dots') is None
 
 
 @pytest.mark.parametrize('name,p,m,v', list(sizes()))

@@ -46,7 +46,8 @@ def _vjp_parts(run, params, x):
 
 
 @pytest.mark.parametrize(
-  'remat, active', [('none', None), ('none', 1), ('selective', 1), ('full', None)]
+  'remat, active',
+  [('none', None), ('none', 1), ('attention', None), ('dots', 1), ('full', None)],
 )
 def test_split_matches_fused_backward(remat, active):
   bwd, residuals, g = _chunk_backward(remat, active)

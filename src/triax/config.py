@@ -24,7 +24,14 @@ from triax.pipeline.rounds import PACKINGS
 MESH_AXES = ('data', 'context', 'tensor', 'pipe')
 CONTEXT_ATTENTION = ('allgather', 'ring')
 SCHEDULES = tuple(sched.SCHEDULES)
-REMAT_POLICIES = ('none', 'full', 'selective')
+REMAT_POLICIES = ('none', 'attention', 'dots', 'full')
+# model.remat values that were renamed: the value -> what to write instead.
+RETIRED_REMATS = {
+  'selective': (
+    "is now 'dots' (keeps every weight matmul's output: what 'selective' was); "
+    "Megatron's selective recomputation (the attention core only) is 'attention'"
+  ),
+}
 # float16 is refused with its reason (no loss scaling); see validate().
 DTYPES = ('float32', 'bfloat16')
 ATTENTION_IMPLS = ('xla', 'cudnn', 'splash')
@@ -100,7 +107,9 @@ def defaults() -> ml_collections.ConfigDict:
   c.model.dtype = 'float32'
   # Storage dtype of parameters and optimizer state; float32 with bfloat16 compute = fp32 masters.
   c.model.param_dtype = 'float32'
-  # Activation recomputation: none, full (per layer), selective (keep matmul outputs).
+  # Activation recomputation: none; attention (Megatron's selective: recompute the attention
+  # core's scores only); dots (keep every weight matmul's output, recompute the rest); full
+  # (keep each layer's input).
   c.model.remat = 'none'
   # Run the layer stack as a loop (true) or unrolled (false: longer compiles; XLA may then overlap
   # one layer's collectives with another's compute, and with the other micro-batch's in a fused
@@ -635,6 +644,9 @@ def _check_model(cfg) -> None:
       raise ConfigError(
         f'model.{key}', 'float16 needs loss scaling, which triax does not do; use bfloat16'
       )
+    retired = RETIRED_REMATS.get(m[key]) if key == 'remat' and isinstance(m[key], str) else None
+    if retired:
+      raise ConfigError('model.remat', f'{m[key]!r} {retired}')
     if m[key] not in choices:
       raise ConfigError(
         f'model.{key}', f'unknown value {m[key]!r}; choose one of {", ".join(choices)}'

@@ -25,13 +25,31 @@ from triax.sharding import active_spec, constrain, vary_like
 
 Params = Any
 
+# Activation recomputation (model.remat): each policy's jax.checkpoint policy
+# for a whole layer, None where the layer runs without one.
 REMAT_POLICIES = {
   'none': None,
+  # Megatron's selective recomputation (Korthikanti et al. 2022, Sec. 5): the
+  # layer keeps what it keeps without remat but the attention core's scores
+  # and probabilities, which its backward recomputes from Q, K and V
+  # (`recomputes_attention_core`: the core's own checkpoint, not the layer's).
+  'attention': None,
+  # Every weight matmul's output kept (Q, K, V, the attention's output
+  # projection, the MLP's), the rest of the layer recomputed: the attention
+  # core (its matmuls have batch dimensions), norms, activations, residual adds.
+  'dots': jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
   'full': jax.checkpoint_policies.nothing_saveable,
-  # Megatron's "selective" idea: keep the weight matmuls' outputs, recompute
-  # the attention core (its score tensors are batch-dim dots, not saved).
-  'selective': jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
+
+
+def layer_checkpointed(remat: str) -> bool:
+  """Whether a layer runs under jax.checkpoint with the policy `remat` names."""
+  return REMAT_POLICIES[remat] is not None
+
+
+def recomputes_attention_core(remat: str) -> bool:
+  """Whether XLA's attention core runs under its own checkpoint (remat=attention)."""
+  return remat == 'attention'
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,10 +224,10 @@ def matmul(equation: str, x, w, dtype, remat: str):
   Without remat the backward casts w again instead of keeping its cast: kept,
   the cast is a residual, a copy of the layer's weights in every micro-batch
   a pipeline stashes (at the 1B shape, 116 of a layer's 276 MiB per
-  sequence) and in the layer scan's residuals. Under a remat policy it is
-  not kept anyway, and the einsum stays plain: a custom_vjp would hide its
-  product from `selective`'s policy."""
-  if remat != 'none':
+  sequence) and in the layer scan's residuals. Under a layer's checkpoint it
+  is not kept anyway, and the einsum stays plain: a custom_vjp would hide its
+  product from `dots`'s policy."""
+  if layer_checkpointed(remat):
     return jnp.einsum(equation, x, w.astype(dtype))
   return recast(einsum_of(equation), x, w, dtype)
 
@@ -327,6 +345,7 @@ def causal_attention(
   positions: jax.Array | None = None,
   context: str = '',
   ring_transport: str = 'ppermute',
+  remat: str = 'none',
 ):
   """Causal attention of q [b, t, n, hd] over k, v [b, t, kv, hd] (kv divides n).
 
@@ -342,8 +361,12 @@ def causal_attention(
   Pallas's interpreter on any backend). `positions` [t]: each slot's
   position (the causal mask compares them; 0..t-1 if None); `context`
   (allgather or ring) with the sequence split over context ranks, the
-  ring's blocks moved by `ring_transport` (context.TRANSPORTS).
+  ring's blocks moved by `ring_transport` (context.TRANSPORTS). `remat`,
+  the layer's policy: with `attention` XLA's core (unsplit, or over gathered
+  K/V) keeps Q, K and V only and recomputes its scores in the backward; the
+  flash kernels and the ring keep no scores under any policy.
   """
+  recompute = recomputes_attention_core(remat)
   group = q.shape[2] // k.shape[2]
   repeat = lambda t: constrain(jnp.repeat(t, group, axis=2), ('batch', 'seq', 'heads', 'kv'))
   if decode is None and impl == 'splash':
@@ -355,13 +378,15 @@ def causal_attention(
   if decode is None and context:
     if context == 'ring':
       return context_lib.ring_attention(
-        q, repeat(k), repeat(v), positions, segments, transport=ring_transport
+        q, repeat(k), repeat(v), positions, segments, ring_transport, recompute
       )
-    return context_lib.allgather_attention(q, repeat(k), repeat(v), positions, segments)
+    return context_lib.allgather_attention(
+      q, repeat(k), repeat(v), positions, segments, recompute=recompute
+    )
   if decode is None:
     if impl == 'xla':
       pos = jnp.arange(q.shape[1]) if positions is None else positions
-      return context_lib.masked_attention(q, repeat(k), repeat(v), pos, segments)
+      return context_lib.masked_attention(q, repeat(k), repeat(v), pos, segments, recompute)
     mask = None if segments is None else (segments[:, :, None] == segments[:, None, :])[:, None]
     return jax.nn.dot_product_attention(
       q, repeat(k), repeat(v), mask=mask, is_causal=True, implementation=impl
@@ -490,7 +515,7 @@ class DecoderModel:
     """(the stack's output, each layer's second output stacked): layer(p, h)
     -> (h, out) under the configured remat; a padded layer (index >=
     num_active) passes h through and gives `skipped` for its out."""
-    if self.spec.remat != 'none':
+    if layer_checkpointed(self.spec.remat):
       # Recomputed, the weights' product with _per_layer's one is no
       # residual (without remat it would be one: a copy of the weights in
       # every stashed micro-batch).

@@ -98,9 +98,12 @@ def bias(q_pos: jax.Array, k_pos: jax.Array, q_seg=None, k_seg=None) -> jax.Arra
   return jnp.where(allowed, 0.0, _NEG).astype(jnp.float32)
 
 
-def masked_attention(q, k, v, pos, segments=None):
+def masked_attention(q, k, v, pos, segments=None, recompute: bool = False):
   """XLA's attention of q over k, v [b, t, n, hd] (one K/V per query head),
   causal by the slots' positions `pos` [t], within documents with `segments`.
+  With `recompute` (model.remat=attention) the core is its own checkpoint:
+  its backward recomputes the logits and probabilities from q and k, so
+  its residuals are its inputs and no [b, n, t, t] value is kept.
 
   An additive bias rather than a mask: `where(mask, logits, -big)` keeps
   the broadcast [b, n, t, t] mask among the residuals of every layer (a
@@ -110,6 +113,13 @@ def masked_attention(q, k, v, pos, segments=None):
   probabilities are the only [b, n, t, t] residual, in the activations'
   dtype (`_probabilities`), as jax.nn.dot_product_attention computes them
   otherwise."""
+  if recompute:
+    core = jax.checkpoint(_masked_core, policy=jax.checkpoint_policies.nothing_saveable)
+    return core(q, k, v, pos, segments)
+  return _masked_core(q, k, v, pos, segments)
+
+
+def _masked_core(q, k, v, pos, segments):
   logits = jnp.einsum('btnh,bsnh->bnts', q, k, preferred_element_type=jnp.float32)
   logits = logits * (q.shape[-1] ** -0.5) + bias(pos, pos, segments, segments)
   return jnp.einsum('bnts,bsnh->btnh', _probabilities(logits, k.dtype), v)
@@ -140,24 +150,29 @@ def _probabilities_bwd(dtype, probs, g):
 _probabilities.defvjp(_probabilities_fwd, _probabilities_bwd)
 
 
-def allgather_attention(q, k, v, pos, segments=None):
+def allgather_attention(q, k, v, pos, segments=None, recompute: bool = False):
   """q [b, s, n, hd] split over `context` along s; k, v (one per query head)
-  made whole along s, so each rank scores its queries against every key."""
+  made whole along s, so each rank scores its queries against every key.
+  `recompute`: masked_attention's (the gathered K/V are then its residuals,
+  not gathered again in the backward)."""
   whole = ('batch', None, 'heads', 'kv')
   k, v = sharding.constrain(k, whole), sharding.constrain(v, whole)
-  return masked_attention(q, k, v, pos, segments)
+  return masked_attention(q, k, v, pos, segments, recompute)
 
 
-def ring_attention(q, k, v, pos, segments=None, transport: str = 'ppermute'):
+def ring_attention(
+  q, k, v, pos, segments=None, transport: str = 'ppermute', recompute: bool = False
+):
   """Ring attention of q, k, v [b, s, n, hd] (K/V one per query head), the
   sequence split over the mesh axis the 'seq' rule names; each device's
   rows, heads and positions under a shard_map (model/per_device.py), which
   differentiates it with its own backward (no ring state kept between the
-  passes but the inputs). `transport`: one of TRANSPORTS."""
+  passes but the inputs). `transport`: one of TRANSPORTS; `recompute`:
+  allgather_attention's, where the sequence is whole after all."""
   spec = sharding.active_spec(per_device.QKV_AXES)
   axis = spec[1] if spec is not None else None
   if axis is None or jax.sharding.get_abstract_mesh().shape.get(axis, 1) == 1:
-    return allgather_attention(q, k, v, pos, segments)
+    return allgather_attention(q, k, v, pos, segments, recompute)
   # Typed like the queries: inside the pipeline executor they are residuals
   # its stash holds beside varying ones (a constant would type it otherwise).
   extras, axes = (sharding.vary_like(pos, q),), (('seq',),)

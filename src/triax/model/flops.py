@@ -11,7 +11,12 @@ Conventions (those of Megatron-LM, Narayanan et al. SC'21, and PaLM's MFU):
   * Model FLOPs count that and nothing else: recomputation is not useful
     work, so MFU (model FLOPs / time / peak) does not depend on remat.
     Hardware FLOPs add what remat recomputes: full recomputes each layer's
-    forward once more; selective recomputes the attention core.
+    forward once more; dots the attention core (Q K^T and the weighted V:
+    its matmuls have batch dimensions, so the policy keeps neither);
+    attention its scores only, Q K^T (the backward needs the
+    probabilities, not their product with V, which the output projection
+    kept; counted so for the flash kernels and the ring too, which keep no
+    scores to recompute and recompute them in their own backward).
 
 Each family's `forward_flops()` gives one sequence's forward from its own
 shapes (model/gpt.py, model/llama.py, model/mixtral.py: a mixture of
@@ -39,11 +44,13 @@ PEAK_BF16_FLOPS = (
   ('TPU v6', 918e12),
 )
 
-# What each remat policy recomputes in the backward, as parts of forward_flops().
+# What each remat policy recomputes in the backward: the share of each part of
+# forward_flops() (the attention core's two matmuls count alike).
 _RECOMPUTED = {
-  'none': (),
-  'full': ('layer_matmul', 'layer_attention'),
-  'selective': ('layer_attention',),
+  'none': {},
+  'attention': {'layer_attention': 0.5},
+  'dots': {'layer_attention': 1.0},
+  'full': {'layer_matmul': 1.0, 'layer_attention': 1.0},
 }
 
 
@@ -55,7 +62,7 @@ def step_flops(model, batch: int) -> dict[str, float]:
   fwd = model.forward_flops()
   layers = model.spec.num_layers
   forward = layers * (fwd['layer_matmul'] + fwd['layer_attention']) + fwd['head']
-  recomputed = layers * sum(fwd[k] for k in _RECOMPUTED[model.spec.remat])
+  recomputed = layers * sum(fwd[k] * x for k, x in _RECOMPUTED[model.spec.remat].items())
   return {'model': 3.0 * batch * forward, 'hardware': batch * (3.0 * forward + recomputed)}
 
 

@@ -86,7 +86,9 @@ class Block(nn.Module):
     qkv = project(h, (wq, wk, wv), 'bsd,dnk->bsnk', dt, s.remat)
     q, k, v = (constrain(t, ('batch', 'seq', 'heads', 'kv')) for t in qkv)
     where = () if decode is not None else s.split_sequence(x.shape[1])
-    a = causal_attention(q, k, v, s.attention, decode, segments, s.splash_interpret, *where)
+    a = causal_attention(
+      q, k, v, s.attention, decode, segments, s.splash_interpret, *where, remat=s.remat
+    )
     if decode is not None:
       a, cache = a
     x = x + constrain(matmul('bsnk,nkd->bsd', a, wo, dt, s.remat), RESIDUAL)

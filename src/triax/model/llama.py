@@ -185,7 +185,9 @@ class Block(nn.Module):
     q = constrain(q, ('batch', 'seq', 'heads', 'kv'))
     k, v = (constrain(t, ('batch', 'seq', 'kv_heads', 'kv')) for t in (k, v))
     where = () if decode is not None else s.split_sequence(x.shape[1])
-    a = causal_attention(q, k, v, s.attention, decode, segments, s.splash_interpret, *where)
+    a = causal_attention(
+      q, k, v, s.attention, decode, segments, s.splash_interpret, *where, remat=s.remat
+    )
     if decode is not None:
       a, cache = a
     x = x + constrain(matmul('bsnk,nkd->bsd', a, wo, dt, s.remat), RESIDUAL)

@@ -42,7 +42,7 @@ class Plan:
       gave a schedule no builder makes (a synthesised one).
     microbatches: m, micro-batches per step.
     virtual_stages: v, model chunks per pipeline device.
-    remat: 'none', 'selective' or 'full'.
+    remat: 'none', 'attention', 'dots' or 'full' (config.REMAT_POLICIES).
     layers: layers per pipeline stage (p entries, each a multiple of v:
       a stage's chunks are equal).
     stages: per pipeline stage, the cluster device indices of its

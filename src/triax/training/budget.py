@@ -3,9 +3,10 @@
 Given an experiment, the candidates are the config as it is (its own
 schedule, layout and recompute: the reference) and the standard answers to
 "it does not fit", each on the config's own schedule where it can be:
-recompute activations (full or selective), halve the micro-batch (twice the
-micro-batches, same global batch), BPipe without recompute, and with data
-parallelism ZeRO-1 and FSDP. Every candidate is compiled first (XLA's peak
+recompute activations (full, dots, or attention: Megatron's selective
+recomputation), halve the micro-batch (twice the micro-batches, same
+global batch), BPipe without recompute, and with data parallelism ZeRO-1
+and FSDP. Every candidate is compiled first (XLA's peak
 bytes per device; nothing runs), a line each as it is; then only those that
 fit are timed (one over the limit could exhaust this host's memory). When
 the config fits as it is, that is the answer: a variant's few per cent on a
@@ -24,7 +25,12 @@ from triax import config as config_lib
 from triax.training.measure import compile_config, time_steps
 
 REFERENCE = 'as configured'
-_REMAT_NAMES = {'none': 'no remat', 'full': 'full remat', 'selective': 'selective remat'}
+_REMAT_NAMES = {
+  'none': 'no remat',
+  'attention': 'attention remat',
+  'dots': 'dots remat',
+  'full': 'full remat',
+}
 
 
 @dataclasses.dataclass
@@ -44,7 +50,7 @@ def candidates(cfg) -> list[Candidate]:
   out = [Candidate(f'{own}, {_REMAT_NAMES[remat]} ({REFERENCE})', {})]
   out += [
     Candidate(f'{own}, {_REMAT_NAMES[r]}', {'model.remat': r})
-    for r in ('full', 'selective')
+    for r in ('full', 'dots', 'attention')
     if r != remat
   ]
   out.append(Candidate(f'{own}, half micro-batch (m={2 * m})', {'pipeline.microbatches': 2 * m}))

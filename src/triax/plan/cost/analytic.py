@@ -44,22 +44,30 @@ n - 1 dense, one MoE) is priced as the average block
 (plan/cost/profile.py): the entry's GEMMs from its own shapes and n of
 each per-block kernel (attention, elementwise), all over n; its parameters
 over n; and its residuals per block, but full remat's (one input per
-entry: remat wraps the entry) and selective's kept matmul outputs over n.
+entry: remat wraps the entry) and dots's kept matmul outputs over n.
 
 Recomputation, per remat policy: full reruns the forward in the backward
-(+1 forward, its tensor all-reduces too: the simulator adds those);
-selective reruns the attention core (+ its forward kernels).
+(+1 forward, its tensor all-reduces too: the simulator adds those); dots
+reruns the attention core (+ its forward kernels); attention its scores
+(Q K^T, the softmax and its dropout: the backward needs the probabilities,
+not their product with V; a flash kernel keeps no scores, so nothing).
 
 Memory by formula (bytes per layer per sequence, e = dtype bytes, h =
 d_model, a = heads): what the backward reads, counted as Korthikanti et
-al. (2022) count it without dropout: s h e (4 + 12/t) + a s^2 e / t (the
+al. (2022) count it: without dropout s h e (4 + 12/t) + a s^2 e / t (the
 score probabilities; none with cuDNN attention, which keeps its output
-and log-sum-exp); selective drops the s^2 term; full keeps only the
-layer's input, s h e. The 4 (and full's 1) are profile.SEQUENCE_STASH,
-what sequence parallelism splits over t too; plan/cost/memory.py applies that
-and context parallelism to every profile's figures. Parameters and Adam state: plan/cost/memory.py's
-`state` (STATE_COPIES of the parameter bytes, split over data by the
-plan's state sharding).
+and log-sum-exp); with Megatron's dropout (`build(dropout=True)`) its
+masks too, 1 byte an element: the attention's, split over t with the
+heads beside the dropped probabilities it keeps (a s^2 (1 + e) / t), and
+the two after the sublayers, whole on every tensor rank (2 s h): at e = 2
+their Table 2's s h (10 + 24/t + 5 a s/(h t)). `attention` (their
+selective recomputation) drops the s^2 terms; full keeps only the layer's
+input, s h e. The 4 (and full's 1) are profile.SEQUENCE_STASH, what
+sequence parallelism splits over t too, with the hidden dropout masks
+(Shard.sequence_stash_per_seq); plan/cost/memory.py applies that and
+context parallelism to every profile's figures. Parameters and Adam
+state: plan/cost/memory.py's `state` (STATE_COPIES of the parameter
+bytes, split over data by the plan's state sharding).
 """
 
 from __future__ import annotations
@@ -118,12 +126,16 @@ class Kernel:
 class ShardKernels:
   """The kernels of one layer shard and of its embedding and head.
 
-  attention: the attention core's forward kernels (what selective remat reruns).
+  attention: the attention core's forward kernels (what remat=dots reruns);
+  scores: those of them up to its probabilities (what remat=attention
+  reruns: its backward needs them, not their product with V), none for a
+  flash kernel, which keeps no scores.
   """
 
   layer_fwd: tuple[Kernel, ...]
   layer_bwd: tuple[Kernel, ...]
   attention: tuple[Kernel, ...]
+  scores: tuple[Kernel, ...]
   embed: tuple[Kernel, ...]
   head: tuple[Kernel, ...]
 
@@ -152,13 +164,16 @@ class Analytic:
 
   def layer_seconds(self, group: Group, b: int, t: int, remat: str) -> tuple[float, float]:
     """(forward, backward) of one layer under a remat policy: the backward
-    reruns the forward (full) or the attention core (selective)."""
+    reruns the forward (full), the attention core (dots) or its scores
+    (attention)."""
     fwd = self.seconds(group, 'layer_fwd', b, t)
     bwd = self.seconds(group, 'layer_bwd', b, t)
     if remat == 'full':
       bwd += fwd
-    elif remat == 'selective':
+    elif remat == 'dots':
       bwd += self._sum(self.kernels[t].attention, group, b)
+    elif remat == 'attention':
+      bwd += self._sum(self.kernels[t].scores, group, b)
     return fwd, bwd
 
 
@@ -287,9 +302,9 @@ def _shard(spec, t: int, dropout: bool = False) -> tuple[profile_lib.Shard, Shar
   fused = spec.attention in ('cudnn', 'splash')
 
   fwd, bwd, layer_params = [], [], 0.0
-  # Elements a position keeps under the selective policy beyond SEQUENCE_STASH's:
+  # Elements a position keeps under the dots policy beyond SEQUENCE_STASH's:
   # the outputs of the dense matmuls that read the normed stream (see below).
-  selective_kept = 0
+  dots_kept = 0
   # Blocks of the stack entry the weights below are of; every figure is their average.
   every = spec.layers_per_entry
   # Dense weights reading the stream into the MLP's hidden width: GPT's fc1,
@@ -302,7 +317,7 @@ def _shard(spec, t: int, dropout: bool = False) -> tuple[profile_lib.Shard, Shar
   for shape, routed, reads_stream in weights:
     layer_params += math.prod(shape) * pe
     if reads_stream and not routed:
-      selective_kept += math.prod(shape[1:])
+      dots_kept += math.prod(shape[1:])
       mlp_inputs += math.prod(shape[1:]) == shard.d_ff
     if len(shape) < 2:
       continue  # norm scales and biases: elementwise, counted below
@@ -324,38 +339,15 @@ def _shard(spec, t: int, dropout: bool = False) -> tuple[profile_lib.Shard, Shar
     bwd.append(Kernel(f'dgrad {k}x{n}', flops, io, copies * k * n * e))
     bwd.append(Kernel(f'wgrad {k}x{n}', flops, io, 2 * copies * k * n * pe))
   fwd, bwd, layer_params = _averaged(fwd, every), _averaged(bwd, every), layer_params / every
-  scores = heads * s * s  # elements of one sequence's score square
-  if fused:
-    flops = 4.0 * s * s * heads * hd * _FLASH_CAUSAL
-    io = 4 * s * heads * hd * e  # Q, K, V read, O written
-    attention = (Kernel('flash attention', flops, io),)
-    attention_bwd = (Kernel('flash attention bwd', _FLASH_BACKWARD * flops, 2.5 * io),)
-  else:
-    qk = Kernel('q k^T', 2.0 * s * s * heads * hd, (2 * s * heads * hd + scores) * e)
-    softmax = Kernel('softmax', 0.0, _SOFTMAX_ELEMENT_IO * scores * e)
-    av = Kernel('p v', 2.0 * s * s * heads * hd, (scores + 2 * s * heads * hd) * e)
-    attention = (qk, softmax, av)
-    # Each of the two GEMMs has two gradient GEMMs of its FLOPs; the softmax
-    # backward reads the probabilities and their gradient, writes one.
-    attention_bwd = (
-      Kernel('dq dk', 2 * qk.flops, 2 * qk.bytes),
-      Kernel('softmax bwd', 0.0, 3 * scores * e),
-      Kernel('dp dv', 2 * av.flops, 2 * av.bytes),
-    )
+  attention, attention_bwd, rescored, core_kept = _attention(s, heads, hd, e, fused, dropout)
   elementwise = (
     (2 * _NORM_ELEMENT_IO + 2 * _ADD_ELEMENT_IO) * s * d + _ACT_ELEMENT_IO * s * shard.d_ff
   ) * e
-  masks = 0.0
-  if dropout and not fused:
-    # Reads the probabilities, writes them dropped and a 1-byte mask; its
-    # backward reads the gradient and the mask and writes one.
-    attention = (*attention, Kernel('attention dropout', 0.0, (2 * e + 1) * scores))
-    attention_bwd = (*attention_bwd, Kernel('attention dropout bwd', 0.0, (2 * e + 1) * scores))
-    masks += scores * (1 + e)  # the mask and the dropped probabilities the P V GEMM reads
-  if dropout:
-    # Two hidden dropouts (fused into the residual adds): a mask written each.
-    elementwise += 2 * s * d
-    masks += 2 * s * d
+  # Megatron's two hidden dropouts (fused into the residual adds) write a
+  # 1-byte mask each, which the backward reads: on [s, d], whole on every
+  # tensor rank without sequence parallelism.
+  hidden_masks = 2 * s * d if dropout else 0
+  elementwise += hidden_masks
   fwd += [*attention, Kernel('norms, adds, activation', 0.0, elementwise)]
   bwd += [*attention_bwd, Kernel('norms, adds, activation bwd', 0.0, _BACKWARD_IO * elementwise)]
 
@@ -373,26 +365,34 @@ def _shard(spec, t: int, dropout: bool = False) -> tuple[profile_lib.Shard, Shar
   embed = (Kernel('embedding', 0.0, 3 * s * d * e, _nbytes(embed_params)),)
 
   act = float(s * d * e)
-  probs = 0.0 if fused else heads * s * s * e
   whole = profile_lib.SEQUENCE_STASH
   # Without remat, a dense gated MLP (two of those weights) keeps its gate,
   # its up and their product: one hidden-wide value more than
   # _TENSOR_STASH's two (Llama 1B's compiled layer keeps 20 [s, d]'s worth,
   # bf16, at PP 4 on XLA:TPU). Over the entry's blocks, as every figure here.
   gated = (mlp_inputs // 2) * spec.d_ff / d / every
-  stash_none = act * (whole['none'] + (_TENSOR_STASH + gated) / t) + probs + masks / t
-  # model.remat=selective (common.REMAT_POLICIES: every matmul output without
+  # Held whole on every tensor rank (sequence parallelism splits it): the
+  # norms' inputs and outputs, the hidden dropout masks.
+  sequence = act * whole['none'] + hidden_masks
+  # model.remat=attention (Megatron's selective recomputation) keeps all but
+  # the attention core's scores: Korthikanti et al.'s s h (10 + 24/t) with dropout.
+  attention_kept = sequence + act * (_TENSOR_STASH + gated) / t
+  # model.remat=dots (common.REMAT_POLICIES: every matmul output without
   # batch dimensions saveable) keeps the layer's input, the attention's output
   # projection (the second norm's input is recomputed from the two) and the
   # outputs of the matmuls reading the normed stream: Q, K and V (GQA-sized),
   # the MLP's gate and up (GPT's fc1), a MoE's router and shared experts; not
   # a routed expert's grouped matmul (ragged_dot is no dot_general), the down
   # projection (nothing reads it back) or dropout's masks (redrawn from their
-  # key). Megatron's selective keeps everything but the attention core
-  # (stash_none - probs): 1.27x what XLA:TPU allocated at llama_1b's TP 4.
-  selective = act * whole['selective'] + s * selective_kept * e / every
-  # Full remat keeps an entry's input only: the group's blocks are recomputed together.
-  stash = {'none': stash_none, 'selective': selective, 'full': act * whole['full'] / every}
+  # key). At llama_1b's TP 4 `attention`'s figure is 1.27x what XLA:TPU
+  # allocates under dots.
+  stash = {
+    'none': attention_kept + core_kept,
+    'attention': attention_kept,
+    'dots': act * whole['dots'] + s * dots_kept * e / every,
+    # Full remat keeps an entry's input only: the group's blocks are recomputed together.
+    'full': act * whole['full'] / every,
+  }
 
   def work(kernels):
     return profile_lib.Work(
@@ -402,7 +402,12 @@ def _shard(spec, t: int, dropout: bool = False) -> tuple[profile_lib.Shard, Shar
     )
 
   kernels = ShardKernels(
-    layer_fwd=tuple(fwd), layer_bwd=tuple(bwd), attention=attention, embed=embed, head=head
+    layer_fwd=tuple(fwd),
+    layer_bwd=tuple(bwd),
+    attention=attention,
+    scores=rescored,
+    embed=embed,
+    head=head,
   )
   attn_flops = sum(k.flops for k in attention)
   out = profile_lib.Shard(
@@ -423,5 +428,40 @@ def _shard(spec, t: int, dropout: bool = False) -> tuple[profile_lib.Shard, Shar
     kv_per_seq=profile_lib.kv_per_seq(spec, t),
     experts=profile_lib.experts_of(shard, sum(k.flops for k in fwd)),
     cut_per_seq=s * cut_kept * e / every,
+    sequence_stash_per_seq={'none': sequence, 'attention': sequence},
   )
   return out, kernels
+
+
+def _attention(s: int, heads: int, hd: int, e: int, fused: bool, dropout: bool):
+  """The attention core of one sequence on a shard of `heads` heads: its
+  forward and backward kernels, the forward's up to its probabilities
+  (what remat=attention reruns) and the bytes it keeps for the backward
+  (the probabilities; with Megatron's dropout its 1-byte mask and the
+  dropped probabilities the P V matmul reads too). A flash kernel keeps
+  and reruns none (it recomputes the scores in its own backward)."""
+  scores = heads * s * s  # elements of one sequence's score square
+  if fused:
+    flops = 4.0 * s * s * heads * hd * _FLASH_CAUSAL
+    io = 4 * s * heads * hd * e  # Q, K, V read, O written
+    attention = (Kernel('flash attention', flops, io),)
+    attention_bwd = (Kernel('flash attention bwd', _FLASH_BACKWARD * flops, 2.5 * io),)
+    return attention, attention_bwd, (), 0.0
+  qk = Kernel('q k^T', 2.0 * s * s * heads * hd, (2 * s * heads * hd + scores) * e)
+  softmax = Kernel('softmax', 0.0, _SOFTMAX_ELEMENT_IO * scores * e)
+  av = Kernel('p v', 2.0 * s * s * heads * hd, (scores + 2 * s * heads * hd) * e)
+  # Each of the two GEMMs has two gradient GEMMs of its FLOPs; the softmax
+  # backward reads the probabilities and their gradient, writes one.
+  attention_bwd = (
+    Kernel('dq dk', 2 * qk.flops, 2 * qk.bytes),
+    Kernel('softmax bwd', 0.0, 3 * scores * e),
+    Kernel('dp dv', 2 * av.flops, 2 * av.bytes),
+  )
+  if not dropout:
+    return (qk, softmax, av), attention_bwd, (qk, softmax), float(scores * e)
+  # Reads the probabilities, writes them dropped and a 1-byte mask; its
+  # backward reads the gradient and the mask and writes one.
+  drop = Kernel('attention dropout', 0.0, (2 * e + 1) * scores)
+  attention_bwd = (*attention_bwd, Kernel('attention dropout bwd', 0.0, (2 * e + 1) * scores))
+  # Kept: the probabilities, the mask and the dropped probabilities.
+  return (qk, softmax, av, drop), attention_bwd, (qk, softmax, drop), float(scores * (1 + 2 * e))

@@ -12,9 +12,10 @@ A MoE layer's routed experts (a Shard's `Experts`) are split over
     gets the outputs back in a second all-to-all of the same buffer.
     Capacity (`moe._buffers_through_experts`) sends each row's [E, C, d]
     buffers and gets them back (GShard). The backward runs each token
-    all-to-all's transpose, an all-to-all of the same bytes; a remat policy
-    reruns the forward's (selective keeps dot outputs only, and a grouped
-    matmul is no dot, so it recomputes the whole exchange). The tokens are
+    all-to-all's transpose, an all-to-all of the same bytes; a policy
+    that checkpoints the layer reruns the forward's (dots keeps dot outputs
+    only, and a grouped matmul is no dot, so it recomputes the whole
+    exchange; attention's checkpoint holds the attention core alone). The tokens are
     whole over `tensor` (moe.TOKENS): every tensor rank sends its own.
   - dropless's compute waits for the busiest device. `imbalance` is the
     busiest expert's tokens over the mean (metrics' moe_load_max); the
@@ -46,6 +47,7 @@ from __future__ import annotations
 
 import math
 
+from triax.plan.cost import profile as profile_lib
 from triax.plan.cost.profile import Experts, Shard
 
 # Bytes of one routed assignment's expert id in dropless's exchange (int32).
@@ -93,7 +95,8 @@ def seconds(plan, shard: Shard, comm, stage: int) -> tuple[float, float]:
   if experts.dispatch == 'dropless':
     ids = nbytes / (experts.d_model * experts.dtype_bytes) * ID_BYTES
     forward += max(comm.alltoall(g, ids) for g in groups)
-  backward = 2 * one + (forward if plan.remat != 'none' else 0.0)
+  rerun = plan.remat in profile_lib.LAYER_CHECKPOINTED
+  backward = 2 * one + (forward if rerun else 0.0)
   return forward / experts.every, backward / experts.every
 
 
@@ -134,9 +137,11 @@ def dispatch_stash(plan, shard: Shard, remat: str) -> float:
   one device's own assignments keep (the profile's, at expert 1): with the
   experts split each device's grouped matmuls run expert x as many rows
   (room for every sender's assignments) and keep them, unless a remat
-  policy recomputes the layer's experts (both do: no dot is saved); over
-  Experts.every, as a MoE layer's share of the average one."""
-  if not split(plan, shard) or remat != 'none' or shard.experts.dispatch != 'dropless':
+  policy recomputes the layer's experts (those that checkpoint the layer
+  do: no dot is saved); over Experts.every, as a MoE layer's share of the
+  average one."""
+  recomputed = remat in profile_lib.LAYER_CHECKPOINTED
+  if not split(plan, shard) or recomputed or shard.experts.dispatch != 'dropless':
     return 0.0
   e = shard.experts
   assignments = e.seq_len / plan.context * e.per_token

@@ -30,9 +30,10 @@ rank held whole (profile.SEQUENCE_STASH: norms, residual stream) over
 tensor too. That is Korthikanti et al.'s (2022) per-layer count, s b h e
 (4 + 12/t + a s/(h t)) with tensor parallelism alone and s b h e (16/t +
 a s/(h t)) with SP (their 10 + 24/t + 5as/(ht) and 34/t + 5as/(ht) at
-e = 2, less dropout's masks, which triax does not have); selective remat
-drops the a s / (h t) term, full keeps the layer input, s b h e (1/t
-with SP).
+e = 2, less dropout's masks, which triax does not have and an analytic
+profile of Megatron's runs counts); remat=attention (their selective
+recomputation) drops the a s / (h t) term, full keeps the layer input,
+s b h e (1/t with SP).
 
 A model whose stack entry is a group of blocks (model.moe_every = n): the
 profile's per-layer figures are its average block's (plan/cost/profile.py),
@@ -53,7 +54,7 @@ from triax.pipeline.executor import edge_grads_after_loop, edge_pool_bytes
 from triax.plan.candidate import Options, Plan
 from triax.plan.cluster import Cluster
 from triax.plan.cost import experts as experts_lib
-from triax.plan.cost.profile import Profile, Shard
+from triax.plan.cost.profile import LAYER_CHECKPOINTED, Profile, Shard
 
 # Parameter, gradient accumulator, Adam mu and nu, each the parameter's size
 # (param_dtype: triax keeps no separate master copy; fp32 parameters are it).
@@ -188,15 +189,16 @@ def gathers_kv(plan: Plan) -> bool:
 def layer_stash(plan: Plan, shard: Shard, remat: str | None = None) -> float:
   """Residual bytes per layer per sequence one device keeps, under `remat`
   (default the plan's): the shard's, its SEQUENCE_STASH part split over
-  tensor by SP, all of it over context by CP; without remat the all-gather
-  kind keeps the K/V it gathered from the other context ranks (a policy
-  that recomputes gathers them again). `plan`: a Plan or a search Layout."""
+  tensor by SP, all of it over context by CP; the all-gather kind keeps the
+  K/V it gathered from the other context ranks, but under a policy that
+  checkpoints the layer, which gathers them again (with remat=attention
+  they are the attention core's inputs). `plan`: a Plan or a search Layout."""
   remat = remat or plan.remat
   held = shard.stash_per_seq[remat]
   if plan.sequence_parallel:
     held -= shard.sequence_stash(remat) * (1 - 1 / plan.tensor)
   own = held * token_share(plan)
-  if gathers_kv(plan) and remat == 'none':
+  if gathers_kv(plan) and remat not in LAYER_CHECKPOINTED:
     own += shard.kv_per_seq * (1 - token_share(plan))
   return own + experts_lib.dispatch_stash(plan, shard, remat)
 
@@ -243,17 +245,17 @@ def chunk_cut(plan: Plan, profile: Profile, layers: int) -> float:
   `data` too) GSPMD splits the four [s, d] over tensor as well, as
   sequence parallelism would: bf16[4,20,1,2048,1024] at 70B with data = 2,
   t = 8 (zb_h1, 4 slots). A measured profile (no cut_per_seq) takes the
-  selective stash as the inputs and as much again, less the whole four,
-  for the cotangents.
+  dots stash (the weight matmuls' outputs, about their inputs) as the
+  inputs and as much again, less the whole four, for the cotangents.
   """
   shard = profile.shards[plan.tensor]
   whole = CUT_WHOLE * shard.act_per_seq
-  selective = shard.stash_per_seq['selective']
-  cut = shard.cut_per_seq or 2 * selective - min(selective, whole)
+  dots = shard.stash_per_seq['dots']
+  cut = shard.cut_per_seq or 2 * dots - min(dots, whole)
   whole = min(cut, whole)
   split = plan.sequence_parallel or plan.data > 1
   held = cut - (whole * (1 - 1 / plan.tensor) if split else 0.0)
-  inputs = held * token_share(plan) + experts_lib.dispatch_stash(plan, shard, 'selective')
+  inputs = held * token_share(plan) + experts_lib.dispatch_stash(plan, shard, 'dots')
   return plan.microbatch_size * layers * inputs
 
 

@@ -47,8 +47,15 @@ import numpy as np
 from triax.plan.cluster import Link
 
 # Residual policies the model knows (config.REMAT_POLICIES, a test holds them equal), in
-# order of more recompute.
-REMATS = ('none', 'selective', 'full')
+# order of more recompute: none; attention (Megatron's selective: the attention
+# core's scores); dots (all but the weight matmuls' outputs); full (all but
+# the layer's input).
+REMATS = ('none', 'attention', 'dots', 'full')
+# The policies whose layer runs under one checkpoint (model.common.layer_checkpointed),
+# so that its backward reruns the forward's collectives with the rest: K/V's
+# gathers, the experts' all-to-alls. `attention`'s checkpoint holds the
+# attention core alone.
+LAYER_CHECKPOINTED = ('dots', 'full')
 # Functions whose time is fitted: chunk forward and backward per layer, the
 # embedding's forward+backward, the head's loss+gradient.
 FUNCTIONS = ('layer_fwd', 'layer_bwd', 'embed', 'head')
@@ -57,11 +64,12 @@ LAYER_FUNCTIONS = ('layer_fwd', 'layer_bwd')
 # Per remat policy, how many [s, d] activations of a layer's residuals lie
 # outside the tensor-parallel matmuls, so every tensor rank holds them whole
 # (Korthikanti et al. 2022, Sec. 4.2.2, without dropout: the two norms'
-# inputs and the two matmul inputs they produce; selective keeps the layer's
-# input and the attention's output projection, from which the rest is
-# recomputed (plan/cost/analytic.py); full remat keeps only the layer's
-# input). Sequence parallelism splits them over `tensor`.
-SEQUENCE_STASH = {'none': 4, 'selective': 2, 'full': 1}
+# inputs and the two matmul inputs they produce, which `attention` keeps
+# too; dots keeps the layer's input and the attention's output projection,
+# from which the rest is recomputed (plan/cost/analytic.py); full remat
+# keeps only the layer's input). Sequence parallelism splits them over
+# `tensor`.
+SEQUENCE_STASH = {'none': 4, 'attention': 4, 'dots': 2, 'full': 1}
 
 
 def variant(function: str, remat: str) -> str:
@@ -197,14 +205,18 @@ class Shard:
     logits_per_seq: bytes of one sequence's fp32 logits shard that live at
       once: [s, V/t], or [loss_chunk, V/t] with model.loss_chunk.
     attention_fraction: share of a layer's forward FLOPs in the attention
-      core, which selective remat recomputes in the backward.
+      core, which the dots policy recomputes in the backward (attention
+      its scores, half of them).
     kv_per_seq: bytes of one layer's K and V per sequence on this shard
       (2 s kv_heads/t head_dim e; every K/V head where they are fewer than
       t): what context parallelism gathers or passes around its ring.
     experts: a MoE layer's routed experts (`Experts`), None for a dense one.
     cut_per_seq: bytes per layer per sequence of every weight matmul's input
       and output cotangent (what a B/W cut keeps for W, memory.chunk_cut); 0:
-      estimated from the selective stash (a measured profile's).
+      estimated from the dots stash (a measured profile's).
+    sequence_stash_per_seq: remat policy -> the bytes of stash_per_seq every
+      tensor rank holds whole, which sequence parallelism splits; a policy
+      not in it: SEQUENCE_STASH's activations (see `sequence_stash`).
   """
 
   tensor: int
@@ -219,11 +231,14 @@ class Shard:
   kv_per_seq: float = 0.0
   experts: Experts | None = None
   cut_per_seq: float = 0.0
+  sequence_stash_per_seq: dict[str, float] = dataclasses.field(default_factory=dict)
 
   def sequence_stash(self, remat: str) -> float:
-    """The part of stash_per_seq[remat] every tensor rank holds whole (the
-    SEQUENCE_STASH activations), bounded by the stash itself."""
-    return min(self.stash_per_seq[remat], SEQUENCE_STASH[remat] * self.act_per_seq)
+    """The part of stash_per_seq[remat] every tensor rank holds whole
+    (sequence_stash_per_seq's, else the SEQUENCE_STASH activations), bounded
+    by the stash itself."""
+    whole = self.sequence_stash_per_seq.get(remat, SEQUENCE_STASH[remat] * self.act_per_seq)
+    return min(self.stash_per_seq[remat], whole)
 
 
 def kv_per_seq(spec, t: int) -> float:

@@ -22,8 +22,9 @@ from triax.plan.cost import profile as profile_lib
 # to it is not read back as if it were measured now (2: the executor's B and
 # W timed as it splits them, and the chunk-length ratios; 3: those per remat
 # policy; 4: each shard's K/V bytes, which context parallelism moves; 5: a MoE
-# shard's routed experts).
-FORMAT = 5
+# shard's routed experts; 6: the policies attention and dots, selective's
+# new name).
+FORMAT = 6
 
 
 def key(model_cfg, tensors, sizes) -> str:

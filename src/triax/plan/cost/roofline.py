@@ -44,7 +44,8 @@ def layer_seconds(
 
   Measured on this machine when the profile holds the policy; otherwise
   the recomputation is priced on paper: full remat reruns the forward in
-  the backward, selective its attention core.
+  the backward, dots its attention core, attention the core's scores (Q
+  K^T: half its FLOPs).
   """
   if profile.analytic is not None:
     return profile.analytic.layer_seconds(group, b, t, remat)
@@ -57,8 +58,10 @@ def layer_seconds(
   bwd = seconds(profile, group, 'layer_bwd', b, t)
   if remat == 'full':
     bwd += fwd
-  elif remat == 'selective':
+  elif remat == 'dots':
     bwd += fwd * profile.shards[t].attention_fraction
+  elif remat == 'attention':
+    bwd += fwd * profile.shards[t].attention_fraction / 2
   return fwd, bwd
 
 

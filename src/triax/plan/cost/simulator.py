@@ -278,7 +278,8 @@ def _layer_work(plan: Plan, profile: Profile, cluster: Cluster, stage: int):
 def stage_costs(
   plan: Plan, profile: Profile, cluster: Cluster, options: Options, comm: Comm, s: int
 ) -> StageCosts:
-  """Stage s's StageCosts (see `action_costs`)."""
+  """Stage s's StageCosts (see `action_costs`; with sequence parallelism the
+  backward also gathers the normed stream again, `sequence_parallel_regathers`)."""
   shard = profile.shards[plan.tensor]
   # The [b, s/c, h] activation a tensor group all-reduces (or, with SP,
   # reduce-scatters and all-gathers).
@@ -292,6 +293,7 @@ def stage_costs(
   # Full remat's rerun forward runs its two all-reduces again.
   tp_fwd = 2 * tp + cp_fwd + ep_fwd
   tp_bwd = 2 * tp + (2 * tp if plan.remat == 'full' else 0.0) + cp_bwd + ep_bwd
+  tp_bwd += sequence_parallel_regathers(plan, comm, s, act)
 
   fsdp = _fsdp_per_layer(
     plan, shard, comm, options, s, fwd.alone, bwd.alone, tp, profile.layers_per_entry
@@ -511,6 +513,19 @@ def transfers(plan: Plan, profile: Profile, options: Options, comm: Comm):
   return transfer, evict, len(offsets) * max(transfer) if p > 1 else 0.0
 
 
+def sequence_parallel_regathers(plan: Plan, comm: Comm, stage: int, act: float) -> float:
+  """Seconds the backward of one layer on `stage` adds under sequence
+  parallelism: the all-gathers of the normed stream [b, s/c, h] (`act`
+  bytes whole) before the weight gradients of the two column-parallel
+  regions, attention's Q/K/V and the MLP's first matmuls. common.project
+  keeps that stream split along the sequence and gathers it again in the
+  backward, as Megatron's SP does; under full remat the rerun forward
+  gathers it (priced with its all-reduces) and the backward keeps that."""
+  if not plan.sequence_parallel or plan.tensor == 1 or plan.remat == 'full':
+    return 0.0
+  return 2 * max(comm.allgather(g, act) for g in plan.tensor_groups(stage))
+
+
 def context_seconds(
   plan: Plan, shard: profile_lib.Shard, comm: Comm, stage: int, fwd: float
 ) -> tuple[float, float]:
@@ -525,8 +540,10 @@ def context_seconds(
   compute, over c blocks): only max(0, pass - block) shows; the backward's
   passes carry K/V and their gradients beside twice the work (the
   attention core's backward: two gradient matmuls per forward one). A remat
-  policy that recomputes the attention (selective, full) reruns its
-  forward's communication in the backward.
+  policy that checkpoints the layer (dots, full) reruns its forward's
+  communication in the backward; attention's checkpoint holds the core
+  alone, which the gathered K/V (or the ring's blocks, recomputed by its
+  own backward) enter.
   """
   c = plan.context
   if c == 1:
@@ -540,7 +557,7 @@ def context_seconds(
     block = fwd * shard.attention_fraction / c
     forward = (c - 1) * max(0.0, max(comm.ring_step(g, kv / c) for g in rings) - block)
     backward = (c - 1) * max(0.0, max(comm.ring_step(g, 2 * kv / c) for g in rings) - 2 * block)
-  rerun = forward if plan.remat != 'none' else 0.0
+  rerun = forward if plan.remat in profile_lib.LAYER_CHECKPOINTED else 0.0
   return forward, backward + rerun
 
 

@@ -42,7 +42,7 @@ KINDS = ('tensor', 'pipe', 'microbatches', 'schedule', 'remat', 'sharding', 'sta
 # What a decision's context says of the remat policy and state sharding
 # chosen: how much each recomputes, how much of the state each splits
 # (properties of the choice, not its place in a list).
-RECOMPUTE = {'none': 0.0, 'selective': 0.5, 'full': 1.0}
+RECOMPUTE = {'none': 0.0, 'attention': 0.25, 'dots': 0.5, 'full': 1.0}
 STATE_SPLIT = {'replicated': 0.0, 'zero1': 0.5, 'fsdp': 1.0}
 # One-hot columns of a choice: PREFIX=NAME.
 CHOICES = ('schedule', 'remat', 'sharding')

@@ -20,10 +20,11 @@ For a model config and a cluster it tries every
                         first or last, or in node order,
   layer partition       the even split and the dynamic program's
                         (partition.balance) under each stage's memory,
-  remat                 'none', or 'selective' / 'full' only where 'none'
-                        runs out of memory (on paper recomputation never
-                        speeds up); all three where they were measured on
-                        this machine (on XLA:CPU full remat can be faster),
+  remat                 'none', or 'attention' / 'dots' / 'full' (in that
+                        order, the first that fits) only where 'none' runs
+                        out of memory (on paper recomputation never speeds
+                        up); all four where they were measured on this
+                        machine (on XLA:CPU full remat can be faster),
   state sharding        with data > 1: replicated, ZeRO-1 (moments over
                         data) and FSDP (parameters too; d_model must
                         divide by data): candidate.STATE_SHARDINGS,
