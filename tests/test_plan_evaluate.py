@@ -165,7 +165,7 @@ def test_a_layout_prices_the_plan_it_names(base):
   'described',
   [
     'd8 t1 p1 1f1b m=1 v=1 mb=4 remat=none',
-    'd2 t2 sp p2 zb_h1 m=16 v=1 mb=1 remat=selective layers=6/2 fsdp',
+    'd2 t2 sp p2 zb_h1 m=16 v=1 mb=1 remat=dots layers=6/2 fsdp',
     'd1 t2 p4 interleaved_1f1b m=8 v=2 mb=4 remat=full',
     'd4 t1 p2 zb_v m=4 v=2 mb=2 remat=none layers=6/2',
     'd2 c2 t2 sp p1 1f1b m=1 v=1 mb=16 remat=none zero1 ring',

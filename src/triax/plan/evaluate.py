@@ -10,7 +10,7 @@ plan the search shows can be given back as it reads:
   mbN              sequences per micro-batch per data replica: sets
                    pipeline.microbatches to global batch / (data * N)
   SCHEDULE         pipeline.schedule (1f1b, zb_h1, interleaved_1f1b, ...)
-  remat=POLICY     model.remat (none, selective, full)
+  remat=POLICY     model.remat (none, attention, dots, full)
   sp, nosp         mesh.sequence_parallel on, off
   replicated, zero1, fsdp   the state sharding (train.optimizer_sharding, mesh.fsdp)
   allgather, ring  model.context_attention
@@ -62,7 +62,7 @@ _WORDS = {
   **{kind: {'model.context_attention': kind} for kind in candidate.CONTEXT_ATTENTION},
 }
 TOKENS = (
-  'dN eN cN tN pN mN vN mbN, a schedule name, remat=none|selective|full, sp, nosp, '
+  'dN eN cN tN pN mN vN mbN, a schedule name, remat=none|attention|dots|full, sp, nosp, '
   'replicated, zero1, fsdp, allgather, ring, layers=A/B/...'
 )
 GIB = 2**30
