@@ -22,8 +22,8 @@ FULL = rounds.FULL_RECOMPUTE
 def design(schedule, transfer=0.0):
   """Full recomputation's costs: F 1, B 2 (its forward again, then the input
   gradient), W 1; a schedule built fused has them as one backward of 3."""
-  split = schedule.split_backward
-  return simulate.Costs(t_forward=1, t_backward=2 if split else 3, t_weight=1, t_transfer=transfer)
+  costs = simulate.Costs.design_point(schedule.split_backward, FULL)
+  return dataclasses.replace(costs, t_transfer=transfer)
 
 
 def test_units_pack_only_a_backward_that_recomputes_the_forward():

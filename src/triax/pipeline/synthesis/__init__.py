@@ -174,12 +174,7 @@ def _or_built_in(found: Synthesis, problem: Problem) -> Synthesis:
   more residual sets and cuts per stage than the limits, moves included.
   `found`'s lower bound is kept: it bounds schedules that move nothing."""
   best = found
-  for name in SCHEDULES:
-    try:
-      built = build(name, problem.stages, problem.microbatches, problem.virtual_stages)
-    except ConfigError:
-      continue
-    built = with_split_backward(built)
+  for built in _named(problem):
     program = lower_lib.lower(built)
     if max(program.peaks['stash']) > problem.memory_limit:
       continue
@@ -314,16 +309,22 @@ def _heuristic(problem: Problem, deadline: float) -> tuple[list, float]:
   return best, makespan(problem, best)
 
 
-def _built_in(problem: Problem) -> list[list]:
-  """The compute orders of every named schedule of these sizes and placement
-  within the memory limit, each fused backward split into B then W."""
-  out = []
+def _named(problem: Problem):
+  """Every named schedule of the problem's sizes, each fused backward split
+  into B then W."""
   for name in SCHEDULES:
     try:
       built = build(name, problem.stages, problem.microbatches, problem.virtual_stages)
     except ConfigError:
       continue
-    built = with_split_backward(built)
+    yield with_split_backward(built)
+
+
+def _built_in(problem: Problem) -> list[list]:
+  """The compute orders of every named schedule of these sizes and placement
+  within the memory limit, each fused backward split into B then W."""
+  out = []
+  for built in _named(problem):
     orders = [[a for a in o if a.kind in COMPUTE_KINDS] for o in built.orders]
     if built.evicted or built.placement != problem.placement:
       continue
