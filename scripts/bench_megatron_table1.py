@@ -140,12 +140,8 @@ def predict(row: Row, plan: Plan, selene) -> dict:
   cfg = model_config(row)
   profile = analytic.build(cfg.model, [plan.tensor], dropout=True)
   cluster = cluster_lib.resize(selene, row.gpus)
-  # The train step's memory, as the table's runs are compared: triax's
-  # evaluation forwards a replica's whole share of the batch at once, which
-  # at these batch sizes the planner's state-program check would refuse.
-  est = simulate_plan(
-    plan, profile, cluster, Options(model='async', state_programs=False, edge_grads='loop')
-  )
+  # The run's memory: the train step's, or a save, restore or evaluation's if larger.
+  est = simulate_plan(plan, profile, cluster, Options(model='async', edge_grads='loop'))
   flops = megatron_flops(row)
   return {
     'estimate': est,
@@ -321,14 +317,20 @@ def main() -> None:
         f'| {row.params_b}B | {plan.describe()} | {theirs} | {found["estimate"].plan.describe()} '
         f'| {found["async_tflops"]:.1f} | {tried} |'
       )
+  # Rows whose save, restore or evaluation holds more than their train step.
+  larger = sum(
+    max(got['estimate'].state_memory) > max(got['estimate'].step_memory) for _, _, got, *_ in rows
+  )
   lines += [
     '',
     'Notes:',
     "- The table's 1T row has 160 heads (head dimension 160); heads change only the",
     "  attention core's per-head GEMM shapes here.",
-    "- Memory is what triax's executor would hold for the layout (its lockstep program's",
-    '  stash, cut and message slots); Megatron holds less (no B/W cut buffers), so a row',
-    "  marked over 90% ran there but would not fit triax's executor as modelled.",
+    "- Memory is the run's peak per GPU: the train step as triax's executor would hold it",
+    "  (its lockstep program's stash, cut and message slots), or a checkpoint save, restore",
+    f'  or evaluation beside the resident state where larger ({larger} of these rows).',
+    '  Megatron holds less (no B/W cut buffers), so a row marked over 90% ran there but',
+    "  would not fit triax's executor as modelled.",
   ]
   with open(args.out, 'w') as f:
     f.write('\n'.join(lines) + '\n')

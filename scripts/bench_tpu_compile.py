@@ -307,6 +307,22 @@ MAXTEXT_COMMON = {
 }
 
 
+# compile_stats.json's figures of the step and of the programs beside it: a
+# checkpoint save's and restore's conversions and the evaluation.
+PROGRAM_KEYS = (
+  'temp_bytes',
+  'argument_bytes',
+  'output_bytes',
+  'alias_bytes',
+  'param_bytes',
+  'optimizer_bytes',
+  'offloaded_bytes',
+  'checkpoint_save_bytes',
+  'checkpoint_restore_bytes',
+  'eval_bytes',
+)
+
+
 # What MaxText's venv needs to load libtpu here (no TPU, no metadata server).
 MAXTEXT_ENV = {'ALLOW_MULTIPLE_LIBTPU_LOAD': '1', 'TPU_SKIP_MDS_QUERY': '1'}
 
@@ -466,6 +482,8 @@ def main():
         'triax_host_temp': stats['host_temp_bytes'],
         'triax_stash_slots': (stats['schedule'] or {}).get('stash_slots'),
         'triax_set_bytes': (stats['schedule'] or {}).get('residual_bytes_per_slot'),
+        # The run's programs beside the step (loop.program_peaks reads these).
+        'triax_programs': {k: stats[k] for k in PROGRAM_KEYS},
       }
     if mt is not None and mt_python:
       results['versions'] = {'triax': versions(sys.executable), 'maxtext': versions(mt_python)}
@@ -490,10 +508,13 @@ def main():
   write_doc(args.out, results, sys.executable, mt_python)
 
 
-def planner_peak(topology: str, config: str, overrides: dict, cluster: str = 'tpu_v5p') -> float:
+def planner_peak(
+  topology: str, config: str, overrides: dict, cluster: str = 'tpu_v5p', programs: bool = False
+) -> float:
   """The planner's per-device peak of the train step (analytic profile, the
   cluster file: the v5p one unless named), for the layout the row compiles:
-  the most of any stage."""
+  the most of any stage. `programs`: of a save, restore or evaluation beside
+  the resident state instead (memory.state_programs)."""
   from triax import config as config_lib
   from triax.plan import candidate
   from triax.plan import cluster as cluster_lib
@@ -516,7 +537,7 @@ def planner_peak(topology: str, config: str, overrides: dict, cluster: str = 'tp
   if plan.uses_executor:
     program = plan.lowered
   # Memory only: no step time (an offloading row's would need the cluster's host link).
-  return max(memory.memory(plan, profile, cluster, options, program)[3])
+  return max(memory.memory(plan, profile, cluster, options, program)[4 if programs else 3])
 
 
 def _maxtext_versions(results: dict, mt_python: str | None) -> str:
@@ -584,6 +605,44 @@ def planner_section(results: dict) -> list[str]:
     '',
     f'Within 10%: {within} of {priced} against XLA:TPU, {within_program} against the program.',
   ]
+  return lines
+
+
+def programs_section(results: dict) -> list[str]:
+  """Each row's train step against the programs a run holds beside it."""
+  from triax.training import loop
+
+  lines = [
+    '',
+    "## The run's peak: the step against a save, a restore and an evaluation",
+    '',
+    "Per device, GiB, XLA:TPU's memory_analysis() (temporaries as the `triax` column",
+    "counts them): the train step's peak, and beside the resident state (parameters and",
+    "the optimizer state on the device) a checkpoint save's and a restore's conversion",
+    "(leaf by leaf, the checkpoint's copy in host memory: training/relayout.py) and the",
+    'evaluation (its forward a micro-batch at a time, the rows over the data and pipe',
+    "ranks: training/step.py's `_eval_loss`); `loop.program_peaks`. The run's peak is",
+    "the largest; `step` marks a row whose peak is its train step's. The planner's",
+    'figure is `memory.state_programs` for the layout (as the section above), against',
+    'the largest of the three compiled.',
+    '',
+    '| layout | step | save | restore | evaluation | run | planner: the largest of the three |',
+    '|---|---|---|---|---|---|---|',
+  ]
+  named = {**planner_rows(), **{k: v[:3] for k, v in EDGE_ROWS.items()}}
+  tops = []
+  for name, (what, topology, (config, overrides)) in named.items():
+    stats = results.get(name, {}).get('triax_programs')
+    if stats is None:
+      continue
+    what += ', edge gradients in the loop' if name in EDGE_ROWS else ''
+    peaks = loop.program_peaks(stats)
+    tops.append(max(peaks, key=lambda k: (peaks[k], k == 'step')))
+    cells = ' | '.join(f'{peaks[k] / GiB:.2f}' for k in ('step', 'save', 'restore', 'eval'))
+    predicted = planner_peak(topology, config, overrides, programs=True)
+    ratio = predicted / max(peaks['save'], peaks['restore'], peaks['eval'])
+    lines.append(f'| {what} | {cells} | {tops[-1]} | {predicted / GiB:.2f} ({ratio:.2f}x) |')
+  lines += ['', f"The train step is the run's peak on {tops.count('step')} of {len(tops)} rows."]
   return lines
 
 
@@ -734,6 +793,7 @@ def write_doc(path: str, results: dict, python: str, mt_python: str | None) -> N
   ]
   lines += _heap_note(measured)
   lines += planner_section(results)
+  lines += programs_section(results)
   lines += edge_section(results)
   lines += offload_section(results)
   lines += stash_section(results)

@@ -139,6 +139,8 @@ CASES = [
   ),
   ('d_ff-vs-tensor', train('--config.model.d_ff=65'), 'model.d_ff'),
   ('batch-vs-data', train('--config.train.global_batch_size=12'), 'train.global_batch_size'),
+  # 8 rows over data 2 x pipe 2: 2 a device, which 3 micro-batches do not divide.
+  ('eval-microbatches', train('--config.train.eval_microbatches=3'), 'train.eval_microbatches'),
   ('non-positive-layers', train('--config.model.num_layers=0'), 'model.num_layers'),
   ('non-positive-steps', train('--config.train.steps=-1'), 'train.steps'),
   ('layers-vs-chunks', train('--config.model.num_layers=6'), 'model.num_layers'),

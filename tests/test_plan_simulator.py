@@ -314,9 +314,11 @@ def test_memory_and_oom_flag():
   slots = sched.lower(sched.build('1f1b', 4, 8)).slots
   assert (slots['stash'], slots['cut']) == (4, 1)
   assert big.step_memory[0] == pytest.approx(4e9 + (4 + 2) * 1e8 + 2e8)
-  # A checkpoint save beside the resident state (parameters and moments, 3
-  # GB) holds its converted copy: the run's peak here, not the step's.
-  assert big.state_memory[0] == pytest.approx(2 * 3e9)
+  # An evaluation beside the resident state (parameters and moments, 3 GB)
+  # holds the layers resharded over pipe (1 GB), one layer gathered (1 GB)
+  # and one row's forward (the step's micro-batch: 0.1 GB): with one layer a
+  # stage, the run's peak here, not the step's.
+  assert big.state_memory[0] == pytest.approx(3e9 + 2e9 + 1e8)
   assert big.memory[0] == max(big.step_memory[0], big.state_memory[0])
   assert small.capacity[0] == pytest.approx(0.9 * 4e9)
   # Full remat stashes (here: the same synthetic bytes) but recomputes the

@@ -113,3 +113,22 @@ def test_results_hold_exact_bytes_and_buffers(results):
     # memory_analysis() counts the heap and its fragmentation once more.
     assert r['triax_heap'] <= r['triax_temp']
     assert r['triax_largest'] and all('shape' in b and 'bytes' in b for b in r['triax_largest'])
+
+
+def test_planner_state_programs_against_xla(bench, results, predicted):
+  """memory.state_programs (a save, a restore, an evaluation beside the
+  resident state) against the largest of the three XLA:TPU compiled for the
+  row: never more than 15% under it (the 70B pipelines' evaluations hold
+  about a tenth more than priced), at most 1.5x over (the evaluation's
+  forward is priced as a layer's backward residuals); and, as compiled,
+  below the planner's own train step on every row."""
+  from triax.training import loop
+
+  for name, (_, topology, (config, overrides)) in bench.planner_rows().items():
+    if name not in results:
+      continue
+    peaks = loop.program_peaks(results[name]['triax_programs'])
+    compiled = max(peaks['save'], peaks['restore'], peaks['eval'])
+    programs = bench.planner_peak(topology, config, overrides, programs=True)
+    assert 0.85 <= programs / compiled <= 1.5, (name, programs, compiled)
+    assert programs < predicted[name], (name, programs, predicted[name])

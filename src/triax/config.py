@@ -247,6 +247,10 @@ def defaults() -> ml_collections.ConfigDict:
   c.train.eval_every = 50
   # Validation batches per evaluation.
   c.train.eval_batches = 4
+  # Micro-batches an evaluation forwards each batch in, one after another, each one's rows
+  # split over the data and pipe ranks (config.eval_split); they must divide the rows a
+  # device evaluates. 0 = as many as keep one no larger than the train step's micro-batch.
+  c.train.eval_microbatches = 0
   # Write a metrics line every this many steps.
   c.train.log_every = 10
   # NaN/Inf steps to skip (state kept, logged as skipped_nonfinite) before stopping; 0 stops at the first.
@@ -758,6 +762,7 @@ def _check_train(cfg) -> None:
   for key in ('steps', 'global_batch_size', 'eval_every', 'eval_batches', 'log_every'):
     _positive(cfg, 'train', key)
   check_batch_split(t, cfg.mesh.data, cfg.pipeline.microbatches)
+  _check_eval_microbatches(cfg)
   for key in ('learning_rate', 'weight_decay', 'grad_clip_norm', 'min_lr_ratio'):
     if not isinstance(t[key], (int, float)) or t[key] < 0:
       raise ConfigError(f'train.{key}', f'must be a non-negative number, got {t[key]!r}')
@@ -974,6 +979,48 @@ def check_batch_split(t, data: int, microbatches: int) -> None:
       f'{t.global_batch_size} must be a multiple of mesh.data*pipeline.microbatches = '
       f'{data}*{microbatches} = {unit} (equal micro-batch shards), e.g. '
       f'{near[0]}, {near[1]} or {near[2]}',
+    )
+
+
+def eval_split(
+  global_batch: int, data: int, pipe: int, microbatches: int, asked: int = 0
+) -> tuple[int, int]:
+  """How an evaluation forwards a global batch: (the pipe ranks each data
+  replica's rows are split over, the micro-batches it runs them in).
+
+  Every pipe rank takes its own rows when they divide by `pipe` (else each
+  runs the replica's rows, as a pipe rank must: a stage's weights alone
+  make no loss); `asked` micro-batches (train.eval_microbatches), or with
+  0 the fewest that keep one no larger, per device, than the train step's
+  micro-batch per replica, so the forward never holds more rows at once
+  than the step's. The planner prices the evaluation by it too.
+  """
+  rows = global_batch // data
+  spread = pipe if rows % pipe == 0 else 1
+  rows //= spread
+  if asked:
+    return spread, asked
+  train_rows = global_batch // (data * microbatches)
+  return spread, min(k for k in range(1, rows + 1) if rows % k == 0 and rows // k <= train_rows)
+
+
+def _check_eval_microbatches(cfg) -> None:
+  t, mesh = cfg.train, cfg.mesh
+  asked = t.eval_microbatches
+  if not isinstance(asked, int) or isinstance(asked, bool) or asked < 0:
+    raise ConfigError(
+      'train.eval_microbatches', f'must be a non-negative integer (0 = automatic), got {asked!r}'
+    )
+  spread, _ = eval_split(t.global_batch_size, mesh.data, mesh.pipe, cfg.pipeline.microbatches)
+  rows = t.global_batch_size // (mesh.data * spread)
+  if asked and rows % asked:
+    split = f'train.global_batch_size={t.global_batch_size} / mesh.data={mesh.data}'
+    split += f' / mesh.pipe={spread}' if spread > 1 else ''
+    divisors = ', '.join(str(k) for k in range(1, rows + 1) if rows % k == 0)
+    raise ConfigError(
+      'train.eval_microbatches',
+      f'{asked} does not divide the {rows} rows each device evaluates ({split}); '
+      f'use one of {divisors}, or 0 (automatic)',
     )
 
 

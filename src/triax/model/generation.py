@@ -69,9 +69,10 @@ def encode_prompt(prompt: str, seq_len: int, tok: tokenizer_lib.Tokenizer) -> li
 class Placement:
   """Where sampling runs: one device, or a (data, context, tensor, pipe) mesh.
 
-  On a mesh the weights are split as evaluation splits them (training's rules
-  for heads, MLP and vocabulary over `tensor`; d_model over `pipe`, gathered
-  a layer at a time), so a model that needs the mesh to fit is sampled there.
+  On a mesh the weights are split as evaluation splits the layers' (training's
+  rules for heads, MLP and vocabulary over `tensor`; d_model over `pipe`,
+  gathered a layer at a time), the embedding and head too, so a model that
+  needs the mesh to fit is sampled there.
   The batch of one prompt is not split (data replicas compute the same).
   With context ranks the prefill's sequence is split over them
   (`prefill_rules`: the prompt's activations, s/c positions a device; GSPMD

@@ -135,12 +135,17 @@ def import_hf(hf_dir: str, workdir: str, *, tokenizer: str = '', seq_len: int = 
   with lock_lib.WorkdirLock(workdir):
     trainer = step_lib.build_trainer(cfg, mesh_lib.build_mesh(cfg.mesh))
     shapes = trainer.abstract_canonical_state().params
+    # Made on the devices (Adam's moments are computed), then put where the
+    # checkpoint's layout keeps them (host memory: step._canonical_shardings).
     placed = jax.tree.map(
-      lambda a, s: jax.device_put(jnp.asarray(a, s.dtype), s.sharding), params, shapes
+      lambda a, s: jax.device_put(jnp.asarray(a, s.dtype), s.sharding.with_memory_kind('device')),
+      params,
+      shapes,
     )
     canonical = step_lib.TrainState(
       step=jnp.zeros((), jnp.int32), params=placed, opt_state=trainer.optimizer.init(placed)
     )
+    canonical = jax.device_put(canonical, trainer.canonical_shardings)
     ckpt = ckpt_lib.Checkpointer(workdir, cfg)
     ckpt.save(trainer, trainer.from_canonical(canonical))
     ckpt.wait()

@@ -199,17 +199,22 @@ def state_program_stats(trainer: Trainer) -> tuple[object, dict]:
   conversions every save and restore runs (to and from the checkpoint's
   layout) and the evaluation. Returns the compiled evaluation (the loop
   evaluates with it, so it is compiled once) and their per-device bytes."""
+  state = trainer.abstract_state()
+  shardings = trainer.state_shardings
+  # The train state's bytes in device memory (an offloaded optimizer state's are not).
+  resident = sharding.per_device_bytes(state.params, shardings.params)
+  if not trainer.cfg.train.offload_optimizer:
+    resident += sharding.per_device_bytes(state.opt_state, shardings.opt_state)
   with jax.set_mesh(trainer.mesh):
-    save = trainer.to_canonical.added_bytes(trainer.abstract_state())
-    restore = trainer.from_canonical.added_bytes(trainer.abstract_canonical_state())
-    evaluate = trainer.eval_loss.lower(trainer.abstract_state().params, _abstract_batch(trainer))
-    evaluate = evaluate.compile()
+    save = trainer.to_canonical.peak_bytes(state)
+    restore = trainer.from_canonical.peak_bytes(trainer.abstract_canonical_state())
+    evaluate = trainer.eval_loss.lower(state.params, _abstract_batch(trainer)).compile()
   mem = evaluate.memory_analysis()
   return evaluate, {
-    # What a save's (restore's) conversion adds per device beside the train
-    # state (the checkpoint's layout): its output and temporaries.
-    'checkpoint_save_bytes': int(save),
-    'checkpoint_restore_bytes': int(restore),
+    # What a save's (restore's) conversion holds per device at its peak beyond
+    # the train state: the leaf it converts, its temporaries (relayout.py).
+    'checkpoint_save_bytes': int(save - resident),
+    'checkpoint_restore_bytes': int(restore - resident),
     # The evaluation program's arguments and temporaries per device (to set beside the
     # train step's temp_bytes + argument_bytes).
     'eval_bytes': int(mem.argument_size_in_bytes + mem.temp_size_in_bytes),
@@ -223,21 +228,28 @@ def step_peak_bytes(stats: dict) -> int:
   return s['temp_bytes'] + s['argument_bytes'] + s['output_bytes'] - s['alias_bytes']
 
 
-def run_peak_bytes(stats: dict) -> int:
-  """Per-device peak of the run: the train step's, or a save, restore or
-  evaluation beside the resident state, whichever is larger (a layout that
-  trains must also checkpoint and evaluate)."""
+def program_peaks(stats: dict) -> dict[str, int]:
+  """Per-device peak of each program a run holds on the devices: the train
+  step's, and a save's, a restore's and an evaluation's beside the resident
+  state."""
   s = stats
   # The device's: an offloaded optimizer state is in host memory (memory_analysis
   # counts the train step's host arguments apart too).
   optimizer = s['optimizer_bytes'] - s['offloaded_bytes']
   state = s['param_bytes'] + optimizer
-  return max(
-    step_peak_bytes(s),
-    state + s['checkpoint_save_bytes'],
-    state + s['checkpoint_restore_bytes'],
-    optimizer + s['eval_bytes'],  # eval_bytes holds the params it reads
-  )
+  return {
+    'step': step_peak_bytes(s),
+    'save': state + s['checkpoint_save_bytes'],
+    'restore': state + s['checkpoint_restore_bytes'],
+    'eval': optimizer + s['eval_bytes'],  # eval_bytes holds the params it reads
+  }
+
+
+def run_peak_bytes(stats: dict) -> int:
+  """Per-device peak of the run: the train step's, or a save, restore or
+  evaluation beside the resident state, whichever is larger (a layout that
+  trains must also checkpoint and evaluate)."""
+  return max(program_peaks(stats).values())
 
 
 def all_compile_stats(
@@ -731,6 +743,9 @@ class _Training:
     """Back to the newest checkpoint before the bad steps, whose batches are then skipped."""
     bad = self.bad.streak
     self.pending.clear()  # the step queued after the bad one is computed from it
+    # The bad state goes before the checkpoint's comes: a restore beside it would
+    # hold two train states.
+    self.state = None
     state = self.ckpt.roll_back(self.trainer, bad[0])
     if state is None:
       state = self.trainer.init_state(jax.random.key(self.cfg.train.seed))

@@ -2,7 +2,7 @@
 
 Saving converts the state from the pipeline's layout ([p, v, Lmax, ...]
 stacks) to the checkpoint's (model layer order, split over `pipe`), and
-restoring converts it back. Two things bound what that adds per device:
+restoring converts it back. Three things bound what that adds per device:
 
 - Where chunks change stage (interleaved, ZB-V's V), XLA lowers the index
   permutation to an all-to-all of about twice the leaf (ZB-V's gather: an
@@ -15,6 +15,11 @@ restoring converts it back. Two things bound what that adds per device:
   run in turn, bounds the temporaries by the largest leaf. Programs are
   shared by leaves of one shape, dtype and sharding pair (a parameter and
   its two Adam moments), so a model compiles a handful.
+- The checkpoint's layout lives in host memory (step.py's
+  `_canonical_shardings`): a save's leaf leaves the device inside its
+  program and a restore's comes to it there, so the device never holds the
+  state in both layouts (on the device, the outputs made a second copy of
+  the state beside the first).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from triax import sharding
 from triax.pipeline.layout import StackLayout, under_layers
 
 
@@ -75,9 +81,20 @@ def converter(layout: StackLayout, model_sharding: NamedSharding, to_model: bool
   return layout.to_model_order if to_model else layout.to_pipeline
 
 
+def tree_to_model_order(layout: StackLayout, mesh, tree):
+  """`tree`'s layer stacks in model order, inside the caller's program: with
+  an even split, split over `pipe` by layer, each chunk moved whole (for a
+  V or interleaved placement the index permutation gathers whole stacks on
+  every device); else the layout's own permutation."""
+  move = converter(layout, NamedSharding(mesh, P('pipe')), to_model=True)
+  return jax.tree_util.tree_map_with_path(
+    lambda path, a: move(a) if under_layers(path) else a, tree
+  )
+
+
 def _on_device(convert, in_sharding: NamedSharding):
-  """`convert` of a leaf kept in host memory (train.offload_optimizer), run on
-  its device copy: XLA computes on device memory only (the output goes back
+  """`convert` of a leaf kept in host memory (the checkpoint's layout, an
+  offloaded optimizer state), run on its device copy: XLA computes on device memory only (the output goes back
   where the program's out_shardings put it)."""
   if in_sharding.memory_kind in (None, 'device'):
     return convert
@@ -103,10 +120,16 @@ def _in_turn(leaves, shardings):
 
 
 class Relayout:
-  """The layer stacks (the leaves under 'layers': parameters and Adam moments)
-  converted one by one to model order (`to_model`) or to pipeline order; the
-  other leaves keep their values and change only their sharding
-  (`in_shardings` to `out_shardings`), together in one program."""
+  """The state converted leaf by leaf, one program each, run in turn: the
+  layer stacks (the leaves under 'layers': parameters and Adam moments) to
+  model order (`to_model`) or to pipeline order, every other leaf only
+  resharded (`in_shardings` to `out_shardings`).
+
+  A leaf in host memory comes to the device inside its program, and an
+  output the shardings place there leaves it inside its program: with the
+  checkpoint's layout in host memory (step.py's `_canonical_shardings`), a
+  save or restore holds the train state and one leaf's conversion on the
+  device, never a second copy of the state."""
 
   def __init__(self, layout: StackLayout, in_shardings: Any, out_shardings: Any, *, to_model: bool):
     self._layout = layout
@@ -119,50 +142,45 @@ class Relayout:
     leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
     ins = treedef.flatten_up_to(self._in)
     outs = treedef.flatten_up_to(self._out)
-    return leaves, treedef, ins, outs
+    return leaves, treedef, list(zip(leaves, ins, outs))
 
-  def _program(self, leaf, in_sharding, out_sharding):
-    key = (leaf.shape, leaf.dtype, in_sharding, out_sharding)
+  def _program(self, path, leaf, in_sharding, out_sharding):
+    stack = under_layers(path)
+    key = (stack, leaf.shape, leaf.dtype, in_sharding, out_sharding)
     if key not in self._programs:
-      model_sharding = out_sharding if self._to_model else in_sharding
-      convert = _on_device(converter(self._layout, model_sharding, self._to_model), in_sharding)
+      convert = lambda x: x  # noqa: E731
+      if stack:
+        model_sharding = out_sharding if self._to_model else in_sharding
+        convert = converter(self._layout, model_sharding, self._to_model)
+      convert = _on_device(convert, in_sharding)
       self._programs[key] = jax.jit(convert, in_shardings=in_sharding, out_shardings=out_sharding)
     return self._programs[key]
 
-  def _still(self, leaves, ins, outs):
-    """One program for the leaves that only reshard."""
-    idx = tuple(i for i, (path, _) in enumerate(leaves) if not under_layers(path))
-    if idx not in self._programs:
-      self._programs[idx] = jax.jit(
-        lambda xs: xs,
-        in_shardings=([ins[i] for i in idx],),
-        out_shardings=[outs[i] for i in idx],
-      )
-    return idx, self._programs[idx]
-
   def __call__(self, tree):
-    leaves, treedef, ins, outs = self._parts(tree)
-    result = [None] * len(leaves)
-    idx, still = self._still(leaves, ins, outs)
-    in_turn = _in_turn(leaves, ins)
-    for i, x in zip(idx, in_turn(still([leaves[i][1] for i in idx]))):
-      result[i] = x
-    for i, (path, leaf) in enumerate(leaves):
-      if under_layers(path):
-        result[i] = in_turn(self._program(leaf, ins[i], outs[i])(leaf))
+    leaves, treedef, parts = self._parts(tree)
+    in_turn = _in_turn(leaves, [i for _, i, _ in parts])
+    result = [in_turn(self._program(path, x, i, o)(x)) for (path, x), i, o in parts]
     return jax.tree_util.tree_unflatten(treedef, result)
 
-  def added_bytes(self, abstract) -> int:
-    """Per device, what the conversion adds beside its input at its peak: every
-    output (they stay until the checkpoint has them) plus the largest
-    temporaries of any one program (they run in turn)."""
-    leaves, _, ins, outs = self._parts(abstract)
-    idx, still = self._still(leaves, ins, outs)
-    analyses = [still.lower([leaves[i][1] for i in idx]).compile().memory_analysis()]
-    for i, (path, leaf) in enumerate(leaves):
-      if under_layers(path):
-        program = self._program(leaf, ins[i], outs[i])
-        analyses.append(program.lower(leaf).compile().memory_analysis())
-    return sum(m.output_size_in_bytes for m in analyses) + max(
-      m.temp_size_in_bytes for m in analyses
-    )
+  def peak_bytes(self, abstract) -> int:
+    """Per device, the most device memory the conversion of `abstract` holds
+    at once: every input leaf in device memory (the caller keeps them), the
+    outputs made so far in device memory (they stay: the checkpoint writes
+    them, or they are the restored state), and the running program's
+    temporaries and output. Host memory (step.HOST) is not counted."""
+    leaves, _, parts = self._parts(abstract)
+    held = sum(_device_bytes(x, i) for (_, x), i, _ in parts)
+    peak = held
+    for (path, x), i, o in parts:
+      program = self._program(path, x, i, o)
+      temp = program.lower(x).compile().memory_analysis().temp_size_in_bytes
+      out = _device_bytes(jax.eval_shape(program, x), o)
+      peak = max(peak, held + temp + out)
+      held += out
+    return peak
+
+
+def _device_bytes(leaf, leaf_sharding: NamedSharding) -> int:
+  """Bytes of `leaf` one device holds in its device memory (0 in host memory)."""
+  on_device = leaf_sharding.memory_kind in (None, 'device')
+  return sharding.per_device_bytes(leaf, leaf_sharding) if on_device else 0

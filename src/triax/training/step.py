@@ -9,6 +9,7 @@ gradient, so clipping and AdamW behave as on one device.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -325,10 +326,8 @@ def _state_and_canonical_shardings(cfg, model, mesh, optimizer, param_shardings,
   if offload:
     check_host_memory(mesh.devices.flat[0])
   state = _state_shardings(optimizer, param_shardings, param_shapes, zero1, mesh, offload)
-  # Offloaded, the checkpoint's copy stays in host memory too: a save's conversion
-  # would otherwise bring the whole optimizer state back to the device.
   rules = cfg.sharding.logical_axis_rules
-  return state, _canonical_shardings(model, mesh, rules, optimizer, zero1, offload)
+  return state, _canonical_shardings(model, mesh, rules, optimizer, zero1)
 
 
 def _state_shardings(
@@ -354,13 +353,18 @@ def _state_shardings(
   return TrainState(step=replicated, params=param_shardings, opt_state=opt_shardings)
 
 
-def _canonical_shardings(model, mesh: Mesh, rules, optimizer, zero1: bool, offload: bool):
-  """The checkpoint's layout (model layer order), split over `pipe` as well.
+def _canonical_shardings(model, mesh: Mesh, rules, optimizer, zero1: bool):
+  """The checkpoint's layout (model layer order), split over `pipe` as well,
+  in host memory where the devices have it (HOST).
 
   The layer axis first: what every stage writes and reads is its share, not
   the whole state (replicated, pipe=8 made each device hold 7x the train
   state to save it). With an even split and v = 1 the shares are the
-  stages' own layers, so converting moves nothing.
+  stages' own layers, so converting moves nothing. In host memory, a save's
+  copy leaves the device leaf by leaf as it is made, and a restore's comes
+  to it leaf by leaf (relayout.py): beside the train state a device holds
+  one leaf's conversion, not the state a second time. (Orbax copies a save
+  to the host before writing it, and reads a restore there, either way.)
   """
   shapes = shapes_from_key(model.init)
   params = jax.tree.map(
@@ -368,7 +372,8 @@ def _canonical_shardings(model, mesh: Mesh, rules, optimizer, zero1: bool, offlo
     sharding.tree_shardings(model.logical_axes(), mesh, rules),
     shapes,
   )
-  return _state_shardings(optimizer, params, shapes, zero1, mesh, offload)
+  shardings = _state_shardings(optimizer, params, shapes, zero1, mesh)
+  return _in_memory(shardings, HOST) if has_host_memory(mesh.devices.flat[0]) else shardings
 
 
 def _loss_and_grad_unpipelined(model, layout):
@@ -445,7 +450,8 @@ def _loss_and_grad_pipelined(cfg, mesh: Mesh, model, spec, layout, program):
   return raw_loss_and_grad, run
 
 
-# The memory kind train.offload_optimizer keeps the optimizer state in between steps.
+# The memory kind train.offload_optimizer keeps the optimizer state in between steps, and
+# the checkpoint's layout its copy of the state in (_canonical_shardings).
 HOST = 'pinned_host'
 
 
@@ -453,10 +459,15 @@ def _in_memory(shardings, kind: str):
   return jax.tree.map(lambda s: s.with_memory_kind(kind), shardings)
 
 
+def has_host_memory(device) -> bool:
+  """Whether `device` has the HOST memory offloading and checkpoints use."""
+  return HOST in {m.kind for m in device.addressable_memories()}
+
+
 def check_host_memory(device, key: str = 'train.offload_optimizer') -> None:
   """Raises ConfigError (on `key`) unless `device` has the HOST memory offloading uses."""
-  kinds = {m.kind for m in device.addressable_memories()}
-  if HOST not in kinds:
+  if not has_host_memory(device):
+    kinds = {m.kind for m in device.addressable_memories()}
     raise ConfigError(
       key,
       f'{device.platform} devices have no {HOST} memory (only {", ".join(sorted(kinds))}); '
@@ -497,22 +508,75 @@ def _train_step(cfg, optimizer, loss_and_grad, batch_args, opt_shardings):
 def _eval_loss(cfg, mesh: Mesh, model, spec, layout, batch_args):
   """params, batch -> the mean loss, the model run unpipelined in layer order.
 
-  With pipe > 1 the weights stay split over `pipe` along d_model (FSDP's
-  split, with pipe as the sharding axis), so the layer scan gathers one
-  layer at a time: per device, the model is never whole (it was: every
-  layer on every stage).
+  The batch goes through in micro-batches, one after another in one program
+  (`config.eval_split`: the train step's micro-batch size per device by
+  default), and each micro-batch's rows are split over the batch's mesh axes
+  and `pipe`, so no two devices compute the same rows (each pipe rank ran
+  the replica's whole batch before). With pipe > 1 the layers' weights are
+  split over `pipe` along d_model instead of by stage (FSDP's split, with
+  pipe as its axis), so the layer scan gathers one layer at a time: per
+  device, the model is never whole. The embedding and head stay as the
+  train step holds them (whole over `pipe`).
   """
   rules = cfg.sharding.logical_axis_rules
-  eval_rules = tuple(r for r in rules if r[0] != 'embed') + (('embed', 'pipe'),)
-  eval_shardings = sharding.tree_shardings(model.logical_axes(), mesh, eval_rules)
-  p = cfg.mesh.pipe
-  split_eval = p > 1 and dict(rules).get('embed') is None and spec.d_model % p == 0
+  spread, count = config.eval_split(
+    cfg.train.global_batch_size,
+    cfg.mesh.data,
+    cfg.mesh.pipe,
+    cfg.pipeline.microbatches,
+    cfg.train.eval_microbatches,
+  )
+  weight_rules = _eval_weight_rules(rules, mesh, spec.d_model)
+  layers = sharding.tree_shardings(model.logical_axes()['layers'], mesh, weight_rules)
+  act_rules = _with_axis(rules, 'batch', 'pipe') if spread > 1 else rules
+  micro = _micro_batches(act_rules, mesh, count)
 
   def eval_loss(params, batch):
-    flat = layout.tree_to_model_order(params)
-    if split_eval:
-      flat = jax.lax.with_sharding_constraint(flat, eval_shardings)
-    with sharding.axis_rules(rules):
-      return model.loss(flat, *batch_args(batch))
+    flat = relayout.tree_to_model_order(layout, mesh, params)
+    flat = {**flat, 'layers': jax.lax.with_sharding_constraint(flat['layers'], layers)}
+
+    def one(total, args):
+      args = jax.tree.map(lambda a: a.reshape((-1,) + a.shape[2:]), args)
+      with sharding.axis_rules(act_rules):
+        return total + model.loss(flat, *args), None
+
+    total, _ = jax.lax.scan(one, jnp.zeros((), jnp.float32), jax.tree.map(micro, batch_args(batch)))
+    return total / count  # micro-batches of equal size: the mean of their means
 
   return eval_loss
+
+
+def _micro_batches(act_rules, mesh: Mesh, count: int):
+  """batch array [B, ...] -> [count, groups, rows, ...]: `count` micro-batches,
+  each split into one group of rows per device of the batch's mesh axes
+  (`act_rules`' 'batch', `data` first): a device's groups lie in its own
+  shard of the batch, so splitting them moves nothing."""
+  row_axes = sharding.logical_to_spec(('batch',), act_rules)[0]
+  names = row_axes if isinstance(row_axes, tuple) else (row_axes,)
+  groups = math.prod(mesh.shape[a] for a in names if a is not None)
+
+  def micro(a):
+    a = a.reshape((groups, count, -1) + a.shape[1:])
+    a = jax.lax.with_sharding_constraint(a, NamedSharding(mesh, P(row_axes)))
+    return jnp.swapaxes(a, 0, 1)
+
+  return micro
+
+
+def _with_axis(rules, logical: str, mesh_axis: str) -> tuple:
+  """`rules` with `mesh_axis` added after the mesh axes `logical` maps to."""
+  axes = dict(rules).get(logical)
+  axes = tuple(axes) if isinstance(axes, (tuple, list)) else (axes,)
+  axes = tuple(a for a in axes if a is not None) + (mesh_axis,)
+  return tuple(r for r in rules if r[0] != logical) + ((logical, axes),)
+
+
+def _eval_weight_rules(rules, mesh: Mesh, d_model: int) -> tuple:
+  """The evaluation's weights: as trained, but for d_model (FSDP's 'embed'),
+  also split over `pipe` (pipe > 1) where it divides, instead of each
+  stage's own layers."""
+  if mesh.shape['pipe'] == 1:
+    return rules
+  split = _with_axis(rules, 'embed', 'pipe')
+  ways = math.prod(mesh.shape[a] for a in dict(split)['embed'])
+  return split if d_model % ways == 0 else rules

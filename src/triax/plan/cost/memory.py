@@ -17,9 +17,10 @@ Beside the train step, the run saves and restores checkpoints and
 evaluates on the same resident state (`state_programs`, what
 training/loop.py's state_program_stats compiles and triax budget counts):
 a save or restore converts the state to or from the checkpoint's layout
-(about one more copy of the state's share), and the evaluation runs the
-model forward on the step's rows of one replica (global batch / data, all
-at once, unpipelined) with no stash. The peak is the largest of the four.
+(in host memory: one leaf at a time on the device), and the evaluation
+runs the model forward, unpipelined, one micro-batch at a time, its rows
+over the data and pipe ranks, with no stash. The peak is the largest of
+the four.
 
 Activations per device (`layer_stash`, `token_share`, `residual_share`):
 the profile's figures are per sequence on one tensor shard; context
@@ -49,6 +50,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from triax import config
 from triax.pipeline import schedule as sched
 from triax.pipeline.executor import edge_grads_after_loop, edge_pool_bytes
 from triax.plan.candidate import Options, Plan
@@ -146,28 +148,55 @@ def state_programs(
   """Peak bytes per device of a checkpoint save, a restore and an
   evaluation, each beside the resident state.
 
-  Save / restore: the state plus its converted copy (the checkpoint layout
-  splits the same bytes over the same devices: about one more share).
-  Evaluation: the state, with pipe > 1 the parameters resharded once more
-  (the step splits eval's weights over `pipe` along d_model), and the
-  forward of global_batch / data rows through one layer at a time without
-  stash, bounded by one layer's unrematerialised residuals and its input
-  and output, and the rows' fp32 logits. With the moments `offloaded`, a
-  save or restore brings one leaf of them at a time to the device and puts
-  it back (training/relayout.py): the device's state is the parameters.
+  Save / restore: the state and one leaf's conversion (training/relayout.py
+  converts leaf by leaf, the checkpoint's copy in host memory: XLA:TPU's
+  conversions hold the leaf's converted copy, or its device copy and the
+  output it gathers, at most the leaf in the train state's layout),
+  `largest_leaf`. With the moments `offloaded` the device's state is the
+  parameters, and a moment leaf comes to the device as any leaf does.
+  Evaluation: the state; with pipe > 1 the layers' parameters resharded
+  once more (the step splits eval's weights over `pipe` along d_model) and
+  one layer gathered, as FSDP's is; and the forward of one evaluation
+  micro-batch (config.eval_split: its rows over the data and pipe ranks, no
+  more per device than the train step's micro-batch per replica) through
+  one layer at a time without stash, bounded by one layer's
+  unrematerialised residuals and its input and output, the rows' fp32
+  logits, and the head's weight cast to the compute dtype (`head_cast`).
   """
   shard = profile.shards[plan.tensor]
   rest = resident(plan, profile, params, experts, offloaded)
-  rows = plan.global_batch // plan.data
-  copy = state(plan, profile, params, experts)['params'] if plan.pipe > 1 else 0.0
+  spread, count = config.eval_split(plan.global_batch, plan.data, plan.pipe, plan.microbatches)
+  rows = plan.global_batch // (plan.data * spread * count)
+
+  def share(part: float, part_experts: float = 0.0) -> float:  # of `part` bytes, a device's
+    return state(plan, profile, part, part_experts)['params']
+
+  layers = params - shard.edge_param_bytes
+  copy = share(layers, experts) if plan.pipe > 1 else 0.0
   entry = profile.layers_per_entry  # the layers one step of the scan runs
   forward = rows * (
     layer_stash(plan, shard, 'none') * entry
     + 2 * shard.act_per_seq * residual_share(plan)
     + shard.logits_per_seq * token_share(plan)
   )
-  gathered = shard.layer_param_bytes * entry if plan.state_sharding == 'fsdp' else 0.0
-  return {'save': 2 * rest, 'restore': 2 * rest, 'eval': rest + copy + gathered + forward}
+  split = plan.state_sharding == 'fsdp' or plan.pipe > 1
+  gathered = shard.layer_param_bytes * entry if split else 0.0
+  evaluate = rest + copy + gathered + forward + head_cast(profile, shard)
+  convert = share(largest_leaf(shard, params))
+  return {'save': rest + convert, 'restore': rest + convert, 'eval': evaluate}
+
+
+# A layer's largest weight as a share of its parameters: an MLP matrix (GPT's
+# 4h^2 of 12h^2; each of SwiGLU's three about a quarter of a Llama layer).
+LARGEST_WEIGHT = 1 / 3
+
+
+def largest_leaf(shard: Shard, params: float) -> float:
+  """Bytes of the largest leaf of a stage holding `params` bytes of
+  parameters (its layers and the edges), whole over `data`: one weight
+  stacked over the stage's layers, or the embedding table."""
+  layers = params - shard.edge_param_bytes
+  return max(LARGEST_WEIGHT * layers, head_weight(shard))
 
 
 def token_share(plan: Plan) -> float:
