@@ -36,12 +36,11 @@ MoE layer's all-to-alls) under the other's compute; its two outputs travel
 in one ppermute per offset.
 
 A packed program (rounds.py: a backward that reruns the forward, twice an
-F's or a W's work) groups ticks into rounds. Its devices meet only where a
-message crosses stages: an output for another stage waits in a slot of its
-sender's message pool, and only the ticks the program names send, all
-devices entering the ppermutes together under a cond they take alike;
-there the sends run before the tick's compute (which reads nothing they
-bring, so XLA may run them beside it) or after it, and land when it ends.
+F's or a W's work) groups ticks into rounds whose ticks run no collective:
+a device that finishes its part of a round early goes on. An output for
+another stage waits in a slot of its sender's message pool for the send
+after the round's last tick, one ppermute per offset its messages use,
+each under a cond every device takes alike.
 
 The two ends' weight gradients (embedding, head: `edges`) are made in the
 loop, into one accumulator carried through it, or after it
@@ -404,15 +403,14 @@ def _device_tables(program: lower_lib.Program) -> dict[str, jax.Array]:
     tables['fused'] = jnp.asarray(program.table['mb2'] >= 0, jnp.int32)
     tables.update({f'recv2_{o}': dropped(program.recv2[o]) for o in program.recv2})
   if program.packed:
-    # The slot each output for another stage waits in, the slots each send
-    # reads (one per offset; -1 sends slot 0, which nobody keeps), and
-    # whether the tick sends (the same on every device).
+    # The slot each output for another stage waits in, the slot each send
+    # reads (per offset; -1 sends slot 0, which nobody keeps), and whether
+    # any stage sends over the offset in the tick (the same on every device).
     tables['pend'] = dropped(program.table['pend'])
-    tables.update(
-      {f'out{o}': jnp.asarray(np.maximum(t, 0), jnp.int32) for o, t in program.outbox.items()}
-    )
-    sends = np.isin(np.arange(program.ticks), sorted(program.sends))[:, None]
-    tables['sends'] = jnp.asarray(np.broadcast_to(sends, program.table['kind'].shape), jnp.int32)
+    for o, box in program.outbox.items():
+      tables[f'out{o}'] = jnp.asarray(np.maximum(box, 0), jnp.int32)
+      anyone = np.broadcast_to((box >= 0).any(axis=1, keepdims=True), box.shape)
+      tables[f'send{o}'] = jnp.asarray(anyone, jnp.int32)
   if program.partner is not None:
     tables['move_send'] = jnp.asarray(np.maximum(program.table['move_send'], 0), jnp.int32)
     tables['move_recv'] = jnp.asarray(program.table['move_recv'], jnp.int32)
@@ -605,13 +603,17 @@ class _Stage:
 
   def tick(self, c, rows):
     row = {name: table[self.stage] for name, table in rows.items()}
+    c, outs = self.compute(c, row)
+    if not self.setup.program.packed:
+      return self.send(c, row, outs), None
+    c = self.hold(c, row, self.setup.pin_message(outs['recv']))
+    return self.land(c, row, self.send_pending(c, row)), None
+
+  def compute(self, c, row):
+    """One tick's work on this device, without its sends: (carry, the
+    outputs to send)."""
     if 'any_move' in row:
       c = jax.lax.cond(row['any_move'] > 0, self.move, lambda c, row: c, c, row)
-    packed = self.setup.program.packed
-    if packed and self.setup.program.send_under:
-      # Sent before the tick's compute, which reads nothing it brings: XLA
-      # runs the ppermute beside the branches. It lands when they are done.
-      arrived = self.send_pending(c, row)
     # One cond per kind rather than one switch over all four: a switch whose
     # branches write (F) and read (B, W) the stash made XLA copy the whole
     # pool (measured: 1f1b p=4 temp 132 MB -> see tests/test_pipeline_memory.py).
@@ -643,41 +645,41 @@ class _Stage:
       c['stash'] = [
         b.at[slot].set(v.astype(b.dtype), mode='drop') for b, v in zip(c['stash'], kept)
       ]
-    if not packed:
-      return self.send(c, row, outs), None
-    # An output for another stage waits in its own stage's pool (`pend`)
-    # for the send that carries it.
-    out = self.setup.pin_message(outs['recv'])
-    c = dict(c, msg=c['msg'].at[row['pend']].set(out, mode='drop'))
-    if not self.setup.program.send_under:
-      arrived = self.send_pending(c, row)
-    return self.land(c, row, arrived, out), None
+    return c, outs
 
-  def send_pending(self, c, row) -> list:
-    """In a tick that sends (the same on every device, so all enter the
-    ppermutes together), each offset's waiting output to the stage it
-    names (`outbox`); zeros, which nobody keeps, in the others."""
-    program = self.setup.program
-    p, offsets = program.schedule.stages, sorted(program.outbox)
-
-    def send(msg):
-      return [
-        jax.lax.ppermute(msg[row[f'out{o}']], 'pipe', [(i, (i + o) % p) for i in range(p)])
-        for o in offsets
-      ]
-
-    def none(msg):
-      return [jnp.zeros_like(msg[0]) for _ in offsets]
-
-    return jax.lax.cond(row['sends'] > 0, send, none, c['msg'])
-
-  def land(self, c, row, arrived, out):
-    """A packed tick's last phase: its output, where its chunk's neighbour
-    on this stage reads it, and what a send brought, where the receivers'
-    tables name (after the send read the slots it sends from)."""
-    msg = c['msg']
+  def hold(self, c, row, out):
+    """A packed tick's output: for another stage, into a slot of its own
+    stage's pool (`pend`) to wait for the send that carries it; for a chunk
+    of this stage, where that chunk reads it."""
+    msg = c['msg'].at[row['pend']].set(out, mode='drop')
     if 0 in self.setup.program.recv:
       msg = msg.at[row['recv0']].set(out, mode='drop')
+    return dict(c, msg=msg)
+
+  def send_pending(self, c, row) -> list:
+    """A packed round's send, after its last tick: per stage offset its
+    messages use, the waiting outputs (`outbox`; a stage with none sends a
+    slot nobody keeps) to the stages it names, under a cond every device
+    takes alike (the `send{o}` table: whether any stage sends over o at
+    this tick); zeros elsewhere."""
+    program = self.setup.program
+    p = program.schedule.stages
+    out = []
+    for o in sorted(program.outbox):
+      pairs = [(i, (i + o) % p) for i in range(p)]
+      out.append(
+        jax.lax.cond(
+          row[f'send{o}'] > 0,
+          lambda msg, o=o, pairs=pairs: jax.lax.ppermute(msg[row[f'out{o}']], 'pipe', pairs),
+          lambda msg: jnp.zeros_like(msg[0]),
+          c['msg'],
+        )
+      )
+    return out
+
+  def land(self, c, row, arrived):
+    """What a round's send brought, where the receivers' tables name."""
+    msg = c['msg']
     for o, x in zip(sorted(self.setup.program.outbox), arrived):
       msg = msg.at[row[f'recv{o}']].set(x, mode='drop')
     return dict(c, msg=msg)

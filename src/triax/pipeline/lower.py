@@ -132,11 +132,10 @@ class Program:
       each; () for the papers' lowering, where every tick is a round of
       its own and sends at its end. In a packed program an output for
       another stage waits in a message slot of its own stage (the `pend`
-      table, at the tick that makes it) until a tick in `sends` carries it
-      (`outbox`); `recv[o][t]` names where what tick t sends lands.
-    sends: a packed program's ticks that run the send phase.
-    send_under: a packed program's sends run under their tick's compute
-      (before it, landing when it ends), not after it.
+      table, at the tick that makes it) until the send after its round's
+      last tick (in `sends`) carries it (`outbox`) and lands it
+      (`recv[o]`, at that tick).
+    sends: a packed program's ticks that end with a send phase.
     outbox: a packed program's stage offset o -> int32 [T, p]: the message
       slot whose output stage s sends over offset o at tick t; -1 none.
     units: what the packing took each action to cost (None: not packed).
@@ -156,7 +155,6 @@ class Program:
   recv2: dict[int, np.ndarray] = dataclasses.field(default_factory=dict)
   rounds: tuple[int, ...] = ()
   sends: frozenset[int] = frozenset()
-  send_under: bool = False
   outbox: dict[int, np.ndarray] = dataclasses.field(default_factory=dict)
   units: rounds_lib.TickUnits | None = None
   packing: rounds_lib.Packing | None = None
@@ -235,25 +233,25 @@ def lower(
     tuple(tuple(sorted(cell, key=lambda a: KINDS.index(a.kind))) for cell in row) for row in grid
   )
   fused = _fused(run, at) if fuse_overlaps else {}
-  slots, counts = _assign_slots(run, at, fused, at, {})
+  lands = {a: _time(t, _RECV) for a, t in at.items()}
+  slots, counts = _assign_slots(run, at, fused, lands, {})
   return _tabulate(run, schedule, grid, at, slots, counts, fused, at, {})
 
 
 def _lower_packed(run: Schedule, source: Schedule, units: rounds_lib.TickUnits) -> Program:
   """The packed program (rounds.py) that the lockstep time model times
-  fastest at the design costs: each rule, sending after and under (timed
-  from their grids; only the one kept gets its slots and tables)."""
+  fastest at the design costs, of each rule's (timed from their grids; only
+  the one kept gets its slots and tables)."""
   from triax.pipeline import simulate  # simulate imports this module
 
   design = simulate.Costs.design_point(source.split_backward, units)
   design = dataclasses.replace(design, t_transfer=rounds_lib.MESSAGE_UNITS)
   best = None
   for rule in rounds_lib.RULES:
-    for under in (False, True):
-      untabled = _packed_grid(run, source, rounds_lib.pack(run, units, rule, under), units)
-      took = simulate.simulate_lockstep(untabled, design).total_time
-      if best is None or took < best[0]:
-        best = (took, untabled)
+    untabled = _packed_grid(run, source, rounds_lib.pack(run, units, rule), units)
+    took = simulate.simulate_lockstep(untabled, design).total_time
+    if best is None or took < best[0]:
+      best = (took, untabled)
   return _tabulate_packing(best[1])
 
 
@@ -277,7 +275,6 @@ def _packed_grid(
     partner=None,
     rounds=packing.rounds,
     sends=packing.sends,
-    send_under=packing.under,
     units=units,
     packing=packing,
   )
@@ -287,17 +284,18 @@ def _tabulate_packing(untabled: Program) -> Program:
   run, packing = untabled.schedule, untabled.packing
   at = packing.at
   land = rounds_lib.land_ticks(packing, run)
-  # Where an output for another stage waits: a slot of its sender's message
-  # pool, written after its tick's compute, read by the send that carries it.
-  sent = _time(0, _SEND) if packing.under else _time(0, _RECV) - 0.25
-  pending = {a: sent + _time(land[a], 0) for a in at if rounds_lib.cross_offset(run, a) is not None}
-  slots, counts = _assign_slots(run, at, {}, land, pending)
-  program = _tabulate(run, untabled.source, untabled.grid, at, slots, counts, {}, land, pending)
+  sent = {a: t for a, t in land.items() if rounds_lib.cross_offset(run, a) is not None}
+  # In a tick: compute; an output for another stage kept in a slot of its
+  # sender's pool (_KEPT), one for a chunk of its own stage landed (_LOCAL);
+  # a send after the round reads what waits (_READ); arrivals land (_RECV).
+  pending = {a: _time(t, _RECV) + _READ for a, t in sent.items()}
+  lands = {a: _time(t, _RECV) + (0 if a in sent else _LOCAL) for a, t in land.items()}
+  slots, counts = _assign_slots(run, at, {}, lands, pending)
+  program = _tabulate(run, untabled.source, untabled.grid, at, slots, counts, {}, land, sent)
   return dataclasses.replace(
     program,
     rounds=packing.rounds,
     sends=packing.sends,
-    send_under=packing.under,
     units=untabled.units,
   )
 
@@ -468,6 +466,11 @@ def _copy_ticks(schedule: Schedule, at: dict[Action, int]) -> dict[Action, int]:
   return placed
 
 
+# A packed tick's receive phase, in order (offsets from _RECV): outputs kept
+# to send, outputs landed on their own stage, a send after the round's read.
+_KEPT, _LOCAL, _READ = -0.5, -0.4, -0.25
+
+
 def _time(tick: int, phase: int) -> int:
   return _PHASES * tick + phase
 
@@ -476,7 +479,7 @@ def _intervals(
   schedule: Schedule,
   at: dict[Action, int],
   fused: dict[Action, Action],
-  land: dict[Action, int],
+  land: dict[Action, float],
   pending: dict[Action, float],
 ) -> dict:
   """Per stage and buffer, the [write, read] event times of each entry.
@@ -491,11 +494,11 @@ def _intervals(
   set is written after the W freed its own (half a phase later) and the
   B's cut goes straight to its W, with no slot.
 
-  `land`: the tick at whose end each action's output lands (its own tick,
-  or in a packed program the tick that sends it); `pending`: a packed
-  program's outputs for other stages, by the event time their send reads
-  them, each waiting in a slot of its sender's pool from its tick's end
-  (key ('out', j, c) of the chunk it goes to, or ('back', j, c)).
+  `land`: the event time each action's output lands where it is read;
+  `pending`: a packed program's outputs for other stages, by the event
+  time their send reads them, each waiting in a slot of its sender's pool
+  from its tick's compute (key ('out', j, c) of the chunk it goes to, or
+  ('back', j, c)).
   """
   p, last = schedule.stages, schedule.num_chunks - 1
   out = {(s, buf): [] for s in range(p) for buf in ('msg', 'stash', 'cut')}
@@ -520,18 +523,14 @@ def _intervals(
     if Action(BACKWARD, j, c) not in fused_backwards:
       out[(s, 'cut')].append((_time(tb, _COMPUTE), freed, (j, c)))
     if c > 0:
-      out[(s, 'msg')].append(
-        (_time(land[Action(FORWARD, j, c - 1)], _RECV), _time(tf, _COMPUTE), ('x', j, c))
-      )
+      out[(s, 'msg')].append((land[Action(FORWARD, j, c - 1)], _time(tf, _COMPUTE), ('x', j, c)))
     # The last chunk's F writes its loss gradient while it computes; it must
     # not take the slot its own input is read from, so it counts from just
     # after the read.
-    written = (
-      _time(tf, _COMPUTE) + 0.5 if c == last else _time(land[Action(BACKWARD, j, c + 1)], _RECV)
-    )
+    written = _time(tf, _COMPUTE) + 0.5 if c == last else land[Action(BACKWARD, j, c + 1)]
     out[(s, 'msg')].append((written, _time(tb, _COMPUTE), ('g', j, c)))
   for a, read in pending.items():
-    kept = _time(at[a], _RECV) - 0.5  # after its compute, before the tick's landing
+    kept = _time(at[a], _RECV) + _KEPT
     out[(schedule.stage_of(a.chunk), 'msg')].append((kept, read, _pending_key(a)))
   return out
 
@@ -569,7 +568,7 @@ def _assign_slots(
   schedule: Schedule,
   at: dict[Action, int],
   fused: dict[Action, Action],
-  land: dict[Action, int],
+  land: dict[Action, float],
   pending: dict[Action, float],
 ) -> tuple[dict, dict]:
   slots, counts = {}, {}
@@ -587,7 +586,7 @@ def _tabulate(
   counts: dict,
   fused: dict[Action, Action],
   land: dict[Action, int],
-  pending: dict[Action, float],
+  sent: dict[Action, int],
 ) -> Program:
   p, last, ticks = run.stages, run.num_chunks - 1, len(grid)
   table = {name: np.full((ticks, p), -1, np.int32) for name in TABLES}
@@ -604,12 +603,12 @@ def _tabulate(
     if o not in into:
       into[o] = np.full((ticks, p), -1, np.int32)
     into[o][land[a], dst] = slot[(dst, 'msg')][key]
-    if a in pending:  # waits in a slot of its sender until a send carries it
+    if a in sent:  # waits in a slot of its sender until a send carries it
       kept = slot[(src, 'msg')][_pending_key(a)]
       table['pend'][at[a], src] = kept
       if o not in outbox:
         outbox[o] = np.full((ticks, p), -1, np.int32)
-      outbox[o][land[a], src] = kept
+      outbox[o][sent[a], src] = kept
 
   def home(j: int, c: int) -> int:
     """The stash slot B and W read: back from the partner if evicted."""

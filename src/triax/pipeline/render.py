@@ -33,8 +33,7 @@ def text_grid(program: Program) -> str:
   s = program.schedule
   rounds = ''
   if program.packed:
-    when = 'under the marked tick' if program.send_under else 'after the marked tick'
-    rounds = f' in {len(program.rounds)} rounds, sending {when}'
+    rounds = f' in {len(program.rounds)} rounds, sending after the marked ticks'
   head = (
     f'{s.name}: stages={s.stages} microbatches={s.microbatches} '
     f'virtual_stages={s.virtual_stages}, {program.ticks} lockstep ticks{rounds} '

@@ -200,9 +200,8 @@ def summary(analysis: Analysis) -> dict:
     'virtual_stages': s.virtual_stages,
     'placement': list(s.placement),
     'ticks': program.ticks,
-    # A packed program's (pipeline/rounds.py): rounds, and where each sends.
+    # A packed program's rounds (pipeline/rounds.py); 0: one action a tick.
     'rounds': len(program.rounds),
-    'send': ('under' if program.send_under else 'after') if program.packed else None,
     'bubble_fraction': analysis.lockstep.bubble_fraction,
     'peak_inflight': list(analysis.lockstep.peak_inflight),
     'valid': not analysis.problems,

@@ -12,24 +12,24 @@ schedule (docs/bench_megatron_table1.md).
 A packed program groups ticks into rounds. A round gives each stage a run
 of consecutive actions from its order whose costs (`TickUnits`, in
 forwards) add up to at most the round's length, so one stage's B lasts as
-long as its neighbour's W and F; the stages meet only where messages
-cross: no collective runs inside a round, so a stage that finishes early
-goes on to its next tick and waits at the round's send. Every action still
-has a tick of its own (a round of K ticks: a stage's k-th action of the
-round runs in its k-th tick), so tables, slots, validator and executor
-keep one action per stage per tick; only the send phase moves:
+long as its neighbour's W and F; the stages meet only at the round's send:
+no collective runs inside a round, so a stage that finishes early goes on
+to its next tick. Every action still has a tick of its own (a round of K
+ticks: a stage's k-th action of the round runs in its k-th tick), so
+tables, slots, validator and executor keep one action per stage per
+tick. An output for another stage waits in a slot of its sender's message
+pool (at most one per stage offset a round) until the round's send after
+its last tick, one ppermute per offset its messages use; it can be read in
+the next round. Messages between a stage's own chunks, a stage's stash and
+its cuts never wait for a send.
 
-  after   the round's messages go in one send phase after its last tick
-          (each stage's outputs wait in a pending buffer, one per stage
-          offset, until then); they can be read in the next round;
-  under   they go in the first tick of the next round, under its compute
-          (XLA runs the ppermute beside the tick's branch, which reads
-          nothing it brings), and land when that tick ends: a stage can
-          read them from the next round's second action on.
-
-`under` hides the send behind compute where the schedule leaves slack (the
-interleaved schedules); `after` delays no one (1F1B). Messages between a
-stage's own chunks, a stage's stash and its cuts never wait for a send.
+A send could also run under the next round's compute, hiding it where the
+schedule leaves slack (interleaving): the time model priced that within 3%
+of the asynchronous schedule on Table 1's 530B layout, against 5% after.
+XLA:GPU (jax 0.10.2's plugin, default flags) runs one async collective at
+a time, so a round whose layers all-reduce over `tensor` leaves no room
+for the ppermute beside it, and without them it hides one offset's of two:
+not built (measured by compiling the executor for h100:8).
 
 How a round's length is chosen (`RULES`): `longest`, the longest first
 action any stage can run (the others fill up to it); `fill`, of the lengths
@@ -107,16 +107,14 @@ class Packing:
   Attributes:
     at: each compute action's tick.
     rounds: the first tick of each round, ascending.
-    sends: ticks whose send phase carries the pending messages.
-    under: the send runs under its tick's compute ('under'), else after
-      it ('after'); see the module docstring.
+    sends: the last tick of each round that makes messages for other
+      stages: its send runs after its compute.
     ticks: ticks in all.
   """
 
   at: dict[Action, int]
   rounds: tuple[int, ...]
   sends: frozenset[int]
-  under: bool
   ticks: int
 
 
@@ -133,19 +131,18 @@ def cross_offset(schedule: Schedule, a: Action) -> int | None:
   return None if to == s else (to - s) % schedule.stages
 
 
-def pack(run: Schedule, units: TickUnits, rule: str, under: bool) -> Packing:
+def pack(run: Schedule, units: TickUnits, rule: str) -> Packing:
   """Packs the split schedule `run` (every B followed by its W somewhere)
-  into rounds by `rule` (one of RULES), sending `under` or after.
+  into rounds by `rule` (one of RULES).
 
   Raises:
     ScheduleDeadlock: if the orders cannot run to the end.
   """
-  packer = _Packer(run, units, under)
+  packer = _Packer(run, units)
   while packer.remaining:
     runs = [packer.ready_run(s) for s in range(run.stages)]
     if not any(runs):
-      packer.idle_round()
-      continue
+      packer.stuck()
     length = _round_length(runs, units, rule)
     packer.place([_fitting(x, units, length) for x in runs])
   return packer.result()
@@ -179,8 +176,8 @@ def _fitting(run: Sequence[Action], units: TickUnits, length: int) -> list[Actio
 class _Packer:
   """The rounds placed so far, and what each stage may run next."""
 
-  def __init__(self, run: Schedule, units: TickUnits, under: bool):
-    self.run, self.units, self.under = run, units, under
+  def __init__(self, run: Schedule, units: TickUnits):
+    self.run, self.units = run, units
     self.streams = [[a for a in o if a.kind in COMPUTE_KINDS] for o in run.orders]
     self.next = [0] * run.stages
     self.remaining = sum(map(len, self.streams))
@@ -189,7 +186,6 @@ class _Packer:
     self.rounds: list[int] = []
     self.sends: set[int] = set()
     self.tick = 0
-    self.sent_last = False  # the last round left messages pending
     # Per action: its inputs, each with whether its own stage made it; the
     # offset its output travels (None: none to another stage).
     self.inputs, self.offset = {}, {}
@@ -206,7 +202,7 @@ class _Packer:
     got: list[Action] = []
     offsets: set[int] = set()
     for a in self.streams[s][self.next[s] : self.next[s] + _LOOKAHEAD]:
-      if not all(self._available(d, mine, len(got), got) for d, mine in self.inputs[a]):
+      if not all(self._available(d, mine, got) for d, mine in self.inputs[a]):
         break
       o = self.offset[a]
       if o is not None and o in offsets:
@@ -215,70 +211,55 @@ class _Packer:
       got.append(a)
     return got
 
-  def _available(self, d: Action, mine: bool, position: int, earlier: list[Action]) -> bool:
-    r = self.round_of.get(d)
-    if r is None:
-      return mine and d in earlier
-    if mine:
-      return True  # made on this stage, in an earlier round
-    here = len(self.rounds)
-    return r < here - 1 or (r == here - 1 and (not self.under or position > 0))
+  def _available(self, d: Action, mine: bool, earlier: list[Action]) -> bool:
+    """Made in an earlier round (and sent after it, if by another stage), or
+    earlier in this run of the stage's own."""
+    return d in self.round_of or (mine and d in earlier)
 
   def place(self, cells: list[list[Action]]) -> None:
     here, start = len(self.rounds), self.tick
     width = max(len(c) for c in cells)
-    outputs = False
     for s, cell in enumerate(cells):
       for k, a in enumerate(cell):
         self.round_of[a], self.at[a] = here, start + k
-        outputs |= self.offset[a] is not None
+        if self.offset[a] is not None:
+          self.sends.add(start + width - 1)
       self.next[s] += len(cell)
       self.remaining -= len(cell)
-    self._close(start, width, outputs)
-
-  def idle_round(self) -> None:
-    """A tick where nobody can run: under, it carries the last round's send."""
-    if not (self.under and self.sent_last):
-      heads = [
-        str(self.streams[s][self.next[s]])
-        for s in range(self.run.stages)
-        if self.next[s] < len(self.streams[s])
-      ]
-      raise ScheduleDeadlock(
-        f'{self.run.name}: packed lowering makes no progress at tick {self.tick}; '
-        f'stages wait on {", ".join(heads)}'
-      )
-    self._close(self.tick, 1, False)
-
-  def _close(self, start: int, width: int, outputs: bool) -> None:
-    if self.under and self.sent_last:
-      self.sends.add(start)
-    if not self.under and outputs:
-      self.sends.add(start + width - 1)
     self.rounds.append(start)
     self.tick += width
-    self.sent_last = outputs
+
+  def stuck(self) -> None:
+    heads = [
+      str(self.streams[s][self.next[s]])
+      for s in range(self.run.stages)
+      if self.next[s] < len(self.streams[s])
+    ]
+    raise ScheduleDeadlock(
+      f'{self.run.name}: packed lowering makes no progress at tick {self.tick}; '
+      f'stages wait on {", ".join(heads)}'
+    )
 
   def result(self) -> Packing:
     return Packing(
-      at=self.at,
-      rounds=tuple(self.rounds),
-      sends=frozenset(self.sends),
-      under=self.under,
-      ticks=self.tick,
+      at=self.at, rounds=tuple(self.rounds), sends=frozenset(self.sends), ticks=self.tick
     )
+
+
+def round_ends(packing: Packing) -> list[int]:
+  """The last tick of each round."""
+  return [t - 1 for t in packing.rounds[1:]] + [packing.ticks - 1]
 
 
 def land_ticks(packing: Packing, schedule: Schedule) -> dict[Action, int]:
   """The tick at whose end each action's output lands on the stage that
-  reads it: its own tick for a stage's own chunk, else the tick that sends
-  it (after: the send at its round's end; under: the next round's first)."""
-  sends = sorted(packing.sends)
-  land = {}
+  reads it: its own tick on its own stage, else its round's last tick,
+  whose send carries it."""
+  ends = round_ends(packing)
+  landed = {}
   for a, t in packing.at.items():
     if cross_offset(schedule, a) is None:
-      land[a] = t
+      landed[a] = t
     else:
-      find = bisect.bisect_right if packing.under else bisect.bisect_left
-      land[a] = sends[find(sends, t)]
-  return land
+      landed[a] = ends[bisect.bisect_right(packing.rounds, t) - 1]
+  return landed

@@ -9,8 +9,7 @@ Two models, because the papers and our executor run schedules differently:
   slowest stage's work, plus its send phase,
   and, where residual sets move (BPipe), the partner ppermute that opens it.
   A packed program (rounds.py) meets only at its sends: a round lasts as
-  long as its busiest stage's run of actions, plus the send after it, or
-  with the send under its first actions.
+  long as its busiest stage's run of actions, plus the send after it.
   What an action and a send phase cost is the cost model's (`TickCosts`):
   `Costs` here, the planner's measured per-chunk costs, shared cores and
   per-tick ppermutes in plan/cost/simulator.py. Both use this one tick loop.
@@ -322,6 +321,12 @@ class Round:
   def messages(self) -> tuple[tuple[int, int], ...]:
     return tuple(m for t in self.ticks for m in t.messages)
 
+  @property
+  def offsets(self) -> frozenset[int]:
+    """The stage offsets its messages travel: its send's ppermutes."""
+    p = len(self.ticks[0].compute)
+    return frozenset((to - s) % p for s, to in self.messages)
+
   def actions(self, stage: int) -> tuple[Action, ...]:
     return tuple(a for t in self.ticks for a in t.actions(stage))
 
@@ -513,27 +518,23 @@ def simulate_lockstep(program: Program, costs: CostsLike | TickCosts = Costs()) 
 
 def _simulate_rounds(program: Program, costs: TickCosts) -> Result:
   """`simulate_lockstep` of a packed program: round by round, each stage's
-  actions one after another; a send after a round adds its send phase, a
-  send under a round's first tick lasts beside each stage's first action
-  (the next one reads what it brings)."""
-  spans, now, before = [], 0.0, None
+  actions one after another, the round as long as its busiest stage, then
+  its send phase where its stages make messages for others."""
+  spans, now = [], 0.0
   for view in rounds(program):
-    first = view.ticks[0].index
-    send = costs.transfer(before) if program.send_under and first in program.sends else 0.0
     alone = [[costs.duration(s, a) for a in view.actions(s)] for s in range(len(view.compute))]
-    work = [max(d[0], send) + sum(d[1:]) if d else send for d in alone]
+    work = [sum(d) for d in alone]
     compute = costs.tick_time(view, work)
     longest = max(work, default=0.0)
     stretch = compute / longest if longest > 0 else 1.0
     for s, durations in enumerate(alone):
       at = 0.0  # into the round, before the stretch
-      for k, (a, d) in enumerate(zip(view.actions(s), durations)):
+      for a, d in zip(view.actions(s), durations):
         spans.append(Span(s, a, now + at * stretch, now + (at + d) * stretch))
-        at = max(at + d, send) if k == 0 else at + d
+        at += d
     now += compute
-    if not program.send_under and view.ticks[-1].index in program.sends:
+    if view.ticks[-1].index in program.sends:
       now += costs.transfer(view)
-    before = view
   return _result('lockstep', program.schedule, spans, now, program.peaks['stash'], program.ticks)
 
 

@@ -775,13 +775,10 @@ def _replay_packed_tick(
   buffers: Sequence[_Buffers],
   problems: list[str],
 ) -> None:
-  """One tick of a packed program (rounds.py), in the executor's order: a
-  send under the tick reads its waiting outputs first; the compute; each
-  output for another stage into its own stage's pool (`pend`) to wait; a
-  send after the tick reads them then; last, the outputs for a chunk on
-  the same stage and what a send carried land."""
-  under, sends = program.send_under, t in program.sends
-  sent = _replay_sends(program, t, buffers, problems) if sends and under else {}
+  """One tick of a packed program (rounds.py), in the executor's order: the
+  compute; each output for another stage kept in its own stage's pool
+  (`pend`), one for a chunk of the same stage landed; the send after a
+  round's last tick reads what waits (`outbox`) and lands it."""
   for s, a in enumerate(actions):
     if a is not None:
       _replay_compute(run, program, t, s, a, buffers[s], problems)
@@ -797,9 +794,8 @@ def _replay_packed_tick(
         local[(0, s)] = (out[2], s)
       continue
     buffers[s].write('msg', slot, out[2], f'{where}: {a} keeps {out[2]} to send', problems)
-  if sends and not under:
-    sent = _replay_sends(program, t, buffers, problems)
   _land(run, t, local, {o: r for o, r in program.recv.items() if o == 0}, buffers, problems)
+  sent = _replay_sends(program, t, buffers, problems) if t in program.sends else {}
   _land(run, t, sent, {o: r for o, r in program.recv.items() if o}, buffers, problems)
 
 

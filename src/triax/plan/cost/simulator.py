@@ -125,7 +125,10 @@ class ActionCosts:
   moved to or from stage s's partner; tick_transfer what the executor's
   neighbour ppermutes cost in every tick, whatever they carry; host[s] one
   residual set copied between stage s and its host's memory, one way (an
-  offloaded stash, plan/cost/host.py; () without one).
+  offloaded stash, plan/cost/host.py; () without one); gather[s] the part
+  of transfer[s] that is not the ppermute but the receiving tensor group's
+  all-gather of a message sent split (Megatron's scatter/gather; 0 without
+  it), which the action that reads the message runs.
   """
 
   chunk: tuple[dict[str, float], ...]
@@ -135,6 +138,7 @@ class ActionCosts:
   share: tuple[dict[str, float], ...] | None = None
   fused: tuple[float, ...] | None = None
   host: tuple[float, ...] = ()
+  gather: tuple[float, ...] = ()
 
   def of(self, a: Action) -> float:
     return self.chunk[a.chunk][a.kind]
@@ -225,12 +229,13 @@ def action_costs(
     chunks.append({sched.FORWARD: f.alone, sched.BACKWARD: b.alone, sched.WEIGHT: w.alone})
     shares.append({sched.FORWARD: f.at_once, sched.BACKWARD: b.at_once, sched.WEIGHT: w.at_once})
     fused.append(whole)
-  transfer, evict, tick_transfer = transfers(plan, profile, options, comm)
+  transfer, evict, tick_transfer, gather = transfers(plan, profile, options, comm)
   return ActionCosts(
     chunk=tuple(chunks),
     transfer=tuple(transfer),
     evict=tuple(evict),
     tick_transfer=tick_transfer,
+    gather=tuple(gather),
     share=tuple(shares),
     fused=tuple(fused),
     host=host_lib.stash_seconds(plan, profile, cluster, options),
@@ -492,12 +497,13 @@ def transfers(plan: Plan, profile: Profile, options: Options, comm: Comm):
   # 1/t each, nothing to gather.
   split = (options.scatter_gather or plan.sequence_parallel) and t > 1
   sent = act / t if split else act
-  transfer, evict = [], []
+  transfer, evict, gathers = [], [], []
   for s in range(p):
     neighbours = [plan.stages[(s + 1) % p], plan.stages[(s - 1) % p]]
     gather = 0.0
-    if split and not plan.sequence_parallel:
+    if split and not plan.sequence_parallel and p > 1:
       gather = max(comm.allreduce(g, act) for g in plan.tensor_groups(s)) / 2
+    gathers.append(gather)
     transfer.append(
       max(comm.p2p(a, z, sent) for other in neighbours for a, z in zip(plan.stages[s], other))
       + gather
@@ -510,7 +516,7 @@ def transfers(plan: Plan, profile: Profile, options: Options, comm: Comm):
   # ring: one at p = 2) runs in every tick, one after the other.
   program_ = plan.lowered
   offsets = [o for o in program_.offsets if o]
-  return transfer, evict, len(offsets) * max(transfer) if p > 1 else 0.0
+  return transfer, evict, len(offsets) * max(transfer) if p > 1 else 0.0, gathers
 
 
 def sequence_parallel_regathers(plan: Plan, comm: Comm, stage: int, act: float) -> float:
@@ -610,11 +616,15 @@ class PlanTickCosts:
   lasts at least that copy (plan/cost/host.py).
   """
 
-  def __init__(self, costs: ActionCosts, share: Sharing = Sharing(())):
-    self.costs, self.share = costs, share
+  def __init__(self, costs: ActionCosts, share: Sharing = Sharing(()), packed: bool = False):
+    self.costs, self.share, self.packed = costs, share, packed
 
   def duration(self, stage: int, action: Action) -> float:
-    return self.costs.of(action)
+    # A packed program's send phase is its ppermutes; an action that reads a
+    # message gathers it (all F but chunk 0's, and every B).
+    reads = action.kind == sched.BACKWARD or (action.kind == sched.FORWARD and action.chunk > 0)
+    gather = self.costs.gather[stage] if self.packed and reads and self.costs.gather else 0.0
+    return self.costs.of(action) + gather
 
   def overlapped(self, stage: int, actions: Sequence[Action]) -> float:
     # The plan's costs hold each action's all-to-all inside its time, not
@@ -629,7 +639,13 @@ class PlanTickCosts:
     return max([self.share.tick(work, shares), *(h * tick.span for h in self.costs.host)])
 
   def transfer(self, tick: simulate.Tick) -> float:
-    return simulate.send_phase(tick, self.costs.transfer, self.costs.tick_transfer)
+    if not isinstance(tick, simulate.Round):
+      return simulate.send_phase(tick, self.costs.transfer, self.costs.tick_transfer)
+    # A packed round's send: one ppermute per offset its messages use (the
+    # gathers are the reading actions').
+    gather = self.costs.gather or (0.0,) * len(self.costs.transfer)
+    ppermute = [x - g for x, g in zip(self.costs.transfer, gather)]
+    return simulate.send_phase(tick, ppermute, max(ppermute, default=0.0) * len(tick.offsets))
 
   def move(self, tick: simulate.Tick) -> float:
     return simulate.move_phase(tick, self.costs.evict)
@@ -643,7 +659,7 @@ def simulate_lockstep(
 ) -> simulate.Result:
   """Times the executor's lockstep ticks with this plan's costs: the one
   lockstep model (`simulate.simulate_lockstep`) over `PlanTickCosts`."""
-  return simulate.simulate_lockstep(program_, PlanTickCosts(costs, share))
+  return simulate.simulate_lockstep(program_, PlanTickCosts(costs, share, program_.packed))
 
 
 def simulate_async(plan: Plan, costs: ActionCosts, share: Sharing = Sharing(())) -> simulate.Result:
