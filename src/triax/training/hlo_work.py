@@ -1,0 +1,495 @@
+"""The work a compiled program executes: matmul FLOPs, bytes and collective
+bytes, with every loop counted by its trips and every branch by its runs.
+
+`compiled.cost_analysis()` counts a `while` body once and every branch of a
+`conditional` once, so it cannot say what a pipelined (a tick loop of
+conds) or scanned (a loop over layers) step executes. `work` reads the
+optimised HLO text of one module (an XLA dump's `*after_optimizations.txt`,
+or `compiled.as_text()`) and walks it from its entry computation:
+
+  while        body and condition counted by its trip count, XLA's
+               `backend_config={..."known_trip_count":{"n":"K"}}` (printed
+               so by XLA:CPU, XLA:GPU and XLA:TPU); a while without one is
+               an error unless `trip_counts` names it (by instruction name).
+  conditional  each branch weighted by how often it runs (below); a
+               conditional none of whose branches has a count counts its
+               costliest branch as often as the conditional runs (an upper
+               bound) and adds one to `unweighted_conditionals`.
+  call, fusion, async-start
+               their computation counted once per execution.
+
+Branch counts. A branch is named by the markers (`jax.named_scope` names)
+its instructions' `op_name` metadata carries: its path is the components
+of the op_names that appear in some key of `branch_counts`, joined by '/',
+the most common path among its instructions (executor.py's branches carry
+`triax_F`, `triax_F/triax_head` and so on). `branch_counts[path]` is how many
+times that branch runs in one execution of the module (per device, in
+total, not per trip of its loop). A branch whose path is its enclosing
+branch's (no marker of its own) has no count; the conditional's other runs
+(its executions less its counted branches' runs) go to its one unmarked
+branch (or to its costliest, an upper bound, when there are several).
+
+Per device: the SPMD-partitioned program is one device's. Figures:
+
+  flops     matmul FLOPs: `dot` (2 x output elements x the product of the
+            lhs contracting dimensions) and `convolution` (2 x output
+            elements x kernel elements / output features), inside fusions
+            too; a cuBLAS/cuBLASLt GEMM custom-call (`__cublas$gemm`,
+            `__cublas$lt$matmul*`) from its result shape and its
+            backend_config's `lhs_contracting_dimensions` (the lhs's last
+            dimension when absent); a Pallas TPU kernel (`tpu_custom_call`)
+            by the `cost_estimate` flops its backend_config carries, when
+            it carries one. Other custom-calls are `opaque_calls`.
+            Elementwise work is not counted (model/flops.py counts matmuls).
+  bytes     as HloCostAnalysis's "bytes accessed", simplified: per executed
+            top-level instruction, its operands' and its output's bytes (a
+            fusion's, not its inside's); bookkeeping (parameter, constant,
+            tuple, get-tuple-element, bitcast, optimization-barrier, the
+            async `-done`/`-update` halves) and control flow (while,
+            conditional, call: their bodies count instead) are skipped. An
+            async collective's start counts its operands and its result
+            less the operands it echoes.
+  collective_bytes
+            per kind, the data one device's collective moves: the operand
+            for all-reduce, reduce-scatter (before scattering), all-to-all
+            and collective-permute; the output (gathered) for all-gather.
+            An async pair (`-start`/`-done`, or an `async-start` wrapping
+            one) counts once, at its start.
+
+Plain text parsing: works on any dump, needs no device.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import glob
+import math
+import os
+import re
+
+from triax.training.hlo_schedule import _HEADER
+
+_INSTRUCTION = re.compile(r'^\s*(?:ROOT )?%?([\w.\-]+) = (.*)$')
+_SHAPE = re.compile(r'\b(pred|token|[suf]\d+|bf16|c64|c128|f8e\w+|f4e\w+)\[([\d,]*)\]')
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+_TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_CALLED = {
+  'calls': re.compile(r'\bcalls=%?([\w.\-]+)'),
+  'to_apply': re.compile(r'\bto_apply=%?([\w.\-]+)'),
+  'body': re.compile(r'\bbody=%?([\w.\-]+)'),
+  'condition': re.compile(r'\bcondition=%?([\w.\-]+)'),
+}
+_BRANCHES = re.compile(r'branch_computations=\{([^}]*)\}')
+_TRUE_FALSE = re.compile(r'(?:true|false)_computation=%?([\w.\-]+)')
+_DIMS = re.compile(r'lhs_contracting_dims=\{([\d,]*)\}')
+_GEMM_DIMS = re.compile(r'"lhs_contracting_dimensions":\[([^\]]*)\]')
+_DIM_LABELS = re.compile(r'dim_labels=\w+_(\w+)->')
+_TARGET = re.compile(r'custom_call_target="([^"]*)"')
+_COST_FLOPS = re.compile(r'"cost_estimate":\s*\{[^}]*?"flops":\s*"?(\d+)')
+
+_BITS = {'pred': 8, 'token': 0, 'bf16': 16, 'c64': 64, 'c128': 128}
+COLLECTIVES = (
+  'all-reduce',
+  'all-gather',
+  'reduce-scatter',
+  'all-to-all',
+  'collective-permute',
+  'ragged-all-to-all',
+  'collective-broadcast',
+)
+# Collectives whose figure is their output (the rest: their operands).
+_BY_OUTPUT = ('all-gather',)
+_BOOKKEEPING = {
+  'parameter',
+  'constant',
+  'tuple',
+  'get-tuple-element',
+  'bitcast',
+  'optimization-barrier',
+  'after-all',
+  'partition-id',
+  'replica-id',
+  'while',
+  'conditional',
+  'call',
+  'async-start',
+  'async-update',
+  'async-done',
+}
+_GEMMS = ('__cublas$gemm', '__cublas$lt$matmul')
+
+
+@dataclasses.dataclass
+class Work:
+  """What one device executes in one run of a module.
+
+  Attributes:
+    flops: matmul FLOPs (see the module docstring).
+    bytes: bytes accessed by top-level instructions.
+    collective_bytes: collective kind -> bytes moved.
+    collective_counts: collective kind -> executions.
+    unweighted_conditionals: conditionals counted by their costliest branch
+      (no branch counts matched them): each once, however often it ran.
+    opaque_calls: executed custom-calls whose FLOPs are unknown (each run).
+    flops_by_op: the JAX operation (op_name metadata) -> its matmul FLOPs,
+      for saying where the FLOPs are.
+  """
+
+  flops: float = 0.0
+  bytes: float = 0.0
+  collective_bytes: dict[str, float] = dataclasses.field(default_factory=dict)
+  collective_counts: dict[str, float] = dataclasses.field(default_factory=dict)
+  unweighted_conditionals: int = 0
+  opaque_calls: float = 0.0
+  flops_by_op: dict[str, float] = dataclasses.field(default_factory=dict)
+
+  def __add__(self, other: Work) -> Work:
+    out = Work()
+    out.add(self)
+    out.add(other)
+    return out
+
+  def add(self, other: Work, runs: float = 1.0) -> None:
+    """In place: `runs` runs of `other` added (its conditionals once)."""
+    self.flops += other.flops * runs
+    self.bytes += other.bytes * runs
+    for mine, theirs in (
+      (self.collective_bytes, other.collective_bytes),
+      (self.collective_counts, other.collective_counts),
+      (self.flops_by_op, other.flops_by_op),
+    ):
+      for k, v in theirs.items():
+        mine[k] = mine.get(k, 0) + v * runs
+    self.unweighted_conditionals += other.unweighted_conditionals
+    self.opaque_calls += other.opaque_calls * runs
+
+  def __mul__(self, k: float) -> Work:
+    """k runs of this work (`unweighted_conditionals` counts places, not runs)."""
+    scale = lambda d: {key: v * k for key, v in d.items()}  # noqa: E731
+    return Work(
+      self.flops * k,
+      self.bytes * k,
+      scale(self.collective_bytes),
+      scale(self.collective_counts),
+      self.unweighted_conditionals,
+      self.opaque_calls * k,
+      scale(self.flops_by_op),
+    )
+
+  __rmul__ = __mul__
+
+  @property
+  def total_collective_bytes(self) -> float:
+    return sum(self.collective_bytes.values())
+
+  def top_ops(self, count: int = 10, depth: int | None = None) -> list[tuple[str, float]]:
+    """The `count` JAX operations with the most FLOPs; `depth`: op_names cut
+    to their last `depth` components first (and summed)."""
+    merged: dict[str, float] = collections.Counter()
+    for name, flops in self.flops_by_op.items():
+      merged['/'.join(name.split('/')[-depth:]) if depth else name] += flops
+    return sorted(merged.items(), key=lambda kv: -kv[1])[:count]
+
+  def summary(self) -> dict:
+    """The figures as JSON-ready values (no per-operation breakdown)."""
+    out = dataclasses.asdict(self)
+    out.pop('flops_by_op')
+    return out
+
+
+def work(
+  hlo_text: str,
+  branch_counts: dict[str, float] | None = None,
+  trip_counts: dict[str, int] | None = None,
+) -> Work:
+  """The work one device executes in one run of the module `hlo_text`.
+
+  Args:
+    hlo_text: the optimised HLO of one module.
+    branch_counts: marker path -> runs of the branch so marked, per device
+      per run of the module (module docstring); None: every conditional
+      counts its costliest branch.
+    trip_counts: while instruction name -> trips, for loops XLA printed no
+      known trip count for.
+
+  Raises:
+    ValueError: a while with no known trip count and none given, or branch
+      counts that exceed the runs of their conditional.
+  """
+  return _Module(hlo_text, branch_counts or {}, trip_counts or {}).run()
+
+
+def after_optimizations(dump_dir: str, module: str = 'train_step') -> str | None:
+  """The optimised HLO file of the last compiled module named `module` in an
+  XLA dump (buffers.compile_options names what it dumps); None if none."""
+  found = sorted(glob.glob(os.path.join(dump_dir, f'*{module}*after_optimizations.txt')))
+  return found[-1] if found else None
+
+
+def work_of_dump(
+  dump_dir: str,
+  module: str = 'train_step',
+  branch_counts: dict[str, float] | None = None,
+  trip_counts: dict[str, int] | None = None,
+) -> Work:
+  """`work` of the dump's after-optimizations HLO of `module`.
+
+  Raises:
+    FileNotFoundError: the dump has no such file.
+  """
+  path = after_optimizations(dump_dir, module)
+  if path is None:
+    raise FileNotFoundError(f'{dump_dir} has no *{module}*after_optimizations.txt')
+  with open(path) as f:
+    return work(f.read(), branch_counts, trip_counts)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Inst:
+  name: str
+  type: str
+  opcode: str
+  operands: tuple[str, ...]
+  attrs: str
+  op_name: str
+
+
+class _Module:
+  def __init__(self, text: str, counts: dict, trips: dict):
+    self.counts, self.trips = counts, trips
+    self.markers = {part for key in counts for part in key.split('/')}
+    self.computations: dict[str, list[_Inst]] = {}
+    self.types: dict[str, str] = {}
+    self.entry = None
+    name = None
+    for line in text.split('\n'):
+      header = _HEADER.match(line)
+      if header and not line.startswith(' '):
+        name = header.group(1)
+        self.computations[name] = []
+        if line.startswith('ENTRY'):
+          self.entry = name
+      elif line.startswith('}'):
+        name = None
+      elif name is not None:
+        inst = _parse(line)
+        if inst is not None:
+          self.computations[name].append(inst)
+          self.types[inst.name] = inst.type
+    if self.entry is None:
+      raise ValueError('no ENTRY computation in the HLO text')
+    self._fused: dict[str, Work] = {}
+    self._leaves: dict[str, Work] = {}
+
+  def run(self) -> Work:
+    return self.computation(self.entry, 1.0, '')
+
+  def computation(self, name: str, runs: float, path: str) -> Work:
+    """The work of `runs` executions of computation `name` (inside the
+    branch marked `path`)."""
+    total = Work()
+    for inst in self.computations[name]:
+      op = inst.opcode
+      if op == 'while':
+        trips = self.trip_count(inst)
+        for key in ('body', 'condition'):
+          called = _CALLED[key].search(inst.attrs).group(1)
+          total.add(self.computation(called, runs * trips, path))
+      elif op == 'conditional':
+        total.add(self.conditional(inst, runs, path))
+      elif op in ('call', 'async-start'):
+        key = 'to_apply' if op == 'call' else 'calls'
+        total.add(self.computation(_CALLED[key].search(inst.attrs).group(1), runs, path))
+      elif not (op in _BOOKKEEPING or op.endswith(('-done', '-update'))):
+        if inst.name not in self._leaves:
+          self._leaves[inst.name] = self.leaf(inst)
+        total.add(self._leaves[inst.name], runs)
+    return total
+
+  def trip_count(self, inst: _Inst) -> int:
+    if inst.name in self.trips:
+      return self.trips[inst.name]
+    found = _TRIPS.search(inst.attrs)
+    if found is None:
+      raise ValueError(
+        f'while {inst.name} ({inst.op_name}) has no known_trip_count; pass trip_counts'
+      )
+    return int(found.group(1))
+
+  def conditional(self, inst: _Inst, runs: float, path: str) -> Work:
+    found = _BRANCHES.search(inst.attrs)
+    if found:
+      branches = [b.strip().lstrip('%') for b in found.group(1).split(',')]
+    else:
+      # true_computation first in the text, branch 0 is false's in XLA; the
+      # order does not matter here.
+      branches = _TRUE_FALSE.findall(inst.attrs)
+    marked = {b: self.branch_path(b) for b in branches}
+    counted = {b: m for b, m in marked.items() if m and m != path and m in self.counts}
+    total = Work()
+    for b, m in counted.items():
+      total.add(self.computation(b, self.counts[m], m))
+    rest = runs - sum(self.counts[m] for m in counted.values())
+    if rest < -1e-9:
+      raise ValueError(
+        f'conditional {inst.name} ({inst.op_name}) runs {runs:g} times, but its branches '
+        f'{sorted(counted.values())} are given {runs - rest:g} runs'
+      )
+    others = [b for b in branches if b not in counted]
+    if rest > 0 and others:
+      options = [self.computation(b, rest, path) for b in others]
+      worst = max(options, key=lambda w: (w.flops, w.bytes))
+      if not counted or len(others) > 1:
+        worst.unweighted_conditionals += 1
+      total.add(worst)
+    return total
+
+  def branch_path(self, name: str) -> str:
+    """The markers of a branch's instructions (their most common path)."""
+    if not self.markers:
+      return ''
+    votes = collections.Counter()
+    for inst in self.computations[name]:
+      parts = [p for p in inst.op_name.split('/') if p in self.markers]
+      if parts:
+        votes['/'.join(parts)] += 1
+    return votes.most_common(1)[0][0] if votes else ''
+
+  def leaf(self, inst: _Inst) -> Work:
+    """One execution of a top-level instruction that is not control flow."""
+    operands = sum(_bytes(self.types.get(o, '')) for o in inst.operands)
+    output = _bytes(inst.type)
+    op = inst.opcode
+    base = op[: -len('-start')] if op.endswith('-start') else op
+    if op.endswith('-start') and inst.type.startswith('('):
+      output = max(output - operands, 0)  # the result tuple echoes its operands
+    work = Work(bytes=operands + output)
+    if base in COLLECTIVES:
+      moved = output if base in _BY_OUTPUT else operands
+      work.collective_bytes = {base: moved}
+      work.collective_counts = {base: 1}
+    if op == 'fusion':
+      work.add(self.fused(_CALLED['calls'].search(inst.attrs).group(1)))
+    elif op == 'custom-call':
+      flops = self.custom_flops(inst)
+      if flops is None:
+        work.opaque_calls = 1
+      elif flops:
+        work.flops, work.flops_by_op = flops, {inst.op_name: flops}
+    else:
+      flops = self.matmul_flops(inst)
+      if flops:
+        work.flops, work.flops_by_op = flops, {inst.op_name: flops}
+    return work
+
+  def fused(self, name: str) -> Work:
+    """A fused computation's matmul FLOPs (its bytes are its fusion's)."""
+    if name not in self._fused:
+      total = Work()
+      for inst in self.computations[name]:
+        if inst.opcode == 'fusion':
+          total.add(self.fused(_CALLED['calls'].search(inst.attrs).group(1)))
+        flops = self.matmul_flops(inst)
+        if flops:
+          total.add(Work(flops=flops, flops_by_op={inst.op_name: flops}))
+      self._fused[name] = total
+    return self._fused[name]
+
+  def matmul_flops(self, inst: _Inst) -> float:
+    if inst.opcode == 'dot':
+      lhs = _dims(self.types.get(inst.operands[0], ''))
+      found = _DIMS.search(inst.attrs)
+      contract = [int(d) for d in found.group(1).split(',') if d] if found else []
+      return 2.0 * math.prod(_dims(inst.type)) * math.prod(lhs[d] for d in contract)
+    if inst.opcode == 'convolution':
+      kernel = _dims(self.types.get(inst.operands[1], ''))
+      found = _DIM_LABELS.search(inst.attrs)
+      if not found or not kernel:
+        return 0.0
+      features = kernel[found.group(1).index('o')]
+      return 2.0 * math.prod(_dims(inst.type)) * math.prod(kernel) / features
+    return 0.0
+
+  def custom_flops(self, inst: _Inst) -> float | None:
+    target = _TARGET.search(inst.attrs)
+    target = target.group(1) if target else ''
+    if target.startswith(_GEMMS):
+      lhs = _dims(self.types.get(inst.operands[0], ''))
+      result = _leaf_dims(inst.type)
+      found = _GEMM_DIMS.search(inst.attrs)
+      contract = (
+        [int(d.strip().strip('"')) for d in found.group(1).split(',') if d.strip()]
+        if found
+        else [len(lhs) - 1]
+      )
+      return 2.0 * math.prod(result) * math.prod(lhs[d] for d in contract)
+    found = _COST_FLOPS.search(inst.attrs)
+    if found:
+      return float(found.group(1))
+    return None
+
+
+def _parse(line: str) -> _Inst | None:
+  match = _INSTRUCTION.match(line)
+  if not match:
+    return None
+  name, rest = match.groups()
+  if rest.startswith('('):
+    end = _closing(rest, 0)
+    type_, rest = rest[: end + 1], rest[end + 1 :].lstrip()
+  else:
+    type_, _, rest = rest.partition(' ')
+  opcode, paren, rest = rest.partition('(')
+  if not paren:
+    return None
+  end = _closing('(' + rest, 0)
+  args, attrs = rest[: end - 1], rest[end:]
+  op_name = _OP_NAME.search(attrs)
+  return _Inst(
+    name=name,
+    type=type_,
+    opcode=opcode.strip(),
+    operands=tuple(re.findall(r'%([\w.\-]+)', args)),
+    attrs=attrs,
+    op_name=op_name.group(1) if op_name else '',
+  )
+
+
+def _closing(text: str, start: int) -> int:
+  """The index of the parenthesis closing the one at `start`."""
+  depth = 0
+  for i in range(start, len(text)):
+    if text[i] == '(':
+      depth += 1
+    elif text[i] == ')':
+      depth -= 1
+      if depth == 0:
+        return i
+  return len(text)
+
+
+def _bits(dtype: str) -> int:
+  if dtype in _BITS:
+    return _BITS[dtype]
+  if dtype.startswith(('f8', 'f4')):
+    return int(dtype[1])
+  return int(dtype[1:])
+
+
+def _bytes(type_: str) -> float:
+  """Bytes of every array in an HLO type (a tuple's leaves summed)."""
+  return sum(
+    math.prod(int(d) for d in dims.split(',') if d) * _bits(dtype) / 8
+    for dtype, dims in _SHAPE.findall(type_)
+  )
+
+
+def _dims(type_: str) -> list[int]:
+  found = _SHAPE.search(type_)
+  return [int(d) for d in found.group(2).split(',') if d] if found else []
+
+
+def _leaf_dims(type_: str) -> list[int]:
+  """The first array's dimensions (a GEMM's result; its workspace follows)."""
+  return _dims(type_)

@@ -1,0 +1,145 @@
+"""hlo_work counts what a compiled program executes: loops by their trips,
+branches by their runs, collectives by the bytes they move."""
+
+import functools
+import re
+
+import harness
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from triax.model import flops as flops_lib
+from triax.pipeline import executor
+from triax.training import hlo_work
+
+M, K, N, TRIPS = 8, 16, 32, 6
+
+
+def _matmuls(x, ws):
+  def body(c, w):
+    return jnp.tanh(c @ w), None
+
+  return jax.lax.scan(body, x, ws)[0]
+
+
+@pytest.mark.fast
+def test_a_scan_counts_every_trip_where_cost_analysis_counts_one():
+  x, ws = jnp.ones((M, K)), jnp.ones((TRIPS, K, K))
+  compiled = jax.jit(_matmuls).lower(x, ws).compile()
+  one = 2 * M * K * K
+  assert hlo_work.work(compiled.as_text()).flops == TRIPS * one
+  # Why this module exists: XLA's own figure is one trip's (and a few
+  # elementwise FLOPs: the tanh).
+  assert one <= compiled.cost_analysis()['flops'] < 2 * one
+
+
+def _taken(x, w, ks):
+  def body(c, k):
+    def matmul(c):
+      with jax.named_scope('mark_A'):
+        return c @ w
+
+    return jax.lax.cond(k > 0, matmul, lambda c: c, c), None
+
+  return jax.lax.scan(body, x, ks)[0]
+
+
+@pytest.mark.fast
+def test_a_cond_in_a_loop_counts_its_branch_as_often_as_it_runs():
+  ks = np.array([1, 0, 1, 1, 0, 0, 0, 1])  # taken 4 of 8 trips
+  x, w = jnp.ones((M, N)), jnp.ones((N, N))
+  hlo = jax.jit(_taken).lower(x, w, jnp.asarray(ks)).compile().as_text()
+  one = 2 * M * N * N
+  exact = hlo_work.work(hlo, {'mark_A': int(ks.sum())})
+  assert exact.flops == ks.sum() * one and exact.unweighted_conditionals == 0
+  bound = hlo_work.work(hlo)
+  assert bound.flops == len(ks) * one and bound.unweighted_conditionals == 1
+  with pytest.raises(ValueError, match='runs 8 times'):
+    hlo_work.work(hlo, {'mark_A': 9})
+
+
+@pytest.mark.fast
+def test_collectives_in_a_loop_count_their_bytes_every_trip():
+  mesh = jax.make_mesh((8,), ('x',))
+  pairs = [(i, (i + 1) % 8) for i in range(8)]
+
+  @functools.partial(jax.shard_map, mesh=mesh, in_specs=P('x'), out_specs=P('x'))
+  def f(x):
+    def body(c, _):
+      c = jax.lax.psum(c, 'x') * 0.5
+      return jax.lax.ppermute(c, 'x', pairs), None
+
+    return jax.lax.scan(body, x, None, length=TRIPS)[0]
+
+  # 16 floats a device: 64 bytes.
+  x = jax.device_put(jnp.ones((8 * 16,), jnp.float32), jax.NamedSharding(mesh, P('x')))
+  w = hlo_work.work(jax.jit(f).lower(x).compile().as_text())
+  assert w.collective_bytes == {'all-reduce': TRIPS * 64, 'collective-permute': TRIPS * 64}
+  assert w.collective_counts == {'all-reduce': TRIPS, 'collective-permute': TRIPS}
+
+
+@pytest.mark.fast
+def test_a_while_without_a_trip_count_needs_one():
+  def f(x):
+    return jax.lax.while_loop(lambda c: c.sum() < 100.0, lambda c: c @ c + 1.0, x)
+
+  hlo = jax.jit(f).lower(jnp.ones((4, 4))).compile().as_text()
+  with pytest.raises(ValueError, match='known_trip_count'):
+    hlo_work.work(hlo)
+  (name,) = re.findall(r'%([\w.]+) = \S+ while\(', hlo)
+  assert hlo_work.work(hlo, trip_counts={name: 3}).flops == 3 * 2 * 4 * 4 * 4
+
+
+@pytest.mark.fast
+def test_work_adds_and_scales():
+  a = hlo_work.Work(flops=2.0, bytes=4.0, collective_bytes={'all-gather': 8.0})
+  b = hlo_work.Work(flops=1.0, collective_bytes={'all-gather': 1.0, 'all-reduce': 2.0})
+  assert (a + b).collective_bytes == {'all-gather': 9.0, 'all-reduce': 2.0}
+  assert (3 * a).flops == 6.0 and (a * 3).collective_bytes == {'all-gather': 24.0}
+
+
+@pytest.mark.parametrize('edge_grads', ['loop', 'after'])
+def test_a_pipelined_step_executes_the_models_hardware_flops(edge_grads):
+  """PP 4 x DP 2, 1f1b, m=8, full remat: the tick loop's F, B and W, each
+  counted by the tick tables, and the edges, add up to model/flops.py's
+  hardware FLOPs of the step (forward, backward, the recomputed forward),
+  exactly, but for two things the formula does not know: XLA drops the
+  recomputed forward's last matmul (the MLP's down projection: the
+  backward needs its input, not its output), and with the edges' gradients
+  made after the loop the head runs its forward again and, for the final
+  norm's scale, its input gradient again (two head forwards' worth)."""
+  cfg = harness.tiny_config(
+    **{
+      'mesh.data': 2,
+      'mesh.pipe': 4,
+      'pipeline.schedule': '1f1b',
+      'pipeline.microbatches': 8,
+      'pipeline.edge_grads': edge_grads,
+      'model.remat': 'full',
+    }
+  )
+  trainer = harness.make_trainer(cfg)
+  with jax.set_mesh(trainer.mesh):
+    batch = jax.device_put(harness.random_batch(cfg), trainer.batch_sharding)
+    hlo = trainer.train_step.lower(trainer.abstract_state(), batch).compile().as_text()
+  assert trainer.pipeline.edge_grads == edge_grads
+  counts = executor.branch_counts(trainer.program, edge_grads == 'after')
+  # Lockstep: every stage runs as many F, B and W as the others.
+  for mark in (executor.MARK_F, executor.MARK_B, executor.MARK_W):
+    assert len({c[mark] for c in counts}) == 1, mark
+  assert counts[0][f'{executor.MARK_F}/{executor.MARK_EMBED}'] == 8
+  assert counts[-1][f'{executor.MARK_F}/{executor.MARK_HEAD}'] == 8
+  stages = [hlo_work.work(hlo, c) for c in counts]
+  assert all(w.unweighted_conditionals == 0 for w in stages)
+  executed = cfg.mesh.data * sum(w.flops for w in stages)
+  step = flops_lib.step_flops(trainer.model, cfg.train.global_batch_size)
+  batch, m = cfg.train.global_batch_size, cfg.model
+  head_again = 2 * batch * trainer.model.forward_flops()['head'] if edge_grads == 'after' else 0.0
+  down_projection = batch * m.num_layers * 2 * m.seq_len * m.d_ff * m.d_model
+  assert executed == step['hardware'] - down_projection + head_again
+  # No counts: every cond counts its costliest branch on every tick.
+  bound = hlo_work.work(hlo)
+  assert bound.flops > 2 * stages[0].flops and bound.unweighted_conditionals > 0
