@@ -130,6 +130,28 @@ class StageFns:
 # 'loop' in the tick loop, 'after' after it, 'auto' whichever holds fewer bytes.
 EDGE_GRADS = ('auto', 'loop', 'after')
 
+# Named scopes that mark each cond's branches, so that the work a compiled step
+# executes can be counted branch by branch (training/hlo_work.py, from the
+# op_name metadata; `branch_counts` says how often each runs). Metadata only:
+# no numerics and no program structure change. A branch inside another reads
+# as their path, e.g. 'triax_F/triax_head'.
+MARK_F = 'triax_F'  # a tick's F
+MARK_B = 'triax_B'  # a tick's B
+MARK_W = 'triax_W'  # a tick's W
+MARK_FUSED = 'triax_FBW'  # a fused tick: B, W, then another micro-batch's F
+MARK_MOVE = 'triax_move'  # the partner ppermute of residual sets (BPipe)
+MARK_LAND = 'triax_land'  # in a move: the arriving set written to its slot
+MARK_SEND = 'triax_send'  # a packed round's send over one offset: MARK_SEND + f'{o:+d}'
+MARK_EMBED = 'triax_embed'  # in an F: the first chunk's embedding
+MARK_HEAD = 'triax_head'  # in an F: the last chunk's loss and seed gradient
+MARK_EMBED_GRAD = 'triax_embed_grad'  # in a B: the first chunk's embedding gradient
+MARK_EDGE_ROW = 'triax_edge_row'  # after the loop: one micro-batch's edge gradients
+
+
+def send_marker(offset: int) -> str:
+  return f'{MARK_SEND}{offset:+d}'
+
+
 # Where an offloaded stash pool lives and where its sets are used (offload_stash).
 HOST, DEVICE = jax.memory.Space.Host, jax.memory.Space.Device
 
@@ -422,6 +444,58 @@ def _device_tables(program: lower_lib.Program) -> dict[str, jax.Array]:
   return tables
 
 
+def branch_counts(program: lower_lib.Program, edge_grads_after: bool) -> list[dict[str, int]]:
+  """Per pipe stage, how many times each marked branch of the step's conds
+  runs in one step (the MARK_* paths hlo_work.work's branch_counts takes;
+  every replica of a stage over the other axes runs the same).
+
+  `edge_grads_after`: whether the edges' gradients are made after the loop
+  (the traced step's `PipelineStep.edge_grads == 'after'`), where a stage's
+  padded rows skip theirs.
+
+  Read from the tables as `tick` reads them: an F runs where kind is RUN_F
+  and the tick is not fused, the fused branch where `mb2` is set, a move in
+  every tick where any stage moves (and lands where its own table says), a
+  send over an offset in every tick where any stage sends over it.
+  """
+  t = program.table
+  p, last = program.schedule.stages, program.schedule.num_chunks - 1
+  fused = t['mb2'] >= 0 if program.fused else np.zeros_like(t['kind'], bool)
+  f = (t['kind'] == lower_lib.RUN_F) & ~fused
+  b = t['kind'] == lower_lib.RUN_B
+  sums = {
+    MARK_F: f,
+    f'{MARK_F}/{MARK_EMBED}': f & (t['chunk'] == 0),
+    f'{MARK_F}/{MARK_HEAD}': f & (t['chunk'] == last),
+    MARK_B: b,
+    f'{MARK_B}/{MARK_EMBED_GRAD}': b & (t['chunk'] == 0),
+    MARK_W: t['kind'] == lower_lib.RUN_W,
+  }
+  if program.fused:
+    sums.update(
+      {
+        MARK_FUSED: fused,
+        f'{MARK_FUSED}/{MARK_EMBED}': fused & (t['chunk'] == 0),
+        f'{MARK_FUSED}/{MARK_HEAD}': fused & (t['chunk'] == last),
+        f'{MARK_FUSED}/{MARK_EMBED_GRAD}': fused & (t['chunk2'] == 0),
+      }
+    )
+  if program.partner is not None:
+    moving = (t['move_send'] >= 0).any(axis=1, keepdims=True)
+    sums[MARK_MOVE] = np.broadcast_to(moving, t['move_send'].shape)
+    sums[f'{MARK_MOVE}/{MARK_LAND}'] = moving & (t['move_recv'] >= 0)
+  if program.packed:
+    for o, box in program.outbox.items():
+      sums[send_marker(o)] = np.broadcast_to((box >= 0).any(axis=1, keepdims=True), box.shape)
+  counts = [{k: int(v[:, s].sum()) for k, v in sums.items()} for s in range(p)]
+  if edge_grads_after:
+    m = program.schedule.microbatches
+    rows = edge_rows(m, p)
+    for s in range(p):
+      counts[s][MARK_EDGE_ROW] = sum(1 for j in range(rows) if s * rows + j < m)
+  return counts
+
+
 class _Residuals:
   """Which leaves of a chunk's vjp are stashed, and the split of its backward.
 
@@ -667,13 +741,13 @@ class _Stage:
     out = []
     for o in sorted(program.outbox):
       pairs = [(i, (i + o) % p) for i in range(p)]
+
+      def sending(msg, o=o, pairs=pairs):
+        with jax.named_scope(send_marker(o)):
+          return jax.lax.ppermute(msg[row[f'out{o}']], 'pipe', pairs)
+
       out.append(
-        jax.lax.cond(
-          row[f'send{o}'] > 0,
-          lambda msg, o=o, pairs=pairs: jax.lax.ppermute(msg[row[f'out{o}']], 'pipe', pairs),
-          lambda msg: jnp.zeros_like(msg[0]),
-          c['msg'],
-        )
+        jax.lax.cond(row[f'send{o}'] > 0, sending, lambda msg: jnp.zeros_like(msg[0]), c['msg'])
       )
     return out
 
@@ -727,6 +801,10 @@ class _Stage:
     computation (so that XLA may run one's collectives under the other's
     compute). The B's cut goes straight to its W, through no slot; the F's
     residual set is returned for `tick` to stash."""
+    with jax.named_scope(MARK_FUSED):
+      return self._overlapped(c, row)
+
+  def _overlapped(self, c, row):
     lane2 = dict(
       row, **{name: row[f'{name}2'] for name in ('mb', 'chunk', 'local', 'src', 'stash')}
     )
@@ -738,8 +816,9 @@ class _Stage:
     return c, (y, dx, kept)
 
   def forward(self, c, row):
-    c, y, kept = self.forward_unstashed(c, row)
-    return dict(c, stash=_put(c['stash'], row['stash'], kept)), y
+    with jax.named_scope(MARK_F):
+      c, y, kept = self.forward_unstashed(c, row)
+      return dict(c, stash=_put(c['stash'], row['stash'], kept)), y
 
   def forward_unstashed(self, c, row):
     """F, but its residual set (the leaves kept on the device) is returned
@@ -747,11 +826,12 @@ class _Stage:
     c = dict(c)
     pin, mb, chunk = self.setup.pin, row['mb'], row['chunk']
     chunk_params = _take(self.local, row['local'])
-    x = jax.lax.cond(
-      chunk == 0,
-      lambda: pin(self.fns.embed(self.edges, self.inputs[mb]).astype(self.setup.act_dtype)),
-      lambda: pin(c['msg'][row['src']]),
-    )
+
+    def embed():
+      with jax.named_scope(MARK_EMBED):
+        return pin(self.fns.embed(self.edges, self.inputs[mb]).astype(self.setup.act_dtype))
+
+    x = jax.lax.cond(chunk == 0, embed, lambda: pin(c['msg'][row['src']]))
     y, vjp_fn, (shares, maxima) = self.chunk_vjp(chunk_params, x, chunk, self.segments(mb))
     kept, host = self.host_stash.split(self.residuals.stashed(vjp_fn, chunk_params))
     if host:
@@ -779,6 +859,10 @@ class _Stage:
   def loss_and_seed(self, c, row, y):
     """The last chunk's loss, its edges' gradient (or its output, kept for
     `edge_gradients`) and the B's seed gradient."""
+    with jax.named_scope(MARK_HEAD):
+      return self._loss_and_seed(c, row, y)
+
+  def _loss_and_seed(self, c, row, y):
     mb, s = row['mb'], self.setup
     acc = None if self.after else c['g_edges']
     loss, g_edges, dy = s.fns.head_loss_and_grad(
@@ -801,8 +885,9 @@ class _Stage:
     return self.residuals.joined(stashed, _take(self.local, row['local']))
 
   def backward(self, c, row):
-    c, dx, cut = self.input_gradient(c, row)
-    return dict(c, cut=_put(c['cut'], row['cut'], jax.tree.leaves(cut))), dx
+    with jax.named_scope(MARK_B):
+      c, dx, cut = self.input_gradient(c, row)
+      return dict(c, cut=_put(c['cut'], row['cut'], jax.tree.leaves(cut))), dx
 
   def input_gradient(self, c, row):
     """B: the input gradient (and, on chunk 0, the embedding's part) and the cut."""
@@ -810,9 +895,11 @@ class _Stage:
     dx, cut = self.residuals.split.b(self.stashed_residuals(c, row), pin(c['msg'][row['src']]))
 
     def embed_backward(c):
-      if self.after:
-        return dict(c, embeds=c['embeds'].at[mb].set(self.setup.pin_message(dx.astype(act_dtype))))
-      return dict(c, g_edges=self.embed_gradient(c['g_edges'], mb, dx))
+      with jax.named_scope(MARK_EMBED_GRAD):
+        if self.after:
+          embeds = c['embeds'].at[mb].set(self.setup.pin_message(dx.astype(act_dtype)))
+          return dict(c, embeds=embeds)
+        return dict(c, g_edges=self.embed_gradient(c['g_edges'], mb, dx))
 
     c = jax.lax.cond(row['chunk'] == 0, embed_backward, lambda c: c, c)
     return c, pin(dx.astype(act_dtype)), cut
@@ -849,11 +936,12 @@ class _Stage:
       mb = self.stage * rows + j
 
       def add(acc):
-        y, dx = (s.pin(pool[j]) for pool in pools)
-        _, acc, _ = s.fns.head_loss_and_grad(
-          self.unhoisted_edges(mb), y, self.targets[mb], acc, s.loss_scale, input_grad=False
-        )
-        return self.embed_gradient(acc, mb, dx)
+        with jax.named_scope(MARK_EDGE_ROW):
+          y, dx = (s.pin(pool[j]) for pool in pools)
+          _, acc, _ = s.fns.head_loss_and_grad(
+            self.unhoisted_edges(mb), y, self.targets[mb], acc, s.loss_scale, input_grad=False
+          )
+          return self.embed_gradient(acc, mb, dx)
 
       # Rows past the last micro-batch pad the pools to a multiple of the stages.
       padded = rows * s.program.schedule.stages > m
@@ -863,6 +951,10 @@ class _Stage:
     return {k: v for k, v in c.items() if k not in ('heads', 'embeds')} | dict(g_edges=g_edges)
 
   def weight(self, c, row):
+    with jax.named_scope(MARK_W):
+      return self._weight(c, row)
+
+  def _weight(self, c, row):
     cut = jax.tree.unflatten(self.residuals.cut_tree, [s[row['cut']] for s in c['cut']])
     # Added into the stage's gradients as W makes them (layer by layer in
     # its scan): the chunk's gradients never exist on their own beside them.
@@ -897,15 +989,16 @@ class _Stage:
     at p=8: 74.9 MB of temp), and landing in the next step kept a landing
     set between steps (44.2 MB; opening the tick, 42.9).
     """
-    partner = self.setup.program.partner
-    pairs = [(s, q) for s, q in enumerate(partner) if s != q]
-    arrived = jax.lax.ppermute([s[row['move_send']] for s in c['stash']], 'pipe', pairs)
-    return jax.lax.cond(
-      row['move_recv'] >= 0,
-      lambda c: dict(c, stash=_put(c['stash'], row['move_recv'], arrived)),
-      lambda c: c,
-      c,
-    )
+    with jax.named_scope(MARK_MOVE):
+      partner = self.setup.program.partner
+      pairs = [(s, q) for s, q in enumerate(partner) if s != q]
+      arrived = jax.lax.ppermute([s[row['move_send']] for s in c['stash']], 'pipe', pairs)
+
+      def land(c):
+        with jax.named_scope(MARK_LAND):
+          return dict(c, stash=_put(c['stash'], row['move_recv'], arrived))
+
+      return jax.lax.cond(row['move_recv'] >= 0, land, lambda c: c, c)
 
 
 def _reduce_over_replicas(c, manual, mesh: Mesh, edge_specs):
