@@ -8,9 +8,12 @@ optimised HLO text of one module (an XLA dump's `*after_optimizations.txt`,
 or `compiled.as_text()`) and walks it from its entry computation:
 
   while        body and condition counted by its trip count, XLA's
-               `backend_config={..."known_trip_count":{"n":"K"}}` (printed
-               so by XLA:CPU, XLA:GPU and XLA:TPU); a while without one is
-               an error unless `trip_counts` names it (by instruction name).
+               `backend_config={..."known_trip_count":{"n":"K"}}` where it
+               prints one (XLA:CPU does); XLA:TPU (libtpu 0.0.42) prints
+               none, so a loop `for (i = a; i < n; i += b)` is read from its
+               condition, its initial tuple and its body (`counted_loop`);
+               any other while is an error unless `trip_counts` names it
+               (by instruction name).
   conditional  each branch weighted by how often it runs (below); a
                conditional none of whose branches has a count counts its
                costliest branch as often as the conditional runs (an upper
@@ -251,6 +254,7 @@ class _Inst:
   type: str
   opcode: str
   operands: tuple[str, ...]
+  args: str
   attrs: str
   op_name: str
 
@@ -261,6 +265,7 @@ class _Module:
     self.markers = {part for key in counts for part in key.split('/')}
     self.computations: dict[str, list[_Inst]] = {}
     self.types: dict[str, str] = {}
+    self.instructions: dict[str, _Inst] = {}
     self.entry = None
     name = None
     for line in text.split('\n'):
@@ -277,6 +282,7 @@ class _Module:
         if inst is not None:
           self.computations[name].append(inst)
           self.types[inst.name] = inst.type
+          self.instructions[inst.name] = inst
     if self.entry is None:
       raise ValueError('no ENTRY computation in the HLO text')
     self._fused: dict[str, Work] = {}
@@ -311,11 +317,66 @@ class _Module:
     if inst.name in self.trips:
       return self.trips[inst.name]
     found = _TRIPS.search(inst.attrs)
-    if found is None:
+    if found is not None:
+      return int(found.group(1))
+    trips = self.counted_loop(inst)
+    if trips is None:
       raise ValueError(
         f'while {inst.name} ({inst.op_name}) has no known_trip_count; pass trip_counts'
       )
-    return int(found.group(1))
+    return trips
+
+  def counted_loop(self, inst: _Inst) -> int | None:
+    """The trips of a loop `for (i = a; i < n; i += b)` read from its HLO: XLA:TPU
+    (libtpu 0.0.42) prints no known_trip_count. The condition's root must be
+    `compare(get-tuple-element(param, k), constant(n)), direction=LT`, the
+    while's operand a tuple whose element k is a constant (through copies),
+    and its step the constant the body adds to element k (1 where no such
+    add is found: jax's loops step by 1); None otherwise."""
+    cond = self.computations[_CALLED['condition'].search(inst.attrs).group(1)]
+    body = self.computations[_CALLED['body'].search(inst.attrs).group(1)]
+    by_name = {i.name: i for c in (cond, body) for i in c}
+    root = cond[-1] if cond else None
+    for i in cond:
+      if i.attrs and i.opcode == 'compare' and 'direction=LT' in i.attrs:
+        root = i
+    if root is None or root.opcode != 'compare' or len(root.operands) != 2:
+      return None
+    index, limit = (by_name.get(o) for o in root.operands)
+    if index is None or index.opcode != 'get-tuple-element' or limit is None:
+      return None
+    k = int(re.search(r'index=(\d+)', index.attrs).group(1))
+    n = self.constant(limit)
+    start = self.tuple_element(inst.operands[0], k)
+    # The step: an add of a constant to element k of the body's parameter
+    # (jax's loops step by 1, which is assumed where the add is fused away).
+    step = 1
+    counter = {i.name for i in body if i.opcode == 'get-tuple-element' and f'index={k}' in i.attrs}
+    for i in body:
+      if i.opcode == 'add' and counter & set(i.operands):
+        found = [self.constant(by_name.get(o)) for o in i.operands if o not in counter]
+        step = next((c for c in found if c), step)
+    if n is None or start is None or not step:
+      return None
+    return max(0, -(-(n - start) // step))
+
+  def constant(self, inst: _Inst | None) -> int | None:
+    while inst is not None and inst.opcode in ('copy', 'copy-done') and inst.operands:
+      inst = self.instructions.get(inst.operands[0])
+    if inst is None or inst.opcode != 'constant':
+      return None
+    try:
+      return int(inst.args.strip())
+    except ValueError:
+      return None
+
+  def tuple_element(self, name: str, k: int) -> int | None:
+    inst = self.instructions.get(name)
+    while inst is not None and inst.opcode == 'copy' and inst.operands:
+      inst = self.instructions.get(inst.operands[0])
+    if inst is None or inst.opcode != 'tuple' or len(inst.operands) <= k:
+      return None
+    return self.constant(self.instructions.get(inst.operands[k]))
 
   def conditional(self, inst: _Inst, runs: float, path: str) -> Work:
     found = _BRANCHES.search(inst.attrs)
@@ -451,6 +512,7 @@ def _parse(line: str) -> _Inst | None:
     type=type_,
     opcode=opcode.strip(),
     operands=tuple(re.findall(r'%([\w.\-]+)', args)),
+    args=args,
     attrs=attrs,
     op_name=op_name.group(1) if op_name else '',
   )

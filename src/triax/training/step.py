@@ -290,16 +290,23 @@ def build_trainer(cfg, mesh: Mesh) -> Trainer:
   )
 
 
+def program_of(cfg) -> sched.Program | None:
+  """The lowered schedule the train step of `cfg` (validated) runs; None
+  without a pipeline or micro-batches."""
+  p, v, m = cfg.mesh.pipe, cfg.pipeline.virtual_stages, cfg.pipeline.microbatches
+  if p == 1 and m == 1:
+    return None
+  schedule = sched.from_config(cfg.pipeline, p, m, v)
+  units = rounds.units_for(cfg.model.remat, cfg.pipeline.tick_packing)
+  return sched.lower(schedule, cfg.pipeline.fuse_overlaps, units)
+
+
 def _program_and_layout(cfg, spec):
   """The lowered schedule (None without a pipeline or micro-batches) and
   where each stack entry's weights sit in the stage-major stacks."""
-  p, v, m = cfg.mesh.pipe, cfg.pipeline.virtual_stages, cfg.pipeline.microbatches
-  program, placement = None, None
-  if p > 1 or m > 1:
-    schedule = sched.from_config(cfg.pipeline, p, m, v)
-    units = rounds.units_for(cfg.model.remat, cfg.pipeline.tick_packing)
-    program = sched.lower(schedule, cfg.pipeline.fuse_overlaps, units)
-    placement = schedule.placement
+  p, v = cfg.mesh.pipe, cfg.pipeline.virtual_stages
+  program = program_of(cfg)
+  placement = None if program is None else program.source.placement
   layout = layout_lib.StackLayout.build(
     spec.num_layers, p, v, cfg.pipeline.layers_per_stage, placement, spec.layers_per_entry
   )
