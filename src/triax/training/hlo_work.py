@@ -275,7 +275,7 @@ class _Module:
         self.computations[name] = []
         if line.startswith('ENTRY'):
           self.entry = name
-      elif line.startswith('}'):
+      elif line.rstrip() == '}':  # not a '}' opening a line of a kernel's multi-line config
         name = None
       elif name is not None:
         inst = _parse(line)
