@@ -143,3 +143,30 @@ def test_a_pipelined_step_executes_the_models_hardware_flops(edge_grads):
   # No counts: every cond counts its costliest branch on every tick.
   bound = hlo_work.work(hlo)
   assert bound.flops > 2 * stages[0].flops and bound.unweighted_conditionals > 0
+
+
+# (lhs shape NCHW-like, kernel shape, strides, padding, lhs dilation, rhs dilation, groups)
+_CONVOLUTIONS = (
+  ((2, 4, 9, 7), (6, 4, 3, 2), (1, 1), 'VALID', (1, 1), (1, 1), 1),
+  ((2, 4, 9, 7), (6, 4, 3, 2), (2, 1), ((2, 3), (1, 0)), (1, 1), (1, 1), 1),
+  ((2, 4, 9, 7), (6, 2, 3, 3), (1, 2), ((1, 2), (2, 2)), (2, 1), (1, 2), 2),
+  ((1, 8, 5, 1), (8, 8, 5, 1), (1, 1), ((4, 4), (0, 0)), (1, 1), (1, 1), 1),
+)
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize('case', range(len(_CONVOLUTIONS)))
+def test_a_convolution_counts_its_valid_window_positions_as_xla_does(case):
+  """Padding and dilation hold no multiply-adds: each convolution's count
+  equals XLA's own cost analysis of it (one instruction, no loop), which is
+  what XLA:TPU's matmuls-as-convolutions need (their batch windows are padded)."""
+  lhs, rhs, strides, padding, lhs_dilation, rhs_dilation, groups = _CONVOLUTIONS[case]
+
+  def conv(x, w):
+    return jax.lax.conv_general_dilated(
+      x, w, strides, padding, lhs_dilation, rhs_dilation, feature_group_count=groups
+    )
+
+  compiled = jax.jit(conv).lower(jnp.ones(lhs), jnp.ones(rhs)).compile()
+  assert 'convolution(' in compiled.as_text()
+  assert hlo_work.work(compiled.as_text()).flops == compiled.cost_analysis()['flops']

@@ -71,6 +71,8 @@ import math
 import os
 import re
 
+import numpy as np
+
 from triax.training.hlo_schedule import _HEADER
 
 _INSTRUCTION = re.compile(r'^\s*(?:ROOT )?%?([\w.\-]+) = (.*)$')
@@ -87,7 +89,9 @@ _BRANCHES = re.compile(r'branch_computations=\{([^}]*)\}')
 _TRUE_FALSE = re.compile(r'(?:true|false)_computation=%?([\w.\-]+)')
 _DIMS = re.compile(r'lhs_contracting_dims=\{([\d,]*)\}')
 _GEMM_DIMS = re.compile(r'"lhs_contracting_dimensions":\[([^\]]*)\]')
-_DIM_LABELS = re.compile(r'dim_labels=\w+_(\w+)->')
+_DIM_LABELS = re.compile(r'dim_labels=(\w+)_(\w+)->(\w+)')
+_WINDOW = re.compile(r'window=\{([^}]*)\}')
+_GROUPS = re.compile(r'(feature|batch)_group_count=(\d+)')
 _TARGET = re.compile(r'custom_call_target="([^"]*)"')
 _COST_FLOPS = re.compile(r'"cost_estimate":\s*\{[^}]*?"flops":\s*"?(\d+)')
 
@@ -464,12 +468,12 @@ class _Module:
       contract = [int(d) for d in found.group(1).split(',') if d] if found else []
       return 2.0 * math.prod(_dims(inst.type)) * math.prod(lhs[d] for d in contract)
     if inst.opcode == 'convolution':
-      kernel = _dims(self.types.get(inst.operands[1], ''))
-      found = _DIM_LABELS.search(inst.attrs)
-      if not found or not kernel:
-        return 0.0
-      features = kernel[found.group(1).index('o')]
-      return 2.0 * math.prod(_dims(inst.type)) * math.prod(kernel) / features
+      return _convolution_flops(
+        _dims(self.types.get(inst.operands[0], '')),
+        _dims(self.types.get(inst.operands[1], '')),
+        _dims(inst.type),
+        inst.attrs,
+      )
     return 0.0
 
   def custom_flops(self, inst: _Inst) -> float | None:
@@ -489,6 +493,59 @@ class _Module:
     if found:
       return float(found.group(1))
     return None
+
+
+def _convolution_flops(lhs: list[int], rhs: list[int], out: list[int], attrs: str) -> float:
+  """2 x the multiply-adds of a convolution, as XLA's HloCostAnalysis counts
+  them: per spatial dimension only the (output, kernel) position pairs that
+  land on the input (not on padding or between dilated elements), times the
+  input features per group, the output features and the batch per group.
+  XLA:TPU writes matmuls with batch dimensions as such convolutions (a batch
+  dimension becomes a padded, reversed window), so the padding must not count."""
+  labels = _DIM_LABELS.search(attrs)
+  if not labels or not (lhs and rhs and out):
+    return 0.0
+  lhs_l, rhs_l, out_l = labels.groups()
+  groups = dict((k, int(v)) for k, v in _GROUPS.findall(attrs))
+  spatial = sorted(c for c in lhs_l if c.isdigit())
+  window = _window(attrs, len(spatial))
+  valid = 1
+  for i, d in enumerate(spatial):
+    valid *= _valid_positions(
+      lhs[lhs_l.index(d)], rhs[rhs_l.index(d)], out[out_l.index(d)], window[i]
+    )
+  fma = (
+    lhs[lhs_l.index('f')]
+    // groups.get('feature', 1)
+    * out[out_l.index('f')]
+    * (lhs[lhs_l.index('b')] // groups.get('batch', 1))
+    * valid
+  )
+  return 2.0 * fma
+
+
+def _window(attrs: str, rank: int) -> list[dict]:
+  """Per spatial dimension: stride, padding low, lhs (base) and rhs (window) dilation."""
+  dims = [{'stride': 1, 'low': 0, 'lhs_dilate': 1, 'rhs_dilate': 1} for _ in range(rank)]
+  found = _WINDOW.search(attrs)
+  for field in found.group(1).split() if found else ():
+    key, _, value = field.partition('=')
+    for i, part in enumerate(value.split('x')[:rank]):
+      if key == 'pad':
+        dims[i]['low'] = int(part.split('_')[0])
+      elif key in ('stride', 'lhs_dilate', 'rhs_dilate'):
+        dims[i][key] = int(part)
+  return dims
+
+
+def _valid_positions(size: int, kernel: int, out: int, w: dict) -> int:
+  """(output, kernel) pairs of one spatial dimension that read an input element."""
+  o = np.arange(out)[:, None]
+  k = np.arange(kernel)[None, :]
+  at = o * w['stride'] - w['low'] + k * w['rhs_dilate']
+  base = w['lhs_dilate']
+  ok = (at % base == 0) & (at >= 0) & (at // base < size)
+  return int(ok.sum())
 
 
 def _parse(line: str) -> _Inst | None:
