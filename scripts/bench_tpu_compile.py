@@ -41,6 +41,9 @@ import time
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), '..'))
 BENCH = os.path.join(ROOT, '.bench')
 MAXTEXT = 'maxtext[tpu]==0.2.5'
+# The jax its rows were measured with: 0.12.1's Pallas kernels carry a field
+# (debug_locations) that MaxText's libtpu 0.0.52 refuses.
+MAXTEXT_PINS = ('jax==0.12.0.1', 'jaxlib==0.12.0.1')
 GiB = 2**30
 
 # name -> (what, topology, triax overrides, MaxText overrides)
@@ -367,7 +370,7 @@ def maxtext_python() -> str:
   if not os.path.exists(os.path.join(venv, '.installed')):
     base = _python312()
     subprocess.run([base, '-m', 'venv', venv], check=True)
-    subprocess.run([python, '-m', 'pip', 'install', '-q', MAXTEXT], check=True)
+    subprocess.run([python, '-m', 'pip', 'install', '-q', MAXTEXT, *MAXTEXT_PINS], check=True)
     open(os.path.join(venv, '.installed'), 'w').close()
   return python
 

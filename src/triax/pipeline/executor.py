@@ -235,6 +235,20 @@ def _all_reduce(x, axes: tuple[str, ...], sizes: dict[str, int], spec: P | None)
   return jax.lax.all_gather(part, axes, axis=dim, tiled=True, to='invarying')
 
 
+def _scatter_rows(pool, mesh: Mesh):
+  """Each stage's rows of a pool that one stage wrote (a reduce-scatter over
+  `pipe`: the other stages' rows are zeros, so the sum is exact in any dtype).
+
+  On XLA:CPU a bf16 pool goes through f32: its compiler aborts on a bf16
+  reduce-scatter ("Invalid binary instruction opcode copy": the pass that
+  widens bf16 reductions clones a reducer whose root is a copy; jax 0.10-0.12).
+  """
+  if pool.dtype == jnp.bfloat16 and mesh.devices.flat[0].platform == 'cpu':
+    wide = jax.lax.psum_scatter(pool.astype(jnp.float32), 'pipe', scatter_dimension=0, tiled=True)
+    return wide.astype(pool.dtype)
+  return jax.lax.psum_scatter(pool, 'pipe', scatter_dimension=0, tiled=True)
+
+
 def _take(tree, index):
   return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, index, 0, keepdims=False), tree)
 
@@ -927,10 +941,7 @@ class _Stage:
     here by micro-batches, which leaves the model's head as it is).
     """
     s, rows, m = self.setup, self.rows, self.inputs.shape[0]
-    pools = [
-      jax.lax.psum_scatter(c[name], 'pipe', scatter_dimension=0, tiled=True)
-      for name in ('heads', 'embeds')
-    ]
+    pools = [_scatter_rows(c[name], s.mesh) for name in ('heads', 'embeds')]
 
     def one(acc, j):
       mb = self.stage * rows + j

@@ -1,0 +1,354 @@
+"""triax beside MaxText: the same Llama, tokens and layout, timed on XLA:CPU.
+
+  python scripts/bench_peers.py [--layouts=dp8,fsdp8,...] [--pairs=3] [--steps=6] \
+      [--out=docs/bench_peers.md]
+
+Each layout of experiments/llama_peers.py runs as `triax train` and as
+MaxText 0.2.5's own `train` (synthetic data), each in a process of its own
+through scripts/peers_run.py, in the venv this script builds for MaxText
+(.bench/maxtext-venv, as scripts/bench_tpu_compile.py does; a reference,
+never a dependency): one jax, one XLA and the same flags for both, 8 CPU
+devices forced the same way. The two frameworks alternate, layout by layout,
+for --pairs rounds; a run's step time is the median of its steps after the
+first two (compilation and the first dispatches), each step the wall time
+between two steps' completions (triax's metrics; MaxText's log lines, which
+it writes as a step's metrics arrive). A layout's ratio is the median of the
+pairs' ratios, with their spread.
+
+Every run's figures are kept in docs/bench_peers.json; `--layouts=''`
+rewrites the page from it. The executed-work table (loop- and branch-aware
+counts from the compiled programs) is scripts/bench_peers_work.py's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_tpu_compile as tpu  # noqa: E402  (the MaxText venv it builds)
+
+ROOT, BENCH = tpu.ROOT, tpu.BENCH
+CONFIG = 'experiments/llama_peers.py'
+RUNNER = os.path.join(ROOT, 'scripts', 'peers_run.py')
+WARMUP = 2  # steps left out of a run's median
+
+# MaxText 0.2.5's keys for experiments/llama_peers.py's model (its llama2 block is Llama's).
+MAXTEXT_MODEL = {
+  'hardware': 'cpu',
+  'decoder_block': 'llama2',
+  'base_emb_dim': 512,
+  'base_num_query_heads': 8,
+  'base_num_kv_heads': 4,
+  'head_dim': 64,
+  'base_mlp_dim': 1536,
+  'base_num_decoder_layers': 8,
+  'vocab_size': 8192,
+  'max_target_length': 512,
+  'rope_max_timescale': 10000,
+  'normalization_layer_epsilon': '1e-5',
+  'logits_via_embedding': 'false',
+  'per_device_batch_size': 2,  # 16 sequences on 8 devices
+  'dtype': 'bfloat16',
+  'weight_dtype': 'float32',
+  'remat_policy': 'full',
+  'attention': 'dot_product',  # triax's model.attention=xla: XLA's own attention on both sides
+  'opt_type': 'adamw',
+  'enable_checkpointing': 'false',
+  'enable_tensorboard': 'false',
+  'dataset_type': 'synthetic',
+}
+_PP4 = {
+  'ici_fsdp_parallelism': 1,
+  'ici_data_parallelism': 2,
+  'ici_pipeline_parallelism': 4,
+  'num_pipeline_microbatches': 8,
+}
+# name -> (what, MaxText's keys, MaxText's pipeline); zb_h1's row reuses 1f1b's MaxText runs.
+LAYOUTS = {
+  'dp8': ('DP 8', {'ici_fsdp_parallelism': 1, 'ici_data_parallelism': 8}, ''),
+  'fsdp8': ('FSDP 8', {'ici_fsdp_parallelism': 8}, ''),
+  'tp2_fsdp4': ('TP 2 x FSDP 4', {'ici_fsdp_parallelism': 4, 'ici_tensor_parallelism': 2}, ''),
+  'tp4_dp2': (
+    'TP 4 x DP 2',
+    {'ici_fsdp_parallelism': 1, 'ici_data_parallelism': 2, 'ici_tensor_parallelism': 4},
+    '',
+  ),
+  'pp4_dp2_1f1b': (
+    'PP 4 x DP 2, m=8: 1f1b',
+    {**_PP4, 'num_layers_per_pipeline_stage': 2},
+    'its pipeline (GPipe order)',
+  ),
+  'pp4_dp2_zb_h1': ('PP 4 x DP 2, m=8: zb_h1', None, 'its pipeline (GPipe order)'),
+  'pp4_v2_dp2': (
+    'PP 4 x DP 2, m=8, v=2: interleaved 1f1b',
+    {**_PP4, 'num_layers_per_pipeline_stage': 1, 'num_pipeline_repeats': 2},
+    'circular pipeline',
+  ),
+}
+_MAXTEXT_OF = {'pp4_dp2_zb_h1': 'pp4_dp2_1f1b'}
+_STEP_LINE = re.compile(
+  r'^I(\d{4}) (\d\d:\d\d:\d\d\.\d+) .*completed step: (\d+), seconds: ([\d.]+)', re.M
+)
+
+
+def fail(key: str, message: str) -> None:
+  print(f'error: {key}: {message}', file=sys.stderr)
+  sys.exit(2)
+
+
+def maxtext_python() -> str:
+  """The MaxText venv's python; a failed build is one line and exit 2."""
+  try:
+    return tpu.maxtext_python()
+  except subprocess.CalledProcessError as e:
+    fail('MaxText venv', f'building .bench/maxtext-venv failed ({e}); fix pip and rerun')
+
+
+def run(python: str, framework: str, layout: str, steps: int) -> dict:
+  """One run in a process of its own: its steps' seconds and compile seconds."""
+  name = f'{framework}-{layout}'
+  workdir = os.path.join(BENCH, 'peers', name)
+  shutil.rmtree(workdir, ignore_errors=True)
+  os.makedirs(workdir)
+  out = os.path.join(workdir, 'compiles.json')
+  if framework == 'triax':
+    args = [
+      f'--config={CONFIG}:layout={layout},steps={steps}',
+      f'--workdir={os.path.join(workdir, "run")}',
+      '--cpu_devices=8',
+      '--noprogress',
+    ]
+  else:
+    keys = {**MAXTEXT_MODEL, **LAYOUTS[layout][1], 'steps': steps, 'run_name': name}
+    keys['base_output_directory'] = workdir
+    args = [f'{k}={v}' for k, v in keys.items()]
+  env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, 'src'))
+  env.pop('XLA_FLAGS', None)  # the same (none) on both sides
+  done = subprocess.run(
+    [python, RUNNER, out, framework, *args], cwd=ROOT, env=env, capture_output=True, text=True
+  )
+  text = done.stdout + done.stderr
+  if done.returncode:
+    raise RuntimeError(f'{name} failed:\n{text[-3000:]}')
+  with open(out) as f:
+    compiles = json.load(f)['compile_seconds']
+  seconds = _triax_steps(workdir) if framework == 'triax' else _maxtext_steps(text)
+  if len(seconds) != steps - 1:
+    raise RuntimeError(f'{name}: {len(seconds)} step times for {steps} steps:\n{text[-3000:]}')
+  return {'steps': seconds, 'compile': max(compiles)}
+
+
+def _triax_steps(workdir: str) -> list[float]:
+  """Seconds between consecutive steps' completions, from step 2 on (metrics.jsonl)."""
+  with open(os.path.join(workdir, 'run', 'metrics.jsonl')) as f:
+    records = [json.loads(line) for line in f]
+  return [r['step_time_s'] for r in records if 'step_time_s' in r][1:]
+
+
+def _maxtext_steps(log: str) -> list[float]:
+  """Seconds between the log lines of consecutive steps (MaxText writes a
+  step's line when its metrics arrive), and MaxText's own `seconds` beside."""
+  stamps = [
+    datetime.datetime.strptime(f'{day} {clock}', '%m%d %H:%M:%S.%f')
+    for day, clock, _step, _s in _STEP_LINE.findall(log)
+  ]
+  return [(b - a).total_seconds() for a, b in zip(stamps, stamps[1:])]
+
+
+def measure(layouts: list[str], pairs: int, steps: int, results: dict) -> None:
+  """Alternating runs, both in MaxText's venv (one jax, one XLA)."""
+  python = maxtext_python()
+  results['versions'] = _jax(python)
+  for pair in range(pairs):
+    done_maxtext = set()
+    for layout in layouts:
+      row = results['rows'].setdefault(layout, {'triax': [], 'maxtext': []})
+      if pair == 0:
+        row['triax'], row['maxtext'] = [], []
+      ours = _attempt(results, python, 'triax', layout, steps)
+      if ours:
+        row['triax'].append(ours)
+        print(f'pair {pair}: triax {layout}: {_median(ours):.2f} s', flush=True)
+      mt = _MAXTEXT_OF.get(layout, layout)
+      if mt not in done_maxtext:
+        results['rows'].setdefault(mt, {'triax': [], 'maxtext': []})
+        if pair == 0 and mt != layout:
+          results['rows'][mt]['maxtext'] = []
+        m = _attempt(results, python, 'maxtext', mt, steps)
+        done_maxtext.add(mt)
+        if m:
+          results['rows'][mt]['maxtext'].append(m)
+          print(f'pair {pair}: MaxText {mt}: {_median(m):.2f} s', flush=True)
+
+
+def _attempt(results: dict, python: str, framework: str, layout: str, steps: int) -> dict | None:
+  """One run, or None with its failure kept in results['failed'] (the table says so)."""
+  try:
+    return run(python, framework, layout, steps)
+  except RuntimeError as e:
+    results.setdefault('failed', {})[f'{framework} {layout}'] = str(e)[-2000:]
+    print(f'{framework} {layout} failed: {str(e)[-600:]}', flush=True)
+    return None
+
+
+def _jax(python: str) -> str:
+  code = 'import jax; print(jax.__version__)'
+  return subprocess.run([python, '-c', code], capture_output=True, text=True).stdout.strip()
+
+
+def _median(r: dict) -> float:
+  return statistics.median(r['steps'][WARMUP - 1 :])
+
+
+def bubbles(layout: str) -> tuple[float, float] | None:
+  """(triax's lockstep bubble at the papers' unit costs, MaxText's share of
+  iterations that compute no micro-batch's work) for a pipelined layout."""
+  from triax.pipeline import rounds, simulate
+  from triax.pipeline import schedule as sched
+
+  keys = _triax_keys(layout)
+  if keys.get('mesh.pipe', 1) == 1:
+    return None
+  p, m, v = keys['mesh.pipe'], keys['pipeline.microbatches'], keys.get('pipeline.virtual_stages', 1)
+  schedule = sched.build(keys['pipeline.schedule'], p, m, v)
+  units = rounds.units_for('full')
+  program = sched.lower(schedule, units=units)
+  costs = simulate.Costs.design_point(schedule.split_backward, units)
+  ours = simulate.simulate_lockstep(program, costs).bubble_fraction
+  # MaxText runs m*v + p - 1 iterations in each direction, every stage computing in each.
+  return ours, (p - 1) / (m * v + p - 1)
+
+
+def _triax_keys(layout: str) -> dict:
+  sys.path.insert(0, os.path.join(ROOT, 'experiments'))
+  import llama_peers
+
+  return llama_peers.LAYOUTS[layout]
+
+
+def table(results: dict) -> list[str]:
+  lines = [
+    '| layout | MaxText | triax step (s) | MaxText step (s) | triax / MaxText [spread] | '
+    'tokens/s triax / MaxText | compile s triax / MaxText |',
+    '|---|---|---|---|---|---|---|',
+  ]
+  tokens = 16 * 512
+  for layout, (what, _keys, pipeline) in LAYOUTS.items():
+    row = results['rows'].get(layout)
+    mt_row = results['rows'].get(_MAXTEXT_OF.get(layout, layout), {})
+    if not row or not row['triax'] or not mt_row.get('maxtext'):
+      continue
+    ours = [_median(r) for r in row['triax']]
+    theirs = [_median(r) for r in mt_row['maxtext']]
+    ratios = [a / b for a, b in zip(ours, theirs)]
+    a, b = statistics.median(ours), statistics.median(theirs)
+    compile_a = statistics.median(r['compile'] for r in row['triax'])
+    compile_b = statistics.median(r['compile'] for r in mt_row['maxtext'])
+    lines.append(
+      f'| {what} | {pipeline or "-"} | {a:.2f} | {b:.2f} | '
+      f'**{statistics.median(ratios):.2f}** [{min(ratios):.2f}, {max(ratios):.2f}] | '
+      f'{tokens / a:.0f} / {tokens / b:.0f} | {compile_a:.1f} / {compile_b:.1f} |'
+    )
+  return lines
+
+
+def bubble_lines(results: dict) -> list[str]:
+  lines = [
+    '| layout | triax bubble (lockstep, unit costs) | MaxText: iterations with no work |',
+    '|---|---|---|',
+  ]
+  for layout, (what, _k, _p) in LAYOUTS.items():
+    if layout not in results['rows']:
+      continue
+    found = bubbles(layout)
+    if found:
+      lines.append(f'| {what} | {found[0]:.3f} | {found[1]:.3f} |')
+  return lines
+
+
+def write(path: str, results: dict) -> None:
+  with open(os.path.splitext(path)[0] + '.json', 'w') as f:
+    json.dump(results, f, indent=1)
+  lines = [
+    '# triax beside MaxText on XLA:CPU',
+    '',
+    'Written by `scripts/bench_peers.py`; every run is kept in `docs/bench_peers.json`.',
+    '',
+    f'One venv for both, MaxText\'s: MaxText 0.2.5 (`maxtext[tpu]`), jax {results.get("versions")};',
+    'triax from this tree.',
+    'The model is experiments/llama_peers.py on both: Llama, d_model 512, 8 layers, 8 heads of 64',
+    'with 4 K/V heads, SwiGLU 1536, vocabulary 8192, 16 sequences x 512 tokens a step, bf16',
+    'compute with fp32 parameters and AdamW state, full recomputation, XLA attention,',
+    '8 forced CPU devices on 2 cores, no XLA flags on either side.',
+    '',
+    *table(results),
+    '',
+    *_method_lines(results),
+    '',
+    '## What XLA:CPU hides',
+    '',
+    *bubble_lines(results),
+    '',
+    *HIDES,
+  ]
+  with open(path, 'w') as f:
+    f.write('\n'.join(lines) + '\n')
+
+
+def _method_lines(results: dict) -> list[str]:
+  pairs = max((len(r['triax']) for r in results['rows'].values()), default=0)
+  return [
+    f'Medians of {pairs} pairs of runs, each run a process of its own, the two frameworks',
+    "alternating; a run's step is the median of its steps after the first two. The spread is",
+    "the smallest and largest of the pairs' ratios. Compile seconds: the longest",
+    '`Lowered.compile` of the run (its train step), timed alike on both sides',
+    '(scripts/peers_run.py).',
+  ]
+
+
+HIDES = [
+  'Eight devices share two cores, so a device with nothing to do frees its core for the',
+  "others: a pipeline's idle ticks cost no time here, where on accelerators each one is a",
+  "chip waiting. The CPU column therefore prices a schedule's work, not its bubble. The",
+  "bubble is priced above from the schedule instead: triax's lockstep program at the",
+  "papers' unit costs (simulate.py), and the share of MaxText's pipeline iterations in",
+  'which a stage has no micro-batch. MaxText computes in those iterations (every stage runs',
+  "every iteration, on zeros), so its bubble costs it work even here; triax's idle ticks",
+  'run no branch.',
+]
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument('--layouts', default=','.join(LAYOUTS))
+  parser.add_argument('--pairs', type=int, default=3)
+  parser.add_argument('--steps', type=int, default=6)
+  parser.add_argument('--out', default=os.path.join(ROOT, 'docs', 'bench_peers.md'))
+  args = parser.parse_args()
+  layouts = [x for x in args.layouts.split(',') if x]
+  unknown = [x for x in layouts if x not in LAYOUTS]
+  if unknown:
+    fail('--layouts', f'unknown layout {unknown[0]!r}; choose from {", ".join(LAYOUTS)}')
+  if args.pairs < 1 or args.steps <= WARMUP:
+    fail('--pairs/--steps', f'need --pairs >= 1 and --steps > {WARMUP}')
+  saved = os.path.splitext(args.out)[0] + '.json'
+  results = {'rows': {}}
+  if os.path.exists(saved):
+    with open(saved) as f:
+      results = json.load(f)
+  if layouts:
+    measure(layouts, args.pairs, args.steps, results)
+  write(args.out, results)
+  print(f'wrote {args.out}')
+
+
+if __name__ == '__main__':
+  main()

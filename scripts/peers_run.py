@@ -1,0 +1,85 @@
+"""One timed training run of triax or MaxText for scripts/bench_peers.py.
+
+  python scripts/peers_run.py OUT.json triax|maxtext ARGS...
+
+Both frameworks start the same way here, in one process on the same jax:
+8 CPU devices forced through `jax_num_cpu_devices` before the backend
+starts, and every `Lowered.compile` call timed (OUT.json gets their
+seconds; the train step's is the longest). Then the framework's own entry
+point runs with ARGS: `triax train`'s flags, or MaxText's `train` keys after
+its base.yml. MaxText's CPU start-up calls `jax.distributed.initialize` for
+an XPK job's processes; here there is one process, so that call is skipped,
+which keeps MaxText's collectives inside the process as triax's are (with
+the distributed client, XLA:CPU would run them through Gloo).
+
+Run by the MaxText venv's python with PYTHONPATH=src (bench_peers.py does).
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import sys
+import time
+
+DEVICES = 8
+
+
+def _time_compiles(out: str) -> None:
+  """Records each compile's seconds, written to `out` at exit."""
+  import jax
+
+  seconds = []
+  compile_ = jax.stages.Lowered.compile
+
+  def timed(self, *args, **kwargs):
+    started = time.perf_counter()
+    try:
+      return compile_(self, *args, **kwargs)
+    finally:
+      seconds.append(time.perf_counter() - started)
+
+  jax.stages.Lowered.compile = timed
+
+  def write():
+    with open(out, 'w') as f:
+      json.dump({'compile_seconds': seconds}, f)
+
+  atexit.register(write)
+
+
+def _maxtext(args: list[str]) -> None:
+  import maxtext
+  from absl import app
+  from maxtext.trainers.pre_train import train
+  from maxtext.utils import max_utils
+
+  # One process: no distributed client (see the module docstring).
+  max_utils.initialize_jax_for_cpu = lambda raw_keys: None
+  base = os.path.join(os.path.dirname(maxtext.__file__), 'configs', 'base.yml')
+  sys.argv = ['train', base, *args]
+  app.run(train.main)
+
+
+def _triax(args: list[str]) -> None:
+  from triax.cli import train
+
+  sys.argv = ['triax train', *args]
+  train.run()
+
+
+def main() -> None:
+  if len(sys.argv) < 3 or sys.argv[2] not in ('triax', 'maxtext'):
+    sys.exit('error: usage: peers_run.py OUT.json triax|maxtext ARGS...')
+  out, framework, args = sys.argv[1], sys.argv[2], sys.argv[3:]
+  import jax
+
+  jax.config.update('jax_platforms', 'cpu')
+  jax.config.update('jax_num_cpu_devices', DEVICES)
+  _time_compiles(out)
+  (_triax if framework == 'triax' else _maxtext)(args)
+
+
+if __name__ == '__main__':
+  main()
