@@ -212,3 +212,14 @@ def test_packed_rounds_hold_what_one_action_a_tick_holds():
   for key in ('peak_stash', 'cut_slots', 'message_slots'):
     assert packed['schedule'][key] == plain['schedule'][key], key
   assert packed['temp_bytes'] <= 1.01 * plain['temp_bytes'], (packed, plain)
+
+
+def test_a_bf16_step_with_edge_gradients_after_the_loop_compiles_on_cpu():
+  """XLA:CPU aborts the process on a bf16 reduce-scatter (its pass widening
+  bf16 reductions meets a reducer whose root is a copy), which the pools of
+  the after-loop edge gradients are: on CPU they go through f32. An abort
+  here would take the test worker down, not fail an assertion."""
+  stats = _stats(
+    '1f1b', 8, **{'model.dtype': 'bfloat16', 'pipeline.edge_grads': 'after', 'mesh.data': 2}
+  )
+  assert stats['schedule']['edge_grads'] == 'after'
