@@ -10,7 +10,13 @@
 #      saves cost a step (issue 28's 3%);
 #   4. scripts/gpu_bench.sh (gpt_1b): tokens/s and bf16 MFU;
 #   5. --compile_only of experiments/llama_8b.py on one GPU: its fp32 state
-#      alone is 128 GB, so the expected answer is "does not fit" and exit 3.
+#      alone is 128 GB, so the expected answer is "does not fit" and exit 3;
+#   6. MaxText 0.2.5's own train loop with llama_1b's keys on the same GPU
+#      (scripts/bench_peers.py --one_device): its tokens/s and MFU beside
+#      section 2's. Its python is TRIAX_MAXTEXT_PYTHON (a venv with
+#      maxtext and a CUDA jax; the GPU machine may have no network to build
+#      one), else .bench/maxtext-venv; without one the section says so.
+#      Rehearsed on CPU: python scripts/bench_peers.py --one_device --smoke.
 #
 #   scripts/bench_gpu.sh [--out_dir=docs] [--runs=runs/bench_gpu]
 #
@@ -91,4 +97,6 @@ section "gpt_1b: tokens/s and MFU" \
   bash scripts/gpu_bench.sh --workdir="$runs/gpt_1b"
 section "compile only: llama_8b on one GPU (expected: does not fit, exit 3)" \
   python -m triax train --config=experiments/llama_8b.py --compile_only --workdir="$runs/llama_8b_aot"
+section "MaxText 0.2.5: llama_1b's keys on the same GPU (beside section 2)" \
+  python scripts/bench_peers.py --one_device
 echo "wrote $doc"

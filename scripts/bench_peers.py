@@ -99,6 +99,103 @@ _STEP_LINE = re.compile(
 )
 
 
+# MaxText's keys for experiments/llama_1b.py as scripts/gpu_bench.sh runs it on one
+# GPU: 8 x 2048 tokens, no remat, cuDNN attention through jax (triax's cudnn).
+ONE_GPU = {
+  **{k: v for k, v in tpu.MAXTEXT_MODELS[tpu.LLAMA_1B].items() if k != 'global_batch'},
+  **{k: v for k, v in tpu.MAXTEXT_COMMON.items() if k not in ('remat_policy', 'attention')},
+  'hardware': 'gpu',
+  'remat_policy': 'none',
+  'attention': 'cudnn_flash_jax',
+  'per_device_batch_size': 8,
+  'steps': 40,
+  'enable_tensorboard': 'false',
+}
+ONE_GPU_SMOKE = {  # the same keys at llama_1b:smoke's size, on one CPU device (a rehearsal)
+  **ONE_GPU,
+  'hardware': 'cpu',
+  'attention': 'dot_product',
+  'base_emb_dim': 64,
+  'base_num_query_heads': 4,
+  'base_num_kv_heads': 2,
+  'head_dim': 16,
+  'base_mlp_dim': 172,
+  'base_num_decoder_layers': 2,
+  'vocab_size': 1024,
+  'max_target_length': 64,
+  'per_device_batch_size': 4,
+  'steps': 5,
+}
+
+
+def one_device(smoke: bool) -> list[str]:
+  """MaxText's tokens/s and MFU for llama_1b's shape on this machine's one
+  device (scripts/bench_gpu.sh's MaxText column beside gpu_bench.sh's triax).
+  Its python: TRIAX_MAXTEXT_PYTHON, else the venv this script builds."""
+  venv = os.path.join(BENCH, 'maxtext-venv')
+  built = os.path.join(venv, 'bin', 'python') if os.path.exists(f'{venv}/.installed') else ''
+  # Not built here: a GPU machine may have no network for pip.
+  python = os.environ.get('TRIAX_MAXTEXT_PYTHON') or built
+  if not python or not os.path.exists(python):
+    fail(
+      'TRIAX_MAXTEXT_PYTHON',
+      f'no MaxText python ({python or "no .bench/maxtext-venv"}); name one with maxtext and '
+      'its jax installed, or build .bench/maxtext-venv (python scripts/bench_peers.py)',
+    )
+  keys = dict(ONE_GPU_SMOKE if smoke else ONE_GPU)
+  workdir = os.path.join(BENCH, 'peers', 'maxtext-one-device')
+  shutil.rmtree(workdir, ignore_errors=True)
+  os.makedirs(workdir)
+  keys.update(run_name='one-device', base_output_directory=workdir)
+  env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, 'src'), TRIAX_PEERS_DEVICES='1')
+  done = subprocess.run(
+    [python, RUNNER, os.path.join(workdir, 'compiles.json'), 'maxtext']
+    + [f'{k}={v}' for k, v in keys.items()],
+    cwd=ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+  )
+  text = done.stdout + done.stderr
+  seconds = _maxtext_steps(text)
+  if done.returncode or len(seconds) < 2:
+    raise SystemExit(f'error: MaxText: its run failed:\n{text[-3000:]}')
+  step = statistics.median(seconds[1:])
+  tokens = keys['per_device_batch_size'] * keys['max_target_length']
+  flops = _llama_1b_model_flops(smoke)
+  device, peak = _device(python)
+  lines = [
+    f'MaxText 0.2.5 on {device}: llama_1b{":smoke" if smoke else ""} keys '
+    f'({len(seconds) - 1} steps after the first two)',
+    f'tokens/s:    {tokens / step:,.0f}',
+    f'step time:   {step * 1e3:.1f} ms',
+    f"model FLOPs: {flops:.3g} per step (triax's model/flops.py for the same shape)",
+  ]
+  lines.append(f'MFU:         {100 * flops / step / peak:.1f}%' if peak else 'MFU:         n/a')
+  return lines
+
+
+def _llama_1b_model_flops(smoke: bool) -> float:
+  from triax import config as config_lib
+  from triax.model import flops as flops_lib
+  from triax.model import registry
+
+  cfg = config_lib.from_file(
+    os.path.join(ROOT, 'experiments', 'llama_1b.py'), 'smoke' if smoke else None
+  )
+  model = registry.build(registry.spec_from_config(cfg.model))
+  batch = ONE_GPU_SMOKE['per_device_batch_size'] if smoke else ONE_GPU['per_device_batch_size']
+  return flops_lib.step_flops(model, batch)['model']
+
+
+def _device(python: str) -> tuple[str, float | None]:
+  from triax.model import flops as flops_lib
+
+  code = 'import jax; print(jax.devices()[0].device_kind)'
+  kind = subprocess.run([python, '-c', code], capture_output=True, text=True).stdout.strip()
+  return kind, flops_lib.peak_flops(kind)
+
+
 def fail(key: str, message: str) -> None:
   print(f'error: {key}: {message}', file=sys.stderr)
   sys.exit(2)
@@ -332,7 +429,17 @@ def main():
   parser.add_argument('--pairs', type=int, default=3)
   parser.add_argument('--steps', type=int, default=6)
   parser.add_argument('--out', default=os.path.join(ROOT, 'docs', 'bench_peers.md'))
+  parser.add_argument(
+    '--one_device',
+    action='store_true',
+    help="only MaxText's llama_1b on this machine's one device: tokens/s and MFU "
+    '(scripts/bench_gpu.sh)',
+  )
+  parser.add_argument('--smoke', action='store_true', help='with --one_device: a tiny model on CPU')
   args = parser.parse_args()
+  if args.one_device:
+    print('\n'.join(one_device(args.smoke)))
+    return
   layouts = [x for x in args.layouts.split(',') if x]
   unknown = [x for x in layouts if x not in LAYOUTS]
   if unknown:

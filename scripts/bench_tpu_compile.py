@@ -39,7 +39,8 @@ import sys
 import time
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), '..'))
-BENCH = os.path.join(ROOT, '.bench')
+# Venvs, dumps and runs of the benchmarks (TRIAX_BENCH_DIR elsewhere, e.g. for tests).
+BENCH = os.environ.get('TRIAX_BENCH_DIR') or os.path.join(ROOT, '.bench')
 MAXTEXT = 'maxtext[tpu]==0.2.5'
 # The jax its rows were measured with: 0.12.1's Pallas kernels carry a field
 # (debug_locations) that MaxText's libtpu 0.0.52 refuses.

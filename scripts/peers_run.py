@@ -23,7 +23,8 @@ import os
 import sys
 import time
 
-DEVICES = 8
+# 8 forced CPU devices; TRIAX_PEERS_DEVICES=1 for one (a GPU run leaves the GPU's count alone).
+DEVICES = int(os.environ.get('TRIAX_PEERS_DEVICES', '8'))
 
 
 def _time_compiles(out: str) -> None:
@@ -75,7 +76,8 @@ def main() -> None:
   out, framework, args = sys.argv[1], sys.argv[2], sys.argv[3:]
   import jax
 
-  jax.config.update('jax_platforms', 'cpu')
+  if os.environ.get('TRIAX_PEERS_DEVICES') != '1':
+    jax.config.update('jax_platforms', 'cpu')
   jax.config.update('jax_num_cpu_devices', DEVICES)
   _time_compiles(out)
   (_triax if framework == 'triax' else _maxtext)(args)
