@@ -395,6 +395,12 @@ def write(path: str, results: dict) -> None:
     *bubble_lines(results),
     '',
     *HIDES,
+    '',
+    *work_section(),
+    '',
+    '## What the tables showed, and what changed',
+    '',
+    *FINDINGS,
   ]
   with open(path, 'w') as f:
     f.write('\n'.join(lines) + '\n')
@@ -420,6 +426,27 @@ HIDES = [
   'which a stage has no micro-batch. MaxText computes in those iterations (every stage runs',
   "every iteration, on zeros), so its bubble costs it work even here; triax's idle ticks",
   'run no branch.',
+]
+
+
+def work_section() -> list[str]:
+  """scripts/bench_peers_work.py's table, from docs/bench_peers_work.json."""
+  import bench_peers_work as work
+
+  if not os.path.exists(work.RESULTS):
+    return []
+  with open(work.RESULTS) as f:
+    results = json.load(f)
+  return ['## The work each compiled step executes', '', *work.work_table(results)]
+
+
+FINDINGS = [
+  '- **triax could not compile a bf16 pipeline on XLA:CPU** (any jax from 0.10.2 to 0.12.1):',
+  "  the pools of the after-loop edge gradients are reduce-scattered over `pipe`, and XLA:CPU's",
+  '  pass that widens bf16 reductions to f32 aborts the process on them ("Invalid binary',
+  "  instruction opcode copy\": the reducer it clones ends in a copy). On CPU the pools now go",
+  '  through f32 (exact: each row is one stage\'s, the others add zeros); XLA:TPU and XLA:GPU',
+  "  programs are unchanged. tests/test_pipeline_memory.py compiles such a step.",
 ]
 
 

@@ -35,8 +35,11 @@ branch (or to its costliest, an upper bound, when there are several).
 Per device: the SPMD-partitioned program is one device's. Figures:
 
   flops     matmul FLOPs: `dot` (2 x output elements x the product of the
-            lhs contracting dimensions) and `convolution` (2 x output
-            elements x kernel elements / output features), inside fusions
+            lhs contracting dimensions) and `convolution` (as XLA's
+            HloCostAnalysis: 2 x input features per group x output features
+            x batch per group x the window positions that read the input,
+            padding and dilation holes left out: XLA:TPU writes batched
+            matmuls as padded, reversed-window convolutions), inside fusions
             too; a cuBLAS/cuBLASLt GEMM custom-call (`__cublas$gemm`,
             `__cublas$lt$matmul*`) from its result shape and its
             backend_config's `lhs_contracting_dimensions` (the lhs's last
