@@ -270,7 +270,7 @@ def measure(layouts: list[str], pairs: int, steps: int, results: dict) -> None:
       row = results['rows'].setdefault(layout, {'triax': [], 'maxtext': []})
       if pair == 0:
         row['triax'], row['maxtext'] = [], []
-      ours = _attempt(results, python, 'triax', layout, steps)
+      ours = _attempt(results, python, 'triax', layout, steps, pair)
       if ours:
         row['triax'].append(ours)
         print(f'pair {pair}: triax {layout}: {_median(ours):.2f} s', flush=True)
@@ -279,21 +279,27 @@ def measure(layouts: list[str], pairs: int, steps: int, results: dict) -> None:
         results['rows'].setdefault(mt, {'triax': [], 'maxtext': []})
         if pair == 0 and mt != layout:
           results['rows'][mt]['maxtext'] = []
-        m = _attempt(results, python, 'maxtext', mt, steps)
+        m = _attempt(results, python, 'maxtext', mt, steps, pair)
         done_maxtext.add(mt)
         if m:
           results['rows'][mt]['maxtext'].append(m)
           print(f'pair {pair}: MaxText {mt}: {_median(m):.2f} s', flush=True)
 
 
-def _attempt(results: dict, python: str, framework: str, layout: str, steps: int) -> dict | None:
-  """One run, or None with its failure kept in results['failed'] (the table says so)."""
-  try:
-    return run(python, framework, layout, steps)
-  except RuntimeError as e:
-    results.setdefault('failed', {})[f'{framework} {layout}'] = str(e)[-2000:]
-    print(f'{framework} {layout} failed: {str(e)[-600:]}', flush=True)
-    return None
+def _attempt(
+  results: dict, python: str, framework: str, layout: str, steps: int, pair: int
+) -> dict | None:
+  """One run (tried twice: XLA:CPU's collectives have crashed a run once in a
+  while), or None; each failure is kept in results['failed'] for the page."""
+  for _ in range(2):
+    try:
+      return dict(run(python, framework, layout, steps), pair=pair)
+    except RuntimeError as e:
+      results.setdefault('failed', []).append(
+        {'run': f'{framework} {layout}', 'pair': pair, 'tail': str(e)[-1500:]}
+      )
+      print(f'{framework} {layout} failed: {str(e)[-600:]}', flush=True)
+  return None
 
 
 def _jax(python: str) -> str:
@@ -345,7 +351,8 @@ def table(results: dict) -> list[str]:
       continue
     ours = [_median(r) for r in row['triax']]
     theirs = [_median(r) for r in mt_row['maxtext']]
-    ratios = [a / b for a, b in zip(ours, theirs)]
+    by_pair = {r['pair']: _median(r) for r in mt_row['maxtext']}
+    ratios = [_median(r) / by_pair[r['pair']] for r in row['triax'] if r['pair'] in by_pair]
     a, b = statistics.median(ours), statistics.median(theirs)
     compile_a = statistics.median(r['compile'] for r in row['triax'])
     compile_b = statistics.median(r['compile'] for r in mt_row['maxtext'])
@@ -389,6 +396,7 @@ def write(path: str, results: dict) -> None:
     *table(results),
     '',
     *_method_lines(results),
+    *_failed_lines(results),
     '',
     '## What XLA:CPU hides',
     '',
@@ -404,6 +412,15 @@ def write(path: str, results: dict) -> None:
   ]
   with open(path, 'w') as f:
     f.write('\n'.join(lines) + '\n')
+
+
+def _failed_lines(results: dict) -> list[str]:
+  """Runs that failed (each tried once more; a row's pairs are those both sides finished)."""
+  lines = []
+  for f in results.get('failed', []):
+    cause = next((x for x in f['tail'].splitlines() if x.startswith(('F1', 'E1', 'Error'))), '')
+    lines.append(f"- {f['run']}, pair {f['pair']}: failed{': `' + cause[:120] + '`' if cause else ''}")
+  return ['', 'Failed runs (each run once more):', *lines] if lines else []
 
 
 def _method_lines(results: dict) -> list[str]:
