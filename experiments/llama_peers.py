@@ -25,8 +25,18 @@ LAYOUTS = {
   'fsdp8': {'mesh.data': 8, 'mesh.fsdp': True},
   'tp2_fsdp4': {'mesh.data': 4, 'mesh.fsdp': True, 'mesh.tensor': 2},
   'tp4_dp2': {'mesh.data': 2, 'mesh.tensor': 4},
-  'pp4_dp2_1f1b': {'mesh.data': 2, 'mesh.pipe': 4, 'pipeline.microbatches': 8, 'pipeline.schedule': '1f1b'},
-  'pp4_dp2_zb_h1': {'mesh.data': 2, 'mesh.pipe': 4, 'pipeline.microbatches': 8, 'pipeline.schedule': 'zb_h1'},
+  'pp4_dp2_1f1b': {
+    'mesh.data': 2,
+    'mesh.pipe': 4,
+    'pipeline.microbatches': 8,
+    'pipeline.schedule': '1f1b',
+  },
+  'pp4_dp2_zb_h1': {
+    'mesh.data': 2,
+    'mesh.pipe': 4,
+    'pipeline.microbatches': 8,
+    'pipeline.schedule': 'zb_h1',
+  },
   'pp4_v2_dp2': {
     'mesh.data': 2,
     'mesh.pipe': 4,

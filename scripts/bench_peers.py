@@ -386,7 +386,7 @@ def write(path: str, results: dict) -> None:
     '',
     'Written by `scripts/bench_peers.py`; every run is kept in `docs/bench_peers.json`.',
     '',
-    f'One venv for both, MaxText\'s: MaxText 0.2.5 (`maxtext[tpu]`), jax {results.get("versions")};',
+    f"One venv for both, MaxText's: MaxText 0.2.5 (`maxtext[tpu]`), jax {results.get('versions')};",
     'triax from this tree.',
     'The model is experiments/llama_peers.py on both: Llama, d_model 512, 8 layers, 8 heads of 64',
     'with 4 K/V heads, SwiGLU 1536, vocabulary 8192, 16 sequences x 512 tokens a step, bf16',
@@ -419,7 +419,9 @@ def _failed_lines(results: dict) -> list[str]:
   lines = []
   for f in results.get('failed', []):
     cause = next((x for x in f['tail'].splitlines() if x.startswith(('F1', 'E1', 'Error'))), '')
-    lines.append(f"- {f['run']}, pair {f['pair']}: failed{': `' + cause[:120] + '`' if cause else ''}")
+    lines.append(
+      f'- {f["run"]}, pair {f["pair"]}: failed{": `" + cause[:120] + "`" if cause else ""}'
+    )
   return ['', 'Failed runs (each run once more):', *lines] if lines else []
 
 
@@ -461,9 +463,23 @@ FINDINGS = [
   '- **triax could not compile a bf16 pipeline on XLA:CPU** (any jax from 0.10.2 to 0.12.1):',
   "  the pools of the after-loop edge gradients are reduce-scattered over `pipe`, and XLA:CPU's",
   '  pass that widens bf16 reductions to f32 aborts the process on them ("Invalid binary',
-  "  instruction opcode copy\": the reducer it clones ends in a copy). On CPU the pools now go",
-  '  through f32 (exact: each row is one stage\'s, the others add zeros); XLA:TPU and XLA:GPU',
-  "  programs are unchanged. tests/test_pipeline_memory.py compiles such a step.",
+  '  instruction opcode copy": the reducer it clones ends in a copy). On CPU the pools now go',
+  "  through f32 (exact: each row is one stage's, the others add zeros); XLA:TPU and XLA:GPU",
+  '  programs are unchanged. tests/test_pipeline_memory.py compiles such a step.',
+  "- **Where triax's pipelined steps lose on XLA:CPU** (not fixed). A profile of one",
+  "  PP 4 x DP 2 1f1b step (`--profile_steps`, 22.8 s; MaxText's pipeline, 15.0 s) has",
+  "  XLA:CPU running the split backward's MLP weight gradients (W: the stash's saved input",
+  '  against the output gradient, both contracting over tokens on their first dimension)',
+  "  as Eigen `dot` thunks, 69 of the step's 318 device-thread seconds in 768 calls, and",
+  "  the after-loop head's weight gradient likewise (37 s in 32); every matmul of MaxText's",
+  "  step runs in XLA:CPU's YNNPACK fusions (no `dot` thunk at all), and in triax's DP 8",
+  '  step the same weight gradients are canonical dots inside such fusions: there the',
+  '  saved input is recomputed in the step and its layout is free. The stash pool fixes',
+  "  the operand's layout, and XLA:CPU then picks",
+  '  the transposed Eigen kernel (bf16, a few GFLOP/s). The rest is the lockstep itself:',
+  "  94 device-thread seconds in `ppermute` waits, the slowest stage's (the head's) pace.",
+  '  XLA:TPU and XLA:GPU lower these dots to their own matmul units whatever the layout,',
+  '  so this is a CPU result; the executed-work table is the cross-compiler figure.',
 ]
 
 

@@ -12,7 +12,10 @@ jax.experimental.topologies for TPU names only (`compile_topology=v5p-8`);
 not tried further here). A row's dump is reused when it exists
 (.bench/triax/NAME-xla-dump, .bench/maxtext-out/NAME-xla-dump), else
 compiled, one at a time (minutes each on a small host). MaxText's column
-needs its venv (.bench/maxtext-venv with `.installed`; never built here).
+needs its venv (.bench/maxtext-venv with `.installed`; never built here)
+and a libtpu that reads its jax's Pallas kernels: on 2026-12-06 libtpu
+0.0.52, the newest, refused jax 0.12's (a `debug_locations` field, then,
+without it, an unknown Mosaic attribute), so no MaxText row was compiled.
 
 triax's tick loop runs one cond per action kind per tick: each branch is
 weighted by how often the row's stages run it (executor.branch_counts, from
@@ -170,9 +173,14 @@ def work_table(results: dict) -> list[str]:
     'cost analysis counts bytes accessed. *Collective* GiB: the data collectives move',
     '(all-gather: its output; the others: their operand), all kinds together.',
     '',
+    'On XLA:TPU the rows use splash attention, a Pallas kernel that carries no cost',
+    'estimate: its calls are *opaque* (counted, their FLOPs not), so those rows hold',
+    "the matmuls outside attention against model FLOPs that include attention's; the",
+    'XLA:GPU rows use XLA attention, every matmul counted.',
+    '',
     '| row | what | side | executed TFLOP | model TFLOP | executed/model | bytes GiB '
-    '| collective GiB | unweighted conds |',
-    '|---|---|---|---|---|---|---|---|---|',
+    '| collective GiB | opaque kernels | unweighted conds |',
+    '|---|---|---|---|---|---|---|---|---|---|',
   ]
   for name, row in results.items():
     if not isinstance(row, dict) or 'model_flops' not in row:
@@ -186,7 +194,7 @@ def work_table(results: dict) -> list[str]:
         f'| {name} | {row["what"]} | {side} | {w["flops"] / 1e12:.2f}{busiest} '
         f'| {row["model_flops"] / 1e12:.2f} | {w["executed_over_model"]:.3f} '
         f'| {w["bytes"] / 2**30:.1f} | {sum(w["collective_bytes"].values()) / 2**30:.2f} '
-        f'| {w["unweighted_conditionals"]} |'
+        f'| {w["opaque_calls"]:.0f} | {w["unweighted_conditionals"]} |'
       )
   return lines
 

@@ -42,8 +42,11 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), '..'))
 # Venvs, dumps and runs of the benchmarks (TRIAX_BENCH_DIR elsewhere, e.g. for tests).
 BENCH = os.environ.get('TRIAX_BENCH_DIR') or os.path.join(ROOT, '.bench')
 MAXTEXT = 'maxtext[tpu]==0.2.5'
-# The jax its rows were measured with: 0.12.1's Pallas kernels carry a field
-# (debug_locations) that MaxText's libtpu 0.0.52 refuses.
+# The jax scripts/bench_peers.py's CPU table was measured with (its 0.12.1 wheel
+# came later). MaxText's XLA:TPU compiles need a libtpu that reads this jax's
+# Mosaic kernels: libtpu 0.0.52 (the newest) refuses them today (a
+# debug_locations field, then an unknown attribute), so its column here is the
+# one recorded when they compiled.
 MAXTEXT_PINS = ('jax==0.12.0.1', 'jaxlib==0.12.0.1')
 GiB = 2**30
 
