@@ -339,9 +339,9 @@ def _triax_keys(layout: str) -> dict:
 
 def table(results: dict) -> list[str]:
   lines = [
-    '| layout | MaxText | triax step (s) | MaxText step (s) | triax / MaxText [spread] | '
+    '| layout | MaxText | triax step (s) | MaxText step (s) | triax / MaxText [spread] | pairs | '
     'tokens/s triax / MaxText | compile s triax / MaxText |',
-    '|---|---|---|---|---|---|---|',
+    '|---|---|---|---|---|---|---|---|',
   ]
   tokens = 16 * 512
   for layout, (what, _keys, pipeline) in LAYOUTS.items():
@@ -359,6 +359,7 @@ def table(results: dict) -> list[str]:
     lines.append(
       f'| {what} | {pipeline or "-"} | {a:.2f} | {b:.2f} | '
       f'**{statistics.median(ratios):.2f}** [{min(ratios):.2f}, {max(ratios):.2f}] | '
+      f'{len(ratios)} | '
       f'{tokens / a:.0f} / {tokens / b:.0f} | {compile_a:.1f} / {compile_b:.1f} |'
     )
   return lines
@@ -432,7 +433,9 @@ def _method_lines(results: dict) -> list[str]:
     "alternating; a run's step is the median of its steps after the first two. The spread is",
     "the smallest and largest of the pairs' ratios. Compile seconds: the longest",
     '`Lowered.compile` of the run (its train step), timed alike on both sides',
-    '(scripts/peers_run.py).',
+    "(scripts/peers_run.py); MaxText's are mostly reads of its persistent compilation",
+    'cache (its jax_cache_dir, ~/jax_cache, kept between runs), so that column compares',
+    'nothing yet.',
   ]
 
 

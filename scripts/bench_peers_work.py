@@ -125,7 +125,7 @@ def _has_dump(dump: str) -> bool:
 
 def run_row(name: str, row, skip_maxtext: bool) -> dict:
   what, platform, topology, (config, overrides), mt = row
-  chips = tpu._chips(topology) if platform == 'tpu' else _gpu_chips(topology)
+  chips = tpu._chips(topology)  # v5p:2x2x1 and h100:8 alike
   cfg = triax_config(config, overrides, chips)
   figures = model_flops(cfg, chips)
   out = {'what': what, 'platform': platform, 'topology': topology, 'devices': chips}
@@ -146,14 +146,6 @@ def run_row(name: str, row, skip_maxtext: bool) -> dict:
     if side in out:
       out[side]['executed_over_model'] = out[side]['flops'] / out['model_flops']
   return out
-
-
-def _gpu_chips(topology: str) -> int:
-  # h100:8 or h100:2x8
-  n = 1
-  for d in topology.split(':')[1].split('x'):
-    n *= int(d)
-  return n
 
 
 def work_table(results: dict) -> list[str]:
