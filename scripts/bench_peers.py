@@ -94,9 +94,7 @@ LAYOUTS = {
   ),
 }
 _MAXTEXT_OF = {'pp4_dp2_zb_h1': 'pp4_dp2_1f1b'}
-_STEP_LINE = re.compile(
-  r'^I(\d{4}) (\d\d:\d\d:\d\d\.\d+) .*completed step: (\d+), seconds: ([\d.]+)', re.M
-)
+_STEP_LINE = re.compile(r'^I(\d{4}) (\d\d:\d\d:\d\d\.\d+) .*completed step: \d+, seconds: ', re.M)
 
 
 # MaxText's keys for experiments/llama_1b.py as scripts/gpu_bench.sh runs it on one
@@ -142,27 +140,16 @@ def one_device(smoke: bool) -> list[str]:
       f'no MaxText python ({python or "no .bench/maxtext-venv"}); name one with maxtext and '
       'its jax installed, or build .bench/maxtext-venv (python scripts/bench_peers.py)',
     )
-  keys = dict(ONE_GPU_SMOKE if smoke else ONE_GPU)
-  workdir = os.path.join(BENCH, 'peers', 'maxtext-one-device')
-  shutil.rmtree(workdir, ignore_errors=True)
-  os.makedirs(workdir)
-  keys.update(run_name='one-device', base_output_directory=workdir)
-  env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, 'src'), TRIAX_PEERS_DEVICES='1')
-  done = subprocess.run(
-    [python, RUNNER, os.path.join(workdir, 'compiles.json'), 'maxtext']
-    + [f'{k}={v}' for k, v in keys.items()],
-    cwd=ROOT,
-    env=env,
-    capture_output=True,
-    text=True,
-  )
-  text = done.stdout + done.stderr
+  keys = ONE_GPU_SMOKE if smoke else ONE_GPU
+  workdir = _workdir('maxtext-one-device')
+  args = _maxtext_args(keys, 'one-device', workdir)
+  code, text = _spawn(python, workdir, 'maxtext', args, TRIAX_PEERS_DEVICES='1')
   seconds = _maxtext_steps(text)
-  if done.returncode or len(seconds) < 2:
+  if code or len(seconds) < 2:
     raise SystemExit(f'error: MaxText: its run failed:\n{text[-3000:]}')
   step = statistics.median(seconds[1:])
   tokens = keys['per_device_batch_size'] * keys['max_target_length']
-  flops = _llama_1b_model_flops(smoke)
+  flops = _llama_1b_model_flops(smoke, keys['per_device_batch_size'])
   device, peak = _device(python)
   lines = [
     f'MaxText 0.2.5 on {device}: llama_1b{":smoke" if smoke else ""} keys '
@@ -175,7 +162,7 @@ def one_device(smoke: bool) -> list[str]:
   return lines
 
 
-def _llama_1b_model_flops(smoke: bool) -> float:
+def _llama_1b_model_flops(smoke: bool, batch: int) -> float:
   from triax import config as config_lib
   from triax.model import flops as flops_lib
   from triax.model import registry
@@ -184,7 +171,6 @@ def _llama_1b_model_flops(smoke: bool) -> float:
     os.path.join(ROOT, 'experiments', 'llama_1b.py'), 'smoke' if smoke else None
   )
   model = registry.build(registry.spec_from_config(cfg.model))
-  batch = ONE_GPU_SMOKE['per_device_batch_size'] if smoke else ONE_GPU['per_device_batch_size']
   return flops_lib.step_flops(model, batch)['model']
 
 
@@ -212,10 +198,7 @@ def maxtext_python() -> str:
 def run(python: str, framework: str, layout: str, steps: int) -> dict:
   """One run in a process of its own: its steps' seconds and compile seconds."""
   name = f'{framework}-{layout}'
-  workdir = os.path.join(BENCH, 'peers', name)
-  shutil.rmtree(workdir, ignore_errors=True)
-  os.makedirs(workdir)
-  out = os.path.join(workdir, 'compiles.json')
+  workdir = _workdir(name)
   if framework == 'triax':
     args = [
       f'--config={CONFIG}:layout={layout},steps={steps}',
@@ -224,23 +207,45 @@ def run(python: str, framework: str, layout: str, steps: int) -> dict:
       '--noprogress',
     ]
   else:
-    keys = {**MAXTEXT_MODEL, **LAYOUTS[layout][1], 'steps': steps, 'run_name': name}
-    keys['base_output_directory'] = workdir
-    args = [f'{k}={v}' for k, v in keys.items()]
-  env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, 'src'))
-  env.pop('XLA_FLAGS', None)  # the same (none) on both sides
-  done = subprocess.run(
-    [python, RUNNER, out, framework, *args], cwd=ROOT, env=env, capture_output=True, text=True
-  )
-  text = done.stdout + done.stderr
-  if done.returncode:
+    args = _maxtext_args({**MAXTEXT_MODEL, **LAYOUTS[layout][1], 'steps': steps}, name, workdir)
+  code, text = _spawn(python, workdir, framework, args)
+  if code:
     raise RuntimeError(f'{name} failed:\n{text[-3000:]}')
-  with open(out) as f:
+  with open(os.path.join(workdir, 'compiles.json')) as f:
     compiles = json.load(f)['compile_seconds']
   seconds = _triax_steps(workdir) if framework == 'triax' else _maxtext_steps(text)
   if len(seconds) != steps - 1:
     raise RuntimeError(f'{name}: {len(seconds)} step times for {steps} steps:\n{text[-3000:]}')
   return {'steps': seconds, 'compile': max(compiles)}
+
+
+def _workdir(name: str) -> str:
+  """A run's directory under .bench/peers, emptied."""
+  workdir = os.path.join(BENCH, 'peers', name)
+  shutil.rmtree(workdir, ignore_errors=True)
+  os.makedirs(workdir)
+  return workdir
+
+
+def _maxtext_args(keys: dict, name: str, workdir: str) -> list[str]:
+  return [
+    f'{k}={v}' for k, v in {**keys, 'run_name': name, 'base_output_directory': workdir}.items()
+  ]
+
+
+def _spawn(python: str, workdir: str, framework: str, args: list[str], **env) -> tuple[int, str]:
+  """scripts/peers_run.py in a process of its own (its compiles in WORKDIR/compiles.json):
+  its exit status and its output. No XLA_FLAGS on either side."""
+  env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, 'src'), **env)
+  env.pop('XLA_FLAGS', None)
+  done = subprocess.run(
+    [python, RUNNER, os.path.join(workdir, 'compiles.json'), framework, *args],
+    cwd=ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+  )
+  return done.returncode, done.stdout + done.stderr
 
 
 def _triax_steps(workdir: str) -> list[float]:
@@ -252,10 +257,11 @@ def _triax_steps(workdir: str) -> list[float]:
 
 def _maxtext_steps(log: str) -> list[float]:
   """Seconds between the log lines of consecutive steps (MaxText writes a
-  step's line when its metrics arrive), and MaxText's own `seconds` beside."""
+  step's line when its metrics arrive; its own `seconds` count from one
+  dispatch to the next)."""
   stamps = [
     datetime.datetime.strptime(f'{day} {clock}', '%m%d %H:%M:%S.%f')
-    for day, clock, _step, _s in _STEP_LINE.findall(log)
+    for day, clock in _STEP_LINE.findall(log)
   ]
   return [(b - a).total_seconds() for a, b in zip(stamps, stamps[1:])]
 
@@ -264,23 +270,23 @@ def measure(layouts: list[str], pairs: int, steps: int, results: dict) -> None:
   """Alternating runs, both in MaxText's venv (one jax, one XLA)."""
   python = maxtext_python()
   results['versions'] = _jax(python)
+  # MaxText's runs of a layout that has none of its own (zb_h1) are another's.
+  theirs = list(dict.fromkeys(_MAXTEXT_OF.get(layout, layout) for layout in layouts))
+  for name in {*layouts, *theirs}:
+    row = results['rows'].setdefault(name, {'triax': [], 'maxtext': []})
+    row['triax'] = [] if name in layouts else row['triax']
+    row['maxtext'] = [] if name in theirs else row['maxtext']
   for pair in range(pairs):
-    done_maxtext = set()
+    done = set()  # MaxText layouts run (or failed) in this pair
     for layout in layouts:
-      row = results['rows'].setdefault(layout, {'triax': [], 'maxtext': []})
-      if pair == 0:
-        row['triax'], row['maxtext'] = [], []
       ours = _attempt(results, python, 'triax', layout, steps, pair)
       if ours:
-        row['triax'].append(ours)
+        results['rows'][layout]['triax'].append(ours)
         print(f'pair {pair}: triax {layout}: {_median(ours):.2f} s', flush=True)
       mt = _MAXTEXT_OF.get(layout, layout)
-      if mt not in done_maxtext:
-        results['rows'].setdefault(mt, {'triax': [], 'maxtext': []})
-        if pair == 0 and mt != layout:
-          results['rows'][mt]['maxtext'] = []
+      if mt not in done:
+        done.add(mt)
         m = _attempt(results, python, 'maxtext', mt, steps, pair)
-        done_maxtext.add(mt)
         if m:
           results['rows'][mt]['maxtext'].append(m)
           print(f'pair {pair}: MaxText {mt}: {_median(m):.2f} s', flush=True)
@@ -343,17 +349,16 @@ def table(results: dict) -> list[str]:
     'tokens/s triax / MaxText | compile s triax / MaxText |',
     '|---|---|---|---|---|---|---|---|',
   ]
-  tokens = 16 * 512
+  tokens = 8 * MAXTEXT_MODEL['per_device_batch_size'] * MAXTEXT_MODEL['max_target_length']
   for layout, (what, _keys, pipeline) in LAYOUTS.items():
     row = results['rows'].get(layout)
     mt_row = results['rows'].get(_MAXTEXT_OF.get(layout, layout), {})
     if not row or not row['triax'] or not mt_row.get('maxtext'):
       continue
     ours = [_median(r) for r in row['triax']]
-    theirs = [_median(r) for r in mt_row['maxtext']]
     by_pair = {r['pair']: _median(r) for r in mt_row['maxtext']}
     ratios = [_median(r) / by_pair[r['pair']] for r in row['triax'] if r['pair'] in by_pair]
-    a, b = statistics.median(ours), statistics.median(theirs)
+    a, b = statistics.median(ours), statistics.median(by_pair.values())
     compile_a = statistics.median(r['compile'] for r in row['triax'])
     compile_b = statistics.median(r['compile'] for r in mt_row['maxtext'])
     lines.append(

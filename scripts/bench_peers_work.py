@@ -50,17 +50,6 @@ def rows() -> dict:
   return out
 
 
-def triax_config(config: str, overrides: dict, chips: int):
-  """The row's validated config, as `triax train --config=... --config.k=v` loads it."""
-  from triax import config as config_lib
-
-  path, _, arg = config.partition(':')
-  cfg = config_lib.from_file(os.path.join(ROOT, path), arg or None)
-  for key, value in overrides.items():
-    config_lib.set_dotted(cfg, key, value)
-  return config_lib.validate(cfg, chips)
-
-
 def model_flops(cfg, chips: int) -> dict[str, float]:
   """model/flops.py's step FLOPs of `cfg`'s model, per device."""
   from triax.model import flops as flops_lib
@@ -126,7 +115,7 @@ def _has_dump(dump: str) -> bool:
 def run_row(name: str, row, skip_maxtext: bool) -> dict:
   what, platform, topology, (config, overrides), mt = row
   chips = tpu._chips(topology)  # v5p:2x2x1 and h100:8 alike
-  cfg = triax_config(config, overrides, chips)
+  cfg = tpu.row_config(config, overrides, chips)
   figures = model_flops(cfg, chips)
   out = {'what': what, 'platform': platform, 'topology': topology, 'devices': chips}
   out['model_flops'], out['hardware_flops'] = figures['model'], figures['hardware']

@@ -428,6 +428,17 @@ def maxtext_row(name: str, topology: str, config: str, overrides: dict, python: 
   return dict(stats, heap=buffers.temp_heap(dump))
 
 
+def row_config(config: str, overrides: dict, chips: int):
+  """A row's validated config, as `triax train --config=PATH:ARG --config.k=v` loads it."""
+  from triax import config as config_lib
+
+  path, _, arg = config.partition(':')
+  cfg = config_lib.from_file(os.path.join(ROOT, path), arg or None)
+  for key, value in overrides.items():
+    config_lib.set_dotted(cfg, key, value)
+  return config_lib.validate(cfg, chips)
+
+
 def _chips(topology: str) -> int:
   n = 1
   for d in topology.split(':')[1].split('x'):
@@ -522,16 +533,11 @@ def planner_peak(
   cluster file: the v5p one unless named), for the layout the row compiles:
   the most of any stage. `programs`: of a save, restore or evaluation beside
   the resident state instead (memory.state_programs)."""
-  from triax import config as config_lib
   from triax.plan import candidate
   from triax.plan import cluster as cluster_lib
   from triax.plan.cost import analytic, memory
 
-  path, _, arg = config.partition(':')
-  cfg = config_lib.from_file(os.path.join(ROOT, path), arg or None)
-  for key, value in overrides.items():
-    config_lib.set_dotted(cfg, key, value)
-  cfg = config_lib.validate(cfg, _chips(topology))
+  cfg = row_config(config, overrides, _chips(topology))
   cluster = cluster_lib.load(os.path.join(ROOT, 'experiments', 'clusters', f'{cluster}.yaml'))
   profile = analytic.build(cfg.model, (cfg.mesh.tensor,))
   options = candidate.Options(

@@ -72,11 +72,12 @@ def _triax(args: list[str]) -> None:
 
 def main() -> None:
   if len(sys.argv) < 3 or sys.argv[2] not in ('triax', 'maxtext'):
-    sys.exit('error: usage: peers_run.py OUT.json triax|maxtext ARGS...')
+    print('error: usage: peers_run.py OUT.json triax|maxtext ARGS...', file=sys.stderr)
+    sys.exit(2)
   out, framework, args = sys.argv[1], sys.argv[2], sys.argv[3:]
   import jax
 
-  if os.environ.get('TRIAX_PEERS_DEVICES') != '1':
+  if DEVICES > 1:  # forced CPU devices; one device is the local platform's
     jax.config.update('jax_platforms', 'cpu')
   jax.config.update('jax_num_cpu_devices', DEVICES)
   _time_compiles(out)

@@ -484,7 +484,7 @@ class _Module:
     target = target.group(1) if target else ''
     if target.startswith(_GEMMS):
       lhs = _dims(self.types.get(inst.operands[0], ''))
-      result = _leaf_dims(inst.type)
+      result = _dims(inst.type)
       found = _GEMM_DIMS.search(inst.attrs)
       contract = (
         [int(d.strip().strip('"')) for d in found.group(1).split(',') if d.strip()]
@@ -608,10 +608,6 @@ def _bytes(type_: str) -> float:
 
 
 def _dims(type_: str) -> list[int]:
+  """The first array's dimensions (of a tuple: a GEMM's result, its workspace after)."""
   found = _SHAPE.search(type_)
   return [int(d) for d in found.group(2).split(',') if d] if found else []
-
-
-def _leaf_dims(type_: str) -> list[int]:
-  """The first array's dimensions (a GEMM's result; its workspace follows)."""
-  return _dims(type_)
