@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from triax import config as config_lib
+from triax import sharding
 from triax.errors import ConfigError
 from triax.training import loop
 
@@ -103,7 +104,7 @@ def test_experts_and_their_adam_moments_are_split_over_expert():
   shape = trainer.abstract_state().params['layers']['w_gate'].shape
   assert params['w_gate'].shard_shape(shape)[-3:] == (1, 16, 32)
   # The rest of the model is data-parallel over all 8 devices: the batch over data x expert.
-  rules = dict(trainer.cfg.sharding.logical_axis_rules)
+  rules = dict(sharding.resolve_rules(trainer.cfg))
   assert rules['batch'] == ('data', 'expert') and rules['experts'] == 'expert'
 
 
@@ -114,13 +115,12 @@ def test_a_validated_config_validates_again_under_any_expert_degree(fsdp):
   # again, an elastic re-plan with another expert degree too.
   given = _config(**{'mesh.data': 4, 'mesh.expert': 2, 'mesh.fsdp': fsdp})
   validated = config_lib.validate(given, 4)
-  again = config_lib.validate(validated, 4)
-  assert again.sharding.logical_axis_rules == validated.sharding.logical_axis_rules
+  assert validated.sharding.logical_axis_rules == given.sharding.logical_axis_rules
+  assert config_lib.validate(validated, 4).to_dict() == validated.to_dict()
   for expert in (1, 4):
     validated.mesh.expert = given.mesh.expert = expert
-    assert (
-      config_lib.validate(validated, 4).sharding.logical_axis_rules
-      == config_lib.validate(given, 4).sharding.logical_axis_rules
+    assert sharding.resolve_rules(config_lib.validate(validated, 4)) == sharding.resolve_rules(
+      config_lib.validate(given, 4)
     )
 
 

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from triax import config as config_lib
+from triax import sharding
 from triax.errors import ConfigError
 from triax.model import moe
 
@@ -298,7 +299,7 @@ def test_mixtral_tiny_is_a_valid_run_on_8_devices_with_the_experts_split():
       config_lib.from_file(f'{harness.ROOT}/experiments/mixtral_tiny.py', arg), 8
     )
     assert cfg.model.family == 'mixtral' and cfg.mesh.tensor == 2 and cfg.mesh.expert == 2
-    assert dict(cfg.sharding.logical_axis_rules)['experts'] == 'expert'
+    assert dict(sharding.resolve_rules(cfg))['experts'] == 'expert'
 
 
 def test_dropless_dispatch_keeps_each_data_shards_tokens_on_its_device():

@@ -1,5 +1,9 @@
 """The registry's validation: a family's logical axis rules resolved for the mesh
-(Megatron's GQA rule), and keys no family knows."""
+(Megatron's GQA rule), the config stored as given, and keys no family knows."""
+
+import os
+import subprocess
+import sys
 
 import harness
 import jax
@@ -22,11 +26,32 @@ def test_kv_heads_split_over_tensor_when_enough_else_replicated(kv, axis):
   cfg = _validated(
     **{'model.family': 'llama', 'model.num_kv_heads': kv, 'mesh.data': 4, 'mesh.tensor': 2}
   )
-  rules = cfg.sharding.logical_axis_rules
+  rules = sharding.resolve_rules(cfg)
   assert dict(rules)['kv_heads'] == axis
   model = registry.build(registry.spec_from_config(cfg.model))
   wk = model.logical_axes()['layers']['wk']  # [L, d, kv, hd]
   assert sharding.logical_to_spec(wk, rules)[2] == axis
+
+
+def test_a_validated_config_holds_its_rules_as_given_and_resolves_on_any_mesh():
+  # config.json is the validated config: an elastic re-plan onto a narrower
+  # tensor axis must split the K/V heads that a wider one replicated.
+  overrides = {'model.family': 'llama', 'model.num_kv_heads': 2, 'mesh.fsdp': True}
+  wide = _validated(**overrides, **{'mesh.data': 2, 'mesh.tensor': 4})
+  assert wide.sharding.logical_axis_rules == config.defaults().sharding.logical_axis_rules
+  assert dict(sharding.resolve_rules(wide))['kv_heads'] is None
+  wide.mesh.update(data=4, tensor=2)
+  narrow = config.validate(wide, 8)
+  assert narrow.to_dict() == _validated(**overrides, **{'mesh.data': 4, 'mesh.tensor': 2}).to_dict()
+  rules = dict(sharding.resolve_rules(narrow))
+  assert rules['kv_heads'] == 'tensor' and rules['embed'] == 'data'
+
+
+def test_importing_the_config_loads_no_jax():
+  code = 'import sys, triax.config; print(sorted(m for m in ("jax", "flax") if m in sys.modules))'
+  env = dict(os.environ, PYTHONPATH=f'{harness.ROOT}/src')
+  out = subprocess.run([sys.executable, '-c', code], env=env, check=True, capture_output=True)
+  assert out.stdout.decode().strip() == '[]'
 
 
 def test_kv_heads_that_do_not_divide_over_tensor_are_refused():

@@ -15,13 +15,15 @@ import ml_collections
 
 from triax.errors import ConfigError
 from triax.model import registry
-from triax.model.moe import EXPERT_AXIS  # noqa: F401 (mesh.py's, beside MESH_AXES)
 from triax.pipeline import schedule as sched
-from triax.pipeline.executor import EDGE_GRADS
-from triax.pipeline.layout import StackLayout
 from triax.pipeline.rounds import PACKINGS
 
 MESH_AXES = ('data', 'context', 'tensor', 'pipe')
+# The mesh axis mesh.expert carves from data (mesh.build_mesh), when it is > 1.
+EXPERT_AXIS = 'expert'
+# Where the pipeline's two ends make their weight gradients (pipeline.edge_grads,
+# executor.edge_grads_after_loop): in the tick loop, after it, or whichever holds fewer bytes.
+EDGE_GRADS = ('auto', 'loop', 'after')
 CONTEXT_ATTENTION = ('allgather', 'ring')
 SCHEDULES = tuple(sched.SCHEDULES)
 REMAT_POLICIES = ('none', 'attention', 'dots', 'full')
@@ -518,8 +520,7 @@ def _check_expert(mesh_cfg, family: str) -> None:
     raise ConfigError('mesh.expert', f'must be a positive integer, got {expert!r}')
   if expert == 1:
     return
-  reader = registry.FAMILIES.get(family)
-  if reader is None or 'num_experts' not in reader.Spec.config_fields():
+  if family not in registry.FAMILIES or not registry.reads(family, 'num_experts'):
     raise ConfigError('mesh.expert', f'model.family={family} has no experts to split; set it to 1')
   within = mesh_cfg.data // mesh_cfg.dcn_data
   if within % expert:
@@ -561,11 +562,6 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int) -> ml_collections
     ConfigError: naming the first offending key and how to fix it.
   """
   cfg = ml_collections.ConfigDict(cfg.to_dict())  # unlocked copy; caller's stays as given
-  # A validated config (a workdir's config.json: a resume, an elastic re-plan)
-  # is validated again from the rules it was given.
-  cfg.sharding.logical_axis_rules = registry.rules_as_given(
-    cfg.model, cfg.sharding.logical_axis_rules
-  )
   for axis, size in zip(MESH_AXES, resolve_mesh_shape(cfg.mesh, num_devices)):
     cfg.mesh[axis] = size
   _check_mesh(cfg.mesh, cfg.model.family, num_devices)
@@ -578,8 +574,8 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int) -> ml_collections
     raise ConfigError('hardware.peak_flops_per_device', 'must be >= 0 (0 = look up)')
   _check_rules(cfg.sharding.logical_axis_rules)
   check_sequence(cfg.mesh, cfg.model)
-  cfg.sharding.logical_axis_rules = _sequence_rules(cfg, _fsdp_rules(cfg))
-  cfg.sharding.logical_axis_rules = registry.validate(
+  _check_fsdp(cfg)
+  registry.validate(
     cfg.model,
     defaults().model,
     cfg.mesh,
@@ -745,6 +741,10 @@ def _check_offload_stash(p, pipe: int, schedule) -> None:
 def _check_layer_split(cfg) -> None:
   """The layers' cut into the pipeline's chunks, whole stack entries each (the
   family's: a MoE family's groups of model.moe_every blocks), so after the model's checks."""
+  # Here, not at the top: the layout converts stacks with JAX, and importing
+  # this module loads none (validate loads the family's model anyway).
+  from triax.pipeline.layout import StackLayout
+
   p = cfg.pipeline
   entry = registry.spec_from_config(cfg.model).layers_per_entry
   StackLayout.build(
@@ -920,18 +920,14 @@ def _check_data(d) -> None:
     )
 
 
-def _fsdp_rules(cfg) -> tuple:
-  """The rules with mesh.fsdp applied: parameters' 'embed' dimension over `data`.
-
-  Activations name 'batch' before 'embed', and a mesh axis is used once per
-  array (sharding.logical_to_spec), so they stay split by batch only.
-  """
-  rules = tuple(tuple(r) for r in cfg.sharding.logical_axis_rules)
+def _check_fsdp(cfg) -> None:
+  """mesh.fsdp: a flag whose rule ('embed' over data, sharding.resolve_rules)
+  no given rule contradicts, on a d_model the data axis divides."""
   if not isinstance(cfg.mesh.fsdp, bool):
     raise ConfigError('mesh.fsdp', f'must be true or false, got {cfg.mesh.fsdp!r}')
   if not cfg.mesh.fsdp:
-    return rules
-  embed = dict(rules).get('embed')
+    return
+  embed = dict(tuple(r) for r in cfg.sharding.logical_axis_rules).get('embed')
   if embed not in (None, 'data'):
     raise ConfigError(
       'mesh.fsdp',
@@ -943,7 +939,6 @@ def _fsdp_rules(cfg) -> tuple:
       'mesh.fsdp',
       f'model.d_model={cfg.model.d_model} does not divide by mesh.data={cfg.mesh.data}',
     )
-  return tuple(r for r in rules if r[0] != 'embed') + (('embed', 'data'),)
 
 
 def check_tensor_split(m, tensor: int) -> None:
@@ -1063,17 +1058,6 @@ def check_sequence(mesh, m) -> None:
       f'model.seq_len={m.seq_len} does not split over context*tensor={c * t} ranks; '
       'use a seq_len divisible by it, or remove mesh.sequence_parallel',
     )
-
-
-def _sequence_rules(cfg, rules: tuple) -> tuple:
-  """The rules with mesh.sequence_parallel applied: the residual stream's
-  positions over `tensor` as well as `context` (context-major: a tensor rank
-  holds a slice of its context rank's slice)."""
-  if not cfg.mesh.sequence_parallel:
-    return rules
-  return tuple(r for r in rules if r[0] != 'residual_seq') + (
-    ('residual_seq', ('context', 'tensor')),
-  )
 
 
 def _check_rules(rules: Sequence) -> None:

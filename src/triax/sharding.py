@@ -2,7 +2,9 @@
 
 The model names axes by meaning ('batch', 'heads', 'mlp', 'vocab', ...); the
 config's `sharding.logical_axis_rules` says which mesh axis, if any, each one
-is split over. Changing a layout is a config change, not a model change.
+is split over, and `resolve_rules` adds what the mesh's flags and the model's
+family imply; the config is stored as given. Changing a layout is a config
+change, not a model change.
 """
 
 from __future__ import annotations
@@ -18,11 +20,30 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from triax.errors import ConfigError
+from triax.model import registry
 
 Rules = Sequence[tuple[str, str | None]]
 _ACTIVE_RULES: contextvars.ContextVar[Rules | None] = contextvars.ContextVar(
   'triax_axis_rules', default=None
 )
+
+
+def resolve_rules(cfg, mesh_cfg=None) -> tuple:
+  """The logical axis rules a validated `cfg` shards by on its mesh (or on
+  `mesh_cfg`, a mesh group of another shape): its own, then mesh.fsdp's
+  (parameters' 'embed' over data; activations name 'batch' first and a mesh
+  axis is used once per array, so they stay split by batch only), then
+  mesh.sequence_parallel's (the residual stream's positions over tensor as
+  well as context, context-major), then the family's (`registry.axis_rules`)."""
+  mesh_cfg = cfg.mesh if mesh_cfg is None else mesh_cfg
+  rules = tuple(tuple(r) for r in cfg.sharding.logical_axis_rules)
+  if mesh_cfg.fsdp:
+    rules = tuple(r for r in rules if r[0] != 'embed') + (('embed', 'data'),)
+  if mesh_cfg.sequence_parallel:
+    rules = tuple(r for r in rules if r[0] != 'residual_seq') + (
+      ('residual_seq', ('context', 'tensor')),
+    )
+  return registry.axis_rules(cfg.model, mesh_cfg, rules)
 
 
 def per_device_bytes(shapes: Any, shardings: Any) -> int:

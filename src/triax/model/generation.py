@@ -116,7 +116,8 @@ class Placement:
     mesh_cfg.device_order = ()
     mesh = mesh_lib.build_mesh(mesh_cfg, jax.devices()[:devices])
     split = {'batch': None, 'embed': 'pipe' if pipe > 1 else None, 'residual_seq': None}
-    rules = tuple((name, split.get(name, axis)) for name, axis in cfg.sharding.logical_axis_rules)
+    given = sharding_lib.resolve_rules(cfg, mesh_cfg)
+    rules = tuple((name, split.get(name, axis)) for name, axis in given)
     decode = tuple((name, None if name == 'seq' else axis) for name, axis in rules)
     prefill = tuple((name, 'context' if name == 'seq' else axis) for name, axis in rules)
     return cls(mesh, decode, prefill if context > 1 else decode)

@@ -134,14 +134,14 @@ class GPT(DecoderModel):
     }
 
 
-def validate(model_cfg, mesh_cfg, rules: tuple) -> tuple:
+def validate(model_cfg, mesh_cfg, rules: tuple) -> None:
   """GPT has no keys of its own: config.validate's common checks are all it needs."""
+  del model_cfg, mesh_cfg, rules
+
+
+def axis_rules(model_cfg, mesh_cfg, rules: tuple) -> tuple:
+  """GPT adds no rule."""
   del model_cfg, mesh_cfg
-  return rules
-
-
-def rules_as_given(rules: tuple) -> tuple:
-  """`validate` adds no rule."""
   return rules
 
 

@@ -280,9 +280,9 @@ def check_flags(model_cfg, keys) -> None:
       raise ConfigError(f'model.{key}', f'must be true or false, got {model_cfg[key]!r}')
 
 
-def validate(model_cfg, mesh_cfg, rules: tuple) -> tuple:
-  """Llama's keys; maps 'kv_heads' to the mesh axis 'heads' uses when the K/V
-  heads divide over it, else replicates them (Megatron's GQA rule)."""
+def validate(model_cfg, mesh_cfg, rules: tuple) -> None:
+  """Llama's keys; K/V heads that split evenly over the axis `rules` give them
+  (or 'heads'), or that are fewer than its devices (then replicated)."""
   m = model_cfg
   kv = m.num_kv_heads
   if not isinstance(kv, int) or isinstance(kv, bool) or kv < 0:
@@ -323,24 +323,29 @@ def validate(model_cfg, mesh_cfg, rules: tuple) -> tuple:
         f'must be a positive integer (the pre-scaling context), got {ctx!r}',
       )
 
-  mapping = dict(rules)
-  axis = mapping.get('kv_heads', mapping.get('heads'))
-  size = mesh_cfg[axis] if axis else 1
+  axis, size = _kv_axis(m, mesh_cfg, rules)
   if kv >= size and kv % size:
     raise ConfigError(
       'model.num_kv_heads',
       f'{kv} K/V heads cannot be split evenly over mesh.{axis}={size}; use a multiple '
       f'of {size}, or fewer than {size} (then they are replicated)',
     )
+
+
+def _kv_axis(m, mesh_cfg, rules: tuple) -> tuple[str | None, int]:
+  """The mesh axis the rules give 'kv_heads' (else 'heads') and its size."""
+  mapping = dict(rules)
+  axis = mapping.get('kv_heads', mapping.get('heads'))
+  return axis, mesh_cfg[axis] if axis else 1
+
+
+def axis_rules(model_cfg, mesh_cfg, rules: tuple) -> tuple:
+  """'kv_heads' over the axis 'heads' uses when the K/V heads divide over it,
+  else replicated (Megatron's GQA rule)."""
+  kv = model_cfg.num_kv_heads or model_cfg.num_heads
+  axis, size = _kv_axis(model_cfg, mesh_cfg, rules)
   resolved = axis if kv % size == 0 else None
   return tuple(r for r in rules if r[0] != 'kv_heads') + (('kv_heads', resolved),)
-
-
-def rules_as_given(rules: tuple) -> tuple:
-  """The rules as they are: the 'kv_heads' rule `validate` resolved validates
-  again (a None, K/V heads replicated over a wider tensor axis, stays None
-  on a narrower one, where the given rule might have split them)."""
-  return rules
 
 
 Spec = LlamaSpec

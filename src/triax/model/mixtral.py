@@ -49,6 +49,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from triax.config import EXPERT_AXIS
 from triax.errors import ConfigError
 from triax.model import llama, moe
 from triax.model.common import Decode, param
@@ -245,9 +246,9 @@ def _coef(m, key: str) -> None:
     raise ConfigError(f'model.{key}', f'must be a number >= 0 (0 = off), got {value!r}')
 
 
-def validate(model_cfg, mesh_cfg, rules: tuple) -> tuple:
-  """Llama's checks, the MoE keys'; the 'experts' axis over mesh.expert (config.py
-  checked that it divides the data-parallel devices), the batch over it too."""
+def validate(model_cfg, mesh_cfg, rules: tuple) -> None:
+  """Llama's checks, the MoE keys'; the experts split over mesh.expert (config.py
+  checked that it divides the data-parallel devices), never by `rules`."""
   m = model_cfg
   experts = _count(m, 'num_experts', 1)
   k = _count(m, 'experts_per_token', 1)
@@ -296,26 +297,12 @@ def validate(model_cfg, mesh_cfg, rules: tuple) -> tuple:
       f"('experts', {mapping['experts']!r}): experts are split by mesh.expert; map "
       "'experts' to None",
     )
-  rules = llama.validate(m, mesh_cfg, rules)
-  return _expert_rules(rules, degree)
+  llama.validate(m, mesh_cfg, rules)
 
 
-def rules_as_given(rules: tuple) -> tuple:
-  """`rules` as they were before `_expert_rules` placed the expert axis: the
-  experts' own rule dropped, `expert` taken out where it follows `data`."""
-  out = []
-  for name, axis in rules:
-    if name == 'experts' and axis == moe.EXPERT_AXIS:
-      continue
-    names = (axis,) if isinstance(axis, str) else tuple(axis or ())
-    if 'data' in names and names[names.index('data') + 1 : names.index('data') + 2] == (
-      moe.EXPERT_AXIS,
-    ):
-      at = names.index('data') + 1
-      kept = names[:at] + names[at + 1 :]
-      axis = kept[0] if len(kept) == 1 else kept
-    out.append((name, axis))
-  return tuple(out)
+def axis_rules(model_cfg, mesh_cfg, rules: tuple) -> tuple:
+  """Llama's rules, the expert axis placed (`_expert_rules`)."""
+  return _expert_rules(llama.axis_rules(model_cfg, mesh_cfg, rules), mesh_cfg.get('expert', 1))
 
 
 def _expert_rules(rules: tuple, degree: int) -> tuple:
@@ -330,10 +317,10 @@ def _expert_rules(rules: tuple, degree: int) -> tuple:
     names = (axis,) if isinstance(axis, str) else tuple(axis or ())
     if 'data' in names:
       at = names.index('data') + 1
-      axis = names[:at] + (moe.EXPERT_AXIS,) + names[at:]
+      axis = names[:at] + (EXPERT_AXIS,) + names[at:]
     if name != 'experts':
       out.append((name, axis))
-  return tuple(out) + (('experts', moe.EXPERT_AXIS),)
+  return tuple(out) + (('experts', EXPERT_AXIS),)
 
 
 Spec = MixtralSpec

@@ -48,8 +48,6 @@ from triax import sharding
 from triax.model import per_device
 from triax.model.common import einsum_of, recast
 
-# The mesh axis mesh.expert carves from data (mesh.build_mesh), when it is > 1.
-EXPERT_AXIS = 'expert'
 # Logical axes of a token tensor inside the MLP, of the experts' matrices.
 TOKENS = ('batch', 'seq', None)
 IN_AXES = ('experts', None, 'mlp')  # w_gate, w_up [E, d, f]

@@ -5,29 +5,34 @@ A family module (gpt.py, llama.py, mixtral.py) defines
             the config keys `model.<field>` the family reads,
   Model     a common.DecoderModel subclass (its three flax modules and
             `forward_flops()`),
-  validate(model_cfg, mesh_cfg, rules) -> rules
-            its own checks (ConfigError naming the key) and the logical axis
-            rules it needs resolved for this mesh; a Spec whose
-            `executor_refusal()` says why is refused under the pipeline
-            executor,
-  rules_as_given(rules) -> rules
-            the rules before its validate added to them: a validated config
-            (a workdir's config.json: a resume, an elastic re-plan) is
-            validated again from these.
-Everything outside model/ goes through `spec_from_config` and `build`, so
-adding a family is its file, one line in FAMILIES, and its config keys
-(with their comments) in config.defaults().
+  validate(model_cfg, mesh_cfg, rules) -> None
+            its own checks (ConfigError naming the key) of the config as
+            given; a Spec whose `executor_refusal()` says why is refused
+            under the pipeline executor,
+  axis_rules(model_cfg, mesh_cfg, rules) -> rules
+            the logical axis rules it needs resolved for this mesh (llama's
+            K/V heads, mixtral's experts), from the config's (validated) ones.
+The config is stored as given; `sharding.resolve_rules` asks `axis_rules`
+where the rules are used. Everything outside model/ goes through
+`spec_from_config` and `build`, so adding a family is its file, one line in
+FAMILIES, and its config keys (with their comments) in config.defaults().
+A family's module is imported when first asked for: importing the registry
+(and so triax.config) loads no JAX.
 """
 
 from __future__ import annotations
 
+import importlib
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 from triax.errors import ConfigError
-from triax.model import gpt, llama, mixtral
-from triax.model.common import DecoderModel, ModelSpec
 
-FAMILIES: dict[str, ModuleType] = {'gpt': gpt, 'llama': llama, 'mixtral': mixtral}
+if TYPE_CHECKING:
+  from triax.model.common import DecoderModel, ModelSpec
+
+# Family name -> its module under triax.model.
+FAMILIES: dict[str, str] = {'gpt': 'gpt', 'llama': 'llama', 'mixtral': 'mixtral'}
 # The family of runs and checkpoints written before model.family existed.
 BEFORE_FAMILIES = 'gpt'
 # A checkpoint's model record (shape_record) written before one of these keys
@@ -41,7 +46,12 @@ def _family(name: str) -> ModuleType:
     raise ConfigError(
       'model.family', f'unknown family {name!r}; choose one of {", ".join(FAMILIES)}'
     )
-  return FAMILIES[name]
+  return importlib.import_module(f'triax.model.{FAMILIES[name]}')
+
+
+def reads(family: str, key: str) -> bool:
+  """Whether `family` (a known one) reads the config key model.`key`."""
+  return key in _family(family).Spec.config_fields()
 
 
 def spec_from_config(model_cfg) -> ModelSpec:
@@ -64,16 +74,13 @@ def _plain(value):
   return value.to_dict() if hasattr(value, 'to_dict') else value
 
 
-def rules_as_given(model_cfg, rules) -> tuple:
-  """The logical axis rules before the family's `validate` resolved them (an
-  unknown family's as they are: validate names it)."""
-  rules = tuple(tuple(r) for r in rules)
-  family = FAMILIES.get(model_cfg.family)
-  return rules if family is None else family.rules_as_given(rules)
+def axis_rules(model_cfg, mesh_cfg, rules) -> tuple:
+  """The logical axis `rules` (validated) resolved for the family on this mesh."""
+  return _family(model_cfg.family).axis_rules(model_cfg, mesh_cfg, tuple(tuple(r) for r in rules))
 
 
-def validate(model_cfg, default_model_cfg, mesh_cfg, rules, pipelined: bool = False) -> tuple:
-  """Checks the family's keys; returns the logical axis rules resolved for it.
+def validate(model_cfg, default_model_cfg, mesh_cfg, rules, pipelined: bool = False) -> None:
+  """Checks the family's keys against the config's logical axis `rules`.
 
   A key the family does not read must keep its default: a set value would
   otherwise be silently ignored (model.num_kv_heads=2 on a GPT). `pipelined`:
@@ -86,15 +93,14 @@ def validate(model_cfg, default_model_cfg, mesh_cfg, rules, pipelined: bool = Fa
       raise ConfigError(f'model.{key}', f'unknown key; known: {", ".join(default_model_cfg)}')
     if key in used or _plain(model_cfg[key]) == _plain(default_model_cfg[key]):
       continue
-    readers = [n for n, f in FAMILIES.items() if key in f.Spec.config_fields()]
+    readers = [n for n in FAMILIES if reads(n, key)]
     raise ConfigError(
       f'model.{key}',
       f'model.family={model_cfg.family} does not use it; leave it at its default '
       f'{_plain(default_model_cfg[key])!r}'
       + (f' or set model.family to {" or ".join(readers)}' if readers else ''),
     )
-  rules = family.validate(model_cfg, mesh_cfg, rules_as_given(model_cfg, rules))
+  family.validate(model_cfg, mesh_cfg, tuple(tuple(r) for r in rules))
   refusal = family.Spec.from_config(model_cfg).executor_refusal() if pipelined else ''
   if refusal:
     raise ConfigError('mesh.pipe' if mesh_cfg.pipe > 1 else 'pipeline.microbatches', refusal)
-  return rules

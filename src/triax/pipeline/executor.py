@@ -126,10 +126,6 @@ class StageFns:
   head_loss_and_grad: Callable[..., tuple[jax.Array, Params, jax.Array]]
 
 
-# Where the two ends' weight gradients are made (pipeline.edge_grads):
-# 'loop' in the tick loop, 'after' after it, 'auto' whichever holds fewer bytes.
-EDGE_GRADS = ('auto', 'loop', 'after')
-
 # Named scopes that mark each cond's branches, so that the work a compiled step
 # executes can be counted branch by branch (training/hlo_work.py, from the
 # op_name metadata; `branch_counts` says how often each runs). Metadata only:

@@ -15,9 +15,9 @@ import dataclasses
 import functools
 import hashlib
 
+from triax.config import EDGE_GRADS
 from triax.pipeline import rounds, simulate
 from triax.pipeline import schedule as sched
-from triax.pipeline.executor import EDGE_GRADS
 
 MODELS = ('lockstep', 'async')
 DP_ALLREDUCE = ('per_microbatch', 'per_step')

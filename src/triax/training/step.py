@@ -177,10 +177,6 @@ class Trainer:
   to_canonical: relayout.Relayout  # TrainState -> the checkpoint's layout
   from_canonical: relayout.Relayout  # and back
 
-  @property
-  def rules(self):
-    return self.cfg.sharding.logical_axis_rules
-
   def abstract_state(self) -> TrainState:
     shapes = shapes_from_key(self.init_state)
     return jax.tree.map(
@@ -221,7 +217,7 @@ def build_trainer(cfg, mesh: Mesh) -> Trainer:
   model = registry.build(spec)
   if cfg.pipeline.offload_stash:
     check_host_memory(mesh.devices.flat[0], 'pipeline.offload_stash')
-  rules = cfg.sharding.logical_axis_rules
+  rules = sharding.resolve_rules(cfg)
   program, layout = _program_and_layout(cfg, spec)
   optimizer = make_optimizer(cfg.train)
   param_shardings = sharding.tree_shardings(pipeline_axes(model.logical_axes()), mesh, rules)
@@ -333,7 +329,7 @@ def _state_and_canonical_shardings(cfg, model, mesh, optimizer, param_shardings,
   if offload:
     check_host_memory(mesh.devices.flat[0])
   state = _state_shardings(optimizer, param_shardings, param_shapes, zero1, mesh, offload)
-  rules = cfg.sharding.logical_axis_rules
+  rules = sharding.resolve_rules(cfg)
   return state, _canonical_shardings(model, mesh, rules, optimizer, zero1)
 
 
@@ -399,7 +395,7 @@ def _loss_and_grad_unpipelined(model, layout):
 
 def _loss_and_grad_pipelined(cfg, mesh: Mesh, model, spec, layout, program):
   """The same function run by the pipeline executor, and the executor's step."""
-  rules = cfg.sharding.logical_axis_rules
+  rules = sharding.resolve_rules(cfg)
   global_batch, seq, m = cfg.train.global_batch_size, spec.seq_len, cfg.pipeline.microbatches
   # The batch's mesh axis turns manual inside the executor, so that weight
   # gradients are reduced over it once per step; inside, the model sees
@@ -525,7 +521,7 @@ def _eval_loss(cfg, mesh: Mesh, model, spec, layout, batch_args):
   device, the model is never whole. The embedding and head stay as the
   train step holds them (whole over `pipe`).
   """
-  rules = cfg.sharding.logical_axis_rules
+  rules = sharding.resolve_rules(cfg)
   spread, count = config.eval_split(
     cfg.train.global_batch_size,
     cfg.mesh.data,
