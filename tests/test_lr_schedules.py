@@ -10,6 +10,7 @@ import pytest
 
 from triax import config
 from triax.errors import ConfigError
+from triax.training import checks as train_checks
 from triax.training.step import learning_rate_schedule
 
 # The fast tier (scripts/test.sh --fast): seconds per test, no pipeline program.
@@ -38,7 +39,7 @@ def lrs(schedule, **kw):
   return [float(fn(k)) for k in range(c.train.steps)]
 
 
-@pytest.mark.parametrize('schedule', config.LR_SCHEDULES)
+@pytest.mark.parametrize('schedule', train_checks.LR_SCHEDULES)
 def test_every_schedule_warms_up_linearly_from_zero(schedule):
   lr = lrs(schedule)
   assert lr[0] == 0
@@ -104,7 +105,7 @@ def error(c):
   return e.value
 
 
-@pytest.mark.parametrize('schedule', config.LR_SCHEDULES)
+@pytest.mark.parametrize('schedule', train_checks.LR_SCHEDULES)
 def test_every_schedule_validates(schedule):
   config.validate(train_cfg(schedule), 8)
 

@@ -13,10 +13,13 @@ from collections.abc import Sequence
 
 import ml_collections
 
+from triax import checks
+from triax.data import checks as data_checks
 from triax.errors import ConfigError
 from triax.model import registry
 from triax.pipeline import schedule as sched
 from triax.pipeline.rounds import PACKINGS
+from triax.training import checks as train_checks
 
 MESH_AXES = ('data', 'context', 'tensor', 'pipe')
 # The mesh axis mesh.expert carves from data (mesh.build_mesh), when it is > 1.
@@ -37,17 +40,6 @@ RETIRED_REMATS = {
 # float16 is refused with its reason (no loss scaling); see validate().
 DTYPES = ('float32', 'bfloat16')
 ATTENTION_IMPLS = ('xla', 'cudnn', 'splash')
-LR_SCHEDULES = ('cosine', 'linear', 'constant', 'wsd')
-WANDB_MODES = ('online', 'offline')
-OPTIMIZER_SHARDINGS = ('replicated', 'data')
-DATA_SOURCES = ('stdlib', 'text', 'tokens', 'megatron', 'mixture')
-# Sources that read bytes themselves (data/corpus.py); the others read tokens made beforehand.
-BYTE_SOURCES = ('stdlib', 'text')
-
-
-def wsd_decay_steps(train_cfg) -> int:
-  """Updates in WSD's final linear decay: train.decay_fraction of the run, at least one."""
-  return max(1, round(train_cfg.decay_fraction * train_cfg.steps))
 
 
 def defaults() -> ml_collections.ConfigDict:
@@ -250,7 +242,7 @@ def defaults() -> ml_collections.ConfigDict:
   # Validation batches per evaluation.
   c.train.eval_batches = 4
   # Micro-batches an evaluation forwards each batch in, one after another, each one's rows
-  # split over the data and pipe ranks (config.eval_split); they must divide the rows a
+  # split over the data and pipe ranks (training/checks.eval_split); they must divide the rows a
   # device evaluates. 0 = as many as keep one no larger than the train step's micro-batch.
   c.train.eval_microbatches = 0
   # Write a metrics line every this many steps.
@@ -395,36 +387,6 @@ def load_json(path: str, key: str = '--workdir') -> ml_collections.ConfigDict:
   return cfg
 
 
-def _validate_spikes(t) -> None:
-  """train.spike_*: a threshold above the mean itself, a window and a rollback budget of >= 1."""
-  threshold = t.spike_threshold
-  if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 1 < threshold:
-    raise ConfigError(
-      'train.spike_threshold',
-      f'must be a number > 1 (2 = a loss twice the recent mean spikes), got {threshold!r}',
-    )
-  for key in ('spike_window', 'spike_max_rollbacks'):
-    if not isinstance(t[key], int) or isinstance(t[key], bool) or t[key] < 1:
-      raise ConfigError(f'train.{key}', f'must be an integer >= 1, got {t[key]!r}')
-
-
-def _validate_wandb(t) -> None:
-  if not isinstance(t.wandb_project, str):
-    raise ConfigError('train.wandb_project', f'must be a string; got {t.wandb_project!r}')
-  if t.wandb_mode not in WANDB_MODES:
-    raise ConfigError(
-      'train.wandb_mode', f'unknown mode {t.wandb_mode!r}; choose one of {", ".join(WANDB_MODES)}'
-    )
-  if not t.wandb_project:
-    return
-  import importlib.util
-
-  if importlib.util.find_spec('wandb') is None:
-    raise ConfigError(
-      'train.wandb_project', "needs the wandb package: pip install 'triax[wandb]' (or wandb)"
-    )
-
-
 def parse_arg(arg: str | None, **defaults) -> dict:
   """Parses a config file's `key=value,key=value` argument (big_vision style).
 
@@ -478,12 +440,6 @@ def load_module(path: str):
 def from_file(path: str, arg: str | None = None) -> ml_collections.ConfigDict:
   """`get_config(arg)` of another config file, for files that build on it."""
   return load_module(path).get_config(arg)
-
-
-def _positive(cfg, group: str, key: str):
-  value = cfg[group][key]
-  if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-    raise ConfigError(f'{group}.{key}', f'must be a positive integer, got {value!r}')
 
 
 def resolve_mesh_shape(mesh_cfg, num_devices: int) -> tuple[int, ...]:
@@ -568,8 +524,8 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int) -> ml_collections
   _check_model(cfg)
   _check_attention(cfg.model, cfg.data)
   _check_pipeline(cfg)
-  _check_train(cfg)
-  _check_checkpoint(cfg)
+  train_checks.validate_train(cfg)
+  train_checks.validate_checkpoint(cfg)
   if cfg.hardware.peak_flops_per_device < 0:
     raise ConfigError('hardware.peak_flops_per_device', 'must be >= 0 (0 = look up)')
   _check_rules(cfg.sharding.logical_axis_rules)
@@ -602,7 +558,7 @@ def _check_mesh(mesh, family: str, num_devices: int) -> None:
 def _check_model(cfg) -> None:
   """The model group's shapes and dtypes against the tensor degree and the data it reads."""
   for key in ('num_layers', 'd_model', 'num_heads', 'd_ff', 'vocab_size', 'seq_len'):
-    _positive(cfg, 'model', key)
+    checks.positive_int(f'model.{key}', cfg.model[key])
   m = cfg.model
   if m.d_model % m.num_heads:
     raise ConfigError(
@@ -627,10 +583,9 @@ def _check_model(cfg) -> None:
       f'must be in [0, model.vocab_size={m.vocab_size}] (0 = every id used; the ids from it '
       f'on are padding), got {used!r}',
     )
-  if not isinstance(m.scan_layers, bool):
-    raise ConfigError('model.scan_layers', f'must be true or false; got {m.scan_layers!r}')
-  _check_data(cfg.data)
-  if m.vocab_size < 256 and cfg.data.source in BYTE_SOURCES:
+  checks.boolean('model.scan_layers', m.scan_layers)
+  data_checks.validate(cfg.data)
+  if m.vocab_size < 256 and cfg.data.source in data_checks.BYTE_SOURCES:
     raise ConfigError('model.vocab_size', f'the byte-level corpus needs 256, got {m.vocab_size}')
   for key, choices in (
     ('dtype', DTYPES),
@@ -647,10 +602,7 @@ def _check_model(cfg) -> None:
     retired = RETIRED_REMATS.get(m[key]) if key == 'remat' and isinstance(m[key], str) else None
     if retired:
       raise ConfigError('model.remat', f'{m[key]!r} {retired}')
-    if m[key] not in choices:
-      raise ConfigError(
-        f'model.{key}', f'unknown value {m[key]!r}; choose one of {", ".join(choices)}'
-      )
+    checks.one_of(f'model.{key}', m[key], choices)
 
 
 def _check_attention(m, data) -> None:
@@ -679,22 +631,12 @@ def _check_attention(m, data) -> None:
 def _check_pipeline(cfg) -> None:
   """The pipeline group: the schedule's own rules (its builder's)."""
   p, pipe = cfg.pipeline, cfg.mesh.pipe
-  if p.schedule not in SCHEDULES:
-    raise ConfigError(
-      'pipeline.schedule', f'unknown schedule {p.schedule!r}; choose one of {", ".join(SCHEDULES)}'
-    )
-  _positive(cfg, 'pipeline', 'microbatches')
-  _positive(cfg, 'pipeline', 'virtual_stages')
-  if p.edge_grads not in EDGE_GRADS:
-    raise ConfigError(
-      'pipeline.edge_grads', f'got {p.edge_grads!r}; choose one of {", ".join(EDGE_GRADS)}'
-    )
-  if not isinstance(p.scatter_gather, bool):
-    raise ConfigError('pipeline.scatter_gather', f'must be true or false; got {p.scatter_gather!r}')
-  if p.tick_packing not in PACKINGS:
-    raise ConfigError(
-      'pipeline.tick_packing', f'got {p.tick_packing!r}; choose one of {", ".join(PACKINGS)}'
-    )
+  checks.one_of('pipeline.schedule', p.schedule, SCHEDULES, what='schedule')
+  checks.positive_int('pipeline.microbatches', cfg.pipeline.microbatches)
+  checks.positive_int('pipeline.virtual_stages', cfg.pipeline.virtual_stages)
+  checks.one_of('pipeline.edge_grads', p.edge_grads, EDGE_GRADS)
+  checks.boolean('pipeline.scatter_gather', p.scatter_gather)
+  checks.one_of('pipeline.tick_packing', p.tick_packing, PACKINGS)
   v = p.virtual_stages
   # The builder knows each schedule's rules (v allowed, m a multiple of p, ...);
   # a schedule file is read, checked against p, m, v and lowered here.
@@ -705,8 +647,7 @@ def _check_pipeline(cfg) -> None:
 
 def _check_fuse_overlaps(p, schedule) -> None:
   """Fusing needs pairs that fuse, and a stash on the device."""
-  if not isinstance(p.fuse_overlaps, bool):
-    raise ConfigError('pipeline.fuse_overlaps', f'must be true or false; got {p.fuse_overlaps!r}')
+  checks.boolean('pipeline.fuse_overlaps', p.fuse_overlaps)
   if not p.fuse_overlaps:
     return
   sched.check_fusable(schedule)
@@ -720,8 +661,7 @@ def _check_fuse_overlaps(p, schedule) -> None:
 
 def _check_offload_stash(p, pipe: int, schedule) -> None:
   """The stash is the executor's, which runs with stages or micro-batches."""
-  if not isinstance(p.offload_stash, bool):
-    raise ConfigError('pipeline.offload_stash', f'must be true or false; got {p.offload_stash!r}')
+  checks.boolean('pipeline.offload_stash', p.offload_stash)
   if not p.offload_stash:
     return
   if pipe == 1 and p.microbatches == 1:
@@ -756,79 +696,8 @@ def _check_layer_split(cfg) -> None:
   )
 
 
-def _check_train(cfg) -> None:
-  """The train group: counts, the batch split, the optimizer and its schedule."""
-  t = cfg.train
-  for key in ('steps', 'global_batch_size', 'eval_every', 'eval_batches', 'log_every'):
-    _positive(cfg, 'train', key)
-  check_batch_split(t, cfg.mesh.data, cfg.pipeline.microbatches)
-  _check_eval_microbatches(cfg)
-  for key in ('learning_rate', 'weight_decay', 'grad_clip_norm', 'min_lr_ratio'):
-    if not isinstance(t[key], (int, float)) or t[key] < 0:
-      raise ConfigError(f'train.{key}', f'must be a non-negative number, got {t[key]!r}')
-  for key in ('warmup_steps', 'skip_nonfinite_steps', 'spike_rollback'):
-    if not isinstance(t[key], int) or isinstance(t[key], bool) or t[key] < 0:
-      raise ConfigError(f'train.{key}', f'must be a non-negative integer, got {t[key]!r}')
-  _validate_spikes(t)
-  _validate_wandb(t)
-  if not isinstance(t.offload_optimizer, bool):
-    raise ConfigError(
-      'train.offload_optimizer', f'must be true or false, got {t.offload_optimizer!r}'
-    )
-  if t.optimizer_sharding not in OPTIMIZER_SHARDINGS:
-    raise ConfigError(
-      'train.optimizer_sharding',
-      f'unknown value {t.optimizer_sharding!r}; choose one of {", ".join(OPTIMIZER_SHARDINGS)}',
-    )
-  if t.lr_schedule not in LR_SCHEDULES:
-    raise ConfigError(
-      'train.lr_schedule',
-      f'unknown value {t.lr_schedule!r}; choose one of {", ".join(LR_SCHEDULES)}',
-    )
-  fraction = t.decay_fraction
-  if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
-    raise ConfigError(
-      'train.decay_fraction', f'must be a number in (0, 1] (0.2 = the last fifth), got {fraction!r}'
-    )
-  if t.lr_schedule == 'wsd':
-    # The decay's updates are the run's last n; they may not reach back into the warmup,
-    # and one update between them holds the peak.
-    n = wsd_decay_steps(t)
-    if t.warmup_steps + n >= t.steps:
-      raise ConfigError(
-        'train.decay_fraction',
-        f'{fraction} decays over the last {n} of train.steps={t.steps}, which leaves no '
-        f'stable phase after train.warmup_steps={t.warmup_steps}; lower one of them '
-        f'(warmup_steps + decay steps must be below steps)',
-      )
-
-
-def _check_checkpoint(cfg) -> None:
-  """The checkpoint group: when to save and what to keep."""
-  if not isinstance(cfg.checkpoint.every_steps, int) or cfg.checkpoint.every_steps < 0:
-    raise ConfigError('checkpoint.every_steps', 'must be >= 0 (0 = only at the end)')
-  seconds = cfg.checkpoint.every_seconds
-  if (
-    not isinstance(seconds, (int, float))
-    or isinstance(seconds, bool)
-    or not 0 <= seconds < math.inf
-  ):
-    raise ConfigError(
-      'checkpoint.every_seconds', f'must be a number of seconds >= 0 (0 = off), got {seconds!r}'
-    )
-  milestone = cfg.checkpoint.keep_every_steps
-  if not isinstance(milestone, int) or isinstance(milestone, bool) or milestone < 0:
-    raise ConfigError(
-      'checkpoint.keep_every_steps', f'must be an integer >= 0 (0 = off), got {milestone!r}'
-    )
-  _positive(cfg, 'checkpoint', 'keep')
-
-
 def _check_splash(m) -> None:
-  if not isinstance(m.splash_interpret, bool):
-    raise ConfigError(
-      'model.splash_interpret', f'must be true or false, got {m.splash_interpret!r}'
-    )
+  checks.boolean('model.splash_interpret', m.splash_interpret)
   if m.splash_interpret and m.attention != 'splash':
     raise ConfigError(
       'model.splash_interpret', f'interprets the splash kernel, but model.attention={m.attention}'
@@ -860,71 +729,10 @@ def check_platform(cfg, platform: str) -> None:
     )
 
 
-def _check_data(d) -> None:
-  """The data keys against each other: what can be told without reading any file.
-
-  A key the source would ignore is an error, never dropped: data.path with
-  stdlib or a mixture, data.mixture without data.source=mixture, a tokenizer
-  with a source that reads bytes.
-  """
-  if d.source not in DATA_SOURCES:
-    raise ConfigError(
-      'data.source', f'unknown source {d.source!r}; choose one of {", ".join(DATA_SOURCES)}'
-    )
-  if d.source in ('stdlib', 'mixture') and d.path:
-    raise ConfigError(
-      'data.path',
-      f'data.source={d.source} does not read data.path ({d.path}); remove it, or use '
-      'data.source=text (a text file or directory), tokens (a prepared directory) or megatron',
-    )
-  if d.source in ('tokens', 'megatron') and not d.path:
-    need = 'the --out directory of python -m triax prepare' if d.source == 'tokens' else 'a PREFIX'
-    raise ConfigError('data.path', f'data.source={d.source} needs data.path={need}')
-  if d.source == 'mixture':
-    if not d.mixture:
-      raise ConfigError('data.mixture', 'data.source=mixture needs ((PATH, WEIGHT), ...)')
-    for entry in d.mixture:
-      if (
-        not isinstance(entry, (list, tuple))
-        or len(entry) != 2
-        or not isinstance(entry[0], str)
-        or not entry[0]
-        or isinstance(entry[1], bool)
-        or not isinstance(entry[1], (int, float))
-        or not 0 < entry[1] < math.inf
-      ):
-        raise ConfigError('data.mixture', f'{entry!r} is not (PATH, WEIGHT) with a positive weight')
-  elif d.mixture:
-    raise ConfigError(
-      'data.mixture', f'is read only with data.source=mixture (it is {d.source}); remove it'
-    )
-  if not isinstance(d.tokenizer, str) or not d.tokenizer:
-    raise ConfigError('data.tokenizer', "give 'bytes', a tokenizer.json or a sentencepiece .model")
-  if d.source in BYTE_SOURCES and d.tokenizer != 'bytes':
-    raise ConfigError(
-      'data.tokenizer',
-      f'data.source={d.source} reads bytes; to train with {d.tokenizer}, tokenize the text with '
-      'python -m triax prepare --tokenizer=... and use data.source=tokens',
-    )
-  size = d.max_text_bytes
-  if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
-    raise ConfigError('data.max_text_bytes', f'must be a positive integer, got {size!r}')
-  if not isinstance(d.mask_documents, bool):
-    raise ConfigError('data.mask_documents', f'must be true or false, got {d.mask_documents!r}')
-  if d.mask_documents and d.source in BYTE_SOURCES:
-    # Byte sources are one stream of text with no document boundaries recorded.
-    raise ConfigError(
-      'data.mask_documents',
-      f'data.source={d.source} records no documents; prepare the text '
-      '(python -m triax prepare) and use data.source=tokens, or set it to false',
-    )
-
-
 def _check_fsdp(cfg) -> None:
   """mesh.fsdp: a flag whose rule ('embed' over data, sharding.resolve_rules)
   no given rule contradicts, on a d_model the data axis divides."""
-  if not isinstance(cfg.mesh.fsdp, bool):
-    raise ConfigError('mesh.fsdp', f'must be true or false, got {cfg.mesh.fsdp!r}')
+  checks.boolean('mesh.fsdp', cfg.mesh.fsdp)
   if not cfg.mesh.fsdp:
     return
   embed = dict(tuple(r) for r in cfg.sharding.logical_axis_rules).get('embed')
@@ -961,74 +769,12 @@ def check_tensor_split(m, tensor: int) -> None:
     )
 
 
-def check_batch_split(t, data: int, microbatches: int) -> None:
-  """train.global_batch_size over data replicas and micro-batches (validate's
-  check, and the planner's for every data degree it tries)."""
-  unit = data * microbatches
-  if t.global_batch_size % unit:
-    # Offer the multiples nearest the value given: the one below it, if any, and those above.
-    first = max(unit, t.global_batch_size // unit * unit)
-    near = [first + i * unit for i in range(3)]
-    raise ConfigError(
-      'train.global_batch_size',
-      f'{t.global_batch_size} must be a multiple of mesh.data*pipeline.microbatches = '
-      f'{data}*{microbatches} = {unit} (equal micro-batch shards), e.g. '
-      f'{near[0]}, {near[1]} or {near[2]}',
-    )
-
-
-def eval_split(
-  global_batch: int, data: int, pipe: int, microbatches: int, asked: int = 0
-) -> tuple[int, int]:
-  """How an evaluation forwards a global batch: (the pipe ranks each data
-  replica's rows are split over, the micro-batches it runs them in).
-
-  Every pipe rank takes its own rows when they divide by `pipe` (else each
-  runs the replica's rows, as a pipe rank must: a stage's weights alone
-  make no loss); `asked` micro-batches (train.eval_microbatches), or with
-  0 the fewest that keep one no larger, per device, than the train step's
-  micro-batch per replica, so the forward never holds more rows at once
-  than the step's. The planner prices the evaluation by it too.
-  """
-  rows = global_batch // data
-  spread = pipe if rows % pipe == 0 else 1
-  rows //= spread
-  if asked:
-    return spread, asked
-  train_rows = global_batch // (data * microbatches)
-  return spread, min(k for k in range(1, rows + 1) if rows % k == 0 and rows // k <= train_rows)
-
-
-def _check_eval_microbatches(cfg) -> None:
-  t, mesh = cfg.train, cfg.mesh
-  asked = t.eval_microbatches
-  if not isinstance(asked, int) or isinstance(asked, bool) or asked < 0:
-    raise ConfigError(
-      'train.eval_microbatches', f'must be a non-negative integer (0 = automatic), got {asked!r}'
-    )
-  spread, _ = eval_split(t.global_batch_size, mesh.data, mesh.pipe, cfg.pipeline.microbatches)
-  rows = t.global_batch_size // (mesh.data * spread)
-  if asked and rows % asked:
-    split = f'train.global_batch_size={t.global_batch_size} / mesh.data={mesh.data}'
-    split += f' / mesh.pipe={spread}' if spread > 1 else ''
-    divisors = ', '.join(str(k) for k in range(1, rows + 1) if rows % k == 0)
-    raise ConfigError(
-      'train.eval_microbatches',
-      f'{asked} does not divide the {rows} rows each device evaluates ({split}); '
-      f'use one of {divisors}, or 0 (automatic)',
-    )
-
-
 def check_sequence(mesh, m) -> None:
   """mesh.context, mesh.sequence_parallel and model.context_attention against the
   model: what splitting the sequence needs of it (validate's check, and the
   planner's for every context degree and SP choice it tries)."""
   c, t = mesh.context, mesh.tensor
-  if m.context_attention not in CONTEXT_ATTENTION:
-    raise ConfigError(
-      'model.context_attention',
-      f'unknown kind {m.context_attention!r}; choose one of {", ".join(CONTEXT_ATTENTION)}',
-    )
+  checks.one_of('model.context_attention', m.context_attention, CONTEXT_ATTENTION, what='kind')
   if c > 1 and m.seq_len % (2 * c):
     # Causal load balancing: rank i holds chunks i and 2c-1-i of 2c equal chunks.
     raise ConfigError(
@@ -1043,10 +789,7 @@ def check_sequence(mesh, m) -> None:
       f'{m.attention} cannot serve mesh.context={c} ({kind} masks by load-balanced '
       'positions, which only the xla path takes); use model.attention=xla',
     )
-  if not isinstance(mesh.sequence_parallel, bool):
-    raise ConfigError(
-      'mesh.sequence_parallel', f'must be true or false, got {mesh.sequence_parallel!r}'
-    )
+  checks.boolean('mesh.sequence_parallel', mesh.sequence_parallel)
   if mesh.sequence_parallel and t == 1:
     raise ConfigError(
       'mesh.sequence_parallel',

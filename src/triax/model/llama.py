@@ -36,6 +36,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from triax import checks
 from triax.errors import ConfigError
 from triax.model.common import (
   RESIDUAL,
@@ -276,8 +277,7 @@ def _positive_number(value) -> bool:
 def check_flags(model_cfg, keys) -> None:
   """Raises ConfigError unless each model key of `keys` is true or false."""
   for key in keys:
-    if not isinstance(model_cfg[key], bool):
-      raise ConfigError(f'model.{key}', f'must be true or false, got {model_cfg[key]!r}')
+    checks.boolean(f'model.{key}', model_cfg[key])
 
 
 def validate(model_cfg, mesh_cfg, rules: tuple) -> None:

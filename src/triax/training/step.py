@@ -20,7 +20,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from triax import config, sharding
+from triax import sharding
 from triax.errors import ConfigError
 from triax.model import context as context_lib
 from triax.model import registry
@@ -28,6 +28,7 @@ from triax.model.common import DecoderModel
 from triax.pipeline import executor, rounds
 from triax.pipeline import layout as layout_lib
 from triax.pipeline import schedule as sched
+from triax.training import checks as train_checks
 from triax.training import relayout
 
 _NO_DECAY = ('attn_norm', 'mlp_norm', 'norm', 'positions')
@@ -73,7 +74,7 @@ def learning_rate_schedule(train_cfg) -> optax.Schedule:
   if kind == 'wsd':
     # join_schedules restarts the count at each boundary: the decay's count 0
     # is the stable phase's last update, its count n the run's last update.
-    n = config.wsd_decay_steps(train_cfg)
+    n = train_checks.wsd_decay_steps(train_cfg)
     decay = optax.linear_schedule(peak, end, n)
     return optax.join_schedules(
       [ramp, optax.constant_schedule(peak), decay], [warmup, steps - 1 - n]
@@ -512,7 +513,7 @@ def _eval_loss(cfg, mesh: Mesh, model, spec, layout, batch_args):
   """params, batch -> the mean loss, the model run unpipelined in layer order.
 
   The batch goes through in micro-batches, one after another in one program
-  (`config.eval_split`: the train step's micro-batch size per device by
+  (`train_checks.eval_split`: the train step's micro-batch size per device by
   default), and each micro-batch's rows are split over the batch's mesh axes
   and `pipe`, so no two devices compute the same rows (each pipe rank ran
   the replica's whole batch before). With pipe > 1 the layers' weights are
@@ -522,7 +523,7 @@ def _eval_loss(cfg, mesh: Mesh, model, spec, layout, batch_args):
   train step holds them (whole over `pipe`).
   """
   rules = sharding.resolve_rules(cfg)
-  spread, count = config.eval_split(
+  spread, count = train_checks.eval_split(
     cfg.train.global_batch_size,
     cfg.mesh.data,
     cfg.mesh.pipe,

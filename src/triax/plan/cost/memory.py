@@ -50,13 +50,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from triax import config
 from triax.pipeline import schedule as sched
 from triax.pipeline.executor import edge_grads_after_loop, edge_pool_bytes
 from triax.plan.candidate import Options, Plan
 from triax.plan.cluster import Cluster
 from triax.plan.cost import experts as experts_lib
 from triax.plan.cost.profile import LAYER_CHECKPOINTED, Profile, Shard
+from triax.training import checks as train_checks
 
 # Parameter, gradient accumulator, Adam mu and nu, each the parameter's size
 # (param_dtype: triax keeps no separate master copy; fp32 parameters are it).
@@ -157,7 +157,7 @@ def state_programs(
   Evaluation: the state; with pipe > 1 the layers' parameters resharded
   once more (the step splits eval's weights over `pipe` along d_model) and
   one layer gathered, as FSDP's is; and the forward of one evaluation
-  micro-batch (config.eval_split: its rows over the data and pipe ranks, no
+  micro-batch (training.checks.eval_split: its rows over the data and pipe ranks, no
   more per device than the train step's micro-batch per replica) through
   one layer at a time without stash, bounded by one layer's
   unrematerialised residuals and its input and output, the rows' fp32
@@ -165,7 +165,9 @@ def state_programs(
   """
   shard = profile.shards[plan.tensor]
   rest = resident(plan, profile, params, experts, offloaded)
-  spread, count = config.eval_split(plan.global_batch, plan.data, plan.pipe, plan.microbatches)
+  spread, count = train_checks.eval_split(
+    plan.global_batch, plan.data, plan.pipe, plan.microbatches
+  )
   rows = plan.global_batch // (plan.data * spread * count)
 
   def share(part: float, part_experts: float = 0.0) -> float:  # of `part` bytes, a device's

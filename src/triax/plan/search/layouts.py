@@ -29,6 +29,7 @@ from triax.errors import ConfigError
 from triax.model import registry
 from triax.pipeline import schedule as sched
 from triax.plan.cluster import Cluster
+from triax.training import checks as train_checks
 
 # Largest micro-batch count tried: beyond it, ticks cost more than bubbles save.
 MAX_MICROBATCHES = 64
@@ -96,7 +97,7 @@ def _accepted(cfg, family_defaults, c: int, t: int, sp: bool) -> bool:
 def _batch_splits(cfg, d: int) -> bool:
   """Whether config.py's check accepts the global batch over d replicas."""
   try:
-    config_lib.check_batch_split(cfg.train, d, 1)
+    train_checks.check_batch_split(cfg.train, d, 1)
   except ConfigError:
     return False
   return True
