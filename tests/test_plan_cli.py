@@ -76,11 +76,11 @@ def test_profile_of_a_tiny_model():
     # asserted: the other test worker shares them).
     assert point.seconds > 0 and point.fitted > 0 and point.concurrent > 0
   assert all(fit.k > 0 and fit.c0 >= 0 for fit in prof.fits.values())
-  # Layer costs are measured under every remat policy, with their sharing.
+  # Layer costs are measured under every remat policy, with their sharing
+  # (the profiler clamps a measured sharing to [1, 8]; none is its absence).
   for remat in profile.REMATS:
     for function in profile.LAYER_FUNCTIONS:
-      fit = prof.fits[profile.variant(function, remat)]
-      assert 1.0 <= fit.cores <= 8
+      assert prof.fits[profile.variant(function, remat)].cores is not None
   # Every size asked for is measured at the smallest degree, the ends at the
   # others; interpolation reproduces the measured points and stays between
   # its neighbours elsewhere. (Which size is faster is wall-clock, not asserted:

@@ -170,8 +170,9 @@ def defaults() -> ml_collections.ConfigDict:
   c.model.router_z_loss_coef = 0.001
 
   c.pipeline = ml_collections.ConfigDict()
-  # Pipeline schedule: gpipe, 1f1b, interleaved_1f1b, bpipe, zb_h1, interleaved_zb, zb_v, dualpipe_v
-  # (one file each in triax/pipeline/schedules/).
+  # Pipeline schedule: gpipe, 1f1b, interleaved_1f1b, bpipe, zb_h1, interleaved_zb, zb_v,
+  # v_min, v_half, v_zb, dualpipe_v, bpipe_zb (pipeline/schedules/'s SCHEDULES; a test holds
+  # this list to it).
   c.pipeline.schedule = '1f1b'
   # A schedule file to run instead (torch's compute-only .csv or triax's .json); '' = by name.
   c.pipeline.schedule_file = ''

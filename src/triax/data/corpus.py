@@ -24,8 +24,6 @@ import numpy as np
 
 from triax.errors import ConfigError
 
-SOURCES = ('stdlib', 'text')
-
 # 16 MiB is ample for the small models triax trains on one host and bounds
 # start-up time and host memory on machines with unusually large trees.
 DEFAULT_MAX_BYTES = 16 * 2**20
