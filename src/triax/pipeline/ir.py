@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 # Action kinds. F, B and W run on the compute stream of the stage that holds
 # the chunk. EVICT and LOAD (BPipe) move one stashed residual set between
@@ -198,6 +198,44 @@ def copy_issue_points(order: Sequence[Action]) -> list[int]:
     else:
       seen += 1
   return points
+
+
+def walk_async(schedule: Schedule, run: Callable[[int, Action, int | None], bool]) -> list:
+  """Runs the per-stage orders as the papers do, stage by stage until nothing moves.
+
+  Each stage runs its compute actions in order, and its copies (EVICT,
+  LOAD) in order on a copy stream, a copy once the compute actions before
+  it in the order have run (`copy_issue_points`). `run(stage, action,
+  issued)` runs `action` if its inputs are ready and says whether it did;
+  `issued` is None for a compute action, else how many of the stage's
+  compute actions precede the copy. Returns (stage, action) where each
+  stream stopped short of its end: empty when the orders run to the end.
+  """
+  compute = [[a for a in o if a.kind not in COPY_KINDS] for o in schedule.orders]
+  copies = [[a for a in o if a.kind in COPY_KINDS] for o in schedule.orders]
+  issue = [copy_issue_points(o) for o in schedule.orders]
+  at, at_copy = [0] * schedule.stages, [0] * schedule.stages
+  progress = True
+  while progress:
+    progress = False
+    for s in range(schedule.stages):
+      moved = True
+      while moved:
+        moved = False
+        if at[s] < len(compute[s]) and run(s, compute[s][at[s]], None):
+          at[s] += 1
+          moved = True
+        k = at_copy[s]
+        if k < len(copies[s]) and at[s] >= issue[s][k] and run(s, copies[s][k], issue[s][k]):
+          at_copy[s] += 1
+          moved = True
+        progress |= moved
+  return [
+    (s, stream[cursor])
+    for s in range(schedule.stages)
+    for stream, cursor in ((compute[s], at[s]), (copies[s], at_copy[s]))
+    if cursor < len(stream)
+  ]
 
 
 def with_split_backward(schedule: Schedule) -> Schedule:

@@ -23,6 +23,7 @@ from triax.pipeline.ir import (
   dependencies,
   interleaved_placement,
   v_placement,
+  walk_async,
   with_split_backward,
 )
 from triax.pipeline.lower import Program, check_fusable, lower, transfers_per_step
@@ -80,6 +81,7 @@ __all__ = [
   'v_min',
   'v_placement',
   'v_zb',
+  'walk_async',
   'with_split_backward',
   'zb_h1',
   'zb_v',

@@ -561,54 +561,31 @@ def simulate_async(schedule: Schedule, costs: CostsLike = Costs()) -> Result:
   """
   p, v = schedule.stages, schedule.virtual_stages
   per = per_stage(costs, p)
-  compute = [[a for a in o if a.kind not in sched.COPY_KINDS] for o in schedule.orders]
-  copies = [[a for a in o if a.kind in sched.COPY_KINDS] for o in schedule.orders]
-  issue = [sched.copy_issue_points(o) for o in schedule.orders]
   done: dict[Action, tuple[float, int]] = {}  # action -> (end, stage)
-  cursor, copy_cursor = [0] * p, [0] * p
   free, copy_free = [0.0] * p, [0.0] * p
   ends: list[list[float]] = [[] for _ in range(p)]  # compute ends, in order
   spans = []
-  progress = True
-  while progress:
-    progress = False
-    for s in range(p):
-      moved = True
-      while moved:
-        moved = False
-        if cursor[s] < len(compute[s]):
-          a = compute[s][cursor[s]]
-          start = _ready_time(a, s, schedule, done, per)
-          if start is not None:
-            start = max(start, free[s])
-            free[s] = start + per[s].of(a.kind, v)
-            done[a] = (free[s], s)
-            ends[s].append(free[s])
-            spans.append(Span(s, a, start, free[s]))
-            cursor[s] += 1
-            moved = True
-        k = copy_cursor[s]
-        if k < len(copies[s]) and cursor[s] >= issue[s][k]:
-          a = copies[s][k]
-          start = _ready_time(a, s, schedule, done, per)
-          if start is not None:
-            issued = ends[s][issue[s][k] - 1] if issue[s][k] else 0.0
-            start = max(start, copy_free[s], issued)
-            copy_free[s] = start + per[s].of(a.kind, v)
-            done[a] = (copy_free[s], s)
-            spans.append(Span(s, a, start, copy_free[s]))
-            copy_cursor[s] += 1
-            moved = True
-        progress |= moved
-  stuck = [
-    f'stage {s} waits at {stream[at]}'
-    for s in range(p)
-    for stream, at in ((compute[s], cursor[s]), (copies[s], copy_cursor[s]))
-    if at < len(stream)
-  ]
+
+  def run(s: int, a: Action, issued: int | None) -> bool:
+    start = _ready_time(a, s, schedule, done, per)
+    if start is None:
+      return False
+    if issued is None:
+      start = max(start, free[s])
+      free[s] = end = start + per[s].of(a.kind, v)
+      ends[s].append(end)
+    else:
+      start = max(start, copy_free[s], ends[s][issued - 1] if issued else 0.0)
+      copy_free[s] = end = start + per[s].of(a.kind, v)
+    done[a] = (end, s)
+    spans.append(Span(s, a, start, end))
+    return True
+
+  stuck = sched.walk_async(schedule, run)
   if stuck:
     raise sched.ScheduleDeadlock(
-      f'{schedule.name}: asynchronous orders deadlock: ' + '; '.join(stuck)
+      f'{schedule.name}: asynchronous orders deadlock: '
+      + '; '.join(f'stage {s} waits at {a}' for s, a in stuck)
     )
   if schedule.evicted:
     peak = _async_peaks(schedule, spans)

@@ -185,52 +185,24 @@ def _check_stage_order(schedule: Schedule) -> list[str]:
 
 
 def _check_runs_to_completion(schedule: Schedule) -> list[str]:
-  """The per-stage orders, run asynchronously, never deadlock.
-
-  Compute actions run in order; copies (EVICT, LOAD) run in order on a copy
-  stream, each once the compute actions before it in the order are done.
-  """
+  """The per-stage orders, run asynchronously (`sched.walk_async`), never deadlock."""
   done: set[Action] = set()
-  compute = [[a for a in o if a.kind not in sched.COPY_KINDS] for o in schedule.orders]
-  copies = [[a for a in o if a.kind in sched.COPY_KINDS] for o in schedule.orders]
-  issue = [sched.copy_issue_points(o) for o in schedule.orders]
-  at = [0] * schedule.stages  # compute cursor
-  at_copy = [0] * schedule.stages
-  progress = True
-  while progress:
-    progress = False
-    for s in range(schedule.stages):
-      moved = True
-      while moved:
-        moved = False
-        if at[s] < len(compute[s]) and _ready(compute[s][at[s]], schedule, done):
-          done.add(compute[s][at[s]])
-          at[s] += 1
-          moved = True
-        if (
-          at_copy[s] < len(copies[s])
-          and at[s] >= issue[s][at_copy[s]]
-          and _ready(copies[s][at_copy[s]], schedule, done)
-        ):
-          done.add(copies[s][at_copy[s]])
-          at_copy[s] += 1
-          moved = True
-        progress |= moved
+
+  def run(stage: int, a: Action, issued: int | None) -> bool:
+    del stage, issued
+    if not all(d in done for d in sched.dependencies(a, schedule)):
+      return False
+    done.add(a)
+    return True
+
   problems = []
-  for s, order in enumerate(schedule.orders):
-    for stream, cursor in ((compute[s], at[s]), (copies[s], at_copy[s])):
-      if cursor < len(stream):
-        a = stream[cursor]
-        missing = [str(d) for d in sched.dependencies(a, schedule) if d not in done]
-        problems.append(
-          f'deadlock: stage {s} position {order.index(a)}: {a} '
-          f'waits for {", ".join(missing) or "its stage"}'
-        )
+  for s, a in sched.walk_async(schedule, run):
+    missing = [str(d) for d in sched.dependencies(a, schedule) if d not in done]
+    problems.append(
+      f'deadlock: stage {s} position {schedule.orders[s].index(a)}: {a} '
+      f'waits for {", ".join(missing) or "its stage"}'
+    )
   return problems
-
-
-def _ready(a: Action, schedule: Schedule, done: set[Action]) -> bool:
-  return all(d in done for d in sched.dependencies(a, schedule))
 
 
 # ---------------------------------------------------------------- program
