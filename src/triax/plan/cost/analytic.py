@@ -294,52 +294,13 @@ def _shard(spec, t: int, dropout: bool = False) -> tuple[profile_lib.Shard, Shar
 
   shard, weights, embed_params, head_params = _shapes(spec, t)
   e = np.dtype(spec.dtype).itemsize
-  pe = np.dtype(spec.param_dtype).itemsize
   s, d = spec.seq_len, spec.d_model
-  heads, hd = shard.num_heads, shard.head_dim
-  vocab = shard.vocab_size
   # Flash kernels (cuDNN's on GPU, Pallas's splash on TPU) keep no [s, s] scores.
   fused = spec.attention in ('cudnn', 'splash')
-
-  fwd, bwd, layer_params = [], [], 0.0
-  # Elements a position keeps under the dots policy beyond SEQUENCE_STASH's:
-  # the outputs of the dense matmuls that read the normed stream (see below).
-  dots_kept = 0
-  # Blocks of the stack entry the weights below are of; every figure is their average.
-  every = spec.layers_per_entry
-  # Dense weights reading the stream into the MLP's hidden width: GPT's fc1,
-  # a gated MLP's gate and up (whose product is one more hidden-wide value kept).
-  mlp_inputs = 0
-  # Elements a position's B/W cut keeps (pipeline/split_backward.py): every
-  # dense weight matmul's output cotangent and its input, the two normed
-  # streams (attention's, MLP's) once each however many weights read them.
-  cut_kept = 2 * d * every
-  for shape, routed, reads_stream in weights:
-    layer_params += math.prod(shape) * pe
-    if reads_stream and not routed:
-      dots_kept += math.prod(shape[1:])
-      mlp_inputs += math.prod(shape[1:]) == shard.d_ff
-    if len(shape) < 2:
-      continue  # norm scales and biases: elementwise, counted below
-    # A routed expert's [E, k, n]: one grouped matmul over the E experts'
-    # weights (each read once), each token's row through k of them.
-    copies, rows = (shape[0], spec.experts_per_token) if routed else (1, 1)
-    shape = shape[1:] if routed else shape
-    if shape[0] == d:
-      k, n = d, math.prod(shape[1:])
-    else:
-      k, n = math.prod(shape[:-1]), shape[-1]
-    if not routed:
-      cut_kept += n + (0 if reads_stream else k)
-    flops = 2.0 * s * rows * k * n
-    # Activations in and out per sequence; the weights read once a call.
-    io = rows * (s * k + s * n) * e
-    fwd.append(Kernel(f'gemm {k}x{n}', flops, io, copies * k * n * e))
-    # Input gradient (reads the weight) and weight gradient (writes it).
-    bwd.append(Kernel(f'dgrad {k}x{n}', flops, io, copies * k * n * e))
-    bwd.append(Kernel(f'wgrad {k}x{n}', flops, io, 2 * copies * k * n * pe))
-  fwd, bwd, layer_params = _averaged(fwd, every), _averaged(bwd, every), layer_params / every
-  attention, attention_bwd, rescored, core_kept = _attention(s, heads, hd, e, fused, dropout)
+  dense = _dense_kernels(spec, shard, weights)
+  attention, attention_bwd, rescored, core_kept = _attention(
+    s, shard.num_heads, shard.head_dim, e, fused, dropout
+  )
   elementwise = (
     (2 * _NORM_ELEMENT_IO + 2 * _ADD_ELEMENT_IO) * s * d + _ACT_ELEMENT_IO * s * shard.d_ff
   ) * e
@@ -348,51 +309,15 @@ def _shard(spec, t: int, dropout: bool = False) -> tuple[profile_lib.Shard, Shar
   # tensor rank without sequence parallelism.
   hidden_masks = 2 * s * d if dropout else 0
   elementwise += hidden_masks
-  fwd += [*attention, Kernel('norms, adds, activation', 0.0, elementwise)]
-  bwd += [*attention_bwd, Kernel('norms, adds, activation bwd', 0.0, _BACKWARD_IO * elementwise)]
-
-  edge_params = _nbytes(embed_params, head_params)
-  logits = s * vocab * 4
-  # model.loss_chunk: the cross-entropy's fp32 logits exist that many positions at a time.
-  live_logits = min(spec.loss_chunk or s, s) * vocab * 4
-  head_flops = 2.0 * s * d * vocab
-  head = (
-    Kernel('head gemm', head_flops, (s * d + s * vocab) * e, d * vocab * e),
-    Kernel('head dgrad+wgrad', 2 * head_flops, 2 * (s * d + s * vocab) * e, 3 * d * vocab * pe),
-    Kernel('cross-entropy', 0.0, _LOGIT_PASSES * logits),
-  )
-  # Gather rows forward; backward scatters the rows' gradients into the table's.
-  embed = (Kernel('embedding', 0.0, 3 * s * d * e, _nbytes(embed_params)),)
-
+  fwd = [*dense.fwd, *attention, Kernel('norms, adds, activation', 0.0, elementwise)]
+  bwd = [
+    *dense.bwd,
+    *attention_bwd,
+    Kernel('norms, adds, activation bwd', 0.0, _BACKWARD_IO * elementwise),
+  ]
+  head, embed, live_logits = _edge_kernels(spec, shard, embed_params, head_params)
   act = float(s * d * e)
-  whole = profile_lib.SEQUENCE_STASH
-  # Without remat, a dense gated MLP (two of those weights) keeps its gate,
-  # its up and their product: one hidden-wide value more than
-  # _TENSOR_STASH's two (Llama 1B's compiled layer keeps 20 [s, d]'s worth,
-  # bf16, at PP 4 on XLA:TPU). Over the entry's blocks, as every figure here.
-  gated = (mlp_inputs // 2) * spec.d_ff / d / every
-  # Held whole on every tensor rank (sequence parallelism splits it): the
-  # norms' inputs and outputs, the hidden dropout masks.
-  sequence = act * whole['none'] + hidden_masks
-  # model.remat=attention (Megatron's selective recomputation) keeps all but
-  # the attention core's scores: Korthikanti et al.'s s h (10 + 24/t) with dropout.
-  attention_kept = sequence + act * (_TENSOR_STASH + gated) / t
-  # model.remat=dots (common.REMAT_POLICIES: every matmul output without
-  # batch dimensions saveable) keeps the layer's input, the attention's output
-  # projection (the second norm's input is recomputed from the two) and the
-  # outputs of the matmuls reading the normed stream: Q, K and V (GQA-sized),
-  # the MLP's gate and up (GPT's fc1), a MoE's router and shared experts; not
-  # a routed expert's grouped matmul (ragged_dot is no dot_general), the down
-  # projection (nothing reads it back) or dropout's masks (redrawn from their
-  # key). At llama_1b's TP 4 `attention`'s figure is 1.27x what XLA:TPU
-  # allocates under dots.
-  stash = {
-    'none': attention_kept + core_kept,
-    'attention': attention_kept,
-    'dots': act * whole['dots'] + s * dots_kept * e / every,
-    # Full remat keeps an entry's input only: the group's blocks are recomputed together.
-    'full': act * whole['full'] / every,
-  }
+  stash, sequence = _stash(spec, dense, t, act, hidden_masks, core_kept)
 
   def work(kernels):
     return profile_lib.Work(
@@ -418,8 +343,8 @@ def _shard(spec, t: int, dropout: bool = False) -> tuple[profile_lib.Shard, Shar
       'embed': work(embed),
       'head': work(head),
     },
-    layer_param_bytes=layer_params,
-    edge_param_bytes=edge_params,
+    layer_param_bytes=dense.layer_params,
+    edge_param_bytes=_nbytes(embed_params, head_params),
     stash_per_seq=stash,
     stash_fixed_per_seq=act,
     act_per_seq=act,
@@ -427,10 +352,129 @@ def _shard(spec, t: int, dropout: bool = False) -> tuple[profile_lib.Shard, Shar
     attention_fraction=attn_flops / max(sum(k.flops for k in fwd), 1.0),
     kv_per_seq=profile_lib.kv_per_seq(spec, t),
     experts=profile_lib.experts_of(shard, sum(k.flops for k in fwd)),
-    cut_per_seq=s * cut_kept * e / every,
+    cut_per_seq=s * dense.cut_kept * e / dense.every,
     sequence_stash_per_seq={'none': sequence, 'attention': sequence},
   )
   return out, kernels
+
+
+@dataclasses.dataclass(frozen=True)
+class _Dense:
+  """A stack entry's dense (and routed) weight matmuls, averaged over its blocks."""
+
+  fwd: list  # Kernel per block: the forward GEMMs
+  bwd: list  # and the input- and weight-gradient GEMMs
+  layer_params: float  # bytes of one block's parameters
+  every: int  # blocks of the stack entry (spec.layers_per_entry)
+  # Elements a position keeps under the dots policy beyond SEQUENCE_STASH's:
+  # the outputs of the dense matmuls that read the normed stream (see _stash).
+  dots_kept: int
+  # Dense weights reading the stream into the MLP's hidden width: GPT's fc1,
+  # a gated MLP's gate and up (whose product is one more hidden-wide value kept).
+  mlp_inputs: int
+  # Elements a position's B/W cut keeps (pipeline/split_backward.py): every
+  # dense weight matmul's output cotangent and its input, the two normed
+  # streams (attention's, MLP's) once each however many weights read them.
+  cut_kept: int
+
+
+def _dense_kernels(spec, shard, weights) -> _Dense:
+  import numpy as np
+
+  e = np.dtype(spec.dtype).itemsize
+  pe = np.dtype(spec.param_dtype).itemsize
+  s, d = spec.seq_len, spec.d_model
+  every = spec.layers_per_entry
+  fwd, bwd, layer_params = [], [], 0.0
+  dots_kept, mlp_inputs, cut_kept = 0, 0, 2 * d * every
+  for shape, routed, reads_stream in weights:
+    layer_params += math.prod(shape) * pe
+    if reads_stream and not routed:
+      dots_kept += math.prod(shape[1:])
+      mlp_inputs += math.prod(shape[1:]) == shard.d_ff
+    if len(shape) < 2:
+      continue  # norm scales and biases: elementwise, counted with the norms
+    # A routed expert's [E, k, n]: one grouped matmul over the E experts'
+    # weights (each read once), each token's row through k of them.
+    copies, rows = (shape[0], spec.experts_per_token) if routed else (1, 1)
+    shape = shape[1:] if routed else shape
+    if shape[0] == d:
+      k, n = d, math.prod(shape[1:])
+    else:
+      k, n = math.prod(shape[:-1]), shape[-1]
+    if not routed:
+      cut_kept += n + (0 if reads_stream else k)
+    flops = 2.0 * s * rows * k * n
+    # Activations in and out per sequence; the weights read once a call.
+    io = rows * (s * k + s * n) * e
+    fwd.append(Kernel(f'gemm {k}x{n}', flops, io, copies * k * n * e))
+    # Input gradient (reads the weight) and weight gradient (writes it).
+    bwd.append(Kernel(f'dgrad {k}x{n}', flops, io, copies * k * n * e))
+    bwd.append(Kernel(f'wgrad {k}x{n}', flops, io, 2 * copies * k * n * pe))
+  return _Dense(
+    _averaged(fwd, every),
+    _averaged(bwd, every),
+    layer_params / every,
+    every,
+    dots_kept,
+    mlp_inputs,
+    cut_kept,
+  )
+
+
+def _edge_kernels(spec, shard, embed_params, head_params):
+  """The head's kernels, the embedding's, and the fp32 logits alive at once per sequence."""
+  import numpy as np
+
+  e = np.dtype(spec.dtype).itemsize
+  pe = np.dtype(spec.param_dtype).itemsize
+  s, d, vocab = spec.seq_len, spec.d_model, shard.vocab_size
+  logits = s * vocab * 4
+  # model.loss_chunk: the cross-entropy's fp32 logits exist that many positions at a time.
+  live_logits = min(spec.loss_chunk or s, s) * vocab * 4
+  head_flops = 2.0 * s * d * vocab
+  head = (
+    Kernel('head gemm', head_flops, (s * d + s * vocab) * e, d * vocab * e),
+    Kernel('head dgrad+wgrad', 2 * head_flops, 2 * (s * d + s * vocab) * e, 3 * d * vocab * pe),
+    Kernel('cross-entropy', 0.0, _LOGIT_PASSES * logits),
+  )
+  # Gather rows forward; backward scatters the rows' gradients into the table's.
+  embed = (Kernel('embedding', 0.0, 3 * s * d * e, _nbytes(embed_params)),)
+  return head, embed, live_logits
+
+
+def _stash(spec, dense: _Dense, t: int, act: float, hidden_masks: float, core_kept: float):
+  """Bytes a sequence's layer keeps for its backward under each remat policy,
+  and those held whole on every tensor rank (sequence parallelism splits them)."""
+  whole = profile_lib.SEQUENCE_STASH
+  every = dense.every
+  # Without remat, a dense gated MLP (two of those weights) keeps its gate,
+  # its up and their product: one hidden-wide value more than
+  # _TENSOR_STASH's two. Over the entry's blocks, as every figure here.
+  gated = (dense.mlp_inputs // 2) * spec.d_ff / spec.d_model / every
+  # Held whole on every tensor rank: the norms' inputs and outputs, the hidden dropout masks.
+  sequence = act * whole['none'] + hidden_masks
+  # model.remat=attention (Megatron's selective recomputation) keeps all but
+  # the attention core's scores: Korthikanti et al.'s s h (10 + 24/t) with dropout.
+  attention_kept = sequence + act * (_TENSOR_STASH + gated) / t
+  # model.remat=dots (common.REMAT_POLICIES: every matmul output without
+  # batch dimensions saveable) keeps the layer's input, the attention's output
+  # projection (the second norm's input is recomputed from the two) and the
+  # outputs of the matmuls reading the normed stream: Q, K and V (GQA-sized),
+  # the MLP's gate and up (GPT's fc1), a MoE's router and shared experts; not
+  # a routed expert's grouped matmul (ragged_dot is no dot_general), the down
+  # projection (nothing reads it back) or dropout's masks (redrawn from their key).
+  import numpy as np
+
+  e = np.dtype(spec.dtype).itemsize
+  stash = {
+    'none': attention_kept + core_kept,
+    'attention': attention_kept,
+    'dots': act * whole['dots'] + spec.seq_len * dense.dots_kept * e / every,
+    # Full remat keeps an entry's input only: the group's blocks are recomputed together.
+    'full': act * whole['full'] / every,
+  }
+  return stash, sequence
 
 
 def _attention(s: int, heads: int, hd: int, e: int, fused: bool, dropout: bool):
