@@ -88,6 +88,8 @@ def defaults() -> ml_collections.ConfigDict:
   c.model.d_model = 128
   # Attention heads; must divide by mesh.tensor.
   c.model.num_heads = 4
+  # Width of each attention head; 0 = d_model / num_heads (Qwen3 widens it).
+  c.model.head_dim = 0
   # MLP hidden width; must divide by mesh.tensor.
   c.model.d_ff = 512
   # Vocabulary size; 256 for the byte-level corpus.
@@ -141,6 +143,8 @@ def defaults() -> ml_collections.ConfigDict:
   c.model.tie_embeddings = False
   # llama: biases on the q, k and v projections (Qwen2's and Qwen2-MoE's).
   c.model.qkv_bias = False
+  # llama: RMSNorm on each head's q and k before the rotation (Qwen3's and Qwen3-MoE's).
+  c.model.qk_norm = False
   # mixtral (llama's keys too): experts per MoE layer, each a SwiGLU of width d_ff.
   c.model.num_experts = 8
   # mixtral: experts each token runs (top-k of the router's softmax, renormalised: Mixtral's).
@@ -561,9 +565,11 @@ def _check_model(cfg) -> None:
   for key in ('num_layers', 'd_model', 'num_heads', 'd_ff', 'vocab_size', 'seq_len'):
     checks.positive_int(f'model.{key}', cfg.model[key])
   m = cfg.model
-  if m.d_model % m.num_heads:
+  checks.non_negative_int('model.head_dim', m.head_dim, zero='d_model / num_heads')
+  if not m.head_dim and m.d_model % m.num_heads:
     raise ConfigError(
-      'model.num_heads', f'must divide model.d_model={m.d_model}, got {m.num_heads}'
+      'model.num_heads',
+      f'must divide model.d_model={m.d_model}, got {m.num_heads}; or set model.head_dim',
     )
   check_tensor_split(m, cfg.mesh.tensor)
   chunk = m.loss_chunk
@@ -606,6 +612,11 @@ def _check_model(cfg) -> None:
     checks.one_of(f'model.{key}', m[key], choices)
 
 
+def head_dim(m) -> int:
+  """Each attention head's width of config.model `m` (model.head_dim, or d_model / num_heads)."""
+  return m.head_dim or m.d_model // m.num_heads
+
+
 def _check_attention(m, data) -> None:
   """What the attention kernel chosen accepts (cudnn's and splash's rules)."""
   if m.attention == 'cudnn' and data.mask_documents:
@@ -619,11 +630,9 @@ def _check_attention(m, data) -> None:
       raise ConfigError(
         'model.attention', f'cudnn needs model.dtype=bfloat16, got {m.dtype}; or use xla'
       )
-    if (m.d_model // m.num_heads) % 8:
+    if head_dim(m) % 8:
       raise ConfigError(
-        'model.attention',
-        f'cudnn needs head_dim = d_model/num_heads a multiple of 8, got '
-        f'{m.d_model // m.num_heads}; or use xla',
+        'model.attention', f'cudnn needs a head_dim multiple of 8, got {head_dim(m)}; or use xla'
       )
 
   _check_splash(m)

@@ -56,8 +56,9 @@ def recomputes_attention_core(remat: str) -> bool:
 class ModelSpec:
   """The hyper-parameters every family reads; a family subclasses it with its own.
 
-  Each field but `shard_head_dim` is the config key `model.<field>`, so a
+  Each field not marked otherwise is the config key `model.<field>`, so a
   family's config keys are its spec's fields (registry.py rejects the others).
+  `head_dim` 0 is resolved to d_model / num_heads on construction.
   """
 
   family: str
@@ -82,9 +83,9 @@ class ModelSpec:
   vocab_used: int = 0
   # With context > 1: allgather or ring (model/context.py).
   context_attention: str = 'allgather'
-  # Not a config key: a tensor shard (the planner's profiler) keeps the full
-  # model's head width, it has fewer heads, not thinner ones; 0 = d_model / heads.
-  shard_head_dim: int = dataclasses.field(default=0, metadata={'config': False})
+  # Width of each attention head; 0 = d_model / num_heads. Qwen3's and Gemma's
+  # are wider (heads x head_dim > d_model); a tensor shard keeps it (fewer heads).
+  head_dim: int = 0
   # Not a config key: the context ranks (mesh.context) the trainer splits the
   # sequence over; with more than one, its slots hold load-balanced positions
   # (context.positions) and attention meets the other ranks' keys.
@@ -104,7 +105,12 @@ class ModelSpec:
     'vocab_size',
     'seq_len',
     'param_dtype',
+    'head_dim',
   )
+
+  def __post_init__(self):
+    if not self.head_dim:
+      object.__setattr__(self, 'head_dim', self.d_model // self.num_heads)
 
   @classmethod
   def config_fields(cls) -> tuple[str, ...]:
@@ -118,10 +124,6 @@ class ModelSpec:
   def kv_heads(self) -> int:
     """Heads of K and V (what a K/V cache holds); a family with grouped-query attention has fewer."""
     return self.num_heads
-
-  @property
-  def head_dim(self) -> int:
-    return self.shard_head_dim or self.d_model // self.num_heads
 
   @property
   def layers_per_entry(self) -> int:
@@ -163,7 +165,6 @@ class ModelSpec:
       d_ff=self.d_ff // t,
       vocab_size=self.vocab_size // t,
       vocab_used=0,  # a shard's ids are not global ids; masking is elementwise, cost-free
-      shard_head_dim=self.head_dim,
     )
 
 
@@ -184,6 +185,12 @@ def rms_norm(x, scale, eps: float):
   reduce-scatters the gradient back), rather than gathering the stream
   before the norm and all-reducing the norm's gradient whole."""
   return constrain(_rms_norm(x, scale, eps), RESIDUAL)
+
+
+def head_norm(x, scale, eps: float):
+  """RMSNorm over the last axis of per-head values [..., head_dim] (Qwen3's
+  and Gemma 3's q/k norms), with `_rms_norm`'s lean backward."""
+  return _rms_norm(x, scale, eps)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))

@@ -1,7 +1,8 @@
 """The Llama family: RMSNorm, rotary position embeddings (with Llama 3's
 long-context scaling), grouped-query attention, a SwiGLU MLP, no biases
-(but Qwen2's optional q/k/v ones, model.qkv_bias), optionally tied input and
-output embeddings.
+(but Qwen2's optional q/k/v ones, model.qkv_bias), Qwen3's optional q/k
+norms (model.qk_norm, with its wider heads: model.head_dim), optionally tied
+input and output embeddings.
 
 Conventions follow transformers' LlamaForCausalLM so that a Hugging Face
 checkpoint maps onto this parameter tree by transposes and reshapes only:
@@ -12,7 +13,8 @@ checkpoint maps onto this parameter tree by transposes and reshapes only:
               'w_gate': [L, d, f], 'w_up': [L, d, f], 'w_down': [L, f, d]},
    'head': {'norm': [d], 'out': [d, V]}}          ('out' absent when tied)
 
-  (+ 'bq': [L, n, hd], 'bk', 'bv': [L, kv, hd] with model.qkv_bias)
+  (+ 'bq': [L, n, hd], 'bk', 'bv': [L, kv, hd] with model.qkv_bias;
+     'q_norm', 'k_norm': [L, hd] with model.qk_norm)
 
   wq[l] = q_proj.weight.T.reshape(d, n, hd), and so on: the head dimension
   is in HF's stored order, and rotary embeddings use HF's half-split
@@ -44,6 +46,7 @@ from triax.model.common import (
   DecoderModel,
   ModelSpec,
   causal_attention,
+  head_norm,
   matmul,
   param,
   project,
@@ -72,11 +75,13 @@ class LlamaSpec(ModelSpec):
   norm_eps: float = 1e-5
   tie_embeddings: bool = False
   qkv_bias: bool = False
+  qk_norm: bool = False
 
   SHAPE_KEYS: ClassVar[tuple[str, ...]] = ModelSpec.SHAPE_KEYS + (
     'num_kv_heads',
     'tie_embeddings',
     'qkv_bias',
+    'qk_norm',
   )
 
   @classmethod
@@ -182,6 +187,9 @@ class Block(nn.Module):
       bq = zeros('bq', (n, hd), ('heads', 'kv'))
       bk, bv = (zeros(name, (kv, hd), ('kv_heads', 'kv')) for name in ('bk', 'bv'))
       q, k, v = (t + b.astype(dt) for t, b in ((q, bq), (k, bk), (v, bv)))
+    if s.qk_norm:  # Qwen3's: each head's q and k RMS-normalised before the rotation
+      q_norm, k_norm = (param(self, name, (hd,), ('kv',), 0, pdt) for name in ('q_norm', 'k_norm'))
+      q, k = head_norm(q, q_norm, s.norm_eps), head_norm(k, k_norm, s.norm_eps)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     q = constrain(q, ('batch', 'seq', 'heads', 'kv'))
     k, v = (constrain(t, ('batch', 'seq', 'kv_heads', 'kv')) for t in (k, v))
@@ -292,16 +300,17 @@ def validate(model_cfg, mesh_cfg, rules: tuple) -> None:
     raise ConfigError(
       'model.num_kv_heads', f'{kv} must divide model.num_heads={m.num_heads} (query groups)'
     )
-  if (m.d_model // m.num_heads) % 2:
+  hd = m.head_dim or m.d_model // m.num_heads
+  if hd % 2:
     raise ConfigError(
-      'model.num_heads',
-      f'head_dim = d_model/num_heads = {m.d_model // m.num_heads} must be even (rotary pairs)',
+      'model.head_dim' if m.head_dim else 'model.num_heads',
+      f'head_dim {hd} must be even (rotary pairs)',
     )
   if not _positive_number(m.rope_theta):
     raise ConfigError('model.rope_theta', f'must be a positive number, got {m.rope_theta!r}')
   if not _positive_number(m.norm_eps):
     raise ConfigError('model.norm_eps', f'must be a positive number, got {m.norm_eps!r}')
-  check_flags(m, ('tie_embeddings', 'qkv_bias'))
+  check_flags(m, ('tie_embeddings', 'qkv_bias', 'qk_norm'))
   r = m.rope_scaling
   unknown = set(r) - {f.name for f in dataclasses.fields(RopeScaling)}
   if unknown:

@@ -37,8 +37,15 @@ FAMILIES: dict[str, str] = {'gpt': 'gpt', 'llama': 'llama', 'mixtral': 'mixtral'
 BEFORE_FAMILIES = 'gpt'
 # A checkpoint's model record (shape_record) written before one of these keys
 # existed lacks it and holds the model as it was then: no family (gpt), no
-# q/k/v biases, no gate on the shared experts.
-RECORD_DEFAULTS = {'family': BEFORE_FAMILIES, 'qkv_bias': False, 'shared_expert_gate': False}
+# q/k/v biases, no gate on the shared experts, heads d_model / num_heads wide
+# (recorded as 0, see `shape_record`), no q/k norms.
+RECORD_DEFAULTS = {
+  'family': BEFORE_FAMILIES,
+  'qkv_bias': False,
+  'shared_expert_gate': False,
+  'head_dim': 0,
+  'qk_norm': False,
+}
 
 
 def _family(name: str) -> ModuleType:
@@ -67,7 +74,10 @@ def build(spec: ModelSpec) -> DecoderModel:
 def shape_record(model_cfg) -> dict:
   """What a checkpoint's parameter shapes depend on: family and shape keys."""
   spec = spec_from_config(model_cfg)
-  return {k: getattr(spec, k) for k in type(spec).SHAPE_KEYS}
+  record = {k: getattr(spec, k) for k in type(spec).SHAPE_KEYS}
+  if record['head_dim'] == spec.d_model // spec.num_heads:
+    record['head_dim'] = 0  # the default, however given: as records before the key hold it
+  return record
 
 
 def _plain(value):
