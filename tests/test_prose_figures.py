@@ -1,9 +1,10 @@
-"""Prose that cannot drift: a README.md or WORKSPACE.md paragraph that names
+"""Prose that cannot drift: a README.md, WORKSPACE.md or docs/design/ paragraph that names
 a benchmark's doc (docs/bench_*.md, which a script writes) quotes only
 figures that doc holds. A figure is a decimal (12.6), a percentage (6.9%)
 or a ratio (1.07x); counts and sizes (8 devices, 2048 positions) are not
 checked. A paragraph is a block between blank lines, or one list item."""
 
+import glob
 import os
 import re
 
@@ -38,7 +39,12 @@ def unquoted(paragraph: str) -> list[str]:
   return [f for f in FIGURE.findall(paragraph) if f not in held and f.rstrip('x') not in held]
 
 
-@pytest.mark.parametrize('name', ['README.md', 'WORKSPACE.md'])
+DESIGN_NOTES = sorted(
+  os.path.relpath(path, ROOT) for path in glob.glob(os.path.join(ROOT, 'docs', 'design', '*.md'))
+)
+
+
+@pytest.mark.parametrize('name', ['README.md', 'WORKSPACE.md', *DESIGN_NOTES])
 def test_figures_quoted_beside_a_benchmark_doc_are_in_that_doc(name):
   with open(os.path.join(ROOT, name), encoding='utf-8') as f:
     text = f.read()

@@ -8,22 +8,12 @@
       [--verify=v5p:2x2x1|h100:8 [--verify_slices=N]] [--moe_imbalance=1.0]
       [--evaluate [--layout=d8,t8,p35,v3,m280]]
 
-A MoE model (model.family=mixtral) also gets its expert degree searched
-(mesh.expert, carved from data), priced with its all-to-alls and, under
---moe_imbalance, the busiest expert's device.
-
-Profiles the model on this machine (--profile=local) or prices it from its
-shapes and the spec's data sheets (--profile=analytic: any model, any
-cluster, in seconds), simulates candidate plans on the cluster and prints
-the best ones beside baselines. Where the device's memory leaves the named
-schedules bubble, a synthesised schedule competes too
-(plan/search/synthesized.py); a plan file that names one holds it and
-trains it as it is (--out). With --evaluate nothing is searched: the
-config's own layout, or --layout's, is priced on the cluster (step time,
-tokens/s, TFLOP/s and MFU per device, bubble, memory per device by part,
-and whether it fits: exit 3 when it does not; plan/evaluate.py).
-Bad input prints one `error: KEY: message` line and exits with 2.
-"""
+Profiles the model here (--profile=local) or prices it from its shapes and the spec's data
+sheets (--profile=analytic), simulates candidate plans on the cluster (a MoE model's
+expert degree too) and prints the best beside baselines; --out writes the best as a plan
+file. With --evaluate nothing is searched: one layout is priced (plan/evaluate.py), and
+the command exits 3 when it does not fit. Bad input prints one `error: KEY: message` line
+and exits with 2. How the search works: docs/design/planner_search.md."""
 
 import os
 import sys

@@ -13,29 +13,12 @@ r"""Show, time and plot a pipeline schedule without any devices.
   python -m triax schedule --synthesize --stages=4 --microbatches=8 \
       --memory_limit_mib=512 --config=experiments/gpt_tiny.py [--config.mesh.data=2]
 
---schedule_file reads torch's compute-only CSV or triax's JSON (see
-triax.pipeline.files) instead of building by name; the sizes come from the
-file, and any of --stages, --microbatches, --virtual_stages given must match.
-
---synthesize finds the least-makespan schedule with a split backward (B and
-W, as zb_h1) whose stages each hold at most --memory_limit residual sets
-(micro-batch-chunks, the unit of `peak_inflight`: micro-batches of a stage's
-activations when v = 1), under the costs given (t_backward and t_weight
-default to 1 each, ZB-H1's t_F = t_B = t_W); see triax.pipeline.synthesis.
-Exact (HiGHS) for p <= 4 and m <= 8, a heuristic above. Write it with
---write_json (or --write_csv) and train it with pipeline.schedule_file.
-
---memory_limit_mib gives the limit as the MiB of activations a stage may
-hold instead: K is how many residual sets fit, one set being one
-micro-batch (global_batch / (mesh.data x microbatches) sequences) of one
-chunk (num_layers / (stages x virtual_stages) layers, the largest if
-uneven), priced as `triax plan` prices a stash slot (plan/cost/memory.py's
-chunk_stash) from --config's model by the analytic profile (its shapes,
-tensor and context degrees, sequence parallelism and remat; nothing runs).
-The conversion is printed on stderr.
-
-Bad input prints one `error: <flag>: <message>` line and exits with 2.
-"""
+--schedule_file reads torch's CSV or triax's JSON (triax.pipeline.files); sizes given must
+match the file's. --synthesize finds the least-makespan split-backward schedule whose
+stages hold at most --memory_limit residual sets (triax.pipeline.synthesis); with
+--memory_limit_mib the limit is priced from --config's model (plan/search/synthesized.py's
+sets_within; the conversion is printed on stderr). Bad input prints one
+`error: <flag>: <message>` line and exits with 2. More: docs/design/schedules.md."""
 
 import inspect
 import sys

@@ -1,29 +1,19 @@
 """Deterministic, resumable global batches of next-token prediction windows, on grain.
 
-A split's tokens (a `TokenStream`: documents packed back to back, each
-ending in its end-of-document token) are cut into N non-overlapping windows
-of seq_len + 1 tokens (window k starts at token k * seq_len). Global sample
-g is window perm_e[g % N] of epoch e = g // N, where perm_e is grain's
-index shuffle (a Feistel permutation: O(1) memory, any index in O(1) time)
-seeded by the seed and the epoch, and step s holds samples s*B ... s*B+B-1.
-In grain's terms the order is `MapDataset.range(N).shuffle(seed).repeat()`,
-indexed at random by g; the rows of a step are read as grain `map`s of
-that dataset (a window read from a memory-mapped shard) and stacked.
+A split's tokens (a `TokenStream`: documents packed back to back) are cut into N
+non-overlapping windows of seq_len + 1 tokens (window k starts at token k * seq_len).
+Global sample g is window perm_e[g % N] of epoch e = g // N, perm_e being grain's index
+shuffle seeded by the seed and the epoch (`MapDataset.range(N).shuffle(seed).repeat()`,
+indexed at random by g); step s holds samples s*B ... s*B+B-1.
 
-A batch is therefore a pure function of the step: resuming needs only the
-step number, a checkpoint stores nothing else about the data, and each
-process reads only the rows its devices hold (`batch(step, rows=...)`;
-training.loop.global_batch asks for each device's block) without talking
-to the others. grain's own `batch` and iterators are not used: they produce
-whole consecutive batches per process, while a device's block is any row
-range of the global batch, whatever the mesh.
-
-A `Mixture` interleaves several sources by weight: in every block of
-MIXTURE_BLOCK global samples each source gets its share of slots (largest
-remainder), the slots shuffled by grain per block, so the proportions hold
-to 1/MIXTURE_BLOCK over every whole block and the order is a pure function
-of the sample index too.
-"""
+Invariants: a batch is a pure function of the step, so resuming needs only the step number
+and a checkpoint stores nothing else about the data; each process reads only the rows its
+devices hold (`batch(step, rows=...)`), any row range of the global batch, without talking
+to the others. A `Mixture` interleaves sources by weight: in every block of MIXTURE_BLOCK
+global samples each source gets its share of slots (largest remainder), shuffled per
+block, so the proportions hold to 1/MIXTURE_BLOCK over every whole block and the order is
+a pure function of the sample index too. Why not grain's own batching:
+docs/design/training.md."""
 
 from __future__ import annotations
 
@@ -43,8 +33,8 @@ MIXTURE_BLOCK = 1000
 def _shuffled_range(n: int, seed: int):
   """grain's `MapDataset.range(n).shuffle(seed).repeat()`: index g -> perm_{g // n}(g % n).
 
-  grain is imported here, not at the top: its import takes ~0.3 s, which only
-  a run that reads data should pay (not every entry point that imports the loop).
+  grain is imported here, not at the top: its import is slow, which only a run
+  that reads data should pay (not every entry point that imports the loop).
   """
   import grain
 

@@ -230,8 +230,7 @@ def matmul(equation: str, x, w, dtype, remat: str):
 
   Without remat the backward casts w again instead of keeping its cast: kept,
   the cast is a residual, a copy of the layer's weights in every micro-batch
-  a pipeline stashes (at the 1B shape, 116 of a layer's 276 MiB per
-  sequence) and in the layer scan's residuals. Under a layer's checkpoint it
+  a pipeline stashes and in the layer scan's residuals. Under a layer's checkpoint it
   is not kept anyway, and the einsum stays plain: a custom_vjp would hide its
   product from `dots`'s policy."""
   if layer_checkpointed(remat):
@@ -282,7 +281,7 @@ def project(h, weights, equation: str, dtype, remat: str):
   the input again for the weight gradient: 2sbh/t bytes, the paper's count.
   Not without SP (h is whole: nothing to save) nor under full remat (no
   layer keeps residuals past its own backward), where the extra remat
-  region only costs: 0.37 GiB more on llama_1b at t=4 under XLA:TPU."""
+  region only costs memory under XLA:TPU."""
 
   def run(h, *ws):
     return tuple(matmul(equation, h, w, dtype, remat) for w in ws)
@@ -315,7 +314,7 @@ def _swiglu_fwd(gate, up):
 
 def _swiglu_bwd(residuals, g):
   # In the activations' dtype, as autodiff's was: an fp32 [b, s, d_ff] cotangent
-  # would be a buffer of its own (XLA:TPU kept one, 0.25 GiB on llama_1b at t=4).
+  # would be a buffer of its own (XLA:TPU kept one).
   gate, up = residuals
   sig = jax.nn.sigmoid(gate)
   return g * up * sig * (1 + gate * (1 - sig)), g * gate * sig
@@ -377,8 +376,8 @@ def causal_attention(
   group = q.shape[2] // k.shape[2]
   repeat = lambda t: constrain(jnp.repeat(t, group, axis=2), ('batch', 'seq', 'heads', 'kv'))
   if decode is None and impl == 'splash':
-    # Imported here: Pallas's TPU modules take ~0.1 s to import, at every
-    # process start of a run that does not use them.
+    # Imported here: Pallas's TPU modules are slow to import, a cost every
+    # process start of a run that does not use them would pay.
     from triax.model import splash
 
     return splash.attention(q, repeat(k), repeat(v), segments, interpret=interpret)
@@ -420,8 +419,7 @@ def _per_layer(p: Params) -> Params:
   values: x == x is false for NaN, which would make the layer's output NaN
   anyway). Without it, XLA:TPU hoists the bf16 cast of every layer's weights
   out of the layer loop (and a pipeline's tick loop) and holds a bf16 copy of
-  the whole stack for the step (a 1B model's pipeline stage: 0.45 GiB)
-  instead of one layer's while it runs. The product fuses into the cast."""
+  the whole stack for the step instead of one layer's while it runs. The product fuses into the cast."""
   lead = jax.tree.leaves(p)[0].ravel()[0]
   one = (lead == lead).astype(lead.dtype)
   return jax.tree.map(lambda w: w * one.astype(w.dtype), p)

@@ -1,35 +1,23 @@
 """Context parallelism: a sequence split over the `context` mesh axis.
 
-The rules put the 'seq' logical axis on `context`, so every activation of a
-layer holds s/c positions per device. Causal attention is then uneven: the
-rank with the sequence's last positions attends to all earlier ones, the
-first rank to few. So the sequence is cut into 2c chunks and rank i holds
-chunks i and 2c-1-i (Megatron-Core's and Llama 3's load balancing): each
-rank has as many early as late queries. `positions(s, c)` is that order; the
-trainer permutes a batch's tokens, targets and document ids into it (the
-loss is a sum over positions, so it is unchanged), and the model reads each
-slot's true position from it: RoPE angles, learned position rows, and the
-causal mask, which compares positions, never slot indices.
+The rules put the 'seq' logical axis on `context`, so every activation of a layer holds
+s/c positions per device. The sequence is cut into 2c chunks and rank i holds chunks i and
+2c-1-i (Megatron-Core's and Llama 3's load balancing for causal attention):
+`positions(s, c)` is that order and `permute` applies it. The trainer permutes a batch's
+tokens, targets and document ids into it, and the model reads each slot's true position
+from it (RoPE angles, learned position rows, the causal mask: `bias` compares positions,
+never slot indices), so the loss is unchanged.
 
-Attention then meets the other ranks' keys in one of two ways
-(model.context_attention):
-  allgather  K and V gathered over `context` (GSPMD inserts the all-gather
-             when they are constrained whole along the sequence; its
-             transpose is a reduce-scatter of their gradients): each rank
+Attention meets the other ranks' keys one of two ways (model.context_attention):
+  allgather  `allgather_attention`: K and V gathered over `context` by GSPMD; each rank
              computes its own queries' rows of the [s/c, s] scores.
-  ring       K/V blocks passed around the ring with `ppermute`, c blocks per
-             rank, combined by an online softmax (flash attention's running
-             max and sum); the backward is flash attention's too, around the
-             ring (probabilities from the saved log-sum-exp, block by block,
-             the K/V gradients travelling with their blocks), so no [s/c, s]
-             scores exist in either pass.
-             Each block is scored KEY_TILE keys at a time, so one step's
-             fp32 scores are [b, n, s/c, KEY_TILE], whatever s/c is.
-             The next block's transfer is issued before this block's work
-             and depends on nothing it computes, so XLA can overlap them.
-             The blocks move by one of TRANSPORTS, which the trainer picks
-             for the devices (ModelSpec.ring_transport).
-"""
+  ring       `ring_attention`: K/V blocks passed around the ring, c per rank, combined
+             by an online softmax; the backward is flash attention's, around the ring.
+             No [s/c, s] scores exist in either pass: a step's fp32 scores are
+             [b, n, s/c, KEY_TILE]. The blocks move by one of TRANSPORTS, which the
+             trainer picks for the devices (ModelSpec.ring_transport).
+
+Why so: docs/design/models.md."""
 
 from __future__ import annotations
 

@@ -1,30 +1,17 @@
 """FLOPs of one optimizer step, model and hardware, and peak FLOP/s for MFU.
 
-Conventions (those of Megatron-LM, Narayanan et al. SC'21, and PaLM's MFU):
-  * A matmul of [m, k] by [k, n] is 2mkn FLOPs; norms, softmax, rotary and
-    activation functions are not counted (a few per element, against k per
-    element for a matmul). The embedding lookup is a gather: 0 FLOPs.
-  * Causal attention is counted over the full s x s score square, as
-    Megatron counts it (4 s^2 h per layer forward: Q K^T and the weighted
-    V), although a causal kernel can skip the upper half.
-  * The backward costs twice the forward, so training is 3x the forward.
-  * Model FLOPs count that and nothing else: recomputation is not useful
-    work, so MFU (model FLOPs / time / peak) does not depend on remat.
-    Hardware FLOPs add what remat recomputes: full recomputes each layer's
-    forward once more; dots the attention core (Q K^T and the weighted V:
-    its matmuls have batch dimensions, so the policy keeps neither);
-    attention its scores only, Q K^T (the backward needs the
-    probabilities, not their product with V, which the output projection
-    kept; counted so for the flash kernels and the ring too, which keep no
-    scores to recompute and recompute them in their own backward).
+Conventions (Megatron-LM's, Narayanan et al. SC'21, and PaLM's MFU):
+  * a matmul of [m, k] by [k, n] is 2mkn FLOPs; norms, softmax, rotary and activations are
+    not counted; the embedding lookup is 0 FLOPs;
+  * causal attention counts the full s x s score square (4 s^2 h per layer forward);
+  * the backward costs twice the forward, so training is three forwards;
+  * model FLOPs count only that, so MFU does not depend on remat; hardware FLOPs add what
+    remat recomputes (full: each layer's forward; dots: the attention core; attention:
+    Q K^T only).
 
-Each family's `forward_flops()` gives one sequence's forward from its own
-shapes (model/gpt.py, model/llama.py, model/mixtral.py: a mixture of
-experts counts the router and the experts a token runs, its active
-parameters, not the experts it skips). For GPT with d_ff = 4h this is
-72 B s l h^2 (1 + s/(6h) + V/(12 l h)), Megatron's eq. 3 without its
-recomputed forward (its 96 and V/16lh assume full recomputation).
-"""
+Each family's `forward_flops()` gives one sequence's forward from its own shapes (a mixture
+of experts counts its active parameters). Derivations and Megatron's eq. 3:
+docs/design/models.md."""
 
 from __future__ import annotations
 

@@ -1,37 +1,24 @@
-"""Hugging Face Llama, Qwen2, Mixtral and Qwen2-MoE checkpoints <-> the
-llama and mixtral families' parameters and config.
+"""Hugging Face Llama, Qwen2, Mixtral and Qwen2-MoE checkpoints <-> the llama and mixtral
+families' parameters and config.
 
-transformers' `LlamaForCausalLM` defines what a Llama checkpoint means: its
-config.json names the shapes, and its tensors (one `model.safetensors` or
-shards listed in `model.safetensors.index.json`) are PyTorch `Linear`
-weights, [out, in]. llama.py keeps the head dimension in HF's stored order
-and rotates with HF's half-split `rotate_half`, so a weight maps by a
-transpose and a reshape, and nothing is permuted (Meta's original
-checkpoints interleave rotary pairs; transformers' own conversion script
-permuted q/k to the half-split order once, so every HF checkpoint has it).
+transformers' `LlamaForCausalLM`, `Qwen2ForCausalLM`, `MixtralForCausalLM` and
+`Qwen2MoeForCausalLM` define what a checkpoint means: config.json names the shapes
+(`model_config`, `hf_config`), and its tensors (`model.safetensors`, or shards listed in
+`model.safetensors.index.json`: `read_tensors`, `write_tensors`) are PyTorch `Linear`
+weights, [out, in]. `params_from_hf` and `params_to_hf` map them onto our trees by
+transposes and reshapes only, nothing permuted: llama.py keeps the head dimension in HF's
+stored order and rotates with HF's half-split `rotate_half`.
 
-Mixtral (transformers' `MixtralForCausalLM`) is Llama's attention with a
-mixture of experts for each MLP, stored per expert as the Hub's checkpoints
-are: `block_sparse_moe.gate.weight` [E, d] (our 'router', transposed) and
-`block_sparse_moe.experts.{e}.w1/w3/w2.weight` (gate, up, down: our
-'w_gate'/'w_up'/'w_down' [E, ...], expert e's slice transposed).
-transformers 5 fuses them into 3-D tensors in memory and writes this layout
-back, so this is what every Mixtral checkpoint holds.
+Names: Mixtral's experts per expert as the Hub stores them
+(`block_sparse_moe.gate.weight` -> 'router', `experts.{e}.w1/w3/w2` -> 'w_gate'/'w_up'/
+'w_down'[e]); Qwen2's q/k/v biases -> 'bq', 'bk', 'bv' (model.qkv_bias); Qwen2-MoE's
+`mlp.gate`, `mlp.experts.{e}.*_proj`, `mlp.shared_expert.*_proj` and
+`mlp.shared_expert_gate` (model.shared_experts, model.shared_expert_gate,
+model.norm_topk_prob). Only Qwen2-MoE's released form converts: experts in every block
+(decoder_sparse_step 1, no mlp_only_layers).
 
-Qwen2 (`Qwen2ForCausalLM`) is a llama with q/k/v biases
-(`self_attn.{q,k,v}_proj.bias`: 'bq', 'bk', 'bv'; model.qkv_bias).
-Qwen2-MoE (`Qwen2MoeForCausalLM`) is a mixtral with the same biases,
-routing weights left unnormalised when its norm_topk_prob is false, and one
-shared expert of width shared_expert_intermediate_size (a multiple S of the experts' width:
-model.shared_experts = S) scaled by sigmoid(shared_expert_gate): under
-`mlp.`, `gate.weight` (the router), `experts.{e}.gate_proj/up_proj/down_proj`,
-`shared_expert.gate_proj/up_proj/down_proj` and `shared_expert_gate.weight`.
-Only its released form converts: experts in every block (decoder_sparse_step
-1, no mlp_only_layers).
-
-Everything here is numpy: the training room puts the arrays into a train
-state (training/hf_checkpoint.py).
-"""
+Everything here is numpy: training/hf_checkpoint.py puts the arrays into a train state.
+Why no permutation is needed: docs/design/models.md."""
 
 from __future__ import annotations
 

@@ -1,11 +1,10 @@
-"""The Llama family: RMSNorm, rotary position embeddings (with Llama 3's
-long-context scaling), grouped-query attention, a SwiGLU MLP, no biases
-(but Qwen2's optional q/k/v ones, model.qkv_bias), Qwen3's optional q/k
-norms (model.qk_norm, with its wider heads: model.head_dim), optionally tied
-input and output embeddings.
+"""The Llama family: RMSNorm, rotary position embeddings (with Llama 3's long-context
+scaling), grouped-query attention, a SwiGLU MLP, no biases (but Qwen2's optional q/k/v
+ones, model.qkv_bias), Qwen3's optional q/k norms (model.qk_norm, with its wider heads:
+model.head_dim), optionally tied input and output embeddings.
 
-Conventions follow transformers' LlamaForCausalLM so that a Hugging Face
-checkpoint maps onto this parameter tree by transposes and reshapes only:
+Conventions follow transformers' LlamaForCausalLM, so that a Hugging Face checkpoint maps
+onto this parameter tree by transposes and reshapes only (model/hf_llama.py):
 
   {'embed': {'tokens': [V, d]},
    'layers': {'attn_norm': [L, d], 'wq': [L, d, n, hd], 'wk': [L, d, kv, hd],
@@ -16,17 +15,10 @@ checkpoint maps onto this parameter tree by transposes and reshapes only:
   (+ 'bq': [L, n, hd], 'bk', 'bv': [L, kv, hd] with model.qkv_bias;
      'q_norm', 'k_norm': [L, hd] with model.qk_norm)
 
-  wq[l] = q_proj.weight.T.reshape(d, n, hd), and so on: the head dimension
-  is in HF's stored order, and rotary embeddings use HF's half-split
-  `rotate_half` (dimension i pairs with i + hd/2), which is what that order
-  means. (Meta's original checkpoints interleave pairs; HF's conversion
-  permuted q/k to the half-split order, so nothing is permuted here.)
-
-Tensor parallelism (Megatron's, by logical axes): query heads split over
-`tensor` ('heads'); K/V heads ('kv_heads') split too when there are at
-least as many as tensor ranks, else replicated (each rank computes all K/V
-heads and uses its queries' groups), decided in `validate` by the rules.
-"""
+The head dimension is in HF's stored order and rotary embeddings use HF's half-split
+`rotate_half` (dimension i pairs with i + hd/2). Query heads split over `tensor`
+('heads'); K/V heads ('kv_heads') split too when there are at least as many as tensor
+ranks, else are replicated. Why: docs/design/models.md."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""The Mixtral family: Llama's block (RMSNorm, RoPE, grouped-query attention)
-with a mixture of SwiGLU experts for its MLP (model/moe.py routes and
-dispatches), optionally beside always-on shared experts (DeepSeek's, Qwen's).
+"""The Mixtral family: Llama's block (RMSNorm, RoPE, grouped-query attention) with a mixture
+of SwiGLU experts for its MLP (model/moe.py routes and dispatches), optionally beside
+always-on shared experts (DeepSeek's, Qwen's).
 
 Parameter tree: llama.py's, the MLP's weights replaced by
 
@@ -9,36 +9,15 @@ Parameter tree: llama.py's, the MLP's weights replaced by
   'shared_down': [L, S*f, d] with S = model.shared_experts, and
   'shared_expert_gate': [L, d, 1] with model.shared_expert_gate)
 
-so that transformers' MixtralForCausalLM maps onto it by transposes
-(model/hf_llama.py): router = gate.weight.T, w_gate[e] = experts.e.w1.T,
-w_up[e] = w3.T, w_down[e] = w2.T; Qwen2MoeForCausalLM too, with q/k/v
-biases (model.qkv_bias), a gated shared expert and its routing weights left
-unnormalised (model.norm_topk_prob=false). The experts' leading axis has the
-logical name 'experts': whole on every device, or with mesh.expert > 1 split over the
-`expert` axis carved from data (validate writes the rules; moe.py's
-all-to-alls move the tokens); each expert's hidden units are split over
-`tensor` as Llama's MLP is.
+so that transformers' Mixtral and Qwen2-MoE checkpoints map onto it by transposes
+(model/hf_llama.py). The experts' leading axis has the logical name 'experts'.
 
-Training minimises the mean cross-entropy plus router_aux_loss_coef times
-the load-balancing loss and router_z_loss_coef times the z-loss (`objective`),
-and logs those and the expert load beside it. `loss` (evaluation) is the
-cross-entropy alone. The load-balancing loss balances over
-model.router_aux_loss_scope: `batch`, every layer's rows of the whole batch
-at once (transformers'); or `microbatch`, each layer over each micro-batch,
-averaged (Megatron's). Only the second runs under the pipeline executor: a
-stage sees its own layers of one micro-batch, and each MoE layer adds its
-share's gradient itself (`stage_chunk`, moe.with_gradient_of). The z-loss is
-a mean over rows either way, the same under both.
-
-With model.moe_every = n > 1 only every n-th block is a MoE (Qwen2-MoE's
-decoder_sparse_step: block i when (i + 1) % n == 0), the others Llama's
-dense blocks of width d_ff. One entry of the layer stack is then a `Group`
-of n blocks, {'dense_0': ..., 'dense_{n-2}': ..., 'moe': ...} stacked on
-the 'layers' axis [L/n, ...]: the scan stays one of identical entries, and
-the pipeline cuts chunks at group boundaries (layer counts multiples of n).
-Remat applies to an entry: under full remat a group's n blocks are
-recomputed together, so the backward holds n blocks' activations at once.
-"""
+Training minimises cross-entropy plus router_aux_loss_coef x the load-balancing loss and
+router_z_loss_coef x the z-loss (`objective`); `loss` is the cross-entropy alone. Only
+model.router_aux_loss_scope='microbatch' runs under the pipeline executor. With
+model.moe_every = n > 1 one entry of the layer stack is a `Group` of n blocks
+({'dense_0', ..., 'moe'}, stacked [L/n, ...]), pipeline chunks are cut at group boundaries
+and remat applies to a whole entry. The reasoning: docs/design/moe.md."""
 
 from __future__ import annotations
 

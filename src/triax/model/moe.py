@@ -1,38 +1,23 @@
 """Mixture-of-experts routing and dispatch (mixtral.py's MLP), and the router's losses.
 
-Routing is Mixtral's: softmax over the router's logits (fp32), the top k
-experts, their k probabilities renormalised to sum to one.
+Routing is Mixtral's: softmax over the router's fp32 logits, the top k experts, their k
+probabilities renormalised to sum to one (unless model.norm_topk_prob is false).
 
 Dispatch, two ways:
-  dropless  (MaxText's and Megatron's grouped GEMM) each device sorts its own
-            tokens' (token, slot) assignments by expert and runs one
-            `jax.lax.ragged_dot` per expert weight over the groups; nothing
-            is dropped or padded. Under a `shard_map` over the automatic
-            mesh axes: a sort over a batch split over `data` would otherwise
-            be a global sort, every device computing every token. The
-            experts' hidden units are split over `tensor` as Llama's MLP
-            (Megatron): the down projection's partial sums meet in one psum.
-  capacity  (Switch / GShard) each batch row is one group; expert e takes at
-            most C = ceil(capacity_factor * s * k / E) of the row's
-            assignments, first slot 0 of every token in order, then slot 1,
-            ...; the rest are dropped (their share of the output is 0) and
-            counted. Dense einsums over [E, C] buffers, left to GSPMD.
+  dropless  each device sorts its own tokens' assignments by expert and runs one
+            `jax.lax.ragged_dot` per expert weight (inside a `shard_map` over the
+            automatic axes); nothing is dropped or padded.
+  capacity  each batch row is one group; expert e takes at most
+            C = ceil(capacity_factor * s * k / E) of the row's assignments, slot 0 of
+            every token first; the rest are dropped (output 0) and counted.
 
-Expert parallelism (mesh.expert > 1, carved from the data-parallel devices:
-mesh.build_mesh): each device holds E/ep experts (the logical 'experts' axis
-over the `expert` mesh axis) and its own rows of the batch (over data x
-expert). Inside the same shard_map, dropless sends each assignment to its
-expert's device and the result back (`_dropless_exchanged`: two all-to-alls
-over `expert`, fixed-size buffers with room for every assignment, so still
-nothing dropped); capacity sends each row's [E, C] buffers the GShard way.
-Tensor parallelism of each expert composes (the psum over `tensor` as above).
-
-Statistics each MoE layer reports (`LayerStats`, summed over its tokens) make
-the losses of the whole model: transformers' `load_balancing_loss_func`
-(Switch's, over every layer's rows at once: E * sum_e f_e P_e, f_e the share
-of assignments to expert e, P_e its mean probability) and ST-MoE's router
-z-loss (the mean of logsumexp(logits)^2).
-"""
+Expert parallelism (mesh.expert > 1, carved from data): each device holds E/ep experts;
+dropless exchanges assignments by two all-to-alls over `expert` with fixed buffers with
+room for every assignment (still nothing dropped), capacity each row's [E, C] buffers.
+Each expert's hidden units split over `tensor` as Llama's MLP, one psum after the down
+projection. Each layer reports `LayerStats`, from which the model's load-balancing loss
+(Switch's E * sum_e f_e P_e) and router z-loss (ST-MoE's) are made.
+The reasoning: docs/design/moe.md."""
 
 from __future__ import annotations
 

@@ -1,81 +1,25 @@
-"""Runs a lowered pipeline schedule as one SPMD program.
+"""Runs a lowered pipeline schedule as one SPMD program: `pipeline_loss_and_grad`.
 
-`shard_map` is manual over `pipe`, and over `data` when the trainer asks
-(`data_axis`); `tensor` stays automatic (GSPMD) inside each stage. A
-`lax.scan` walks the program's ticks (see lower.py). In each tick every
-device reads its own row of the tables and runs one `lax.cond` per kind
-(F, B, W), each taken only on the ticks of its kind, so idle slots execute
-nothing:
+`shard_map` is manual over `pipe`, and over `data` when the trainer asks (`data_axis`);
+`tensor` stays automatic (GSPMD) inside each stage. A `lax.scan` walks the program's ticks
+(lower.py); each tick every device reads its own row of the tables and runs one `lax.cond`
+per kind (F, B, W, and a fused tick's B W F), so an idle slot executes nothing. A tick's
+outputs travel by one `ppermute` per stage offset the placement uses, into the slot the
+receiver's table names; BPipe's residual moves open the tick in one more ppermute; a packed
+program (rounds.py) sends only after each round's last tick.
 
-  F  forward of (micro-batch, chunk). `jax.vjp` gives the chunk's output and
-     a residual pytree; its array leaves go into a slot of the stash. On the
-     last chunk the loss and its gradient are computed at once (so the
-     head's residuals are never stashed) and the gradient is put in the
-     message pool for the B.
-  B  the input gradient: the residuals are read back from their slot and
-     the B half of the chunk's backward (split_backward.py) runs on the
-     arriving gradient; its cut (the cotangents the weight gradients need)
-     goes into a cut slot.
-  W  the weight gradient: the W half runs on the same residuals and the cut
-     and accumulates the chunk's weight gradients. B and W together execute
-     the fused backward's equations once each.
+Invariants:
+- stash, message and cut pools have the slots the lowering assigns, so activation memory
+  is bounded by the schedule, not by the number of micro-batches;
+- B and W together execute the fused backward's equations once each (split_backward.py);
+- with `data` manual, weight gradients accumulate unreduced and are summed over `data`
+  once per step, after the scan;
+- with `offload_stash` the stash pool lives in host memory: an F's residual set is copied
+  out at the end of its tick and copied back at the start of its B's and W's, at the
+  tick's top level (not inside a `cond`), so the device holds about two sets.
 
-The tick's output (an F's activation or a B's input gradient) is then sent
-by one `ppermute` per stage offset the placement uses (+1 for a forward
-chain around the ring, -1 for a backward one; a chunk whose neighbour is on
-its own stage keeps it locally) and written into the message slot the
-receiver's table names. BPipe's evictions and loads move whole residual
-sets between partner stages (s <-> p-1-s) in one more ppermute, which opens
-the tick (see `move`).
-
-A fused tick (`lower`'s fuse_overlaps, DualPipeV's overlapped pairs) is a
-fourth cond, taken instead of F's: its branch runs one micro-batch's B and
-W, the cut passed straight from one to the other, then another's F, so
-that both sit in one computation, where XLA may run one's collectives (a
-MoE layer's all-to-alls) under the other's compute; its two outputs travel
-in one ppermute per offset.
-
-A packed program (rounds.py: a backward that reruns the forward, twice an
-F's or a W's work) groups ticks into rounds whose ticks run no collective:
-a device that finishes its part of a round early goes on. An output for
-another stage waits in a slot of its sender's message pool for the send
-after the round's last tick, one ppermute per offset its messages use,
-each under a cond every device takes alike.
-
-The two ends' weight gradients (embedding, head: `edges`) are made in the
-loop, into one accumulator carried through it, or after it
-(`edge_grads_after_loop`): the loop then keeps the last chunk's outputs and
-the first chunk's input gradients, one per micro-batch, and each stage
-makes 1/p of the micro-batches' edge gradients once it ends
-(`_Stage.edge_gradients`). A 128k vocabulary's fp32 table is 1 GiB at
-d = 2048, carried by every stage; the micro-batches' activations are
-usually far less.
-
-With `offload_stash` the stash pool lives in host memory, as PipeOffload
-offloads it: an F's residual set is copied out at the end of its tick and
-a B's or W's is copied back at the start of theirs, so the device holds
-about two sets, not the pool. The pool is made by broadcasting a
-host value, which XLA:TPU turns into a host allocation; zeros made on the
-device and copied out would hold the whole pool on the device first. The
-copies run at the tick's top level: written or read inside a `cond`, XLA
-kept the pool on the device.
-
-Stash, message and cut pools have as many slots as the lowering says, so
-activation memory is bounded by the schedule, not by the number of
-micro-batches. Residual leaves that are the chunk's own weights (forwarded
-by JAX, not copies) are not stashed: they are re-sliced from the
-parameters at the backward.
-
-Data parallelism: with `data` manual, each replica's weight gradients
-accumulate unreduced over the step's micro-batches and are summed over
-`data` once, after the scan (the papers' and Megatron's one all-reduce per
-step). Left automatic, GSPMD would all-reduce every micro-batch's
-contribution inside its backward, m times per step: the accumulator is
-replicated over `data`, so each addition to it must be.
-
-The executor does not import the model: it receives the three functions it
-places (`StageFns`) and the lowered `Program`.
-"""
+The executor does not import the model: it receives the functions it places (`StageFns`)
+and the lowered `Program`. Why it is built so: docs/design/executor.md."""
 
 from __future__ import annotations
 
@@ -700,7 +644,7 @@ class _Stage:
       c = jax.lax.cond(row['any_move'] > 0, self.move, lambda c, row: c, c, row)
     # One cond per kind rather than one switch over all four: a switch whose
     # branches write (F) and read (B, W) the stash made XLA copy the whole
-    # pool (measured: 1f1b p=4 temp 132 MB -> see tests/test_pipeline_memory.py).
+    # pool (tests/test_pipeline_memory.py bounds the temporaries).
     kind = row['kind']
     offload = bool(self.host_stash.host)
     if offload:
@@ -723,7 +667,7 @@ class _Stage:
       outs['recv'] = jnp.where(fused, y, outs['recv'])
       # The fused F's set is written here, not in the branch that reads the
       # B's: a branch that reads and writes the pool made XLA copy it whole
-      # (bench_moe's DualPipeV at pipe 4: 116.9 MiB of temp against 75.6).
+      # (seen in scripts/bench_moe.py's DualPipeV at pipe 4).
       # A tick without one writes past the pool, which drops it.
       slot = jnp.where(fused, row['stash'], self.setup.program.slots['stash'])
       c['stash'] = [
@@ -969,11 +913,10 @@ class _Stage:
       self.stashed_residuals(c, row), cut, acc=(c['g_stage'], row['local'])
     )
     if self.setup.program.slots['cut'] == 1:
-      # The one-slot pool handed back through W, ordered after it: libtpu
-      # 0.0.52 otherwise keeps a copy of the set for the loop's carry beside
-      # the one W reads (8B TP 4 x PP 2: 9.27 -> 7.22 GiB of temp). Not for a
-      # pool of several slots, whose W reads a slice: there it made libtpu
-      # 0.0.42's zb_h1 step larger (PP 4 temp 7.88 -> 11.63 GiB).
+      # The one-slot pool handed back through W, ordered after it: XLA:TPU
+      # otherwise keeps a copy of the set for the loop's carry beside the one
+      # W reads. Not for a pool of several slots, whose W reads a slice:
+      # there it made XLA:TPU's zb_h1 step larger.
       g_stage, pool = jax.lax.optimization_barrier((g_stage, c['cut']))
       c = dict(c, cut=pool)
     return dict(c, g_stage=g_stage), self.x_zero
@@ -985,16 +928,15 @@ class _Stage:
     every device evaluates alike, so all of them enter the branch and its
     ppermute together (a stage with nothing to move sends a slot it does
     not need and the receiver keeps nothing). A predicate that differed
-    between devices made XLA:CPU (jax 0.10.2) mix this ppermute's
+    between devices made XLA:CPU mix this ppermute's
     rendezvous up with the tick's others (NaN gradients, or a check
     failure counting 5 participants of 4).
 
     It opens the tick, before F, B and W, so the slice it sends is the
     step's only read of the stash before a write, and that write depends
     on it. Run after B and W, whose reads nothing orders before a later
-    write, landing in the same step made XLA copy the whole pool (BPipe
-    at p=8: 74.9 MB of temp), and landing in the next step kept a landing
-    set between steps (44.2 MB; opening the tick, 42.9).
+    write, landing in the same step made XLA copy the whole pool, and
+    landing in the next step kept a landing set between steps.
     """
     with jax.named_scope(MARK_MOVE):
       partner = self.setup.program.partner

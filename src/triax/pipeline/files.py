@@ -1,41 +1,22 @@
 """Schedules read from and written to files: torch's CSV and triax's JSON.
 
-torch.distributed.pipelining's compute-only CSV is what its schedules'
-`_dump_csv(path, 'compute_only')` writes and `_load_csv` reads: no header;
-row r is rank r's actions (our stage r), one cell per time step, written by
-Python's csv module (comma-separated, CRLF line ends, rows of any length).
-A cell is `{stage}{kind}{microbatch}`, where torch's stage is our global
-chunk: `5F2` is chunk 5's forward of micro-batch 2. Kinds: F forward, B
-full backward, I input-gradient backward, W weight gradient. A blank cell
-is an idle step; only each row's order counts here, not where its idle
-cells are. A file with no I or W is a fused schedule (B our fused
-backward); one with I and W is split, I read as our B, W as our W, and a B
-there (torch's full backward, which its DualPipeV mixes with I and W) as
-our B with its W right after it (`Schedule.full_backwards`). A cell
-`(0F3;7B1)OVERLAP_F_B` (DualPipeV) is a forward and a backward torch runs
-as one overlapped action: read as the two, consecutive in the row, and
-marked as a pair (`Schedule.overlaps`) so that it is written back as one
-cell. torch's FSDP and gradient reduction markers (UNSHARD, RESHARD,
-REDUCE_GRAD; its single-stage schedules end each rank with one) say
-nothing about the order and are skipped; send/receive cells belong to
-torch's other, compute+comms format. The placement is read off the rows:
-chunk c is on the row that runs it. torch has no recompute action, and
-neither do these files: under activation checkpointing the forward is
-rerun inside B, as torch runs it, and where that makes B cost two forwards
-the lockstep program packs its ticks (pipeline/rounds.py), not the file; a
-cell of kind R or RECOMPUTE is refused with that said.
+`load(path, stages, microbatches, virtual_stages)` reads `.csv` (torch.distributed.
+pipelining's compute-only CSV, as its `_dump_csv(path, 'compute_only')` writes it) or
+`.json` (triax's: a Schedule field for field, orders as Action strings such as `F3.1`,
+`EVICT3.1`); `write_csv` and `write_json` write them. JSON round-trips any schedule exactly
+(BPipe's copies and partners, DualPipeV's overlapped pairs included); CSV holds what
+torch's cells can say.
 
-triax's JSON holds a Schedule field for field, orders as Action strings
-(`F3.1`, `EVICT3.1`), so any schedule, BPipe's copies and partners and
-DualPipeV's overlapped pairs included, round-trips exactly.
+A CSV has no header; row r is stage r's order, one cell `{chunk}{kind}{microbatch}` per
+time step (`5F2`: global chunk 5's forward of micro-batch 2), kinds F, B, I, W; blank
+cells are idle and only the order counts. With I and W, I reads as our B and a B as our B
+with its W right after it (`Schedule.full_backwards`); `(0F3;7B1)OVERLAP_F_B` is an
+overlapped pair (`Schedule.overlaps`). torch's UNSHARD, RESHARD and REDUCE_GRAD markers
+are skipped; R / RECOMPUTE cells are refused. The placement is read off the rows.
 
-Errors name the file, row and cell (both counted from 0, like torch's ranks
-and steps; in JSON, row r cell c is orders[r][c]) and say what to do. A file
-whose orders deadlock is caught by lowering it, and the rest of what makes a
-schedule sound by `validate.validate`.
-
-Plain Python, like the IR.
-"""
+Errors are ConfigErrors that name the file, row and cell (both from 0; in JSON, orders[r][c])
+and say what to do. A deadlocking order is caught by lowering it, the rest by
+`validate.validate`. Plain Python. The format's details: docs/design/schedules.md."""
 
 from __future__ import annotations
 

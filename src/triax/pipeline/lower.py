@@ -1,40 +1,21 @@
-"""Lowers a schedule to the lockstep program the executor runs.
+"""Lowers a schedule to the lockstep program the executor runs: `lower` -> `Program`.
 
-The executor advances every stage in lockstep ticks. In one tick each stage
-runs at most one compute action of its order, in the order's sequence:
+In one tick each stage runs at most one compute action of its order, in the order's
+sequence, in four phases: land (BPipe: a residual set that arrived last tick is written
+into its stash slot), compute (one F, B or W; a fused backward is run split, B then W:
+`ir.with_split_backward`), send (the output goes to the stage holding the neighbouring
+chunk: one ppermute per stage offset the placement uses, plus BPipe's partner ppermute)
+and receive (arrivals are written into their assigned slots). With `fuse_overlaps` an
+overlapped pair runs in one tick with its B's W; with unequal `units` (full
+recomputation) ticks are packed into rounds (rounds.py).
 
-  land      (BPipe) the residual set that arrived at the end of the last
-            tick is written into its stash slot;
-  compute   one F, B or W; every compute action costs about one forward,
-            because a fused backward (B without W, as in gpipe, 1f1b,
-            interleaved_1f1b, bpipe) is run split: B computes the input
-            gradient and W, in the next action of the stage's order, the
-            weight gradients (`ir.with_split_backward`, and
-            `split_backward.py` for how one backward program is cut in two
-            without doing any work twice);
-  send      the action's output (an F's activation or a B's input gradient)
-            goes to the stage holding the neighbouring chunk: one ppermute
-            per stage offset the placement uses (+1 and -1 around the ring,
-            or none when the chunk stays on its stage), plus BPipe's
-            evict/load ppermute over partner pairs;
-  receive   arrivals are written into the buffer slots assigned below.
-
-With `fuse_overlaps` an overlapped pair (DualPipeV's) runs in one tick with
-its B's W: B, W, then F, all in the compute phase, both outputs sent. With
-`units` in which B costs more than F and W (full recomputation), ticks are
-packed into rounds that send only where messages cross (rounds.py).
-
-An action runs in the first tick after everything it needs has arrived, so
-the lockstep program is the asynchronous schedule with unit costs: its
-ticks, peak in-flight micro-batches and bubble are the papers' (1F1B stage
-s holds p-s; ZB-H1 takes 3m+p-1 ticks). Every value that waits (an arriving
-activation or gradient, a loss gradient, a stashed residual set, a B's cut
-for its W) gets a buffer slot by interval colouring, so buffers are as
-small as the schedule allows. Activations and gradients have one shape and
-share one message pool.
-
-Plain Python and numpy: the planner and the CLI use this without devices.
-"""
+Invariants: an action runs in the first tick after everything it needs has arrived, so
+the lockstep program is the asynchronous schedule with unit costs (its ticks, peak
+in-flight micro-batches and bubble are the papers'); every value that waits (activation,
+gradient, loss gradient, residual set, cut) gets a buffer slot by interval colouring, so
+buffers are as small as the schedule allows; activations and gradients share one message
+pool. A deadlocking order raises a ConfigError that shows the grid.
+Plain Python and numpy: no devices needed. Design: docs/design/executor.md."""
 
 from __future__ import annotations
 
@@ -95,9 +76,7 @@ LANE2 = TABLES[-5:]
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Program:
-  """A schedule lowered to lockstep ticks, with buffer slots assigned.
-
-  `eq=False` because numpy arrays have no single truth value; compare fields.
+  """A schedule lowered to lockstep ticks, with buffer slots assigned (`eq=False`: arrays).
 
   Attributes:
     schedule: the schedule as run: the built one with every fused B split
@@ -108,36 +87,27 @@ class Program:
       action, or a fused tick's F, B and W; then the copies it sends at the
       tick's start).
     table: name -> int32 [T, p]: `kind` (IDLE, RUN_F, RUN_B, RUN_W), `mb`,
-      `chunk` (global), `local` (the chunk's index on its stage), `src`
-      (message slot read: an F's input activation, -1 for chunk 0, which
-      embeds; a B's output gradient), `loss` (message slot the last chunk's
-      F writes its loss gradient to), `stash` (residual slot F writes, B and
-      W read, W frees), `cut` (slot B writes its cut to, W reads),
-      `move_send` (stash slot sent to the partner this tick), `move_recv`
-      (stash slot the set arriving from the partner lands in). Both at the
-      tick's start, before its compute. A fused tick's B (its W implied)
-      is in `mb2`, `chunk2`, `local2`, `src2` and `stash2` (`LANE2`); its
-      F in the others, kind RUN_F.
+      `chunk` (global), `local` (its index on the stage), `src` (message
+      slot read; -1 for chunk 0's F, which embeds), `loss` (slot the last
+      chunk's F writes its loss gradient to), `stash` (F writes, B and W
+      read, W frees), `cut` (B writes, W reads), `move_send` / `move_recv`
+      (BPipe's stash slots sent and landed at the tick's start). A fused
+      tick's B is in `mb2`, `chunk2`, `local2`, `src2`, `stash2` (`LANE2`).
     recv: stage offset o -> int32 [T, p]: message slot where the output
-      sent by stage (s - o) mod p this tick lands on stage s; -1 none.
-      Offset 0 is a stage's own output (a chunk whose successor is on the
-      same stage), which needs no collective.
+      sent by stage (s - o) mod p this tick lands on stage s; -1 none
+      (offset 0: a stage's own output, no collective).
     slots: buffer -> entries the executor allocates (max over stages, >= 1):
       'msg' (activations and gradients), 'stash', 'cut'.
     peaks: buffer -> per stage, the most slots in use at once.
     partner: the partner pairing for residual moves, or None.
     recv2: like `recv`, for the input gradient a fused tick's B sends
       (empty without fused ticks).
-    rounds: a packed program's rounds (rounds.py): the first tick of
-      each; () for the papers' lowering, where every tick is a round of
-      its own and sends at its end. In a packed program an output for
-      another stage waits in a message slot of its own stage (the `pend`
-      table, at the tick that makes it) until the send after its round's
-      last tick (in `sends`) carries it (`outbox`) and lands it
-      (`recv[o]`, at that tick).
+    rounds: a packed program's rounds (rounds.py), the first tick of each;
+      () for the papers' lowering (every tick a round that sends at its end).
     sends: a packed program's ticks that end with a send phase.
     outbox: a packed program's stage offset o -> int32 [T, p]: the message
-      slot whose output stage s sends over offset o at tick t; -1 none.
+      slot (written at the tick in the `pend` table) whose output stage s
+      sends over offset o at tick t; -1 none.
     units: what the packing took each action to cost (None: not packed).
     packing: while the lowering compares packings, the one a program's
       grid came from (None in every program it returns).

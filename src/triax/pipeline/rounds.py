@@ -1,45 +1,21 @@
 """Rounds: lockstep ticks packed where a model's actions cost unequal amounts.
 
-The papers' lockstep program (lower.py) runs one compute action per stage
-per tick, and every tick ends with a send phase that all stages wait for.
-That is as fast as the asynchronous schedule only when F, B and W cost
-about the same. Under full recomputation B reruns the chunk's forward
-before its input gradient, so it costs two forwards, and every tick where
-one stage runs B while its neighbour runs F or W waits the difference:
-Megatron's 530B layout would run 1.4x slower than its asynchronous
-schedule (docs/bench_megatron_table1.md).
+A packed program groups ticks into rounds. A round gives each stage a run of consecutive
+actions from its order whose costs (`TickUnits`, in forwards) add up to at most the
+round's length; the stages meet only at the round's send, so a stage that finishes early
+goes on to its next tick.
 
-A packed program groups ticks into rounds. A round gives each stage a run
-of consecutive actions from its order whose costs (`TickUnits`, in
-forwards) add up to at most the round's length, so one stage's B lasts as
-long as its neighbour's W and F; the stages meet only at the round's send:
-no collective runs inside a round, so a stage that finishes early goes on
-to its next tick. Every action still has a tick of its own (a round of K
-ticks: a stage's k-th action of the round runs in its k-th tick), so
-tables, slots, validator and executor keep one action per stage per
-tick. An output for another stage waits in a slot of its sender's message
-pool (at most one per stage offset a round) until the round's send after
-its last tick, one ppermute per offset its messages use; it can be read in
-the next round. Messages between a stage's own chunks, a stage's stash and
-its cuts never wait for a send.
+Invariants: every action still has a tick of its own (a stage's k-th action of the round
+runs in the round's k-th tick), so tables, slots, validator and executor keep one action
+per stage per tick; no collective runs inside a round; an output for another stage waits
+in a slot of its sender's message pool (at most one per stage offset a round) until the
+send after the round's last tick and is readable in the next round; messages between a
+stage's own chunks, its stash and its cuts never wait for a send.
 
-A send could also run under the next round's compute, hiding it where the
-schedule leaves slack (interleaving): the time model priced that within 3%
-of the asynchronous schedule on Table 1's 530B layout, against 5% after.
-XLA:GPU (jax 0.10.2's plugin, default flags) runs one async collective at
-a time, so a round whose layers all-reduce over `tensor` leaves no room
-for the ppermute beside it, and without them it hides one offset's of two:
-not built (measured by compiling the executor for h100:8).
-
-How a round's length is chosen (`RULES`): `longest`, the longest first
-action any stage can run (the others fill up to it); `fill`, of the lengths
-the stages' ready runs can fill, the one that leaves the least of the
-round idle. `lower.lower` packs with each rule in each mode and keeps the
-program the lockstep time model (simulate.py) times fastest at the design
-costs (`TickUnits`, with a message costing `MESSAGE_UNITS`).
-
-Plain Python: the planner and the CLI use this without devices.
-"""
+`RULES` chooses a round's length (`longest`, `fill`); `lower.lower` packs with each rule
+and keeps the program the lockstep time model times fastest at the design costs
+(`TickUnits`, a message costing `MESSAGE_UNITS`). Plain Python: no devices needed.
+Why rounds, and why sends do not overlap the next round: docs/design/executor.md."""
 
 from __future__ import annotations
 

@@ -1,36 +1,20 @@
-"""Time and memory models of a pipeline schedule.
+"""Time and memory models of a pipeline schedule, one tick loop for every cost model.
 
-Two models, because the papers and our executor run schedules differently:
+- lockstep (`simulate_lockstep`): what triax's SPMD executor does with the lowered program
+  (lower.py). All stages advance tick by tick, each running at most one compute action a
+  tick (a fused backward as B then W; a fused tick's pair with its W); a tick lasts as
+  long as its slowest stage's work plus its send phase (and BPipe's partner ppermute). A
+  packed program (rounds.py) meets only at its sends. What an action and a send phase cost
+  is the `TickCosts` given: `Costs` here, or plan/cost/simulator.py's per-chunk costs.
+- asynchronous (`simulate_async`): what the papers draw, on the schedule as built. Each
+  stage runs its compute actions as soon as its stream is free and its inputs have
+  arrived; BPipe's EVICT/LOAD run on a separate copy stream of the sending stage.
 
-- lockstep (`simulate_lockstep`): what triax's SPMD executor does with the
-  lowered program (lower.py). All stages advance tick by tick, each running
-  at most one compute action a tick (a fused backward runs as B then W), or
-  a fused tick's overlapped pair with its W; a tick lasts as long as its
-  slowest stage's work, plus its send phase,
-  and, where residual sets move (BPipe), the partner ppermute that opens it.
-  A packed program (rounds.py) meets only at its sends: a round lasts as
-  long as its busiest stage's run of actions, plus the send after it.
-  What an action and a send phase cost is the cost model's (`TickCosts`):
-  `Costs` here, the planner's measured per-chunk costs, shared cores and
-  per-tick ppermutes in plan/cost/simulator.py. Both use this one tick loop.
-- asynchronous (`simulate_async`): what the papers draw, run on the
-  schedule as built. Each stage runs the compute actions (F, B, W) of its
-  order as soon as its compute stream is free and the inputs have arrived.
-  EVICT/LOAD (BPipe) run on a separate copy stream of the sending stage,
-  which overlaps compute: a copy starts once the compute actions before it
-  in the order are done, its input is there and the previous copy of that
-  stage has finished; the B that needs a loaded set waits for the LOAD to
-  end.
-
-Memory is counted as in-flight micro-batch-chunks: residual sets a stage
-stashes, its own waiting for their backward (their W, if the schedule splits
-the backward; always their W in the lockstep program) and, under BPipe, its
-partner's evicted ones (each set is 1/v of a stage's activations for one
-micro-batch). Transfer and copy time is not busy time: the bubble counts
-compute only.
-
-Plain Python: the planner times schedules without devices.
-"""
+Both return a `Result`. Memory is counted as in-flight micro-batch-chunks: residual sets a
+stage stashes until their W (always their W in the lockstep program) and, under BPipe, its
+partner's evicted ones. Transfer and copy time is not busy time: the bubble counts compute
+only. Plain Python: the planner times schedules without devices.
+Why two models: docs/design/time_model.md."""
 
 from __future__ import annotations
 
@@ -49,17 +33,10 @@ from triax.pipeline.schedule import Action, Program, Schedule
 class Costs:
   """Durations on one stage, in any consistent time unit.
 
-  Schedules built with a split backward (zb_h1) charge B t_backward (input
-  gradient only) and W t_weight (weight gradient). Schedules built with a
-  fused backward (gpipe, 1f1b, interleaved_1f1b, bpipe) charge B
-  t_backward for the whole backward in the asynchronous model; their
-  lockstep program runs each B as B then W (lower.py), which `lockstep`
-  charges t_backward - w and w, with w = t_weight if 0 < t_weight <
-  t_backward, else t_backward / 2 (the input- and weight-gradient GEMMs of
-  a matmul-dominated layer cost the same FLOPs). To compare the two like
-  with like from one measured backward time T_bwd, give a fused schedule
-  t_backward = T_bwd and a split one t_backward + t_weight = T_bwd (ZB-H1's
-  design point t_F = t_B = t_W is a fused backward of twice the forward).
+  A fused schedule's B costs t_backward in the asynchronous model; its
+  lockstep program runs it as B then W, charged t_backward - w and w (w =
+  t_weight if 0 < t_weight < t_backward, else t_backward / 2). Comparing
+  fused and split schedules like with like: docs/design/time_model.md.
 
   Attributes:
     t_forward: forward of one micro-batch through all layers of one pipeline

@@ -1,31 +1,17 @@
 """Splits a backward pass into its input-gradient (B) and weight-gradient (W) halves.
 
-Zero-bubble schedules run a chunk's backward in two actions: B computes the
-gradient w.r.t. the chunk's input (on the critical path: the previous stage
-waits for it), W the gradients w.r.t. its weights (deferrable into bubbles).
-Calling the chunk's `vjp` twice and keeping one half each time does not give
-that split: the weight gradient of layer i needs the output cotangent of
-layer i, so a W that starts from the chunk's output gradient re-runs the
-whole input-gradient chain through every layer of the chunk (and its
-attention backwards), and B+W cost about twice one fused backward.
+`SplitBackward` traces a chunk's fused backward once to a jaxpr and partitions its
+equations: everything the input gradient depends on is B; what only the weight gradients
+need is W; the values B computes that W reads (the cotangents at each weight matmul's
+output, a layer's output gradient) are B's extra outputs, the "cut", which the executor
+keeps from the B to the W. A `scan` becomes a B scan that emits each iteration's cut and a
+W scan that consumes it; a `cond` a B switch and a W switch; a nested `jit` or
+`checkpoint` is inlined. Cheap W equations (no matmul) move into B where that makes the cut
+no larger (`_promote_cheap`).
 
-This module splits the backward *program* instead. It traces the fused
-backward once to a jaxpr and partitions its equations: everything the input
-gradient depends on is B; what only the weight gradients need is W; the
-values B computes that W reads (the cotangents at each weight matmul's
-output, a layer's output gradient) are B's extra outputs, the "cut", which
-the executor keeps in a buffer from the B to the W. Higher-order equations
-are split recursively: a `scan` (the layer stack) becomes a B scan that
-also emits each iteration's cut as stacked outputs and a W scan that
-consumes them; a `cond` (a padded layer of an uneven split) a B switch and
-a W switch; a nested `jit` or `checkpoint` is inlined. Every equation runs
-exactly once, in B or in W, so B + W execute the fused backward's FLOPs.
-Cheap W equations (elementwise and reductions, no matmul) move into B where
-that makes the cut no larger (`_promote_cheap`), so it holds each weight
-matmul's operands and little else.
-
-The split is generic: it needs no cooperation from the model.
-"""
+Invariants: every equation of the fused backward runs exactly once, in B or in W, so
+B + W execute its FLOPs; the split needs no cooperation from the model.
+Why calling `vjp` twice does not give this split: docs/design/executor.md."""
 
 from __future__ import annotations
 
@@ -158,8 +144,8 @@ def _promote_cheap(jaxpr, roles, subs, live_b, defined_b, need_w) -> set:
   gradient and normalised input (two [tokens, d] tensors, fp32) for its
   [d] scale gradient, SwiGLU's gate and up projections for the down
   projection's input. Made in B, the cut holds the result instead (the
-  [d] gradient, one [tokens, ff] input): at Llama 3.1 8B's shape, 0.7 GiB
-  of each micro-batch's cut on a TP 4 x PP 2 stage. Moves that leave the
+  [d] gradient, one [tokens, ff] input), a large share of each
+  micro-batch's cut at Llama 3.1 8B's shape. Moves that leave the
   cut's bytes as they are count too, so chains (silu, then the product)
   move together. An equation moves only when B already has its inputs
   (B's values, the invars B reads, consts), so B reads nothing new.

@@ -4,42 +4,22 @@ A spec (experiments/clusters/*.yaml) names what the planner may use:
 
   name: heterog_testbed
   groups:                  # one entry per device type
-    - name: v100
-      type: Tesla V100-PCIE-16GB
-      count: 2
-      peak_flops: {bfloat16: 112 TFLOP/s, float32: 14 TFLOP/s}
-      memory: 16 GB
-      memory_bandwidth: 900 GB/s
-  nodes:                   # where the devices sit
-    - name: n0
-      devices: {v100: 2}
-      nic_bandwidth: 100 Gb/s     # optional; caps links to other nodes
-      count: 1                    # optional; this node N times (n0-0, n0-1, ...)
+    - {name: v100, type: Tesla V100-PCIE-16GB, count: 2, memory: 16 GB,
+       peak_flops: {bfloat16: 112 TFLOP/s}, memory_bandwidth: 900 GB/s}
+  nodes:                   # where the devices sit; optional nic_bandwidth, count
+    - {name: n0, devices: {v100: 2}}
   links:
     intra_node: {bandwidth: 12 GB/s, latency: 10 us}
     inter_node: {bandwidth: 100 Gb/s, latency: 25 us}
 
-Quantities are numbers in SI base units (bytes, bytes/s, FLOP/s, seconds)
-or strings with a unit ('16 GB', '16 GiB', '100 Gb/s', '12 GB/s',
-'125 TFLOP/s', '10 us'), because datasheets mix bits and bytes and a
-silent factor of 8 is the classic planning bug.
+Quantities are SI numbers or strings with a unit ('16 GiB', '100 Gb/s', '10 us'): bits and
+bytes never mix silently. A group may be `profile: local` (measured here; its figures may
+say `measured`) and carry `matmul_efficiency` (plan/cost/analytic.py) and `host_bandwidth`
+(plan/cost/host.py); a node's `shared_cores: N` lets at most N of its devices compute at
+full speed at once. `resize` sizes a cluster of identical nodes to N devices.
 
-A group marked `profile: local` is the machine the planner runs on: its
-times are measured, not derived, and its `peak_flops` / `memory_bandwidth`
-may say `measured`. A node's `shared_cores: N` says its devices share N
-physical cores (forced XLA CPU devices do), so at most N of them compute at
-full speed at once; the simulator honours it.
-
-A group's `matmul_efficiency` is the analytic device model's one
-calibration constant (plan/cost/analytic.py): the fraction of its data-sheet
-peak a large matmul sustains. Its optional `host_bandwidth` is one device's
-link to its host's memory, one way (PCIe Gen5 x16: 64 GB/s): what the host
-copies of pipeline.offload_stash and train.offload_optimizer take
-(plan/cost/host.py); a plan that offloads needs it. `resize` sizes a cluster of identical nodes
-to N devices (the planner's --gpus).
-
-Every problem raises ConfigError('--cluster', '<file>: <what, how to fix>').
-"""
+Every problem raises ConfigError('--cluster', '<file>: <what, how to fix>'). Each key's
+meaning: docs/design/planner_costs.md."""
 
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
 """`triax plan --evaluate`: one layout priced instead of a search.
 
-The layout is the config's own (its mesh, pipeline, train and model keys,
-as `candidate.from_config` reads them), or the config with `--layout`
-applied. `--layout` is written in the words `Plan.describe` prints, so a
-plan the search shows can be given back as it reads:
+The layout is the config's own (as `candidate.from_config` reads it), or the config with
+`--layout` applied, written in the words `Plan.describe` prints:
 
   dN eN cN tN pN   mesh.data, mesh.expert, mesh.context, mesh.tensor, mesh.pipe
   mN vN            pipeline.microbatches, pipeline.virtual_stages
@@ -16,14 +14,10 @@ plan the search shows can be given back as it reads:
   allgather, ring  model.context_attention
   layers=A/B/...   layers per pipeline stage (pipeline.layers_per_stage per chunk)
 
-Tokens are separated by commas or spaces, and a number may follow its
-letters with or without '=' (d8, m=16). Keys no token names keep the
-config's values. The tokens become those `--config.*` keys (`configure`),
-and the config's own validation (`config.validate`) judges the result, so
-a layout the model or cluster cannot run fails with the key at fault.
-`summary` turns the simulator's estimate into what the command reports;
-`text` prints it.
-"""
+Tokens are separated by commas or spaces; a number may follow its letters with or without
+'=' (d8, m=16). `configure` turns them into `--config.*` keys (others keep the config's
+values) and `config.validate` judges the result, so a layout that cannot run fails with
+the key at fault. `summary` turns the simulator's estimate into the report; `text` prints it."""
 
 from __future__ import annotations
 

@@ -60,12 +60,8 @@ def temp_heap(dump_dir: str, module: str = 'train_step') -> int | None:
   dump has no buffer assignment.
 
   On XLA:TPU, memory_analysis()'s temp_size_in_bytes is this heap plus the
-  heap's fragmentation a second time: its backend log (TPU_MIN_LOG_LEVEL=0)
-  at PP 4 1F1B says "Program hbm requirement 3.68G: ... HLO temp 3.65G (...
-  16.5% fragmentation (615.84M))" and "Total hbm usage >= 9.59G: reserved
-  263.00M, program 3.68G, arguments 5.65G", where temp_size_in_bytes is
-  3.65G + 615.84M (4565410016 bytes); at TP 4, 2.98G + 1.91G. The heap is
-  what the program holds.
+  heap's fragmentation a second time, as its backend log (TPU_MIN_LOG_LEVEL=0)
+  shows (docs/design/hlo_work.md). The heap is what the program holds.
   """
   path = _assignment(dump_dir, module)
   if path is None:

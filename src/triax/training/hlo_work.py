@@ -1,69 +1,25 @@
-"""The work a compiled program executes: matmul FLOPs, bytes and collective
-bytes, with every loop counted by its trips and every branch by its runs.
+"""The work a compiled program executes: matmul FLOPs, bytes and collective bytes, with every
+loop counted by its trips and every branch by its runs.
 
-`compiled.cost_analysis()` counts a `while` body once and every branch of a
-`conditional` once, so it cannot say what a pipelined (a tick loop of
-conds) or scanned (a loop over layers) step executes. `work` reads the
-optimised HLO text of one module (an XLA dump's `*after_optimizations.txt`,
-or `compiled.as_text()`) and walks it from its entry computation:
+`compiled.cost_analysis()` counts a `while` body once and every branch of a `conditional`
+once, so it cannot say what a pipelined or scanned step executes. `work(hlo_text,
+branch_counts, trip_counts)` reads the optimised HLO text of one module (an XLA dump's
+`*after_optimizations.txt`, or `compiled.as_text()`) from its entry computation and returns
+one device's `Work` (the SPMD-partitioned program is one device's):
 
-  while        body and condition counted by its trip count, XLA's
-               `backend_config={..."known_trip_count":{"n":"K"}}` where it
-               prints one (XLA:CPU does); XLA:TPU (libtpu 0.0.42) prints
-               none, so a loop `for (i = a; i < n; i += b)` is read from its
-               condition, its initial tuple and its body (`counted_loop`);
-               any other while is an error unless `trip_counts` names it
-               (by instruction name).
-  conditional  each branch weighted by how often it runs (below); a
-               conditional none of whose branches has a count counts its
-               costliest branch as often as the conditional runs (an upper
-               bound) and adds one to `unweighted_conditionals`.
-  call, fusion, async-start
-               their computation counted once per execution.
+- a `while` counts by its trip count: XLA's `known_trip_count`, else a counted loop read
+  from its condition, initial tuple and body, else `trip_counts[name]`; otherwise an error;
+- a `conditional`'s branches count by `branch_counts[path]`: how often the branch runs per
+  device per execution of the module, its path being the `jax.named_scope` markers its
+  instructions' op_names carry (executor.py's `triax_F`, `triax_F/triax_head`, ...); the
+  conditional's uncounted runs go to its one unmarked branch, or to its costliest (an upper
+  bound, tallied in `unweighted_conditionals`);
+- call, fusion and async-start computations count once per execution.
 
-Branch counts. A branch is named by the markers (`jax.named_scope` names)
-its instructions' `op_name` metadata carries: its path is the components
-of the op_names that appear in some key of `branch_counts`, joined by '/',
-the most common path among its instructions (executor.py's branches carry
-`triax_F`, `triax_F/triax_head` and so on). `branch_counts[path]` is how many
-times that branch runs in one execution of the module (per device, in
-total, not per trip of its loop). A branch whose path is its enclosing
-branch's (no marker of its own) has no count; the conditional's other runs
-(its executions less its counted branches' runs) go to its one unmarked
-branch (or to its costliest, an upper bound, when there are several).
-
-Per device: the SPMD-partitioned program is one device's. Figures:
-
-  flops     matmul FLOPs: `dot` (2 x output elements x the product of the
-            lhs contracting dimensions) and `convolution` (as XLA's
-            HloCostAnalysis: 2 x input features per group x output features
-            x batch per group x the window positions that read the input,
-            padding and dilation holes left out: XLA:TPU writes batched
-            matmuls as padded, reversed-window convolutions), inside fusions
-            too; a cuBLAS/cuBLASLt GEMM custom-call (`__cublas$gemm`,
-            `__cublas$lt$matmul*`) from its result shape and its
-            backend_config's `lhs_contracting_dimensions` (the lhs's last
-            dimension when absent); a Pallas TPU kernel (`tpu_custom_call`)
-            by the `cost_estimate` flops its backend_config carries, when
-            it carries one. Other custom-calls are `opaque_calls`.
-            Elementwise work is not counted (model/flops.py counts matmuls).
-  bytes     as HloCostAnalysis's "bytes accessed", simplified: per executed
-            top-level instruction, its operands' and its output's bytes (a
-            fusion's, not its inside's); bookkeeping (parameter, constant,
-            tuple, get-tuple-element, bitcast, optimization-barrier, the
-            async `-done`/`-update` halves) and control flow (while,
-            conditional, call: their bodies count instead) are skipped. An
-            async collective's start counts its operands and its result
-            less the operands it echoes.
-  collective_bytes
-            per kind, the data one device's collective moves: the operand
-            for all-reduce, reduce-scatter (before scattering), all-to-all
-            and collective-permute; the output (gathered) for all-gather.
-            An async pair (`-start`/`-done`, or an `async-start` wrapping
-            one) counts once, at its start.
-
-Plain text parsing: works on any dump, needs no device.
-"""
+flops are matmul FLOPs (dot, convolution, cuBLAS GEMM and Pallas custom-calls; others are
+`opaque_calls`), bytes HloCostAnalysis's "bytes accessed" simplified, collective_bytes the
+data one device's collectives move, per kind. Plain text parsing: any dump, no device.
+How each figure is counted: docs/design/hlo_work.md."""
 
 from __future__ import annotations
 
@@ -335,7 +291,7 @@ class _Module:
 
   def counted_loop(self, inst: _Inst) -> int | None:
     """The trips of a loop `for (i = a; i < n; i += b)` read from its HLO: XLA:TPU
-    (libtpu 0.0.42) prints no known_trip_count. The condition's root must be
+    prints no known_trip_count. The condition's root must be
     `compare(get-tuple-element(param, k), constant(n)), direction=LT`, the
     while's operand a tuple whose element k is a constant (through copies),
     and its step the constant the body adds to element k (1 where no such

@@ -1,28 +1,20 @@
 """The training loop: config -> data -> mesh -> compiled step -> steps, evals, checkpoints.
 
-A run is resumable at any moment: batches are a pure function of the step,
-checkpoints are written asynchronously and count only once complete
-(training/checkpoint.py), and metrics, TensorBoard events and sample logs
-are cut back to the restored step, so a killed run, started again with the
-same command, goes on to the same losses as one never interrupted. SIGTERM
-or Ctrl-C stops it after the step in flight, with a complete checkpoint of
-that step (training/preemption.py). One run at a time holds a workdir
-(training/lock.py).
+Invariants:
+- a run is resumable at any moment: batches are a pure function of the step, checkpoints
+  count only once complete (training/checkpoint.py), and metrics, TensorBoard events and
+  sample logs are cut back to the restored step, so a killed run, started again with the
+  same command, goes on to the same losses as one never interrupted;
+- SIGTERM or Ctrl-C stops it after the step in flight, with a complete checkpoint of that
+  step (training/preemption.py); one run at a time holds a workdir (training/lock.py);
+- the host queues step s before fetching step s-1's loss, so a NaN/Inf is noticed one step
+  late, but every evaluation and save fetches its own step first: a non-finite step's
+  state is never evaluated or saved, and the error names the step that produced it. Each
+  fetched step is judged (training/bad_steps.py): skipped or rolled back past its batches.
 
-The host does not wait for the device each step: it queues step s, then
-fetches step s-1's loss and gradient norm (done by now, or nearly), so the
-device always has the next step queued. A NaN/Inf is therefore noticed one
-step later than it happens, but never too late: every evaluation and save
-fetches its own step first, so a non-finite step's state is never evaluated
-or saved, and the error names the step that produced it. Each fetched step
-is judged (training/bad_steps.py): a NaN/Inf or a loss spike may be skipped
-or roll the run back to a checkpoint, past the batches that caused it.
-
-A run is `_Training`: `prepare` (records, compile, writers), then `steps`,
-whose pieces are `_dispatch` (queue a step, fetch the one before),
-`_after_step` (evaluate, save, stop on a signal), `fetch` (judge and log one
-step) and `_roll_back`.
-"""
+A run is `_Training`: `prepare` (records, compile, writers), then `steps`, whose pieces are
+`_dispatch` (queue a step, fetch the one before), `_after_step` (evaluate, save, stop on a
+signal), `fetch` (judge and log one step) and `_roll_back`."""
 
 from __future__ import annotations
 

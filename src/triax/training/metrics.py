@@ -20,8 +20,8 @@ from triax.training import workdir as workdir_lib
 # tensorboardX is imported where events are written or read, not here, and
 # through `_tensorboardx`: its package imports torch whenever torch is
 # installed (the test extra installs it, and many users' environments hold
-# it), about 0.85 s of CPU and a few hundred MB at every start, for torch
-# tensors triax never passes it.
+# it), a cost in CPU time and memory at every start, for torch tensors triax
+# never passes it.
 
 
 def _tensorboardx():

@@ -1,26 +1,18 @@
 """The train state between two layouts, one leaf at a time.
 
-Saving converts the state from the pipeline's layout ([p, v, Lmax, ...]
-stacks) to the checkpoint's (model layer order, split over `pipe`), and
-restoring converts it back. Three things bound what that adds per device:
+Saving converts the state from the pipeline's layout ([p, v, Lmax, ...] stacks) to the
+checkpoint's (model layer order, split over `pipe`), and restoring converts it back. What
+that adds per device is bounded three ways:
 
-- Where chunks change stage (interleaved, ZB-V's V), XLA lowers the index
-  permutation to an all-to-all of about twice the leaf (ZB-V's gather: an
-  all-gather of the whole leaf). With an even split each chunk is one block,
-  so the move is written out instead: one `ppermute` over `pipe` per
-  (source index, slot) pair (`StackLayout.chunk_moves`), each a chunk.
-- In one program XLA keeps several leaves' buffers live at once (0.66x the
-  whole state beside its output at p=4, v=2, t=2), and ordering them with
-  optimisation barriers does not change that. One small program per leaf,
-  run in turn, bounds the temporaries by the largest leaf. Programs are
-  shared by leaves of one shape, dtype and sharding pair (a parameter and
-  its two Adam moments), so a model compiles a handful.
-- The checkpoint's layout lives in host memory (step.py's
-  `_canonical_shardings`): a save's leaf leaves the device inside its
-  program and a restore's comes to it there, so the device never holds the
-  state in both layouts (on the device, the outputs made a second copy of
-  the state beside the first).
-"""
+- where chunks change stage (interleaved, ZB-V's V) with an even split, each chunk moves by
+  its own `ppermute` over `pipe` (`StackLayout.chunk_moves`), not XLA's all-to-all or
+  all-gather of the whole leaf;
+- one small program per leaf, run in turn, bounds the temporaries by the largest leaf;
+  leaves of one shape, dtype and sharding pair share a program;
+- the checkpoint's layout lives in host memory (step.py's `_canonical_shardings`), so the
+  device never holds the state in both layouts.
+
+What XLA did otherwise: docs/design/training.md."""
 
 from __future__ import annotations
 

@@ -32,15 +32,10 @@ def dualpipe_v(stages: int, microbatches: int, virtual_stages: int = 2) -> Sched
     7  p-d-1 times W I(a) (B(a) before the switch to I);
     8  the d+1 weight gradients still waiting.
 
-  B is a full backward and I W a split one; here B is our B with its own W
-  at once after it (`Schedule.full_backwards`), I our B alone. `(F;B)` is
-  an overlapped pair (`Schedule.overlaps`): torch runs it as one action
-  whose default runs the forward, then the backward, the overlap being a
-  hook users fill. The lockstep executor runs one compute action per stage
-  per tick, so a pair takes consecutive ticks (three with the W of its full
-  backward): no fused tick yet. The fused tick, where XLA hides one
-  micro-batch's all-to-all under the other's compute, is future work and
-  needs the lowering to allow two compute actions in one tick.
+  B is our B with its own W at once after it (`Schedule.full_backwards`), I
+  our B alone. `(F;B)` is an overlapped pair (`Schedule.overlaps`): by
+  default a pair takes consecutive ticks; `lower`'s fuse_overlaps runs it in
+  one fused tick. Why: docs/design/schedules.md.
 
   Raises:
     ConfigError: for v != 2, or m < 2p (torch's minimum: as many

@@ -1,33 +1,17 @@
 """V-Min, V-Half and V-ZB (Qi et al., NeurIPS'24, "Pipeline Parallelism with
 Controllable Memory").
 
-The paper builds a schedule by repeating one building block, the actions of
-one micro-batch on every stage, every `INTERVAL` time units, and shows that
-the block's lifespan on a stage (from a forward to the weight gradient that
-frees its residuals, summed over the stage's chunks) divided by the interval
-is that stage's peak memory. Its V-shape blocks fold two chunks per stage
-into a V (chunk c on stage c for c < p, on 2p-1-c after, `ir.v_placement`)
-and differ only in how far apart consecutive actions of the block sit: the
-spacings are the whole design. So the three schedules share one file, one
-builder and one block type, `VBlock`, and each is one `VBlock` of data; a
-new member of the family is a new `VBlock`.
+Each schedule repeats one building block, the actions of one micro-batch on every stage,
+every `INTERVAL` time units, two chunks per stage folded into a V (`ir.v_placement`). The
+three differ only in the spacing of the block's actions, so they share one builder and one
+block type, `VBlock`, and each is one `VBlock` of data; a new member of the family is a new
+`VBlock`. Each stage's order is its actions sorted by block time; the lowering runs every
+action as soon as its inputs are there (the paper's 'squeeze').
 
-With every chunk action one time unit (t_F = t_B = t_W, the lockstep
-executor's tick), a stage runs 6 actions per micro-batch (F, B, W of its two
-chunks), so the interval is 6 and the block must put its stage's 4 F/B's at
-4 distinct times modulo 6 (the paper's offsets are chosen for that); the
-other 2 residues take the W's, each in the first free unit after its B.
-Each stage's order is its actions sorted by time; the lowering then runs
-every action as soon as its inputs are there, the paper's 'squeeze'.
-
-Peak memory, in micro-batches of a whole stage's activations (two chunk
-residual sets each; `triax schedule --json` counts chunk sets): 1F1B p,
-V-Min (p+4)//3, V-Half (p+2)//2, V-ZB p. The paper derives these from the
-lifespans (about 4p, 6p and 12p units over an interval of 6); the exact
-integer forms are the table its authors publish with their code (the
-sail-sg zero-bubble repository's Hugging Face space), and the builders meet
-them exactly on the busiest stage (tests/test_v_schedules.py).
-"""
+Invariant: peak memory on the busiest stage, in micro-batches of a whole stage's
+activations (two chunk residual sets each; `triax schedule --json` counts chunk sets), is
+exactly the table the authors publish: 1F1B p, V-Min (p+4)//3, V-Half (p+2)//2, V-ZB p
+(tests/test_v_schedules.py). How the blocks are built: docs/design/schedules.md."""
 
 from __future__ import annotations
 

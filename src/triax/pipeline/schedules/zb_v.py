@@ -8,11 +8,8 @@ from triax.pipeline.schedules.common import check_sizes, schedule
 def zb_v(stages: int, microbatches: int, virtual_stages: int = 2) -> Schedule:
   """Two chunks per stage folded into a V, backward split into B and W.
 
-  Stage d holds chunk d (the way down) and chunk 2p-1-d (the way back up):
-  the fold from chunk p-1 to p stays on stage p-1, and stage 0, which
-  1F1B makes stash the most, runs the last chunk, whose backward comes
-  first. Stage d's order, with
-  a = chunk d, b = chunk 2p-1-d and n = max(m, 2p-1):
+  Stage d holds chunk a = d (the way down) and chunk b = 2p-1-d (the way
+  back up). Its order, torch's `ScheduleZBVZeroBubble`'s, with n = max(m, 2p-1):
 
     warm-up     2(p-d)-1 F(a); then d times F(b) F(a); then p-d times
                 F(b) B(b) W(b);
@@ -22,18 +19,13 @@ def zb_v(stages: int, microbatches: int, virtual_stages: int = 2) -> Schedule:
                 the oldest waiting W(a); then the waiting W(b)'s, then the
                 waiting W(a)'s.
 
-  Each kind of each chunk takes micro-batches in order, and actions of
-  micro-batches >= m are then dropped: the order is built for at least
-  2p-1 micro-batches, the fewest that fill the V, and smaller m keep its
-  shape with holes. These are the per-rank orders of torch's
-  `ScheduleZBVZeroBubble`.
+  Each kind of each chunk takes micro-batches in order; actions of
+  micro-batches >= m are dropped (smaller m keep the V's shape with holes).
 
-  Every stage stashes at most 2p chunk residual sets (2p-1 after warm-up,
-  one more F before each W): p micro-batches of a whole stage's
-  activations, 1F1B's largest stage. With t_F = t_B = t_W = 1 the step
-  takes max(6m + p - 1, 4m + 4p - 2): once m >= (3p-1)/2 that is the 6m
-  actions of a stage plus the p-1 the last stage waits for its first
-  input, the least any schedule takes; the steady phase has no bubble.
+  Invariants: every stage stashes at most 2p chunk residual sets (p
+  micro-batches of a stage, 1F1B's largest stage); with t_F = t_B = t_W = 1
+  the step takes max(6m + p - 1, 4m + 4p - 2) ticks, no steady-phase bubble.
+  Why: docs/design/schedules.md.
 
   Raises:
     ConfigError: for v != 2.

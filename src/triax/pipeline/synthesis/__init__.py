@@ -1,34 +1,22 @@
 """Schedules synthesised under a memory limit, in triax's one representation.
 
-`synthesize(p, m, v, K, costs, time_limit_s)` returns the least-makespan
-per-stage orders it finds whose every stage holds at most K residual sets
-(micro-batch-chunks, what `triax schedule --json` reports as
-`peak_inflight`; with v = 1 that is micro-batches of a stage's
-activations), as an `ir.Schedule` with a split backward (B and W, like
-zb_h1), validated and lowered like any builder's, so the executor,
-simulators, writers and plots take it unchanged. Its `stash_cap` is K, so
-the validator holds its lowered program to the limit, also when it is read
-back from triax's JSON.
+`synthesize(p, m, v, K, costs, time_limit_s)` returns the least-makespan per-stage orders
+it finds whose every stage holds at most K residual sets (micro-batch-chunks, what
+`triax schedule --json` reports as `peak_inflight`), as an `ir.Schedule` with a split
+backward (B and W, like zb_h1), validated and lowered like any builder's. Its `stash_cap`
+is K, so the validator holds its lowered program to the limit, also when read back from
+triax's JSON. With `cut_limit` C it also holds at most C cuts (problem.py); the exact
+program does not model cuts, so a cut limit runs the heuristic.
 
-With `cut_limit` C it also holds at most C cuts (backwards whose W is
-still to run, the executor's other per-set buffer; problem.py): the
-planner's way to price a schedule's memory as the executor allocates it.
-The exact program does not model cuts, so a cut limit runs the heuristic.
+Two methods (problem.py says what both solve): `heuristic` (the zero-bubble paper's greedy,
+widened, then improved by local swaps) for any size, and `milp` (exact, HiGHS) for p <= 4
+and m <= 8, started from the heuristic's orders. Both optimise the asynchronous makespan;
+the lockstep one the executor runs is measured too (`Synthesis`).
 
-Two methods behind the one function (problem.py says what both solve):
-`heuristic` (the zero-bubble paper's greedy, widened and then improved by
-local swaps) for any size, and `milp` (exact, HiGHS) for p <= 4 and m <= 8,
-started from the heuristic's orders so it only ever improves on them.
-Both optimise the asynchronous makespan (`simulate.simulate_async`); the
-lockstep makespan the executor runs is measured too (`Synthesis`), and with
-t_F = t_B = t_W and no transfer time the two are the same.
-
-With method 'auto' (the CLI's and the planner's), what `run` returns is
-never slower in that makespan than a named schedule within the same
-limits: where one is faster (BPipe's, whose residual moves the synthesiser
-cannot make, or one it did not find), that one is returned. A method named
-explicitly returns what that method found.
-"""
+`run` with method 'auto' (the CLI's and the planner's) never returns a schedule slower in
+that makespan than a named schedule within the same limits: where one is faster, that one
+is returned. A method named explicitly returns what that method found.
+More: docs/design/schedules.md."""
 
 from __future__ import annotations
 

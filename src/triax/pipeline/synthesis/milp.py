@@ -1,31 +1,20 @@
 """The exact synthesiser: a mixed-integer program solved by HiGHS.
 
-Variables: the start time S_a of every F, B and W (backward split as in
-zb_h1) of every (stage, micro-batch, chunk), the makespan C, and for each
-pair of actions on one stage whose order the dependencies do not already
-fix, a binary o_ab (1: a runs before b). Constraints:
+Variables: the start time S_a of every F, B and W of every (stage, micro-batch, chunk),
+the makespan C, and a binary o_ab (a before b) for each pair of actions on one stage whose
+order the dependencies do not fix. Constraints:
 
-  dependencies   S_b >= S_a + lag for each input a of b (`Problem.predecessors`:
-                 the input's duration, plus t_transfer across stages), and
+  dependencies   S_b >= S_a + lag for each input a of b (`Problem.predecessors`), and
                  each kind of each chunk takes micro-batches in order;
-  no overlap     S_b >= S_a + d_a - M (1 - o_ab) and S_a >= S_b + d_b - M o_ab
-                 (big-M disjunction, M = the makespan of the heuristic's
-                 schedule, which also bounds every start);
-  memory         just after each F x of a stage, the residual sets held:
-                 1 + #{F before x} - #{W before x} <= K, the "before"s being
-                 the ordering binaries or constants (the zero-bubble paper's
-                 count: a set is held from its F to its W);
+  no overlap     big-M disjunctions on o_ab, M = the heuristic's makespan;
+  memory         just after each F x of a stage: 1 + #{F before x} - #{W before x} <= K;
   makespan       C >= S_a + d_a for every action; minimise C.
 
-The time model is the asynchronous one (`simulate.simulate_async`): each
-stage runs one action at a time, each action lasts its kind's cost over v.
-The optimum is exact among orders that take micro-batches in order per kind
-and chunk, as every builder does. The executor runs the resulting per-stage
-orders in lockstep ticks (`lower.lower`); with t_F = t_B = t_W and no
-transfer time that is the same schedule (every tick one time unit), with
-other costs the lockstep makespan can be longer, and the caller measures it
-with `simulate.simulate_lockstep`.
-"""
+The time model is the asynchronous one (`simulate.simulate_async`). The optimum is exact
+among orders that take micro-batches in order per kind and chunk, as every builder does.
+The lockstep makespan equals it when t_F = t_B = t_W and there is no transfer time; else
+it can be longer, and the caller measures it with `simulate.simulate_lockstep`.
+The formulation in full: docs/design/schedules.md."""
 
 from __future__ import annotations
 

@@ -1,25 +1,19 @@
 """What both synthesisers solve: the actions, their durations and lags, the limit.
 
-A synthesis problem is p stages, m micro-batches and v chunks per stage
-placed by `placement`, every backward split into B (input gradient) and W
-(weight gradient) as in zb_h1, one `Costs` for every stage, and a memory
-limit K: the most residual sets (micro-batch-chunks, what
-`simulate.Result.peak_inflight` counts) any stage may hold. A set is held
-from its F until its W, so a stage's peak is a property of its order alone:
-count +1 at each F and -1 at each W along the order.
+A synthesis problem is p stages, m micro-batches and v chunks per stage placed by
+`placement`, every backward split into B (input gradient) and W (weight gradient) as in
+zb_h1, one `Costs` for every stage, and a memory limit K: the most residual sets
+(micro-batch-chunks, what `simulate.Result.peak_inflight` counts) any stage may hold. A
+set is held from its F until its W, so a stage's peak is a property of its order alone.
 
-Optionally a cut limit C too: the most backwards whose W is still to run
-(each holds a cut, what B hands its W: the executor's 'cut' pool, beside
-the stash). Zero-bubble orders delay W to fill bubbles, and each delayed W
-keeps a cut, about a residual set's bytes again (plan/cost/memory.py's
-`chunk_cut`); 1F1B runs W right after B and holds one. Bounding both is how
-the planner fits a schedule between those two in the executor's memory.
+Optionally a cut limit C too: the most backwards whose W is still to run (each holds a cut,
+the executor's 'cut' pool, about a residual set's bytes again: plan/cost/memory.py's
+`chunk_cut`). Bounding both is how the planner fits a schedule between 1F1B (one cut) and
+the zero-bubble orders (a cut per delayed W) in the executor's memory.
 
-Time is the asynchronous model of `simulate.simulate_async`: an action
-starts once its stage is free and its inputs have arrived (a producer's end
-plus t_transfer when it ran on another stage), so a synthesised order timed
-there takes exactly the makespan the synthesiser computed for it.
-"""
+Time is the asynchronous model of `simulate.simulate_async`: an action starts once its
+stage is free and its inputs have arrived (a producer's end plus t_transfer from another
+stage), so a synthesised order timed there takes exactly the makespan computed for it."""
 
 from __future__ import annotations
 

@@ -1,74 +1,24 @@
 """The analytic device model: a plan's costs from shapes and data sheets, nothing run here.
 
-`python -m triax plan --profile=analytic` plans a model this machine cannot
-run (cuDNN attention on a CPU, a 1T-parameter model) and device types it
-does not have. It builds the same `Profile` the local profiler measures,
-with an `analytic` cost model attached that `roofline.seconds` and
-`roofline.layer_seconds` ask instead of the fits, so the search, the
-simulator, the memory model and the reports run unchanged.
+`build(model_cfg, tensors)` returns the same `Profile` the local profiler measures, with an
+`Analytic` cost model attached that `roofline.seconds` and `roofline.layer_seconds` ask
+instead of the fits, so the search, simulator, memory model and reports run unchanged on a
+model or device type this machine cannot run (`triax plan --profile=analytic`).
 
-A layer shard (tensor degree t) is a list of kernels, per micro-batch of b
-sequences of s tokens:
-
-  - GEMMs from the family's own parameter shapes (`jax.eval_shape` of one
-    layer of the shard's spec: shapes only, no compute). A weight [k, n]
-    (the side equal to d_model is the model side) is a [b s, k] x [k, n]
-    matmul forward, and two of the same FLOPs backward (input and weight
-    gradient);
-    a MoE's routed experts ([E, k, n], the 'experts' axis first) one
-    grouped matmul of every expert's weights, each token through the
-    model.experts_per_token it is routed to (active FLOPs only);
-  - the attention core per head: Q K^T and the weighted V, each batched
-    over b x heads/t, with the s x s scores written and read; with
-    model.attention=cudnn one fused kernel instead (no scores in memory,
-    the causal half of the square skipped, its backward 2.5x its forward:
-    it recomputes the scores);
-  - bandwidth-bound ops by the bytes they move: two norms and two residual
-    adds on [s, d], the MLP activation on [s, d_ff/t], the softmax on the
-    scores; their backward moves about twice the bytes.
-
-On a device group a kernel takes
+A layer shard (tensor degree t) is a list of `Kernel`s per micro-batch: the GEMMs of the
+family's own parameter shapes (`jax.eval_shape`, no compute; routed experts by their active
+FLOPs), the attention core (or one fused cuDNN kernel) and the bandwidth-bound norms,
+residual adds, activations and softmax. On a device group a kernel takes
 
   max(flops / (peak * matmul_efficiency), bytes / memory_bandwidth)
 
-(`peak_flops` at the compute dtype and `memory_bandwidth` from the data
-sheet; `matmul_efficiency`, the fraction of peak a large GEMM sustains, is
-the group's one calibration constant, stated in the cluster spec). So a
-GEMM's efficiency is a curve of its shape: min(matmul_efficiency,
-intensity * bandwidth / peak), lower for thin GEMMs and for the attention
-core's small per-head ones. Each layer action adds the group's
-`overhead_per_layer` (its ~20 kernel launches).
+plus the group's `overhead_per_layer` per layer action; `matmul_efficiency` is the group's
+one calibration constant (`check_cluster` requires the data-sheet figures). Residual bytes
+follow Korthikanti et al. (2022) per remat policy; a grouped entry (model.moe_every = n) is
+priced as its average block.
 
-A model whose stack entry is a group of n blocks (model.moe_every = n:
-n - 1 dense, one MoE) is priced as the average block
-(plan/cost/profile.py): the entry's GEMMs from its own shapes and n of
-each per-block kernel (attention, elementwise), all over n; its parameters
-over n; and its residuals per block, but full remat's (one input per
-entry: remat wraps the entry) and dots's kept matmul outputs over n.
-
-Recomputation, per remat policy: full reruns the forward in the backward
-(+1 forward, its tensor all-reduces too: the simulator adds those); dots
-reruns the attention core (+ its forward kernels); attention its scores
-(Q K^T, the softmax and its dropout: the backward needs the probabilities,
-not their product with V; a flash kernel keeps no scores, so nothing).
-
-Memory by formula (bytes per layer per sequence, e = dtype bytes, h =
-d_model, a = heads): what the backward reads, counted as Korthikanti et
-al. (2022) count it: without dropout s h e (4 + 12/t) + a s^2 e / t (the
-score probabilities; none with cuDNN attention, which keeps its output
-and log-sum-exp); with Megatron's dropout (`build(dropout=True)`) its
-masks too, 1 byte an element: the attention's, split over t with the
-heads beside the dropped probabilities it keeps (a s^2 (1 + e) / t), and
-the two after the sublayers, whole on every tensor rank (2 s h): at e = 2
-their Table 2's s h (10 + 24/t + 5 a s/(h t)). `attention` (their
-selective recomputation) drops the s^2 terms; full keeps only the layer's
-input, s h e. The 4 (and full's 1) are profile.SEQUENCE_STASH, what
-sequence parallelism splits over t too, with the hidden dropout masks
-(Shard.sequence_stash_per_seq); plan/cost/memory.py applies that and
-context parallelism to every profile's figures. Parameters and Adam
-state: plan/cost/memory.py's `state` (STATE_COPIES of the parameter
-bytes, split over data by the plan's state sharding).
-"""
+The kernel list, the recomputation per remat policy and the memory formulas:
+docs/design/planner_costs.md."""
 
 from __future__ import annotations
 
@@ -464,6 +414,7 @@ def _stash(spec, dense: _Dense, t: int, act: float, hidden_masks: float, core_ke
   # the MLP's gate and up (GPT's fc1), a MoE's router and shared experts; not
   # a routed expert's grouped matmul (ragged_dot is no dot_general), the down
   # projection (nothing reads it back) or dropout's masks (redrawn from their key).
+  # docs/bench_tpu_compile.md compares these with what XLA:TPU allocates.
   import numpy as np
 
   e = np.dtype(spec.dtype).itemsize

@@ -1,31 +1,21 @@
-"""Communication times: point-to-point and all-reduce over cluster devices.
+"""Communication times over cluster devices: point-to-point, all-reduce, reduce-scatter,
+all-gather, all-to-all (`Comm`).
 
-On a cluster whose every group is this machine (`profile: local`), the fits
-measured on the local mesh are used; otherwise the spec's links. Either way
-a transfer costs latency + bytes / bandwidth, and an all-reduce over n
-devices on one node, or one device per node, is a ring: 2(n-1) steps of
-bytes/n over the weakest link among them.
+On a cluster whose every group is this machine (`profile: local`), the fits measured on
+the local mesh are used; otherwise the spec's links. A transfer costs latency + bytes /
+bandwidth over the path between its two devices (inter-node capped by the node's NIC).
+Collectives:
 
-An all-reduce over k > 1 devices on each of several nodes is hierarchical,
-as NCCL runs it on NVLink + InfiniBand machines: a reduce-scatter inside
-each node (k-1 steps of bytes/k over its intra-node link), an all-reduce of
-the 1/k shard across the nodes (the k shards at once, each over its own
-inter-node path, which the node's NIC bandwidth caps at nic/k), then an
-all-gather inside the node. A reduce-scatter or an all-gather (of nbytes
-whole, each device holding or receiving 1/n) is either half of that: a
-ring all-reduce is one then the other, and so is each level of the
-hierarchical one. A pipeline transfer between nodes takes the
-inter-node path of its two devices (the simulator sends 1/t of an
-activation from each tensor rank, Megatron's scatter/gather), and so does
-each pass of a ring (ring attention's K/V blocks, all devices at once).
+- all-reduce on one node, or one device per node: a ring, 2(n-1) steps of bytes/n over the
+  weakest link (`allreduce_time`);
+- all-reduce over k > 1 devices on each of several nodes: hierarchical, as NCCL runs it
+  (reduce-scatter in the node, all-reduce of the 1/k shard across nodes, all-gather in the
+  node);
+- reduce-scatter or all-gather of nbytes whole: either half of the above;
+- all-to-all of nbytes per device: (n-1)/n leaves each device, all links busy at once; the
+  intra-node and inter-node parts run at the same time.
 
-An all-to-all (expert parallelism's token exchange) of a buffer of nbytes
-per device sends 1/n of it to each other device: (n-1)/n of it leaves each
-device, pairwise over a switch (NVSwitch, a fat tree), every link busy at
-once. Across nodes the (k-1)/n that stays on a device's node moves over the
-intra-node link while the (n-k)/n bound elsewhere crosses the inter-node
-path, whose NIC its node's k group members share; the two run at once.
-"""
+The reasoning: docs/design/planner_costs.md."""
 
 from __future__ import annotations
 

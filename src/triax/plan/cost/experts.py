@@ -1,47 +1,19 @@
 """Mixture of experts in a plan's costs: the all-to-alls, the busiest expert's device, the state split.
 
-A MoE layer's routed experts (a Shard's `Experts`) are split over
-`Plan.expert` devices, carved from the inner part of `data`
-(mesh.build_mesh), as model/moe.py runs them:
+A MoE layer's routed experts (a Shard's `Experts`) are split over `Plan.expert` devices,
+carved from the inner part of `data`, as model/moe.py runs them:
 
-  - tokens meet their experts by all-to-all over each expert group
-    (`Plan.expert_groups`). Dropless (`moe._dropless_exchanged`) sends
-    fixed buffers with room for every assignment: each device sends
-    expert x its assignments' rows (b s/c tokens x k, d wide: rows past a
-    destination's count are zeros), plus the rows' expert ids (int32), and
-    gets the outputs back in a second all-to-all of the same buffer.
-    Capacity (`moe._buffers_through_experts`) sends each row's [E, C, d]
-    buffers and gets them back (GShard). The backward runs each token
-    all-to-all's transpose, an all-to-all of the same bytes; a policy
-    that checkpoints the layer reruns the forward's (dots keeps dot outputs
-    only, and a grouped matmul is no dot, so it recomputes the whole
-    exchange; attention's checkpoint holds the attention core alone). The tokens are
-    whole over `tensor` (moe.TOKENS): every tensor rank sends its own.
-  - dropless's compute waits for the busiest device. `imbalance` is the
-    busiest expert's tokens over the mean (metrics' moe_load_max); the
-    device holding it holds E/expert experts, the rest taken as average, so
-    it computes (imbalance + g - 1) / g of a balanced share (g = E/expert):
-    imbalance itself with one expert per device, 1 (no slowdown) with all E
-    on every device (each then computes its own tokens' assignments,
-    however they fall). The exchanged buffers' padding rows are taken as
-    free (a grouped matmul stops at the groups' rows); XLA:CPU's
-    ragged_dot computes every row of every group densely at any degree,
-    which a profile measured here holds already.
-  - parameters, gradients and Adam moments of the experts are split over
-    `expert` (`layer_params`); ZeRO-1 and FSDP split them further over the
-    data replicas that hold the same experts (memory.state).
-  - the dropless exchange's rows are expert x as many as one device's own
-    assignments, and the grouped matmuls keep theirs for the backward
-    (`dispatch_stash`).
+- `exchange_bytes` / `seconds`: the token all-to-alls over each expert group, forward and
+  backward (dropless: fixed buffers with room for every assignment plus their expert ids;
+  capacity: each row's [E, C, d] buffers), rerun where a remat policy recomputes them;
+- `compute_scale`: dropless compute waits for the device of the busiest expert,
+  (imbalance + g - 1) / g of a balanced share with g = E / expert experts per device;
+- `layer_params`: the experts' parameters, gradients and moments split over `expert`;
+- `dispatch_stash`: the exchanged rows the grouped matmuls keep for the backward.
 
-With model.moe_every = n only one block in n is a MoE block, and a
-profile's layer is the average block (plan/cost/profile.py): its
-all-to-alls and exchanged rows are 1/n of a MoE block's (`Experts.every`;
-the parameter bytes and FLOP share the profile averaged already).
-
-Plain arithmetic, no JAX (moe.py imports it): `capacity` repeats
-moe.capacity_of's one line, and a test holds them equal.
-"""
+With model.moe_every = n the all-to-alls and rows are 1/n of a MoE block's per layer
+(`Experts.every`). Plain arithmetic, no JAX (moe.py imports it): `capacity` repeats
+moe.capacity_of's one line, and a test holds them equal. The reasoning: docs/design/moe.md."""
 
 from __future__ import annotations
 

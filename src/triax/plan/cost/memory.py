@@ -1,50 +1,22 @@
-"""Memory per device of a plan, as the executor allocates it: the training
-state (`state`: parameters, their gradient accumulator and Adam's two
-moments, each the parameter's size: 16 B/param in fp32, split over `data`
-as the plan's state_sharding says), the stashed residuals
-(the executor allocates `slots['stash']` slots of the largest chunk on
-every stage; uneven splits store padded stacks), the cuts B hands its W
-(`slots['cut']`, each the weight matmuls' inputs and output cotangents:
-`chunk_cut`) and the message pool of activations and gradients, plus one
-layer's backward workspace and the head's logits and its weight cast to
-the compute dtype (`head_cast`).
+"""Memory per device of a plan, as the executor allocates it: `memory` and its `parts`.
 
-docs/bench_tpu_compile.md holds this model against XLA:TPU's compiled
-peak layout by layout, and tests/test_plan_tpu_memory.py pins it there
-(docs/bench_tpu_compile.json's byte counts).
+Per stage, the train step's peak is the training state (`state`: parameters, gradient
+accumulator and Adam's two moments, split over `data` as the plan's state sharding says),
+the stashed residuals (`slots['stash']` slots of the largest chunk; uneven splits store
+padded stacks), the cuts B hands its W (`slots['cut']`, `chunk_cut`), the message pool, one
+layer's backward workspace and the head's logits and cast weight (`head_cast`). A save,
+restore or evaluation on the same resident state (`state_programs`) may peak higher; the
+peak is the largest of the four.
 
-Beside the train step, the run saves and restores checkpoints and
-evaluates on the same resident state (`state_programs`, what
-training/loop.py's state_program_stats compiles and triax budget counts):
-a save or restore converts the state to or from the checkpoint's layout
-(in host memory: one leaf at a time on the device), and the evaluation
-runs the model forward, unpipelined, one micro-batch at a time, its rows
-over the data and pipe ranks, with no stash. The peak is the largest of
-the four.
+Activations follow the profile's per-sequence figures on one tensor shard, divided by
+context parallelism and, for the part every tensor rank holds whole (profile.
+SEQUENCE_STASH), by sequence parallelism (`layer_stash`, `token_share`, `residual_share`).
+A grouped entry (model.moe_every = n) holds one entry at a time where one layer is held; a
+split MoE's experts divide their state over the expert degree (experts.py).
 
-Activations per device (`layer_stash`, `token_share`, `residual_share`):
-the profile's figures are per sequence on one tensor shard; context
-parallelism splits every sequence c ways for the whole layer (all of them
-fall by c; the all-gather kind also keeps the other ranks' gathered K/V
-for the backward), and sequence parallelism splits the part every tensor
-rank held whole (profile.SEQUENCE_STASH: norms, residual stream) over
-tensor too. That is Korthikanti et al.'s (2022) per-layer count, s b h e
-(4 + 12/t + a s/(h t)) with tensor parallelism alone and s b h e (16/t +
-a s/(h t)) with SP (their 10 + 24/t + 5as/(ht) and 34/t + 5as/(ht) at
-e = 2, less dropout's masks, which triax does not have and an analytic
-profile of Megatron's runs counts); remat=attention (their selective
-recomputation) drops the a s / (h t) term, full keeps the layer input,
-s b h e (1/t with SP).
-
-A model whose stack entry is a group of blocks (model.moe_every = n): the
-profile's per-layer figures are its average block's (plan/cost/profile.py),
-and what one layer at a time holds (a backward's workspace, the
-evaluation's forward, FSDP's gathered weights) is one entry's, n of them.
-
-A MoE model with its experts split (Plan.expert > 1): the experts' share of
-the state over the expert degree (`state`'s `experts`), and dropless's
-exchanged rows in each layer's residuals (experts.dispatch_stash).
-"""
+docs/bench_tpu_compile.md holds this model against XLA:TPU's compiled peak, and
+tests/test_plan_tpu_memory.py pins it there. The counts and their sources:
+docs/design/planner_costs.md."""
 
 from __future__ import annotations
 
@@ -124,7 +96,7 @@ def compute_share(profile: Profile) -> float:
 
 def head_cast(profile: Profile, shard: Shard) -> float:
   """Bytes of the head's weight cast to the compute dtype, live while the
-  head runs: bf16[128256,2048] (multiply_convert_fusion, 0.49 GiB) inside the
+  head runs: bf16[128256,2048] (a multiply_convert_fusion) inside the
   executor's tick loop at the 1B shape, bf16[32064,2048] in the TP 4 step."""
   share = compute_share(profile)
   if share >= 1.0:
@@ -334,8 +306,7 @@ def _workspace(plan: Plan, profile: Profile, shard: Shard, logits: float, pipeli
   copies of its weights). One value_and_grad holds the larger: the head's
   gradient is made in the forward (common._head_loss_differentiated_forward),
   before the layers' backward; XLA:TPU's FSDP and TP steps at 1B and 8B
-  allocate within 10% of that where the sum overshot by up to 27%
-  (docs/bench_tpu_compile.md). The executor's tick loop holds both: its
+  allocate close to that where the sum overshot (docs/bench_tpu_compile.md). The executor's tick loop holds both: its
   buffers live across the ticks. A layer is a stack entry here (remat and
   FSDP's gathers take a group of blocks at once)."""
   entry = profile.layers_per_entry
@@ -419,9 +390,8 @@ def parts(
     if offloaded:
       # The moments wait in host memory through the forward and backward and
       # come back whole for the update, beside the parameters and gradients:
-      # the step's peak is the larger of the two phases (XLA:TPU at the 1B
-      # shape on v5p: 4.43, 4.75 and 8.00 GiB at FSDP 4, TP 4 and PP 4,
-      # where the update's three come to 4.60, 4.60 and 7.54).
+      # the step's peak is the larger of the two phases, as XLA:TPU's
+      # compiled steps show (docs/bench_tpu_compile.md).
       update = kept['params'] + kept['grads'] + kept['moments']
       peak = max(peak - kept['moments'], update)
     part['step'] = peak

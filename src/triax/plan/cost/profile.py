@@ -1,39 +1,20 @@
 """What a plan is made of: the model's cost figures per tensor shard and the time model.
 
-A `Profile` holds, for each tensor degree t the planner considers, a *shard*
-of one transformer layer (what one device of a t-way tensor-parallel group
-computes: num_heads/t heads of the full model's head width, d_ff/t MLP
-columns, vocab_size/t vocabulary rows): its FLOPs and bytes per function,
-parameter, residual and activation bytes; and how long each function takes.
-Two sources fill it:
+A `Profile` holds, for each tensor degree t the planner considers, a `Shard` of one layer
+(what one device of a t-way tensor-parallel group computes: num_heads/t heads, d_ff/t MLP
+columns, vocab_size/t vocabulary rows): its FLOPs and bytes per function, its parameter,
+residual and activation bytes, and how long each function takes. Two sources fill it:
+plan/cost/profiler.py measures the model here (times at the sizes measured, interpolated
+by `Profile.local_seconds`, and fits time = c0 + k * max(flops / peak, bytes / bandwidth)
+that the roofline carries to other devices); plan/cost/analytic.py prices every kernel
+from shapes and data sheets (`Profile.analytic`). `synthetic` makes one up for tests.
 
-  - plan/cost/profiler.py measures the model on this machine (JAX; the
-    machine's own micro-benchmarks in plan/cost/microbench.py): times at the
-    sizes measured, interpolated between them (`Profile.local_seconds`),
-    and fits time = c0 + k * max(flops / peak, bytes / bandwidth) per
-    function that the roofline carries to other device types;
-  - plan/cost/analytic.py prices every kernel from the model's shapes and the
-    cluster spec's data sheets (`Profile.analytic`), nothing run here.
-
-A model whose stack entry holds several blocks (a MoE family's
-model.moe_every = n: n - 1 dense blocks, then a MoE block; ModelSpec.
-layers_per_entry) is profiled as one entry, and every per-layer figure is
-the entry's over n: the *average block*, (n-1)/n of a dense one and 1/n of
-a MoE one (FLOPs, bytes and times, parameters, residuals). The pipeline
-cuts chunks between entries (config.py's layer-split check; the search
-splits in multiples of n), so a stage's blocks times the average is their
-exact sum. Averaging, rather than making the profile's layer an entry,
-keeps layer counts in blocks, as the config, plans, plan files and reports
-count them, and every per-layer consumer (simulator, memory, search,
-learned features) as it is; the few costs paid once per entry say so
-(`Profile.layers_per_entry`: a chunk's scan length, FSDP's per-layer
-gathers, a layer's backward workspace), and the experts' all-to-alls,
-which only the MoE block runs, are charged 1/n of them per layer
-(`Experts.every`).
-
-`synthetic` makes one up, for tests and what-ifs. This module is plain data
-and arithmetic: it does not import JAX.
-"""
+Invariant: figures are per block. A model whose stack entry holds n blocks
+(model.moe_every = n) is profiled as one entry and every per-layer figure is the entry's
+over n, the average block; the pipeline cuts chunks between entries, so a stage's blocks
+times the average is their exact sum. Costs paid once per entry say so
+(`Profile.layers_per_entry`), and the experts' all-to-alls count 1/n per layer
+(`Experts.every`). Plain data and arithmetic: no JAX. Why: docs/design/planner_costs.md."""
 
 from __future__ import annotations
 
@@ -89,8 +70,8 @@ def variant(function: str, remat: str) -> str:
 #     run under `cond` (forward+backward), and a padding layer it skips;
 #   stackN_fwd / stackN_bwd (N in STACK_LENGTHS): a layer's forward and
 #     backward in a chunk of N layers over its time in the profile's
-#     2-layer one. XLA:CPU runs a 1-layer chunk without a loop (measured
-#     0.6x a scanned layer's time at 4 x 128 tokens), which a profile of
+#     2-layer one. XLA:CPU runs a 1-layer chunk without a loop, and faster
+#     than a scanned layer, which a profile of
 #     scanned layers overcharges every 1-layer chunk for (pipe = 8 of 8
 #     layers, or v = 2 of 4 per stage).
 #   Split and chunk-length ratios are measured again per remat policy,

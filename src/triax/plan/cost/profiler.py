@@ -1,62 +1,23 @@
-"""Measures the configured model on the local backend (JAX): a measured `Profile`.
+"""Measures the configured model on the local backend (JAX): `measure` -> a measured `Profile`.
 
-For each tensor degree t the planner considers, a *shard* of one transformer
-layer is what one device of a t-way tensor-parallel group computes: the real
-`Block` of triax.model with num_heads/t heads (of the full model's head
-width), d_ff/t MLP columns and vocab_size/t vocabulary rows, run on one
-device. This is a proxy: the Megatron all-reduces between shards are not in
-it; the simulator adds them from the link model.
+For each tensor degree t, a shard of one layer (num_heads/t heads, d_ff/t MLP columns,
+vocab_size/t rows: the real `Block` of triax.model) runs on one device; the Megatron
+all-reduces between shards are not in it (the simulator adds them from the link model).
+Measured, warm and jitted, median of a few runs:
 
-What is measured here, warm and jitted, median of a few runs:
-  - a model chunk's forward (the executor's `model.layers` under jax.vjp, a
-    `lax.scan` over a 2-layer stack, divided by 2: on XLA:CPU a scanned layer
-    costs ~1.6x an unscanned one; chunks of other lengths are priced by
-    the measured stackN ratios below) and its
-    forward+backward in one program, for each remat policy asked for; the
-    backward is the difference. Per policy, because recomputation does not
-    cost what it costs on paper: on XLA:CPU with 8 devices a full-remat
-    layer's forward+backward is *faster* than a stored one's (fewer residual
-    bytes written and read back), which no FLOP count predicts;
-  - the embedding's forward+backward and the head's loss+gradient, which the
-    executor runs inside the first and last chunk's actions;
-  - once, the executor's variants of a layer as ratios to its plain pair
-    (EXECUTOR_RATIOS): zero-bubble B and W as the executor splits them, a
-    layer under an uneven split's `cond`, a skipped padding layer, and a
-    layer in a chunk of 1 or 4 layers (a chunk of one is not a loop, and
-    costs ~0.6x a scanned layer here);
-  - with several local devices, each of the above again on all of them at
-    once (one copy per device under shard_map): the function's *effective
-    cores*, N * solo time / all-N time. Forced CPU devices share the host's
-    cores and memory bus, and how much a function suffers from that depends
-    on the function (a residual-heavy backward far more than an in-cache
-    matmul), so it is measured per function rather than assumed;
-  - this backend's dense-matmul rate and copy bandwidth (its roofline);
-  - with several local devices: how much slower a device computes when the
-    others compute too (forced CPU devices share cores), and ppermute /
-    all-reduce times on the local mesh, fitted as latency + bytes/bandwidth.
+- a chunk's forward and forward+backward as the executor runs them, per remat policy asked
+  for (the backward is the difference), and the embedding's and head's;
+- once, the executor's variants of a layer as ratios to its plain pair (EXECUTOR_RATIOS);
+- with several local devices, each function again on all of them at once (its effective
+  cores), and ppermute / all-reduce times fitted as latency + bytes / bandwidth;
+- this backend's matmul rate and copy bandwidth (plan/cost/microbench.py).
 
-A model whose stack entry is a group of blocks (model.moe_every = n) is
-measured as the executor runs it, by entries (chunks of 1, 2 or 4 entries),
-and every per-layer figure is then the entry's over n, the average block
-(plan/cost/profile.py): times, FLOPs, parameter and residual bytes.
-
-From XLA's cost analysis of the lowered functions (no execution) come FLOPs
-and bytes accessed per shard, linear in the micro-batch size b; from
-`jax.eval_shape` of the chunk's vjp come the residual bytes the executor
-stashes per micro-batch (leaves that are the chunk's own weights excluded,
-as the executor does), for each remat policy.
-
-Times at shapes not measured, and on other device types, follow one model:
-
-  time = c0 + k * max(flops / peak, bytes / bandwidth)
-
-with (c0, k) fitted per function on the local measurements (peak and
-bandwidth: the local ones). Other devices use their spec's peak and
-bandwidth with the same k, i.e. every device is assumed to reach the same
-fraction 1/k of its roofline as this machine does (the report prints it).
-
-Results are cached in memory per (model, tensor degrees, micro-batch sizes).
-"""
+FLOPs and bytes come from XLA's cost analysis of the lowered functions and residual bytes
+from `jax.eval_shape` of the chunk's vjp (no execution). Times at other shapes and on other
+devices follow time = c0 + k * max(flops / peak, bytes / bandwidth), (c0, k) fitted per
+function here. A grouped entry (model.moe_every = n) is measured by entries and reported
+per average block. Results are cached per (model, tensor degrees, micro-batch sizes).
+Why each measurement is there: docs/design/planner_costs.md."""
 
 from __future__ import annotations
 
@@ -95,8 +56,8 @@ _MAX_MEASURED_TOKENS = 2048
 # Micro-batch sizes measured at the smallest tensor degree, at most.
 _MAX_SIZES = 6
 # Threads compiling at once, at most one per core: XLA compiles outside the
-# GIL but tracing holds it, and more threads than cores only contend (4
-# threads on 2 cores took ~5% more CPU time than 2 for the same programs).
+# GIL but tracing holds it, and more threads than cores only contend (they
+# took more CPU time for the same programs).
 _COMPILE_THREADS = 4
 
 
@@ -232,8 +193,8 @@ def _points_to_measure(
   bs = sorted({min(b, cap) for b in microbatches})
   lo, hi = bs[0], bs[-1]
   # Per-sequence cost is not flat in b on a cache-bound CPU, nor smooth: a
-  # line from b=1 to b=4 missed the measured b=2 by 10% (remat none) to 35%
-  # (full remat's backward). So every size the search considers is measured
+  # line from b=1 to b=4 missed the measured b=2 badly, most for full
+  # remat's backward. So every size the search considers is measured
   # at the smallest degree, where most plans are (at most _MAX_SIZES,
   # spread evenly in log b); other degrees get the two ends.
   if len(bs) > _MAX_SIZES:

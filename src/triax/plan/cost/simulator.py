@@ -1,85 +1,25 @@
-"""A `Plan` fixes the degrees (data, context, tensor, pipe), the schedule, micro-batches,
-virtual stages, remat, which cluster devices form each pipeline stage and
-how many layers each stage holds. `simulate` turns it into per-action costs
-and times the schedule two ways:
+"""Predicts a `Plan`'s step time and memory on a cluster: `simulate_plan` -> `Estimate`.
 
-- lockstep (the default, what triax's executor runs):
-  `triax.pipeline.simulate.simulate_lockstep`, the one tick model the CLI
-  uses too, over the lowered program (one compute action per stage per
-  tick, every backward run as B then W), with this plan's cost model
-  (`PlanTickCosts`): per-chunk costs (the embedding runs inside chunk 0's
-  actions, the head's loss and gradient inside the last chunk's forward),
-  the neighbour ppermutes in every tick (one per stage offset the
-  placement uses; the executor sends zeros when idle) and the residual one
-  under BPipe, and devices that share cores (a tick's compute on a node
-  takes at least the sum of the node capacity its busy devices take:
-  measured per function on this machine by running it on every local
-  device at once; a spec'd node's shared_cores elsewhere).
-- asynchronous (the papers' model): `simulate.simulate_async` of the
-  schedule as built (a fused schedule's B is its whole backward) with one
-  Costs per stage (the sum over its chunks), then floored by the same core
-  sharing bound over the whole step.
+A plan fixes the degrees (data, context, tensor, pipe, expert), the schedule, micro-batches,
+virtual stages, remat, the state sharding, which devices form each pipeline stage and how
+many layers each holds. `action_costs` prices every action per chunk from the profile (the
+embedding runs inside chunk 0's actions, the head's loss and gradient inside the last
+chunk's forward) and the cluster's links (plan/cost/comm.py). The schedule is then timed
+two ways from the same costs:
 
-Both then add what follows the pipeline: the psum of the embedding and head
-gradients over `pipe`, the data-parallel gradient all-reduce when it is
-modelled per step (the default: triax's executor accumulates each replica's
-gradients unreduced and reduces them once, after its tick loop), and the
-optimizer update. `Options(dp_allreduce='per_microbatch')` charges it inside
-every backward instead, as a pipeline whose gradient accumulator is
-replicated over `data` pays it (triax before the executor made `data`
-manual; frameworks that differentiate through a scan).
+- lockstep (the default, what triax's executor runs): `simulate.simulate_lockstep` over
+  the lowered program, with this plan's `PlanTickCosts` (neighbour ppermutes every tick,
+  BPipe's residual moves, devices that share cores);
+- asynchronous (the papers' model): `simulate.simulate_async` of the schedule as built,
+  one `Costs` per stage, floored by the same core-sharing bound.
 
-How the training state is split over `data` (Plan.state_sharding) changes
-what is communicated, as triax's step runs it:
+Both then add the tail: the edge gradients' psum over `pipe`, the data-parallel gradient
+reduction (once per step; Options.dp_allreduce='per_microbatch' charges it in every
+backward), the state sharding's gathers and the optimizer update. Memory is
+plan/cost/memory.py's; Plan, Options and Estimate live in plan/candidate.py.
 
-- replicated: the gradient all-reduce above;
-- zero1: each replica updates its 1/data share of the moments, then the
-  updated parameters are all-gathered; the gradient is reduce-scattered
-  into the shares without the executor (pipe = m = 1), and all-reduced by
-  it (its one psum over `data` after the tick loop) with it;
-- fsdp with the executor (pipe > 1 or m > 1): the stage's weights are
-  all-gathered once per step before the tick loop and the gradients
-  all-reduced after it (per step, in the tail);
-- fsdp without it (ZeRO-3 proper): each layer's weights are all-gathered
-  in its forward and again in its backward, and its weight gradient
-  reduce-scatter, over the stage's data groups. By default they add to
-  the layers' compute: n layers' forward takes n (c + g) (g: the gather;
-  the backward the same with gather + reduce-scatter for g), as triax's
-  layer scan runs them. Options(fsdp_overlap=True) takes them as ZeRO-3
-  runs them, each gather prefetched beside the previous layer's compute:
-  g + (n-1) max(c, g) + c (only the first gather and the last
-  reduce-scatter exposed), assuming the collectives do not slow the
-  compute they overlap. The embedding's and head's are exposed, in the tail.
-
-The optimizer update of a sharded state moves 1/data of the bytes.
-
-Context parallelism (Plan.context = c) splits every sequence c ways for the
-whole layer: a device computes b/c sequences' worth (`Plan.compute_batch`;
-its attention, s/c queries over s keys, is 1/c of the sequence's too),
-its tensor all-reduces and pipeline messages carry 1/c of the positions,
-attention adds its K/V collectives (`context_seconds`), and weight
-gradients are summed over data x context. Sequence parallelism
-(Plan.sequence_parallel) turns each tensor all-reduce into a
-reduce-scatter and an all-gather of the same bytes (the same time here)
-and leaves pipeline messages split over tensor (no gather on arrival);
-what both do to memory is plan/cost/memory.py's.
-
-A MoE model's experts split over Plan.expert devices (plan/cost/experts.py):
-each layer's forward and backward add their all-to-alls over the expert
-groups (collectives, as the tensor all-reduces), the layer's compute waits
-for the device of the busiest expert (Options.moe_imbalance), and the
-gradient and optimizer bytes of the experts are 1/expert of theirs.
-
-A model whose stack entry is a group of blocks (model.moe_every = n) is
-priced per block from the profile's average block (plan/cost/profile.py;
-every stage holds whole groups); what runs once per entry is counted in
-entries (StageCosts.entry): a chunk's scan length for the executor's
-measured chunk-length ratios, and FSDP's per-layer gathers, of a whole
-entry's weights.
-
-Plan, Options and Estimate live in plan/candidate.py, the memory model in
-plan/cost/memory.py, the trace writer in plan/cost/trace.py.
-"""
+How state sharding, context, sequence and expert parallelism enter the costs:
+docs/design/time_model.md."""
 
 from __future__ import annotations
 

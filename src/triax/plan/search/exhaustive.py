@@ -1,44 +1,20 @@
 """The exhaustive strategy maker (`--search=exhaustive`): enumerate, balance, simulate, rank.
 
-For a model config and a cluster it tries every
+`search(cfg, cluster, top_k, options, profile)` tries every layout layouts.py enumerates
+(data x context x tensor x pipe over the device count, sequence parallelism, a MoE model's
+expert degree, micro-batches, virtual stages and every schedule the config validator
+accepts for those sizes), and for each evaluate.py's device assignments, layer partitions
+(the even split and partition.balance's under each stage's memory), remat policies and
+state shardings (candidate.STATE_SHARDINGS); synthesized.py adds a synthesised schedule
+where memory leaves the named ones bubble. Each plan is simulated (ranked by the lockstep
+model, the executor's, unless `options` say otherwise).
 
-  data x context x tensor x pipe  whose product is the device count (tensor
-                        must divide heads, d_ff and vocabulary; context c
-                        needs seq_len % 2c == 0, the load-balanced split,
-                        the xla attention path, and gives each rank at
-                        least MIN_CONTEXT_POSITIONS positions),
-  sequence parallelism  off, and on where tensor > 1 and seq_len splits
-                        over context x tensor,
-  expert degree         a MoE model's mesh.expert: each divisor of data that
-                        divides num_experts (1 for a dense model);
-  micro-batches m       dividing the per-replica batch (size = B / (d m));
-                        pipe = m = 1 only for a family whose spec refuses
-                        the pipeline executor (Spec.executor_refusal),
-  virtual stages v,     schedule (every entry of schedule.SCHEDULES the
-                        config validator accepts for those sizes),
-  assignment            of devices to pipeline stages: by speed, fastest
-                        first or last, or in node order,
-  layer partition       the even split and the dynamic program's
-                        (partition.balance) under each stage's memory,
-  remat                 'none', or 'attention' / 'dots' / 'full' (in that
-                        order, the first that fits) only where 'none' runs
-                        out of memory (on paper recomputation never speeds
-                        up); all four where they were measured on this
-                        machine (on XLA:CPU full remat can be faster),
-  state sharding        with data > 1: replicated, ZeRO-1 (moments over
-                        data) and FSDP (parameters too; d_model must
-                        divide by data): candidate.STATE_SHARDINGS,
-
-(layouts.py: the layouts; evaluate.py: devices, splits, remat and state
-sharding of each, priced; synthesized.py: a synthesised schedule where the
-device's memory leaves the named ones bubble), simulates each (ranking by the lockstep model,
-the executor's, unless asked otherwise) and keeps the fastest plans that fit in memory and that
-triax's config validator accepts. Of plans predicted equally fast, the one
-without context parallelism, then without sequence parallelism ranks first
-(the simpler mesh; plans without them read as they did). Baselines, always
-reported beside the winner: baselines.py's, this search's plans for the
-cluster made of its slowest device type being the whole search again.
-"""
+Returns a `SearchResult`: the `top_k` fastest plans that fit in memory and that triax's
+config validator accepts, and baselines (baselines.py's, and this search rerun on the
+cluster made of its slowest device type). Ties rank the plan without context parallelism,
+then without sequence parallelism, first. Remat other than 'none' is tried only where
+'none' runs out of memory, unless remat was measured on this machine.
+What is enumerated and why: docs/design/planner_search.md."""
 
 from __future__ import annotations
 

@@ -1,43 +1,22 @@
 """Synthesised schedules in the planner: where memory, not the schedule, leaves bubble.
 
-The executor keeps two buffers per micro-batch-chunk: its residual set
-(stash, from F to W) and, from B to W, a cut (plan/cost/memory.py). The
-named schedules sit at a few points of that memory: 1F1B holds p sets and
-one cut, ZB-H1 p sets and p cuts (its delayed W's fill the bubble), GPipe
-m sets. Where the device's memory falls between two of them, the one that
-fits keeps its bubble while a faster one runs out of memory; the
-synthesiser (triax.pipeline.synthesis, its heuristic under a time limit)
-fills that gap with the least-bubble order holding at most K sets and C
-cuts, for the K and C the memory leaves. `candidates` prices such plans
-beside the named ones, only where one can win:
+`candidates(cfg, cluster, profile, options, found)` returns plans whose schedule the
+synthesiser (triax.pipeline.synthesis, its heuristic under a time limit) makes with at most
+K residual sets and C cuts per stage, for the K and C the device's memory leaves; each is
+the fastest that fits for its layout. A layout gets one only where one can win:
 
-- a pipeline (p >= 2) with m >= 2p micro-batches (with fewer, every
-  schedule's warm-up and cool-down are most of the step);
-- some named schedule of the same layout is faster than its best that fits
-  but runs out of memory (else memory is not what costs the bubble);
-- the layout's bubble-free bound (its busiest stage's work, the tail) is
-  below the best plan found so far;
-- it is among the `LAYOUTS` such layouts with the lowest bound: a
-  synthesis takes seconds at m = 32 (6 s at p = 4, v = 4, K = 13; up to
-  `PAIRS` per layout), and a search on a mixed cluster meets many layouts
-  with costs of their own. gpt_1b at batch 64 on the HeteroG testbed
-  (analytic profile): 47 s with this cap, 46 s synthesising nothing, more
-  than 8 minutes synthesising every such layout.
+- a pipeline (p >= 2) with m >= 2p micro-batches;
+- some named schedule of the layout is faster than its best that fits but runs out of
+  memory;
+- the layout's bubble-free bound is below the best plan found so far;
+- it is among the `LAYOUTS` such layouts with the lowest bound (up to `PAIRS` (K, C)
+  pairs each: a synthesis takes seconds).
 
-The bytes a layout has for sets and cuts are what its fastest such named
-plan leaves beside them (the same state, messages and workspace); for each
-K up to that plan's sets (the `PAIRS` largest that leave room for a cut),
-C is the most cuts the rest holds, and the synthesised plan is priced by
-the simulator (the memory model reads the program's own slots). Syntheses
-are cached per (p, m, v, K, C, costs), the costs relative to the forward
-and rounded to two digits: the layouts of one search mostly share them,
-and the synthesiser's orders do not change with the time unit.
-
-`sets_within` turns a memory limit in bytes into K for `triax schedule
---synthesize --memory_limit_mib`: the bytes of one stashed micro-batch of a
-chunk as this memory model prices them (`memory.chunk_stash`), from the
-config's model by the analytic profile (`triax plan --profile=analytic`'s).
-"""
+K and C come from the bytes the layout's fastest fitting named plan leaves beside its
+state, messages and workspace; the result is priced by the simulator (the memory model
+reads the program's own slots). Syntheses are cached per (p, m, v, K, C, costs relative to
+the forward, rounded to two digits). `sets_within` turns a byte limit into K for `triax
+schedule --synthesize --memory_limit_mib`. Why: docs/design/planner_search.md."""
 
 from __future__ import annotations
 
