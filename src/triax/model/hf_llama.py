@@ -40,7 +40,7 @@ _REQUIRED = {
   'mlp_bias': False,
   # mixtral: training-time noise on the router's input, which triax does not add.
   'router_jitter_noise': 0.0,
-  # qwen2_moe: experts in every block (triax's moe_every > 1 has no converter).
+  # qwen2_moe, qwen3_moe: experts in every block (triax's moe_every > 1 has no converter).
   'decoder_sparse_step': 1,
   'mlp_only_layers': [],
 }
@@ -48,8 +48,10 @@ _REQUIRED = {
 MODEL_TYPES = {
   'llama': ('llama', 'LlamaForCausalLM'),
   'qwen2': ('llama', 'Qwen2ForCausalLM'),
+  'qwen3': ('llama', 'Qwen3ForCausalLM'),
   'mixtral': ('mixtral', 'MixtralForCausalLM'),
   'qwen2_moe': ('mixtral', 'Qwen2MoeForCausalLM'),
+  'qwen3_moe': ('mixtral', 'Qwen3MoeForCausalLM'),
 }
 # The triax families that convert.
 FAMILIES = ('llama', 'mixtral')
@@ -57,11 +59,13 @@ FAMILIES = ('llama', 'mixtral')
 
 def model_type(model_cfg) -> str:
   """The HF model_type a triax model config exports to (whose tensor names
-  its layers have): a llama with q/k/v biases is a qwen2, a mixtral with
-  Qwen2-MoE's parts a qwen2_moe."""
+  its layers have): a llama with q/k norms is a qwen3, with q/k/v biases a
+  qwen2; a mixtral with q/k norms a qwen3_moe, with Qwen2-MoE's parts a qwen2_moe."""
   m = model_cfg
   if m.family == 'llama':
-    return 'qwen2' if m.qkv_bias else 'llama'
+    return 'qwen3' if m.qk_norm else 'qwen2' if m.qkv_bias else 'llama'
+  if m.qk_norm:
+    return 'qwen3_moe'
   if m.qkv_bias or m.shared_experts or not m.norm_topk_prob:
     return 'qwen2_moe'
   return m.family
@@ -119,16 +123,17 @@ def model_config(hf: Mapping, seq_len: int) -> dict:
     if hf.get(key, value) != value:
       raise ConfigError('--hf_dir', f'config.json: {key}={hf[key]!r}; triax runs {value!r} only')
   d, n = hf['hidden_size'], hf['num_attention_heads']
-  if hf.get('head_dim') not in (None, d // n) or d % n:
+  head_dim = hf.get('head_dim') or 0
+  if not head_dim and d % n:
     raise ConfigError(
-      '--hf_dir',
-      f'config.json: head_dim={hf.get("head_dim")} is not hidden_size/num_attention_heads',
+      '--hf_dir', f'config.json: no head_dim, and num_attention_heads={n} does not divide {d}'
     )
   theta, scaling = _rope(hf)
   extra = {'qkv_bias': True} if kind == 'qwen2' else {}
   if MODEL_TYPES[kind][0] == 'mixtral':
     extra = {
-      'num_experts': hf['num_local_experts' if kind == 'mixtral' else 'num_experts'],
+      # transformers 5 writes Qwen3-MoE's count as num_local_experts, its hub configs num_experts.
+      'num_experts': hf.get('num_local_experts') or hf['num_experts'],
       'experts_per_token': hf['num_experts_per_tok'],
       # transformers' training objective: its aux loss weight, no z-loss.
       'router_aux_loss_coef': float(hf.get('router_aux_loss_coef', 0.001)),
@@ -136,13 +141,18 @@ def model_config(hf: Mapping, seq_len: int) -> dict:
     }
   if kind == 'qwen2_moe':
     extra.update(_qwen2_moe(hf))
+  if kind in ('qwen3', 'qwen3_moe'):
+    extra.update(qk_norm=True)
+  if kind == 'qwen3_moe':
+    extra.update(norm_topk_prob=bool(hf.get('norm_topk_prob', False)))
   return {
     'family': MODEL_TYPES[kind][0],
     'num_layers': hf['num_hidden_layers'],
     'd_model': d,
     'num_heads': n,
+    'head_dim': 0 if head_dim == d // n else head_dim,
     'num_kv_heads': hf.get('num_key_value_heads') or n,
-    'd_ff': hf['moe_intermediate_size' if kind == 'qwen2_moe' else 'intermediate_size'],
+    'd_ff': hf['moe_intermediate_size' if kind.endswith('_moe') else 'intermediate_size'],
     'vocab_size': hf['vocab_size'],
     'seq_len': seq_len,
     'rope_theta': theta,
@@ -208,6 +218,36 @@ def _qwen2_moe_hf(m, base: Mapping | None) -> dict:
   )
 
 
+def _qwen3_moe_hf(m, base: Mapping | None) -> dict:
+  """HF's Qwen3MoeConfig keys of a mixtral config with q/k norms.
+
+  Raises:
+    ConfigError('--workdir', ...): parts Qwen3-MoE does not have (q/k/v
+      biases, shared experts).
+  """
+  if m.qkv_bias or m.shared_experts:
+    raise ConfigError(
+      '--workdir',
+      'model.qk_norm with q/k/v biases or shared experts: Qwen3MoeForCausalLM has neither',
+    )
+  return dict(
+    num_experts=m.num_experts,
+    num_local_experts=m.num_experts,
+    num_experts_per_tok=m.experts_per_token,
+    moe_intermediate_size=m.d_ff,
+    # The dense MLP's width, which no block of this model has (every block is a MoE).
+    intermediate_size=(base or {}).get('intermediate_size', m.d_ff),
+    norm_topk_prob=m.norm_topk_prob,
+    attention_bias=False,
+    decoder_sparse_step=1,
+    mlp_only_layers=[],
+    use_sliding_window=False,
+    sliding_window=None,
+    router_aux_loss_coef=m.router_aux_loss_coef,
+    output_router_logits=False,
+  )
+
+
 def hf_config(model_cfg, base: Mapping | None = None) -> dict:
   """An HF LlamaConfig (MixtralConfig, Qwen2MoeConfig: see `model_type`) dict
   for config.model, over `base` (the imported checkpoint's own config.json,
@@ -229,6 +269,8 @@ def hf_config(model_cfg, base: Mapping | None = None) -> dict:
     )
   if kind == 'qwen2_moe':
     out.update(_qwen2_moe_hf(m, base))
+  elif kind == 'qwen3_moe':
+    out.update(_qwen3_moe_hf(m, base))
   elif kind == 'mixtral':
     out.update(
       num_local_experts=m.num_experts,
@@ -240,9 +282,11 @@ def hf_config(model_cfg, base: Mapping | None = None) -> dict:
     )
   elif kind == 'qwen2':
     out.update(use_sliding_window=False, sliding_window=None)
+  elif kind == 'qwen3':
+    out.update(use_sliding_window=False, sliding_window=None, attention_bias=False)
   else:
     out.update(attention_bias=False, mlp_bias=False)
-  if kind != 'qwen2_moe':
+  if not kind.endswith('_moe'):
     out['intermediate_size'] = m.d_ff
   out.update(
     architectures=[MODEL_TYPES[kind][1]],
@@ -251,7 +295,7 @@ def hf_config(model_cfg, base: Mapping | None = None) -> dict:
     num_hidden_layers=m.num_layers,
     num_attention_heads=m.num_heads,
     num_key_value_heads=m.num_kv_heads or m.num_heads,
-    head_dim=m.d_model // m.num_heads,
+    head_dim=m.head_dim or m.d_model // m.num_heads,
     vocab_size=m.vocab_size,
     max_position_embeddings=(base or {}).get('max_position_embeddings', m.seq_len),
     rms_norm_eps=m.norm_eps,
@@ -312,8 +356,10 @@ def _layer_names(i: int, m) -> dict[str, str | list[str]]:
   }
   if m.qkv_bias:
     names.update({f'b{x}': f'{p}self_attn.{x}_proj.bias' for x in 'qkv'})
+  if m.qk_norm:
+    names.update({f'{x}_norm': f'{p}self_attn.{x}_norm.weight' for x in 'qk'})
   kind = model_type(m)
-  if kind in ('llama', 'qwen2'):
+  if kind in ('llama', 'qwen2', 'qwen3'):
     return {
       **names,
       'w_gate': p + 'mlp.gate_proj.weight',
@@ -336,6 +382,7 @@ def _layer_names(i: int, m) -> dict[str, str | list[str]]:
 _MOE_NAMES = {
   'mixtral': ('block_sparse_moe.', ('w1', 'w3', 'w2')),
   'qwen2_moe': ('mlp.', ('gate_proj', 'up_proj', 'down_proj')),
+  'qwen3_moe': ('mlp.', ('gate_proj', 'up_proj', 'down_proj')),
 }
 # The shared expert's weights (triax's 'shared_gate', ...; HF's '{w}_proj').
 _SHARED = ('gate', 'up', 'down')
@@ -345,10 +392,12 @@ def _shapes(m) -> dict[str, tuple[int, ...]]:
   """Each layer weight's triax shape (without the layer axis; an expert's
   without the experts axis)."""
   n, kv, d, f = m.num_heads, m.num_kv_heads or m.num_heads, m.d_model, m.d_ff
-  hd = d // n
+  hd = m.head_dim or d // n
   extra = {'router': (d, m.num_experts)} if m.family == 'mixtral' else {}
   if m.qkv_bias:
     extra.update(bq=(n, hd), bk=(kv, hd), bv=(kv, hd))
+  if m.qk_norm:
+    extra.update(q_norm=(hd,), k_norm=(hd,))
   if m.family == 'mixtral' and m.shared_experts:
     s = m.shared_experts * f
     extra.update(shared_gate=(d, s), shared_up=(d, s), shared_down=(s, d))
