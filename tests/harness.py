@@ -182,6 +182,46 @@ def run_cli(module: str, *args: str, timeout: int = 600, env_extra=None):
   )
 
 
+def flip_a_params_byte(workdir, step: int, params) -> str:
+  """Flips a bit of checkpoint `step` where its params are: read without the
+  checksums, they come back changed and orbax says nothing. `params` are
+  those of the intact checkpoint, placed where a read puts them. Returns the file."""
+  from triax.training import workdir as workdir_lib
+  from triax.training.checkpoint import Checkpointer
+
+  cfg = workdir_lib.load_config(workdir)
+  target = jax.tree.map(
+    lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), params
+  )
+  state = os.path.join(workdir, workdir_lib.CHECKPOINTS, str(step), 'state')
+  files = [os.path.join(root, n) for root, _, names in os.walk(state) for n in names]
+  for path in sorted(files, key=os.path.getsize, reverse=True):  # the arrays' chunks first
+    size = os.path.getsize(path)
+    for at in range(size // 32, size, max(1, size // 16)):
+      _flip_bit(path, at)
+      unchecked, reason = Checkpointer(workdir, cfg)._read_params(step, target)
+      if reason is None and any(
+        not np.array_equal(a, b)
+        for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(unchecked))
+      ):
+        return path
+      _flip_bit(path, at)  # back: no params there, or orbax noticed
+  raise AssertionError(f'no byte of {state} changes the params silently')
+
+
+def _flip_bit(path: str, at: int) -> None:
+  with open(path, 'r+b') as f:
+    f.seek(at)
+    byte = f.read(1)[0]
+    f.seek(at)
+    f.write(bytes([byte ^ 1]))
+
+
+def file_bytes(directory) -> dict:
+  """Every file under `directory` (a Path) and its bytes: what a refused command leaves as it was."""
+  return {p.relative_to(directory): p.read_bytes() for p in directory.rglob('*') if p.is_file()}
+
+
 # ------------------------------------------------ runs of `python -m triax train` on a text
 
 SMOKE = 'experiments/gpt_tiny.py:smoke'

@@ -51,7 +51,7 @@ def check_logits(model, workdir, result, tokens):
   import torch
 
   assert result['params'] == sum(p.numel() for p in model.parameters())
-  params = workdir_lib.restore_params(workdir, result['config'], 0)
+  _, params = workdir_lib.restore_params(workdir, result['config'])
   ours = generation.sampling_model(result['config']).logits(params, jnp.asarray(tokens))
   with torch.no_grad():
     theirs = model(torch.from_numpy(tokens).long()).logits.numpy()
@@ -121,7 +121,7 @@ def check_greedy(model, workdir, cfg):
   """triax's greedy tokens from the imported checkpoint equal transformers'."""
   import torch
 
-  params = workdir_lib.restore_params(workdir, cfg, 0)
+  _, params = workdir_lib.restore_params(workdir, cfg)
   prompt = [5, 17, 200, 33]
   ours = generation.generate(
     generation.sampling_model(cfg),

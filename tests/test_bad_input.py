@@ -18,7 +18,7 @@ import forkserver
 import harness
 import pytest
 
-from triax.training import checkpoint as ckpt_lib
+from triax.training import workdir as workdir_lib
 
 SMOKE = 'experiments/gpt_tiny.py:smoke'
 TRAIN_FLAGS = ['--cpu_devices=8', '--progress=false']
@@ -85,7 +85,7 @@ def fake_checkpoint(d):
   os.makedirs(os.path.join(step, 'state'))
   with open(os.path.join(step, 'state', 'data'), 'w') as f:
     f.write('not an array')
-  with open(os.path.join(step, ckpt_lib.MANIFEST), 'w') as f:
+  with open(os.path.join(step, workdir_lib.MANIFEST), 'w') as f:
     json.dump({'step': 4, 'files': {'state/data': 12}}, f)
 
 

@@ -27,7 +27,6 @@ from test_reliability import (
 
 from triax import config as config_lib
 from triax.errors import ConfigError
-from triax.training import checkpoint as ckpt_lib
 from triax.training import elastic, replan
 from triax.training import workdir as workdir_lib
 
@@ -61,7 +60,7 @@ def _process_pid(parent, process_id):
 
 
 def _has_checkpoint(workdir, step):
-  return os.path.exists(os.path.join(workdir, 'checkpoints', str(step), ckpt_lib.MANIFEST))
+  return os.path.exists(os.path.join(workdir, 'checkpoints', str(step), workdir_lib.MANIFEST))
 
 
 def _kill_process_after(supervisor, workdir, process_id, checkpoint, step, timeout=300):

@@ -103,6 +103,25 @@ def test_export_import_export_is_bit_identical(imported, tmp_path):
   hf_round_trip.check(first, reference, tmp_path, model, transformers.LlamaForCausalLM, _tokens())
 
 
+def test_a_flipped_byte_in_the_params_stops_export_with_one_line(imported, tmp_path):
+  """Export reads the checkpoint as a resume does: a flipped byte is one error
+  line and exit 2, never a Hugging Face checkpoint of changed weights."""
+  _, _, workdir, result = imported
+  damaged = tmp_path / 'w'
+  shutil.copytree(workdir, damaged)
+  _, params = workdir_lib.restore_params(damaged, result['config'])
+  shard = harness.flip_a_params_byte(damaged, 0, params)
+  before = harness.file_bytes(damaged)
+  out = tmp_path / 'hf'
+  result = harness.run_cli(
+    'triax.cli.convert', f'--workdir={damaged}', f'--hf_dir={out}', '--export'
+  )
+  assert result.returncode == 2 and result.stdout == ''
+  (line,) = result.stderr.strip().splitlines()
+  assert line.startswith(f'error: --workdir: checkpoint 0 is damaged: {shard} '), line
+  assert not out.exists() and harness.file_bytes(damaged) == before
+
+
 def test_a_checkpoint_written_before_qkv_bias_existed_restores(imported, tmp_path):
   """Its model record has no 'qkv_bias' (registry.RECORD_DEFAULTS): the
   Llama of then, without biases, which this config still is."""
@@ -117,7 +136,7 @@ def test_a_checkpoint_written_before_qkv_bias_existed_restores(imported, tmp_pat
   data = json.dumps(record).encode()
   with open(path, 'wb') as f:
     f.write(data)
-  manifest = os.path.join(step_dir, 'triax_manifest.json')
+  manifest = os.path.join(step_dir, workdir_lib.MANIFEST)
   with open(manifest) as f:
     entries = json.load(f)
   entries['files']['model/metadata'] = {'bytes': len(data), 'crc32': zlib.crc32(data)}
@@ -192,7 +211,7 @@ def test_tied_embeddings_import_and_export(tmp_path):
   workdir = str(tmp_path / 'w')
   result = hf_checkpoint.import_hf(hf_dir, workdir)
   assert result['config'].model.tie_embeddings
-  params = workdir_lib.restore_params(workdir, result['config'], 0)
+  _, params = workdir_lib.restore_params(workdir, result['config'])
   assert 'out' not in params['head']
   ours = generation.sampling_model(result['config']).logits(params, jnp.asarray(_tokens()))
   with torch.no_grad():

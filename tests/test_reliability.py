@@ -26,6 +26,7 @@ from harness import SMOKE, cli_env, start_train, write_corpus  # noqa: F401
 
 from triax.errors import ConfigError
 from triax.training import checkpoint as ckpt_lib
+from triax.training import workdir as workdir_lib
 from triax.training.checkpoint import Checkpointer
 
 # ---------------------------------------------------------------- helpers
@@ -88,7 +89,7 @@ def intact_steps(workdir):
   return sorted(
     int(n)
     for n in os.listdir(directory)
-    if n.isdigit() and os.path.exists(os.path.join(directory, n, ckpt_lib.MANIFEST))
+    if n.isdigit() and os.path.exists(os.path.join(directory, n, workdir_lib.MANIFEST))
   )
 
 
@@ -215,7 +216,7 @@ def test_damaged_latest_checkpoint_falls_back_to_previous(tmp_path, small_traine
     assert len(warnings) == 1 and latest in warnings[0] and latest[:-1] + '4' in warnings[0]
     assert '\n' not in warnings[0]
     ckpt.prepare_to_write()  # moves the damaged step aside so step 6 can be written again
-    assert os.path.isdir(os.path.join(workdir, ckpt_lib.DAMAGED_DIR, '6'))
+    assert os.path.isdir(os.path.join(workdir, workdir_lib.DAMAGED, '6'))
     ckpt.save(small_trainer, restored.replace(step=jnp.asarray(6, jnp.int32)))
     ckpt.close()
     again = Checkpointer(workdir, cfg)
@@ -226,7 +227,7 @@ def test_manifest_holds_a_checksum_of_every_file(tmp_path, small_trainer):
   workdir = str(tmp_path)
   _save_steps(small_trainer, workdir, [2])
   step = os.path.join(workdir, 'checkpoints', '2')
-  with open(os.path.join(step, ckpt_lib.MANIFEST)) as f:
+  with open(os.path.join(step, workdir_lib.MANIFEST)) as f:
     files = json.load(f)['files']
   assert files and any(rel.startswith('state' + os.sep) for rel in files)
   for rel, entry in files.items():
@@ -248,7 +249,7 @@ def test_fallback_with_no_intact_step_is_one_input_error(tmp_path, small_trainer
 def test_no_intact_checkpoint_is_an_input_error(tmp_path, small_trainer):
   workdir = str(tmp_path)
   cfg = _save_steps(small_trainer, workdir, [2])
-  os.remove(os.path.join(workdir, 'checkpoints', '2', ckpt_lib.MANIFEST))
+  os.remove(os.path.join(workdir, 'checkpoints', '2', workdir_lib.MANIFEST))
   before = sorted(os.listdir(os.path.join(workdir, 'checkpoints', '2')))
   with jax.set_mesh(small_trainer.mesh), pytest.raises(ConfigError) as error:
     Checkpointer(workdir, cfg).restore(small_trainer)
@@ -415,7 +416,7 @@ def test_sigkill_anywhere_then_resume_gives_the_same_run(crash_setup):
   assert len(warned) == 1, warned
   assert all(os.path.join(directory, str(s)) in warned[0] for s in (latest, previous)), warned
   assert f'resumed at step {previous})' in open(str(root / 'run4.out')).read()
-  assert os.path.isdir(os.path.join(workdir, ckpt_lib.DAMAGED_DIR, str(latest)))
+  assert os.path.isdir(os.path.join(workdir, workdir_lib.DAMAGED, str(latest)))
   assert intact_steps(workdir) == [16, 20, 24]
 
   worst = assert_same_losses(losses(workdir), losses(reference))

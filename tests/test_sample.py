@@ -31,6 +31,7 @@ def trained(tmp_path_factory):
 
   cfg = _gpt_tiny_smoke()
   cfg.train.steps = 2
+  cfg.train.record_sample_ids = True  # samples.jsonl too: every name a run can write
   workdir = str(tmp_path_factory.mktemp('sample') / 'run')
   loop.train_and_evaluate(cfg, workdir, progress=False)
   return workdir
@@ -87,6 +88,32 @@ def test_workdir_without_checkpoints_exits_2_naming_workdir(trained, tmp_path):
     assert line.startswith('error: --workdir:'), line
 
 
+def test_a_runs_workdir_holds_only_names_that_workdir_py_owns(trained):
+  """A new file or folder in a workdir fails here until training/workdir.py names it."""
+  names = set(os.listdir(trained))
+  assert names <= set(workdir_lib.NAMES), sorted(names - set(workdir_lib.NAMES))
+  wrote = {workdir_lib.CONFIG, workdir_lib.METRICS, workdir_lib.SAMPLES, workdir_lib.CHECKPOINTS}
+  assert wrote <= names, sorted(wrote - names)
+  checkpoints = workdir_lib.path(trained, workdir_lib.CHECKPOINTS)
+  for step in os.listdir(checkpoints):
+    assert step.isdigit() and os.path.isfile(os.path.join(checkpoints, step, workdir_lib.MANIFEST))
+
+
+def test_a_flipped_byte_in_the_params_stops_sample_with_one_line(trained, tmp_path):
+  """Sample reads a checkpoint as a resume does, checksums first."""
+  workdir = tmp_path / 'run'
+  shutil.copytree(trained, workdir)
+  _, params = workdir_lib.restore_params(workdir, workdir_lib.load_config(workdir))
+  shard = harness.flip_a_params_byte(workdir, 2, params)
+  before = harness.file_bytes(workdir)
+  result = _sample(workdir, '--prompt=def ')
+  assert result.returncode == 2 and result.stdout == ''
+  (line,) = result.stderr.strip().splitlines()
+  assert line.startswith(f'error: --workdir: checkpoint 2 is damaged: {shard} '), line
+  assert 'does not match its checksum' in line
+  assert harness.file_bytes(workdir) == before  # nothing moved, mended or deleted
+
+
 def test_prompt_longer_than_the_context_exits_2_naming_prompt(trained):
   result = _sample(trained, '--prompt=' + 'x' * 33)  # the smoke model's seq_len is 32
   assert result.returncode == 2
@@ -96,14 +123,13 @@ def test_prompt_longer_than_the_context_exits_2_naming_prompt(trained):
 
 def test_greedy_sampling_on_a_mesh_matches_one_device_and_splits_the_weights(trained):
   cfg = workdir_lib.load_config(trained)
-  step = workdir_lib.latest_step(trained, cfg)
   model = generation.sampling_model(cfg)
   sampling = generation.Sampling(max_new_tokens=16, temperature=0.0)
   prompt = generation.encode_prompt('def ', cfg.model.seq_len, workdir_lib.tokenizer(trained, cfg))
   outputs, weights = {}, {}
   for shape in (None, (2, 2, 2), (1, 1, 4)):
     placement = generation.Placement.build(cfg, shape)
-    params = workdir_lib.restore_params(trained, cfg, step, placement.shardings(model))
+    _, params = workdir_lib.restore_params(trained, cfg, placement.shardings(model))
     outputs[shape] = generation.generate(model, params, prompt, sampling, placement).tolist()
     # Per device, the weights the sampling program takes fall with the mesh.
     weights[shape] = sum(a.addressable_shards[0].data.nbytes for a in jax.tree.leaves(params))
@@ -123,7 +149,6 @@ def test_prefill_split_over_context_ranks_gives_one_devices_tokens(trained):
   steps whole; the greedy tokens of one device. Only the prefill's split puts
   collectives in the program (the weights are not split over context)."""
   cfg = workdir_lib.load_config(trained)
-  step = workdir_lib.latest_step(trained, cfg)
   model = generation.sampling_model(cfg)
   sampling = generation.Sampling(max_new_tokens=12, temperature=0.0)
   tok = workdir_lib.tokenizer(trained, cfg)
@@ -132,13 +157,13 @@ def test_prefill_split_over_context_ranks_gives_one_devices_tokens(trained):
     prompt = generation.encode_prompt(text, cfg.model.seq_len, tok)
     for shape in (None, (1, 2, 1, 1), (1, 4, 2, 1)):
       placement = generation.Placement.build(cfg, shape)
-      params = workdir_lib.restore_params(trained, cfg, step, placement.shardings(model))
+      _, params = workdir_lib.restore_params(trained, cfg, placement.shardings(model))
       outputs[text, shape] = generation.generate(model, params, prompt, sampling, placement)
     assert outputs[text, (1, 2, 1, 1)].tolist() == outputs[text, None].tolist()
     assert outputs[text, (1, 4, 2, 1)].tolist() == outputs[text, None].tolist()
 
   placement = generation.Placement.build(cfg, (1, 2, 1, 1))
-  params = workdir_lib.restore_params(trained, cfg, step, placement.shardings(model))
+  _, params = workdir_lib.restore_params(trained, cfg, placement.shardings(model))
   args = (params, np.zeros((1, 4), np.int32), np.zeros((1,), np.int32), jax.random.key(0))
 
   def collectives(prefill_rules):

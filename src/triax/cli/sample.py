@@ -1,10 +1,10 @@
 """Prints what a trained run writes: `python -m triax sample --workdir=DIR --prompt="def "`.
 
-Restores the latest checkpoint of DIR (written under any parallel layout)
-onto one device and prints the prompt followed by the sampled continuation,
-decoded with the run's tokenizer (bytes unless it trained on, or was
-imported with, another). Kept to flag parsing and one library call
-(triax.training.sampling).
+Restores the latest checkpoint of DIR (written under any parallel layout;
+its checksums checked as a resume checks them) onto one device and prints
+the prompt followed by the sampled continuation, decoded with the run's
+tokenizer (bytes unless it trained on, or was imported with, another).
+Kept to flag parsing and one library call (triax.training.sampling).
 """
 
 import math

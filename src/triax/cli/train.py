@@ -13,6 +13,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from triax import cli, mesh, workdir_config
+from triax.training import workdir as workdir_lib  # names only: no JAX
 
 _CONFIG = config_flags.DEFINE_config_file(
   'config',
@@ -100,23 +101,23 @@ def main(argv):
   workdir = os.path.abspath(_WORKDIR.value)
   if _COMPILE_ONLY.value:
     print(
-      f'compile stats: {workdir}/compile_stats.json '
+      f'compile stats: {workdir_lib.path(workdir, workdir_lib.COMPILE_STATS)} '
       f'(temp {summary["temp_bytes"] / 2**20:.1f} MiB per device)'
     )
     if 'fit_line' in summary:  # an accelerator that reports its memory (a GPU)
       _say_fit(summary)
     return
-  print(f'metrics:     {workdir}/metrics.jsonl')
+  print(f'metrics:     {workdir_lib.path(workdir, workdir_lib.METRICS)}')
   # The tensorboard beside this interpreter (the venv's), so the printed
   # command works from a shell that has not activated the venv.
   board = os.path.join(os.path.dirname(sys.executable), 'tensorboard')
   board = board if os.path.exists(board) else 'tensorboard'
-  print(f'tensorboard: {board} --logdir {workdir}/tb')
-  print(f'checkpoints: {workdir}/checkpoints')
+  print(f'tensorboard: {board} --logdir {workdir_lib.path(workdir, workdir_lib.TENSORBOARD)}')
+  print(f'checkpoints: {workdir_lib.path(workdir, workdir_lib.CHECKPOINTS)}')
   if summary['skipped_nonfinite']:
     print(
       f'skipped {len(summary["skipped_nonfinite"])} non-finite steps: '
-      f'{summary["skipped_nonfinite"]} (see skipped_nonfinite in metrics.jsonl)'
+      f'{summary["skipped_nonfinite"]} (see skipped_nonfinite in {workdir_lib.METRICS})'
     )
   if summary['final_eval_loss'] is None:
     print(
@@ -149,7 +150,8 @@ def _compile_for_topology(cfg) -> None:
   with cli.config_errors_exit():
     slice_ = topology.parse(_TOPOLOGY.value, _TOPOLOGY_SLICES.value)
     stats = aot.compile_for_topology(cfg, _WORKDIR.value, slice_)
-  print(f'compile stats: {os.path.abspath(_WORKDIR.value)}/compile_stats.json')
+  workdir = os.path.abspath(_WORKDIR.value)
+  print(f'compile stats: {workdir_lib.path(workdir, workdir_lib.COMPILE_STATS)}')
   for buffer in stats['largest_buffers'][:3]:
     print(f'  {buffer["bytes"] / 2**30:7.2f} GiB  {buffer["shape"]}  {buffer["op_name"]}')
   _say_fit(stats)
@@ -168,15 +170,13 @@ def with_workdir_config(argv: list[str]) -> list[str]:
   workdir alone, where --config.x overrides need a config file to apply to."""
   if any(a == '--config' or a.startswith('--config=') for a in argv[1:]):
     return argv
-  from triax.training import workdir as workdir_lib  # names only: no JAX
-
   workdir = None
   for i, arg in enumerate(argv[1:], 1):
     if arg.startswith('--workdir='):
       workdir = arg.split('=', 1)[1]
     elif arg == '--workdir' and i + 1 < len(argv):
       workdir = argv[i + 1]
-  if not workdir or not os.path.isfile(os.path.join(workdir, workdir_lib.CONFIG)):
+  if not workdir or not os.path.isfile(workdir_lib.path(workdir, workdir_lib.CONFIG)):
     return argv
   return [argv[0], f'--config={workdir_config.__file__}:{workdir}', *argv[1:]]
 

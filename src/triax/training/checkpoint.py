@@ -14,6 +14,8 @@ What makes a step directory a checkpoint:
   unfinished save, a truncated file or a deleted one is detected without
   reading data (retention and `latest_step` ask only this); restore also
   checks the checksums of the step it reads, so flipped bytes are caught.
+  `restore_params` (what `triax sample` and `convert --export` read, through
+  workdir.restore_params) chooses and checks its step the same way.
 * A step directory without a manifest is a save that never finished (the
   manifest commits with orbax's rename): restore passes over it by itself.
   A step whose files do not match its manifest, or that does not read back,
@@ -50,8 +52,6 @@ from triax.model import registry
 from triax.training import workdir as workdir_lib
 from triax.training.step import Trainer, TrainState
 
-MANIFEST = 'triax_manifest.json'
-DAMAGED_DIR = 'checkpoints_damaged'
 # orbax's name for a step being written (`8.orbax-checkpoint-tmp-<time>`).
 _UNFINISHED = re.compile(r'^(\d+)\.orbax-checkpoint-tmp')
 
@@ -155,12 +155,12 @@ class Checkpointer:
     """
     path = self._step_dir(step)
     try:
-      with open(os.path.join(path, MANIFEST)) as f:
+      with open(os.path.join(path, workdir_lib.MANIFEST)) as f:
         files = json.load(f)['files']
     except FileNotFoundError:
-      return f'{MANIFEST} is missing (an unfinished save, or not a triax checkpoint)'
+      return f'{workdir_lib.MANIFEST} is missing (an unfinished save, or not a triax checkpoint)'
     except (OSError, ValueError, KeyError, TypeError) as e:
-      return f'{MANIFEST} is unreadable ({_first_line(e)})'
+      return f'{workdir_lib.MANIFEST} is unreadable ({_first_line(e)})'
     for rel, entry in sorted(files.items()):
       # A manifest written before checksums holds the size alone.
       size, crc = (entry, None) if isinstance(entry, int) else (entry['bytes'], entry['crc32'])
@@ -175,7 +175,7 @@ class Checkpointer:
     return None
 
   def _unfinished(self, step: int) -> bool:
-    return not os.path.exists(os.path.join(self._step_dir(step), MANIFEST))
+    return not os.path.exists(os.path.join(self._step_dir(step), workdir_lib.MANIFEST))
 
   def latest_step(self) -> int | None:
     """The newest intact checkpoint's step (None if there is none)."""
@@ -212,6 +212,46 @@ class Checkpointer:
       ConfigError: a damaged step (without restore_fallback), no intact step,
         or a checkpoint of another model.
     """
+    found = self._restore_newest(
+      lambda step: self._read_state(step, trainer),
+      before=before,
+      fix='rerun with --restore_fallback to resume from the newest intact step before it',
+    )
+    if found is None:
+      return None
+    self._warn_passed(found[0])
+    return trainer.from_canonical(found[1])
+
+  def restore_params(self, target) -> tuple[int, object] | None:
+    """The newest intact checkpoint's step and params, or None when there is none yet.
+
+    `target` is the params' tree of `jax.ShapeDtypeStruct`s with shardings:
+    where each array goes. The step is chosen and checked as `restore`
+    chooses and checks it: every file of the step against its checksum,
+    then the model record (not the optimizer state's structure, which the
+    params do not depend on). The checksums cover the optimizer state's
+    files too, although only the params are read back: orbax's OCDBT store
+    packs the params' chunks and the moments' into the same data files,
+    and which chunk is where is known only from their index, itself kept in
+    those files, so no subset of the files is known to hold the params alone.
+    The price is reading the moments' bytes once more, at crc32's speed.
+
+    Raises:
+      ConfigError: a damaged newest step, no intact step, or a checkpoint of
+        another model.
+    """
+    damaged = os.path.join(self.workdir, workdir_lib.DAMAGED)
+    return self._restore_newest(
+      lambda step: self._read_params(step, target),
+      fix=f'move that step to {damaged}/ to read the newest intact one before it',
+    )
+
+  def _restore_newest(self, read, *, before: int | None = None, fix: str):
+    """(step, what `read(step)` gives) of the newest intact step below `before`, or
+    None when there is no step; `fix` is what a damaged step's error advises.
+
+    `read(step)` gives (value, None), or (None, why) when the step does not read.
+    """
     steps = [s for s in self.steps() if before is None or s < before]
     if not steps:
       return None
@@ -219,17 +259,14 @@ class Checkpointer:
     for step in reversed(steps):
       reason = self.verify(step, checksums=True)
       if reason is None:
-        state, reason = self._read_state(step, trainer)
+        value, reason = read(step)
       if reason is None:
         self.restored_step, self.damaged = step, passed
-        self._warn_passed(step)
         logging.info('restored step %d from %s', step, self.directory)
-        return trainer.from_canonical(state)
+        return step, value
       if not (self.restore_fallback or self._unfinished(step)):
         raise ConfigError(
-          '--workdir',
-          f'checkpoint {step} is damaged: {self._step_dir(step)}/{reason}; rerun with '
-          '--restore_fallback to resume from the newest intact step before it',
+          '--workdir', f'checkpoint {step} is damaged: {self._step_dir(step)}/{reason}; {fix}'
         )
       passed.append((step, reason))
     found = '; '.join(f'{s}: {r}' for s, r in passed)
@@ -253,6 +290,26 @@ class Checkpointer:
     self.restored_progress = items['progress']
     return state['state'], None
 
+  def _read_params(self, step: int, target) -> tuple[object, str | None]:
+    """Checkpoint `step`'s params, placed as `target` says (None and why when they do not read)."""
+    try:
+      record = self._read(step, model=ocp.args.JsonRestore())['model']
+    except Exception as e:  # pylint: disable=broad-except  # anything unreadable is damage
+      return None, f'unreadable ({_first_line(e)})'
+    self._check_model(step, record)
+    restore_args = jax.tree.map(lambda s: ocp.ArrayRestoreArgs(sharding=s.sharding), target)
+    try:
+      # The state's other items (step, optimizer state) stay on disk.
+      items = self._read(
+        step,
+        state=ocp.args.PyTreeRestore(
+          item={'params': target}, restore_args={'params': restore_args}, partial_restore=True
+        ),
+      )
+    except Exception as e:  # pylint: disable=broad-except
+      return None, f'unreadable ({_first_line(e)})'
+    return items['state']['params'], None
+
   def _warn_passed(self, step: int) -> None:
     if self.damaged and self._main:
       named = '; '.join(f'{self._step_dir(s)} ({r})' for s, r in self.damaged)
@@ -260,14 +317,16 @@ class Checkpointer:
         'damaged checkpoint %s: resuming from %s instead (the damaged one moves to %s)',
         named,
         self._step_dir(step),
-        os.path.join(self.workdir, DAMAGED_DIR),
+        os.path.join(self.workdir, workdir_lib.DAMAGED),
       )
 
   def _read(self, step: int, **items) -> dict:
     with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as reader:
       return reader.restore(self._step_dir(step), args=ocp.args.Composite(**items))
 
-  def _check_model(self, step: int, record: dict, trainer: Trainer) -> None:
+  def _check_model(self, step: int, record: dict, trainer: Trainer | None = None) -> None:
+    """Raises a ConfigError unless `record` is of this config's model (and, given
+    `trainer`, of its optimizer state's structure)."""
     record = {**registry.RECORD_DEFAULTS, **record}  # a record older than some of its keys
     for key, value in model_record(self.cfg).items():
       if record.get(key) != value:
@@ -276,6 +335,8 @@ class Checkpointer:
           f'checkpoint {self._step_dir(step)} has {key}={record.get(key)!r} '
           f'but the config says {value!r}; use the same model or a new --workdir',
         )
+    if trainer is None:
+      return
     saved, wanted = record.get('state_paths'), self._paths(trainer)
     if saved is not None and saved != wanted:
       odd = sorted(set(saved) ^ set(wanted))
@@ -298,7 +359,7 @@ class Checkpointer:
     self._sync('triax_checkpoint_restored')  # every process has read what it needs
     if self._main:
       os.makedirs(self.directory, exist_ok=True)
-      self._move_aside([step for step, _ in self.damaged], DAMAGED_DIR)
+      self._move_aside([step for step, _ in self.damaged], workdir_lib.DAMAGED)
     self._sync('triax_checkpoint_prepare')
     options = ocp.CheckpointManagerOptions(
       max_to_keep=None,
@@ -376,7 +437,7 @@ class Checkpointer:
           files[rel] = {'bytes': os.path.getsize(full), 'crc32': crc32(full)}
     if not files:
       raise RuntimeError(f'checkpoint step {step}: found no files to list under {path}')
-    with open(os.path.join(path, MANIFEST), 'w') as f:
+    with open(os.path.join(path, workdir_lib.MANIFEST), 'w') as f:
       json.dump({'step': step, 'files': files}, f, indent=1, sort_keys=True)
       f.flush()
       os.fsync(f.fileno())

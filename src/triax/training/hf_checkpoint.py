@@ -173,8 +173,8 @@ def export_hf(workdir: str, out_dir: str, *, max_shard_bytes: int = MAX_SHARD_BY
     )
   if os.path.exists(out_dir) and os.listdir(out_dir):
     raise ConfigError('--hf_dir', f'{out_dir} is not empty; export into a new directory')
-  step = workdir_lib.latest_step(workdir, cfg)
-  params = jax.tree.map(np.asarray, workdir_lib.restore_params(workdir, cfg, step))
+  step, params = workdir_lib.restore_params(workdir, cfg)  # checked as a resume checks it
+  params = jax.tree.map(np.asarray, params)
   base = None
   if os.path.isfile(workdir_lib.path(workdir, workdir_lib.HF_CONFIG)):
     base = _read_json(workdir_lib.path(workdir, workdir_lib.HF_CONFIG), '--workdir')

@@ -563,7 +563,7 @@ class _Training:
       config=cfg.to_dict(),
     )
     self.samples = JsonLines(
-      os.path.join(self.workdir, 'samples.jsonl'),
+      workdir_lib.path(self.workdir, workdir_lib.SAMPLES),
       start,
       enabled=self.main and cfg.train.record_sample_ids,
     )

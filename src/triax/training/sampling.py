@@ -1,7 +1,8 @@
 """`triax sample`'s library: a run's latest parameters continuing a prompt.
 
 The workdir's readers (training/workdir.py) give the config, tokenizer and
-latest intact checkpoint; model/generation.py decodes.
+the newest checkpoint's params, checked as a resume checks them;
+model/generation.py decodes.
 """
 
 from __future__ import annotations
@@ -31,8 +32,7 @@ def sample(
   prompt_tokens = generation.encode_prompt(prompt, cfg.model.seq_len, tok)
   sampling.check(cfg.model.vocab_used or cfg.model.vocab_size)  # padded ids: never drawn
   placement = generation.Placement.build(cfg, mesh)
-  step = workdir_lib.latest_step(workdir, cfg)
   model = generation.sampling_model(cfg)
-  params = workdir_lib.restore_params(workdir, cfg, step, placement.shardings(model))
+  step, params = workdir_lib.restore_params(workdir, cfg, placement.shardings(model))
   new = generation.generate(model, params, prompt_tokens, sampling, placement)
   return {'text': tok.decode(prompt_tokens + new.tolist()), 'step': step, 'tokens': new}

@@ -4,19 +4,25 @@
   DIR/devices.json         the CPU device count a resume needs (CPU runs)
   DIR/compile_stats.json   XLA's memory and cost analysis of the step
   DIR/metrics.jsonl        one JSON object per logged step
+  DIR/samples.jsonl        each step's window ids (train.record_sample_ids)
   DIR/tb/                  TensorBoard events
   DIR/wandb_run_id         the W&B run a resume continues
+  DIR/wandb/               W&B's own files of the run (it names the folder)
   DIR/profile/             jax.profiler traces (--profile_steps)
-  DIR/checkpoints/STEP/    orbax checkpoints (training/checkpoint.py)
+  DIR/checkpoints/STEP/    orbax checkpoints (training/checkpoint.py), each with
+    triax_manifest.json    the size and CRC-32 of every file of the step
+  DIR/checkpoints_damaged/STEP/      damaged steps a --restore_fallback resume set aside
+  DIR/checkpoints_rolled_back/STEP/  checkpoints a rollback set aside
   DIR/tokenizer.json       an import's tokenizer (triax convert)
   DIR/hf_config.json       an import's HF config (export keeps its ids)
   DIR/triax.lock           who is writing the workdir (training/lock.py)
   DIR/elastic.jsonl        one record per restart of `triax supervise` (training/elastic.py)
   DIR/rollbacks.jsonl      one line per bad-step rollback (training/bad_steps.py)
-  DIR/checkpoints_rolled_back/STEP/  checkpoints a rollback set aside
 
+Every other module names these through the constants below (`path(DIR, NAME)`);
+`NAMES` is the whole list, which a test holds a real run's workdir to.
 `sample`, `convert --export` and a resume read a run back with
-`load_config`, `tokenizer`, `latest_step` and `restore_params`.
+`load_config`, `tokenizer` and `restore_params`, whose checks are the resume's.
 """
 
 from __future__ import annotations
@@ -32,26 +38,46 @@ CONFIG = 'config.json'
 DEVICES = 'devices.json'
 COMPILE_STATS = 'compile_stats.json'
 METRICS = 'metrics.jsonl'
+SAMPLES = 'samples.jsonl'
 TENSORBOARD = 'tb'
 WANDB_RUN_ID = 'wandb_run_id'
+WANDB = 'wandb'
 PROFILE = 'profile'
 CHECKPOINTS = 'checkpoints'
+MANIFEST = 'triax_manifest.json'  # in each DIR/checkpoints/STEP/
+DAMAGED = 'checkpoints_damaged'
+ROLLED_BACK = 'checkpoints_rolled_back'
 TOKENIZER = 'tokenizer.json'
 HF_CONFIG = 'hf_config.json'
 LOCK = 'triax.lock'
 ELASTIC = 'elastic.jsonl'
 ROLLBACKS = 'rollbacks.jsonl'
-ROLLED_BACK = 'checkpoints_rolled_back'
+
+# What DIR itself may hold (MANIFEST lives a level down, in each step).
+NAMES = (
+  CONFIG,
+  DEVICES,
+  COMPILE_STATS,
+  METRICS,
+  SAMPLES,
+  TENSORBOARD,
+  WANDB_RUN_ID,
+  WANDB,
+  PROFILE,
+  CHECKPOINTS,
+  DAMAGED,
+  ROLLED_BACK,
+  TOKENIZER,
+  HF_CONFIG,
+  LOCK,
+  ELASTIC,
+  ROLLBACKS,
+)
 
 
 def path(workdir: str, name: str) -> str:
   """DIR/name for one of the names above."""
   return os.path.join(workdir, name)
-
-
-def checkpoint_state(workdir: str, step: int) -> str:
-  """Where checkpoint `step`'s train state is (absolute: orbax wants one)."""
-  return os.path.join(os.path.abspath(workdir), CHECKPOINTS, str(step), 'state')
 
 
 def load_config(workdir: str):
@@ -80,47 +106,34 @@ def tokenizer(workdir: str, cfg):
   return tokenizer_lib.load(recorded if os.path.isfile(recorded) else tokenizer_lib.BYTES)
 
 
-def latest_step(workdir: str, cfg) -> int:
-  """The step of the run's newest intact checkpoint."""
-  from triax.training.checkpoint import Checkpointer  # it names its folder from here
+def restore_params(workdir: str, cfg, shardings=None) -> tuple[int, object]:
+  """The step and params of the run's newest checkpoint, placed by `shardings`
+  (a tree like the params'; None: the first device).
 
-  step = Checkpointer(workdir, cfg).latest_step()
-  if step is None:
+  Read by `Checkpointer.restore_params`, which checks them as a resume does
+  (checksums, model record); the optimizer state, twice their size, is not read.
+
+  Raises:
+    ConfigError: no checkpoint yet, a damaged newest one, or another model's.
+  """
+  import jax
+
+  from triax.model import generation, registry
+  from triax.training.checkpoint import Checkpointer  # it names its folders from here
+
+  model = registry.build(registry.spec_from_config(cfg.model))
+  if shardings is None:
+    shardings = generation.Placement().shardings(model)  # the first device
+  target = jax.tree.map(
+    lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+    jax.eval_shape(model.init, jax.random.key(0)),
+    shardings,
+  )
+  restored = Checkpointer(workdir, cfg).restore_params(target)
+  if restored is None:
     raise ConfigError(
       '--workdir',
       f'{workdir} has no checkpoints yet: train first '
       f'(python -m triax train ... --workdir={workdir})',
     )
-  return step
-
-
-def restore_params(workdir: str, cfg, step: int, shardings=None):
-  """The params of checkpoint `step`, placed by `shardings` (a tree like the
-  params'; None: the first device). The optimizer state, twice their size,
-  is not read."""
-  import jax
-  import orbax.checkpoint as ocp
-
-  from triax.model import generation, registry
-
-  model = registry.build(registry.spec_from_config(cfg.model))
-  abstract = jax.eval_shape(model.init, jax.random.key(0))
-  if shardings is None:
-    shardings = generation.Placement().shardings(model)  # the first device
-  target = {
-    'params': jax.tree.map(
-      lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), abstract, shardings
-    )
-  }
-  with ocp.PyTreeCheckpointer() as checkpointer:
-    restored = checkpointer.restore(
-      checkpoint_state(workdir, step),
-      args=ocp.args.PyTreeRestore(
-        item=target,
-        restore_args={
-          'params': jax.tree.map(lambda sh: ocp.ArrayRestoreArgs(sharding=sh), shardings)
-        },
-        partial_restore=True,
-      ),
-    )
-  return restored['params']
+  return restored
