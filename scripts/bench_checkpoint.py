@@ -30,8 +30,9 @@ import sys
 import tempfile
 import time
 
-os.environ.setdefault('XLA_FLAGS', '--xla_force_host_platform_device_count=8')
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), '..', 'src'))
+from bench_harness import force_cpu_devices
+
+force_cpu_devices()
 
 import jax  # noqa: E402
 
@@ -117,6 +118,8 @@ def run_apart(args, every: int, root: str) -> dict:
   """`run_once` in a process of its own: one process's runs slow down one after
   another (step times up 20% over eight runs here), which pairs of runs in one
   process would count as the cost of saving."""
+  # This script again, not bench_harness.run_python: in the caller's
+  # directory, which --config and --root are relative to.
   command = [sys.executable, os.path.abspath(__file__), f'--config={args.config}']
   command += [f'--steps={args.steps}', f'--child={every}', f'--root={root}']
   done = subprocess.run(command, capture_output=True, text=True)

@@ -17,19 +17,14 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), '..', 'src'))
+import bench_harness  # noqa: F401  (src/ on sys.path)
+import jax
+import numpy as np
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-
-from triax import config as config_lib  # noqa: E402
-from triax.model import (
-  generation,  # noqa: E402
-  registry,  # noqa: E402
-)
+from triax import config as config_lib
+from triax.model import generation, registry
 
 NEW_TOKENS, PROMPT = 200, 16
 

@@ -22,10 +22,10 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench_tpu_compile as tpu  # noqa: E402  (its row compiler and the planner's peak)
+import bench_tpu_compile as tpu  # its row compiler and the planner's peak
+from bench_harness import ROOT
 
-ROOT, GiB = tpu.ROOT, tpu.GiB
+GiB = tpu.GiB
 LLAMA_1B = 'experiments/llama_1b.py:attention=xla,remat=full'
 LLAMA_8B = 'experiments/llama_8b.py:attention=xla,remat=full'
 CLUSTER = 'dgx_h100'

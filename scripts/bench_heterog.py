@@ -33,8 +33,8 @@ import os
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, 'src'))
+from bench_harness import ROOT
+
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 
 GPT_1B = os.path.join(ROOT, 'experiments', 'gpt_1b.py')

@@ -23,12 +23,12 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 
-os.environ.setdefault('XLA_FLAGS', '--xla_force_host_platform_device_count=8')
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), '..', 'src'))
+from bench_harness import force_cpu_devices
+
+force_cpu_devices()
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402

@@ -20,15 +20,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import tempfile
 
 from absl import app, flags
+from bench_harness import ROOT, force_cpu_devices, run_python
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, 'src'))
-os.environ.setdefault('XLA_FLAGS', '--xla_force_host_platform_device_count=8')
+force_cpu_devices()
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 
 _SECTIONS = flags.DEFINE_list('sections', ['1', '2', '3'], 'Which sections to run.')
@@ -212,11 +209,8 @@ def _sp_stats(topology: str, t: int, sp: bool, layers: int) -> dict[str, int]:
 
 
 def _run(args: list[str]) -> str:
-  env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, 'src'))
-  env.pop('XLA_FLAGS', None)
-  result = subprocess.run(
-    [sys.executable, '-m', *args], cwd=ROOT, env=env, capture_output=True, text=True
-  )
+  """`python -m ARGS...` on its own --cpu_devices or --topology: its stdout."""
+  result = run_python(['-m', *args], drop_xla_flags=True)
   if result.returncode not in (0, 3):
     raise RuntimeError(f'{" ".join(args)} failed:\n{result.stderr[-3000:]}')
   return result.stdout

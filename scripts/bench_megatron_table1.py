@@ -35,16 +35,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import sys
 import time
 
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), '..')
-sys.path.insert(0, os.path.join(ROOT, 'src'))
+from bench_harness import ROOT
 
-from triax import config  # noqa: E402
-from triax.plan import cluster as cluster_lib  # noqa: E402
-from triax.plan.cost import analytic, memory  # noqa: E402
-from triax.plan.cost.simulator import Options, Plan, simulate_plan  # noqa: E402
+from triax import config
+from triax.plan import cluster as cluster_lib
+from triax.plan.cost import analytic, memory
+from triax.plan.cost.simulator import Options, Plan, simulate_plan
 
 SELENE = os.path.join(ROOT, 'experiments', 'clusters', 'selene.yaml')
 SEQ, VOCAB = 2048, 51200

@@ -29,10 +29,9 @@ import os
 import sys
 
 from absl import app, flags
+from bench_harness import ROOT, force_cpu_devices, run_python
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, 'src'))
-os.environ.setdefault('XLA_FLAGS', '--xla_force_host_platform_device_count=8')
+force_cpu_devices()
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 
 _SECTIONS = flags.DEFINE_list('sections', ['1', '2', '3', '4'], 'Which sections to run.')
@@ -164,7 +163,6 @@ def _model_rows() -> list[str]:
 
 def _gpu_rows() -> list[str]:
   import glob
-  import subprocess
   import tempfile
 
   from triax.training import hlo_schedule
@@ -185,21 +183,17 @@ def _gpu_rows() -> list[str]:
   ]
   for label, xla_flags in GPU_PASSES:
     with tempfile.TemporaryDirectory() as tmp:
-      env = dict(
-        os.environ,
-        PYTHONPATH=os.path.join(ROOT, 'src'),
-        XLA_FLAGS=xla_flags,
-        TRIAX_XLA_CUDA_PLUGIN=plugin,
-        TRIAX_XLA_DUMP=os.path.join(tmp, 'dump'),
-      )
+      env = {
+        'XLA_FLAGS': xla_flags,
+        'TRIAX_XLA_CUDA_PLUGIN': plugin,
+        'TRIAX_XLA_DUMP': os.path.join(tmp, 'dump'),
+      }
       flags_ = [f'--config.{k}={v}' for k, v in GPU_CONFIG.items()]
-      subprocess.run(
-        [sys.executable, '-m', 'triax', 'train', f'--config={MIXTRAL_TINY}', '--compile_only']
+      run_python(
+        ['-m', 'triax', 'train', f'--config={MIXTRAL_TINY}', '--compile_only']
         + ['--topology=h100:8', f'--workdir={os.path.join(tmp, "w")}', *flags_],
         env=env,
-        cwd=ROOT,
         check=True,
-        capture_output=True,
       )
       (path,) = glob.glob(os.path.join(tmp, 'dump', '*gpu_after_optimizations.txt'))
       with open(path) as f:

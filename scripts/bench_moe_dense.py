@@ -16,13 +16,11 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
-import sys
 import tempfile
 
 from absl import app, flags
+from bench_harness import ROOT, run_python
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _STEPS = flags.DEFINE_integer('steps', 300, 'Training steps of each model.')
 _OUT = flags.DEFINE_string('out', os.path.join(ROOT, 'docs', 'bench_moe_dense.md'), 'Report.')
 
@@ -31,8 +29,7 @@ RUNS = (('dense', 'llama_tiny.py'), ('moe', 'mixtral_tiny.py'))
 
 def _train(experiment: str, steps: int, workdir: str) -> tuple[dict[int, float], str]:
   """({step: eval loss}, the start-up line naming the parameter counts) of one run."""
-  cmd = [
-    sys.executable,
+  args = [
     '-m',
     'triax',
     'train',
@@ -40,8 +37,7 @@ def _train(experiment: str, steps: int, workdir: str) -> tuple[dict[int, float],
     f'--workdir={workdir}',
     '--cpu_devices=8',
   ]
-  env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, 'src'))
-  out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, check=True)
+  out = run_python(args, check=True)
   start = next(line for line in out.stdout.splitlines() if line.startswith('triax:'))
   evals = {}
   with open(os.path.join(workdir, 'metrics.jsonl')) as f:

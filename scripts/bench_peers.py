@@ -32,10 +32,10 @@ import statistics
 import subprocess
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench_tpu_compile as tpu  # noqa: E402  (the MaxText venv it builds)
+import bench_tpu_compile as tpu  # the MaxText venv it builds
+from bench_harness import ROOT, run_python
 
-ROOT, BENCH = tpu.ROOT, tpu.BENCH
+BENCH = tpu.BENCH
 CONFIG = 'experiments/llama_peers.py'
 RUNNER = os.path.join(ROOT, 'scripts', 'peers_run.py')
 WARMUP = 2  # steps left out of a run's median
@@ -235,15 +235,13 @@ def _maxtext_args(keys: dict, name: str, workdir: str) -> list[str]:
 
 def _spawn(python: str, workdir: str, framework: str, args: list[str], **env) -> tuple[int, str]:
   """scripts/peers_run.py in a process of its own (its compiles in WORKDIR/compiles.json):
-  its exit status and its output. No XLA_FLAGS on either side."""
-  env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, 'src'), **env)
-  env.pop('XLA_FLAGS', None)
-  done = subprocess.run(
-    [python, RUNNER, os.path.join(workdir, 'compiles.json'), framework, *args],
-    cwd=ROOT,
+  its exit status and its output. No XLA_FLAGS on either side: the runner
+  sets the device count."""
+  done = run_python(
+    [RUNNER, os.path.join(workdir, 'compiles.json'), framework, *args],
+    python=python,
     env=env,
-    capture_output=True,
-    text=True,
+    drop_xla_flags=True,
   )
   return done.returncode, done.stdout + done.stderr
 

@@ -32,11 +32,11 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench_gpu_compile as gpu  # noqa: E402
-import bench_tpu_compile as tpu  # noqa: E402
+import bench_gpu_compile as gpu
+import bench_tpu_compile as tpu
+from bench_harness import ROOT
 
-ROOT, BENCH = tpu.ROOT, tpu.BENCH
+BENCH = tpu.BENCH
 RESULTS = os.path.join(ROOT, 'docs', 'bench_peers_work.json')
 
 

@@ -12,12 +12,11 @@ that share this machine's cores: read them as ratios within one run.
 """
 
 import os
-import sys
 
-os.environ.setdefault('XLA_FLAGS', '--xla_force_host_platform_device_count=8')
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), '..', 'src'))
+from absl import app, flags
+from bench_harness import force_cpu_devices
 
-from absl import app, flags  # noqa: E402
+force_cpu_devices()
 
 from triax import config  # noqa: E402
 from triax.pipeline import schedule as sched  # noqa: E402

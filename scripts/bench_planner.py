@@ -39,17 +39,14 @@ import argparse
 import json
 import math
 import os
-import subprocess
 import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, 'src'))
+from bench_harness import ROOT, force_cpu_devices, run_python
+
 DEVICES = 8
-os.environ['XLA_FLAGS'] = (
-  os.environ.get('XLA_FLAGS', '') + f' --xla_force_host_platform_device_count={DEVICES}'
-).strip()
+force_cpu_devices(DEVICES)
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 
 # (data, tensor, pipe, schedule, microbatches, virtual_stages, remat, layers per stage or None)
@@ -155,8 +152,7 @@ def speed_index() -> float:
 
 def measure(plan_file: str, workdir: str, steps: int) -> tuple[float | None, str]:
   """Runs the trainer; returns (median step_time_s after the first step, error)."""
-  cmd = [
-    sys.executable,
+  args = [
     '-m',
     'triax.cli.train',
     f'--config={plan_file}',
@@ -165,9 +161,8 @@ def measure(plan_file: str, workdir: str, steps: int) -> tuple[float | None, str
     '--noprogress',
     f'--config.train.steps={steps}',
   ]
-  env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, 'src'))
-  env.pop('XLA_FLAGS', None)  # the trainer's --cpu_devices sets the count
-  proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+  # The trainer's --cpu_devices sets the count.
+  proc = run_python(args, drop_xla_flags=True)
   if proc.returncode:
     tail = (proc.stderr.strip().splitlines() or ['?'])[-1]
     return None, f'exit {proc.returncode}: {tail[:200]}'

@@ -40,19 +40,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import sys
 import time
 
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), '..')
-sys.path.insert(0, os.path.join(ROOT, 'src'))
+# Its Row, model_config, megatron_flops, plan_of, predict and search_row.
+import bench_megatron_table1 as T1
+from bench_harness import ROOT
 
-# Its Row, model_config, megatron_flops, plan_of, predict and search_row
-# (scripts/ is on the path: this file runs as a script beside it).
-import bench_megatron_table1 as T1  # noqa: E402
-
-from triax.plan import cluster as cluster_lib  # noqa: E402
-from triax.plan.cost import analytic  # noqa: E402
-from triax.plan.cost.simulator import Options, Plan, simulate_plan  # noqa: E402
+from triax.plan import cluster as cluster_lib
+from triax.plan.cost import analytic
+from triax.plan.cost.simulator import Options, Plan, simulate_plan
 
 
 @dataclasses.dataclass(frozen=True)

@@ -51,10 +51,9 @@ import sys
 import tempfile
 import time
 
-os.environ.setdefault('XLA_FLAGS', '--xla_force_host_platform_device_count=8')
-ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), '..'))
-if __name__ == '__main__' and '--_group' not in sys.argv:
-  sys.path.insert(0, os.path.join(ROOT, 'src'))
+from bench_harness import ROOT, device_count_flags, force_cpu_devices, run_python
+
+force_cpu_devices()
 
 P, DATA = 4, 2
 NEW = (
@@ -229,22 +228,17 @@ def run_group(
   data: int,
   layers: int,
   devices: int,
-  env: dict | None = None,
-  cwd: str = ROOT,
+  tree: str = ROOT,
 ) -> dict:
-  """measure_group in a process of its own: on `devices` forced CPU devices,
-  or by another commit's triax (its worktree as `cwd`, an `env` naming its src)."""
+  """measure_group in a process of its own (this script with --_group): on
+  `devices` forced CPU devices, by the triax of `tree` (this one, or a
+  worktree of another commit)."""
   spec = ';'.join(f'{n},{v}' for n, v in points)
-  env = dict(os.environ if env is None else env)
-  env['XLA_FLAGS'] = f'--xla_force_host_platform_device_count={devices}'
-  run = subprocess.run(
-    [sys.executable, os.path.abspath(__file__), '--_group']
-    + [f'{m}:{steps}:{rounds}:{spec}:{p}:{data}:{layers}'],
-    env=env,
-    cwd=cwd,
+  run = run_python(
+    [os.path.abspath(__file__), '--_group', f'{m}:{steps}:{rounds}:{spec}:{p}:{data}:{layers}'],
+    env={'PYTHONPATH': os.path.join(tree, 'src'), 'XLA_FLAGS': device_count_flags(devices)},
+    cwd=tree,
     check=True,
-    capture_output=True,
-    text=True,
   )
   return json.loads(run.stdout.strip().splitlines()[-1])
 
@@ -261,9 +255,8 @@ def baseline_groups(rev: str, ms, steps: int, rounds: int) -> dict:
       capture_output=True,
     )
     try:
-      env = dict(os.environ, PYTHONPATH=os.path.join(tree, 'src'))
       for m in ms:
-        group = run_group(points, m, steps, rounds, P, DATA, 8, 8, env=env, cwd=tree)
+        group = run_group(points, m, steps, rounds, P, DATA, 8, 8, tree=tree)
         for name, row in group.items():
           out[(name, m)] = row
           print('baseline', name, m, row, flush=True)
@@ -533,6 +526,7 @@ if __name__ == '__main__':
     # A group measured in a process of its own (run_group): on more devices,
     # or by the baseline's triax.
     m, steps, rounds, spec, p, data, layers = sys.argv[2].split(':')
+    # The tree run_group names (its cwd) ahead of the src bench_harness put first.
     sys.path.insert(0, os.path.join(os.getcwd(), 'src'))
     points = [(n, int(v)) for n, v in (x.split(',') for x in spec.split(';'))]
     sizes = dict(p=int(p), data=int(data), layers=int(layers))

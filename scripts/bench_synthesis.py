@@ -19,11 +19,8 @@ import shlex
 import sys
 import time
 
-ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), '..'))
-if __name__ == '__main__':
-  sys.path.insert(0, os.path.join(ROOT, 'src'))
-
-from absl import app, flags  # noqa: E402
+from absl import app, flags
+from bench_harness import ROOT
 
 _STAGES = flags.DEFINE_integer('stages', 8, 'Pipeline stages p.')
 _MICROBATCHES = flags.DEFINE_integer('microbatches', 32, 'Micro-batches m.')

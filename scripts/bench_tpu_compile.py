@@ -38,7 +38,8 @@ import subprocess
 import sys
 import time
 
-ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), '..'))
+from bench_harness import ROOT, run_python
+
 # Venvs, dumps and runs of the benchmarks (TRIAX_BENCH_DIR elsewhere, e.g. for tests).
 BENCH = os.environ.get('TRIAX_BENCH_DIR') or os.path.join(ROOT, '.bench')
 MAXTEXT = 'maxtext[tpu]==0.2.5'
@@ -344,8 +345,7 @@ def triax_row(
   shutil.rmtree(workdir, ignore_errors=True)
   dump = dump_dir(name)
   shutil.rmtree(dump, ignore_errors=True)
-  cmd = [
-    python,
+  args = [
     '-m',
     'triax',
     'train',
@@ -355,8 +355,7 @@ def triax_row(
     f'--workdir={workdir}',
   ] + [f'--config.{k}={v}' for k, v in overrides.items()]
   # XLA's HLO and buffer assignment of the train step, kept (training/aot.py).
-  env = dict(os.environ, **(env or {}), PYTHONPATH=os.path.join(ROOT, 'src'), TRIAX_XLA_DUMP=dump)
-  done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+  done = run_python(args, python=python, env={**(env or {}), 'TRIAX_XLA_DUMP': dump})
   if done.returncode not in (0, 3):
     raise RuntimeError(f'{name}: triax failed:\n{done.stderr[-3000:]}')
   with open(os.path.join(workdir, 'compile_stats.json')) as f:
@@ -411,6 +410,7 @@ def maxtext_row(name: str, topology: str, config: str, overrides: dict, python: 
     text=True,
     check=True,
   ).stdout.strip()
+  # MaxText's own compiler, not bench_harness.run_python: no triax on its path.
   cmd = [python, '-m', 'maxtext.trainers.pre_train.train_compile', f'{base}/configs/base.yml']
   cmd += [f'{k}={v}' for k, v in settings.items()]
   # Its buffer assignment, for the heap its temporaries take (as triax's).

@@ -39,9 +39,7 @@ import tempfile
 import time
 
 from absl import app, flags
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, 'src'))
+from bench_harness import ROOT, run_python
 
 _SKIP = flags.DEFINE_multi_string(
   'skip', [], 'A command line of a run block to leave out (e.g. scripts/test.sh: the suite).'
@@ -105,13 +103,7 @@ _HELP: dict[str, set[str]] = {}
 def command_flags(name: str) -> set[str]:
   """The flags `python -m triax NAME --help` lists (what the command defines)."""
   if name not in _HELP:
-    out = subprocess.run(
-      [sys.executable, '-m', 'triax', name, '--help'],
-      capture_output=True,
-      text=True,
-      cwd=ROOT,
-      env={**os.environ, 'PYTHONPATH': os.path.join(ROOT, 'src')},
-    )
+    out = run_python(['-m', 'triax', name, '--help'])
     if out.returncode != 0:
       raise SystemExit(f'error: `python -m triax {name} --help` failed: {out.stderr[-500:]}')
     _HELP[name] = set(re.findall(r'^\s+--(?:\[no\])?([a-z_]\w*)', out.stdout, re.M))
@@ -222,8 +214,9 @@ def run_in_clone(run_blocks: list[Block], skip: list[str]) -> int:
       GIVEN[name](clone)
   script = session(run_blocks, skip)
   print(f'readme: running {len(run_blocks)} blocks in {clone}', flush=True)
+  # A fresh terminal, not bench_harness.run_python's: the clone's own install,
+  # no venv on PATH (the README says when to activate one).
   env = {k: v for k, v in os.environ.items() if k not in ('VIRTUAL_ENV', 'PYTHONPATH')}
-  # A fresh terminal: no venv on PATH (the README says when to activate one).
   env['PATH'] = os.pathsep.join(
     p for p in env['PATH'].split(os.pathsep) if not p.startswith(os.path.dirname(sys.executable))
   )

@@ -21,8 +21,12 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), '..'))
 
 
 def load_script(name: str):
-  """scripts/NAME.py as a module (benchmarks whose functions tests pin)."""
-  return load_file(os.path.join(ROOT, 'scripts', f'{name}.py'), name)
+  """scripts/NAME.py as a module (benchmarks whose functions tests pin), with
+  scripts/ on sys.path as a script run by path has it (they import bench_harness)."""
+  scripts = os.path.join(ROOT, 'scripts')
+  if scripts not in sys.path:
+    sys.path.append(scripts)
+  return load_file(os.path.join(scripts, f'{name}.py'), name)
 
 
 def load_file(path: str, name: str):

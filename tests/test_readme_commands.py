@@ -3,11 +3,11 @@ runner (scripts/readme_commands.py) runs the blocks as one shell session that
 stops at the first failing command. The whole run from a fresh clone (install,
 training, the suite) is the script's own job, not the suite's."""
 
-import importlib.util
 import os
 import subprocess
 import sys
 
+import harness
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -16,12 +16,7 @@ SCRIPT = os.path.join(ROOT, 'scripts', 'readme_commands.py')
 
 def _script():
   """The script as a module, loaded once (its absl flags can be defined only once)."""
-  if 'readme_commands' not in sys.modules:
-    spec = importlib.util.spec_from_file_location('readme_commands', SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules['readme_commands'] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-  return sys.modules['readme_commands']
+  return sys.modules.get('readme_commands') or harness.load_script('readme_commands')
 
 
 @pytest.mark.fast
