@@ -1,7 +1,7 @@
 """XLA:GPU's per-device bytes of triax's train steps for H100s, compiled on this
 CPU host (no GPU), against the planner's prediction: docs/bench_gpu_compile.md.
 
-Each row is `triax train --compile_only --topology=h100:...` (training/aot.py)
+Each row is `triax train --compile_only --topology=h100:...` (compiled/aot.py)
 through jax's CUDA plugin, the test extra's copy in .venv/xla-cuda/
 (scripts/env.sh; TRIAX_XLA_CUDA_PLUGIN names another). The planner's peak is
 plan/cost/memory.py's for the same layout on experiments/clusters/dgx_h100.yaml
@@ -73,7 +73,7 @@ def main():
   if os.path.exists(results_path):
     with open(results_path) as f:
       results = json.load(f)
-  from triax.training import buffers
+  from triax.compiled import buffers
 
   for name in filter(None, args.rows.split(',')):
     what, topology, (config, overrides) = ROWS[name]

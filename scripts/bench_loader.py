@@ -14,7 +14,7 @@ shards), opens them as `data.source=tokens` does, and times:
   (the host -> device copy included), data=8;
 
 and compares them with the step time of experiments/gpt_1b.py:smoke on one
-CPU device (compiled and timed by training.measure). A benchmark, not a test.
+CPU device (compiled and timed by compiled.measure). A benchmark, not a test.
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ def drop_page_cache(out: str) -> None:
 
 
 def smoke_step_time() -> tuple[float, str]:
-  from triax.training.measure import measure
+  from triax.compiled.measure import measure
 
   cfg = config_lib.from_file('experiments/gpt_1b.py', 'smoke')
   m = measure(cfg, steps=5, warmup=2, devices=jax.devices()[:1])

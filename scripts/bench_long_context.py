@@ -25,6 +25,8 @@ import tempfile
 from absl import app, flags
 from bench_harness import ROOT, force_cpu_devices, run_python
 
+from triax.compiled import stats as stats_lib
+
 force_cpu_devices()
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 
@@ -48,7 +50,7 @@ def _context_rows() -> list[str]:
   import jax
 
   from triax import config
-  from triax.training import measure
+  from triax.compiled import measure
 
   rows = [
     '| positions | context | attention | temp MiB per device (XLA:CPU) | temp MiB (XLA:TPU, v5p) '
@@ -108,13 +110,12 @@ def _compile_only(cfg, devices) -> dict:
 
   from triax import config
   from triax.mesh import build_mesh
-  from triax.training import loop
   from triax.training.step import build_trainer
 
   cfg = config.validate(cfg, len(devices))
   trainer = build_trainer(cfg, build_mesh(cfg.mesh, devices))
   with jax.set_mesh(trainer.mesh):
-    return loop.compile_stats(trainer)[1]
+    return stats_lib.compile_stats(trainer)[1]
 
 
 # Korthikanti et al. 2022, bytes per layer with 2-byte activations (their
@@ -301,7 +302,7 @@ def main(argv):
         lines += [f'## {title}', '', *json.load(f), '']
     elif title in written:  # not run on this machine yet: the doc's own lines stay
       lines += [f'## {title}', '', *written[title], '']
-  from triax.training import measure
+  from triax.compiled import measure
 
   measure.write_report(_OUT.value, lines)
 

@@ -17,7 +17,7 @@ Writes docs/bench_moe.md:
   4. The fused tick on XLA:GPU's compiler (h100:8, compile only, through
      jax's CUDA plugin): the kernels its schedule runs inside the fused
      branch's all-to-all windows, and how many are the other micro-batch's
-     (training/hlo_schedule.py), with XLA's passes as they are and with
+     (compiled/hlo_schedule.py), with XLA's passes as they are and with
      its multi-output fusion off.
 
   python scripts/bench_moe.py [--sections=1,2,3,4] [--steps=5]
@@ -58,7 +58,7 @@ def _config(expert: int, dispatch: str, **mesh):
 
 
 def _degree_rows() -> list[str]:
-  from triax.training import measure
+  from triax.compiled import measure
 
   c = _config(1, 'dropless')
   m = c.model
@@ -88,8 +88,8 @@ def _degree_rows() -> list[str]:
 
 def _schedule_rows() -> list[str]:
   from triax import config
+  from triax.compiled import measure
   from triax.errors import ConfigError
-  from triax.training import measure
 
   rows = [
     'The same model with 8 layers, data=2 x pipe=4, m=8, the aux loss per micro-batch (model.router_aux_loss_scope='
@@ -165,7 +165,7 @@ def _gpu_rows() -> list[str]:
   import glob
   import tempfile
 
-  from triax.training import hlo_schedule
+  from triax.compiled import hlo_schedule
 
   plugin = os.environ.get('TRIAX_XLA_CUDA_PLUGIN') or GPU_PLUGIN
   if not os.path.isfile(plugin):
@@ -247,7 +247,7 @@ def main(argv):
   for key, (title, rows) in SECTIONS.items():
     if key in _SECTIONS.value:
       lines += [f'## {title}', '', *rows(), '']
-  from triax.training import measure
+  from triax.compiled import measure
 
   measure.write_report(_OUT.value, lines)
 

@@ -1,5 +1,5 @@
 """The work triax's and MaxText's train steps execute per device, read from
-XLA's optimised HLO (training/hlo_work.py): matmul FLOPs with every loop
+XLA's optimised HLO (compiled/hlo_work.py): matmul FLOPs with every loop
 trip and every taken branch counted, bytes accessed, collective bytes.
 
   .venv/bin/python scripts/bench_peers_work.py [--rows=pp4,tp4,gpu-tp8,...] \
@@ -62,8 +62,8 @@ def model_flops(cfg, chips: int) -> dict[str, float]:
 
 def triax_work(dump: str, cfg) -> dict:
   """Executed work per device of triax's step dumped in `dump`."""
+  from triax.compiled import hlo_work, step
   from triax.pipeline import executor
-  from triax.training import hlo_work, step
 
   with open(hlo_work.after_optimizations(dump)) as f:
     hlo = f.read()
@@ -77,7 +77,7 @@ def triax_work(dump: str, cfg) -> dict:
 
 
 def maxtext_work(dump: str) -> dict:
-  from triax.training import hlo_work
+  from triax.compiled import hlo_work
 
   with open(hlo_work.after_optimizations(dump)) as f:
     return _figures([hlo_work.work(f.read())])
@@ -107,7 +107,7 @@ def _figures(stages: list, counts: list | None = None) -> dict:
 
 
 def _has_dump(dump: str) -> bool:
-  from triax.training import hlo_work
+  from triax.compiled import hlo_work
 
   return os.path.isdir(dump) and hlo_work.after_optimizations(dump) is not None
 
@@ -140,7 +140,7 @@ def run_row(name: str, row, skip_maxtext: bool) -> dict:
 def work_table(results: dict) -> list[str]:
   """Markdown lines: a paragraph saying what the columns are, then the table."""
   lines = [
-    "Per device, one train step, from XLA's optimised HLO (training/hlo_work.py;",
+    "Per device, one train step, from XLA's optimised HLO (compiled/hlo_work.py;",
     'scripts/bench_peers_work.py, exact figures in docs/bench_peers_work.json).',
     '*Executed* TFLOPs are the matmul FLOPs (dot, convolution, library GEMMs, Pallas',
     'kernels by their cost estimate) of every instruction the device runs: loop bodies',

@@ -19,9 +19,9 @@ from bench_harness import force_cpu_devices
 force_cpu_devices()
 
 from triax import config  # noqa: E402
+from triax.compiled.measure import measure, write_report  # noqa: E402
 from triax.pipeline import schedule as sched  # noqa: E402
 from triax.pipeline import simulate  # noqa: E402
-from triax.training.measure import measure, write_report  # noqa: E402
 
 _OUT = flags.DEFINE_string('out', 'docs/bench_pipeline.md', 'Markdown table to write.')
 _MICROBATCHES = flags.DEFINE_list('microbatches', ['4', '8', '16', '32'], 'm values.')

@@ -134,10 +134,10 @@ def measure_group(
   import numpy as np
 
   from triax import config as config_lib
+  from triax.compiled.stats import compile_stats
   from triax.mesh import build_mesh
   from triax.pipeline import schedule as sched
   from triax.pipeline import simulate
-  from triax.training.loop import compile_stats
   from triax.training.step import build_trainer
 
   out, runs = {}, {}
@@ -269,7 +269,7 @@ def baseline_groups(rev: str, ms, steps: int, rounds: int) -> dict:
 
 def main(argv):
   del argv
-  from triax.training.measure import write_report
+  from triax.compiled.measure import write_report
 
   unknown = set(_SECTIONS.value) - set(SECTIONS)
   if unknown:

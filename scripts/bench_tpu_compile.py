@@ -40,6 +40,8 @@ import time
 
 from bench_harness import ROOT, run_python
 
+from triax.compiled import stats as stats_lib
+
 # Venvs, dumps and runs of the benchmarks (TRIAX_BENCH_DIR elsewhere, e.g. for tests).
 BENCH = os.environ.get('TRIAX_BENCH_DIR') or os.path.join(ROOT, '.bench')
 MAXTEXT = 'maxtext[tpu]==0.2.5'
@@ -354,7 +356,7 @@ def triax_row(
     f'--topology={topology}',
     f'--workdir={workdir}',
   ] + [f'--config.{k}={v}' for k, v in overrides.items()]
-  # XLA's HLO and buffer assignment of the train step, kept (training/aot.py).
+  # XLA's HLO and buffer assignment of the train step, kept (compiled/aot.py).
   done = run_python(args, python=python, env={**(env or {}), 'TRIAX_XLA_DUMP': dump})
   if done.returncode not in (0, 3):
     raise RuntimeError(f'{name}: triax failed:\n{done.stderr[-3000:]}')
@@ -423,7 +425,7 @@ def maxtext_row(name: str, topology: str, config: str, overrides: dict, python: 
   if done.returncode or not found:
     raise RuntimeError(f'{name}: MaxText failed:\n{text[-3000:]}')
   stats = {k: int(v) for k, v in re.findall(r'(\w+)=(\d+)', found.group(1))}
-  from triax.training import buffers
+  from triax.compiled import buffers
 
   return dict(stats, heap=buffers.temp_heap(dump))
 
@@ -500,7 +502,7 @@ def main():
         'triax_host_temp': stats['host_temp_bytes'],
         'triax_stash_slots': (stats['schedule'] or {}).get('stash_slots'),
         'triax_set_bytes': (stats['schedule'] or {}).get('residual_bytes_per_slot'),
-        # The run's programs beside the step (loop.program_peaks reads these).
+        # The run's programs beside the step (stats_lib.program_peaks reads these).
         'triax_programs': {k: stats[k] for k in PROGRAM_KEYS},
       }
     if mt is not None and mt_python:
@@ -623,7 +625,6 @@ def planner_section(results: dict) -> list[str]:
 
 def programs_section(results: dict) -> list[str]:
   """Each row's train step against the programs a run holds beside it."""
-  from triax.training import loop
 
   lines = [
     '',
@@ -634,7 +635,7 @@ def programs_section(results: dict) -> list[str]:
     "the optimizer state on the device) a checkpoint save's and a restore's conversion",
     "(leaf by leaf, the checkpoint's copy in host memory: training/relayout.py) and the",
     'evaluation (its forward a micro-batch at a time, the rows over the data and pipe',
-    "ranks: training/step.py's `_eval_loss`); `loop.program_peaks`. The run's peak is",
+    "ranks: training/step.py's `_eval_loss`); `stats_lib.program_peaks`. The run's peak is",
     "the largest; `step` marks a row whose peak is its train step's. The planner's",
     'figure is `memory.state_programs` for the layout (as the section above), against',
     'the largest of the three compiled.',
@@ -649,7 +650,7 @@ def programs_section(results: dict) -> list[str]:
     if stats is None:
       continue
     what += ', edge gradients in the loop' if name in EDGE_ROWS else ''
-    peaks = loop.program_peaks(stats)
+    peaks = stats_lib.program_peaks(stats)
     tops.append(max(peaks, key=lambda k: (peaks[k], k == 'step')))
     cells = ' | '.join(f'{peaks[k] / GiB:.2f}' for k in ('step', 'save', 'restore', 'eval'))
     predicted = planner_peak(topology, config, overrides, programs=True)

@@ -20,6 +20,7 @@ import pytest
 from test_reliability import intact_steps, read_jsonl, write_corpus
 
 from triax import config as config_lib
+from triax.compiled import stats as stats_lib
 from triax.errors import ConfigError
 from triax.training import bad_steps, loop
 
@@ -62,7 +63,7 @@ def zeros(batch):
 
 def nan_on_zero_batch(monkeypatch):
   """The compiled step reports NaN loss and gradient norm for an all-zero batch."""
-  compile_all = loop.all_compile_stats
+  compile_all = stats_lib.all_compile_stats
 
   def wrapped(trainer, compiler_options=None):
     compiled, compiled_eval, stats = compile_all(trainer, compiler_options)
@@ -75,7 +76,7 @@ def nan_on_zero_batch(monkeypatch):
 
     return step, compiled_eval, stats
 
-  monkeypatch.setattr(loop, 'all_compile_stats', wrapped)
+  monkeypatch.setattr(stats_lib, 'all_compile_stats', wrapped)
 
 
 def config(tmp_path, **overrides):

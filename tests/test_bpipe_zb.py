@@ -164,7 +164,7 @@ def test_compiled_temp_against_zb_h1():
   import jax
 
   from triax import config as config_lib
-  from triax.training.loop import compile_stats
+  from triax.compiled.stats import compile_stats
 
   bench = harness.load_script('bench_schedules')
   temp = {}

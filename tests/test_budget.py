@@ -2,7 +2,7 @@
 
 import harness
 
-from triax.training import budget
+from triax.compiled import budget
 
 
 def test_budget_ranks_candidates_by_measured_memory():

@@ -1,10 +1,10 @@
-"""training/buffers.py on a program small enough to count by hand (XLA:CPU)."""
+"""compiled/buffers.py on a program small enough to count by hand (XLA:CPU)."""
 
 import jax
 import jax.numpy as jnp
 import pytest
 
-from triax.training import buffers
+from triax.compiled import buffers
 
 ONE = 256 * 256 * 4  # bytes of one f32[256,256]
 

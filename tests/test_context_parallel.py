@@ -16,6 +16,7 @@ import jax
 import numpy as np
 import pytest
 
+from triax.compiled import stats as stats_lib
 from triax.model import context
 
 # (family, (data, context, tensor, pipe), context_attention, sequence_parallel, extra config).
@@ -201,7 +202,6 @@ def test_key_tiles_bound_what_a_ring_step_holds(monkeypatch):
   keys), one layer, compiled by XLA:CPU: temp per device with 512-key tiles
   against whole blocks (whose fp32 scores are 128 MiB an array)."""
   from triax import config
-  from triax.training import loop
 
   def temp_mib():
     cfg = config.from_file(
@@ -210,7 +210,7 @@ def test_key_tiles_bound_what_a_ring_step_holds(monkeypatch):
     cfg.mesh.data, cfg.train.global_batch_size = 1, 1
     trainer = harness.make_trainer(cfg)
     with jax.set_mesh(trainer.mesh):
-      return loop.compile_stats(trainer)[1]['temp_bytes'] / 2**20
+      return stats_lib.compile_stats(trainer)[1]['temp_bytes'] / 2**20
 
   tiled = temp_mib()
   monkeypatch.setattr(context, 'KEY_TILE', 1 << 20)

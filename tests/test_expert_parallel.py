@@ -15,8 +15,8 @@ import pytest
 
 from triax import config as config_lib
 from triax import sharding
+from triax.compiled import stats as stats_lib
 from triax.errors import ConfigError
-from triax.training import loop
 
 
 def _config(**overrides):
@@ -64,7 +64,7 @@ def test_capacity_drops_what_one_device_drops(data, tensor, expert):
 
 
 def _all_to_alls(cfg) -> int:
-  compiled, _ = loop.compile_stats(harness.make_trainer(cfg))
+  compiled, _ = stats_lib.compile_stats(harness.make_trainer(cfg))
   return sum(harness.collectives_by_computation(compiled.as_text(), 'all-to-all').values())
 
 

@@ -16,8 +16,8 @@ import harness
 import pytest
 
 from triax import topology
+from triax.compiled import hlo_schedule
 from triax.errors import ConfigError
-from triax.training import hlo_schedule
 
 GiB = 2**30
 SMOKE = 'experiments/llama_1b.py:smoke,attention=xla'

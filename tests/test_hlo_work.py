@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
+from triax.compiled import hlo_work
 from triax.model import flops as flops_lib
 from triax.pipeline import executor
-from triax.training import hlo_work
 
 M, K, N, TRIPS = 8, 16, 32, 6
 

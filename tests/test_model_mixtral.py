@@ -16,6 +16,7 @@ import pytest
 
 from triax import config as config_lib
 from triax import sharding
+from triax.compiled import stats as stats_lib
 from triax.errors import ConfigError
 from triax.model import moe
 
@@ -305,10 +306,9 @@ def test_mixtral_tiny_is_a_valid_run_on_8_devices_with_the_experts_split():
 def test_dropless_dispatch_keeps_each_data_shards_tokens_on_its_device():
   # A sort over a batch split over `data`, left to GSPMD, would gather every
   # token to every device; under the shard_map each device sorts its own.
-  from triax.training import loop
 
   cfg = _config(**{'mesh.data': 8})
-  compiled, _ = loop.compile_stats(harness.make_trainer(cfg))
+  compiled, _ = stats_lib.compile_stats(harness.make_trainer(cfg))
   gathered = re.findall(r'= f32\[([\d,]+)\]\S* all-gather(?:-start)?\(', compiled.as_text())
   # Only the router's logits [b, s, E] are gathered (for the load statistics), never a token's d.
   assert gathered and all(int(shape.split(',')[-1]) == cfg.model.num_experts for shape in gathered)

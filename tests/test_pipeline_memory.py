@@ -11,7 +11,7 @@ import harness
 import jax
 import pytest
 
-from triax.training.loop import compile_stats
+from triax.compiled.stats import compile_stats
 
 P = 4
 

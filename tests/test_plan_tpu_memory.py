@@ -17,6 +17,8 @@ import os
 import harness
 import pytest
 
+from triax.compiled import stats as stats_lib
+
 RESULTS = os.path.join(harness.ROOT, 'docs', 'bench_tpu_compile.json')
 
 # Rows within 10% of arguments + the program's heap.
@@ -122,12 +124,11 @@ def test_planner_state_programs_against_xla(bench, results, predicted):
   about a tenth more than priced), at most 1.5x over (the evaluation's
   forward is priced as a layer's backward residuals); and, as compiled,
   below the planner's own train step on every row."""
-  from triax.training import loop
 
   for name, (_, topology, (config, overrides)) in bench.planner_rows().items():
     if name not in results:
       continue
-    peaks = loop.program_peaks(results[name]['triax_programs'])
+    peaks = stats_lib.program_peaks(results[name]['triax_programs'])
     compiled = max(peaks['save'], peaks['restore'], peaks['eval'])
     programs = bench.planner_peak(topology, config, overrides, programs=True)
     assert 0.85 <= programs / compiled <= 1.5, (name, programs, compiled)

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from triax import sharding
-from triax.training import loop
+from triax.compiled import stats as stats_lib
 
 SHAPE = {'model.num_layers': 16, 'model.d_model': 64, 'model.d_ff': 256}
 
@@ -100,8 +100,8 @@ def test_data_parallel_runs_peak_is_its_train_steps():
   """Where a save held a second copy of the state beside it, the run's peak was
   the save's, not the step's (docs/bench_tpu_compile.md: every TPU row)."""
   cfg = harness.tiny_config(**{'mesh.data': 8, 'mesh.tensor': 1, 'mesh.pipe': 1, **SHAPE})
-  _, _, stats = loop.all_compile_stats(harness.make_trainer(cfg))
-  assert loop.run_peak_bytes(stats) == loop.step_peak_bytes(stats), stats
+  _, _, stats = stats_lib.all_compile_stats(harness.make_trainer(cfg))
+  assert stats_lib.run_peak_bytes(stats) == stats_lib.step_peak_bytes(stats), stats
 
 
 def _eval(cfg, batch):
@@ -149,5 +149,5 @@ def test_eval_on_the_pipeline_mesh_splits_rows_and_weights_and_matches_one_devic
     assert held < params / 2, (held, params)
   # The run's peak is the train step's: a save, a restore or an evaluation
   # beside the resident state holds less.
-  _, _, stats = loop.all_compile_stats(trainer)
-  assert loop.run_peak_bytes(stats) == loop.step_peak_bytes(stats), stats
+  _, _, stats = stats_lib.all_compile_stats(trainer)
+  assert stats_lib.run_peak_bytes(stats) == stats_lib.step_peak_bytes(stats), stats

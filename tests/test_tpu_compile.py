@@ -13,8 +13,8 @@ import jax
 import pytest
 
 from triax import topology
+from triax.compiled import stats as stats_lib
 from triax.errors import ConfigError
-from triax.training import loop
 
 GiB = 2**30
 SMOKE = 'experiments/llama_1b.py:smoke,attention=xla'
@@ -53,16 +53,16 @@ class _Gpu:
 
 
 def test_compile_only_on_a_gpu_fits_against_what_its_allocator_may_take():
-  fit = loop.local_fit({'peak_bytes': 100 * GiB}, [_Gpu(), _Gpu()])
+  fit = stats_lib.local_fit({'peak_bytes': 100 * GiB}, [_Gpu(), _Gpu()])
   assert fit['fits'] and fit['memory_bytes_per_device'] == 128 * GiB
   assert fit['fit_line'] == (
     'fits: 100.00 GiB per device of 128 GiB that XLA may allocate (28.00 GiB spare) '
     'on 2 x NVIDIA H200'
   )
-  fit = loop.local_fit({'peak_bytes': 130 * GiB}, [_Gpu()])
+  fit = stats_lib.local_fit({'peak_bytes': 130 * GiB}, [_Gpu()])
   assert not fit['fits'] and fit['fit_line'].startswith('does not fit: 130.00 GiB per device, 2.00')
   # A CPU device reports no limit: nothing to fit against, no line.
-  assert loop.local_fit({'peak_bytes': 1}, jax.devices()) == {}
+  assert stats_lib.local_fit({'peak_bytes': 1}, jax.devices()) == {}
 
 
 def _compile(workdir, *flags, config=SMOKE, topology_name='v5p:2x2x1'):
@@ -96,7 +96,7 @@ def test_a_pipelined_step_compiles_for_four_v5p_chips(tmp_path):
   assert stats['schedule']['name'] == '1f1b' and stats['schedule']['stages'] == 2
   step = stats['temp_bytes'] + stats['argument_bytes'] + stats['output_bytes']
   # The run's peak is the step's: a save, a restore or an evaluation holds less.
-  assert stats['peak_bytes'] == step - stats['alias_bytes'] == loop.step_peak_bytes(stats)
+  assert stats['peak_bytes'] == step - stats['alias_bytes'] == stats_lib.step_peak_bytes(stats)
   biggest = stats['largest_buffers']
   assert biggest and biggest[0]['bytes'] >= biggest[-1]['bytes']
   assert any('train_step' in b['op_name'] for b in biggest)
@@ -116,7 +116,7 @@ def test_every_benchmarked_runs_peak_is_its_train_steps():
   rows = {k: r['triax_programs'] for k, r in results.items() if 'triax_programs' in r}
   assert len(rows) >= 31
   for name, stats in rows.items():
-    peaks = loop.program_peaks(stats)
+    peaks = stats_lib.program_peaks(stats)
     assert max(peaks.values()) == peaks['step'], (name, peaks)
 
 

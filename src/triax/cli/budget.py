@@ -3,7 +3,7 @@ BPipe, ZeRO-1 or FSDP does, fastest?
 
   python -m triax budget --config=experiments/gpt_tiny.py --memory_limit_mib=64 --cpu_devices=8
 
-Compiles each candidate (a line each), times those that fit (see triax.training.budget)
+Compiles each candidate (a line each), times those that fit (see triax.compiled.budget)
 and prints a table.
 """
 
@@ -27,7 +27,7 @@ def main(argv):
   if _LIMIT.value is None or _LIMIT.value <= 0:
     cli.fail('--memory_limit_mib', 'give the per-device limit in MiB, e.g. 64')
   cli.force_cpu_devices(_CPU_DEVICES.value)
-  from triax.training import budget  # after the device count is set
+  from triax.compiled import budget  # after the device count is set
 
   limit = int(_LIMIT.value * 2**20)
   with cli.config_errors_exit():

@@ -142,7 +142,7 @@ def _verifier():
     cli.fail('--verify' if e.key == '--topology' else '--verify_slices', e.message)
 
   def verify(cfg, estimate):
-    from triax.training import aot
+    from triax.compiled import aot
 
     return aot.verify_plan(cfg, estimate, slice_)
 

@@ -145,7 +145,7 @@ def _compile_for_topology(cfg) -> None:
   if _CPU_DEVICES.value is not None:
     cli.fail('--cpu_devices', 'has no meaning with --topology (the slice gives the devices)')
   from triax import topology
-  from triax.training import aot
+  from triax.compiled import aot
 
   with cli.config_errors_exit():
     slice_ = topology.parse(_TOPOLOGY.value, _TOPOLOGY_SLICES.value)

@@ -300,3 +300,8 @@ class BatchStream:
     if self.samples.mask_documents:
       batch['segment_ids'] = np.stack([item['segments'][:-1] for item in items])
     return batch
+
+
+def keys(cfg) -> tuple[str, ...]:
+  """The arrays of a batch: with data.mask_documents, the rows' document ids too."""
+  return ('inputs', 'targets') + (('segment_ids',) if cfg.data.mask_documents else ())

@@ -71,7 +71,7 @@ class StageFns:
 
 
 # Named scopes that mark each cond's branches, so that the work a compiled step
-# executes can be counted branch by branch (training/hlo_work.py, from the
+# executes can be counted branch by branch (compiled/hlo_work.py, from the
 # op_name metadata; `branch_counts` says how often each runs). Metadata only:
 # no numerics and no program structure change. A branch inside another reads
 # as their path, e.g. 'triax_F/triax_head'.

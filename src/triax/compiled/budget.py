@@ -22,7 +22,7 @@ import jax
 import ml_collections
 
 from triax import config as config_lib
-from triax.training.measure import compile_config, time_steps
+from triax.compiled.measure import compile_config, time_steps
 
 REFERENCE = 'as configured'
 _REMAT_NAMES = {

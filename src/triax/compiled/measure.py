@@ -16,8 +16,8 @@ import jax
 import numpy as np
 
 from triax import config as config_lib
+from triax.compiled.stats import all_compile_stats, run_peak_bytes, step_peak_bytes
 from triax.mesh import build_mesh
-from triax.training.loop import all_compile_stats, run_peak_bytes, step_peak_bytes
 from triax.training.step import Trainer, build_trainer
 
 
@@ -29,12 +29,12 @@ class Measurement:
 
   @property
   def step_peak_bytes(self) -> int:
-    """The train step's per-device peak (loop.step_peak_bytes)."""
+    """The train step's per-device peak (stats.step_peak_bytes)."""
     return step_peak_bytes(self.stats)
 
   @property
   def peak_bytes(self) -> int:
-    """The run's per-device peak: the step, a save, a restore or an eval (loop.run_peak_bytes)."""
+    """The run's per-device peak: the step, a save, a restore or an eval (stats.run_peak_bytes)."""
     return run_peak_bytes(self.stats)
 
 

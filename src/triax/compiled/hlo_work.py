@@ -32,7 +32,7 @@ import re
 
 import numpy as np
 
-from triax.training.hlo_schedule import _HEADER
+from triax.compiled.hlo_schedule import _HEADER
 
 _INSTRUCTION = re.compile(r'^\s*(?:ROOT )?%?([\w.\-]+) = (.*)$')
 _SHAPE = re.compile(r'\b(pred|token|[suf]\d+|bf16|c64|c128|f8e\w+|f4e\w+)\[([\d,]*)\]')

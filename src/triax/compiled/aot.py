@@ -20,9 +20,11 @@ import jax
 
 from triax import config as config_lib
 from triax import topology as topology_lib
+from triax.compiled import buffers
+from triax.compiled import stats as stats_lib
 from triax.errors import ConfigError
 from triax.mesh import build_mesh
-from triax.training import atomic, buffers, loop
+from triax.training import atomic, loop
 from triax.training import lock as lock_lib
 from triax.training import workdir as workdir_lib
 from triax.training.step import build_trainer
@@ -63,7 +65,7 @@ def compile_for_topology(cfg, workdir: str, topology: topology_lib.Topology) -> 
     # assignment, memory report) for a closer look.
     dump = os.environ.get('TRIAX_XLA_DUMP') or scratch
     try:
-      _, _, stats = loop.all_compile_stats(trainer, buffers.compile_options(dump))
+      _, _, stats = stats_lib.all_compile_stats(trainer, buffers.compile_options(dump))
       fits, line = topology_lib.fit_line(topology, stats['peak_bytes'])
       line += _host_note(stats)
     except jax.errors.JaxRuntimeError as e:
@@ -151,7 +153,7 @@ def verify_plan(cfg, estimate, topology: topology_lib.Topology) -> dict:
   if 'temp_bytes' not in stats:  # refused for want of HBM: no figures to compare
     out['line'] = f'verify: {topology.name}: {stats["fit_line"]}'
     return out
-  compiled = loop.step_peak_bytes(stats)
+  compiled = stats_lib.step_peak_bytes(stats)
   out.update(xla_step_peak_bytes=compiled, planned_over_xla=predicted / compiled)
   out['line'] = (
     f'verify: {topology.compiler} compiled the best plan for {topology.name}: train step peak '
