@@ -12,8 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from triax.model import generation, hf_llama
-from triax.training import hf_checkpoint
+from triax.convert import hf_checkpoint, hf_llama
+from triax.model import generation
 from triax.training import workdir as workdir_lib
 
 

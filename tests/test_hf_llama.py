@@ -24,11 +24,11 @@ torch = pytest.importorskip('torch')
 transformers = pytest.importorskip('transformers')
 
 from triax import config as config_lib  # noqa: E402
+from triax.convert import hf_checkpoint, hf_llama  # noqa: E402
 from triax.data import tokenizer as tokenizer_lib  # noqa: E402
 from triax.errors import ConfigError  # noqa: E402
-from triax.model import generation, hf_llama  # noqa: E402
+from triax.model import generation  # noqa: E402
 from triax.training import checkpoint as ckpt_lib  # noqa: E402
-from triax.training import hf_checkpoint  # noqa: E402
 from triax.training import workdir as workdir_lib  # noqa: E402
 
 SEQ = 32

@@ -17,9 +17,8 @@ torch = pytest.importorskip('torch')
 transformers = pytest.importorskip('transformers')
 
 from triax import config as config_lib  # noqa: E402
+from triax.convert import hf_checkpoint, hf_llama  # noqa: E402
 from triax.errors import ConfigError  # noqa: E402
-from triax.model import hf_llama  # noqa: E402
-from triax.training import hf_checkpoint  # noqa: E402
 
 SEQ = 32
 

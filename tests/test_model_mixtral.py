@@ -322,7 +322,7 @@ def test_dropless_dispatch_keeps_each_data_shards_tokens_on_its_device():
   ],
 )
 def test_export_refuses_what_a_mixtral_checkpoint_cannot_hold(overrides, says):
-  from triax.model import hf_llama
+  from triax.convert import hf_llama
 
   with pytest.raises(ConfigError, match=says) as e:
     hf_llama.hf_config(_config(**overrides).model)

@@ -9,7 +9,7 @@ writes a workdir at step 0 that `python -m triax train --workdir=WORKDIR`
 fine-tunes and `python -m triax sample --workdir=WORKDIR` samples; export
 writes the workdir's latest checkpoint back as transformers' Llama (Qwen2,
 Mixtral, Qwen2-MoE). Kept to flag parsing and one library call
-(triax.training.hf_checkpoint).
+(triax.convert.hf_checkpoint).
 """
 
 import sys
@@ -52,7 +52,7 @@ def main(argv):
   if _EXPORT.value and _TOKENIZER.value:
     cli.fail('--tokenizer', "is for import; an export copies the run's tokenizer, if it has one")
   cli.force_cpu_devices(_CPU_DEVICES.value)
-  from triax.training import hf_checkpoint  # after the device count is set
+  from triax.convert import hf_checkpoint  # after the device count is set
 
   with cli.config_errors_exit():
     if _EXPORT.value:

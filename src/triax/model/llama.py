@@ -4,7 +4,7 @@ ones, model.qkv_bias), Qwen3's optional q/k norms (model.qk_norm, with its wider
 model.head_dim), optionally tied input and output embeddings.
 
 Conventions follow transformers' LlamaForCausalLM, so that a Hugging Face checkpoint maps
-onto this parameter tree by transposes and reshapes only (model/hf_llama.py):
+onto this parameter tree by transposes and reshapes only (convert/hf_llama.py):
 
   {'embed': {'tokens': [V, d]},
    'layers': {'attn_norm': [L, d], 'wq': [L, d, n, hd], 'wk': [L, d, kv, hd],

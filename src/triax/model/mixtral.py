@@ -10,7 +10,7 @@ Parameter tree: llama.py's, the MLP's weights replaced by
   'shared_expert_gate': [L, d, 1] with model.shared_expert_gate)
 
 so that transformers' Mixtral and Qwen2-MoE checkpoints map onto it by transposes
-(model/hf_llama.py). The experts' leading axis has the logical name 'experts'.
+(convert/hf_llama.py). The experts' leading axis has the logical name 'experts'.
 
 Training minimises cross-entropy plus router_aux_loss_coef x the load-balancing loss and
 router_z_loss_coef x the z-loss (`objective`); `loss` is the cross-entropy alone. Only

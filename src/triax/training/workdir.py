@@ -96,7 +96,7 @@ def load_config(workdir: str):
 
 def tokenizer(workdir: str, cfg):
   """What the run's tokens mean (a data.tokenizer.Tokenizer): its data.tokenizer,
-  else the tokenizer.json an import recorded beside it (training/hf_checkpoint.py),
+  else the tokenizer.json an import recorded beside it (convert/hf_checkpoint.py),
   else bytes."""
   from triax.data import tokenizer as tokenizer_lib
 

@@ -31,9 +31,9 @@ import ml_collections
 import numpy as np
 
 from triax import config as config_lib
+from triax.convert import hf_llama
 from triax.data import tokenizer as tokenizer_lib
 from triax.errors import ConfigError
-from triax.model import hf_llama
 from triax.training import atomic
 from triax.training import lock as lock_lib
 from triax.training import workdir as workdir_lib

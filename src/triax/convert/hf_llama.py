@@ -17,7 +17,7 @@ Names: Mixtral's experts per expert as the Hub stores them
 model.norm_topk_prob). Only Qwen2-MoE's released form converts: experts in every block
 (decoder_sparse_step 1, no mlp_only_layers).
 
-Everything here is numpy: training/hf_checkpoint.py puts the arrays into a train state.
+Everything here is numpy: convert/hf_checkpoint.py puts the arrays into a train state.
 Why no permutation is needed: docs/design/models.md."""
 
 from __future__ import annotations

@@ -1,0 +1,3 @@
+"""Checkpoints in other frameworks' formats: Hugging Face's names and configs for
+the llama and mixtral families (hf_llama), and a workdir's import and export
+(hf_checkpoint, behind `python -m triax convert`)."""
