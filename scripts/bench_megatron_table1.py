@@ -42,6 +42,7 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), '..')
 sys.path.insert(0, os.path.join(ROOT, 'src'))
 
 from triax import config  # noqa: E402
+from triax.layout import Layout  # noqa: E402
 from triax.plan import cluster as cluster_lib  # noqa: E402
 from triax.plan.cost import analytic, memory  # noqa: E402
 from triax.plan.cost.simulator import Options, Plan, simulate_plan  # noqa: E402
@@ -121,13 +122,11 @@ def plan_of(row: Row, tensor: int, pipe: int, microbatch: int = 1) -> Plan | Non
   if pipe > 1 and m % pipe:
     return None  # interleaving runs micro-batches in rounds of p
   size = data * tensor
+  schedule = 'interleaved_1f1b' if v > 1 else '1f1b'
   return Plan(
-    data=data,
-    tensor=tensor,
-    pipe=pipe,
-    schedule='interleaved_1f1b' if v > 1 else '1f1b',
-    microbatches=m,
-    virtual_stages=v,
+    layout=Layout(
+      data=data, tensor=tensor, pipe=pipe, schedule=schedule, microbatches=m, virtual_stages=v
+    ),
     remat='full',
     layers=(per,) * pipe,
     stages=tuple(tuple(range(s * size, (s + 1) * size)) for s in range(pipe)),

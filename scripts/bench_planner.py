@@ -216,6 +216,7 @@ def main() -> int:
   import importlib.util
 
   from triax import config as config_lib
+  from triax.layout import Layout
   from triax.plan import cluster as cluster_lib
   from triax.plan.cost import profile, simulator
   from triax.plan.search import emit
@@ -237,12 +238,7 @@ def main() -> int:
       (
         i,
         simulator.Plan(
-          data=d,
-          tensor=t,
-          pipe=p,
-          schedule=name,
-          microbatches=m,
-          virtual_stages=v,
+          layout=Layout(data=d, tensor=t, pipe=p, schedule=name, microbatches=m, virtual_stages=v),
           remat=remat,
           layers=layers,
           stages=stages,

@@ -50,6 +50,7 @@ sys.path.insert(0, os.path.join(ROOT, 'src'))
 # (scripts/ is on the path: this file runs as a script beside it).
 import bench_megatron_table1 as T1  # noqa: E402
 
+from triax.layout import Layout  # noqa: E402
 from triax.plan import cluster as cluster_lib  # noqa: E402
 from triax.plan.cost import analytic  # noqa: E402
 from triax.plan.cost.simulator import Options, Plan, simulate_plan  # noqa: E402
@@ -112,12 +113,7 @@ def zero3(point: Point, selene, overlap: bool) -> dict:
   row = row_of(point)
   n = point.gpus
   plan = Plan(
-    data=n,
-    tensor=1,
-    pipe=1,
-    schedule='1f1b',
-    microbatches=1,
-    virtual_stages=1,
+    layout=Layout(data=n),
     remat='full',
     layers=(point.layers,),
     stages=(tuple(range(n)),),
