@@ -40,6 +40,7 @@ import time
 from bench_harness import ROOT
 
 from triax import config
+from triax.layout import Layout
 from triax.plan import cluster as cluster_lib
 from triax.plan.cost import analytic, memory
 from triax.plan.cost.simulator import Options, Plan, simulate_plan
@@ -119,13 +120,11 @@ def plan_of(row: Row, tensor: int, pipe: int, microbatch: int = 1) -> Plan | Non
   if pipe > 1 and m % pipe:
     return None  # interleaving runs micro-batches in rounds of p
   size = data * tensor
+  schedule = 'interleaved_1f1b' if v > 1 else '1f1b'
   return Plan(
-    data=data,
-    tensor=tensor,
-    pipe=pipe,
-    schedule='interleaved_1f1b' if v > 1 else '1f1b',
-    microbatches=m,
-    virtual_stages=v,
+    layout=Layout(
+      data=data, tensor=tensor, pipe=pipe, schedule=schedule, microbatches=m, virtual_stages=v
+    ),
     remat='full',
     layers=(per,) * pipe,
     stages=tuple(tuple(range(s * size, (s + 1) * size)) for s in range(pipe)),

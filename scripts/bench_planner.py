@@ -211,6 +211,7 @@ def main() -> int:
   import importlib.util
 
   from triax import config as config_lib
+  from triax.layout import Layout
   from triax.plan import cluster as cluster_lib
   from triax.plan.cost import profile, simulator
   from triax.plan.search import emit
@@ -232,12 +233,7 @@ def main() -> int:
       (
         i,
         simulator.Plan(
-          data=d,
-          tensor=t,
-          pipe=p,
-          schedule=name,
-          microbatches=m,
-          virtual_stages=v,
+          layout=Layout(data=d, tensor=t, pipe=p, schedule=name, microbatches=m, virtual_stages=v),
           remat=remat,
           layers=layers,
           stages=stages,

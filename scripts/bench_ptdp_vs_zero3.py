@@ -46,6 +46,7 @@ import time
 import bench_megatron_table1 as T1
 from bench_harness import ROOT
 
+from triax.layout import Layout
 from triax.plan import cluster as cluster_lib
 from triax.plan.cost import analytic
 from triax.plan.cost.simulator import Options, Plan, simulate_plan
@@ -108,12 +109,7 @@ def zero3(point: Point, selene, overlap: bool) -> dict:
   row = row_of(point)
   n = point.gpus
   plan = Plan(
-    data=n,
-    tensor=1,
-    pipe=1,
-    schedule='1f1b',
-    microbatches=1,
-    virtual_stages=1,
+    layout=Layout(data=n),
     remat='full',
     layers=(point.layers,),
     stages=(tuple(range(n)),),

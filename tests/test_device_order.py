@@ -13,6 +13,7 @@ import pytest
 
 from triax import config
 from triax.errors import ConfigError
+from triax.layout import Layout
 from triax.mesh import build_mesh
 from triax.plan import cluster as cluster_lib
 from triax.plan.cost import profile
@@ -101,12 +102,7 @@ def test_heterogeneous_plan_file_carries_its_placement(tmp_path):
   # Stage 0 on slow devices 4..7 (replica-major: replica i = stage[i*t:(i+1)*t]).
   stages = ((4, 6, 5, 7), (0, 2, 1, 3))
   plan = Plan(
-    data=2,
-    tensor=2,
-    pipe=2,
-    schedule='1f1b',
-    microbatches=4,
-    virtual_stages=1,
+    layout=Layout(data=2, tensor=2, pipe=2, microbatches=4),
     remat='none',
     layers=(4, 4),
     stages=stages,

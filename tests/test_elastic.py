@@ -26,6 +26,7 @@ from test_reliability import (
 )
 
 from triax import config as config_lib
+from triax import layout as layout_lib
 from triax.errors import ConfigError
 from triax.training import elastic, replan
 from triax.training import workdir as workdir_lib
@@ -127,7 +128,7 @@ def elastic_run(tmp_path_factory, smoke_text_run):
       f'--workdir={reference}',
       '--cpu_devices=4',
       *flags,
-      *replan.override_flags(AFTER),
+      *layout_lib.flags(AFTER),
     ],
     cwd=harness.ROOT,
     env=cli_env(compile_cache),
@@ -283,7 +284,7 @@ def test_restart_flags_replace_the_command_own():
     ]
   )
   argv = command.with_flags(
-    replan.override_flags({'mesh.data': 1, 'mesh.device_order': ()}) + ['--cpu_devices=4']
+    layout_lib.flags({'mesh.data': 1, 'mesh.device_order': ()}) + ['--cpu_devices=4']
   )
   assert argv == [
     'python', '-m', 'triax', 'train', '--workdir=w', '--config.train.steps=9',
@@ -408,7 +409,7 @@ def test_a_survivor_that_ignores_sigterm_is_killed_and_the_job_relaunched(tmp_pa
   assert status == 0, err
   assert sorted(who for who, _ in launches) == ['0', '1', 'alone']
   relaunch = next(args for who, args in launches if who == 'alone').split()
-  assert relaunch[-6:] == replan.override_flags(AFTER) + ['--cpu_devices=4']
+  assert relaunch[-6:] == layout_lib.flags(AFTER) + ['--cpu_devices=4']
   assert _gone(tmp_path / 'sleeper.0'), 'process 0 was left running'
   (record,) = read_jsonl(workdir / workdir_lib.ELASTIC)
   assert record['failed'] == [{'process': 1, 'status': 'killed by SIGKILL'}]

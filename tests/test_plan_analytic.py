@@ -142,7 +142,9 @@ def test_activation_memory_is_korthikantis_table_2(remat, t):
     'full': (2, 2 / t),  # with SP the input is held split too
   }[remat]
   plan = make_plan(p=1, m=1, d=1, t=t, remat=remat)
-  split = dataclasses.replace(plan, sequence_parallel=t > 1)
+  split = dataclasses.replace(
+    plan, layout=dataclasses.replace(plan.layout, sequence_parallel=t > 1)
+  )
   assert memory.layer_stash(plan, shard) == pytest.approx(s * h * tp)
   assert memory.layer_stash(split, shard) == pytest.approx(s * h * sp)
   if (remat, t) == ('none', 8):

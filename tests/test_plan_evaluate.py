@@ -10,6 +10,7 @@ import pytest
 
 from triax import config
 from triax.errors import ConfigError
+from triax.layout import Layout
 from triax.model import flops as flops_lib
 from triax.model import registry
 from triax.plan import candidate, evaluate, report
@@ -128,12 +129,7 @@ def test_a_layout_prices_the_plan_it_names(base):
   layout = 'd4,t1,p2,1f1b,m8,remat=full,zero1'
   summary, _ = _run(_request(base, layout=layout))
   plan = candidate.Plan(
-    data=4,
-    tensor=1,
-    pipe=2,
-    schedule='1f1b',
-    microbatches=8,
-    virtual_stages=1,
+    layout=Layout(data=4, pipe=2, microbatches=8),
     remat='full',
     layers=(4, 4),
     stages=((0, 1, 2, 3), (4, 5, 6, 7)),

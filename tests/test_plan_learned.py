@@ -61,10 +61,7 @@ def test_sampled_plans_are_valid_configs():
   for part, trail in rollouts:
     assert len(trail) == len(features.KINDS) - 1 + part.choices['pipe']
     plan = decisions.plan_of(prob, part).plan
-    layout = layouts_lib.Layout(
-      plan.data, plan.tensor, plan.pipe, plan.schedule, plan.microbatches, plan.virtual_stages
-    )
-    assert layout in layouts
+    assert plan.layout in layouts
     assert sorted(plan.devices) == list(range(cluster.num_devices))
     # What the search asks of its own plans: the config validator accepts it.
     assert evaluate.valid(cfg, plan, cluster.num_devices), plan.describe()

@@ -10,6 +10,7 @@ from test_plan_simulator import make_cluster
 
 from triax import config
 from triax.errors import ConfigError
+from triax.layout import Layout
 from triax.model import mixtral, moe
 from triax.plan import cluster as cluster_lib
 from triax.plan import report
@@ -44,17 +45,11 @@ EXPERTS = profile.Experts(
 def moe_plan(data, expert, tensor=1, rows=4, remat='none'):
   """One stage of data x tensor devices, `rows` sequences per replica, no pipeline."""
   return Plan(
-    data=data,
-    tensor=tensor,
-    pipe=1,
-    schedule='1f1b',
-    microbatches=1,
-    virtual_stages=1,
+    layout=Layout(data=data, tensor=tensor, expert=expert),
     remat=remat,
     layers=(4,),
     stages=(tuple(range(data * tensor)),),
     global_batch=rows * data,
-    expert=expert,
   )
 
 

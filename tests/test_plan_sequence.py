@@ -61,9 +61,10 @@ def gpus(n, memory='80 GB'):
 
 def sequence_plan(c=1, t=1, sp=False, kind='allgather', remat='none', d=1, p=1, m=1, layers=None):
   plan = make_plan(p=p, m=m, d=d * c, t=t, remat=remat, layers=layers)
-  return dataclasses.replace(
-    plan, data=d, context=c, sequence_parallel=sp, context_attention=kind, global_batch=m * d
+  layout = dataclasses.replace(
+    plan.layout, data=d, context=c, sequence_parallel=sp, context_attention=kind
   )
+  return dataclasses.replace(plan, layout=layout, global_batch=m * d)
 
 
 @pytest.mark.parametrize('remat', profile.REMATS)
@@ -189,7 +190,10 @@ def test_context_one_and_no_sp_change_nothing():
   cluster = gpus(8)
   for t in (1, 2):
     plan = make_plan(p=2, m=4, d=4 // t, t=t, layers=(2, 2))
-    same = dataclasses.replace(plan, context=1, sequence_parallel=False, context_attention='ring')
+    layout = dataclasses.replace(
+      plan.layout, context=1, sequence_parallel=False, context_attention='ring'
+    )
+    same = dataclasses.replace(plan, layout=layout)
     a, b = simulate_plan(plan, prof, cluster), simulate_plan(same, prof, cluster)
     assert (a.step_time, a.memory) == (b.step_time, b.memory)
     assert 'c1' not in plan.describe() and 'sp' not in plan.describe()

@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+from triax.layout import Layout
 from triax.pipeline import schedule as sched
 from triax.pipeline import simulate
 from triax.plan import candidate
@@ -61,12 +62,7 @@ def make_plan(p=4, m=8, d=1, t=1, v=1, name='1f1b', layers=None, remat='none', o
   size = d * t
   stages = tuple(tuple(order[s * size : (s + 1) * size]) for s in range(p))
   return Plan(
-    data=d,
-    tensor=t,
-    pipe=p,
-    schedule=name,
-    microbatches=m,
-    virtual_stages=v,
+    layout=Layout(data=d, tensor=t, pipe=p, schedule=name, microbatches=m, virtual_stages=v),
     remat=remat,
     layers=layers or (v,) * p,
     stages=stages,
@@ -346,12 +342,7 @@ def test_plan_checks_itself():
     make_plan(p=2, v=2, layers=(3, 1))
   with pytest.raises(ValueError, match='global batch'):
     Plan(
-      data=2,
-      tensor=1,
-      pipe=1,
-      schedule='1f1b',
-      microbatches=3,
-      virtual_stages=1,
+      layout=Layout(data=2, microbatches=3),
       remat='none',
       layers=(4,),
       stages=((0, 1),),

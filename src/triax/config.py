@@ -16,6 +16,7 @@ import ml_collections
 from triax import checks
 from triax.data import checks as data_checks
 from triax.errors import ConfigError
+from triax.layout import CONTEXT_ATTENTION
 from triax.model import registry
 from triax.pipeline import schedule as sched
 from triax.pipeline.rounds import PACKINGS
@@ -27,7 +28,6 @@ EXPERT_AXIS = 'expert'
 # Where the pipeline's two ends make their weight gradients (pipeline.edge_grads,
 # executor.edge_grads_after_loop): in the tick loop, after it, or whichever holds fewer bytes.
 EDGE_GRADS = ('auto', 'loop', 'after')
-CONTEXT_ATTENTION = ('allgather', 'ring')
 SCHEDULES = tuple(sched.SCHEDULES)
 REMAT_POLICIES = ('none', 'attention', 'dots', 'full')
 # model.remat values that were renamed: the value -> what to write instead.

@@ -1,10 +1,10 @@
 """What the planner chooses and what it predicts: `Plan`, `Options`, `Estimate`.
 
-A `Plan` fixes the degrees (data, context, tensor, pipe), sequence
-parallelism and the context-parallel attention kind, the schedule,
-micro-batches, virtual stages, remat, which cluster devices form each
-pipeline stage and how many layers each stage holds, and how the training
-state is split over `data` (`STATE_SHARDINGS`); plan/cost/simulator.py turns it into an
+A `Plan` is a parallel layout (`triax.layout.Layout`: the degrees, sequence
+parallelism, the context attention kind, the schedule, micro-batches and
+virtual stages) placed: remat, which cluster devices form each pipeline
+stage and how many layers each stage holds, and how the training state is
+split over `data` (`STATE_SHARDINGS`); plan/cost/simulator.py turns it into an
 `Estimate` under `Options`. `program` is a plan's lowered schedule (cached:
 the search asks for the same ones often).
 """
@@ -15,7 +15,9 @@ import dataclasses
 import functools
 import hashlib
 
+from triax import layout as layout_lib
 from triax.config import EDGE_GRADS
+from triax.layout import Layout
 from triax.pipeline import rounds, simulate
 from triax.pipeline import schedule as sched
 
@@ -26,22 +28,21 @@ DP_ALLREDUCE = ('per_microbatch', 'per_step')
 # split, train.optimizer_sharding=data); 'fsdp' (parameters and moments split
 # along d_model, mesh.fsdp: ZeRO-3).
 STATE_SHARDINGS = ('replicated', 'zero1', 'fsdp')
-# How context-parallel ranks' queries meet the other ranks' keys (config.CONTEXT_ATTENTION):
-# K/V all-gathered each layer, or passed around the ring beside the attention work.
-CONTEXT_ATTENTION = ('allgather', 'ring')
 
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-  """One candidate parallel layout.
+  """One candidate parallel layout, placed.
+
+  A plan reads as its layout too: plan.tensor is plan.layout.tensor (each
+  field of Layout), so the cost functions take a Plan or a bare Layout alike.
 
   Attributes:
-    data, tensor, pipe: mesh degrees; with context their product is the
-      device count.
-    schedule: a key of schedule.SCHEDULES, or the name `given_schedule`
-      gave a schedule no builder makes (a synthesised one).
-    microbatches: m, micro-batches per step.
-    virtual_stages: v, model chunks per pipeline device.
+    layout: the degrees (data x context x tensor x pipe is the device
+      count), sequence parallelism, context attention, expert degree, and
+      the schedule with m micro-batches and v virtual stages; its schedule
+      may be a name `given_schedule` gave a schedule no builder makes (a
+      synthesised one).
     remat: 'none', 'attention', 'dots' or 'full' (config.REMAT_POLICIES).
     layers: layers per pipeline stage (p entries, each a multiple of v:
       a stage's chunks are equal).
@@ -51,36 +52,25 @@ class Plan:
       (so each tensor group is t consecutive devices).
     global_batch: sequences per step.
     state_sharding: a key of STATE_SHARDINGS; not 'replicated' needs data > 1.
-    context: c, context-parallel degree: every micro-batch's sequence split
-      c ways for the whole layer (mesh.context).
-    sequence_parallel: Megatron's sequence parallelism (mesh.sequence_parallel):
-      the activations outside the tensor-parallel matmuls split over
-      `tensor` too; needs tensor > 1.
-    context_attention: a key of CONTEXT_ATTENTION (model.context_attention);
-      what it says matters only with context > 1.
-    expert: mesh.expert, a MoE model's experts split this many ways over
-      the inner part of `data` (it divides data: the expert group of data
-      replica i is the `expert` replicas around it, `expert_groups`).
+      Like remat, a choice the searches make per layout, not a degree.
     tick_packing: pipeline.tick_packing, how the executor's lockstep
       program packs ticks under remat (rounds.py).
   """
 
-  data: int
-  tensor: int
-  pipe: int
-  schedule: str
-  microbatches: int
-  virtual_stages: int
+  layout: Layout
   remat: str
   layers: tuple[int, ...]
   stages: tuple[tuple[int, ...], ...]
   global_batch: int
   state_sharding: str = 'replicated'
-  context: int = 1
-  sequence_parallel: bool = False
-  context_attention: str = 'allgather'
-  expert: int = 1
   tick_packing: str = 'auto'
+
+  def __getattr__(self, name: str):
+    # Only the layout's fields: any other name (pickle's probes before
+    # `layout` is set, a typo) stays an AttributeError.
+    if name in layout_lib.FIELDS:
+      return getattr(self.layout, name)
+    raise AttributeError(f'{type(self).__name__!r} object has no attribute {name!r}')
 
   def __post_init__(self):
     p, v = self.pipe, self.virtual_stages
@@ -94,13 +84,6 @@ class Plan:
     size = self.data * self.context * self.tensor
     if any(len(s) != size for s in self.stages):
       raise ValueError(f'each stage needs data*context*tensor={size} devices')
-    if self.context < 1 or self.context_attention not in CONTEXT_ATTENTION:
-      raise ValueError(
-        f'context must be >= 1 and context_attention one of {CONTEXT_ATTENTION}: '
-        f'{self.context}, {self.context_attention!r}'
-      )
-    if self.sequence_parallel and self.tensor == 1:
-      raise ValueError('sequence_parallel splits over tensor, which is 1')
     if self.global_batch % (self.data * self.microbatches):
       raise ValueError(
         f'global batch {self.global_batch} does not split into '
@@ -110,8 +93,6 @@ class Plan:
       raise ValueError(f'state_sharding must be one of {STATE_SHARDINGS}: {self.state_sharding!r}')
     if self.state_sharding != 'replicated' and self.data == 1:
       raise ValueError(f'state_sharding={self.state_sharding} splits over data, which is 1')
-    if self.expert < 1 or self.data % self.expert:
-      raise ValueError(f'expert={self.expert} must divide data={self.data}')
 
   @property
   def microbatch_size(self) -> int:
@@ -333,17 +314,18 @@ def from_config(cfg) -> Plan:
   for a layout it did not choose (`triax plan --evaluate`; scripts compare
   it with what XLA compiles)."""
   m, pipe = cfg.mesh, cfg.pipeline
-  p, v = m.pipe, pipe.virtual_stages
-  name = pipe.schedule
+  layout = Layout.from_config(cfg)
+  p, v = layout.pipe, layout.virtual_stages
   if pipe.get('schedule_file'):  # the file's schedule, not the unread name
-    name = given_schedule(sched.from_config(pipe, p, pipe.microbatches, v))
+    schedule = sched.from_config(pipe, p, layout.microbatches, v)
+    layout = dataclasses.replace(layout, schedule=given_schedule(schedule))
   if pipe.layers_per_stage:
     chunks = tuple(pipe.layers_per_stage)
-    placement = program(name, p, pipe.microbatches, v).schedule.placement
+    placement = program(layout.schedule, p, layout.microbatches, v).schedule.placement
     layers = tuple(sum(n for n, s in zip(chunks, placement) if s == stage) for stage in range(p))
   else:
     layers = (cfg.model.num_layers // p,) * p
-  per_stage = m.data * m.context * m.tensor
+  per_stage = layout.data * layout.context * layout.tensor
   if m.get('device_order'):
     # A plan's placement (search/emit.device_order): mesh position r * p + s,
     # row-major over (data, context, tensor, pipe), is stage s's r-th device.
@@ -356,21 +338,12 @@ def from_config(cfg) -> Plan:
   else:
     state = 'zero1' if cfg.train.optimizer_sharding == 'data' else 'replicated'
   return Plan(
-    data=m.data,
-    tensor=m.tensor,
-    pipe=p,
-    schedule=name,
-    microbatches=pipe.microbatches,
-    virtual_stages=v,
+    layout=layout,
     remat=cfg.model.remat,
     layers=layers,
     stages=stages,
     global_batch=cfg.train.global_batch_size,
     state_sharding=state,
-    context=m.context,
-    sequence_parallel=m.sequence_parallel,
-    context_attention=cfg.model.context_attention,
-    expert=m.expert,
     tick_packing=pipe.tick_packing,
   )
 

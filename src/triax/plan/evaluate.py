@@ -28,6 +28,7 @@ import ml_collections
 
 from triax import config as config_lib
 from triax.errors import ConfigError
+from triax.layout import CONTEXT_ATTENTION
 from triax.pipeline import schedule as sched
 from triax.plan import candidate
 from triax.plan.candidate import Estimate
@@ -53,7 +54,7 @@ _WORDS = {
     kind: {'train.optimizer_sharding': optimizer, 'mesh.fsdp': fsdp}
     for kind, (optimizer, fsdp) in emit.STATE_KEYS.items()
   },
-  **{kind: {'model.context_attention': kind} for kind in candidate.CONTEXT_ATTENTION},
+  **{kind: {'model.context_attention': kind} for kind in CONTEXT_ATTENTION},
 }
 TOKENS = (
   'dN eN cN tN pN mN vN mbN, a schedule name, remat=none|attention|dots|full, sp, nosp, '

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import Any, TextIO
 
 from triax.errors import ConfigError
+from triax.layout import Layout
 from triax.plan import candidate, evaluate
 from triax.plan import cluster as cluster_lib
 from triax.plan.candidate import Estimate
@@ -369,18 +370,7 @@ def _base_overrides(request: Request, base_path: str, base_arg: str | None, cfg)
 
 
 def _dummy_plan() -> candidate.Plan:
-  return candidate.Plan(
-    data=1,
-    tensor=1,
-    pipe=1,
-    schedule='1f1b',
-    microbatches=1,
-    virtual_stages=1,
-    remat='none',
-    layers=(1,),
-    stages=((0,),),
-    global_batch=1,
-  )
+  return candidate.Plan(layout=Layout(), remat='none', layers=(1,), stages=((0,),), global_batch=1)
 
 
 def _row(e: Estimate) -> dict:

@@ -32,6 +32,7 @@ from tqdm import tqdm
 
 import triax
 from triax import config as config_lib
+from triax import layout as layout_lib
 from triax.errors import ConfigError
 from triax.sweeps import plots, results
 
@@ -50,7 +51,7 @@ class Point:
   steps: int  # train.steps of this point: its final step
 
   def flags(self) -> list[str]:
-    return [f'--config.{key}={format_value(value)}' for key, value in self.overrides]
+    return layout_lib.flags(dict(self.overrides))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,13 +72,6 @@ class Sweep:
     return f'--config={self.path}' + (f':{self.arg}' if self.arg is not None else '')
 
 
-def format_value(value: Scalar) -> str:
-  """A value as a --config.KEY flag (and absl's config_flags parser) reads it."""
-  if isinstance(value, bool):
-    return 'true' if value else 'false'
-  return repr(value) if isinstance(value, float) else str(value)
-
-
 def point_name(overrides: tuple[tuple[str, Scalar], ...]) -> str:
   """A stable, filesystem-safe directory name such as `data=2,tensor=4,pipe=1`.
 
@@ -91,7 +85,7 @@ def point_name(overrides: tuple[tuple[str, Scalar], ...]) -> str:
   parts = []
   for (key, value), leaf in zip(overrides, leaves):
     label = leaf if leaves.count(leaf) == 1 else key
-    parts.append(f'{label}={format_value(value)}')
+    parts.append(f'{label}={layout_lib.flag_value(value)}')
   name = re.sub(r'[^A-Za-z0-9._+=,-]', '-', ','.join(parts))
   if len(name) > _MAX_NAME:
     digest = hashlib.sha1(name.encode()).hexdigest()[:10]

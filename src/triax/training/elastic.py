@@ -35,6 +35,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from triax import layout as layout_lib
 from triax.errors import ConfigError
 from triax.training import heartbeat
 from triax.training import replan as replan_lib
@@ -364,6 +365,7 @@ def _restart(command, options, job, failed, processes, number, say) -> tuple[lis
   if chosen is None:
     raise GiveUp(f'{what}: no layout of {after} devices suits this model and batch')
   layout, how = chosen
+  was = layout_lib.Layout.from_config(cfg)
   record = _append_record(
     command,
     cfg,
@@ -371,16 +373,16 @@ def _restart(command, options, job, failed, processes, number, say) -> tuple[lis
     (processes, left),
     (before, after),
     failed=[{'process': i, 'status': status_text(job.procs[i].returncode)} for i in failed],
-    layout_before=dataclasses.asdict(replan_lib.layout_of(cfg)),
+    layout_before=dataclasses.asdict(was),
     layout_after=dataclasses.asdict(layout),
     how=how,
   )
-  old, new = replan_lib.describe(replan_lib.layout_of(cfg)), replan_lib.describe(layout)
+  old, new = replan_lib.describe(was), replan_lib.describe(layout)
   say(
     f'restart {number}: {what}; {before} -> {after} devices; {old} -> {new} ({how}); '
     f'resuming from step {record["restored_step"]}, {record["steps_lost"]} steps lost'
   )
-  return replan_lib.override_flags(replan_lib.overrides(cfg, layout)), left
+  return layout_lib.flags(replan_lib.overrides(cfg, layout)), left
 
 
 def _append_record(command, cfg, number, processes, devices, **fields) -> dict:

@@ -3,9 +3,10 @@
 `replan` keeps context x tensor x pipe and shrinks the data degree, with
 d/d' times the micro-batches so the global batch and the token order stay
 (`shrunk`); where that does not divide, the valid layout nearest the old one,
-or with a cluster spec the planner's cheapest (`searched`). `overrides` and
-`override_flags` turn a layout into the train command's `--config.*` flags.
-Plain Python over config and the planner's layout search: no processes.
+or with a cluster spec the planner's cheapest (`searched`). `overrides` gives
+the keys that run the config on a layout (triax.layout.flags makes them the
+train command's `--config.*` flags). Plain Python over config and the
+planner's layout search: no processes.
 """
 
 from __future__ import annotations
@@ -17,24 +18,8 @@ from typing import Any
 
 from triax import config as config_lib
 from triax.errors import ConfigError
+from triax.layout import Layout
 from triax.plan.search import layouts as layouts_lib
-from triax.plan.search.layouts import Layout
-
-
-def layout_of(cfg) -> Layout:
-  """The layout of a validated config (its mesh resolved)."""
-  return Layout(
-    data=cfg.mesh.data,
-    tensor=cfg.mesh.tensor,
-    pipe=cfg.mesh.pipe,
-    schedule=cfg.pipeline.schedule,
-    microbatches=cfg.pipeline.microbatches,
-    virtual_stages=cfg.pipeline.virtual_stages,
-    context=cfg.mesh.context,
-    sequence_parallel=cfg.mesh.sequence_parallel,
-    context_attention=cfg.model.context_attention,
-    expert=cfg.mesh.expert,
-  )
 
 
 def describe(layout: Layout) -> str:
@@ -49,26 +34,11 @@ def describe(layout: Layout) -> str:
 
 
 def overrides(cfg, layout: Layout) -> dict[str, Any]:
-  """The config keys that run `cfg` on `layout`: its sizes, and the placement
-  keys of the old device count reset (device order, DCN factors, an uneven
-  layer split: each was written for the mesh that is gone)."""
-  out = {
-    'mesh.data': layout.data,
-    'mesh.context': layout.context,
-    'mesh.tensor': layout.tensor,
-    'mesh.pipe': layout.pipe,
-    'pipeline.microbatches': layout.microbatches,
-  }
-  if layout.schedule != cfg.pipeline.schedule:
-    out['pipeline.schedule'] = layout.schedule
-  if layout.virtual_stages != cfg.pipeline.virtual_stages:
-    out['pipeline.virtual_stages'] = layout.virtual_stages
-  if layout.sequence_parallel != cfg.mesh.sequence_parallel:
-    out['mesh.sequence_parallel'] = layout.sequence_parallel
-  if layout.expert != cfg.mesh.expert:
-    out['mesh.expert'] = layout.expert
-  if layout.context_attention != cfg.model.context_attention:
-    out['model.context_attention'] = layout.context_attention
+  """The config keys that run `cfg` on `layout`: its sizes and what it changes
+  (`Layout.overrides`), and the placement keys of the old device count reset
+  (device order, DCN factors, an uneven layer split: each was written for the
+  mesh that is gone)."""
+  out = layout.overrides(cfg)
   if tuple(cfg.mesh.device_order):
     out['mesh.device_order'] = ()
   for axis in config_lib.MESH_AXES:
@@ -77,19 +47,6 @@ def overrides(cfg, layout: Layout) -> dict[str, Any]:
   if tuple(cfg.pipeline.layers_per_stage):
     out['pipeline.layers_per_stage'] = ()
   return out
-
-
-def override_flags(values: dict[str, Any]) -> list[str]:
-  """`--config.KEY=VALUE` flags of config overrides."""
-
-  def text(value):
-    if isinstance(value, bool):
-      return str(value).lower()
-    if isinstance(value, tuple):
-      return '(' + ','.join(map(str, value)) + (',)' if len(value) == 1 else ')')
-    return str(value)
-
-  return [f'--config.{key}={text(value)}' for key, value in values.items()]
 
 
 def fits(cfg, layout: Layout, devices: int) -> bool:
@@ -112,12 +69,12 @@ def shrunk(cfg, devices: int) -> Layout | None:
   as many more micro-batches as keep each one's rows: None if that does not
   divide or validate (a MoE model's expert degree kept: it must divide the new
   data degree)."""
-  old = layout_of(cfg)
+  old = Layout.from_config(cfg)
   rest = old.context * old.tensor * old.pipe
   if devices % rest:
     return None
   data = devices // rest
-  if (old.data * old.microbatches) % data:
+  if (old.data * old.microbatches) % data or data % old.expert:
     return None
   layout = dataclasses.replace(old, data=data, microbatches=old.data * old.microbatches // data)
   return layout if fits(cfg, layout, devices) else None
@@ -147,7 +104,7 @@ def searched(cfg, devices: int, cluster=None, budget_s: float = 30.0) -> tuple[L
   prices (analytic profile) on `cluster` resized to them, within `budget_s`
   seconds; without a cluster, the nearest to the old layout. Candidates are
   tried nearest first, so a search cut short has priced the likeliest."""
-  old = layout_of(cfg)
+  old = Layout.from_config(cfg)
   candidates = sorted(layouts_lib.layouts(cfg, devices), key=lambda l: nearness(old, l))
   if cluster is not None:
     best = _fastest(cfg, devices, cluster, candidates, budget_s)
@@ -175,21 +132,7 @@ def _fastest(cfg, devices, cluster, candidates, budget_s) -> Layout | None:
     if time.monotonic() > deadline:
       break
   top = evaluate.top_plans(cfg, found, 1, devices)
-  if not top:
-    return None
-  p = top[0].plan
-  return Layout(
-    p.data,
-    p.tensor,
-    p.pipe,
-    p.schedule,
-    p.microbatches,
-    p.virtual_stages,
-    p.context,
-    p.sequence_parallel,
-    p.context_attention,
-    p.expert,
-  )
+  return top[0].plan.layout if top else None
 
 
 def replan(cfg, devices: int, cluster=None, budget_s: float = 30.0) -> tuple[Layout, str] | None:

@@ -22,12 +22,13 @@ import math
 
 import numpy as np
 
+from triax.layout import Layout
 from triax.plan.candidate import Estimate, Options
 from triax.plan.cluster import Cluster
 from triax.plan.cost import profile as profile_lib
 from triax.plan.learned import features as F
 from triax.plan.search import evaluate
-from triax.plan.search.layouts import Layout, layouts
+from triax.plan.search.layouts import layouts
 
 # Pipelines longer than this are not offered (the padded decision count).
 MAX_STAGES = 32
@@ -221,13 +222,11 @@ def _options(prob: Problem, part: Partial, kind: str, z: _Sizes) -> list:
 
 
 def _value(kind: str, layout: Layout):
-  if kind == 'tensor':
-    return layout.tensor
-  if kind == 'pipe':
-    return layout.pipe
-  if kind == 'microbatches':
-    return layout.microbatches
-  return (layout.schedule, layout.virtual_stages)
+  """What decision `kind` (a Layout field's name) chose for `layout`; the
+  schedule decision chooses its virtual stages too."""
+  if kind == 'schedule':
+    return (layout.schedule, layout.virtual_stages)
+  return getattr(layout, kind)
 
 
 def _clipped(x: float) -> float:
@@ -345,22 +344,20 @@ def plan_of(prob: Problem, part: Partial) -> Estimate:
   key = (c['tensor'], c['pipe'], c['microbatches'], c['schedule'], c['remat'], c['sharding'])
   key += (tuple(part.stages),)
   if key not in prob.cache:
-    t, p, m = c['tensor'], c['pipe'], c['microbatches']
-    name, v = c['schedule']
-    layout = Layout(prob.n // (t * p), t, p, name, m, v)
     # always: when the memory screen refuses every split, the nearest to
     # even is priced (and runs out of memory: the penalty). A MoE's expert
     # degree is no decision (the policy's weights predate it): like the
-    # split, the best of those the validator accepts for this layout.
+    # split, the best of the layouts the decisions leave (one per degree
+    # the validator accepts).
     found = [
       e
-      for degree in _expert_degrees(prob, layout)
+      for layout in _decided(prob, c)
       for e in evaluate.price(
         prob.cfg,
         prob.cluster,
         prob.profile,
         prob.options,
-        dataclasses.replace(layout, expert=degree),
+        layout,
         tuple(part.stages),
         c['remat'],
         c['sharding'],
@@ -371,14 +368,11 @@ def plan_of(prob: Problem, part: Partial) -> Estimate:
   return prob.cache[key]
 
 
-def _expert_degrees(prob: Problem, layout: Layout) -> list[int]:
-  """The expert degrees prob.layouts holds for `layout` (its other fields); [1] for a dense model."""
-
-  def key(l: Layout) -> tuple:
-    return l.data, l.tensor, l.pipe, l.schedule, l.microbatches, l.virtual_stages
-
-  degrees = {l.expert for l in prob.layouts if key(l) == key(layout)}
-  return sorted(degrees) or [1]
+def _decided(prob: Problem, choices: dict) -> list[Layout]:
+  """The layouts of prob.layouts the choices name (data is what tensor and
+  pipe leave): one per expert degree, one for a dense model."""
+  kinds = ('tensor', 'pipe', 'microbatches', 'schedule')
+  return [l for l in prob.layouts if all(_value(k, l) == choices[k] for k in kinds)]
 
 
 def reward(e: Estimate) -> float:

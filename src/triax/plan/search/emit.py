@@ -4,14 +4,15 @@ The file imports the base experiment by path (importlib), so it stays a few
 lines long and follows later edits of the base; it then applies the keys
 the planner was given on the command line (`--config.*`) and the plan's own:
 
-  mesh.data / tensor / pipe, pipeline.schedule / microbatches /
-  virtual_stages / layers_per_stage, model.remat, train.global_batch_size,
-  train.optimizer_sharding and mesh.fsdp (the plan's state_sharding:
-  replicated, zero1 = optimizer_sharding 'data', fsdp = mesh.fsdp), and
-  mesh.context / mesh.sequence_parallel / model.context_attention where
-  the plan uses them or the config it applies to says otherwise (so a plan
-  without them writes what it wrote before they existed), and mesh.expert
-  the same way (a MoE plan's expert degree)
+  its layout's (`Layout.overrides`: mesh degrees, pipeline.schedule /
+  microbatches / virtual_stages, ...), but the keys of the axes plans
+  learnt later (`SPARSE_KEYS`: context, SP, the context attention kind,
+  the expert degree) only where the plan uses them or the config it
+  applies to says otherwise, so a plan without them writes what it wrote
+  before they existed; then pipeline.layers_per_stage, model.remat,
+  train.global_batch_size, train.optimizer_sharding and mesh.fsdp (the
+  plan's state_sharding: replicated, zero1 = optimizer_sharding 'data',
+  fsdp = mesh.fsdp)
 
 `pipeline.layers_per_stage` lists the layers of each model chunk in chunk
 order (chunk c runs on the stage the schedule's placement names: c % pipe
@@ -36,6 +37,7 @@ import tempfile
 from typing import Any
 
 from triax import config as config_lib
+from triax.layout import Layout
 from triax.pipeline import files
 from triax.plan.candidate import Estimate, Plan, given
 
@@ -60,29 +62,26 @@ def device_order(plan: Plan) -> tuple[int, ...]:
   return tuple(plan.stages[s][r] for r in range(per_stage) for s in range(plan.pipe))
 
 
-# Context and sequence parallelism's keys: a plan writes each only where needed.
+# Context and sequence parallelism's keys; with the expert degree's, the keys
+# a plan writes only where needed (`_layout_keys`).
 SEQUENCE_KEYS = ('mesh.context', 'mesh.sequence_parallel', 'model.context_attention')
+SPARSE_KEYS = (*SEQUENCE_KEYS, 'mesh.expert')
+SCHEDULE_KEY = 'pipeline.schedule'
 
 
-def _sequence_keys(plan: Plan, cfg=None) -> dict[str, Any]:
-  """mesh.context, mesh.sequence_parallel and model.context_attention, each
-  where the plan's value differs from the default or from cfg's (the config
-  the plan is applied to); model.context_attention only with context > 1."""
-  values = (plan.context, plan.sequence_parallel, plan.context_attention)
-  wanted = dict(zip(SEQUENCE_KEYS[: 3 if plan.context > 1 else 2], values))
+def _layout_keys(layout: Layout, cfg=None) -> dict[str, Any]:
+  """The layout's keys; of SPARSE_KEYS only those whose value differs from
+  the default or from cfg's (the config the plan is applied to), and
+  model.context_attention only with context > 1 (it says nothing without)."""
+  bases = [config_lib.defaults()] + ([] if cfg is None else [cfg])
   out = {}
-  for key, value in wanted.items():
-    if any(_dotted(c, key) != value for c in (config_lib.defaults(), cfg) if c is not None):
-      out[key] = value
+  for key, value in layout.overrides().items():
+    if key == 'model.context_attention' and layout.context == 1:
+      continue
+    if key in SPARSE_KEYS and all(_dotted(c, key) == value for c in bases):
+      continue
+    out[key] = value
   return out
-
-
-def _expert_key(plan: Plan, cfg=None) -> dict[str, Any]:
-  """mesh.expert where the plan splits a MoE model's experts, or where cfg
-  (the config the plan is applied to) splits them and the plan does not."""
-  if plan.expert > 1 or (cfg is not None and cfg.mesh.expert != plan.expert):
-    return {'mesh.expert': plan.expert}
-  return {}
 
 
 def _dotted(cfg, key: str):
@@ -110,22 +109,22 @@ def overrides(plan: Plan, heterogeneous: bool = False, cfg=None) -> dict[str, An
   """The dotted config keys a plan sets, with their values. On a cluster
   of mixed device types the placement matters, so it is written as
   mesh.device_order; otherwise the mesh keeps its own topology-aware order.
-  cfg: the config the keys will be applied to (see `_sequence_keys`)."""
-  values = {
-    'mesh.data': plan.data,
-    'mesh.tensor': plan.tensor,
-    'mesh.pipe': plan.pipe,
-    **_schedule_keys(plan, cfg),
-    'pipeline.microbatches': plan.microbatches,
-    'pipeline.virtual_stages': plan.virtual_stages,
-    LAYERS_KEY: () if plan.even else tuple(plan.chunk_layers),
-    'model.remat': plan.remat,
-    'train.global_batch_size': plan.global_batch,
-    'train.optimizer_sharding': STATE_KEYS[plan.state_sharding][0],
-    'mesh.fsdp': STATE_KEYS[plan.state_sharding][1],
-    **_sequence_keys(plan, cfg),
-    **_expert_key(plan, cfg),
-  }
+  cfg: the config the keys will be applied to (see `_layout_keys`)."""
+  layout = _layout_keys(plan.layout, cfg)
+  sparse = {key: layout.pop(key) for key in SPARSE_KEYS if key in layout}
+  values = {}
+  for key, value in layout.items():
+    values.update(_schedule_keys(plan, cfg) if key == SCHEDULE_KEY else {key: value})
+  values.update(
+    {
+      LAYERS_KEY: () if plan.even else tuple(plan.chunk_layers),
+      'model.remat': plan.remat,
+      'train.global_batch_size': plan.global_batch,
+      'train.optimizer_sharding': STATE_KEYS[plan.state_sharding][0],
+      'mesh.fsdp': STATE_KEYS[plan.state_sharding][1],
+      **sparse,  # last, where plans have always written them
+    }
+  )
   if heterogeneous:
     values['mesh.device_order'] = device_order(plan)
   return values
@@ -138,8 +137,8 @@ def _schedule_keys(plan: Plan, cfg=None) -> dict[str, Any]:
   if path is not None:
     return {SCHEDULE_FILE_KEY: path}
   if cfg is not None and cfg.pipeline.get('schedule_file'):
-    return {'pipeline.schedule': plan.schedule, SCHEDULE_FILE_KEY: ''}
-  return {'pipeline.schedule': plan.schedule}
+    return {SCHEDULE_KEY: plan.schedule, SCHEDULE_FILE_KEY: ''}
+  return {SCHEDULE_KEY: plan.schedule}
 
 
 _SCRATCH: list[str] = []

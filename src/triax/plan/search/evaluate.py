@@ -1,14 +1,15 @@
 """Pricing candidates: the one API both searches (exhaustive and learned) call.
 
-A candidate is a `Layout` (plan/search/layouts.py) with the devices of
-each stage, a remat policy and a state sharding; `price` gives it its
-layer splits (the even one and the dynamic program's under each stage's
-memory) and simulates each. `evaluate` does that for every device order,
-remat and sharding of a list of layouts (the exhaustive search, and the
-baselines of both), for the exhaustive search adding plans with a
-synthesised schedule where one can win (plan/search/synthesized.py). `valid` is what every plan shown
-must pass (the config validator), `top_plans` picks the plans shown,
-`rank` orders them.
+A candidate is a `Layout` (triax/layout.py; plan/search/layouts.py lists
+them) with the devices of each stage, a remat policy and a state sharding;
+`price` gives it its layer splits (the even one and the dynamic program's
+under each stage's memory) and simulates each. `evaluate` does that for
+every device order, remat and sharding of a list of layouts (the
+exhaustive search, and the baselines of both), for the exhaustive search
+adding plans with a synthesised schedule where one can win
+(plan/search/synthesized.py). `valid` is what every plan shown must pass
+(the config validator), `top_plans` picks the plans shown, `rank` orders
+them.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from collections.abc import Iterable, Sequence
 
 from triax import config as config_lib
 from triax.errors import ConfigError
+from triax.layout import Layout
 from triax.plan.candidate import STATE_SHARDINGS, Estimate, Options, Plan
 from triax.plan.cluster import Cluster, Group
 from triax.plan.cost import experts as experts_lib
@@ -25,7 +27,7 @@ from triax.plan.cost import profile as profile_lib
 from triax.plan.cost import roofline
 from triax.plan.cost.simulator import simulate_plan
 from triax.plan.search import partition, synthesized
-from triax.plan.search.layouts import Layout, entry_layers
+from triax.plan.search.layouts import entry_layers
 
 # Least recomputation first: `evaluate` stops at the first that fits where
 # recomputation can only be slower (`remat_measured`).
@@ -138,21 +140,12 @@ def price(
   out = []
   for split in splits:
     plan = Plan(
-      data=layout.data,
-      tensor=layout.tensor,
-      pipe=layout.pipe,
-      schedule=layout.schedule,
-      microbatches=layout.microbatches,
-      virtual_stages=layout.virtual_stages,
+      layout=layout,
       remat=remat,
       layers=split,
       stages=stages,
       global_batch=cfg.train.global_batch_size,
       state_sharding=sharding,
-      context=layout.context,
-      sequence_parallel=layout.sequence_parallel,
-      context_attention=layout.context_attention,
-      expert=layout.expert,
     )
     out.append(simulate_plan(plan, profile, cluster, options))
   return out

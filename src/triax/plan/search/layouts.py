@@ -1,10 +1,10 @@
 """The layouts a search may try: degrees and schedule sizes the config validator accepts.
 
-A `Layout` is data x context x tensor x pipe (their product the device
-count), sequence parallelism and the context attention kind, micro-batches
-m, virtual stages v, the schedule and a MoE model's expert degree (carved
-from data): everything of a plan but its devices, layer split, remat and
-state sharding. A family whose spec refuses the pipeline executor
+A `Layout` (triax/layout.py) is data x context x tensor x pipe (their
+product the device count), sequence parallelism and the context attention
+kind, micro-batches m, virtual stages v, the schedule and a MoE model's
+expert degree (carved from data): everything of a plan but its devices,
+layer split, remat and state sharding. A family whose spec refuses the pipeline executor
 (`executor_refusal`: the MoE family's, today) gets pipe = m = 1 layouts
 only. Which degrees suit the model is decided by config.py's own checks
 (`check_tensor_split`, `check_sequence`, `check_batch_split`, the family's
@@ -18,7 +18,6 @@ the figure config.py's layer-split check counts in).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Iterator, Sequence
 
@@ -26,6 +25,7 @@ import ml_collections
 
 from triax import config as config_lib
 from triax.errors import ConfigError
+from triax.layout import Layout
 from triax.model import registry
 from triax.pipeline import schedule as sched
 from triax.plan.cluster import Cluster
@@ -40,22 +40,6 @@ MAX_VIRTUAL_STAGES = 4
 # 16 ranks 8k of 128k). It keeps CP off short sequences, where the search
 # would only multiply its candidates.
 MIN_CONTEXT_POSITIONS = 1024
-
-
-@dataclasses.dataclass(frozen=True)
-class Layout:
-  """Degrees and schedule sizes, before devices and layers are placed."""
-
-  data: int
-  tensor: int
-  pipe: int
-  schedule: str
-  microbatches: int
-  virtual_stages: int
-  context: int = 1
-  sequence_parallel: bool = False
-  context_attention: str = 'allgather'
-  expert: int = 1
 
 
 def entry_layers(cfg) -> int:
@@ -175,7 +159,18 @@ def layouts(cfg, num_devices: int) -> Iterator[Layout]:
             continue  # the same orders as zb_h1: one plan shown twice
           if _buildable(name, p, m, v):
             for e in experts(d):
-              yield Layout(d, t, p, name, m, v, c, sp, kind, e)
+              yield Layout(
+                data=d,
+                context=c,
+                tensor=t,
+                pipe=p,
+                schedule=name,
+                microbatches=m,
+                virtual_stages=v,
+                sequence_parallel=sp,
+                context_attention=kind,
+                expert=e,
+              )
 
 
 def profile_sizes(cfg, candidates: Sequence[Layout]) -> tuple[list[int], list[int]]:

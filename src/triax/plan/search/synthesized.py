@@ -26,6 +26,7 @@ import math
 from collections.abc import Sequence
 
 from triax.errors import ConfigError
+from triax.layout import Layout
 from triax.pipeline import schedule as sched
 from triax.pipeline import simulate, synthesis
 from triax.plan.candidate import Estimate, Options, Plan, given_schedule
@@ -75,7 +76,8 @@ def _groups(found: Sequence[Estimate]) -> list[list[Estimate]]:
   for e in found:
     p = e.plan
     if p.pipe >= 2 and p.microbatches >= 2 * p.pipe:
-      groups.setdefault(dataclasses.replace(p, schedule=''), []).append(e)
+      unnamed = dataclasses.replace(p, layout=dataclasses.replace(p.layout, schedule=''))
+      groups.setdefault(unnamed, []).append(e)
   return list(groups.values())
 
 
@@ -126,9 +128,8 @@ def _priced(plan: Plan, k: int, c: int, profile, cluster, options) -> Estimate |
   schedule = synthesised(plan.pipe, plan.microbatches, plan.virtual_stages, k, c, costs)
   if schedule is None:
     return None
-  return simulate_plan(
-    dataclasses.replace(plan, schedule=given_schedule(schedule)), profile, cluster, options
-  )
+  named = dataclasses.replace(plan.layout, schedule=given_schedule(schedule))
+  return simulate_plan(dataclasses.replace(plan, layout=named), profile, cluster, options)
 
 
 def _relative_costs(plan: Plan, profile, cluster, options) -> simulate.Costs:
@@ -187,22 +188,18 @@ def sets_within(cfg, stages: int, microbatches: int, virtual_stages: int, limit_
       f'mesh.data is {mesh.data} (every device): a set holds global_batch / '
       '(data x microbatches) sequences; give the data degree, e.g. --config.mesh.data=1',
     )
+  try:
+    layout = Layout.from_config(cfg)
+  except ValueError as e:
+    raise ConfigError('--config', str(e)) from None
   size = mesh.data * mesh.context * mesh.tensor
   try:
     plan = Plan(
-      data=mesh.data,
-      tensor=mesh.tensor,
-      pipe=p,
-      schedule='1f1b',
-      microbatches=m,
-      virtual_stages=v,
+      layout=dataclasses.replace(layout, pipe=p, schedule='1f1b', microbatches=m, virtual_stages=v),
       remat=cfg.model.remat,
       layers=(v,) * p,
       stages=tuple(tuple(range(s * size, (s + 1) * size)) for s in range(p)),
       global_batch=batch,
-      context=mesh.context,
-      sequence_parallel=mesh.sequence_parallel,
-      context_attention=cfg.model.context_attention,
     )
   except ValueError as e:
     raise ConfigError('--microbatches', f'{e}; choose micro-batches that divide it') from None
