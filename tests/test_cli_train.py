@@ -68,7 +68,7 @@ def test_train_writes_metrics_checkpoints_and_resumes(first_run, tmp_path, compi
 
   # Resumed by the workdir alone with an override: no --config and no --cpu_devices,
   # the workdir's config.json and devices.json say them (W&B's flags too). Under a
-  # supervisor (training/heartbeat.py) each fetched step touches the heartbeat file.
+  # supervisor (elastic/heartbeat.py) each fetched step touches the heartbeat file.
   workdir = _copy(first_run, tmp_path)
   beat = str(tmp_path / 'heartbeat')
   second = harness.run_cli(

@@ -1,7 +1,7 @@
 """triax supervise: a run of 2 processes x 4 CPU devices loses one process to
 SIGKILL and finishes on the 4 devices left, re-planned, as a run started on
 that layout from the same checkpoint would; and the layout choices and bad
-input of training/elastic.py alone.
+input of elastic/supervisor.py alone.
 """
 
 import json
@@ -27,8 +27,9 @@ from test_reliability import (
 
 from triax import config as config_lib
 from triax import layout as layout_lib
+from triax.elastic import replan
+from triax.elastic import supervisor as supervisor_lib
 from triax.errors import ConfigError
-from triax.training import elastic, replan
 from triax.training import workdir as workdir_lib
 
 # The layout the 4 devices left get: gpt_tiny's smoke run is data 2 x tensor 2 x pipe 2
@@ -70,7 +71,7 @@ def _kill_process_after(supervisor, workdir, process_id, checkpoint, step, timeo
   deadline = time.monotonic() + timeout
   while time.monotonic() < deadline:
     assert supervisor.poll() is None, f'supervise ended ({supervisor.returncode}) before the kill'
-    if _has_checkpoint(workdir, checkpoint) and elastic.last_step(workdir) >= step:
+    if _has_checkpoint(workdir, checkpoint) and supervisor_lib.last_step(workdir) >= step:
       pid = _process_pid(supervisor.pid, process_id)
       assert pid is not None, f'no process {process_id} among the supervisor children'
       os.kill(pid, signal.SIGKILL)
@@ -272,7 +273,7 @@ def test_a_moe_model_keeps_its_expert_degree_or_the_new_one_is_in_the_flags():
 
 @pytest.mark.fast
 def test_restart_flags_replace_the_command_own():
-  command = elastic.parse_command(
+  command = supervisor_lib.parse_command(
     [
       'python',
       '-m',
@@ -306,7 +307,7 @@ def test_restart_flags_replace_the_command_own():
 )
 def test_malformed_commands_are_refused(words, says):
   with pytest.raises(ConfigError, match=says) as caught:
-    elastic.parse_command(words)
+    supervisor_lib.parse_command(words)
   assert caught.value.key == 'command'
 
 
@@ -444,11 +445,11 @@ def test_sigterm_to_the_supervisor_stops_the_trainers_without_a_restart(tmp_path
   assert not (workdir / workdir_lib.ELASTIC).exists()
 
 
-# A trainer's end of it (training/heartbeat.py): its SIGTERM handler (a save,
+# A trainer's end of it (elastic/heartbeat.py): its SIGTERM handler (a save,
 # here a file), then follow_supervisor, as the train loop does.
 FOLLOWER = (
   'import os, signal, time\n'
-  'from triax.training import heartbeat\n'
+  'from triax.elastic import heartbeat\n'
   'def saved(*_):\n'
   '  open(os.path.join(os.environ["DIR"], "saved." + os.environ["TRIAX_PROCESS_ID"]), "w")\n'
   '  os._exit(0)\n'

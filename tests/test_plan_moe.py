@@ -342,7 +342,7 @@ def test_cli_plans_groups_of_dense_and_moe_blocks(tmp_path, capsys):
   for e in exhaustive.search(cfg, cluster_lib.load(H100), profile=prof, top_k=10).top:
     config.validate(evaluate.with_plan(cfg, e.plan), 8)
   # An elastic restart with a cluster prices it too.
-  from triax.training import replan
+  from triax.elastic import replan
 
   assert replan.searched(cfg, 4, cluster_lib.load(H100))[1] == 'planner search'
 

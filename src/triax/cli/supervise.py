@@ -7,7 +7,7 @@ left (the same tensor x pipe with a smaller data degree and more
 micro-batches where that divides, else the planner's choice), with the
 global batch and the order of the tokens unchanged; it is one log line and
 one record in DIR/elastic.jsonl. Kept to flag parsing and one library call
-(triax.training.elastic).
+(triax.elastic.supervisor).
 """
 
 import sys
@@ -43,8 +43,8 @@ _SEARCH_S = flags.DEFINE_float('search_s', 30.0, 'Seconds the re-planning search
 
 
 def main(argv):
+  from triax.elastic import supervisor
   from triax.errors import ConfigError
-  from triax.training import elastic
 
   processes = _PROCESSES.value
   if processes < 2:
@@ -70,7 +70,7 @@ def main(argv):
     if value < 0:
       cli.fail(name, f'must be >= 0, got {value}')
   with cli.config_errors_exit():
-    command = elastic.parse_command(argv[1:])
+    command = supervisor.parse_command(argv[1:])
     cluster = None
     if _CLUSTER.value:
       from triax.plan import cluster as cluster_lib
@@ -83,7 +83,7 @@ def main(argv):
         # The re-planning prices with the analytic profile (a failing machine cannot be measured).
         detail = e.message.split('; use ')[0]
         raise ConfigError('--cluster', f'{detail}; give a spec with data-sheet figures') from None
-  options = elastic.Options(
+  options = supervisor.Options(
     processes,
     per,
     max_restarts=_MAX_RESTARTS.value,
@@ -92,7 +92,7 @@ def main(argv):
     cluster=cluster,
     search_s=_SEARCH_S.value,
   )
-  sys.exit(elastic.supervise(command, options))
+  sys.exit(supervisor.supervise(command, options))
 
 
 def run():

@@ -143,7 +143,7 @@ def configure(cfg, layout: str | None, num_devices: int):
 
 def _stale(cfg, values: dict, layers_given: bool) -> dict[str, Any]:
   """The placement keys cfg wrote for a layout `values` changes, reset (as
-  training/replan.py's overrides reset them): mesh.device_order when a mesh
+  elastic/replan.py's overrides reset them): mesh.device_order when a mesh
   degree changes, an uneven pipeline.layers_per_stage (per chunk, in the
   schedule's chunk order) when the stages, chunks or schedule change."""
 

@@ -32,11 +32,12 @@ from triax import config as config_lib
 from triax.compiled import stats as stats_lib
 from triax.data import batches
 from triax.data import pipeline as data_pipeline
+from triax.elastic import heartbeat
 from triax.errors import ConfigError
 from triax.mesh import build_mesh
 from triax.model.flops import peak_flops
 from triax.pipeline import simulate
-from triax.training import atomic, bad_steps, heartbeat, preemption
+from triax.training import atomic, bad_steps, preemption
 from triax.training import lock as lock_lib
 from triax.training import workdir as workdir_lib
 from triax.training.checkpoint import Checkpointer

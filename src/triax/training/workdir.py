@@ -16,7 +16,7 @@
   DIR/tokenizer.json       an import's tokenizer (triax convert)
   DIR/hf_config.json       an import's HF config (export keeps its ids)
   DIR/triax.lock           who is writing the workdir (training/lock.py)
-  DIR/elastic.jsonl        one record per restart of `triax supervise` (training/elastic.py)
+  DIR/elastic.jsonl        one record per restart of `triax supervise` (elastic/supervisor.py)
   DIR/rollbacks.jsonl      one line per bad-step rollback (training/bad_steps.py)
 
 Every other module names these through the constants below (`path(DIR, NAME)`);

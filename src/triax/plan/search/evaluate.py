@@ -165,7 +165,7 @@ def evaluate(
   paper recomputation never speeds up), unless it was measured here.
   synthesize: also plans with a synthesised schedule where one can win
   (a search's whole set of layouts; off for callers that keep to named
-  schedules, as training/replan.py's layout keys do)."""
+  schedules, as elastic/replan.py's layout keys do)."""
   found = []
   batch = cfg.train.global_batch_size
   for layout in layouts:

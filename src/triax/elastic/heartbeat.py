@@ -1,6 +1,6 @@
 """A trainer's heartbeat: a file each process touches after every step it fetches.
 
-`triax supervise` (training/elastic.py) gives each process its own path in
+`triax supervise` (elastic/supervisor.py) gives each process its own path in
 TRIAX_HEARTBEAT and watches the files' ages: a job whose every process has
 beaten and then gone silent is stuck (a hung device or link leaves the
 others waiting in a collective, where no exit status will ever come).

@@ -36,9 +36,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from triax import layout as layout_lib
+from triax.elastic import heartbeat
+from triax.elastic import replan as replan_lib
 from triax.errors import ConfigError
-from triax.training import heartbeat
-from triax.training import replan as replan_lib
 from triax.training import workdir as workdir_lib
 
 # Bad input's status (cli.EXIT_BAD_INPUT): the same command would fail the same way again.
@@ -109,7 +109,7 @@ class Job:
 
   procs: list[subprocess.Popen]
   pumps: list[threading.Thread]
-  beats: list[str]  # each process's heartbeat file (training/heartbeat.py)
+  beats: list[str]  # each process's heartbeat file (elastic/heartbeat.py)
 
 
 def _free_port() -> int:
