@@ -136,6 +136,19 @@ def check_greedy(model, workdir, cfg):
   assert ours.tolist() == theirs.tolist()
 
 
+def check_export(imported, tmp_path, reader, tokens, holds):
+  """`imported` (model, hf_dir, workdir, import result) exported as `reader`'s
+  architecture, holding what transformers wrote to hf_dir (among it the
+  tensor `holds`), as `check` asks."""
+  model, hf_dir, workdir, _ = imported
+  first = str(tmp_path / 'first')
+  exported = hf_checkpoint.export_hf(workdir, first, max_shard_bytes=100_000)
+  assert exported['architecture'] == reader.__name__
+  reference = hf_llama.read_tensors(hf_dir)
+  assert holds in reference
+  check(first, reference, tmp_path, model, reader, tokens)
+
+
 def check(first, reference, tmp_path, model, reader, tokens):
   """`first`: an export; `reference`: {name: array} it must hold; `model`:
   the transformers model; `reader`: its class (from_pretrained)."""
