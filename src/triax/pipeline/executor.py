@@ -374,9 +374,10 @@ def _device_tables(program: lower_lib.Program) -> dict[str, jax.Array]:
   }
   tables.update({f'recv{o}': dropped(program.recv[o]) for o in program.offsets})
   if program.fused:
-    for name in lower_lib.LANE2:
-      tables[name] = jnp.asarray(np.maximum(program.table[name], 0), jnp.int32)
-    tables['fused'] = jnp.asarray(program.table['mb2'] >= 0, jnp.int32)
+    tables['lane2'] = {
+      name: jnp.asarray(np.maximum(program.lane2[name], 0), jnp.int32) for name in lower_lib.LANE2
+    }
+    tables['fused'] = jnp.asarray(program.lane2['mb'] >= 0, jnp.int32)
     tables.update({f'recv2_{o}': dropped(program.recv2[o]) for o in program.recv2})
   if program.packed:
     # The slot each output for another stage waits in, the slot each send
@@ -414,7 +415,7 @@ def branch_counts(program: lower_lib.Program, edge_grads_after: bool) -> list[di
   """
   t = program.table
   p, last = program.schedule.stages, program.schedule.num_chunks - 1
-  fused = t['mb2'] >= 0 if program.fused else np.zeros_like(t['kind'], bool)
+  fused = program.lane2['mb'] >= 0 if program.fused else np.zeros_like(t['kind'], bool)
   f = (t['kind'] == lower_lib.RUN_F) & ~fused
   b = t['kind'] == lower_lib.RUN_B
   sums = {
@@ -431,7 +432,7 @@ def branch_counts(program: lower_lib.Program, edge_grads_after: bool) -> list[di
         MARK_FUSED: fused,
         f'{MARK_FUSED}/{MARK_EMBED}': fused & (t['chunk'] == 0),
         f'{MARK_FUSED}/{MARK_HEAD}': fused & (t['chunk'] == last),
-        f'{MARK_FUSED}/{MARK_EMBED_GRAD}': fused & (t['chunk2'] == 0),
+        f'{MARK_FUSED}/{MARK_EMBED_GRAD}': fused & (program.lane2['chunk'] == 0),
       }
     )
   if program.partner is not None:
@@ -630,7 +631,7 @@ class _Stage:
     return jax.lax.optimization_barrier(carry)
 
   def tick(self, c, rows):
-    row = {name: table[self.stage] for name, table in rows.items()}
+    row = jax.tree.map(lambda table: table[self.stage], rows)
     c, outs = self.compute(c, row)
     if not self.setup.program.packed:
       return self.send(c, row, outs), None
@@ -759,9 +760,7 @@ class _Stage:
       return self._overlapped(c, row)
 
   def _overlapped(self, c, row):
-    lane2 = dict(
-      row, **{name: row[f'{name}2'] for name in ('mb', 'chunk', 'local', 'src', 'stash')}
-    )
+    lane2 = dict(row, **row['lane2'])
     c, dx, cut = self.input_gradient(c, lane2)
     g_stage = self.residuals.split.w(
       self.stashed_residuals(c, lane2), cut, acc=(c['g_stage'], lane2['local'])

@@ -56,8 +56,6 @@ _SEND, _LAND, _COMPUTE, _RECV = range(4)
 _PHASES = 4
 
 # The per-tick tables every program has, [ticks, stages] int32 each; -1 = none.
-# The last five are the second lane of a fused tick (`lower`'s fuse_overlaps):
-# the B that runs beside the tick's F, its W at once after it.
 TABLES = (
   'kind',
   'mb',
@@ -70,8 +68,11 @@ TABLES = (
   'move_send',
   'move_recv',
   'pend',
-) + tuple(f'{name}2' for name in ('mb', 'chunk', 'local', 'src', 'stash'))
-LANE2 = TABLES[-5:]
+)
+# The second lane of a fused tick (`lower`'s fuse_overlaps): the B that runs
+# beside the tick's F, its W at once after it. Its tables (Program.lane2)
+# mean what the first lane's of the same names do.
+LANE2 = ('mb', 'chunk', 'local', 'src', 'stash')
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -91,8 +92,9 @@ class Program:
       slot read; -1 for chunk 0's F, which embeds), `loss` (slot the last
       chunk's F writes its loss gradient to), `stash` (F writes, B and W
       read, W frees), `cut` (B writes, W reads), `move_send` / `move_recv`
-      (BPipe's stash slots sent and landed at the tick's start). A fused
-      tick's B is in `mb2`, `chunk2`, `local2`, `src2`, `stash2` (`LANE2`).
+      (BPipe's stash slots sent and landed at the tick's start).
+    lane2: name -> int32 [T, p]: a fused tick's B, in the `LANE2` tables
+      (all -1 without fused ticks).
     recv: stage offset o -> int32 [T, p]: message slot where the output
       sent by stage (s - o) mod p this tick lands on stage s; -1 none
       (offset 0: a stage's own output, no collective).
@@ -122,6 +124,7 @@ class Program:
   slots: dict[str, int]
   peaks: dict[str, tuple[int, ...]]
   partner: tuple[int, ...] | None
+  lane2: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
   recv2: dict[int, np.ndarray] = dataclasses.field(default_factory=dict)
   rounds: tuple[int, ...] = ()
   sends: frozenset[int] = frozenset()
@@ -137,7 +140,7 @@ class Program:
   @property
   def fused_cells(self) -> int:
     """(tick, stage) cells that run an overlapped pair with its W."""
-    return int((self.table['mb2'] >= 0).sum())
+    return int((self.lane2['mb'] >= 0).sum()) if self.lane2 else 0
 
   @property
   def fused(self) -> bool:
@@ -561,6 +564,7 @@ def _tabulate(
   p, last, ticks = run.stages, run.num_chunks - 1, len(grid)
   table = {name: np.full((ticks, p), -1, np.int32) for name in TABLES}
   table['kind'][:] = IDLE
+  second = {name: np.full((ticks, p), -1, np.int32) for name in LANE2}
   recv: dict[int, np.ndarray] = {}
   recv2: dict[int, np.ndarray] = {}
   outbox: dict[int, np.ndarray] = {}
@@ -590,10 +594,10 @@ def _tabulate(
     if a in lane2:
       # A fused tick's B (its W implied): the second lane's tables.
       if a.kind == BACKWARD:
-        table['mb2'][t, s], table['chunk2'][t, s] = j, c
-        table['local2'][t, s] = run.local_of(c)
-        table['stash2'][t, s] = home(j, c)
-        table['src2'][t, s] = slot[(s, 'msg')][('g', j, c)]
+        second['mb'][t, s], second['chunk'][t, s] = j, c
+        second['local'][t, s] = run.local_of(c)
+        second['stash'][t, s] = home(j, c)
+        second['src'][t, s] = slot[(s, 'msg')][('g', j, c)]
         if c > 0:
           arrive(a, s, run.stage_of(c - 1), ('g', j, c - 1), recv2)
       continue
@@ -640,6 +644,7 @@ def _tabulate(
     slots={buf: most(buf) for buf in ('msg', 'stash', 'cut')},
     peaks={buf: tuple(counts[(s, buf)] for s in range(p)) for buf in ('msg', 'stash', 'cut')},
     partner=run.partner if run.evicted else None,
+    lane2=second,
     recv2=recv2,
     outbox=outbox,
   )

@@ -215,8 +215,6 @@ _BUFFER_OF = {
   'cut': 'cut',
   'move_send': 'stash',
   'move_recv': 'stash',
-  'src2': 'msg',
-  'stash2': 'stash',
 }
 _BUFFERS = ('msg', 'stash', 'cut')
 _KIND_OF_CODE = {code: kind for kind, code in lower_lib.KIND_CODE.items()}
@@ -269,6 +267,12 @@ def _check_shapes(run: Schedule, program: Program) -> list[str]:
       problems.append(f'program.table has no {name!r} table')
     elif table.shape != (t, p) or not np.issubdtype(table.dtype, np.integer):
       problems.append(f'program.table[{name!r}] is {table.dtype} {table.shape}; want int {(t, p)}')
+  for name in lower_lib.LANE2:
+    table = program.lane2.get(name)
+    if table is None:
+      problems.append(f'program.lane2 has no {name!r} table')
+    elif table.shape != (t, p) or not np.issubdtype(table.dtype, np.integer):
+      problems.append(f'program.lane2[{name!r}] is {table.dtype} {table.shape}; want int {(t, p)}')
   for name, recv in (('recv', program.recv), ('recv2', program.recv2)):
     for o, table in recv.items():
       if not 0 <= o < p:
@@ -298,6 +302,7 @@ def _check_slot_ranges(program: Program) -> list[str]:
   for t, s in zip(*(~np.isin(kind, list(_KIND_OF_CODE) + [lower_lib.IDLE])).nonzero()):
     problems.append(f'tick {t} stage {s}: kind {kind[t, s]} is not IDLE, RUN_F, RUN_B or RUN_W')
   columns = [(name, program.table[name], _BUFFER_OF[name]) for name in _BUFFER_OF]
+  columns += [(f'lane2 {name}', program.lane2[name], _BUFFER_OF[name]) for name in ('src', 'stash')]
   columns += [(f'recv[{o}]', program.recv[o], 'msg') for o in sorted(program.recv)]
   columns += [(f'recv2[{o}]', program.recv2[o], 'msg') for o in sorted(program.recv2)]
   for name, values, buf in columns:
@@ -352,23 +357,23 @@ def _decode2(
 ) -> tuple[Action, ...]:
   """The B and W the second lane's tables say stage s runs beside its F at
   tick t (a fused tick), or () where they name none."""
-  table = program.table
+  table, lane2 = program.table, program.lane2
   where = f'tick {t} stage {s}'
-  if table['mb2'][t, s] < 0:
+  if lane2['mb'][t, s] < 0:
     if problems is not None:
       for name in lower_lib.LANE2:
-        if table[name][t, s] != -1:
-          problems.append(f'{where}: no second lane, but {name} is {table[name][t, s]}')
+        if lane2[name][t, s] != -1:
+          problems.append(f'{where}: no second lane, but its {name} is {lane2[name][t, s]}')
     return ()
-  j, c = int(table['mb2'][t, s]), int(table['chunk2'][t, s])
+  j, c = int(lane2['mb'][t, s]), int(lane2['chunk'][t, s])
   pair = (Action(sched.BACKWARD, j, c), Action(sched.WEIGHT, j, c))
   if problems is None:
     return pair
   if not (0 <= j < schedule.microbatches and 0 <= c < schedule.num_chunks):
     problems.append(f'{where}: the second lane runs {pair[0]}, outside the schedule')
-  elif schedule.stage_of(c) != s or table['local2'][t, s] != schedule.local_of(c):
+  elif schedule.stage_of(c) != s or lane2['local'][t, s] != schedule.local_of(c):
     problems.append(
-      f'{where}: the second lane runs {pair[0]} as local chunk {table["local2"][t, s]}; '
+      f'{where}: the second lane runs {pair[0]} as local chunk {lane2["local"][t, s]}; '
       f'chunk {c} is local {schedule.local_of(c)} on stage {schedule.stage_of(c)}'
     )
   if table['kind'][t, s] != lower_lib.RUN_F:
@@ -586,8 +591,8 @@ def _replay_compute(
   B hands its cut straight to its W, through no slot.
   """
   if lane2:
-    table = program.table
-    row = dict(src=int(table['src2'][t, s]), stash=int(table['stash2'][t, s]))
+    lane = program.lane2
+    row = dict(src=int(lane['src'][t, s]), stash=int(lane['stash'][t, s]))
     where, mine = f'tick {t} stage {s}: {a} (second lane)', f'{a.microbatch}.{a.chunk}'
     free = a.kind == sched.WEIGHT
     buffers.read('stash', row['stash'], f'set {mine}', where, problems, free=free)
