@@ -539,6 +539,28 @@ class _HostStash:
     return [jax.device_put(p[slot], DEVICE) for p in pool]
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Carry:
+  """What one device's tick loop carries. A field the run's options leave out
+  is None (no leaves): `heads` and `embeds` only when the edges' gradients
+  are made after the loop, `g_edges` only when they are made in it (and
+  after it, by `edge_gradients`), `host_stash` only with an offloaded stash,
+  `spill` only inside a tick, from its F to `spill`."""
+
+  msg: Any  # [slots, act]: activations and gradients between stages
+  stash: list  # per kept residual leaf, [slots, ...]
+  cut: list  # per cut leaf, [slots, ...]: B's hand-over to W
+  g_stage: Any  # the stage's layers' gradients
+  loss: Any  # the summed loss
+  figures: Any  # the chunks' (summed, maximum) figures
+  heads: Any = None  # [rows, act]: the last chunk's outputs
+  embeds: Any = None  # [rows, act]: the first chunk's input gradients
+  g_edges: Any = None  # the embedding's and head's gradients
+  host_stash: Any = None  # the offloaded stash pool
+  spill: Any = None  # the F's set on its way to host memory
+
+
 class _Stage:
   """One device's trace of the tick loop: its carry and what each kind does.
 
@@ -605,29 +627,31 @@ class _Stage:
       run = lambda cp, h: self.fns.chunk(cp, h, self.counts[chunk], **extra)  # noqa: E731
     return jax.vjp(run, chunk_params, x, has_aux=True)
 
-  def initial_carry(self) -> dict:
+  def initial_carry(self) -> Carry:
     s, manual, program = self.setup, self.setup.manual, self.setup.program
     pool = lambda n, shapes: _varying([jnp.zeros((n,) + a.shape, a.dtype) for a in shapes], manual)  # noqa: E731
     msg = jnp.zeros((program.slots['msg'],) + s.act_shape, s.act_dtype)
-    carry = dict(
-      msg=s.pin_buffer(_varying(msg, manual)),
-      stash=pool(program.slots['stash'], self.host_stash.kept_shapes),
-      cut=pool(program.slots['cut'], self.residuals.cut_shapes),
-      g_stage=_zeros_like_varying(self.local, manual),
-      loss=_varying(jnp.zeros((), jnp.float32), manual),
-      figures=_varying(self.no_figures, manual),
-    )
+    extra = {}
     if self.after:
       # One row per micro-batch (padded to a multiple of the stages): the
       # last chunk's output and the first chunk's input gradient, kept for
       # `edge_gradients`, split over `tensor` as messages are.
       rows = self.rows * program.schedule.stages
       for name, like in (('heads', self.y_like), ('embeds', self.x_zero)):
-        carry[name] = s.pin_buffer(_varying(jnp.zeros((rows,) + like.shape, like.dtype), manual))
+        extra[name] = s.pin_buffer(_varying(jnp.zeros((rows,) + like.shape, like.dtype), manual))
     else:
-      carry['g_edges'] = _zeros_like_varying(self.edges, manual)
+      extra['g_edges'] = _zeros_like_varying(self.edges, manual)
     if self.host_stash.host:
-      carry['host_stash'] = self.host_stash.pool(program.slots['stash'] + 1, manual)
+      extra['host_stash'] = self.host_stash.pool(program.slots['stash'] + 1, manual)
+    carry = Carry(
+      msg=s.pin_buffer(_varying(msg, manual)),
+      stash=pool(program.slots['stash'], self.host_stash.kept_shapes),
+      cut=pool(program.slots['cut'], self.residuals.cut_shapes),
+      g_stage=_zeros_like_varying(self.local, manual),
+      loss=_varying(jnp.zeros((), jnp.float32), manual),
+      figures=_varying(self.no_figures, manual),
+      **extra,
+    )
     return jax.lax.optimization_barrier(carry)
 
   def tick(self, c, rows):
@@ -651,8 +675,8 @@ class _Stage:
     if offload:
       # This tick's B or W reads its set (an F tick's read goes unused), and
       # an F's set is written out after it; top-level copies, see the module.
-      row = dict(row, fetched=self.host_stash.read(c['host_stash'], row['stash']))
-      c = dict(c, spill=_varying(self.host_stash.zeros(), self.setup.manual))
+      row = dict(row, fetched=self.host_stash.read(c.host_stash, row['stash']))
+      c = dataclasses.replace(c, spill=_varying(self.host_stash.zeros(), self.setup.manual))
     runs_f = kind == lower_lib.RUN_F
     if 'fused' in row:
       fused = row['fused'] > 0
@@ -671,19 +695,19 @@ class _Stage:
       # (seen in scripts/bench_moe.py's DualPipeV at pipe 4).
       # A tick without one writes past the pool, which drops it.
       slot = jnp.where(fused, row['stash'], self.setup.program.slots['stash'])
-      c['stash'] = [
-        b.at[slot].set(v.astype(b.dtype), mode='drop') for b, v in zip(c['stash'], kept)
-      ]
+      c = dataclasses.replace(
+        c, stash=[b.at[slot].set(v.astype(b.dtype), mode='drop') for b, v in zip(c.stash, kept)]
+      )
     return c, outs
 
   def hold(self, c, row, out):
     """A packed tick's output: for another stage, into a slot of its own
     stage's pool (`pend`) to wait for the send that carries it; for a chunk
     of this stage, where that chunk reads it."""
-    msg = c['msg'].at[row['pend']].set(out, mode='drop')
+    msg = c.msg.at[row['pend']].set(out, mode='drop')
     if 0 in self.setup.program.recv:
       msg = msg.at[row['recv0']].set(out, mode='drop')
-    return dict(c, msg=msg)
+    return dataclasses.replace(c, msg=msg)
 
   def send_pending(self, c, row) -> list:
     """A packed round's send, after its last tick: per stage offset its
@@ -702,25 +726,24 @@ class _Stage:
           return jax.lax.ppermute(msg[row[f'out{o}']], 'pipe', pairs)
 
       out.append(
-        jax.lax.cond(row[f'send{o}'] > 0, sending, lambda msg: jnp.zeros_like(msg[0]), c['msg'])
+        jax.lax.cond(row[f'send{o}'] > 0, sending, lambda msg: jnp.zeros_like(msg[0]), c.msg)
       )
     return out
 
   def land(self, c, row, arrived):
     """What a round's send brought, where the receivers' tables name."""
-    msg = c['msg']
+    msg = c.msg
     for o, x in zip(sorted(self.setup.program.outbox), arrived):
       msg = msg.at[row[f'recv{o}']].set(x, mode='drop')
-    return dict(c, msg=msg)
+    return dataclasses.replace(c, msg=msg)
 
   def spill(self, c, row):
-    """Writes the tick's F's set (c['spill']) to its host slot; a tick without
+    """Writes the tick's F's set (c.spill) to its host slot; a tick without
     an F writes its zeros to the spare slot past the lowering's."""
     spare = self.setup.program.slots['stash']
     slot = jnp.where(row['kind'] == lower_lib.RUN_F, row['stash'], spare)
-    c = dict(c)
-    c['host_stash'] = self.host_stash.write(c['host_stash'], c.pop('spill'), slot)
-    return c
+    host_stash = self.host_stash.write(c.host_stash, c.spill, slot)
+    return dataclasses.replace(c, host_stash=host_stash, spill=None)
 
   def send(self, c, row, outs: dict):
     """The tick's outputs to the stages that read them, into their message slots.
@@ -729,7 +752,7 @@ class _Stage:
     'recv2_' for a fused tick's B. Outputs that travel the same offset go
     in one ppermute.
     """
-    program, msg = self.setup.program, c['msg']
+    program, msg = self.setup.program, c.msg
     p = program.schedule.stages
     # Scatter: each tensor rank keeps (and sends) its 1/t of the output; the
     # reader's pin() all-gathers it.
@@ -742,7 +765,7 @@ class _Stage:
         out = jax.lax.ppermute(out, 'pipe', [(i, (i + o) % p) for i in range(p)])
       for x, arrived in zip(lanes, out):
         msg = msg.at[row[f'{x}{o}']].set(arrived, mode='drop')
-    return dict(c, msg=msg)
+    return dataclasses.replace(c, msg=msg)
 
   def idle(self, c, row):
     return c, self.x_zero
@@ -763,20 +786,19 @@ class _Stage:
     lane2 = dict(row, **row['lane2'])
     c, dx, cut = self.input_gradient(c, lane2)
     g_stage = self.residuals.split.w(
-      self.stashed_residuals(c, lane2), cut, acc=(c['g_stage'], lane2['local'])
+      self.stashed_residuals(c, lane2), cut, acc=(c.g_stage, lane2['local'])
     )
-    c, y, kept = self.forward_unstashed(dict(c, g_stage=g_stage), row)
+    c, y, kept = self.forward_unstashed(dataclasses.replace(c, g_stage=g_stage), row)
     return c, (y, dx, kept)
 
   def forward(self, c, row):
     with jax.named_scope(MARK_F):
       c, y, kept = self.forward_unstashed(c, row)
-      return dict(c, stash=_put(c['stash'], row['stash'], kept)), y
+      return dataclasses.replace(c, stash=_put(c.stash, row['stash'], kept)), y
 
   def forward_unstashed(self, c, row):
     """F, but its residual set (the leaves kept on the device) is returned
     instead of stashed."""
-    c = dict(c)
     pin, mb, chunk = self.setup.pin, row['mb'], row['chunk']
     chunk_params = _take(self.local, row['local'])
 
@@ -784,16 +806,14 @@ class _Stage:
       with jax.named_scope(MARK_EMBED):
         return pin(self.fns.embed(self.edges, self.inputs[mb]).astype(self.setup.act_dtype))
 
-    x = jax.lax.cond(chunk == 0, embed, lambda: pin(c['msg'][row['src']]))
+    x = jax.lax.cond(chunk == 0, embed, lambda: pin(c.msg[row['src']]))
     y, vjp_fn, (shares, maxima) = self.chunk_vjp(chunk_params, x, chunk, self.segments(mb))
     kept, host = self.host_stash.split(self.residuals.stashed(vjp_fn, chunk_params))
     if host:
-      c['spill'] = _varying(host, self.setup.manual)  # written out by `spill`
-    summed, top = c['figures']
-    c['figures'] = (
-      jax.tree.map(jnp.add, summed, shares),
-      jax.tree.map(jnp.maximum, top, maxima),
-    )
+      c = dataclasses.replace(c, spill=_varying(host, self.setup.manual))  # written out by `spill`
+    summed, top = c.figures
+    figures = (jax.tree.map(jnp.add, summed, shares), jax.tree.map(jnp.maximum, top, maxima))
+    c = dataclasses.replace(c, figures=figures)
     last = self.setup.program.schedule.num_chunks - 1
     c = jax.lax.cond(chunk == last, lambda c: self.loss_and_seed(c, row, y), lambda c: c, c)
     return c, pin(y.astype(self.setup.act_dtype)), kept
@@ -817,42 +837,42 @@ class _Stage:
 
   def _loss_and_seed(self, c, row, y):
     mb, s = row['mb'], self.setup
-    acc = None if self.after else c['g_edges']
+    acc = None if self.after else c.g_edges
     loss, g_edges, dy = s.fns.head_loss_and_grad(
       self.unhoisted_edges(mb), y, self.targets[mb], acc, s.loss_scale
     )
     if self.after:
-      kept = dict(heads=c['heads'].at[mb].set(s.pin_message(y)))
+      kept = dict(heads=c.heads.at[mb].set(s.pin_message(y)))
     else:
       kept = dict(g_edges=g_edges)
-    return dict(
+    return dataclasses.replace(
       c,
       **kept,
-      loss=c['loss'] + loss,
-      msg=c['msg'].at[row['loss']].set(s.pin_message(dy.astype(s.act_dtype))),
+      loss=c.loss + loss,
+      msg=c.msg.at[row['loss']].set(s.pin_message(dy.astype(s.act_dtype))),
     )
 
   def stashed_residuals(self, c, row):
-    kept = [s[row['stash']] for s in c['stash']]
+    kept = [s[row['stash']] for s in c.stash]
     stashed = self.host_stash.joined(kept, row.get('fetched', []))
     return self.residuals.joined(stashed, _take(self.local, row['local']))
 
   def backward(self, c, row):
     with jax.named_scope(MARK_B):
       c, dx, cut = self.input_gradient(c, row)
-      return dict(c, cut=_put(c['cut'], row['cut'], jax.tree.leaves(cut))), dx
+      return dataclasses.replace(c, cut=_put(c.cut, row['cut'], jax.tree.leaves(cut))), dx
 
   def input_gradient(self, c, row):
     """B: the input gradient (and, on chunk 0, the embedding's part) and the cut."""
     pin, mb, act_dtype = self.setup.pin, row['mb'], self.setup.act_dtype
-    dx, cut = self.residuals.split.b(self.stashed_residuals(c, row), pin(c['msg'][row['src']]))
+    dx, cut = self.residuals.split.b(self.stashed_residuals(c, row), pin(c.msg[row['src']]))
 
     def embed_backward(c):
       with jax.named_scope(MARK_EMBED_GRAD):
         if self.after:
-          embeds = c['embeds'].at[mb].set(self.setup.pin_message(dx.astype(act_dtype)))
-          return dict(c, embeds=embeds)
-        return dict(c, g_edges=self.embed_gradient(c['g_edges'], mb, dx))
+          embeds = c.embeds.at[mb].set(self.setup.pin_message(dx.astype(act_dtype)))
+          return dataclasses.replace(c, embeds=embeds)
+        return dataclasses.replace(c, g_edges=self.embed_gradient(c.g_edges, mb, dx))
 
     c = jax.lax.cond(row['chunk'] == 0, embed_backward, lambda c: c, c)
     return c, pin(dx.astype(act_dtype)), cut
@@ -880,7 +900,7 @@ class _Stage:
     here by micro-batches, which leaves the model's head as it is).
     """
     s, rows, m = self.setup, self.rows, self.inputs.shape[0]
-    pools = [_scatter_rows(c[name], s.mesh) for name in ('heads', 'embeds')]
+    pools = [_scatter_rows(pool, s.mesh) for pool in (c.heads, c.embeds)]
 
     def one(acc, j):
       mb = self.stage * rows + j
@@ -898,27 +918,27 @@ class _Stage:
       return (jax.lax.cond(mb < m, add, lambda a: a, acc) if padded else add(acc)), None
 
     g_edges, _ = jax.lax.scan(one, _zeros_like_varying(self.edges, s.manual), jnp.arange(rows))
-    return {k: v for k, v in c.items() if k not in ('heads', 'embeds')} | dict(g_edges=g_edges)
+    return dataclasses.replace(c, heads=None, embeds=None, g_edges=g_edges)
 
   def weight(self, c, row):
     with jax.named_scope(MARK_W):
       return self._weight(c, row)
 
   def _weight(self, c, row):
-    cut = jax.tree.unflatten(self.residuals.cut_tree, [s[row['cut']] for s in c['cut']])
+    cut = jax.tree.unflatten(self.residuals.cut_tree, [s[row['cut']] for s in c.cut])
     # Added into the stage's gradients as W makes them (layer by layer in
     # its scan): the chunk's gradients never exist on their own beside them.
     g_stage = self.residuals.split.w(
-      self.stashed_residuals(c, row), cut, acc=(c['g_stage'], row['local'])
+      self.stashed_residuals(c, row), cut, acc=(c.g_stage, row['local'])
     )
     if self.setup.program.slots['cut'] == 1:
       # The one-slot pool handed back through W, ordered after it: XLA:TPU
       # otherwise keeps a copy of the set for the loop's carry beside the one
       # W reads. Not for a pool of several slots, whose W reads a slice:
       # there it made XLA:TPU's zb_h1 step larger.
-      g_stage, pool = jax.lax.optimization_barrier((g_stage, c['cut']))
-      c = dict(c, cut=pool)
-    return dict(c, g_stage=g_stage), self.x_zero
+      g_stage, pool = jax.lax.optimization_barrier((g_stage, c.cut))
+      c = dataclasses.replace(c, cut=pool)
+    return dataclasses.replace(c, g_stage=g_stage), self.x_zero
 
   def move(self, c, row):
     """The partner ppermute: sends a residual set and lands the one arriving.
@@ -940,11 +960,11 @@ class _Stage:
     with jax.named_scope(MARK_MOVE):
       partner = self.setup.program.partner
       pairs = [(s, q) for s, q in enumerate(partner) if s != q]
-      arrived = jax.lax.ppermute([s[row['move_send']] for s in c['stash']], 'pipe', pairs)
+      arrived = jax.lax.ppermute([s[row['move_send']] for s in c.stash], 'pipe', pairs)
 
       def land(c):
         with jax.named_scope(MARK_LAND):
-          return dict(c, stash=_put(c['stash'], row['move_recv'], arrived))
+          return dataclasses.replace(c, stash=_put(c.stash, row['move_recv'], arrived))
 
       return jax.lax.cond(row['move_recv'] >= 0, land, lambda c: c, c)
 
@@ -953,9 +973,9 @@ def _reduce_over_replicas(c, manual, mesh: Mesh, edge_specs):
   """The step's only reductions: over every manual axis for the loss and the
   replicated embedding/head, over `data` for the stage's own layers."""
   replicas = manual[1:]
-  loss = jax.lax.psum(c['loss'], manual)
+  loss = jax.lax.psum(c.loss, manual)
   sizes = dict(mesh.shape)
-  leaves, tree = jax.tree.flatten(c['g_edges'])
+  leaves, tree = jax.tree.flatten(c.g_edges)
   # The reduce-scatter and all-gather are for XLA:TPU (see `_all_reduce`);
   # elsewhere one psum each.
   on_tpu = mesh.devices.flat[0].platform == 'tpu'
@@ -967,11 +987,11 @@ def _reduce_over_replicas(c, manual, mesh: Mesh, edge_specs):
   g_edges = tree.unflatten(
     [_all_reduce(g, manual, sizes, spec) for g, spec in zip(leaves, specs, strict=True)]
   )
-  g_stage = c['g_stage']
+  g_stage = c.g_stage
   if replicas:
     g_stage = jax.lax.psum(g_stage, replicas)
   g_stage = jax.tree.map(lambda g: g[None], g_stage)
-  shares, maxima = c['figures']
+  shares, maxima = c.figures
   figures = (jax.lax.psum(shares, manual), jax.lax.pmax(maxima, manual))
   return (loss, figures), (g_stage, g_edges)
 
