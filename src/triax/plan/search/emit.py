@@ -1,8 +1,9 @@
 """Writes a plan as a config file that `python -m triax train` runs.
 
-The file imports the base experiment by path (importlib), so it stays a few
-lines long and follows later edits of the base; it then applies the keys
-the planner was given on the command line (`--config.*`) and the plan's own:
+The file holds data only; its `get_config` calls plan/plan_file.py, which
+imports the base experiment by path (importlib), so the file follows later
+edits of the base, then applies the keys the planner was given on the
+command line (`--config.*`) and the plan's own:
 
   its layout's (`Layout.overrides`: mesh degrees, pipeline.schedule /
   microbatches / virtual_stages, ...), but the keys of the axes plans
@@ -20,7 +21,7 @@ for Megatron's interleaving, a V for zb_v); an even split writes ().
 
 A plan whose schedule no builder makes (a synthesised one,
 plan/search/synthesized.py) holds the schedule itself, as triax's JSON, in
-the plan file: `get_config` writes it beside the file (PLAN.schedule.json,
+the plan file: `get_config` has it written beside the file (PLAN.schedule.json,
 rewritten only when it differs) and sets `pipeline.schedule_file` to it,
 the key training reads schedule files from, so the plan reruns exactly
 without synthesising again (`pipeline.schedule` is then not read). A
@@ -215,6 +216,7 @@ def write(
     if heterogeneous
     else 'one device type: the mesh keeps its own order'
   )
+  schedule_args = ', SCHEDULE_FILE, SCHEDULE' if schedule else ''
   text = f'''"""Plan for cluster {cluster_name}: {plan.describe()}.
 
 Written by `python -m triax plan` on {datetime.date.today().isoformat()}{origin}.
@@ -229,10 +231,7 @@ Pipeline stages and the cluster devices the prediction assumes for them
 {stages}
 """
 
-import importlib.util
-import os
-
-from triax import config as triax_config
+from triax.plan import plan_file
 
 # The base experiment, relative to this file (used while both stay put) and
 # absolute (used when this file was moved without it), and its config argument.
@@ -245,22 +244,11 @@ BASE_OVERRIDES = {_literal(base_overrides)}
 PLAN = {_literal(plan_values)}{_schedule_text(schedule, path)}
 
 
-def _apply(cfg, values):
-  for key, value in values.items():
-    triax_config.set_dotted(cfg, key, value)
-  return cfg
-
-
 def get_config(arg=None):
-  path = os.path.join(os.path.dirname(os.path.abspath(__file__)), BASE)
-  if not os.path.isfile(path):
-    path = BASE_ABSOLUTE
-  spec = importlib.util.spec_from_file_location('triax_plan_base', path)
-  base = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(base)
-  arg = BASE_ARG if arg is None else arg
-  cfg = base.get_config(arg) if arg is not None else base.get_config()
-  {_RETURN_WITH_SCHEDULE if schedule else _RETURN}'''
+  return plan_file.config(
+    __file__, BASE, BASE_ABSOLUTE, BASE_ARG, BASE_OVERRIDES, PLAN, arg{schedule_args}
+  )
+'''
   with open(path, 'w') as f:
     f.write(text)
   return text
@@ -293,30 +281,6 @@ def _schedule_text(schedule: str, path: str) -> str:
     f'SCHEDULE_FILE = {os.path.basename(_schedule_path(path))!r}\n'
     f"SCHEDULE = r'''{schedule}'''"
   )
-
-
-# How get_config ends: a plan file with a schedule of its own writes it
-# where training reads it.
-_RETURN = 'return _apply(_apply(cfg, BASE_OVERRIDES), PLAN)\n'
-_RETURN_WITH_SCHEDULE = '''cfg = _apply(_apply(cfg, BASE_OVERRIDES), PLAN)
-  cfg.pipeline.schedule_file = _schedule_file()
-  return cfg
-
-
-def _schedule_file():
-  """SCHEDULE beside this file (rewritten only when it differs), its path."""
-  path = os.path.join(os.path.dirname(os.path.abspath(__file__)), SCHEDULE_FILE)
-  try:
-    with open(path, encoding='utf-8') as f:
-      same = f.read() == SCHEDULE
-  except OSError:
-    same = False
-  if not same:
-    with open(path + '.tmp', 'w', encoding='utf-8') as f:
-      f.write(SCHEDULE)
-    os.replace(path + '.tmp', path)
-  return path
-'''
 
 
 def _literal(values: dict[str, Any]) -> str:
