@@ -261,18 +261,16 @@ def _check_shapes(run: Schedule, program: Program) -> list[str]:
   problems = []
   if sched.with_split_backward(program.source).orders != ran.orders:
     problems.append(f'program.source ({program.source.name}) does not split into program.schedule')
-  for name in lower_lib.TABLES:
-    table = program.table.get(name)
-    if table is None:
-      problems.append(f'program.table has no {name!r} table')
-    elif table.shape != (t, p) or not np.issubdtype(table.dtype, np.integer):
-      problems.append(f'program.table[{name!r}] is {table.dtype} {table.shape}; want int {(t, p)}')
-  for name in lower_lib.LANE2:
-    table = program.lane2.get(name)
-    if table is None:
-      problems.append(f'program.lane2 has no {name!r} table')
-    elif table.shape != (t, p) or not np.issubdtype(table.dtype, np.integer):
-      problems.append(f'program.lane2[{name!r}] is {table.dtype} {table.shape}; want int {(t, p)}')
+  lanes = (('table', program.table, lower_lib.TABLES), ('lane2', program.lane2, lower_lib.LANE2))
+  for field, tables, names in lanes:
+    for name in names:
+      table = tables.get(name)
+      if table is None:
+        problems.append(f'program.{field} has no {name!r} table')
+      elif table.shape != (t, p) or not np.issubdtype(table.dtype, np.integer):
+        problems.append(
+          f'program.{field}[{name!r}] is {table.dtype} {table.shape}; want int {(t, p)}'
+        )
   for name, recv in (('recv', program.recv), ('recv2', program.recv2)):
     for o, table in recv.items():
       if not 0 <= o < p:
