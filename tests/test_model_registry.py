@@ -77,6 +77,16 @@ def test_a_model_key_no_family_knows_is_refused():
   assert e.value.key == 'model.num_expertz'
 
 
+def test_qwen3_tiny_is_a_valid_qk_norm_pipeline_run_on_8_devices():
+  path = f'{harness.ROOT}/experiments/qwen3_tiny.py'
+  for arg in (None, 'smoke'):
+    cfg = config.validate(config.from_file(path, arg), 8)
+    m = cfg.model
+    assert (m.family, m.qk_norm, m.tie_embeddings) == ('llama', True, True)
+    assert m.head_dim * m.num_heads == 2 * m.d_model and 0 < m.num_kv_heads < m.num_heads
+    assert cfg.mesh.pipe > 1 and cfg.pipeline.schedule == 'interleaved_1f1b'
+
+
 def test_llama_tiny_is_a_valid_gqa_pipeline_run_on_8_devices():
   path = f'{harness.ROOT}/experiments/llama_tiny.py'
   for arg in (None, 'smoke'):
