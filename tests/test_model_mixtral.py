@@ -294,6 +294,16 @@ def test_bad_moe_settings_are_refused_naming_the_key(overrides, key):
   assert e.value.key == key
 
 
+def test_qwen3_moe_tiny_is_mixtral_tinys_run_with_qwen3s_attention():
+  for arg in (None, 'smoke'):
+    cfg = config_lib.validate(
+      config_lib.from_file(f'{harness.ROOT}/experiments/qwen3_moe_tiny.py', arg), 8
+    )
+    m = cfg.model
+    assert (m.family, m.qk_norm, m.norm_topk_prob, m.shared_experts) == ('mixtral', True, True, 0)
+    assert m.head_dim * m.num_heads == 2 * m.d_model and cfg.mesh.expert == 2
+
+
 def test_mixtral_tiny_is_a_valid_run_on_8_devices_with_the_experts_split():
   for arg in (None, 'smoke'):
     cfg = config_lib.validate(
