@@ -477,8 +477,7 @@ def resolve_mesh_shape(mesh_cfg, num_devices: int) -> tuple[int, ...]:
 def _check_expert(mesh_cfg, family: str) -> None:
   """mesh.expert: a divisor of the data-parallel degree inside one slice, for a MoE family."""
   expert = mesh_cfg.expert
-  if not isinstance(expert, int) or isinstance(expert, bool) or expert < 1:
-    raise ConfigError('mesh.expert', f'must be a positive integer, got {expert!r}')
+  checks.positive_int('mesh.expert', expert)
   if expert == 1:
     return
   if family not in registry.FAMILIES or not registry.reads(family, 'num_experts'):

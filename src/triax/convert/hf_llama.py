@@ -1,8 +1,7 @@
-"""Hugging Face Llama, Qwen2, Mixtral and Qwen2-MoE checkpoints <-> the llama and mixtral
-families' parameters and config.
+"""Hugging Face Llama, Qwen2, Qwen3, Mixtral, Qwen2-MoE and Qwen3-MoE checkpoints <-> the
+llama and mixtral families' parameters and config.
 
-transformers' `LlamaForCausalLM`, `Qwen2ForCausalLM`, `MixtralForCausalLM` and
-`Qwen2MoeForCausalLM` define what a checkpoint means: config.json names the shapes
+transformers' `*ForCausalLM` classes of those models define what a checkpoint means: config.json names the shapes
 (`model_config`, `hf_config`), and its tensors (`model.safetensors`, or shards listed in
 `model.safetensors.index.json`: `read_tensors`, `write_tensors`) are PyTorch `Linear`
 weights, [out, in]. `params_from_hf` and `params_to_hf` map them onto our trees by
@@ -14,8 +13,9 @@ Names: Mixtral's experts per expert as the Hub stores them
 'w_down'[e]); Qwen2's q/k/v biases -> 'bq', 'bk', 'bv' (model.qkv_bias); Qwen2-MoE's
 `mlp.gate`, `mlp.experts.{e}.*_proj`, `mlp.shared_expert.*_proj` and
 `mlp.shared_expert_gate` (model.shared_experts, model.shared_expert_gate,
-model.norm_topk_prob). Only Qwen2-MoE's released form converts: experts in every block
-(decoder_sparse_step 1, no mlp_only_layers).
+model.norm_topk_prob); Qwen3's and Qwen3-MoE's `self_attn.{q,k}_norm` -> 'q_norm', 'k_norm'
+(model.qk_norm, their head width model.head_dim). Only the MoEs' released forms convert:
+experts in every block (decoder_sparse_step 1, no mlp_only_layers).
 
 Everything here is numpy: convert/hf_checkpoint.py puts the arrays into a train state.
 Why no permutation is needed: docs/design/models.md."""
@@ -28,6 +28,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from triax import config as config_lib
 from triax.errors import ConfigError
 
 INDEX_FILE = 'model.safetensors.index.json'
@@ -295,7 +296,7 @@ def hf_config(model_cfg, base: Mapping | None = None) -> dict:
     num_hidden_layers=m.num_layers,
     num_attention_heads=m.num_heads,
     num_key_value_heads=m.num_kv_heads or m.num_heads,
-    head_dim=m.head_dim or m.d_model // m.num_heads,
+    head_dim=config_lib.head_dim(m),
     vocab_size=m.vocab_size,
     max_position_embeddings=(base or {}).get('max_position_embeddings', m.seq_len),
     rms_norm_eps=m.norm_eps,
@@ -392,7 +393,7 @@ def _shapes(m) -> dict[str, tuple[int, ...]]:
   """Each layer weight's triax shape (without the layer axis; an expert's
   without the experts axis)."""
   n, kv, d, f = m.num_heads, m.num_kv_heads or m.num_heads, m.d_model, m.d_ff
-  hd = m.head_dim or d // n
+  hd = config_lib.head_dim(m)
   extra = {'router': (d, m.num_experts)} if m.family == 'mixtral' else {}
   if m.qkv_bias:
     extra.update(bq=(n, hd), bk=(kv, hd), bv=(kv, hd))

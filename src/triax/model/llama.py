@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from triax import checks
+from triax.config import head_dim
 from triax.errors import ConfigError
 from triax.model.common import (
   RESIDUAL,
@@ -292,7 +293,7 @@ def validate(model_cfg, mesh_cfg, rules: tuple) -> None:
     raise ConfigError(
       'model.num_kv_heads', f'{kv} must divide model.num_heads={m.num_heads} (query groups)'
     )
-  hd = m.head_dim or m.d_model // m.num_heads
+  hd = head_dim(m)
   if hd % 2:
     raise ConfigError(
       'model.head_dim' if m.head_dim else 'model.num_heads',
@@ -324,7 +325,7 @@ def validate(model_cfg, mesh_cfg, rules: tuple) -> None:
         f'must be a positive integer (the pre-scaling context), got {ctx!r}',
       )
 
-  axis, size = _kv_axis(m, mesh_cfg, rules)
+  axis, size = _kv_axis(mesh_cfg, rules)
   if kv >= size and kv % size:
     raise ConfigError(
       'model.num_kv_heads',
@@ -333,7 +334,7 @@ def validate(model_cfg, mesh_cfg, rules: tuple) -> None:
     )
 
 
-def _kv_axis(m, mesh_cfg, rules: tuple) -> tuple[str | None, int]:
+def _kv_axis(mesh_cfg, rules: tuple) -> tuple[str | None, int]:
   """The mesh axis the rules give 'kv_heads' (else 'heads') and its size."""
   mapping = dict(rules)
   axis = mapping.get('kv_heads', mapping.get('heads'))
@@ -344,7 +345,7 @@ def axis_rules(model_cfg, mesh_cfg, rules: tuple) -> tuple:
   """'kv_heads' over the axis 'heads' uses when the K/V heads divide over it,
   else replicated (Megatron's GQA rule)."""
   kv = model_cfg.num_kv_heads or model_cfg.num_heads
-  axis, size = _kv_axis(model_cfg, mesh_cfg, rules)
+  axis, size = _kv_axis(mesh_cfg, rules)
   resolved = axis if kv % size == 0 else None
   return tuple(r for r in rules if r[0] != 'kv_heads') + (('kv_heads', resolved),)
 
