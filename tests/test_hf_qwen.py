@@ -19,6 +19,7 @@ torch = pytest.importorskip('torch')
 transformers = pytest.importorskip('transformers')
 
 from triax import config as config_lib  # noqa: E402
+from triax.convert import hf_llama  # noqa: E402
 from triax.errors import ConfigError  # noqa: E402
 
 SEQ = 32
@@ -96,6 +97,14 @@ def test_export_import_export_is_bit_identical(imported, tmp_path):
   name = _name(imported)
   holds = MODELS[name][2]
   hf_round_trip.check_export(imported, tmp_path, _classes(name)[1], _tokens(), holds)
+
+
+def test_a_qwen3_with_biases_is_not_exported():
+  model = config_lib.defaults().model
+  model.update(family='llama', qk_norm=True, qkv_bias=True)
+  with pytest.raises(ConfigError, match='no q/k/v biases') as e:
+    hf_llama.hf_config(model)
+  assert e.value.key == '--workdir'
 
 
 def test_an_odd_head_dim_is_refused_in_one_line():

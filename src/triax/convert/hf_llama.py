@@ -284,6 +284,10 @@ def hf_config(model_cfg, base: Mapping | None = None) -> dict:
   elif kind == 'qwen2':
     out.update(use_sliding_window=False, sliding_window=None)
   elif kind == 'qwen3':
+    if m.qkv_bias:  # imports refuse attention_bias too (_REQUIRED): the released Qwen3 has none
+      raise ConfigError(
+        '--workdir', 'model.qk_norm with model.qkv_bias: Qwen3ForCausalLM here has no q/k/v biases'
+      )
     out.update(use_sliding_window=False, sliding_window=None, attention_bias=False)
   else:
     out.update(attention_bias=False, mlp_bias=False)
