@@ -11,6 +11,8 @@ its greedy tokens; export -> import -> export must be bit-identical and give
 back transformers' tensors. Nothing is downloaded.
 """
 
+import json
+
 import hf_round_trip
 import numpy as np
 import pytest
@@ -19,7 +21,7 @@ torch = pytest.importorskip('torch')
 transformers = pytest.importorskip('transformers')
 
 from triax import config as config_lib  # noqa: E402
-from triax.convert import hf_llama  # noqa: E402
+from triax.convert import hf_checkpoint, hf_llama  # noqa: E402
 from triax.errors import ConfigError  # noqa: E402
 
 SEQ = 32
@@ -105,6 +107,18 @@ def test_a_qwen3_with_biases_is_not_exported():
   with pytest.raises(ConfigError, match='no q/k/v biases') as e:
     hf_llama.hf_config(model)
   assert e.value.key == '--workdir'
+
+
+def test_a_refused_export_reads_and_writes_nothing(tmp_path):
+  cfg = config_lib.defaults()
+  cfg.model.update(family='llama', qk_norm=True, qkv_bias=True)
+  workdir = tmp_path / 'w'
+  workdir.mkdir()
+  (workdir / 'config.json').write_text(json.dumps(cfg.to_dict()))
+  # No checkpoint either: the refusal comes before any is read, and no file is written.
+  with pytest.raises(ConfigError, match='no q/k/v biases'):
+    hf_checkpoint.export_hf(str(workdir), str(tmp_path / 'hf'))
+  assert not (tmp_path / 'hf').exists()
 
 
 def test_an_odd_head_dim_is_refused_in_one_line():

@@ -173,14 +173,16 @@ def export_hf(workdir: str, out_dir: str, *, max_shard_bytes: int = MAX_SHARD_BY
     )
   if os.path.exists(out_dir) and os.listdir(out_dir):
     raise ConfigError('--hf_dir', f'{out_dir} is not empty; export into a new directory')
-  step, params = workdir_lib.restore_params(workdir, cfg)  # checked as a resume checks it
-  params = jax.tree.map(np.asarray, params)
   base = None
   if os.path.isfile(workdir_lib.path(workdir, workdir_lib.HF_CONFIG)):
     base = _read_json(workdir_lib.path(workdir, workdir_lib.HF_CONFIG), '--workdir')
+  # Before anything is read or written: a model no HF class holds is refused here.
+  hf_config = hf_llama.hf_config(cfg.model, base)
+  step, params = workdir_lib.restore_params(workdir, cfg)  # checked as a resume checks it
+  params = jax.tree.map(np.asarray, params)
   os.makedirs(out_dir, exist_ok=True)
   hf_llama.write_tensors(hf_llama.params_to_hf(params, cfg.model), out_dir, max_shard_bytes)
-  atomic.write_json(os.path.join(out_dir, 'config.json'), hf_llama.hf_config(cfg.model, base))
+  atomic.write_json(os.path.join(out_dir, 'config.json'), hf_config)
   tok = _run_tokenizer_file(workdir, cfg)
   if tok is not None:
     name = 'tokenizer.model' if tok.endswith('.model') else workdir_lib.TOKENIZER
