@@ -16,16 +16,12 @@ import os
 
 from triax import config
 
-# The run this one repeats with Qwen3's attention: model, mesh, training, smoke lengths.
+# The run this one repeats with Qwen3's attention (qwen3_tiny.py's): model, mesh, training.
 MIXTRAL_TINY = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'mixtral_tiny.py')
+QWEN3_TINY = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'qwen3_tiny.py')
 
 
 def get_config(arg=None):
-  c = config.from_file(MIXTRAL_TINY, arg)
-  c.model.qk_norm = True
-  # Twice d_model / num_heads: Qwen3's heads are wider than the residual stream's share.
-  c.model.head_dim = 2 * c.model.d_model // c.model.num_heads
-  c.model.norm_topk_prob = True
-  # Qwen3's RMSNorm epsilon.
-  c.model.norm_eps = 1e-6
+  c = config.load_module(QWEN3_TINY).qwen3_attention(config.from_file(MIXTRAL_TINY, arg))
+  c.model.norm_topk_prob = True  # Qwen3-MoE renormalises its top-k weights
   return c

@@ -22,11 +22,16 @@ LLAMA_TINY = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'llama_tin
 
 
 def get_config(arg=None):
-  c = config.from_file(LLAMA_TINY, arg)
+  c = qwen3_attention(config.from_file(LLAMA_TINY, arg))
+  c.model.tie_embeddings = True  # Qwen3's small sizes tie them
+  return c
+
+
+def qwen3_attention(c):
+  """`c` with Qwen3's attention (qwen3_moe_tiny.py's too)."""
   c.model.qk_norm = True
   # Twice d_model / num_heads: Qwen3's heads are wider than the residual stream's share.
   c.model.head_dim = 2 * c.model.d_model // c.model.num_heads
-  c.model.tie_embeddings = True
   # Qwen3's RMSNorm epsilon.
   c.model.norm_eps = 1e-6
   return c
