@@ -27,6 +27,7 @@ import math
 import flax
 import jax
 import jax.numpy as jnp
+import optax
 from jax.sharding import PartitionSpec as P
 
 from triax import sharding
@@ -402,3 +403,39 @@ def figures(shares: dict, maxima: dict) -> dict[str, jax.Array]:
     'moe_load_max': maxima['moe_load_max'],
     'moe_dropped_fraction': shares['moe_dropped'] / shares['moe_assigned'],
   }
+
+
+# Auxiliary-loss-free balancing (DeepSeek-V3, Wang et al. 2024): each MoE
+# layer's router adds a per-expert bias to its affinities when it chooses
+# (never to the weights), and the bias moves after each step towards the
+# experts that got fewer tokens. The load reaches the optimizer as the
+# bias's gradient (`balance_term`), so every layout sums it over
+# micro-batches, replicas and stages as it sums any gradient.
+
+# The parameter name of a layer's expert bias [E].
+BIAS = 'router_bias'
+
+
+def balance_term(assigned: jax.Array, bias: jax.Array) -> jax.Array:
+  """A scalar whose gradient w.r.t. `bias` [E] is minus the load `assigned`
+  [E] (assignments per expert), for with_gradient_of: the objective's value
+  is unchanged, the bias's gradient is -load whatever the loss's scale."""
+  return -jnp.sum(jax.lax.stop_gradient(assigned) * bias)
+
+
+def bias_update(rate: float) -> optax.GradientTransformation:
+  """The bias's update from its gradient g = -load [..., E] (`balance_term`):
+  rate x sign(mean load - load), per layer: up for the experts below the
+  mean, down for those above. Stateless; the sign makes it independent of
+  the gradient's scale (micro-batches, replicas, the loss's normalisation)."""
+
+  def update(grads, state, params=None):
+    del params
+
+    def step(g):
+      load = -g.astype(jnp.float32)
+      return (rate * jnp.sign(jnp.mean(load, -1, keepdims=True) - load)).astype(g.dtype)
+
+    return jax.tree.map(step, grads), state
+
+  return optax.GradientTransformation(lambda params: optax.EmptyState(), update)

@@ -29,9 +29,8 @@ from triax.pipeline import executor, rounds
 from triax.pipeline import layout as layout_lib
 from triax.pipeline import schedule as sched
 from triax.training import checks as train_checks
+from triax.training import optimizer as optimizer_lib
 from triax.training import relayout
-
-_NO_DECAY = ('attn_norm', 'mlp_norm', 'norm', 'positions')
 
 
 @flax.struct.dataclass
@@ -80,26 +79,6 @@ def learning_rate_schedule(train_cfg) -> optax.Schedule:
       [ramp, optax.constant_schedule(peak), decay], [warmup, steps - 1 - n]
     )
   raise ValueError(f'unknown train.lr_schedule {kind!r}')  # validate() names the choices
-
-
-def make_optimizer(train_cfg) -> optax.GradientTransformation:
-  """AdamW with global-norm clipping; norms and position embeddings are not decayed."""
-  decay_mask = lambda params: jax.tree_util.tree_map_with_path(
-    lambda path, _: getattr(path[-1], 'key', None) not in _NO_DECAY, params
-  )
-  parts = []
-  if train_cfg.grad_clip_norm > 0:
-    parts.append(optax.clip_by_global_norm(train_cfg.grad_clip_norm))
-  parts.append(
-    optax.adamw(
-      learning_rate_schedule(train_cfg),
-      b1=train_cfg.adam_b1,
-      b2=train_cfg.adam_b2,
-      weight_decay=train_cfg.weight_decay,
-      mask=decay_mask,
-    )
-  )
-  return optax.chain(*parts)
 
 
 def split_over(
@@ -220,7 +199,7 @@ def build_trainer(cfg, mesh: Mesh) -> Trainer:
     check_host_memory(mesh.devices.flat[0], 'pipeline.offload_stash')
   rules = sharding.resolve_rules(cfg)
   program, layout = _program_and_layout(cfg, spec)
-  optimizer = make_optimizer(cfg.train)
+  optimizer = optimizer_lib.make_optimizer(cfg.train, cfg.model, learning_rate_schedule(cfg.train))
   param_shardings = sharding.tree_shardings(pipeline_axes(model.logical_axes()), mesh, rules)
 
   def init_params(rng):
@@ -489,7 +468,7 @@ def _train_step(cfg, optimizer, loss_and_grad, batch_args, opt_shardings):
 
   def train_step(state: TrainState, batch: dict):
     loss, grads, metrics = loss_and_grad(state.params, *batch_args(batch))
-    grad_norm = optax.tree.norm(grads)
+    grad_norm = optimizer_lib.gradient_norm(grads)
     old = state.opt_state if moved is None else jax.device_put(state.opt_state, moved[0])
     updates, opt_state = optimizer.update(grads, old, state.params)
     params = optax.apply_updates(state.params, updates)
