@@ -116,8 +116,9 @@ def test_router_losses_are_transformers_and_switch_definitions():
   layers = [3.0 * jax.random.normal(jax.random.key(i), (2, 9, E)) for i in range(3)]
   stats = []
   for logits in layers:
-    top, chosen = jax.lax.top_k(jax.nn.softmax(logits), K)
-    stats.append(moe.layer_stats(moe.Routing(logits, chosen, top), dropped=0))
+    probabilities = jax.nn.softmax(logits)
+    top, chosen = jax.lax.top_k(probabilities, K)
+    stats.append(moe.layer_stats(moe.Routing(logits, chosen, top, probabilities), dropped=0))
   got = moe.losses(jax.tree.map(lambda *a: jnp.stack(a), *stats))
   as_torch = tuple(torch.from_numpy(np.array(x).reshape(-1, E)) for x in layers)
   want = mixtral.load_balancing_loss_func(as_torch, E, K)

@@ -80,7 +80,8 @@ def defaults() -> ml_collections.ConfigDict:
   c.model = ml_collections.ConfigDict()
   # Model family, one file each in triax/model/: gpt (learned positions, GELU MLP, full
   # multi-head attention), llama (RoPE, SwiGLU, grouped-query attention, RMSNorm) or
-  # mixtral (llama with a mixture of SwiGLU experts for each MLP).
+  # mixtral (llama with a mixture of SwiGLU experts for each MLP) or deepseek (multi-head
+  # latent attention, DeepSeekMoE with loss-free balancing, multi-token prediction).
   c.model.family = 'gpt'
   # Number of transformer blocks.
   c.model.num_layers = 4
@@ -172,6 +173,38 @@ def defaults() -> ml_collections.ConfigDict:
   c.model.router_aux_loss_scope = 'batch'
   # mixtral: weight of the router z-loss (ST-MoE: mean logsumexp(router logits)^2).
   c.model.router_z_loss_coef = 0.001
+  # deepseek (mixtral's keys too, but model.shared_expert_gate and moe_every): MLA's query
+  # down-projection width (q_lora_rank, with its RMSNorm); 0 = queries projected directly
+  # (DeepSeek-V2-Lite's).
+  c.model.q_lora_rank = 0
+  # deepseek: width of the K/V latent (kv_lora_rank): what a token's keys and values are made
+  # from, and what the decoding cache holds per token (beside the rope key).
+  c.model.kv_lora_rank = 512
+  # deepseek: per-head query/key dimensions without position (qk_nope_head_dim).
+  c.model.qk_nope_head_dim = 128
+  # deepseek: per-head query dimensions rotated by RoPE, and the one rotated key all heads share.
+  c.model.qk_rope_head_dim = 64
+  # deepseek: per-head value width (v_head_dim).
+  c.model.v_head_dim = 128
+  # deepseek: width of each routed and shared expert (moe_intermediate_size); 0 = d_ff, which
+  # is the dense blocks' MLP width.
+  c.model.moe_d_ff = 0
+  # deepseek: the first k blocks have a dense MLP (first_k_dense_replace); num_layers counts them.
+  c.model.first_k_dense = 0
+  # deepseek: expert groups for group-limited routing (n_group); 1 = all experts one group.
+  c.model.n_group = 1
+  # deepseek: groups a token's experts may come from, the best by their two best experts.
+  c.model.topk_group = 1
+  # deepseek: the chosen experts' weights are scaled by this (routed_scaling_factor).
+  c.model.routed_scaling_factor = 1.0
+  # deepseek: auxiliary-loss-free balancing: after each step every layer's expert bias moves
+  # by this x sign(mean load - expert load); 0 = the bias stays (DeepSeek-V3: 0.001).
+  c.model.bias_update_rate = 0.001
+  # deepseek: multi-token prediction modules after the last block (DeepSeek-V3: 1); 0 = none.
+  # Training only: evaluation and sampling use the model's head alone.
+  c.model.mtp_depth = 0
+  # deepseek: weight of the MTP modules' mean cross-entropy in the objective (V3: 0.3, then 0.1).
+  c.model.mtp_loss_weight = 0.3
 
   c.pipeline = ml_collections.ConfigDict()
   # Pipeline schedule: gpipe, 1f1b, interleaved_1f1b, bpipe, zb_h1, interleaved_zb, zb_v,
@@ -695,9 +728,10 @@ def _check_layer_split(cfg) -> None:
   from triax.pipeline.layout import StackLayout
 
   p = cfg.pipeline
-  entry = registry.spec_from_config(cfg.model).layers_per_entry
+  spec = registry.spec_from_config(cfg.model)
+  entry = spec.layers_per_entry
   StackLayout.build(
-    cfg.model.num_layers,
+    spec.stacked_layers,
     cfg.mesh.pipe,
     p.virtual_stages,
     tuple(p.layers_per_stage or ()),

@@ -133,9 +133,15 @@ class ModelSpec:
     return 1
 
   @property
+  def stacked_layers(self) -> int:
+    """Blocks of the stacked 'layers' axis: all num_layers, but a family's
+    own blocks outside it (DeepSeek's first dense ones, in the embedding)."""
+    return self.num_layers
+
+  @property
   def stack_depth(self) -> int:
     """Entries of the stacked 'layers' axis."""
-    return self.num_layers // self.layers_per_entry
+    return self.stacked_layers // self.layers_per_entry
 
   def positions(self, length: int) -> jax.Array:
     """The position each of a training window's `length` slots holds: 0..length-1,
@@ -494,8 +500,12 @@ class DecoderModel:
     summed for free."""
     return params['embed'], params['head']
 
-  def embed(self, embed_params: Params, tokens: jax.Array) -> jax.Array:
-    return self._embed.apply({'params': embed_params}, tokens)
+  def embed(self, embed_params: Params, tokens: jax.Array, segments=None) -> jax.Array:
+    """The first layer stack entry's input [b, s, d] of tokens [b, s]; `segments`
+    for a family whose embedding runs blocks of its own (DeepSeek's dense ones)."""
+    if segments is None:
+      return self._embed.apply({'params': embed_params}, tokens)
+    return self._embed.apply({'params': embed_params}, tokens, segments=segments)
 
   def layer(self, layer_params: Params, x: jax.Array, segments=None) -> jax.Array:
     return self._block.apply({'params': layer_params}, x, None, segments)
@@ -657,7 +667,14 @@ class DecoderModel:
     slots = index + jnp.arange(tokens.shape[1])
     positions = jnp.maximum(slots[None, :] - start[:, None], 0)
     embed_params, head_params = self.edge_params(params)
-    x = self._embed.apply({'params': embed_params}, tokens, positions)
+    # Blocks the embedding runs itself (DeepSeek's dense ones) take the first caches.
+    own = self.spec.num_layers - self.spec.stacked_layers
+    if own:
+      decode = Decode(*(c[:own] for c in cache), index, start, positions)
+      x, first = self._embed.apply({'params': embed_params}, tokens, positions, decode=decode)
+      cache = tuple(c[own:] for c in cache)
+    else:
+      x = self._embed.apply({'params': embed_params}, tokens, positions)
 
     def layer(x, args):
       p, k, v = args
@@ -669,18 +686,21 @@ class DecoderModel:
     grouped = tuple(c.reshape((-1, n) + c.shape[1:]) if n > 1 else c for c in cache)
     x, cache = jax.lax.scan(layer, x, (params['layers'], *grouped))
     cache = tuple(c.reshape((-1,) + c.shape[2:]) if n > 1 else c for c in cache)
+    if own:
+      cache = tuple(jnp.concatenate(pair) for pair in zip(first, cache))
     return loss_lib.mask_padding(self.head_logits(head_params, x), self.spec.vocab_used), cache
 
   def logits(self, params: Params, tokens: jax.Array, segments=None) -> jax.Array:
     """fp32 logits [b, s, vocab]; padded ids (spec.vocab_used) at -1e30 (loss.mask_padding)."""
     embed_params, head_params = self.edge_params(params)
-    x = self.layers(params['layers'], self.embed(embed_params, tokens), segments=segments)
+    x = self.embed(embed_params, tokens, segments)
+    x = self.layers(params['layers'], x, segments=segments)
     return loss_lib.mask_padding(self.head_logits(head_params, x), self.spec.vocab_used)
 
   def loss(self, params: Params, inputs: jax.Array, targets: jax.Array, segments=None) -> jax.Array:
     """Mean next-token cross-entropy of a batch on one program (no pipeline)."""
     embed_params, head_params = self.edge_params(params)
-    x = self.layers(params['layers'], self.embed(embed_params, inputs), segments=segments)
+    x = self.layers(params['layers'], self.embed(embed_params, inputs, segments), segments=segments)
     return self._head_loss_differentiated_forward(head_params, x, targets) / targets.size
 
   def _head_loss_differentiated_forward(self, head_params: Params, x, targets) -> jax.Array:

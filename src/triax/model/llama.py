@@ -87,6 +87,11 @@ class LlamaSpec(ModelSpec):
   def kv_heads(self) -> int:
     return self.num_kv_heads or self.num_heads
 
+  @property
+  def rope_dim(self) -> int:
+    """Dimensions of a head that RoPE rotates: all of it (DeepSeek's MLA rotates a part)."""
+    return self.head_dim
+
   def tensor_shard(self, t: int) -> LlamaSpec:
     if t == 1:
       return self
@@ -97,8 +102,8 @@ class LlamaSpec(ModelSpec):
 
 
 def rope_frequencies(spec: LlamaSpec) -> jax.Array:
-  """Inverse frequencies [hd/2] (fp32), Llama 3-scaled when configured."""
-  hd = spec.head_dim
+  """Inverse frequencies [rope_dim/2] (fp32), Llama 3-scaled when configured."""
+  hd = spec.rope_dim
   inv_freq = 1.0 / (spec.rope_theta ** (jnp.arange(0, hd, 2, dtype=jnp.float32) / hd))
   r = spec.rope_scaling
   if not r.factor:
@@ -161,17 +166,37 @@ class Block(nn.Module):
   @nn.compact
   def __call__(self, x, decode: Decode | None = None, segments=None):
     s = self.spec
-    pdt, dt = jnp.dtype(s.param_dtype), jnp.dtype(s.dtype)
+    pdt = jnp.dtype(s.param_dtype)
+    attn_norm = param(self, 'attn_norm', (s.d_model,), ('embed',), 0, pdt)
+    weights = self.attention_weights()
+    mlp_norm = param(self, 'mlp_norm', (s.d_model,), ('embed',), 0, pdt)
+    a = self.attention(rms_norm(x, attn_norm, s.norm_eps), weights, decode, segments)
+    if decode is not None:
+      a, cache = a
+    x = x + constrain(a, RESIDUAL)
+    x = x + constrain(self.mlp(rms_norm(x, mlp_norm, s.norm_eps)), RESIDUAL)
+    return x if decode is None else (x, cache)
+
+  def attention_weights(self) -> tuple:
+    """The attention's projections (made between the two norms: the init
+    order, so the init values, of the block before attention was a method)."""
+    s = self.spec
+    pdt = jnp.dtype(s.param_dtype)
     n, kv, hd, d = s.num_heads, s.kv_heads, s.head_dim, s.d_model
-    attn_norm = param(self, 'attn_norm', (d,), ('embed',), 0, pdt)
     wq = param(self, 'wq', (d, n, hd), ('embed', 'heads', 'kv'), 0.02, pdt)
     wk = param(self, 'wk', (d, kv, hd), ('embed', 'kv_heads', 'kv'), 0.02, pdt)
     wv = param(self, 'wv', (d, kv, hd), ('embed', 'kv_heads', 'kv'), 0.02, pdt)
     wo = param(self, 'wo', (n, hd, d), ('heads', 'kv', 'embed'), out_std(s), pdt)
-    mlp_norm = param(self, 'mlp_norm', (d,), ('embed',), 0, pdt)
+    return wq, wk, wv, wo
 
-    h = rms_norm(x, attn_norm, s.norm_eps)
-    cos, sin = rope_tables(s, s.positions(x.shape[1]) if decode is None else decode.positions)
+  def attention(self, h, weights, decode: Decode | None, segments):
+    """Grouped-query attention of normalised h [b, s, d], projected back to
+    [b, s, d]; with `decode`, (that, the layer's new caches)."""
+    s = self.spec
+    pdt, dt = jnp.dtype(s.param_dtype), jnp.dtype(s.dtype)
+    n, kv, hd = s.num_heads, s.kv_heads, s.head_dim
+    wq, wk, wv, wo = weights
+    cos, sin = rope_tables(s, s.positions(h.shape[1]) if decode is None else decode.positions)
     q, k, v = project(h, (wq, wk, wv), 'bsd,dnk->bsnk', dt, s.remat)
     if s.qkv_bias:  # made after the block's other weights: a model without keeps its init values
       zeros = lambda name, shape, axes: self.param(  # noqa: E731
@@ -186,16 +211,15 @@ class Block(nn.Module):
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     q = constrain(q, ('batch', 'seq', 'heads', 'kv'))
     k, v = (constrain(t, ('batch', 'seq', 'kv_heads', 'kv')) for t in (k, v))
-    where = () if decode is not None else s.split_sequence(x.shape[1])
+    where = () if decode is not None else s.split_sequence(h.shape[1])
     a = causal_attention(
       q, k, v, s.attention, decode, segments, s.splash_interpret, *where, remat=s.remat
     )
+    cache = None
     if decode is not None:
       a, cache = a
-    x = x + constrain(matmul('bsnk,nkd->bsd', a, wo, dt, s.remat), RESIDUAL)
-
-    x = x + constrain(self.mlp(rms_norm(x, mlp_norm, s.norm_eps)), RESIDUAL)
-    return x if decode is None else (x, cache)
+    out = matmul('bsnk,nkd->bsd', a, wo, dt, s.remat)
+    return out if decode is None else (out, cache)
 
   def mlp(self, h):
     """The MLP of normalised h [b, s, d]; mixtral.py's block replaces it with its experts."""

@@ -31,6 +31,11 @@ def mask_padding(logits: jax.Array, vocab_used: int) -> jax.Array:
 
 
 def _summed(logits: jax.Array, targets: jax.Array, vocab_used: int) -> jax.Array:
+  return jnp.sum(token_cross_entropy(logits, targets, vocab_used))
+
+
+def token_cross_entropy(logits: jax.Array, targets: jax.Array, vocab_used: int) -> jax.Array:
+  """Each position's -log softmax(logits)[target] [..., s] (fp32), padded ids masked."""
   logits = mask_padding(logits, vocab_used)
   # A one-hot contraction, not a gather, picks the target logit: with the
   # vocabulary split over `tensor` it partitions into a local product and
@@ -40,7 +45,7 @@ def _summed(logits: jax.Array, targets: jax.Array, vocab_used: int) -> jax.Array
   target_logit = jnp.sum(
     logits * jax.nn.one_hot(targets, logits.shape[-1], dtype=logits.dtype), axis=-1
   )
-  return jnp.sum(jax.nn.logsumexp(logits, axis=-1) - target_logit)
+  return jax.nn.logsumexp(logits, axis=-1) - target_logit
 
 
 def cross_entropy_sum(

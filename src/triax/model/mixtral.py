@@ -144,7 +144,8 @@ class Mixtral(llama.Llama):
 
   def objective(self, params, inputs, targets, segments=None):
     embed_params, head_params = self.edge_params(params)
-    x, sown = self.layers_and_sown(params['layers'], self.embed(embed_params, inputs), segments)
+    x = self.embed(embed_params, inputs, segments)
+    x, sown = self.layers_and_sown(params['layers'], x, segments)
     lm = self._head_loss_differentiated_forward(head_params, x, targets) / targets.size
     stats = _router_stats(sown)
     per_layer = self.spec.router_aux_loss_scope == 'microbatch'
@@ -208,7 +209,12 @@ class Mixtral(llama.Llama):
 def _one_token_stats(s: MixtralSpec) -> moe.LayerStats:
   """A layer's statistics over one token, for the shapes of its figures."""
   k, e = s.experts_per_token, s.num_experts
-  routing = moe.Routing(jnp.zeros((1, 1, e)), jnp.zeros((1, 1, k), jnp.int32), jnp.zeros((1, 1, k)))
+  routing = moe.Routing(
+    jnp.zeros((1, 1, e)),
+    jnp.zeros((1, 1, k), jnp.int32),
+    jnp.zeros((1, 1, k)),
+    jnp.zeros((1, 1, e)),
+  )
   return moe.layer_stats(routing, 0)
 
 

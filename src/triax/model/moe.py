@@ -45,11 +45,14 @@ BUFFERS = ('batch', None, None, None)
 @flax.struct.dataclass
 class Routing:
   """A layer's routing of tokens [b, s]: logits [b, s, E] (fp32), the k chosen
-  experts [b, s, k] (int32) and their renormalised weights [b, s, k] (fp32)."""
+  experts [b, s, k] (int32), their weights [b, s, k] (fp32) and each
+  expert's share of the token's affinity [b, s, E] (fp32, summing to 1:
+  the softmax, or the normalised sigmoid scores; the balancing loss's P)."""
 
   logits: jax.Array
   experts: jax.Array
   weights: jax.Array
+  probabilities: jax.Array
 
 
 def route(h: jax.Array, router: jax.Array, k: int, normalize: bool = True) -> Routing:
@@ -57,9 +60,37 @@ def route(h: jax.Array, router: jax.Array, k: int, normalize: bool = True) -> Ro
   softmax probabilities, renormalised to sum to 1 unless `normalize` is false
   (Qwen2-MoE's norm_topk_prob=false)."""
   logits = jnp.einsum('bsd,de->bse', h, router.astype(h.dtype)).astype(jnp.float32)
-  top, experts = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), k)
+  probabilities = jax.nn.softmax(logits, axis=-1)
+  top, experts = jax.lax.top_k(probabilities, k)
   weights = top / jnp.sum(top, -1, keepdims=True) if normalize else top
-  return Routing(logits, experts.astype(jnp.int32), weights)
+  return Routing(logits, experts.astype(jnp.int32), weights, probabilities)
+
+
+def route_biased(
+  h, router, bias, k: int, groups: int, topk_groups: int, normalize: bool, scale: float
+) -> Routing:
+  """DeepSeek-V3's routing of h [b, s, d] by router [d, E]: sigmoid
+  affinities; the top k chosen on affinity + `bias` [E] (loss-free
+  balancing: the bias steers the choice, never the weights) among the
+  `topk_groups` of `groups` expert groups whose two best biased affinities
+  sum highest (group-limited routing; groups 1 = all experts); the chosen
+  affinities renormalised to sum to 1 when `normalize`, then times `scale`
+  (routed_scaling_factor)."""
+  logits = jnp.einsum('bsd,de->bse', h, router.astype(h.dtype)).astype(jnp.float32)
+  scores = jax.nn.sigmoid(logits)
+  choice = scores + bias.astype(jnp.float32)
+  if groups > 1:
+    b, s, e = choice.shape
+    by_group = choice.reshape(b, s, groups, e // groups)
+    group_scores = jnp.sum(jax.lax.top_k(by_group, 2)[0], -1)  # [b, s, groups]
+    kept = jnp.sum(jax.nn.one_hot(jax.lax.top_k(group_scores, topk_groups)[1], groups), -2) > 0
+    choice = jnp.where(jnp.repeat(kept, e // groups, -1), choice, -jnp.inf)
+  experts = jax.lax.top_k(choice, k)[1]
+  weights = jnp.take_along_axis(scores, experts, -1)
+  if normalize:
+    weights = weights / (jnp.sum(weights, -1, keepdims=True) + 1e-20)
+  probabilities = scores / jnp.sum(scores, -1, keepdims=True)
+  return Routing(logits, experts.astype(jnp.int32), weights * scale, probabilities)
 
 
 def _swiglu_grouped(xs, sizes, w_gate, w_up, w_down):
@@ -292,7 +323,7 @@ class LayerStats:
 def layer_stats(routing: Routing, dropped) -> LayerStats:
   num_experts = routing.logits.shape[-1]
   counts = jax.nn.one_hot(routing.experts, num_experts, dtype=jnp.float32)
-  probs = jax.nn.softmax(routing.logits, axis=-1)
+  probs = routing.probabilities
   lse = jax.nn.logsumexp(routing.logits, axis=-1)
   return LayerStats(
     assigned=jnp.sum(counts, axis=(0, 1, 2)),

@@ -1,6 +1,6 @@
 """Model families by name: `model.family` -> the module that defines it.
 
-A family module (gpt.py, llama.py, mixtral.py) defines
+A family module (gpt.py, llama.py, mixtral.py, deepseek.py) defines
   Spec      a frozen dataclass subclassing common.ModelSpec; its fields are
             the config keys `model.<field>` the family reads,
   Model     a common.DecoderModel subclass (its three flax modules and
@@ -32,7 +32,12 @@ if TYPE_CHECKING:
   from triax.model.common import DecoderModel, ModelSpec
 
 # Family name -> its module under triax.model.
-FAMILIES: dict[str, str] = {'gpt': 'gpt', 'llama': 'llama', 'mixtral': 'mixtral'}
+FAMILIES: dict[str, str] = {
+  'gpt': 'gpt',
+  'llama': 'llama',
+  'mixtral': 'mixtral',
+  'deepseek': 'deepseek',
+}
 # The family of runs and checkpoints written before model.family existed.
 BEFORE_FAMILIES = 'gpt'
 # A checkpoint's model record (shape_record) written before one of these keys

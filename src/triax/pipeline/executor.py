@@ -49,7 +49,7 @@ class StageFns:
   one tree, so that a weight both ends use (a tied embedding table) has one
   gradient buffer, into which both ends' gradients are added.
 
-  embed(edges, tokens[mb, s]) -> x[mb, s, d]                 first chunk's input
+  embed(edges, tokens[mb, s], segments) -> x[mb, s, d]       first chunk's input
   chunk(chunk_params, x[, num_layers][, segments=]) -> (y, (shares, maxima))
       one chunk's layers (the first num_layers of its padded stack, when the
       split is uneven; with segments[mb, s], attention stays inside each
@@ -65,7 +65,7 @@ class StageFns:
       False: none w.r.t. y. Either is then not computed.
   """
 
-  embed: Callable[[Params, jax.Array], jax.Array]
+  embed: Callable[[Params, jax.Array, jax.Array | None], jax.Array]
   chunk: Callable[[Params, jax.Array], jax.Array]
   head_loss_and_grad: Callable[..., tuple[jax.Array, Params, jax.Array]]
 
@@ -804,7 +804,8 @@ class _Stage:
 
     def embed():
       with jax.named_scope(MARK_EMBED):
-        return pin(self.fns.embed(self.edges, self.inputs[mb]).astype(self.setup.act_dtype))
+        x = self.fns.embed(self.edges, self.inputs[mb], self.segments(mb))
+        return pin(x.astype(self.setup.act_dtype))
 
     x = jax.lax.cond(chunk == 0, embed, lambda: pin(c.msg[row['src']]))
     y, vjp_fn, (shares, maxima) = self.chunk_vjp(chunk_params, x, chunk, self.segments(mb))
@@ -881,7 +882,7 @@ class _Stage:
     """acc + the embedding's gradient for micro-batch mb's input gradient dx."""
     act_dtype = self.setup.act_dtype
     _, embed_vjp = jax.vjp(
-      lambda e: self.fns.embed(e, self.inputs[mb]).astype(act_dtype), self.edges
+      lambda e: self.fns.embed(e, self.inputs[mb], self.segments(mb)).astype(act_dtype), self.edges
     )
     (g_edges,) = embed_vjp(dx.astype(act_dtype))
     return jax.tree.map(jnp.add, acc, g_edges)

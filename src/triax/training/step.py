@@ -284,7 +284,7 @@ def _program_and_layout(cfg, spec):
   program = program_of(cfg)
   placement = None if program is None else program.source.placement
   layout = layout_lib.StackLayout.build(
-    spec.num_layers, p, v, cfg.pipeline.layers_per_stage, placement, spec.layers_per_entry
+    spec.stacked_layers, p, v, cfg.pipeline.layers_per_stage, placement, spec.layers_per_entry
   )
   return program, layout
 
@@ -392,7 +392,9 @@ def _loss_and_grad_pipelined(cfg, mesh: Mesh, model, spec, layout, program):
     return call
 
   fns = executor.StageFns(
-    embed=inside(lambda edges, tokens: model.embed(model.edge_params(edges)[0], tokens)),
+    embed=inside(
+      lambda edges, tokens, segments: model.embed(model.edge_params(edges)[0], tokens, segments)
+    ),
     chunk=inside(model.stage_chunk(m, (data_axis,) if data_axis else ())),
     head_loss_and_grad=inside(model.head_loss_and_grad),
   )
