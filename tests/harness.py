@@ -74,6 +74,36 @@ def tiny_mixtral_config(**overrides):
   )
 
 
+def tiny_deepseek_config(**overrides):
+  """tiny_config as a DeepSeek: a dense first block then 2 MoE blocks of 8
+  experts (d_ff 16) in 4 groups, top-2 of 2 groups, one shared expert; MLA
+  with q and K/V latents, v heads narrower than q/k's; one MTP module."""
+  return tiny_config(
+    **{
+      'model.family': 'deepseek',
+      'model.num_layers': 3,
+      'model.num_heads': 4,
+      'model.q_lora_rank': 16,
+      'model.kv_lora_rank': 12,
+      'model.qk_nope_head_dim': 8,
+      'model.qk_rope_head_dim': 4,
+      'model.v_head_dim': 6,
+      'model.moe_d_ff': 16,
+      'model.first_k_dense': 1,
+      'model.num_experts': 8,
+      'model.experts_per_token': 2,
+      'model.shared_experts': 1,
+      'model.n_group': 4,
+      'model.topk_group': 2,
+      'model.routed_scaling_factor': 2.5,
+      'model.mtp_depth': 1,
+      'model.router_aux_loss_scope': 'microbatch',
+      'train.global_batch_size': 16,
+      **overrides,
+    }
+  )
+
+
 def model_of(**fields):
   """A family model from config.defaults().model with `fields` replaced."""
   model_cfg = config.defaults().model

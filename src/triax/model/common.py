@@ -589,6 +589,10 @@ class DecoderModel:
 
     return chunk
 
+  # Terms of the pipeline's head loss (StageFns.loss_terms), kept apart for
+  # `stage_objective`: 1, the cross-entropy.
+  head_loss_terms: ClassVar[int] = 1
+
   def stage_objective(self, lm_loss, shares: dict, maxima: dict):
     """(what training minimised, logged figures) of a pipelined step, from
     its mean cross-entropy and the chunks' summed `shares` and `maxima`."""

@@ -419,28 +419,40 @@ class DeepSeek(mixtral.Mixtral):
     mtp = jnp.mean(self.mtp_losses(head_params, x, targets)) / targets.size
     return total + s.mtp_loss_weight * mtp, {**metrics, 'mtp_loss': mtp}
 
+  @property
+  def head_loss_terms(self) -> int:
+    """The cross-entropy, and with MTP the MTP modules' mean loss apart."""
+    return 2 if self.spec.mtp_depth else 1
+
   def head_loss_and_grad(self, edges, x, targets, acc, scale: float, input_grad: bool = True):
-    """The pipeline's last stage: llama's, plus MTP's weighted loss and its
-    gradients (w.r.t. the head, the embedding table it reads and x)."""
+    """The pipeline's last stage: llama's, and with MTP [its loss, scale x
+    the MTP modules' mean summed cross-entropy], the gradients those of the
+    objective's weighted sum (w.r.t. the head, the table MTP reads and x)."""
     loss, acc, dx = super().head_loss_and_grad(edges, x, targets, acc, scale, input_grad)
     s = self.spec
     if not s.mtp_depth:
       return loss, acc, dx
-    weight = scale * s.mtp_loss_weight / s.mtp_depth
     used = {'tokens': edges['embed']['tokens'], 'head': edges['head']}
 
     def mtp(used, h):
       head = {**used['head'], 'tokens': used['tokens']}
-      return weight * jnp.sum(self.mtp_losses(head, h, targets))
+      return scale * jnp.mean(self.mtp_losses(head, h, targets))
 
     if acc is None:
       value, pull = jax.vjp(lambda h: mtp(used, h), x)
-      return loss + value, None, dx + pull(jnp.ones_like(value))[0]
+      return jnp.stack([loss, value]), None, dx + pull(jnp.full_like(value, s.mtp_loss_weight))[0]
     value, pull = jax.vjp(mtp, used, x)
-    g, gx = pull(jnp.ones_like(value))
+    g, gx = pull(jnp.full_like(value, s.mtp_loss_weight))
     embed = {**acc['embed'], 'tokens': acc['embed']['tokens'] + g['tokens']}
     acc = {**acc, 'embed': embed, 'head': jax.tree.map(jnp.add, acc['head'], g['head'])}
-    return loss + value, acc, (dx + gx if input_grad else None)
+    return jnp.stack([loss, value]), acc, (dx + gx if input_grad else None)
+
+  def stage_objective(self, lm_loss, shares: dict, maxima: dict):
+    if not self.spec.mtp_depth:
+      return super().stage_objective(lm_loss, shares, maxima)
+    lm, mtp = lm_loss[0], lm_loss[1]
+    total, metrics = super().stage_objective(lm, shares, maxima)
+    return total + self.spec.mtp_loss_weight * mtp, {**metrics, 'mtp_loss': mtp}
 
   def init_cache(self, batch: int) -> tuple[jax.Array, jax.Array]:
     """Empty MLA caches for `batch` rows: latents [layers, batch, seq_len,

@@ -454,19 +454,31 @@ def balance_term(assigned: jax.Array, bias: jax.Array) -> jax.Array:
   return -jnp.sum(jax.lax.stop_gradient(assigned) * bias)
 
 
-def bias_update(rate: float) -> optax.GradientTransformation:
-  """The bias's update from its gradient g = -load [..., E] (`balance_term`):
-  rate x sign(mean load - load), per layer: up for the experts below the
-  mean, down for those above. Stateless; the sign makes it independent of
-  the gradient's scale (micro-batches, replicas, the loss's normalisation)."""
+def with_bias_update(inner: optax.GradientTransformation, rate: float):
+  """`inner` for every parameter but the balancing biases (leaves named
+  BIAS), which move by rate x sign(mean load - load) per layer instead, the
+  load being minus their gradient (`balance_term`). `inner` sees zeros for
+  their gradients (nothing in its clipping norm; its moments for them stay
+  0) and its updates for them are replaced, weight decay's included. Its
+  state keeps the parameters' structure, so it shards as theirs does. The
+  sign makes the step independent of the gradient's scale (micro-batches,
+  replicas, the loss's normalisation)."""
+
+  def balanced(path) -> bool:
+    return getattr(path[-1], 'key', None) == BIAS
+
+  def step(g):
+    load = -g.astype(jnp.float32)
+    return (rate * jnp.sign(jnp.mean(load, -1, keepdims=True) - load)).astype(g.dtype)
 
   def update(grads, state, params=None):
-    del params
+    zeroed = jax.tree_util.tree_map_with_path(
+      lambda path, g: jnp.zeros_like(g) if balanced(path) else g, grads
+    )
+    updates, state = inner.update(zeroed, state, params)
+    updates = jax.tree_util.tree_map_with_path(
+      lambda path, u, g: step(g) if balanced(path) else u, updates, grads
+    )
+    return updates, state
 
-    def step(g):
-      load = -g.astype(jnp.float32)
-      return (rate * jnp.sign(jnp.mean(load, -1, keepdims=True) - load)).astype(g.dtype)
-
-    return jax.tree.map(step, grads), state
-
-  return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+  return optax.GradientTransformation(inner.init, update)

@@ -62,12 +62,16 @@ class StageFns:
       accumulator is handed in so that no second vocabulary-sized gradient
       exists beside it (model/loss.py adds each chunk's share as it goes).
       `acc` None: no gradient w.r.t. edges (None returned); input_grad
-      False: none w.r.t. y. Either is then not computed.
+      False: none w.r.t. y. Either is then not computed. With loss_terms
+      n > 1 the loss is [n] terms summed apart (DeepSeek's MTP beside the
+      cross-entropy), each scaled by `scale`; the gradient is the
+      objective's (the model weighs the terms itself).
   """
 
   embed: Callable[[Params, jax.Array, jax.Array | None], jax.Array]
   chunk: Callable[[Params, jax.Array], jax.Array]
   head_loss_and_grad: Callable[..., tuple[jax.Array, Params, jax.Array]]
+  loss_terms: int = 1
 
 
 # Named scopes that mark each cond's branches, so that the work a compiled step
@@ -631,6 +635,7 @@ class _Stage:
     s, manual, program = self.setup, self.setup.manual, self.setup.program
     pool = lambda n, shapes: _varying([jnp.zeros((n,) + a.shape, a.dtype) for a in shapes], manual)  # noqa: E731
     msg = jnp.zeros((program.slots['msg'],) + s.act_shape, s.act_dtype)
+    terms = s.fns.loss_terms
     extra = {}
     if self.after:
       # One row per micro-batch (padded to a multiple of the stages): the
@@ -648,7 +653,7 @@ class _Stage:
       stash=pool(program.slots['stash'], self.host_stash.kept_shapes),
       cut=pool(program.slots['cut'], self.residuals.cut_shapes),
       g_stage=_zeros_like_varying(self.local, manual),
-      loss=_varying(jnp.zeros((), jnp.float32), manual),
+      loss=_varying(jnp.zeros(() if terms == 1 else (terms,), jnp.float32), manual),
       figures=_varying(self.no_figures, manual),
       **extra,
     )

@@ -3,8 +3,8 @@
 AdamW with global-norm clipping trains every parameter but the balanced
 ones: a leaf named `BALANCED` (DeepSeek's expert bias, model/moe.py) is
 not trained by its gradient. Its "gradient" is minus its experts' load
-(moe.balance_term), and `moe.bias_update` moves it towards balance; it is
-left out of the clipping norm, of weight decay and of the logged norm.
+(moe.balance_term), and `moe.with_bias_update` moves it towards balance;
+it is left out of the clipping norm, of weight decay and of the logged norm.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def balances(model_cfg) -> bool:
 def make_optimizer(train_cfg, model_cfg, schedule: optax.Schedule) -> optax.GradientTransformation:
   """AdamW with global-norm clipping at learning rate `schedule`; norms and
   position embeddings are not decayed. With balanced leaves, they are
-  updated by moe.bias_update(model.bias_update_rate) instead."""
+  updated by moe.with_bias_update(.., model.bias_update_rate) instead."""
   decay_mask = lambda params: jax.tree_util.tree_map_with_path(
     lambda path, _: getattr(path[-1], 'key', None) not in _NO_DECAY, params
   )
@@ -51,12 +51,7 @@ def make_optimizer(train_cfg, model_cfg, schedule: optax.Schedule) -> optax.Grad
   trained = optax.chain(*parts)
   if not balances(model_cfg):
     return trained
-  labels = lambda params: jax.tree_util.tree_map_with_path(
-    lambda path, _: 'balance' if _is_balanced(path) else 'train', params
-  )
-  return optax.multi_transform(
-    {'train': trained, 'balance': moe.bias_update(model_cfg.bias_update_rate)}, labels
-  )
+  return moe.with_bias_update(trained, model_cfg.bias_update_rate)
 
 
 def gradient_norm(grads) -> jax.Array:

@@ -397,6 +397,7 @@ def _loss_and_grad_pipelined(cfg, mesh: Mesh, model, spec, layout, program):
     ),
     chunk=inside(model.stage_chunk(m, (data_axis,) if data_axis else ())),
     head_loss_and_grad=inside(model.head_loss_and_grad),
+    loss_terms=model.head_loss_terms,
   )
   mb = global_batch // m
   act_spec = sharding.logical_to_spec(('batch', 'residual_seq', 'embed'), inner_rules)
