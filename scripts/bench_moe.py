@@ -19,8 +19,14 @@ Writes docs/bench_moe.md:
      branch's all-to-all windows, and how many are the other micro-batch's
      (compiled/hlo_schedule.py), with XLA's passes as they are and with
      its multi-output fusion off.
+  5-7. deepseek_tiny (scripts/bench_deepseek.py): the max/mean expert load
+     with the balancing bias's update on and off; compiled temp bytes and
+     step time by layout and schedule; MLA's decoding cache against
+     multi-head attention's.
 
-  python scripts/bench_moe.py [--sections=1,2,3,4] [--steps=5]
+  python scripts/bench_moe.py [--sections=1,...,7] [--steps=5]
+
+Sections not run keep what the report held.
 """
 
 from __future__ import annotations
@@ -28,13 +34,16 @@ from __future__ import annotations
 import os
 import sys
 
+import bench_deepseek
 from absl import app, flags
 from bench_harness import ROOT, force_cpu_devices, run_python
 
 force_cpu_devices()
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 
-_SECTIONS = flags.DEFINE_list('sections', ['1', '2', '3', '4'], 'Which sections to run.')
+_SECTIONS = flags.DEFINE_list(
+  'sections', ['1', '2', '3', '4', '5', '6', '7'], 'Which sections to run.'
+)
 _STEPS = flags.DEFINE_integer('steps', 5, 'Timed steps per configuration (after 2 warm-up).')
 _OUT = flags.DEFINE_string('out', os.path.join(ROOT, 'docs', 'bench_moe.md'), 'Report.')
 
@@ -237,6 +246,9 @@ SECTIONS = {
   '2': ('1f1b against DualPipeV at pipe=4', _schedule_rows),
   '3': ("DualPipeV's fused tick in the time model", _model_rows),
   '4': ("DualPipeV's fused tick on XLA:GPU's compiler", _gpu_rows),
+  '5': ('DeepSeek: loss-free balancing', bench_deepseek.balance_rows),
+  '6': ('DeepSeek: layouts and schedules on 8 CPU devices', bench_deepseek.layout_rows),
+  '7': ("DeepSeek: MLA's decoding cache", bench_deepseek.cache_rows),
 }
 
 
@@ -244,12 +256,31 @@ def main(argv):
   del argv
   lines = ['# Mixture of experts: expert parallelism and dispatch', '']
   lines += ['Written by `scripts/bench_moe.py`.', '']
+  # Sections not run this time keep what the report held.
+  kept = _sections(_OUT.value)
   for key, (title, rows) in SECTIONS.items():
     if key in _SECTIONS.value:
       lines += [f'## {title}', '', *rows(), '']
+    elif title in kept:
+      lines += [f'## {title}', *kept[title]]
   from triax.compiled import measure
 
   measure.write_report(_OUT.value, lines)
+
+
+def _sections(path: str) -> dict[str, list[str]]:
+  """The report's sections at `path`, by title: their lines after the heading."""
+  if not os.path.exists(path):
+    return {}
+  sections, title = {}, None
+  with open(path) as f:
+    for line in f.read().splitlines():
+      if line.startswith('## '):
+        title = line[3:]
+        sections[title] = []
+      elif title is not None:
+        sections[title].append(line)
+  return sections
 
 
 if __name__ == '__main__':
