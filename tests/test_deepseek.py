@@ -109,3 +109,14 @@ def _refused(cfg, key: str) -> None:
   with pytest.raises(ConfigError) as e:
     config_lib.validate(cfg, 2)
   assert e.value.key == key, str(e.value)
+
+
+def test_splash_attention_gives_xlas_logits_with_mlas_head_widths():
+  # Pallas's interpreter on CPU; v padded to the q/k width for the kernel.
+  xla = _model(**{'model.seq_len': 128})
+  splash = _model(
+    **{'model.seq_len': 128, 'model.attention': 'splash', 'model.splash_interpret': True}
+  )
+  params = xla.init(jax.random.key(0))
+  tokens = jax.random.randint(jax.random.key(1), (2, 128), 0, 256)
+  np.testing.assert_allclose(splash.logits(params, tokens), xla.logits(params, tokens), atol=1e-5)
