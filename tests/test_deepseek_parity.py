@@ -15,7 +15,11 @@ from triax import config as config_lib
 from triax.model import registry
 
 # Router losses weighted so that their gradients are not lost in rounding.
-LOSSES = {'model.router_aux_loss_coef': 0.1, 'model.router_z_loss_coef': 0.05}
+LOSSES = {
+  'model.router_aux_loss_coef': 0.1,
+  'model.router_z_loss_coef': 0.05,
+  'model.router_seq_aux_loss_coef': 0.1,
+}
 
 
 def _config(**overrides):
@@ -44,7 +48,7 @@ def _reference(m: int, shape: tuple = ()):
   return float(loss), jax.device_get(grads), {k: mean(k) for k in FIGURES if k in figures[0]}
 
 
-FIGURES = ('router_aux_loss', 'router_z_loss', 'mtp_loss')
+FIGURES = ('router_aux_loss', 'router_z_loss', 'router_seq_aux_loss', 'mtp_loss')
 
 
 def _check(data, tensor, pipe, expert, m=1, **extra):

@@ -173,6 +173,9 @@ def defaults() -> ml_collections.ConfigDict:
   c.model.router_aux_loss_scope = 'batch'
   # mixtral: weight of the router z-loss (ST-MoE: mean logsumexp(router logits)^2).
   c.model.router_z_loss_coef = 0.001
+  # mixtral: weight of DeepSeek-V3's sequence-wise balance loss (each row's sum_e f_e P_e,
+  # 1 when balanced; V3 adds it at 0.0001 beside loss-free balancing); 0 = off.
+  c.model.router_seq_aux_loss_coef = 0.0
   # deepseek (mixtral's keys too, but model.shared_expert_gate and moe_every): MLA's query
   # down-projection width (q_lora_rank, with its RMSNorm); 0 = queries projected directly
   # (DeepSeek-V2-Lite's).

@@ -12,7 +12,7 @@ Parameter tree: mixtral.py's with MLA's projections for Llama's, and
                                       'wq_b': [L, qr, n, qk],
              'wkv_a': [L, d, r], 'wk_rope': [L, d, rope], 'kv_a_norm': [L, r],
              'wk_b': [L, r, n, nope], 'wv_b': [L, r, n, v], 'wo': [L, n, v, d],
-             'router': [L, d, E], 'router_bias': [L, E] (fp32),
+             'router': [L, d, E], 'router_bias': [L, E] (both fp32),
              'w_gate', 'w_up': [L, E, d, f], 'w_down': [L, E, f, d]
              (+ 'shared_gate', 'shared_up': [L, d, S*f], 'shared_down': [L, S*f, d])}
   'head': {'norm': [d], 'out': [d, V]
@@ -257,7 +257,8 @@ class Block(DenseBlock):
     s = self.spec
     pdt = jnp.dtype(s.param_dtype)
     e, d, f = s.num_experts, s.d_model, s.expert_d_ff
-    router = param(self, 'router', (d, e), ('embed', None), 0.02, pdt)
+    # In fp32 whatever param_dtype says, as transformers keeps DeepSeek-V3's router.
+    router = param(self, 'router', (d, e), ('embed', None), 0.02, jnp.float32)
     bias = self.param(
       moe.BIAS, nn.with_logical_partitioning(nn.initializers.zeros, (None,)), (e,), jnp.float32
     )

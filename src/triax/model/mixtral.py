@@ -50,6 +50,7 @@ class MixtralSpec(llama.LlamaSpec):
   router_aux_loss_coef: float = 0.01
   router_aux_loss_scope: str = 'batch'
   router_z_loss_coef: float = 0.001
+  router_seq_aux_loss_coef: float = 0.0
 
   SHAPE_KEYS: ClassVar[tuple[str, ...]] = llama.LlamaSpec.SHAPE_KEYS + (
     'num_experts',
@@ -67,8 +68,8 @@ class MixtralSpec(llama.LlamaSpec):
     return self.num_layers // self.moe_every
 
   def executor_refusal(self) -> str:
-    if self.router_aux_loss_scope == 'microbatch':
-      return ''
+    if self.router_aux_loss_scope == 'microbatch' or not self.router_aux_loss_coef:
+      return ''  # off, the scope changes nothing
     return (
       "model.router_aux_loss_scope='batch' balances every layer over the whole batch at "
       "once, which no pipeline stage sees; set it to microbatch (Megatron's: each layer over "
@@ -158,6 +159,7 @@ class Mixtral(llama.Llama):
       lm
       + s.router_aux_loss_coef * metrics['router_aux_loss']
       + s.router_z_loss_coef * metrics['router_z_loss']
+      + s.router_seq_aux_loss_coef * metrics['router_seq_aux_loss']
     )
     return total, {'lm_loss': lm, **metrics}
 
@@ -165,7 +167,7 @@ class Mixtral(llama.Llama):
     """`layers`, each MoE layer adding its share of the router losses to the
     gradient (moe.with_gradient_of) and reporting its share of the figures."""
     s = self.spec
-    coefs = (s.router_aux_loss_coef, s.router_z_loss_coef)
+    coefs = (s.router_aux_loss_coef, s.router_z_loss_coef, s.router_seq_aux_loss_coef)
     parts = s.moe_layers * microbatches
     # A padded layer's figures (uneven splits): zeros shaped as a real layer's.
     zeros = jax.eval_shape(lambda: moe.layer_share(_one_token_stats(s), coefs, parts, ())[1:])
@@ -269,6 +271,7 @@ def validate(model_cfg, mesh_cfg, rules: tuple) -> None:
       f'unknown value {m.router_aux_loss_scope!r}; choose one of {", ".join(AUX_LOSS_SCOPES)}',
     )
   _coef(m, 'router_z_loss_coef')
+  _coef(m, 'router_seq_aux_loss_coef')
   degree = mesh_cfg.get('expert', 1)
   if experts % degree:
     raise ConfigError(

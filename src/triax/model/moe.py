@@ -311,13 +311,17 @@ def _buffers_through_experts(x, w_gate, w_up, w_down):
 class LayerStats:
   """One MoE layer's router statistics over its tokens (sums, so layers and
   batches add): assignments per expert [E], router probability per expert
-  [E], sum of logsumexp(logits)^2, tokens, assignments dropped."""
+  [E], sum of logsumexp(logits)^2, tokens, assignments dropped, and over
+  its rows (sequences) the sum of each row's balance (`_row_balance`) and
+  the rows."""
 
   assigned: jax.Array
   probability: jax.Array
   z_squared: jax.Array
   tokens: jax.Array
   dropped: jax.Array
+  row_balance: jax.Array
+  rows: jax.Array
 
 
 def layer_stats(routing: Routing, dropped) -> LayerStats:
@@ -325,13 +329,27 @@ def layer_stats(routing: Routing, dropped) -> LayerStats:
   counts = jax.nn.one_hot(routing.experts, num_experts, dtype=jnp.float32)
   probs = routing.probabilities
   lse = jax.nn.logsumexp(routing.logits, axis=-1)
+  b, s = routing.logits.shape[:2]
   return LayerStats(
     assigned=jnp.sum(counts, axis=(0, 1, 2)),
     probability=jnp.sum(probs, axis=(0, 1)),
     z_squared=jnp.sum(lse * lse),
-    tokens=jnp.asarray(routing.logits.shape[0] * routing.logits.shape[1], jnp.float32),
+    tokens=jnp.asarray(b * s, jnp.float32),
     dropped=jnp.asarray(dropped, jnp.float32),
+    row_balance=jnp.sum(_row_balance(counts, probs)),
+    rows=jnp.asarray(b, jnp.float32),
   )
+
+
+def _row_balance(counts, probs):
+  """DeepSeek-V3's sequence-wise balance of each row [b] (its Eq. 17-20):
+  sum_e f_e P_e with f_e = E / (k s) x the row's assignments to e and P_e
+  the row's mean share of e; 1 at a perfect balance, E when one expert
+  takes every token with all the affinity. counts [b, s, k, E] (one-hot),
+  probs [b, s, E]."""
+  _, s, k, e = counts.shape
+  f = jnp.sum(counts, axis=(1, 2)) * e / (k * s)
+  return jnp.sum(jax.lax.stop_gradient(f) * jnp.mean(probs, axis=1), axis=-1)
 
 
 def _balance(assigned, probability, rows):
@@ -350,7 +368,9 @@ def losses(stats: LayerStats, per_layer: bool = False) -> dict[str, jax.Array]:
   of one micro-batch) Megatron's instead: each layer's own, averaged over
   the layers. router_z_loss: the mean over rows of logsumexp^2;
   moe_load_max: the busiest expert's assignments over the mean, worst layer
-  (1 = balanced); moe_dropped_fraction: assignments dropped (capacity dispatch).
+  (1 = balanced); moe_dropped_fraction: assignments dropped (capacity dispatch);
+  router_seq_aux_loss: the rows' sequence-wise balance (`_row_balance`),
+  averaged over rows and layers.
   """
   rows = jnp.sum(stats.tokens)
   if per_layer:
@@ -363,6 +383,7 @@ def losses(stats: LayerStats, per_layer: bool = False) -> dict[str, jax.Array]:
     'router_z_loss': jnp.sum(stats.z_squared) / rows,
     'moe_load_max': jnp.max(per_layer_load),
     'moe_dropped_fraction': jnp.sum(stats.dropped) / jnp.sum(stats.assigned),
+    'router_seq_aux_loss': jnp.sum(stats.row_balance) / jnp.sum(stats.rows),
   }
 
 
@@ -399,7 +420,8 @@ def layer_share(stats: LayerStats, coefs: tuple[float, float], parts: int, axes:
   over layers, micro-batches and replicas to give `losses(..., per_layer=True)`'s
   averages, {figure: value} whose maximum gives moe_load_max).
 
-  coefs: (router_aux_loss_coef, router_z_loss_coef); parts: MoE layers x
+  coefs: (router_aux_loss_coef, router_z_loss_coef,
+  router_seq_aux_loss_coef); parts: MoE layers x
   micro-batches, the terms averaged; axes: manual mesh axes the micro-batch's
   rows are split over. Every replica balances the whole micro-batch: the
   assignment counts and token count are summed over `axes` (they carry no
@@ -407,19 +429,22 @@ def layer_share(stats: LayerStats, coefs: tuple[float, float], parts: int, axes:
   against them, E * sum_e f_e P_e being linear in P. The term is built from
   this replica's values only, so its gradient needs no collective.
   """
-  counts = (stats.assigned, stats.tokens)
+  counts = (stats.assigned, stats.tokens, stats.rows)
   if axes:
     counts = jax.lax.psum(counts, axes)
-  assigned, rows = jax.lax.stop_gradient(counts)
+  assigned, rows, sequences = jax.lax.stop_gradient(counts)
   probability = jax.lax.psum(stats.probability, axes) if axes else stats.probability
   replicas = jax.lax.psum(1, axes) if axes else 1
   aux = _balance(assigned, probability, rows) / parts
   z = stats.z_squared / rows / parts  # this replica's rows; the replicas' add up
+  seq = stats.row_balance / sequences / parts  # so too
   term = coefs[0] * _balance(assigned, stats.probability, rows) / parts + coefs[1] * z
+  term = term + coefs[2] * seq
   dropped = jax.lax.psum(stats.dropped, axes) if axes else stats.dropped
   shares = {
     'router_aux_loss': aux / replicas,
     'router_z_loss': z,
+    'router_seq_aux_loss': seq,
     'moe_assigned': jnp.sum(assigned) / replicas,
     'moe_dropped': dropped / replicas,
   }
@@ -431,6 +456,7 @@ def figures(shares: dict, maxima: dict) -> dict[str, jax.Array]:
   return {
     'router_aux_loss': shares['router_aux_loss'],
     'router_z_loss': shares['router_z_loss'],
+    'router_seq_aux_loss': shares['router_seq_aux_loss'],
     'moe_load_max': maxima['moe_load_max'],
     'moe_dropped_fraction': shares['moe_dropped'] / shares['moe_assigned'],
   }
