@@ -50,7 +50,10 @@ def check_logits(model, workdir, result, tokens):
   """The import (`result`) holds the model's parameters and gives its logits to 1e-4."""
   import torch
 
-  assert result['params'] == sum(p.numel() for p in model.parameters())
+  # Persistent buffers are weights too (DeepSeek-V3's expert biases are our parameters).
+  state = model.state_dict()
+  buffers = sum(b.numel() for name, b in model.named_buffers() if name in state)
+  assert result['params'] == sum(p.numel() for p in model.parameters()) + buffers
   _, params = workdir_lib.restore_params(workdir, result['config'])
   ours = generation.sampling_model(result['config']).logits(params, jnp.asarray(tokens))
   with torch.no_grad():
@@ -99,6 +102,49 @@ def check_eval_loss(model, workdir, tokens, data, tensor, pipe):
   with torch.no_grad():
     theirs = float(_cross_entropy(model(torch.from_numpy(inputs).long()).logits, targets))
   assert abs(ours - theirs) <= 1e-5 * abs(theirs), (ours, theirs)
+
+
+def check_loss_and_grad(model, workdir, tokens, layout, skip=()):
+  """The import's training loss and gradients on layout (data, tensor, pipe)
+  are transformers' cross-entropy and its gradients (to 1e-5 of the loss and
+  of each tensor's largest gradient), compared in HF's names (the converter's
+  params_to_hf of our gradients); names ending in one of `skip` are not
+  compared. `tokens` [4, s + 1]; the model's objective must be the
+  cross-entropy alone."""
+  import torch
+
+  from triax.convert import hf_checkpoint
+
+  trainer, state, batch, inputs, targets = _restored(workdir, tokens, *layout)
+  with jax.set_mesh(trainer.mesh):
+    ours, grads, _ = trainer.loss_and_grad(state.params, batch)
+  model.zero_grad()
+  loss = _cross_entropy(model(torch.from_numpy(inputs).long()).logits, targets)
+  loss.backward()
+  theirs = float(loss.detach())
+  assert abs(float(ours) - theirs) <= 1e-5 * theirs, (float(ours), theirs)
+  m = trainer.cfg.model
+  converter = hf_checkpoint._for_family(m.family, workdir)
+  hf = converter.hf_config(m, _hf_config(workdir))
+  grads = jax.device_get(trainer.layout.tree_to_model_order(grads))
+  ours = converter.params_to_hf(jax.tree.map(np.asarray, grads), m, hf)
+  # In the names transformers writes (its experts are fused in memory, per expert on disk).
+  from transformers.core_model_loading import revert_weight_conversion
+
+  grads = revert_weight_conversion(model, {n: p.grad for n, p in model.named_parameters()})
+  compared = [name for name in grads if not name.endswith(tuple(skip))]
+  assert compared and set(compared) <= set(ours)
+  for name in compared:
+    g = grads[name].numpy()
+    err = np.max(np.abs(ours[name] - g)) / np.max(np.abs(g))
+    assert err <= 1e-5, (name, err)
+
+
+def _hf_config(workdir):
+  import json
+
+  with open(workdir_lib.path(workdir, workdir_lib.HF_CONFIG)) as f:
+    return json.load(f)
 
 
 def check_moe_objective(model, workdir, tokens, coef):

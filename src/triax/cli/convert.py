@@ -1,5 +1,5 @@
-"""Hugging Face Llama, Qwen2, Mixtral and Qwen2-MoE checkpoints in and out
-of triax workdirs.
+"""Hugging Face Llama, Qwen2/3, Mixtral, Qwen2/3-MoE and DeepSeek-V3
+checkpoints in and out of triax workdirs.
 
   python -m triax convert --hf_dir=DIR --workdir=WORKDIR [--tokenizer=tokenizer.json]
   python -m triax convert --workdir=WORKDIR --hf_dir=OUT --export
@@ -7,8 +7,8 @@ of triax workdirs.
 Import reads DIR's config.json and *.safetensors (one file or shards) and
 writes a workdir at step 0 that `python -m triax train --workdir=WORKDIR`
 fine-tunes and `python -m triax sample --workdir=WORKDIR` samples; export
-writes the workdir's latest checkpoint back as transformers' Llama (Qwen2,
-Mixtral, Qwen2-MoE). Kept to flag parsing and one library call
+writes the workdir's latest checkpoint back as transformers' Llama (Qwen2/3,
+Mixtral, Qwen2/3-MoE, DeepSeek-V3). Kept to flag parsing and one library call
 (triax.convert.hf_checkpoint).
 """
 
@@ -21,11 +21,18 @@ from triax import cli
 _HF_DIR = flags.DEFINE_string(
   'hf_dir',
   None,
-  'A Hugging Face Llama, Qwen2, Mixtral or Qwen2-MoE checkpoint directory (read; with --export, written).',
+  'A Hugging Face Llama, Qwen2/3, Mixtral, Qwen2/3-MoE or DeepSeek-V3 checkpoint directory '
+  '(read; with --export, written).',
 )
 _WORKDIR = flags.DEFINE_string('workdir', None, 'The triax workdir (written; with --export, read).')
 _EXPORT = flags.DEFINE_bool(
   'export', False, 'Write WORKDIR as a Hugging Face checkpoint in HF_DIR.'
+)
+_DROP_MTP = flags.DEFINE_bool(
+  'drop_mtp',
+  False,
+  "Export: leave a deepseek model's multi-token prediction modules behind (DeepseekV3ForCausalLM "
+  'holds none; without this flag such a model is refused).',
 )
 _TOKENIZER = flags.DEFINE_string(
   'tokenizer',
@@ -49,6 +56,8 @@ def main(argv):
     cli.fail('--hf_dir', 'is required: the Hugging Face checkpoint directory')
   if not _WORKDIR.value:
     cli.fail('--workdir', 'is required: the triax workdir')
+  if _DROP_MTP.value and not _EXPORT.value:
+    cli.fail('--drop_mtp', 'is for --export; an import never has MTP modules')
   if _EXPORT.value and _TOKENIZER.value:
     cli.fail('--tokenizer', "is for import; an export copies the run's tokenizer, if it has one")
   cli.force_cpu_devices(_CPU_DEVICES.value)
@@ -57,7 +66,10 @@ def main(argv):
   with cli.config_errors_exit():
     if _EXPORT.value:
       result = hf_checkpoint.export_hf(
-        _WORKDIR.value, _HF_DIR.value, max_shard_bytes=_MAX_SHARD_BYTES.value
+        _WORKDIR.value,
+        _HF_DIR.value,
+        max_shard_bytes=_MAX_SHARD_BYTES.value,
+        drop_mtp=_DROP_MTP.value,
       )
       print(
         f'{_HF_DIR.value}: step {result["step"]} of {_WORKDIR.value} as {result["architecture"]} '
@@ -68,10 +80,11 @@ def main(argv):
       _HF_DIR.value, _WORKDIR.value, tokenizer=_TOKENIZER.value, seq_len=_SEQ_LEN.value
     )
   m = result['config'].model
+  # MLA's heads share one K/V latent, where GQA's share K/V heads.
+  kv = f'K/V latent {m.kv_lora_rank}' if m.family == 'deepseek' else f'{m.num_kv_heads} K/V'
   print(
     f'{_WORKDIR.value}: {m.family}, {result["params"] / 1e6:.1f}M parameters ({m.num_layers} '
-    f'layers, d_model {m.d_model}, {m.num_heads} heads / {m.num_kv_heads} K/V), checkpoint at '
-    'step 0',
+    f'layers, d_model {m.d_model}, {m.num_heads} heads / {kv}), checkpoint at step 0',
     file=sys.stderr,
   )
   workdir, tokenizer = _WORKDIR.value, result['tokenizer']

@@ -1,4 +1,5 @@
-"""Hugging Face Llama and Mixtral checkpoints in and out of triax workdirs (`python -m triax convert`).
+"""Hugging Face checkpoints in and out of triax workdirs (`python -m triax convert`):
+Llama, Qwen2/3 and their MoEs, Mixtral (hf_llama), DeepSeek-V3 (hf_deepseek).
 
 Import writes what a triax train run would have written at step 0: the
 validated config (config.json, the model keys from the HF config), a
@@ -31,7 +32,7 @@ import ml_collections
 import numpy as np
 
 from triax import config as config_lib
-from triax.convert import hf_llama
+from triax.convert import hf_deepseek, hf_llama
 from triax.data import tokenizer as tokenizer_lib
 from triax.errors import ConfigError
 from triax.training import atomic
@@ -40,6 +41,42 @@ from triax.training import workdir as workdir_lib
 
 # Shards HF writes by default are at most 5 GB.
 MAX_SHARD_BYTES = 5 * 10**9
+# One module per group of HF architectures, each with MODEL_TYPES (HF model_type ->
+# (triax family, HF class)), FAMILIES, model_config, hf_config, params_from_hf, params_to_hf.
+_CONVERTERS = (hf_llama, hf_deepseek)
+
+
+def _for_model_type(hf: dict):
+  """The converter of an HF config's model_type.
+
+  Raises:
+    ConfigError('--hf_dir', ...): a model_type none converts.
+  """
+  kind = hf.get('model_type')
+  for converter in _CONVERTERS:
+    if kind in converter.MODEL_TYPES:
+      return converter
+  known = [k for c in _CONVERTERS for k in c.MODEL_TYPES]
+  raise ConfigError(
+    '--hf_dir', f'config.json: model_type {kind!r}; only {", ".join(known)} are converted'
+  )
+
+
+def _for_family(family: str, workdir: str):
+  """The converter of a triax family.
+
+  Raises:
+    ConfigError('--workdir', ...): a family none exports.
+  """
+  for converter in _CONVERTERS:
+    if family in converter.FAMILIES:
+      return converter
+  raise ConfigError(
+    '--workdir',
+    f'{workdir} holds a {family} model; only llama, mixtral and deepseek export to HF: train '
+    'one with a llama config, e.g. --config=experiments/llama_tiny.py (the same flags as '
+    'gpt_tiny.py)',
+  )
 
 
 def _read_json(path: str, key: str) -> dict:
@@ -59,7 +96,7 @@ def import_config(hf: dict, seq_len: int):
     # context may be 128k, which a first fine-tune rarely wants.
     seq_len = min(int(hf.get('max_position_embeddings', 2048)), 2048)
   cfg = config_lib.defaults()
-  for key, value in hf_llama.model_config(hf, seq_len).items():
+  for key, value in _for_model_type(hf).model_config(hf, seq_len).items():
     if isinstance(value, dict):
       for sub, v in value.items():
         cfg.model[key][sub] = v
@@ -83,7 +120,8 @@ def _portable(cfg, workdir: str, tokenizer: str) -> str:
 
 
 def import_hf(hf_dir: str, workdir: str, *, tokenizer: str = '', seq_len: int = 0) -> dict:
-  """Writes a triax workdir holding the HF Llama (Mixtral) checkpoint in `hf_dir`.
+  """Writes a triax workdir holding the HF checkpoint in `hf_dir` (a model_type
+  of hf_llama's or hf_deepseek's MODEL_TYPES; an HF config is checked by its module).
 
   Returns:
     {'step': 0, 'params': parameter count, 'config': the triax config,
@@ -126,7 +164,8 @@ def import_hf(hf_dir: str, workdir: str, *, tokenizer: str = '', seq_len: int = 
   portable = _portable(cfg, workdir, tokenizer)
   cfg = config_lib.validate(cfg, jax.device_count())
   dtype = np.dtype(cfg.model.param_dtype)
-  params = hf_llama.params_from_hf(hf_llama.read_tensors(hf_dir), cfg.model, dtype)
+  converter = _for_model_type(hf)
+  params = converter.params_from_hf(hf_llama.read_tensors(hf_dir), cfg.model, dtype, hf)
 
   lock_lib.check_free(workdir)
   os.makedirs(workdir, exist_ok=True)
@@ -157,31 +196,34 @@ def import_hf(hf_dir: str, workdir: str, *, tokenizer: str = '', seq_len: int = 
   return {'step': 0, 'params': count, 'config': cfg, 'tokenizer': recorded}
 
 
-def export_hf(workdir: str, out_dir: str, *, max_shard_bytes: int = MAX_SHARD_BYTES) -> dict:
-  """Writes the latest checkpoint of a llama (mixtral) workdir as an HF checkpoint directory.
+def export_hf(
+  workdir: str, out_dir: str, *, max_shard_bytes: int = MAX_SHARD_BYTES, drop_mtp: bool = False
+) -> dict:
+  """Writes the latest checkpoint of a llama, mixtral or deepseek workdir as an
+  HF checkpoint directory; `drop_mtp`: a deepseek's MTP modules are left
+  behind (no HF class holds them; without it such a model is refused).
 
   Returns:
     {'step': the checkpoint's step, 'files': names written, 'architecture': HF's class name}
   """
   cfg = workdir_lib.load_config(workdir)
-  if cfg.model.family not in hf_llama.FAMILIES:
-    raise ConfigError(
-      '--workdir',
-      f'{workdir} holds a {cfg.model.family} model; only llama and mixtral export to HF: train '
-      'one with a llama config, e.g. --config=experiments/llama_tiny.py (the same flags as '
-      'gpt_tiny.py)',
-    )
+  converter = _for_family(cfg.model.family, workdir)
   if os.path.exists(out_dir) and os.listdir(out_dir):
     raise ConfigError('--hf_dir', f'{out_dir} is not empty; export into a new directory')
   base = None
   if os.path.isfile(workdir_lib.path(workdir, workdir_lib.HF_CONFIG)):
     base = _read_json(workdir_lib.path(workdir, workdir_lib.HF_CONFIG), '--workdir')
+  exported = cfg.model
+  if drop_mtp and exported.get('mtp_depth'):
+    exported = ml_collections.ConfigDict(exported.to_dict())
+    exported.mtp_depth = 0  # the model HF's class holds: its head without the MTP modules
   # Before anything is read or written: a model no HF class holds is refused here.
-  hf_config = hf_llama.hf_config(cfg.model, base)
+  hf_config = converter.hf_config(exported, base)
   step, params = workdir_lib.restore_params(workdir, cfg)  # checked as a resume checks it
   params = jax.tree.map(np.asarray, params)
   os.makedirs(out_dir, exist_ok=True)
-  hf_llama.write_tensors(hf_llama.params_to_hf(params, cfg.model), out_dir, max_shard_bytes)
+  tensors = converter.params_to_hf(params, exported, hf_config)
+  hf_llama.write_tensors(tensors, out_dir, max_shard_bytes)
   atomic.write_json(os.path.join(out_dir, 'config.json'), hf_config)
   tok = _run_tokenizer_file(workdir, cfg)
   if tok is not None:
@@ -190,7 +232,7 @@ def export_hf(workdir: str, out_dir: str, *, max_shard_bytes: int = MAX_SHARD_BY
   for name in os.listdir(out_dir):
     # safetensors writes 0600; a checkpoint to share reads as HF's do.
     os.chmod(os.path.join(out_dir, name), 0o644)
-  architecture = hf_llama.architecture(cfg.model)
+  architecture = hf_config['architectures'][0]
   return {'step': step, 'files': sorted(os.listdir(out_dir)), 'architecture': architecture}
 
 

@@ -422,12 +422,16 @@ def _shapes(m) -> dict[str, tuple[int, ...]]:
   }
 
 
-def params_from_hf(tensors: Mapping[str, np.ndarray], model_cfg, dtype) -> dict:
-  """The llama parameter tree (numpy, `dtype`) of an HF checkpoint's tensors.
+def params_from_hf(
+  tensors: Mapping[str, np.ndarray], model_cfg, dtype, hf: Mapping | None = None
+) -> dict:
+  """The llama parameter tree (numpy, `dtype`) of an HF checkpoint's tensors
+  (`hf`, its config.json, is not read: the model config says all).
 
   Raises:
     ConfigError('--hf_dir', ...): a tensor missing, of the wrong shape, or left over.
   """
+  del hf
   m = model_cfg
   used = set()
 
@@ -478,9 +482,10 @@ def _buffers(tensors) -> set[str]:
   return {name for name in tensors if name.endswith('rotary_emb.inv_freq')}
 
 
-def params_to_hf(params: Mapping, model_cfg) -> dict[str, np.ndarray]:
+def params_to_hf(params: Mapping, model_cfg, hf: Mapping | None = None) -> dict[str, np.ndarray]:
   """HF tensors (numpy, the params' dtype) of a llama or mixtral parameter tree
-  (named as `model_type` says)."""
+  (named as `model_type` says; `hf`, the exported config, is not read)."""
+  del hf
   m = model_cfg
   out = {'model.embed_tokens.weight': np.asarray(params['embed']['tokens'])}
 
