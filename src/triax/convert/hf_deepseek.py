@@ -8,8 +8,8 @@ experts in memory), block i's tensors are `model.layers.{i}.`:
 (our 'wkv_a' and 'wk_rope'), `kv_a_layernorm`, `kv_b_proj` [n (nope + v), r]
 (our 'wk_b' and 'wv_b'), `o_proj`; then `mlp.{gate,up,down}_proj` in the
 first first_k_dense_replace blocks (ours: params['embed']['dense_{i}']),
-else `mlp.gate.weight` ('router'), `mlp.gate.e_score_correction_bias`
-('router_bias', fp32 both sides), `mlp.experts.{e}.{gate,up,down}_proj` and
+else `mlp.gate.weight` ('router') and `mlp.gate.e_score_correction_bias`
+('router_bias'; both fp32 in triax whatever the dtype), `mlp.experts.{e}.{gate,up,down}_proj` and
 `mlp.shared_experts.{gate,up,down}_proj`. Linear weights are [out, in],
 ours [in, out...].
 
@@ -339,14 +339,15 @@ def _rules(m, moe: bool, interleaved: bool) -> list[_Rule]:
   return _attention_rules(m, interleaved) + _mlp_rules(m, moe)
 
 
-# Kept in fp32 whatever the parameters' dtype (the bias's updates are smaller than bf16 resolves).
-_FP32 = ('router_bias',)
+# Kept in fp32 whatever the parameters' dtype, as the model holds them (model/deepseek.py:
+# transformers keeps the router in fp32; the bias's updates are smaller than bf16 resolves).
+_FP32 = ('router', 'router_bias')
 
 
 def params_from_hf(
   tensors: Mapping[str, np.ndarray], model_cfg, dtype, hf: Mapping | None = None
 ) -> dict:
-  """The deepseek parameter tree (numpy, `dtype`; 'router_bias' fp32) of an
+  """The deepseek parameter tree (numpy, `dtype`; the router and its bias fp32) of an
   HF checkpoint's tensors; `hf` its config.json (for rope_interleave).
 
   Raises:
