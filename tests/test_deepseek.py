@@ -120,3 +120,21 @@ def test_splash_attention_gives_xlas_logits_with_mlas_head_widths():
   params = xla.init(jax.random.key(0))
   tokens = jax.random.randint(jax.random.key(1), (2, 128), 0, 256)
   np.testing.assert_allclose(splash.logits(params, tokens), xla.logits(params, tokens), atol=1e-5)
+
+
+def test_greedy_sampling_on_a_mesh_with_split_experts_gives_one_devices_tokens():
+  # One prompt is whole on every expert rank: each exchanges the same tokens.
+  cfg = config_lib.validate(
+    harness.tiny_deepseek_config(**{'model.seq_len': 32, 'mesh.data': 2, 'mesh.expert': 2}), 2
+  )
+  model = generation.sampling_model(cfg)
+  params = model.init(jax.random.key(0))
+  sampling = generation.Sampling(max_new_tokens=12, temperature=0.0)
+  prompt = [3, 17, 99, 5, 42]
+  alone = generation.generate(model, params, prompt, sampling)
+  placement = generation.Placement.build(cfg, (2, 2, 2))
+  with jax.set_mesh(placement.mesh):
+    placed = jax.device_put(params, placement.shardings(model))
+  np.testing.assert_array_equal(
+    generation.generate(model, placed, prompt, sampling, placement), alone
+  )
