@@ -48,6 +48,7 @@ it is left out of the clipping norm, of weight decay and of the logged norm
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, NamedTuple
 
@@ -370,6 +371,32 @@ def at_step(opt_state, step):
 
   is_leaf = lambda x: isinstance(x, optax.ScaleByScheduleState) or _is_schedule_free(x)
   return jax.tree.map(resume, opt_state, is_leaf=is_leaf)
+
+
+def state_per_param(cfg) -> tuple[float, float]:
+  """Bytes of train.optimizer's state per parameter byte for cfg's model
+  (validated), (its layers', its embedding's and head's), counted from the
+  state's shapes (what the planner charges as 'moments'): AdamW 2 and 2;
+  Lion 1 and 1; Muon 1 on its matrices, 2 (AdamW) on the rest; Adafactor's
+  factored moments a row and a column per matrix; schedule-free z and v."""
+  # Abstract init traces a block once; cuDNN's attention refuses to trace off a GPU
+  # and changes no shape.
+  spec = dataclasses.replace(registry.spec_from_config(cfg.model), attention='xla')
+  model = registry.build(spec)
+  shapes = jax.eval_shape(model.init, jax.random.key(0))
+  # The model's own axes: features count from the end, so they fit its [L, ...] stacks.
+  opt = make_optimizer(cfg.train, cfg.model, optax.constant_schedule(0.0), model.logical_axes())
+  state = jax.eval_shape(opt.init, shapes)
+
+  def bytes_by_part(tree) -> tuple[int, int]:
+    out = [0, 0]
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+      layered = any(getattr(k, 'key', None) == 'layers' for k in path)
+      out[0 if layered else 1] += leaf.size * leaf.dtype.itemsize
+    return out[0], out[1]
+
+  (state_layers, state_edges), (layers, edges) = bytes_by_part(state), bytes_by_part(shapes)
+  return state_layers / max(layers, 1), state_edges / max(edges, 1)
 
 
 def gradient_norm(grads) -> jax.Array:
