@@ -340,16 +340,14 @@ _BUILDERS = {
 def eval_params(opt_state, params):
   """The parameters to evaluate: `params` as trained, but schedule-free's
   average x = (y - (1 - b1) z) / b1 where the train state holds the
-  interpolation y (its balanced leaves, which it does not hold, as they are)."""
+  interpolation y (the balanced leaves as they are: moe.with_bias_update
+  moves them, not schedule-free's z)."""
   found = [s for s in jax.tree.leaves(opt_state, is_leaf=_is_schedule_free) if _is_schedule_free(s)]
   if not found:
     return params
   b1, z = found[0].b1, found[0].z
-  return jax.tree.map(
-    lambda zi, y: y if isinstance(zi, optax.MaskedNode) else (y - (1.0 - b1) * zi) / b1,
-    z,
-    params,
-    is_leaf=lambda x: isinstance(x, optax.MaskedNode),
+  return jax.tree_util.tree_map_with_path(
+    lambda path, zi, y: y if _is_balanced(path) else (y - (1.0 - b1) * zi) / b1, z, params
   )
 
 
