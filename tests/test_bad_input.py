@@ -438,6 +438,21 @@ CASES = [
     train('--config.train.grad_clip_norm=0', trained=True),
     'train.grad_clip_norm',
   ),
+  (
+    'checkpoint-other-optimizer-kind',
+    train('--config.train.optimizer=lion', trained=True),
+    'train.optimizer',
+  ),
+  ('optimizer-unknown', train('--config.train.optimizer=sgd'), 'train.optimizer'),
+  ('optimizer-key-for-another', train('--config.train.muon_ns_steps=3'), 'train.muon_ns_steps'),
+  (
+    'muon-no-matrix',
+    train(
+      '--config.train.optimizer=muon',
+      "--config.train.muon_exclude=('w1','w2','wq','wk','wv','wo')",
+    ),
+    'train.muon_exclude',
+  ),
   # -- the tokenizer trainer and prepare
   (
     'tokenizer-vocab-too-small',

@@ -204,3 +204,37 @@ def test_zero3_baseline_is_reported():
   assert evaluate.state_shardings(cfg, 1) == ('replicated',)
   assert evaluate.state_shardings(cfg, 4) == ('replicated', 'zero1', 'fsdp')
   assert evaluate.state_shardings(cfg, 3) == ('replicated', 'zero1')  # 32 % 3: no FSDP
+
+
+def test_the_optimizer_state_follows_train_optimizer():
+  """Options.optimizer_state (training/optimizer.state_per_param): the layers'
+  and the edges' state per parameter byte, each on its own bytes."""
+  prof = profile.synthetic(layer_param_bytes=1 * GB, edge_param_bytes=0.5 * GB)
+  params = 8 * 1 * GB + 0.5 * GB
+  plan = make_plan(p=1, m=1, d=1, layers=(8,))
+  cluster = make_cluster(groups=(('gpu', 1, 1.0, '80 GB'),))
+  adamw = simulate_plan(plan, prof, cluster, STEP_ONLY).step_memory[0]
+  # Muon: one moment on the layers' matrices, AdamW's two on the edges.
+  muon = Options(state_programs=False, optimizer_state=(1.0, 2.0))
+  assert memory.stage_moments(plan, prof, muon, 8) * params == pytest.approx(8 * GB + 1 * GB)
+  assert simulate_plan(plan, prof, cluster, muon).step_memory[0] == pytest.approx(adamw - 8 * GB)
+  # ZeRO-1 splits whatever the optimizer holds.
+  assert memory.copies('zero1', 4, moments=1.0)['moments'] == 0.25
+
+
+def test_state_per_param_counts_each_optimizers_state():
+  from triax.training import optimizer
+
+  cfg = small_config()
+  figures = {}
+  for name in ('adamw', 'muon', 'lion', 'adafactor', 'schedule_free_adamw'):
+    cfg.train.optimizer = name
+    figures[name] = optimizer.state_per_param(cfg)
+  # (Step counts and other scalars are the edges' few bytes more.)
+  assert figures['adamw'] == pytest.approx((2.0, 2.0), rel=1e-3)
+  assert figures['lion'] == pytest.approx((1.0, 1.0), rel=1e-3)
+  assert figures['muon'][0] == pytest.approx(1.0, abs=0.01)  # norms take AdamW's 2
+  assert figures['muon'][1] == pytest.approx(2.0, abs=1e-3)
+  assert figures['schedule_free_adamw'][0] == pytest.approx(2.0, abs=1e-3)  # z and v
+  # No first moment; the second unfactored at widths below 128 (llama_8b's: 0.0018).
+  assert figures['adafactor'][0] == pytest.approx(1.0, rel=1e-2)

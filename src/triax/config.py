@@ -261,14 +261,37 @@ def defaults() -> ml_collections.ConfigDict:
   c.train.decay_fraction = 0.2
   # Final learning rate of the cosine, linear and wsd decays, as a fraction of the peak.
   c.train.min_lr_ratio = 0.1
-  # AdamW decoupled weight decay.
+  # adamw, muon (Muon on the hidden matrices, AdamW on the rest), lion, adafactor or
+  # schedule_free_adamw, all from optax (training/optimizer.py; docs/bench_optimizers.md).
+  c.train.optimizer = 'adamw'
+  # Decoupled weight decay (times the learning rate) of the matrices; biases, norms and
+  # scalars never decay (training/optimizer.py: the rule reads logical axes, not names).
   c.train.weight_decay = 0.1
-  # Adam first-moment decay.
+  # Adam first-moment decay (adamw, and muon's AdamW part).
   c.train.adam_b1 = 0.9
-  # Adam second-moment decay.
+  # Adam second-moment decay (adamw, muon's AdamW part, schedule_free_adamw).
   c.train.adam_b2 = 0.95
-  # replicated, or data: Adam's moments sharded over the data axis (ZeRO-1, Megatron's
-  # distributed optimizer); the update all-gathers the parameters it changes.
+  # muon: momentum decay (Nesterov) of the orthogonalised matrices.
+  c.train.muon_beta = 0.95
+  # muon: Newton-Schulz iterations per orthogonalisation.
+  c.train.muon_ns_steps = 5
+  # muon: the update times this x sqrt(max(fan_in, fan_out)), Moonlight's match of AdamW's
+  # update RMS (0.2), so both parts share one learning rate; 0 = sqrt(max(1, out/in)) (Jordan's).
+  c.train.muon_rms_scale = 0.2
+  # muon: parameter names (a leaf's last key, e.g. ('router',)) left to AdamW.
+  c.train.muon_exclude = ()
+  # lion: the interpolation of momentum and gradient whose sign is the update.
+  c.train.lion_b1 = 0.9
+  # lion: the momentum's decay.
+  c.train.lion_b2 = 0.99
+  # adafactor: the second moment's decay exponent (decay 1 - step^-rate).
+  c.train.adafactor_decay_rate = 0.8
+  # adafactor: clip each layer matrix's update to this RMS; 0 = off.
+  c.train.adafactor_clipping_threshold = 1.0
+  # schedule_free_adamw: the interpolation of the gradient's point between the average and z.
+  c.train.schedule_free_b1 = 0.9
+  # replicated, or data: the optimizer's state (Adam's moments) sharded over the data axis
+  # (ZeRO-1, Megatron's distributed optimizer); the update all-gathers the parameters it changes.
   c.train.optimizer_sharding = 'replicated'
   # Keep the optimizer state in host memory (pinned_host) between steps, brought to the
   # device for the update after the backward: its bytes leave the accelerator while the
@@ -564,7 +587,7 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int) -> ml_collections
   _check_model(cfg)
   _check_attention(cfg.model, cfg.data)
   _check_pipeline(cfg)
-  train_checks.validate_train(cfg)
+  train_checks.validate_train(cfg, defaults().train)
   train_checks.validate_checkpoint(cfg)
   if cfg.hardware.peak_flops_per_device < 0:
     raise ConfigError('hardware.peak_flops_per_device', 'must be >= 0 (0 = look up)')

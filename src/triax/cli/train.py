@@ -60,6 +60,13 @@ _RESTORE_FALLBACK = flags.DEFINE_bool(
   'When the newest checkpoint is damaged (its files fail their checksums), resume from the '
   'newest intact one instead of stopping with an error.',
 )
+_RESET_OPTIMIZER = flags.DEFINE_bool(
+  'reset_optimizer',
+  False,
+  "Resume the newest checkpoint's parameters, step and data position with a fresh optimizer "
+  'state (new moments; the learning-rate schedule goes on where the run is): how a run '
+  'changes train.optimizer, which a resume otherwise refuses.',
+)
 
 
 def main(argv):
@@ -89,6 +96,7 @@ def main(argv):
         profile_steps=_PROFILE_STEPS.value,
         progress=_PROGRESS.value,
         restore_fallback=_RESTORE_FALLBACK.value,
+        reset_optimizer=_RESET_OPTIMIZER.value,
       )
   except loop.NonFiniteError as e:
     # Not bad input (exit 2): the run itself diverged. The last checkpoint stays the last good one.

@@ -270,6 +270,10 @@ class Options:
     offload_optimizer: Adam's moments in host memory between steps (the
       trainer's train.offload_optimizer): the device holds them only for
       the update, after the backward (see memory.memory).
+    optimizer_state: bytes of optimizer state per parameter byte, (the
+      layers', the embedding's and head's): AdamW's two moments by default;
+      train.optimizer's from training/optimizer.state_per_param (Muon's
+      momentum, Lion's one moment, Adafactor's factored ones).
     state_programs: memory counts a checkpoint save / restore and the
       evaluation beside the resident state (what triax budget measures), not
       only the train step: a plan that trains must also save and evaluate.
@@ -293,6 +297,7 @@ class Options:
   edge_grads: str = 'auto'
   offload_stash: bool = False
   offload_optimizer: bool = False
+  optimizer_state: tuple[float, float] = (2.0, 2.0)
   state_programs: bool = True
   fsdp_overlap: bool = False
   moe_imbalance: float = 1.0

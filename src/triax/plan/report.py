@@ -208,8 +208,19 @@ def _options(request: Request, cfg) -> candidate.Options:
     edge_grads=cfg.pipeline.edge_grads,
     offload_stash=bool(cfg.pipeline.offload_stash),
     offload_optimizer=bool(cfg.train.offload_optimizer),
+    optimizer_state=_optimizer_state(cfg),
     moe_imbalance=_moe_imbalance(request),
   )
+
+
+def _optimizer_state(cfg) -> tuple[float, float]:
+  """train.optimizer's state per parameter byte (layers', edges'); AdamW's
+  two moments without building the model."""
+  if cfg.train.optimizer == 'adamw':
+    return candidate.Options.optimizer_state
+  from triax.training import optimizer  # JAX (shapes only), for another optimizer alone
+
+  return optimizer.state_per_param(cfg)
 
 
 def _evaluate(request: Request, cfg, layout, cluster, options, as_json: bool, out: TextIO) -> dict:

@@ -49,6 +49,7 @@ from absl import logging
 
 from triax.errors import ConfigError
 from triax.model import registry
+from triax.training import optimizer as optimizer_lib
 from triax.training import workdir as workdir_lib
 from triax.training.step import Trainer, TrainState
 
@@ -94,11 +95,15 @@ class Checkpointer:
   steps must be moved aside.
   """
 
-  def __init__(self, workdir: str, cfg, *, restore_fallback: bool = False):
+  def __init__(
+    self, workdir: str, cfg, *, restore_fallback: bool = False, reset_optimizer: bool = False
+  ):
     """Checks that DIR/checkpoints, if present, holds only triax checkpoints.
 
     `restore_fallback`: restore passes over damaged steps to the newest intact
-    one instead of raising.
+    one instead of raising. `reset_optimizer`: the first restore reads the
+    step, parameters and data position only, and the optimizer's state starts
+    afresh (train.optimizer may then differ from the checkpoint's).
 
     Raises:
       ConfigError: the path is a file or holds something else.
@@ -109,6 +114,7 @@ class Checkpointer:
     self.keep = cfg.checkpoint.keep
     self.keep_every = cfg.checkpoint.keep_every_steps
     self.restore_fallback = restore_fallback
+    self.reset_optimizer = reset_optimizer
     self.restored_step: int | None = None
     self.restored_progress: dict = {}
     self.damaged: list[tuple[int, str]] = []  # newer than the restored step
@@ -210,10 +216,13 @@ class Checkpointer:
 
     Raises:
       ConfigError: a damaged step (without restore_fallback), no intact step,
-        or a checkpoint of another model.
+        a checkpoint of another model, or of another train.optimizer (without
+        reset_optimizer).
     """
+    reset, self.reset_optimizer = self.reset_optimizer, False  # a rollback restores whole
+    read = self._read_params_afresh if reset else self._read_state
     found = self._restore_newest(
-      lambda step: self._read_state(step, trainer),
+      lambda step: read(step, trainer),
       before=before,
       fix='rerun with --restore_fallback to resume from the newest intact step before it',
     )
@@ -290,6 +299,33 @@ class Checkpointer:
     self.restored_progress = items['progress']
     return state['state'], None
 
+  def _read_params_afresh(self, step: int, trainer: Trainer) -> tuple[object, str | None]:
+    """Checkpoint `step`'s canonical state with its step, params and progress
+    read and the optimizer state made afresh (--reset_optimizer): new
+    moments, the learning-rate schedule where the run is."""
+    try:
+      items = self._read(step, model=ocp.args.JsonRestore(), progress=ocp.args.JsonRestore())
+    except Exception as e:  # pylint: disable=broad-except  # anything unreadable is damage
+      return None, f'unreadable ({_first_line(e)})'
+    self._check_model(step, items['model'])
+    abstract = trainer.abstract_canonical_state()
+    target = {'step': abstract.step, 'params': abstract.params}
+    restore_args = jax.tree.map(lambda s: ocp.ArrayRestoreArgs(sharding=s.sharding), target)
+    try:
+      read = self._read(
+        step,
+        state=ocp.args.PyTreeRestore(item=target, restore_args=restore_args, partial_restore=True),
+      )['state']
+    except Exception as e:  # pylint: disable=broad-except
+      return None, f'unreadable ({_first_line(e)})'
+    fresh = jax.jit(
+      lambda params, at: optimizer_lib.at_step(trainer.optimizer.init(params), at),
+      out_shardings=trainer.canonical_shardings.opt_state,
+    )
+    opt_state = fresh(read['params'], read['step'])
+    self.restored_progress = items['progress']
+    return TrainState(step=read['step'], params=read['params'], opt_state=opt_state), None
+
   def _read_params(self, step: int, target) -> tuple[object, str | None]:
     """Checkpoint `step`'s params, placed as `target` says (None and why when they do not read)."""
     try:
@@ -337,6 +373,7 @@ class Checkpointer:
         )
     if trainer is None:
       return
+    self._check_optimizer(step, record.get('optimizer', 'adamw'))
     saved, wanted = record.get('state_paths'), self._paths(trainer)
     if saved is not None and saved != wanted:
       odd = sorted(set(saved) ^ set(wanted))
@@ -345,6 +382,18 @@ class Checkpointer:
         f'checkpoint {self._step_dir(step)} holds an optimizer state of another '
         f'structure (e.g. {odd[0] if odd else "leaf order"}); clipping on or off '
         'changes it: use the setting it was written with, or a new --workdir',
+      )
+
+  def _check_optimizer(self, step: int, saved: str) -> None:
+    """Raises a ConfigError unless checkpoint `step`'s optimizer (`saved`;
+    adamw before the record named it) is train.optimizer."""
+    wanted = self.cfg.train.optimizer
+    if saved != wanted:
+      raise ConfigError(
+        'train.optimizer',
+        f'checkpoint {self._step_dir(step)} holds the state of {saved}, not {wanted}; '
+        f'resume with train.optimizer={saved}, or add --reset_optimizer to keep its '
+        f'parameters and start {wanted} afresh',
       )
 
   def _paths(self, trainer: Trainer) -> list[str]:
@@ -412,7 +461,13 @@ class Checkpointer:
       step,
       args=ocp.args.Composite(
         state=ocp.args.StandardSave(canonical),
-        model=ocp.args.JsonSave({**model_record(self.cfg), 'state_paths': self._paths(trainer)}),
+        model=ocp.args.JsonSave(
+          {
+            **model_record(self.cfg),
+            'optimizer': self.cfg.train.optimizer,
+            'state_paths': self._paths(trainer),
+          }
+        ),
         progress=ocp.args.JsonSave(progress or {}),
       ),
       force=True,

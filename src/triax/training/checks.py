@@ -13,6 +13,21 @@ from triax.errors import ConfigError
 LR_SCHEDULES = ('cosine', 'linear', 'constant', 'wsd')
 WANDB_MODES = ('online', 'offline')
 OPTIMIZER_SHARDINGS = ('replicated', 'data')
+OPTIMIZERS = ('adamw', 'muon', 'lion', 'adafactor', 'schedule_free_adamw')
+# Each optimizer's own keys, and the optimizers that read them (training/optimizer.py).
+OPTIMIZER_KEYS = {
+  'adam_b1': ('adamw', 'muon'),
+  'adam_b2': ('adamw', 'muon', 'schedule_free_adamw'),
+  'muon_beta': ('muon',),
+  'muon_ns_steps': ('muon',),
+  'muon_rms_scale': ('muon',),
+  'muon_exclude': ('muon',),
+  'lion_b1': ('lion',),
+  'lion_b2': ('lion',),
+  'adafactor_decay_rate': ('adafactor',),
+  'adafactor_clipping_threshold': ('adafactor',),
+  'schedule_free_b1': ('schedule_free_adamw',),
+}
 
 
 def wsd_decay_steps(train_cfg) -> int:
@@ -20,8 +35,9 @@ def wsd_decay_steps(train_cfg) -> int:
   return max(1, round(train_cfg.decay_fraction * train_cfg.steps))
 
 
-def validate_train(cfg) -> None:
-  """The train group: counts, the batch split, the optimizer and its schedule."""
+def validate_train(cfg, default_train) -> None:
+  """The train group: counts, the batch split, the optimizer and its schedule;
+  `default_train` is config.defaults().train (the keys an optimizer leaves unread keep it)."""
   t = cfg.train
   for key in ('steps', 'global_batch_size', 'eval_every', 'eval_batches', 'log_every'):
     checks.positive_int(f'train.{key}', t[key])
@@ -33,6 +49,7 @@ def validate_train(cfg) -> None:
     checks.non_negative_int(f'train.{key}', t[key])
   _spikes(t)
   _wandb(t)
+  validate_optimizer(t, default_train)
   checks.boolean('train.offload_optimizer', t.offload_optimizer)
   checks.one_of('train.optimizer_sharding', t.optimizer_sharding, OPTIMIZER_SHARDINGS)
   checks.one_of('train.lr_schedule', t.lr_schedule, LR_SCHEDULES)
@@ -52,6 +69,47 @@ def validate_train(cfg) -> None:
         f'stable phase after train.warmup_steps={t.warmup_steps}; lower one of them '
         f'(warmup_steps + decay steps must be below steps)',
       )
+
+
+def validate_optimizer(t, default_train) -> None:
+  """train.optimizer and its keys: another optimizer's key keeps its default
+  (a set value would otherwise be silently ignored), and each value is in range."""
+  checks.one_of('train.optimizer', t.optimizer, OPTIMIZERS, what='optimizer')
+  for key, readers in OPTIMIZER_KEYS.items():
+    if t.optimizer not in readers and _plain(t[key]) != _plain(default_train[key]):
+      raise ConfigError(
+        f'train.{key}',
+        f'train.optimizer={t.optimizer} does not use it; leave it at its default '
+        f'{_plain(default_train[key])!r} or set train.optimizer to {" or ".join(readers)}',
+      )
+  for key in ('adam_b1', 'adam_b2', 'muon_beta', 'lion_b1', 'lion_b2'):
+    _fraction(f'train.{key}', t[key], 'a decay rate: 0.9 keeps 90% a step', top=False)
+  _fraction('train.schedule_free_b1', t.schedule_free_b1, 'its average is y / b1', bottom=False)
+  _fraction('train.adafactor_decay_rate', t.adafactor_decay_rate, "0.8, as Adafactor's paper")
+  checks.positive_int('train.muon_ns_steps', t.muon_ns_steps)
+  checks.non_negative_number('train.muon_rms_scale', t.muon_rms_scale, zero='sqrt(max(1, out/in))')
+  checks.non_negative_number(
+    'train.adafactor_clipping_threshold', t.adafactor_clipping_threshold, zero='off'
+  )
+  exclude = t.muon_exclude
+  if not isinstance(exclude, (tuple, list)) or not all(isinstance(n, str) for n in exclude):
+    raise ConfigError(
+      'train.muon_exclude', f"must be a tuple of parameter names, e.g. ('router',); got {exclude!r}"
+    )
+
+
+def _fraction(key: str, value, why: str, *, top: bool = True, bottom: bool = True) -> None:
+  """A number in [0, 1], without 1 unless `top`, without 0 unless `bottom`."""
+  ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+  ok = ok and (0 <= value if bottom else 0 < value) and (value <= 1 if top else value < 1)
+  if not ok:
+    span = ('[' if bottom else '(') + '0, 1' + (']' if top else ')')
+    raise ConfigError(key, f'must be a number in {span} ({why}), got {value!r}')
+
+
+def _plain(value):
+  """A config value as compared with its default (a JSON round trip makes tuples lists)."""
+  return tuple(value) if isinstance(value, list) else value
 
 
 def validate_checkpoint(cfg) -> None:

@@ -201,6 +201,7 @@ def train_and_evaluate(
   profile_steps: str = '',
   progress: bool = True,
   restore_fallback: bool = False,
+  reset_optimizer: bool = False,
 ) -> dict:
   """Runs (or resumes) training as configured; returns a summary of the run.
 
@@ -210,6 +211,9 @@ def train_and_evaluate(
   workdir's lock is taken (DIR/triax.lock, by process 0) and held until
   this returns or raises. `restore_fallback`: a damaged newest checkpoint
   is passed over for the newest intact one instead of being an error.
+  `reset_optimizer`: the checkpoint's parameters, step and data position are
+  resumed and the optimizer's moments start afresh (the learning-rate
+  schedule goes on), which also lets train.optimizer differ from the checkpoint's.
 
   Raises:
     ConfigError: bad input, or the workdir is in use (nothing written).
@@ -230,7 +234,7 @@ def train_and_evaluate(
   workdir_lock = lock_lib.WorkdirLock(workdir)
   try:
     with jax.set_mesh(mesh):  # jitted functions trace on first call: they need the mesh
-      run = _RunOptions(compile_only, profile, progress, restore_fallback)
+      run = _RunOptions(compile_only, profile, progress, restore_fallback, reset_optimizer)
       return _run(cfg, trainer, data, workdir, workdir_lock, run)
   finally:
     workdir_lock.release()
@@ -244,6 +248,7 @@ class _RunOptions:
   profile: tuple[int, int] | None  # steps A..B to trace
   progress: bool  # a progress bar
   restore_fallback: bool  # pass over a damaged newest checkpoint
+  reset_optimizer: bool  # resume the params only; a fresh optimizer state
 
 
 @dataclasses.dataclass
@@ -290,7 +295,12 @@ def _run(
   with signals:
     heartbeat.follow_supervisor()  # a supervisor's death comes as SIGTERM: saved, exits
     # Only reads until the first save.
-    ckpt = Checkpointer(workdir, cfg, restore_fallback=options.restore_fallback)
+    ckpt = Checkpointer(
+      workdir,
+      cfg,
+      restore_fallback=options.restore_fallback,
+      reset_optimizer=options.reset_optimizer,
+    )
     position.ckpt = ckpt
     finished = ckpt.finished_step(trainer, cfg.train.steps)
     if finished is not None:
@@ -396,9 +406,10 @@ class _Training:
 
   def evaluate(self, step: int) -> float:
     data = self.data
+    params = self.trainer.eval_params(self.state)  # schedule-free's average, else the params
     losses = [
       self.compiled_eval(
-        self.state.params,
+        params,
         global_batch(self.trainer, lambda lo, hi, i=i: data.val.eval_batch(i, (lo, hi))),
       )
       for i in range(data.eval_count)

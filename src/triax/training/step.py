@@ -99,6 +99,17 @@ def split_over(
   return NamedSharding(mesh, P(*(spec[:dim] + (axis,) + spec[dim + 1 :])))
 
 
+def fit_shape(named: NamedSharding, shape: tuple[int, ...]) -> NamedSharding:
+  """`named` with the splits of the dimensions `shape` does not divide
+  dropped (replicated if the ranks differ); itself when every split fits."""
+  mesh, spec = named.mesh, tuple(named.spec)
+  if len(spec) > len(shape):
+    return NamedSharding(mesh, P(), memory_kind=named.memory_kind)
+  ways = lambda e: math.prod(mesh.shape[a] for a in ((e,) if isinstance(e, str) else e or ()))
+  fitted = tuple(e if n % ways(e) == 0 else None for e, n in zip(spec, shape))
+  return named if fitted == spec else NamedSharding(mesh, P(*fitted), memory_kind=named.memory_kind)
+
+
 def shapes_from_key(init: Callable[[jax.Array], Any]) -> Any:
   """The output shapes of init(key), the key made inside the trace too: an
   eager key lands on the current mesh's devices, and a TPU topology's
@@ -150,6 +161,8 @@ class Trainer:
   init_state: Callable[[jax.Array], TrainState]
   train_step: Callable[[TrainState, dict], tuple[TrainState, dict]]
   eval_loss: Callable[[Any, dict], jax.Array]
+  # state -> the parameters eval_loss takes (schedule-free's average; else state.params)
+  eval_params: Callable[[TrainState], Any]
   # (loss, grads, logged figures) without an update: for parity checks
   loss_and_grad: Callable[[Any, dict], tuple[jax.Array, Any, dict]]
   optimizer_schedule: optax.Schedule
@@ -199,8 +212,11 @@ def build_trainer(cfg, mesh: Mesh) -> Trainer:
     check_host_memory(mesh.devices.flat[0], 'pipeline.offload_stash')
   rules = sharding.resolve_rules(cfg)
   program, layout = _program_and_layout(cfg, spec)
-  optimizer = optimizer_lib.make_optimizer(cfg.train, cfg.model, learning_rate_schedule(cfg.train))
-  param_shardings = sharding.tree_shardings(pipeline_axes(model.logical_axes()), mesh, rules)
+  axes = pipeline_axes(model.logical_axes())
+  optimizer = optimizer_lib.make_optimizer(
+    cfg.train, cfg.model, learning_rate_schedule(cfg.train), axes
+  )
+  param_shardings = sharding.tree_shardings(axes, mesh, rules)
 
   def init_params(rng):
     return layout.tree_to_pipeline(model.init(rng))
@@ -257,6 +273,7 @@ def build_trainer(cfg, mesh: Mesh) -> Trainer:
     init_state=jit_init,
     train_step=jit_train,
     eval_loss=jit_eval,
+    eval_params=_eval_params(cfg, state_shardings, param_shardings),
     loss_and_grad=jit_grad,
     optimizer_schedule=learning_rate_schedule(cfg.train),
     canonical_shardings=canonical_shardings,
@@ -320,16 +337,25 @@ def _state_shardings(
   `offload`: the optimizer state's in host memory (train.offload_optimizer)."""
   replicated = NamedSharding(mesh, P())
   opt_shapes = jax.eval_shape(optimizer.init, param_shapes)
+
   # Each moment is laid out like its parameter, and with ZeRO-1 also split
   # over `data`: XLA then reduces the gradient into the shard each replica
-  # updates and all-gathers the updated parameters.
-  moment = (lambda a, s: split_over(s, a.shape, 'data')) if zero1 else (lambda _, s: s)
+  # updates and all-gathers the updated parameters. A leaf of another shape
+  # (Adafactor's factored moments) keeps the splits its shape divides; a
+  # part of the tree an optimizer does not hold (optax's MaskedNode) stays so.
+  def moment(a, s):
+    if isinstance(a, optax.MaskedNode):
+      return a
+    s = fit_shape(s, a.shape)
+    return split_over(s, a.shape, 'data') if zero1 else s
+
   opt_shardings = optax.tree_map_params(
     optimizer,
     moment,
     opt_shapes,
     param_shardings,
     transform_non_params=lambda _: replicated,
+    is_leaf=lambda x: isinstance(x, optax.MaskedNode),
   )
   if offload:
     opt_shardings = _in_memory(opt_shardings, HOST)
@@ -459,6 +485,23 @@ def check_host_memory(device, key: str = 'train.offload_optimizer') -> None:
       f'{device.platform} devices have no {HOST} memory (only {", ".join(sorted(kinds))}); '
       'set it to false',
     )
+
+
+def _eval_params(cfg, state_shardings, param_shardings):
+  """state -> the parameters to evaluate: schedule-free's average x, made
+  from the state's interpolation y and z (optimizer.eval_params, one
+  parameter-sized copy while it evaluates); state.params otherwise."""
+  if cfg.train.optimizer != 'schedule_free_adamw':
+    return lambda state: state.params
+  on_device = _in_memory(state_shardings.opt_state, 'device')
+
+  def average(state):
+    opt_state = state.opt_state
+    if cfg.train.offload_optimizer:
+      opt_state = jax.device_put(opt_state, on_device)
+    return optimizer_lib.eval_params(opt_state, state.params)
+
+  return jax.jit(average, in_shardings=(state_shardings,), out_shardings=param_shardings)
 
 
 def _train_step(cfg, optimizer, loss_and_grad, batch_args, opt_shardings):

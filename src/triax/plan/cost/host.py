@@ -75,9 +75,9 @@ def optimizer_seconds(plan: Plan, profile: Profile, cluster: Cluster, options: O
     return 0.0
   out = 0.0
   for s in range(plan.pipe):
-    params, experts = memory_lib.stage_params(
-      plan, profile, memory_lib.stage_layers(plan, options, s)
-    )
-    moments = memory_lib.state(plan, profile, params, experts)['moments']
+    layers = memory_lib.stage_layers(plan, options, s)
+    params, experts = memory_lib.stage_params(plan, profile, layers)
+    per_param = memory_lib.stage_moments(plan, profile, options, layers)
+    moments = memory_lib.state(plan, profile, params, experts, per_param)['moments']
     out = max(out, 2 * moments / link(plan, cluster, s, 'train.offload_optimizer'))
   return out

@@ -33,27 +33,45 @@ from triax.training import checks as train_checks
 # Parameter, gradient accumulator, Adam mu and nu, each the parameter's size
 # (param_dtype: triax keeps no separate master copy; fp32 parameters are it).
 STATE_COPIES = 4
+# AdamW's (the default's) state per parameter byte; another train.optimizer's
+# comes in Options.optimizer_state (training/optimizer.state_per_param).
 MOMENTS = 2
 # Bytes of a parameter: model.param_dtype's default, float32 (what STATE_COPIES
 # prices too); the compute-dtype copies below are counted at dtype / this.
 PARAM_BYTES = 4
 
 
-def copies(kind: str, data: int, per_layer: bool = False) -> dict[str, float]:
+def copies(
+  kind: str, data: int, per_layer: bool = False, moments: float = MOMENTS
+) -> dict[str, float]:
   """Copies of a stage's parameter bytes each part of the training state
   takes per device, by state sharding (see `state`); per_layer: FSDP without
-  the executor, whose gathered weights are one layer's, not a copy of all."""
+  the executor, whose gathered weights are one layer's, not a copy of all;
+  `moments`: the optimizer's state per parameter byte."""
   d = data
   if kind == 'replicated':
-    return {'params': 1.0, 'grads': 1.0, 'moments': MOMENTS, 'gathered': 0.0}
+    return {'params': 1.0, 'grads': 1.0, 'moments': moments, 'gathered': 0.0}
   if kind == 'zero1':
-    return {'params': 1.0, 'grads': 1.0, 'moments': MOMENTS / d, 'gathered': 0.0}
+    return {'params': 1.0, 'grads': 1.0, 'moments': moments / d, 'gathered': 0.0}
   if per_layer:
-    return {'params': 1 / d, 'grads': 1 / d, 'moments': MOMENTS / d, 'gathered': 0.0}
-  return {'params': 1 / d, 'grads': 1.0, 'moments': MOMENTS / d, 'gathered': 1.0}
+    return {'params': 1 / d, 'grads': 1 / d, 'moments': moments / d, 'gathered': 0.0}
+  return {'params': 1 / d, 'grads': 1.0, 'moments': moments / d, 'gathered': 1.0}
 
 
-def state(plan: Plan, profile: Profile, params: float, experts: float = 0.0) -> dict[str, float]:
+def stage_moments(plan: Plan, profile: Profile, options: Options, layers: int) -> float:
+  """The optimizer's state per parameter byte of a stage whose chunks hold
+  `layers` layers each: options.optimizer_state's figures for the layers and
+  for the edges (embedding and head), weighted by their bytes."""
+  shard = profile.shards[plan.tensor]
+  per_layer, per_edge = options.optimizer_state
+  layer_bytes = shard.layer_param_bytes * layers * plan.virtual_stages
+  edges = shard.edge_param_bytes
+  return (per_layer * layer_bytes + per_edge * edges) / max(layer_bytes + edges, 1e-30)
+
+
+def state(
+  plan: Plan, profile: Profile, params: float, experts: float = 0.0, moments: float = MOMENTS
+) -> dict[str, float]:
   """The train step's state bytes per device for a stage holding `params`
   bytes of parameters (its layers and the edges, the experts whole), by the
   plan's state_sharding (of them, `experts` bytes are routed experts', split
@@ -71,12 +89,14 @@ def state(plan: Plan, profile: Profile, params: float, experts: float = 0.0) -> 
     accumulator, is live through it ('gathered');
   - fsdp without it (pipe = m = 1): everything / data; the weights a layer
     or the head gathers as it runs are the work's (`_workspace`).
+
+  `moments`: the optimizer's state per parameter byte (`stage_moments`).
   """
   kind, per_layer, e = plan.state_sharding, plan.fsdp_per_layer, plan.expert
-  split = copies(kind, plan.data // e, per_layer)
+  split = copies(kind, plan.data // e, per_layer, moments)
   out = {
     k: x * (params - experts) + split[k] / e * experts
-    for k, x in copies(kind, plan.data, per_layer).items()
+    for k, x in copies(kind, plan.data, per_layer, moments).items()
   }
   return out
 
@@ -105,17 +125,27 @@ def head_cast(profile: Profile, shard: Shard) -> float:
 
 
 def resident(
-  plan: Plan, profile: Profile, params: float, experts: float = 0.0, offloaded: bool = False
+  plan: Plan,
+  profile: Profile,
+  params: float,
+  experts: float = 0.0,
+  offloaded: bool = False,
+  moments: float = MOMENTS,
 ) -> float:
   """Bytes of the device's state kept between steps (parameters and moments,
   the moments not when `offloaded` to host memory; the gradients are the
   step's): what a save or an evaluation sits beside."""
-  x = state(plan, profile, params, experts)
+  x = state(plan, profile, params, experts, moments)
   return x['params'] + (0.0 if offloaded else x['moments'])
 
 
 def state_programs(
-  plan: Plan, profile: Profile, params: float, experts: float = 0.0, offloaded: bool = False
+  plan: Plan,
+  profile: Profile,
+  params: float,
+  experts: float = 0.0,
+  offloaded: bool = False,
+  moments: float = MOMENTS,
 ) -> dict[str, float]:
   """Peak bytes per device of a checkpoint save, a restore and an
   evaluation, each beside the resident state.
@@ -136,7 +166,7 @@ def state_programs(
   logits, and the head's weight cast to the compute dtype (`head_cast`).
   """
   shard = profile.shards[plan.tensor]
-  rest = resident(plan, profile, params, experts, offloaded)
+  rest = resident(plan, profile, params, experts, offloaded, moments)
   spread, count = train_checks.eval_split(
     plan.global_batch, plan.data, plan.pipe, plan.microbatches
   )
@@ -383,7 +413,8 @@ def parts(
       # the whole state and the head's work only.
       after = logits + head_cast(profile, shard)
       workspace = max(workspace + pooled - shed, after - pool['stash'] - buffers)
-    kept = state(plan, profile, params, experts)
+    moments = stage_moments(plan, profile, options, held)
+    kept = state(plan, profile, params, experts, moments)
     part = {**kept, **pool, 'workspace': workspace}
     peak = sum(kept.values()) + pool['stash'] + buffers + workspace
     offloaded = options.offload_optimizer
@@ -395,7 +426,7 @@ def parts(
       update = kept['params'] + kept['grads'] + kept['moments']
       peak = max(peak - kept['moments'], update)
     part['step'] = peak
-    part.update(state_programs(plan, profile, params, experts, offloaded))
+    part.update(state_programs(plan, profile, params, experts, offloaded, moments))
     part['capacity'] = (
       min(cluster.groups[cluster.devices[d].group].memory for d in plan.stages[s])
       * options.memory_fraction

@@ -101,7 +101,8 @@ def partitions(
 
   # Memory of a stage holding n layers, its stash slots taken as p (1F1B's
   # steady state): a screen only; the simulator checks the real program.
-  state_copies = sum(memory_lib.copies(sharding, layout.data).values())
+  moments = max(options.optimizer_state)  # a screen: the larger of the layers' and edges'
+  state_copies = sum(memory_lib.copies(sharding, layout.data, moments=moments).values())
 
   def allowed(s, n):
     # A MoE layer's experts split over the expert degree.
