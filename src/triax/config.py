@@ -128,16 +128,29 @@ def defaults() -> ml_collections.ConfigDict:
   c.model.num_kv_heads = 0
   # llama: RoPE base; Llama 3's 500000 (Llama 2 used 10000), what its checkpoints expect.
   c.model.rope_theta = 500000.0
-  # llama: Llama 3's long-context RoPE scaling (transformers' rope_type='llama3').
+  # llama, deepseek: long-context RoPE scaling (transformers' rope_scaling / rope_parameters).
   c.model.rope_scaling = ml_collections.ConfigDict()
-  # Slow-down of the long wavelengths (Llama 3.1: 8, 3.2: 32); 0 = no scaling.
+  # llama3 (Llama 3.1's frequency bands) or yarn (YaRN: DeepSeek-V3's and V2's, Qwen3's long
+  # context); a key of the other kind must keep its default.
+  c.model.rope_scaling.rope_type = 'llama3'
+  # Slow-down of the long wavelengths (Llama 3.1: 8, 3.2: 32; DeepSeek-V3: 40); 0 = no scaling.
   c.model.rope_scaling.factor = 0.0
-  # Wavelengths above original_max_position_embeddings / low_freq_factor are scaled fully.
+  # llama3: wavelengths above original_max_position_embeddings / low_freq_factor scaled fully.
   c.model.rope_scaling.low_freq_factor = 1.0
-  # Wavelengths below original_max_position_embeddings / high_freq_factor are kept.
+  # llama3: wavelengths below original_max_position_embeddings / high_freq_factor are kept.
   c.model.rope_scaling.high_freq_factor = 4.0
   # The context length the model was pre-trained on before scaling.
   c.model.rope_scaling.original_max_position_embeddings = 8192
+  # yarn: dimensions turning more than beta_fast times over that context keep their frequency,
+  c.model.rope_scaling.beta_fast = 32.0
+  # yarn: those turning fewer than beta_slow times are slowed by factor; a linear ramp between.
+  c.model.rope_scaling.beta_slow = 1.0
+  # yarn: with mscale_all_dim, cos and sin are scaled by m(mscale) / m(mscale_all_dim), where
+  # m(x) = 0.1 x ln(factor) + 1; else by m(1). 0 = unset.
+  c.model.rope_scaling.mscale = 0.0
+  # yarn: that ratio's denominator; deepseek also scales the softmax by m(mscale_all_dim)^2
+  # (every q.k dimension, as transformers' yarn_apply_mscale). 0 = unset.
+  c.model.rope_scaling.mscale_all_dim = 0.0
   # llama: RMSNorm epsilon (transformers' Llama default; gpt's is fixed at 1e-6).
   c.model.norm_eps = 1e-5
   # llama: use the embedding table as the output layer (Llama 3.2 1B/3B do).

@@ -1,7 +1,7 @@
-"""The Llama family: RMSNorm, rotary position embeddings (with Llama 3's long-context
-scaling), grouped-query attention, a SwiGLU MLP, no biases (but Qwen2's optional q/k/v
-ones, model.qkv_bias), Qwen3's optional q/k norms (model.qk_norm, with its wider heads:
-model.head_dim), optionally tied input and output embeddings.
+"""The Llama family: RMSNorm, rotary position embeddings (with Llama 3's or YaRN's
+long-context scaling), grouped-query attention, a SwiGLU MLP, no biases (but Qwen2's
+optional q/k/v ones, model.qkv_bias), Qwen3's optional q/k norms (model.qk_norm, with its
+wider heads: model.head_dim), optionally tied input and output embeddings.
 
 Conventions follow transformers' LlamaForCausalLM, so that a Hugging Face checkpoint maps
 onto this parameter tree by transposes and reshapes only (convert/hf_llama.py):
@@ -48,16 +48,55 @@ from triax.model.common import (
 )
 from triax.sharding import constrain
 
+# model.rope_scaling.rope_type -> the keys only that kind reads (factor and
+# original_max_position_embeddings are both kinds').
+ROPE_TYPE_KEYS = {
+  'llama3': ('low_freq_factor', 'high_freq_factor'),
+  'yarn': ('beta_fast', 'beta_slow', 'mscale', 'mscale_all_dim'),
+}
+
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
-  """Llama 3's frequency-dependent RoPE scaling (transformers' rope_type='llama3');
-  factor 0 = no scaling."""
+  """Long-context RoPE scaling as transformers computes it: rope_type 'llama3'
+  (_compute_llama3_parameters) or 'yarn' (_compute_yarn_parameters, its
+  correction range truncated); factor 0 = no scaling."""
 
+  rope_type: str = 'llama3'
   factor: float = 0.0
   low_freq_factor: float = 1.0
   high_freq_factor: float = 4.0
   original_max_position_embeddings: int = 8192
+  beta_fast: float = 32.0
+  beta_slow: float = 1.0
+  mscale: float = 0.0
+  mscale_all_dim: float = 0.0
+
+  @property
+  def yarn(self) -> bool:
+    return bool(self.factor) and self.rope_type == 'yarn'
+
+  @property
+  def attention_factor(self) -> float:
+    """YaRN's factor on cos and sin (so on each rotated q.k product, squared); 1 otherwise."""
+    if not self.yarn:
+      return 1.0
+    if self.mscale and self.mscale_all_dim:
+      return _yarn_mscale(self.factor, self.mscale) / _yarn_mscale(self.factor, self.mscale_all_dim)
+    return _yarn_mscale(self.factor)
+
+  @property
+  def softmax_factor(self) -> float:
+    """YaRN's factor on MLA's softmax scale, every q.k dimension (transformers'
+    yarn_apply_mscale, which DeepSeek's attention alone applies); 1 otherwise."""
+    if not (self.yarn and self.mscale_all_dim):
+      return 1.0
+    return _yarn_mscale(self.factor, self.mscale_all_dim) ** 2
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+  """YaRN's Eq. 21 (transformers' yarn_get_mscale): 0.1 mscale ln(factor) + 1."""
+  return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,12 +141,14 @@ class LlamaSpec(ModelSpec):
 
 
 def rope_frequencies(spec: LlamaSpec) -> jax.Array:
-  """Inverse frequencies [rope_dim/2] (fp32), Llama 3-scaled when configured."""
+  """Inverse frequencies [rope_dim/2] (fp32), scaled as model.rope_scaling says."""
   hd = spec.rope_dim
   inv_freq = 1.0 / (spec.rope_theta ** (jnp.arange(0, hd, 2, dtype=jnp.float32) / hd))
   r = spec.rope_scaling
   if not r.factor:
     return inv_freq
+  if r.rope_type == 'yarn':
+    return _yarn_frequencies(hd, spec.rope_theta, r)
   # transformers' _compute_llama3_parameters: long wavelengths are slowed by
   # `factor`, short ones kept, the band between interpolated smoothly.
   low_wavelen = r.original_max_position_embeddings / r.low_freq_factor
@@ -122,12 +163,36 @@ def rope_frequencies(spec: LlamaSpec) -> jax.Array:
   return jnp.where(medium, smoothed, scaled)
 
 
+def _yarn_frequencies(dim: int, theta: float, r: RopeScaling) -> jax.Array:
+  """transformers' _compute_yarn_parameters, operation for operation: pairs
+  turning more than beta_fast times over the original context keep their
+  frequency, those turning fewer than beta_slow times are divided by factor,
+  a linear ramp over the (truncated) pair indices between."""
+
+  def pair(rotations: float) -> float:
+    ctx = r.original_max_position_embeddings
+    return dim * math.log(ctx / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+  low = max(math.floor(pair(r.beta_fast)), 0)
+  high = min(math.ceil(pair(r.beta_slow)), dim - 1)
+  if low == high:
+    high += 0.001  # transformers' guard against a ramp of no width
+  ramp = jnp.clip((jnp.arange(dim // 2, dtype=jnp.float32) - low) / (high - low), 0, 1)
+  kept = 1 - ramp
+  powers = theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim)  # theta^(2i/dim)
+  return 1.0 / (r.factor * powers) * (1 - kept) + 1.0 / powers * kept
+
+
 def rope_tables(spec: LlamaSpec, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """cos, sin [..., hd] (fp32) for positions [...], in rotate_half's layout.
-  Training passes 0..s-1; a decoder with a K/V cache its new tokens' [b, t]."""
+  """cos, sin [..., hd] (fp32) for positions [...], in rotate_half's layout,
+  times YaRN's attention factor when configured. Training passes 0..s-1; a
+  decoder with a K/V cache its new tokens' [b, t]."""
   freqs = positions.astype(jnp.float32)[..., None] * rope_frequencies(spec)
   emb = jnp.concatenate([freqs, freqs], axis=-1)
-  return jnp.cos(emb), jnp.sin(emb)
+  factor = spec.rope_scaling.attention_factor
+  if factor == 1.0:
+    return jnp.cos(emb), jnp.sin(emb)
+  return jnp.cos(emb) * factor, jnp.sin(emb) * factor
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
@@ -328,26 +393,7 @@ def validate(model_cfg, mesh_cfg, rules: tuple) -> None:
   if not _positive_number(m.norm_eps):
     raise ConfigError('model.norm_eps', f'must be a positive number, got {m.norm_eps!r}')
   check_flags(m, ('tie_embeddings', 'qkv_bias', 'qk_norm'))
-  r = m.rope_scaling
-  unknown = set(r) - {f.name for f in dataclasses.fields(RopeScaling)}
-  if unknown:
-    raise ConfigError(f'model.rope_scaling.{sorted(unknown)[0]}', 'unknown key')
-  if r.factor:
-    if not _positive_number(r.factor) or r.factor < 1:
-      raise ConfigError('model.rope_scaling.factor', f'must be >= 1 (0 = off), got {r.factor!r}')
-    if not (_positive_number(r.low_freq_factor) and _positive_number(r.high_freq_factor)):
-      raise ConfigError('model.rope_scaling.low_freq_factor', 'both frequency factors must be > 0')
-    if r.high_freq_factor <= r.low_freq_factor:
-      raise ConfigError(
-        'model.rope_scaling.high_freq_factor',
-        f'must exceed low_freq_factor={r.low_freq_factor}, got {r.high_freq_factor!r}',
-      )
-    ctx = r.original_max_position_embeddings
-    if not isinstance(ctx, int) or isinstance(ctx, bool) or ctx <= 0:
-      raise ConfigError(
-        'model.rope_scaling.original_max_position_embeddings',
-        f'must be a positive integer (the pre-scaling context), got {ctx!r}',
-      )
+  check_rope_scaling(m.rope_scaling)
 
   axis, size = _kv_axis(mesh_cfg, rules)
   if kv >= size and kv % size:
@@ -356,6 +402,58 @@ def validate(model_cfg, mesh_cfg, rules: tuple) -> None:
       f'{kv} K/V heads cannot be split evenly over mesh.{axis}={size}; use a multiple '
       f'of {size}, or fewer than {size} (then they are replicated)',
     )
+
+
+def check_rope_scaling(r) -> None:
+  """model.rope_scaling: a known kind, no key of the other kind's set, and
+  with a factor, that kind's values."""
+  unknown = set(r) - {f.name for f in dataclasses.fields(RopeScaling)}
+  if unknown:
+    raise ConfigError(f'model.rope_scaling.{sorted(unknown)[0]}', 'unknown key')
+  checks.one_of('model.rope_scaling.rope_type', r.rope_type, tuple(ROPE_TYPE_KEYS), 'rope type')
+  default = RopeScaling()
+  for kind, keys in ROPE_TYPE_KEYS.items():
+    for key in keys:
+      if kind != r.rope_type and r[key] != getattr(default, key):
+        raise ConfigError(
+          f'model.rope_scaling.{key}',
+          f'a rope_type={kind} key, and rope_type is {r.rope_type}: leave it at its default '
+          f'{getattr(default, key)!r}',
+        )
+  if not r.factor:
+    return
+  if not _positive_number(r.factor) or r.factor < 1:
+    raise ConfigError('model.rope_scaling.factor', f'must be >= 1 (0 = off), got {r.factor!r}')
+  ctx = r.original_max_position_embeddings
+  if not isinstance(ctx, int) or isinstance(ctx, bool) or ctx <= 0:
+    raise ConfigError(
+      'model.rope_scaling.original_max_position_embeddings',
+      f'must be a positive integer (the pre-scaling context), got {ctx!r}',
+    )
+  (_check_yarn if r.rope_type == 'yarn' else _check_llama3)(r)
+
+
+def _check_llama3(r) -> None:
+  if not (_positive_number(r.low_freq_factor) and _positive_number(r.high_freq_factor)):
+    raise ConfigError('model.rope_scaling.low_freq_factor', 'both frequency factors must be > 0')
+  if r.high_freq_factor <= r.low_freq_factor:
+    raise ConfigError(
+      'model.rope_scaling.high_freq_factor',
+      f'must exceed low_freq_factor={r.low_freq_factor}, got {r.high_freq_factor!r}',
+    )
+
+
+def _check_yarn(r) -> None:
+  for key in ('beta_fast', 'beta_slow'):
+    if not _positive_number(r[key]):
+      raise ConfigError(f'model.rope_scaling.{key}', f'must be a number > 0, got {r[key]!r}')
+  if r.beta_fast < r.beta_slow:
+    raise ConfigError(
+      'model.rope_scaling.beta_fast',
+      f'must be at least beta_slow={r.beta_slow} (more turns than it), got {r.beta_fast!r}',
+    )
+  for key in ('mscale', 'mscale_all_dim'):
+    checks.non_negative_number(f'model.rope_scaling.{key}', r[key], 'unset')
 
 
 def _kv_axis(mesh_cfg, rules: tuple) -> tuple[str | None, int]:
