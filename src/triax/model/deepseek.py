@@ -24,7 +24,8 @@ r = kv_lora_rank, f = moe_d_ff. The dense blocks run inside the embedding (so
 the layer stack stays one kind of block, and a pipeline's first stage runs
 them); the MTP modules inside the head (its last stage). RoPE rotates the
 last qk_rope_head_dim of each query head and one key shared by all heads, in
-rotate_half's layout (convert/ permutes DeepSeek's interleaved pairs).
+rotate_half's layout (convert/ permutes DeepSeek's interleaved pairs), scaled
+by model.rope_scaling (YaRN's, with its softmax factor, as DeepSeek-V3's).
 
 MLA caches for decoding what a token's keys and values are made from: its
 normalised latent [r] and its rotated key [rope], never a head's keys or
@@ -89,7 +90,6 @@ class DeepSeekSpec(mixtral.MixtralSpec):
   qk_norm: bool = _unused(False)
   head_dim: int = _unused(0)
   tie_embeddings: bool = _unused(False)
-  rope_scaling: llama.RopeScaling = _unused(llama.RopeScaling())
   shared_expert_gate: bool = _unused(False)
   moe_every: int = _unused(1)
 
@@ -108,10 +108,6 @@ class DeepSeekSpec(mixtral.MixtralSpec):
   def __post_init__(self):
     # A query's and a key's width; ModelSpec's d_model / num_heads means nothing here.
     object.__setattr__(self, 'head_dim', self.qk_nope_head_dim + self.qk_rope_head_dim)
-
-  @classmethod
-  def from_config(cls, model_cfg) -> DeepSeekSpec:
-    return cls(**{k: model_cfg[k] for k in cls.config_fields()})
 
   @property
   def rope_dim(self) -> int:
@@ -191,6 +187,10 @@ class DenseBlock(llama.Block):
       (q,) = project(h, w.q, 'bsd,dnk->bsnk', dt, s.remat)
       latent, k_rope = project(h, (w.wkv_a, w.wk_rope), 'bsd,dr->bsr', dt, s.remat)
     latent = head_norm(latent, w.kv_a_norm, LATENT_EPS)
+    if s.rope_scaling.softmax_factor != 1.0:
+      # YaRN's factor on the softmax scale, put on the queries: every core
+      # and kernel, and absorbed decoding, then scales alike.
+      q = q * s.rope_scaling.softmax_factor
     nope = s.qk_nope_head_dim
     q_nope, q_rope = q[..., :nope], llama.apply_rope(q[..., nope:], cos, sin)
     k_rope = llama.apply_rope(k_rope[:, :, None, :], cos, sin)  # one key for every head
