@@ -151,8 +151,8 @@ def test_export_import_export_is_bit_identical(imported, tmp_path):
   'overrides, match',
   [
     (
-      {'rope_scaling': {'rope_type': 'yarn', 'factor': 4.0}},
-      "rope scaling 'yarn' is not supported",
+      {'rope_scaling': {'rope_type': 'dynamic', 'factor': 4.0}},
+      "rope type 'dynamic' is not supported",
     ),
     ({'attention_bias': True}, 'attention_bias=True'),
     ({'tie_word_embeddings': True}, 'tie_word_embeddings=True'),

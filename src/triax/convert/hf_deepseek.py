@@ -38,6 +38,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from triax.convert import hf_llama
 from triax.errors import ConfigError
 
 MODEL_TYPES = {'deepseek_v3': ('deepseek', 'DeepseekV3ForCausalLM')}
@@ -55,24 +56,6 @@ _REQUIRED = {
   'topk_method': 'noaux_tc',
   'moe_layer_freq': 1,
 }
-
-
-def _rope_theta(hf: Mapping) -> float:
-  """rope_theta of an HF config (transformers 5: in rope_parameters).
-
-  Raises:
-    ConfigError('--hf_dir', ...): any RoPE scaling (DeepSeek's YaRN).
-  """
-  params = dict(hf.get('rope_parameters') or {})
-  scaling = dict(hf.get('rope_scaling') or {})
-  kind = params.get('rope_type') or scaling.get('rope_type') or scaling.get('type') or 'default'
-  if kind != 'default':
-    raise ConfigError(
-      '--hf_dir',
-      f"config.json: rope scaling {kind!r} is not supported yet (triax's deepseek runs "
-      "unscaled RoPE, without YaRN's frequencies and softmax mscale)",
-    )
-  return float(params.get('rope_theta', hf.get('rope_theta', 10000.0)))
 
 
 def _check(hf: Mapping) -> None:
@@ -105,6 +88,7 @@ def model_config(hf: Mapping, seq_len: int) -> dict:
     ConfigError('--hf_dir', ...): a variant triax does not run.
   """
   _check(hf)
+  theta, scaling = hf_llama.rope_from_hf(hf)
   return {
     'family': 'deepseek',
     'num_layers': hf['num_hidden_layers'],
@@ -114,7 +98,8 @@ def model_config(hf: Mapping, seq_len: int) -> dict:
     'moe_d_ff': hf['moe_intermediate_size'],
     'vocab_size': hf['vocab_size'],
     'seq_len': seq_len,
-    'rope_theta': _rope_theta(hf),
+    'rope_theta': theta,
+    'rope_scaling': scaling,
     'norm_eps': float(hf.get('rms_norm_eps', 1e-6)),
     # transformers 5 accepts num_local_experts for n_routed_experts.
     'num_experts': hf.get('n_routed_experts') or hf['num_local_experts'],
@@ -190,6 +175,9 @@ def hf_config(model_cfg, base: Mapping | None = None) -> dict:
     num_nextn_predict_layers=0,
     torch_dtype=m.param_dtype,
   )
+  scaling = hf_llama.rope_scaling_hf(m.rope_scaling)
+  if scaling:
+    out['rope_scaling'] = scaling
   return out
 
 

@@ -77,26 +77,74 @@ def architecture(model_cfg) -> str:
   return MODEL_TYPES[model_type(model_cfg)][1]
 
 
-def _rope(hf: Mapping) -> tuple[float, dict]:
-  """(rope_theta, rope_scaling fields) from an HF config: transformers 5 keeps
-  them in `rope_parameters`, earlier versions in `rope_theta` and `rope_scaling`."""
+def rope_from_hf(hf: Mapping) -> tuple[float, dict]:
+  """(rope_theta, model.rope_scaling fields) from an HF config: transformers 5
+  keeps them in `rope_parameters`, earlier versions (and DeepSeek's files) in
+  `rope_theta` and `rope_scaling`; read as transformers reads them.
+
+  Raises:
+    ConfigError('--hf_dir', ...): a kind of scaling triax does not run.
+  """
   params = dict(hf.get('rope_parameters') or {})
-  scaling = dict(hf.get('rope_scaling') or {})
   theta = params.get('rope_theta', hf.get('rope_theta', 10000.0))
-  kind = params.get('rope_type') or scaling.get('rope_type') or scaling.get('type') or 'default'
-  source = params if params.get('rope_type') == 'llama3' else scaling
+  source = params if params.get('rope_type') or params.get('type') else hf.get('rope_scaling') or {}
+  kind = source.get('rope_type') or source.get('type') or 'default'
   if kind == 'default':
     return float(theta), {'factor': 0.0}
+  if kind == 'yarn':
+    return float(theta), _yarn_from_hf(source, hf)
   if kind != 'llama3':
     raise ConfigError(
-      '--hf_dir', f"config.json: rope type {kind!r} is not supported (only 'default' and 'llama3')"
+      '--hf_dir',
+      f"config.json: rope type {kind!r} is not supported (only 'default', 'llama3' and 'yarn')",
     )
   return float(theta), {
+    'rope_type': 'llama3',
     'factor': float(source['factor']),
     'low_freq_factor': float(source['low_freq_factor']),
     'high_freq_factor': float(source['high_freq_factor']),
     'original_max_position_embeddings': int(source['original_max_position_embeddings']),
   }
+
+
+def _yarn_from_hf(source: Mapping, hf: Mapping) -> dict:
+  """model.rope_scaling of an HF yarn entry, with transformers' defaults: the
+  original context max_position_embeddings (a top-level one first), the
+  factor their ratio, beta_fast 32, beta_slow 1, mscales unset."""
+  for key, value in (('attention_factor', None), ('truncate', True)):
+    if source.get(key, value) != value:
+      raise ConfigError(
+        '--hf_dir',
+        f'config.json: yarn with {key}={source[key]!r}; triax runs {value!r} only (the attention '
+        'factor derived from factor, mscale and mscale_all_dim; the correction range truncated)',
+      )
+  ctx = (
+    hf.get('original_max_position_embeddings')
+    or source.get('original_max_position_embeddings')
+    or hf['max_position_embeddings']
+  )
+  return {
+    'rope_type': 'yarn',
+    'factor': float(source.get('factor') or hf['max_position_embeddings'] / ctx),
+    'original_max_position_embeddings': int(ctx),
+    'beta_fast': float(source.get('beta_fast') or 32),
+    'beta_slow': float(source.get('beta_slow') or 1),
+    'mscale': float(source.get('mscale') or 0),
+    'mscale_all_dim': float(source.get('mscale_all_dim') or 0),
+  }
+
+
+def rope_scaling_hf(r) -> dict | None:
+  """The HF `rope_scaling` entry of model.rope_scaling `r` (transformers 5
+  reads it into rope_parameters), or None unscaled; yarn's unset mscales left out."""
+  if not r.factor:
+    return None
+  keys = ('low_freq_factor', 'high_freq_factor')
+  if r.rope_type == 'yarn':
+    keys = ('beta_fast', 'beta_slow') + tuple(k for k in ('mscale', 'mscale_all_dim') if r[k])
+  entry = {'rope_type': r.rope_type, 'factor': r.factor, **{k: r[k] for k in keys}}
+  entry['original_max_position_embeddings'] = r.original_max_position_embeddings
+  return entry
 
 
 def model_config(hf: Mapping, seq_len: int) -> dict:
@@ -129,7 +177,7 @@ def model_config(hf: Mapping, seq_len: int) -> dict:
     raise ConfigError(
       '--hf_dir', f'config.json: no head_dim, and num_attention_heads={n} does not divide {d}'
     )
-  theta, scaling = _rope(hf)
+  theta, scaling = rope_from_hf(hf)
   extra = {'qkv_bias': True} if kind == 'qwen2' else {}
   if MODEL_TYPES[kind][0] == 'mixtral':
     extra = {
@@ -309,15 +357,9 @@ def hf_config(model_cfg, base: Mapping | None = None) -> dict:
     torch_dtype=m.param_dtype,
     rope_theta=m.rope_theta,
   )
-  r = m.rope_scaling
-  if r.factor:
-    out['rope_scaling'] = {
-      'rope_type': 'llama3',
-      'factor': r.factor,
-      'low_freq_factor': r.low_freq_factor,
-      'high_freq_factor': r.high_freq_factor,
-      'original_max_position_embeddings': r.original_max_position_embeddings,
-    }
+  scaling = rope_scaling_hf(m.rope_scaling)
+  if scaling:
+    out['rope_scaling'] = scaling
   return out
 
 
