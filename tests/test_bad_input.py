@@ -240,6 +240,16 @@ CASES = [
     ),
     'model.rope_scaling.high_freq_factor',
   ),
+  (
+    'rope-scaling-key-of-the-other-kind',
+    train(
+      '--config.model.family=llama',
+      '--config.model.rope_scaling.rope_type=yarn',
+      '--config.model.rope_scaling.factor=4.0',
+      '--config.model.rope_scaling.low_freq_factor=2.0',
+    ),
+    'model.rope_scaling.low_freq_factor',
+  ),
   ('negative-learning-rate', train('--config.train.learning_rate=-1'), 'train.learning_rate'),
   ('keep-no-checkpoints', train('--config.checkpoint.keep=0'), 'checkpoint.keep'),
   (
