@@ -27,7 +27,9 @@ num_hidden_layers (DeepSeek-V3's MTP module, which transformers' class
 ignores too); an export of a model with MTP is refused unless asked to
 drop them (`triax convert --export --drop_mtp`).
 
-Everything here is numpy, the files' reading and writing hf_llama's.
+Everything here is numpy, the files' reading and writing hf_llama's, as is
+the mapping of the RoPE scaling (DeepSeek-V3's YaRN: `rope_from_hf`,
+`rope_scaling_hf`).
 """
 
 from __future__ import annotations
