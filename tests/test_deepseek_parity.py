@@ -93,8 +93,9 @@ def test_fused_dualpipe_v_with_experts_matches_one_device():
 
 
 def test_zb_v_over_tensor_and_four_stages_matches_one_device():
-  # 8 MoE blocks in 8 chunks of one (4 stages x 2 virtual), beside the dense first.
-  layers = {'model.num_layers': 9, 'pipeline.virtual_stages': 2}
+  # 8 MoE blocks in 8 chunks of one (4 stages x 2 virtual), beside the dense first;
+  # the edges' gradients (the dense block's, MTP's) made after the tick loop.
+  layers = {'model.num_layers': 9, 'pipeline.virtual_stages': 2, 'pipeline.edge_grads': 'after'}
   _check(1, 2, 4, 1, m=8, **{'pipeline.schedule': 'zb_v', **layers})
 
 
