@@ -37,6 +37,18 @@ FAMILIES = {
     {'router', 'w_gate', 'w_up', 'w_down', 'wq', 'wk', 'wv', 'wo'}
     | {'shared_gate', 'shared_up', 'shared_down'},
   ),
+  # MLA's projections, a dense first block (in the embedding), MTP's (in the head);
+  # the balancing bias and the latents' and MTP's norms neither.
+  'deepseek-mla-mtp': (
+    {'family': 'deepseek', 'num_layers': 3, 'first_k_dense': 1, 'num_experts': 4}
+    | {'experts_per_token': 2, 'shared_experts': 1, 'q_lora_rank': 16, 'kv_lora_rank': 8}
+    | {'qk_nope_head_dim': 8, 'qk_rope_head_dim': 4, 'v_head_dim': 8, 'mtp_depth': 1},
+    {'tokens', 'out', 'router', 'w_gate', 'w_up', 'w_down', 'wo', 'proj'}
+    | {'wq_a', 'wq_b', 'wkv_a', 'wk_rope', 'wk_b', 'wv_b', 'shared_gate', 'shared_up'}
+    | {'shared_down'},
+    {'router', 'w_gate', 'w_up', 'w_down', 'wo', 'proj', 'wq_a', 'wq_b', 'wkv_a', 'wk_rope'}
+    | {'wk_b', 'wv_b', 'shared_gate', 'shared_up', 'shared_down'},
+  ),
 }
 
 
@@ -61,7 +73,8 @@ def test_decay_and_muon_follow_the_axes_rule(family):
   labels = leaves.muon_labels(())(shapes)
   assert _named(labels, lambda label: label == 'muon') == muon
   # Biases, norms (q/k's too) and positions are neither.
-  assert not {'bq', 'bk', 'bv', 'q_norm', 'k_norm', 'attn_norm', 'positions'} & (decays | muon)
+  neither = {'bq', 'bk', 'bv', 'q_norm', 'k_norm', 'attn_norm', 'positions', 'router_bias'}
+  assert not (neither | {'q_a_norm', 'kv_a_norm', 'enorm', 'hnorm'}) & (decays | muon)
 
 
 def test_a_matrix_is_two_features_past_the_stacked_axes():
