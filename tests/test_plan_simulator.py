@@ -383,6 +383,7 @@ def test_a_degree_measured_at_its_ends_borrows_the_smallest_degrees_curve():
   )
   prof = dataclasses.replace(base, points=points)
   assert prof.local_seconds('layer_fwd', 2, 1) == pytest.approx(3.0)
+  assert prof.local_seconds('layer_fwd', 3, 1) == pytest.approx(3.5)  # between its neighbours
   # Ratio to t=1: 0.5 at b=1, 0.75 at b=4 -> 0.5 + 0.25/3 at b=2.
   assert prof.local_seconds('layer_fwd', 2, 2) == pytest.approx((0.5 + 0.25 / 3) * 3.0)
   assert prof.local_seconds('layer_fwd', 4, 2) == pytest.approx(3.0)
