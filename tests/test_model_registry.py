@@ -99,11 +99,13 @@ def test_llama_tiny_is_a_valid_gqa_pipeline_run_on_8_devices():
 @pytest.mark.parametrize('family', ['llama', 'mixtral'])
 def test_unscanned_layers_are_loop_free_and_compute_the_same(family):
   """model.scan_layers=false unrolls the layer stack: no while loop left in
-  the objective's gradient, and the same loss and gradients (fp32)."""
+  the objective's gradient, and the same loss and gradients (fp32). Two
+  layers (a loop of two, or two copies): each unrolled layer is compiled anew."""
   make = harness.tiny_mixtral_config if family == 'mixtral' else harness.tiny_config
 
   def run(scan: bool):
-    cfg = config.validate(make(**{'model.scan_layers': scan, 'model.family': family}), 1)
+    overrides = {'model.scan_layers': scan, 'model.family': family, 'model.num_layers': 2}
+    cfg = config.validate(make(**overrides), 1)
     model = registry.build(registry.spec_from_config(cfg.model))
     params = jax.jit(model.init)(jax.random.key(0))
     batch = harness.random_batch(cfg)
