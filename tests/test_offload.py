@@ -204,7 +204,7 @@ def test_the_planner_counts_one_set_of_an_offloaded_stash():
   assert stash(False) == 8 * one_set and stash(True) == one_set
 
 
-@pytest.mark.fast
+# Two searches of the 1B model's top 100 (seconds each): the whole suite's, not the fast tier's.
 def test_the_planner_keeps_offloaded_moments_off_the_device_until_the_update(capsys):
   """`triax plan` reads train.offload_optimizer: each layout's peak loses
   Adam's moments through the forward and backward, and holds them again,
