@@ -40,6 +40,8 @@ RETIRED_REMATS = {
 # float16 is refused with its reason (no loss scaling); see validate().
 DTYPES = ('float32', 'bfloat16')
 ATTENTION_IMPLS = ('xla', 'cudnn', 'splash')
+# model.fp8: the weight matmuls' operands as they are, or FP8 with one scale per tensor.
+FP8_RECIPES = ('none', 'tensorwise')
 
 
 def defaults() -> ml_collections.ConfigDict:
@@ -108,6 +110,10 @@ def defaults() -> ml_collections.ConfigDict:
   # core's scores only); dots (keep every weight matmul's output, recompute the rest); full
   # (keep each layer's input).
   c.model.remat = 'none'
+  # Weight matmuls in FP8 (model/fp8.py): none, or tensorwise (current scaling, one power-of-two
+  # scale per tensor from its amax each step; E4M3 operands forward, E5M2 gradients backward).
+  # Attention's core, norms, router, routed experts and the head stay in model.dtype.
+  c.model.fp8 = 'none'
   # Run the layer stack as a loop (true) or unrolled (false: longer compiles; XLA may then overlap
   # one layer's collectives with another's compute, and with the other micro-batch's in a fused
   # pipeline tick, pipeline.fuse_overlaps). MaxText's scan_layers.
@@ -670,6 +676,7 @@ def _check_model(cfg) -> None:
     ('param_dtype', DTYPES),
     ('remat', REMAT_POLICIES),
     ('attention', ATTENTION_IMPLS),
+    ('fp8', FP8_RECIPES),
   ):
     if m[key] == 'float16' and key in ('dtype', 'param_dtype'):
       # float16's range needs dynamic loss scaling, which triax does not do:
@@ -681,6 +688,19 @@ def _check_model(cfg) -> None:
     if retired:
       raise ConfigError('model.remat', f'{m[key]!r} {retired}')
     checks.one_of(f'model.{key}', m[key], choices)
+  _check_fp8(m)
+
+
+def _check_fp8(m) -> None:
+  """What model.fp8 composes with: every remat policy but dots."""
+  if m.fp8 != 'none' and m.remat == 'dots':
+    # An FP8 matmul is a custom_vjp (its backward's E5M2 GEMMs), whose
+    # product the dots policy cannot see to keep: the layer would be recomputed whole.
+    raise ConfigError(
+      'model.fp8',
+      f"{m.fp8} hides each matmul from model.remat=dots's policy; use remat none, "
+      'attention or full',
+    )
 
 
 def head_dim(m) -> int:

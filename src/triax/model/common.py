@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from triax.model import context as context_lib
+from triax.model import fp8 as fp8_lib
 from triax.model import loss as loss_lib
 from triax.sharding import active_spec, constrain, vary_like
 
@@ -83,6 +84,8 @@ class ModelSpec:
   vocab_used: int = 0
   # With context > 1: allgather or ring (model/context.py).
   context_attention: str = 'allgather'
+  # Weight matmuls' operands: none (dtype) or tensorwise (FP8, model/fp8.py).
+  fp8: str = 'none'
   # Width of each attention head; 0 = d_model / num_heads. Qwen3's and Gemma's
   # are wider (heads x head_dim > d_model); a tensor shard keeps it (fewer heads).
   head_dim: int = 0
@@ -231,14 +234,17 @@ def _rms_norm_bwd(eps: float, residuals, g):
 _rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
 
 
-def matmul(equation: str, x, w, dtype, remat: str):
-  """einsum(equation, x, w cast to `dtype`), a layer's weight w.
+def matmul(equation: str, x, w, dtype, remat: str, fp8: str = 'none'):
+  """einsum(equation, x, w cast to `dtype`), a layer's weight w; with `fp8`
+  (model.fp8) other than none, on FP8 operands (model/fp8.py), under every remat.
 
   Without remat the backward casts w again instead of keeping its cast: kept,
   the cast is a residual, a copy of the layer's weights in every micro-batch
   a pipeline stashes and in the layer scan's residuals. Under a layer's checkpoint it
   is not kept anyway, and the einsum stays plain: a custom_vjp would hide its
-  product from `dots`'s policy."""
+  product from `dots`'s policy (config.py refuses fp8 with dots for that reason)."""
+  if fp8 != 'none':
+    return fp8_lib.einsum(equation, x, w, dtype)
   if layer_checkpointed(remat):
     return jnp.einsum(equation, x, w.astype(dtype))
   return recast(einsum_of(equation), x, w, dtype)
@@ -277,8 +283,9 @@ def _recast_bwd(op, dtype, residuals, g):
 _recast.defvjp(_recast_fwd, _recast_bwd)
 
 
-def project(h, weights, equation: str, dtype, remat: str):
-  """h times each weight (cast to `dtype`), keeping h as it arrives for the backward.
+def project(h, weights, equation: str, dtype, remat: str, fp8: str = 'none'):
+  """h times each weight (cast to `dtype`; `matmul`'s `fp8`), keeping h as
+  it arrives for the backward.
 
   Under sequence parallelism h arrives split along the sequence (rms_norm
   pins it there) and GSPMD gathers it for these column-parallel matmuls;
@@ -290,7 +297,7 @@ def project(h, weights, equation: str, dtype, remat: str):
   region only costs memory under XLA:TPU."""
 
   def run(h, *ws):
-    return tuple(matmul(equation, h, w, dtype, remat) for w in ws)
+    return tuple(matmul(equation, h, w, dtype, remat, fp8) for w in ws)
 
   if remat == 'full' or not _sequence_split_over_tensor():
     return run(h, *weights)
