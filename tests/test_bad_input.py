@@ -184,6 +184,13 @@ CASES = [
   ('renamed-remat', train('--config.model.remat=selective'), 'model.remat'),
   ('float16-without-loss-scaling', train('--config.model.dtype=float16'), 'model.dtype'),
   ('cudnn-in-float32', train('--config.model.attention=cudnn'), 'model.attention'),
+  ('unknown-fp8-recipe', train('--config.model.fp8=delayed'), 'model.fp8'),
+  # dots's policy cannot see an FP8 matmul (a custom_vjp) to keep its output.
+  (
+    'fp8-under-dots-remat',
+    train('--config.model.fp8=tensorwise', '--config.model.remat=dots'),
+    'model.fp8',
+  ),
   ('unknown-family', train('--config.model.family=mamba'), 'model.family'),
   ('loss-chunk-not-dividing', train('--config.model.loss_chunk=5'), 'model.loss_chunk'),
   ('vocab-used-beyond-vocab', train('--config.model.vocab_used=300'), 'model.vocab_used'),
