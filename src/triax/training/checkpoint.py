@@ -42,13 +42,17 @@ import os
 import re
 import shutil
 import zlib
+from collections.abc import Callable
+from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
 
 from triax.errors import ConfigError
 from triax.model import registry
+from triax.training import deferred as deferred_lib
 from triax.training import optimizer as optimizer_lib
 from triax.training import workdir as workdir_lib
 from triax.training.step import Trainer, TrainState
@@ -80,6 +84,13 @@ def crc32(path: str) -> int:
     while block := f.read(1 << 22):
       value = zlib.crc32(block, value)
   return value
+
+
+def _restore_args(target):
+  """How orbax restores a leaf: into its sharding, or as numpy on the host without one."""
+  if getattr(target, 'sharding', None) is None:
+    return ocp.RestoreArgs(restore_type=np.ndarray, dtype=target.dtype)
+  return ocp.ArrayRestoreArgs(sharding=target.sharding)
 
 
 def _first_line(error: BaseException) -> str:
@@ -119,6 +130,7 @@ class Checkpointer:
     self.restored_progress: dict = {}
     self.damaged: list[tuple[int, str]] = []  # newer than the restored step
     self._manager = None
+    self._deferred = False  # whether the manager saves Deferred leaves (save_canonical)
     self._saving_step: int | None = None
     self._state_paths: list[str] | None = None
     self._check_directory()
@@ -235,25 +247,53 @@ class Checkpointer:
     """The newest intact checkpoint's step and params, or None when there is none yet.
 
     `target` is the params' tree of `jax.ShapeDtypeStruct`s with shardings:
-    where each array goes. The step is chosen and checked as `restore`
-    chooses and checks it: every file of the step against its checksum,
-    then the model record (not the optimizer state's structure, which the
-    params do not depend on). The checksums cover the optimizer state's
-    files too, although only the params are read back: orbax's OCDBT store
-    packs the params' chunks and the moments' into the same data files,
-    and which chunk is where is known only from their index, itself kept in
-    those files, so no subset of the files is known to hold the params alone.
-    The price is reading the moments' bytes once more, at crc32's speed.
+    where each array goes. The step is chosen and checked by `params_reader`.
 
     Raises:
       ConfigError: a damaged newest step, no intact step, or a checkpoint of
         another model.
     """
+    found = self.params_reader()
+    return None if found is None else (found[0], found[1](target))
+
+  def params_reader(self) -> tuple[int, Callable[[Any], Any]] | None:
+    """(step, read) of the newest intact checkpoint, or None when there is none
+    yet; `read(target)` restores any part of its params: `target` a tree like
+    a sub-tree of theirs (the keys down to the leaves wanted) of
+    `jax.ShapeDtypeStruct`s, restored into their shardings, or, for one
+    without a sharding, as numpy on the host (no device holds it). Reading
+    leaf by leaf holds one leaf at a time (what an export does).
+
+    The step is chosen and checked as `restore` chooses and checks it: every
+    file of the step against its checksum, then the model record (not the
+    optimizer state's structure, which the params do not depend on). The
+    checksums cover the optimizer state's files too, although only params
+    are read: orbax's OCDBT store packs the params' chunks and the moments'
+    into the same data files, and which chunk is where is known only from
+    their index, itself kept in those files, so no subset of the files is
+    known to hold the params alone. The price is reading the moments' bytes
+    once more, at crc32's speed.
+
+    Raises:
+      ConfigError: a damaged newest step, no intact step, or a checkpoint of
+        another model (and, from `read`, a step that does not read back).
+    """
     damaged = os.path.join(self.workdir, workdir_lib.DAMAGED)
-    return self._restore_newest(
-      lambda step: self._read_params(step, target),
-      fix=f'move that step to {damaged}/ to read the newest intact one before it',
-    )
+    fix = f'move that step to {damaged}/ to read the newest intact one before it'
+    found = self._restore_newest(self._read_record, fix=fix)
+    if found is None:
+      return None
+    step = found[0]
+
+    def read(target):
+      value, reason = self._read_params(step, target)
+      if reason is not None:
+        raise ConfigError(
+          '--workdir', f'checkpoint {step} is damaged: {self._step_dir(step)}/{reason}; {fix}'
+        )
+      return value
+
+    return step, read
 
   def _restore_newest(self, read, *, before: int | None = None, fix: str):
     """(step, what `read(step)` gives) of the newest intact step below `before`, or
@@ -326,14 +366,24 @@ class Checkpointer:
     self.restored_progress = items['progress']
     return TrainState(step=read['step'], params=read['params'], opt_state=opt_state), None
 
-  def _read_params(self, step: int, target) -> tuple[object, str | None]:
-    """Checkpoint `step`'s params, placed as `target` says (None and why when they do not read)."""
+  def _read_record(self, step: int) -> tuple[None, str | None]:
+    """(None, None) when checkpoint `step`'s model record reads and is this
+    config's model; (None, why) when it does not read.
+
+    Raises:
+      ConfigError: a record of another model.
+    """
     try:
       record = self._read(step, model=ocp.args.JsonRestore())['model']
     except Exception as e:  # pylint: disable=broad-except  # anything unreadable is damage
       return None, f'unreadable ({_first_line(e)})'
     self._check_model(step, record)
-    restore_args = jax.tree.map(lambda s: ocp.ArrayRestoreArgs(sharding=s.sharding), target)
+    return None, None
+
+  def _read_params(self, step: int, target) -> tuple[object, str | None]:
+    """Checkpoint `step`'s params (the part `target` names), placed as `target`
+    says (None and why when they do not read)."""
+    restore_args = jax.tree.map(_restore_args, target)
     try:
       # The state's other items (step, optimizer state) stay on disk.
       items = self._read(
@@ -401,8 +451,9 @@ class Checkpointer:
       self._state_paths = state_paths(trainer)
     return self._state_paths
 
-  def prepare_to_write(self) -> None:
-    """Moves damaged newer steps aside and opens orbax (which removes unfinished saves)."""
+  def prepare_to_write(self, *, deferred: bool = False) -> None:
+    """Moves damaged newer steps aside and opens orbax (which removes unfinished
+    saves); `deferred`: for `save_canonical` (its state's leaves may be `deferred.Deferred`)."""
     if self._manager is not None:
       return
     self._sync('triax_checkpoint_restored')  # every process has read what it needs
@@ -417,7 +468,13 @@ class Checkpointer:
       cleanup_tmp_directories=True,
       async_options=ocp.AsyncOptions(post_finalization_callback=self._write_manifest),
     )
-    self._manager = ocp.CheckpointManager(self.directory, options=options)
+    handlers = None
+    if deferred:
+      state = ocp.PyTreeCheckpointHandler(type_handler_registry=deferred_lib.handler_registry())
+      json_handler = ocp.JsonCheckpointHandler
+      handlers = {'state': state, 'model': json_handler(), 'progress': json_handler()}
+    self._deferred = deferred
+    self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
 
   def _move_aside(self, steps: list[int], folder: str) -> None:
     """Moves step directories to DIR/folder/STEP (STEP-1, ... when that exists)."""
@@ -451,16 +508,38 @@ class Checkpointer:
 
     `progress` is a small JSON record restored with the state (`restored_progress`).
     """
-    self.prepare_to_write()
-    self._manager.wait_until_finished()
-    self._prune()
+    self._before_save(deferred=False)
     step = int(jax.device_get(state.step))
     canonical = trainer.to_canonical(state)
+    self._save(step, ocp.args.StandardSave(canonical), trainer, progress)
+
+  def save_canonical(
+    self, trainer: Trainer, step: int, canonical, *, progress: dict | None = None
+  ) -> None:
+    """Starts saving `canonical`, a train state in the checkpoint's layout (the
+    tree of `trainer.abstract_canonical_state()`), as checkpoint `step`. Its
+    leaves may be `deferred.Deferred`s, made block by block as they are
+    written, so that the state is never whole in memory (how `triax convert`
+    imports). A Checkpointer saves either this way or by `save`, not both
+    (orbax's handler of the state differs).
+    """
+    self._before_save(deferred=True)
+    self._save(step, ocp.args.PyTreeSave(canonical), trainer, progress)
+
+  def _before_save(self, *, deferred: bool) -> None:
+    """Opens orbax (for `deferred` leaves or not), waits for the save in flight, applies retention."""
+    if self._manager is not None and self._deferred != deferred:
+      raise RuntimeError('a Checkpointer saves with save() or with save_canonical(), not both')
+    self.prepare_to_write(deferred=deferred)
+    self._manager.wait_until_finished()
+    self._prune()
+
+  def _save(self, step: int, state_args, trainer: Trainer, progress: dict | None) -> None:
     self._saving_step = step
     self._manager.save(
       step,
       args=ocp.args.Composite(
-        state=ocp.args.StandardSave(canonical),
+        state=state_args,
         model=ocp.args.JsonSave(
           {
             **model_record(self.cfg),

@@ -22,7 +22,8 @@
 Every other module names these through the constants below (`path(DIR, NAME)`);
 `NAMES` is the whole list, which a test holds a real run's workdir to.
 `sample`, `convert --export` and a resume read a run back with
-`load_config`, `tokenizer` and `restore_params`, whose checks are the resume's.
+`load_config`, `tokenizer` and `restore_params` (or `params_reader`, leaf by
+leaf), whose checks are the resume's.
 """
 
 from __future__ import annotations
@@ -119,21 +120,38 @@ def restore_params(workdir: str, cfg, shardings=None) -> tuple[int, object]:
   import jax
 
   from triax.model import generation, registry
+
+  if shardings is None:
+    model = registry.build(registry.spec_from_config(cfg.model))
+    shardings = generation.Placement().shardings(model)  # the first device
+  step, read, shapes = params_reader(workdir, cfg)
+  target = jax.tree.map(
+    lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings
+  )
+  return step, read(target)
+
+
+def params_reader(workdir: str, cfg):
+  """(step, read, shapes) of the run's newest checkpoint: `shapes`, its params'
+  tree of `jax.ShapeDtypeStruct`s (no sharding); `read(part)`, the part of
+  the params a sub-tree of `shapes` names, as numpy on the host (or placed
+  by the shardings its leaves carry): `Checkpointer.params_reader`, which
+  checks the step as a resume does.
+
+  Raises:
+    ConfigError: no checkpoint yet, a damaged newest one, or another model's.
+  """
+  import jax
+
+  from triax.model import registry
   from triax.training.checkpoint import Checkpointer  # it names its folders from here
 
   model = registry.build(registry.spec_from_config(cfg.model))
-  if shardings is None:
-    shardings = generation.Placement().shardings(model)  # the first device
-  target = jax.tree.map(
-    lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-    jax.eval_shape(model.init, jax.random.key(0)),
-    shardings,
-  )
-  restored = Checkpointer(workdir, cfg).restore_params(target)
-  if restored is None:
+  found = Checkpointer(workdir, cfg).params_reader()
+  if found is None:
     raise ConfigError(
       '--workdir',
       f'{workdir} has no checkpoints yet: train first '
       f'(python -m triax train ... --workdir={workdir})',
     )
-  return restored
+  return found[0], found[1], jax.eval_shape(model.init, jax.random.key(0))
