@@ -42,8 +42,8 @@ import os
 import re
 import shutil
 import zlib
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -52,7 +52,7 @@ from absl import logging
 
 from triax.errors import ConfigError
 from triax.model import registry
-from triax.training import deferred as deferred_lib
+from triax.training import blockwise
 from triax.training import optimizer as optimizer_lib
 from triax.training import workdir as workdir_lib
 from triax.training.step import Trainer, TrainState
@@ -86,10 +86,31 @@ def crc32(path: str) -> int:
   return value
 
 
+# The item of a step that holds the train state (orbax's Composite names it).
+_STATE = 'state'
+
+
+class ParamsReader(NamedTuple):
+  """A checkpoint's params, read in parts (Checkpointer.params_reader chose and checked its step).
+
+  `read(target)` restores any part of them: `target` a tree like a sub-tree
+  of theirs (the keys down to the leaves wanted) of `jax.ShapeDtypeStruct`s,
+  restored into their shardings, or, for one without a sharding, as numpy
+  on the host (no device holds it). `blocks(path, block_ndim)` yields leaf
+  `path`'s (index, block) over its first `block_ndim` axes, read a stored
+  chunk's slab at a time (blockwise.read_blocks: one layer of an imported
+  checkpoint's stacked leaf, the whole leaf where it is stored whole).
+  """
+
+  step: int
+  read: Callable[[Any], Any]
+  blocks: Callable[[tuple[str, ...], int], Iterator[tuple[tuple[int, ...], Any]]]
+
+
 def _restore_args(target):
   """How orbax restores a leaf: into its sharding, or as numpy on the host without one."""
   if getattr(target, 'sharding', None) is None:
-    return ocp.RestoreArgs(restore_type=np.ndarray, dtype=target.dtype)
+    return ocp.RestoreArgs(restore_type=np.ndarray)
   return ocp.ArrayRestoreArgs(sharding=target.sharding)
 
 
@@ -254,15 +275,10 @@ class Checkpointer:
         another model.
     """
     found = self.params_reader()
-    return None if found is None else (found[0], found[1](target))
+    return None if found is None else (found.step, found.read(target))
 
-  def params_reader(self) -> tuple[int, Callable[[Any], Any]] | None:
-    """(step, read) of the newest intact checkpoint, or None when there is none
-    yet; `read(target)` restores any part of its params: `target` a tree like
-    a sub-tree of theirs (the keys down to the leaves wanted) of
-    `jax.ShapeDtypeStruct`s, restored into their shardings, or, for one
-    without a sharding, as numpy on the host (no device holds it). Reading
-    leaf by leaf holds one leaf at a time (what an export does).
+  def params_reader(self) -> ParamsReader | None:
+    """The newest intact checkpoint's `ParamsReader`, or None when there is none yet.
 
     The step is chosen and checked as `restore` chooses and checks it: every
     file of the step against its checksum, then the model record (not the
@@ -293,7 +309,11 @@ class Checkpointer:
         )
       return value
 
-    return step, read
+    def blocks(path, block_ndim):
+      item = os.path.join(self._step_dir(step), _STATE)
+      return blockwise.read_blocks(item, ('params', *path), block_ndim)
+
+    return ParamsReader(step, read, blocks)
 
   def _restore_newest(self, read, *, before: int | None = None, fix: str):
     """(step, what `read(step)` gives) of the newest intact step below `before`, or
@@ -453,7 +473,7 @@ class Checkpointer:
 
   def prepare_to_write(self, *, deferred: bool = False) -> None:
     """Moves damaged newer steps aside and opens orbax (which removes unfinished
-    saves); `deferred`: for `save_canonical` (its state's leaves may be `deferred.Deferred`)."""
+    saves); `deferred`: for `save_canonical` (its state's leaves may be `blockwise.Deferred`)."""
     if self._manager is not None:
       return
     self._sync('triax_checkpoint_restored')  # every process has read what it needs
@@ -470,7 +490,7 @@ class Checkpointer:
     )
     handlers = None
     if deferred:
-      state = ocp.PyTreeCheckpointHandler(type_handler_registry=deferred_lib.handler_registry())
+      state = ocp.PyTreeCheckpointHandler(type_handler_registry=blockwise.handler_registry())
       json_handler = ocp.JsonCheckpointHandler
       handlers = {'state': state, 'model': json_handler(), 'progress': json_handler()}
     self._deferred = deferred
@@ -518,7 +538,7 @@ class Checkpointer:
   ) -> None:
     """Starts saving `canonical`, a train state in the checkpoint's layout (the
     tree of `trainer.abstract_canonical_state()`), as checkpoint `step`. Its
-    leaves may be `deferred.Deferred`s, made block by block as they are
+    leaves may be `blockwise.Deferred`s, made block by block as they are
     written, so that the state is never whole in memory (how `triax convert`
     imports). A Checkpointer saves either this way or by `save`, not both
     (orbax's handler of the state differs).

@@ -124,19 +124,17 @@ def restore_params(workdir: str, cfg, shardings=None) -> tuple[int, object]:
   if shardings is None:
     model = registry.build(registry.spec_from_config(cfg.model))
     shardings = generation.Placement().shardings(model)  # the first device
-  step, read, shapes = params_reader(workdir, cfg)
+  reader, shapes = params_reader(workdir, cfg)
   target = jax.tree.map(
     lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings
   )
-  return step, read(target)
+  return reader.step, reader.read(target)
 
 
 def params_reader(workdir: str, cfg):
-  """(step, read, shapes) of the run's newest checkpoint: `shapes`, its params'
-  tree of `jax.ShapeDtypeStruct`s (no sharding); `read(part)`, the part of
-  the params a sub-tree of `shapes` names, as numpy on the host (or placed
-  by the shardings its leaves carry): `Checkpointer.params_reader`, which
-  checks the step as a resume does.
+  """(reader, shapes) of the run's newest checkpoint: `Checkpointer.params_reader`'s
+  `ParamsReader` (the step checked as a resume checks it), and the params'
+  tree of `jax.ShapeDtypeStruct`s (no sharding).
 
   Raises:
     ConfigError: no checkpoint yet, a damaged newest one, or another model's.
@@ -154,4 +152,4 @@ def params_reader(workdir: str, cfg):
       f'{workdir} has no checkpoints yet: train first '
       f'(python -m triax train ... --workdir={workdir})',
     )
-  return found[0], found[1], jax.eval_shape(model.init, jax.random.key(0))
+  return found, jax.eval_shape(model.init, jax.random.key(0))

@@ -1,5 +1,5 @@
-"""Checkpoint leaves made while orbax writes them, block by block: what lets
-`triax convert` write a checkpoint larger than the host's memory.
+"""Checkpoint leaves written and read block by block: what lets `triax
+convert` move a checkpoint larger than the host's memory.
 
 A `Deferred` stands in a state tree (Checkpointer.save_canonical) for an
 array that is never whole in memory. Its `blocks()` yield (index, block)
@@ -16,22 +16,31 @@ it, measured at about 3x the block.)
 On disk such a leaf is what orbax writes for a numpy array (value type
 `np.ndarray`, zarr chunks of the leaf's chunk shape), so every reader of the
 checkpoint restores it as it restores any other leaf, into any sharding.
+
+`read_blocks` reads a stored leaf back a slab of its stored chunks at a time
+(zarr decodes whole chunks, so no read is smaller): one layer of a leaf an
+import wrote, a pipeline stage's layers of a pipe-sharded one, the whole
+leaf where it was stored in one chunk.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
+import json
 import math
+import os
 from collections.abc import Callable, Iterator
 
 import numpy as np
 import orbax.checkpoint as ocp
 import tensorstore as ts
+from etils import epath
 from orbax.checkpoint._src.serialization import ocdbt_utils
 from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
 
 # The largest chunk written at once (one chunk of the stored array).
-CHUNK_BYTES = 32 << 20
+CHUNK_BYTES = 8 << 20
 
 
 class Deferred:
@@ -127,3 +136,47 @@ def handler_registry():
 
 
 _DEFAULT_TYPES = tuple(ocp.type_handlers.supported_types())
+
+
+# The OCDBT B-tree nodes a read may cache: orbax's reads keep up to 100 MB
+# (measured: reading a 256 MiB leaf layer by layer kept 140 MiB more);
+# reading each leaf once, in order, needs far less.
+_BTREE_CACHE_BYTES = 8 << 20
+
+
+@functools.cache
+def _read_context() -> ts.Context:
+  """One TensorStore context for every read (a context per leaf would keep a cache per leaf)."""
+  return ts.Context(
+    {
+      'file_io_concurrency': {'limit': 128},
+      'cache_pool#ocdbt': {'total_bytes_limit': _BTREE_CACHE_BYTES},
+    }
+  )
+
+
+def read_blocks(
+  item_dir: str, path: tuple[str, ...], block_ndim: int
+) -> Iterator[tuple[tuple[int, ...], np.ndarray]]:
+  """The blocks of leaf `path` of the pytree orbax saved in `item_dir` (a
+  step's state item), (index, leaf[index]) over its first `block_ndim`
+  axes in order, read a slab of stored chunks at a time (module docstring)."""
+  with open(os.path.join(item_dir, '_METADATA')) as f:
+    use_zarr3 = bool(json.load(f).get('use_zarr3', False))
+  info = ocp.type_handlers.ParamInfo(
+    name='.'.join(path),  # orbax's name of a leaf: its keys joined by dots
+    parent_dir=epath.Path(item_dir),
+    is_ocdbt_checkpoint=os.path.exists(os.path.join(item_dir, 'manifest.ocdbt')),
+    use_zarr3=use_zarr3,
+    ts_context=_read_context(),
+  )
+  spec = ts_utils.build_array_read_spec(info, use_ocdbt=info.is_ocdbt_checkpoint).json
+  store = ts.open(ts.Spec(spec), open=True, context=info.ts_context).result()
+  lead = store.shape[:block_ndim]
+  step = store.chunk_layout.read_chunk.shape[:block_ndim]
+  for starts in itertools.product(*(range(0, n, s) for n, s in zip(lead, step))):
+    box = tuple(slice(a, min(a + s, n)) for a, s, n in zip(starts, step, lead))
+    slab = store[box].read().result()
+    for inner in np.ndindex(slab.shape[:block_ndim]):
+      yield tuple(a + i for a, i in zip(starts, inner)), slab[inner]
+    del slab
