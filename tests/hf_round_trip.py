@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from triax.convert import hf_checkpoint, hf_llama
+from triax.convert import hf_checkpoint, safetensors_files
 from triax.model import generation
 from triax.training import workdir as workdir_lib
 
@@ -41,7 +41,7 @@ def import_sharded(model, base):
   `base`, then imported."""
   hf_dir = str(base / 'hf')
   model.save_pretrained(hf_dir, max_shard_size='100KB')
-  assert os.path.isfile(os.path.join(hf_dir, hf_llama.INDEX_FILE))
+  assert os.path.isfile(os.path.join(hf_dir, safetensors_files.INDEX_FILE))
   workdir = str(base / 'w')
   return hf_dir, workdir, hf_checkpoint.import_hf(hf_dir, workdir)
 
@@ -190,7 +190,7 @@ def check_export(imported, tmp_path, reader, tokens, holds):
   first = str(tmp_path / 'first')
   exported = hf_checkpoint.export_hf(workdir, first, max_shard_bytes=100_000)
   assert exported['architecture'] == reader.__name__
-  reference = hf_llama.read_tensors(hf_dir)
+  reference = safetensors_files.read_tensors(hf_dir)
   assert holds in reference
   check(first, reference, tmp_path, model, reader, tokens)
 
@@ -200,7 +200,7 @@ def check(first, reference, tmp_path, model, reader, tokens):
   the transformers model; `reader`: its class (from_pretrained)."""
   import torch
 
-  tensors = hf_llama.read_tensors(first)
+  tensors = safetensors_files.read_tensors(first)
   assert set(tensors) == set(reference)
   for name, array in reference.items():
     np.testing.assert_array_equal(tensors[name], array, err_msg=name)

@@ -24,7 +24,7 @@ torch = pytest.importorskip('torch')
 transformers = pytest.importorskip('transformers')
 
 from triax import config as config_lib  # noqa: E402
-from triax.convert import hf_checkpoint, hf_llama  # noqa: E402
+from triax.convert import hf_checkpoint, safetensors_files  # noqa: E402
 from triax.data import tokenizer as tokenizer_lib  # noqa: E402
 from triax.errors import ConfigError  # noqa: E402
 from triax.model import generation  # noqa: E402
@@ -219,7 +219,7 @@ def test_tied_embeddings_import_and_export(tmp_path):
   assert np.max(np.abs(np.asarray(ours) - theirs)) / np.max(np.abs(theirs)) <= 1e-4
   out = str(tmp_path / 'out')
   hf_checkpoint.export_hf(workdir, out)
-  assert 'lm_head.weight' not in hf_llama.read_tensors(out)
+  assert 'lm_head.weight' not in safetensors_files.read_tensors(out)
 
 
 def test_cli_imports_fine_tunes_and_samples(imported, tmp_path, compile_cache):

@@ -18,6 +18,16 @@ run's tokenizer beside them when it has one.
 
 Everything is checked (HF config, every tensor's name and shape, the
 tokenizer, an empty workdir) before anything is written.
+
+Both directions stream: an import reads one HF tensor at a time and writes
+the checkpoint leaf by leaf, each leaf block by block (one layer's, or one
+expert's, slice: convert/rules.py, training/blockwise.py); an export reads
+the leaves block by block too, as they are stored (one layer of an imported
+leaf; a stage's layers, or a whole leaf, of one training wrote) and writes
+each HF tensor into place in the shards. Neither holds the model: an
+import, one HF tensor and its block (and a chunk being written); an export,
+one stored slab of a leaf (two leaves' for DeepSeek's kv projections) and a
+tensor made of it.
 """
 
 from __future__ import annotations
@@ -27,23 +37,47 @@ import os
 import shutil
 
 import jax
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
 from triax import config as config_lib
-from triax.convert import hf_deepseek, hf_llama
+from triax.convert import hf_deepseek, hf_llama, rules
+from triax.convert import safetensors_files as files_lib
 from triax.data import tokenizer as tokenizer_lib
 from triax.errors import ConfigError
 from triax.training import atomic
 from triax.training import lock as lock_lib
 from triax.training import workdir as workdir_lib
 
-# Shards HF writes by default are at most 5 GB.
-MAX_SHARD_BYTES = 5 * 10**9
+MAX_SHARD_BYTES = files_lib.MAX_SHARD_BYTES
 # One module per group of HF architectures, each with MODEL_TYPES (HF model_type ->
-# (triax family, HF class)), FAMILIES, model_config, hf_config, params_from_hf, params_to_hf.
+# (triax family, HF class)), FAMILIES, model_config, hf_config, tensor_rules, ignored.
 _CONVERTERS = (hf_llama, hf_deepseek)
+
+
+def _return_freed_buffers() -> None:
+  """Makes glibc's malloc give buffers of 1 MiB or more back to the system when
+  they are freed (where the C library is glibc; elsewhere nothing).
+
+  A conversion allocates and frees one tensor-sized buffer after another,
+  from Python and TensorStore's threads. glibc serves large ones with mmap
+  only below a threshold that it raises to the size of the largest freed
+  (up to 32 MiB), after which they come from its heaps and stay there once
+  freed: measured on scripts/bench_convert.py's export, 525 MiB held at the
+  end instead of 164 MiB. A fixed threshold keeps the peak to what is live.
+  """
+  import ctypes
+  import ctypes.util
+
+  name = ctypes.util.find_library('c')
+  if name and 'libc.so' in name:
+    libc = ctypes.CDLL(name)
+    if hasattr(libc, 'mallopt') and hasattr(libc, 'gnu_get_libc_version'):
+      libc.mallopt(_M_MMAP_THRESHOLD, 1 << 20)
+
+
+# glibc's mallopt parameter (malloc.h).
+_M_MMAP_THRESHOLD = -3
 
 
 def _for_model_type(hf: dict):
@@ -133,6 +167,7 @@ def import_hf(hf_dir: str, workdir: str, *, tokenizer: str = '', seq_len: int = 
 
   if not os.path.isdir(hf_dir):
     raise ConfigError('--hf_dir', f'{hf_dir}: no such directory')
+  _return_freed_buffers()
   hf = _read_json(os.path.join(hf_dir, 'config.json'), '--hf_dir')
   if os.path.exists(workdir) and os.listdir(workdir):
     raise ConfigError(
@@ -163,37 +198,69 @@ def import_hf(hf_dir: str, workdir: str, *, tokenizer: str = '', seq_len: int = 
   # resolves it to this machine's count, which a fine-tune elsewhere lacks.
   portable = _portable(cfg, workdir, tokenizer)
   cfg = config_lib.validate(cfg, jax.device_count())
-  dtype = np.dtype(cfg.model.param_dtype)
   converter = _for_model_type(hf)
-  params = converter.params_from_hf(hf_llama.read_tensors(hf_dir), cfg.model, dtype, hf)
+  shards = files_lib.Shards(hf_dir)
+  tensor_rules = converter.tensor_rules(cfg.model, np.dtype(cfg.model.param_dtype), hf)
+  ignored = converter.ignored(shards.names(), cfg.model)
+  rules.check_sources(tensor_rules, shards, ignored, cfg.model.family)
 
   lock_lib.check_free(workdir)
   os.makedirs(workdir, exist_ok=True)
   if tokenizer:
     shutil.copyfile(tokenizer, os.path.join(workdir, workdir_lib.TOKENIZER))
+  leaves = rules.import_leaves(tensor_rules)
   with lock_lib.WorkdirLock(workdir):
     trainer = step_lib.build_trainer(cfg, mesh_lib.build_mesh(cfg.mesh))
-    shapes = trainer.abstract_canonical_state().params
-    # Made on the devices (Adam's moments are computed), then put where the
-    # checkpoint's layout keeps them (host memory: step._canonical_shardings).
-    placed = jax.tree.map(
-      lambda a, s: jax.device_put(jnp.asarray(a, s.dtype), s.sharding.with_memory_kind('device')),
-      params,
-      shapes,
-    )
-    canonical = step_lib.TrainState(
-      step=jnp.zeros((), jnp.int32), params=placed, opt_state=trainer.optimizer.init(placed)
-    )
-    canonical = jax.device_put(canonical, trainer.canonical_shardings)
     ckpt = ckpt_lib.Checkpointer(workdir, cfg)
-    ckpt.save(trainer, trainer.from_canonical(canonical))
+    ckpt.save_canonical(trainer, 0, _initial_state(trainer, leaves, shards.read))
     ckpt.wait()
     ckpt.close()
     atomic.write_json(workdir_lib.path(workdir, workdir_lib.HF_CONFIG), hf)
     atomic.write_text(workdir_lib.path(workdir, workdir_lib.CONFIG), portable)
-  count = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(params))
+  count = sum(int(np.prod(leaf.shape)) for leaf in leaves)
   recorded = os.path.join(workdir, workdir_lib.TOKENIZER) if tokenizer else ''
   return {'step': 0, 'params': count, 'config': cfg, 'tokenizer': recorded}
+
+
+def _initial_state(trainer, leaves: list[rules.Leaf], read):
+  """The canonical train state at step 0 of the parameters `leaves` make
+  (`read(name)` an HF tensor), as `Deferred` leaves made while the
+  checkpoint is written, with `optimizer.init`'s state (zeros, see
+  `_zero_init`: written from a zero-strided view, never allocated)."""
+  from triax.training import blockwise
+  from triax.training import step as step_lib
+
+  abstract = trainer.abstract_canonical_state()
+  params = {}
+  for leaf in leaves:
+    blocks = lambda leaf=leaf: leaf.blocks(read)  # noqa: E731
+    rules.put(
+      params, leaf.path, blockwise.Deferred(leaf.shape, leaf.dtype, blocks, leaf.block_ndim)
+    )
+  made = jax.tree.map(lambda d: (d.shape, d.dtype), params)
+  wanted = jax.tree.map(lambda s: (s.shape, np.dtype(s.dtype)), abstract.params)
+  if made != wanted:  # a converter's rules and the model disagree: a bug, not bad input
+    raise ValueError(f"the converted leaves are not the model's: {made} != {wanted}")
+  _zero_init(trainer.optimizer, abstract.params)
+
+  def zeros(s):
+    view = lambda s=s: iter([((), np.broadcast_to(np.zeros((), s.dtype), s.shape))])  # noqa: E731
+    return blockwise.Deferred(s.shape, s.dtype, view) if s.shape else np.zeros((), s.dtype)
+
+  return step_lib.TrainState(
+    step=np.zeros((), np.int32), params=params, opt_state=jax.tree.map(zeros, abstract.opt_state)
+  )
+
+
+def _zero_init(optimizer, shapes) -> None:
+  """Raises unless `optimizer.init` gives zeros whatever the parameters (AdamW's
+  moments and counts do), checked on ones of one element per leaf: the
+  import writes the state at step 0 as zeros without the parameters in hand."""
+  ones = jax.tree.map(lambda s: np.ones((1,) * len(s.shape), s.dtype), shapes)
+  if any(np.any(np.asarray(a)) for a in jax.tree.leaves(optimizer.init(ones))):
+    raise NotImplementedError(
+      "the optimizer's initial state depends on the parameters; the import writes it as zeros"
+    )
 
 
 def export_hf(
@@ -206,6 +273,7 @@ def export_hf(
   Returns:
     {'step': the checkpoint's step, 'files': names written, 'architecture': HF's class name}
   """
+  _return_freed_buffers()
   cfg = workdir_lib.load_config(workdir)
   converter = _for_family(cfg.model.family, workdir)
   if os.path.exists(out_dir) and os.listdir(out_dir):
@@ -219,11 +287,17 @@ def export_hf(
     exported.mtp_depth = 0  # the model HF's class holds: its head without the MTP modules
   # Before anything is read or written: a model no HF class holds is refused here.
   hf_config = converter.hf_config(exported, base)
-  step, params = workdir_lib.restore_params(workdir, cfg)  # checked as a resume checks it
-  params = jax.tree.map(np.asarray, params)
+  reader, shapes = workdir_lib.params_reader(workdir, cfg)  # checked as a resume checks it
+  tensor_rules = converter.tensor_rules(exported, np.dtype(exported.param_dtype), hf_config)
   os.makedirs(out_dir, exist_ok=True)
-  tensors = converter.params_to_hf(params, exported, hf_config)
-  hf_llama.write_tensors(tensors, out_dir, max_shard_bytes)
+  specs = rules.export_specs(tensor_rules, lambda path: rules.get(shapes, path).dtype)
+  writer = files_lib.ShardWriter(out_dir, specs, max_shard_bytes)
+  for rule in tensor_rules:
+    # The rule's leaves block by block, in step: each block index is one HF tensor.
+    stored = [reader.blocks(path, rule.names.ndim) for path in rule.paths]
+    for blocks in zip(*stored):
+      writer.write(rule.names[blocks[0][0]], rule.to_hf(*(block for _, block in blocks)))
+  writer.close()
   atomic.write_json(os.path.join(out_dir, 'config.json'), hf_config)
   tok = _run_tokenizer_file(workdir, cfg)
   if tok is not None:
@@ -233,7 +307,7 @@ def export_hf(
     # safetensors writes 0600; a checkpoint to share reads as HF's do.
     os.chmod(os.path.join(out_dir, name), 0o644)
   architecture = hf_config['architectures'][0]
-  return {'step': step, 'files': sorted(os.listdir(out_dir)), 'architecture': architecture}
+  return {'step': reader.step, 'files': sorted(os.listdir(out_dir)), 'architecture': architecture}
 
 
 def _run_tokenizer_file(workdir: str, cfg) -> str | None:

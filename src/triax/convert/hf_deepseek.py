@@ -27,9 +27,9 @@ num_hidden_layers (DeepSeek-V3's MTP module, which transformers' class
 ignores too); an export of a model with MTP is refused unless asked to
 drop them (`triax convert --export --drop_mtp`).
 
-Everything here is numpy, the files' reading and writing hf_llama's, as is
-the mapping of the RoPE scaling (DeepSeek-V3's YaRN: `rope_from_hf`,
-`rope_scaling_hf`).
+Everything here is numpy and data (convert/rules.py; convert/hf_checkpoint.py
+streams the tensors through it), and the mapping of the RoPE scaling is
+hf_llama's (DeepSeek-V3's YaRN: `rope_from_hf`, `rope_scaling_hf`).
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ from typing import NamedTuple
 import numpy as np
 
 from triax.convert import hf_llama
+from triax.convert import rules as rules_lib
 from triax.errors import ConfigError
 
 MODEL_TYPES = {'deepseek_v3': ('deepseek', 'DeepseekV3ForCausalLM')}
@@ -190,29 +191,35 @@ def _interleaved(hf: Mapping | None) -> bool:
 
 
 class _Rule(NamedTuple):
-  """Some HF tensors of a block (name under `model.layers.{i}.` -> shape) <->
-  some of our block's keys: `to_ours(*theirs)` and `to_hf(*ours)` each give
-  a tuple in the other's order."""
+  """One HF tensor of a block (`name` under `model.layers.{i}.`, with '{e}'
+  for an expert's, of `hf_shape`) <-> a block of some of our block's `keys`
+  (of `shapes`): `to_ours(theirs)` gives a tuple in `keys`' order,
+  `to_hf(*ours)` the tensor. An expert's rule is one expert's tensor and
+  blocks (our leaves have the experts axis after the layers')."""
 
-  hf: tuple[tuple[str, tuple[int, ...]], ...]
+  name: str
+  hf_shape: tuple[int, ...]
   keys: tuple[str, ...]
-  to_ours: Callable[..., tuple]
-  to_hf: Callable[..., tuple]
+  shapes: tuple[tuple[int, ...], ...]
+  to_ours: Callable[[np.ndarray], tuple]
+  to_hf: Callable[..., np.ndarray]
 
 
 def _linear(name: str, key: str, shape: tuple[int, ...], ins: int = 1) -> _Rule:
   """A Linear [out, in] <-> ours `shape`, its first `ins` dims the inputs."""
   i, o = int(np.prod(shape[:ins])), int(np.prod(shape[ins:]))
   return _Rule(
-    ((name, (o, i)),),
+    name,
+    (o, i),
     (key,),
+    (shape,),
     lambda a: (a.T.reshape(shape),),
-    lambda w: (np.ascontiguousarray(w.reshape(i, o).T),),
+    lambda w: w.reshape(i, o).T,  # a view: ShardWriter copies it a row block at a time
   )
 
 
 def _vector(name: str, key: str, size: int) -> _Rule:
-  return _Rule(((name, (size,)),), (key,), lambda a: (a,), lambda w: (w,))
+  return _Rule(name, (size,), (key,), ((size,),), lambda a: (a,), lambda w: w)
 
 
 def _rope_order(m, interleaved: bool) -> np.ndarray:
@@ -229,24 +236,28 @@ def _query(name: str, key: str, inputs: int, m, order: np.ndarray) -> _Rule:
   rows = np.concatenate([np.arange(nope), nope + order])
   back = np.argsort(rows)
   return _Rule(
-    ((name, (n * qk, inputs)),),
+    name,
+    (n * qk, inputs),
     (key,),
+    ((inputs, n, qk),),
     lambda a: (a.reshape(n, qk, inputs)[:, rows].transpose(2, 0, 1),),
-    lambda w: (np.ascontiguousarray(w.transpose(1, 2, 0)[:, back].reshape(n * qk, inputs)),),
+    lambda w: np.ascontiguousarray(w.transpose(1, 2, 0)[:, back].reshape(n * qk, inputs)),
   )
 
 
 def _kv_a(m, order: np.ndarray) -> _Rule:
   """kv_a_proj_with_mqa [r + rope, d] <-> 'wkv_a' [d, r] and 'wk_rope' [d, rope]
   (its rope rows reordered)."""
-  r, d = m.kv_lora_rank, m.d_model
+  r, d, rope = m.kv_lora_rank, m.d_model, m.qk_rope_head_dim
   rows = np.concatenate([np.arange(r), r + order])
   back = np.argsort(rows)
   return _Rule(
-    (('self_attn.kv_a_proj_with_mqa.weight', (r + m.qk_rope_head_dim, d)),),
+    'self_attn.kv_a_proj_with_mqa.weight',
+    (r + rope, d),
     ('wkv_a', 'wk_rope'),
+    ((d, r), (d, rope)),
     lambda a: (a[rows][:r].T, a[rows][r:].T),
-    lambda wkv, wrope: (np.ascontiguousarray(np.concatenate([wkv.T, wrope.T])[back]),),
+    lambda wkv, wrope: np.ascontiguousarray(np.concatenate([wkv.T, wrope.T])[back]),
   )
 
 
@@ -256,26 +267,17 @@ def _kv_b(m) -> _Rule:
 
   def to_hf(wk, wv):
     joined = np.concatenate([wk.transpose(1, 2, 0), wv.transpose(1, 2, 0)], 1)
-    return (np.ascontiguousarray(joined.reshape(n * (nope + v), r)),)
+    return np.ascontiguousarray(joined.reshape(n * (nope + v), r))
 
   return _Rule(
-    (('self_attn.kv_b_proj.weight', (n * (nope + v), r)),),
+    'self_attn.kv_b_proj.weight',
+    (n * (nope + v), r),
     ('wk_b', 'wv_b'),
+    ((r, n, nope), (r, n, v)),
     lambda a: tuple(
       part.transpose(2, 0, 1) for part in np.split(a.reshape(n, nope + v, r), [nope], 1)
     ),
     to_hf,
-  )
-
-
-def _experts(proj: str, key: str, m, shape: tuple[int, int]) -> _Rule:
-  """Each expert's Linear `proj` [out, in] <-> ours [E, in, out] (`shape` = (in, out))."""
-  names = tuple((f'mlp.experts.{e}.{proj}.weight', shape[::-1]) for e in range(m.num_experts))
-  return _Rule(
-    names,
-    (key,),
-    lambda *a: (np.stack([w.T for w in a]),),
-    lambda w: tuple(np.ascontiguousarray(x.T) for x in w),
   )
 
 
@@ -315,9 +317,8 @@ def _mlp_rules(m, moe: bool) -> list[_Rule]:
   rules = [
     _linear('mlp.gate.weight', 'router', (d, m.num_experts)),
     _vector('mlp.gate.e_score_correction_bias', 'router_bias', m.num_experts),
-    _experts('gate_proj', 'w_gate', m, (d, f)),
-    _experts('up_proj', 'w_up', m, (d, f)),
-    _experts('down_proj', 'w_down', m, (f, d)),
+    # One expert's Linear [out, in] <-> ours [in, out] (its slice of [E, in, out]).
+    *swiglu('experts.{e}.', 'w_', f),
   ]
   return rules + (
     swiglu('shared_experts.', 'shared_', m.shared_experts * f) if m.shared_experts else []
@@ -334,87 +335,69 @@ def _rules(m, moe: bool, interleaved: bool) -> list[_Rule]:
 _FP32 = ('router', 'router_bias')
 
 
-def params_from_hf(
-  tensors: Mapping[str, np.ndarray], model_cfg, dtype, hf: Mapping | None = None
-) -> dict:
-  """The deepseek parameter tree (numpy, `dtype`; the router and its bias fp32) of an
-  HF checkpoint's tensors; `hf` its config.json (for rope_interleave).
-
-  Raises:
-    ConfigError('--hf_dir', ...): a tensor missing, of the wrong shape, or
-      left over (besides the MTP layers dropped, see the module docstring).
-  """
-  m, used = model_cfg, set()
+def tensor_rules(model_cfg, dtype, hf: Mapping | None = None) -> list[rules_lib.TensorRule]:
+  """The HF tensors of a deepseek config <-> its parameter leaves (convert/rules.py),
+  imported as `dtype` (the router and its bias as fp32), in the rope layout
+  `hf` (the checkpoint's config.json) names. MTP modules have no rule (the
+  module docstring)."""
+  m = model_cfg
   interleaved = _interleaved(hf)
+  d, v = m.d_model, m.vocab_size
+  out = [
+    rules_lib.reshaped('model.embed_tokens.weight', ('embed', 'tokens'), (v, d), dtype, (v, d))
+  ]
+  for i in range(m.first_k_dense):
+    out += [
+      _tensor_rule(rule, [i], ('embed', f'dense_{i}'), m, dtype)
+      for rule in _rules(m, False, interleaved)
+    ]
+  stacked = list(range(m.first_k_dense, m.num_layers))
+  out += [
+    _tensor_rule(rule, stacked, ('layers',), m, dtype) for rule in _rules(m, True, interleaved)
+  ]
+  out.append(rules_lib.reshaped('model.norm.weight', ('head', 'norm'), (d,), dtype))
+  out.append(rules_lib.linear('lm_head.weight', ('head', 'out'), (d, v), dtype))
+  return out
 
-  def take(name, shape):
-    if name not in tensors:
-      raise ConfigError('--hf_dir', f'the checkpoint has no tensor {name}')
-    used.add(name)
-    array = np.asarray(tensors[name])
-    if array.shape != tuple(shape):
-      raise ConfigError(
-        '--hf_dir', f'{name} has shape {array.shape}, config.json implies {tuple(shape)}'
-      )
-    return array
 
-  def block(i):
-    out = {}
-    for rule in _rules(m, i >= m.first_k_dense, interleaved):
-      theirs = [take(f'model.layers.{i}.{name}', shape) for name, shape in rule.hf]
-      for key, array in zip(rule.keys, rule.to_ours(*theirs)):
-        out[key] = array.astype(np.float32 if key in _FP32 else dtype)
-    return out
+def _tensor_rule(rule: _Rule, layers: list[int], parent: tuple[str, ...], m, dtype):
+  """`rule` over `layers`: stacked on a leading layer axis under `parent`
+  ('layers'), or one dense block's own leaves (`parent` its subtree, one layer)."""
+  names = [f'model.layers.{i}.{rule.name}' for i in layers]
+  if '{e}' in rule.name:
+    names = [[name.format(e=e) for e in range(m.num_experts)] for name in names]
+  if parent != ('layers',):
+    names = names[0]  # a dense block's leaves have no layer axis
+  return rules_lib.TensorRule(
+    rules_lib.names_array(names),
+    rule.hf_shape,
+    tuple(parent + (key,) for key in rule.keys),
+    rule.shapes,
+    tuple(np.dtype(np.float32 if key in _FP32 else dtype) for key in rule.keys),
+    rule.to_ours,
+    rule.to_hf,
+  )
 
-  embed = {'tokens': take('model.embed_tokens.weight', (m.vocab_size, m.d_model)).astype(dtype)}
-  embed.update({f'dense_{i}': block(i) for i in range(m.first_k_dense)})
-  blocks = [block(i) for i in range(m.first_k_dense, m.num_layers)]
-  params = {
-    'embed': embed,
-    'layers': {key: np.stack([b[key] for b in blocks]) for key in blocks[0]},
-    'head': {
-      'norm': take('model.norm.weight', (m.d_model,)).astype(dtype),
-      'out': take('lm_head.weight', (m.vocab_size, m.d_model)).T.astype(dtype),
-    },
-  }
-  left = sorted(set(tensors) - used - _dropped(tensors, m.num_layers))
-  if left:
-    raise ConfigError(
-      '--hf_dir', f'tensors this deepseek config does not use: {", ".join(left[:3])}'
-    )
-  return params
+
+def ignored(names, model_cfg) -> set[str]:
+  """What an import leaves out of `names` (a checkpoint's tensors): layers past
+  num_hidden_layers (DeepSeek-V3's MTP module) and rotary inverse
+  frequencies some exports include."""
+  out = set()
+  for name in names:
+    layer = _LAYER.match(name)
+    if (layer and int(layer.group(1)) >= model_cfg.num_layers) or name.endswith(
+      'rotary_emb.inv_freq'
+    ):
+      out.add(name)
+  return out
 
 
 _LAYER = re.compile(r'model\.layers\.(\d+)\.')
 
 
-def _dropped(tensors, num_layers: int) -> set[str]:
-  """What an import leaves out: layers past num_hidden_layers (DeepSeek-V3's
-  MTP module) and rotary inverse frequencies some exports include."""
-  out = set()
-  for name in tensors:
-    layer = _LAYER.match(name)
-    if (layer and int(layer.group(1)) >= num_layers) or name.endswith('rotary_emb.inv_freq'):
-      out.add(name)
-  return out
-
-
 def params_to_hf(params: Mapping, model_cfg, hf: Mapping | None = None) -> dict[str, np.ndarray]:
-  """HF tensors (numpy, the params' dtype) of a deepseek parameter tree, in
-  the rope layout `hf` (the exported config.json) names; MTP modules are
-  not written (hf_config refuses them unless dropped)."""
-  m = model_cfg
-  interleaved = _interleaved(hf)
-  out = {'model.embed_tokens.weight': np.asarray(params['embed']['tokens'])}
-  for i in range(m.num_layers):
-    moe = i >= m.first_k_dense
-    if moe:
-      ours = {key: a[i - m.first_k_dense] for key, a in params['layers'].items()}
-    else:
-      ours = params['embed'][f'dense_{i}']
-    for rule in _rules(m, moe, interleaved):
-      theirs = rule.to_hf(*(np.asarray(ours[key]) for key in rule.keys))
-      out.update((f'model.layers.{i}.{name}', a) for (name, _), a in zip(rule.hf, theirs))
-  out['model.norm.weight'] = np.asarray(params['head']['norm'])
-  out['lm_head.weight'] = np.ascontiguousarray(np.asarray(params['head']['out']).T)
-  return out
+  """HF tensors (numpy, the params' dtype) of a deepseek parameter tree held in
+  memory, in the rope layout `hf` (the exported config.json) names; MTP
+  modules are not written (hf_config refuses them unless dropped)."""
+  return rules_lib.params_to_hf(tensor_rules(model_cfg, model_cfg.param_dtype, hf), params)

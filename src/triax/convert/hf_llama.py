@@ -3,8 +3,8 @@ llama and mixtral families' parameters and config.
 
 transformers' `*ForCausalLM` classes of those models define what a checkpoint means: config.json names the shapes
 (`model_config`, `hf_config`), and its tensors (`model.safetensors`, or shards listed in
-`model.safetensors.index.json`: `read_tensors`, `write_tensors`) are PyTorch `Linear`
-weights, [out, in]. `params_from_hf` and `params_to_hf` map them onto our trees by
+`model.safetensors.index.json`: convert/safetensors_files.py) are PyTorch `Linear`
+weights, [out, in]. `tensor_rules` maps them onto our leaves (convert/rules.py) by
 transposes and reshapes only, nothing permuted: llama.py keeps the head dimension in HF's
 stored order and rotates with HF's half-split `rotate_half`.
 
@@ -17,22 +17,18 @@ model.norm_topk_prob); Qwen3's and Qwen3-MoE's `self_attn.{q,k}_norm` -> 'q_norm
 (model.qk_norm, their head width model.head_dim). Only the MoEs' released forms convert:
 experts in every block (decoder_sparse_step 1, no mlp_only_layers).
 
-Everything here is numpy: convert/hf_checkpoint.py puts the arrays into a train state.
+Everything here is numpy and data: convert/hf_checkpoint.py streams the tensors through it.
 Why no permutation is needed: docs/design/models.md."""
 
 from __future__ import annotations
 
-import json
-import os
 from collections.abc import Mapping
 
 import numpy as np
 
 from triax import config as config_lib
+from triax.convert import rules
 from triax.errors import ConfigError
-
-INDEX_FILE = 'model.safetensors.index.json'
-SINGLE_FILE = 'model.safetensors'
 
 # HF config keys that must hold these values: triax's llama has no other variant.
 _REQUIRED = {
@@ -363,32 +359,6 @@ def hf_config(model_cfg, base: Mapping | None = None) -> dict:
   return out
 
 
-def read_tensors(hf_dir: str) -> dict[str, np.ndarray]:
-  """Every tensor of an HF checkpoint directory (sharded or one file), as numpy."""
-  from safetensors.numpy import load_file
-
-  index = os.path.join(hf_dir, INDEX_FILE)
-  if os.path.isfile(index):
-    with open(index) as f:
-      files = sorted(set(json.load(f)['weight_map'].values()))
-  elif os.path.isfile(os.path.join(hf_dir, SINGLE_FILE)):
-    files = [SINGLE_FILE]
-  else:
-    raise ConfigError(
-      '--hf_dir', f'{hf_dir} has neither {SINGLE_FILE} nor {INDEX_FILE} (safetensors only)'
-    )
-  tensors = {}
-  for name in files:
-    path = os.path.join(hf_dir, name)
-    if not os.path.isfile(path):
-      raise ConfigError('--hf_dir', f'{INDEX_FILE} names {name}, which is missing')
-    try:
-      tensors.update(load_file(path))
-    except Exception as e:  # pylint: disable=broad-except  # safetensors' errors name no type
-      raise ConfigError('--hf_dir', f'{path}: not a readable safetensors file ({e})') from None
-  return tensors
-
-
 def _layer_names(i: int, m) -> dict[str, str | list[str]]:
   """Layer i's HF tensor name of each triax layer key; a list, one per
   expert, for the experts' weights (stacked on their leading axis)."""
@@ -464,114 +434,50 @@ def _shapes(m) -> dict[str, tuple[int, ...]]:
   }
 
 
-def params_from_hf(
-  tensors: Mapping[str, np.ndarray], model_cfg, dtype, hf: Mapping | None = None
-) -> dict:
-  """The llama parameter tree (numpy, `dtype`) of an HF checkpoint's tensors
-  (`hf`, its config.json, is not read: the model config says all).
-
-  Raises:
-    ConfigError('--hf_dir', ...): a tensor missing, of the wrong shape, or left over.
-  """
+def tensor_rules(model_cfg, dtype, hf: Mapping | None = None) -> list[rules.TensorRule]:
+  """The HF tensors of a llama or mixtral config (named as `model_type` says)
+  <-> its parameter leaves, imported as `dtype` (convert/rules.py); `hf`,
+  the checkpoint's config.json, is not read (the model config says all)."""
   del hf
   m = model_cfg
-  used = set()
-
-  def take(name, shape, linear=True):
-    if name not in tensors:
-      raise ConfigError('--hf_dir', f'the checkpoint has no tensor {name}')
-    used.add(name)
-    array = np.asarray(tensors[name])
-    # A Linear's weight is [out, in]; ours are [in, out...]. Norms and the embedding table stay.
-    out = (array.T if linear and array.ndim == 2 else array).astype(dtype)
-    if out.size != int(np.prod(shape)):
-      raise ConfigError(
-        '--hf_dir', f'{name} has shape {array.shape}, config.json implies {tuple(shape)}'
-      )
-    return out.reshape(shape)
-
-  def take_layer(names, shape):
-    if isinstance(names, list):  # one tensor per expert
-      return np.stack([take(name, shape) for name in names])
-    return take(names, shape)
-
-  layers = {
-    key: np.stack([take_layer(_layer_names(i, m)[key], shape) for i in range(m.num_layers)])
-    for key, shape in _shapes(m).items()
-  }
-  params = {
-    'embed': {'tokens': take('model.embed_tokens.weight', (m.vocab_size, m.d_model), False)},
-    'layers': layers,
-    'head': {'norm': take('model.norm.weight', (m.d_model,))},
-  }
-  if not m.tie_embeddings:
-    params['head']['out'] = take('lm_head.weight', (m.d_model, m.vocab_size))
-  # A tied checkpoint may still carry lm_head.weight (a copy of the table).
-  left = sorted(set(tensors) - used - {'lm_head.weight'} - _buffers(tensors))
-  if left:
-    raise ConfigError(
-      '--hf_dir', f'tensors this {m.family} config does not use: {", ".join(left[:3])}'
+  layers = [_layer_names(i, m) for i in range(m.num_layers)]
+  shapes = _shapes(m)
+  out = [
+    rules.reshaped(
+      'model.embed_tokens.weight',
+      ('embed', 'tokens'),
+      (m.vocab_size, m.d_model),
+      dtype,
+      (m.vocab_size, m.d_model),
     )
-  return params
+  ]
+  for key in layers[0]:  # HF's order within a layer
+    names, path, shape = [names[key] for names in layers], ('layers', key), shapes[key]
+    if len(shape) == 1 or key in _BIASES:
+      out.append(rules.reshaped(names, path, shape, dtype))
+    else:
+      # wo's inputs are its (head, head_dim) dims
+      out.append(rules.linear(names, path, shape, dtype, ins=2 if key == 'wo' else 1))
+  out.append(rules.reshaped('model.norm.weight', ('head', 'norm'), (m.d_model,), dtype))
+  if not m.tie_embeddings:
+    out.append(rules.linear('lm_head.weight', ('head', 'out'), (m.d_model, m.vocab_size), dtype))
+  return out
+
+
+def ignored(names, model_cfg) -> set[str]:
+  """What an import leaves out of `names` (a checkpoint's tensors): a tied
+  checkpoint's copy of the table as lm_head.weight, and rotary inverse
+  frequencies some exports include."""
+  del model_cfg
+  return {n for n in names if n == 'lm_head.weight' or n.endswith('rotary_emb.inv_freq')}
 
 
 # Layer keys of biases: [heads, head_dim] here, one vector in HF.
 _BIASES = ('bq', 'bk', 'bv')
 
 
-def _buffers(tensors) -> set[str]:
-  """Non-parameter entries some exports include (rotary inverse frequencies)."""
-  return {name for name in tensors if name.endswith('rotary_emb.inv_freq')}
-
-
 def params_to_hf(params: Mapping, model_cfg, hf: Mapping | None = None) -> dict[str, np.ndarray]:
   """HF tensors (numpy, the params' dtype) of a llama or mixtral parameter tree
-  (named as `model_type` says; `hf`, the exported config, is not read)."""
+  held in memory (named as `model_type` says; `hf`, the exported config, is not read)."""
   del hf
-  m = model_cfg
-  out = {'model.embed_tokens.weight': np.asarray(params['embed']['tokens'])}
-
-  def linear(key, array):
-    if array.ndim == 1 or key in _BIASES:
-      return array.reshape(-1)
-    # back to a Linear's [out, in]; wo's inputs are its (head, head_dim) dims
-    inputs = array.shape[0] * (array.shape[1] if key == 'wo' else 1)
-    return np.ascontiguousarray(array.reshape(inputs, -1).T)
-
-  for i in range(m.num_layers):
-    for key, name in _layer_names(i, m).items():
-      array = np.asarray(params['layers'][key][i])
-      if isinstance(name, list):  # expert e's slice of the experts axis
-        out.update((n, linear(key, array[e])) for e, n in enumerate(name))
-      else:
-        out[name] = linear(key, array)
-  out['model.norm.weight'] = np.asarray(params['head']['norm'])
-  if not m.tie_embeddings:
-    out['lm_head.weight'] = np.ascontiguousarray(np.asarray(params['head']['out']).T)
-  return out
-
-
-def write_tensors(tensors: Mapping[str, np.ndarray], out_dir: str, max_shard_bytes: int) -> None:
-  """Writes `model.safetensors`, or shards of at most `max_shard_bytes` and
-  their index when the tensors are larger (HF's layout, names in order)."""
-  from safetensors.numpy import save_file
-
-  total = sum(a.nbytes for a in tensors.values())
-  if total <= max_shard_bytes:
-    save_file(dict(tensors), os.path.join(out_dir, SINGLE_FILE), metadata={'format': 'pt'})
-    return
-  shards, current, size = [], {}, 0
-  for name, array in tensors.items():
-    if current and size + array.nbytes > max_shard_bytes:
-      shards.append(current)
-      current, size = {}, 0
-    current[name] = array
-    size += array.nbytes
-  shards.append(current)
-  weight_map = {}
-  for k, shard in enumerate(shards):
-    name = f'model-{k + 1:05d}-of-{len(shards):05d}.safetensors'
-    save_file(shard, os.path.join(out_dir, name), metadata={'format': 'pt'})
-    weight_map.update(dict.fromkeys(shard, name))
-  with open(os.path.join(out_dir, INDEX_FILE), 'w') as f:
-    json.dump({'metadata': {'total_size': total}, 'weight_map': weight_map}, f, indent=2)
+  return rules.params_to_hf(tensor_rules(model_cfg, model_cfg.param_dtype), params)

@@ -48,6 +48,8 @@ _DTYPES = {
 _NAMES = {dtype: name for name, dtype in _DTYPES.items()}
 # The header is padded with spaces to this many bytes, as safetensors pads it.
 _ALIGN = 8
+# The most bytes of a tensor copied at once to write it.
+_WRITE_BYTES = 16 << 20
 
 
 def checkpoint_files(hf_dir: str) -> list[str]:
@@ -189,7 +191,12 @@ class ShardWriter:
       raise ValueError(f'{name}: {array.dtype}{list(array.shape)}, announced {dtype}{list(shape)}')
     with open(path, 'r+b') as f:
       f.seek(offset)
-      f.write(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
+      # Row blocks of at most _WRITE_BYTES: a strided view (a transpose) is
+      # copied a block at a time, never whole.
+      flat = array.reshape(1, -1) if array.ndim < 2 else array.reshape(array.shape[0], -1)
+      rows = max(1, _WRITE_BYTES // max(1, flat[:1].nbytes))
+      for start in range(0, flat.shape[0], rows):
+        f.write(np.ascontiguousarray(flat[start : start + rows]).reshape(-1).view(np.uint8))
     self._written.add(name)
 
   def close(self) -> list[str]:
