@@ -2,14 +2,15 @@
 checkpoints in and out of triax workdirs.
 
   python -m triax convert --hf_dir=DIR --workdir=WORKDIR [--tokenizer=tokenizer.json]
-  python -m triax convert --workdir=WORKDIR --hf_dir=OUT --export
+  python -m triax convert --workdir=WORKDIR --hf_dir=OUT --export [--max_shard_size=5GB]
 
 Import reads DIR's config.json and *.safetensors (one file or shards) and
 writes a workdir at step 0 that `python -m triax train --workdir=WORKDIR`
 fine-tunes and `python -m triax sample --workdir=WORKDIR` samples; export
 writes the workdir's latest checkpoint back as transformers' Llama (Qwen2/3,
-Mixtral, Qwen2/3-MoE, DeepSeek-V3). Kept to flag parsing and one library call
-(triax.convert.hf_checkpoint).
+Mixtral, Qwen2/3-MoE, DeepSeek-V3). Both stream: one tensor, or one leaf's
+block, at a time (triax.convert.hf_checkpoint). Kept to flag parsing and one
+library call.
 """
 
 import sys
@@ -43,8 +44,11 @@ _TOKENIZER = flags.DEFINE_string(
 _SEQ_LEN = flags.DEFINE_integer(
   'seq_len', 0, 'Training window (model.seq_len); 0 = the HF context, at most 2048.'
 )
-_MAX_SHARD_BYTES = flags.DEFINE_integer(
-  'max_shard_bytes', 5 * 10**9, 'Export: largest safetensors shard, as HF shards.'
+_MAX_SHARD_SIZE = flags.DEFINE_string(
+  'max_shard_size',
+  '5GB',
+  "Export: the largest safetensors shard, as transformers' max_shard_size reads it (bytes, or "
+  'a size such as 5GB, 500MB or 2GiB).',
 )
 _CPU_DEVICES = flags.DEFINE_integer(
   'cpu_devices', None, 'Force this many CPU devices (ignored when an accelerator is present).'
@@ -61,14 +65,14 @@ def main(argv):
   if _EXPORT.value and _TOKENIZER.value:
     cli.fail('--tokenizer', "is for import; an export copies the run's tokenizer, if it has one")
   cli.force_cpu_devices(_CPU_DEVICES.value)
-  from triax.convert import hf_checkpoint  # after the device count is set
+  from triax.convert import hf_checkpoint, safetensors_files  # after the device count is set
 
   with cli.config_errors_exit():
     if _EXPORT.value:
       result = hf_checkpoint.export_hf(
         _WORKDIR.value,
         _HF_DIR.value,
-        max_shard_bytes=_MAX_SHARD_BYTES.value,
+        max_shard_bytes=safetensors_files.shard_bytes(_MAX_SHARD_SIZE.value),
         drop_mtp=_DROP_MTP.value,
       )
       print(
