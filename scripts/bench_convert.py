@@ -170,11 +170,12 @@ def same_tensors(first: str, second: str) -> bool:
 def run(base: str) -> dict:
   """Writes, imports and exports the benchmark checkpoint under `base`; the figures."""
   hf_dir, workdir, out = (os.path.join(base, name) for name in ('hf', 'w', 'out'))
+  load = os.getloadavg()[0]
   sizes = write_checkpoint(hf_dir)
   imported = measure('import', hf_dir, workdir)
   exported = measure('export', out, workdir)
   identical = same_tensors(hf_dir, out) and _same_file(hf_dir, out, 'tokenizer.json')
-  return {**sizes, 'import': imported, 'export': exported, 'identical': identical}
+  return {**sizes, 'import': imported, 'export': exported, 'identical': identical, 'load': load}
 
 
 def _same_file(first: str, second: str, name: str) -> bool:
@@ -213,9 +214,13 @@ def write_doc(path: str, result: dict) -> None:
       _row('export', s['export'], s),
       '',
       "An import holds one HF tensor and the block of a leaf made from it (a layer's "
-      'slice of a stacked leaf) while orbax writes that block chunk by chunk; an export '
-      'holds one leaf (read whole from the checkpoint) and one tensor made of it. '
-      f'Round trip bit-identical: {s["identical"]}.',
+      'slice of a stacked leaf: its bound is twice the largest tensor, whatever the leaves) '
+      'while orbax writes that block chunk by chunk; an export reads each leaf a slab of '
+      'its stored chunks at a time (one layer here, as the import stored it; a leaf stored '
+      'in one chunk, as an unsharded training run writes it, is read whole: its bound is '
+      'that leaf) and writes each tensor made of it into its place in the shards. '
+      f'Round trip bit-identical, tokenizer included: {s["identical"]}. Seconds on a '
+      f'shared 2-core machine (load average {s["load"]:.1f} at the start): indicative only.',
       '',
       '```',
       json.dumps(result),
