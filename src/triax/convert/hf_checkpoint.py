@@ -237,10 +237,10 @@ def _initial_state(trainer, leaves: list[rules.Leaf], read):
     rules.put(
       params, leaf.path, blockwise.Deferred(leaf.shape, leaf.dtype, blocks, leaf.block_ndim)
     )
-  made = jax.tree.map(lambda d: (d.shape, d.dtype), params)
-  wanted = jax.tree.map(lambda s: (s.shape, np.dtype(s.dtype)), abstract.params)
+  made, wanted = _leaf_shapes(params), _leaf_shapes(abstract.params)
   if made != wanted:  # a converter's rules and the model disagree: a bug, not bad input
-    raise ValueError(f"the converted leaves are not the model's: {made} != {wanted}")
+    odd = sorted(set(made.items()) ^ set(wanted.items()), key=str)[:3]
+    raise ValueError(f"the converted leaves are not the model's: {odd}")
   _zero_init(trainer.optimizer, abstract.params)
 
   def zeros(s):
@@ -250,6 +250,12 @@ def _initial_state(trainer, leaves: list[rules.Leaf], read):
   return step_lib.TrainState(
     step=np.zeros((), np.int32), params=params, opt_state=jax.tree.map(zeros, abstract.opt_state)
   )
+
+
+def _leaf_shapes(tree) -> dict:
+  """{leaf path: (shape, dtype)} of a tree of arrays, `Deferred`s or shape structs."""
+  flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+  return {jax.tree_util.keystr(p): (tuple(a.shape), np.dtype(a.dtype)) for p, a in flat}
 
 
 def _zero_init(optimizer, shapes) -> None:
