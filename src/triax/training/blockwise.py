@@ -32,6 +32,7 @@ import math
 import os
 from collections.abc import Callable, Iterator
 
+import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import tensorstore as ts
@@ -101,7 +102,8 @@ class DeferredHandler(ocp.type_handlers.NumpyHandler):
   async def _background_serialize(self, values, infos, args=None):
     for value, info, arg in zip(values, infos, args):
       await info.await_path_creation()
-      await self._write(value, info, arg)
+      if jax.process_index() == 0:  # as orbax writes numpy leaves: one process, whole
+        await self._write(value, info, arg)
 
   async def _write(self, value: Deferred, info, arg) -> None:
     block = value.shape[value.block_ndim :]
