@@ -72,3 +72,19 @@ def run_python(
     text=True,
     check=check,
   )
+
+
+def doc_sections(path: str) -> dict[str, list[str]]:
+  """The lines under each `## title` of a report as its script last wrote it,
+  so a script can rerun some sections and keep the others."""
+  if not os.path.exists(path):
+    return {}
+  sections, title = {}, None
+  with open(path) as f:
+    for line in f.read().splitlines():
+      if line.startswith('## '):
+        title = line[3:]
+        sections[title] = []
+      elif title is not None:
+        sections[title].append(line)
+  return {t: '\n'.join(rows).strip('\n').splitlines() for t, rows in sections.items()}

@@ -23,7 +23,7 @@ import os
 import tempfile
 
 from absl import app, flags
-from bench_harness import ROOT, force_cpu_devices, run_python
+from bench_harness import ROOT, doc_sections, force_cpu_devices, run_python
 
 from triax.compiled import stats as stats_lib
 
@@ -270,21 +270,6 @@ SECTIONS = {
 }
 
 
-def _doc_sections(path: str) -> dict[str, list[str]]:
-  """The lines under each `## title` of the report as this script last wrote it."""
-  if not os.path.exists(path):
-    return {}
-  sections, title = {}, None
-  with open(path) as f:
-    for line in f.read().splitlines():
-      if line.startswith('## '):
-        title = line[3:]
-        sections[title] = []
-      elif title is not None:
-        sections[title].append(line)
-  return {t: '\n'.join(rows).strip('\n').splitlines() for t, rows in sections.items()}
-
-
 def main(argv):
   del argv
   os.makedirs(CACHE, exist_ok=True)
@@ -294,7 +279,7 @@ def main(argv):
       json.dump(rows, f)
   lines = ['# Long sequences: context and sequence parallelism', '']
   lines += ['Written by `scripts/bench_long_context.py`.', '']
-  written = _doc_sections(_OUT.value)
+  written = doc_sections(_OUT.value)
   for key, (title, _) in SECTIONS.items():
     path = os.path.join(CACHE, f'{key}.json')
     if os.path.exists(path):

@@ -36,7 +36,7 @@ import sys
 
 import bench_deepseek
 from absl import app, flags
-from bench_harness import ROOT, force_cpu_devices, run_python
+from bench_harness import ROOT, doc_sections, force_cpu_devices, run_python
 
 force_cpu_devices()
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
@@ -257,30 +257,15 @@ def main(argv):
   lines = ['# Mixture of experts: expert parallelism and dispatch', '']
   lines += ['Written by `scripts/bench_moe.py`.', '']
   # Sections not run this time keep what the report held.
-  kept = _sections(_OUT.value)
+  kept = doc_sections(_OUT.value)
   for key, (title, rows) in SECTIONS.items():
     if key in _SECTIONS.value:
       lines += [f'## {title}', '', *rows(), '']
     elif title in kept:
-      lines += [f'## {title}', *kept[title]]
+      lines += [f'## {title}', '', *kept[title], '']
   from triax.compiled import measure
 
   measure.write_report(_OUT.value, lines)
-
-
-def _sections(path: str) -> dict[str, list[str]]:
-  """The report's sections at `path`, by title: their lines after the heading."""
-  if not os.path.exists(path):
-    return {}
-  sections, title = {}, None
-  with open(path) as f:
-    for line in f.read().splitlines():
-      if line.startswith('## '):
-        title = line[3:]
-        sections[title] = []
-      elif title is not None:
-        sections[title].append(line)
-  return sections
 
 
 if __name__ == '__main__':

@@ -104,6 +104,27 @@ def tiny_deepseek_config(**overrides):
   )
 
 
+def microbatch_reference(cfg, m: int):
+  """One device's step of `cfg`'s model over m micro-batches (rows j, j+m,
+  ... as the trainer splits them): (the objectives' mean, its gradient,
+  {figure: mean over the micro-batches}), from the trainer's seed and
+  random_batch(cfg): what a pipelined trainer's loss_and_grad must give."""
+  model = registry.build(registry.spec_from_config(config.validate(cfg, 1).model))
+  params = jax.device_get(jax.jit(model.init)(jax.random.key(cfg.train.seed)))
+  batch = random_batch(cfg)
+
+  def objective(params):
+    total, figures = 0.0, []
+    for j in range(m):
+      loss, metrics = model.objective(params, batch['inputs'][j::m], batch['targets'][j::m])
+      total, figures = total + loss / m, figures + [metrics]
+    return total, figures
+
+  (loss, figures), grads = jax.jit(jax.value_and_grad(objective, has_aux=True))(params)
+  means = {k: float(np.mean([f[k] for f in figures])) for k in figures[0]}
+  return float(loss), jax.device_get(grads), means
+
+
 def model_of(**fields):
   """A family model from config.defaults().model with `fields` replaced."""
   model_cfg = config.defaults().model

@@ -11,9 +11,6 @@ import jax
 import numpy as np
 import pytest
 
-from triax import config as config_lib
-from triax.model import registry
-
 # Router losses weighted so that their gradients are not lost in rounding.
 LOSSES = {
   'model.router_aux_loss_coef': 0.1,
@@ -28,24 +25,8 @@ def _config(**overrides):
 
 @functools.cache
 def _reference(m: int, shape: tuple = ()):
-  """One device: each micro-batch's objective (rows j, j+m, ... as the
-  trainer splits them), averaged; its gradient; the figures averaged."""
-  cfg = _config(**dict(shape))
-  spec = registry.spec_from_config(config_lib.validate(cfg, 1).model)
-  model = registry.build(spec)
-  params = jax.device_get(jax.jit(model.init)(jax.random.key(cfg.train.seed)))
-  batch = harness.random_batch(cfg)
-
-  def objective(params):
-    total, figures = 0.0, []
-    for j in range(m):
-      loss, metrics = model.objective(params, batch['inputs'][j::m], batch['targets'][j::m])
-      total, figures = total + loss / m, figures + [metrics]
-    return total, figures
-
-  (loss, figures), grads = jax.jit(jax.value_and_grad(objective, has_aux=True))(params)
-  mean = lambda k: float(np.mean([f[k] for f in figures]))  # noqa: E731
-  return float(loss), jax.device_get(grads), {k: mean(k) for k in FIGURES if k in figures[0]}
+  loss, grads, means = harness.microbatch_reference(_config(**dict(shape)), m)
+  return loss, grads, {k: means[k] for k in FIGURES if k in means}
 
 
 FIGURES = ('router_aux_loss', 'router_z_loss', 'router_seq_aux_loss', 'mtp_loss')

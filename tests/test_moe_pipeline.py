@@ -12,9 +12,6 @@ import jax
 import numpy as np
 import pytest
 
-from triax import config as config_lib
-from triax.model import registry
-
 SCOPE = {'model.router_aux_loss_scope': 'microbatch', 'model.router_aux_loss_coef': 0.1}
 
 
@@ -27,29 +24,11 @@ def _config(**overrides):
 
 @functools.cache
 def _reference(m: int, dispatch: str, shape: tuple = ()):
-  """One device: the objective of each micro-batch (rows j, j+m, ... as the
-  trainer splits them) on one program, averaged; its gradient; the figures.
-  `shape`: (model key, value) pairs of the model compared."""
+  """One device's objective over the same micro-batches, its gradient, the
+  figures; `shape`: (model key, value) pairs of the model compared."""
   cfg = _config(**{'model.moe_dispatch': dispatch, 'model.capacity_factor': 0.5, **dict(shape)})
-  spec = registry.spec_from_config(config_lib.validate(cfg, 1).model)
-  model = registry.build(spec)
-  params = jax.device_get(jax.jit(model.init)(jax.random.key(cfg.train.seed)))
-  batch = harness.random_batch(cfg)
-
-  def objective(params):
-    total, figures = 0.0, []
-    for j in range(m):
-      loss, metrics = model.objective(params, batch['inputs'][j::m], batch['targets'][j::m])
-      total, figures = total + loss / m, figures + [metrics]
-    return total, figures
-
-  (loss, figures), grads = jax.jit(jax.value_and_grad(objective, has_aux=True))(params)
-  mean = lambda k: float(np.mean([f[k] for f in figures]))  # noqa: E731
-  return (
-    float(loss),
-    jax.device_get(grads),
-    {k: mean(k) for k in ('router_aux_loss', 'router_z_loss')},
-  )
+  loss, grads, means = harness.microbatch_reference(cfg, m)
+  return loss, grads, {k: means[k] for k in ('router_aux_loss', 'router_z_loss')}
 
 
 def _check(data, tensor, pipe, expert, m, schedule='1f1b', dispatch='dropless', **extra):
