@@ -507,10 +507,14 @@ class DecoderModel:
     summed for free."""
     return params['embed'], params['head']
 
+  # Whether the embedding module runs blocks of its own (DeepSeek's dense ones)
+  # and so takes the rows' document ids.
+  embed_takes_segments: ClassVar[bool] = False
+
   def embed(self, embed_params: Params, tokens: jax.Array, segments=None) -> jax.Array:
     """The first layer stack entry's input [b, s, d] of tokens [b, s]; `segments`
-    for a family whose embedding runs blocks of its own (DeepSeek's dense ones)."""
-    if segments is None:
+    for a family whose embedding runs blocks of its own (`embed_takes_segments`)."""
+    if segments is None or not self.embed_takes_segments:
       return self._embed.apply({'params': embed_params}, tokens)
     return self._embed.apply({'params': embed_params}, tokens, segments=segments)
 

@@ -375,6 +375,7 @@ class DeepSeek(mixtral.Mixtral):
   embed_module = Embed
   block_module = Block
   head_module = llama.Head
+  embed_takes_segments = True
 
   def __init__(self, spec: DeepSeekSpec):
     super().__init__(spec)
