@@ -103,8 +103,11 @@ def state(
 
 def head_weight(shard: Shard) -> float:
   """Bytes of the head's weight (the parameters' dtype): the embedding
-  table's shape, tied or not, what the profile's embedding work reads (its
-  fixed bytes); half the edges without that figure."""
+  table's shape, tied or not (Shard.table_bytes); where a profile has no
+  such figure, what its embedding work reads (its fixed bytes), else half
+  the edges."""
+  if shard.table_bytes:
+    return shard.table_bytes
   embed = shard.work.get('embed')
   return embed.bytes_fixed if embed is not None else shard.edge_param_bytes / 2
 
@@ -154,7 +157,7 @@ def state_programs(
   converts leaf by leaf, the checkpoint's copy in host memory: XLA:TPU's
   conversions hold the leaf's converted copy, or its device copy and the
   output it gathers, at most the leaf in the train state's layout),
-  `largest_leaf`. With the moments `offloaded` the device's state is the
+  `largest_leaves`. With the moments `offloaded` the device's state is the
   parameters, and a moment leaf comes to the device as any leaf does.
   Evaluation: the state; with pipe > 1 the layers' parameters resharded
   once more (the step splits eval's weights over `pipe` along d_model) and
@@ -186,7 +189,7 @@ def state_programs(
   split = plan.state_sharding == 'fsdp' or plan.pipe > 1
   gathered = shard.layer_param_bytes * entry if split else 0.0
   evaluate = rest + copy + gathered + forward + head_cast(profile, shard)
-  convert = share(largest_leaf(shard, params))
+  convert = max(share(*leaf) for leaf in largest_leaves(shard, params, experts))
   return {'save': rest + convert, 'restore': rest + convert, 'eval': evaluate}
 
 
@@ -195,12 +198,16 @@ def state_programs(
 LARGEST_WEIGHT = 1 / 3
 
 
-def largest_leaf(shard: Shard, params: float) -> float:
-  """Bytes of the largest leaf of a stage holding `params` bytes of
-  parameters (its layers and the edges), whole over `data`: one weight
-  stacked over the stage's layers, or the embedding table."""
+def largest_leaves(shard: Shard, params: float, experts: float = 0.0) -> list[tuple[float, float]]:
+  """(bytes, of them routed experts') of the leaves that may be the largest
+  of a stage holding `params` bytes of parameters (its layers and the
+  edges; `experts` of them routed experts'), whole over `data`: one dense
+  weight stacked over the stage's layers, one of a routed expert's three
+  (split over `expert` as all its experts are), or the embedding table."""
   layers = params - shard.edge_param_bytes
-  return max(LARGEST_WEIGHT * layers, head_weight(shard))
+  routed = max(experts - shard.edge_expert_param_bytes, 0.0)
+  one = routed / 3  # w_gate, w_up and w_down alike
+  return [(LARGEST_WEIGHT * (layers - routed), 0.0), (one, one), (head_weight(shard), 0.0)]
 
 
 def token_share(plan: Plan) -> float:
@@ -338,9 +345,14 @@ def _workspace(plan: Plan, profile: Profile, shard: Shard, logits: float, pipeli
   before the layers' backward; XLA:TPU's FSDP and TP steps at 1B and 8B
   allocate close to that where the sum overshot (docs/bench_tpu_compile.md). The executor's tick loop holds both: its
   buffers live across the ticks. A layer is a stack entry here (remat and
-  FSDP's gathers take a group of blocks at once)."""
+  FSDP's gathers take a group of blocks at once). The head's part holds the
+  edges' own blocks' residuals (Shard.edge_work_per_seq) too."""
   entry = profile.layers_per_entry
   layer = 2 * plan.microbatch_size * layer_stash(plan, shard, 'none') * entry
+  # The edges' own blocks (DeepSeek's dense ones, its MTP modules) run forward
+  # and backward inside the embedding's or the head's work.
+  edges = shard.edge_work_per_seq.get(plan.remat, 0.0)
+  logits += plan.microbatch_size * edges * token_share(plan)
   if plan.fsdp_per_layer:
     # Two gathered copies, in the compute dtype: XLA converts the shard before
     # the all-gather, and gathers the weight for the forward and again for
@@ -364,11 +376,13 @@ def stage_layers(plan: Plan, options: Options, stage: int) -> int:
 
 def stage_params(plan: Plan, profile: Profile, layers: int) -> tuple[float, float]:
   """(parameter bytes, of them the routed experts') of a stage whose chunks
-  hold `layers` layers each: its layers and the edges."""
+  hold `layers` layers each: its layers and the edges (whose blocks'
+  routed experts, an MTP module's, split over `expert` as the layers' do)."""
   shard = profile.shards[plan.tensor]
   v = plan.virtual_stages
   params = shard.layer_param_bytes * layers * v + shard.edge_param_bytes
-  return params, experts_lib.expert_param_bytes(shard) * layers * v
+  experts = experts_lib.expert_param_bytes(shard) * layers * v + shard.edge_expert_param_bytes
+  return params, experts
 
 
 # The parts of a stage's train-step peak per device, as `parts` names them:
