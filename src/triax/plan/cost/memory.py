@@ -76,13 +76,16 @@ def state(
   bytes of parameters (its layers and the edges, the experts whole), by the
   plan's state_sharding (of them, `experts` bytes are routed experts', split
   over plan.expert, and the sharding then splits their part over the
-  data / expert replicas holding the same experts; ZeRO-1's moments come
-  out at 1/data either way):
+  data / expert replicas holding the same experts):
 
   - replicated: parameters, gradient accumulator, moments, all whole;
-  - zero1: the moments / data (the gradient accumulator stays whole: the
-    executor sums it over `data` once per step, then each replica updates
-    its share and the parameters are all-gathered);
+  - zero1: the moments over the mesh's `data` axis (the gradient
+    accumulator stays whole: the executor sums it over `data` once per
+    step, then each replica updates its share and the parameters are
+    all-gathered). The expert axis is carved from data (mesh.py), so that
+    axis is data / expert devices: the routed experts' moments come out at
+    1/data, the rest's at expert/data (XLA:TPU's compiled step of
+    deepseek_v3:lite at data 8 = expert 8 holds the dense moments whole);
   - fsdp with the executor (pipe > 1 or m > 1): parameters and moments /
     data at rest, but the stage's weights are gathered once per step
     before the tick loop and that copy, like the whole gradient
@@ -94,11 +97,9 @@ def state(
   """
   kind, per_layer, e = plan.state_sharding, plan.fsdp_per_layer, plan.expert
   split = copies(kind, plan.data // e, per_layer, moments)
-  out = {
-    k: x * (params - experts) + split[k] / e * experts
-    for k, x in copies(kind, plan.data, per_layer, moments).items()
-  }
-  return out
+  # FSDP's rule splits 'embed' over data and expert both (mixtral._expert_rules).
+  dense = split if kind == 'zero1' else copies(kind, plan.data, per_layer, moments)
+  return {k: x * (params - experts) + split[k] / e * experts for k, x in dense.items()}
 
 
 def head_weight(shard: Shard) -> float:
