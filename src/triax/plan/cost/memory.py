@@ -352,8 +352,7 @@ def _workspace(plan: Plan, profile: Profile, shard: Shard, logits: float, pipeli
   layer = 2 * plan.microbatch_size * layer_stash(plan, shard, 'none') * entry
   # The edges' own blocks (DeepSeek's dense ones, its MTP modules) run forward
   # and backward inside the embedding's or the head's work.
-  edges = shard.edge_work_per_seq.get(plan.remat, 0.0)
-  logits += plan.microbatch_size * edges * token_share(plan)
+  logits += edge_work(plan, shard)
   if plan.fsdp_per_layer:
     # Two gathered copies, in the compute dtype: XLA converts the shard before
     # the all-gather, and gathers the weight for the forward and again for
@@ -367,6 +366,13 @@ def _workspace(plan: Plan, profile: Profile, shard: Shard, logits: float, pipeli
   else:
     head = logits + head_cast(profile, shard)
   return head + layer if pipelined else max(head, layer)
+
+
+def edge_work(plan: Plan, shard: Shard) -> float:
+  """Bytes a micro-batch's edge blocks (DeepSeek's first dense ones, its MTP
+  modules) hold while the embedding's or the head's backward runs."""
+  held = shard.edge_work_per_seq.get(plan.remat, 0.0)
+  return plan.microbatch_size * held * token_share(plan)
 
 
 def stage_layers(plan: Plan, options: Options, stage: int) -> int:
@@ -426,7 +432,7 @@ def parts(
       # With the edges' gradients made after the tick loop, the loop holds
       # two pools instead of their accumulator, and after it the step holds
       # the whole state and the head's work only.
-      after = logits + head_cast(profile, shard)
+      after = logits + edge_work(plan, shard) + head_cast(profile, shard)
       workspace = max(workspace + pooled - shed, after - pool['stash'] - buffers)
     moments = stage_moments(plan, profile, options, held)
     kept = state(plan, profile, params, experts, moments)
