@@ -83,10 +83,11 @@ def get_config(arg=None):
   m.topk_group = 4
   # The chosen experts' normalised affinities scaled by this (V3's 2.5).
   m.routed_scaling_factor = 2.5
-  # Loss-free balancing's bias step, and V3's small sequence-wise balance loss; no z-loss.
+  # Loss-free balancing's bias step, and V3's small sequence-wise balance loss (alpha); no
+  # batch-wise balance loss, no z-loss.
   m.bias_update_rate = 0.001
-  m.router_aux_loss_coef = 0.0001
-  m.router_z_loss_coef = 0.0
+  m.router_seq_aux_loss_coef = 0.0001
+  m.router_aux_loss_coef, m.router_z_loss_coef = 0.0, 0.0
   # Balanced per micro-batch, as a pipeline stage sees it (the executor's condition).
   m.router_aux_loss_scope = 'microbatch'
   # One MTP module, its loss weighted 0.3 (V3's first 10T tokens).
