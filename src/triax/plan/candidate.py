@@ -18,6 +18,7 @@ import hashlib
 from triax import layout as layout_lib
 from triax.config import EDGE_GRADS
 from triax.layout import Layout
+from triax.model import registry
 from triax.pipeline import rounds, simulate
 from triax.pipeline import schedule as sched
 
@@ -329,7 +330,7 @@ def from_config(cfg) -> Plan:
     placement = program(layout.schedule, p, layout.microbatches, v).schedule.placement
     layers = tuple(sum(n for n, s in zip(chunks, placement) if s == stage) for stage in range(p))
   else:
-    layers = (cfg.model.num_layers // p,) * p
+    layers = (registry.spec_from_config(cfg.model).stacked_layers // p,) * p
   per_stage = layout.data * layout.context * layout.tensor
   if m.get('device_order'):
     # A plan's placement (search/emit.device_order): mesh position r * p + s,

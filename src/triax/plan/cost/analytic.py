@@ -28,7 +28,10 @@ import math
 
 from triax.errors import ConfigError
 from triax.plan.cluster import Cluster, Group, Link
+from triax.plan.cost import blocks
 from triax.plan.cost import profile as profile_lib
+from triax.plan.cost.blocks import Kernel
+from triax.plan.cost.profile import LAYER_CHECKPOINTED
 
 # Bytes a bandwidth-bound op moves per element of its [s, d] input, forward:
 # an RMSNorm reads x and writes y (2), a residual add reads two and writes
@@ -37,15 +40,9 @@ _NORM_ELEMENT_IO = 2
 _ADD_ELEMENT_IO = 3
 # The MLP's activation reads and writes [s, d_ff/t] (a gated one reads two).
 _ACT_ELEMENT_IO = 2
-# Softmax over the scores: reads them and writes the probabilities.
-_SOFTMAX_ELEMENT_IO = 2
 # A bandwidth-bound op's backward reads its output gradient and saved input
 # and writes the input gradient: about twice its forward's bytes.
 _BACKWARD_IO = 2.0
-# The fused (cuDNN / flash) attention backward costs 2.5x its forward's
-# FLOPs (it recomputes the scores), and a causal kernel skips half the square.
-_FLASH_BACKWARD = 2.5
-_FLASH_CAUSAL = 0.5
 # [s, d] activations per layer inside the tensor-parallel matmuls, split over
 # tensor (Korthikanti et al. 2022's 24/t at 2 bytes: Q, K, V, the attention
 # output, the MLP's two 4h-wide ones); profile.SEQUENCE_STASH counts the rest.
@@ -53,23 +50,6 @@ _TENSOR_STASH = 12
 # The head's fp32 logits are written, read by the softmax, its gradient
 # written and read by the two backward GEMMs: 4 passes of 4 bytes.
 _LOGIT_PASSES = 4
-
-
-@dataclasses.dataclass(frozen=True)
-class Kernel:
-  """One kernel of a layer shard, per sequence (b = 1), with a fixed part.
-
-  flops and bytes scale with the micro-batch size b; fixed_bytes (weights
-  read) do not.
-  """
-
-  name: str
-  flops: float
-  bytes: float
-  fixed_bytes: float = 0.0
-
-  def seconds(self, b: int, peak: float, bandwidth: float) -> float:
-    return max(b * self.flops / peak, (self.fixed_bytes + b * self.bytes) / bandwidth)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,28 +76,37 @@ class Analytic:
   def __init__(self, dtype: str, kernels: dict[int, ShardKernels]):
     self.dtype = dtype
     self.kernels = kernels
+    # (kernel tuple's id, b, expert, rates) -> seconds: a search asks the
+    # same sums for every device of every stage of every candidate.
+    self._sums = {}
 
   def _rates(self, group: Group) -> tuple[float, float]:
     return group.peak(self.dtype) * group.matmul_efficiency, group.memory_bandwidth
 
-  def _sum(self, kernels, group: Group, b: int) -> float:
+  def _sum(self, kernels: tuple[Kernel, ...], group: Group, b: int, expert: int = 1) -> float:
     peak, bandwidth = self._rates(group)
-    return sum(k.seconds(b, peak, bandwidth) for k in kernels)
+    key = (id(kernels), b, expert, peak, bandwidth)
+    if key not in self._sums:
+      self._sums[key] = sum(k.seconds(b, peak, bandwidth, expert) for k in kernels)
+    return self._sums[key]
 
-  def seconds(self, group: Group, function: str, b: int, t: int) -> float:
+  def seconds(self, group: Group, function: str, b: int, t: int, expert: int = 1) -> float:
     """Time of a profile function ('layer_fwd', 'layer_bwd', 'embed', 'head')
-    on b sequences at degree t; a remat variant's name is its plain one's."""
+    on b sequences at degree t, the routed experts split `expert` ways; a
+    remat variant's name is its plain one's."""
     base = function.split('/')[0]
     k = self.kernels[t]
     overhead = group.overhead_per_layer if base in profile_lib.LAYER_FUNCTIONS else 0.0
-    return overhead + self._sum(getattr(k, base), group, b)
+    return overhead + self._sum(getattr(k, base), group, b, expert)
 
-  def layer_seconds(self, group: Group, b: int, t: int, remat: str) -> tuple[float, float]:
+  def layer_seconds(
+    self, group: Group, b: int, t: int, remat: str, expert: int = 1
+  ) -> tuple[float, float]:
     """(forward, backward) of one layer under a remat policy: the backward
     reruns the forward (full), the attention core (dots) or its scores
     (attention)."""
-    fwd = self.seconds(group, 'layer_fwd', b, t)
-    bwd = self.seconds(group, 'layer_bwd', b, t)
+    fwd = self.seconds(group, 'layer_fwd', b, t, expert)
+    bwd = self.seconds(group, 'layer_bwd', b, t, expert)
     if remat == 'full':
       bwd += fwd
     elif remat == 'dots':
@@ -204,75 +193,47 @@ def _nbytes(*trees) -> float:
   return float(sum(math.prod(a.shape) * a.dtype.itemsize for a in unique))
 
 
-def _shapes(spec, t: int):
-  """One stack entry's parameter shapes (a layer's, or a group's blocks'),
-  the edge parameters' bytes, and the shard spec: from the family's own
-  modules, abstractly (no memory, no compute)."""
-  import jax
+def _elementwise(spec, shard, dropout: bool) -> float:
+  """Bytes a block's norms, residual adds and activation move per sequence,
+  forward (with Megatron's two hidden dropouts' 1-byte masks on [s, d],
+  whole on every tensor rank without sequence parallelism)."""
+  import numpy as np
 
-  from triax.model import registry
-
-  shard = dataclasses.replace(spec.tensor_shard(t), num_layers=spec.layers_per_entry)
-  # Tracing init runs the block once, abstractly; the attention kernel
-  # changes no parameter shape, and cuDNN's refuses to trace off a GPU.
-  model = registry.build(dataclasses.replace(shard, attention='xla'))
-  params = jax.eval_shape(model.init, jax.random.key(0))
-  is_tuple = lambda x: isinstance(x, tuple)
-  layer = jax.tree.leaves(jax.tree.map(lambda a: a.shape[1:], params['layers']), is_leaf=is_tuple)
-  axes = jax.tree.leaves(model.logical_axes()['layers'], is_leaf=is_tuple)
-  # A routed expert's weight ('experts' axis first, [E, ...]): a token runs k of the E.
-  routed = ['experts' in a for a in axes]
-  # A weight whose first axis (after the stack's) is the model width reads the residual stream.
-  reads_stream = [len(a) > 2 and a[1] == 'embed' for a in axes]
-  embed, head = model.edge_params(params)
-  return shard, list(zip(layer, routed, reads_stream)), embed, head
-
-
-def _averaged(kernels: list[Kernel], n: int) -> list[Kernel]:
-  """An entry's kernels over its n blocks, the average block's (a kernel's
-  time is linear in its FLOPs and bytes together)."""
-  if n == 1:
-    return kernels
-  return [
-    dataclasses.replace(k, flops=k.flops / n, bytes=k.bytes / n, fixed_bytes=k.fixed_bytes / n)
-    for k in kernels
-  ]
+  s, d = spec.seq_len, spec.d_model
+  e = np.dtype(spec.dtype).itemsize
+  io = (2 * _NORM_ELEMENT_IO + 2 * _ADD_ELEMENT_IO) * s * d + _ACT_ELEMENT_IO * s * shard.d_ff
+  return io * e + (2 * s * d if dropout else 0)
 
 
 def _shard(spec, t: int, dropout: bool = False) -> tuple[profile_lib.Shard, ShardKernels]:
   import numpy as np
 
-  shard, weights, embed_params, head_params = _shapes(spec, t)
+  shapes = blocks.shapes(spec, t)
+  shard = shapes.shard
   e = np.dtype(spec.dtype).itemsize
   s, d = spec.seq_len, spec.d_model
   # Flash kernels (cuDNN's on GPU, Pallas's splash on TPU) keep no [s, s] scores.
   fused = spec.attention in ('cudnn', 'splash')
-  dense = _dense_kernels(spec, shard, weights)
-  attention, attention_bwd, rescored, core_kept = _attention(
-    s, shard.num_heads, shard.head_dim, e, fused, dropout
+  dense = blocks.gemms(spec, shard, shapes.layer, spec.layers_per_entry)
+  attention, attention_bwd, rescored, core_kept = blocks.attention(
+    s, shard.num_heads, shard.head_dim, shapes.value_dim, e, fused, dropout
   )
-  elementwise = (
-    (2 * _NORM_ELEMENT_IO + 2 * _ADD_ELEMENT_IO) * s * d + _ACT_ELEMENT_IO * s * shard.d_ff
-  ) * e
-  # Megatron's two hidden dropouts (fused into the residual adds) write a
-  # 1-byte mask each, which the backward reads: on [s, d], whole on every
-  # tensor rank without sequence parallelism.
+  elementwise = _elementwise(spec, shard, dropout)
   hidden_masks = 2 * s * d if dropout else 0
-  elementwise += hidden_masks
   fwd = [*dense.fwd, *attention, Kernel('norms, adds, activation', 0.0, elementwise)]
   bwd = [
     *dense.bwd,
     *attention_bwd,
     Kernel('norms, adds, activation bwd', 0.0, _BACKWARD_IO * elementwise),
   ]
-  head, embed, live_logits = _edge_kernels(spec, shard, embed_params, head_params)
+  edges = _edges(spec, shapes, t, dropout)
   act = float(s * d * e)
   stash, sequence = _stash(spec, dense, t, act, hidden_masks, core_kept)
 
   def work(kernels):
     return profile_lib.Work(
       flops_per_seq=sum(k.flops for k in kernels),
-      bytes_fixed=sum(k.fixed_bytes for k in kernels),
+      bytes_fixed=sum(k.fixed_bytes + k.expert_bytes for k in kernels),
       bytes_per_seq=sum(k.bytes for k in kernels),
     )
 
@@ -281,8 +242,8 @@ def _shard(spec, t: int, dropout: bool = False) -> tuple[profile_lib.Shard, Shar
     layer_bwd=tuple(bwd),
     attention=attention,
     scores=rescored,
-    embed=embed,
-    head=head,
+    embed=edges.embed,
+    head=edges.head,
   )
   attn_flops = sum(k.flops for k in attention)
   out = profile_lib.Shard(
@@ -290,92 +251,51 @@ def _shard(spec, t: int, dropout: bool = False) -> tuple[profile_lib.Shard, Shar
     work={
       'layer_fwd': work(kernels.layer_fwd),
       'layer_bwd': work(kernels.layer_bwd),
-      'embed': work(embed),
-      'head': work(head),
+      'embed': work(edges.embed),
+      'head': work(edges.head),
     },
-    layer_param_bytes=dense.layer_params,
-    edge_param_bytes=_nbytes(embed_params, head_params),
+    layer_param_bytes=dense.params,
+    edge_param_bytes=_nbytes(shapes.embed, shapes.head),
     stash_per_seq=stash,
     stash_fixed_per_seq=act,
     act_per_seq=act,
-    logits_per_seq=float(live_logits),
+    logits_per_seq=float(edges.live_logits),
     attention_fraction=attn_flops / max(sum(k.flops for k in fwd), 1.0),
     kv_per_seq=profile_lib.kv_per_seq(spec, t),
     experts=profile_lib.experts_of(shard, sum(k.flops for k in fwd)),
     cut_per_seq=s * dense.cut_kept * e / dense.every,
     sequence_stash_per_seq={'none': sequence, 'attention': sequence},
+    table_bytes=shapes.table,
+    edge_blocks=(shapes.embed_attentions, shapes.head_attentions),
+    edge_expert_param_bytes=edges.expert_params,
+    edge_work_per_seq=edges.work_per_seq,
   )
   return out, kernels
 
 
 @dataclasses.dataclass(frozen=True)
-class _Dense:
-  """A stack entry's dense (and routed) weight matmuls, averaged over its blocks."""
+class _Edges:
+  """The embedding's and the head's kernels (with the blocks each runs
+  itself), and what they hold: see `_edges`."""
 
-  fwd: list  # Kernel per block: the forward GEMMs
-  bwd: list  # and the input- and weight-gradient GEMMs
-  layer_params: float  # bytes of one block's parameters
-  every: int  # blocks of the stack entry (spec.layers_per_entry)
-  # Elements a position keeps under the dots policy beyond SEQUENCE_STASH's:
-  # the outputs of the dense matmuls that read the normed stream (see _stash).
-  dots_kept: int
-  # Dense weights reading the stream into the MLP's hidden width: GPT's fc1,
-  # a gated MLP's gate and up (whose product is one more hidden-wide value kept).
-  mlp_inputs: int
-  # Elements a position's B/W cut keeps (pipeline/split_backward.py): every
-  # dense weight matmul's output cotangent and its input, the two normed
-  # streams (attention's, MLP's) once each however many weights read them.
-  cut_kept: int
+  embed: tuple[Kernel, ...]
+  head: tuple[Kernel, ...]
+  live_logits: float  # bytes of the fp32 logits alive at once per sequence
+  expert_params: float  # bytes of the edges' routed experts' parameters
+  # remat policy -> bytes per sequence the edges' blocks hold for their backward
+  work_per_seq: dict[str, float]
 
 
-def _dense_kernels(spec, shard, weights) -> _Dense:
+def _edges(spec, shapes: blocks.Shapes, t: int, dropout: bool) -> _Edges:
+  """The edges' kernels. The head: its GEMM, gradients and cross-entropy,
+  once and again for each block it runs (an MTP module: its block and
+  projection forward and backward, then the shared head on its output, whose
+  fp32 logits it makes whole, not loss_chunk at a time). The embedding: its
+  rows, and its own blocks' forward, then forward and backward again (the
+  executor's B takes the embedding's vjp, which reruns it)."""
   import numpy as np
 
-  e = np.dtype(spec.dtype).itemsize
-  pe = np.dtype(spec.param_dtype).itemsize
-  s, d = spec.seq_len, spec.d_model
-  every = spec.layers_per_entry
-  fwd, bwd, layer_params = [], [], 0.0
-  dots_kept, mlp_inputs, cut_kept = 0, 0, 2 * d * every
-  for shape, routed, reads_stream in weights:
-    layer_params += math.prod(shape) * pe
-    if reads_stream and not routed:
-      dots_kept += math.prod(shape[1:])
-      mlp_inputs += math.prod(shape[1:]) == shard.d_ff
-    if len(shape) < 2:
-      continue  # norm scales and biases: elementwise, counted with the norms
-    # A routed expert's [E, k, n]: one grouped matmul over the E experts'
-    # weights (each read once), each token's row through k of them.
-    copies, rows = (shape[0], spec.experts_per_token) if routed else (1, 1)
-    shape = shape[1:] if routed else shape
-    if shape[0] == d:
-      k, n = d, math.prod(shape[1:])
-    else:
-      k, n = math.prod(shape[:-1]), shape[-1]
-    if not routed:
-      cut_kept += n + (0 if reads_stream else k)
-    flops = 2.0 * s * rows * k * n
-    # Activations in and out per sequence; the weights read once a call.
-    io = rows * (s * k + s * n) * e
-    fwd.append(Kernel(f'gemm {k}x{n}', flops, io, copies * k * n * e))
-    # Input gradient (reads the weight) and weight gradient (writes it).
-    bwd.append(Kernel(f'dgrad {k}x{n}', flops, io, copies * k * n * e))
-    bwd.append(Kernel(f'wgrad {k}x{n}', flops, io, 2 * copies * k * n * pe))
-  return _Dense(
-    _averaged(fwd, every),
-    _averaged(bwd, every),
-    layer_params / every,
-    every,
-    dots_kept,
-    mlp_inputs,
-    cut_kept,
-  )
-
-
-def _edge_kernels(spec, shard, embed_params, head_params):
-  """The head's kernels, the embedding's, and the fp32 logits alive at once per sequence."""
-  import numpy as np
-
+  shard = shapes.shard
   e = np.dtype(spec.dtype).itemsize
   pe = np.dtype(spec.param_dtype).itemsize
   s, d, vocab = spec.seq_len, spec.d_model, shard.vocab_size
@@ -389,11 +309,60 @@ def _edge_kernels(spec, shard, embed_params, head_params):
     Kernel('cross-entropy', 0.0, _LOGIT_PASSES * logits),
   )
   # Gather rows forward; backward scatters the rows' gradients into the table's.
-  embed = (Kernel('embedding', 0.0, 3 * s * d * e, _nbytes(embed_params)),)
-  return head, embed, live_logits
+  embed = (Kernel('embedding', 0.0, 3 * s * d * e, shapes.table),)
+  own = {}
+  for edge, weights, count in (
+    ('embed', shapes.embed_blocks, shapes.embed_attentions),
+    ('head', shapes.head_blocks, shapes.head_attentions),
+  ):
+    own[edge] = _edge_blocks(spec, shard, t, weights, count, shapes.value_dim, dropout)
+  (embed_fwd, embed_bwd, embed_kept), (head_fwd, head_bwd, head_kept) = own['embed'], own['head']
+  mtp = shapes.head_attentions
+  # The embedding's blocks run under the layers' remat policy: one that
+  # checkpoints a block keeps the blocks' inputs and, in the backward, one
+  # block's residuals at a time. The head's (MTP's) run without remat.
+  embed_blocks = max(shapes.embed_attentions, 1)
+  held = {
+    r: embed_kept[r] + (embed_kept['none'] / embed_blocks if r in LAYER_CHECKPOINTED else 0.0)
+    for r in profile_lib.REMATS
+  }
+  routed = sum(math.prod(w.shape) for w in (*shapes.embed_blocks, *shapes.head_blocks) if w.routed)
+  return _Edges(
+    embed=embed + 2 * embed_fwd + embed_bwd,
+    head=head * (1 + mtp) + head_fwd + head_bwd,
+    live_logits=live_logits,
+    expert_params=float(routed * pe),
+    work_per_seq={r: max(held[r], head_kept['none'] + mtp * logits) for r in held},
+  )
 
 
-def _stash(spec, dense: _Dense, t: int, act: float, hidden_masks: float, core_kept: float):
+def _edge_blocks(spec, shard, t: int, weights, count: int, value_dim: int, dropout: bool):
+  """(forward kernels, backward kernels, remat policy -> bytes they keep for
+  the backward per sequence) of an edge's `count` blocks of `weights`."""
+  import numpy as np
+
+  if not count:
+    return (), (), {r: 0.0 for r in profile_lib.REMATS}
+  e = np.dtype(spec.dtype).itemsize
+  s, d = spec.seq_len, spec.d_model
+  fused = spec.attention in ('cudnn', 'splash')
+  dense = blocks.gemms(spec, shard, weights, count)
+  core, core_bwd, _, core_kept = blocks.attention(
+    s, shard.num_heads, shard.head_dim, value_dim, e, fused, dropout
+  )
+  elementwise = _elementwise(spec, shard, dropout)
+  fwd = (*dense.fwd, *core, Kernel('norms, adds, activation', 0.0, elementwise))
+  bwd = (
+    *dense.bwd,
+    *core_bwd,
+    Kernel('norms, adds, activation bwd', 0.0, _BACKWARD_IO * elementwise),
+  )
+  hidden_masks = 2 * s * d if dropout else 0
+  kept = _stash(spec, dense, t, float(s * d * e), hidden_masks, core_kept)[0]
+  return fwd * count, bwd * count, {r: x * count for r, x in kept.items()}
+
+
+def _stash(spec, dense: blocks.Gemms, t: int, act: float, hidden_masks: float, core_kept: float):
   """Bytes a sequence's layer keeps for its backward under each remat policy,
   and those held whole on every tensor rank (sequence parallelism splits them)."""
   whole = profile_lib.SEQUENCE_STASH
@@ -426,37 +395,3 @@ def _stash(spec, dense: _Dense, t: int, act: float, hidden_masks: float, core_ke
     'full': act * whole['full'] / every,
   }
   return stash, sequence
-
-
-def _attention(s: int, heads: int, hd: int, e: int, fused: bool, dropout: bool):
-  """The attention core of one sequence on a shard of `heads` heads: its
-  forward and backward kernels, the forward's up to its probabilities
-  (what remat=attention reruns) and the bytes it keeps for the backward
-  (the probabilities; with Megatron's dropout its 1-byte mask and the
-  dropped probabilities the P V matmul reads too). A flash kernel keeps
-  and reruns none (it recomputes the scores in its own backward)."""
-  scores = heads * s * s  # elements of one sequence's score square
-  if fused:
-    flops = 4.0 * s * s * heads * hd * _FLASH_CAUSAL
-    io = 4 * s * heads * hd * e  # Q, K, V read, O written
-    attention = (Kernel('flash attention', flops, io),)
-    attention_bwd = (Kernel('flash attention bwd', _FLASH_BACKWARD * flops, 2.5 * io),)
-    return attention, attention_bwd, (), 0.0
-  qk = Kernel('q k^T', 2.0 * s * s * heads * hd, (2 * s * heads * hd + scores) * e)
-  softmax = Kernel('softmax', 0.0, _SOFTMAX_ELEMENT_IO * scores * e)
-  av = Kernel('p v', 2.0 * s * s * heads * hd, (scores + 2 * s * heads * hd) * e)
-  # Each of the two GEMMs has two gradient GEMMs of its FLOPs; the softmax
-  # backward reads the probabilities and their gradient, writes one.
-  attention_bwd = (
-    Kernel('dq dk', 2 * qk.flops, 2 * qk.bytes),
-    Kernel('softmax bwd', 0.0, 3 * scores * e),
-    Kernel('dp dv', 2 * av.flops, 2 * av.bytes),
-  )
-  if not dropout:
-    return (qk, softmax, av), attention_bwd, (qk, softmax), float(scores * e)
-  # Reads the probabilities, writes them dropped and a 1-byte mask; its
-  # backward reads the gradient and the mask and writes one.
-  drop = Kernel('attention dropout', 0.0, (2 * e + 1) * scores)
-  attention_bwd = (*attention_bwd, Kernel('attention dropout bwd', 0.0, (2 * e + 1) * scores))
-  # Kept: the probabilities, the mask and the dropped probabilities.
-  return (qk, softmax, av, drop), attention_bwd, (qk, softmax, drop), float(scores * (1 + 2 * e))

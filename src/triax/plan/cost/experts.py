@@ -53,10 +53,11 @@ def exchange_bytes(plan, experts: Experts) -> float:
   return plan.expert * assignments * token
 
 
-def seconds(plan, shard: Shard, comm, stage: int) -> tuple[float, float]:
+def seconds(plan, shard: Shard, comm, stage: int, remat: str | None = None) -> tuple[float, float]:
   """Seconds the all-to-alls add to one layer's forward and backward on
   `stage` (0, 0 unless the experts are split): a MoE layer's, over
-  Experts.every."""
+  Experts.every, its backward rerunning the forward's under a `remat`
+  policy (default the plan's) that checkpoints the layer."""
   if not split(plan, shard):
     return 0.0, 0.0
   experts = shard.experts
@@ -67,9 +68,17 @@ def seconds(plan, shard: Shard, comm, stage: int) -> tuple[float, float]:
   if experts.dispatch == 'dropless':
     ids = nbytes / (experts.d_model * experts.dtype_bytes) * ID_BYTES
     forward += max(comm.alltoall(g, ids) for g in groups)
-  rerun = plan.remat in profile_lib.LAYER_CHECKPOINTED
+  rerun = (plan.remat if remat is None else remat) in profile_lib.LAYER_CHECKPOINTED
   backward = 2 * one + (forward if rerun else 0.0)
   return forward / experts.every, backward / experts.every
+
+
+def block_seconds(plan, shard: Shard, comm, stage: int) -> float:
+  """Seconds of one whole MoE block's all-to-alls, forward and backward,
+  outside the layer stack's remat (an MTP module's, inside the head)."""
+  if not split(plan, shard):
+    return 0.0
+  return sum(seconds(plan, shard, comm, stage, remat='none')) * shard.experts.every
 
 
 def busiest_load(plan, experts: Experts, imbalance: float) -> float:

@@ -76,13 +76,16 @@ def state(
   bytes of parameters (its layers and the edges, the experts whole), by the
   plan's state_sharding (of them, `experts` bytes are routed experts', split
   over plan.expert, and the sharding then splits their part over the
-  data / expert replicas holding the same experts; ZeRO-1's moments come
-  out at 1/data either way):
+  data / expert replicas holding the same experts):
 
   - replicated: parameters, gradient accumulator, moments, all whole;
-  - zero1: the moments / data (the gradient accumulator stays whole: the
-    executor sums it over `data` once per step, then each replica updates
-    its share and the parameters are all-gathered);
+  - zero1: the moments over the mesh's `data` axis (the gradient
+    accumulator stays whole: the executor sums it over `data` once per
+    step, then each replica updates its share and the parameters are
+    all-gathered). The expert axis is carved from data (mesh.py), so that
+    axis is data / expert devices: the routed experts' moments come out at
+    1/data, the rest's at expert/data (XLA:TPU's compiled step of
+    deepseek_v3:lite at data 8 = expert 8 holds the dense moments whole);
   - fsdp with the executor (pipe > 1 or m > 1): parameters and moments /
     data at rest, but the stage's weights are gathered once per step
     before the tick loop and that copy, like the whole gradient
@@ -94,17 +97,18 @@ def state(
   """
   kind, per_layer, e = plan.state_sharding, plan.fsdp_per_layer, plan.expert
   split = copies(kind, plan.data // e, per_layer, moments)
-  out = {
-    k: x * (params - experts) + split[k] / e * experts
-    for k, x in copies(kind, plan.data, per_layer, moments).items()
-  }
-  return out
+  # FSDP's rule splits 'embed' over data and expert both (mixtral._expert_rules).
+  dense = split if kind == 'zero1' else copies(kind, plan.data, per_layer, moments)
+  return {k: x * (params - experts) + split[k] / e * experts for k, x in dense.items()}
 
 
 def head_weight(shard: Shard) -> float:
   """Bytes of the head's weight (the parameters' dtype): the embedding
-  table's shape, tied or not, what the profile's embedding work reads (its
-  fixed bytes); half the edges without that figure."""
+  table's shape, tied or not (Shard.table_bytes); where a profile has no
+  such figure, what its embedding work reads (its fixed bytes), else half
+  the edges."""
+  if shard.table_bytes:
+    return shard.table_bytes
   embed = shard.work.get('embed')
   return embed.bytes_fixed if embed is not None else shard.edge_param_bytes / 2
 
@@ -154,7 +158,7 @@ def state_programs(
   converts leaf by leaf, the checkpoint's copy in host memory: XLA:TPU's
   conversions hold the leaf's converted copy, or its device copy and the
   output it gathers, at most the leaf in the train state's layout),
-  `largest_leaf`. With the moments `offloaded` the device's state is the
+  `largest_leaves`. With the moments `offloaded` the device's state is the
   parameters, and a moment leaf comes to the device as any leaf does.
   Evaluation: the state; with pipe > 1 the layers' parameters resharded
   once more (the step splits eval's weights over `pipe` along d_model) and
@@ -186,7 +190,7 @@ def state_programs(
   split = plan.state_sharding == 'fsdp' or plan.pipe > 1
   gathered = shard.layer_param_bytes * entry if split else 0.0
   evaluate = rest + copy + gathered + forward + head_cast(profile, shard)
-  convert = share(largest_leaf(shard, params))
+  convert = max(share(*leaf) for leaf in largest_leaves(shard, params, experts))
   return {'save': rest + convert, 'restore': rest + convert, 'eval': evaluate}
 
 
@@ -195,12 +199,16 @@ def state_programs(
 LARGEST_WEIGHT = 1 / 3
 
 
-def largest_leaf(shard: Shard, params: float) -> float:
-  """Bytes of the largest leaf of a stage holding `params` bytes of
-  parameters (its layers and the edges), whole over `data`: one weight
-  stacked over the stage's layers, or the embedding table."""
+def largest_leaves(shard: Shard, params: float, experts: float = 0.0) -> list[tuple[float, float]]:
+  """(bytes, of them routed experts') of the leaves that may be the largest
+  of a stage holding `params` bytes of parameters (its layers and the
+  edges; `experts` of them routed experts'), whole over `data`: one dense
+  weight stacked over the stage's layers, one of a routed expert's three
+  (split over `expert` as all its experts are), or the embedding table."""
   layers = params - shard.edge_param_bytes
-  return max(LARGEST_WEIGHT * layers, head_weight(shard))
+  routed = max(experts - shard.edge_expert_param_bytes, 0.0)
+  one = routed / 3  # w_gate, w_up and w_down alike
+  return [(LARGEST_WEIGHT * (layers - routed), 0.0), (one, one), (head_weight(shard), 0.0)]
 
 
 def token_share(plan: Plan) -> float:
@@ -338,9 +346,13 @@ def _workspace(plan: Plan, profile: Profile, shard: Shard, logits: float, pipeli
   before the layers' backward; XLA:TPU's FSDP and TP steps at 1B and 8B
   allocate close to that where the sum overshot (docs/bench_tpu_compile.md). The executor's tick loop holds both: its
   buffers live across the ticks. A layer is a stack entry here (remat and
-  FSDP's gathers take a group of blocks at once)."""
+  FSDP's gathers take a group of blocks at once). The head's part holds the
+  edges' own blocks' residuals (Shard.edge_work_per_seq) too."""
   entry = profile.layers_per_entry
   layer = 2 * plan.microbatch_size * layer_stash(plan, shard, 'none') * entry
+  # The edges' own blocks (DeepSeek's dense ones, its MTP modules) run forward
+  # and backward inside the embedding's or the head's work.
+  logits += edge_work(plan, shard)
   if plan.fsdp_per_layer:
     # Two gathered copies, in the compute dtype: XLA converts the shard before
     # the all-gather, and gathers the weight for the forward and again for
@@ -356,6 +368,13 @@ def _workspace(plan: Plan, profile: Profile, shard: Shard, logits: float, pipeli
   return head + layer if pipelined else max(head, layer)
 
 
+def edge_work(plan: Plan, shard: Shard) -> float:
+  """Bytes a micro-batch's edge blocks (DeepSeek's first dense ones, its MTP
+  modules) hold while the embedding's or the head's backward runs."""
+  held = shard.edge_work_per_seq.get(plan.remat, 0.0)
+  return plan.microbatch_size * held * token_share(plan)
+
+
 def stage_layers(plan: Plan, options: Options, stage: int) -> int:
   """Layers of each chunk a stage allocates: the widest chunk's when padded
   (the executor's stacks), else its own."""
@@ -364,11 +383,13 @@ def stage_layers(plan: Plan, options: Options, stage: int) -> int:
 
 def stage_params(plan: Plan, profile: Profile, layers: int) -> tuple[float, float]:
   """(parameter bytes, of them the routed experts') of a stage whose chunks
-  hold `layers` layers each: its layers and the edges."""
+  hold `layers` layers each: its layers and the edges (whose blocks'
+  routed experts, an MTP module's, split over `expert` as the layers' do)."""
   shard = profile.shards[plan.tensor]
   v = plan.virtual_stages
   params = shard.layer_param_bytes * layers * v + shard.edge_param_bytes
-  return params, experts_lib.expert_param_bytes(shard) * layers * v
+  experts = experts_lib.expert_param_bytes(shard) * layers * v + shard.edge_expert_param_bytes
+  return params, experts
 
 
 # The parts of a stage's train-step peak per device, as `parts` names them:
@@ -411,7 +432,7 @@ def parts(
       # With the edges' gradients made after the tick loop, the loop holds
       # two pools instead of their accumulator, and after it the step holds
       # the whole state and the head's work only.
-      after = logits + head_cast(profile, shard)
+      after = logits + edge_work(plan, shard) + head_cast(profile, shard)
       workspace = max(workspace + pooled - shed, after - pool['stash'] - buffers)
     moments = stage_moments(plan, profile, options, held)
     kept = state(plan, profile, params, experts, moments)

@@ -116,7 +116,7 @@ class Experts:
     capacity_factor: model.capacity_factor (capacity dispatch's buffers).
     seq_len, d_model: positions per sequence and the token width the
       all-to-alls carry (whole on every tensor rank: moe.TOKENS).
-    hidden: one expert's hidden units on this shard (d_ff / t).
+    hidden: one expert's hidden units on this shard (`expert_width` / t).
     dtype_bytes: bytes of an activation element.
     param_bytes: the routed experts' parameter bytes of one layer shard
       (3 E d hidden weights; over `every` of an average block), what
@@ -148,7 +148,7 @@ def experts_of(shard_spec, layer_flops: float) -> Experts | None:
   model.moe_every = n, of the average block, as the routed ones here)."""
   if 'num_experts' not in type(shard_spec).config_fields():
     return None
-  s, d, f = shard_spec.seq_len, shard_spec.d_model, shard_spec.d_ff
+  s, d, f = shard_spec.seq_len, shard_spec.d_model, expert_width(shard_spec)
   k, e = shard_spec.experts_per_token, shard_spec.num_experts
   every = shard_spec.moe_every
   # A SwiGLU expert is three d x f matmuls a token runs through, k of them.
@@ -166,6 +166,15 @@ def experts_of(shard_spec, layer_flops: float) -> Experts | None:
     fraction=min(routed / layer_flops, 1.0) if layer_flops > 0 else 0.0,
     every=every,
   )
+
+
+def expert_width(spec) -> int:
+  """A routed expert's hidden units on a shard of `spec`: model.moe_d_ff
+  where the family reads it (DeepSeek's fine-grained experts; 0 means
+  d_ff), else d_ff (Mixtral's experts are its MLP's width)."""
+  if 'moe_d_ff' in type(spec).config_fields():
+    return spec.moe_d_ff or spec.d_ff
+  return spec.d_ff
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,6 +207,19 @@ class Shard:
     sequence_stash_per_seq: remat policy -> the bytes of stash_per_seq every
       tensor rank holds whole, which sequence parallelism splits; a policy
       not in it: SEQUENCE_STASH's activations (see `sequence_stash`).
+    table_bytes: the embedding's own parameters' shard (its vocabulary
+      table, the head's weight's shape; GPT's positions too), not its
+      blocks'; 0: not known (a measured profile's, see memory.head_weight).
+    edge_blocks: (the embedding's, the head's) blocks of their own: the
+      first stage runs DeepSeek's first dense blocks in its embedding, the
+      last its MTP modules in its head. Their work is in `work['embed']`
+      and `work['head']`, their parameters in edge_param_bytes; the
+      simulator adds their collectives (a layer's each).
+    edge_expert_param_bytes: of edge_param_bytes, the routed experts' (an
+      MTP module's MoE block): split over mesh.expert as the layers' are.
+    edge_work_per_seq: remat policy -> bytes per sequence the edges' own
+      blocks hold while their backward runs (their residuals, and an MTP
+      module's whole fp32 logits), the larger edge's; {}: none.
   """
 
   tensor: int
@@ -213,6 +235,10 @@ class Shard:
   experts: Experts | None = None
   cut_per_seq: float = 0.0
   sequence_stash_per_seq: dict[str, float] = dataclasses.field(default_factory=dict)
+  table_bytes: float = 0.0
+  edge_blocks: tuple[int, int] = (0, 0)
+  edge_expert_param_bytes: float = 0.0
+  edge_work_per_seq: dict[str, float] = dataclasses.field(default_factory=dict)
 
   def sequence_stash(self, remat: str) -> float:
     """The part of stash_per_seq[remat] every tensor rank holds whole
@@ -225,7 +251,10 @@ class Shard:
 def kv_per_seq(spec, t: int) -> float:
   """Shard.kv_per_seq of a model spec (model.common.ModelSpec) at degree t:
   K and V of one layer, one sequence, a tensor rank's K/V heads (all of
-  them where there are fewer than t: each rank then computes them whole)."""
+  them where there are fewer than t: each rank then computes them whole).
+  MLA's too: context parallelism moves every head's keys and values made
+  from the latent (kv_heads = num_heads, head_dim the query's width, to
+  which the values are padded), never the latent itself."""
   kv = spec.kv_heads // t if spec.kv_heads >= t else spec.kv_heads
   return float(2 * spec.seq_len * kv * spec.head_dim * np.dtype(spec.dtype).itemsize)
 

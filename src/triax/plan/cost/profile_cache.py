@@ -94,7 +94,10 @@ def from_dict(raw: dict) -> profile_lib.Profile:
   for t, sh in raw['shards'].items():
     work = {f: profile_lib.Work(**w) for f, w in sh['work'].items()}
     experts = sh.get('experts') and profile_lib.Experts(**sh['experts'])
-    shards[int(t)] = profile_lib.Shard(**{**sh, 'work': work, 'experts': experts})
+    blocks = tuple(sh.get('edge_blocks', (0, 0)))
+    shards[int(t)] = profile_lib.Shard(
+      **{**sh, 'work': work, 'experts': experts, 'edge_blocks': blocks}
+    )
   return profile_lib.Profile(
     seq_len=raw['seq_len'],
     d_model=raw['d_model'],

@@ -22,10 +22,14 @@ from triax.plan.cluster import Group
 from triax.plan.cost.profile import FUNCTIONS, LAYER_FUNCTIONS, Profile, variant
 
 
-def seconds(profile: Profile, group: Group, function: str, b: int, t: int) -> float:
-  """Time of `function` (a profile fits key) on b sequences at degree t."""
+def seconds(
+  profile: Profile, group: Group, function: str, b: int, t: int, expert: int = 1
+) -> float:
+  """Time of `function` (a profile fits key) on b sequences at degree t; the
+  analytic model reads a routed expert's weights over `expert` devices (a
+  measured profile's fits know no expert degree)."""
   if profile.analytic is not None:
-    return profile.analytic.seconds(group, function, b, t)
+    return profile.analytic.seconds(group, function, b, t, expert)
   if group.local:
     return profile.local_seconds(function, b, t)
   base = function.split('/')[0]
@@ -38,7 +42,7 @@ def seconds(profile: Profile, group: Group, function: str, b: int, t: int) -> fl
 
 
 def layer_seconds(
-  profile: Profile, group: Group, b: int, t: int, remat: str
+  profile: Profile, group: Group, b: int, t: int, remat: str, expert: int = 1
 ) -> tuple[float, float]:
   """(forward, backward) seconds of one layer under a remat policy.
 
@@ -48,7 +52,7 @@ def layer_seconds(
   K^T: half its FLOPs).
   """
   if profile.analytic is not None:
-    return profile.analytic.layer_seconds(group, b, t, remat)
+    return profile.analytic.layer_seconds(group, b, t, remat, expert)
   if group.local and variant('layer_bwd', remat) in profile.fits:
     return (
       seconds(profile, group, variant('layer_fwd', remat), b, t),

@@ -193,22 +193,22 @@ def _slowest(plan: Plan, cluster: Cluster, stage: int, costs, key=None):
 
 def _layer_work(plan: Plan, profile: Profile, cluster: Cluster, stage: int):
   """A layer's forward, backward and recompute Work on the stage's slowest device."""
-  b, t = plan.compute_batch, plan.tensor
+  b, t, e = plan.compute_batch, plan.tensor, plan.expert
 
   def layer(group, cores):
-    fwd, bwd = roofline.layer_seconds(profile, group, b, t, plan.remat)
+    fwd, bwd = roofline.layer_seconds(profile, group, b, t, plan.remat, e)
     remat = plan.remat
     if not (group.local and profile_lib.variant('layer_bwd', remat) in profile.fits):
       # A policy not measured here shares the node as its plain layer does.
       remat = 'none'
-    base = roofline.layer_seconds(profile, group, b, t, remat)
+    base = roofline.layer_seconds(profile, group, b, t, remat, e)
     ratio = [
       roofline.node_share(profile, group, profile_lib.variant(f, remat), b, t, cores)
       / max(x, 1e-30)
       for f, x in zip(profile_lib.LAYER_FUNCTIONS, base)
     ]
     # What remat adds to the backward: the forward it reruns.
-    recompute = max(bwd - roofline.layer_seconds(profile, group, b, t, 'none')[1], 0.0)
+    recompute = max(bwd - roofline.layer_seconds(profile, group, b, t, 'none', e)[1], 0.0)
     return (
       Work(fwd, fwd * ratio[0]),
       Work(bwd, bwd * ratio[1]),
@@ -249,14 +249,20 @@ def stage_costs(
     grads = plan.gradient_groups(s)
     dp = max(comm.allreduce(g, experts_lib.layer_params(plan, shard)) for g in grads)
     edge_dp = max(comm.allreduce(g, shard.edge_param_bytes / 2) for g in grads)
+  # The edges' own blocks all-reduce over tensor as a layer does, 2 forward
+  # and 2 backward each (the embedding's forward twice: its vjp in the
+  # executor's B reruns them); an MTP module's MoE block exchanges its tokens.
+  embed_blocks, head_blocks = shard.edge_blocks
+  embed_comm = embed_blocks * 6 * tp
+  head_comm = head_blocks * (4 * tp + experts_lib.block_seconds(plan, shard, comm, s))
   return StageCosts(
     fwd=Work(fwd.alone + tp_fwd, fwd.at_once),
     bwd=Work(bwd.alone + tp_bwd, bwd.at_once),
     recompute=recompute,
     tp_fwd=tp_fwd,
     tp_bwd=tp_bwd,
-    embed=_edge_work(plan, profile, cluster, s, 'embed'),
-    head=_edge_work(plan, profile, cluster, s, 'head'),
+    embed=_edge_work(plan, profile, cluster, s, 'embed') + Work(embed_comm),
+    head=_edge_work(plan, profile, cluster, s, 'head') + Work(head_comm),
     dp=dp,
     edge_dp=edge_dp,
     entry=profile.layers_per_entry,
@@ -272,7 +278,7 @@ def _edge_work(plan: Plan, profile: Profile, cluster: Cluster, s: int, function:
     cluster,
     s,
     lambda group, cores: Work(
-      roofline.seconds(profile, group, function, b, t),
+      roofline.seconds(profile, group, function, b, t, plan.expert),
       roofline.node_share(profile, group, function, b, t, cores),
     ),
   )

@@ -28,7 +28,7 @@ from triax.plan.cluster import Cluster
 from triax.plan.cost import profile as profile_lib
 from triax.plan.learned import features as F
 from triax.plan.search import evaluate
-from triax.plan.search.layouts import layouts
+from triax.plan.search.layouts import layouts, stack_layers
 
 # Pipelines longer than this are not offered (the padded decision count).
 MAX_STAGES = 32
@@ -91,7 +91,7 @@ def problem(cfg, cluster: Cluster, profile, options: Options = Options(), space=
     return None
   if len(cluster.groups) > F.DEVICE_NODES:
     raise ValueError(f'the learned planner handles at most {F.DEVICE_NODES} device groups')
-  batch, layers = cfg.train.global_batch_size, cfg.model.num_layers
+  batch, layers = cfg.train.global_batch_size, stack_layers(cfg)
   b = max(1, batch // cluster.num_devices)
   speed = {name: evaluate.speed(profile, g, b, 1) for name, g in cluster.groups.items()}
   groups = sorted(cluster.groups, key=lambda g: (speed[g], g))
@@ -236,7 +236,7 @@ def _clipped(x: float) -> float:
 
 def _candidate(prob: Problem, part: Partial, kind: str, value, z: _Sizes) -> dict:
   """A (non-stage) candidate's named features."""
-  n, layers = prob.n, prob.cfg.model.num_layers
+  n, layers = prob.n, stack_layers(prob.cfg)
   batch = prob.cfg.train.global_batch_size
   mems = [g.memory for g in prob.cluster.groups.values()]
   state = prob.state_bytes

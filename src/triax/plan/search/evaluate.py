@@ -27,18 +27,16 @@ from triax.plan.cost import profile as profile_lib
 from triax.plan.cost import roofline
 from triax.plan.cost.simulator import simulate_plan
 from triax.plan.search import partition, synthesized
-from triax.plan.search.layouts import entry_layers
+from triax.plan.search.layouts import entry_layers, stack_layers
 
 # Least recomputation first: `evaluate` stops at the first that fits where
 # recomputation can only be slower (`remat_measured`).
 REMATS = profile_lib.REMATS  # one list: the profile's, in order of more recompute
 
 
-def speed(profile: profile_lib.Profile, group: Group, b: float, t: int) -> float:
+def speed(profile: profile_lib.Profile, group: Group, b: float, t: int, expert: int = 1) -> float:
   """Seconds of one layer's forward + backward: lower is faster."""
-  return roofline.seconds(profile, group, 'layer_fwd', b, t) + roofline.seconds(
-    profile, group, 'layer_bwd', b, t
-  )
+  return sum(roofline.seconds(profile, group, f, b, t, expert) for f in ('layer_fwd', 'layer_bwd'))
 
 
 def assignments(
@@ -79,7 +77,7 @@ def partitions(
   """The even split (if any) and the balanced one for these stages: each
   stage's v chunks of whole stack entries (`entry_layers`)."""
   p, v, t = layout.pipe, layout.virtual_stages, layout.tensor
-  num_layers = cfg.model.num_layers
+  num_layers = stack_layers(cfg)
   unit = v * entry_layers(cfg)
   rows = cfg.train.global_batch_size // (layout.data * layout.microbatches)
   b = rows / layout.context  # what a device computes (Plan.compute_batch)
@@ -90,10 +88,11 @@ def partitions(
   if p == 1:
     return out or [(num_layers,)]
   groups = [[cluster.groups[cluster.devices[d].group] for d in stage] for stage in stages]
-  per_layer = [max(speed(profile, g, b, t) for g in gs) for gs in groups]
+  e = layout.expert
+  per_layer = [max(speed(profile, g, b, t, e) for g in gs) for gs in groups]
   edge = [0.0] * p
-  edge[0] += max(roofline.seconds(profile, g, 'embed', b, t) for g in groups[0])
-  edge[-1] += max(roofline.seconds(profile, g, 'head', b, t) for g in groups[-1])
+  edge[0] += max(roofline.seconds(profile, g, 'embed', b, t, e) for g in groups[0])
+  edge[-1] += max(roofline.seconds(profile, g, 'head', b, t, e) for g in groups[-1])
   shard = profile.shards[t]
   fixed = shard.stash_fixed_per_seq * memory_lib.residual_share(layout)
   stash = rows * (memory_lib.layer_stash(layout, shard, remat) + fixed)
@@ -104,10 +103,12 @@ def partitions(
   moments = max(options.optimizer_state)  # a screen: the larger of the layers' and edges'
   state_copies = sum(memory_lib.copies(sharding, layout.data, moments=moments).values())
 
+  # A MoE layer's experts split over the expert degree, and an edge's (MTP's).
+  layer = experts_lib.layer_params(layout, shard)
+  edges = shard.edge_param_bytes - shard.edge_expert_param_bytes * (1 - 1 / layout.expert)
+
   def allowed(s, n):
-    # A MoE layer's experts split over the expert degree.
-    layer = experts_lib.layer_params(layout, shard)
-    params = state_copies * (layer * n + shard.edge_param_bytes)
+    params = state_copies * (layer * n + edges)
     return params + p * stash * n / v <= capacity[s]
 
   balanced = partition.balance(
@@ -137,7 +138,7 @@ def price(
   splits = partitions(cfg, layout, stages, profile, cluster, options, remat, sharding)
   if not splits and always:
     unit = layout.virtual_stages * entry_layers(cfg)
-    splits = [partition.nearest_even(cfg.model.num_layers, layout.pipe, unit)]
+    splits = [partition.nearest_even(stack_layers(cfg), layout.pipe, unit)]
   out = []
   for split in splits:
     plan = Plan(

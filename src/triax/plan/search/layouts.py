@@ -49,6 +49,13 @@ def entry_layers(cfg) -> int:
   return registry.spec_from_config(cfg.model).layers_per_entry
 
 
+def stack_layers(cfg) -> int:
+  """Layers of the model's stack, what pipeline stages split
+  (ModelSpec.stacked_layers): all of them, but the blocks a family's
+  embedding runs itself (DeepSeek's first dense ones, the first stage's)."""
+  return registry.spec_from_config(cfg.model).stacked_layers
+
+
 def no_layout(cfg, cluster: Cluster) -> ConfigError:
   """The error for a cluster none of whose layouts suits the model."""
   return ConfigError(
@@ -96,7 +103,7 @@ def _degrees(cfg, num_devices: int) -> Iterator[tuple[int, int, int, int, bool, 
   model = cfg.model
   family_defaults = config_lib.defaults().model
   accepted = functools.cache(lambda c, t, sp: _accepted(cfg, family_defaults, c, t, sp))
-  entry = entry_layers(cfg)
+  entry, stacked = entry_layers(cfg), stack_layers(cfg)
   for d in _divisors(num_devices):
     if not _batch_splits(cfg, d):
       continue
@@ -105,7 +112,7 @@ def _degrees(cfg, num_devices: int) -> Iterator[tuple[int, int, int, int, bool, 
         continue
       for t in _divisors(num_devices // (d * c)):
         p = num_devices // (d * c * t)
-        if p * entry > model.num_layers:  # a stage holds at least one entry
+        if p * entry > stacked:  # a stage holds at least one entry
           continue
         for sp in (False, True) if t > 1 else (False,):
           if accepted(c, t, sp):
@@ -139,7 +146,7 @@ def layouts(cfg, num_devices: int) -> Iterator[Layout]:
   # The family's own word on the pipeline executor (pipe or m > 1).
   unpipelined = bool(registry.spec_from_config(model).executor_refusal())
   experts = functools.cache(lambda d: _expert_degrees(cfg, d))
-  entry = entry_layers(cfg)
+  entry, stacked = entry_layers(cfg), stack_layers(cfg)
   for d, c, t, p, sp, kind in _degrees(cfg, num_devices):
     for m in _divisors(batch // d):
       if m > MAX_MICROBATCHES or (p == 1 and m > 1 and m not in (2, 4, 8)):
@@ -151,7 +158,7 @@ def layouts(cfg, num_devices: int) -> Iterator[Layout]:
       for name in names:
         for v in (1, 2, 4, 8):
           # Every chunk holds at least one entry.
-          if v > MAX_VIRTUAL_STAGES or p * v * entry > model.num_layers or (p == 1 and v > 1):
+          if v > MAX_VIRTUAL_STAGES or p * v * entry > stacked or (p == 1 and v > 1):
             continue
           if name == 'interleaved_1f1b' and v == 1:
             continue  # the builder returns 1f1b itself

@@ -32,6 +32,7 @@ from triax.pipeline import simulate, synthesis
 from triax.plan.candidate import Estimate, Options, Plan, given_schedule
 from triax.plan.cost import memory as memory_lib
 from triax.plan.cost.simulator import action_costs, simulate_plan
+from triax.plan.search.layouts import stack_layers
 
 # The synthesiser's time limit per call, in seconds (its local search's
 # share of it; the greedy passes before it take what they take).
@@ -206,6 +207,6 @@ def sets_within(cfg, stages: int, microbatches: int, virtual_stages: int, limit_
   profile = analytic.build(cfg.model, [mesh.tensor])
   # The largest chunk, in whole stack entries (a MoE family's groups of model.moe_every).
   entry = profile.layers_per_entry
-  widest = -(-(cfg.model.num_layers // entry) // (p * v)) * entry
+  widest = -(-(stack_layers(cfg) // entry) // (p * v)) * entry
   per_set = memory_lib.chunk_stash(plan, profile, widest)
   return int(limit_bytes // per_set), per_set
