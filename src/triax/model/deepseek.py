@@ -494,36 +494,30 @@ class DeepSeek(mixtral.Mixtral):
     }
 
 
-def _integer(m, key: str, low: int) -> int:
-  value = m[key]
-  if not isinstance(value, int) or isinstance(value, bool) or value < low:
-    raise ConfigError(f'model.{key}', f'must be an integer >= {low}, got {value!r}')
-  return value
-
-
 def validate(model_cfg, mesh_cfg, rules: tuple) -> None:
   """Mixtral's checks, then MLA's widths, the groups, the balancing and MTP keys."""
   m = model_cfg
   mixtral.validate(m, mesh_cfg, rules)
-  _integer(m, 'q_lora_rank', 0)
+  mixtral.count(m, 'q_lora_rank', 0)
   for key in ('kv_lora_rank', 'qk_nope_head_dim', 'v_head_dim'):
-    _integer(m, key, 1)
-  if _integer(m, 'qk_rope_head_dim', 2) % 2:
+    mixtral.count(m, key, 1)
+  if mixtral.count(m, 'qk_rope_head_dim', 2) % 2:
     raise ConfigError('model.qk_rope_head_dim', f'{m.qk_rope_head_dim} must be even (rotary pairs)')
-  _integer(m, 'moe_d_ff', 0)
-  if _integer(m, 'first_k_dense', 0) >= m.num_layers:
+  mixtral.count(m, 'moe_d_ff', 0)
+  if mixtral.count(m, 'first_k_dense', 0) >= m.num_layers:
     raise ConfigError(
       'model.first_k_dense',
       f'{m.first_k_dense} leaves no MoE block of model.num_layers={m.num_layers}; use fewer '
       '(or the llama family for a dense model)',
     )
   _check_groups(m)
-  for key in ('routed_scaling_factor',):
-    checks.non_negative_number(f'model.{key}', m[key])
-    if not m[key] > 0:
-      raise ConfigError(f'model.{key}', f'must be > 0, got {m[key]!r}')
+  checks.non_negative_number('model.routed_scaling_factor', m.routed_scaling_factor)
+  if not m.routed_scaling_factor > 0:
+    raise ConfigError(
+      'model.routed_scaling_factor', f'must be > 0, got {m.routed_scaling_factor!r}'
+    )
   checks.non_negative_number('model.bias_update_rate', m.bias_update_rate)
-  _integer(m, 'mtp_depth', 0)
+  mixtral.count(m, 'mtp_depth', 0)
   checks.non_negative_number('model.mtp_loss_weight', m.mtp_loss_weight)
   if m.mtp_depth and mesh_cfg.get('context', 1) > 1:
     raise ConfigError(
@@ -535,7 +529,7 @@ def validate(model_cfg, mesh_cfg, rules: tuple) -> None:
 
 def _check_groups(m) -> None:
   """Group-limited routing: n_group equal groups of experts, topk_group of them kept."""
-  groups, kept = _integer(m, 'n_group', 1), _integer(m, 'topk_group', 1)
+  groups, kept = mixtral.count(m, 'n_group', 1), mixtral.count(m, 'topk_group', 1)
   if m.num_experts % groups:
     raise ConfigError(
       'model.n_group', f'{groups} groups cannot split model.num_experts={m.num_experts} evenly'

@@ -220,7 +220,8 @@ def _one_token_stats(s: MixtralSpec) -> moe.LayerStats:
   return moe.layer_stats(routing, 0)
 
 
-def _count(m, key: str, low: int) -> int:
+def count(m, key: str, low: int) -> int:
+  """model.`key`, refused (ConfigError) unless an integer >= `low`."""
   value = m[key]
   if not isinstance(value, int) or isinstance(value, bool) or value < low:
     raise ConfigError(f'model.{key}', f'must be an integer >= {low}, got {value!r}')
@@ -237,19 +238,19 @@ def validate(model_cfg, mesh_cfg, rules: tuple) -> None:
   """Llama's checks, the MoE keys'; the experts split over mesh.expert (config.py
   checked that it divides the data-parallel devices), never by `rules`."""
   m = model_cfg
-  experts = _count(m, 'num_experts', 1)
-  k = _count(m, 'experts_per_token', 1)
+  experts = count(m, 'num_experts', 1)
+  k = count(m, 'experts_per_token', 1)
   if k > experts:
     raise ConfigError(
       'model.experts_per_token', f'{k} exceeds model.num_experts={experts}: at most all of them'
     )
-  shared = _count(m, 'shared_experts', 0)
+  shared = count(m, 'shared_experts', 0)
   llama.check_flags(m, ('shared_expert_gate', 'norm_topk_prob'))
   if m.shared_expert_gate and not shared:
     raise ConfigError(
       'model.shared_expert_gate', 'gates the shared experts, and model.shared_experts is 0'
     )
-  every = _count(m, 'moe_every', 1)
+  every = count(m, 'moe_every', 1)
   if m.num_layers % every:
     raise ConfigError(
       'model.moe_every',
