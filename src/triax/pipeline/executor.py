@@ -36,7 +36,7 @@ from jax.sharding import PartitionSpec as P
 
 from triax import sharding
 from triax.pipeline import lower as lower_lib
-from triax.pipeline.split_backward import SplitBackward
+from triax.pipeline.split_backward import SplitBackward, row_major_call
 
 Params = Any
 
@@ -362,6 +362,11 @@ class _Setup:
   def pin_buffer(self, x):
     return jax.lax.with_sharding_constraint(x, P(None, *self.message_spec))
 
+  @property
+  def row_major_dots(self) -> bool:
+    """Whether the backward's matmuls take cpu_dots' layout: on XLA:CPU."""
+    return self.mesh.devices.flat[0].platform == 'cpu'
+
 
 def _device_tables(program: lower_lib.Program) -> dict[str, jax.Array]:
   """The program's per-tick tables as the scan's xs ([ticks, stages] each).
@@ -464,7 +469,7 @@ class _Residuals:
   shapes. The probe's values are unused (XLA drops them).
   """
 
-  def __init__(self, vjp_fn, chunk_params, y, pin):
+  def __init__(self, vjp_fn, chunk_params, y, pin, row_major_dots: bool):
     leaves, self._treedef = jax.tree.flatten(vjp_fn)
     weights = jax.tree.leaves(chunk_params)
     self._weight_of = [
@@ -472,7 +477,7 @@ class _Residuals:
     ]
     self.stash_shapes = [leaf for leaf, j in zip(leaves, self._weight_of) if j is None]
     self.split = SplitBackward(
-      lambda res, g: jax.tree.unflatten(self._treedef, res)(g), leaves, pin(y)
+      lambda res, g: jax.tree.unflatten(self._treedef, res)(g), leaves, pin(y), row_major_dots
     )
     self.cut_shapes, self.cut_tree = jax.tree.flatten(self.split.cut_shapes)
     self.stash_bytes = sum(s.size * s.dtype.itemsize for s in self.stash_shapes)
@@ -596,7 +601,9 @@ class _Stage:
       probe_params, self.x_zero, self.stage, self.segments(0)
     )
     self.no_figures = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), figures)
-    self.residuals = _Residuals(vjp_probe, probe_params, y_probe.astype(setup.act_dtype), setup.pin)
+    self.residuals = _Residuals(
+      vjp_probe, probe_params, y_probe.astype(setup.act_dtype), setup.pin, setup.row_major_dots
+    )
     self.y_like = jax.ShapeDtypeStruct(y_probe.shape, y_probe.dtype)
     self.after = self._edge_grads_after_loop()
     self.host_stash = _HostStash(self.residuals.stash_shapes, setup.offload_stash)
@@ -914,9 +921,15 @@ class _Stage:
       def add(acc):
         with jax.named_scope(MARK_EDGE_ROW):
           y, dx = (s.pin(pool[j]) for pool in pools)
-          _, acc, _ = s.fns.head_loss_and_grad(
-            self.unhoisted_edges(mb), y, self.targets[mb], acc, s.loss_scale, input_grad=False
-          )
+
+          def head(edges, y, targets, acc):
+            return s.fns.head_loss_and_grad(edges, y, targets, acc, s.loss_scale, input_grad=False)
+
+          args = (self.unhoisted_edges(mb), y, self.targets[mb], acc)
+          if s.row_major_dots:  # the head's weight gradient: a dot cpu_dots is for
+            _, acc, _ = row_major_call(head, *args)
+          else:
+            _, acc, _ = head(*args)
           return self.embed_gradient(acc, mb, dx)
 
       # Rows past the last micro-batch pad the pools to a multiple of the stages.

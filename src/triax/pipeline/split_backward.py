@@ -25,6 +25,8 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core
 
+from triax.pipeline import cpu_dots
+
 _B, _W, _DEAD, _SPLIT = 'B', 'W', '-', 'S'
 
 
@@ -187,6 +189,13 @@ def _read(env, v):
 def _bind(eqn, invals):
   # As jax's own eval_jaxpr binds an equation (jax 0.10: no subfuns).
   params = eqn.primitive.get_bind_params(eqn.params)
+  if cpu_dots.active():
+    name = eqn.primitive.name
+    if name in ('jit', 'pjit'):  # its dots are made here too
+      return _inline(params['jaxpr'], invals)
+    if name == 'dot_general':
+      with eqn.ctx.manager:
+        return [cpu_dots.dot_general(eqn.primitive, *invals, params)]
   if _casts_to_varying(eqn):
     # A value the executor already holds varying (a cut read back from its
     # pool, typed as the pool) meets the jaxpr's own cast: cast only what is missing.
@@ -199,6 +208,24 @@ def _bind(eqn, invals):
   with eqn.ctx.manager:
     outs = eqn.primitive.bind(*invals, **params)
   return outs if eqn.primitive.multiple_results else [outs]
+
+
+def _inline(closed, invals) -> list:
+  """A (closed) jaxpr's outputs for `invals`, its equations bound one by one."""
+  jaxpr, consts = _open(closed)
+  env = dict(zip(jaxpr.constvars, consts))
+  env.update(zip(jaxpr.invars, invals))
+  for eqn in jaxpr.eqns:
+    env.update(zip(eqn.outvars, _bind(eqn, [_read(env, v) for v in eqn.invars])))
+  return [_read(env, v) for v in jaxpr.outvars]
+
+
+def row_major_call(fn: Callable, *args):
+  """fn(*args), its matmuls made as cpu_dots.row_major() makes them."""
+  closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+  with cpu_dots.row_major():
+    outs = _inline(closed, jax.tree.leaves(args))
+  return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
 
 
 def _casts_to_varying(eqn) -> bool:
@@ -566,7 +593,8 @@ class SplitBackward:
   arrays whose structure is fixed at construction (`cut_shapes`).
   """
 
-  def __init__(self, bwd: Callable, residuals: list, g):
+  def __init__(self, bwd: Callable, residuals: list, g, row_major_dots: bool = False):
+    self._row_major = row_major_dots  # cpu_dots.row_major() in b and w
     closed, out_shape = jax.make_jaxpr(bwd, return_shape=True)(residuals, g)
     self._out_tree = jax.tree.structure(out_shape)
     n_out = len(closed.jaxpr.outvars)
@@ -581,7 +609,8 @@ class SplitBackward:
     invals = {i: residuals[i] for i in self._plan.b_in if i < self._n_res}
     if self._n_res in self._plan.b_in:
       invals[self._n_res] = g
-    outs, cuts = _run_b(self._plan, invals)
+    with cpu_dots.row_major(self._row_major):
+      outs, cuts = _run_b(self._plan, invals)
     return outs[self._dx], (g if self._g_in_w else None, cuts)
 
   def w(self, residuals, cut, acc=None):
@@ -598,7 +627,8 @@ class SplitBackward:
       prefix = tuple(index) if isinstance(index, tuple) else (index,)
       totals = jax.tree.leaves(tree)
       acc = {i: (t, prefix) for i, t in enumerate(totals)}
-    outs = _run_w(self._plan, invals, cuts, acc)
+    with cpu_dots.row_major(self._row_major):
+      outs = _run_w(self._plan, invals, cuts, acc)
     leaves = [outs[i] for i in range(self._dx)]
     if totals is not None:
       return jax.tree.unflatten(jax.tree.structure(tree), leaves)
