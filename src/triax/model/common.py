@@ -159,6 +159,11 @@ class ModelSpec:
       return ()
     return (self.positions(length), self.context_attention, self.ring_transport)
 
+  def local_layers(self) -> tuple[bool, ...] | None:
+    """Whether each stack entry's attention is local (a sliding window);
+    None: the family has no local layers."""
+    return None
+
   def executor_refusal(self) -> str:
     """Why the pipeline executor cannot train this model ('' when it can)."""
     return ''
@@ -365,6 +370,8 @@ def causal_attention(
   context: str = '',
   ring_transport: str = 'ppermute',
   remat: str = 'none',
+  window: int = 0,
+  local=True,
 ):
   """Causal attention of q [b, t, n, hd] over k, v [b, t, kv, hd] (kv divides n).
 
@@ -383,33 +390,34 @@ def causal_attention(
   ring's blocks moved by `ring_transport` (context.TRANSPORTS). `remat`,
   the layer's policy: with `attention` XLA's core (unsplit, or over gathered
   K/V) keeps Q, K and V only and recomputes its scores in the backward; the
-  flash kernels and the ring keep no scores under any policy.
+  flash kernels and the ring keep no scores under any policy. `window`
+  (model.sliding_window; 0 = none): a query sees the `window` latest
+  positions, its own included, when `local` (a bool, or a traced one: a
+  scanned layer's flag) holds.
   """
   recompute = recomputes_attention_core(remat)
   group = q.shape[2] // k.shape[2]
   repeat = lambda t: constrain(jnp.repeat(t, group, axis=2), ('batch', 'seq', 'heads', 'kv'))
-  if decode is None and impl == 'splash':
-    # Imported here: Pallas's TPU modules are slow to import, a cost every
-    # process start of a run that does not use them would pay.
-    from triax.model import splash
-
-    return splash.attention(q, repeat(k), repeat(v), segments, interpret=interpret)
+  if local is False:
+    window = 0
+  reach = window if local is True or not window else jnp.where(local, window, 0)
+  if decode is None and impl != 'xla' and not context:
+    # A kernel's window is static: a traced flag picks one of two kernels.
+    kernel = lambda w: _kernel_attention(q, repeat(k), repeat(v), impl, segments, interpret, w)  # noqa: E731
+    if local is True or not window:
+      return kernel(window)
+    return jax.lax.cond(local, lambda: kernel(window), lambda: kernel(0))
   if decode is None and context:
     if context == 'ring':
       return context_lib.ring_attention(
-        q, repeat(k), repeat(v), positions, segments, ring_transport, recompute
+        q, repeat(k), repeat(v), positions, segments, ring_transport, recompute, reach
       )
     return context_lib.allgather_attention(
-      q, repeat(k), repeat(v), positions, segments, recompute=recompute
+      q, repeat(k), repeat(v), positions, segments, recompute=recompute, window=reach
     )
   if decode is None:
-    if impl == 'xla':
-      pos = jnp.arange(q.shape[1]) if positions is None else positions
-      return context_lib.masked_attention(q, repeat(k), repeat(v), pos, segments, recompute)
-    mask = None if segments is None else (segments[:, :, None] == segments[:, None, :])[:, None]
-    return jax.nn.dot_product_attention(
-      q, repeat(k), repeat(v), mask=mask, is_causal=True, implementation=impl
-    )
+    pos = jnp.arange(q.shape[1]) if positions is None else positions
+    return context_lib.masked_attention(q, repeat(k), repeat(v), pos, segments, recompute, reach)
   k_cache = jax.lax.dynamic_update_slice_in_dim(decode.k, k.astype(decode.k.dtype), decode.index, 1)
   v_cache = jax.lax.dynamic_update_slice_in_dim(decode.v, v.astype(decode.v.dtype), decode.index, 1)
   slots = jnp.arange(k_cache.shape[1])
@@ -417,6 +425,9 @@ def causal_attention(
   mask = (slots[None, None, :] <= query[None, :, None]) & (
     slots[None, None, :] >= decode.start[:, None, None]
   )
+  if window:
+    # Slots and positions differ by the row's start only: distances agree.
+    mask = mask & context_lib.within(query[None, :, None] - slots[None, None, :], reach)
   out = jax.nn.dot_product_attention(
     q,
     repeat(k_cache.astype(q.dtype)),
@@ -425,6 +436,23 @@ def causal_attention(
     implementation='xla',  # a mask and a length-1 query: the fused kernels take neither here
   )
   return out, (k_cache, v_cache)
+
+
+def _kernel_attention(q, k, v, impl: str, segments, interpret: bool, window: int):
+  """A fused kernel's causal attention (impl splash or cudnn; K/V one per
+  query head), seeing the `window` latest positions (0 = all)."""
+  if impl == 'splash':
+    # Imported here: Pallas's TPU modules are slow to import, a cost every
+    # process start of a run that does not use them would pay.
+    from triax.model import splash
+
+    return splash.attention(q, k, v, segments, interpret=interpret, window=window)
+  mask = None if segments is None else (segments[:, :, None] == segments[:, None, :])[:, None]
+  # cuDNN's window (left, right): keys i - left .. i + right of query i.
+  reach = (window - 1, 0) if window else None
+  return jax.nn.dot_product_attention(
+    q, k, v, mask=mask, is_causal=True, implementation=impl, local_window_size=reach
+  )
 
 
 def _per_layer(p: Params) -> Params:
@@ -518,8 +546,23 @@ class DecoderModel:
       return self._embed.apply({'params': embed_params}, tokens)
     return self._embed.apply({'params': embed_params}, tokens, segments=segments)
 
-  def layer(self, layer_params: Params, x: jax.Array, segments=None) -> jax.Array:
-    return self._block.apply({'params': layer_params}, x, None, segments)
+  def layer(self, layer_params: Params, x: jax.Array, segments=None, local=None) -> jax.Array:
+    """One stack entry; `local` (`local_flags`'s) only for a model with local layers."""
+    if local is None:
+      return self._block.apply({'params': layer_params}, x, None, segments)
+    return self._block.apply({'params': layer_params}, x, None, segments, local)
+
+  def local_flags(self, first, depth: int):
+    """Whether each of the `depth` stack entries from entry `first` (an int,
+    or a traced one: a pipeline chunk's first entry) is local: None without
+    local layers, a bool when all agree (the scan carries nothing), else a
+    bool [depth] array to scan beside the weights. Entries past the stack
+    (an uneven split's padding) are global; they do not run."""
+    table = self.spec.local_layers()
+    if table is None or len(set(table)) == 1:
+      return None if table is None else table[0]
+    padded = jnp.asarray(table + (False,) * depth)
+    return jax.lax.dynamic_slice_in_dim(padded, first, depth)
 
   def layers(
     self,
@@ -527,15 +570,24 @@ class DecoderModel:
     x: jax.Array,
     num_active: jax.Array | None = None,
     segments: jax.Array | None = None,
+    first=0,
   ) -> jax.Array:
     """Runs a stack of layers (leading axis) in order, with the configured remat.
 
     With `num_active`, only the first `num_active` layers run; the rest are
     padding (uneven pipeline splits) and are skipped under `cond`. With
-    `segments` [b, s], attention stays inside each packed document.
+    `segments` [b, s], attention stays inside each packed document. `first`:
+    the model's entry the stack starts at (a pipeline chunk's), which says
+    where in model.sliding_window_pattern its layers are.
     """
-    layer = lambda p, h: (self.layer(p, h, segments), None)  # noqa: E731
-    return self._scan_layers(layer, stacked_params, x, num_active, None)[0]
+    depth = jax.tree.leaves(stacked_params)[0].shape[0]
+    local = self.local_flags(first, depth)
+    if not isinstance(local, jax.Array):
+      layer = lambda p, h: (self.layer(p, h, segments, local), None)  # noqa: E731
+      return self._scan_layers(layer, stacked_params, x, num_active, None)[0]
+    # The flag scanned beside the weights: one scan however the pattern mixes.
+    layer = lambda p, h: (self.layer(p[0], h, segments, p[1]), None)  # noqa: E731
+    return self._scan_layers(layer, (stacked_params, local), x, num_active, None)[0]
 
   def _scan_layers(self, layer, stacked_params: Params, x, num_active, skipped):
     """(the stack's output, each layer's second output stacked): layer(p, h)
@@ -595,8 +647,8 @@ class DecoderModel:
     rows are split over."""
     del microbatches, replica_axes
 
-    def chunk(stacked_params, x, num_active=None, segments=None):
-      return self.layers(stacked_params, x, num_active, segments), ({}, {})
+    def chunk(stacked_params, x, num_active=None, segments=None, first=0):
+      return self.layers(stacked_params, x, num_active, segments, first), ({}, {})
 
     return chunk
 
@@ -691,15 +743,22 @@ class DecoderModel:
     else:
       x = self._embed.apply({'params': embed_params}, tokens, positions)
 
+    depth = jax.tree.leaves(params['layers'])[0].shape[0]
+    local = self.local_flags(0, depth)
+
     def layer(x, args):
-      p, k, v = args
-      x, (k, v) = self._block.apply({'params': p}, x, Decode(k, v, index, start, positions))
+      p, k, v, flag = args
+      flag = local if flag is None else flag
+      decode = Decode(k, v, index, start, positions)
+      extra = () if flag is None else (None, flag)
+      x, (k, v) = self._block.apply({'params': p}, x, decode, *extra)
       return x, (k, v)
 
     # The cache is per block; an entry of a grouped stack takes its blocks' [n, ...].
     n = self.spec.layers_per_entry
     grouped = tuple(c.reshape((-1, n) + c.shape[1:]) if n > 1 else c for c in cache)
-    x, cache = jax.lax.scan(layer, x, (params['layers'], *grouped))
+    flags = local if isinstance(local, jax.Array) else None
+    x, cache = jax.lax.scan(layer, x, (params['layers'], *grouped, flags))
     cache = tuple(c.reshape((-1,) + c.shape[2:]) if n > 1 else c for c in cache)
     if own:
       cache = tuple(jnp.concatenate(pair) for pair in zip(first, cache))

@@ -77,18 +77,32 @@ def permute(x: jax.Array, shards: int, axis: int = 1) -> jax.Array:
   return jnp.take(x, positions(x.shape[axis], shards), axis=axis)
 
 
-def bias(q_pos: jax.Array, k_pos: jax.Array, q_seg=None, k_seg=None) -> jax.Array:
+def within(distance, window):
+  """Whether a key `distance` positions before its query is in a sliding
+  window of `window` positions (the query's own included; window <= 0: any
+  is). `window` a Python int or a traced one (a scanned layer's)."""
+  if isinstance(window, int):
+    return distance < window if window > 0 else jnp.ones(jnp.shape(distance), bool)
+  return (distance < window) | (window <= 0)
+
+
+def bias(q_pos: jax.Array, k_pos: jax.Array, q_seg=None, k_seg=None, window=0) -> jax.Array:
   """[1 or b, 1, tq, tk] float32: 0 where a query may attend (a key at an
-  earlier or equal position, in the same document), a large negative elsewhere."""
-  allowed = (q_pos[:, None] >= k_pos[None, :])[None, None]
+  earlier or equal position, in the same document, fewer than `window`
+  positions back when it is > 0), a large negative elsewhere."""
+  allowed = q_pos[:, None] >= k_pos[None, :]
+  if not isinstance(window, int) or window > 0:
+    allowed = allowed & within(q_pos[:, None] - k_pos[None, :], window)
+  allowed = allowed[None, None]
   if q_seg is not None:
     allowed = allowed & (q_seg[:, :, None] == k_seg[:, None, :])[:, None]
   return jnp.where(allowed, 0.0, _NEG).astype(jnp.float32)
 
 
-def masked_attention(q, k, v, pos, segments=None, recompute: bool = False):
+def masked_attention(q, k, v, pos, segments=None, recompute: bool = False, window=0):
   """XLA's attention of q over k, v [b, t, n, hd] (one K/V per query head),
-  causal by the slots' positions `pos` [t], within documents with `segments`.
+  causal by the slots' positions `pos` [t], within documents with `segments`,
+  within a sliding window of `window` positions (`bias`'s).
   With `recompute` (model.remat=attention) the core is its own checkpoint:
   its backward recomputes the logits and probabilities from q and k, so
   its residuals are its inputs and no [b, n, t, t] value is kept.
@@ -102,14 +116,17 @@ def masked_attention(q, k, v, pos, segments=None, recompute: bool = False):
   dtype (`_probabilities`), as jax.nn.dot_product_attention computes them
   otherwise."""
   if recompute:
-    core = jax.checkpoint(_masked_core, policy=jax.checkpoint_policies.nothing_saveable)
+    # The window closed over: a Python int stays static (no mask when 0).
+    core = jax.checkpoint(
+      lambda *a: _masked_core(*a, window), policy=jax.checkpoint_policies.nothing_saveable
+    )
     return core(q, k, v, pos, segments)
-  return _masked_core(q, k, v, pos, segments)
+  return _masked_core(q, k, v, pos, segments, window)
 
 
-def _masked_core(q, k, v, pos, segments):
+def _masked_core(q, k, v, pos, segments, window):
   logits = jnp.einsum('btnh,bsnh->bnts', q, k, preferred_element_type=jnp.float32)
-  logits = logits * (q.shape[-1] ** -0.5) + bias(pos, pos, segments, segments)
+  logits = logits * (q.shape[-1] ** -0.5) + bias(pos, pos, segments, segments, window)
   return jnp.einsum('bnts,bsnh->btnh', _probabilities(logits, k.dtype), v)
 
 
@@ -138,42 +155,45 @@ def _probabilities_bwd(dtype, probs, g):
 _probabilities.defvjp(_probabilities_fwd, _probabilities_bwd)
 
 
-def allgather_attention(q, k, v, pos, segments=None, recompute: bool = False):
+def allgather_attention(q, k, v, pos, segments=None, recompute: bool = False, window=0):
   """q [b, s, n, hd] split over `context` along s; k, v (one per query head)
   made whole along s, so each rank scores its queries against every key.
-  `recompute`: masked_attention's (the gathered K/V are then its residuals,
-  not gathered again in the backward)."""
+  `recompute`, `window`: masked_attention's (the gathered K/V are then its
+  residuals, not gathered again in the backward)."""
   whole = ('batch', None, 'heads', 'kv')
   k, v = sharding.constrain(k, whole), sharding.constrain(v, whole)
-  return masked_attention(q, k, v, pos, segments, recompute)
+  return masked_attention(q, k, v, pos, segments, recompute, window)
 
 
 def ring_attention(
-  q, k, v, pos, segments=None, transport: str = 'ppermute', recompute: bool = False
+  q, k, v, pos, segments=None, transport: str = 'ppermute', recompute: bool = False, window=0
 ):
   """Ring attention of q, k, v [b, s, n, hd] (K/V one per query head), the
   sequence split over the mesh axis the 'seq' rule names; each device's
   rows, heads and positions under a shard_map (model/per_device.py), which
   differentiates it with its own backward (no ring state kept between the
   passes but the inputs). `transport`: one of TRANSPORTS; `recompute`:
-  allgather_attention's, where the sequence is whole after all."""
+  allgather_attention's, where the sequence is whole after all; `window`:
+  `bias`'s sliding window (a traced one, a scanned layer's, rides along as
+  a value every device holds)."""
   spec = sharding.active_spec(per_device.QKV_AXES)
   axis = spec[1] if spec is not None else None
   if axis is None or jax.sharding.get_abstract_mesh().shape.get(axis, 1) == 1:
-    return allgather_attention(q, k, v, pos, segments, recompute)
+    return allgather_attention(q, k, v, pos, segments, recompute, window)
   # Typed like the queries: inside the pipeline executor they are residuals
   # its stash holds beside varying ones (a constant would type it otherwise).
-  extras, axes = (sharding.vary_like(pos, q),), (('seq',),)
+  reach = sharding.vary_like(jnp.asarray(window, jnp.int32), q)
+  extras, axes = (sharding.vary_like(pos, q), reach), (('seq',), ())
   if segments is not None:
     extras, axes = extras + (segments,), axes + (('batch', 'seq'),)
   local = functools.partial(_ring, axis=axis, transport=transport, tile=KEY_TILE)
   return per_device.attention(local, q, k, v, extras, axes, own_backward=True)
 
 
-def _ring(q, k, v, pos, segments=None, *, axis: str, transport: str, tile: int):
+def _ring(q, k, v, pos, window, segments=None, *, axis: str, transport: str, tile: int):
   """One context rank: its queries against each rank's K/V block in turn,
   `tile` keys at a time."""
-  return _ring_attention(q, k, v, pos, segments, axis, transport, tile)
+  return _ring_attention(q, k, v, pos, segments, window, axis, transport, tile)
 
 
 def _shift(axis: str, transport: str):
@@ -199,11 +219,11 @@ def _shift(axis: str, transport: str):
   return from_previous, untyped
 
 
-def _scores(q, q_pos, q_seg, k, k_pos, k_seg):
+def _scores(q, q_pos, q_seg, k, k_pos, k_seg, window):
   """Scaled, masked scores of one query block against one key block: fp32 [b, n, tq, tk]."""
   scale = q.shape[-1] ** -0.5
   scores = jnp.einsum('bqnd,bknd->bnqk', q, k, preferred_element_type=jnp.float32) * scale
-  return scores + bias(q_pos, k_pos, q_seg, k_seg)
+  return scores + bias(q_pos, k_pos, q_seg, k_seg, window)
 
 
 # The key axis of each array a ring block carries: k, v, their positions,
@@ -240,12 +260,12 @@ def _by_key_tiles(fn, carry, block, tile: int):
   return carry, jax.tree.map(join, outs)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def _ring_attention(q, k, v, pos, segments, axis, transport, tile):
-  return _ring_forward(q, k, v, pos, segments, axis, transport, tile)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
+def _ring_attention(q, k, v, pos, segments, window, axis, transport, tile):
+  return _ring_forward(q, k, v, pos, segments, window, axis, transport, tile)[0]
 
 
-def _ring_forward(q, k, v, pos, segments, axis, transport, tile):
+def _ring_forward(q, k, v, pos, segments, window, axis, transport, tile):
   """(output [b, tq, n, hd], log-sum-exp of each query row's scores [b, n, tq])."""
   b, tq, n, _ = q.shape
   send, start = _shift(axis, transport)
@@ -260,7 +280,7 @@ def _ring_forward(q, k, v, pos, segments, axis, transport, tile):
     the running max and sum of each row."""
     out, peak, total = acc
     k, v, k_pos, k_seg = keys
-    scores = _scores(q, pos, segments, k, k_pos, k_seg)
+    scores = _scores(q, pos, segments, k, k_pos, k_seg, window)
     new_peak = jnp.maximum(peak, scores.max(-1))
     fade = jnp.exp(peak - new_peak)
     probs = jnp.exp(scores - new_peak[..., None])
@@ -285,9 +305,9 @@ def _ring_forward(q, k, v, pos, segments, axis, transport, tile):
   return out.astype(q.dtype), peak + jnp.log(total)
 
 
-def _ring_fwd(q, k, v, pos, segments, axis, transport, tile):
-  out, lse = _ring_forward(q, k, v, pos, segments, axis, transport, tile)
-  return out, (q, k, v, pos, segments, out, lse)
+def _ring_fwd(q, k, v, pos, segments, window, axis, transport, tile):
+  out, lse = _ring_forward(q, k, v, pos, segments, window, axis, transport, tile)
+  return out, (q, k, v, pos, segments, window, out, lse)
 
 
 def _ring_bwd(axis, transport, tile, res, g):
@@ -295,7 +315,7 @@ def _ring_bwd(axis, transport, tile, res, g):
   its gradient accumulators; a rank adds its queries' share to them, and
   after c steps they are home. Per block: the probabilities from the saved
   log-sum-exp, never a running softmax."""
-  q, k, v, pos, segments, out, lse = res
+  q, k, v, pos, segments, window, out, lse = res
   scale = q.shape[-1] ** -0.5
   send, start = _shift(axis, transport)
   g32 = g.astype(jnp.float32)
@@ -305,7 +325,7 @@ def _ring_bwd(axis, transport, tile, res, g):
   def gradients(dq, keys):
     """This rank's share of the gradients of some keys; dq accumulated."""
     k, v, k_pos, k_seg, dk, dv = keys
-    probs = jnp.exp(_scores(q, pos, segments, k, k_pos, k_seg) - lse[..., None])
+    probs = jnp.exp(_scores(q, pos, segments, k, k_pos, k_seg, window) - lse[..., None])
     dv = dv + jnp.einsum('bnqk,bqnd->bknd', probs, g32)
     dprobs = jnp.einsum('bqnd,bknd->bnqk', g32, v, preferred_element_type=jnp.float32)
     dscores = probs * (dprobs - rows[..., None]) * scale
@@ -329,7 +349,7 @@ def _ring_bwd(axis, transport, tile, res, g):
   (dq, block), _ = jax.lax.scan(body, (zeros(q), block), None, length=c - 1)
   dq, block = step(dq, block)
   dk, dv = (send(a) for a in block[4:])  # the c-th move brings each block's gradients home
-  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
+  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None
 
 
 _ring_attention.defvjp(_ring_fwd, _ring_bwd)
