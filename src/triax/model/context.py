@@ -186,13 +186,14 @@ def ring_attention(
   extras, axes = (sharding.vary_like(pos, q), reach), (('seq',), ())
   if segments is not None:
     extras, axes = extras + (segments,), axes + (('batch', 'seq'),)
-  local = functools.partial(_ring, axis=axis, transport=transport, tile=KEY_TILE)
+  ring = functools.partial(_ring, axis=axis, transport=transport, tile=KEY_TILE)
+  local = lambda q, k, v, pos, window, *seg: ring(q, k, v, pos, *seg, window=window)  # noqa: E731
   return per_device.attention(local, q, k, v, extras, axes, own_backward=True)
 
 
-def _ring(q, k, v, pos, window, segments=None, *, axis: str, transport: str, tile: int):
+def _ring(q, k, v, pos, segments=None, *, axis: str, transport: str, tile: int, window=0):
   """One context rank: its queries against each rank's K/V block in turn,
-  `tile` keys at a time."""
+  `tile` keys at a time, within `window` (`bias`'s)."""
   return _ring_attention(q, k, v, pos, segments, window, axis, transport, tile)
 
 
