@@ -61,6 +61,15 @@ def test_cached_greedy_tokens_past_the_window_equal_uncached_ones():
   cached = generation.generate(model, params, prompt, sampling)
   uncached = generation.generate(model, params, prompt, sampling, cache=False)
   assert cached.tolist() == uncached.tolist()
+  # Local layers' caches hold the window's 4 slots; the 2 global layers' all 16.
+  shapes = [c.shape for c in model.init_cache(2)]
+  assert shapes == [(6, 2, 4, 4, 4)] * 2 + [(2, 2, 16, 4, 4)] * 2
+  # Left-padded rows of a batch: each row's tokens as it alone gives them.
+  batch = generation.generate(model, params, [prompt, [9, 2]], sampling)
+  assert batch.tolist() == [
+    cached.tolist(),
+    generation.generate(model, params, [9, 2], sampling).tolist(),
+  ]
 
 
 def _qkv(b, t, n, hd):
@@ -83,40 +92,57 @@ def test_splash_local_mask_equals_xla_and_its_gradients():
     assert harness.max_rel_err(ref_grads, got_grads) <= 1e-5
 
 
-@pytest.mark.fast
-@pytest.mark.parametrize('transport', context.TRANSPORTS)
-def test_a_windowed_ring_is_windowed_attention(transport):
-  """4 ranks of 16 load-balanced positions, a 12-position window (traced, as
-  a scanned layer's): outputs and gradients of one device's masked attention."""
+def _split_attention(kind, transport, window, steps, s=64, ranks=4):
+  """(value and q, k, v gradients of a loss of `kind`'s attention (context._ring
+  or context._near_attention) over `ranks` context ranks of load-balanced
+  slots, the jitted function's compiled HLO)."""
   from jax.sharding import PartitionSpec as P
 
-  b, s, n, hd, ranks = 2, 64, 2, 8, 4
+  b, n, hd = 2, 2, 8
   q, k, v = _qkv(b, s, n, hd)
   pos = context.positions(s, ranks)
-  window = jnp.asarray(12, jnp.int32)
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:ranks]), ('context',))
   seq, row = P(None, 'context'), P('context')
-  ring = jax.shard_map(
-    lambda q, k, v, pos, w: context._ring(
-      q, k, v, pos, axis='context', transport=transport, tile=16, window=w
-    ),
-    mesh=mesh,
-    in_specs=(seq, seq, seq, row, P()),
-    out_specs=seq,
-    check_vma=False,
+  local = functools.partial(
+    kind, axis='context', transport=transport, tile=16, window=window, steps=steps
+  )
+  split = jax.shard_map(
+    local, mesh=mesh, in_specs=(seq, seq, seq, row), out_specs=seq, check_vma=False
   )
   cotangent = jax.random.normal(jax.random.key(3), (b, s, n, hd))
-  masked = lambda q, k, v, pos, w: context.masked_attention(q, k, v, pos, window=w)  # noqa: E731
-
-  def loss(q, k, v, attend):
-    return jnp.sum(attend(q, k, v, pos, window) * cotangent)
-
-  reference = jax.value_and_grad(loss, argnums=(0, 1, 2))(q, k, v, masked)
-  value, grads = jax.jit(
-    jax.value_and_grad(functools.partial(loss, attend=ring), argnums=(0, 1, 2))
+  run = jax.jit(
+    jax.value_and_grad(lambda q, k, v: jnp.sum(split(q, k, v, pos) * cotangent), argnums=(0, 1, 2))
+  )
+  reference = jax.value_and_grad(
+    lambda q, k, v: jnp.sum(context.masked_attention(q, k, v, pos, window=window) * cotangent),
+    argnums=(0, 1, 2),
   )(q, k, v)
-  assert abs(float(value) - float(reference[0])) <= 1e-5 * abs(float(reference[0]))
-  assert harness.max_rel_err(reference[1], grads) <= 1e-5
+  return run(q, k, v), reference, run.lower(q, k, v).compile().as_text()
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize('transport', context.TRANSPORTS)
+@pytest.mark.parametrize('kind', ('ring', 'allgather'))
+def test_a_window_skips_the_ranks_out_of_reach(kind, transport):
+  """4 ranks of 16 load-balanced positions (chunks of 8), a 5-position window:
+  rank r meets ranks r-1 and r+1 only (step 2 is out of every query's reach),
+  and gives one device's masked attention and gradients."""
+  from triax.compiled import hlo_work
+
+  steps = context.ring_steps(4, 16, 5)
+  assert steps == (0, 1, 3) and context.ring_steps(4, 16, 12) == (0, 1, 2, 3)
+  fn = context._ring if kind == 'ring' else context._near_attention
+  (value, grads), (ref, ref_grads), hlo = _split_attention(fn, transport, 5, steps)
+  assert abs(float(value) - float(ref)) <= 1e-5 * abs(float(ref))
+  assert harness.max_rel_err(ref_grads, grads) <= 1e-5
+  if kind == 'ring' and transport == 'ppermute':
+    # The whole ring's 3 moves against the window's 2: fewer K/V transfers, at
+    # most 3/4 of the matmuls (3 blocks scored of 4).
+    _, _, whole = _split_attention(fn, transport, 5, (0, 1, 2, 3))
+    windowed, full = hlo_work.work(hlo), hlo_work.work(whole)
+    moved = lambda w: w.collective_counts['collective-permute']  # noqa: E731
+    assert moved(windowed) < moved(full), (moved(windowed), moved(full))
+    assert windowed.flops <= 0.75 * full.flops, (windowed.flops, full.flops)
 
 
 @functools.cache
@@ -150,6 +176,20 @@ def _reference():
 def test_layouts_give_one_devices_loss_and_gradients(overrides):
   ref_loss, ref_grads = _reference()
   loss, grads = harness.loss_and_grads(harness.tiny_config(**WINDOWED, **overrides))
+  assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss), (loss, ref_loss)
+  assert harness.max_rel_err(ref_grads, grads) <= 1e-5
+
+
+@pytest.mark.parametrize('kind', ('ring', 'allgather'))
+def test_documents_and_a_skipping_window_give_one_devices_numbers(kind):
+  """Packed documents within the window, the sequence (32) over 4 context
+  ranks: chunks of 4, a 4-position window, so each rank skips one rank's block."""
+  import test_context_parallel
+
+  assert context.ring_steps(4, 8, 4) == (0, 1, 3)
+  run = functools.partial(test_context_parallel._masked_run, 'llama', extra=WINDOWED.items())
+  ref_loss, ref_grads = run((1, 1, 1, 1))
+  loss, grads = run((2, 4, 1, 1), kind)
   assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss), (loss, ref_loss)
   assert harness.max_rel_err(ref_grads, grads) <= 1e-5
 

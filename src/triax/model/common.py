@@ -349,6 +349,11 @@ class Decode:
   and values are written at slots index .. index+t-1. Row r's prompt was
   left-padded to start at slot start[r]: its earlier slots are never
   attended to. positions [b, t]: the new tokens' positions in their rows.
+
+  With `rolling` (a local layer's cache, bounded by its window), k and v
+  hold W = model.sliding_window slots: slot j of the sequence lives at
+  entry j mod W, and what the new tokens overwrite is out of every later
+  query's window.
   """
 
   k: jax.Array
@@ -356,6 +361,37 @@ class Decode:
   index: jax.Array
   start: jax.Array
   positions: jax.Array
+  rolling: bool = flax.struct.field(pytree_node=False, default=False)
+
+
+def _rolling_attention(q, k, v, decode: Decode, repeat):
+  """Decoding attention over a rolling cache (`Decode.rolling`) and the new
+  tokens' k, v [b, t, kv, hd]: (output, the cache's new k, v)."""
+  w, t = decode.k.shape[1], q.shape[1]
+  entries = jnp.arange(w)
+  # The slot each entry holds: the latest before `index` congruent to it
+  # (negative: none yet, below every row's start).
+  held = decode.index - 1 - jnp.mod(decode.index - 1 - entries, w)
+  key_slots = jnp.concatenate([held, decode.index + jnp.arange(t)])
+  k_all, v_all = (
+    jnp.concatenate([c, new.astype(c.dtype)], axis=1).astype(q.dtype)
+    for c, new in ((decode.k, k), (decode.v, v))
+  )
+  query = decode.index + jnp.arange(t)
+  gap = query[None, :, None] - key_slots[None, None, :]
+  mask = (gap >= 0) & (gap < w) & (key_slots[None, None, :] >= decode.start[:, None, None])
+  out = jax.nn.dot_product_attention(
+    q, repeat(k_all), repeat(v_all), mask=mask[:, None], implementation='xla'
+  )
+  # Each entry's slot after the new tokens: from them if it is one of theirs.
+  latest = decode.index + t - 1 - jnp.mod(decode.index + t - 1 - entries, w)
+  fresh = (latest >= decode.index)[None, :, None, None]
+  pick = jnp.clip(latest - decode.index, 0, t - 1)
+  caches = tuple(
+    jnp.where(fresh, jnp.take(new.astype(c.dtype), pick, axis=1), c)
+    for c, new in ((decode.k, k), (decode.v, v))
+  )
+  return out, caches
 
 
 def causal_attention(
@@ -380,7 +416,8 @@ def causal_attention(
   whether the K/V heads were split or replicated; the kernels' own GQA would
   pair a rank's query heads with K/V heads it may not hold. With `decode`,
   k and v go into the cache first and q attends to every cached slot of its
-  row up to its own; returns (output, (k cache, v cache)) then. With
+  row up to its own (a rolling cache, `Decode.rolling`: the window's latest
+  slots only); returns (output, (k cache, v cache)) then. With
   `segments` [b, t] (the document number of each position of a packed row,
   data.mask_documents), a query attends only within its own document.
   `impl`: xla, cudnn or splash (the TPU kernel; `interpret` runs it through
@@ -401,20 +438,20 @@ def causal_attention(
   if local is False:
     window = 0
   reach = window if local is True or not window else jnp.where(local, window, 0)
-  if decode is None and impl != 'xla' and not context:
-    # A kernel's window is static: a traced flag picks one of two kernels.
-    kernel = lambda w: _kernel_attention(q, repeat(k), repeat(v), impl, segments, interpret, w)  # noqa: E731
+  if decode is None and (impl != 'xla' or context):
+    # A kernel's window, and a split sequence's, is static (what it skips is
+    # decided when tracing): a traced flag picks one of two under cond.
+    def attend(w: int):
+      if not context:
+        return _kernel_attention(q, repeat(k), repeat(v), impl, segments, interpret, w)
+      kind = context_lib.ring_attention if context == 'ring' else context_lib.allgather_attention
+      return kind(q, repeat(k), repeat(v), positions, segments, ring_transport, recompute, w)
+
     if local is True or not window:
-      return kernel(window)
-    return jax.lax.cond(local, lambda: kernel(window), lambda: kernel(0))
-  if decode is None and context:
-    if context == 'ring':
-      return context_lib.ring_attention(
-        q, repeat(k), repeat(v), positions, segments, ring_transport, recompute, reach
-      )
-    return context_lib.allgather_attention(
-      q, repeat(k), repeat(v), positions, segments, recompute=recompute, window=reach
-    )
+      return attend(window)
+    return jax.lax.cond(local, lambda: attend(window), lambda: attend(0))
+  if decode is not None and decode.rolling:
+    return _rolling_attention(q, k, v, decode, repeat)
   if decode is None:
     pos = jnp.arange(q.shape[1]) if positions is None else positions
     return context_lib.masked_attention(q, repeat(k), repeat(v), pos, segments, recompute, reach)
@@ -717,11 +754,18 @@ class DecoderModel:
       input_grad,
     )
 
-  def init_cache(self, batch: int) -> tuple[jax.Array, jax.Array]:
-    """Empty K/V caches for `batch` rows: k, v [layers, batch, seq_len, kv_heads, head_dim]."""
+  def init_cache(self, batch: int) -> tuple[jax.Array, ...]:
+    """Empty K/V caches for `batch` rows: k, v [layers, batch, seq_len, kv_heads,
+    head_dim]; with local layers, (k, v) of the local ones' rolling caches
+    [local layers, batch, sliding_window, ...] and then of the global ones."""
     s = self.spec
     shape = (s.num_layers, batch, s.seq_len, s.kv_heads, s.head_dim)
-    return jnp.zeros(shape, s.dtype), jnp.zeros(shape, s.dtype)
+    local = s.local_layers()
+    if local is None:
+      return jnp.zeros(shape, s.dtype), jnp.zeros(shape, s.dtype)
+    rolling = (sum(local), batch, s.sliding_window) + shape[3:]
+    whole = (len(local) - sum(local),) + shape[1:]
+    return tuple(jnp.zeros(shape, s.dtype) for shape in (rolling, rolling, whole, whole))
 
   def decode(self, params: Params, tokens, cache, index, start):
     """Logits of `tokens` [b, t] written at cache slots index..index+t-1, and the new caches.
@@ -743,26 +787,60 @@ class DecoderModel:
     else:
       x = self._embed.apply({'params': embed_params}, tokens, positions)
 
-    depth = jax.tree.leaves(params['layers'])[0].shape[0]
-    local = self.local_flags(0, depth)
+    if self.spec.local_layers() is not None:
+      x, cache = self._decode_windowed(
+        params['layers'], x, cache, Decode(None, None, index, start, positions)
+      )
+      return loss_lib.mask_padding(self.head_logits(head_params, x), self.spec.vocab_used), cache
 
     def layer(x, args):
-      p, k, v, flag = args
-      flag = local if flag is None else flag
-      decode = Decode(k, v, index, start, positions)
-      extra = () if flag is None else (None, flag)
-      x, (k, v) = self._block.apply({'params': p}, x, decode, *extra)
+      p, k, v = args
+      x, (k, v) = self._block.apply({'params': p}, x, Decode(k, v, index, start, positions))
       return x, (k, v)
 
     # The cache is per block; an entry of a grouped stack takes its blocks' [n, ...].
     n = self.spec.layers_per_entry
     grouped = tuple(c.reshape((-1, n) + c.shape[1:]) if n > 1 else c for c in cache)
-    flags = local if isinstance(local, jax.Array) else None
-    x, cache = jax.lax.scan(layer, x, (params['layers'], *grouped, flags))
+    x, cache = jax.lax.scan(layer, x, (params['layers'], *grouped))
     cache = tuple(c.reshape((-1,) + c.shape[2:]) if n > 1 else c for c in cache)
     if own:
       cache = tuple(jnp.concatenate(pair) for pair in zip(first, cache))
     return loss_lib.mask_padding(self.head_logits(head_params, x), self.spec.vocab_used), cache
+
+  def _decode_windowed(self, stacked_params: Params, x, cache, at: Decode):
+    """`decode`'s layer stack with local layers (`init_cache`'s four caches),
+    one scan: each layer's flag picks, under cond, its rolling cache or its
+    whole one, carried and updated in place (`at`: the step's index, start
+    and positions)."""
+    local = self.spec.local_layers()
+    # Each layer's entry in its kind's cache.
+    entry = jnp.asarray([sum(1 for f in local[:i] if f == local[i]) for i in range(len(local))])
+
+    def run(p, x, caches, j, rolling: bool):
+      k, v = caches
+      d = at.replace(k=k[j], v=v[j], rolling=rolling)
+      x, (kj, vj) = self._block.apply({'params': p}, x, d, None, rolling)
+      return x, (k.at[j].set(kj), v.at[j].set(vj))
+
+    def layer(carry, args):
+      x, rolling, whole = carry
+      p, flag, j = args
+      if all(local):  # Mistral's: no whole caches, no cond
+        x, rolling = run(p, x, rolling, j, True)
+        return (x, rolling, whole), None
+
+      def on_rolling(x, rolling, whole):
+        return (*run(p, x, rolling, j, True), whole)
+
+      def on_whole(x, rolling, whole):
+        x, whole = run(p, x, whole, j, False)
+        return x, rolling, whole
+
+      return jax.lax.cond(flag, on_rolling, on_whole, x, rolling, whole), None
+
+    carry = (x, cache[:2], cache[2:])
+    (x, rolling, whole), _ = jax.lax.scan(layer, carry, (stacked_params, jnp.asarray(local), entry))
+    return x, (*rolling, *whole)
 
   def logits(self, params: Params, tokens: jax.Array, segments=None) -> jax.Array:
     """fp32 logits [b, s, vocab]; padded ids (spec.vocab_used) at -1e30 (loss.mask_padding)."""

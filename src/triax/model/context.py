@@ -155,14 +155,53 @@ def _probabilities_bwd(dtype, probs, g):
 _probabilities.defvjp(_probabilities_fwd, _probabilities_bwd)
 
 
-def allgather_attention(q, k, v, pos, segments=None, recompute: bool = False, window=0):
+def allgather_attention(
+  q, k, v, pos, segments=None, transport='ppermute', recompute: bool = False, window=0
+):
   """q [b, s, n, hd] split over `context` along s; k, v (one per query head)
   made whole along s, so each rank scores its queries against every key.
   `recompute`, `window`: masked_attention's (the gathered K/V are then its
-  residuals, not gathered again in the backward)."""
+  residuals, not gathered again in the backward). A constant window that
+  leaves some rank's block out of every query's reach gathers only the
+  blocks within it (`_near_attention`), moved by `transport` (the ring's)."""
+  axis = _context_axis()
+  if axis is not None and isinstance(window, int):
+    steps = ring_steps(_axis_size(axis), q.shape[1] // _axis_size(axis), window)
+    if len(steps) < _axis_size(axis):
+      return _per_rank(_near_attention, q, k, v, pos, segments, axis, transport, window, steps)
   whole = ('batch', None, 'heads', 'kv')
   k, v = sharding.constrain(k, whole), sharding.constrain(v, whole)
   return masked_attention(q, k, v, pos, segments, recompute, window)
+
+
+def _context_axis() -> str | None:
+  """The mesh axis the active rules split the sequence over, if it has more than one device."""
+  spec = sharding.active_spec(per_device.QKV_AXES)
+  axis = spec[1] if spec is not None else None
+  return axis if axis is not None and _axis_size(axis) > 1 else None
+
+
+def _axis_size(axis: str) -> int:
+  return jax.sharding.get_abstract_mesh().shape[axis]
+
+
+def ring_steps(ranks: int, local: int, window: int) -> tuple[int, ...]:
+  """The ring steps some rank's queries need: j where rank r meets rank
+  r-j's block, for `ranks` ranks of `local` load-balanced slots each
+  (`positions`: rank r holds chunks r and 2c-1-r of local/2 positions).
+  Within `window` (0: every step) a key chunk a serves query chunk b when
+  a == b or, a < b, its last key is fewer than `window` positions back:
+  (b - a - 1) * chunk + 1 < window."""
+  if not window:
+    return tuple(range(ranks))
+  size = local // 2
+  chunks = lambda r: (r, 2 * ranks - 1 - r)  # noqa: E731
+  near = lambda b, a: a == b or (a < b and (b - a - 1) * size + 1 < window)  # noqa: E731
+  return tuple(
+    j
+    for j in range(ranks)
+    if any(near(b, a) for r in range(ranks) for b in chunks(r) for a in chunks((r - j) % ranks))
+  )
 
 
 def ring_attention(
@@ -174,27 +213,68 @@ def ring_attention(
   differentiates it with its own backward (no ring state kept between the
   passes but the inputs). `transport`: one of TRANSPORTS; `recompute`:
   allgather_attention's, where the sequence is whole after all; `window`:
-  `bias`'s sliding window (a traced one, a scanned layer's, rides along as
-  a value every device holds)."""
-  spec = sharding.active_spec(per_device.QKV_AXES)
-  axis = spec[1] if spec is not None else None
-  if axis is None or jax.sharding.get_abstract_mesh().shape.get(axis, 1) == 1:
-    return allgather_attention(q, k, v, pos, segments, recompute, window)
+  `bias`'s sliding window, a constant: the steps whose block is out of every
+  query's reach (`ring_steps`) are neither computed nor moved, each other
+  block fetched from its rank directly. `pos` must be `positions`' order."""
+  axis = _context_axis()
+  if axis is None:
+    return allgather_attention(q, k, v, pos, segments, transport, recompute, window)
+  steps = ring_steps(_axis_size(axis), q.shape[1] // _axis_size(axis), window)
+  return _per_rank(_ring, q, k, v, pos, segments, axis, transport, window, steps)
+
+
+def _per_rank(fn, q, k, v, pos, segments, axis: str, transport: str, window: int, steps):
+  """fn(q, k, v, pos[, segments], axis=, transport=, tile=, window=, steps=) on
+  each device's share, differentiated by its own backward (per_device.attention)."""
   # Typed like the queries: inside the pipeline executor they are residuals
   # its stash holds beside varying ones (a constant would type it otherwise).
-  reach = sharding.vary_like(jnp.asarray(window, jnp.int32), q)
-  extras, axes = (sharding.vary_like(pos, q), reach), (('seq',), ())
+  extras, axes = (sharding.vary_like(pos, q),), (('seq',),)
   if segments is not None:
     extras, axes = extras + (segments,), axes + (('batch', 'seq'),)
-  ring = functools.partial(_ring, axis=axis, transport=transport, tile=KEY_TILE)
-  local = lambda q, k, v, pos, window, *seg: ring(q, k, v, pos, *seg, window=window)  # noqa: E731
+  local = functools.partial(
+    fn, axis=axis, transport=transport, tile=KEY_TILE, window=window, steps=steps
+  )
   return per_device.attention(local, q, k, v, extras, axes, own_backward=True)
 
 
-def _ring(q, k, v, pos, segments=None, *, axis: str, transport: str, tile: int, window=0):
+def _ring(
+  q, k, v, pos, segments=None, *, axis: str, transport: str, tile: int, window=0, steps=None
+):
   """One context rank: its queries against each rank's K/V block in turn,
-  `tile` keys at a time, within `window` (`bias`'s)."""
-  return _ring_attention(q, k, v, pos, segments, window, axis, transport, tile)
+  `tile` keys at a time, within `window` (`bias`'s), meeting the blocks of
+  `steps` only (`ring_steps`; None: all)."""
+  c = jax.lax.axis_size(axis)
+  steps = tuple(range(c)) if steps is None else tuple(steps)
+  return _ring_attention(q, k, v, pos, segments, window, steps, axis, transport, tile)
+
+
+def _near_attention(q, k, v, pos, segments=None, *, axis, transport, tile, window, steps):
+  """One context rank's windowed all-gather kind: the K/V blocks of `steps`
+  (`ring_steps`) fetched, one masked attention over them."""
+  del tile
+  block = (k, v, pos, segments)
+  near = [block] + [_fetched(block, j, axis, transport) for j in steps if j]
+  k, v, k_pos = (jnp.concatenate([b[i] for b in near], axis=0 if i == 2 else 1) for i in range(3))
+  k_seg = None if segments is None else jnp.concatenate([b[3] for b in near], axis=1)
+  logits = jnp.einsum('btnh,bsnh->bnts', q, k, preferred_element_type=jnp.float32)
+  logits = logits * (q.shape[-1] ** -0.5) + bias(pos, k_pos, segments, k_seg, window)
+  return jnp.einsum('bnts,bsnh->btnh', _probabilities(logits, k.dtype), v)
+
+
+def _fetch(axis: str, transport: str, offset: int):
+  """x -> rank r-offset's x on rank r: one collective-permute, or (transport
+  allgather) every rank's gathered and the one wanted kept."""
+  c = jax.lax.axis_size(axis)
+  if transport == 'ppermute':
+    pairs = [(i, (i + offset) % c) for i in range(c)]
+    return lambda x: jax.lax.ppermute(x, axis, pairs)
+  return lambda x: jax.lax.all_gather(x, axis)[(jax.lax.axis_index(axis) - offset) % c]
+
+
+def _fetched(block, offset: int, axis: str, transport: str):
+  """`block` (a tuple, None entries kept) as rank r-offset holds it."""
+  fetch = _fetch(axis, transport, offset)
+  return tuple(None if x is None else fetch(x) for x in block)
 
 
 def _shift(axis: str, transport: str):
@@ -205,19 +285,15 @@ def _shift(axis: str, transport: str):
   typed as varying over no manual axis, whatever its input; a scan whose
   carry it feeds must start from blocks typed alike.
   """
-  c = jax.lax.axis_size(axis)
+  send = _fetch(axis, transport, 1)
   if transport == 'ppermute':
-    send = lambda x: jax.lax.ppermute(x, axis, [(i, (i + 1) % c) for i in range(c)])  # noqa: E731
     return send, lambda block: block
-
-  def from_previous(x):
-    return jax.lax.all_gather(x, axis)[(jax.lax.axis_index(axis) - 1) % c]
 
   def untyped(block):
     # Any operation under the unchecked map drops the type; XLA folds this one away.
     return jax.tree.map(lambda x: jax.lax.select(jnp.ones(x.shape, bool), x, x), block)
 
-  return from_previous, untyped
+  return send, untyped
 
 
 def _scores(q, q_pos, q_seg, k, k_pos, k_seg, window):
@@ -261,12 +337,12 @@ def _by_key_tiles(fn, carry, block, tile: int):
   return carry, jax.tree.map(join, outs)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
-def _ring_attention(q, k, v, pos, segments, window, axis, transport, tile):
-  return _ring_forward(q, k, v, pos, segments, window, axis, transport, tile)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
+def _ring_attention(q, k, v, pos, segments, window, steps, axis, transport, tile):
+  return _ring_forward(q, k, v, pos, segments, window, steps, axis, transport, tile)[0]
 
 
-def _ring_forward(q, k, v, pos, segments, window, axis, transport, tile):
+def _ring_forward(q, k, v, pos, segments, window, steps, axis, transport, tile):
   """(output [b, tq, n, hd], log-sum-exp of each query row's scores [b, n, tq])."""
   b, tq, n, _ = q.shape
   send, start = _shift(axis, transport)
@@ -299,24 +375,31 @@ def _ring_forward(q, k, v, pos, segments, window, axis, transport, tile):
     incoming = jax.tree.map(send, block)  # issued first: overlaps this block's work
     return (step(acc, block), incoming), None
 
-  block = start((k, v, pos, segments))
-  (acc, block), _ = jax.lax.scan(body, (acc, block), None, length=jax.lax.axis_size(axis) - 1)
-  out, peak, total = step(acc, block)
+  if len(steps) < jax.lax.axis_size(axis):  # windowed: only the blocks in reach, each fetched
+    for j in steps:
+      acc = step(
+        acc, _fetched((k, v, pos, segments), j, axis, transport) if j else (k, v, pos, segments)
+      )
+    out, peak, total = acc
+  else:
+    block = start((k, v, pos, segments))
+    (acc, block), _ = jax.lax.scan(body, (acc, block), None, length=jax.lax.axis_size(axis) - 1)
+    out, peak, total = step(acc, block)
   out = out / jnp.swapaxes(total, 1, 2)[..., None]
   return out.astype(q.dtype), peak + jnp.log(total)
 
 
-def _ring_fwd(q, k, v, pos, segments, window, axis, transport, tile):
-  out, lse = _ring_forward(q, k, v, pos, segments, window, axis, transport, tile)
-  return out, (q, k, v, pos, segments, window, out, lse)
+def _ring_fwd(q, k, v, pos, segments, window, steps, axis, transport, tile):
+  out, lse = _ring_forward(q, k, v, pos, segments, window, steps, axis, transport, tile)
+  return out, (q, k, v, pos, segments, out, lse)
 
 
-def _ring_bwd(axis, transport, tile, res, g):
+def _ring_bwd(window, steps, axis, transport, tile, res, g):
   """Flash attention's backward around the ring: each K/V block travels with
   its gradient accumulators; a rank adds its queries' share to them, and
   after c steps they are home. Per block: the probabilities from the saved
   log-sum-exp, never a running softmax."""
-  q, k, v, pos, segments, window, out, lse = res
+  q, k, v, pos, segments, out, lse = res
   scale = q.shape[-1] ** -0.5
   send, start = _shift(axis, transport)
   g32 = g.astype(jnp.float32)
@@ -345,12 +428,30 @@ def _ring_bwd(axis, transport, tile, res, g):
     return (dq, incoming + tuple(send(a) for a in block[4:])), None
 
   zeros = lambda x: jnp.zeros(x.shape, jnp.float32)
-  block = start((k, v, pos, segments, zeros(k), zeros(v)))
   c = jax.lax.axis_size(axis)
-  (dq, block), _ = jax.lax.scan(body, (zeros(q), block), None, length=c - 1)
-  dq, block = step(dq, block)
-  dk, dv = (send(a) for a in block[4:])  # the c-th move brings each block's gradients home
-  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None
+  if len(steps) < c:
+    dq, dk, dv = _windowed_bwd(step, zeros, (q, k, v, pos, segments), steps, axis, transport)
+  else:
+    block = start((k, v, pos, segments, zeros(k), zeros(v)))
+    (dq, block), _ = jax.lax.scan(body, (zeros(q), block), None, length=c - 1)
+    dq, block = step(dq, block)
+    dk, dv = (send(a) for a in block[4:])  # the c-th move brings each block's gradients home
+  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
+
+
+def _windowed_bwd(step, zeros, inputs, steps, axis: str, transport: str):
+  """(dq, dk, dv) of a windowed ring: each block in reach fetched from rank
+  r-j as the forward did, its gradients made here and sent straight home
+  (rank r-j receives them from rank r: offset -j)."""
+  q, k, v, pos, segments = inputs
+  dq, dk, dv = zeros(q), zeros(k), zeros(v)
+  for j in steps:
+    block = (k, v, pos, segments)
+    block = _fetched(block, j, axis, transport) if j else block
+    dq, out = step(dq, block + (zeros(k), zeros(v)))
+    grads = _fetched(out[4:], -j, axis, transport) if j else out[4:]
+    dk, dv = dk + grads[0], dv + grads[1]
+  return dq, dk, dv
 
 
 _ring_attention.defvjp(_ring_fwd, _ring_bwd)
