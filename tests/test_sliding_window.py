@@ -92,6 +92,20 @@ def test_splash_local_mask_equals_xla_and_its_gradients():
     assert harness.max_rel_err(ref_grads, got_grads) <= 1e-5
 
 
+@pytest.mark.fast
+def test_cudnns_window_arguments_are_the_window():
+  """The cuDNN path's call (local_window_size=(W - 1, 0) beside is_causal),
+  run by jax's XLA implementation of the same arguments (cuDNN needs a GPU),
+  equals XLA's masked attention with the window."""
+  from triax.model import common
+
+  q, k, v = _qkv(2, 32, 2, 8)
+  pos = jnp.arange(32)
+  got = common._kernel_attention(q, k, v, 'xla', None, False, 5)
+  np.testing.assert_allclose(got, context.masked_attention(q, k, v, pos, window=5), atol=1e-5)
+  assert float(jnp.max(jnp.abs(got - context.masked_attention(q, k, v, pos)))) > 1e-2
+
+
 def _split_attention(kind, transport, window, steps, s=64, ranks=4):
   """(value and q, k, v gradients of a loss of `kind`'s attention (context._ring
   or context._near_attention) over `ranks` context ranks of load-balanced
