@@ -17,7 +17,7 @@ import pytest
 
 from triax import config as config_lib
 from triax.errors import ConfigError
-from triax.model import context, generation, registry
+from triax.model import context, generation, registry, window
 from triax.model.common import causal_attention
 
 # 8 layers, every 3rd global (layers 2 and 5): the pattern does not divide
@@ -143,8 +143,8 @@ def test_a_window_skips_the_ranks_out_of_reach(kind, transport):
   and gives one device's masked attention and gradients."""
   from triax.compiled import hlo_work
 
-  steps = context.ring_steps(4, 16, 5)
-  assert steps == (0, 1, 3) and context.ring_steps(4, 16, 12) == (0, 1, 2, 3)
+  steps = window.ring_steps(4, 16, 5)
+  assert steps == (0, 1, 3) and window.ring_steps(4, 16, 12) == (0, 1, 2, 3)
   fn = context._ring if kind == 'ring' else context._near_attention
   (value, grads), (ref, ref_grads), hlo = _split_attention(fn, transport, 5, steps)
   assert abs(float(value) - float(ref)) <= 1e-5 * abs(float(ref))
@@ -200,7 +200,7 @@ def test_documents_and_a_skipping_window_give_one_devices_numbers(kind):
   ranks: chunks of 4, a 4-position window, so each rank skips one rank's block."""
   import test_context_parallel
 
-  assert context.ring_steps(4, 8, 4) == (0, 1, 3)
+  assert window.ring_steps(4, 8, 4) == (0, 1, 3)
   run = functools.partial(test_context_parallel._masked_run, 'llama', extra=WINDOWED.items())
   ref_loss, ref_grads = run((1, 1, 1, 1))
   loss, grads = run((2, 4, 1, 1), kind)

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 
 from triax import sharding
 from triax.model import per_device
+from triax.model.window import ring_steps
 
 # Where a query may not attend: a large negative bias, finite so that a row
 # that has seen no key yet (a ring block entirely after it) stays NaN-free.
@@ -183,25 +184,6 @@ def _context_axis() -> str | None:
 
 def _axis_size(axis: str) -> int:
   return jax.sharding.get_abstract_mesh().shape[axis]
-
-
-def ring_steps(ranks: int, local: int, window: int) -> tuple[int, ...]:
-  """The ring steps some rank's queries need: j where rank r meets rank
-  r-j's block, for `ranks` ranks of `local` load-balanced slots each
-  (`positions`: rank r holds chunks r and 2c-1-r of local/2 positions).
-  Within `window` (0: every step) a key chunk a serves query chunk b when
-  a == b or, a < b, its last key is fewer than `window` positions back:
-  (b - a - 1) * chunk + 1 < window."""
-  if not window:
-    return tuple(range(ranks))
-  size = local // 2
-  chunks = lambda r: (r, 2 * ranks - 1 - r)  # noqa: E731
-  near = lambda b, a: a == b or (a < b and (b - a - 1) * size + 1 < window)  # noqa: E731
-  return tuple(
-    j
-    for j in range(ranks)
-    if any(near(b, a) for r in range(ranks) for b in chunks(r) for a in chunks((r - j) % ranks))
-  )
 
 
 def ring_attention(
