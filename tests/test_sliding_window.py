@@ -72,6 +72,20 @@ def test_cached_greedy_tokens_past_the_window_equal_uncached_ones():
   ]
 
 
+def test_rolling_caches_on_a_mesh_give_one_devices_tokens():
+  """The prefill split over 2 context ranks (the prompt left-padded), the
+  weights over 2 tensor ranks: one device's greedy tokens past the window."""
+  cfg = config_lib.validate(harness.tiny_config(**WINDOWED), 1)
+  model = generation.sampling_model(cfg)
+  params = jax.device_get(jax.jit(model.init)(jax.random.key(0)))
+  sampling = generation.Sampling(max_new_tokens=10, temperature=0.0)
+  prompt = [3, 1, 4, 1, 5]
+  alone = generation.generate(model, params, prompt, sampling)
+  placement = generation.Placement.build(cfg, (1, 2, 2, 1))
+  placed = jax.device_put(params, placement.shardings(model))
+  assert generation.generate(model, placed, prompt, sampling, placement).tolist() == alone.tolist()
+
+
 def _qkv(b, t, n, hd):
   return tuple(jax.random.normal(jax.random.key(i), (b, t, n, hd), jnp.float32) for i in range(3))
 
