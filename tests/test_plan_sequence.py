@@ -286,6 +286,15 @@ def test_a_window_prices_the_blocks_it_reaches():
     gather = 3 * 1e-3 + 0.75 * 0.1
     expected = (share * 2 * hop + (1 - share) * gather, share * 2 * hop2 + (1 - share) * gather)
     assert gathered == pytest.approx(expected)
+    # A local layer's attention core (half the layer) skips 1 block of 4.
+    for kind in ('ring', 'allgather'):
+      plan = sequence_plan(c=4, kind=kind)
+      assert simulator.context_compute_share(plan, shard) == pytest.approx(1 - 0.5 * share / 4)
+  assert simulator.context_compute_share(sequence_plan(c=1), shard) == 1.0
+  # The all-gather kind's local layers keep no gathered K/V (their own backward fetches again).
+  gathered, windowed = sequence_plan(c=4), dataclasses.replace(shard, window=window)
+  kept = memory.layer_stash(gathered, prof.shards[1]) - memory.layer_stash(gathered, windowed)
+  assert kept == pytest.approx(0.1 * GB * 0.75 * window.local_share)
 
 
 @pytest.mark.parametrize('attention', ('splash', 'xla'))

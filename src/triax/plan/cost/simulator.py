@@ -231,7 +231,9 @@ def stage_costs(
   act = shard.act_per_seq * plan.microbatch_size * memory_lib.token_share(plan)
   # With the experts split, every device waits for the busiest expert's.
   slowest = experts_lib.compute_scale(plan, shard, options.moe_imbalance)
-  fwd, bwd, recompute = (w * slowest for w in _layer_work(plan, profile, cluster, s))
+  # With a window, the attention blocks out of reach are skipped (context_compute_share).
+  scale = slowest * context_compute_share(plan, shard)
+  fwd, bwd, recompute = (w * scale for w in _layer_work(plan, profile, cluster, s))
   tp = max(comm.allreduce(g, act) for g in plan.tensor_groups(s))
   cp_fwd, cp_bwd = context_seconds(plan, shard, comm, s, fwd.alone)
   ep_fwd, ep_bwd = experts_lib.seconds(plan, shard, comm, s)
@@ -511,6 +513,18 @@ def context_seconds(
     backward = share * near[1] + (1 - share) * backward
   rerun = forward if plan.remat in profile_lib.LAYER_CHECKPOINTED else 0.0
   return forward, backward + rerun
+
+
+def context_compute_share(plan: Plan, shard: profile_lib.Shard) -> float:
+  """The share of a layer's compute a context rank runs: all of it, but with
+  a sliding window the attention core's blocks out of every local query's
+  reach, which both kinds skip (model/window.py's ring_steps); the core is
+  the layer's attention_fraction, local layers window.local_share of them."""
+  window, c = shard.window, plan.context
+  if c == 1 or window is None:
+    return 1.0
+  skipped = 1.0 - window.steps(c) / c
+  return 1.0 - shard.attention_fraction * window.local_share * skipped
 
 
 def _context_kind(plan: Plan, shard, comm: Comm, stage: int, fwd: float, steps: int, fetched=False):
