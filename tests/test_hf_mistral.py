@@ -10,6 +10,7 @@ the window; export -> import -> export must be bit-identical and give back
 transformers' tensors. Nothing is downloaded.
 """
 
+import harness
 import hf_round_trip
 import numpy as np
 import pytest
@@ -121,3 +122,10 @@ def test_windows_mistral_cannot_hold_are_refused():
   model.update(sliding_window_pattern=0, qkv_bias=True)
   with pytest.raises(ConfigError, match='window on every layer'):
     hf_llama.hf_config(model)
+
+
+def test_convert_imports_a_window_shorter_than_the_context(imported, tmp_path):
+  _, hf_dir, _, _ = imported
+  made = harness.run_cli('triax', 'convert', f'--hf_dir={hf_dir}', f'--workdir={tmp_path}/w')
+  assert made.returncode == 0, made.stderr[-2000:]
+  assert f'a {WINDOW}-position window), checkpoint at step 0' in made.stderr
