@@ -62,9 +62,10 @@ def check_logits(model, workdir, result, tokens):
   assert err <= 1e-4, err
 
 
-def _restored(workdir, tokens, data, tensor, pipe=1):
+def _restored(workdir, tokens, data, tensor, pipe=1, overrides=None):
   """(trainer, its state restored from the import at `workdir`, the batch of
-  `tokens` [4, s + 1] on its devices, inputs, targets) on that layout, m = 4 / data."""
+  `tokens` [4, s + 1] on its devices, inputs, targets) on that layout, m = 4 / data,
+  with `overrides` ({dotted key: value}: a schedule) set."""
   import harness
 
   from triax import config as config_lib
@@ -75,6 +76,8 @@ def _restored(workdir, tokens, data, tensor, pipe=1):
   if pipe > 1:
     cfg.pipeline.microbatches = 4 // data
   cfg.train.global_batch_size = 4
+  for key, value in (overrides or {}).items():
+    config_lib.set_dotted(cfg, key, value)
   trainer = harness.make_trainer(config_lib.validate(cfg, 8))
   state = ckpt_lib.Checkpointer(workdir, trainer.cfg).restore(trainer)
   inputs, targets = tokens[:, :-1], tokens[:, 1:]
@@ -104,18 +107,18 @@ def check_eval_loss(model, workdir, tokens, data, tensor, pipe):
   assert abs(ours - theirs) <= 1e-5 * abs(theirs), (ours, theirs)
 
 
-def check_loss_and_grad(model, workdir, tokens, layout, skip=()):
+def check_loss_and_grad(model, workdir, tokens, layout, skip=(), overrides=None):
   """The import's training loss and gradients on layout (data, tensor, pipe)
   are transformers' cross-entropy and its gradients (to 1e-5 of the loss and
   of each tensor's largest gradient), compared in HF's names (the converter's
   params_to_hf of our gradients); names ending in one of `skip` are not
   compared. `tokens` [4, s + 1]; the model's objective must be the
-  cross-entropy alone."""
+  cross-entropy alone. `overrides`: `_restored`'s."""
   import torch
 
   from triax.convert import hf_checkpoint
 
-  trainer, state, batch, inputs, targets = _restored(workdir, tokens, *layout)
+  trainer, state, batch, inputs, targets = _restored(workdir, tokens, *layout, overrides)
   with jax.set_mesh(trainer.mesh):
     ours, grads, _ = trainer.loss_and_grad(state.params, batch)
   model.zero_grad()

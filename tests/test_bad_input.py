@@ -205,6 +205,26 @@ CASES = [
     'model.num_kv_heads',
   ),
   ('gpt-with-experts', train('--config.model.num_experts=4'), 'model.num_experts'),
+  # A window reaching over the whole sequence is a global layer, said so.
+  (
+    'window-as-long-as-the-sequence',
+    train('--config.model.family=llama', '--config.model.sliding_window=1000000'),
+    'model.sliding_window',
+  ),
+  (
+    'window-pattern-past-the-layers',
+    train(
+      '--config.model.family=llama',
+      '--config.model.sliding_window=8',
+      '--config.model.sliding_window_pattern=64',
+    ),
+    'model.sliding_window_pattern',
+  ),
+  (
+    'window-on-a-mixtral',
+    train('--config.model.sliding_window=8', config='--config=experiments/mixtral_tiny.py:smoke'),
+    'model.sliding_window',
+  ),
   (
     'experts-per-token-beyond-experts',
     train(

@@ -262,3 +262,54 @@ def test_plan_file_writes_the_sequence_keys_only_when_used(tmp_path):
   est = simulate_plan(plan, profile.synthetic(tensors=(2,)), make_cluster())
   text = emit.write(str(tmp_path / 'plan.py'), est, str(base), None, {}, 'test')
   assert "'mesh.context': 2" in text and "'model.context_attention': 'ring'" in text
+
+
+def test_a_window_prices_the_blocks_it_reaches():
+  # test_context_and_sequence_collectives_are_priced_by_the_links's links and
+  # K/V; 64 positions over 4 ranks (chunks of 8) and a 5-position window:
+  # a local layer meets 3 of the 4 blocks (model/window.py), 2 fetched.
+  GB = 1e9
+  prof = profile.synthetic(layer_fwd=0.01, layer_bwd=0.02, kv_per_seq=0.1 * GB)
+  cluster = make_cluster(groups=(('gpu', 4, 1.0, '80 GB'),), bandwidth=1 * GB, latency='1 ms')
+  comm = Comm(cluster, prof)
+  block, hop, hop2 = 0.01 * 0.5 / 4, 1e-3 + 0.025, 1e-3 + 0.05
+  for share in (1.0, 0.5):
+    window = profile.Window(seq_len=64, size=5, local_share=share)
+    assert window.steps(4) == 3
+    shard = dataclasses.replace(prof.shards[1], attention_fraction=0.5, window=window)
+    ring = simulator.context_seconds(sequence_plan(c=4, kind='ring'), shard, comm, 0, 0.01)
+    whole = (3 * (hop - block), 3 * (hop2 - 2 * block))
+    near = (2 * (hop - block), 2 * (hop2 - 2 * block))
+    assert ring == pytest.approx(tuple(share * n + (1 - share) * w for n, w in zip(near, whole)))
+    # The all-gather kind fetches the 2 blocks in reach rather than gathering all 4.
+    gathered = simulator.context_seconds(sequence_plan(c=4), shard, comm, 0, 0.01)
+    gather = 3 * 1e-3 + 0.75 * 0.1
+    expected = (share * 2 * hop + (1 - share) * gather, share * 2 * hop2 + (1 - share) * gather)
+    assert gathered == pytest.approx(expected)
+    # A local layer's attention core (half the layer) skips 1 block of 4.
+    for kind in ('ring', 'allgather'):
+      plan = sequence_plan(c=4, kind=kind)
+      assert simulator.context_compute_share(plan, shard) == pytest.approx(1 - 0.5 * share / 4)
+  assert simulator.context_compute_share(sequence_plan(c=1), shard) == 1.0
+  # The all-gather kind's local layers keep no gathered K/V (their own backward fetches again).
+  gathered, windowed = sequence_plan(c=4), dataclasses.replace(shard, window=window)
+  kept = memory.layer_stash(gathered, prof.shards[1]) - memory.layer_stash(gathered, windowed)
+  assert kept == pytest.approx(0.1 * GB * 0.75 * window.local_share)
+
+
+@pytest.mark.parametrize('attention', ('splash', 'xla'))
+def test_a_flash_kernel_computes_a_windows_share_of_the_scores(attention):
+  # Llama, 2048 positions, 16 heads of 128, a 512-position window on 3 of every 4 layers.
+  def layer_flops(window, pattern):
+    cfg = gpt(layers=8)
+    cfg.model.update(family='llama', attention=attention, sliding_window=window)
+    cfg.model.sliding_window_pattern = pattern
+    return analytic.build(cfg.model, [1]).shards[1].work['layer_fwd'].flops_per_seq
+
+  s, w, heads, hd = 2048, 512, 16, 128
+  saved = layer_flops(0, 0) - layer_flops(w, 4)
+  if attention == 'xla':  # XLA's masked core computes the whole square either way
+    assert saved == 0
+    return
+  windowed = (w * s - w * (w - 1) / 2) / (s * s)
+  assert saved == pytest.approx(0.75 * 4.0 * s * s * heads * hd * (0.5 - windowed))

@@ -165,6 +165,12 @@ def defaults() -> ml_collections.ConfigDict:
   c.model.qkv_bias = False
   # llama: RMSNorm on each head's q and k before the rotation (Qwen3's and Qwen3-MoE's).
   c.model.qk_norm = False
+  # llama: positions a local layer's query attends to, its own included (Mistral's sliding
+  # window); 0 = none, every layer attends to the whole sequence.
+  c.model.sliding_window = 0
+  # llama, with sliding_window: every Nth layer global, the rest local (Gemma 3's 6: layer i
+  # when (i + 1) % N == 0); 0 = every layer local (Mistral's).
+  c.model.sliding_window_pattern = 0
   # mixtral (llama's keys too): experts per MoE layer, each a SwiGLU of width d_ff.
   c.model.num_experts = 8
   # mixtral: experts each token runs (top-k of the router's softmax, renormalised: Mixtral's).

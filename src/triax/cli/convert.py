@@ -86,9 +86,10 @@ def main(argv):
   m = result['config'].model
   # MLA's heads share one K/V latent, where GQA's share K/V heads.
   kv = f'K/V latent {m.kv_lora_rank}' if m.family == 'deepseek' else f'{m.num_kv_heads} K/V'
+  window = f', a {m.sliding_window}-position window' if m.sliding_window else ''
   print(
     f'{_WORKDIR.value}: {m.family}, {result["params"] / 1e6:.1f}M parameters ({m.num_layers} '
-    f'layers, d_model {m.d_model}, {m.num_heads} heads / {kv}), checkpoint at step 0',
+    f'layers, d_model {m.d_model}, {m.num_heads} heads / {kv}{window}), checkpoint at step 0',
     file=sys.stderr,
   )
   workdir, tokenizer = _WORKDIR.value, result['tokenizer']

@@ -1,5 +1,5 @@
-"""Hugging Face Llama, Qwen2, Qwen3, Mixtral, Qwen2-MoE and Qwen3-MoE checkpoints <-> the
-llama and mixtral families' parameters and config.
+"""Hugging Face Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen2-MoE and Qwen3-MoE checkpoints
+<-> the llama and mixtral families' parameters and config.
 
 transformers' `*ForCausalLM` classes of those models define what a checkpoint means: config.json names the shapes
 (`model_config`, `hf_config`), and its tensors (`model.safetensors`, or shards listed in
@@ -14,7 +14,9 @@ Names: Mixtral's experts per expert as the Hub stores them
 `mlp.gate`, `mlp.experts.{e}.*_proj`, `mlp.shared_expert.*_proj` and
 `mlp.shared_expert_gate` (model.shared_experts, model.shared_expert_gate,
 model.norm_topk_prob); Qwen3's and Qwen3-MoE's `self_attn.{q,k}_norm` -> 'q_norm', 'k_norm'
-(model.qk_norm, their head width model.head_dim). Only the MoEs' released forms convert:
+(model.qk_norm, their head width model.head_dim); Mistral is a llama with
+`sliding_window` (model.sliding_window; one at least seq_len is global, 0). Only the
+MoEs' released forms convert:
 experts in every block (decoder_sparse_step 1, no mlp_only_layers).
 
 Everything here is numpy and data: convert/hf_checkpoint.py streams the tensors through it.
@@ -44,6 +46,7 @@ _REQUIRED = {
 # HF model_type -> (the triax family it converts to, HF's architecture class).
 MODEL_TYPES = {
   'llama': ('llama', 'LlamaForCausalLM'),
+  'mistral': ('llama', 'MistralForCausalLM'),
   'qwen2': ('llama', 'Qwen2ForCausalLM'),
   'qwen3': ('llama', 'Qwen3ForCausalLM'),
   'mixtral': ('mixtral', 'MixtralForCausalLM'),
@@ -57,10 +60,13 @@ FAMILIES = ('llama', 'mixtral')
 def model_type(model_cfg) -> str:
   """The HF model_type a triax model config exports to (whose tensor names
   its layers have): a llama with q/k norms is a qwen3, with q/k/v biases a
-  qwen2; a mixtral with q/k norms a qwen3_moe, with Qwen2-MoE's parts a qwen2_moe."""
+  qwen2, with a sliding window a mistral; a mixtral with q/k norms a qwen3_moe,
+  with Qwen2-MoE's parts a qwen2_moe."""
   m = model_cfg
   if m.family == 'llama':
-    return 'qwen3' if m.qk_norm else 'qwen2' if m.qkv_bias else 'llama'
+    if m.qk_norm or m.qkv_bias:
+      return 'qwen3' if m.qk_norm else 'qwen2'
+    return 'mistral' if m.sliding_window else 'llama'
   if m.qk_norm:
     return 'qwen3_moe'
   if m.qkv_bias or m.shared_experts or not m.norm_topk_prob:
@@ -156,14 +162,7 @@ def model_config(hf: Mapping, seq_len: int) -> dict:
       '--hf_dir',
       f'config.json: model_type {kind!r}; only {", ".join(MODEL_TYPES)} are converted',
     )
-  # Qwen's configs name a window they do not use (use_sliding_window false).
-  window = hf.get('sliding_window') if hf.get('use_sliding_window', True) else None
-  if (window or seq_len) < seq_len:
-    raise ConfigError(
-      '--hf_dir',
-      f'config.json: sliding_window={hf["sliding_window"]} is shorter than the {seq_len}-token '
-      'window, and triax attends to the whole window; pass --seq_len at most that',
-    )
+  window = _window(hf, kind, seq_len)
   for key, value in _REQUIRED.items():
     if hf.get(key, value) != value:
       raise ConfigError('--hf_dir', f'config.json: {key}={hf[key]!r}; triax runs {value!r} only')
@@ -175,6 +174,8 @@ def model_config(hf: Mapping, seq_len: int) -> dict:
     )
   theta, scaling = rope_from_hf(hf)
   extra = {'qkv_bias': True} if kind == 'qwen2' else {}
+  if window:
+    extra['sliding_window'] = window
   if MODEL_TYPES[kind][0] == 'mixtral':
     extra = {
       # transformers 5 writes Qwen3-MoE's count as num_local_experts, its hub configs num_experts.
@@ -206,6 +207,34 @@ def model_config(hf: Mapping, seq_len: int) -> dict:
     'tie_embeddings': bool(hf.get('tie_word_embeddings', False)),
     **extra,
   }
+
+
+def _window(hf: Mapping, kind: str, seq_len: int) -> int:
+  """model.sliding_window of an HF config: Mistral's window when shorter
+  than `seq_len` (else every query sees every key anyway: 0).
+
+  Raises:
+    ConfigError('--hf_dir', ...): a window shorter than seq_len on another
+      model_type (Qwen2's on some layers only), or Mistral's per-layer kinds.
+  """
+  # Qwen's configs name a window they do not use (use_sliding_window false).
+  window = hf.get('sliding_window') if hf.get('use_sliding_window', True) else None
+  if not window or window >= seq_len:
+    return 0
+  if kind != 'mistral':
+    raise ConfigError(
+      '--hf_dir',
+      f'config.json: sliding_window={window} is shorter than the {seq_len}-token window, and '
+      f'triax runs windows on mistral only, not {kind}; pass --seq_len at most that',
+    )
+  kinds = set(hf.get('layer_types') or ('sliding_attention',))
+  if kinds != {'sliding_attention'}:
+    raise ConfigError(
+      '--hf_dir',
+      f'config.json: layer_types {sorted(kinds)}; triax converts a Mistral whose every layer '
+      'has the sliding window',
+    )
+  return int(window)
 
 
 def _qwen2_moe(hf: Mapping) -> dict:
@@ -307,6 +336,13 @@ def hf_config(model_cfg, base: Mapping | None = None) -> dict:
   out = dict(base or {})
   for key in ('rope_parameters', 'rope_scaling', 'rope_theta'):
     out.pop(key, None)
+  if m.family == 'llama' and m.sliding_window and (m.sliding_window_pattern or kind != 'mistral'):
+    raise ConfigError(
+      '--workdir',
+      'model.sliding_window with '
+      + ('model.sliding_window_pattern' if m.sliding_window_pattern else 'q/k norms or biases')
+      + ': MistralForCausalLM has a window on every layer and neither of those',
+    )
   if m.family == 'mixtral' and m.moe_every != 1:
     raise ConfigError(
       '--workdir',
@@ -327,6 +363,8 @@ def hf_config(model_cfg, base: Mapping | None = None) -> dict:
     )
   elif kind == 'qwen2':
     out.update(use_sliding_window=False, sliding_window=None)
+  elif kind == 'mistral':
+    out.update(sliding_window=m.sliding_window)
   elif kind == 'qwen3':
     if m.qkv_bias:  # imports refuse attention_bias too (_REQUIRED): the released Qwen3 has none
       raise ConfigError(
@@ -376,7 +414,7 @@ def _layer_names(i: int, m) -> dict[str, str | list[str]]:
   if m.qk_norm:
     names.update({f'{x}_norm': f'{p}self_attn.{x}_norm.weight' for x in 'qk'})
   kind = model_type(m)
-  if kind in ('llama', 'qwen2', 'qwen3'):
+  if kind in ('llama', 'mistral', 'qwen2', 'qwen3'):
     return {
       **names,
       'w_gate': p + 'mlp.gate_proj.weight',

@@ -159,6 +159,11 @@ class ModelSpec:
       return ()
     return (self.positions(length), self.context_attention, self.ring_transport)
 
+  def local_layers(self) -> tuple[bool, ...] | None:
+    """Whether each stack entry's attention is local (a sliding window);
+    None: the family has no local layers."""
+    return None
+
   def executor_refusal(self) -> str:
     """Why the pipeline executor cannot train this model ('' when it can)."""
     return ''
@@ -344,6 +349,11 @@ class Decode:
   and values are written at slots index .. index+t-1. Row r's prompt was
   left-padded to start at slot start[r]: its earlier slots are never
   attended to. positions [b, t]: the new tokens' positions in their rows.
+
+  With `rolling` (a local layer's cache, bounded by its window), k and v
+  hold W = model.sliding_window slots: slot j of the sequence lives at
+  entry j mod W, and what the new tokens overwrite is out of every later
+  query's window.
   """
 
   k: jax.Array
@@ -351,6 +361,37 @@ class Decode:
   index: jax.Array
   start: jax.Array
   positions: jax.Array
+  rolling: bool = flax.struct.field(pytree_node=False, default=False)
+
+
+def _rolling_attention(q, k, v, decode: Decode, repeat):
+  """Decoding attention over a rolling cache (`Decode.rolling`) and the new
+  tokens' k, v [b, t, kv, hd]: (output, the cache's new k, v)."""
+  w, t = decode.k.shape[1], q.shape[1]
+  entries = jnp.arange(w)
+  # The slot each entry holds: the latest before `index` congruent to it
+  # (negative: none yet, below every row's start).
+  held = decode.index - 1 - jnp.mod(decode.index - 1 - entries, w)
+  key_slots = jnp.concatenate([held, decode.index + jnp.arange(t)])
+  k_all, v_all = (
+    jnp.concatenate([c, new.astype(c.dtype)], axis=1).astype(q.dtype)
+    for c, new in ((decode.k, k), (decode.v, v))
+  )
+  query = decode.index + jnp.arange(t)
+  gap = query[None, :, None] - key_slots[None, None, :]
+  mask = (gap >= 0) & (gap < w) & (key_slots[None, None, :] >= decode.start[:, None, None])
+  out = jax.nn.dot_product_attention(
+    q, repeat(k_all), repeat(v_all), mask=mask[:, None], implementation='xla'
+  )
+  # Each entry's slot after the new tokens: from them if it is one of theirs.
+  latest = decode.index + t - 1 - jnp.mod(decode.index + t - 1 - entries, w)
+  fresh = (latest >= decode.index)[None, :, None, None]
+  pick = jnp.clip(latest - decode.index, 0, t - 1)
+  caches = tuple(
+    jnp.where(fresh, jnp.take(new.astype(c.dtype), pick, axis=1), c)
+    for c, new in ((decode.k, k), (decode.v, v))
+  )
+  return out, caches
 
 
 def causal_attention(
@@ -365,6 +406,8 @@ def causal_attention(
   context: str = '',
   ring_transport: str = 'ppermute',
   remat: str = 'none',
+  window: int = 0,
+  local=True,
 ):
   """Causal attention of q [b, t, n, hd] over k, v [b, t, kv, hd] (kv divides n).
 
@@ -373,7 +416,8 @@ def causal_attention(
   whether the K/V heads were split or replicated; the kernels' own GQA would
   pair a rank's query heads with K/V heads it may not hold. With `decode`,
   k and v go into the cache first and q attends to every cached slot of its
-  row up to its own; returns (output, (k cache, v cache)) then. With
+  row up to its own (a rolling cache, `Decode.rolling`: the window's latest
+  slots only); returns (output, (k cache, v cache)) then. With
   `segments` [b, t] (the document number of each position of a packed row,
   data.mask_documents), a query attends only within its own document.
   `impl`: xla, cudnn or splash (the TPU kernel; `interpret` runs it through
@@ -383,33 +427,34 @@ def causal_attention(
   ring's blocks moved by `ring_transport` (context.TRANSPORTS). `remat`,
   the layer's policy: with `attention` XLA's core (unsplit, or over gathered
   K/V) keeps Q, K and V only and recomputes its scores in the backward; the
-  flash kernels and the ring keep no scores under any policy.
+  flash kernels and the ring keep no scores under any policy. `window`
+  (model.sliding_window; 0 = none): a query sees the `window` latest
+  positions, its own included, when `local` (a bool, or a traced one: a
+  scanned layer's flag) holds.
   """
   recompute = recomputes_attention_core(remat)
   group = q.shape[2] // k.shape[2]
   repeat = lambda t: constrain(jnp.repeat(t, group, axis=2), ('batch', 'seq', 'heads', 'kv'))
-  if decode is None and impl == 'splash':
-    # Imported here: Pallas's TPU modules are slow to import, a cost every
-    # process start of a run that does not use them would pay.
-    from triax.model import splash
+  if local is False:
+    window = 0
+  reach = window if local is True or not window else jnp.where(local, window, 0)
+  if decode is None and (impl != 'xla' or context):
+    # A kernel's window, and a split sequence's, is static (what it skips is
+    # decided when tracing): a traced flag picks one of two under cond.
+    def attend(w: int):
+      if not context:
+        return _kernel_attention(q, repeat(k), repeat(v), impl, segments, interpret, w)
+      kind = context_lib.ring_attention if context == 'ring' else context_lib.allgather_attention
+      return kind(q, repeat(k), repeat(v), positions, segments, ring_transport, recompute, w)
 
-    return splash.attention(q, repeat(k), repeat(v), segments, interpret=interpret)
-  if decode is None and context:
-    if context == 'ring':
-      return context_lib.ring_attention(
-        q, repeat(k), repeat(v), positions, segments, ring_transport, recompute
-      )
-    return context_lib.allgather_attention(
-      q, repeat(k), repeat(v), positions, segments, recompute=recompute
-    )
+    if local is True or not window:
+      return attend(window)
+    return jax.lax.cond(local, lambda: attend(window), lambda: attend(0))
+  if decode is not None and decode.rolling:
+    return _rolling_attention(q, k, v, decode, repeat)
   if decode is None:
-    if impl == 'xla':
-      pos = jnp.arange(q.shape[1]) if positions is None else positions
-      return context_lib.masked_attention(q, repeat(k), repeat(v), pos, segments, recompute)
-    mask = None if segments is None else (segments[:, :, None] == segments[:, None, :])[:, None]
-    return jax.nn.dot_product_attention(
-      q, repeat(k), repeat(v), mask=mask, is_causal=True, implementation=impl
-    )
+    pos = jnp.arange(q.shape[1]) if positions is None else positions
+    return context_lib.masked_attention(q, repeat(k), repeat(v), pos, segments, recompute, reach)
   k_cache = jax.lax.dynamic_update_slice_in_dim(decode.k, k.astype(decode.k.dtype), decode.index, 1)
   v_cache = jax.lax.dynamic_update_slice_in_dim(decode.v, v.astype(decode.v.dtype), decode.index, 1)
   slots = jnp.arange(k_cache.shape[1])
@@ -417,6 +462,9 @@ def causal_attention(
   mask = (slots[None, None, :] <= query[None, :, None]) & (
     slots[None, None, :] >= decode.start[:, None, None]
   )
+  if window:
+    # Slots and positions differ by the row's start only: distances agree.
+    mask = mask & context_lib.within(query[None, :, None] - slots[None, None, :], reach)
   out = jax.nn.dot_product_attention(
     q,
     repeat(k_cache.astype(q.dtype)),
@@ -425,6 +473,23 @@ def causal_attention(
     implementation='xla',  # a mask and a length-1 query: the fused kernels take neither here
   )
   return out, (k_cache, v_cache)
+
+
+def _kernel_attention(q, k, v, impl: str, segments, interpret: bool, window: int):
+  """A fused kernel's causal attention (impl splash or cudnn; K/V one per
+  query head), seeing the `window` latest positions (0 = all)."""
+  if impl == 'splash':
+    # Imported here: Pallas's TPU modules are slow to import, a cost every
+    # process start of a run that does not use them would pay.
+    from triax.model import splash
+
+    return splash.attention(q, k, v, segments, interpret=interpret, window=window)
+  mask = None if segments is None else (segments[:, :, None] == segments[:, None, :])[:, None]
+  # cuDNN's window (left, right): keys i - left .. i + right of query i.
+  reach = (window - 1, 0) if window else None
+  return jax.nn.dot_product_attention(
+    q, k, v, mask=mask, is_causal=True, implementation=impl, local_window_size=reach
+  )
 
 
 def _per_layer(p: Params) -> Params:
@@ -518,8 +583,23 @@ class DecoderModel:
       return self._embed.apply({'params': embed_params}, tokens)
     return self._embed.apply({'params': embed_params}, tokens, segments=segments)
 
-  def layer(self, layer_params: Params, x: jax.Array, segments=None) -> jax.Array:
-    return self._block.apply({'params': layer_params}, x, None, segments)
+  def layer(self, layer_params: Params, x: jax.Array, segments=None, local=None) -> jax.Array:
+    """One stack entry; `local` (`local_flags`'s) only for a model with local layers."""
+    if local is None:
+      return self._block.apply({'params': layer_params}, x, None, segments)
+    return self._block.apply({'params': layer_params}, x, None, segments, local)
+
+  def local_flags(self, first, depth: int):
+    """Whether each of the `depth` stack entries from entry `first` (an int,
+    or a traced one: a pipeline chunk's first entry) is local: None without
+    local layers, a bool when all agree (the scan carries nothing), else a
+    bool [depth] array to scan beside the weights. Entries past the stack
+    (an uneven split's padding) are global; they do not run."""
+    table = self.spec.local_layers()
+    if table is None or len(set(table)) == 1:
+      return None if table is None else table[0]
+    padded = jnp.asarray(table + (False,) * depth)
+    return jax.lax.dynamic_slice_in_dim(padded, first, depth)
 
   def layers(
     self,
@@ -527,15 +607,24 @@ class DecoderModel:
     x: jax.Array,
     num_active: jax.Array | None = None,
     segments: jax.Array | None = None,
+    first=0,
   ) -> jax.Array:
     """Runs a stack of layers (leading axis) in order, with the configured remat.
 
     With `num_active`, only the first `num_active` layers run; the rest are
     padding (uneven pipeline splits) and are skipped under `cond`. With
-    `segments` [b, s], attention stays inside each packed document.
+    `segments` [b, s], attention stays inside each packed document. `first`:
+    the model's entry the stack starts at (a pipeline chunk's), which says
+    where in model.sliding_window_pattern its layers are.
     """
-    layer = lambda p, h: (self.layer(p, h, segments), None)  # noqa: E731
-    return self._scan_layers(layer, stacked_params, x, num_active, None)[0]
+    depth = jax.tree.leaves(stacked_params)[0].shape[0]
+    local = self.local_flags(first, depth)
+    if not isinstance(local, jax.Array):
+      layer = lambda p, h: (self.layer(p, h, segments, local), None)  # noqa: E731
+      return self._scan_layers(layer, stacked_params, x, num_active, None)[0]
+    # The flag scanned beside the weights: one scan however the pattern mixes.
+    layer = lambda p, h: (self.layer(p[0], h, segments, p[1]), None)  # noqa: E731
+    return self._scan_layers(layer, (stacked_params, local), x, num_active, None)[0]
 
   def _scan_layers(self, layer, stacked_params: Params, x, num_active, skipped):
     """(the stack's output, each layer's second output stacked): layer(p, h)
@@ -595,8 +684,8 @@ class DecoderModel:
     rows are split over."""
     del microbatches, replica_axes
 
-    def chunk(stacked_params, x, num_active=None, segments=None):
-      return self.layers(stacked_params, x, num_active, segments), ({}, {})
+    def chunk(stacked_params, x, num_active=None, segments=None, first=0):
+      return self.layers(stacked_params, x, num_active, segments, first), ({}, {})
 
     return chunk
 
@@ -665,11 +754,18 @@ class DecoderModel:
       input_grad,
     )
 
-  def init_cache(self, batch: int) -> tuple[jax.Array, jax.Array]:
-    """Empty K/V caches for `batch` rows: k, v [layers, batch, seq_len, kv_heads, head_dim]."""
+  def init_cache(self, batch: int) -> tuple[jax.Array, ...]:
+    """Empty K/V caches for `batch` rows: k, v [layers, batch, seq_len, kv_heads,
+    head_dim]; with local layers, (k, v) of the local ones' rolling caches
+    [local layers, batch, sliding_window, ...] and then of the global ones."""
     s = self.spec
     shape = (s.num_layers, batch, s.seq_len, s.kv_heads, s.head_dim)
-    return jnp.zeros(shape, s.dtype), jnp.zeros(shape, s.dtype)
+    local = s.local_layers()
+    if local is None:
+      return jnp.zeros(shape, s.dtype), jnp.zeros(shape, s.dtype)
+    rolling = (sum(local), batch, s.sliding_window) + shape[3:]
+    whole = (len(local) - sum(local),) + shape[1:]
+    return tuple(jnp.zeros(shape, s.dtype) for shape in (rolling, rolling, whole, whole))
 
   def decode(self, params: Params, tokens, cache, index, start):
     """Logits of `tokens` [b, t] written at cache slots index..index+t-1, and the new caches.
@@ -691,6 +787,12 @@ class DecoderModel:
     else:
       x = self._embed.apply({'params': embed_params}, tokens, positions)
 
+    if self.spec.local_layers() is not None:
+      x, cache = self._decode_windowed(
+        params['layers'], x, cache, Decode(None, None, index, start, positions)
+      )
+      return loss_lib.mask_padding(self.head_logits(head_params, x), self.spec.vocab_used), cache
+
     def layer(x, args):
       p, k, v = args
       x, (k, v) = self._block.apply({'params': p}, x, Decode(k, v, index, start, positions))
@@ -704,6 +806,41 @@ class DecoderModel:
     if own:
       cache = tuple(jnp.concatenate(pair) for pair in zip(first, cache))
     return loss_lib.mask_padding(self.head_logits(head_params, x), self.spec.vocab_used), cache
+
+  def _decode_windowed(self, stacked_params: Params, x, cache, at: Decode):
+    """`decode`'s layer stack with local layers (`init_cache`'s four caches),
+    one scan: each layer's flag picks, under cond, its rolling cache or its
+    whole one, carried and updated in place (`at`: the step's index, start
+    and positions)."""
+    local = self.spec.local_layers()
+    # Each layer's entry in its kind's cache.
+    entry = jnp.asarray([sum(1 for f in local[:i] if f == local[i]) for i in range(len(local))])
+
+    def run(p, x, caches, j, rolling: bool):
+      k, v = caches
+      d = at.replace(k=k[j], v=v[j], rolling=rolling)
+      x, (kj, vj) = self._block.apply({'params': p}, x, d, None, rolling)
+      return x, (k.at[j].set(kj), v.at[j].set(vj))
+
+    def layer(carry, args):
+      x, rolling, whole = carry
+      p, flag, j = args
+      if all(local):  # Mistral's: no whole caches, no cond
+        x, rolling = run(p, x, rolling, j, True)
+        return (x, rolling, whole), None
+
+      def on_rolling(x, rolling, whole):
+        return (*run(p, x, rolling, j, True), whole)
+
+      def on_whole(x, rolling, whole):
+        x, whole = run(p, x, whole, j, False)
+        return x, rolling, whole
+
+      return jax.lax.cond(flag, on_rolling, on_whole, x, rolling, whole), None
+
+    carry = (x, cache[:2], cache[2:])
+    (x, rolling, whole), _ = jax.lax.scan(layer, carry, (stacked_params, jnp.asarray(local), entry))
+    return x, (*rolling, *whole)
 
   def logits(self, params: Params, tokens: jax.Array, segments=None) -> jax.Array:
     """fp32 logits [b, s, vocab]; padded ids (spec.vocab_used) at -1e30 (loss.mask_padding)."""

@@ -174,7 +174,8 @@ class DenseBlock(llama.Block):
       w('wo', (n, s.v_head_dim, d), ('heads', 'kv', 'embed'), llama.out_std(s)),
     )
 
-  def attention(self, h, w: MlaWeights, decode: Decode | None, segments):
+  def attention(self, h, w: MlaWeights, decode: Decode | None, segments, local=False):
+    del local  # no block is local: deepseek.validate refuses model.sliding_window
     s = self.spec
     dt = jnp.dtype(s.dtype)
     cos, sin = llama.rope_tables(s, s.positions(h.shape[1]) if decode is None else decode.positions)

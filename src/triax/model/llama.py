@@ -108,6 +108,8 @@ class LlamaSpec(ModelSpec):
   tie_embeddings: bool = False
   qkv_bias: bool = False
   qk_norm: bool = False
+  sliding_window: int = 0
+  sliding_window_pattern: int = 0
 
   SHAPE_KEYS: ClassVar[tuple[str, ...]] = ModelSpec.SHAPE_KEYS + (
     'num_kv_heads',
@@ -125,6 +127,15 @@ class LlamaSpec(ModelSpec):
   @property
   def kv_heads(self) -> int:
     return self.num_kv_heads or self.num_heads
+
+  def local_layers(self) -> tuple[bool, ...] | None:
+    """Whether each block's attention is local (model.sliding_window): with
+    model.sliding_window_pattern N, every Nth block is global (Gemma 3's
+    layout: block i when (i + 1) % N == 0), else every block is local."""
+    if not self.sliding_window:
+      return None
+    n = self.sliding_window_pattern
+    return tuple(not n or (i + 1) % n != 0 for i in range(self.num_layers))
 
   @property
   def rope_dim(self) -> int:
@@ -229,13 +240,15 @@ class Block(nn.Module):
   spec: LlamaSpec
 
   @nn.compact
-  def __call__(self, x, decode: Decode | None = None, segments=None):
+  def __call__(self, x, decode: Decode | None = None, segments=None, local=False):
+    """`local`: whether this block's attention is windowed (model.sliding_window),
+    a bool or a traced one (the layer scan's per-block flag)."""
     s = self.spec
     pdt = jnp.dtype(s.param_dtype)
     attn_norm = param(self, 'attn_norm', (s.d_model,), ('embed',), 0, pdt)
     weights = self.attention_weights()
     mlp_norm = param(self, 'mlp_norm', (s.d_model,), ('embed',), 0, pdt)
-    a = self.attention(rms_norm(x, attn_norm, s.norm_eps), weights, decode, segments)
+    a = self.attention(rms_norm(x, attn_norm, s.norm_eps), weights, decode, segments, local)
     if decode is not None:
       a, cache = a
     x = x + constrain(a, RESIDUAL)
@@ -254,7 +267,7 @@ class Block(nn.Module):
     wo = param(self, 'wo', (n, hd, d), ('heads', 'kv', 'embed'), out_std(s), pdt)
     return wq, wk, wv, wo
 
-  def attention(self, h, weights, decode: Decode | None, segments):
+  def attention(self, h, weights, decode: Decode | None, segments, local=False):
     """Grouped-query attention of normalised h [b, s, d], projected back to
     [b, s, d]; with `decode`, (that, the layer's new caches)."""
     s = self.spec
@@ -278,7 +291,17 @@ class Block(nn.Module):
     k, v = (constrain(t, ('batch', 'seq', 'kv_heads', 'kv')) for t in (k, v))
     where = () if decode is not None else s.split_sequence(h.shape[1])
     a = causal_attention(
-      q, k, v, s.attention, decode, segments, s.splash_interpret, *where, remat=s.remat
+      q,
+      k,
+      v,
+      s.attention,
+      decode,
+      segments,
+      s.splash_interpret,
+      *where,
+      remat=s.remat,
+      window=s.sliding_window,
+      local=local,
     )
     cache = None
     if decode is not None:
@@ -394,6 +417,7 @@ def validate(model_cfg, mesh_cfg, rules: tuple) -> None:
     raise ConfigError('model.norm_eps', f'must be a positive number, got {m.norm_eps!r}')
   check_flags(m, ('tie_embeddings', 'qkv_bias', 'qk_norm'))
   check_rope_scaling(m.rope_scaling)
+  check_sliding_window(m)
 
   axis, size = _kv_axis(mesh_cfg, rules)
   if kv >= size and kv % size:
@@ -401,6 +425,33 @@ def validate(model_cfg, mesh_cfg, rules: tuple) -> None:
       'model.num_kv_heads',
       f'{kv} K/V heads cannot be split evenly over mesh.{axis}={size}; use a multiple '
       f'of {size}, or fewer than {size} (then they are replicated)',
+    )
+
+
+def check_sliding_window(m) -> None:
+  """model.sliding_window: shorter than the sequence (a longer one is
+  global); model.sliding_window_pattern: with a window, leaving some layer
+  local and some global."""
+  window, n = m.sliding_window, m.sliding_window_pattern
+  checks.non_negative_int('model.sliding_window', window, 'none: every layer global')
+  checks.non_negative_int('model.sliding_window_pattern', n, 'every layer local')
+  if window >= m.seq_len:
+    raise ConfigError(
+      'model.sliding_window',
+      f'{window} positions reach back over the whole model.seq_len={m.seq_len}: such a layer is '
+      'global; set 0 (every layer global), or a window shorter than seq_len',
+    )
+  if n and not window:
+    raise ConfigError(
+      'model.sliding_window_pattern',
+      'makes every Nth layer global, and model.sliding_window=0 makes all of them so; '
+      'set model.sliding_window, or remove the pattern',
+    )
+  if n == 1 or n > m.num_layers:
+    raise ConfigError(
+      'model.sliding_window_pattern',
+      f'{n} leaves {"no layer local" if n == 1 else "no layer global"} of '
+      f'model.num_layers={m.num_layers}; use 2..{m.num_layers}, or 0 (every layer local)',
     )
 
 

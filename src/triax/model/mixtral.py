@@ -238,6 +238,11 @@ def validate(model_cfg, mesh_cfg, rules: tuple) -> None:
   """Llama's checks, the MoE keys'; the experts split over mesh.expert (config.py
   checked that it divides the data-parallel devices), never by `rules`."""
   m = model_cfg
+  if m.sliding_window:
+    raise ConfigError(
+      'model.sliding_window',
+      f'model.family={m.family} runs no local layers (llama does: Mistral); set it to 0',
+    )
   experts = count(m, 'num_experts', 1)
   k = count(m, 'experts_per_token', 1)
   if k > experts:

@@ -32,18 +32,21 @@ def block_size(seq_len: int) -> int:
   return next(b for b in _BLOCKS if seq_len % b == 0)
 
 
-def attention(q, k, v, segments=None, *, interpret: bool = False):
+def attention(q, k, v, segments=None, *, interpret: bool = False, window: int = 0):
   """Causal attention of q, k, v [b, t, n, hd] (K/V already one per query head).
 
   With `segments` [b, t] (the document of each position of a packed row), a
-  query attends only within its document. Returns [b, t, n, hd] in q's dtype.
+  query attends only within its document; with `window` > 0, to the
+  `window` latest positions only (its own included): a local block-sparse
+  mask, whose blocks wholly outside every window the kernel skips.
+  Returns [b, t, n, hd] in q's dtype.
   """
-  local = lambda q, k, v, *seg: _local(q, k, v, seg[0] if seg else None, interpret)
+  local = lambda q, k, v, *seg: _local(q, k, v, seg[0] if seg else None, interpret, window)  # noqa: E731
   extras = () if segments is None else (segments,)
   return per_device.attention(local, q, k, v, extras, (('batch', 'seq'),) * len(extras))
 
 
-def _local(q, k, v, segments, interpret: bool):
+def _local(q, k, v, segments, interpret: bool, window: int):
   """One device's rows and heads: the kernel, vmapped over the rows."""
   _, t, n, hd = q.shape
   b = block_size(t)
@@ -56,7 +59,12 @@ def _local(q, k, v, segments, interpret: bool):
     block_kv_dkv_compute=b,
     use_fused_bwd_kernel=True,
   )
-  mask = mask_lib.MultiHeadMask([mask_lib.CausalMask((t, t))] * n)
+  causal = (
+    mask_lib.LocalMask((t, t), window_size=(window - 1, 0), offset=0)
+    if window
+    else mask_lib.CausalMask((t, t))
+  )
+  mask = mask_lib.MultiHeadMask([causal] * n)
   kernel = kernel_lib.make_splash_mha(
     mask, block_sizes=blocks, head_shards=1, q_seq_shards=1, interpret=interpret
   )

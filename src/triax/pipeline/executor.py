@@ -224,6 +224,7 @@ def pipeline_loss_and_grad(
   edge_specs: Any = None,
   edge_grads: str = 'auto',
   offload_stash: bool = False,
+  chunk_first: tuple[int, ...] | None = None,
 ):
   """Builds f(stage_params, edge_params, inputs, targets[, segments]).
 
@@ -253,6 +254,9 @@ def pipeline_loss_and_grad(
       'after' the loop, or 'auto' (`edge_grads_after_loop`).
     offload_stash: keep the stash pool in host memory (module docstring);
       not with a schedule that moves residual sets between stages (BPipe).
+    chunk_first: the stack entry each model chunk starts at, passed to
+      the chunk function as `first=` (for layers that differ by where they
+      sit in the model: a sliding-window pattern); None: not passed.
     transfer_spec: how an activation or gradient is split while it travels
       between stages and waits in the message pool (Megatron's
       scatter/gather, e.g. P(None, None, 'tensor'): each tensor rank sends
@@ -287,6 +291,7 @@ def pipeline_loss_and_grad(
     act_spec=act_spec,
     message_spec=act_spec if transfer_spec is None else transfer_spec,
     chunk_layers=chunk_layers,
+    chunk_first=chunk_first,
     mesh=mesh,
     edge_specs=edge_specs,
     edge_grads=edge_grads,
@@ -348,6 +353,7 @@ class _Setup:
   act_spec: P
   message_spec: P
   chunk_layers: tuple[int, ...] | None
+  chunk_first: tuple[int, ...] | None
   mesh: Mesh
   edge_specs: Any
   edge_grads: str
@@ -593,6 +599,7 @@ class _Stage:
     self.stage = jax.lax.axis_index('pipe')
     self.x_zero = setup.pin(_varying(jnp.zeros(setup.act_shape, setup.act_dtype), manual))
     self.counts = None if setup.chunk_layers is None else jnp.asarray(setup.chunk_layers, jnp.int32)
+    self.firsts = None if setup.chunk_first is None else jnp.asarray(setup.chunk_first, jnp.int32)
     # Trace one chunk's vjp to learn the residual structure and to split its
     # backward program into B and W. The chunk index is traced as in the real
     # forward, so an uneven split's layer count is a residual in both.
@@ -632,6 +639,8 @@ class _Stage:
     # A micro-batch's document ids enter the forward only: what the backward
     # needs of them (the mask) is among the vjp's residuals.
     extra = {} if seg is None else {'segments': seg}
+    if self.firsts is not None:
+      extra['first'] = self.firsts[chunk]
     if self.counts is None:
       run = lambda cp, h: self.fns.chunk(cp, h, **extra)  # noqa: E731
     else:

@@ -444,6 +444,7 @@ def _loss_and_grad_pipelined(cfg, mesh: Mesh, model, spec, layout, program):
     },
     edge_grads=cfg.pipeline.edge_grads,
     offload_stash=cfg.pipeline.offload_stash,
+    chunk_first=_chunk_first(spec, layout),
   )
 
   def raw_loss_and_grad(params, inputs, targets, segments=None):
@@ -460,6 +461,15 @@ def _loss_and_grad_pipelined(cfg, mesh: Mesh, model, spec, layout, program):
     return loss, {**g_edges, 'layers': g_layers}, metrics
 
   return raw_loss_and_grad, run
+
+
+def _chunk_first(spec, layout) -> tuple[int, ...] | None:
+  """The stack entry each model chunk starts at, for a model whose layers
+  differ by where they sit (local and global ones mixed); None otherwise."""
+  local = spec.local_layers()
+  if local is None or len(set(local)) == 1:
+    return None
+  return tuple(sum(layout.counts[:c]) for c in range(len(layout.counts)))
 
 
 # The memory kind train.offload_optimizer keeps the optimizer state in between steps, and

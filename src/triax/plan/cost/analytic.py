@@ -27,6 +27,7 @@ import functools
 import math
 
 from triax.errors import ConfigError
+from triax.model import window as window_lib
 from triax.plan.cluster import Cluster, Group, Link
 from triax.plan.cost import blocks
 from triax.plan.cost import profile as profile_lib
@@ -205,6 +206,16 @@ def _elementwise(spec, shard, dropout: bool) -> float:
   return io * e + (2 * s * d if dropout else 0)
 
 
+def _flash_share(spec) -> float:
+  """The share of the score square a flash kernel computes, over the layers:
+  the causal half of a global layer's, a local layer's window's (model/window.py).
+  XLA's masked core computes the whole square either way."""
+  local = spec.local_layers() or ()
+  windowed = window_lib.attended_share(spec.seq_len, spec.sliding_window) if local else 0.5
+  share = sum(local) / len(local) if local else 0.0
+  return share * windowed + (1 - share) * blocks.FLASH_CAUSAL
+
+
 def _shard(spec, t: int, dropout: bool = False) -> tuple[profile_lib.Shard, ShardKernels]:
   import numpy as np
 
@@ -216,7 +227,7 @@ def _shard(spec, t: int, dropout: bool = False) -> tuple[profile_lib.Shard, Shar
   fused = spec.attention in ('cudnn', 'splash')
   dense = blocks.gemms(spec, shard, shapes.layer, spec.layers_per_entry)
   attention, attention_bwd, rescored, core_kept = blocks.attention(
-    s, shard.num_heads, shard.head_dim, shapes.value_dim, e, fused, dropout
+    s, shard.num_heads, shard.head_dim, shapes.value_dim, e, fused, dropout, _flash_share(spec)
   )
   elementwise = _elementwise(spec, shard, dropout)
   hidden_masks = 2 * s * d if dropout else 0
@@ -262,6 +273,7 @@ def _shard(spec, t: int, dropout: bool = False) -> tuple[profile_lib.Shard, Shar
     logits_per_seq=float(edges.live_logits),
     attention_fraction=attn_flops / max(sum(k.flops for k in fwd), 1.0),
     kv_per_seq=profile_lib.kv_per_seq(spec, t),
+    window=profile_lib.window_of(spec),
     experts=profile_lib.experts_of(shard, sum(k.flops for k in fwd)),
     cut_per_seq=s * dense.cut_kept * e / dense.every,
     sequence_stash_per_seq={'none': sequence, 'attention': sequence},

@@ -242,7 +242,9 @@ def averaged(kernels: list[Kernel], n: int) -> list[Kernel]:
   ]
 
 
-def attention(s: int, heads: int, qk: int, v: int, e: int, fused: bool, dropout: bool):
+def attention(
+  s: int, heads: int, qk: int, v: int, e: int, fused: bool, dropout: bool, share=FLASH_CAUSAL
+):
   """The attention core of one sequence on a shard of `heads` heads, queries
   and keys `qk` wide, values `v`: its forward and backward kernels, the
   forward's up to its probabilities (what remat=attention reruns) and the
@@ -251,10 +253,11 @@ def attention(s: int, heads: int, qk: int, v: int, e: int, fused: bool, dropout:
   reads too). A flash kernel keeps and reruns none (it recomputes the
   scores in its own backward); it takes one head width, so a narrower v
   is padded to qk (deepseek's DenseBlock._core: the value products' FLOPs
-  grow by qk / v)."""
+  grow by qk / v). `share`: the part of the s x s square a flash kernel
+  computes (causal: half; a sliding window's less)."""
   scores = heads * s * s  # elements of one sequence's score square
   if fused:
-    flops = 4.0 * s * s * heads * qk * FLASH_CAUSAL
+    flops = 4.0 * s * s * heads * qk * share
     io = 4 * s * heads * qk * e  # Q, K, V read, O written
     forward = (Kernel('flash attention', flops, io),)
     backward = (Kernel('flash attention bwd', FLASH_BACKWARD * flops, 2.5 * io),)

@@ -227,6 +227,16 @@ def gathers_kv(plan: Plan) -> bool:
   return plan.context > 1 and plan.context_attention == 'allgather'
 
 
+def _gathering_layers(plan: Plan, shard: Shard) -> float:
+  """The share of the layers whose all-gather kind keeps the gathered K/V: all,
+  but with a window that skips blocks its local layers, which fetch theirs
+  under their own backward (context._near_attention) and keep none."""
+  window = shard.window
+  if window is None or window.steps(plan.context) == plan.context:
+    return 1.0
+  return 1.0 - window.local_share
+
+
 def layer_stash(plan: Plan, shard: Shard, remat: str | None = None) -> float:
   """Residual bytes per layer per sequence one device keeps, under `remat`
   (default the plan's): the shard's, its SEQUENCE_STASH part split over
@@ -240,7 +250,7 @@ def layer_stash(plan: Plan, shard: Shard, remat: str | None = None) -> float:
     held -= shard.sequence_stash(remat) * (1 - 1 / plan.tensor)
   own = held * token_share(plan)
   if gathers_kv(plan) and remat not in LAYER_CHECKPOINTED:
-    own += shard.kv_per_seq * (1 - token_share(plan))
+    own += shard.kv_per_seq * (1 - token_share(plan)) * _gathering_layers(plan, shard)
   return own + experts_lib.dispatch_stash(plan, shard, remat)
 
 

@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from triax.model import window as window_lib
 from triax.plan.cluster import Link
 
 # Residual policies the model knows (config.REMAT_POLICIES, a test holds them equal), in
@@ -239,6 +240,7 @@ class Shard:
   edge_blocks: tuple[int, int] = (0, 0)
   edge_expert_param_bytes: float = 0.0
   edge_work_per_seq: dict[str, float] = dataclasses.field(default_factory=dict)
+  window: Window | None = None
 
   def sequence_stash(self, remat: str) -> float:
     """The part of stash_per_seq[remat] every tensor rank holds whole
@@ -246,6 +248,34 @@ class Shard:
     by the stash itself."""
     whole = self.sequence_stash_per_seq.get(remat, SEQUENCE_STASH[remat] * self.act_per_seq)
     return min(self.stash_per_seq[remat], whole)
+
+
+@dataclasses.dataclass(frozen=True)
+class Window:
+  """A model's sliding window (model.sliding_window) as the planner prices it.
+
+  Attributes:
+    seq_len: the sequence's positions.
+    size: the window's positions.
+    local_share: the share of the layers that are local (the rest global).
+  """
+
+  seq_len: int
+  size: int
+  local_share: float
+
+  def steps(self, context: int) -> int:
+    """K/V blocks (its own included) a local layer's context rank meets: the
+    ring steps the window reaches (model/window.py)."""
+    return len(window_lib.ring_steps(context, self.seq_len // context, self.size))
+
+
+def window_of(spec) -> Window | None:
+  """The spec's Window (a model.common.ModelSpec), None without local layers."""
+  local = spec.local_layers()
+  if local is None:
+    return None
+  return Window(spec.seq_len, spec.sliding_window, sum(local) / len(local))
 
 
 def kv_per_seq(spec, t: int) -> float:

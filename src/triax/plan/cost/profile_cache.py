@@ -95,8 +95,9 @@ def from_dict(raw: dict) -> profile_lib.Profile:
     work = {f: profile_lib.Work(**w) for f, w in sh['work'].items()}
     experts = sh.get('experts') and profile_lib.Experts(**sh['experts'])
     blocks = tuple(sh.get('edge_blocks', (0, 0)))
+    window = sh.get('window') and profile_lib.Window(**sh['window'])
     shards[int(t)] = profile_lib.Shard(
-      **{**sh, 'work': work, 'experts': experts, 'edge_blocks': blocks}
+      **{**sh, 'work': work, 'experts': experts, 'edge_blocks': blocks, 'window': window}
     )
   return profile_lib.Profile(
     seq_len=raw['seq_len'],

@@ -47,6 +47,7 @@ from triax.plan.cost.profile import (
   experts_of,
   kv_per_seq,
   variant,
+  window_of,
 )
 
 # Rounds over every timed function (the fastest round is kept).
@@ -438,6 +439,7 @@ class _Profiler:
       logits_per_seq=float(min(self.spec['loss_chunk'] or s, s) * self.spec['vocab_size'] // t * 4),
       attention_fraction=attention / (matmuls + attention),
       kv_per_seq=kv_per_seq(self.model_spec, t),
+      window=window_of(self.model_spec),
       experts=experts_of(self.model_spec.tensor_shard(t), matmuls + attention),
     )
 

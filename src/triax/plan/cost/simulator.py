@@ -231,7 +231,9 @@ def stage_costs(
   act = shard.act_per_seq * plan.microbatch_size * memory_lib.token_share(plan)
   # With the experts split, every device waits for the busiest expert's.
   slowest = experts_lib.compute_scale(plan, shard, options.moe_imbalance)
-  fwd, bwd, recompute = (w * slowest for w in _layer_work(plan, profile, cluster, s))
+  # With a window, the attention blocks out of reach are skipped (context_compute_share).
+  scale = slowest * context_compute_share(plan, shard)
+  fwd, bwd, recompute = (w * scale for w in _layer_work(plan, profile, cluster, s))
   tp = max(comm.allreduce(g, act) for g in plan.tensor_groups(s))
   cp_fwd, cp_bwd = context_seconds(plan, shard, comm, s, fwd.alone)
   ep_fwd, ep_bwd = experts_lib.seconds(plan, shard, comm, s)
@@ -500,17 +502,46 @@ def context_seconds(
   c = plan.context
   if c == 1:
     return 0.0, 0.0
-  kv = shard.kv_per_seq * plan.microbatch_size
-  rings = plan.context_groups(stage)
-  if plan.context_attention == 'allgather':
-    forward = max(comm.allgather(g, kv) for g in rings)
-    backward = max(comm.reduce_scatter(g, kv) for g in rings)
-  else:
-    block = fwd * shard.attention_fraction / c
-    forward = (c - 1) * max(0.0, max(comm.ring_step(g, kv / c) for g in rings) - block)
-    backward = (c - 1) * max(0.0, max(comm.ring_step(g, 2 * kv / c) for g in rings) - 2 * block)
+  window = shard.window
+  forward, backward = _context_kind(plan, shard, comm, stage, fwd, c)
+  if window is not None and window.steps(c) < c:
+    # Local layers meet only the blocks in reach (model/window.py), fetched
+    # straight from their ranks by both kinds; global ones as above.
+    near = _context_kind(plan, shard, comm, stage, fwd, window.steps(c), fetched=True)
+    share = window.local_share
+    forward = share * near[0] + (1 - share) * forward
+    backward = share * near[1] + (1 - share) * backward
   rerun = forward if plan.remat in profile_lib.LAYER_CHECKPOINTED else 0.0
   return forward, backward + rerun
+
+
+def context_compute_share(plan: Plan, shard: profile_lib.Shard) -> float:
+  """The share of a layer's compute a context rank runs: all of it, but with
+  a sliding window the attention core's blocks out of every local query's
+  reach, which both kinds skip (model/window.py's ring_steps); the core is
+  the layer's attention_fraction, local layers window.local_share of them."""
+  window, c = shard.window, plan.context
+  if c == 1 or window is None:
+    return 1.0
+  skipped = 1.0 - window.steps(c) / c
+  return 1.0 - shard.attention_fraction * window.local_share * skipped
+
+
+def _context_kind(plan: Plan, shard, comm: Comm, stage: int, fwd: float, steps: int, fetched=False):
+  """(forward, backward) seconds of one layer's context communication meeting
+  `steps` K/V blocks (its own included): `context_seconds`'s kinds, or with
+  `fetched` (a window's blocks) steps - 1 blocks moved one at a time, beside
+  nothing for the all-gather kind and beside a block's work for the ring;
+  the backward sends their gradients home."""
+  c = plan.context
+  kv = shard.kv_per_seq * plan.microbatch_size
+  rings = plan.context_groups(stage)
+  if plan.context_attention == 'allgather' and not fetched:
+    return max(comm.allgather(g, kv) for g in rings), max(comm.reduce_scatter(g, kv) for g in rings)
+  block = 0.0 if plan.context_attention == 'allgather' else fwd * shard.attention_fraction / c
+  forward = (steps - 1) * max(0.0, max(comm.ring_step(g, kv / c) for g in rings) - block)
+  backward = (steps - 1) * max(0.0, max(comm.ring_step(g, 2 * kv / c) for g in rings) - 2 * block)
+  return forward, backward
 
 
 @dataclasses.dataclass(frozen=True)
