@@ -23,6 +23,7 @@ counts from the compiled programs) is scripts/bench_peers_work.py's.
 from __future__ import annotations
 
 import argparse
+import bisect
 import datetime
 import json
 import os
@@ -211,17 +212,54 @@ def run(python: str, framework: str, layout: str, steps: int) -> dict:
     ]
   else:
     args = _maxtext_args({**MAXTEXT_MODEL, **LAYOUTS[layout][1], 'steps': steps}, name, workdir)
-  code, text = _spawn(python, workdir, framework, args)
+  metrics = os.path.join(workdir, 'run', 'metrics.jsonl')
+  watch = {'TRIAX_PEERS_WATCH': metrics} if framework == 'triax' else {}
+  code, text = _spawn(python, workdir, framework, args, **watch)
   if code:
     raise RuntimeError(f'{name} failed:\n{text[-3000:]}')
   with open(os.path.join(workdir, 'compiles.json')) as f:
-    compiles = json.load(f)['compile_seconds']
+    record = json.load(f)
   seconds = _triax_steps(workdir) if framework == 'triax' else _maxtext_steps(text)
   if len(seconds) != steps - 1:
     raise RuntimeError(f'{name}: {len(seconds)} step times for {steps} steps:\n{text[-3000:]}')
+  ends = _triax_ends(metrics, record['cpu_samples']) if watch else _maxtext_ends(text)
+  cpu = _cpu_between(ends, record['cpu_samples'])
   # `fresh`: compiled, not read from a persistent cache (MaxText's runs before
-  # MAXTEXT_MODEL turned its cache off have no such key).
-  return {'steps': seconds, 'compile': max(compiles), 'fresh': True}
+  # MAXTEXT_MODEL turned its cache off have no such key, nor `cpu`).
+  return {'steps': seconds, 'cpu': cpu, 'compile': max(record['compile_seconds']), 'fresh': True}
+
+
+def _triax_ends(metrics: str, samples: list) -> list[float]:
+  """Wall times at which triax's steps ended: the first CPU sample that saw
+  each step's line in metrics.jsonl (samples hold its line count)."""
+  with open(metrics) as f:
+    lines = [i for i, line in enumerate(f) if '"step_time_s"' in line]
+  return [next(wall for wall, _, seen in samples if seen > i) for i in lines]
+
+
+def _maxtext_ends(log: str) -> list[float]:
+  """Wall times of MaxText's step lines (its log's local time, this year)."""
+  year = datetime.datetime.now().year
+  return [
+    datetime.datetime.strptime(f'{year}{day} {clock}', '%Y%m%d %H:%M:%S.%f').timestamp()
+    for day, clock in _STEP_LINE.findall(log)
+  ]
+
+
+def _cpu_between(ends: list[float], samples: list) -> list[float]:
+  """The process's CPU seconds between consecutive step ends, read off the
+  samples by linear interpolation."""
+  walls = [s[0] for s in samples]
+  cpus = [s[1] for s in samples]
+
+  def at(t: float) -> float:
+    k = min(max(bisect.bisect_left(walls, t), 1), len(walls) - 1)
+    w0, w1 = walls[k - 1], walls[k]
+    share = 0.0 if w1 == w0 else min(max((t - w0) / (w1 - w0), 0.0), 1.0)
+    return cpus[k - 1] + share * (cpus[k] - cpus[k - 1])
+
+  marks = [at(t) for t in ends]
+  return [b - a for a, b in zip(marks, marks[1:])]
 
 
 def _workdir(name: str) -> str:
@@ -262,11 +300,8 @@ def _maxtext_steps(log: str) -> list[float]:
   """Seconds between the log lines of consecutive steps (MaxText writes a
   step's line when its metrics arrive; its own `seconds` count from one
   dispatch to the next)."""
-  stamps = [
-    datetime.datetime.strptime(f'{day} {clock}', '%m%d %H:%M:%S.%f')
-    for day, clock in _STEP_LINE.findall(log)
-  ]
-  return [(b - a).total_seconds() for a, b in zip(stamps, stamps[1:])]
+  ends = _maxtext_ends(log)
+  return [b - a for a, b in zip(ends, ends[1:])]
 
 
 def measure(layouts: list[str], pairs: int, steps: int, results: dict) -> None:
@@ -316,8 +351,8 @@ def _jax(python: str) -> str:
   return subprocess.run([python, '-c', code], capture_output=True, text=True).stdout.strip()
 
 
-def _median(r: dict) -> float:
-  return statistics.median(r['steps'][WARMUP - 1 :])
+def _median(r: dict, figure: str = 'steps') -> float:
+  return statistics.median(r[figure][WARMUP - 1 :])
 
 
 def bubbles(layout: str) -> tuple[float, float] | None:
@@ -349,8 +384,8 @@ def _triax_keys(layout: str) -> dict:
 def table(results: dict) -> list[str]:
   lines = [
     '| layout | MaxText | triax step (s) | MaxText step (s) | triax / MaxText [spread] | pairs | '
-    'tokens/s triax / MaxText | compile s triax / MaxText |',
-    '|---|---|---|---|---|---|---|---|',
+    'tokens/s triax / MaxText | compile s triax / MaxText | CPU s a step triax / MaxText |',
+    '|---|---|---|---|---|---|---|---|---|',
   ]
   tokens = 8 * MAXTEXT_MODEL['per_device_batch_size'] * MAXTEXT_MODEL['max_target_length']
   for layout, (what, _keys, pipeline) in LAYOUTS.items():
@@ -369,9 +404,22 @@ def table(results: dict) -> list[str]:
       f'| {what} | {pipeline or "-"} | {a:.2f} | {b:.2f} | '
       f'**{statistics.median(ratios):.2f}** [{min(ratios):.2f}, {max(ratios):.2f}] | '
       f'{len(ratios)} | '
-      f'{tokens / a:.0f} / {tokens / b:.0f} | {compile_a:.1f} / {compile_b:.1f}{cached} |'
+      f'{tokens / a:.0f} / {tokens / b:.0f} | {compile_a:.1f} / {compile_b:.1f}{cached} | '
+      f'{_cpu_cell(row["triax"], mt_row["maxtext"])} |'
     )
   return lines
+
+
+def _cpu_cell(ours: list[dict], theirs: list[dict]) -> str:
+  """Median CPU seconds a step on each side and their pairs' median ratio
+  (runs made before the CPU was sampled have none: '-')."""
+  if not all('cpu' in r for r in ours + theirs):
+    return '-'
+  by_pair = {r['pair']: _median(r, 'cpu') for r in theirs}
+  ratios = [_median(r, 'cpu') / by_pair[r['pair']] for r in ours if r['pair'] in by_pair]
+  a = statistics.median(_median(r, 'cpu') for r in ours)
+  b = statistics.median(by_pair.values())
+  return f'{a:.1f} / {b:.1f} ({statistics.median(ratios):.2f})'
 
 
 def bubble_lines(results: dict) -> list[str]:
@@ -445,6 +493,10 @@ def _method_lines(results: dict) -> list[str]:
     "(scripts/peers_run.py). MaxText's runs compile with its persistent compilation cache",
     "off (jax_cache_dir ''); a figure marked (cached) is from runs made before that, mostly",
     'reads of its cache (~/jax_cache, kept between runs), and compares nothing.',
+    "CPU seconds a step: the process's CPU time (all its threads) between two step ends,",
+    "sampled every 0.1 s (scripts/peers_run.py), with the pairs' median ratio. Work on the",
+    'machine besides the run stretches its wall time but not its CPU time, so where the two',
+    'ratios differ, the CPU column is the one other load did not move.',
   ]
 
 

@@ -12,6 +12,12 @@ an XPK job's processes; here there is one process, so that call is skipped,
 which keeps MaxText's collectives inside the process as triax's are (with
 the distributed client, XLA:CPU would run them through Gloo).
 
+The process's CPU seconds (all its threads) are sampled with the wall clock
+every SAMPLE seconds into OUT.json's `cpu_samples`, so bench_peers.py can
+count a step's CPU seconds beside its wall time: other work on the machine
+stretches the second, not the first. With TRIAX_PEERS_WATCH=FILE each sample
+also holds FILE's line count (triax's metrics.jsonl: when its steps end).
+
 Run by the MaxText venv's python with PYTHONPATH=src (bench_peers.py does).
 """
 
@@ -21,14 +27,44 @@ import atexit
 import json
 import os
 import sys
+import threading
 import time
 
 # 8 forced CPU devices; TRIAX_PEERS_DEVICES=1 for one (a GPU run leaves the GPU's count alone).
 DEVICES = int(os.environ.get('TRIAX_PEERS_DEVICES', '8'))
+SAMPLE = 0.1  # seconds between CPU samples
 
 
-def _time_compiles(out: str) -> None:
-  """Records each compile's seconds, written to `out` at exit."""
+def _lines(path: str) -> int:
+  try:
+    with open(path, 'rb') as f:
+      return f.read().count(b'\n')
+  except OSError:
+    return 0
+
+
+WATCH = os.environ.get('TRIAX_PEERS_WATCH')
+
+
+def _sample() -> list:
+  """[wall, CPU seconds of the process] and, with WATCH, its line count."""
+  t = os.times()
+  return [time.time(), t.user + t.system] + ([_lines(WATCH)] if WATCH else [])
+
+
+def _sample_cpu(samples: list) -> None:
+  """Appends a `_sample()` every SAMPLE seconds, in a daemon thread."""
+
+  def loop():
+    while True:
+      samples.append(_sample())
+      time.sleep(SAMPLE)
+
+  threading.Thread(target=loop, daemon=True).start()
+
+
+def _time_compiles(out: str, samples: list) -> None:
+  """Records each compile's seconds, written to `out` at exit with `samples`."""
   import jax
 
   seconds = []
@@ -45,7 +81,7 @@ def _time_compiles(out: str) -> None:
 
   def write():
     with open(out, 'w') as f:
-      json.dump({'compile_seconds': seconds}, f)
+      json.dump({'compile_seconds': seconds, 'cpu_samples': [*samples, _sample()]}, f)
 
   atexit.register(write)
 
@@ -80,7 +116,9 @@ def main() -> None:
   if DEVICES > 1:  # forced CPU devices; one device is the local platform's
     jax.config.update('jax_platforms', 'cpu')
   jax.config.update('jax_num_cpu_devices', DEVICES)
-  _time_compiles(out)
+  samples = []
+  _sample_cpu(samples)
+  _time_compiles(out, samples)
   (_triax if framework == 'triax' else _maxtext)(args)
 
 

@@ -860,8 +860,8 @@ class _Stage:
   def _loss_and_seed(self, c, row, y):
     mb, s = row['mb'], self.setup
     acc = None if self.after else c.g_edges
-    loss, g_edges, dy = s.fns.head_loss_and_grad(
-      self.unhoisted_edges(mb), y, self.targets[mb], acc, s.loss_scale
+    loss, g_edges, dy = self.head_loss_and_grad(
+      self.unhoisted_edges(mb), y, self.targets[mb], acc, input_grad=True
     )
     if self.after:
       kept = dict(heads=c.heads.at[mb].set(s.pin_message(y)))
@@ -873,6 +873,18 @@ class _Stage:
       loss=c.loss + loss,
       msg=c.msg.at[row['loss']].set(s.pin_message(dy.astype(s.act_dtype))),
     )
+
+  def head_loss_and_grad(self, edges, y, targets, acc, input_grad: bool):
+    """The model's head_loss_and_grad at the setup's loss scale; on CPU its
+    weight gradient is a dot cpu_dots lays out."""
+    s = self.setup
+
+    def head(edges, y, targets, acc):
+      return s.fns.head_loss_and_grad(edges, y, targets, acc, s.loss_scale, input_grad=input_grad)
+
+    if s.row_major_dots:
+      return row_major_call(head, edges, y, targets, acc)
+    return head(edges, y, targets, acc)
 
   def stashed_residuals(self, c, row):
     kept = [s[row['stash']] for s in c.stash]
@@ -930,15 +942,8 @@ class _Stage:
       def add(acc):
         with jax.named_scope(MARK_EDGE_ROW):
           y, dx = (s.pin(pool[j]) for pool in pools)
-
-          def head(edges, y, targets, acc):
-            return s.fns.head_loss_and_grad(edges, y, targets, acc, s.loss_scale, input_grad=False)
-
-          args = (self.unhoisted_edges(mb), y, self.targets[mb], acc)
-          if s.row_major_dots:  # the head's weight gradient: a dot cpu_dots is for
-            _, acc, _ = row_major_call(head, *args)
-          else:
-            _, acc, _ = head(*args)
+          edges = self.unhoisted_edges(mb)
+          _, acc, _ = self.head_loss_and_grad(edges, y, self.targets[mb], acc, input_grad=False)
           return self.embed_gradient(acc, mb, dx)
 
       # Rows past the last micro-batch pad the pools to a multiple of the stages.
