@@ -130,6 +130,13 @@ class ModelSpec:
     return self.num_heads
 
   @property
+  def stream_norms(self) -> int:
+    """RMSNorms a block runs over the [s, d] residual stream, which the
+    planner prices as memory traffic (plan/cost/analytic.py): the pre-norms
+    before attention and the MLP; Gemma's post-norms add two."""
+    return 2
+
+  @property
   def layers_per_entry(self) -> int:
     """Blocks one entry of the stacked 'layers' axis holds: one, or a MoE
     family's group of dense blocks and a MoE block (mixtral.Group). The

@@ -52,6 +52,11 @@ class GemmaSpec(llama.LlamaSpec):
       return 1.0
     return math.sqrt(self.head_dim / self.query_pre_attn_scalar)
 
+  @property
+  def stream_norms(self) -> int:
+    """Pre- and post-norms around attention and the MLP."""
+    return 4
+
   def local_rope(self) -> GemmaSpec:
     """The spec whose RoPE tables a local layer uses: its own base, no scaling."""
     return dataclasses.replace(

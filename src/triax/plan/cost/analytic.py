@@ -36,7 +36,8 @@ from triax.plan.cost.profile import LAYER_CHECKPOINTED
 
 # Bytes a bandwidth-bound op moves per element of its [s, d] input, forward:
 # an RMSNorm reads x and writes y (2), a residual add reads two and writes
-# one (3); two of each per layer.
+# one (3); two adds per layer, and the family's norms of the stream
+# (ModelSpec.stream_norms: Gemma's four).
 _NORM_ELEMENT_IO = 2
 _ADD_ELEMENT_IO = 3
 # The MLP's activation reads and writes [s, d_ff/t] (a gated one reads two).
@@ -202,7 +203,8 @@ def _elementwise(spec, shard, dropout: bool) -> float:
 
   s, d = spec.seq_len, spec.d_model
   e = np.dtype(spec.dtype).itemsize
-  io = (2 * _NORM_ELEMENT_IO + 2 * _ADD_ELEMENT_IO) * s * d + _ACT_ELEMENT_IO * s * shard.d_ff
+  norms = spec.stream_norms * _NORM_ELEMENT_IO
+  io = (norms + 2 * _ADD_ELEMENT_IO) * s * d + _ACT_ELEMENT_IO * s * shard.d_ff
   return io * e + (2 * s * d if dropout else 0)
 
 
