@@ -80,6 +80,19 @@ def test_import_gives_transformers_logits(imported):
   hf_round_trip.check_logits(model, workdir, result, _tokens())
 
 
+def test_a_window_spanning_the_sequence_keeps_its_layers_local(imported, tmp_path):
+  """Imported for 8 positions, the 8-position window spans the sequence: its
+  layers see every key but still rotate with the local base (transformers' logits)."""
+  from triax.convert import hf_checkpoint
+
+  model, hf_dir, _, _ = imported
+  workdir = str(tmp_path / 'w8')
+  result = hf_checkpoint.import_hf(hf_dir, workdir, seq_len=WINDOW)
+  m = result['config'].model
+  assert (m.seq_len, m.sliding_window, m.sliding_window_pattern) == (WINDOW, WINDOW, PATTERN)
+  hf_round_trip.check_logits(model, workdir, result, _tokens(length=WINDOW))
+
+
 @pytest.mark.parametrize(
   'layout,overrides',
   [
