@@ -54,6 +54,22 @@ def tpu(*flags, compile_only=True):
   return command('triax.cli.train', f'--config={SMOKE}', '--workdir={d}/w', *extra, *flags)
 
 
+def _softcapped_gemma3(d):
+  """An HF Gemma 3 directory whose config.json sets Gemma 2's final logit soft-capping."""
+  os.makedirs(os.path.join(d, 'hf'))
+  hf = {
+    'model_type': 'gemma3_text',
+    'hidden_size': 64,
+    'num_attention_heads': 4,
+    'num_hidden_layers': 2,
+    'intermediate_size': 96,
+    'vocab_size': 256,
+    'final_logit_softcapping': 30.0,
+  }
+  with open(os.path.join(d, 'hf', 'config.json'), 'w') as f:
+    json.dump(hf, f)
+
+
 H100 = 'experiments/clusters/h100_8x_nvlink.yaml'
 
 
@@ -224,6 +240,22 @@ CASES = [
     'window-on-a-mixtral',
     train('--config.model.sliding_window=8', config='--config=experiments/mixtral_tiny.py:smoke'),
     'model.sliding_window',
+  ),
+  # Gemma 3's local layers need a window; its fixed parts are no keys of its own.
+  (
+    'gemma3-without-a-window',
+    train('--config.model.sliding_window=0', config='--config=experiments/gemma3_tiny.py:smoke'),
+    'model.sliding_window',
+  ),
+  (
+    'gemma3-with-untied-embeddings-key',
+    train('--config.model.tie_embeddings=true', config='--config=experiments/gemma3_tiny.py:smoke'),
+    'model.tie_embeddings',
+  ),
+  (
+    'gemma3-checkpoint-with-logit-softcapping',
+    command('triax.cli.convert', '--hf_dir={d}/hf', '--workdir={d}/w', setup=_softcapped_gemma3),
+    '--hf_dir',
   ),
   (
     'experts-per-token-beyond-experts',

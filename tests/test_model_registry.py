@@ -87,6 +87,19 @@ def test_qwen3_tiny_is_a_valid_qk_norm_pipeline_run_on_8_devices():
     assert cfg.mesh.pipe > 1 and cfg.pipeline.schedule == 'interleaved_1f1b'
 
 
+def test_gemma3_tiny_is_a_valid_local_global_pipeline_run_on_8_devices():
+  """Gemma 3's 5:1 pattern, one layer a chunk: chunks start all over the pattern."""
+  path = f'{harness.ROOT}/experiments/gemma3_tiny.py'
+  for arg in (None, 'smoke'):
+    cfg = config.validate(config.from_file(path, arg), 8)
+    spec = registry.spec_from_config(cfg.model)
+    assert spec.family == 'gemma3' and spec.tie_embeddings and spec.qk_norm
+    assert spec.local_layers() == (True,) * 5 + (False,)
+    assert 0 < spec.sliding_window < spec.seq_len and spec.rope_local_theta < spec.rope_theta
+    chunks = cfg.mesh.pipe * cfg.pipeline.virtual_stages
+    assert chunks == spec.num_layers and cfg.pipeline.schedule == 'interleaved_1f1b'
+
+
 def test_llama_tiny_is_a_valid_gqa_pipeline_run_on_8_devices():
   path = f'{harness.ROOT}/experiments/llama_tiny.py'
   for arg in (None, 'smoke'):

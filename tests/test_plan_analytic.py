@@ -342,3 +342,26 @@ def test_a_cluster_too_large_for_the_model_says_use_gpus():
       )
     )
   assert err.value.key == '--cluster'
+
+
+@pytest.mark.fast
+def test_gemmas_post_norms_are_priced_as_two_more_norms_of_the_stream():
+  """A Gemma 3 block moves a llama block's elementwise bytes plus two more
+  [s, d] RMSNorms' (its post-norms), forward and backward, and keeps their
+  inputs for its backward."""
+  shape = {'model.num_layers': 4, 'model.num_kv_heads': 4, 'model.sliding_window': 8}
+  cfgs = [harness.tiny_config(**{'model.family': f, **shape}) for f in ('llama', 'gemma3')]
+  llama, gemma = (analytic._shard(registry.spec_from_config(c.model), 1)[1] for c in cfgs)
+  m = cfgs[0].model
+  extra = 2 * analytic._NORM_ELEMENT_IO * m.seq_len * m.d_model * 4  # fp32 activations
+  for kernels, times in (('layer_fwd', 1), ('layer_bwd', analytic._BACKWARD_IO)):
+    ours, theirs = getattr(llama, kernels)[-1], getattr(gemma, kernels)[-1]
+    assert ours.name == theirs.name and ours.name.startswith('norms')
+    assert theirs.bytes - ours.bytes == pytest.approx(times * extra)
+  # What tests/test_residuals.py measures a Gemma layer keeping beyond a llama's.
+  act = m.seq_len * m.d_model * 4
+  llama, gemma = (analytic._shard(registry.spec_from_config(c.model), 1)[0] for c in cfgs)
+  more = {'none': 2, 'attention': 2, 'dots': 1, 'full': 0}
+  for remat, items in more.items():
+    kept = gemma.stash_per_seq[remat] - llama.stash_per_seq[remat]
+    assert kept == pytest.approx(items * act), remat

@@ -187,3 +187,43 @@ def test_attention_remat_gives_remat_nones_gradient(family):
   got, want = grads(models['attention']), grads(models['none'])
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
     np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_gemmas_post_norms_keep_their_inputs_and_nothing_else_of_size():
+  """A Gemma 3 layer keeps what a llama layer with q/k norms keeps, plus its
+  post-norms' [b, s, d] inputs and reciprocal rms (under dots, the down
+  projection's output only: attention's output is kept anyway), besides
+  norm-scale-sized vectors (the fp32 1 + w): what the planner prices
+  (tests/test_plan_analytic.py)."""
+  import collections
+
+  import harness
+
+  s, d = 128, 32
+  more = {}
+  for remat in ('none', 'attention', 'dots', 'full'):
+    kept = {}
+    for family, extra in (('llama', {'qk_norm': True}), ('gemma3', {})):
+      model = harness.model_of(
+        family=family,
+        dtype='bfloat16',
+        remat=remat,
+        num_layers=2,
+        d_model=d,
+        d_ff=64,
+        num_heads=4,
+        sliding_window=8,
+        **extra,
+      )
+      stack = jax.eval_shape(model.init, jax.random.key(0))['layers']
+      x = jax.ShapeDtypeStruct((B, s, d), jnp.bfloat16)
+      kept[family] = collections.Counter(
+        _kept(lambda x, p, model=model: model.layers(p, x), x, stack)
+      )
+    assert not kept['llama'] - kept['gemma3']
+    # The stacked layers' fp32 1 + w scales: [2, d] and [2, head_dim].
+    scales = {('float32', (2, d)), ('float32', (2, d // 4))}
+    more[remat] = {k: n for k, n in (kept['gemma3'] - kept['llama']).items() if k not in scales}
+  stream, rms = ('bfloat16', (2, B, s, d)), ('float32', (2, B, s, 1))
+  assert more['none'] == more['attention'] == {stream: 2, rms: 2}
+  assert more['dots'] == {stream: 1} and more['full'] == {}

@@ -224,3 +224,22 @@ def test_yarn_variants_triax_does_not_run_are_refused_on_import(entry, match):
   with pytest.raises(ConfigError, match=match) as e:
     hf_llama.rope_from_hf({'rope_scaling': entry, 'max_position_embeddings': SEQ})
   assert e.value.key == '--hf_dir' and '\n' not in str(e.value)
+
+
+@pytest.mark.fast
+def test_linear_scaling_is_transformers_and_round_trips():
+  """Gemma 3's kind (and Llama's older one): every frequency / factor, no attention factor."""
+  from triax.convert import hf_llama
+  from triax.model import llama
+
+  rope = {'rope_type': 'linear', 'factor': 8.0, 'rope_theta': 1e4}
+  hf = transformers.LlamaConfig(hidden_size=64, num_attention_heads=4, rope_parameters=rope)
+  inv_freq, attention_factor = modeling_rope_utils._compute_linear_scaling_rope_parameters(hf)
+  theta, scaling = hf_llama.rope_from_hf(hf.to_dict())
+  m = config_lib.defaults().model
+  m.update(family='llama', d_model=64, num_heads=4, rope_theta=theta)
+  m.rope_scaling.update(scaling)
+  spec = registry.spec_from_config(m)
+  np.testing.assert_allclose(np.asarray(llama.rope_frequencies(spec)), inv_freq.numpy(), rtol=1e-6)
+  assert attention_factor == spec.rope_scaling.attention_factor == 1.0
+  assert hf_llama.rope_scaling_hf(m.rope_scaling) == {'rope_type': 'linear', 'factor': 8.0}

@@ -83,7 +83,8 @@ def defaults() -> ml_collections.ConfigDict:
   # Model family, one file each in triax/model/: gpt (learned positions, GELU MLP, full
   # multi-head attention), llama (RoPE, SwiGLU, grouped-query attention, RMSNorm) or
   # mixtral (llama with a mixture of SwiGLU experts for each MLP) or deepseek (multi-head
-  # latent attention, DeepSeekMoE with loss-free balancing, multi-token prediction).
+  # latent attention, DeepSeekMoE with loss-free balancing, multi-token prediction) or
+  # gemma3 (Gemma 3's text model: local and global layers, pre- and post-norms, GeGLU).
   c.model.family = 'gpt'
   # Number of transformer blocks.
   c.model.num_layers = 4
@@ -133,11 +134,17 @@ def defaults() -> ml_collections.ConfigDict:
   # llama: K/V heads (grouped-query attention), a divisor of num_heads; 0 = num_heads.
   c.model.num_kv_heads = 0
   # llama: RoPE base; Llama 3's 500000 (Llama 2 used 10000), what its checkpoints expect.
+  # gemma3: the global layers' base (Gemma 3's 1000000).
   c.model.rope_theta = 500000.0
+  # gemma3: RoPE base of the local (sliding-window) layers, unscaled (Gemma 3's
+  # rope_local_base_freq); model.rope_scaling applies to the global layers only.
+  c.model.rope_local_theta = 10000.0
+  # gemma3: attention scores are q.k / sqrt(this) (Gemma 3's query_pre_attn_scalar); 0 = head_dim.
+  c.model.query_pre_attn_scalar = 0.0
   # llama, deepseek: long-context RoPE scaling (transformers' rope_scaling / rope_parameters).
   c.model.rope_scaling = ml_collections.ConfigDict()
-  # llama3 (Llama 3.1's frequency bands) or yarn (YaRN: DeepSeek-V3's and V2's, Qwen3's long
-  # context); a key of the other kind must keep its default.
+  # llama3 (Llama 3.1's frequency bands), yarn (YaRN: DeepSeek-V3's and V2's, Qwen3's long
+  # context) or linear (every frequency / factor: Gemma 3's); another kind's key keeps its default.
   c.model.rope_scaling.rope_type = 'llama3'
   # Slow-down of the long wavelengths (Llama 3.1: 8, 3.2: 32; DeepSeek-V3: 40); 0 = no scaling.
   c.model.rope_scaling.factor = 0.0
@@ -166,7 +173,8 @@ def defaults() -> ml_collections.ConfigDict:
   # llama: RMSNorm on each head's q and k before the rotation (Qwen3's and Qwen3-MoE's).
   c.model.qk_norm = False
   # llama: positions a local layer's query attends to, its own included (Mistral's sliding
-  # window); 0 = none, every layer attends to the whole sequence.
+  # window); 0 = none, every layer attends to the whole sequence. gemma3: 1..seq_len, required
+  # (its local layers keep their own RoPE base even where the window spans the sequence).
   c.model.sliding_window = 0
   # llama, with sliding_window: every Nth layer global, the rest local (Gemma 3's 6: layer i
   # when (i + 1) % N == 0); 0 = every layer local (Mistral's).

@@ -1,5 +1,5 @@
 """Hugging Face checkpoints in and out of triax workdirs (`python -m triax convert`):
-Llama, Qwen2/3 and their MoEs, Mixtral (hf_llama), DeepSeek-V3 (hf_deepseek).
+Llama, Qwen2/3 and their MoEs, Mixtral (hf_llama), DeepSeek-V3 (hf_deepseek), Gemma 3 (hf_gemma).
 
 Import writes what a triax train run would have written at step 0: the
 validated config (config.json, the model keys from the HF config), a
@@ -41,7 +41,7 @@ import ml_collections
 import numpy as np
 
 from triax import config as config_lib
-from triax.convert import hf_deepseek, hf_llama, rules
+from triax.convert import hf_deepseek, hf_gemma, hf_llama, rules
 from triax.convert import safetensors_files as files_lib
 from triax.data import tokenizer as tokenizer_lib
 from triax.errors import ConfigError
@@ -52,7 +52,7 @@ from triax.training import workdir as workdir_lib
 MAX_SHARD_BYTES = files_lib.MAX_SHARD_BYTES
 # One module per group of HF architectures, each with MODEL_TYPES (HF model_type ->
 # (triax family, HF class)), FAMILIES, model_config, hf_config, tensor_rules, ignored.
-_CONVERTERS = (hf_llama, hf_deepseek)
+_CONVERTERS = (hf_llama, hf_deepseek, hf_gemma)
 
 
 def _return_freed_buffers() -> None:
@@ -107,7 +107,7 @@ def _for_family(family: str, workdir: str):
       return converter
   raise ConfigError(
     '--workdir',
-    f'{workdir} holds a {family} model; only llama, mixtral and deepseek export to HF: train '
+    f'{workdir} holds a {family} model; only llama, mixtral, deepseek and gemma3 export to HF: train '
     'one with a llama config, e.g. --config=experiments/llama_tiny.py (the same flags as '
     'gpt_tiny.py)',
   )
@@ -155,7 +155,7 @@ def _portable(cfg, workdir: str, tokenizer: str) -> str:
 
 def import_hf(hf_dir: str, workdir: str, *, tokenizer: str = '', seq_len: int = 0) -> dict:
   """Writes a triax workdir holding the HF checkpoint in `hf_dir` (a model_type
-  of hf_llama's or hf_deepseek's MODEL_TYPES; an HF config is checked by its module).
+  of a converter's MODEL_TYPES: hf_llama's, hf_deepseek's, hf_gemma's; an HF config is checked by its module).
 
   Returns:
     {'step': 0, 'params': parameter count, 'config': the triax config,

@@ -95,10 +95,13 @@ def rope_from_hf(hf: Mapping) -> tuple[float, dict]:
     return float(theta), {'factor': 0.0}
   if kind == 'yarn':
     return float(theta), _yarn_from_hf(source, hf)
+  if kind == 'linear':
+    return float(theta), {'rope_type': 'linear', 'factor': float(source['factor'])}
   if kind != 'llama3':
     raise ConfigError(
       '--hf_dir',
-      f"config.json: rope type {kind!r} is not supported (only 'default', 'llama3' and 'yarn')",
+      f"config.json: rope type {kind!r} is not supported (only 'default', 'linear', 'llama3' "
+      "and 'yarn')",
     )
   return float(theta), {
     'rope_type': 'llama3',
@@ -141,6 +144,8 @@ def rope_scaling_hf(r) -> dict | None:
   reads it into rope_parameters), or None unscaled; yarn's unset mscales left out."""
   if not r.factor:
     return None
+  if r.rope_type == 'linear':
+    return {'rope_type': 'linear', 'factor': r.factor}
   keys = ('low_freq_factor', 'high_freq_factor')
   if r.rope_type == 'yarn':
     keys = ('beta_fast', 'beta_slow') + tuple(k for k in ('mscale', 'mscale_all_dim') if r[k])

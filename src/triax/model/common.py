@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any, ClassVar
 
 import flax
@@ -127,6 +128,13 @@ class ModelSpec:
   def kv_heads(self) -> int:
     """Heads of K and V (what a K/V cache holds); a family with grouped-query attention has fewer."""
     return self.num_heads
+
+  @property
+  def stream_norms(self) -> int:
+    """RMSNorms a block runs over the [s, d] residual stream, which the
+    planner prices as memory traffic (plan/cost/analytic.py): the pre-norms
+    before attention and the MLP; Gemma's post-norms add two."""
+    return 2
 
   @property
   def layers_per_entry(self) -> int:
@@ -339,6 +347,54 @@ def _swiglu_bwd(residuals, g):
 
 
 swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
+
+
+@jax.custom_vjp
+def gelu(u):
+  """GELU (tanh form, jax.nn.gelu's default) whose backward keeps u only.
+
+  Autodiff keeps u and the tanh beside it, and XLA another elementwise
+  product: [b, s, d_ff] each, the largest per-layer residuals; Korthikanti
+  et al.'s count (and Megatron's fused bias-GELU) keeps the input alone."""
+  return jax.nn.gelu(u)
+
+
+def _gelu_fwd(u):
+  return jax.nn.gelu(u), u
+
+
+def _gelu_bwd(u, g):
+  return (g * _gelu_derivative(u),)
+
+
+def _gelu_derivative(u):
+  """d gelu(u) / du of the tanh form, in u's dtype, as autodiff's was (an fp32
+  cotangent would be a buffer of its own)."""
+  c = math.sqrt(2 / math.pi)
+  t = jnp.tanh(c * (u + 0.044715 * u**3))
+  return 0.5 * (1 + t) + 0.5 * u * (1 - t * t) * c * (1 + 3 * 0.044715 * u * u)
+
+
+gelu.defvjp(_gelu_fwd, _gelu_bwd)
+
+
+@jax.custom_vjp
+def geglu(gate, up):
+  """gelu(gate) * up, GELU's tanh form (Gemma's MLP: gelu_pytorch_tanh), whose
+  backward keeps gate and up only, as `swiglu`'s does."""
+  return jax.nn.gelu(gate) * up
+
+
+def _geglu_fwd(gate, up):
+  return jax.nn.gelu(gate) * up, (gate, up)
+
+
+def _geglu_bwd(residuals, g):
+  gate, up = residuals
+  return g * up * _gelu_derivative(gate), g * jax.nn.gelu(gate)
+
+
+geglu.defvjp(_geglu_fwd, _geglu_bwd)
 
 
 @flax.struct.dataclass

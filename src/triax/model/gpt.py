@@ -16,7 +16,6 @@ import dataclasses
 import math
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
 
 from triax.model.common import (
@@ -25,6 +24,7 @@ from triax.model.common import (
   DecoderModel,
   ModelSpec,
   causal_attention,
+  gelu,
   matmul,
   param,
   project,
@@ -147,27 +147,3 @@ def axis_rules(model_cfg, mesh_cfg, rules: tuple) -> tuple:
 
 Spec = GPTSpec
 Model = GPT
-
-
-@jax.custom_vjp
-def gelu(u):
-  """GELU (tanh form, jax.nn.gelu's default) whose backward keeps u only.
-
-  Autodiff keeps u and the tanh beside it, and XLA another elementwise
-  product: [b, s, d_ff] each, the largest per-layer residuals; Korthikanti
-  et al.'s count (and Megatron's fused bias-GELU) keeps the input alone."""
-  return jax.nn.gelu(u)
-
-
-def _gelu_fwd(u):
-  return jax.nn.gelu(u), u
-
-
-def _gelu_bwd(u, g):
-  # In u's dtype, as autodiff's was (an fp32 cotangent would be a buffer of its own).
-  c = math.sqrt(2 / math.pi)
-  t = jnp.tanh(c * (u + 0.044715 * u**3))
-  return (g * (0.5 * (1 + t) + 0.5 * u * (1 - t * t) * c * (1 + 3 * 0.044715 * u * u)),)
-
-
-gelu.defvjp(_gelu_fwd, _gelu_bwd)

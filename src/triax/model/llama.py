@@ -48,9 +48,11 @@ from triax.model.common import (
 )
 from triax.sharding import constrain
 
-# model.rope_scaling.rope_type -> the keys only that kind reads (factor and
-# original_max_position_embeddings are both kinds').
+# model.rope_scaling.rope_type -> the keys only that kind reads (factor is
+# every kind's, original_max_position_embeddings llama3's and yarn's; linear,
+# Gemma 3's, divides every frequency by the factor).
 ROPE_TYPE_KEYS = {
+  'linear': (),
   'llama3': ('low_freq_factor', 'high_freq_factor'),
   'yarn': ('beta_fast', 'beta_slow', 'mscale', 'mscale_all_dim'),
 }
@@ -59,8 +61,9 @@ ROPE_TYPE_KEYS = {
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
   """Long-context RoPE scaling as transformers computes it: rope_type 'llama3'
-  (_compute_llama3_parameters) or 'yarn' (_compute_yarn_parameters, its
-  correction range truncated); factor 0 = no scaling."""
+  (_compute_llama3_parameters), 'yarn' (_compute_yarn_parameters, its
+  correction range truncated) or 'linear' (_compute_linear_scaling_rope_parameters);
+  factor 0 = no scaling."""
 
   rope_type: str = 'llama3'
   factor: float = 0.0
@@ -160,6 +163,8 @@ def rope_frequencies(spec: LlamaSpec) -> jax.Array:
     return inv_freq
   if r.rope_type == 'yarn':
     return _yarn_frequencies(hd, spec.rope_theta, r)
+  if r.rope_type == 'linear':
+    return inv_freq / r.factor
   # transformers' _compute_llama3_parameters: long wavelengths are slowed by
   # `factor`, short ones kept, the band between interpolated smoothly.
   low_wavelen = r.original_max_position_embeddings / r.low_freq_factor
@@ -274,7 +279,7 @@ class Block(nn.Module):
     pdt, dt = jnp.dtype(s.param_dtype), jnp.dtype(s.dtype)
     n, kv, hd = s.num_heads, s.kv_heads, s.head_dim
     wq, wk, wv, wo = weights
-    cos, sin = rope_tables(s, s.positions(h.shape[1]) if decode is None else decode.positions)
+    cos, sin = self.rotary(s.positions(h.shape[1]) if decode is None else decode.positions, local)
     q, k, v = project(h, (wq, wk, wv), 'bsd,dnk->bsnk', dt, s.remat, s.fp8)
     if s.qkv_bias:  # made after the block's other weights: a model without keeps its init values
       zeros = lambda name, shape, axes: self.param(  # noqa: E731
@@ -283,9 +288,8 @@ class Block(nn.Module):
       bq = zeros('bq', (n, hd), ('heads', 'kv'))
       bk, bv = (zeros(name, (kv, hd), ('kv_heads', 'kv')) for name in ('bk', 'bv'))
       q, k, v = (t + b.astype(dt) for t, b in ((q, bq), (k, bk), (v, bv)))
-    if s.qk_norm:  # Qwen3's: each head's q and k RMS-normalised before the rotation
-      q_norm, k_norm = (param(self, name, (hd,), ('kv',), 0, pdt) for name in ('q_norm', 'k_norm'))
-      q, k = head_norm(q, q_norm, s.norm_eps), head_norm(k, k_norm, s.norm_eps)
+    if s.qk_norm:
+      q, k = self.qk_norms(q, k)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     q = constrain(q, ('batch', 'seq', 'heads', 'kv'))
     k, v = (constrain(t, ('batch', 'seq', 'kv_heads', 'kv')) for t in (k, v))
@@ -308,6 +312,21 @@ class Block(nn.Module):
       a, cache = a
     out = matmul('bsnk,nkd->bsd', a, wo, dt, s.remat, s.fp8)
     return out if decode is None else (out, cache)
+
+  def rotary(self, positions, local):
+    """RoPE's cos and sin (`rope_tables`) at `positions`; every block alike
+    here (gemma.py's local blocks have a base of their own)."""
+    del local
+    return rope_tables(self.spec, positions)
+
+  def qk_norms(self, q, k):
+    """Qwen3's q/k norms: each head's q and k RMS-normalised before the rotation."""
+    s = self.spec
+    pdt = jnp.dtype(s.param_dtype)
+    q_norm, k_norm = (
+      param(self, name, (s.head_dim,), ('kv',), 0, pdt) for name in ('q_norm', 'k_norm')
+    )
+    return head_norm(q, q_norm, s.norm_eps), head_norm(k, k_norm, s.norm_eps)
 
   def mlp(self, h):
     """The MLP of normalised h [b, s, d]; mixtral.py's block replaces it with its experts."""
@@ -383,7 +402,7 @@ class Llama(DecoderModel):
     }
 
 
-def _positive_number(value) -> bool:
+def positive_number(value) -> bool:
   return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
 
 
@@ -396,6 +415,14 @@ def check_flags(model_cfg, keys) -> None:
 def validate(model_cfg, mesh_cfg, rules: tuple) -> None:
   """Llama's keys; K/V heads that split evenly over the axis `rules` give them
   (or 'heads'), or that are fewer than its devices (then replicated)."""
+  check_attention(model_cfg, mesh_cfg, rules)
+  check_flags(model_cfg, ('tie_embeddings', 'qkv_bias', 'qk_norm'))
+  check_sliding_window(model_cfg)
+
+
+def check_attention(model_cfg, mesh_cfg, rules: tuple) -> None:
+  """The keys llama's attention and norms read (gemma.py's too): K/V heads,
+  even heads, RoPE's base and scaling, the norms' epsilon."""
   m = model_cfg
   kv = m.num_kv_heads
   if not isinstance(kv, int) or isinstance(kv, bool) or kv < 0:
@@ -411,14 +438,11 @@ def validate(model_cfg, mesh_cfg, rules: tuple) -> None:
       'model.head_dim' if m.head_dim else 'model.num_heads',
       f'head_dim {hd} must be even (rotary pairs)',
     )
-  if not _positive_number(m.rope_theta):
+  if not positive_number(m.rope_theta):
     raise ConfigError('model.rope_theta', f'must be a positive number, got {m.rope_theta!r}')
-  if not _positive_number(m.norm_eps):
+  if not positive_number(m.norm_eps):
     raise ConfigError('model.norm_eps', f'must be a positive number, got {m.norm_eps!r}')
-  check_flags(m, ('tie_embeddings', 'qkv_bias', 'qk_norm'))
   check_rope_scaling(m.rope_scaling)
-  check_sliding_window(m)
-
   axis, size = _kv_axis(mesh_cfg, rules)
   if kv >= size and kv % size:
     raise ConfigError(
@@ -473,7 +497,7 @@ def check_rope_scaling(r) -> None:
         )
   if not r.factor:
     return
-  if not _positive_number(r.factor) or r.factor < 1:
+  if not positive_number(r.factor) or r.factor < 1:
     raise ConfigError('model.rope_scaling.factor', f'must be >= 1 (0 = off), got {r.factor!r}')
   ctx = r.original_max_position_embeddings
   if not isinstance(ctx, int) or isinstance(ctx, bool) or ctx <= 0:
@@ -481,11 +505,12 @@ def check_rope_scaling(r) -> None:
       'model.rope_scaling.original_max_position_embeddings',
       f'must be a positive integer (the pre-scaling context), got {ctx!r}',
     )
-  (_check_yarn if r.rope_type == 'yarn' else _check_llama3)(r)
+  if r.rope_type != 'linear':
+    (_check_yarn if r.rope_type == 'yarn' else _check_llama3)(r)
 
 
 def _check_llama3(r) -> None:
-  if not (_positive_number(r.low_freq_factor) and _positive_number(r.high_freq_factor)):
+  if not (positive_number(r.low_freq_factor) and positive_number(r.high_freq_factor)):
     raise ConfigError('model.rope_scaling.low_freq_factor', 'both frequency factors must be > 0')
   if r.high_freq_factor <= r.low_freq_factor:
     raise ConfigError(
@@ -496,7 +521,7 @@ def _check_llama3(r) -> None:
 
 def _check_yarn(r) -> None:
   for key in ('beta_fast', 'beta_slow'):
-    if not _positive_number(r[key]):
+    if not positive_number(r[key]):
       raise ConfigError(f'model.rope_scaling.{key}', f'must be a number > 0, got {r[key]!r}')
   if r.beta_fast < r.beta_slow:
     raise ConfigError(

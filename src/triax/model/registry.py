@@ -1,6 +1,6 @@
 """Model families by name: `model.family` -> the module that defines it.
 
-A family module (gpt.py, llama.py, mixtral.py, deepseek.py) defines
+A family module (gpt.py, llama.py, mixtral.py, deepseek.py, gemma.py) defines
   Spec      a frozen dataclass subclassing common.ModelSpec; its fields are
             the config keys `model.<field>` the family reads,
   Model     a common.DecoderModel subclass (its three flax modules and
@@ -37,6 +37,7 @@ FAMILIES: dict[str, str] = {
   'llama': 'llama',
   'mixtral': 'mixtral',
   'deepseek': 'deepseek',
+  'gemma3': 'gemma',
 }
 # The family of runs and checkpoints written before model.family existed.
 BEFORE_FAMILIES = 'gpt'

@@ -36,7 +36,8 @@ from triax.plan.cost.profile import LAYER_CHECKPOINTED
 
 # Bytes a bandwidth-bound op moves per element of its [s, d] input, forward:
 # an RMSNorm reads x and writes y (2), a residual add reads two and writes
-# one (3); two of each per layer.
+# one (3); two adds per layer, and the family's norms of the stream
+# (ModelSpec.stream_norms: Gemma's four).
 _NORM_ELEMENT_IO = 2
 _ADD_ELEMENT_IO = 3
 # The MLP's activation reads and writes [s, d_ff/t] (a gated one reads two).
@@ -202,7 +203,8 @@ def _elementwise(spec, shard, dropout: bool) -> float:
 
   s, d = spec.seq_len, spec.d_model
   e = np.dtype(spec.dtype).itemsize
-  io = (2 * _NORM_ELEMENT_IO + 2 * _ADD_ELEMENT_IO) * s * d + _ACT_ELEMENT_IO * s * shard.d_ff
+  norms = spec.stream_norms * _NORM_ELEMENT_IO
+  io = (norms + 2 * _ADD_ELEMENT_IO) * s * d + _ACT_ELEMENT_IO * s * shard.d_ff
   return io * e + (2 * s * d if dropout else 0)
 
 
@@ -383,8 +385,13 @@ def _stash(spec, dense: blocks.Gemms, t: int, act: float, hidden_masks: float, c
   # its up and their product: one hidden-wide value more than
   # _TENSOR_STASH's two. Over the entry's blocks, as every figure here.
   gated = (dense.mlp_inputs // 2) * spec.d_ff / spec.d_model / every
+  # Post-norms (ModelSpec.stream_norms past the two pre-norms: Gemma's) keep
+  # their inputs, attention's and the MLP's row-parallel outputs, whole on
+  # every tensor rank; under dots attention's is kept anyway and the down
+  # projection's now too (its norm reads it back): half of them more.
+  post = spec.stream_norms - 2
   # Held whole on every tensor rank: the norms' inputs and outputs, the hidden dropout masks.
-  sequence = act * whole['none'] + hidden_masks
+  sequence = act * (whole['none'] + post) + hidden_masks
   # model.remat=attention (Megatron's selective recomputation) keeps all but
   # the attention core's scores: Korthikanti et al.'s s h (10 + 24/t) with dropout.
   attention_kept = sequence + act * (_TENSOR_STASH + gated) / t
@@ -402,7 +409,7 @@ def _stash(spec, dense: blocks.Gemms, t: int, act: float, hidden_masks: float, c
   stash = {
     'none': attention_kept + core_kept,
     'attention': attention_kept,
-    'dots': act * whole['dots'] + spec.seq_len * dense.dots_kept * e / every,
+    'dots': act * (whole['dots'] + post / 2) + spec.seq_len * dense.dots_kept * e / every,
     # Full remat keeps an entry's input only: the group's blocks are recomputed together.
     'full': act * whole['full'] / every,
   }
