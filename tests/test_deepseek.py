@@ -88,6 +88,7 @@ def test_group_limited_routing_chooses_only_from_the_best_groups():
     ({'model.num_kv_heads': 2}, 'model.num_kv_heads'),
     ({'model.moe_every': 2}, 'model.moe_every'),
     ({'mesh.context': 2, 'mesh.data': 1}, 'model.mtp_depth'),
+    ({'data.mask_documents': True}, 'model.mtp_depth'),
   ],
 )
 def test_bad_deepseek_keys_name_the_key(overrides, key):
@@ -138,3 +139,16 @@ def test_greedy_sampling_on_a_mesh_with_split_experts_gives_one_devices_tokens()
   np.testing.assert_array_equal(
     generation.generate(model, placed, prompt, sampling, placement), alone
   )
+
+
+@pytest.mark.fast
+def test_mtp_losses_made_a_loss_chunk_at_a_time_equal_them_made_at_once():
+  """Two MTP depths (their last 1 and 2 positions count for nothing) with
+  model.loss_chunk=4 of 16 positions: the same objective, figures and gradients."""
+  whole = harness.tiny_deepseek_config(**{'model.mtp_depth': 2})
+  chunked = harness.tiny_deepseek_config(**{'model.mtp_depth': 2, 'model.loss_chunk': 4})
+  loss, grads, figures = harness.microbatch_reference(whole, 1)
+  loss_c, grads_c, figures_c = harness.microbatch_reference(chunked, 1)
+  np.testing.assert_allclose(loss_c, loss, rtol=1e-6)
+  np.testing.assert_allclose(figures_c['mtp_loss'], figures['mtp_loss'], rtol=1e-6)
+  assert harness.max_rel_err(grads_c, grads) < 1e-5

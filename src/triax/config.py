@@ -729,6 +729,14 @@ def _check_attention(m, data) -> None:
       'model.attention',
       'cudnn takes no document mask here (data.mask_documents=true); use xla',
     )
+  if m.mtp_depth and data.mask_documents:
+    # The head, where MTP runs, has no document ids: its block would attend
+    # across packed documents and its deeper targets cross their ends.
+    raise ConfigError(
+      'model.mtp_depth',
+      'MTP takes no document mask (data.mask_documents=true); set model.mtp_depth=0 or '
+      'data.mask_documents=false',
+    )
   if m.attention == 'cudnn':
     # What JAX's cuDNN attention accepts; found here rather than at compile time.
     if m.dtype != 'bfloat16':

@@ -348,7 +348,8 @@ class Mtp(nn.Module):
   embedding of the token at position t + i + 1 (targets[t + i]) and predicts
   the one at t + i + 2 (targets[t + i + 1]); a row's last i + 1 positions
   have no such target and count for nothing. Returns each depth's summed
-  cross-entropy [mtp_depth] (fp32)."""
+  cross-entropy [mtp_depth] (fp32), its logits made model.loss_chunk
+  positions at a time as the head's are."""
 
   spec: DeepSeekSpec
 
@@ -356,15 +357,22 @@ class Mtp(nn.Module):
   def __call__(self, x, targets, table, out):
     s = self.spec
     length = targets.shape[1]
+
+    def logits(h):
+      products = jnp.einsum('bsd,dv->bsv', h, out.astype(s.dtype)).astype(jnp.float32)
+      return constrain(products, ('batch', 'seq', 'vocab'))
+
     sums = []
     for i in range(s.mtp_depth):
       shifted = lambda a, n: jnp.pad(a[:, n:], ((0, 0), (0, n)))  # noqa: E731
       embedded = jnp.take(table, shifted(targets, i), axis=0).astype(s.dtype)
       x, normed = MtpDepth(s, name=f'depth_{i}')(x, embedded)
-      logits = jnp.einsum('bsd,dv->bsv', normed, out.astype(s.dtype)).astype(jnp.float32)
-      logits = constrain(logits, ('batch', 'seq', 'vocab'))
-      ce = loss_lib.token_cross_entropy(logits, shifted(targets, i + 1), s.vocab_used)
-      sums.append(jnp.sum(jnp.where(jnp.arange(length) < length - i - 1, ce, 0.0)))
+      counted = jnp.broadcast_to(jnp.arange(length) < length - i - 1, targets.shape)
+      sums.append(
+        loss_lib.cross_entropy_sum(
+          logits, normed, shifted(targets, i + 1), s.loss_chunk, s.vocab_used, counted
+        )
+      )
     return jnp.stack(sums)
 
 

@@ -30,8 +30,9 @@ def mask_padding(logits: jax.Array, vocab_used: int) -> jax.Array:
   return logits + bias
 
 
-def _summed(logits: jax.Array, targets: jax.Array, vocab_used: int) -> jax.Array:
-  return jnp.sum(token_cross_entropy(logits, targets, vocab_used))
+def _summed(logits: jax.Array, targets: jax.Array, vocab_used: int, counted=None) -> jax.Array:
+  ce = token_cross_entropy(logits, targets, vocab_used)
+  return jnp.sum(ce if counted is None else jnp.where(counted, ce, 0.0))
 
 
 def token_cross_entropy(logits: jax.Array, targets: jax.Array, vocab_used: int) -> jax.Array:
@@ -54,8 +55,10 @@ def cross_entropy_sum(
   targets: jax.Array,
   chunk: int = 0,
   vocab_used: int = 0,
+  counted: jax.Array | None = None,
 ) -> jax.Array:
-  """Sum over tokens of -log softmax(logits_fn(x))[target], fp32.
+  """Sum over tokens of -log softmax(logits_fn(x))[target], fp32; with
+  `counted` (bool [b, s]), over the tokens it marks only.
 
   x [b, s, d] are the final hidden states, logits_fn maps them to fp32
   logits [b, s, V]. With `chunk` (dividing s), the logits of only `chunk`
@@ -68,18 +71,18 @@ def cross_entropy_sum(
   """
   b, s = targets.shape
   if not chunk or chunk >= s:
-    return _summed(logits_fn(x), targets, vocab_used)
+    return _summed(logits_fn(x), targets, vocab_used, counted)
   n = s // chunk
-  xs = jnp.swapaxes(x.reshape(b, n, chunk, x.shape[-1]), 0, 1)
-  ts = jnp.swapaxes(targets.reshape(b, n, chunk), 0, 1)
+  by_chunk = lambda a: jnp.swapaxes(a.reshape(b, n, chunk, *a.shape[2:]), 0, 1)  # noqa: E731
+  pieces = (by_chunk(x), by_chunk(targets), None if counted is None else by_chunk(counted))
 
   @jax.checkpoint
-  def piece(x_c, t_c):
-    return _summed(logits_fn(x_c), t_c, vocab_used)
+  def piece(x_c, t_c, c_c):
+    return _summed(logits_fn(x_c), t_c, vocab_used, c_c)
 
   # Per-chunk sums as the scan's outputs, not a carried total: a carry would
   # have to match the manual axes x varies over inside the pipeline.
-  _, sums = jax.lax.scan(lambda _, xt: (None, piece(*xt)), None, (xs, ts))
+  _, sums = jax.lax.scan(lambda _, xtc: (None, piece(*xtc)), None, pieces)
   return jnp.sum(sums)
 
 
