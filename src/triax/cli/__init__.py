@@ -33,6 +33,7 @@ COMMANDS = {
   'prepare': 'tokenize text, jsonl, Parquet or Arrow into token shards',
   'convert': 'import a Hugging Face Llama checkpoint into a workdir, or export one',
   'supervise': 'run train as N processes; on a failure, re-plan for the devices left and resume',
+  'goodput': "split a run's wall time into productive steps, compile, data, saves, losses",
 }
 
 
