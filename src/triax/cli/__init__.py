@@ -205,10 +205,14 @@ def _unquote(text: str) -> str:
 
 
 @contextlib.contextmanager
-def config_errors_exit() -> Iterator[None]:
+def config_errors_exit(quiet: bool = False) -> Iterator[None]:
+  """A ConfigError in the block is one `error: KEY: ...` line and exit 2; `quiet`: exit 2
+  without the line (a multi-process run's other processes: process 0 says it once)."""
   try:
     yield
   except ConfigError as e:
+    if quiet:
+      sys.exit(EXIT_BAD_INPUT)
     fail(e.key, e.message)
 
 
