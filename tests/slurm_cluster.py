@@ -75,10 +75,10 @@ class Cluster:
   start_s: float = 0.0
 
   def run(self, *command: str, check: bool = True, **kwargs) -> subprocess.CompletedProcess:
-    """A SLURM client command (sinfo, sbatch, scontrol, ...) against this cluster."""
-    done = subprocess.run(
-      list(command), env={**os.environ, **self.env}, capture_output=True, text=True, **kwargs
-    )
+    """A SLURM client command (sinfo, sbatch, scontrol, ...) against this cluster; `env`
+    adds to this process's environment."""
+    env = {**os.environ, **kwargs.pop('env', {}), **self.env}
+    done = subprocess.run(list(command), env=env, capture_output=True, text=True, **kwargs)
     if check and done.returncode != 0:
       raise AssertionError(f'{" ".join(command)}: exit {done.returncode}: {done.stderr}')
     return done
