@@ -103,7 +103,7 @@ def test_readme_srun_and_sbatch_run_as_written_with_the_same_losses(readme_run):
   assert_same_losses(losses(batch), losses(srun))
   assert max(step for step, _ in losses(srun)) == 16
   [log] = [n for n in os.listdir(clone) if n.startswith('slurm-triax-') and n.endswith('.out')]
-  text = open(os.path.join(clone, log)).read()
+  text = open(os.path.join(clone, log), errors='replace').read()
   assert 'run 1 on' in text and ': 2 tasks' in text
   assert '0: triax:' in text and '8 devices (cpu) in 2 processes' in text
   assert '| **wall** |' in output and '0 steps lost; 1 attempt(s)' in output
@@ -114,7 +114,7 @@ def test_scancel_saves_the_step_in_flight_and_a_requeue_resumes_to_the_same_loss
 ):
   clone, _ = readme_run
   workdir = os.path.join(clone, 'runs', 'cancelled')
-  out = lambda job: open(os.path.join(clone, f'slurm-triax-{job}.out')).read()  # noqa: E731
+  out = lambda job: open(os.path.join(clone, f'slurm-triax-{job}.out'), errors='replace').read()  # noqa: E731
 
   # 1. scancel: every task gets SIGTERM, both stop after the same step, which is saved.
   first = _sbatch(cluster, clone, workdir)
