@@ -198,3 +198,58 @@ def test_train_started_in_the_batch_script_without_srun_is_one_error_line(cluste
     '--ntasks=2 env TRIAX_DISTRIBUTED=auto python -m triax train ...`, not from the batch '
     'script itself'
   ], text[-3000:]
+
+
+def _task_pid(job, task):
+  """The pid of the train process that is task `task` of job `job`'s step 0 (from /proc)."""
+  for pid in filter(str.isdigit, os.listdir('/proc')):
+    try:
+      with open(f'/proc/{pid}/cmdline', 'rb') as f:
+        cmdline = f.read().split(b'\0')
+      with open(f'/proc/{pid}/environ', 'rb') as f:
+        env = dict(kv.split(b'=', 1) for kv in f.read().split(b'\0') if b'=' in kv)
+    except OSError:
+      continue
+    if (
+      b'train' in cmdline
+      and env.get(b'SLURM_JOB_ID') == job.encode()
+      and env.get(b'SLURM_PROCID') == str(task).encode()
+      and b'SLURM_STEP_ID' in env
+      and cmdline[0].endswith(b'python')
+    ):
+      return int(pid)
+  return None
+
+
+def test_supervise_in_an_allocation_relaunches_the_step_when_a_task_is_killed(cluster, readme_run):
+  clone, _ = readme_run
+  workdir = os.path.join(clone, 'runs', 'supervised')
+  train = [f for f in FLAGS if 'cpu_devices' not in f and 'every_steps' not in f]
+  wrap = (
+    'python -m triax supervise --launcher=srun --processes=2 --cpu_devices=4 -- python -m '
+    f'triax train {" ".join(train)} --config.checkpoint.every_steps=4 --workdir={workdir}'
+  )
+  done = cluster.run(
+    'sbatch',
+    '--parsable',
+    '--ntasks=2',
+    '--output=supervised-%j.out',
+    f'--wrap={wrap}',
+    cwd=clone,
+    env=_job_env(cluster, clone),
+  )
+  job = done.stdout.strip().split(';')[0]
+  _wait(lambda: _logged_step(workdir) >= 6, 'step 6 under supervise')
+  os.kill(_task_pid(job, 1), 9)
+  _wait(lambda: not _state(cluster, job), 'the supervised job to end')
+  text = open(os.path.join(clone, f'supervised-{job}.out'), errors='replace').read()
+  [restart] = [l for l in text.splitlines() if l.startswith('supervise: restart 1:')]
+  assert 'srun of 2 tasks' in restart and '8 -> 8 devices' in restart, restart
+  with open(os.path.join(workdir, 'elastic.jsonl')) as f:
+    [record] = [json.loads(line) for line in f]
+  assert (record['processes_before'], record['processes_after']) == (2, 2)
+  assert record['restored_step'] in (4, 8) and record['steps_lost'] >= 0
+  assert 'ExitCode=0:0' in cluster.run('scontrol', 'show', 'job', job).stdout
+  assert_same_losses(losses(workdir), losses(os.path.join(clone, 'runs', 'slurm')))
+  ledger = goodput.ledger(workdir)
+  assert ledger.attempts == 2 and ledger.lost_steps == record['steps_lost']
