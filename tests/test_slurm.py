@@ -33,8 +33,8 @@ def cluster(tmp_path_factory):
   except slurm_cluster.SetupError as e:
     pytest.fail(f'no SLURM cluster for this test: {e}', pytrace=False)
   print(
-    f'\nslurm set-up: install {running.install_s:.1f} s, daemons to an idle node '
-    f'{running.start_s:.1f} s'
+    f'\nslurm set-up: install {running.install_s:.2f} s, daemons to an idle node '
+    f'{running.start_s:.2f} s'
   )
   yield running
   running.stop()
