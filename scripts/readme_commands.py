@@ -10,7 +10,10 @@ above it (GitHub does not show it) saying how it is checked:
   <!-- readme: synopsis -->          a usage sketch ([optional] parts, DIR):
                                      not run, but its commands, config files,
                                      flags and config keys must exist
-  <!-- readme: skip REASON -->       needs what this machine has not (Slurm)
+  <!-- readme: slurm -->             run with --slurm, in a fresh clone, where a SLURM
+                                     cluster answers (tests/test_slurm.py starts one);
+                                     otherwise checked statically only
+  <!-- readme: skip REASON -->       needs what this machine has not (GPUs)
 
 A block without a tag is an error, so a new block is never skipped silently.
 Every block is checked statically first (commands, files, flags, config keys).
@@ -19,7 +22,11 @@ commit (a user's one terminal: `source .venv/bin/activate` in one block holds
 for the next), each block announced, the first failing command ending it.
 
   python scripts/readme_commands.py [--skip=scripts/test.sh] [--check_only]
-      [--rev=HEAD] [--clone_dir=DIR] [--keep]
+      [--rev=HEAD] [--clone_dir=DIR] [--keep] [--slurm]
+
+With --slurm only the `slurm` blocks run, with this interpreter's environment (its
+directory first on PATH, the clone's src on PYTHONPATH: a user's installed triax), so
+that srun's tasks find the same `python`.
 
 The GIVEN checkpoint is written with transformers and torch, so run it with
 the test extra's interpreter (`.venv/bin/python` after `scripts/test.sh`).
@@ -48,8 +55,11 @@ _CHECK_ONLY = flags.DEFINE_bool('check_only', False, 'Only the static checks; cl
 _REV = flags.DEFINE_string('rev', 'HEAD', 'The commit to clone.')
 _CLONE_DIR = flags.DEFINE_string('clone_dir', '', 'Where to clone (default: a new temp dir).')
 _KEEP = flags.DEFINE_bool('keep', False, 'Keep the clone afterwards.')
+_SLURM = flags.DEFINE_bool(
+  'slurm', False, 'Run the slurm blocks (and only them) against the SLURM cluster sinfo answers.'
+)
 
-TAG = re.compile(r'<!--\s*readme:\s*(run|synopsis|skip)\b(.*?)-->')
+TAG = re.compile(r'<!--\s*readme:\s*(run|synopsis|slurm|skip)\b(.*?)-->')
 FENCE = '```'
 
 
@@ -205,7 +215,9 @@ def session(run_blocks: list[Block], skip: list[str]) -> str:
   return '\n'.join(parts) + '\n'
 
 
-def run_in_clone(run_blocks: list[Block], skip: list[str]) -> int:
+def run_in_clone(run_blocks: list[Block], skip: list[str], installed: bool = False) -> int:
+  """Runs the blocks as one session in a fresh clone; its exit status. `installed`: with
+  this interpreter's environment and the clone's src (the slurm blocks), else a bare one."""
   clone = _CLONE_DIR.value or tempfile.mkdtemp(prefix='triax-readme-')
   subprocess.run(['git', 'clone', '--quiet', ROOT, clone], check=True)
   subprocess.run(['git', '-C', clone, 'checkout', '--quiet', _REV.value], check=True)
@@ -220,6 +232,9 @@ def run_in_clone(run_blocks: list[Block], skip: list[str]) -> int:
   env['PATH'] = os.pathsep.join(
     p for p in env['PATH'].split(os.pathsep) if not p.startswith(os.path.dirname(sys.executable))
   )
+  if installed:
+    env['PATH'] = os.path.dirname(sys.executable) + os.pathsep + env['PATH']
+    env['PYTHONPATH'] = os.path.join(clone, 'src')
   start = time.time()
   code = subprocess.run(['bash', '-c', script], cwd=clone, env=env).returncode
   print(
@@ -228,6 +243,20 @@ def run_in_clone(run_blocks: list[Block], skip: list[str]) -> int:
   if not _KEEP.value and code == 0:
     shutil.rmtree(clone)
   return code
+
+
+def run_slurm(slurm_blocks: list[Block]) -> int:
+  """The slurm blocks in a fresh clone, once `sinfo` shows a node that can take jobs."""
+  try:
+    states = subprocess.run(['sinfo', '-h', '-o', '%T'], capture_output=True, text=True)
+  except FileNotFoundError:
+    sys.exit('error: --slurm: no sinfo on PATH: install SLURM (Debian: slurm-wlm) or drop --slurm')
+  if states.returncode != 0 or not {'idle', 'mixed'} & set(states.stdout.split()):
+    sys.exit(
+      f'error: --slurm: no SLURM node is idle (sinfo: {(states.stdout + states.stderr).strip()!r}); '
+      'start the cluster, or set SLURM_CONF to its slurm.conf'
+    )
+  return run_in_clone(slurm_blocks, [], installed=True)
 
 
 def main(argv: list[str]) -> None:
@@ -245,6 +274,8 @@ def main(argv: list[str]) -> None:
     sys.exit(1)
   if _CHECK_ONLY.value:
     return
+  if _SLURM.value:
+    sys.exit(run_slurm([b for b in found if b.mode == 'slurm']))
   unknown = [s for s in _SKIP.value if not any(s in commands(b.text) for b in found)]
   if unknown:
     sys.exit(f'error: --skip: {unknown[0]!r} is no command line of a run block')

@@ -29,8 +29,10 @@ def main(argv: list[str]) -> None:
   if name not in cli.COMMANDS:
     cli.fail('COMMAND', f'{name!r} is not a triax command; choose one of {", ".join(cli.COMMANDS)}')
   module = importlib.import_module(f'triax.cli.{name}')
-  # absl reads the program name and flags from sys.argv.
-  sys.argv = [f'triax {name}'] + argv[2:]
+  # absl reads the program name and flags from sys.argv, and names the process after it
+  # (/proc/PID/stat's comm): no space there, or SLURM's proctrack/linuxproc, which reads
+  # that file with "%d (%s)", loses the process and never signals it (scancel, requeue).
+  sys.argv = [f'triax-{name}'] + argv[2:]
   module.run()
 
 

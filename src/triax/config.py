@@ -344,6 +344,11 @@ def defaults() -> ml_collections.ConfigDict:
   c.train.eval_microbatches = 0
   # Write a metrics line every this many steps.
   c.train.log_every = 10
+  # Multi-process runs: a process whose own step time (its step less its host-side waits, plus
+  # the median process's waits) exceeds straggler_ratio x the median for straggler_steps
+  # consecutive steps is named in one line (training/stragglers.py).
+  c.train.straggler_ratio = 1.2
+  c.train.straggler_steps = 10
   # NaN/Inf steps to skip (state kept, logged as skipped_nonfinite) before stopping; 0 stops at the first.
   c.train.skip_nonfinite_steps = 0
   # Roll back to the newest checkpoint before K consecutive bad steps (non-finite or spiking) and

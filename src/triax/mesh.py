@@ -113,17 +113,62 @@ def _hybrid_grid(shape: tuple[int, ...], dcn: tuple[int, ...], devices: list) ->
   return np.block(blocks.tolist())
 
 
+# What jax.distributed.initialize() reads of a SLURM job (jax's SlurmCluster): srun sets
+# them for each task; a batch script's own shell has no step, hence no SLURM_STEP_NODELIST.
+SLURM_VARIABLES = (
+  'SLURM_JOB_ID',
+  'SLURM_STEP_NODELIST',
+  'SLURM_NTASKS',
+  'SLURM_PROCID',
+  'SLURM_LOCALID',
+)
+
+
+def check_slurm_environment(environ) -> None:
+  """Inside a SLURM job (SLURM_JOB_ID set), the variables jax reads are all there and whole
+  numbers where they count tasks.
+
+  Raises:
+    ConfigError('TRIAX_DISTRIBUTED', ...): what is missing or unreadable, and the fix.
+  """
+  if 'SLURM_JOB_ID' not in environ:
+    return
+  job = environ['SLURM_JOB_ID']
+  missing = [name for name in SLURM_VARIABLES if name not in environ]
+  if missing:
+    raise ConfigError(
+      'TRIAX_DISTRIBUTED',
+      f'auto in SLURM job {job} without {", ".join(missing)} (srun sets them for each task): '
+      'start train with srun (one task per process), e.g. `srun --ntasks=2 env '
+      'TRIAX_DISTRIBUTED=auto python -m triax train ...`, not from the batch script itself',
+    )
+  for name in ('SLURM_JOB_ID', 'SLURM_NTASKS', 'SLURM_PROCID', 'SLURM_LOCALID'):
+    if not environ[name].isdigit():
+      raise ConfigError(
+        'TRIAX_DISTRIBUTED',
+        f'auto in a SLURM job whose {name}={environ[name]!r} is not a whole number; '
+        'start train with srun as it is, without setting SLURM_* variables by hand',
+      )
+
+
 def maybe_initialize_distributed() -> None:
   """Joins a multi-process job when the launcher says there is one.
 
   `scripts/launch_local.sh` sets TRIAX_COORDINATOR, TRIAX_NUM_PROCESSES and
   TRIAX_PROCESS_ID; on SLURM or TPU slices `jax.distributed.initialize()`
-  finds its peers itself when TRIAX_DISTRIBUTED=auto.
+  finds its peers itself when TRIAX_DISTRIBUTED=auto (gloo collectives for CPU processes).
+
+  Raises:
+    ConfigError('TRIAX_DISTRIBUTED', ...): auto inside a SLURM job whose environment jax
+      cannot read (`check_slurm_environment`).
   """
   coordinator = os.environ.get('TRIAX_COORDINATOR')
-  if coordinator:
-    # Only the CPU client reads this; it must be set before any backend starts.
+  auto = os.environ.get('TRIAX_DISTRIBUTED') == 'auto'
+  if coordinator or auto:
+    # Only the CPU client reads this (CPU processes under srun too); it must be set before
+    # any backend starts.
     jax.config.update('jax_cpu_collectives_implementation', 'gloo')
+  if coordinator:
     jax.distributed.initialize(
       coordinator_address=coordinator,
       num_processes=int(os.environ['TRIAX_NUM_PROCESSES']),
@@ -132,7 +177,8 @@ def maybe_initialize_distributed() -> None:
       # bind only the address given (127.0.0.1 for scripts/launch_local.sh).
       coordinator_bind_address=coordinator,
     )
-  elif os.environ.get('TRIAX_DISTRIBUTED') == 'auto':
+  elif auto:
+    check_slurm_environment(os.environ)
     jax.distributed.initialize()
   else:
     return

@@ -33,6 +33,7 @@ COMMANDS = {
   'prepare': 'tokenize text, jsonl, Parquet or Arrow into token shards',
   'convert': 'import a Hugging Face Llama checkpoint into a workdir, or export one',
   'supervise': 'run train as N processes; on a failure, re-plan for the devices left and resume',
+  'goodput': "split a run's wall time into productive steps, compile, data, saves, losses",
 }
 
 
@@ -204,10 +205,14 @@ def _unquote(text: str) -> str:
 
 
 @contextlib.contextmanager
-def config_errors_exit() -> Iterator[None]:
+def config_errors_exit(quiet: bool = False) -> Iterator[None]:
+  """A ConfigError in the block is one `error: KEY: ...` line and exit 2; `quiet`: exit 2
+  without the line (a multi-process run's other processes: process 0 says it once)."""
   try:
     yield
   except ConfigError as e:
+    if quiet:
+      sys.exit(EXIT_BAD_INPUT)
     fail(e.key, e.message)
 
 

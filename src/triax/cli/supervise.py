@@ -10,6 +10,7 @@ one record in DIR/elastic.jsonl. Kept to flag parsing and one library call
 (triax.elastic.supervisor).
 """
 
+import os
 import sys
 
 from absl import flags
@@ -40,6 +41,14 @@ _CLUSTER = flags.DEFINE_string(
   'tensor x pipe does not fit; without it, the valid layout nearest the old one.',
 )
 _SEARCH_S = flags.DEFINE_float('search_s', 30.0, 'Seconds the re-planning search may take.')
+_LAUNCHER = flags.DEFINE_enum(
+  'launcher',
+  'local',
+  ['local', 'srun'],
+  'local: processes on this machine over loopback. srun: inside a SLURM allocation (sbatch, '
+  'salloc), each attempt one srun step of --processes tasks; the devices left are those of '
+  'the nodes SLURM still reports up.',
+)
 
 
 def main(argv):
@@ -69,6 +78,12 @@ def main(argv):
   ):
     if value < 0:
       cli.fail(name, f'must be >= 0, got {value}')
+  if _LAUNCHER.value == 'srun' and 'SLURM_JOB_NODELIST' not in os.environ:
+    cli.fail(
+      '--launcher',
+      'srun runs inside a SLURM allocation (no SLURM_JOB_NODELIST here): start supervise '
+      'from an sbatch script or salloc',
+    )
   with cli.config_errors_exit():
     command = supervisor.parse_command(argv[1:])
     cluster = None
@@ -91,6 +106,7 @@ def main(argv):
     heartbeat_s=_HEARTBEAT_S.value,
     cluster=cluster,
     search_s=_SEARCH_S.value,
+    launcher=_LAUNCHER.value,
   )
   sys.exit(supervisor.supervise(command, options))
 

@@ -84,11 +84,14 @@ def main(argv):
   if devices is None:
     devices = loop.recorded_cpu_devices(_WORKDIR.value)  # a resume gets the devices it had
   cli.force_cpu_devices(devices)
-  mesh.maybe_initialize_distributed()
+  with cli.config_errors_exit():
+    mesh.maybe_initialize_distributed()
   cli.warn_if_accelerator(_CPU_DEVICES.value)
+  import jax
 
   try:
-    with cli.config_errors_exit():
+    # Every process finds the same bad input: process 0 says it (srun merges their output).
+    with cli.config_errors_exit(quiet=jax.process_index() != 0):
       summary = loop.train_and_evaluate(
         cfg,
         _WORKDIR.value,
@@ -102,8 +105,6 @@ def main(argv):
     # Not bad input (exit 2): the run itself diverged. The last checkpoint stays the last good one.
     print(f'error: {e}', file=sys.stderr)
     sys.exit(1)
-  import jax
-
   if jax.process_index() != 0:
     return  # process 0 speaks for a multi-process run
   workdir = os.path.abspath(_WORKDIR.value)

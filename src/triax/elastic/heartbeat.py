@@ -20,6 +20,8 @@ import time
 from triax.training import lock
 
 VAR = 'TRIAX_HEARTBEAT'
+# In the path, this process's task id under srun (SLURM_PROCID; srun's own notation).
+TASK = '%t'
 SUPERVISOR = 'TRIAX_SUPERVISOR'
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
@@ -28,6 +30,7 @@ def beat() -> None:
   """Touches this process's heartbeat file, if a supervisor asked for one."""
   path = os.environ.get(VAR)
   if path:
+    path = path.replace(TASK, os.environ.get('SLURM_PROCID', '0'))
     with open(path, 'a'):
       os.utime(path)
 

@@ -12,6 +12,13 @@ that layout's `--config.*` overrides: train restores the newest checkpoint
 into the new mesh (checkpoints are layout-free) and goes on. Each restart is
 one log line and one record in WORKDIR/elastic.jsonl.
 
+Under SLURM (`launcher='srun'`, inside an allocation: sbatch or salloc) each attempt is
+one srun job step of N tasks (`--kill-on-bad-exit`: a task that dies ends the step), and
+the devices left are those of the allocation's nodes that SLURM still reports up: a
+task killed on a healthy node is relaunched on the same layout, a node lost takes its
+tasks' devices with it. The heartbeat files are then under WORKDIR/heartbeats (every
+node sees the workdir), one per task (`%t`, srun's task id).
+
 The global batch never changes, so neither does the order of the tokens:
 where the data degree shrinks, the micro-batches grow in number (the
 executor accumulates gradients over them), and the run goes on as one
@@ -116,6 +123,65 @@ def _free_port() -> int:
   with socket.socket() as s:
     s.bind(('127.0.0.1', 0))
     return s.getsockname()[1]
+
+
+def launch_srun(
+  command: TrainCommand, extra: Sequence[str], processes: int, cpu_devices: int
+) -> Job:
+  """Starts the command as one srun job step of `processes` tasks in this SLURM allocation,
+  each one process of a jax.distributed job (TRIAX_DISTRIBUTED=auto reads srun's variables),
+  `cpu_devices` CPU devices each; a task that dies ends the step (--kill-on-bad-exit).
+  Output lines keep srun's task labels (`0: `)."""
+  argv = command.with_flags([*extra, f'{CPU_DEVICES_FLAG}={cpu_devices}'])
+  beats = workdir_lib.path(command.workdir, workdir_lib.HEARTBEATS)
+  shutil.rmtree(beats, ignore_errors=True)
+  os.makedirs(beats)
+  env = {k: v for k, v in os.environ.items() if k not in _DISTRIBUTED}
+  srun = [
+    'srun',
+    f'--ntasks={processes}',
+    '--kill-on-bad-exit=1',
+    '--label',
+    'env',
+    'TRIAX_DISTRIBUTED=auto',
+    f'{heartbeat.VAR}={os.path.join(beats, heartbeat.TASK)}',
+  ]
+  proc = subprocess.Popen(
+    srun + argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
+  )
+  job = Job([proc], [], [os.path.join(beats, str(i)) for i in range(processes)])
+  for source, sink in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr)):
+    pump = threading.Thread(target=_pump, args=(source, sink, ''), daemon=True)
+    pump.start()
+    job.pumps.append(pump)
+  return job
+
+
+def slurm_nodes_up(nodelist: str) -> tuple[list[str], list[str]]:
+  """(the allocation's nodes, those SLURM reports up: not down, drained, failed or not
+  responding) for SLURM_JOB_NODELIST `nodelist`, by scontrol and sinfo.
+
+  Raises:
+    GiveUp: scontrol or sinfo failed (no controller answers).
+  """
+  names = _slurm(['scontrol', 'show', 'hostnames', nodelist]).split()
+  up = []
+  for line in _slurm(['sinfo', '-h', '-N', '-n', ','.join(names), '-o', '%N %T']).splitlines():
+    node, state = line.split()
+    bad = ('down', 'drain', 'fail', 'unknown', 'not_responding', 'power')
+    if not state.endswith('*') and not state.startswith(bad) and node not in up:
+      up.append(node)
+  return names, up
+
+
+def _slurm(command: list[str]) -> str:
+  try:
+    done = subprocess.run(command, capture_output=True, text=True, timeout=60)
+  except (OSError, subprocess.TimeoutExpired) as e:
+    raise GiveUp(f'{command[0]} failed: {e}') from None
+  if done.returncode != 0:
+    raise GiveUp(f'{" ".join(command)}: {done.stderr.strip() or done.returncode}')
+  return done.stdout
 
 
 def launch(command: TrainCommand, extra: Sequence[str], processes: int, cpu_devices: int) -> Job:
@@ -264,6 +330,7 @@ class Options:
   heartbeat_s: float = 0.0  # a job silent this long after its first step is stuck (0: off)
   cluster: Any = None  # a plan.cluster.Cluster the re-planning prices layouts on
   search_s: float = 30.0
+  launcher: str = 'local'  # local: loopback processes; srun: job steps in a SLURM allocation
 
 
 class GiveUp(RuntimeError):
@@ -289,7 +356,8 @@ def supervise(command: TrainCommand, options: Options, say=None) -> int:
   try:
     processes, extra, restarts = options.processes, [], 0
     while True:
-      job = launch(command, extra, processes, options.cpu_devices)
+      start = launch_srun if options.launcher == 'srun' else launch
+      job = start(command, extra, processes, options.cpu_devices)
       current.append(job)
       failed = watch(job, options.heartbeat_s)
       stop(job, options.grace_s)
@@ -352,9 +420,12 @@ def _record_stuck(command, options, processes, number, say) -> None:
 
 def _restart(command, options, job, failed, processes, number, say) -> tuple[list[str], int]:
   """Re-plans for the devices left, records it, and returns the next launch's flags and size."""
-  what = ', '.join(f'process {i} {status_text(job.procs[i].returncode)}' for i in failed)
-  gone = lost(job, failed)
-  left = processes - len(gone)
+  if options.launcher == 'srun':
+    what = f'srun of {processes} tasks {status_text(job.procs[0].returncode)}'
+    left = _tasks_left(processes, what)
+  else:
+    what = ', '.join(f'process {i} {status_text(job.procs[i].returncode)}' for i in failed)
+    left = processes - len(lost(job, failed))
   if left < 1:
     raise GiveUp(f'{what}: no process is left to go on with')
   if not os.path.isfile(workdir_lib.path(command.workdir, workdir_lib.CONFIG)):
@@ -383,6 +454,14 @@ def _restart(command, options, job, failed, processes, number, say) -> tuple[lis
     f'resuming from step {record["restored_step"]}, {record["steps_lost"]} steps lost'
   )
   return layout_lib.flags(replan_lib.overrides(cfg, layout)), left
+
+
+def _tasks_left(processes: int, what: str) -> int:
+  """The tasks the allocation's nodes still up can run, `processes` spread evenly over them."""
+  nodes, up = slurm_nodes_up(os.environ['SLURM_JOB_NODELIST'])
+  if processes % len(nodes):
+    raise GiveUp(f'{what}: {processes} tasks do not spread evenly over {len(nodes)} nodes')
+  return processes // len(nodes) * len(up)
 
 
 def _append_record(command, cfg, number, processes, devices, **fields) -> dict:

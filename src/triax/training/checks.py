@@ -41,6 +41,12 @@ def validate_train(cfg, default_train) -> None:
   t = cfg.train
   for key in ('steps', 'global_batch_size', 'eval_every', 'eval_batches', 'log_every'):
     checks.positive_int(f'train.{key}', t[key])
+  checks.positive_int('train.straggler_steps', t.straggler_steps)
+  ratio = t.straggler_ratio
+  if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not ratio > 1:
+    raise ConfigError(
+      'train.straggler_ratio', f'must be a number above 1 (1.2 = 20% slower), got {ratio!r}'
+    )
   check_batch_split(t, cfg.mesh.data, cfg.pipeline.microbatches)
   _eval_microbatches(cfg)
   for key in ('learning_rate', 'weight_decay', 'grad_clip_norm', 'min_lr_ratio'):

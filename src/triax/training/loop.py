@@ -37,7 +37,7 @@ from triax.errors import ConfigError
 from triax.mesh import build_mesh
 from triax.model.flops import peak_flops
 from triax.pipeline import simulate
-from triax.training import atomic, bad_steps, preemption
+from triax.training import atomic, bad_steps, goodput, preemption, stragglers
 from triax.training import lock as lock_lib
 from triax.training import workdir as workdir_lib
 from triax.training.checkpoint import Checkpointer
@@ -359,18 +359,31 @@ class _Training:
     self.last_loss = math.nan
     self.last_save = time.monotonic()
     self.rollbacks: list[dict] = []
+    self.timeline = goodput.Timeline(workdir, self.main)
+    processes = jax.process_count()
+    self.stragglers = stragglers.Stragglers(
+      cfg.train.straggler_ratio,
+      cfg.train.straggler_steps,
+      jax.process_index(),
+      processes,
+      preemption.coordinator_client() if processes > 1 else None,
+      say=lambda line: preemption.say(line, self.bar),
+    )
+    self.bar = None
 
   def prepare(self, state, start: int, progress: bool) -> None:
     """Writes the run's records, compiles, opens the writers, evaluates a fresh start."""
     cfg, workdir = self.cfg, self.workdir
     self.state, self.start = state, start
+    self.timeline.record(start, 'start')
     self.ckpt.prepare_to_write()
     if self.main:
       # What the run was (for triax sample and for people): the validated config.
       atomic.write_text(workdir_lib.path(workdir, workdir_lib.CONFIG), cfg.to_json(indent=2))
       record = {'platform': jax.default_backend(), 'local_devices': jax.local_device_count()}
       atomic.write_json(workdir_lib.path(workdir, workdir_lib.DEVICES), record)
-    self.compiled, self.compiled_eval, self.stats = stats_lib.all_compile_stats(self.trainer)
+    with self.timeline.phase('compile'):
+      self.compiled, self.compiled_eval, self.stats = stats_lib.all_compile_stats(self.trainer)
     if self.main:
       atomic.write_json(workdir_lib.path(workdir, workdir_lib.COMPILE_STATS), self.stats)
     self.peak = peak_flops(jax.devices()[0].device_kind, cfg.hardware.peak_flops_per_device)
@@ -386,6 +399,8 @@ class _Training:
     )
     self.signals.bar = self.bar
     self.window_start, self.window_steps = time.perf_counter(), 0
+    self.timeline.clock.switch('steps')
+    self.stragglers.start()
 
   def _open_writers(self, start: int) -> None:
     """Metrics and sample logs, cut back to `start` (a resume's, or a rollback's, step)."""
@@ -405,6 +420,10 @@ class _Training:
     )
 
   def evaluate(self, step: int) -> float:
+    with self.timeline.phase('eval'):
+      return self._evaluate(step)
+
+  def _evaluate(self, step: int) -> float:
     data = self.data
     params = self.trainer.eval_params(self.state)  # schedule-free's average, else the params
     losses = [
@@ -431,8 +450,14 @@ class _Training:
         stopped, rolled_back = self._after_step(step)
         if rolled_back:
           step = self.position.step
+          continue
+        self.timeline.record(step, 'step')
+        self.stragglers.step_done(step)
         if stopped is not None:
           break
+      with self.timeline.phase('checkpoint'):
+        self.ckpt.close()  # the last save's wait belongs to the run's time
+      self.timeline.record(step, 'end')
     finally:
       self.bar.close()
       self.ckpt.close()
@@ -449,13 +474,16 @@ class _Training:
     if self.profile and step == self.profile[0]:
       jax.profiler.start_trace(workdir_lib.path(self.workdir, workdir_lib.PROFILE))
     at = self.bad.position(step)
-    batch = global_batch(self.trainer, lambda lo, hi: data.train.batch(at, (lo, hi)))
+    with self.timeline.phase('data'):
+      batch = global_batch(self.trainer, lambda lo, hi: data.train.batch(at, (lo, hi)))
     # The logged learning rate is the schedule evaluated op by op, as always;
     # queued ahead of the step, it is ready when the step is (queued after
     # it, reading it would wait for the step queued next).
     logged = step % cfg.train.log_every == 0 or step == cfg.train.steps
-    step_lr = self.trainer.optimizer_schedule(step - 1) if logged else None
-    self.state, out = self.compiled(self.state, batch)
+    # Both block while the device is busy (XLA:CPU runs one program at a time): waits.
+    with self.stragglers.waiting():
+      step_lr = self.trainer.optimizer_schedule(step - 1) if logged else None
+      self.state, out = self.compiled(self.state, batch)
     self.position.step = step
     if not self.fetch():  # the previous step's: the device has this one queued meanwhile
       return False
@@ -471,9 +499,10 @@ class _Training:
     every, every_seconds = cfg.checkpoint.every_steps, cfg.checkpoint.every_seconds
     last = step == cfg.train.steps
     # Every process asks every step, the last too: process 0 answers for all.
-    stop, by_time = self.signals.decide(
-      step, bool(every_seconds) and time.monotonic() - self.last_save >= every_seconds
-    )
+    with self.stragglers.waiting():
+      stop, by_time = self.signals.decide(
+        step, bool(every_seconds) and time.monotonic() - self.last_save >= every_seconds
+      )
     stop = stop and not last  # a signal at the last step: the run simply ends
     eval_now = step % cfg.train.eval_every == 0 or last
     save_now = (
@@ -488,13 +517,15 @@ class _Training:
       self.last_eval = self.evaluate(step)
       self.window_start = time.perf_counter()
     if save_now:
-      ckpt.save(self.trainer, self.state, progress=self.bad.progress())
+      with self.timeline.phase('checkpoint'):
+        ckpt.save(self.trainer, self.state, progress=self.bad.progress())
       self.last_save = time.monotonic()
       self.window_start = time.perf_counter()
     if not stop:
       return None, False
-    ckpt.wait()
-    problem = ckpt.verify(step) if self.main else None
+    with self.timeline.phase('checkpoint'):
+      ckpt.wait()
+      problem = ckpt.verify(step) if self.main else None
     if problem:
       raise RuntimeError(f'checkpoint {step} failed its check after saving: {problem}')
     message = (
@@ -512,7 +543,8 @@ class _Training:
     if not self.pending:
       return True
     step, out, step_lr = self.pending.pop()
-    out, step_lr = jax.device_get((out, step_lr))
+    with self.stragglers.waiting():
+      out, step_lr = jax.device_get((out, step_lr))
     # One clock reading ends this window and starts the next: host work between
     # fetches (logging, dispatch) belongs to some step's time.
     fetched = time.perf_counter()
@@ -563,6 +595,9 @@ class _Training:
     if self.peak:
       record['mfu'] = record['model_flops_per_sec'] / (self.peak * jax.device_count())
       record['hfu'] = record['hardware_flops_per_sec'] / (self.peak * jax.device_count())
+    # Where the run's time went so far (training/goodput.py), and each process's step.
+    record.update(self.timeline.ledger.metrics())
+    record.update(self.stragglers.metrics())
     self.metrics.write(record)
     self.last_loss = record['loss']
     self.bar.set_postfix(loss=f'{record["loss"]:.3f}', tok_s=f'{record["tokens_per_sec"]:.0f}')
@@ -575,11 +610,13 @@ class _Training:
     # The bad state goes before the checkpoint's comes: a restore beside it would
     # hold two train states.
     self.state = None
-    state = self.ckpt.roll_back(self.trainer, bad[0])
-    if state is None:
-      state = self.trainer.init_state(jax.random.key(self.cfg.train.seed))
-    self.state = state
-    restored = self.position.step = int(jax.device_get(state.step))
+    with self.timeline.phase('restart'):
+      state = self.ckpt.roll_back(self.trainer, bad[0])
+      if state is None:
+        state = self.trainer.init_state(jax.random.key(self.cfg.train.seed))
+      self.state = state
+      restored = self.position.step = int(jax.device_get(state.step))
+    self.timeline.record(restored, 'rollback')
     record = self.bad.rolled_back(self.workdir, restored, self.ckpt.restored_progress, self.main)
     self.rollbacks.append(record)
     self.metrics.close()

@@ -57,7 +57,8 @@ def say(line: str, bar=None) -> None:
   os.write(2, (start + line + '\n').encode())  # fd 2: sys.stderr may be a stand-in without one
 
 
-def _client():
+def coordinator_client():
+  """The jax.distributed client: its key-value store is how processes agree host to host."""
   from jax._src import distributed  # orbax reaches the coordinator the same way
 
   return distributed.global_state.client
@@ -121,7 +122,7 @@ class StopSignals:
     """
     if self._processes == 1:
       return self.received is not None, save_due
-    client, me = _client(), jax.process_index()
+    client, me = coordinator_client(), jax.process_index()
     if self.received and not self._reported:
       client.key_value_set(f'{_KEYS}/request/{me}', self.received, allow_overwrite=True)
       self._reported = True

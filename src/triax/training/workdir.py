@@ -18,6 +18,8 @@
   DIR/triax.lock           who is writing the workdir (training/lock.py)
   DIR/elastic.jsonl        one record per restart of `triax supervise` (elastic/supervisor.py)
   DIR/rollbacks.jsonl      one line per bad-step rollback (training/bad_steps.py)
+  DIR/goodput.jsonl        every attempt's time by what it went to (training/goodput.py)
+  DIR/heartbeats/TASK      `triax supervise --launcher=srun`'s heartbeat files (elastic/heartbeat.py)
 
 Every other module names these through the constants below (`path(DIR, NAME)`);
 `NAMES` is the whole list, which a test holds a real run's workdir to.
@@ -53,6 +55,8 @@ HF_CONFIG = 'hf_config.json'
 LOCK = 'triax.lock'
 ELASTIC = 'elastic.jsonl'
 ROLLBACKS = 'rollbacks.jsonl'
+GOODPUT = 'goodput.jsonl'
+HEARTBEATS = 'heartbeats'
 
 # What DIR itself may hold (MANIFEST lives a level down, in each step).
 NAMES = (
@@ -73,6 +77,8 @@ NAMES = (
   LOCK,
   ELASTIC,
   ROLLBACKS,
+  GOODPUT,
+  HEARTBEATS,
 )
 
 
