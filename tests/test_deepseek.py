@@ -88,7 +88,10 @@ def test_group_limited_routing_chooses_only_from_the_best_groups():
     ({'model.num_kv_heads': 2}, 'model.num_kv_heads'),
     ({'model.moe_every': 2}, 'model.moe_every'),
     ({'mesh.context': 2, 'mesh.data': 1}, 'model.mtp_depth'),
-    ({'data.mask_documents': True}, 'model.mtp_depth'),
+    (
+      {'data.source': 'tokens', 'data.path': 'unused', 'data.mask_documents': True},
+      'model.mtp_depth',
+    ),
   ],
 )
 def test_bad_deepseek_keys_name_the_key(overrides, key):
