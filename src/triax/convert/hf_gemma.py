@@ -219,9 +219,9 @@ def tensor_rules(model_cfg, dtype, hf: Mapping | None = None) -> list[rules.Tens
   return out
 
 
-def ignored(names, model_cfg) -> set[str]:
+def ignored(names, model_cfg, hf: Mapping | None = None) -> set[str]:
   """What an import leaves out of `names`: the tied table's copy as lm_head.weight."""
-  return hf_llama.ignored(names, model_cfg)
+  return hf_llama.ignored(names, model_cfg, hf)
 
 
 def params_to_hf(params: Mapping, model_cfg, hf: Mapping | None = None) -> dict[str, np.ndarray]:
