@@ -1,14 +1,16 @@
-"""Hugging Face Llama, Qwen2/3, Mixtral, Qwen2/3-MoE and DeepSeek-V3
+"""Hugging Face Llama, Mistral, Qwen2/3, Mixtral, Qwen2/3-MoE, DeepSeek-V3 and Gemma 3
 checkpoints in and out of triax workdirs.
 
   python -m triax convert --hf_dir=DIR --workdir=WORKDIR [--tokenizer=tokenizer.json]
   python -m triax convert --workdir=WORKDIR --hf_dir=OUT --export [--max_shard_size=5GB]
+      [--dtype=bfloat16]
 
 Import reads DIR's config.json and *.safetensors (one file or shards) and
 writes a workdir at step 0 that `python -m triax train --workdir=WORKDIR`
 fine-tunes and `python -m triax sample --workdir=WORKDIR` samples; export
-writes the workdir's latest checkpoint back as transformers' Llama (Qwen2/3,
-Mixtral, Qwen2/3-MoE, DeepSeek-V3). Both stream: one tensor, or one leaf's
+writes the workdir's latest checkpoint back as transformers' Llama (Mistral,
+Qwen2/3, Mixtral, Qwen2/3-MoE, DeepSeek-V3, Gemma 3's text model), in the
+imported checkpoint's dtype, with its tokenizer and generation files. Both stream: one tensor, or one leaf's
 block, at a time (triax.convert.hf_checkpoint). Kept to flag parsing and one
 library call.
 """
@@ -105,6 +107,9 @@ def main(argv):
     f'layers, d_model {m.d_model}, {m.num_heads} heads / {kv}{window}), checkpoint at step 0',
     file=sys.stderr,
   )
+  left = result['left_behind']
+  if left:  # the converter's choice (convert/hf_*.py `ignored`), said rather than silent
+    print(f'left behind: {len(left)} tensors of the checkpoint ({left[0]}, ...)', file=sys.stderr)
   workdir, tokenizer = _WORKDIR.value, result['tokenizer']
   if not tokenizer:
     print(f'fine-tune: python -m triax train --workdir={workdir}')

@@ -214,7 +214,9 @@ def import_hf(hf_dir: str, workdir: str, *, tokenizer: str = '', seq_len: int = 
 
   Returns:
     {'step': 0, 'params': parameter count, 'config': the triax config,
-     'tokenizer': the workdir's copy of the tokenizer ('' without one)}
+     'tokenizer': the workdir's copy of the tokenizer ('' without one),
+     'left_behind': the checkpoint's tensors not imported (a tied lm_head's copy,
+     DeepSeek's MTP layers, Gemma 3's vision tower), sorted}
   """
   from triax import mesh as mesh_lib
   from triax.training import checkpoint as ckpt_lib
@@ -284,7 +286,13 @@ def import_hf(hf_dir: str, workdir: str, *, tokenizer: str = '', seq_len: int = 
     atomic.write_json(workdir_lib.path(workdir, workdir_lib.HF_CONFIG), hf)
     atomic.write_text(workdir_lib.path(workdir, workdir_lib.CONFIG), portable)
   count = sum(int(np.prod(leaf.shape)) for leaf in leaves)
-  return {'step': 0, 'params': count, 'config': cfg, 'tokenizer': recorded}
+  return {
+    'step': 0,
+    'params': count,
+    'config': cfg,
+    'tokenizer': recorded,
+    'left_behind': sorted(ignored),
+  }
 
 
 def _initial_state(trainer, leaves: list[rules.Leaf], read):
