@@ -169,3 +169,21 @@ def test_a_sentencepiece_checkpoint_keeps_its_tokenizer_model(tmp_path):
   with open(os.path.join(hf_dir, 'tokenizer.model'), 'rb') as a:
     with open(os.path.join(out, 'tokenizer.model'), 'rb') as b:
       assert a.read() == b.read()
+
+
+def test_a_value_past_float16s_range_is_refused_and_nothing_is_left(tmp_path):
+  hf_dir, workdir = str(tmp_path / 'hf'), str(tmp_path / 'w')
+  _qwen3(hf_dir, torch.float32)
+  tokenizer_lib.train_bpe(_lines(), 300, os.path.join(hf_dir, workdir_lib.TOKENIZER))
+  tensors = safetensors_files.read_tensors(hf_dir)
+  name = 'model.layers.1.mlp.down_proj.weight'
+  tensors[name][0, 0] = 1e5  # fp32 and bf16 hold it; float16 stops at 65504
+  import safetensors.numpy
+
+  safetensors.numpy.save_file(tensors, os.path.join(hf_dir, 'model.safetensors'))
+  hf_checkpoint.import_hf(hf_dir, workdir)
+  out = tmp_path / 'out'
+  with pytest.raises(ConfigError, match=f'{name} holds 100000') as e:
+    hf_checkpoint.export_hf(workdir, str(out), dtype='float16')
+  assert e.value.key == '--dtype' and not out.exists()
+  assert hf_checkpoint.export_hf(workdir, str(out), dtype='bfloat16')['dtype'] == 'bfloat16'

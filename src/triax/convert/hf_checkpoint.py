@@ -412,6 +412,7 @@ def export_hf(
   hf_config['dtype' if base is None or 'dtype' in base else 'torch_dtype'] = written
   reader, shapes = workdir_lib.params_reader(workdir, cfg)  # checked as a resume checks it
   tensor_rules = converter.tensor_rules(exported, np.dtype(exported.param_dtype), hf_config)
+  created = not os.path.exists(out_dir)
   os.makedirs(out_dir, exist_ok=True)
   param_dtype = np.dtype(exported.param_dtype)
 
@@ -422,13 +423,22 @@ def export_hf(
   specs = rules.export_specs(tensor_rules, dtype_of)
   dtypes = {name: spec_dtype for name, _, spec_dtype in specs}
   writer = files_lib.ShardWriter(out_dir, specs, max_shard_bytes)
-  for rule in tensor_rules:
-    # The rule's leaves block by block, in step: each block index is one HF tensor.
-    stored = [reader.blocks(path, rule.names.ndim) for path in rule.paths]
-    for blocks in zip(*stored):
-      name = rule.names[blocks[0][0]]
-      tensor = rule.to_hf(*(block for _, block in blocks))
-      writer.write(name, tensor.astype(dtypes[name], copy=False))
+  try:
+    for rule in tensor_rules:
+      # The rule's leaves block by block, in step: each block index is one HF tensor.
+      stored = [reader.blocks(path, rule.names.ndim) for path in rule.paths]
+      for blocks in zip(*stored):
+        name = rule.names[blocks[0][0]]
+        tensor = rule.to_hf(*(block for _, block in blocks))
+        writer.write(name, _cast(name, tensor, dtypes[name], written))
+  except ConfigError:
+    # out_dir was empty or absent: everything in it is this export's (the
+    # writer holds no file open between writes).
+    for name in os.listdir(out_dir):
+      os.remove(os.path.join(out_dir, name))
+    if created:
+      os.rmdir(out_dir)
+    raise
   writer.close()
   atomic.write_json(os.path.join(out_dir, 'config.json'), hf_config)
   kept = workdir_lib.path(workdir, workdir_lib.HF_FILES)
@@ -447,6 +457,25 @@ def export_hf(
     'architecture': architecture,
     'dtype': written,
   }
+
+
+def _cast(name: str, tensor: np.ndarray, dtype: np.dtype, written: str) -> np.ndarray:
+  """`tensor` as `dtype`.
+
+  Raises:
+    ConfigError('--dtype', ...): float16, whose range (65504) is fp32's and
+      bfloat16's in nothing, would turn a value of it into an infinity.
+  """
+  with np.errstate(over='ignore'):  # an overflow is refused below, with its name
+    out = tensor.astype(dtype, copy=False)
+  if dtype == np.float16 and not np.isfinite(out).all() and np.isfinite(tensor).all():
+    largest = float(np.max(np.abs(tensor)))
+    raise ConfigError(
+      '--dtype',
+      f"{name} holds {largest:g}, past {written}'s range: export bfloat16 or float32 "
+      '(nothing was written)',
+    )
+  return out
 
 
 def _run_tokenizer_file(workdir: str, cfg) -> str | None:
