@@ -134,6 +134,7 @@ def test_dtype_chooses_what_the_export_writes(released, tmp_path):
   assert e.value.key == '--dtype' and not (tmp_path / 'bad').exists()
 
 
+@pytest.mark.fast
 def test_a_generation_config_that_is_not_json_is_refused_before_anything_is_written(tmp_path):
   hf_dir = str(tmp_path / 'hf')
   _qwen3(hf_dir, torch.float32)
