@@ -6,7 +6,8 @@ above it (GitHub does not show it) saying how it is checked:
   <!-- readme: run -->               run as written
   <!-- readme: run given=texts -->   run after putting in place what a user
                                      brings (GIVEN below: their own text, a
-                                     Hugging Face checkpoint)
+                                     Hugging Face checkpoint; several
+                                     given=NAME, each put in place once)
   <!-- readme: synopsis -->          a usage sketch ([optional] parts, DIR):
                                      not run, but its commands, config files,
                                      flags and config keys must exist
@@ -199,7 +200,53 @@ def _hf_llama(clone: str) -> None:
   tokenizer_lib.train_bpe(lines, vocab, os.path.join(out, 'tokenizer.json'))
 
 
-GIVEN = {'texts': _texts, 'hf_llama': _hf_llama}
+def _hf_qwen3(clone: str) -> None:
+  """A downloaded Qwen3 checkpoint as the Hub holds one: a small random one that
+  transformers writes in bfloat16 with its generation_config.json, and a BPE
+  saved by transformers (tokenizer.json, tokenizer_config.json)."""
+  try:
+    import torch
+    import transformers
+  except ImportError:
+    raise SystemExit(
+      'error: given=hf_qwen3: needs transformers and torch (the test extra): '
+      'run this script with .venv/bin/python after scripts/test.sh'
+    ) from None
+  from triax.data import tokenizer as tokenizer_lib
+
+  out = os.path.join(clone, 'Qwen3-0.6B')
+  vocab = 512
+  hf = transformers.Qwen3Config(
+    vocab_size=vocab,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    max_position_embeddings=128,
+    tie_word_embeddings=True,
+  )
+  torch.manual_seed(0)
+  transformers.Qwen3ForCausalLM(hf).to(torch.bfloat16).save_pretrained(out)
+  stdlib = sysconfig.get_paths()['stdlib']
+  with open(os.path.join(stdlib, 'argparse.py'), encoding='utf-8') as f:
+    lines = f.read().splitlines()
+  bpe = os.path.join(clone, 'qwen3_bpe.json')
+  tokenizer_lib.train_bpe(lines, vocab, bpe)
+  transformers.PreTrainedTokenizerFast(
+    tokenizer_file=bpe, eos_token='<|endoftext|>', pad_token='<|endoftext|>'
+  ).save_pretrained(out)
+  os.remove(bpe)
+
+
+GIVEN = {'texts': _texts, 'hf_llama': _hf_llama, 'hf_qwen3': _hf_qwen3}
+
+
+def givens(run_blocks: list[Block]) -> list[str]:
+  """What the blocks' `given=NAME` tags ask for, each once, in order."""
+  names = [n for b in run_blocks for n in re.findall(r'given=(\w+)', b.options)]
+  return list(dict.fromkeys(names))
 
 
 def session(run_blocks: list[Block], skip: list[str]) -> str:
@@ -221,9 +268,8 @@ def run_in_clone(run_blocks: list[Block], skip: list[str], installed: bool = Fal
   clone = _CLONE_DIR.value or tempfile.mkdtemp(prefix='triax-readme-')
   subprocess.run(['git', 'clone', '--quiet', ROOT, clone], check=True)
   subprocess.run(['git', '-C', clone, 'checkout', '--quiet', _REV.value], check=True)
-  for block in run_blocks:
-    for name in re.findall(r'given=(\w+)', block.options):
-      GIVEN[name](clone)
+  for name in givens(run_blocks):
+    GIVEN[name](clone)
   script = session(run_blocks, skip)
   print(f'readme: running {len(run_blocks)} blocks in {clone}', flush=True)
   # A fresh terminal, not bench_harness.run_python's: the clone's own install,

@@ -258,6 +258,16 @@ CASES = [
     '--hf_dir',
   ),
   (
+    'convert-dtype-on-an-import',
+    command('triax.cli.convert', '--hf_dir={d}/hf', '--workdir={d}/w', '--dtype=bfloat16'),
+    '--dtype',
+  ),
+  (
+    'convert-export-to-an-unknown-dtype',
+    command('triax.cli.convert', '--workdir={d}/w', '--hf_dir={d}/out', '--export', '--dtype=fp8'),
+    '--dtype',
+  ),
+  (
     'experts-per-token-beyond-experts',
     train(
       '--config.model.experts_per_token=9', config='--config=experiments/mixtral_tiny.py:smoke'

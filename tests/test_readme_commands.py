@@ -61,3 +61,30 @@ def test_a_flag_the_command_lacks_is_caught(tmp_path):
     'sample: --nope: not a flag of the command',
     'sample: --config.model.nope: no such config key',
   ]
+
+
+def test_the_qwen3_fine_tune_block_runs_as_written(tmp_path):
+  """README's import -> prepare -> train -> export of a Qwen3, run by the
+  script's own session and fixtures (what its tag gives) in an empty folder,
+  with this checkout's interpreter and sources."""
+  pytest.importorskip('transformers')
+  r = _script()
+  with open(os.path.join(ROOT, 'README.md'), encoding='utf-8') as f:
+    [block] = [b for b in r.blocks(f.read()) if 'given=hf_qwen3' in b.options]
+  assert r.givens([block]) == ['texts', 'hf_qwen3']
+  for name in r.givens([block]):
+    r.GIVEN[name](str(tmp_path))
+  env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, 'src'))
+  env['PATH'] = os.path.dirname(sys.executable) + os.pathsep + env['PATH']
+  run = subprocess.run(
+    ['bash', '-c', r.session([block], skip=[])],
+    capture_output=True,
+    text=True,
+    cwd=tmp_path,
+    env=env,
+  )
+  assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+  assert 'runs/q3-hf: step 6 of runs/q3 as Qwen3ForCausalLM in bfloat16' in run.stdout
+  assert 'torch.bfloat16 <|endoftext|>' in run.stdout
+  exported = sorted(os.listdir(tmp_path / 'runs' / 'q3-hf'))
+  assert {'generation_config.json', 'tokenizer.json', 'tokenizer_config.json'} <= set(exported)

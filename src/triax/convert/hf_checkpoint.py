@@ -5,16 +5,21 @@ Import writes what a triax train run would have written at step 0: the
 validated config (config.json, the model keys from the HF config), a
 checkpoint of the converted weights with a fresh optimizer state, and the
 HF config itself (hf_config.json, so an export keeps its token ids and the
-like); with a tokenizer (given, or the checkpoint's own tokenizer.json), a
-copy of it (tokenizer.json), the run's data.tokenizer, which triax sample
+like), the checkpoint's generation_config.json and the files transformers
+keeps beside its tokenizer (TOKENIZER_FILES: tokenizer_config.json, ...) in
+hf_files/; with a tokenizer (given, or the checkpoint's own tokenizer.json or
+sentencepiece tokenizer.model), a copy of it (tokenizer.json or
+tokenizer.model), the run's data.tokenizer, which triax sample
 encodes and decodes with and `triax prepare` tokenizes fine-tuning text
 with. A vocabulary other than 256 ids needs one: without it, ids would be
 read as bytes. `python -m triax train --workdir=DIR` then fine-tunes it (on
 the stdlib's bytes when it has no tokenizer, else on
 `--config.data.source=tokens --config.data.path=TOKENS`) and
 `python -m triax sample --workdir=DIR` samples it. Export writes the latest
-checkpoint's parameters back as HF's config.json and safetensors, with the
-run's tokenizer beside them when it has one.
+checkpoint's parameters back as HF's config.json and safetensors, in the
+imported checkpoint's dtype (or `--dtype`'s; `export_dtype`), with hf_files/
+and the run's tokenizer beside them: transformers' AutoTokenizer and
+GenerationConfig read the directory as they read the original.
 
 Everything is checked (HF config, every tensor's name and shape, the
 tokenizer, an empty workdir) before anything is written.
@@ -38,6 +43,7 @@ import shutil
 
 import jax
 import ml_collections
+import ml_dtypes
 import numpy as np
 
 from triax import config as config_lib
@@ -128,7 +134,9 @@ def import_config(hf: dict, seq_len: int):
   if seq_len <= 0:
     # No learned positions: seq_len is only the training window; the HF
     # context may be 128k, which a first fine-tune rarely wants.
-    seq_len = min(int(hf.get('max_position_embeddings', 2048)), 2048)
+    # A composite config (Gemma 3's multimodal one) keeps its text model's under text_config.
+    text = hf.get('text_config') or hf
+    seq_len = min(int(text.get('max_position_embeddings', 2048)), 2048)
   cfg = config_lib.defaults()
   for key, value in _for_model_type(hf).model_config(hf, seq_len).items():
     if isinstance(value, dict):
@@ -139,18 +147,65 @@ def import_config(hf: dict, seq_len: int):
   return cfg
 
 
-def _portable(cfg, workdir: str, tokenizer: str) -> str:
+def _portable(cfg, recorded: str) -> str:
   """The config.json an import writes: `cfg` with its tokenizer as data.tokenizer.
 
-  The tokenizer is named by the workdir's copy, as the workdir was given:
-  fine-tuning reads text tokenized with it (`triax prepare --tokenizer=` that
-  copy, `data.source=tokens`), and a byte source is then refused with that
-  advice, where it would otherwise train the model's embedding on byte ids.
+  The tokenizer is named by the workdir's copy (`recorded`, '' without one),
+  as the workdir was given: fine-tuning reads text tokenized with it
+  (`triax prepare --tokenizer=` that copy, `data.source=tokens`), and a byte
+  source is then refused with that advice, where it would otherwise train the
+  model's embedding on byte ids.
   """
   portable = ml_collections.ConfigDict(cfg.to_dict())
-  if tokenizer:
-    portable.data.tokenizer = os.path.join(workdir, workdir_lib.TOKENIZER)
+  if recorded:
+    portable.data.tokenizer = recorded
   return portable.to_json(indent=2)
+
+
+def _tokenizer_name(tokenizer: str) -> str:
+  """The workdir's name for a copy of `tokenizer` (a sentencepiece model keeps its kind)."""
+  return workdir_lib.TOKENIZER_MODEL if tokenizer.endswith('.model') else workdir_lib.TOKENIZER
+
+
+# What transformers keeps beside a checkpoint's tokenizer.json, read by its
+# AutoTokenizer (special tokens, the chat template; a sentencepiece model for
+# its slow tokenizer, where the run's tokenizer is the json).
+TOKENIZER_FILES = (
+  'tokenizer_config.json',
+  'special_tokens_map.json',
+  'added_tokens.json',
+  'chat_template.jinja',
+  'chat_template.json',
+  workdir_lib.TOKENIZER_MODEL,
+)
+# Beside the weights: GenerationConfig's (sampling defaults, stop ids).
+GENERATION_CONFIG = 'generation_config.json'
+
+
+def _side_files(hf_dir: str, tokenizer: str) -> list[str]:
+  """The HF files an import keeps (in DIR/hf_files) and an export writes back:
+  generation_config.json from `hf_dir`, the TOKENIZER_FILES beside the
+  tokenizer (in `hf_dir` unless --tokenizer named another), but not the
+  tokenizer itself. Their JSON is checked here, before anything is written.
+
+  Raises:
+    ConfigError('--hf_dir' or '--tokenizer', ...): one that is not JSON.
+  """
+  found = []
+  places = [(hf_dir, (GENERATION_CONFIG,), '--hf_dir')]
+  if tokenizer:
+    beside = os.path.dirname(os.path.abspath(tokenizer))
+    key = '--hf_dir' if beside == os.path.abspath(hf_dir) else '--tokenizer'
+    places.append((beside, TOKENIZER_FILES, key))
+  for where, names, key in places:
+    for name in names:
+      path = os.path.join(where, name)
+      if not os.path.isfile(path) or (tokenizer and os.path.samefile(path, tokenizer)):
+        continue
+      if name.endswith('.json'):
+        _read_json(path, key)
+      found.append(path)
+  return found
 
 
 def import_hf(hf_dir: str, workdir: str, *, tokenizer: str = '', seq_len: int = 0) -> dict:
@@ -159,7 +214,9 @@ def import_hf(hf_dir: str, workdir: str, *, tokenizer: str = '', seq_len: int = 
 
   Returns:
     {'step': 0, 'params': parameter count, 'config': the triax config,
-     'tokenizer': the workdir's copy of the tokenizer ('' without one)}
+     'tokenizer': the workdir's copy of the tokenizer ('' without one),
+     'left_behind': the checkpoint's tensors not imported (a tied lm_head's copy,
+     DeepSeek's MTP layers, Gemma 3's vision tower), sorted}
   """
   from triax import mesh as mesh_lib
   from triax.training import checkpoint as ckpt_lib
@@ -174,9 +231,11 @@ def import_hf(hf_dir: str, workdir: str, *, tokenizer: str = '', seq_len: int = 
       '--workdir', f'{workdir} is not empty; import into a new directory (nothing was written)'
     )
   cfg = import_config(hf, seq_len)
-  beside = os.path.join(hf_dir, workdir_lib.TOKENIZER)
-  if not tokenizer and os.path.isfile(beside):
-    tokenizer = beside  # where transformers (and our export) keep it
+  if not tokenizer:  # where transformers (and our export) keep it
+    for name in (workdir_lib.TOKENIZER, workdir_lib.TOKENIZER_MODEL):
+      if os.path.isfile(os.path.join(hf_dir, name)):
+        tokenizer = os.path.join(hf_dir, name)
+        break
   if tokenizer:
     tok = tokenizer_lib.load(tokenizer)
     if tok.vocab_size > cfg.model.vocab_size:
@@ -189,25 +248,34 @@ def import_hf(hf_dir: str, workdir: str, *, tokenizer: str = '', seq_len: int = 
     raise ConfigError(
       '--tokenizer',
       f'the checkpoint has {cfg.model.vocab_size} token ids and {hf_dir} holds no '
-      f'{workdir_lib.TOKENIZER}: give its tokenizer, --tokenizer=PATH/tokenizer.json '
-      '(nothing was written)',
+      f'{workdir_lib.TOKENIZER} or {workdir_lib.TOKENIZER_MODEL}: give its tokenizer, '
+      '--tokenizer=PATH/tokenizer.json (nothing was written)',
     )
+  side_files = _side_files(hf_dir, tokenizer)
   # One device's worth of layout: the checkpoint restores under any other.
   cfg.mesh.data, cfg.mesh.tensor, cfg.mesh.pipe = -1, 1, 1
   # Saved as given (data = -1, whatever devices there are): validation
   # resolves it to this machine's count, which a fine-tune elsewhere lacks.
-  portable = _portable(cfg, workdir, tokenizer)
+  recorded = os.path.join(workdir, _tokenizer_name(tokenizer)) if tokenizer else ''
+  portable = _portable(cfg, recorded)
   cfg = config_lib.validate(cfg, jax.device_count())
   converter = _for_model_type(hf)
   shards = files_lib.Shards(hf_dir)
   tensor_rules = converter.tensor_rules(cfg.model, np.dtype(cfg.model.param_dtype), hf)
-  ignored = converter.ignored(shards.names(), cfg.model)
+  ignored = converter.ignored(shards.names(), cfg.model, hf)
   rules.check_sources(tensor_rules, shards, ignored, cfg.model.family)
 
   lock_lib.check_free(workdir)
   os.makedirs(workdir, exist_ok=True)
   if tokenizer:
-    shutil.copyfile(tokenizer, os.path.join(workdir, workdir_lib.TOKENIZER))
+    shutil.copyfile(tokenizer, recorded)
+  if side_files:
+    os.makedirs(workdir_lib.path(workdir, workdir_lib.HF_FILES))
+    for source in side_files:
+      target = os.path.join(
+        workdir_lib.path(workdir, workdir_lib.HF_FILES), os.path.basename(source)
+      )
+      shutil.copyfile(source, target)
   leaves = rules.import_leaves(tensor_rules)
   with lock_lib.WorkdirLock(workdir):
     trainer = step_lib.build_trainer(cfg, mesh_lib.build_mesh(cfg.mesh))
@@ -218,8 +286,13 @@ def import_hf(hf_dir: str, workdir: str, *, tokenizer: str = '', seq_len: int = 
     atomic.write_json(workdir_lib.path(workdir, workdir_lib.HF_CONFIG), hf)
     atomic.write_text(workdir_lib.path(workdir, workdir_lib.CONFIG), portable)
   count = sum(int(np.prod(leaf.shape)) for leaf in leaves)
-  recorded = os.path.join(workdir, workdir_lib.TOKENIZER) if tokenizer else ''
-  return {'step': 0, 'params': count, 'config': cfg, 'tokenizer': recorded}
+  return {
+    'step': 0,
+    'params': count,
+    'config': cfg,
+    'tokenizer': recorded,
+    'left_behind': sorted(ignored),
+  }
 
 
 def _initial_state(trainer, leaves: list[rules.Leaf], read):
@@ -269,16 +342,56 @@ def _zero_init(optimizer, shapes) -> None:
     )
 
 
+# What `--dtype` names: the floating dtypes HF checkpoints are released in.
+EXPORT_DTYPES = {
+  'float32': np.dtype(np.float32),
+  'bfloat16': np.dtype(ml_dtypes.bfloat16),
+  'float16': np.dtype(np.float16),
+}
+
+
+def export_dtype(dtype: str, base: dict | None, param_dtype: str) -> str:
+  """The dtype an export writes the parameters in: `dtype` if given, else the
+  imported checkpoint's own (`base`'s `dtype`, or the older `torch_dtype`),
+  else the run's model.param_dtype.
+
+  Training keeps fp32 master weights (model.param_dtype) whatever a checkpoint
+  was released in; its own dtype is what a user of the export expects back,
+  and a round trip of a bf16 checkpoint is then bit-identical (bf16 -> fp32 is
+  exact, and back).
+
+  `dtype` is one of EXPORT_DTYPES or '' (export_hf checks it first).
+  """
+  if dtype:
+    return dtype
+  for key in ('dtype', 'torch_dtype'):
+    if (base or {}).get(key) in EXPORT_DTYPES:
+      return base[key]
+  return param_dtype
+
+
 def export_hf(
-  workdir: str, out_dir: str, *, max_shard_bytes: int = MAX_SHARD_BYTES, drop_mtp: bool = False
+  workdir: str,
+  out_dir: str,
+  *,
+  max_shard_bytes: int = MAX_SHARD_BYTES,
+  drop_mtp: bool = False,
+  dtype: str = '',
 ) -> dict:
-  """Writes the latest checkpoint of a llama, mixtral or deepseek workdir as an
-  HF checkpoint directory; `drop_mtp`: a deepseek's MTP modules are left
-  behind (no HF class holds them; without it such a model is refused).
+  """Writes the latest checkpoint of a llama, mixtral, deepseek or gemma3 workdir
+  as an HF checkpoint directory; `drop_mtp`: a deepseek's MTP modules are left
+  behind (no HF class holds them; without it such a model is refused); `dtype`:
+  see `export_dtype` (parameters the model keeps in fp32 whatever its dtype,
+  DeepSeek's router, stay fp32). config.json's dtype says what was written.
+  An import's other HF files (DIR/hf_files: tokenizer_config.json,
+  generation_config.json, ...) and the run's tokenizer are written beside.
 
   Returns:
-    {'step': the checkpoint's step, 'files': names written, 'architecture': HF's class name}
+    {'step': the checkpoint's step, 'files': names written, 'architecture': HF's class name,
+     'dtype': the parameters' dtype}
   """
+  if dtype and dtype not in EXPORT_DTYPES:
+    raise ConfigError('--dtype', f'{dtype!r}: give {", ".join(EXPORT_DTYPES)}, or leave it out')
   _return_freed_buffers()
   cfg = workdir_lib.load_config(workdir)
   converter = _for_family(cfg.model.family, workdir)
@@ -287,38 +400,89 @@ def export_hf(
   base = None
   if os.path.isfile(workdir_lib.path(workdir, workdir_lib.HF_CONFIG)):
     base = _read_json(workdir_lib.path(workdir, workdir_lib.HF_CONFIG), '--workdir')
+  written = export_dtype(dtype, base, cfg.model.param_dtype)
   exported = cfg.model
   if drop_mtp and exported.get('mtp_depth'):
     exported = ml_collections.ConfigDict(exported.to_dict())
     exported.mtp_depth = 0  # the model HF's class holds: its head without the MTP modules
   # Before anything is read or written: a model no HF class holds is refused here.
   hf_config = converter.hf_config(exported, base)
+  hf_config.pop('torch_dtype', None)
+  # transformers 5 writes `dtype`, older ones `torch_dtype`; both read either.
+  hf_config['dtype' if base is None or 'dtype' in base else 'torch_dtype'] = written
   reader, shapes = workdir_lib.params_reader(workdir, cfg)  # checked as a resume checks it
   tensor_rules = converter.tensor_rules(exported, np.dtype(exported.param_dtype), hf_config)
+  created = not os.path.exists(out_dir)
   os.makedirs(out_dir, exist_ok=True)
-  specs = rules.export_specs(tensor_rules, lambda path: rules.get(shapes, path).dtype)
+  param_dtype = np.dtype(exported.param_dtype)
+
+  def dtype_of(path):
+    stored = np.dtype(rules.get(shapes, path).dtype)
+    return EXPORT_DTYPES[written] if stored == param_dtype else stored
+
+  specs = rules.export_specs(tensor_rules, dtype_of)
+  dtypes = {name: spec_dtype for name, _, spec_dtype in specs}
   writer = files_lib.ShardWriter(out_dir, specs, max_shard_bytes)
-  for rule in tensor_rules:
-    # The rule's leaves block by block, in step: each block index is one HF tensor.
-    stored = [reader.blocks(path, rule.names.ndim) for path in rule.paths]
-    for blocks in zip(*stored):
-      writer.write(rule.names[blocks[0][0]], rule.to_hf(*(block for _, block in blocks)))
+  try:
+    for rule in tensor_rules:
+      # The rule's leaves block by block, in step: each block index is one HF tensor.
+      stored = [reader.blocks(path, rule.names.ndim) for path in rule.paths]
+      for blocks in zip(*stored):
+        name = rule.names[blocks[0][0]]
+        tensor = rule.to_hf(*(block for _, block in blocks))
+        writer.write(name, _cast(name, tensor, dtypes[name], written))
+  except ConfigError:
+    # out_dir was empty or absent: everything in it is this export's (the
+    # writer holds no file open between writes).
+    for name in os.listdir(out_dir):
+      os.remove(os.path.join(out_dir, name))
+    if created:
+      os.rmdir(out_dir)
+    raise
   writer.close()
   atomic.write_json(os.path.join(out_dir, 'config.json'), hf_config)
+  kept = workdir_lib.path(workdir, workdir_lib.HF_FILES)
+  for name in sorted(os.listdir(kept)) if os.path.isdir(kept) else ():
+    shutil.copyfile(os.path.join(kept, name), os.path.join(out_dir, name))
   tok = _run_tokenizer_file(workdir, cfg)
   if tok is not None:
-    name = 'tokenizer.model' if tok.endswith('.model') else workdir_lib.TOKENIZER
-    shutil.copyfile(tok, os.path.join(out_dir, name))
+    shutil.copyfile(tok, os.path.join(out_dir, _tokenizer_name(tok)))
   for name in os.listdir(out_dir):
     # safetensors writes 0600; a checkpoint to share reads as HF's do.
     os.chmod(os.path.join(out_dir, name), 0o644)
   architecture = hf_config['architectures'][0]
-  return {'step': reader.step, 'files': sorted(os.listdir(out_dir)), 'architecture': architecture}
+  return {
+    'step': reader.step,
+    'files': sorted(os.listdir(out_dir)),
+    'architecture': architecture,
+    'dtype': written,
+  }
+
+
+def _cast(name: str, tensor: np.ndarray, dtype: np.dtype, written: str) -> np.ndarray:
+  """`tensor` as `dtype`.
+
+  Raises:
+    ConfigError('--dtype', ...): float16, whose range (65504) is fp32's and
+      bfloat16's in nothing, would turn a value of it into an infinity.
+  """
+  with np.errstate(over='ignore'):  # an overflow is refused below, with its name
+    out = tensor.astype(dtype, copy=False)
+  if dtype == np.float16 and not np.isfinite(out).all() and np.isfinite(tensor).all():
+    largest = float(np.max(np.abs(tensor)))
+    raise ConfigError(
+      '--dtype',
+      f"{name} holds {largest:g}, past {written}'s range: export bfloat16 or float32 "
+      '(nothing was written)',
+    )
+  return out
 
 
 def _run_tokenizer_file(workdir: str, cfg) -> str | None:
   """The file of the run's tokenizer (as workdir.tokenizer picks it), if it has one."""
   if cfg.data.tokenizer != tokenizer_lib.BYTES:
     return cfg.data.tokenizer if os.path.isfile(cfg.data.tokenizer) else None
-  recorded = os.path.join(workdir, workdir_lib.TOKENIZER)
-  return recorded if os.path.isfile(recorded) else None
+  for name in (workdir_lib.TOKENIZER, workdir_lib.TOKENIZER_MODEL):
+    if os.path.isfile(os.path.join(workdir, name)):
+      return os.path.join(workdir, name)
+  return None

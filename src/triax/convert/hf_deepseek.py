@@ -379,10 +379,11 @@ def _tensor_rule(rule: _Rule, layers: list[int], parent: tuple[str, ...], m, dty
   )
 
 
-def ignored(names, model_cfg) -> set[str]:
+def ignored(names, model_cfg, hf: Mapping | None = None) -> set[str]:
   """What an import leaves out of `names` (a checkpoint's tensors): layers past
   num_hidden_layers (DeepSeek-V3's MTP module) and rotary inverse
   frequencies some exports include."""
+  del hf
   out = set()
   for name in names:
     layer = _LAYER.match(name)

@@ -11,6 +11,14 @@ as stored, w of 1 + w): `input_layernorm` -> 'attn_norm', `post_attention_layern
 sliding_attention, or the older `rope_local_base_freq`) must be unscaled. Logit
 soft-capping (Gemma 2's) is refused: Gemma 3 has none.
 
+Gemma 3's multimodal checkpoints (4B and larger: `Gemma3ForConditionalGeneration`,
+model_type gemma3) import their text model: its config is `text_config` (over
+Gemma3TextConfig's defaults, which the Hub's files leave out), its tensors are under
+`language_model.model.` (as the Hub stores them and transformers 5 writes them), and the
+vision tower and its projector (`vision_tower.`, `multi_modal_projector.`) are left
+behind. Such a run exports as `Gemma3ForCausalLM`, the text model, which transformers
+reads as the language model of the original.
+
 Everything here is numpy and data: convert/hf_checkpoint.py streams the tensors through it.
 """
 
@@ -24,9 +32,54 @@ from triax import config as config_lib
 from triax.convert import hf_llama, rules
 from triax.errors import ConfigError
 
-MODEL_TYPES = {'gemma3_text': ('gemma3', 'Gemma3ForCausalLM')}
+MODEL_TYPES = {
+  'gemma3_text': ('gemma3', 'Gemma3ForCausalLM'),
+  'gemma3': ('gemma3', 'Gemma3ForConditionalGeneration'),
+}
 FAMILIES = ('gemma3',)
 _KIND = 'gemma3_text'
+_MULTIMODAL = 'gemma3'
+# Where a multimodal checkpoint keeps its text model, and what it holds besides.
+_TEXT_PREFIX = 'language_model.'
+_VISION_PREFIXES = ('vision_tower.', 'multi_modal_projector.')
+# Gemma3TextConfig's defaults (transformers) of the keys read here: the Hub's
+# multimodal config.json states only those its text model changes.
+_TEXT_DEFAULTS = {
+  'vocab_size': 262208,
+  'hidden_size': 2304,
+  'intermediate_size': 9216,
+  'num_hidden_layers': 26,
+  'num_attention_heads': 8,
+  'num_key_value_heads': 4,
+  'head_dim': 256,
+  'query_pre_attn_scalar': 256,
+  'sliding_window': 4096,
+  'sliding_window_pattern': 6,
+  'rms_norm_eps': 1e-6,
+  'max_position_embeddings': 131072,
+  'rope_theta': 1_000_000.0,
+  'rope_local_base_freq': 10_000.0,
+}
+
+
+def _multimodal(hf: Mapping | None) -> bool:
+  return (hf or {}).get('model_type') == _MULTIMODAL
+
+
+def text_config(hf: Mapping) -> dict:
+  """The text model's config of an HF Gemma 3 config: itself (gemma3_text), or a
+  multimodal one's `text_config` over Gemma3TextConfig's defaults, with the top
+  level's tie_word_embeddings and dtype."""
+  if not _multimodal(hf):
+    return dict(hf)
+  text = hf.get('text_config') or {}
+  out = {**_TEXT_DEFAULTS, **text}
+  for key in ('tie_word_embeddings', 'dtype', 'torch_dtype'):
+    if key in hf and key not in text:
+      out[key] = hf[key]
+  return out
+
+
 # HF config keys that must hold these values: what triax's gemma3 runs.
 _REQUIRED = {
   'hidden_activation': 'gelu_pytorch_tanh',
@@ -45,6 +98,7 @@ def model_config(hf: Mapping, seq_len: int) -> dict:
   Raises:
     ConfigError('--hf_dir', ...): a variant triax does not run.
   """
+  hf = text_config(hf)
   for key, value in _REQUIRED.items():
     if hf.get(key, value) != value:
       raise ConfigError('--hf_dir', f'config.json: {key}={hf[key]!r}; triax runs {value!r} only')
@@ -121,9 +175,12 @@ def _number(x: float):
 
 def hf_config(model_cfg, base: Mapping | None = None) -> dict:
   """An HF Gemma3TextConfig dict for config.model, over `base` (the imported
-  checkpoint's own config.json, so its token ids and the like survive)."""
+  checkpoint's own config.json, so its token ids and the like survive; a
+  multimodal one's text model: `text_config`)."""
   m = model_cfg
-  out = dict(base or {})
+  out = text_config(base) if base else {}
+  for key in ('_sliding_window_pattern', 'rope_local_base_freq', 'sliding_window_pattern'):
+    out.pop(key, None)
   stale = ('rope_parameters', 'rope_scaling', 'rope_theta', 'rope_local_base_freq')
   for key in stale + ('sliding_window_pattern',):  # layer_types says the pattern
     out.pop(key, None)
@@ -160,9 +217,9 @@ def hf_config(model_cfg, base: Mapping | None = None) -> dict:
   return out
 
 
-def _layer_names(i: int) -> dict[str, str]:
+def _layer_names(i: int, prefix: str) -> dict[str, str]:
   """Layer i's HF tensor name of each triax layer key, in HF's order."""
-  p = f'model.layers.{i}.'
+  p = f'{prefix}model.layers.{i}.'
   return {
     'attn_norm': p + 'input_layernorm.weight',
     'wq': p + 'self_attn.q_proj.weight',
@@ -201,13 +258,15 @@ def _shapes(m) -> dict[str, tuple[int, ...]]:
 
 def tensor_rules(model_cfg, dtype, hf: Mapping | None = None) -> list[rules.TensorRule]:
   """The HF tensors of a gemma3 config <-> its parameter leaves, imported as
-  `dtype` (convert/rules.py); `hf`, the checkpoint's config.json, is not read."""
-  del hf
+  `dtype` (convert/rules.py); `hf`, the checkpoint's config.json, says where
+  they are (a multimodal one's under `language_model.`)."""
   m = model_cfg
-  layers = [_layer_names(i) for i in range(m.num_layers)]
+  prefix = _TEXT_PREFIX if _multimodal(hf) else ''
+  layers = [_layer_names(i, prefix) for i in range(m.num_layers)]
   shapes = _shapes(m)
   table = (m.vocab_size, m.d_model)
-  out = [rules.reshaped('model.embed_tokens.weight', ('embed', 'tokens'), table, dtype, table)]
+  embed = prefix + 'model.embed_tokens.weight'
+  out = [rules.reshaped(embed, ('embed', 'tokens'), table, dtype, table)]
   for key in layers[0]:
     names, path, shape = [names[key] for names in layers], ('layers', key), shapes[key]
     if len(shape) == 1:
@@ -215,13 +274,18 @@ def tensor_rules(model_cfg, dtype, hf: Mapping | None = None) -> list[rules.Tens
     else:
       # wo's inputs are its (head, head_dim) dims
       out.append(rules.linear(names, path, shape, dtype, ins=2 if key == 'wo' else 1))
-  out.append(rules.reshaped('model.norm.weight', ('head', 'norm'), (m.d_model,), dtype))
+  out.append(rules.reshaped(prefix + 'model.norm.weight', ('head', 'norm'), (m.d_model,), dtype))
   return out
 
 
-def ignored(names, model_cfg) -> set[str]:
-  """What an import leaves out of `names`: the tied table's copy as lm_head.weight."""
-  return hf_llama.ignored(names, model_cfg)
+def ignored(names, model_cfg, hf: Mapping | None = None) -> set[str]:
+  """What an import leaves out of `names`: the tied table's copy as lm_head.weight;
+  a multimodal checkpoint's vision tower and projector, and its lm_head copy."""
+  out = hf_llama.ignored(names, model_cfg)
+  if _multimodal(hf):
+    copy = _TEXT_PREFIX + 'lm_head.weight'
+    out |= {n for n in names if n.startswith(_VISION_PREFIXES) or n == copy}
+  return out
 
 
 def params_to_hf(params: Mapping, model_cfg, hf: Mapping | None = None) -> dict[str, np.ndarray]:

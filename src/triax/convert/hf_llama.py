@@ -507,11 +507,11 @@ def tensor_rules(model_cfg, dtype, hf: Mapping | None = None) -> list[rules.Tens
   return out
 
 
-def ignored(names, model_cfg) -> set[str]:
+def ignored(names, model_cfg, hf: Mapping | None = None) -> set[str]:
   """What an import leaves out of `names` (a checkpoint's tensors): a tied
   checkpoint's copy of the table as lm_head.weight, and rotary inverse
   frequencies some exports include."""
-  del model_cfg
+  del model_cfg, hf
   return {n for n in names if n == 'lm_head.weight' or n.endswith('rotary_emb.inv_freq')}
 
 

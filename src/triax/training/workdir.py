@@ -13,7 +13,10 @@
     triax_manifest.json    the size and CRC-32 of every file of the step
   DIR/checkpoints_damaged/STEP/      damaged steps a --restore_fallback resume set aside
   DIR/checkpoints_rolled_back/STEP/  checkpoints a rollback set aside
-  DIR/tokenizer.json       an import's tokenizer (triax convert)
+  DIR/tokenizer.json       an import's tokenizer (triax convert; a sentencepiece one:
+  DIR/tokenizer.model        tokenizer.model)
+  DIR/hf_files/            an import's other HF files (tokenizer_config.json,
+                           generation_config.json, ...), which an export writes back
   DIR/hf_config.json       an import's HF config (export keeps its ids)
   DIR/triax.lock           who is writing the workdir (training/lock.py)
   DIR/elastic.jsonl        one record per restart of `triax supervise` (elastic/supervisor.py)
@@ -51,6 +54,8 @@ MANIFEST = 'triax_manifest.json'  # in each DIR/checkpoints/STEP/
 DAMAGED = 'checkpoints_damaged'
 ROLLED_BACK = 'checkpoints_rolled_back'
 TOKENIZER = 'tokenizer.json'
+TOKENIZER_MODEL = 'tokenizer.model'
+HF_FILES = 'hf_files'
 HF_CONFIG = 'hf_config.json'
 LOCK = 'triax.lock'
 ELASTIC = 'elastic.jsonl'
@@ -73,6 +78,8 @@ NAMES = (
   DAMAGED,
   ROLLED_BACK,
   TOKENIZER,
+  TOKENIZER_MODEL,
+  HF_FILES,
   HF_CONFIG,
   LOCK,
   ELASTIC,
