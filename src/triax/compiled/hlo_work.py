@@ -408,12 +408,24 @@ class _Module:
     return work
 
   def fused(self, name: str) -> Work:
-    """A fused computation's matmul FLOPs (its bytes are its fusion's)."""
+    """A fused computation's matmul FLOPs and collectives (its bytes are its
+    fusion's). XLA:TPU fuses a reduce-scatter as an all-reduce and a slice of
+    its result (a kCustom fusion calling `all-reduce-scatter...`): it counts as
+    a reduce-scatter of the all-reduce's operand."""
     if name not in self._fused:
       total = Work()
       for inst in self.computations[name]:
         if inst.opcode == 'fusion':
           total.add(self.fused(_CALLED['calls'].search(inst.attrs).group(1)))
+        base = inst.opcode.removesuffix('-start')
+        if base in COLLECTIVES:
+          kind = 'reduce-scatter' if name.startswith('all-reduce-scatter') else base
+          by = (
+            inst.type
+            if base in _BY_OUTPUT
+            else ''.join(self.types.get(o, '') for o in inst.operands)
+          )
+          total.add(Work(collective_bytes={kind: _bytes(by)}, collective_counts={kind: 1}))
         flops = self.matmul_flops(inst)
         if flops:
           total.add(Work(flops=flops, flops_by_op={inst.op_name: flops}))
