@@ -15,7 +15,10 @@ Rows, three kinds:
   is involved: libtpu 0.0.52 refuses jax 0.12's Pallas kernels (MaxText's
   splash and flash attention: a `debug_locations` field, then an unknown
   Mosaic attribute), and a Pallas call carries at best a cost estimate; here
-  every matmul of both steps is counted. Only these rows have both columns.
+  every matmul of both steps is counted. Only these rows have both columns
+  (pp4_zb has no MaxText counterpart). `NAME_loop_xla_attn`: the pipelined
+  ones with `pipeline.edge_grads=loop` (bench_tpu_compile's EDGE_ROWS), triax
+  only, to set against NAME_xla_attn's MaxText column.
 - `NAME`: the row as bench_tpu_compile compiles it (splash attention), triax
   only, in triax's venv: splash's calls are opaque (their FLOPs not counted).
 - `gpu-NAME`: bench_gpu_compile.py's rows (XLA:GPU h100, XLA attention),
@@ -72,6 +75,12 @@ def rows() -> dict[str, Row]:
     xla = config.replace('attention=splash', 'attention=xla')
     mt_xla = None if mt is None else {**mt, 'attention': 'dot_product'}
     out[f'{name}{XLA_ATTN}'] = Row(what, 'tpu', topology, (xla, overrides), mt_xla, True, name)
+  # pipeline.edge_grads=loop on the pipelined rows (no edge rows after the
+  # loop: the last stage makes the head's weight gradient in it), triax only.
+  for name, (what, topology, (config, overrides), base) in tpu.EDGE_ROWS.items():
+    xla = config.replace('attention=splash', 'attention=xla')
+    what = f'{what}, edge gradients in the loop'
+    out[f'{name}{XLA_ATTN}'] = Row(what, 'tpu', topology, (xla, overrides), None, True, base)
   for name, (what, topology, triax, _) in tpu.ROWS.items():
     out[name] = Row(what, 'tpu', topology, triax, None, False, name)
   for name, (what, topology, triax) in gpu.ROWS.items():
@@ -267,9 +276,13 @@ def work_table(results: dict) -> list[str]:
       "bench_tpu_compile's rows (the same mesh, layout, schedule, remat, batch and",
       "topology) with XLA's own attention on both sides (triax `attention=xla`, MaxText",
       '`attention=dot_product`): no Pallas kernel, so every matmul of both steps is counted',
-      f'and MaxText compiles (its splash kernels do not on this libtpu). One compiler: {compiler},',
-      "MaxText's venv, triax from src/. Cells are triax / MaxText; *triax - MaxText* is the",
-      'executed TFLOPs triax runs beyond MaxText per device (mean; busiest in brackets).',
+      'and MaxText compiles (its splash kernels do not on this libtpu). One compiler:',
+      f"MaxText's venv ({compiler}), triax from src/. Cells are triax / MaxText;",
+      '*triax - MaxText* is the executed TFLOPs triax runs beyond MaxText per device (mean;',
+      "busiest in brackets). Rows named `_loop_` make the edges' gradients in the tick loop",
+      '(`pipeline.edge_grads=loop`; triax only, against the MaxText column of the row',
+      "without `_loop`): no edge rows after the loop, so their mean is the unpipelined rows'",
+      "and the last stage makes the head's weight gradient.",
       '',
       '| row | what | executed TFLOP | model TFLOP | executed/model | bytes GiB '
       '| collective GiB | triax - MaxText TFLOP |',
@@ -348,8 +361,11 @@ def run(args) -> None:
   if os.path.exists(args.results):
     with open(args.results) as f:
       results = json.load(f)
+  order = {name: k for k, name in enumerate(table)}
   for name in names:
     results[name] = run_row(name, table[name], args.skip_maxtext)
+    # In rows()' order: XLA attention on both sides, then triax's own rows.
+    results = dict(sorted(results.items(), key=lambda kv: order.get(kv[0], len(order))))
     with open(args.results, 'w') as f:
       json.dump(results, f, indent=1)
       f.write('\n')
