@@ -394,7 +394,9 @@ class _Module:
       work.collective_bytes = {base: moved}
       work.collective_counts = {base: 1}
     if op == 'fusion':
-      work.add(self.fused(_CALLED['calls'].search(inst.attrs).group(1)))
+      called = _CALLED['calls'].search(inst.attrs).group(1)
+      work.add(self.fused(called))
+      work.bytes -= self.in_place_excess(inst, called)
     elif op == 'custom-call':
       flops = self.custom_flops(inst)
       if flops is None:
@@ -406,6 +408,29 @@ class _Module:
       if flops:
         work.flops, work.flops_by_op = flops, {inst.op_name: flops}
     return work
+
+  def in_place_excess(self, inst: _Inst, called: str) -> float:
+    """The bytes a fusion's operands and output overstate where its root
+    updates a parameter in place (a dynamic-update-slice, or a tuple of them):
+    such a buffer is read and written a slice at a time (the update's bytes
+    each way, as XLA's cost analysis counts a dynamic-update-slice), not whole."""
+    body = self.computations[called]
+    if not body:
+      return 0.0
+    params = {i.name: int(i.args) for i in body if i.opcode == 'parameter' and i.args.isdigit()}
+    by_name = {i.name: i for i in body}
+    root = body[-1]  # XLA prints a computation's root last
+    updates = [by_name.get(o) for o in root.operands] if root.opcode == 'tuple' else [root]
+    excess = 0.0
+    for dus in updates:
+      if dus is None or dus.opcode != 'dynamic-update-slice' or dus.operands[0] not in params:
+        continue
+      k = params[dus.operands[0]]
+      if k >= len(inst.operands):
+        continue
+      whole = _bytes(self.types.get(inst.operands[k], ''))
+      excess += 2 * (whole - _bytes(self.types.get(dus.operands[1], '')))
+    return max(excess, 0.0)
 
   def fused(self, name: str) -> Work:
     """A fused computation's matmul FLOPs and collectives (its bytes are its
