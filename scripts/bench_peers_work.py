@@ -55,6 +55,9 @@ from bench_harness import ROOT
 BENCH = tpu.BENCH
 RESULTS = os.path.join(ROOT, 'docs', 'bench_peers_work.json')
 MAXTEXT_VENV = os.path.join(BENCH, 'maxtext-venv')
+# hlo_work's rules a row was counted by: 2 counts fused reduce-scatters (XLA:TPU's)
+# and in-place updates by their slice; rows without it were counted before.
+COUNTING = 2
 # The suffix of the rows compiled with XLA's attention on both sides.
 XLA_ATTN = '_xla_attn'
 
@@ -183,6 +186,7 @@ def run_row(name: str, row: Row, skip_maxtext: bool) -> dict:
   cfg = tpu.row_config(config, overrides, chips)
   figures = model_flops(cfg, chips)
   out = {'what': row.what, 'platform': row.platform, 'topology': row.topology, 'devices': chips}
+  out['counting'] = COUNTING
   out['model_flops'], out['hardware_flops'] = figures['model'], figures['hardware']
   python, env = sys.executable, None
   if row.same_compiler:
@@ -320,15 +324,24 @@ def work_table(results: dict) -> list[str]:
     '| collective GiB | opaque kernels | unweighted conds |',
     '|---|---|---|---|---|---|---|---|---|',
   ]
+  stale = 0
   for name, row in results.items():
     if not isinstance(row, dict) or 'model_flops' not in row or name in both:
       continue
     w = row['triax']
+    old = '' if row.get('counting') == COUNTING else ' *'
+    stale += bool(old)
     lines.append(
       f'| {name} | {row["what"]} | {_tflop(w)} | {row["model_flops"] / 1e12:.2f} '
-      f'| {w["executed_over_model"]:.3f} | {w["bytes"] / 2**30:.1f} | {_collective(w):.2f} '
+      f'| {w["executed_over_model"]:.3f} | {w["bytes"] / 2**30:.1f}{old} | {_collective(w):.2f}{old} '
       f'| {w["opaque_calls"]:.0f} | {w["unweighted_conditionals"]} |'
     )
+  if stale:
+    lines += [
+      '',
+      '\\* Counted by an older compiled/hlo_work.py (its dump is not kept): whole buffers for',
+      'in-place updates (bytes too high), and on XLA:TPU no fused reduce-scatters.',
+    ]
   return lines
 
 
