@@ -170,3 +170,64 @@ def test_a_convolution_counts_its_valid_window_positions_as_xla_does(case):
   compiled = jax.jit(conv).lower(jnp.ones(lhs), jnp.ones(rhs)).compile()
   assert 'convolution(' in compiled.as_text()
   assert hlo_work.work(compiled.as_text()).flops == compiled.cost_analysis()['flops']
+
+
+# XLA:TPU's reduce-scatter: a kCustom fusion of an all-reduce and a slice of it.
+_TPU_REDUCE_SCATTER = """HloModule m, entry_computation_layout={(bf16[64,32]{1,0})->bf16[16,32]{1,0}}
+
+%add (a: bf16[], b: bf16[]) -> bf16[] {
+  %a = bf16[] parameter(0)
+  %b = bf16[] parameter(1)
+  ROOT %s = bf16[] add(%a, %b)
+}
+
+%all-reduce-scatter.clone (input: bf16[64,32]) -> bf16[16,32] {
+  %input = bf16[64,32]{1,0} parameter(0)
+  %all-reduce.1 = bf16[64,32]{1,0} all-reduce(%input), channel_id=1, replica_groups={{0,1,2,3}}, to_apply=%add
+  %zero = u32[] constant(0)
+  %id = u32[] partition-id()
+  ROOT %slice = bf16[16,32]{1,0} dynamic-slice(%all-reduce.1, %id, %zero), dynamic_slice_sizes={16,32}
+}
+
+ENTRY %main (p: bf16[64,32]) -> bf16[16,32] {
+  %p = bf16[64,32]{1,0} parameter(0)
+  ROOT %fusion.1 = bf16[16,32]{1,0} fusion(%p), kind=kCustom, calls=%all-reduce-scatter.clone
+}
+"""
+
+
+@pytest.mark.fast
+def test_a_tpu_reduce_scatter_fusion_counts_as_a_reduce_scatter_of_its_operand():
+  w = hlo_work.work(_TPU_REDUCE_SCATTER)
+  assert w.collective_bytes == {'reduce-scatter': 64 * 32 * 2}
+  assert w.collective_counts == {'reduce-scatter': 1}
+  assert w.bytes == (64 + 16) * 32 * 2  # the fusion's operand and output, not its inside
+
+
+# A fusion that adds into one row of a buffer in place (a stacked accumulator's layer).
+_IN_PLACE = """HloModule m, entry_computation_layout={(f32[8,64]{1,0}, f32[1,64]{1,0}, s32[])->f32[8,64]{1,0}}
+
+%fused_add (param_0: f32[8,64], param_1: f32[1,64], param_2: s32[]) -> f32[8,64] {
+  %param_0 = f32[8,64]{1,0} parameter(0)
+  %param_2 = s32[] parameter(2)
+  %zero = s32[] constant(0)
+  %row = f32[1,64]{1,0} dynamic-slice(%param_0, %param_2, %zero), dynamic_slice_sizes={1,64}
+  %param_1 = f32[1,64]{1,0} parameter(1)
+  %sum = f32[1,64]{1,0} add(%row, %param_1)
+  ROOT %dus = f32[8,64]{1,0} dynamic-update-slice(%param_0, %sum, %param_2, %zero)
+}
+
+ENTRY %main (acc: f32[8,64], g: f32[1,64], k: s32[]) -> f32[8,64] {
+  %acc = f32[8,64]{1,0} parameter(0)
+  %g = f32[1,64]{1,0} parameter(1)
+  %k = s32[] parameter(2)
+  ROOT %fusion.1 = f32[8,64]{1,0} fusion(%acc, %g, %k), kind=kLoop, calls=%fused_add
+}
+"""
+
+
+@pytest.mark.fast
+def test_an_in_place_update_counts_the_slice_it_reads_and_writes_not_the_buffer():
+  row = 64 * 4
+  # The row read and written, the update read, the index.
+  assert hlo_work.work(_IN_PLACE).bytes == 2 * row + row + 4

@@ -394,7 +394,9 @@ class _Module:
       work.collective_bytes = {base: moved}
       work.collective_counts = {base: 1}
     if op == 'fusion':
-      work.add(self.fused(_CALLED['calls'].search(inst.attrs).group(1)))
+      called = _CALLED['calls'].search(inst.attrs).group(1)
+      work.add(self.fused(called))
+      work.bytes -= self.in_place_excess(inst, called)
     elif op == 'custom-call':
       flops = self.custom_flops(inst)
       if flops is None:
@@ -407,13 +409,48 @@ class _Module:
         work.flops, work.flops_by_op = flops, {inst.op_name: flops}
     return work
 
+  def in_place_excess(self, inst: _Inst, called: str) -> float:
+    """The bytes a fusion's operands and output overstate where its root
+    updates a parameter in place (a dynamic-update-slice, or a tuple of them):
+    such a buffer is read and written a slice at a time (the update's bytes
+    each way, as XLA's cost analysis counts a dynamic-update-slice), not whole."""
+    body = self.computations[called]
+    if not body:
+      return 0.0
+    params = {i.name: int(i.args) for i in body if i.opcode == 'parameter' and i.args.isdigit()}
+    by_name = {i.name: i for i in body}
+    root = body[-1]  # XLA prints a computation's root last
+    updates = [by_name.get(o) for o in root.operands] if root.opcode == 'tuple' else [root]
+    excess = 0.0
+    for dus in updates:
+      if dus is None or dus.opcode != 'dynamic-update-slice' or dus.operands[0] not in params:
+        continue
+      k = params[dus.operands[0]]
+      if k >= len(inst.operands):
+        continue
+      whole = _bytes(self.types.get(inst.operands[k], ''))
+      excess += 2 * (whole - _bytes(self.types.get(dus.operands[1], '')))
+    return max(excess, 0.0)
+
   def fused(self, name: str) -> Work:
-    """A fused computation's matmul FLOPs (its bytes are its fusion's)."""
+    """A fused computation's matmul FLOPs and collectives (its bytes are its
+    fusion's). XLA:TPU fuses a reduce-scatter as an all-reduce and a slice of
+    its result (a kCustom fusion calling `all-reduce-scatter...`): it counts as
+    a reduce-scatter of the all-reduce's operand."""
     if name not in self._fused:
       total = Work()
       for inst in self.computations[name]:
         if inst.opcode == 'fusion':
           total.add(self.fused(_CALLED['calls'].search(inst.attrs).group(1)))
+        base = inst.opcode.removesuffix('-start')
+        if base in COLLECTIVES:
+          kind = 'reduce-scatter' if name.startswith('all-reduce-scatter') else base
+          by = (
+            inst.type
+            if base in _BY_OUTPUT
+            else ''.join(self.types.get(o, '') for o in inst.operands)
+          )
+          total.add(Work(collective_bytes={kind: _bytes(by)}, collective_counts={kind: 1}))
         flops = self.matmul_flops(inst)
         if flops:
           total.add(Work(flops=flops, flops_by_op={inst.op_name: flops}))
