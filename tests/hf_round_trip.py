@@ -46,6 +46,18 @@ def import_sharded(model, base):
   return hf_dir, workdir, hf_checkpoint.import_hf(hf_dir, workdir)
 
 
+def imported(model, tmp_path_factory):
+  """A module fixture's (model, hf_dir, workdir, import result): `model`
+  saved sharded by transformers and imported by triax."""
+  hf_dir, workdir, result = import_sharded(model, tmp_path_factory.mktemp('hf'))
+  return model, hf_dir, workdir, result
+
+
+def tokens(length: int, batch: int = 2, seed: int = 0) -> np.ndarray:
+  """Random token ids [batch, length] below 256, which every test vocabulary holds."""
+  return np.random.default_rng(seed).integers(0, 256, (batch, length)).astype(np.int32)
+
+
 def check_logits(model, workdir, result, tokens):
   """The import (`result`) holds the model's parameters and gives its logits to 1e-4."""
   import torch

@@ -82,8 +82,7 @@ def _hf_model(name='q_lora', **overrides):
 @pytest.fixture(scope='module', params=list(MODELS))
 def imported(request, tmp_path_factory):
   model = _hf_model(request.param)
-  hf_dir, workdir, result = hf_round_trip.import_sharded(model, tmp_path_factory.mktemp('hf'))
-  return model, hf_dir, workdir, result
+  return hf_round_trip.imported(model, tmp_path_factory)
 
 
 def _name(imported) -> str:
@@ -91,7 +90,7 @@ def _name(imported) -> str:
 
 
 def _tokens(batch=2, length=SEQ, seed=0):
-  return np.random.default_rng(seed).integers(0, 256, (batch, length)).astype(np.int32)
+  return hf_round_trip.tokens(length, batch, seed)
 
 
 def test_import_gives_transformers_logits(imported):

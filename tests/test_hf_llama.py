@@ -64,8 +64,7 @@ def _hf_model(tie=False, vocab_size=256):
 @pytest.fixture(scope='module')
 def imported(tmp_path_factory):
   model = _hf_model()
-  hf_dir, workdir, result = hf_round_trip.import_sharded(model, tmp_path_factory.mktemp('hf'))
-  return model, hf_dir, workdir, result
+  return hf_round_trip.imported(model, tmp_path_factory)
 
 
 def _tokens(batch=2):

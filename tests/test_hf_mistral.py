@@ -48,12 +48,11 @@ def _config(**overrides):
 @pytest.fixture(scope='module')
 def imported(tmp_path_factory):
   model = hf_round_trip.random_model(transformers.MistralForCausalLM, _config())
-  hf_dir, workdir, result = hf_round_trip.import_sharded(model, tmp_path_factory.mktemp('hf'))
-  return model, hf_dir, workdir, result
+  return hf_round_trip.imported(model, tmp_path_factory)
 
 
 def _tokens(batch=2, length=SEQ, seed=0):
-  return np.random.default_rng(seed).integers(0, 256, (batch, length)).astype(np.int32)
+  return hf_round_trip.tokens(length, batch, seed)
 
 
 def test_import_gives_transformers_logits(imported):

@@ -9,7 +9,6 @@ Nothing is downloaded.
 """
 
 import hf_round_trip
-import numpy as np
 import pytest
 
 torch = pytest.importorskip('torch')
@@ -46,12 +45,11 @@ def _hf_model(**overrides):
 @pytest.fixture(scope='module')
 def imported(tmp_path_factory):
   model = _hf_model()
-  hf_dir, workdir, result = hf_round_trip.import_sharded(model, tmp_path_factory.mktemp('hf'))
-  return model, hf_dir, workdir, result
+  return hf_round_trip.imported(model, tmp_path_factory)
 
 
 def _tokens(batch=2, length=SEQ, seed=0):
-  return np.random.default_rng(seed).integers(0, 256, (batch, length)).astype(np.int32)
+  return hf_round_trip.tokens(length, batch, seed)
 
 
 def test_import_gives_transformers_logits(imported):

@@ -14,7 +14,6 @@ back transformers' tensors. Nothing is downloaded.
 import json
 
 import hf_round_trip
-import numpy as np
 import pytest
 
 torch = pytest.importorskip('torch')
@@ -65,8 +64,7 @@ def imported(request, tmp_path_factory):
     **MODELS[request.param][0],
   )
   model = hf_round_trip.random_model(model_cls, cfg)
-  hf_dir, workdir, result = hf_round_trip.import_sharded(model, tmp_path_factory.mktemp('hf'))
-  return model, hf_dir, workdir, result
+  return hf_round_trip.imported(model, tmp_path_factory)
 
 
 def _name(imported) -> str:
@@ -74,7 +72,7 @@ def _name(imported) -> str:
 
 
 def _tokens(batch=2, length=SEQ, seed=0):
-  return np.random.default_rng(seed).integers(0, 256, (batch, length)).astype(np.int32)
+  return hf_round_trip.tokens(length, batch, seed)
 
 
 def test_import_gives_transformers_logits(imported):

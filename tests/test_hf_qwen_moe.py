@@ -14,7 +14,6 @@ is downloaded.
 """
 
 import hf_round_trip
-import numpy as np
 import pytest
 
 torch = pytest.importorskip('torch')
@@ -73,8 +72,7 @@ def _hf_model(name, **overrides):
 @pytest.fixture(scope='module', params=list(MODELS))
 def imported(request, tmp_path_factory):
   model = _hf_model(request.param)
-  hf_dir, workdir, result = hf_round_trip.import_sharded(model, tmp_path_factory.mktemp('hf'))
-  return model, hf_dir, workdir, result
+  return hf_round_trip.imported(model, tmp_path_factory)
 
 
 def _name(imported) -> str:
@@ -82,7 +80,7 @@ def _name(imported) -> str:
 
 
 def _tokens(batch=2, length=SEQ, seed=0):
-  return np.random.default_rng(seed).integers(0, 256, (batch, length)).astype(np.int32)
+  return hf_round_trip.tokens(length, batch, seed)
 
 
 def test_import_gives_transformers_logits(imported):

@@ -100,7 +100,7 @@ def test_frequencies_and_factors_are_transformers(name):
 
 
 def _tokens(batch=2, length=SEQ, seed=0):
-  return np.random.default_rng(seed).integers(0, 256, (batch, length)).astype(np.int32)
+  return hf_round_trip.tokens(length, batch, seed)
 
 
 def _deepseek():
@@ -165,8 +165,7 @@ MODELS = {
 @pytest.fixture(scope='module', params=list(MODELS))
 def imported(request, tmp_path_factory):
   model = MODELS[request.param][0]()
-  hf_dir, workdir, result = hf_round_trip.import_sharded(model, tmp_path_factory.mktemp('hf'))
-  return model, hf_dir, workdir, result
+  return hf_round_trip.imported(model, tmp_path_factory)
 
 
 def test_import_holds_yarn_and_gives_transformers_logits(imported):
