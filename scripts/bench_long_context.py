@@ -12,8 +12,11 @@ Writes docs/bench_long_context.md:
   3. A 32k run that `triax budget` finds no way to fit under a limit with
      context=1, and that trains with context=8 and ring attention (its
      losses, step times and per-device peak bytes).
+  4. Sliding windows at 32k (4k window) and 8k (1k, timed) positions over
+     8 context ranks, ring and all-gather: executed matmul FLOPs and bytes
+     moved per device from the compiled programs, ring steps run, temp bytes.
 
-  python scripts/bench_long_context.py [--sections=1,2,3]
+  python scripts/bench_long_context.py [--sections=1,2,3,4]
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from triax.compiled import stats as stats_lib
 force_cpu_devices()
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 
-_SECTIONS = flags.DEFINE_list('sections', ['1', '2', '3'], 'Which sections to run.')
+_SECTIONS = flags.DEFINE_list('sections', ['1', '2', '3', '4'], 'Which sections to run.')
 _OUT = flags.DEFINE_string('out', os.path.join(ROOT, 'docs', 'bench_long_context.md'), 'Report.')
 
 LONG = os.path.join(ROOT, 'experiments', 'llama_long.py')
@@ -263,10 +266,63 @@ def _budget_and_training_rows() -> list[str]:
 # Each section's lines, kept after it runs: the report is assembled from all
 # of them, so one section can be rerun alone (each takes many minutes here).
 CACHE = os.path.join(ROOT, '.bench', 'long_context')
+# Section 4: a 4k window at 32k positions over 8 ranks (compiled), and a 1k
+# window at 8k (timed: 32k steps take minutes on this host).
+WINDOWED = ((SEQ3, 4096, False), (TIMED_UP_TO, 1024, True))
+
+
+def _window_rows() -> list[str]:
+  """Sliding windows over 8 context ranks: what a window leaves the ring and
+  the all-gather to do, from the compiled programs (and one timed pair)."""
+  import jax
+
+  from triax import config
+  from triax.compiled import hlo_work, measure
+  from triax.model import window as window_lib
+
+  rows = [
+    'llama_long (2 layers, full remat) on 8 CPU devices of `context`, every layer local '
+    '(model.sliding_window, model.sliding_window_pattern=0). Per device, from the compiled '
+    'train step (compiled/hlo_work.py: loops by their trips): matmul FLOPs, bytes moved by '
+    'collective-permutes and all-gathers, and XLA:CPU temp bytes. Ring steps: those some '
+    "rank's queries reach (model/window.py), of 8. Step s: the median of two steps at 8k "
+    'positions, each pair timed back to back on a machine other runs shared, so only the '
+    "pair's ratio says anything.",
+    '',
+    '| positions | window | attention | ring steps | matmul GFLOP | vs no window | '
+    'moved MiB | vs no window | temp MiB | step s (CPU) | vs no window |',
+    '|---|---|---|---|---|---|---|---|---|---|---|',
+  ]
+  devices = jax.devices()[:8]
+  for seq, window, timed in WINDOWED:
+    for kind in ('ring', 'allgather'):
+      base = None
+      for w in (0, window):
+        cfg = config.from_file(LONG, f'seq={seq},context=8,kind={kind}')
+        cfg.mesh.data, cfg.train.global_batch_size = 1, 1
+        cfg.model.sliding_window = w
+        compiled = measure.compile_config(cfg, devices)
+        step = measure.time_steps(compiled, steps=2, warmup=1) if timed else None
+        work = hlo_work.work(compiled.step.as_text())
+        moved = sum(work.collective_bytes.get(k, 0.0) for k in ('collective-permute', 'all-gather'))
+        figures = (work.flops, moved, step)
+        base = figures if not w else base
+        ratio = [f'{a / b:.2f}x' if a and b else '—' for a, b in zip(figures, base)]
+        steps = len(window_lib.ring_steps(8, seq // 8, w)) if kind == 'ring' else '—'
+        rows.append(
+          f'| {seq} | {w or "—"} | {kind} | {steps} | {work.flops / 1e9:.1f} | {ratio[0]} '
+          f'| {moved / MiB:.1f} | {ratio[1]} | {compiled.stats["temp_bytes"] / MiB:.1f} '
+          f'| {f"{step:.2f}" if step else "compiled only"} | {ratio[2]} |'
+        )
+        print(rows[-1], flush=True)
+  return rows
+
+
 SECTIONS = {
   '1': ('Context parallelism on 8 CPU devices', _context_rows),
   '2': ('Sequence parallelism against the formula', _sp_rows),
   '3': ('32k positions under a memory limit', _budget_and_training_rows),
+  '4': ('Sliding windows over the ring and the all-gather', _window_rows),
 }
 
 
