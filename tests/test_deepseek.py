@@ -155,3 +155,18 @@ def test_mtp_losses_made_a_loss_chunk_at_a_time_equal_them_made_at_once():
   np.testing.assert_allclose(loss_c, loss, rtol=1e-6)
   np.testing.assert_allclose(figures_c['mtp_loss'], figures['mtp_loss'], rtol=1e-6)
   assert harness.max_rel_err(grads_c, grads) < 1e-5
+
+
+@pytest.mark.fast
+def test_a_bad_layer_split_counts_the_stack_without_the_dense_blocks():
+  """model.num_layers=3 with one first_k_dense block: the stack the pipeline
+  cuts holds 2, and the refusal says why it is not 3."""
+  cfg = harness.tiny_deepseek_config(
+    **{'mesh.pipe': 2, 'pipeline.microbatches': 2, 'pipeline.layers_per_stage': [2, 1]}
+  )
+  with pytest.raises(ConfigError) as e:
+    config_lib.validate(cfg, 2)
+  assert e.value.key == 'pipeline.layers_per_stage'
+  assert 'the stack holds 2 (model.num_layers less its 1 model.first_k_dense blocks)' in str(
+    e.value
+  )

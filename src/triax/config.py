@@ -822,6 +822,7 @@ def _check_layer_split(cfg) -> None:
     p.virtual_stages,
     tuple(p.layers_per_stage or ()),
     per_entry=entry,
+    held_out=cfg.model.num_layers - spec.stacked_layers,
   )
 
 

@@ -51,10 +51,13 @@ class StackLayout:
     layers_per_stage: Sequence[int] = (),
     placement: Sequence[int] | None = None,
     per_entry: int = 1,
+    held_out: int = 0,
   ) -> StackLayout:
     """The layout of `num_layers` blocks stacked `per_entry` to an entry (a MoE
-    family's model.moe_every): chunks are cut between entries and counted in them."""
-    layout = cls._build(num_layers, stages, virtual, layers_per_stage, per_entry)
+    family's model.moe_every): chunks are cut between entries and counted in them.
+    `held_out`: the blocks of model.num_layers outside the stack (DeepSeek's
+    model.first_k_dense, which the embedding runs), for the errors' wording."""
+    layout = cls._build(num_layers, stages, virtual, layers_per_stage, per_entry, held_out)
     if placement is None:
       return layout
     return dataclasses.replace(layout, placement=tuple(placement))
@@ -67,14 +70,22 @@ class StackLayout:
     virtual: int,
     layers_per_stage: Sequence[int] = (),
     per_entry: int = 1,
+    held_out: int = 0,
   ) -> StackLayout:
     chunks = stages * virtual
     groups = f' in groups of model.moe_every={per_entry}' if per_entry > 1 else ''
+    # DeepSeek's dense blocks are in model.num_layers but not in the stack.
+    outside = (
+      f' (model.num_layers less its {held_out} model.first_k_dense blocks)' if held_out else ''
+    )
+    stacked = (
+      f'the stack holds {num_layers}{outside}' if held_out else f'model.num_layers = {num_layers}'
+    )
     if not layers_per_stage:
       if num_layers % (chunks * per_entry):
         raise ConfigError(
           'model.num_layers',
-          f'{num_layers} layers{groups} cannot be cut into mesh.pipe*pipeline.'
+          f'{num_layers} layers{outside}{groups} cannot be cut into mesh.pipe*pipeline.'
           f'virtual_stages = {stages}*{virtual} equal chunks; use a multiple of '
           f'{chunks * per_entry} or set pipeline.layers_per_stage',
         )
@@ -91,7 +102,7 @@ class StackLayout:
     if sum(counts) != num_layers:
       raise ConfigError(
         'pipeline.layers_per_stage',
-        f'counts sum to {sum(counts)} but model.num_layers = {num_layers}',
+        f'counts sum to {sum(counts)} but {stacked}',
       )
     if any(n % per_entry for n in counts):
       raise ConfigError(
