@@ -310,6 +310,9 @@ def measure(layouts: list[str], pairs: int, steps: int, results: dict) -> None:
   results['versions'] = _jax(python)
   # MaxText's runs of a layout that has none of its own (zb_h1) are another's.
   theirs = list(dict.fromkeys(_MAXTEXT_OF.get(layout, layout) for layout in layouts))
+  rerun = {*(f'triax {name}' for name in layouts), *(f'maxtext {name}' for name in theirs)}
+  # A rerun row's failures go with the runs it replaces.
+  results['failed'] = [f for f in results.get('failed', []) if f['run'] not in rerun]
   for name in {*layouts, *theirs}:
     row = results['rows'].setdefault(name, {'triax': [], 'maxtext': []})
     row['triax'] = [] if name in layouts else row['triax']
@@ -530,20 +533,27 @@ FINDINGS = [
   '  instruction opcode copy": the reducer it clones ends in a copy). On CPU the pools now go',
   "  through f32 (exact: each row is one stage's, the others add zeros); XLA:TPU and XLA:GPU",
   '  programs are unchanged. tests/test_pipeline_memory.py compiles such a step.',
-  "- **Where triax's pipelined steps lose on XLA:CPU** (not fixed). A profile of one",
-  "  PP 4 x DP 2 1f1b step (`--profile_steps`, 22.8 s; MaxText's pipeline, 15.0 s) has",
-  "  XLA:CPU running the split backward's MLP weight gradients (W: the stash's saved input",
-  '  against the output gradient, both contracting over tokens on their first dimension)',
-  "  as Eigen `dot` thunks, 69 of the step's 318 device-thread seconds in 768 calls, and",
-  "  the after-loop head's weight gradient likewise (37 s in 32); every matmul of MaxText's",
-  "  step runs in XLA:CPU's YNNPACK fusions (no `dot` thunk at all), and in triax's DP 8",
-  '  step the same weight gradients are canonical dots inside such fusions: there the',
-  '  saved input is recomputed in the step and its layout is free. The stash pool fixes',
-  "  the operand's layout, and XLA:CPU then picks",
-  '  the transposed Eigen kernel (bf16, a few GFLOP/s). The rest is the lockstep itself:',
-  "  94 device-thread seconds in `ppermute` waits, the slowest stage's (the head's) pace.",
-  '  XLA:TPU and XLA:GPU lower these dots to their own matmul units whatever the layout,',
-  '  so this is a CPU result; the executed-work table is the cross-compiler figure.',
+  "- **Where triax's pipelined steps lost on XLA:CPU, and the fix.** The first table",
+  '  (commit 055e937) had the pipelined rows at 1.46 (1f1b), 1.38 (zb_h1) and 1.53 (v=2) of',
+  "  MaxText's step. A profile of one PP 4 x DP 2 1f1b step had XLA:CPU running the split",
+  "  backward's MLP weight gradients (W) and the after-loop head's weight gradient as Eigen",
+  '  `dot` thunks outside its YNNPACK fusions: 296 device-thread seconds in 800 calls, against',
+  '  270 in all 10,768 fusion calls. The folding of a transpose into the dot that reads it',
+  "  (x^T g over a one-sequence micro-batch's tokens) leaves a dot whose left operand is",
+  "  contracted over its first dimension, which jax 0.12's XLA:CPU gives to Eigen and YNNPACK",
+  "  does not take (the DP 8 step's weight gradients, two sequences a device, were fused).",
+  "  On CPU meshes the executor's re-evaluated backward now lays both operands of such a",
+  '  dot out as [batch, rows, contracted] behind an optimization barrier',
+  '  (pipeline/cpu_dots.py): no dot of the step runs outside a fusion (tests/test_cpu_dots.py,',
+  "  which finds 3 without it); the row's CPU seconds a step went from 45-46 to 22-24, the",
+  '  two measured alternately in one session. The table above is after the fix; read its CPU',
+  "  column for these rows, whose runs shared the machine with other work (the wall ratios'",
+  '  spreads show it). XLA:TPU and XLA:GPU programs are unchanged: their compilers choose dot',
+  '  layouts themselves.',
+  "- **What is left on the pipelined rows** is the head's work. With the edges' gradients",
+  "  made after the loop (edge_grads=auto's choice here), the edge rows run the head's",
+  "  forward again and its input gradient, which only the final norm's scale gradient needs;",
+  '  the executed-work table above prices both.',
 ]
 
 
