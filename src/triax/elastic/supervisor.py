@@ -456,9 +456,20 @@ def _restart(command, options, job, failed, processes, number, say) -> tuple[lis
   return layout_lib.flags(replan_lib.overrides(cfg, layout)), left
 
 
+# Seconds a node SLURM does not report up gets to come back before a restart
+# goes on without it: a slurmd too busy to answer the controller's ping shows
+# as not responding for a moment (seen with the test suite beside a job on 2
+# cores); a lost node stays down, and the restart waits this long for it.
+NODE_SETTLE_S = 30
+
+
 def _tasks_left(processes: int, what: str) -> int:
   """The tasks the allocation's nodes still up can run, `processes` spread evenly over them."""
   nodes, up = slurm_nodes_up(os.environ['SLURM_JOB_NODELIST'])
+  settled = time.monotonic() + NODE_SETTLE_S
+  while len(up) < len(nodes) and time.monotonic() < settled:
+    time.sleep(2)
+    nodes, up = slurm_nodes_up(os.environ['SLURM_JOB_NODELIST'])
   if processes % len(nodes):
     raise GiveUp(f'{what}: {processes} tasks do not spread evenly over {len(nodes)} nodes')
   return processes // len(nodes) * len(up)
