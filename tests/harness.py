@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import re
@@ -15,6 +16,7 @@ import numpy as np
 from triax import config
 from triax.mesh import build_mesh
 from triax.model import registry
+from triax.pipeline import executor
 from triax.training.step import TrainState, build_trainer
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), '..'))
@@ -130,6 +132,19 @@ def model_of(**fields):
   model_cfg = config.defaults().model
   model_cfg.update(fields)
   return registry.build(registry.spec_from_config(model_cfg))
+
+
+@contextlib.contextmanager
+def cpu_dots(on: bool):
+  """Within: CPU pipelines compiled with pipeline/cpu_dots.py's layout `on` or
+  off. Off, they hold what XLA:TPU and XLA:GPU programs hold (no transposed
+  operand copies): what the schedules' memory tests measure."""
+  saved = executor._Setup.row_major_dots
+  executor._Setup.row_major_dots = property(lambda self: on)
+  try:
+    yield
+  finally:
+    executor._Setup.row_major_dots = saved
 
 
 def make_trainer(cfg):

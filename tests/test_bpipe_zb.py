@@ -160,7 +160,8 @@ def test_cli(tmp_path):
 def test_compiled_temp_against_zb_h1():
   """At p = 8, m = 32 on the schedule benchmark's activation-dominated
   config: the worst device's compiled temp at most 0.65x zb_h1's (5
-  residual sets and 4 cuts a device against 8 and 8)."""
+  residual sets and 4 cuts a device against 8 and 8), as XLA:TPU and
+  XLA:GPU lay the steps out (without cpu_dots' CPU-only copies)."""
   import jax
 
   from triax import config as config_lib
@@ -170,7 +171,8 @@ def test_compiled_temp_against_zb_h1():
   temp = {}
   for name in ('zb_h1', 'bpipe_zb'):
     cfg = bench.bench_config(config_lib, 32, name, 1, p=8, data=1, layers=16)
-    trainer = harness.make_trainer(cfg)
-    with jax.set_mesh(trainer.mesh):
-      temp[name] = compile_stats(trainer)[1]['temp_bytes']
+    with harness.cpu_dots(False):
+      trainer = harness.make_trainer(cfg)
+      with jax.set_mesh(trainer.mesh):
+        temp[name] = compile_stats(trainer)[1]['temp_bytes']
   assert temp['bpipe_zb'] <= 0.65 * temp['zb_h1'], temp

@@ -17,15 +17,13 @@ import jax
 import pytest
 
 from triax.compiled.stats import compile_stats
-from triax.pipeline import executor
 
 P = 4
 
 
 @pytest.fixture(scope='module', autouse=True)
 def without_cpu_dots():
-  with pytest.MonkeyPatch.context() as patch:
-    patch.setattr(executor._Setup, 'row_major_dots', property(lambda self: False))
+  with harness.cpu_dots(False):
     yield
 
 
@@ -240,8 +238,7 @@ def test_a_bf16_step_with_edge_gradients_after_the_loop_compiles_on_cpu():
 
 def test_cpu_dots_adds_a_few_percent(one_f_one_b):
   """XLA:CPU's own program (cpu_dots on) holds the same 1f1b step within 5%."""
-  with pytest.MonkeyPatch.context() as patch:
-    patch.setattr(executor._Setup, 'row_major_dots', property(lambda self: True))
+  with harness.cpu_dots(True):
     on_cpu = _stats('1f1b', 16)
   assert on_cpu['temp_bytes'] <= 1.05 * one_f_one_b['temp_bytes'], (
     on_cpu['temp_bytes'],
