@@ -252,6 +252,17 @@ def run_cli(module: str, *args: str, timeout: int = 600, env_extra=None):
   )
 
 
+def run_script(script: str, *args: str, env=None):
+  """Runs scripts/`script` with `args` in a fresh process, this environment plus `env`."""
+  return subprocess.run(
+    [sys.executable, os.path.join(ROOT, 'scripts', script), *args],
+    capture_output=True,
+    text=True,
+    env=dict(os.environ, **(env or {})),
+    cwd=ROOT,
+  )
+
+
 def flip_a_params_byte(workdir, step: int, params) -> str:
   """Flips a bit of checkpoint `step` where its params are: read without the
   checksums, they come back changed and orbax says nothing. `params` are

@@ -3,24 +3,15 @@ json's, and nothing in the package needs MaxText (a reference only)."""
 
 import json
 import os
-import subprocess
-import sys
 
 import harness
 import pytest
 
-SCRIPT = os.path.join(harness.ROOT, 'scripts', 'bench_peers.py')
 DOC = os.path.join(harness.ROOT, 'docs', 'bench_peers.md')
 
 
 def _run(*args, env=None):
-  return subprocess.run(
-    [sys.executable, SCRIPT, *args],
-    capture_output=True,
-    text=True,
-    env=dict(os.environ, **(env or {})),
-    cwd=harness.ROOT,
-  )
+  return harness.run_script('bench_peers.py', *args, env=env)
 
 
 @pytest.mark.fast

@@ -3,24 +3,13 @@ rows repeat bench_tpu_compile's but for the attention, and the table shows both
 frameworks where both were compiled."""
 
 import json
-import os
-import subprocess
-import sys
 
 import harness
 import pytest
 
-SCRIPT = os.path.join(harness.ROOT, 'scripts', 'bench_peers_work.py')
-
 
 def _run(*args, env=None):
-  return subprocess.run(
-    [sys.executable, SCRIPT, *args],
-    capture_output=True,
-    text=True,
-    env=dict(os.environ, **(env or {})),
-    cwd=harness.ROOT,
-  )
+  return harness.run_script('bench_peers_work.py', *args, env=env)
 
 
 @pytest.mark.fast
