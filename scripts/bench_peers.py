@@ -396,10 +396,7 @@ def table(results: dict) -> list[str]:
     mt_row = results['rows'].get(_MAXTEXT_OF.get(layout, layout), {})
     if not row or not row['triax'] or not mt_row.get('maxtext'):
       continue
-    ours = [_median(r) for r in row['triax']]
-    by_pair = {r['pair']: _median(r) for r in mt_row['maxtext']}
-    ratios = [_median(r) / by_pair[r['pair']] for r in row['triax'] if r['pair'] in by_pair]
-    a, b = statistics.median(ours), statistics.median(by_pair.values())
+    a, b, ratios = _paired(row['triax'], mt_row['maxtext'], 'steps')
     compile_a = statistics.median(r['compile'] for r in row['triax'])
     compile_b = statistics.median(r['compile'] for r in mt_row['maxtext'])
     cached = '' if all(r.get('fresh') for r in mt_row['maxtext']) else ' (cached)'
@@ -418,11 +415,16 @@ def _cpu_cell(ours: list[dict], theirs: list[dict]) -> str:
   (runs made before the CPU was sampled have none: '-')."""
   if not all('cpu' in r for r in ours + theirs):
     return '-'
-  by_pair = {r['pair']: _median(r, 'cpu') for r in theirs}
-  ratios = [_median(r, 'cpu') / by_pair[r['pair']] for r in ours if r['pair'] in by_pair]
-  a = statistics.median(_median(r, 'cpu') for r in ours)
-  b = statistics.median(by_pair.values())
+  a, b, ratios = _paired(ours, theirs, 'cpu')
   return f'{a:.1f} / {b:.1f} ({statistics.median(ratios):.2f})'
+
+
+def _paired(ours: list[dict], theirs: list[dict], figure: str) -> tuple[float, float, list]:
+  """(triax's median of its runs' `figure`, MaxText's, and each pair's ratio)."""
+  by_pair = {r['pair']: _median(r, figure) for r in theirs}
+  ratios = [_median(r, figure) / by_pair[r['pair']] for r in ours if r['pair'] in by_pair]
+  a = statistics.median(_median(r, figure) for r in ours)
+  return a, statistics.median(by_pair.values()), ratios
 
 
 def bubble_lines(results: dict) -> list[str]:
