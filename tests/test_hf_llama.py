@@ -187,8 +187,10 @@ def test_import_without_the_tokenizer_its_vocabulary_needs_is_refused(tmp_path):
   out = tmp_path / 'out'
   hf_checkpoint.export_hf(workdir, str(out))
   assert filecmp.cmp(hf_dir / 'tokenizer.json', out / 'tokenizer.json')
+  # (generation_config.json: save_pretrained wrote it, and the import kept it in hf_files/.)
   assert {name: (out / name).stat().st_mode & 0o777 for name in os.listdir(out)} == {
     'config.json': 0o644,
+    'generation_config.json': 0o644,
     'model.safetensors': 0o644,
     'tokenizer.json': 0o644,
   }

@@ -252,8 +252,10 @@ def test_supervise_in_an_allocation_relaunches_the_step_when_a_task_is_killed(cl
   assert 'ExitCode=0:0' in cluster.run('scontrol', 'show', 'job', job).stdout
   assert_same_losses(losses(workdir), losses(os.path.join(clone, 'runs', 'slurm')))
   ledger = goodput.ledger(workdir)
-  # goodput counts the steps it recorded as done (evaluated and saved where due); elastic.jsonl
-  # counts metrics.jsonl's, which logs a step before its evaluation: one more if the kill came
-  # in between (that step's time is then in the restart's gap).
+  # goodput counts the steps it recorded (dispatched, then evaluated and saved where due);
+  # elastic.jsonl counts metrics.jsonl's, which logs a step's loss once it is fetched: at the
+  # next step's dispatch (one fewer than goodput's if the kill came before it), or at once
+  # for an evaluated step (one more if the kill came in its evaluation, whose time is then
+  # in the restart's gap). Which of the three the kill meets is the machine's timing.
   assert ledger.attempts == 2
-  assert record['steps_lost'] - 1 <= ledger.lost_steps <= record['steps_lost']
+  assert abs(ledger.lost_steps - record['steps_lost']) <= 1, (ledger.lost_steps, record)
