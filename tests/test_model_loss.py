@@ -106,3 +106,41 @@ def test_each_gradient_of_the_loss_can_be_made_alone(chunk):
   assert float(loss_x) == float(loss) == float(loss_w)
   assert harness.max_rel_err(g, g_alone) <= 1e-6
   assert harness.max_rel_err(dx, dx_alone) <= 1e-6
+  # A partial accumulator (None leaves: loss.partial_vjp): the vectors' gradients with dx,
+  # the matrices' alone, the pipeline's split (executor._split_by_rank); together, the whole.
+  vectors = jax.tree.map(lambda a: None if a.ndim >= 2 else a, zeros)
+  matrices = jax.tree.map(lambda a: a if a.ndim >= 2 else None, zeros)
+  _, g_vectors, dx_vectors = model.head_loss_and_grad(edges, x, targets, vectors, 0.5)
+  _, g_matrices, _ = model.head_loss_and_grad(edges, x, targets, matrices, 0.5, input_grad=False)
+  joined = jax.tree.map(
+    lambda v, m: m if v is None else v, g_vectors, g_matrices, is_leaf=lambda a: a is None
+  )
+  assert harness.max_rel_err(g, joined) <= 1e-6 and harness.max_rel_err(dx, dx_vectors) <= 1e-6
+  assert {a.ndim for a in jax.tree.leaves(g_vectors)} == {1}
+  assert {a.ndim for a in jax.tree.leaves(g_matrices)} == {2}
+
+
+@pytest.mark.fast
+def test_the_head_matrix_gradient_alone_makes_no_input_gradient_product():
+  """The matrices' gradient alone (the pipeline's edge rows) runs two of the
+  head's vocabulary-sized matmuls, the logits and the weight gradient, where
+  the whole parameter gradient runs three (the final norm's scale needs the
+  input gradient's product by the head matrix)."""
+  from triax.compiled import hlo_work
+
+  model = harness.model_of(
+    family='llama', num_layers=1, d_model=32, num_heads=2, d_ff=32, vocab_size=512, seq_len=64,
+  )  # fmt: skip
+  params = jax.jit(model.init)(jax.random.key(0))
+  edges = {'embed': params['embed'], 'head': params['head']}
+  x = jax.random.normal(jax.random.key(1), (2, 64, 32))
+  targets = jax.random.randint(jax.random.key(2), (2, 64), 0, 512)
+  zeros = jax.tree.map(jnp.zeros_like, edges)
+  matrices = jax.tree.map(lambda a: a if a.ndim >= 2 else None, zeros)
+
+  def flops(acc):
+    run = jax.jit(lambda *a: model.head_loss_and_grad(*a, 1.0, input_grad=False)[1])
+    return hlo_work.work(run.lower(edges, x, targets, acc).compile().as_text()).flops
+
+  one = 2 * 2 * 64 * 32 * 512  # one [128 x 32] x [32 x 512] matmul
+  assert flops(zeros) == 3 * one and flops(matrices) == 2 * one

@@ -454,10 +454,10 @@ class DeepSeek(mixtral.Mixtral):
     if acc is None:
       value, pull = jax.vjp(lambda h: mtp(used, h), x)
       return jnp.stack([loss, value]), None, dx + pull(jnp.full_like(value, s.mtp_loss_weight))[0]
-    value, pull = jax.vjp(mtp, used, x)
-    g, gx = pull(jnp.full_like(value, s.mtp_loss_weight))
-    embed = {**acc['embed'], 'tokens': acc['embed']['tokens'] + g['tokens']}
-    acc = {**acc, 'embed': embed, 'head': jax.tree.map(jnp.add, acc['head'], g['head'])}
+    held = {'tokens': acc['embed']['tokens'], 'head': acc['head']}
+    value, held, gx = loss_lib.partial_vjp(mtp, used, x, held, input_grad, s.mtp_loss_weight)
+    embed = {**acc['embed'], 'tokens': held['tokens']}
+    acc = {**acc, 'embed': embed, 'head': held['head']}
     return jnp.stack([loss, value]), acc, (dx + gx if input_grad else None)
 
   def stage_objective(self, lm_loss, shares: dict, maxima: dict):

@@ -112,6 +112,8 @@ def cross_entropy_and_grad(
   Either gradient can be left out, and is then never computed: `acc` None
   gives no parameter gradient (None in its place), `input_grad` False none
   w.r.t. x (the pipeline makes the two at different times, executor.py).
+  A leaf of `acc` that is None (`partial_vjp`) leaves that parameter's
+  gradient out alone.
   """
 
   def piece(p, h, t):
@@ -121,12 +123,8 @@ def cross_entropy_and_grad(
     if acc is None:
       loss, vjp = jax.vjp(lambda h: piece(params, h, t), h)
       return None, loss, vjp(jnp.ones_like(loss))[0]
-    if not input_grad:
-      loss, vjp = jax.vjp(lambda p: piece(p, h, t), params)
-      return jax.tree.map(jnp.add, acc, vjp(jnp.ones_like(loss))[0]), loss, None
-    loss, vjp = jax.vjp(lambda p, h: piece(p, h, t), params, h)
-    g, dh = vjp(jnp.ones_like(loss))
-    return jax.tree.map(jnp.add, acc, g), loss, dh
+    loss, acc, dh = partial_vjp(lambda p, h: piece(p, h, t), params, h, acc, input_grad)
+    return acc, loss, dh
 
   b, s = targets.shape
   if not chunk or chunk >= s:
@@ -143,3 +141,35 @@ def cross_entropy_and_grad(
   acc, (losses, dxs) = jax.lax.scan(step, acc, (xs, ts))
   dx = None if dxs is None else jnp.swapaxes(dxs, 0, 1).reshape(x.shape)
   return jnp.sum(losses), acc, dx
+
+
+def partial_vjp(fn: Callable, params, x, acc, input_grad: bool = True, weight: float = 1.0):
+  """(fn(params, x), acc + weight x its gradient w.r.t. params, weight x its
+  gradient w.r.t. x or None).
+
+  fn returns a scalar. `acc` is a tree like params whose None leaves mark
+  the parameters not to differentiate: they stay None, and no work their
+  gradient alone needs is done (the pipeline takes a head's vector
+  parameters' gradients with its input gradient, and its matrices' after
+  the tick loop, without the product by the matrix an input gradient is).
+  """
+  leaves, tree = jax.tree.flatten(params)
+  accs = tree.flatten_up_to(acc)
+  chosen = [i for i, a in enumerate(accs) if a is not None]
+
+  def of(picked, h):
+    full = list(leaves)
+    for i, leaf in zip(chosen, picked, strict=True):
+      full[i] = leaf
+    return fn(tree.unflatten(full), h)
+
+  picked = [leaves[i] for i in chosen]
+  if input_grad:
+    value, vjp = jax.vjp(of, picked, x)
+    g, dx = vjp(jnp.full_like(value, weight))
+  else:
+    value, vjp = jax.vjp(lambda p: of(p, x), picked)
+    (g,), dx = vjp(jnp.full_like(value, weight)), None
+  for i, gi in zip(chosen, g, strict=True):
+    accs[i] = accs[i] + gi
+  return value, tree.unflatten(accs), dx

@@ -61,7 +61,8 @@ class StageFns:
       that loss's gradient w.r.t. edges added, and its gradient w.r.t. y. The
       accumulator is handed in so that no second vocabulary-sized gradient
       exists beside it (model/loss.py adds each chunk's share as it goes).
-      `acc` None: no gradient w.r.t. edges (None returned); input_grad
+      `acc` None: no gradient w.r.t. edges (None returned); a leaf of
+      `acc` None: none w.r.t. that leaf (loss.partial_vjp); input_grad
       False: none w.r.t. y. Either is then not computed. With loss_terms
       n > 1 the loss is [n] terms summed apart (DeepSeek's MTP beside the
       cross-entropy), each scaled by `scale`; the gradient is the
@@ -149,6 +150,27 @@ def _varying(tree, axes=('pipe',)):
 
 def _zeros_like_varying(tree, axes=('pipe',)):
   return _varying(jax.tree.map(jnp.zeros_like, tree), axes)
+
+
+def _split_by_rank(tree, matrices: bool):
+  """`tree` with None for its leaves of rank 2 and up (matrices False) or
+  below 2 (matrices True): a partial gradient accumulator (loss.partial_vjp).
+
+  When the edges' gradients are made after the loop, the head's vectors
+  (a final norm's scale) take theirs in the loop, from the product by the
+  head's matrix the input gradient makes anyway; the rows after the loop
+  then make the matrices' alone, without that product (a third of a row's
+  vocabulary-sized matmuls).
+  """
+  return jax.tree.map(lambda a: a if (a.ndim >= 2) == matrices else None, tree)
+
+
+def _overlay(full, partial, add: bool = False):
+  """full with partial's leaves where they are not None (added to full's with `add`)."""
+  leaves, tree = jax.tree.flatten(full)
+  parts = tree.flatten_up_to(partial)
+  merged = [a if p is None else (a + p if add else p) for a, p in zip(leaves, parts, strict=True)]
+  return tree.unflatten(merged)
 
 
 def _all_reduce(x, axes: tuple[str, ...], sizes: dict[str, int], spec: P | None):
@@ -559,9 +581,10 @@ class _HostStash:
 class Carry:
   """What one device's tick loop carries. A field the run's options leave out
   is None (no leaves): `heads` and `embeds` only when the edges' gradients
-  are made after the loop, `g_edges` only when they are made in it (and
-  after it, by `edge_gradients`), `host_stash` only with an offloaded stash,
-  `spill` only inside a tick, from its F to `spill`."""
+  are made after the loop (`g_edges` then holds the head's vectors' alone,
+  `_split_by_rank`, until `edge_gradients` adds the rest), `host_stash`
+  only with an offloaded stash, `spill` only inside a tick, from its F to
+  `spill`."""
 
   msg: Any  # [slots, act]: activations and gradients between stages
   stash: list  # per kept residual leaf, [slots, ...]
@@ -660,6 +683,7 @@ class _Stage:
       rows = self.rows * program.schedule.stages
       for name, like in (('heads', self.y_like), ('embeds', self.x_zero)):
         extra[name] = s.pin_buffer(_varying(jnp.zeros((rows,) + like.shape, like.dtype), manual))
+      extra['g_edges'] = _zeros_like_varying(_split_by_rank(self.edges, False), manual)
     else:
       extra['g_edges'] = _zeros_like_varying(self.edges, manual)
     if self.host_stash.host:
@@ -859,17 +883,14 @@ class _Stage:
 
   def _loss_and_seed(self, c, row, y):
     mb, s = row['mb'], self.setup
-    acc = None if self.after else c.g_edges
     loss, g_edges, dy = self.head_loss_and_grad(
-      self.unhoisted_edges(mb), y, self.targets[mb], acc, input_grad=True
+      self.unhoisted_edges(mb), y, self.targets[mb], c.g_edges, input_grad=True
     )
-    if self.after:
-      kept = dict(heads=c.heads.at[mb].set(s.pin_message(y)))
-    else:
-      kept = dict(g_edges=g_edges)
+    kept = dict(heads=c.heads.at[mb].set(s.pin_message(y))) if self.after else {}
     return dataclasses.replace(
       c,
       **kept,
+      g_edges=g_edges,
       loss=c.loss + loss,
       msg=c.msg.at[row['loss']].set(s.pin_message(dy.astype(s.act_dtype))),
     )
@@ -943,7 +964,11 @@ class _Stage:
         with jax.named_scope(MARK_EDGE_ROW):
           y, dx = (s.pin(pool[j]) for pool in pools)
           edges = self.unhoisted_edges(mb)
-          _, acc, _ = self.head_loss_and_grad(edges, y, self.targets[mb], acc, input_grad=False)
+          matrices = _split_by_rank(acc, True)
+          _, matrices, _ = self.head_loss_and_grad(
+            edges, y, self.targets[mb], matrices, input_grad=False
+          )
+          acc = _overlay(acc, matrices)
           return self.embed_gradient(acc, mb, dx)
 
       # Rows past the last micro-batch pad the pools to a multiple of the stages.
@@ -951,6 +976,7 @@ class _Stage:
       return (jax.lax.cond(mb < m, add, lambda a: a, acc) if padded else add(acc)), None
 
     g_edges, _ = jax.lax.scan(one, _zeros_like_varying(self.edges, s.manual), jnp.arange(rows))
+    g_edges = _overlay(g_edges, c.g_edges, add=True)  # the head's vectors', made in the loop
     return dataclasses.replace(c, heads=None, embeds=None, g_edges=g_edges)
 
   def weight(self, c, row):
