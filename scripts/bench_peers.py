@@ -561,7 +561,7 @@ FINDINGS = [
   "  and the rows make the matrix's alone: 2.15 TFLOP a device less on every pipelined",
   '  XLA:TPU row with XLA attention (the TP 2 x PP 2 row went from 0.04 TFLOP over MaxText',
   '  to 2.11 under; tests/test_hlo_work.py counts one head forward beyond the model where it',
-  "  counted two). The timed CPU rows above were measured before this change. What is left",
+  '  counted two). The timed CPU rows above were measured before this change. What is left',
   "  on the busiest stage is the head's in-loop work, which MaxText splits over its devices.",
 ]
 
