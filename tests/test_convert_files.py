@@ -188,3 +188,47 @@ def test_a_value_past_float16s_range_is_refused_and_nothing_is_left(tmp_path):
     hf_checkpoint.export_hf(workdir, str(out), dtype='float16')
   assert e.value.key == '--dtype' and not out.exists()
   assert hf_checkpoint.export_hf(workdir, str(out), dtype='bfloat16')['dtype'] == 'bfloat16'
+
+
+def test_a_run_trained_here_exports_a_tokenizer_config_and_a_generation_config(tmp_path):
+  """A workdir train wrote (no import's HF files) with a tokenizer.json of its
+  own: the export writes a tokenizer_config.json, with which AutoTokenizer
+  encodes and decodes as triax does and knows the end-of-document token as
+  its eos (without it, none), and a generation_config.json that stops there."""
+  import harness
+  import jax
+
+  from triax.training import checkpoint as ckpt_lib
+
+  bpe = tokenizer_lib.train_bpe(_lines(), 300, str(tmp_path / 'bpe.json'))
+  cfg = harness.tiny_config(
+    **{
+      'model.family': 'llama',
+      'model.num_layers': 2,
+      'model.vocab_size': 384,  # a multiple of 128 (data.tokenizer's padding rule)
+      'model.vocab_used': bpe.vocab_size,
+      'data.tokenizer': str(tmp_path / 'bpe.json'),
+      'data.source': 'tokens',  # as a run on prepared text is
+      'data.path': str(tmp_path / 'tokens'),
+      'mesh.data': 1,
+    }
+  )
+  trainer = harness.make_trainer(cfg)
+  workdir, out = str(tmp_path / 'w'), str(tmp_path / 'out')
+  os.makedirs(workdir)
+  with open(os.path.join(workdir, 'config.json'), 'w') as f:
+    f.write(trainer.cfg.to_json())
+  ckpt = ckpt_lib.Checkpointer(workdir, trainer.cfg)
+  ckpt.save(trainer, trainer.init_state(jax.random.key(0)))
+  ckpt.wait()
+  ckpt.close()
+  hf_checkpoint.export_hf(workdir, out)
+  assert {'tokenizer.json', 'tokenizer_config.json', 'generation_config.json'} <= set(
+    os.listdir(out)
+  )
+  text = 'def parse_args(self, args=None):\n    return self'
+  exported = transformers.AutoTokenizer.from_pretrained(out)
+  assert exported(text)['input_ids'] == bpe.encode(text)
+  assert exported.decode(bpe.encode(text)) == bpe.decode(bpe.encode(text))
+  assert exported.eos_token_id == bpe.eod_id
+  assert transformers.GenerationConfig.from_pretrained(out).eos_token_id == bpe.eod_id

@@ -384,7 +384,8 @@ def export_hf(
   see `export_dtype` (parameters the model keeps in fp32 whatever its dtype,
   DeepSeek's router, stay fp32). config.json's dtype says what was written.
   An import's other HF files (DIR/hf_files: tokenizer_config.json,
-  generation_config.json, ...) and the run's tokenizer are written beside.
+  generation_config.json, ...) and the run's tokenizer are written beside;
+  a run trained here gets its own (`_made_side_files`).
 
   Returns:
     {'step': the checkpoint's step, 'files': names written, 'architecture': HF's class name,
@@ -447,6 +448,9 @@ def export_hf(
   tok = _run_tokenizer_file(workdir, cfg)
   if tok is not None:
     shutil.copyfile(tok, os.path.join(out_dir, _tokenizer_name(tok)))
+  if tok is not None and base is None:  # a run trained here: no HF files of its own
+    for name, record in _made_side_files(tok, cfg.model.seq_len).items():
+      atomic.write_json(os.path.join(out_dir, name), record)
   for name in os.listdir(out_dir):
     # safetensors writes 0600; a checkpoint to share reads as HF's do.
     os.chmod(os.path.join(out_dir, name), 0o644)
@@ -476,6 +480,24 @@ def _cast(name: str, tensor: np.ndarray, dtype: np.dtype, written: str) -> np.nd
       '(nothing was written)',
     )
   return out
+
+
+def _made_side_files(tokenizer: str, seq_len: int) -> dict[str, dict]:
+  """The side files an export of a run trained here (no import's files) writes:
+  generation_config.json, whose stop id is the tokenizer's end of document,
+  and for a tokenizer.json a tokenizer_config.json naming the fast tokenizer
+  class and that token. Without them AutoTokenizer knows no eos token and
+  generate() does not stop at a document's end (transformers 5.25)."""
+  tok = tokenizer_lib.load(tokenizer)
+  files = {GENERATION_CONFIG: {'eos_token_id': tok.eod_id}}
+  if tok.kind == 'huggingface':
+    files['tokenizer_config.json'] = {
+      'tokenizer_class': 'PreTrainedTokenizerFast',
+      'eos_token': tok.token(tok.eod_id),
+      'model_max_length': seq_len,
+      'clean_up_tokenization_spaces': False,
+    }
+  return files
 
 
 def _run_tokenizer_file(workdir: str, cfg) -> str | None:

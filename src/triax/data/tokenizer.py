@@ -117,6 +117,10 @@ class HuggingFaceTokenizer(Tokenizer):
   def decode(self, ids: Iterable[int]) -> str:
     return self._tok.decode([int(i) for i in ids])
 
+  def token(self, token_id: int) -> str:
+    """The vocabulary's string for `token_id` (a special token's name)."""
+    return self._tok.id_to_token(token_id)
+
 
 class SentencePieceTokenizer(Tokenizer):
   kind = 'sentencepiece'
