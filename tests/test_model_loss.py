@@ -84,12 +84,8 @@ def test_chunked_loss_in_the_pipeline_with_tensor_parallelism_matches_one_device
   assert harness.max_rel_err(ref_grads, grads) <= 1e-5
 
 
-@pytest.mark.fast
-@pytest.mark.parametrize('chunk', [0, 16])
-def test_each_gradient_of_the_loss_can_be_made_alone(chunk):
-  """head_loss_and_grad without one of its two gradients (the pipeline makes
-  the head's weight gradient after its tick loop): the other one and the
-  loss as when both are made, chunked and whole."""
+def _head_case(chunk):
+  """(a one-layer llama, its edges, hidden states, targets, a zero gradient like the edges)."""
   model = harness.model_of(
     family='llama', num_layers=1, d_model=32, num_heads=2, d_ff=32, vocab_size=512, seq_len=64,
     loss_chunk=chunk,
@@ -98,7 +94,16 @@ def test_each_gradient_of_the_loss_can_be_made_alone(chunk):
   edges = {'embed': params['embed'], 'head': params['head']}
   x = jax.random.normal(jax.random.key(1), (2, 64, 32))
   targets = jax.random.randint(jax.random.key(2), (2, 64), 0, 512)
-  zeros = jax.tree.map(jnp.zeros_like, edges)
+  return model, edges, x, targets, jax.tree.map(jnp.zeros_like, edges)
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize('chunk', [0, 16])
+def test_each_gradient_of_the_loss_can_be_made_alone(chunk):
+  """head_loss_and_grad without one of its two gradients (the pipeline makes
+  the head's weight gradient after its tick loop): the other one and the
+  loss as when both are made, chunked and whole."""
+  model, edges, x, targets, zeros = _head_case(chunk)
   loss, g, dx = model.head_loss_and_grad(edges, x, targets, zeros, 0.5)
   loss_x, no_g, dx_alone = model.head_loss_and_grad(edges, x, targets, None, 0.5)
   loss_w, g_alone, no_dx = model.head_loss_and_grad(edges, x, targets, zeros, 0.5, input_grad=False)
@@ -128,14 +133,7 @@ def test_the_head_matrix_gradient_alone_makes_no_input_gradient_product():
   input gradient's product by the head matrix)."""
   from triax.compiled import hlo_work
 
-  model = harness.model_of(
-    family='llama', num_layers=1, d_model=32, num_heads=2, d_ff=32, vocab_size=512, seq_len=64,
-  )  # fmt: skip
-  params = jax.jit(model.init)(jax.random.key(0))
-  edges = {'embed': params['embed'], 'head': params['head']}
-  x = jax.random.normal(jax.random.key(1), (2, 64, 32))
-  targets = jax.random.randint(jax.random.key(2), (2, 64), 0, 512)
-  zeros = jax.tree.map(jnp.zeros_like, edges)
+  model, edges, x, targets, zeros = _head_case(0)
   matrices = jax.tree.map(lambda a: a if a.ndim >= 2 else None, zeros)
 
   def flops(acc):
