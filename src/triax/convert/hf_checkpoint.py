@@ -448,9 +448,9 @@ def export_hf(
   tok = _run_tokenizer_file(workdir, cfg)
   if tok is not None:
     shutil.copyfile(tok, os.path.join(out_dir, _tokenizer_name(tok)))
-  if tok is not None and base is None:  # a run trained here: no HF files of its own
-    for name, record in _made_side_files(tok, cfg.model.seq_len).items():
-      atomic.write_json(os.path.join(out_dir, name), record)
+    if base is None:  # a run trained here: no HF files of its own
+      for name, record in _made_side_files(tok, cfg.model.seq_len).items():
+        atomic.write_json(os.path.join(out_dir, name), record)
   for name in os.listdir(out_dir):
     # safetensors writes 0600; a checkpoint to share reads as HF's do.
     os.chmod(os.path.join(out_dir, name), 0o644)

@@ -451,13 +451,11 @@ class DeepSeek(mixtral.Mixtral):
       head = {**used['head'], 'tokens': used['tokens']}
       return scale * jnp.mean(self.mtp_losses(head, h, targets))
 
-    if acc is None:
-      value, pull = jax.vjp(lambda h: mtp(used, h), x)
-      return jnp.stack([loss, value]), None, dx + pull(jnp.full_like(value, s.mtp_loss_weight))[0]
-    held = {'tokens': acc['embed']['tokens'], 'head': acc['head']}
+    held = None if acc is None else {'tokens': acc['embed']['tokens'], 'head': acc['head']}
     value, held, gx = loss_lib.partial_vjp(mtp, used, x, held, input_grad, s.mtp_loss_weight)
-    embed = {**acc['embed'], 'tokens': held['tokens']}
-    acc = {**acc, 'embed': embed, 'head': held['head']}
+    if held is not None:
+      embed = {**acc['embed'], 'tokens': held['tokens']}
+      acc = {**acc, 'embed': embed, 'head': held['head']}
     return jnp.stack([loss, value]), acc, (dx + gx if input_grad else None)
 
   def stage_objective(self, lm_loss, shares: dict, maxima: dict):

@@ -120,9 +120,6 @@ def cross_entropy_and_grad(
     return _summed(logits_fn(p, h), t, vocab_used) * scale
 
   def grads(acc, h, t):
-    if acc is None:
-      loss, vjp = jax.vjp(lambda h: piece(params, h, t), h)
-      return None, loss, vjp(jnp.ones_like(loss))[0]
     loss, acc, dh = partial_vjp(lambda p, h: piece(p, h, t), params, h, acc, input_grad)
     return acc, loss, dh
 
@@ -148,13 +145,14 @@ def partial_vjp(fn: Callable, params, x, acc, input_grad: bool = True, weight: f
   gradient w.r.t. x or None).
 
   fn returns a scalar. `acc` is a tree like params whose None leaves mark
-  the parameters not to differentiate: they stay None, and no work their
-  gradient alone needs is done (the pipeline takes a head's vector
+  the parameters not to differentiate (`acc` None: none of them; None is
+  returned in its place): they stay None, and no work their gradient alone
+  needs is done (the pipeline takes a head's vector
   parameters' gradients with its input gradient, and its matrices' after
   the tick loop, without the product by the matrix an input gradient is).
   """
   leaves, tree = jax.tree.flatten(params)
-  accs = tree.flatten_up_to(acc)
+  accs = [None] * len(leaves) if acc is None else tree.flatten_up_to(acc)
   chosen = [i for i, a in enumerate(accs) if a is not None]
 
   def of(picked, h):
@@ -172,4 +170,4 @@ def partial_vjp(fn: Callable, params, x, acc, input_grad: bool = True, weight: f
     (g,), dx = vjp(jnp.full_like(value, weight)), None
   for i, gi in zip(chosen, g, strict=True):
     accs[i] = accs[i] + gi
-  return value, tree.unflatten(accs), dx
+  return value, None if acc is None else tree.unflatten(accs), dx
