@@ -10,8 +10,11 @@ on the byte corpus as llama_8b is (the ids past 256 are padding, masked out of t
 loss), bf16 compute with fp32 parameters and Adam state (10.7 TB: a model for a
 cluster), 256 sequences (1M tokens) a step.
 
-  python -m triax plan --config=experiments/deepseek_v3.py \\
+  python -m triax plan --config=experiments/deepseek_v3.py:dispatch=capacity \\
       --cluster=experiments/clusters/dgx_h100.yaml --gpus=256 --profile=analytic
+
+(capacity dispatch on GPUs: XLA:GPU computes dropless's grouped matmuls densely
+over every local expert, 256x the experts' work, which fits no GPU at this size.)
 
 `lite` is DeepSeek-V2-Lite's 16B-A3B shape with V3's routing (sigmoid affinities,
 group-limited top-k, routed scaling, loss-free balancing) and no MTP: 27 blocks of
@@ -26,7 +29,7 @@ It is what `triax plan --verify` compiles for an 8-GPU host or a v5p slice:
 ARG is `key=value,...`: `lite`; `layers=N` blocks (first_k_dense of them dense); `mtp=N`
 MTP modules; `seq=N` tokens a sequence; `batch=N` sequences a step (default 256);
 `remat=none|attention|dots|full` (default full); `attention=xla|cudnn|splash` (default
-cudnn; a topology compile takes xla).
+cudnn; a topology compile takes xla); `dispatch=dropless|capacity` (default dropless).
 """
 
 import os
@@ -47,6 +50,7 @@ def get_config(arg=None):
     batch=256,
     remat='full',
     attention='cudnn',
+    dispatch='dropless',
   )
   base = f'batch={args["batch"]},remat={args["remat"]},attention={args["attention"]}'
   c = config.from_file(GPT_1B, base)
@@ -90,6 +94,8 @@ def get_config(arg=None):
   m.router_aux_loss_coef, m.router_z_loss_coef = 0.0, 0.0
   # Balanced per micro-batch, as a pipeline stage sees it (the executor's condition).
   m.router_aux_loss_scope = 'microbatch'
+  # Dropless: no token dropped (TPU's grouped matmuls); capacity: fixed buffers (GPU's choice).
+  m.moe_dispatch = args['dispatch']
   # One MTP module, its loss weighted 0.3 (V3's first 10T tokens).
   m.mtp_depth = 1
   m.mtp_loss_weight = 0.3

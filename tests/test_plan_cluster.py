@@ -51,6 +51,9 @@ def test_shipped_specs_load():
     spec = cluster.load(path)
     assert spec.num_devices == sizes.get(os.path.basename(path), 8), path
     assert all(g.memory > 0 for g in spec.groups.values())
+    # Every GPU's compiler (XLA:GPU) runs a grouped matmul dense; TPU's and the measured CPU's not.
+    gpu = {g.name: g.ragged_dot == 'dense' for g in spec.groups.values()}
+    assert gpu == {g.name: g.name not in ('v5p', 'cpu') for g in spec.groups.values()}, path
 
 
 def test_heterog_testbed_layout():
@@ -103,6 +106,10 @@ def test_units_and_links(tmp_path):
       'shared_cores',
     ),
     (lambda t: 'name: [unclosed', 'not valid YAML'),
+    (
+      lambda t: t.replace('memory: 8 GB,', 'memory: 8 GB, ragged_dot: sparse,'),
+      "ragged_dot: want one of grouped, dense, got 'sparse'",
+    ),
   ],
 )
 def test_bad_specs_name_the_file_and_the_fix(tmp_path, edit, message):

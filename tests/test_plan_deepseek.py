@@ -26,9 +26,11 @@ DEEPSEEK_V3 = os.path.join(ROOT, 'experiments', 'deepseek_v3.py')
 DGX_H100 = os.path.join(ROOT, 'experiments', 'clusters', 'dgx_h100.yaml')
 V5P = os.path.join(ROOT, 'experiments', 'clusters', 'tpu_v5p.yaml')
 # What `triax plan --config=experiments/deepseek_v3.py --cluster=...dgx_h100.yaml --gpus=256
-# --profile=analytic` proposes (its best of 19661 plans, 10.06 s a step; the search takes 20
+# --profile=analytic` proposed (its best of 19661 plans, 10.06 s a step; the search takes 20
 # minutes here): TP 16 with SP over two nodes, 16 stages, the first and last one block each
-# beside the edges' own (the three dense blocks, MTP), no expert parallelism.
+# beside the edges' own (the three dense blocks, MTP), no expert parallelism. It was priced
+# with dropless's grouped matmuls grouped; XLA:GPU runs them dense (test below), and at
+# capacity dispatch the plan's prices are the same, since no expert exchange is made.
 V3_LAYOUT = 'd1,t16,sp,p16,m64,1f1b,replicated,remat=full,layers=1/4/4/4/4/4/4/4/4/4/4/4/4/4/4/1'
 
 
@@ -149,7 +151,7 @@ def test_deepseek_v3_plans_for_256_h100s_and_fits():
   """The layout the search proposes for DeepSeek-V3 on 256 H100s, priced
   again (`--evaluate`, seconds where the search takes an hour): it fits."""
   request = report.Request(
-    cfg=config.from_file(DEEPSEEK_V3),
+    cfg=config.from_file(DEEPSEEK_V3, 'dispatch=capacity'),
     config_path=DEEPSEEK_V3,
     config_overrides={},
     cluster=DGX_H100,
@@ -163,6 +165,49 @@ def test_deepseek_v3_plans_for_256_h100s_and_fits():
   assert summary['devices'] == 256 and summary['tflops_per_device']['lockstep'] > 0
 
 
+@pytest.mark.fast
+def test_dropless_on_gpus_is_priced_as_xla_gpu_runs_it():
+  """XLA:GPU runs a ragged_dot as one dense product over every local expert
+  (cluster.Group.ragged_dot 'dense'): E x the routed experts' FLOPs and
+  [E / expert, expert x the assignments, width] buffers. DeepSeek-V3 dropless
+  then fits no H100, and the report says why and what avoids it."""
+  cfg, plan, _ = evaluate_lib.configure(lite(), 'd8,e8,zero1,remat=full', 8)
+  shard = analytic.build(cfg.model, [1]).shards[1]
+  gpu = cluster_lib.resize(cluster_lib.load(DGX_H100), 8)
+  tpu = cluster_lib.resize(cluster_lib.load(V5P), 8)
+  assert experts_lib.runs_dense(plan, shard, gpu, 0)
+  assert not experts_lib.runs_dense(plan, shard, tpu, 0)
+  assert experts_lib.compute_scale(plan, shard, 1.0, dense=True) == pytest.approx(
+    1 + shard.experts.fraction * 63
+  )
+  s, k, d, f = 512, 6, 2048, 1408
+  assert experts_lib.dense_buffers(plan, shard) == 64 * s * k * (2 * d + 3 * f) * 2
+  dense, grouped = (
+    memory.memory(plan, analytic.build(cfg.model, [1]), c, Options(), None)[-1][0]
+    for c in (gpu, tpu)
+  )
+  assert dense['workspace'] - grouped['workspace'] == pytest.approx(
+    plan.microbatch_size * experts_lib.dense_buffers(plan, shard)
+  )
+  capacity = lite()
+  capacity.model.moe_dispatch = 'capacity'
+  assert not experts_lib.runs_dense(plan, analytic.build(capacity.model, [1]).shards[1], gpu, 0)
+  out = io.StringIO()
+  request = report.Request(
+    cfg=config.from_file(DEEPSEEK_V3),
+    config_path=DEEPSEEK_V3,
+    config_overrides={},
+    cluster=DGX_H100,
+    gpus=256,
+    profile='analytic',
+    evaluate=True,
+    layout=V3_LAYOUT,
+  )
+  assert not report.run(request, as_json=False, out=out)['fits']
+  assert 'note: dropless on h100' in out.getvalue()
+  assert 'model.moe_dispatch=capacity avoids both' in out.getvalue()
+
+
 # The CUDA plugin the test extra installs (scripts/env.sh), as tests/test_gpu_topology.py's.
 PLUGIN = os.path.join(sys.prefix, 'xla-cuda', 'jax_plugins', 'xla_cuda12', 'xla_cuda_plugin.so')
 # DeepSeek-V2-Lite's shape with V3's routing cut to its dense block and three MoE blocks, 1024
@@ -174,8 +219,8 @@ VERIFY_LAYOUT = 'd8,e8,zero1,remat=full'
 @pytest.mark.parametrize(
   'topology_name, dispatch',
   # XLA:GPU lowers ragged_dot (dropless's grouped matmuls) as a dense dot over
-  # every local expert, which the planner does not price: capacity's buffers there.
-  [('v5p:2x2x2', 'dropless'), ('h100:8', 'capacity')],
+  # every local expert, which the planner prices from the cluster's ragged_dot.
+  [('v5p:2x2x2', 'dropless'), ('h100:8', 'capacity'), ('h100:8', 'dropless')],
 )
 def test_the_planners_memory_is_within_ten_percent_of_xla(tmp_path, topology_name, dispatch):
   """The planner's train-step peak per device against XLA's compiled one

@@ -14,8 +14,8 @@ A spec (experiments/clusters/*.yaml) names what the planner may use:
 
 Quantities are SI numbers or strings with a unit ('16 GiB', '100 Gb/s', '10 us'): bits and
 bytes never mix silently. A group may be `profile: local` (measured here; its figures may
-say `measured`) and carry `matmul_efficiency` (plan/cost/analytic.py) and `host_bandwidth`
-(plan/cost/host.py); a node's `shared_cores: N` lets at most N of its devices compute at
+say `measured`) and carry `matmul_efficiency` (plan/cost/analytic.py), `host_bandwidth`
+(plan/cost/host.py) and `ragged_dot` (plan/cost/experts.py); a node's `shared_cores: N` lets at most N of its devices compute at
 full speed at once. `resize` sizes a cluster of identical nodes to N devices.
 
 Every problem raises ConfigError('--cluster', '<file>: <what, how to fix>'). Each key's
@@ -35,6 +35,10 @@ from triax.errors import ConfigError
 # dtype names of config.model.dtype that a group's peak_flops may list.
 DTYPES = ('bfloat16', 'float16', 'float32')
 MEASURED = 'measured'
+# Group.ragged_dot's kinds. XLA:GPU expands a ragged_dot into one dense dot
+# over every group with the rows outside each group masked: E x the routed
+# experts' FLOPs and [groups, rows, width] buffers (plan/cost/experts.py).
+RAGGED_DOT = ('grouped', 'dense')
 
 _UNITS = {
   'bytes': {
@@ -105,6 +109,10 @@ class Group:
       analytic model's calibration constant); None = not stated.
     host_bandwidth: bytes/s one way between a device and its host's memory;
       None = not stated.
+    ragged_dot: how the device's compiler runs a grouped matmul (jax's
+      ragged_dot, dropless MoE's experts): 'grouped' (each group's rows
+      only, XLA:TPU's) or 'dense' (one product over every group, masked:
+      XLA:GPU's with jax 0.10 to 0.12); see RAGGED_DOT.
   """
 
   name: str
@@ -118,6 +126,7 @@ class Group:
   overhead_per_layer: float = 0.0
   matmul_efficiency: float | None = None
   host_bandwidth: float | None = None
+  ragged_dot: str = 'grouped'
 
   def peak(self, dtype: str) -> float | None:
     """Peak FLOP/s at the compute dtype (float16 falls back to bfloat16)."""
@@ -366,6 +375,7 @@ def _group(g: Any, where: str, bad) -> Group:
     'overhead_per_layer',
     'matmul_efficiency',
     'host_bandwidth',
+    'ragged_dot',
   }
   if not isinstance(g, dict):
     raise bad(f'{where}: want a mapping')
@@ -384,6 +394,9 @@ def _group(g: Any, where: str, bad) -> Group:
     and 0 < matmul_efficiency <= 1
   ):
     raise bad(f'{where}.matmul_efficiency: want a fraction in (0, 1], got {matmul_efficiency!r}')
+  ragged_dot = g.get('ragged_dot', RAGGED_DOT[0])
+  if ragged_dot not in RAGGED_DOT:
+    raise bad(f'{where}.ragged_dot: want one of {", ".join(RAGGED_DOT)}, got {ragged_dot!r}')
   local = g.get('profile') == 'local'
   if 'profile' in g and not local:
     raise bad(f"{where}.profile: only 'local' is known (this machine, measured)")
@@ -425,6 +438,7 @@ def _group(g: Any, where: str, bad) -> Group:
       if g.get('host_bandwidth') is None
       else _quantity(g['host_bandwidth'], 'bandwidth', f'{where}.host_bandwidth', bad)
     ),
+    ragged_dot=ragged_dot,
   )
 
 

@@ -498,6 +498,15 @@ def _context_lines(c, prof, cfg) -> list[str]:
     )
     if not c.local:  # how the other device types were derived from this one
       lines.append(roofline.assumption(prof))
+  experts = next(iter(prof.shards.values())).experts
+  dense = sorted(g.name for g in c.groups.values() if g.ragged_dot == 'dense')
+  if experts is not None and experts.dispatch == 'dropless' and dense:
+    lines.append(
+      f'note: dropless on {"/".join(dense)}: its compiler runs a grouped matmul as one dense '
+      f'product over every local expert, {experts.num_experts}x the routed experts\' FLOPs in '
+      '[experts, rows, width] buffers whatever the expert degree (plan/cost/experts.py); '
+      'model.moe_dispatch=capacity avoids both'
+    )
   return lines
 
 

@@ -9,7 +9,11 @@ carved from the inner part of `data`, as model/moe.py runs them:
 - `compute_scale`: dropless compute waits for the device of the busiest expert,
   (imbalance + g - 1) / g of a balanced share with g = E / expert experts per device;
 - `layer_params`: the experts' parameters, gradients and moments split over `expert`;
-- `dispatch_stash`: the exchanged rows the grouped matmuls keep for the backward.
+- `dispatch_stash`: the exchanged rows the grouped matmuls keep for the backward;
+- `runs_dense`, `dense_buffers`: dropless on a device whose compiler runs a grouped
+  matmul as one dense product over every local expert (cluster.Group.ragged_dot
+  'dense', XLA:GPU's): every expert computes every row the device holds, E x the
+  routed experts' FLOPs (`compute_scale`), in [local experts, rows, width] buffers.
 
 With model.moe_every = n the all-to-alls and rows are 1/n of a MoE block's per layer
 (`Experts.every`). Plain arithmetic, no JAX (moe.py imports it): `capacity` repeats
@@ -28,6 +32,13 @@ ID_BYTES = 4
 # row (d) and, hidden wide, the gate and up projections, silu(gate) and
 # their product (the down projection's input).
 HIDDEN_RESIDUALS = 4
+# The [local experts, rows, width] buffers a MoE layer's dense grouped matmuls
+# hold at once in its backward (`dense_buffers`): two d_model wide (the masked
+# input, as is and transposed for the weights' gradient) and three hidden wide
+# (the cotangents of the gate, the up projection and their product). Read off
+# XLA:GPU's compiled DeepSeek step (tests/test_plan_deepseek.py), whose largest
+# buffers are these: bf16[8, 49152, 2048] and bf16[8, 49152, 1408].
+DENSE_D_MODEL, DENSE_HIDDEN = 2, 3
 
 
 def capacity(experts: Experts) -> int:
@@ -92,15 +103,40 @@ def busiest_load(plan, experts: Experts, imbalance: float) -> float:
   return (imbalance + local - 1) / local
 
 
-def compute_scale(plan, shard: Shard, imbalance: float) -> float:
+def compute_scale(plan, shard: Shard, imbalance: float, dense: bool = False) -> float:
   """What a layer's compute on the busiest device is over a balanced one:
   its experts' share of the FLOPs slowed by `busiest_load`. Capacity
   dispatch's experts run their fixed [C] buffers however the tokens fall
-  (the busiest one's excess is dropped, not computed)."""
+  (the busiest one's excess is dropped, not computed). `dense` (`runs_dense`):
+  each of the E / expert local experts computes all expert x the device's
+  own assignments (the exchange's buffer), E x a balanced share whatever
+  the load."""
+  if dense:
+    return 1.0 + shard.experts.fraction * (shard.experts.num_experts - 1)
   if not split(plan, shard) or shard.experts.dispatch == 'capacity':
     return 1.0
   experts = shard.experts
   return 1.0 + experts.fraction * (busiest_load(plan, experts, imbalance) - 1.0)
+
+
+def runs_dense(plan, shard: Shard, cluster, stage: int) -> bool:
+  """Whether `stage`'s grouped matmuls are dense products over every local
+  expert: dropless dispatch on a device whose ragged_dot is 'dense'."""
+  if shard.experts is None or shard.experts.dispatch != 'dropless':
+    return False
+  groups = {cluster.devices[d].group for d in plan.stages[stage]}
+  return any(cluster.groups[g].ragged_dot == 'dense' for g in groups)
+
+
+def dense_buffers(plan, shard: Shard) -> float:
+  """Bytes per sequence of one MoE layer's dense grouped-matmul buffers
+  (`runs_dense`) alive at once in its backward, in the compute dtype: [E /
+  expert, expert x a device's assignments, width], E x the assignments'
+  rows whatever the expert degree; DENSE_D_MODEL and DENSE_HIDDEN widths."""
+  e = shard.experts
+  assignments = e.seq_len / plan.context * e.per_token
+  width = DENSE_D_MODEL * e.d_model + DENSE_HIDDEN * e.hidden
+  return e.num_experts * assignments * width * e.dtype_bytes
 
 
 def expert_param_bytes(shard: Shard) -> float:

@@ -347,7 +347,9 @@ def edge_grads_after(plan: Plan, profile: Profile, options: Options) -> tuple[fl
   return grads, edge_pool_bytes(plan.microbatches, plan.pipe, act)
 
 
-def _workspace(plan: Plan, profile: Profile, shard: Shard, logits: float, pipelined: bool) -> float:
+def _workspace(
+  plan: Plan, profile: Profile, shard: Shard, logits: float, pipelined: bool, dense: bool
+) -> float:
   """Bytes the step's work holds beside its state and stash: the head's
   (its logits; its weight's compute-dtype copy, FSDP's two gathered ones)
   and one layer's backward (its activations, twice; FSDP's two gathered
@@ -357,9 +359,13 @@ def _workspace(plan: Plan, profile: Profile, shard: Shard, logits: float, pipeli
   allocate close to that where the sum overshot (docs/bench_tpu_compile.md). The executor's tick loop holds both: its
   buffers live across the ticks. A layer is a stack entry here (remat and
   FSDP's gathers take a group of blocks at once). The head's part holds the
-  edges' own blocks' residuals (Shard.edge_work_per_seq) too."""
+  edges' own blocks' residuals (Shard.edge_work_per_seq) too. `dense`: the
+  layer's grouped matmuls are dense products (experts.runs_dense), whose
+  buffers its backward holds beside."""
   entry = profile.layers_per_entry
   layer = 2 * plan.microbatch_size * layer_stash(plan, shard, 'none') * entry
+  if dense:
+    layer += plan.microbatch_size * experts_lib.dense_buffers(plan, shard)
   # The edges' own blocks (DeepSeek's dense ones, its MTP modules) run forward
   # and backward inside the embedding's or the head's work.
   logits += edge_work(plan, shard)
@@ -437,7 +443,8 @@ def parts(
     else:
       pool = pools(plan, profile, options, program_, s, held)
     buffers = pool['cut'] + pool['msg']
-    workspace = _workspace(plan, profile, shard, logits, program_ is not None)
+    dense = experts_lib.runs_dense(plan, shard, cluster, s)
+    workspace = _workspace(plan, profile, shard, logits, program_ is not None, dense)
     if program_ is not None and shed:
       # With the edges' gradients made after the tick loop, the loop holds
       # two pools instead of their accumulator, and after it the step holds

@@ -229,8 +229,10 @@ def stage_costs(
   # The [b, s/c, h] activation a tensor group all-reduces (or, with SP,
   # reduce-scatters and all-gathers).
   act = shard.act_per_seq * plan.microbatch_size * memory_lib.token_share(plan)
-  # With the experts split, every device waits for the busiest expert's.
-  slowest = experts_lib.compute_scale(plan, shard, options.moe_imbalance)
+  # With the experts split, every device waits for the busiest expert's
+  # (or, where the grouped matmuls run dense, computes every expert's rows).
+  dense = experts_lib.runs_dense(plan, shard, cluster, s)
+  slowest = experts_lib.compute_scale(plan, shard, options.moe_imbalance, dense)
   # With a window, the attention blocks out of reach are skipped (context_compute_share).
   scale = slowest * context_compute_share(plan, shard)
   fwd, bwd, recompute = (w * scale for w in _layer_work(plan, profile, cluster, s))
