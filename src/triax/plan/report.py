@@ -503,7 +503,7 @@ def _context_lines(c, prof, cfg) -> list[str]:
   if experts is not None and experts.dispatch == 'dropless' and dense:
     lines.append(
       f'note: dropless on {"/".join(dense)}: its compiler runs a grouped matmul as one dense '
-      f'product over every local expert, {experts.num_experts}x the routed experts\' FLOPs in '
+      f"product over every local expert, {experts.num_experts}x the routed experts' FLOPs in "
       '[experts, rows, width] buffers whatever the expert degree (plan/cost/experts.py); '
       'model.moe_dispatch=capacity avoids both'
     )
