@@ -1,17 +1,20 @@
 #!/usr/bin/env bash
-# What one GPU does with triax, in one command (about 8 minutes on an H200):
+# What one GPU does with triax, in one command (about 10 minutes on an H200):
 # writes docs/bench_gpu.md, and docs/bench_checkpoint_gpu.md through
 # scripts/bench_checkpoint.py. In order, each section appended as it ends (a
 # run cut short keeps what it finished):
 #   1. --compile_only of experiments/llama_1b.py on the local GPU: XLA:GPU's
 #      bytes per device and the fit against what XLA may allocate there;
 #   2. scripts/gpu_bench.sh --config=llama_1b: tokens/s and bf16 MFU;
-#   3. scripts/bench_checkpoint.py on experiments/gpt_1b.py: what asynchronous
+#   3. the same with --config.model.fp8=tensorwise (FP8 weight matmuls), then
+#      one line with both tokens/s and their ratio; MFU still of the bf16 peak,
+#      so the two MFUs differ by that ratio (docs/design/planner_costs.md);
+#   4. scripts/bench_checkpoint.py on experiments/gpt_1b.py: what asynchronous
 #      saves cost a step (issue 28's 3%);
-#   4. scripts/gpu_bench.sh (gpt_1b): tokens/s and bf16 MFU;
-#   5. --compile_only of experiments/llama_8b.py on one GPU: its fp32 state
+#   5. scripts/gpu_bench.sh (gpt_1b): tokens/s and bf16 MFU;
+#   6. --compile_only of experiments/llama_8b.py on one GPU: its fp32 state
 #      alone is 128 GB, so the expected answer is "does not fit" and exit 3;
-#   6. MaxText 0.2.5's own train loop with llama_1b's keys on the same GPU
+#   7. MaxText 0.2.5's own train loop with llama_1b's keys on the same GPU
 #      (scripts/bench_peers.py --one_device): its tokens/s and MFU beside
 #      section 2's. Its python is TRIAX_MAXTEXT_PYTHON (a venv with
 #      maxtext and a CUDA jax; the GPU machine may have no network to build
@@ -76,6 +79,23 @@ section() {   # section TITLE COMMAND...: the command's output under a heading, 
   } >>"$doc"
 }
 
+fp8_against_bf16() {   # one line: sections 2 and 3's tokens/s and MFU, and their ratio
+  python - "$runs/llama_1b" "$runs/llama_1b_fp8" <<'PY'
+import sys
+from triax.sweeps import results
+bf16, fp8 = (results.summarize_run(w) for w in sys.argv[1:])
+if bf16.tokens_per_sec is None or fp8.tokens_per_sec is None:
+  print('FP8 against bf16 (llama_1b): n/a, a run logged no steps (sections 2 and 3)')
+else:
+  mfu = lambda r: 'n/a' if r.mfu is None else f'{100 * r.mfu:.1f}%'
+  print(
+    f'FP8 against bf16 (llama_1b, sections 3 and 2): {fp8.tokens_per_sec:,.0f} against '
+    f'{bf16.tokens_per_sec:,.0f} tokens/s, {fp8.tokens_per_sec / bf16.tokens_per_sec:.2f}x; '
+    f'MFU {mfu(fp8)} against {mfu(bf16)}, both of the bf16 peak'
+  )
+PY
+}
+
 {
   echo "# triax on one GPU"
   echo
@@ -90,6 +110,12 @@ section "compile only: llama_1b on the local GPU" \
   python -m triax train --config=experiments/llama_1b.py --compile_only --workdir="$runs/llama_1b_aot"
 section "llama_1b: tokens/s and MFU" \
   bash scripts/gpu_bench.sh --config=llama_1b --workdir="$runs/llama_1b"
+section "llama_1b with FP8 weight matmuls (model.fp8=tensorwise): tokens/s and MFU" \
+  bash scripts/gpu_bench.sh --config=llama_1b --workdir="$runs/llama_1b_fp8" \
+    --config.model.fp8=tensorwise
+line="$(fp8_against_bf16)" || line="FP8 against bf16 (llama_1b): n/a (see the log above)"
+echo "$line"
+printf '\n%s\n' "$line" >>"$doc"
 section "asynchronous checkpoints: gpt_1b" \
   python scripts/bench_checkpoint.py --config=experiments/gpt_1b.py --steps=40 --every=20 \
     --repeats=1 --no-warmup --out="$out_dir/bench_checkpoint_gpu.md"

@@ -91,3 +91,18 @@ def test_the_gpu_report_refuses_a_machine_without_one_and_writes_nothing(tmp_pat
   assert not out.exists() and not runs.exists()
   result = _bench('--steps=3', script=script)
   assert result.returncode == 2 and result.stderr.startswith('error: --steps=3: unknown flag')
+
+
+def test_the_gpu_report_measures_fp8_beside_bf16_right_after_it():
+  """Section 3 reruns section 2's llama_1b with FP8 weight matmuls, so the
+  first GPU lent measures both; the line after it gives their ratio."""
+  with open(os.path.join(harness.ROOT, 'scripts', 'bench_gpu.sh')) as f:
+    text = f.read()
+  sections = re.findall(r'^section "([^"]+)"', text, re.M)
+  assert sections[1:3] == [
+    'llama_1b: tokens/s and MFU',
+    'llama_1b with FP8 weight matmuls (model.fp8=tensorwise): tokens/s and MFU',
+  ]
+  fp8 = text[text.index(f'section "{sections[2]}"') : text.index(f'section "{sections[3]}"')]
+  assert '--config=llama_1b' in fp8 and '--config.model.fp8=tensorwise' in fp8
+  assert 'fp8_against_bf16' in fp8

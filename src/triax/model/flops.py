@@ -16,7 +16,9 @@ docs/design/models.md."""
 from __future__ import annotations
 
 # Dense bf16 peak FLOP/s per device, by substring of jax's device_kind.
-# Sources: vendor data sheets (dense, no sparsity).
+# Sources: vendor data sheets (dense, no sparsity). MFU's denominator under
+# model.fp8 too, so FP8 and bf16 runs compare on one scale
+# (docs/design/planner_costs.md, Cluster specs).
 PEAK_BF16_FLOPS = (
   ('H200', 989e12),
   ('H100', 989e12),

@@ -13,10 +13,12 @@ A spec (experiments/clusters/*.yaml) names what the planner may use:
     inter_node: {bandwidth: 100 Gb/s, latency: 25 us}
 
 Quantities are SI numbers or strings with a unit ('16 GiB', '100 Gb/s', '10 us'): bits and
-bytes never mix silently. A group may be `profile: local` (measured here; its figures may
-say `measured`) and carry `matmul_efficiency` (plan/cost/analytic.py), `host_bandwidth`
-(plan/cost/host.py) and `ragged_dot` (plan/cost/experts.py); a node's `shared_cores: N` lets at most N of its devices compute at
-full speed at once. `resize` sizes a cluster of identical nodes to N devices.
+bytes never mix silently. A group's peak_flops lists bfloat16 and float32 at least, and
+`float8` (the dense FP8 tensor-core peak) where the device has one. A group may be
+`profile: local` (measured here; its figures may say `measured`) and carry
+`matmul_efficiency` (plan/cost/analytic.py), `host_bandwidth` (plan/cost/host.py) and
+`ragged_dot` (plan/cost/experts.py); a node's `shared_cores: N` lets at most N of its
+devices compute at full speed at once. `resize` sizes a cluster of identical nodes to N devices.
 
 Every problem raises ConfigError('--cluster', '<file>: <what, how to fix>'). Each key's
 meaning: docs/design/planner_costs.md."""
@@ -34,6 +36,10 @@ from triax.errors import ConfigError
 
 # dtype names of config.model.dtype that a group's peak_flops may list.
 DTYPES = ('bfloat16', 'float16', 'float32')
+# peak_flops's key for the dense FP8 tensor-core peak (model.fp8's GEMMs,
+# plan/cost/analytic.py); absent where the device has no FP8 tensor cores.
+FLOAT8 = 'float8'
+PEAK_KEYS = (*DTYPES, FLOAT8)
 MEASURED = 'measured'
 # Group.ragged_dot's kinds. XLA:GPU expands a ragged_dot into one dense dot
 # over every group with the rows outside each group masked: E x the routed
@@ -97,7 +103,8 @@ class Group:
     name: short id used by nodes and plans.
     type: the device's marketing name, for people.
     count: devices of this type in the cluster.
-    peak_flops: dtype -> dense peak FLOP/s (None where `measured`).
+    peak_flops: dtype -> dense peak FLOP/s (None where `measured`); FLOAT8's
+      entry, where present, is the FP8 tensor cores' peak.
     memory: bytes per device.
     memory_bandwidth: bytes/s per device (None where `measured`).
     local: times come from measuring this machine, not from the roofline.
@@ -135,6 +142,11 @@ class Group:
     if dtype == 'float16' and 'bfloat16' in self.peak_flops:
       return self.peak_flops['bfloat16']
     raise KeyError(dtype)
+
+  def fp8_peak(self) -> float | None:
+    """Dense FP8 tensor-core peak FLOP/s; None where the spec lists none
+    (no FP8 tensor cores, or `measured`)."""
+    return self.peak_flops.get(FLOAT8)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -411,8 +423,8 @@ def _group(g: Any, where: str, bad) -> Group:
     )
   peak_flops = {}
   for dtype, value in peaks.items():
-    if dtype not in DTYPES:
-      raise bad(f'{where}.peak_flops: unknown dtype {dtype!r}; use {", ".join(DTYPES)}')
+    if dtype not in PEAK_KEYS:
+      raise bad(f'{where}.peak_flops: unknown dtype {dtype!r}; use {", ".join(PEAK_KEYS)}')
     peak_flops[dtype] = _maybe_measured(value, 'flops', f'{where}.peak_flops.{dtype}', local, bad)
   efficiency = g.get('efficiency')
   if efficiency is not None and not (isinstance(efficiency, (int, float)) and 0 < efficiency <= 1):

@@ -319,9 +319,18 @@ def text(report: dict, context: list[str]) -> str:
   flops, peak = report['model_flops_per_step'], report['peak_flops_per_device']
   if flops is not None:
     line = f'  model FLOPs {flops:.3g} a step (no recompute: what MFU counts)'
+    dtype = report['model']['dtype']
     if peak:
-      line += f"; MFU of the devices' data-sheet peak, {peak / 1e12:.0f} TFLOP/s each on average"
+      line += (
+        f"; MFU of the devices' data-sheet {dtype} peak, {peak / 1e12:.0f} TFLOP/s each on average"
+      )
     lines.append(line)
+    if peak and report['model']['fp8'] != 'none':
+      # FP8 and bf16 runs of one model compare on one scale (docs/design/planner_costs.md).
+      lines.append(
+        f'  (model.fp8: MFU keeps the {dtype} peak as its denominator; FP8 matmuls run at up '
+        "to 2x it on an H100, the spec's float8 peak)"
+      )
   lines.append(f'bubble: {percent(row["bubble_fraction"])} ({report["time_model"]} model)')
   lines += ['', *_memory_lines(report)]
   return '\n'.join(lines)

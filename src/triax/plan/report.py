@@ -445,7 +445,16 @@ def _context_json(cluster, prof, cfg) -> dict:
     'devices': cluster.num_devices,
     'model': {
       k: cfg.model[k]
-      for k in ('num_layers', 'd_model', 'num_heads', 'd_ff', 'vocab_size', 'seq_len', 'dtype')
+      for k in (
+        'num_layers',
+        'd_model',
+        'num_heads',
+        'd_ff',
+        'vocab_size',
+        'seq_len',
+        'dtype',
+        'fp8',
+      )
     },
     'global_batch_size': cfg.train.global_batch_size,
     'simulated': True,
@@ -489,6 +498,7 @@ def _context_lines(c, prof, cfg) -> list[str]:
       "priced by the spec's data-sheet peak and memory bandwidth, matmul_efficiency "
       f'{effs}; hierarchical collectives over its links'
     )
+    lines += _fp8_lines(c, mc)
   else:
     lines.append(
       f'profile ({m.backend}, {m.num_devices} local devices, {prof.wall_s:.1f} s): matmul '
@@ -506,6 +516,25 @@ def _context_lines(c, prof, cfg) -> list[str]:
       f"product over every local expert, {experts.num_experts}x the routed experts' FLOPs in "
       '[experts, rows, width] buffers whatever the expert degree (plan/cost/experts.py); '
       'model.moe_dispatch=capacity avoids both'
+    )
+  return lines
+
+
+def _fp8_lines(c, model) -> list[str]:
+  """How the analytic profile prices model.fp8's weight GEMMs, and a note
+  naming the groups that run them at the compute dtype's peak."""
+  if model.fp8 == 'none':
+    return []
+  lines = [
+    f'  model.fp8={model.fp8}: the weight GEMMs (not the attention core, router, head or routed '
+    "experts) at the spec's float8 peak, their operands' casts to FP8 as memory traffic"
+  ]
+  slow = sorted(g.name for g in c.groups.values() if g.fp8_peak() is None)
+  if slow:
+    lines.append(
+      f'note: model.fp8={model.fp8} on {"/".join(slow)}: the spec lists no float8 peak (no FP8 '
+      f'tensor cores), so its FP8 GEMMs are priced at the {model.dtype} peak, no faster, and '
+      'the casts to FP8 only add time'
     )
   return lines
 

@@ -12,8 +12,11 @@ residual adds, activations and softmax. On a device group a kernel takes
 
   max(flops / (peak * matmul_efficiency), bytes / memory_bandwidth)
 
-plus the group's `overhead_per_layer` per layer action; `matmul_efficiency` is the group's
-one calibration constant (`check_cluster` requires the data-sheet figures). Residual bytes
+plus the group's `overhead_per_layer` per layer action. peak is the compute dtype's; under
+model.fp8 the weight GEMMs' (blocks.fp8_gemms) is the group's float8 peak, or the compute
+dtype's on a group without FP8 tensor cores (the report says so). `matmul_efficiency` is
+the group's one calibration constant (`check_cluster` requires the data-sheet figures).
+Residual bytes
 follow Korthikanti et al. (2022) per remat policy; a grouped entry (model.moe_every = n) is
 priced as its average block.
 
@@ -82,14 +85,18 @@ class Analytic:
     # same sums for every device of every stage of every candidate.
     self._sums = {}
 
-  def _rates(self, group: Group) -> tuple[float, float]:
-    return group.peak(self.dtype) * group.matmul_efficiency, group.memory_bandwidth
+  def _rates(self, group: Group) -> tuple[float, float, float]:
+    """(sustained FLOP/s at the compute dtype, at FP8, bytes/s): a group
+    without FP8 tensor cores runs FP8 GEMMs no faster than the compute dtype's."""
+    peak = group.peak(self.dtype)
+    fp8 = group.fp8_peak() or peak
+    return peak * group.matmul_efficiency, fp8 * group.matmul_efficiency, group.memory_bandwidth
 
   def _sum(self, kernels: tuple[Kernel, ...], group: Group, b: int, expert: int = 1) -> float:
-    peak, bandwidth = self._rates(group)
-    key = (id(kernels), b, expert, peak, bandwidth)
+    peak, fp8, bandwidth = self._rates(group)
+    key = (id(kernels), b, expert, peak, fp8, bandwidth)
     if key not in self._sums:
-      self._sums[key] = sum(k.seconds(b, peak, bandwidth, expert) for k in kernels)
+      self._sums[key] = sum(k.seconds(b, peak, bandwidth, expert, fp8) for k in kernels)
     return self._sums[key]
 
   def seconds(self, group: Group, function: str, b: int, t: int, expert: int = 1) -> float:

@@ -10,7 +10,8 @@ its other axes (an output projection), any other contracts its first axis (a pro
 from the stream, a latent or the MLP's hidden units); an 'experts' axis makes it a routed
 expert's, which a token runs k of; an attention's output projection is the weight of axes
 ('heads', 'kv', 'embed'), whose 'kv' is the value width. `gemms` turns weights into GEMM
-kernels, `attention` prices the attention core. Why: docs/design/planner_costs.md."""
+kernels (under model.fp8, a dense weight's on FP8 operands: `fp8_gemms`), `attention` prices
+the attention core. Why: docs/design/planner_costs.md."""
 
 from __future__ import annotations
 
@@ -24,6 +25,13 @@ FLASH_CAUSAL = 0.5
 SOFTMAX_ELEMENT_IO = 2
 # An attention's output projection: its axes, heads and the value width to the stream.
 OUTPUT_AXES = ('heads', 'kv', 'embed')
+# Dense weights the families multiply by a plain einsum rather than
+# common.matmul, so in the compute dtype under model.fp8 too: a MoE's router
+# (its logits feed the top-k) and Qwen2-MoE's shared-expert gate. By name:
+# DeepSeek's router and its rope key's projection share their axes and width.
+# The routed experts (ragged_dot, capacity's batched einsums) stay in the
+# compute dtype as well (Weight.routed); every other weight of a block is FP8.
+PLAIN_EINSUM = ('router', 'shared_expert_gate')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +41,7 @@ class Kernel:
   flops and bytes scale with the micro-batch size b; fixed_bytes (weights
   read) do not, nor do expert_bytes (routed experts' weights read), which
   mesh.expert splits: a device's grouped matmul reads its own experts'.
+  fp8: a GEMM on FP8 operands (model.fp8), its FLOPs at the FP8 peak.
   """
 
   name: str
@@ -40,18 +49,27 @@ class Kernel:
   bytes: float
   fixed_bytes: float = 0.0
   expert_bytes: float = 0.0
+  fp8: bool = False
 
-  def seconds(self, b: int, peak: float, bandwidth: float, expert: int = 1) -> float:
+  def seconds(
+    self, b: int, peak: float, bandwidth: float, expert: int = 1, fp8_peak: float | None = None
+  ) -> float:
+    """max(FLOPs / peak, bytes / bandwidth) on b sequences; an fp8 kernel's
+    FLOPs at fp8_peak where given (the caller decides what a device without
+    FP8 tensor cores runs them at)."""
+    rate = fp8_peak if self.fp8 and fp8_peak else peak
     weights = self.fixed_bytes + self.expert_bytes / expert
-    return max(b * self.flops / peak, (weights + b * self.bytes) / bandwidth)
+    return max(b * self.flops / rate, (weights + b * self.bytes) / bandwidth)
 
 
 @dataclasses.dataclass(frozen=True)
 class Weight:
-  """One block's weight: its shape and logical axes, without the stack's axis."""
+  """One block's weight: its shape and logical axes, without the stack's axis,
+  and its parameter's name (the last key of its path)."""
 
   shape: tuple[int, ...]
   axes: tuple
+  name: str = ''
 
   @property
   def routed(self) -> bool:
@@ -147,9 +165,10 @@ def _weights(params, axes, stacked: bool = False, nested: bool = False) -> tuple
     keep = [k for k, v in params.items() if isinstance(v, dict)]
     params, axes = {k: params[k] for k in keep}, {k: axes[k] for k in keep}
   cut = 1 if stacked else 0
+  leaves = jax.tree_util.tree_leaves_with_path(params)
   return tuple(
-    Weight(tuple(a.shape[cut:]), tuple(n[cut:]))
-    for a, n in zip(jax.tree.leaves(params), _leaves(axes))
+    Weight(tuple(a.shape[cut:]), tuple(n[cut:]), str(getattr(path[-1], 'key', path[-1])))
+    for (path, a), n in zip(leaves, _leaves(axes))
   )
 
 
@@ -187,12 +206,14 @@ class Gemms:
 
 
 def gemms(spec, shard, weights, every: int) -> Gemms:
-  """The GEMM kernels of `weights` (`every` blocks' together) on a shard of `spec`."""
+  """The GEMM kernels of `weights` (`every` blocks' together) on a shard of
+  `spec`; under spec.fp8 a dense weight's (but PLAIN_EINSUM's) are `fp8_gemms`."""
   import numpy as np
 
   e = np.dtype(spec.dtype).itemsize
   pe = np.dtype(spec.param_dtype).itemsize
   s, d = spec.seq_len, spec.d_model
+  fp8 = spec.fp8 != 'none'
   fwd, bwd, params = [], [], 0.0
   dots_kept, mlp_inputs, cut_kept = 0, 0, 2 * d * every
   for w in weights:
@@ -207,6 +228,11 @@ def gemms(spec, shard, weights, every: int) -> Gemms:
       cut_kept += n + (0 if w.reads_stream else k)
       dots_kept += 0 if w.axes[-1] == 'embed' else n
       mlp_inputs += w.reads_stream and n == shard.d_ff
+    if fp8 and not w.routed and w.name not in PLAIN_EINSUM:
+      quantized = fp8_gemms(s, k, n, e, pe)
+      fwd += quantized[0]
+      bwd += quantized[1]
+      continue
     flops = 2.0 * s * rows * k * n
     # Activations in and out per sequence; the weights read once a call.
     io = rows * (s * k + s * n) * e
@@ -226,6 +252,30 @@ def gemms(spec, shard, weights, every: int) -> Gemms:
   )
 
 
+def fp8_gemms(s: int, k: int, n: int, e: int, pe: int) -> tuple[list[Kernel], list[Kernel]]:
+  """(forward, backward) kernels of a [k, n] weight's matmul on FP8 operands
+  (model/fp8.py), per sequence of s: x w forward, g w^T and x^T g backward,
+  each at the FP8 peak and reading its operands at a byte an element; and the
+  casts that make those operands, each reading a tensor (an activation in the
+  compute dtype, e bytes; the weight as it arrives, in param_dtype, pe) and
+  writing it in FP8: x and w forward, x, w and g (once for both GEMMs)
+  backward. A cast's amax pass may read its input once more where XLA does not
+  fuse it into the producer; not counted."""
+  flops = 2.0 * s * k * n
+  x, g, w = s * k, s * n, k * n  # elements of the input, the output's gradient, the weight
+  fwd = [
+    Kernel(f'fp8 casts {k}x{n}', 0.0, x * (e + 1), w * (pe + 1)),
+    Kernel(f'fp8 gemm {k}x{n}', flops, x + g * e, w, fp8=True),
+  ]
+  bwd = [
+    Kernel(f'fp8 casts bwd {k}x{n}', 0.0, (x + g) * (e + 1), w * (pe + 1)),
+    Kernel(f'fp8 dgrad {k}x{n}', flops, g + x * e, w, fp8=True),
+    # The weight gradient written in param_dtype, as the plain wgrad's.
+    Kernel(f'fp8 wgrad {k}x{n}', flops, x + g, 2 * w * pe, fp8=True),
+  ]
+  return fwd, bwd
+
+
 def _gemm(name: str, flops: float, io: float, weights: float, routed: bool) -> Kernel:
   if routed:
     return Kernel(name, flops, io, expert_bytes=weights)
@@ -238,7 +288,14 @@ def averaged(kernels: list[Kernel], n: int) -> list[Kernel]:
   if n == 1:
     return kernels
   return [
-    Kernel(k.name, k.flops / n, k.bytes / n, k.fixed_bytes / n, k.expert_bytes / n) for k in kernels
+    dataclasses.replace(
+      k,
+      flops=k.flops / n,
+      bytes=k.bytes / n,
+      fixed_bytes=k.fixed_bytes / n,
+      expert_bytes=k.expert_bytes / n,
+    )
+    for k in kernels
   ]
 
 
