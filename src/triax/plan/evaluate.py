@@ -328,8 +328,8 @@ def text(report: dict, context: list[str]) -> str:
     if peak and report['model']['fp8'] != 'none':
       # FP8 and bf16 runs of one model compare on one scale (docs/design/planner_costs.md).
       lines.append(
-        f'  (model.fp8: MFU keeps the {dtype} peak as its denominator; FP8 matmuls run at up '
-        "to 2x it on an H100, the spec's float8 peak)"
+        f'  (model.fp8: MFU keeps the {dtype} peak as its denominator; the FP8 matmuls run at '
+        "the spec's float8 peak, 2x it on an H100)"
       )
   lines.append(f'bubble: {percent(row["bubble_fraction"])} ({report["time_model"]} model)')
   lines += ['', *_memory_lines(report)]
