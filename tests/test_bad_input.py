@@ -207,6 +207,11 @@ CASES = [
     train('--config.model.fp8=tensorwise', '--config.model.remat=dots'),
     'model.fp8',
   ),
+  (
+    'rowwise-fp8-under-dots-remat',
+    train('--config.model.fp8=rowwise', '--config.model.remat=dots'),
+    'model.fp8',
+  ),
   ('unknown-family', train('--config.model.family=mamba'), 'model.family'),
   ('loss-chunk-not-dividing', train('--config.model.loss_chunk=5'), 'model.loss_chunk'),
   ('vocab-used-beyond-vocab', train('--config.model.vocab_used=300'), 'model.vocab_used'),

@@ -40,8 +40,8 @@ RETIRED_REMATS = {
 # float16 is refused with its reason (no loss scaling); see validate().
 DTYPES = ('float32', 'bfloat16')
 ATTENTION_IMPLS = ('xla', 'cudnn', 'splash')
-# model.fp8: the weight matmuls' operands as they are, or FP8 with one scale per tensor.
-FP8_RECIPES = ('none', 'tensorwise')
+# model.fp8: the weight matmuls' operands as they are, or FP8 with one scale per tensor or per row.
+FP8_RECIPES = ('none', 'tensorwise', 'rowwise')
 
 
 def defaults() -> ml_collections.ConfigDict:
@@ -111,8 +111,9 @@ def defaults() -> ml_collections.ConfigDict:
   # core's scores only); dots (keep every weight matmul's output, recompute the rest); full
   # (keep each layer's input).
   c.model.remat = 'none'
-  # Weight matmuls in FP8 (model/fp8.py): none, or tensorwise (current scaling, one power-of-two
-  # scale per tensor from its amax each step; E4M3 operands forward, E5M2 gradients backward).
+  # Weight matmuls in FP8 (model/fp8.py): none, tensorwise (current scaling, one power-of-two
+  # scale per tensor from its amax each step; E4M3 operands forward, E5M2 gradients backward) or
+  # rowwise (the same, one scale per row of each GEMM: the amax over its contracting axes).
   # Attention's core, norms, router, routed experts and the head stay in model.dtype.
   c.model.fp8 = 'none'
   # Run the layer stack as a loop (true) or unrolled (false: longer compiles; XLA may then overlap

@@ -85,7 +85,7 @@ class ModelSpec:
   vocab_used: int = 0
   # With context > 1: allgather or ring (model/context.py).
   context_attention: str = 'allgather'
-  # Weight matmuls' operands: none (dtype) or tensorwise (FP8, model/fp8.py).
+  # Weight matmuls' operands: none (dtype), or FP8 scaled tensorwise or rowwise (model/fp8.py).
   fp8: str = 'none'
   # Width of each attention head; 0 = d_model / num_heads. Qwen3's and Gemma's
   # are wider (heads x head_dim > d_model); a tensor shard keeps it (fewer heads).
@@ -257,7 +257,7 @@ def matmul(equation: str, x, w, dtype, remat: str, fp8: str = 'none'):
   is not kept anyway, and the einsum stays plain: a custom_vjp would hide its
   product from `dots`'s policy (config.py refuses fp8 with dots for that reason)."""
   if fp8 != 'none':
-    return fp8_lib.einsum(equation, x, w, dtype)
+    return fp8_lib.einsum(equation, x, w, dtype, fp8)
   if layer_checkpointed(remat):
     return jnp.einsum(equation, x, w.astype(dtype))
   return recast(einsum_of(equation), x, w, dtype)
