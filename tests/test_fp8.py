@@ -3,6 +3,7 @@ numerics on this CPU and, compiled by XLA:GPU for H100s, FP8 GEMMs in the
 optimised program."""
 
 import glob
+import json
 import os
 import re
 import sys
@@ -209,3 +210,90 @@ def test_every_family_runs_its_dense_matmuls_in_fp8(make):
   # (a router's, a norm's) is all rounding noise, relative to itself.
   diff = optax.global_norm(jax.tree.map(lambda a, b: a - b, grads, grads8))
   assert diff <= 0.1 * optax.global_norm(grads), diff / optax.global_norm(grads)
+
+
+@pytest.mark.fast
+def test_the_overflow_counts_see_only_what_current_scaling_cannot_fit():
+  """0 for finite tensors (each scale comes from the tensor itself). An inf's
+  scale falls back to 1: the inf counts, and so do the finite values over
+  the max that share its scale (tensorwise: the whole tensor; rowwise: its
+  row only). Forward and backward alike."""
+  x = jnp.ones((4, 8)).at[0, 0].set(1e4)
+  w = jnp.ones((8, 16))
+  probe = jnp.zeros(2)
+  for recipe, with_inf in (('tensorwise', 2), ('rowwise', 1)):
+    axes = fp8.scaled_axes('td', 'tf', recipe)
+    scale = fp8.scale_of(fp8.amax(x, axes), fp8.FORWARD)
+    assert float(fp8.overflow(x, scale, fp8.FORWARD)) == 0
+    inf = x.at[1, 1].set(jnp.inf)
+    scale = fp8.scale_of(fp8.amax(inf, axes), fp8.FORWARD)
+    assert float(fp8.overflow(inf, scale, fp8.FORWARD)) == with_inf
+
+    def loss(x, w, probe, g, r=recipe):
+      return jnp.sum(fp8.einsum('td,df->tf', x, w, jnp.float32, r, probe) * g)
+
+    g = jnp.ones((4, 16))
+    counts = jax.grad(loss, argnums=2)(x, w, probe, g)
+    # g is cast for dx and again for dw: 2 x 64 elements, none over.
+    assert counts.tolist() == [0, 128]
+    counts = jax.grad(loss, argnums=2)(x, w, probe, g.at[2, 3].set(jnp.inf))
+    assert counts.tolist() == [2, 128]
+
+
+@pytest.mark.parametrize(
+  'layout',
+  [{}, {'mesh.data': 2, 'mesh.tensor': 2, 'mesh.sequence_parallel': True, 'model.remat': 'full'}],
+  ids=['one-device', 'sp-full-remat'],
+)
+def test_fp8_metrics_report_each_kinds_amax_and_scales(layout):
+  """model.fp8_metrics: per weight-matmul kind, x's and w's amax and largest
+  scales (a power of two: the amax / scale within (E4M3 max / 2, E4M3 max]),
+  alike on every layout, the overflow fractions 0 (finite tensors), and the
+  loss and gradients those of the run without them."""
+  base = {'model.fp8': 'rowwise', **layout}
+  loss, grads = harness.loss_and_grads(_llama(**base))
+  trainer = harness.make_trainer(_llama(**base, **{'model.fp8_metrics': True}))
+  params = harness.initial_params(trainer, 0)
+  with jax.set_mesh(trainer.mesh):
+    batch = jax.device_put(harness.random_batch(trainer.cfg), trainer.batch_sharding)
+    loss_m, grads_m, metrics = trainer.loss_and_grad(params, batch)
+  assert float(loss_m) == loss
+  assert harness.max_rel_err(grads, jax.tree.map(np.asarray, grads_m)) == 0
+  metrics = {k: float(v) for k, v in metrics.items()}
+  assert metrics['fp8_overflow'] == 0 and metrics['fp8_grad_overflow'] == 0
+  kinds = ('attn_in', 'attn_out', 'mlp_in', 'mlp_out')
+  for kind in kinds:
+    for t in 'xw':
+      ratio = metrics[f'fp8_{kind}_{t}_amax'] / metrics[f'fp8_{kind}_{t}_scale']
+      assert 224 < ratio <= 448, (kind, t, ratio)
+  # The down projection's w amax, straight from the parameters (every layer's).
+  paths = jax.tree_util.tree_leaves_with_path(params)
+  (w_down,) = [v for p, v in paths if 'w_down' in jax.tree_util.keystr(p)]
+  assert metrics['fp8_mlp_out_w_amax'] == float(jnp.max(jnp.abs(w_down)))
+
+
+def test_fp8_metrics_reach_metrics_jsonl(tmp_path):
+  """The figures ride the step's metrics into every training record, as a MoE's router figures do."""
+  workdir = tmp_path / 'w'
+  result = harness.run_cli(
+    'triax.cli.train',
+    '--config=experiments/gpt_tiny.py:smoke',
+    f'--workdir={workdir}',
+    '--cpu_devices=8',
+    '--progress=false',
+    '--config.train.steps=2',
+    # Without the pipeline, which does not carry them: data 4 x tensor 2.
+    '--config.mesh.data=4',
+    '--config.mesh.pipe=1',
+    '--config.pipeline.microbatches=1',
+    '--config.pipeline.virtual_stages=1',
+    '--config.model.fp8=rowwise',
+    '--config.model.fp8_metrics=true',
+  )
+  assert result.returncode == 0, result.stderr[-3000:]
+  with open(workdir / 'metrics.jsonl') as f:
+    records = [r for r in map(json.loads, f) if 'loss' in r]
+  assert records, 'no training records'
+  for record in records:
+    assert record['fp8_overflow'] == 0 and record['fp8_grad_overflow'] == 0
+    assert record['fp8_mlp_out_x_amax'] > 0 and record['fp8_attn_in_w_scale'] > 0

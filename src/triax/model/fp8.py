@@ -38,16 +38,19 @@ FORWARD = jnp.float8_e4m3fn
 BACKWARD = jnp.float8_e5m2
 
 
-def einsum(equation: str, x, w, dtype, recipe: str = 'tensorwise'):
+def einsum(equation: str, x, w, dtype, recipe: str = 'tensorwise', probe=None):
   """einsum(equation, x, w) with FP8 operands, in `dtype`; gradients in x's and w's dtypes.
 
   `equation` is a weight matmul's ('bsd,dnk->bsnk'): every label in exactly
   two of x, w and the output, so both backward GEMMs are einsums too.
-  `recipe`: tensorwise or rowwise (what a scale covers). The backward keeps x and
-  w as they arrive and quantizes them again (under tensorwise the same
-  bytes: the scale depends on the tensor only), rather than keep FP8
-  copies: as common.recast keeps w rather than its cast."""
-  return _einsum(equation, jnp.dtype(dtype), recipe, x, w)
+  `recipe`: tensorwise or rowwise (what a scale covers). The backward keeps
+  x and w as they arrive and quantizes them again (under tensorwise the
+  same bytes: the scale depends on the tensor only), rather than keep FP8
+  copies: as common.recast keeps w rather than its cast. `probe` (an fp32
+  [2], or None) takes no part in the product; its gradient is the
+  backward's E5M2 casts' (elements over E5M2's max, elements): a count
+  the forward cannot see (fp8_metrics.py)."""
+  return _einsum(equation, jnp.dtype(dtype), recipe, x, w, probe)
 
 
 def quantize(t, q_dtype, axes: tuple[int, ...] | None = None):
@@ -56,13 +59,31 @@ def quantize(t, q_dtype, axes: tuple[int, ...] | None = None):
   size-1 dimensions, so the scale broadcasts against t) or, with None,
   over all of t (a scalar scale). 1 where the amax is zero or not finite
   (a NaN stays one, for the bad-step guard to see)."""
+  scale = scale_of(amax(t, axes), q_dtype)
+  return fp8_ops.quantize(t, q_dtype, scale, t.dtype), scale
+
+
+def amax(t, axes: tuple[int, ...] | None = None):
+  """max|t| (fp32) over `axes` (kept as size-1 dimensions), or over all of t with None."""
+  return jnp.max(jnp.abs(t), axis=axes, keepdims=axes is not None).astype(jnp.float32)
+
+
+def scale_of(t_amax, q_dtype):
+  """`quantize`'s power-of-two scale for an amax (any shape)."""
   fp8_max = fp8_ops.get_fp8_max(q_dtype, jnp.float32)
-  amax = jnp.max(jnp.abs(t), axis=axes, keepdims=axes is not None).astype(jnp.float32)
-  scale = fp8_ops.compute_scale(amax, jnp.ones((), jnp.float32), fp8_max)
+  scale = fp8_ops.compute_scale(t_amax, jnp.ones((), jnp.float32), fp8_max)
   mantissa, exponent = jnp.frexp(scale)
   # scale = mantissa * 2^exponent, mantissa in [0.5, 1): 0.5 is already a power of two.
-  scale = jnp.ldexp(jnp.float32(1), jnp.where(mantissa == 0.5, exponent - 1, exponent))
-  return fp8_ops.quantize(t, q_dtype, scale, t.dtype), scale
+  return jnp.ldexp(jnp.float32(1), jnp.where(mantissa == 0.5, exponent - 1, exponent))
+
+
+def overflow(t, scale, q_dtype):
+  """How many elements of t / scale are beyond q_dtype's max, before
+  `quantize` saturates them (fp32). Under current scaling none are but
+  beside an inf: its scale falls back to 1, so the inf counts and so does
+  every finite value over the max under the same scale (a NaN does not)."""
+  fp8_max = fp8_ops.get_fp8_max(q_dtype, jnp.float32)
+  return jnp.sum(jnp.abs(t.astype(jnp.float32)) / scale > fp8_max, dtype=jnp.float32)
 
 
 @functools.cache
@@ -111,20 +132,34 @@ def _gemm(equation: str, a, b, q_dtypes: tuple, recipe: str, dtype):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _einsum(equation: str, dtype, recipe: str, x, w):
+def _einsum(equation: str, dtype, recipe: str, x, w, probe):
+  del probe
   return _gemm(equation, x, w, (FORWARD, FORWARD), recipe, dtype)
 
 
-def _einsum_fwd(equation: str, dtype, recipe: str, x, w):
-  return _einsum(equation, dtype, recipe, x, w), (x, w)
+def _einsum_fwd(equation: str, dtype, recipe: str, x, w, probe):
+  return _einsum(equation, dtype, recipe, x, w, probe), (x, w, probe)
 
 
 def _einsum_bwd(equation: str, dtype, recipe: str, residuals, g):
-  x, w = residuals
+  x, w, probe = residuals
   dx_equation, dw_equation = transposed(equation)
   dx = _gemm(dx_equation, g, w, (BACKWARD, FORWARD), recipe, dtype)
   dw = _gemm(dw_equation, x, g, (FORWARD, BACKWARD), recipe, dtype)
-  return dx.astype(x.dtype), dw.astype(w.dtype)
+  casts = None if probe is None else _casts(equation, g, recipe)
+  return dx.astype(x.dtype), dw.astype(w.dtype), casts
+
+
+def _casts(equation: str, g, recipe: str):
+  """(elements over E5M2's max, elements) of the cotangent's casts in the
+  backward's two GEMMs, each scaled along its own contracting axes."""
+  ins, out = equation.split('->')
+  counts = jnp.zeros((), jnp.float32)
+  for other in ins.split(','):
+    # g's contracting axes in a backward GEMM: its labels not in that GEMM's output.
+    axes = scaled_axes(out, other, recipe)
+    counts = counts + overflow(g, scale_of(amax(g, axes), BACKWARD), BACKWARD)
+  return jnp.stack([counts, jnp.float32(2 * g.size)])
 
 
 _einsum.defvjp(_einsum_fwd, _einsum_bwd)
