@@ -207,6 +207,19 @@ CASES = [
     train('--config.model.fp8=tensorwise', '--config.model.remat=dots'),
     'model.fp8',
   ),
+  (
+    'rowwise-fp8-under-dots-remat',
+    train('--config.model.fp8=rowwise', '--config.model.remat=dots'),
+    'model.fp8',
+  ),
+  # Nothing to report: no matmul is FP8.
+  ('fp8-metrics-without-fp8', train('--config.model.fp8_metrics=true'), 'model.fp8_metrics'),
+  # The smoke config pipelines, and the pipeline executor does not carry the figures.
+  (
+    'fp8-metrics-under-a-pipeline',
+    train('--config.model.fp8=rowwise', '--config.model.fp8_metrics=true'),
+    'model.fp8_metrics',
+  ),
   ('unknown-family', train('--config.model.family=mamba'), 'model.family'),
   ('loss-chunk-not-dividing', train('--config.model.loss_chunk=5'), 'model.loss_chunk'),
   ('vocab-used-beyond-vocab', train('--config.model.vocab_used=300'), 'model.vocab_used'),

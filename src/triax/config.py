@@ -40,8 +40,8 @@ RETIRED_REMATS = {
 # float16 is refused with its reason (no loss scaling); see validate().
 DTYPES = ('float32', 'bfloat16')
 ATTENTION_IMPLS = ('xla', 'cudnn', 'splash')
-# model.fp8: the weight matmuls' operands as they are, or FP8 with one scale per tensor.
-FP8_RECIPES = ('none', 'tensorwise')
+# model.fp8: the weight matmuls' operands as they are, or FP8 with one scale per tensor or per row.
+FP8_RECIPES = ('none', 'tensorwise', 'rowwise')
 
 
 def defaults() -> ml_collections.ConfigDict:
@@ -111,10 +111,14 @@ def defaults() -> ml_collections.ConfigDict:
   # core's scores only); dots (keep every weight matmul's output, recompute the rest); full
   # (keep each layer's input).
   c.model.remat = 'none'
-  # Weight matmuls in FP8 (model/fp8.py): none, or tensorwise (current scaling, one power-of-two
-  # scale per tensor from its amax each step; E4M3 operands forward, E5M2 gradients backward).
+  # Weight matmuls in FP8 (model/fp8.py): none, tensorwise (current scaling, one power-of-two
+  # scale per tensor from its amax each step; E4M3 operands forward, E5M2 gradients backward) or
+  # rowwise (the same, one scale per row of each GEMM: the amax over its contracting axes).
   # Attention's core, norms, router, routed experts and the head stay in model.dtype.
   c.model.fp8 = 'none'
+  # Log each weight-matmul kind's FP8 amax and scales and the casts' overflow fractions
+  # (model/fp8_metrics.py); needs model.fp8 and, for now, no pipeline or micro-batches.
+  c.model.fp8_metrics = False
   # Run the layer stack as a loop (true) or unrolled (false: longer compiles; XLA may then overlap
   # one layer's collectives with another's compute, and with the other micro-batch's in a fused
   # pipeline tick, pipeline.fuse_overlaps). MaxText's scan_layers.
@@ -625,6 +629,7 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int) -> ml_collections
   _check_model(cfg)
   _check_attention(cfg.model, cfg.data)
   _check_pipeline(cfg)
+  _check_fp8(cfg.model, cfg.mesh.pipe > 1 or cfg.pipeline.microbatches > 1)
   train_checks.validate_train(cfg, defaults().train)
   train_checks.validate_checkpoint(cfg)
   if cfg.hardware.peak_flops_per_device < 0:
@@ -707,11 +712,12 @@ def _check_model(cfg) -> None:
     if retired:
       raise ConfigError('model.remat', f'{m[key]!r} {retired}')
     checks.one_of(f'model.{key}', m[key], choices)
-  _check_fp8(m)
 
 
-def _check_fp8(m) -> None:
-  """What model.fp8 composes with: every remat policy but dots."""
+def _check_fp8(m, pipelined: bool) -> None:
+  """What model.fp8 composes with: every remat policy but dots; its metrics
+  need an FP8 recipe and, for now, no pipeline executor (mesh.pipe or
+  pipeline.microbatches > 1), whose step does not carry them."""
   if m.fp8 != 'none' and m.remat == 'dots':
     # An FP8 matmul is a custom_vjp (its backward's E5M2 GEMMs), whose
     # product the dots policy cannot see to keep: the layer would be recomputed whole.
@@ -719,6 +725,17 @@ def _check_fp8(m) -> None:
       'model.fp8',
       f"{m.fp8} hides each matmul from model.remat=dots's policy; use remat none, "
       'attention or full',
+    )
+  checks.boolean('model.fp8_metrics', m.fp8_metrics)
+  if m.fp8_metrics and m.fp8 == 'none':
+    raise ConfigError(
+      'model.fp8_metrics', 'reports FP8 matmuls; set model.fp8=tensorwise or rowwise, or drop it'
+    )
+  if m.fp8_metrics and pipelined:
+    raise ConfigError(
+      'model.fp8_metrics',
+      'is not carried by the pipeline executor; drop it or use mesh.pipe=1 and '
+      'pipeline.microbatches=1',
     )
 
 

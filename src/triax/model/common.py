@@ -22,6 +22,7 @@ import jax.numpy as jnp
 
 from triax.model import context as context_lib
 from triax.model import fp8 as fp8_lib
+from triax.model import fp8_metrics
 from triax.model import loss as loss_lib
 from triax.sharding import active_spec, constrain, vary_like
 
@@ -85,8 +86,10 @@ class ModelSpec:
   vocab_used: int = 0
   # With context > 1: allgather or ring (model/context.py).
   context_attention: str = 'allgather'
-  # Weight matmuls' operands: none (dtype) or tensorwise (FP8, model/fp8.py).
+  # Weight matmuls' operands: none (dtype), or FP8 scaled tensorwise or rowwise (model/fp8.py).
   fp8: str = 'none'
+  # Log the FP8 matmuls' amax, scales and overflow (model/fp8_metrics.py).
+  fp8_metrics: bool = False
   # Width of each attention head; 0 = d_model / num_heads. Qwen3's and Gemma's
   # are wider (heads x head_dim > d_model); a tensor shard keeps it (fewer heads).
   head_dim: int = 0
@@ -255,12 +258,18 @@ def matmul(equation: str, x, w, dtype, remat: str, fp8: str = 'none'):
   the cast is a residual, a copy of the layer's weights in every micro-batch
   a pipeline stashes and in the layer scan's residuals. Under a layer's checkpoint it
   is not kept anyway, and the einsum stays plain: a custom_vjp would hide its
-  product from `dots`'s policy (config.py refuses fp8 with dots for that reason)."""
+  product from `dots`'s policy (config.py refuses fp8 with dots for that reason).
+  Under model.fp8_metrics its figures go on the open tape (fp8_metrics.py)."""
   if fp8 != 'none':
-    return fp8_lib.einsum(equation, x, w, dtype)
+    fp8_metrics.record(equation, x, w, fp8)
+    return _fp8_einsum(equation, x, w, dtype, fp8)
   if layer_checkpointed(remat):
     return jnp.einsum(equation, x, w.astype(dtype))
   return recast(einsum_of(equation), x, w, dtype)
+
+
+def _fp8_einsum(equation: str, x, w, dtype, fp8: str):
+  return fp8_lib.einsum(equation, x, w, dtype, fp8, fp8_metrics.probe())
 
 
 @functools.cache
@@ -314,6 +323,11 @@ def project(h, weights, equation: str, dtype, remat: str, fp8: str = 'none'):
 
   if remat == 'full' or not _sequence_split_over_tensor():
     return run(h, *weights)
+  if fp8 != 'none':
+    # A checkpoint's values leave it only as outputs: the figures are taken here.
+    for w in weights:
+      fp8_metrics.record(equation, h, w, fp8)
+    run = lambda h, *ws: tuple(_fp8_einsum(equation, h, w, dtype, fp8) for w in ws)  # noqa: E731
   return jax.checkpoint(run, policy=jax.checkpoint_policies.nothing_saveable)(h, *weights)
 
 
@@ -685,7 +699,17 @@ class DecoderModel:
   def _scan_layers(self, layer, stacked_params: Params, x, num_active, skipped):
     """(the stack's output, each layer's second output stacked): layer(p, h)
     -> (h, out) under the configured remat; a padded layer (index >=
-    num_active) passes h through and gives `skipped` for its out."""
+    num_active) passes h through and gives `skipped` for its out. With an
+    FP8 tape open (fp8_metrics.py), each layer's figures join it."""
+    if not fp8_metrics.active():
+      return self._scan(layer, stacked_params, x, num_active, skipped)
+    # Not in a pipeline (config.py refuses fp8_metrics there): no padded layers.
+    assert num_active is None
+    h, (out, figures) = self._scan(fp8_metrics.taped(layer), stacked_params, x, None, None)
+    fp8_metrics.add_layers(figures)
+    return h, out
+
+  def _scan(self, layer, stacked_params: Params, x, num_active, skipped):
     if layer_checkpointed(self.spec.remat):
       # Recomputed, the weights' product with _per_layer's one is no
       # residual (without remat it would be one: a copy of the weights in

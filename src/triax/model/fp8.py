@@ -1,15 +1,28 @@
-"""FP8 weight matmuls (model.fp8=tensorwise): current scaling, one scale per tensor.
+"""FP8 weight matmuls (model.fp8): current scaling, tensorwise or rowwise.
 
 `einsum` is what common.matmul runs for a weight matmul when the spec says
-fp8: both operands quantized to E4M3 with a scale from the tensor's own amax
-this step, the product taken on the FP8 operands (`preferred_element_type`
-the compute dtype, so XLA:GPU emits cuBLASLt's FP8 GEMM), the two scales
-applied to the output. Its backward quantizes the cotangent to E5M2 (the
-range gradients need) for both GEMMs, dx = g w^T and dw = x^T g, each again
-FP8 x FP8. The weights, their gradients and the optimizer stay in
-param_dtype; only the GEMMs' operands are FP8. Quantizing and dequantizing
-are flax's (`flax.linen.fp8_ops`); the scales are powers of two, so
-dividing by one and multiplying back are exact in any dtype.
+fp8: both operands quantized to E4M3 with scales from their own amax this
+step, the product taken on the FP8 operands (`preferred_element_type` the
+compute dtype, so XLA:GPU emits an FP8 GEMM), the scales applied to the
+output. Its backward quantizes the cotangent to E5M2 (the range gradients
+need) for both GEMMs, dx = g w^T and dw = x^T g, each again FP8 x FP8.
+
+The recipe says what one scale covers. tensorwise: the whole operand (one
+scalar each). rowwise (torchtitan's float8 "rowwise"): one row of the GEMM,
+the amax taken over that GEMM's contracting axes only, so each operand gets
+a scale per index of its non-contracted axes and the output is multiplied by
+the outer product of the two scale vectors. An outlier row then costs only
+its own row precision; under tensorwise it shrinks every row's values
+towards E4M3's subnormals. Each backward GEMM scales along its own
+contracting axes: dx's g per token and w per input feature, dw's x and g per
+feature column.
+
+The weights, their gradients and the optimizer stay in param_dtype; only the
+GEMMs' operands are FP8. Quantizing is flax's (`flax.linen.fp8_ops`); the
+scales are powers of two, so dividing by one and multiplying back are exact
+in any dtype, and the scales (hence the FP8 bytes) do not depend on how a
+tensor is sharded: an amax over a sharded axis is a max across its shards,
+which GSPMD inserts for `jnp.max`.
 """
 
 from __future__ import annotations
@@ -25,28 +38,52 @@ FORWARD = jnp.float8_e4m3fn
 BACKWARD = jnp.float8_e5m2
 
 
-def einsum(equation: str, x, w, dtype):
+def einsum(equation: str, x, w, dtype, recipe: str = 'tensorwise', probe=None):
   """einsum(equation, x, w) with FP8 operands, in `dtype`; gradients in x's and w's dtypes.
 
   `equation` is a weight matmul's ('bsd,dnk->bsnk'): every label in exactly
-  two of x, w and the output, so both backward GEMMs are einsums too. The
-  backward keeps x and w as they arrive and quantizes them again (the same
-  bytes: the scale depends on the tensor only), rather than keep FP8 copies:
-  as common.recast keeps w rather than its cast."""
-  return _einsum(equation, jnp.dtype(dtype), x, w)
+  two of x, w and the output, so both backward GEMMs are einsums too.
+  `recipe`: tensorwise or rowwise (what a scale covers). The backward keeps
+  x and w as they arrive and quantizes them again (under tensorwise the
+  same bytes: the scale depends on the tensor only), rather than keep FP8
+  copies: as common.recast keeps w rather than its cast. `probe` (an fp32
+  [2], or None) takes no part in the product; its gradient is the
+  backward's E5M2 casts' (elements over E5M2's max, elements): a count
+  the forward cannot see (fp8_metrics.py)."""
+  return _einsum(equation, jnp.dtype(dtype), recipe, x, w, probe)
 
 
-def quantize(t, q_dtype):
+def quantize(t, q_dtype, axes: tuple[int, ...] | None = None):
   """(t / scale in q_dtype, scale): scale (fp32) the smallest power of two
-  that brings max|t| within q_dtype's range; 1 where t is all zero or its
-  amax is not finite (a NaN stays one, for the bad-step guard to see)."""
+  that brings max|t| within q_dtype's range, the max over `axes` (kept as
+  size-1 dimensions, so the scale broadcasts against t) or, with None,
+  over all of t (a scalar scale). 1 where the amax is zero or not finite
+  (a NaN stays one, for the bad-step guard to see)."""
+  scale = scale_of(amax(t, axes), q_dtype)
+  return fp8_ops.quantize(t, q_dtype, scale, t.dtype), scale
+
+
+def amax(t, axes: tuple[int, ...] | None = None):
+  """max|t| (fp32) over `axes` (kept as size-1 dimensions), or over all of t with None."""
+  return jnp.max(jnp.abs(t), axis=axes, keepdims=axes is not None).astype(jnp.float32)
+
+
+def scale_of(t_amax, q_dtype):
+  """`quantize`'s power-of-two scale for an amax (any shape)."""
   fp8_max = fp8_ops.get_fp8_max(q_dtype, jnp.float32)
-  amax = jnp.max(jnp.abs(t)).astype(jnp.float32)
-  scale = fp8_ops.compute_scale(amax, jnp.ones((), jnp.float32), fp8_max)
+  scale = fp8_ops.compute_scale(t_amax, jnp.ones((), jnp.float32), fp8_max)
   mantissa, exponent = jnp.frexp(scale)
   # scale = mantissa * 2^exponent, mantissa in [0.5, 1): 0.5 is already a power of two.
-  scale = jnp.ldexp(jnp.float32(1), jnp.where(mantissa == 0.5, exponent - 1, exponent))
-  return fp8_ops.quantize(t, q_dtype, scale, t.dtype), scale
+  return jnp.ldexp(jnp.float32(1), jnp.where(mantissa == 0.5, exponent - 1, exponent))
+
+
+def overflow(t, scale, q_dtype):
+  """How many elements of t / scale are beyond q_dtype's max, before
+  `quantize` saturates them (fp32). Under current scaling none are but
+  beside an inf: its scale falls back to 1, so the inf counts and so does
+  every finite value over the max under the same scale (a NaN does not)."""
+  fp8_max = fp8_ops.get_fp8_max(q_dtype, jnp.float32)
+  return jnp.sum(jnp.abs(t.astype(jnp.float32)) / scale > fp8_max, dtype=jnp.float32)
 
 
 @functools.cache
@@ -60,29 +97,69 @@ def transposed(equation: str) -> tuple[str, str]:
   return f'{out},{ws}->{xs}', f'{xs},{out}->{ws}'
 
 
-def _scaled(equation: str, a, b, scale, dtype):
-  """einsum of FP8 a and b in `dtype`, times `scale` (their scales' product)."""
-  out = jnp.einsum(equation, a, b, preferred_element_type=dtype)
-  return out * scale.astype(dtype)
+def scaled_axes(labels: str, out: str, recipe: str) -> tuple[int, ...] | None:
+  """The axes of a GEMM operand (its `labels`) that one scale spans, for
+  `quantize`: all (None) under tensorwise; under rowwise the GEMM's
+  contracting axes (the labels not in its output `out`)."""
+  if recipe == 'tensorwise':
+    return None
+  if recipe == 'rowwise':
+    return tuple(i for i, label in enumerate(labels) if label not in out)
+  raise ValueError(f'fp8 recipe {recipe!r}: tensorwise or rowwise')
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _einsum(equation: str, dtype, x, w):
-  (xq, sx), (wq, sw) = quantize(x, FORWARD), quantize(w, FORWARD)
-  return _scaled(equation, xq, wq, sx * sw, dtype)
+def _in_output(scale, labels: str, out: str):
+  """An operand's scale (`quantize`'s, over an operand labelled `labels`)
+  laid out to broadcast against the GEMM's output labelled `out`."""
+  if scale.ndim == 0:
+    return scale
+  kept = [label for label in labels if label in out]
+  scale = scale.reshape([n for n, label in zip(scale.shape, labels) if label in out])
+  scale = jnp.transpose(scale, [kept.index(label) for label in out if label in kept])
+  return jnp.expand_dims(scale, [i for i, label in enumerate(out) if label not in kept])
 
 
-def _einsum_fwd(equation: str, dtype, x, w):
-  return _einsum(equation, dtype, x, w), (x, w)
+def _gemm(equation: str, a, b, q_dtypes: tuple, recipe: str, dtype):
+  """einsum(equation, a, b) on a and b quantized to `q_dtypes` (scales per
+  `recipe`), in `dtype`, times the outer product of their scales."""
+  ins, out = equation.split('->')
+  operands, scale = [], jnp.ones((), jnp.float32)
+  for t, labels, q_dtype in zip((a, b), ins.split(','), q_dtypes):
+    q, s = quantize(t, q_dtype, scaled_axes(labels, out, recipe))
+    operands.append(q)
+    scale = scale * _in_output(s, labels, out)
+  return jnp.einsum(equation, *operands, preferred_element_type=dtype) * scale.astype(dtype)
 
 
-def _einsum_bwd(equation: str, dtype, residuals, g):
-  x, w = residuals
-  (xq, sx), (wq, sw), (gq, sg) = quantize(x, FORWARD), quantize(w, FORWARD), quantize(g, BACKWARD)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _einsum(equation: str, dtype, recipe: str, x, w, probe):
+  del probe
+  return _gemm(equation, x, w, (FORWARD, FORWARD), recipe, dtype)
+
+
+def _einsum_fwd(equation: str, dtype, recipe: str, x, w, probe):
+  return _einsum(equation, dtype, recipe, x, w, probe), (x, w, probe)
+
+
+def _einsum_bwd(equation: str, dtype, recipe: str, residuals, g):
+  x, w, probe = residuals
   dx_equation, dw_equation = transposed(equation)
-  dx = _scaled(dx_equation, gq, wq, sg * sw, dtype)
-  dw = _scaled(dw_equation, xq, gq, sx * sg, dtype)
-  return dx.astype(x.dtype), dw.astype(w.dtype)
+  dx = _gemm(dx_equation, g, w, (BACKWARD, FORWARD), recipe, dtype)
+  dw = _gemm(dw_equation, x, g, (FORWARD, BACKWARD), recipe, dtype)
+  casts = None if probe is None else _casts(equation, g, recipe)
+  return dx.astype(x.dtype), dw.astype(w.dtype), casts
+
+
+def _casts(equation: str, g, recipe: str):
+  """(elements over E5M2's max, elements) of the cotangent's casts in the
+  backward's two GEMMs, each scaled along its own contracting axes."""
+  ins, out = equation.split('->')
+  counts = jnp.zeros((), jnp.float32)
+  for other in ins.split(','):
+    # g's contracting axes in a backward GEMM: its labels not in that GEMM's output.
+    axes = scaled_axes(out, other, recipe)
+    counts = counts + overflow(g, scale_of(amax(g, axes), BACKWARD), BACKWARD)
+  return jnp.stack([counts, jnp.float32(2 * g.size)])
 
 
 _einsum.defvjp(_einsum_fwd, _einsum_bwd)

@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 from triax import sharding
 from triax.errors import ConfigError
 from triax.model import context as context_lib
-from triax.model import registry
+from triax.model import fp8_metrics, registry
 from triax.model.common import DecoderModel
 from triax.pipeline import executor, rounds
 from triax.pipeline import layout as layout_lib
@@ -391,9 +391,11 @@ def _loss_and_grad_unpipelined(model, layout):
   def raw_loss_and_grad(params, inputs, targets, segments=None):
     flat = layout.tree_to_model_order(params)
     # The objective: the loss, plus a MoE's router losses (its metrics beside it).
-    (loss, metrics), grads = jax.value_and_grad(model.objective, has_aux=True)(
-      flat, inputs, targets, segments
-    )
+    if model.spec.fp8_metrics:
+      grad = fp8_metrics.value_and_grad(model.objective)
+    else:
+      grad = jax.value_and_grad(model.objective, has_aux=True)
+    (loss, metrics), grads = grad(flat, inputs, targets, segments)
     return loss, layout.tree_to_pipeline(grads), metrics
 
   return raw_loss_and_grad
