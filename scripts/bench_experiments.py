@@ -8,7 +8,7 @@ steps) trains once in a fresh workdir through `python -m triax train
 --cpu_devices=8`, one after another. A row is the run's wall time, the
 process's CPU seconds (other load stretches wall time, not CPU time), the
 goodput ledger's compile and productive parts (training/goodput.py), the
-machine's load average at the start and over the run, and
+share of the machine's cores the run had, and
 the first and last logged training losses and every eval loss from
 metrics.jsonl. Rows of experiments not
 named keep their last figures. A benchmark, not a test: the seconds are
@@ -22,7 +22,6 @@ import json
 import os
 import resource
 import tempfile
-import threading
 import time
 
 from bench_harness import ROOT, doc_sections, run_python
@@ -36,7 +35,7 @@ TITLE = 'Full-length runs on 8 CPU devices'
 DEFAULT = ('deepseek_tiny', 'gemma3_tiny', 'qwen3_tiny', 'qwen3_moe_tiny')
 HEADER = (
   '| experiment | layout | steps | wall min | CPU min | compile s | step s | '
-  'train loss first -> last | eval loss (step) | load at start / mean |'
+  'train loss first -> last | eval loss (step) | CPU share |'
 )
 
 
@@ -53,37 +52,11 @@ def _layout(c) -> str:
   return text
 
 
-class _Load:
-  """The machine's 1-minute load average, sampled every few seconds while
-  a run trains: its mean says how much else shared the cores."""
-
-  def __init__(self):
-    self.samples = [os.getloadavg()[0]]
-    self._stop = threading.Event()
-    self._thread = threading.Thread(target=self._sample, daemon=True)
-
-  def _sample(self):
-    while not self._stop.wait(5.0):
-      self.samples.append(os.getloadavg()[0])
-
-  def __enter__(self):
-    self._thread.start()
-    return self
-
-  def __exit__(self, *exc):
-    self._stop.set()
-    self._thread.join()
-
-  @property
-  def mean(self) -> float:
-    return sum(self.samples) / len(self.samples)
-
-
 def _run(name: str) -> str:
   """Trains experiments/NAME.py once; its table row."""
   path = os.path.join(ROOT, 'experiments', f'{name}.py')
   c = config.from_file(path)
-  with tempfile.TemporaryDirectory() as tmp, _Load() as load:
+  with tempfile.TemporaryDirectory() as tmp:
     workdir = os.path.join(tmp, 'w')
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
@@ -103,7 +76,7 @@ def _run(name: str) -> str:
     f'| {name} | {_layout(c)} | {steps} | {wall / 60:.1f} | {cpu / 60:.1f} | '
     f'{ledger.totals["compile"]:.1f} | {step_s:.2f} | {losses[0]:.3f} -> {losses[-1]:.3f} | '
     f'{", ".join(f"{e:.3f} ({step})" for step, e in evals)} | '
-    f'{load.samples[0]:.1f} / {load.mean:.1f} |'
+    f'{cpu / (wall * os.cpu_count()):.2f} |'
   )
 
 
@@ -119,9 +92,9 @@ def _write(rows: dict[str, str]) -> None:
     'with `python -m triax train --cpu_devices=8` on this 2-core machine. wall: the '
     "process's time, start-up and compiles included; CPU: its CPU time (both cores); "
     "compile and step: the run's goodput ledger (compile time; productive time over the "
-    "steps); the losses are metrics.jsonl's. The last column is the machine's 1-minute load "
-    'average when the run began and its mean over the run (the run itself makes about 2: both cores; more means other work '
-    'shared them, which stretches wall time but not CPU time).',
+    "steps); the losses are metrics.jsonl's. CPU share: the run's CPU time over its wall time "
+    "times the machine's cores (1.00: it had every core to itself the whole run; less: other "
+    'work shared them, which stretches wall time but not CPU time).',
     '',
     HEADER,
     '|---|---|---|---|---|---|---|---|---|---|',
