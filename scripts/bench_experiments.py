@@ -93,8 +93,9 @@ def _write(rows: dict[str, str]) -> None:
     "process's time, start-up and compiles included; CPU: its CPU time (both cores); "
     "compile and step: the run's goodput ledger (compile time; productive time over the "
     "steps); the losses are metrics.jsonl's. CPU share: the run's CPU time over its wall time "
-    "times the machine's cores (1.00: it had every core to itself the whole run; less: other "
-    'work shared them, which stretches wall time but not CPU time).',
+    "times the machine's cores (1.00: it kept every core busy the whole run; less: its "
+    'single-threaded parts, start-up and compiles, or other work sharing the cores, which '
+    'stretches wall time but not CPU time).',
     '',
     HEADER,
     '|---|---|---|---|---|---|---|---|---|---|',
