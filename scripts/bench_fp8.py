@@ -1,0 +1,280 @@
+"""FP8 weight matmuls against bf16 from the same seed: writes docs/bench_fp8.md,
+docs/bench_fp8.png and docs/bench_fp8.json (issue 55's numerics on CPU).
+
+    .venv/bin/python scripts/bench_fp8.py [--steps=200] [--experiments=llama_tiny,mixtral_tiny]
+        [--recipes=none,tensorwise,rowwise] [--smoke] [--out=docs/bench_fp8.md]
+
+Each named experiment (experiments/NAME.py, its own mesh and schedule) trains once per
+model.fp8 recipe through `python -m triax train --cpu_devices=8`, each in a fresh
+workdir: bfloat16 compute over float32 parameters, the same seed, hence the same
+initial parameters and batches; `none` is the bf16 reference. A row is the last eval
+loss, its difference to bf16's relative to it (the issue's goal: within 2%), and the
+median logged step time. The figure draws each run's training loss, the recipes of an
+experiment overlaid, and each FP8 curve's difference to bf16's beneath.
+
+The .json holds every row and its curve: rerunning some experiments or recipes keeps
+the others, as long as --steps and --smoke match theirs (otherwise it starts over).
+--smoke trains the experiments' `:smoke` configs (a few steps) into a temporary folder
+unless --out names one: a check of this script, not of FP8.
+
+model.fp8_metrics stays off: it is refused under a pipeline (llama_tiny's pipe 2), and
+the losses are what the issue asks about.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from typing import NoReturn
+
+from bench_harness import ROOT, run_python
+
+from triax import config
+
+# One colour per recipe in both panels of the figure.
+COLORS = {'none': 'black', 'tensorwise': 'tab:orange', 'rowwise': 'tab:blue'}
+DEFAULT_EXPERIMENTS = ('llama_tiny', 'mixtral_tiny')
+# The issue's bound on the FP8 eval loss's distance from bf16's, relative to bf16's.
+TOLERANCE = 0.02
+# Evaluations per run: eval_every is steps over this (50 at 200 steps).
+EVALS = 4
+HEADER = '| experiment | mesh | recipe | eval loss | vs bf16 | within 2% | step s | step vs bf16 |'
+
+
+def _fail(key: str, message: str) -> NoReturn:
+  """Bad input: one line naming the flag and what to do, exit 2."""
+  print(f'error: --{key}: {message}', file=sys.stderr)
+  sys.exit(2)
+
+
+def _args(argv: list[str] | None = None) -> argparse.Namespace:
+  """The flags, each checked here: a bad one ends the script before any training."""
+  parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+  parser.add_argument('--steps', type=int, default=None, help="200, or the :smoke config's")
+  parser.add_argument('--experiments', default=','.join(DEFAULT_EXPERIMENTS))
+  parser.add_argument('--recipes', default=','.join(config.FP8_RECIPES))
+  parser.add_argument('--smoke', action='store_true', help="the experiments' :smoke configs")
+  parser.add_argument('--out', default=None, help='the report (.md; .png and .json beside it)')
+  args = parser.parse_args(argv)
+  if args.steps is not None and args.steps < 2:
+    _fail('steps', f'must be >= 2 (a first step compiles, the rest are timed), got {args.steps}')
+  args.experiments = [n for n in args.experiments.split(',') if n]
+  for name in args.experiments:
+    if not os.path.exists(os.path.join(ROOT, 'experiments', f'{name}.py')):
+      _fail('experiments', f'no experiments/{name}.py; name ones that exist, comma-separated')
+  if not args.experiments:
+    _fail('experiments', 'name at least one, e.g. llama_tiny')
+  args.recipes = [r for r in args.recipes.split(',') if r]
+  for recipe in args.recipes:
+    if recipe not in config.FP8_RECIPES:
+      _fail('recipes', f'unknown recipe {recipe!r}; choose from {", ".join(config.FP8_RECIPES)}')
+  if not args.recipes:
+    _fail('recipes', 'name at least one, e.g. none,rowwise')
+  if args.out is None:
+    folder = tempfile.mkdtemp(prefix='triax-bench-fp8-') if args.smoke else 'docs'
+    args.out = os.path.join(ROOT, folder, 'bench_fp8.md')
+  os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+  return args
+
+
+def _config_arg(name: str, smoke: bool) -> str:
+  return f'experiments/{name}.py' + (':smoke' if smoke else '')
+
+
+def _config(name: str, smoke: bool):
+  """experiments/NAME.py's config as the run reads it, before the overrides."""
+  return config.from_file(
+    os.path.join(ROOT, 'experiments', f'{name}.py'), 'smoke' if smoke else None
+  )
+
+
+def _steps(name: str, args: argparse.Namespace) -> int:
+  """The run's length: --steps, else 200 (the issue's), or the :smoke config's."""
+  if args.steps is not None:
+    return args.steps
+  return _config(name, True).train.steps if args.smoke else 200
+
+
+def _mesh(c) -> str:
+  """The run's mesh in the config's terms: whether it pipelines, and over what."""
+  m = c.mesh
+  text = f'data {m.data} x tensor {m.tensor} x pipe {m.pipe}'
+  return text + (f', experts over {m.expert}' if m.expert > 1 else '')
+
+
+def _train(name: str, recipe: str, steps: int, smoke: bool, workdir: str) -> dict:
+  """One run's figures from its metrics.jsonl: the curves and the median step time."""
+  c = _config(name, smoke)
+  overrides = {
+    'train.steps': steps,
+    'model.dtype': 'bfloat16',
+    'model.param_dtype': 'float32',
+    'model.fp8': recipe,
+    'train.eval_every': max(1, steps // EVALS),
+    'train.log_every': 1,  # every step's loss for the curves, and a step time each
+    'checkpoint.every_steps': 0,  # one save at the end: not the numerics' business
+  }
+  args = [
+    '-m',
+    'triax',
+    'train',
+    f'--config={_config_arg(name, smoke)}',
+    f'--workdir={workdir}',
+    '--cpu_devices=8',
+    '--progress=false',
+    *(f'--config.{key}={value}' for key, value in overrides.items()),
+  ]
+  done = run_python(args, drop_xla_flags=True)
+  if done.returncode != 0:
+    sys.exit(f'error: {name} with model.fp8={recipe} failed:\n{done.stderr[-4000:]}')
+  with open(os.path.join(workdir, 'metrics.jsonl')) as f:
+    records = [json.loads(line) for line in f]
+  logged = [r for r in records if 'step_time_s' in r]
+  return {
+    'mesh': _mesh(c),
+    'loss': [[r['step'], round(r['loss'], 5)] for r in logged],
+    'eval': [[r['step'], r['eval_loss']] for r in records if 'eval_loss' in r],
+    # The first logged step holds the compile: the median leaves it out.
+    'step_time_s': statistics.median(r['step_time_s'] for r in logged[1:]),
+  }
+
+
+def _load(path: str, steps: dict[str, int], smoke: bool) -> dict:
+  """The stored runs this invocation keeps: none if --smoke differs from theirs, and
+  of the experiments it reruns only those of the same length (`steps`)."""
+  if not os.path.exists(path):
+    return {}
+  with open(path) as f:
+    saved = json.load(f)
+  if saved.get('smoke') != smoke:
+    return {}
+  runs = saved['runs']
+  return {n: runs[n] for n in runs if n not in steps or runs[n]['steps'] == steps[n]}
+
+
+def _row(name: str, recipe: str, run: dict, ref: dict | None) -> str:
+  """One table row; the bf16 reference `ref` of the same experiment, if there is one."""
+  loss = run['eval'][-1][1]
+  if recipe == 'none':
+    versus, verdict = 'reference', '-'
+  elif ref is None:
+    versus, verdict = 'no bf16 row', '-'
+  else:
+    rel = loss / ref['eval'][-1][1] - 1
+    versus, verdict = f'{rel:+.2%}', 'PASS' if abs(rel) <= TOLERANCE else 'over'
+  # Seconds from different invocations met different loads: compare within one only.
+  same = ref is not None and ref['invocation'] == run['invocation']
+  ratio = f'{run["step_time_s"] / ref["step_time_s"]:.2f}x' if same else '-'
+  return (
+    f'| {name} | {run["mesh"]} | {recipe} | {loss:.4f} | {versus} | {verdict} | '
+    f'{run["step_time_s"]:.3f} | {ratio} |'
+  )
+
+
+def _doc(runs: dict, png: str) -> str:
+  lines = [
+    '# FP8 weight matmuls against bf16 on CPU',
+    '',
+    'Written by `scripts/bench_fp8.py` (issue 55). Each experiment trained by '
+    '`python -m triax train --cpu_devices=8` with its own mesh and schedule, model.dtype='
+    'bfloat16 over float32 parameters, once per model.fp8 recipe from the same seed (the '
+    'same initial parameters and batches). eval loss: the held-out loss after the last '
+    "step, nats per byte-level token; vs bf16: its difference to recipe none's, relative "
+    "to it; within 2%: the issue's goal. step s: the median logged step time on this "
+    "2-core machine, shared with other work: the seconds are this machine's, and the "
+    'ratio to bf16 is given only between runs of one invocation of the script. XLA:CPU '
+    'converts FP8 operands up and multiplies in float32 (its optimised HLO), so here FP8 '
+    "only adds the scaling and casts: its step time says nothing of a GPU's. model.fp8 "
+    'covers the dense weight matmuls: the routed experts, router, attention core and head '
+    "stay in bf16, so of mixtral_tiny's matmuls only attention's projections are FP8.",
+    '',
+    "Both recipes' scales are powers of two, and multiplying by one changes no value's "
+    "rounding to E4M3 or E5M2 except where it falls below the format's normal range "
+    '(in E4M3 about 2^-15 of the amax it is scaled by): rowwise and tensorwise differ '
+    "only through such small values, so equal rows mean no operand's values spanned that "
+    'much.',
+  ]
+  for name in sorted(runs):
+    recipes = runs[name]['recipes']
+    first = next(iter(recipes.values()))
+    lines += ['', f'## {name}, {runs[name]["steps"]} steps', '', HEADER, '|---' * 8 + '|']
+    evals = ', '.join(str(step) for step, _ in first['eval'])
+    for recipe in config.FP8_RECIPES:
+      if recipe in recipes:
+        lines.append(_row(name, recipe, recipes[recipe], recipes.get('none')))
+    lines += ['', f'Evaluated at steps {evals}.']
+  lines += ['', f'![training loss per recipe, and FP8 minus bf16]({os.path.basename(png)})']
+  return '\n'.join(lines) + '\n'
+
+
+def _plot(runs: dict, path: str) -> None:
+  """Per experiment: the recipes' training losses overlaid, and each FP8 minus bf16 below."""
+  import matplotlib
+
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt
+  from matplotlib import ticker
+
+  names = sorted(runs)
+  fig, axes = plt.subplots(
+    2,
+    len(names),
+    figsize=(5.5 * len(names), 6),
+    squeeze=False,
+    sharex='col',
+    gridspec_kw={'height_ratios': [2, 1]},
+  )
+  for col, name in enumerate(names):
+    recipes = runs[name]['recipes']
+    ref = dict(map(tuple, recipes['none']['loss'])) if 'none' in recipes else {}
+    top, bottom = axes[0][col], axes[1][col]
+    for recipe in config.FP8_RECIPES:
+      if recipe not in recipes:
+        continue
+      steps, losses = zip(*recipes[recipe]['loss'])
+      label = 'bf16' if recipe == 'none' else f'fp8 {recipe}'
+      top.plot(steps, losses, label=label, linewidth=1, color=COLORS[recipe])
+      if recipe != 'none' and ref:
+        diff = [(s, v - ref[s]) for s, v in zip(steps, losses) if s in ref]
+        bottom.plot(*zip(*diff), label=label, linewidth=1, color=COLORS[recipe])
+    top.set_title(f'{name}: training loss')
+    top.set_ylabel('loss (nats per byte)')
+    top.legend()
+    bottom.axhline(0, color='gray', linewidth=0.5)
+    bottom.set_ylabel('FP8 minus bf16')
+    bottom.set_xlabel('step')
+    bottom.xaxis.set_major_locator(ticker.MaxNLocator(integer=True))
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+  args = _args(argv)
+  stem = os.path.splitext(args.out)[0]
+  steps = {name: _steps(name, args) for name in args.experiments}
+  runs = _load(stem + '.json', steps, args.smoke)
+  invocation = time.strftime('%Y-%m-%dT%H:%M:%S')
+  for name in args.experiments:
+    runs.setdefault(name, {'steps': steps[name], 'recipes': {}})
+    for recipe in args.recipes:
+      with tempfile.TemporaryDirectory() as tmp:
+        run = _train(name, recipe, steps[name], args.smoke, os.path.join(tmp, 'w'))
+      runs[name]['recipes'][recipe] = {**run, 'invocation': invocation}
+      print(_row(name, recipe, runs[name]['recipes'][recipe], runs[name]['recipes'].get('none')))
+      # Each finished run lands at once: the next may take minutes.
+      with open(stem + '.json', 'w') as f:
+        json.dump({'smoke': args.smoke, 'runs': runs}, f, indent=1)
+  _plot(runs, stem + '.png')
+  with open(args.out, 'w') as f:
+    f.write(_doc(runs, stem + '.png'))
+  print(f'wrote {args.out}')
+
+
+if __name__ == '__main__':
+  main()

@@ -1,0 +1,85 @@
+"""scripts/bench_fp8.py: its smoke run writes a row per recipe and the figure, a
+rerun keeps the rows it does not redo, and bad flags are one line and exit 2."""
+
+import json
+
+import harness
+import pytest
+
+
+def _run(*args):
+  return harness.run_script('bench_fp8.py', *args)
+
+
+def _rows(doc: str, name: str) -> dict[str, list[str]]:
+  """The table's cells by recipe, for experiment `name`."""
+  cells = [[c.strip() for c in line.strip('|').split('|')] for line in doc.splitlines()]
+  return {c[2]: c for c in cells if c[0] == name}
+
+
+def test_a_smoke_run_writes_a_row_per_recipe_and_the_curves(tmp_path):
+  out = tmp_path / 'bench_fp8.md'
+  done = _run('--smoke', '--experiments=llama_tiny', '--recipes=none,rowwise', f'--out={out}')
+  assert done.returncode == 0, done.stderr
+  rows = _rows(out.read_text(), 'llama_tiny')
+  assert set(rows) == {'none', 'rowwise'}
+  assert rows['none'][4:6] == ['reference', '-']
+  # FP8 against bf16 from the same seed: a signed percentage and a verdict against 2%.
+  assert rows['rowwise'][4].endswith('%') and rows['rowwise'][4][0] in '+-'
+  assert rows['rowwise'][5] in ('PASS', 'over')
+  # Both ran in this invocation, so the step time's ratio is given.
+  assert rows['rowwise'][7].endswith('x')
+  assert (tmp_path / 'bench_fp8.png').read_bytes()[:4] == b'\x89PNG'
+  runs = json.loads((tmp_path / 'bench_fp8.json').read_text())['runs']['llama_tiny']
+  assert [step for step, _ in runs['recipes']['rowwise']['loss']] == [1, 2, 3, 4]
+
+
+@pytest.mark.fast
+def test_a_rerun_keeps_the_rows_it_does_not_redo(tmp_path):
+  bench = harness.load_script('bench_fp8')
+  run = {'mesh': 'data 8', 'loss': [[1, 5.0]], 'eval': [[4, 4.0]], 'step_time_s': 0.1}
+  saved = {
+    'llama_tiny': {'steps': 200, 'recipes': {'none': {**run, 'invocation': 'a'}}},
+    'mixtral_tiny': {'steps': 200, 'recipes': {'rowwise': {**run, 'invocation': 'a'}}},
+  }
+  path = tmp_path / 'bench_fp8.json'
+  path.write_text(json.dumps({'smoke': False, 'runs': saved}))
+  # Rerunning llama_tiny at 200 steps keeps its bf16 row; at 100, it starts over.
+  assert bench._load(str(path), {'llama_tiny': 200}, False) == saved
+  assert bench._load(str(path), {'llama_tiny': 100}, False) == {
+    'mixtral_tiny': saved['mixtral_tiny']
+  }
+  assert bench._load(str(path), {'llama_tiny': 200}, True) == {}
+  # A row of another invocation is compared in loss, not in seconds.
+  row = bench._row(
+    'llama_tiny',
+    'rowwise',
+    {**run, 'eval': [[4, 4.1]], 'invocation': 'b'},
+    saved['llama_tiny']['recipes']['none'],
+  )
+  assert row.split('|')[5:9] == [' +2.50% ', ' over ', ' 0.100 ', ' - ']
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize(
+  'flag, message',
+  [
+    (
+      '--recipes=none,fp4',
+      "error: --recipes: unknown recipe 'fp4'; choose from none, tensorwise, rowwise",
+    ),
+    (
+      '--experiments=llama_huge',
+      'error: --experiments: no experiments/llama_huge.py; name ones that exist, comma-separated',
+    ),
+    (
+      '--steps=1',
+      'error: --steps: must be >= 2 (a first step compiles, the rest are timed), got 1',
+    ),
+  ],
+)
+def test_a_bad_flag_is_one_line_and_exit_2(tmp_path, flag, message):
+  out = tmp_path / 'bench_fp8.md'
+  done = _run(flag, f'--out={out}')
+  assert (done.returncode, done.stderr.strip()) == (2, message)
+  assert not out.exists()
