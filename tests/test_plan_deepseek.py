@@ -146,12 +146,10 @@ def test_a_routed_experts_weights_are_read_by_its_own_devices_only():
   assert one > eight  # at one sequence the 64 experts' weights bound the backward
 
 
-@pytest.mark.fast
-def test_deepseek_v3_plans_for_256_h100s_and_fits():
-  """The layout the search proposes for DeepSeek-V3 on 256 H100s, priced
-  again (`--evaluate`, seconds where the search takes an hour): it fits."""
-  request = report.Request(
-    cfg=config.from_file(DEEPSEEK_V3, 'dispatch=capacity'),
+def _v3_on_h100s(arg: str | None = None) -> report.Request:
+  """`triax plan --evaluate --layout=V3_LAYOUT` of experiments/deepseek_v3.py:ARG on 256 H100s."""
+  return report.Request(
+    cfg=config.from_file(DEEPSEEK_V3, arg),
     config_path=DEEPSEEK_V3,
     config_overrides={},
     cluster=DGX_H100,
@@ -160,7 +158,13 @@ def test_deepseek_v3_plans_for_256_h100s_and_fits():
     evaluate=True,
     layout=V3_LAYOUT,
   )
-  summary = report.run(request, as_json=True, out=io.StringIO())
+
+
+@pytest.mark.fast
+def test_deepseek_v3_plans_for_256_h100s_and_fits():
+  """The layout the search proposes for DeepSeek-V3 on 256 H100s, priced
+  again (`--evaluate`, seconds where the search takes an hour): it fits."""
+  summary = report.run(_v3_on_h100s('dispatch=capacity'), as_json=True, out=io.StringIO())
   assert summary['fits'], summary['stages']
   assert summary['devices'] == 256 and summary['tflops_per_device']['lockstep'] > 0
 
@@ -193,17 +197,7 @@ def test_dropless_on_gpus_is_priced_as_xla_gpu_runs_it():
   capacity.model.moe_dispatch = 'capacity'
   assert not experts_lib.runs_dense(plan, analytic.build(capacity.model, [1]).shards[1], gpu, 0)
   out = io.StringIO()
-  request = report.Request(
-    cfg=config.from_file(DEEPSEEK_V3),
-    config_path=DEEPSEEK_V3,
-    config_overrides={},
-    cluster=DGX_H100,
-    gpus=256,
-    profile='analytic',
-    evaluate=True,
-    layout=V3_LAYOUT,
-  )
-  assert not report.run(request, as_json=False, out=out)['fits']
+  assert not report.run(_v3_on_h100s(), as_json=False, out=out)['fits']
   assert 'note: dropless on h100' in out.getvalue()
   assert 'model.moe_dispatch=capacity avoids both' in out.getvalue()
 

@@ -437,25 +437,17 @@ def to_json(result: exhaustive.SearchResult, cfg) -> dict:
   }
 
 
+# The model keys a JSON report names its model by.
+_MODEL_KEYS = 'num_layers d_model num_heads d_ff vocab_size seq_len dtype fp8'.split()
+
+
 def _context_json(cluster, prof, cfg) -> dict:
   """The cluster, model and profile a report priced its plans on."""
   m = prof.machine
   return {
     'cluster': cluster.name,
     'devices': cluster.num_devices,
-    'model': {
-      k: cfg.model[k]
-      for k in (
-        'num_layers',
-        'd_model',
-        'num_heads',
-        'd_ff',
-        'vocab_size',
-        'seq_len',
-        'dtype',
-        'fp8',
-      )
-    },
+    'model': {k: cfg.model[k] for k in _MODEL_KEYS},
     'global_batch_size': cfg.train.global_batch_size,
     'simulated': True,
     'profile': {
