@@ -224,3 +224,32 @@ def test_cli_evaluate_prices_fp8_faster_than_bf16_on_h100s():
   assert fp8['peak_flops_per_device'] == bf16['peak_flops_per_device'] == 989e12
   speedup = bf16['plan']['lockstep_time_s'] / fp8['plan']['lockstep_time_s']
   assert fp8['mfu']['lockstep'] == pytest.approx(bf16['mfu']['lockstep'] * speedup)
+
+
+@pytest.mark.fast
+def test_the_search_tries_no_remat_the_config_refuses_with_fp8():
+  """remat=dots is refused under model.fp8 (config.remat_policies), so the
+  search never proposes it: on H100s of 1 GB nothing of Llama 3.1 8B fits,
+  so every policy the model allows is tried, and dots only without fp8."""
+  import dataclasses
+
+  from triax.plan.candidate import Options
+  from triax.plan.search import evaluate as search
+  from triax.plan.search import layouts as layouts_lib
+
+  h100 = cluster_lib.resize(cluster_lib.load(DGX_H100), 8)
+  small = dataclasses.replace(h100.groups['h100'], memory=2**30)
+  h100 = dataclasses.replace(h100, groups={'h100': small})
+  tried = {}
+  for fp8 in ('none', 'tensorwise'):
+    cfg = config.from_file(os.path.join(ROOT, 'experiments', 'llama_8b.py'))
+    cfg.model.fp8 = fp8
+    layout = next(l for l in layouts_lib.layouts(cfg, 8) if l.data == 8)
+    prof = analytic.build(cfg.model, [1])
+    found = search.evaluate(cfg, h100, prof, Options(), [layout])
+    tried[fp8] = {e.plan.remat for e in found}
+  assert tried == {
+    'none': {'none', 'attention', 'dots', 'full'},
+    'tensorwise': {'none', 'attention', 'full'},
+  }
+  assert config.remat_policies(cfg.model) == ('none', 'attention', 'full')

@@ -714,11 +714,18 @@ def _check_model(cfg) -> None:
     checks.one_of(f'model.{key}', m[key], choices)
 
 
+def remat_policies(m) -> tuple[str, ...]:
+  """The remat policies model config `m` composes with (what the planner's
+  search tries): under model.fp8 every one but dots, whose policy cannot see
+  an FP8 matmul (a custom_vjp) to keep its product."""
+  return tuple(r for r in REMAT_POLICIES if m.fp8 == 'none' or r != 'dots')
+
+
 def _check_fp8(m, pipelined: bool) -> None:
-  """What model.fp8 composes with: every remat policy but dots; its metrics
-  need an FP8 recipe and, for now, no pipeline executor (mesh.pipe or
+  """What model.fp8 composes with: `remat_policies`; its metrics need an
+  FP8 recipe and, for now, no pipeline executor (mesh.pipe or
   pipeline.microbatches > 1), whose step does not carry them."""
-  if m.fp8 != 'none' and m.remat == 'dots':
+  if m.remat not in remat_policies(m):
     # An FP8 matmul is a custom_vjp (its backward's E5M2 GEMMs), whose
     # product the dots policy cannot see to keep: the layer would be recomputed whole.
     raise ConfigError(

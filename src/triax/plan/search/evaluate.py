@@ -164,7 +164,9 @@ def evaluate(
   """Every device order, remat and state sharding of `layouts`, priced.
 
   Remat beyond 'none' is tried only where 'none' runs out of memory (on
-  paper recomputation never speeds up), unless it was measured here.
+  paper recomputation never speeds up), unless it was measured here; only
+  the policies the model composes with (config.remat_policies: not dots
+  under model.fp8).
   synthesize: also plans with a synthesised schedule where one can win
   (a search's whole set of layouts; off for callers that keep to named
   schedules, as elastic/replan.py's layout keys do)."""
@@ -173,7 +175,7 @@ def evaluate(
   for layout in layouts:
     b = batch // (layout.data * layout.microbatches) / layout.context
     for stages in assignments(cluster, profile, layout, b):
-      for remat in REMATS:
+      for remat in [r for r in REMATS if r in config_lib.remat_policies(cfg.model)]:
         fits = False
         for sharding in state_shardings(cfg, layout.data):
           priced = price(cfg, cluster, profile, options, layout, stages, remat, sharding)
