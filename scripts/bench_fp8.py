@@ -2,7 +2,7 @@
 docs/bench_fp8.png and docs/bench_fp8.json (issue 55's numerics on CPU).
 
     .venv/bin/python scripts/bench_fp8.py [--steps=200] [--experiments=llama_tiny,mixtral_tiny]
-        [--recipes=none,tensorwise,rowwise] [--smoke] [--out=docs/bench_fp8.md]
+        [--recipes=none,tensorwise,rowwise] [--smoke] [--out=docs/bench_fp8.md] [--report_only]
 
 Each named experiment (experiments/NAME.py, its own mesh and schedule) trains once per
 model.fp8 recipe through `python -m triax train --cpu_devices=8`, each in a fresh
@@ -15,7 +15,8 @@ experiment overlaid, and each FP8 curve's difference to bf16's beneath.
 The .json holds every row and its curve: rerunning some experiments or recipes keeps
 the others, as long as --steps and --smoke match theirs (otherwise it starts over).
 --smoke trains the experiments' `:smoke` configs (a few steps) into a temporary folder
-unless --out names one: a check of this script, not of FP8.
+unless --out names one: a check of this script, not of FP8. --report_only trains
+nothing and writes the report and figure from the .json's runs.
 
 model.fp8_metrics stays off: it is refused under a pipeline (llama_tiny's pipe 2), and
 the losses are what the issue asks about.
@@ -60,6 +61,12 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
   parser.add_argument('--recipes', default=','.join(config.FP8_RECIPES))
   parser.add_argument('--smoke', action='store_true', help="the experiments' :smoke configs")
   parser.add_argument('--out', default=None, help='the report (.md; .png and .json beside it)')
+  parser.add_argument(
+    '--report_only',
+    action='store_true',
+    help='train nothing: write the report and figure from the runs the .json holds '
+    '(after a run cut short, which keeps each finished run there)',
+  )
   args = parser.parse_args(argv)
   if args.steps is not None and args.steps < 2:
     _fail('steps', f'must be >= 2 (a first step compiles, the rest are timed), got {args.steps}')
@@ -260,7 +267,7 @@ def main(argv: list[str] | None = None) -> None:
   steps = {name: _steps(name, args) for name in args.experiments}
   runs = _load(stem + '.json', steps, args.smoke)
   invocation = time.strftime('%Y-%m-%dT%H:%M:%S')
-  for name in args.experiments:
+  for name in [] if args.report_only else args.experiments:
     runs.setdefault(name, {'steps': steps[name], 'recipes': {}})
     for recipe in args.recipes:
       with tempfile.TemporaryDirectory() as tmp:

@@ -83,3 +83,18 @@ def test_a_bad_flag_is_one_line_and_exit_2(tmp_path, flag, message):
   done = _run(flag, f'--out={out}')
   assert (done.returncode, done.stderr.strip()) == (2, message)
   assert not out.exists()
+
+
+@pytest.mark.fast
+def test_report_only_writes_the_stored_runs_and_trains_nothing(tmp_path, monkeypatch):
+  """After a run cut short, --report_only draws the page and figure from the .json alone."""
+  bench = harness.load_script('bench_fp8')
+  run = {'mesh': 'data 8', 'loss': [[1, 5.0], [2, 4.5]], 'eval': [[2, 4.0]], 'step_time_s': 0.1}
+  stored = {'none': {**run, 'invocation': 'a'}, 'rowwise': {**run, 'invocation': 'a'}}
+  out = tmp_path / 'bench_fp8.md'
+  runs = {'llama_tiny': {'steps': 200, 'recipes': stored}}
+  (tmp_path / 'bench_fp8.json').write_text(json.dumps({'smoke': False, 'runs': runs}))
+  monkeypatch.setattr(bench, '_train', lambda *a: pytest.fail('--report_only trained'))
+  bench.main([f'--out={out}', '--report_only'])
+  assert set(_rows(out.read_text(), 'llama_tiny')) == {'none', 'rowwise'}
+  assert (tmp_path / 'bench_fp8.png').read_bytes()[:4] == b'\x89PNG'
