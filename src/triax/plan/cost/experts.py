@@ -33,11 +33,11 @@ ID_BYTES = 4
 # their product (the down projection's input).
 HIDDEN_RESIDUALS = 4
 # The [local experts, rows, width] buffers a MoE layer's dense grouped matmuls
-# hold at once in its backward (`dense_buffers`): two d_model wide (the masked
-# input, as is and transposed for the weights' gradient) and three hidden wide
-# (the cotangents of the gate, the up projection and their product). Read off
-# XLA:GPU's compiled DeepSeek step (tests/test_plan_deepseek.py), whose largest
-# buffers are these: bf16[8, 49152, 2048] and bf16[8, 49152, 1408].
+# hold at once in its backward (`dense_buffers`): two d_model wide and three
+# hidden wide, the count that matches XLA:GPU's compiled DeepSeek step at data 8
+# x expert 8 (tests/test_plan_deepseek.py), whose largest buffers are the masked
+# rows, d_model and hidden wide, and their transposes. Other layouts hold about
+# a d_model-wide buffer more (tensor 2) or less (expert 2): not modelled.
 DENSE_D_MODEL, DENSE_HIDDEN = 2, 3
 
 
