@@ -18,7 +18,6 @@ this machine's, under its load at the time, which the row records.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import resource
 import tempfile
@@ -27,7 +26,7 @@ import time
 from bench_harness import ROOT, doc_sections, run_python
 
 from triax import config
-from triax.training import goodput
+from triax.training import goodput, metrics
 
 DOC = os.path.join(ROOT, 'docs', 'bench_experiments.md')
 TITLE = 'Full-length runs on 8 CPU devices'
@@ -66,8 +65,7 @@ def _run(name: str) -> str:
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     ledger = goodput.ledger(workdir)
-    with open(os.path.join(workdir, 'metrics.jsonl')) as f:
-      lines = [json.loads(line) for line in f]
+    lines = metrics.read_metrics(workdir)
   losses = [m['loss'] for m in lines if 'loss' in m]
   evals = [(m['step'], m['eval_loss']) for m in lines if 'eval_loss' in m]
   steps = c.train.steps

@@ -36,6 +36,7 @@ from typing import NoReturn
 from bench_harness import ROOT, run_python
 
 from triax import config
+from triax.training import metrics
 
 # One colour per recipe in both panels of the figure.
 COLORS = {'none': 'black', 'tensorwise': 'tab:orange', 'rowwise': 'tab:blue'}
@@ -139,8 +140,7 @@ def _train(name: str, recipe: str, steps: int, smoke: bool, workdir: str) -> dic
   done = run_python(args, drop_xla_flags=True)
   if done.returncode != 0:
     sys.exit(f'error: {name} with model.fp8={recipe} failed:\n{done.stderr[-4000:]}')
-  with open(os.path.join(workdir, 'metrics.jsonl')) as f:
-    records = [json.loads(line) for line in f]
+  records = metrics.read_metrics(workdir)
   logged = [r for r in records if 'step_time_s' in r]
   return {
     'mesh': _mesh(c),
