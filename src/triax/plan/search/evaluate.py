@@ -172,10 +172,11 @@ def evaluate(
   schedules, as elastic/replan.py's layout keys do)."""
   found = []
   batch = cfg.train.global_batch_size
+  remats = [r for r in REMATS if r in config_lib.remat_policies(cfg.model)]
   for layout in layouts:
     b = batch // (layout.data * layout.microbatches) / layout.context
     for stages in assignments(cluster, profile, layout, b):
-      for remat in [r for r in REMATS if r in config_lib.remat_policies(cfg.model)]:
+      for remat in remats:
         fits = False
         for sharding in state_shardings(cfg, layout.data):
           priced = price(cfg, cluster, profile, options, layout, stages, remat, sharding)
