@@ -23,7 +23,7 @@ import resource
 import tempfile
 import time
 
-from bench_harness import ROOT, doc_sections, run_python
+from bench_harness import ROOT, doc_sections, fail, run_python
 
 from triax import config
 from triax.training import goodput, metrics
@@ -117,10 +117,12 @@ def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   parser.add_argument('--experiments', default=','.join(DEFAULT))
   args = parser.parse_args()
-  rows = _stored()
-  for name in args.experiments.split(','):
+  names = args.experiments.split(',')
+  for name in names:  # every name checked before the first run
     if not os.path.exists(os.path.join(ROOT, 'experiments', f'{name}.py')):
-      raise SystemExit(f'error: --experiments: no experiments/{name}.py; name one that exists')
+      fail('--experiments', f'no experiments/{name}.py; name one that exists')
+  rows = _stored()
+  for name in names:
     rows[name] = _run(name)
     print(rows[name], flush=True)
     _write(rows)  # each finished run lands at once: a later one may take many minutes

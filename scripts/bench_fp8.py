@@ -31,9 +31,8 @@ import statistics
 import sys
 import tempfile
 import time
-from typing import NoReturn
 
-from bench_harness import ROOT, run_python
+from bench_harness import ROOT, fail, run_python
 
 from triax import config
 from triax.training import metrics
@@ -46,12 +45,6 @@ TOLERANCE = 0.02
 # Evaluations per run: eval_every is steps over this (50 at 200 steps).
 EVALS = 4
 HEADER = '| experiment | mesh | recipe | eval loss | vs bf16 | within 2% | step s | step vs bf16 |'
-
-
-def _fail(key: str, message: str) -> NoReturn:
-  """Bad input: one line naming the flag and what to do, exit 2."""
-  print(f'error: --{key}: {message}', file=sys.stderr)
-  sys.exit(2)
 
 
 def _args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -70,19 +63,19 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
   )
   args = parser.parse_args(argv)
   if args.steps is not None and args.steps < 2:
-    _fail('steps', f'must be >= 2 (a first step compiles, the rest are timed), got {args.steps}')
+    fail('--steps', f'must be >= 2 (a first step compiles, the rest are timed), got {args.steps}')
   args.experiments = [n for n in args.experiments.split(',') if n]
   for name in args.experiments:
     if not os.path.exists(os.path.join(ROOT, 'experiments', f'{name}.py')):
-      _fail('experiments', f'no experiments/{name}.py; name ones that exist, comma-separated')
+      fail('--experiments', f'no experiments/{name}.py; name ones that exist, comma-separated')
   if not args.experiments:
-    _fail('experiments', 'name at least one, e.g. llama_tiny')
+    fail('--experiments', 'name at least one, e.g. llama_tiny')
   args.recipes = [r for r in args.recipes.split(',') if r]
   for recipe in args.recipes:
     if recipe not in config.FP8_RECIPES:
-      _fail('recipes', f'unknown recipe {recipe!r}; choose from {", ".join(config.FP8_RECIPES)}')
+      fail('--recipes', f'unknown recipe {recipe!r}; choose from {", ".join(config.FP8_RECIPES)}')
   if not args.recipes:
-    _fail('recipes', 'name at least one, e.g. none,rowwise')
+    fail('--recipes', 'name at least one, e.g. none,rowwise')
   if args.out is None:
     folder = tempfile.mkdtemp(prefix='triax-bench-fp8-') if args.smoke else 'docs'
     args.out = os.path.join(ROOT, folder, 'bench_fp8.md')

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from typing import NoReturn
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SRC = os.path.join(ROOT, 'src')
@@ -31,6 +32,13 @@ def force_cpu_devices(n: int = 8) -> None:
   flags = os.environ.get('XLA_FLAGS', '')
   if DEVICE_COUNT_FLAG not in flags:
     os.environ['XLA_FLAGS'] = f'{flags} {DEVICE_COUNT_FLAG}={n}'.strip()
+
+
+def fail(key: str, message: str) -> NoReturn:
+  """Bad input to a script: one line naming the flag (or what is missing)
+  and what to do, exit 2, before anything is written."""
+  print(f'error: {key}: {message}', file=sys.stderr)
+  sys.exit(2)
 
 
 def device_count_flags(n: int) -> str:

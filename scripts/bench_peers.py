@@ -34,7 +34,7 @@ import subprocess
 import sys
 
 import bench_tpu_compile as tpu  # the MaxText venv it builds
-from bench_harness import ROOT, run_python
+from bench_harness import ROOT, fail, run_python
 
 BENCH = tpu.BENCH
 CONFIG = 'experiments/llama_peers.py'
@@ -184,11 +184,6 @@ def _device(python: str) -> tuple[str, float | None]:
   code = 'import jax; print(jax.devices()[0].device_kind)'
   kind = subprocess.run([python, '-c', code], capture_output=True, text=True).stdout.strip()
   return kind, flops_lib.peak_flops(kind)
-
-
-def fail(key: str, message: str) -> None:
-  print(f'error: {key}: {message}', file=sys.stderr)
-  sys.exit(2)
 
 
 def maxtext_python() -> str:

@@ -45,3 +45,12 @@ def test_a_run_gives_its_row(monkeypatch):
   assert last < first  # the smoke run's loss falls
   assert cells[8].startswith('5.') and '(0)' in cells[8]
   assert 0 < float(cells[9]) <= 1.0  # the CPU share
+
+
+@pytest.mark.fast
+def test_an_unknown_experiment_is_one_line_and_exit_2_before_any_run():
+  done = harness.run_script('bench_experiments.py', '--experiments=gemma3_tiny,no_such')
+  assert done.returncode == 2
+  assert done.stderr.strip().splitlines() == [
+    'error: --experiments: no experiments/no_such.py; name one that exists'
+  ]
