@@ -3,7 +3,6 @@ numerics on this CPU and, compiled by XLA:GPU for H100s, FP8 GEMMs in the
 optimised program."""
 
 import glob
-import json
 import os
 import re
 import sys
@@ -17,6 +16,7 @@ import pytest
 
 from triax import topology
 from triax.model import fp8
+from triax.training import metrics as metrics_lib
 
 PLUGIN = os.path.join(sys.prefix, 'xla-cuda', 'jax_plugins', 'xla_cuda12', 'xla_cuda_plugin.so')
 # A 2-layer Llama whose matmul widths are multiples of 16 (FP8 GEMMs' rule), unrolled
@@ -291,8 +291,7 @@ def test_fp8_metrics_reach_metrics_jsonl(tmp_path):
     '--config.model.fp8_metrics=true',
   )
   assert result.returncode == 0, result.stderr[-3000:]
-  with open(workdir / 'metrics.jsonl') as f:
-    records = [r for r in map(json.loads, f) if 'loss' in r]
+  records = [r for r in metrics_lib.read_metrics(str(workdir)) if 'loss' in r]
   assert records, 'no training records'
   for record in records:
     assert record['fp8_overflow'] == 0 and record['fp8_grad_overflow'] == 0
