@@ -26,7 +26,7 @@ FLAGS = (
 
 
 @pytest.fixture(scope='module')
-def cluster(tmp_path_factory):
+def cluster(tmp_path_factory, compile_cache):
   root = str(tmp_path_factory.mktemp('slurm'))
   try:
     running = slurm_cluster.start(root)
@@ -36,6 +36,8 @@ def cluster(tmp_path_factory):
     f'\nslurm set-up: install {running.install_s:.2f} s, daemons to an idle node '
     f'{running.start_s:.2f} s'
   )
+  # Every job trains the same program: its tasks load what the first one compiled.
+  running.env.update(compile_cache)
   yield running
   running.stop()
 
