@@ -63,8 +63,10 @@ _UNFINISHED = re.compile(r'^(\d+)\.orbax-checkpoint-tmp')
 
 def model_record(cfg) -> dict:
   """What must match between a checkpoint and the run restoring it (besides the state's tree):
-  the model family and the keys its parameter shapes depend on."""
-  return registry.shape_record(cfg.model)
+  the model family, the keys its parameter shapes depend on, and model.fp8=delayed's
+  history length (0 without delayed: no histories in the state)."""
+  history = cfg.model.fp8_amax_history if cfg.model.fp8 == 'delayed' else 0
+  return {**registry.shape_record(cfg.model), 'fp8_amax_history': history}
 
 
 def state_paths(trainer: Trainer) -> list[str]:
@@ -369,7 +371,10 @@ class Checkpointer:
       return None, f'unreadable ({_first_line(e)})'
     self._check_model(step, items['model'])
     abstract = trainer.abstract_canonical_state()
+    # model.fp8=delayed's histories are no optimizer state: read as they are.
     target = {'step': abstract.step, 'params': abstract.params}
+    if abstract.fp8 is not None:
+      target['fp8'] = abstract.fp8
     restore_args = jax.tree.map(lambda s: ocp.ArrayRestoreArgs(sharding=s.sharding), target)
     try:
       read = self._read(
@@ -384,7 +389,10 @@ class Checkpointer:
     )
     opt_state = fresh(read['params'], read['step'])
     self.restored_progress = items['progress']
-    return TrainState(step=read['step'], params=read['params'], opt_state=opt_state), None
+    state = TrainState(
+      step=read['step'], params=read['params'], opt_state=opt_state, fp8=read.get('fp8')
+    )
+    return state, None
 
   def _read_record(self, step: int) -> tuple[None, str | None]:
     """(None, None) when checkpoint `step`'s model record reads and is this
