@@ -85,16 +85,19 @@ def test_each_layer_has_a_history_per_weight_matmul_laid_out_as_its_weights():
 
 
 # Delayed against fp32 matmuls, same seed and batches: within test_fp8's 2%
-# (measured after 5 steps at learning rate 1e-2: 0.9%).
+# (measured after 5 steps at learning rate 1e-2: 1.0%).
 FP8_VS_EXACT = 0.02
-# Delayed on other layouts against one device. The histories are maxima of
-# the same elements (GSPMD's max over shards), but a cotangent's element that
-# the layouts' fp32 sums (1e-6 apart) put on either side of an E5M2 rounding
-# boundary (2 mantissa bits) moves a g amax by up to ~5%, which the history
-# then carries into later steps' scales: when that crosses a power of two, a
-# whole tensor's grid differs. So the layouts agree to fp32's 1e-5 for the
-# first 4 steps and drift after (measured: d2 t2 5e-5 at step 5).
-FP8_LAYOUTS_EARLY, FP8_LAYOUTS = 1e-5, 2e-4
+# Delayed on other layouts against one device: 2e-4, looser than tensorwise's
+# 1e-5 over 5 steps. The histories are maxima of the same elements (GSPMD's
+# max over shards) and their scales powers of two, so a step from one state
+# quantizes alike but where the layouts' fp32 sums (1e-6 apart) straddle a
+# rounding boundary. A cotangent's E5M2 has 2 mantissa bits: one straddling
+# element moves by up to 25%, and Adam's early steps turn that into a
+# visible update (one step from a shared state under tensor 2: loss equal,
+# a weight 2.4e-3 of its leaf's max apart); later scales come from the
+# moved histories. Measured over 5 steps: 5e-5 at step 5 on every layout
+# here (tensorwise reaches 3e-5 by step 7 the same way).
+FP8_LAYOUTS = 2e-4
 LAYOUTS = {
   'd2-t2': {'mesh.data': 2, 'mesh.tensor': 2},
   'fsdp-d4': {'mesh.data': 4, 'mesh.fsdp': True},
@@ -114,9 +117,8 @@ def test_delayed_trains_as_fp32_does_and_alike_on_every_layout():
   for name, layout in LAYOUTS.items():
     split = harness.train_losses(_llama(**delayed, **layout), steps)
     print(name, split, [abs(c - b) / b for b, c in zip(one, split)])
-    for i, (b, c) in enumerate(zip(one, split)):
-      tolerance = FP8_LAYOUTS_EARLY if i < 4 else FP8_LAYOUTS
-      assert abs(c - b) <= tolerance * abs(b), (name, one, split)
+    for b, c in zip(one, split):
+      assert abs(c - b) <= FP8_LAYOUTS * abs(b), (name, one, split)
 
 
 def _scaled_norms(params, factor):

@@ -17,7 +17,7 @@ from triax import checks
 from triax.data import checks as data_checks
 from triax.errors import ConfigError
 from triax.layout import CONTEXT_ATTENTION
-from triax.model import registry
+from triax.model import fp8_delayed, registry
 from triax.pipeline import schedule as sched
 from triax.pipeline.rounds import PACKINGS
 from triax.training import checks as train_checks
@@ -747,11 +747,7 @@ def _check_fp8(m, pipelined: bool) -> None:
       f'is read only with model.fp8=delayed (model.fp8={m.fp8}); set model.fp8=delayed or drop it',
     )
   if m.fp8 == 'delayed' and pipelined:
-    raise ConfigError(
-      'model.fp8',
-      "delayed's amax histories are not carried by the pipeline executor; use tensorwise, or "
-      'mesh.pipe=1 and pipeline.microbatches=1',
-    )
+    raise ConfigError('model.fp8', fp8_delayed.PIPELINE_REFUSAL)
   checks.boolean('model.fp8_metrics', m.fp8_metrics)
   if m.fp8_metrics and m.fp8 == 'none':
     raise ConfigError(

@@ -180,7 +180,7 @@ class ModelSpec:
 
   def executor_refusal(self) -> str:
     """Why the pipeline executor cannot train this model ('' when it can)."""
-    return ''
+    return fp8_delayed.PIPELINE_REFUSAL if self.fp8 == 'delayed' else ''
 
   def tensor_shard(self, t: int) -> ModelSpec:
     """The spec of one of t tensor ranks' shards (Megatron's split: heads,

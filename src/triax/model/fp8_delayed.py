@@ -30,6 +30,12 @@ import jax.numpy as jnp
 
 from triax.model import fp8_metrics
 
+# Why the pipeline executor cannot run delayed scaling: its step would need an amax
+# over micro-batches carried beside the gradients (config.py, ModelSpec.executor_refusal).
+PIPELINE_REFUSAL = (
+  "delayed's amax histories are not carried by the pipeline executor; use tensorwise, or "
+  'mesh.pipe=1 and pipeline.microbatches=1'
+)
 # Rows of a site's history: the forward's operands and the backward's cotangent.
 ROWS = ('x', 'w', 'g')
 
