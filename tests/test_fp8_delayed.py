@@ -102,6 +102,13 @@ LAYOUTS = {
   'd2-t2': {'mesh.data': 2, 'mesh.tensor': 2},
   'fsdp-d4': {'mesh.data': 4, 'mesh.fsdp': True},
   'zero1-d4': {'mesh.data': 4, 'train.optimizer_sharding': 'data'},
+  # Each site's history an argument of project's and the layer's checkpoints.
+  'sp-full-remat': {
+    'mesh.data': 2,
+    'mesh.tensor': 2,
+    'mesh.sequence_parallel': True,
+    'model.remat': 'full',
+  },
 }
 
 

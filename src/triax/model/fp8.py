@@ -45,14 +45,13 @@ def einsum(equation: str, x, w, dtype, recipe: str = 'tensorwise', probe=None, h
 
   `equation` is a weight matmul's ('bsd,dnk->bsnk'): every label in exactly
   two of x, w and the output, so both backward GEMMs are einsums too.
-  `recipe`: tensorwise, rowwise (what a scale covers) or delayed. Under
-  delayed, `history` (fp32 [3, H]: x's, w's and the cotangent's past amaxes,
-  model/fp8_delayed.py) gives each operand's scale (`delayed_scale`), and
-  its gradient is this call's observed amaxes in column 0, zeros elsewhere
-  (`observed`); with no history (evaluation, sampling) delayed scales as
-  tensorwise does. The backward keeps
-  x and w as they arrive and quantizes them again (under tensorwise the
-  same bytes: the scale depends on the tensor only), rather than keep FP8
+  `recipe`: tensorwise or rowwise (what a scale covers), or delayed: one
+  scale per tensor from `history` (fp32 [3, H], the x, w and cotangent
+  rows of its site's past amaxes, model/fp8_delayed.py; `delayed_scale`),
+  whose gradient is this call's amaxes in column 0 (`observed`); without
+  a history (evaluation, sampling) delayed is tensorwise. The backward
+  keeps x and w as they arrive and quantizes them again (the same bytes
+  where the scale depends on the tensor only), rather than keep FP8
   copies: as common.recast keeps w rather than its cast. `probe` (an fp32
   [2], or None) takes no part in the product; its gradient is the
   backward's E5M2 casts' (elements over E5M2's max, elements): a count

@@ -13,9 +13,10 @@ A step scales each operand by fp8.delayed_scale of its row (its own amax
 while the row is all zero: the first step). Its observed amaxes leave as
 the history's gradient (fp8.observed), and `updated` shifts each row one
 column and puts them in front: a step's scales depend only on the steps
-before it. Only the layer stack has sites (config.py refuses a family with
-FP8 matmuls elsewhere), and only a step with the state open (`with_state`)
-reads them; evaluation and sampling scale as tensorwise does.
+before it. Only the layer stack has sites (deepseek.py refuses delayed with
+its blocks outside it), and only a step with the state open (`with_state`)
+reads them; evaluation and sampling scale as tensorwise does. The pipeline
+executor does not carry them (PIPELINE_REFUSAL).
 """
 
 from __future__ import annotations
