@@ -558,19 +558,6 @@ CASES = [
     train('--config.model.family=llama', trained=True),
     'model.family',
   ),
-  # The state gains delayed scaling's histories: named, not read as a damaged checkpoint.
-  (
-    'checkpoint-without-fp8-histories',
-    train(
-      '--config.model.fp8=delayed',
-      '--config.mesh.data=4',
-      '--config.mesh.pipe=1',
-      '--config.pipeline.microbatches=1',
-      '--config.pipeline.virtual_stages=1',
-      trained=True,
-    ),
-    'model.fp8_amax_history',
-  ),
   (
     'checkpoint-other-optimizer',
     train('--config.train.grad_clip_norm=0', trained=True),

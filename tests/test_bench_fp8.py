@@ -66,7 +66,7 @@ def test_a_rerun_keeps_the_rows_it_does_not_redo(tmp_path):
   [
     (
       '--recipes=none,fp4',
-      "error: --recipes: unknown recipe 'fp4'; choose from none, tensorwise, rowwise",
+      "error: --recipes: unknown recipe 'fp4'; choose from none, tensorwise, rowwise, delayed",
     ),
     (
       '--experiments=llama_huge',

@@ -173,6 +173,38 @@ def test_a_resumed_run_has_the_uninterrupted_runs_state_and_losses(tmp_path):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def test_a_checkpoint_of_another_recipe_or_length_resumes_with_empty_histories(tmp_path):
+  """A tensorwise run's checkpoint (no histories: an import's, say) resumed under
+  delayed, and a delayed one under another history length or under tensorwise:
+  the parameters and step as saved, the histories empty (or none)."""
+  model = {'mesh.data': 2}
+  runs = {
+    'tensorwise': _llama(**model, **{'model.fp8': 'tensorwise'}),
+    'delayed-3': _llama(**model, **{'model.fp8': 'delayed', 'model.fp8_amax_history': 3}),
+    'delayed-5': _llama(**model, **{'model.fp8': 'delayed', 'model.fp8_amax_history': 5}),
+  }
+  for saved, restored in (('tensorwise', 'delayed-3'), ('delayed-3', 'delayed-5')):
+    trainer = harness.make_trainer(runs[saved])
+    state, _ = _run(trainer, runs[saved], harness.initial_state(trainer, 0), 0, 2)
+    workdir = str(tmp_path / f'{saved}-{restored}')
+    ckpt = ckpt_lib.Checkpointer(workdir, runs[saved])
+    ckpt.save(trainer, state)
+    ckpt.close()
+    fresh = harness.make_trainer(runs[restored])
+    back = ckpt_lib.Checkpointer(workdir, runs[restored]).restore(fresh)
+    assert int(back.step) == 2
+    for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(back.params)):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert {h.shape[-1] for h in jax.tree.leaves(back.fp8)} == {5 if restored == 'delayed-5' else 3}
+    assert not any(np.any(np.asarray(h)) for h in jax.tree.leaves(back.fp8))
+    _, losses = _run(fresh, runs[restored], back, 2, 1)
+    assert np.isfinite(losses[0])
+  # And back to tensorwise: the histories stay on disk.
+  tensorwise = harness.make_trainer(runs['tensorwise'])
+  back = ckpt_lib.Checkpointer(workdir, runs['tensorwise']).restore(tensorwise)
+  assert int(back.step) == 2 and back.fp8 is None
+
+
 def _run(trainer, cfg, state, first: int, steps: int):
   """`steps` train steps from `state` on batches first, first + 1, ...: (state, losses)."""
   losses = []

@@ -51,7 +51,6 @@ RECORD_DEFAULTS = {
   'shared_expert_gate': False,
   'head_dim': 0,
   'qk_norm': False,
-  'fp8_amax_history': 0,  # checkpoint.model_record's: 0 = no delayed-scaling histories
 }
 
 

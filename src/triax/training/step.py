@@ -13,7 +13,6 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-import flax
 import jax
 import jax.numpy as jnp
 import optax
@@ -33,15 +32,36 @@ from triax.training import optimizer as optimizer_lib
 from triax.training import relayout
 
 
-@flax.struct.dataclass
+@dataclasses.dataclass(frozen=True)
 class TrainState:
+  """The state a step takes and returns, and a checkpoint holds.
+
+  `fp8`: model.fp8=delayed's amax histories ({'layers': {site: [p, v,
+  Lmax, 3, H]}}, model/fp8_delayed.py), laid out as the layers' params, or
+  None. No optimizer sees them: each step replaces them (`_train_step`).
+  As a pytree a None `fp8` is no child at all, so the state of a run
+  without delayed has the tree (and checkpoints the items) it had before
+  the field."""
+
   step: jax.Array
   params: Any
   opt_state: Any
-  # model.fp8=delayed's amax histories ({'layers': {site: [p, v, Lmax, 3, H]}},
-  # model/fp8_delayed.py), laid out as the layers' params; None otherwise.
-  # No optimizer sees them: each step replaces them (`_train_step`).
   fp8: Any = None
+
+  def replace(self, **changes) -> TrainState:
+    return dataclasses.replace(self, **changes)
+
+
+def _state_children(state: TrainState):
+  names = ('step', 'params', 'opt_state') + (() if state.fp8 is None else ('fp8',))
+  return [(jax.tree_util.GetAttrKey(n), getattr(state, n)) for n in names], names
+
+
+jax.tree_util.register_pytree_with_keys(
+  TrainState,
+  _state_children,
+  lambda names, children: TrainState(**dict(zip(names, children))),
+)
 
 
 def learning_rate_schedule(train_cfg) -> optax.Schedule:
