@@ -238,3 +238,22 @@ def test_llama_tiny_trains_with_delayed_scaling_from_the_command_line(tmp_path):
   records = [r for r in metrics_lib.read_metrics(str(workdir)) if 'loss' in r]
   assert [r['step'] for r in records] == [1, 2, 3]
   assert all(np.isfinite(r['loss']) and r['fp8_mlp_out_x_amax'] > 0 for r in records)
+
+
+@pytest.mark.parametrize(
+  'make, overrides',
+  [(harness.tiny_config, {}), (harness.tiny_mixtral_config, {'model.moe_every': 2})],
+  ids=['gpt', 'mixtral-moe-every-2'],
+)
+def test_the_other_families_keep_a_history_per_stack_entry(make, overrides):
+  """gpt's four matmul sites; a mixtral entry of two blocks (dense, then MoE) holds
+  both blocks' attention sites, its dense MLP's and its shared expert's."""
+  cfg = make(**{'mesh.data': 1, 'model.fp8': 'delayed', 'model.fp8_amax_history': 2, **overrides})
+  trainer = harness.make_trainer(cfg)
+  losses = harness.train_losses(cfg, 3)
+  assert all(np.isfinite(losses)) and losses[-1] < losses[0], losses
+  state = jax.eval_shape(trainer.init_fp8)['layers']
+  depth = cfg.model.num_layers // overrides.get('model.moe_every', 1)
+  assert {h.shape for h in state.values()} == {(1, 1, depth, 3, 2)}
+  print(sorted(state))
+  assert ('attn_in_5' in state) == bool(overrides)

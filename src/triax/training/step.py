@@ -247,13 +247,13 @@ def build_trainer(cfg, mesh: Mesh) -> Trainer:
   def init_params(rng):
     return layout.tree_to_pipeline(model.init(rng))
 
-  sites = _fp8_sites(model, init_params)
+  sites = _fp8_sites(model)
 
   def init_fp8():
     if sites is None:
       return None
     return layout.tree_to_pipeline(
-      fp8_delayed.init(sites, spec.stacked_layers, spec.fp8_amax_history)
+      fp8_delayed.init(sites, spec.stack_depth, spec.fp8_amax_history)
     )
 
   def init_state(rng):
@@ -360,7 +360,7 @@ def _batch_args(documents: bool, context: int):
   return batch_args
 
 
-def _fp8_sites(model, init_params) -> tuple[str, ...] | None:
+def _fp8_sites(model) -> tuple[str, ...] | None:
   """model.fp8=delayed's sites in a layer (fp8_delayed.sites); None without delayed."""
   spec = model.spec
   if spec.fp8 != 'delayed':
@@ -386,7 +386,7 @@ def _state_and_canonical_shardings(
     state = state.replace(fp8=sharding.tree_shardings(pipeline_axes(fp8_axes), mesh, rules))
   canonical = _canonical_shardings(model, mesh, rules, optimizer, zero1)
   if fp8_axes is not None:
-    shape = (model.spec.stacked_layers, len(fp8_delayed.ROWS), model.spec.fp8_amax_history)
+    shape = (model.spec.stack_depth, len(fp8_delayed.ROWS), model.spec.fp8_amax_history)
     fp8 = sharding.tree_shardings(fp8_axes, mesh, rules)
     fp8 = jax.tree.map(lambda s: split_over(s, shape, 'pipe', prefer=0), fp8)
     if has_host_memory(mesh.devices.flat[0]):
