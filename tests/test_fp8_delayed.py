@@ -52,6 +52,25 @@ def test_a_sites_history_scales_from_past_steps_and_rolls_in_what_the_step_saw()
   assert float(fp8.delayed_scale(jnp.zeros(3), jnp.float32(1), fp8.FORWARD)) == 2.0**-8
 
 
+@pytest.mark.fast
+def test_a_cotangent_beyond_its_history_counts_as_grad_overflow():
+  """g's history says 3 (scale 2^-14, E5M2's max 57344 x 2^-14 = 3.5): a g of 3s
+  fits, one of 3e5s overflows in both backward casts (2 x 64 elements); current
+  scaling would have fitted it."""
+  history = jnp.zeros((3, 2)).at[:, 0].set(jnp.array([2.0, 0.5, 3.0]))
+  x, w = jnp.full((4, 8), 2.0), jnp.full((8, 16), 0.5)
+
+  def loss(probe, g, recipe='delayed'):
+    past = history if recipe == 'delayed' else None
+    return jnp.sum(fp8.einsum(EQUATION, x, w, jnp.float32, recipe, probe, past) * g)
+
+  for g, over in ((3.0, 0), (3e5, 128)):
+    counts = jax.grad(loss)(jnp.zeros(2), jnp.full((4, 16), g))
+    assert counts.tolist() == [over, 128]
+  counts = jax.grad(lambda p, g: loss(p, g, 'tensorwise'))(jnp.zeros(2), jnp.full((4, 16), 3e5))
+  assert counts.tolist() == [0, 128]
+
+
 def _llama(**overrides):
   """test_fp8's Llama: 4 layers, d 64, 8 heads over 2 K/V heads, SwiGLU, fp32."""
   return harness.tiny_config(

@@ -56,6 +56,8 @@ def einsum(equation: str, x, w, dtype, recipe: str = 'tensorwise', probe=None, h
   [2], or None) takes no part in the product; its gradient is the
   backward's E5M2 casts' (elements over E5M2's max, elements): a count
   the forward cannot see (fp8_metrics.py)."""
+  if history is not None and recipe != 'delayed':
+    raise ValueError(f"a history is delayed scaling's; fp8 recipe {recipe!r} takes none")
   if history is None and recipe == 'delayed':
     recipe = 'tensorwise'
   return _einsum(equation, jnp.dtype(dtype), recipe, x, w, probe, history)
