@@ -252,9 +252,7 @@ def build_trainer(cfg, mesh: Mesh) -> Trainer:
   def init_fp8():
     if sites is None:
       return None
-    return layout.tree_to_pipeline(
-      fp8_delayed.init(sites, spec.stack_depth, spec.fp8_amax_history)
-    )
+    return layout.tree_to_pipeline(fp8_delayed.init(sites, spec.stack_depth, spec.fp8_amax_history))
 
   def init_state(rng):
     params = init_params(rng)
