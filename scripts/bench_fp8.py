@@ -2,7 +2,8 @@
 docs/bench_fp8.png and docs/bench_fp8.json (issue 55's numerics on CPU).
 
     .venv/bin/python scripts/bench_fp8.py [--steps=200] [--experiments=llama_tiny,mixtral_tiny]
-        [--recipes=none,tensorwise,rowwise] [--smoke] [--out=docs/bench_fp8.md] [--report_only]
+        [--recipes=none,tensorwise,rowwise,delayed] [--smoke] [--out=docs/bench_fp8.md]
+        [--report_only]
 
 Each named experiment (experiments/NAME.py, its own mesh and schedule) trains once per
 model.fp8 recipe through `python -m triax train --cpu_devices=8`, each in a fresh
@@ -19,7 +20,9 @@ unless --out names one: a check of this script, not of FP8. --report_only trains
 nothing and writes the report and figure from the .json's runs.
 
 model.fp8_metrics stays off: it is refused under a pipeline (llama_tiny's pipe 2), and
-the losses are what the issue asks about.
+the losses are what the issue asks about. So is model.fp8=delayed: its runs fold a
+pipelined experiment's pipe into data (one micro-batch, `_layout`), as the mesh column
+says; the other recipes keep the experiment's own layout.
 """
 
 from __future__ import annotations
@@ -38,7 +41,12 @@ from triax import config
 from triax.training import metrics
 
 # One colour per recipe in both panels of the figure.
-COLORS = {'none': 'black', 'tensorwise': 'tab:orange', 'rowwise': 'tab:blue'}
+COLORS = {
+  'none': 'black',
+  'tensorwise': 'tab:orange',
+  'rowwise': 'tab:blue',
+  'delayed': 'tab:green',
+}
 DEFAULT_EXPERIMENTS = ('llama_tiny', 'mixtral_tiny')
 # The issue's bound on the FP8 eval loss's distance from bf16's, relative to bf16's.
 TOLERANCE = 0.02
@@ -108,10 +116,30 @@ def _mesh(c) -> str:
   return text + (f', experts over {m.expert}' if m.expert > 1 else '')
 
 
+def _layout(c, recipe: str) -> dict:
+  """Mesh and pipeline overrides of a run: none, but for delayed (which the
+  pipeline executor refuses) on a pipelined experiment: its pipe folded into
+  data, one micro-batch, one chunk per stage."""
+  m = c.mesh
+  if recipe != 'delayed' or (m.pipe == 1 and c.pipeline.microbatches == 1):
+    return {}
+  return {
+    'mesh.data': m.data * m.pipe,
+    'mesh.pipe': 1,
+    'pipeline.microbatches': 1,
+    'pipeline.virtual_stages': 1,
+    'pipeline.schedule': '1f1b',
+  }
+
+
 def _train(name: str, recipe: str, steps: int, smoke: bool, workdir: str) -> dict:
   """One run's figures from its metrics.jsonl: the curves and the median step time."""
   c = _config(name, smoke)
+  layout = _layout(c, recipe)
+  for key, value in layout.items():
+    config.set_dotted(c, key, value)
   overrides = {
+    **layout,
     'train.steps': steps,
     'model.dtype': 'bfloat16',
     'model.param_dtype': 'float32',

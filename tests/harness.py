@@ -199,7 +199,7 @@ def initial_state(trainer, seed: int):
   with jax.set_mesh(trainer.mesh):
     opt_state = jax.jit(trainer.optimizer.init, out_shardings=shardings.opt_state)(params)
     step = jax.device_put(jnp.zeros((), jnp.int32), shardings.step)
-  return TrainState(step=step, params=params, opt_state=opt_state)
+  return TrainState(step=step, params=params, opt_state=opt_state, fp8=trainer.init_fp8())
 
 
 def train_losses(cfg, steps, seed=0):

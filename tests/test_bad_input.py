@@ -200,7 +200,40 @@ CASES = [
   ('renamed-remat', train('--config.model.remat=selective'), 'model.remat'),
   ('float16-without-loss-scaling', train('--config.model.dtype=float16'), 'model.dtype'),
   ('cudnn-in-float32', train('--config.model.attention=cudnn'), 'model.attention'),
-  ('unknown-fp8-recipe', train('--config.model.fp8=delayed'), 'model.fp8'),
+  ('unknown-fp8-recipe', train('--config.model.fp8=blockwise'), 'model.fp8'),
+  # The pipeline executor does not carry delayed scaling's amax over micro-batches.
+  ('delayed-fp8-under-a-pipeline', train('--config.model.fp8=delayed'), 'model.fp8'),
+  (
+    'fp8-amax-history-zero',
+    train('--config.model.fp8=delayed', '--config.model.fp8_amax_history=0'),
+    'model.fp8_amax_history',
+  ),
+  (
+    'fp8-amax-history-not-an-integer',
+    train('--config.model.fp8=delayed', '--config.model.fp8_amax_history=2.5'),
+    'model.fp8_amax_history',
+  ),
+  # Read only by delayed: set beside another recipe it would be silently ignored.
+  (
+    'fp8-amax-history-without-delayed',
+    train('--config.model.fp8=tensorwise', '--config.model.fp8_amax_history=16'),
+    'model.fp8_amax_history',
+  ),
+  # DeepSeek's dense first blocks run outside the layer stack, which alone keeps histories.
+  (
+    'delayed-fp8-outside-the-layer-stack',
+    train(
+      '--config.model.fp8=delayed',
+      '--config.mesh.pipe=1',
+      '--config.pipeline.microbatches=1',
+      '--config.pipeline.virtual_stages=1',
+      '--config.pipeline.schedule=gpipe',
+      '--config.pipeline.fuse_overlaps=false',
+      '--config.mesh.data=4',
+      config='--config=experiments/deepseek_tiny.py:smoke',
+    ),
+    'model.fp8',
+  ),
   # dots's policy cannot see an FP8 matmul (a custom_vjp) to keep its output.
   (
     'fp8-under-dots-remat',

@@ -66,7 +66,7 @@ def test_a_rerun_keeps_the_rows_it_does_not_redo(tmp_path):
   [
     (
       '--recipes=none,fp4',
-      "error: --recipes: unknown recipe 'fp4'; choose from none, tensorwise, rowwise",
+      "error: --recipes: unknown recipe 'fp4'; choose from none, tensorwise, rowwise, delayed",
     ),
     (
       '--experiments=llama_huge',
@@ -98,3 +98,16 @@ def test_report_only_writes_the_stored_runs_and_trains_nothing(tmp_path, monkeyp
   bench.main([f'--out={out}', '--report_only'])
   assert set(_rows(out.read_text(), 'llama_tiny')) == {'none', 'rowwise'}
   assert (tmp_path / 'bench_fp8.png').read_bytes()[:4] == b'\x89PNG'
+
+
+@pytest.mark.fast
+def test_delayed_runs_a_pipelined_experiment_with_its_pipe_folded_into_data():
+  """The pipeline executor refuses model.fp8=delayed: llama_tiny (data 2 x tensor 2 x
+  pipe 2) runs it at data 4 x tensor 2, one micro-batch; the other recipes as it is."""
+  bench = harness.load_script('bench_fp8')
+  c = bench._config('llama_tiny', True)
+  assert bench._layout(c, 'rowwise') == {}
+  layout = bench._layout(c, 'delayed')
+  assert layout['mesh.data'] == 4 and layout['mesh.pipe'] == 1
+  assert layout['pipeline.microbatches'] == 1
+  assert bench._layout(bench._config('mixtral_tiny', True), 'delayed') == {}

@@ -33,8 +33,9 @@ WEIGHT_MATMULS = 7 * 2
 # FP8 products XLA:GPU merges away, per recipe. Rowwise quantizes a forward's x
 # along d only, so q, k and v (and gate and up) read the same FP8 x, and XLA's
 # dot merger makes each group one wider GEMM: 3 fewer forward GEMMs a layer.
-# Tensorwise's are left apart (measured; jax 0.10's XLA).
-MERGED = {'tensorwise': 0, 'rowwise': 3 * 2}
+# Tensorwise's are left apart (measured; jax 0.10's XLA), and so are delayed's
+# (one scale per tensor too, from its site's history).
+MERGED = {'tensorwise': 0, 'rowwise': 3 * 2, 'delayed': 0}
 # An FP8 product's relative error: each E4M3 operand is within 2^-4 of its value.
 E4M3_PRODUCT = 2 * 2.0**-4
 
@@ -168,13 +169,14 @@ def _fp8_gemms(hlo: str) -> dict[str, int]:
   return {'cublaslt': cublas, 'triton': triton}
 
 
-@pytest.mark.parametrize('recipe', ['tensorwise', 'rowwise'])
+@pytest.mark.parametrize('recipe', ['tensorwise', 'rowwise', 'delayed'])
 def test_every_weight_matmul_is_three_fp8_gemms_on_h100(tmp_path, recipe):
   """Forward, dx and dw of each of the 14 weight matmuls, FP8 x FP8 in XLA:GPU's
   optimised train step for h100:8 (less the forward GEMMs merged, MERGED);
   the head and the attention core are not. Rowwise's per-row scales stay
   outside the GEMM (a multiply by the scales' outer product after it) and do
-  not turn its product back into bf16."""
+  not turn its product back into bf16; nor do delayed's scales, read from
+  the train state's histories."""
   if not os.path.isfile(PLUGIN):
     pytest.skip('jax CUDA plugin absent (scripts/env.sh test installs it)')
   dump = tmp_path / 'dump'

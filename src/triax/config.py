@@ -17,7 +17,7 @@ from triax import checks
 from triax.data import checks as data_checks
 from triax.errors import ConfigError
 from triax.layout import CONTEXT_ATTENTION
-from triax.model import registry
+from triax.model import fp8_delayed, registry
 from triax.pipeline import schedule as sched
 from triax.pipeline.rounds import PACKINGS
 from triax.training import checks as train_checks
@@ -40,8 +40,9 @@ RETIRED_REMATS = {
 # float16 is refused with its reason (no loss scaling); see validate().
 DTYPES = ('float32', 'bfloat16')
 ATTENTION_IMPLS = ('xla', 'cudnn', 'splash')
-# model.fp8: the weight matmuls' operands as they are, or FP8 with one scale per tensor or per row.
-FP8_RECIPES = ('none', 'tensorwise', 'rowwise')
+# model.fp8: the weight matmuls' operands as they are, or FP8 with one scale per tensor or per
+# row from the tensor's own amax, or per tensor from past steps' amax (delayed).
+FP8_RECIPES = ('none', 'tensorwise', 'rowwise', 'delayed')
 
 
 def defaults() -> ml_collections.ConfigDict:
@@ -113,9 +114,13 @@ def defaults() -> ml_collections.ConfigDict:
   c.model.remat = 'none'
   # Weight matmuls in FP8 (model/fp8.py): none, tensorwise (current scaling, one power-of-two
   # scale per tensor from its amax each step; E4M3 operands forward, E5M2 gradients backward) or
-  # rowwise (the same, one scale per row of each GEMM: the amax over its contracting axes).
+  # rowwise (the same, one scale per row of each GEMM: the amax over its contracting axes) or
+  # delayed (Transformer Engine's: one scale per tensor from the max of the last
+  # model.fp8_amax_history steps' amax; model/fp8_delayed.py; not under the pipeline executor).
   # Attention's core, norms, router, routed experts and the head stay in model.dtype.
   c.model.fp8 = 'none'
+  # model.fp8=delayed's history length in steps (only with delayed): TE's and flax's default.
+  c.model.fp8_amax_history = 1024
   # Log each weight-matmul kind's FP8 amax and scales and the casts' overflow fractions
   # (model/fp8_metrics.py); needs model.fp8 and, for now, no pipeline or micro-batches.
   c.model.fp8_metrics = False
@@ -722,9 +727,10 @@ def remat_policies(m) -> tuple[str, ...]:
 
 
 def _check_fp8(m, pipelined: bool) -> None:
-  """What model.fp8 composes with: `remat_policies`; its metrics need an
-  FP8 recipe and, for now, no pipeline executor (mesh.pipe or
-  pipeline.microbatches > 1), whose step does not carry them."""
+  """What model.fp8 composes with: `remat_policies`; its metrics and delayed
+  scaling's histories need, for now, no pipeline executor (mesh.pipe or
+  pipeline.microbatches > 1), whose step does not carry them (an amax over
+  micro-batches); model.fp8_amax_history only with delayed."""
   if m.remat not in remat_policies(m):
     # An FP8 matmul is a custom_vjp (its backward's E5M2 GEMMs), whose
     # product the dots policy cannot see to keep: the layer would be recomputed whole.
@@ -733,10 +739,20 @@ def _check_fp8(m, pipelined: bool) -> None:
       f"{m.fp8} hides each matmul from model.remat=dots's policy; use remat none, "
       'attention or full',
     )
+  checks.positive_int('model.fp8_amax_history', m.fp8_amax_history)
+  default = defaults().model.fp8_amax_history
+  if m.fp8 != 'delayed' and m.fp8_amax_history != default:
+    raise ConfigError(
+      'model.fp8_amax_history',
+      f'is read only with model.fp8=delayed (model.fp8={m.fp8}); set model.fp8=delayed or drop it',
+    )
+  if m.fp8 == 'delayed' and pipelined:
+    raise ConfigError('model.fp8', fp8_delayed.PIPELINE_REFUSAL)
   checks.boolean('model.fp8_metrics', m.fp8_metrics)
   if m.fp8_metrics and m.fp8 == 'none':
     raise ConfigError(
-      'model.fp8_metrics', 'reports FP8 matmuls; set model.fp8=tensorwise or rowwise, or drop it'
+      'model.fp8_metrics',
+      'reports FP8 matmuls; set model.fp8=tensorwise, rowwise or delayed, or drop it',
     )
   if m.fp8_metrics and pipelined:
     raise ConfigError(

@@ -321,7 +321,11 @@ def _initial_state(trainer, leaves: list[rules.Leaf], read):
     return blockwise.Deferred(s.shape, s.dtype, view) if s.shape else np.zeros((), s.dtype)
 
   return step_lib.TrainState(
-    step=np.zeros((), np.int32), params=params, opt_state=jax.tree.map(zeros, abstract.opt_state)
+    step=np.zeros((), np.int32),
+    params=params,
+    opt_state=jax.tree.map(zeros, abstract.opt_state),
+    # model.fp8=delayed's histories before the first step: all zero (None without it).
+    fp8=jax.tree.map(zeros, abstract.fp8),
   )
 
 

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 
 from triax.model import context as context_lib
 from triax.model import fp8 as fp8_lib
-from triax.model import fp8_metrics
+from triax.model import fp8_delayed, fp8_metrics
 from triax.model import loss as loss_lib
 from triax.sharding import active_spec, constrain, vary_like
 
@@ -86,8 +86,11 @@ class ModelSpec:
   vocab_used: int = 0
   # With context > 1: allgather or ring (model/context.py).
   context_attention: str = 'allgather'
-  # Weight matmuls' operands: none (dtype), or FP8 scaled tensorwise or rowwise (model/fp8.py).
+  # Weight matmuls' operands: none (dtype), or FP8 scaled tensorwise, rowwise (model/fp8.py)
+  # or delayed (model/fp8_delayed.py).
   fp8: str = 'none'
+  # Steps of amax each delayed-scaling history keeps (model.fp8=delayed).
+  fp8_amax_history: int = 1024
   # Log the FP8 matmuls' amax, scales and overflow (model/fp8_metrics.py).
   fp8_metrics: bool = False
   # Width of each attention head; 0 = d_model / num_heads. Qwen3's and Gemma's
@@ -177,7 +180,7 @@ class ModelSpec:
 
   def executor_refusal(self) -> str:
     """Why the pipeline executor cannot train this model ('' when it can)."""
-    return ''
+    return fp8_delayed.PIPELINE_REFUSAL if self.fp8 == 'delayed' else ''
 
   def tensor_shard(self, t: int) -> ModelSpec:
     """The spec of one of t tensor ranks' shards (Megatron's split: heads,
@@ -259,17 +262,23 @@ def matmul(equation: str, x, w, dtype, remat: str, fp8: str = 'none'):
   a pipeline stashes and in the layer scan's residuals. Under a layer's checkpoint it
   is not kept anyway, and the einsum stays plain: a custom_vjp would hide its
   product from `dots`'s policy (config.py refuses fp8 with dots for that reason).
-  Under model.fp8_metrics its figures go on the open tape (fp8_metrics.py)."""
+  Under model.fp8_metrics its figures go on the open tape (fp8_metrics.py);
+  under delayed it reads its site's history (fp8_delayed.py)."""
   if fp8 != 'none':
-    fp8_metrics.record(equation, x, w, fp8)
-    return _fp8_einsum(equation, x, w, dtype, fp8)
+    history = _fp8_history(equation, fp8)
+    fp8_metrics.record(equation, x, w, fp8, history)
+    return _fp8_einsum(equation, x, w, dtype, fp8, history)
   if layer_checkpointed(remat):
     return jnp.einsum(equation, x, w.astype(dtype))
   return recast(einsum_of(equation), x, w, dtype)
 
 
-def _fp8_einsum(equation: str, x, w, dtype, fp8: str):
-  return fp8_lib.einsum(equation, x, w, dtype, fp8, fp8_metrics.probe())
+def _fp8_history(equation: str, fp8: str):
+  return fp8_delayed.history(equation) if fp8 == 'delayed' else None
+
+
+def _fp8_einsum(equation: str, x, w, dtype, fp8: str, history=None):
+  return fp8_lib.einsum(equation, x, w, dtype, fp8, fp8_metrics.probe(), history)
 
 
 @functools.cache
@@ -324,10 +333,17 @@ def project(h, weights, equation: str, dtype, remat: str, fp8: str = 'none'):
   if remat == 'full' or not _sequence_split_over_tensor():
     return run(h, *weights)
   if fp8 != 'none':
-    # A checkpoint's values leave it only as outputs: the figures are taken here.
-    for w in weights:
-      fp8_metrics.record(equation, h, w, fp8)
-    run = lambda h, *ws: tuple(_fp8_einsum(equation, h, w, dtype, fp8) for w in ws)  # noqa: E731
+    # A checkpoint's values leave it only as outputs: the figures are taken
+    # here, and each site's history goes in as an argument.
+    histories = [_fp8_history(equation, fp8) for _ in weights]
+    for w, history in zip(weights, histories):
+      fp8_metrics.record(equation, h, w, fp8, history)
+
+    def run(h, histories, *ws):
+      return tuple(_fp8_einsum(equation, h, w, dtype, fp8, hist) for w, hist in zip(ws, histories))
+
+    checkpointed = jax.checkpoint(run, policy=jax.checkpoint_policies.nothing_saveable)
+    return checkpointed(h, histories, *weights)
   return jax.checkpoint(run, policy=jax.checkpoint_policies.nothing_saveable)(h, *weights)
 
 
@@ -700,7 +716,9 @@ class DecoderModel:
     """(the stack's output, each layer's second output stacked): layer(p, h)
     -> (h, out) under the configured remat; a padded layer (index >=
     num_active) passes h through and gives `skipped` for its out. With an
-    FP8 tape open (fp8_metrics.py), each layer's figures join it."""
+    FP8 tape open (fp8_metrics.py), each layer's figures join it; with a
+    delayed-scaling state open (fp8_delayed.py), each layer reads its own."""
+    layer, stacked_params = fp8_delayed.scanned(layer, stacked_params)
     if not fp8_metrics.active():
       return self._scan(layer, stacked_params, x, num_active, skipped)
     # Not in a pipeline (config.py refuses fp8_metrics there): no padded layers.

@@ -526,6 +526,13 @@ def validate(model_cfg, mesh_cfg, rules: tuple) -> None:
   checks.non_negative_number('model.bias_update_rate', m.bias_update_rate)
   mixtral.count(m, 'mtp_depth', 0)
   checks.non_negative_number('model.mtp_loss_weight', m.mtp_loss_weight)
+  if m.fp8 == 'delayed' and (m.first_k_dense or m.mtp_depth):
+    # Their FP8 matmuls run outside the layer stack, which alone keeps amax histories.
+    raise ConfigError(
+      'model.fp8',
+      'delayed keeps amax histories for the layer stack only; model.first_k_dense and '
+      'model.mtp_depth blocks run outside it: set both to 0, or use model.fp8=tensorwise',
+    )
   if m.mtp_depth and mesh_cfg.get('context', 1) > 1:
     raise ConfigError(
       'model.mtp_depth',

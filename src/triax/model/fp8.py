@@ -1,4 +1,4 @@
-"""FP8 weight matmuls (model.fp8): current scaling, tensorwise or rowwise.
+"""FP8 weight matmuls (model.fp8): current scaling (tensorwise, rowwise) or delayed.
 
 `einsum` is what common.matmul runs for a weight matmul when the spec says
 fp8: both operands quantized to E4M3 with scales from their own amax this
@@ -15,7 +15,9 @@ the outer product of the two scale vectors. An outlier row then costs only
 its own row precision; under tensorwise it shrinks every row's values
 towards E4M3's subnormals. Each backward GEMM scales along its own
 contracting axes: dx's g per token and w per input feature, dw's x and g per
-feature column.
+feature column. delayed scales per tensor too, each operand by the amax
+history its matmul site keeps (model/fp8_delayed.py) rather than its own
+amax this step; the step's observed amax leaves as the history's gradient.
 
 The weights, their gradients and the optimizer stay in param_dtype; only the
 GEMMs' operands are FP8. Quantizing is flax's (`flax.linen.fp8_ops`); the
@@ -38,19 +40,27 @@ FORWARD = jnp.float8_e4m3fn
 BACKWARD = jnp.float8_e5m2
 
 
-def einsum(equation: str, x, w, dtype, recipe: str = 'tensorwise', probe=None):
+def einsum(equation: str, x, w, dtype, recipe: str = 'tensorwise', probe=None, history=None):
   """einsum(equation, x, w) with FP8 operands, in `dtype`; gradients in x's and w's dtypes.
 
   `equation` is a weight matmul's ('bsd,dnk->bsnk'): every label in exactly
   two of x, w and the output, so both backward GEMMs are einsums too.
-  `recipe`: tensorwise or rowwise (what a scale covers). The backward keeps
-  x and w as they arrive and quantizes them again (under tensorwise the
-  same bytes: the scale depends on the tensor only), rather than keep FP8
+  `recipe`: tensorwise or rowwise (what a scale covers), or delayed: one
+  scale per tensor from `history` (fp32 [3, H], the x, w and cotangent
+  rows of its site's past amaxes, model/fp8_delayed.py; `delayed_scale`),
+  whose gradient is this call's amaxes in column 0 (`observed`); without
+  a history (evaluation, sampling) delayed is tensorwise. The backward
+  keeps x and w as they arrive and quantizes them again (the same bytes
+  where the scale depends on the tensor only), rather than keep FP8
   copies: as common.recast keeps w rather than its cast. `probe` (an fp32
   [2], or None) takes no part in the product; its gradient is the
   backward's E5M2 casts' (elements over E5M2's max, elements): a count
   the forward cannot see (fp8_metrics.py)."""
-  return _einsum(equation, jnp.dtype(dtype), recipe, x, w, probe)
+  if history is not None and recipe != 'delayed':
+    raise ValueError(f"a history is delayed scaling's; fp8 recipe {recipe!r} takes none")
+  if history is None and recipe == 'delayed':
+    recipe = 'tensorwise'
+  return _einsum(equation, jnp.dtype(dtype), recipe, x, w, probe, history)
 
 
 def quantize(t, q_dtype, axes: tuple[int, ...] | None = None):
@@ -77,6 +87,14 @@ def scale_of(t_amax, q_dtype):
   return jnp.ldexp(jnp.float32(1), jnp.where(mantissa == 0.5, exponent - 1, exponent))
 
 
+def delayed_scale(history, t_amax, q_dtype):
+  """The scale delayed scaling gives a tensor: `scale_of` its history's
+  max (`history` its row of past amaxes), or of its own amax `t_amax` while
+  the history holds none yet (all zero: the first step, current scaling)."""
+  past = jnp.max(history)
+  return scale_of(jnp.where(past > 0, past, t_amax), q_dtype)
+
+
 def overflow(t, scale, q_dtype):
   """How many elements of t / scale are beyond q_dtype's max, before
   `quantize` saturates them (fp32). Under current scaling none are but
@@ -99,13 +117,13 @@ def transposed(equation: str) -> tuple[str, str]:
 
 def scaled_axes(labels: str, out: str, recipe: str) -> tuple[int, ...] | None:
   """The axes of a GEMM operand (its `labels`) that one scale spans, for
-  `quantize`: all (None) under tensorwise; under rowwise the GEMM's
-  contracting axes (the labels not in its output `out`)."""
-  if recipe == 'tensorwise':
+  `quantize`: all (None) under tensorwise and delayed; under rowwise the
+  GEMM's contracting axes (the labels not in its output `out`)."""
+  if recipe in ('tensorwise', 'delayed'):
     return None
   if recipe == 'rowwise':
     return tuple(i for i, label in enumerate(labels) if label not in out)
-  raise ValueError(f'fp8 recipe {recipe!r}: tensorwise or rowwise')
+  raise ValueError(f'fp8 recipe {recipe!r}: tensorwise, rowwise or delayed')
 
 
 def _in_output(scale, labels: str, out: str):
@@ -119,46 +137,76 @@ def _in_output(scale, labels: str, out: str):
   return jnp.expand_dims(scale, [i for i, label in enumerate(out) if label not in kept])
 
 
-def _gemm(equation: str, a, b, q_dtypes: tuple, recipe: str, dtype):
+def _gemm(equation: str, a, b, q_dtypes: tuple, recipe: str, dtype, scales=None):
   """einsum(equation, a, b) on a and b quantized to `q_dtypes` (scales per
-  `recipe`), in `dtype`, times the outer product of their scales."""
+  `recipe`, or the scalar `scales` given: delayed's), in `dtype`, times the
+  outer product of their scales."""
   ins, out = equation.split('->')
   operands, scale = [], jnp.ones((), jnp.float32)
-  for t, labels, q_dtype in zip((a, b), ins.split(','), q_dtypes):
-    q, s = quantize(t, q_dtype, scaled_axes(labels, out, recipe))
+  for i, (t, labels, q_dtype) in enumerate(zip((a, b), ins.split(','), q_dtypes)):
+    if scales is None:
+      q, s = quantize(t, q_dtype, scaled_axes(labels, out, recipe))
+    else:
+      q, s = fp8_ops.quantize(t, q_dtype, scales[i], t.dtype), scales[i]
     operands.append(q)
     scale = scale * _in_output(s, labels, out)
   return jnp.einsum(equation, *operands, preferred_element_type=dtype) * scale.astype(dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _einsum(equation: str, dtype, recipe: str, x, w, probe):
+def _einsum(equation: str, dtype, recipe: str, x, w, probe, history):
   del probe
-  return _gemm(equation, x, w, (FORWARD, FORWARD), recipe, dtype)
+  return _forward(equation, dtype, recipe, x, w, history)[0]
 
 
-def _einsum_fwd(equation: str, dtype, recipe: str, x, w, probe):
-  return _einsum(equation, dtype, recipe, x, w, probe), (x, w, probe)
+def _forward(equation: str, dtype, recipe: str, x, w, history):
+  """(the product, x's and w's amax [2] under delayed, else None)."""
+  if history is None:
+    return _gemm(equation, x, w, (FORWARD, FORWARD), recipe, dtype), None
+  seen = jnp.stack([amax(x), amax(w)])
+  scales = [delayed_scale(history[i], seen[i], FORWARD) for i in (0, 1)]
+  return _gemm(equation, x, w, (FORWARD, FORWARD), recipe, dtype, scales), seen
+
+
+def _einsum_fwd(equation: str, dtype, recipe: str, x, w, probe, history):
+  out, seen = _forward(equation, dtype, recipe, x, w, history)
+  return out, (x, w, probe, history, seen)
 
 
 def _einsum_bwd(equation: str, dtype, recipe: str, residuals, g):
-  x, w, probe = residuals
+  x, w, probe, history, seen = residuals
   dx_equation, dw_equation = transposed(equation)
-  dx = _gemm(dx_equation, g, w, (BACKWARD, FORWARD), recipe, dtype)
-  dw = _gemm(dw_equation, x, g, (FORWARD, BACKWARD), recipe, dtype)
-  casts = None if probe is None else _casts(equation, g, recipe)
-  return dx.astype(x.dtype), dw.astype(w.dtype), casts
+  if history is None:
+    dx = _gemm(dx_equation, g, w, (BACKWARD, FORWARD), recipe, dtype)
+    dw = _gemm(dw_equation, x, g, (FORWARD, BACKWARD), recipe, dtype)
+    casts = None if probe is None else _casts(equation, g, recipe)
+    return dx.astype(x.dtype), dw.astype(w.dtype), casts, None
+  # The forward's scales again (scalars of the same values), and g's from its own row.
+  g_amax = amax(g)
+  x_scale, w_scale = (delayed_scale(history[i], seen[i], FORWARD) for i in (0, 1))
+  g_scale = delayed_scale(history[2], g_amax, BACKWARD)
+  dx = _gemm(dx_equation, g, w, (BACKWARD, FORWARD), recipe, dtype, (g_scale, w_scale))
+  dw = _gemm(dw_equation, x, g, (FORWARD, BACKWARD), recipe, dtype, (x_scale, g_scale))
+  casts = None if probe is None else _casts(equation, g, recipe, g_scale)
+  return dx.astype(x.dtype), dw.astype(w.dtype), casts, observed(history, seen[0], seen[1], g_amax)
 
 
-def _casts(equation: str, g, recipe: str):
+def observed(history, x_amax, w_amax, g_amax):
+  """A history's gradient: this call's amaxes (x, w, g) in column 0, zeros elsewhere."""
+  return jnp.zeros_like(history).at[:, 0].set(jnp.stack([x_amax, w_amax, g_amax]))
+
+
+def _casts(equation: str, g, recipe: str, scale=None):
   """(elements over E5M2's max, elements) of the cotangent's casts in the
-  backward's two GEMMs, each scaled along its own contracting axes."""
+  backward's two GEMMs, each scaled along its own contracting axes (or by
+  `scale`, delayed's, in both)."""
   ins, out = equation.split('->')
   counts = jnp.zeros((), jnp.float32)
   for other in ins.split(','):
     # g's contracting axes in a backward GEMM: its labels not in that GEMM's output.
     axes = scaled_axes(out, other, recipe)
-    counts = counts + overflow(g, scale_of(amax(g, axes), BACKWARD), BACKWARD)
+    s = scale_of(amax(g, axes), BACKWARD) if scale is None else scale
+    counts = counts + overflow(g, s, BACKWARD)
   return jnp.stack([counts, jnp.float32(2 * g.size)])
 
 

@@ -11,8 +11,8 @@ operands, fp8_grad_overflow over the backward's E5M2 cotangents. Current
 scaling makes both 0 by construction (each scale comes from the very tensor
 it scales); they turn nonzero when a tensor holds an inf (the scale it
 shares falls back to 1: tensorwise, the whole tensor's; rowwise, its row's),
-and would under delayed scaling (last steps' amax), which is what they are
-for.
+and under delayed scaling (the scale from past steps' amax) when a tensor
+outgrows its history: what they are for.
 
 The figures travel as the MoE's do, as the objective's logged aux: a
 `recording` tape, opened around the objective, gathers what `record` is
@@ -42,6 +42,13 @@ KINDS = {
   'bsr,rnk->bsnk': 'mla_up',
   'bse,ed->bsd': 'mtp_proj',
 }
+
+
+def kind(equation: str) -> str:
+  """A weight matmul's short name (KINDS), or its equation's letters."""
+  return KINDS.get(equation) or ''.join(c for c in equation if c.isalpha())
+
+
 # How each forward figure merges over calls and layers.
 MAXIMA = ('x_amax', 'w_amax', 'x_scale', 'w_scale')
 SUMS = ('overflow', 'elements')
@@ -88,17 +95,22 @@ def probe():
   return None if tape is None else tape.probe
 
 
-def record(equation: str, x, w, recipe: str) -> None:
-  """Adds the forward figures of einsum(equation, x, w) under `recipe` to the open tape, if any."""
+def record(equation: str, x, w, recipe: str, history=None) -> None:
+  """Adds the forward figures of einsum(equation, x, w) under `recipe` to
+  the open tape, if any; under delayed, with the scales its site's
+  `history` gives (fp8.delayed_scale)."""
   tape = _TAPE.get()
   if tape is None:
     return
-  x, w = jax.lax.stop_gradient((x, w))
+  x, w, history = jax.lax.stop_gradient((x, w, history))
   ins, out = equation.split('->')
   figures = {'overflow': jnp.zeros((), jnp.float32), 'elements': jnp.float32(x.size + w.size)}
-  for name, t, labels in zip('xw', (x, w), ins.split(',')):
+  for i, (name, t, labels) in enumerate(zip('xw', (x, w), ins.split(','))):
     t_amax = fp8.amax(t, fp8.scaled_axes(labels, out, recipe))
-    scale = fp8.scale_of(t_amax, fp8.FORWARD)
+    if history is None:
+      scale = fp8.scale_of(t_amax, fp8.FORWARD)
+    else:
+      scale = fp8.delayed_scale(history[i], t_amax, fp8.FORWARD)
     figures[f'{name}_amax'] = jnp.max(t_amax)
     figures[f'{name}_scale'] = jnp.max(scale)
     figures['overflow'] = figures['overflow'] + fp8.overflow(t, scale, fp8.FORWARD)
@@ -150,7 +162,6 @@ def value_and_grad(objective):
 def _forward_figures(figures: dict) -> dict[str, jax.Array]:
   out = {}
   for equation, f in figures.items():
-    kind = KINDS.get(equation) or ''.join(c for c in equation if c.isalpha())
-    out.update({f'fp8_{kind}_{k}': f[k] for k in MAXIMA})
+    out.update({f'fp8_{kind(equation)}_{k}': f[k] for k in MAXIMA})
   overflow = sum(f['overflow'] for f in figures.values())
   return {**out, 'fp8_overflow': overflow / sum(f['elements'] for f in figures.values())}

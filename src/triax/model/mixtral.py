@@ -69,7 +69,7 @@ class MixtralSpec(llama.LlamaSpec):
 
   def executor_refusal(self) -> str:
     if self.router_aux_loss_scope == 'microbatch' or not self.router_aux_loss_coef:
-      return ''  # off, the scope changes nothing
+      return super().executor_refusal()  # off, the scope changes nothing
     return (
       "model.router_aux_loss_scope='batch' balances every layer over the whole batch at "
       "once, which no pipeline stage sees; set it to microbatch (Megatron's: each layer over "

@@ -46,6 +46,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
@@ -67,10 +68,18 @@ def model_record(cfg) -> dict:
   return registry.shape_record(cfg.model)
 
 
+def fp8_history(cfg) -> int:
+  """The length of the model.fp8=delayed histories a run's state holds (0: none).
+  A checkpoint records it; one of another length restores with fresh histories."""
+  return cfg.model.fp8_amax_history if cfg.model.fp8 == 'delayed' else 0
+
+
 def state_paths(trainer: Trainer) -> list[str]:
-  """The key paths of the canonical train state: optimizer settings (clipping, say) change them."""
+  """The key paths of the canonical train state, but for model.fp8=delayed's histories
+  (`fp8_history` decides those): optimizer settings (clipping, say) change them."""
   leaves = jax.tree_util.tree_flatten_with_path(trainer.abstract_canonical_state())[0]
-  return [jax.tree_util.keystr(path) for path, _ in leaves]
+  paths = [jax.tree_util.keystr(path) for path, _ in leaves]
+  return [p for p in paths if not p.startswith('.fp8')]
 
 
 def _step_of(name: str) -> int | None:
@@ -352,12 +361,49 @@ class Checkpointer:
     except Exception as e:  # pylint: disable=broad-except  # anything unreadable is damage
       return None, f'unreadable ({_first_line(e)})'
     self._check_model(step, items['model'], trainer)
+    saved = items['model'].get('fp8_history', 0)
+    if saved != fp8_history(self.cfg):
+      return self._read_without_histories(step, trainer, saved, items['progress'])
     try:
       state = self._read(step, state=ocp.args.StandardRestore(trainer.abstract_canonical_state()))
     except Exception as e:  # pylint: disable=broad-except
       return None, f'unreadable ({_first_line(e)})'
     self.restored_progress = items['progress']
     return state['state'], None
+
+  def _read_without_histories(self, step: int, trainer: Trainer, saved: int, progress: dict):
+    """Checkpoint `step`'s canonical state, its model.fp8=delayed histories
+    (`saved` long; 0: none) left on disk: the run's own start empty, as
+    before a first step (its scales current), or there are none (another
+    recipe). A fine-tune of an import, or a switch of recipe, so resumes."""
+    abstract = trainer.abstract_canonical_state()
+    target = {'step': abstract.step, 'params': abstract.params, 'opt_state': abstract.opt_state}
+    restore_args = jax.tree.map(lambda s: ocp.ArrayRestoreArgs(sharding=s.sharding), target)
+    try:
+      read = self._read(
+        step,
+        state=ocp.args.PyTreeRestore(item=target, restore_args=restore_args, partial_restore=True),
+      )['state']
+    except Exception as e:  # pylint: disable=broad-except
+      return None, f'unreadable ({_first_line(e)})'
+    self.restored_progress = progress
+    return TrainState(**read, fp8=self._fresh_histories(step, abstract, saved)), None
+
+  def _fresh_histories(self, step: int, abstract: TrainState, saved: int):
+    """Empty model.fp8=delayed histories in the checkpoint's layout (None
+    without delayed), said in a warning: checkpoint `step` holds none of
+    this run's length (`saved`)."""
+    if abstract.fp8 is None:
+      return None
+    if self._main:
+      logging.warning(
+        'checkpoint %d holds %s; model.fp8=delayed starts its amax histories empty',
+        step,
+        f'histories {saved} steps long' if saved else 'no amax histories',
+      )
+    shardings = jax.tree.map(lambda s: s.sharding, abstract.fp8)
+    zeros = lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), abstract.fp8)  # noqa: E731
+    return jax.jit(zeros, out_shardings=shardings)()
 
   def _read_params_afresh(self, step: int, trainer: Trainer) -> tuple[object, str | None]:
     """Checkpoint `step`'s canonical state with its step, params and progress
@@ -370,6 +416,11 @@ class Checkpointer:
     self._check_model(step, items['model'])
     abstract = trainer.abstract_canonical_state()
     target = {'step': abstract.step, 'params': abstract.params}
+    # model.fp8=delayed's histories are no optimizer state: read as they are, where they are.
+    saved = items['model'].get('fp8_history', 0)
+    same_histories = abstract.fp8 is not None and saved == fp8_history(self.cfg)
+    if same_histories:
+      target['fp8'] = abstract.fp8
     restore_args = jax.tree.map(lambda s: ocp.ArrayRestoreArgs(sharding=s.sharding), target)
     try:
       read = self._read(
@@ -384,7 +435,8 @@ class Checkpointer:
     )
     opt_state = fresh(read['params'], read['step'])
     self.restored_progress = items['progress']
-    return TrainState(step=read['step'], params=read['params'], opt_state=opt_state), None
+    fp8 = read['fp8'] if same_histories else self._fresh_histories(step, abstract, saved)
+    return TrainState(step=read['step'], params=read['params'], opt_state=opt_state, fp8=fp8), None
 
   def _read_record(self, step: int) -> tuple[None, str | None]:
     """(None, None) when checkpoint `step`'s model record reads and is this
@@ -563,6 +615,7 @@ class Checkpointer:
         model=ocp.args.JsonSave(
           {
             **model_record(self.cfg),
+            'fp8_history': fp8_history(self.cfg),
             'optimizer': self.cfg.train.optimizer,
             'state_paths': self._paths(trainer),
           }

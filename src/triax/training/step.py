@@ -13,7 +13,6 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-import flax
 import jax
 import jax.numpy as jnp
 import optax
@@ -23,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 from triax import sharding
 from triax.errors import ConfigError
 from triax.model import context as context_lib
-from triax.model import fp8_metrics, registry
+from triax.model import fp8_delayed, fp8_metrics, registry
 from triax.model.common import DecoderModel
 from triax.pipeline import executor, rounds
 from triax.pipeline import layout as layout_lib
@@ -33,11 +32,36 @@ from triax.training import optimizer as optimizer_lib
 from triax.training import relayout
 
 
-@flax.struct.dataclass
+@dataclasses.dataclass(frozen=True)
 class TrainState:
+  """The state a step takes and returns, and a checkpoint holds.
+
+  `fp8`: model.fp8=delayed's amax histories ({'layers': {site: [p, v,
+  Lmax, 3, H]}}, model/fp8_delayed.py), laid out as the layers' params, or
+  None. No optimizer sees them: each step replaces them (`_train_step`).
+  As a pytree a None `fp8` is no child at all, so the state of a run
+  without delayed has the tree (and checkpoints the items) it had before
+  the field."""
+
   step: jax.Array
   params: Any
   opt_state: Any
+  fp8: Any = None
+
+  def replace(self, **changes) -> TrainState:
+    return dataclasses.replace(self, **changes)
+
+
+def _state_children(state: TrainState):
+  names = ('step', 'params', 'opt_state') + (() if state.fp8 is None else ('fp8',))
+  return [(jax.tree_util.GetAttrKey(n), getattr(state, n)) for n in names], names
+
+
+jax.tree_util.register_pytree_with_keys(
+  TrainState,
+  _state_children,
+  lambda names, children: TrainState(**dict(zip(names, children))),
+)
 
 
 def learning_rate_schedule(train_cfg) -> optax.Schedule:
@@ -160,6 +184,8 @@ class Trainer:
   batch_sharding: NamedSharding
   init_state: Callable[[jax.Array], TrainState]
   train_step: Callable[[TrainState, dict], tuple[TrainState, dict]]
+  # () -> model.fp8=delayed's histories before the first step (None without delayed)
+  init_fp8: Callable[[], Any]
   eval_loss: Callable[[Any, dict], jax.Array]
   # state -> the parameters eval_loss takes (schedule-free's average; else state.params)
   eval_params: Callable[[TrainState], Any]
@@ -221,23 +247,33 @@ def build_trainer(cfg, mesh: Mesh) -> Trainer:
   def init_params(rng):
     return layout.tree_to_pipeline(model.init(rng))
 
+  sites = _fp8_sites(model)
+
+  def init_fp8():
+    if sites is None:
+      return None
+    return layout.tree_to_pipeline(fp8_delayed.init(sites, spec.stack_depth, spec.fp8_amax_history))
+
   def init_state(rng):
     params = init_params(rng)
     return TrainState(
-      step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params)
+      step=jnp.zeros((), jnp.int32),
+      params=params,
+      opt_state=optimizer.init(params),
+      fp8=init_fp8(),
     )
 
   state_shardings, canonical_shardings = _state_and_canonical_shardings(
-    cfg, model, mesh, optimizer, param_shardings, shapes_from_key(init_params)
+    cfg, model, mesh, optimizer, param_shardings, shapes_from_key(init_params), sites
   )
   if program is None:
     raw_loss_and_grad, run = _loss_and_grad_unpipelined(model, layout), None
   else:
     raw_loss_and_grad, run = _loss_and_grad_pipelined(cfg, mesh, model, spec, layout, program)
 
-  def loss_and_grad(params, inputs, targets, segments=None):
+  def loss_and_grad(params, inputs, targets, segments=None, fp8=None):
     with sharding.axis_rules(rules):
-      return raw_loss_and_grad(params, inputs, targets, segments)
+      return raw_loss_and_grad(params, inputs, targets, segments, fp8)
 
   batch_args = _batch_args(bool(cfg.data.mask_documents), spec.context)
   train_step = _train_step(cfg, optimizer, loss_and_grad, batch_args, state_shardings.opt_state)
@@ -255,8 +291,10 @@ def build_trainer(cfg, mesh: Mesh) -> Trainer:
     jit_eval = jax.jit(
       eval_loss, in_shardings=(param_shardings, batch_sharding), out_shardings=replicated
     )
+    jit_init_fp8 = jax.jit(init_fp8, out_shardings=state_shardings.fp8)
+    # Under delayed, from the histories before the first step (current scaling).
     jit_grad = jax.jit(
-      lambda params, batch: loss_and_grad(params, *batch_args(batch)),
+      lambda params, batch: loss_and_grad(params, *batch_args(batch), init_fp8())[:3],
       in_shardings=(param_shardings, batch_sharding),
       out_shardings=(replicated, param_shardings, replicated),
     )
@@ -272,6 +310,7 @@ def build_trainer(cfg, mesh: Mesh) -> Trainer:
     batch_sharding=batch_sharding,
     init_state=jit_init,
     train_step=jit_train,
+    init_fp8=jit_init_fp8,
     eval_loss=jit_eval,
     eval_params=_eval_params(cfg, state_shardings, param_shardings),
     loss_and_grad=jit_grad,
@@ -319,15 +358,39 @@ def _batch_args(documents: bool, context: int):
   return batch_args
 
 
-def _state_and_canonical_shardings(cfg, model, mesh, optimizer, param_shardings, param_shapes):
-  """The train state's shardings and the checkpoint's (relayout.py converts between them)."""
+def _fp8_sites(model) -> tuple[str, ...] | None:
+  """model.fp8=delayed's sites in a layer (fp8_delayed.sites); None without delayed."""
+  spec = model.spec
+  if spec.fp8 != 'delayed':
+    return None
+  tokens = jax.ShapeDtypeStruct((1, spec.seq_len), jnp.int32)
+  return fp8_delayed.sites(model.loss, shapes_from_key(model.init), tokens)
+
+
+def _state_and_canonical_shardings(
+  cfg, model, mesh, optimizer, param_shardings, param_shapes, sites
+):
+  """The train state's shardings and the checkpoint's (relayout.py converts
+  between them). model.fp8=delayed's histories (`sites`) are laid out as the
+  layers' weights: over the layer axis, in the pipeline's layout, whole otherwise."""
   zero1 = cfg.train.optimizer_sharding == 'data'
   offload = cfg.train.offload_optimizer
   if offload:
     check_host_memory(mesh.devices.flat[0])
-  state = _state_shardings(optimizer, param_shardings, param_shapes, zero1, mesh, offload)
   rules = sharding.resolve_rules(cfg)
-  return state, _canonical_shardings(model, mesh, rules, optimizer, zero1)
+  fp8_axes = None if sites is None else fp8_delayed.logical_axes(sites)
+  state = _state_shardings(optimizer, param_shardings, param_shapes, zero1, mesh, offload)
+  if fp8_axes is not None:
+    state = state.replace(fp8=sharding.tree_shardings(pipeline_axes(fp8_axes), mesh, rules))
+  canonical = _canonical_shardings(model, mesh, rules, optimizer, zero1)
+  if fp8_axes is not None:
+    shape = (model.spec.stack_depth, len(fp8_delayed.ROWS), model.spec.fp8_amax_history)
+    fp8 = sharding.tree_shardings(fp8_axes, mesh, rules)
+    fp8 = jax.tree.map(lambda s: split_over(s, shape, 'pipe', prefer=0), fp8)
+    if has_host_memory(mesh.devices.flat[0]):
+      fp8 = _in_memory(fp8, HOST)
+    canonical = canonical.replace(fp8=fp8)
+  return state, canonical
 
 
 def _state_shardings(
@@ -386,17 +449,26 @@ def _canonical_shardings(model, mesh: Mesh, rules, optimizer, zero1: bool):
 
 
 def _loss_and_grad_unpipelined(model, layout):
-  """f(params, inputs, targets, segments) -> (loss, grads, metrics), one program."""
+  """f(params, inputs, targets, segments, fp8) -> (loss, grads, metrics, fp8
+  updated), one program. `fp8`: model.fp8=delayed's histories, or None."""
 
-  def raw_loss_and_grad(params, inputs, targets, segments=None):
+  def raw_loss_and_grad(params, inputs, targets, segments=None, fp8=None):
     flat = layout.tree_to_model_order(params)
     # The objective: the loss, plus a MoE's router losses (its metrics beside it).
+    objective = model.objective
+    if fp8 is not None:
+      # Differentiated beside the params: the histories' gradient is what each site saw.
+      objective = fp8_delayed.with_state(objective)
+      flat = (flat, layout.tree_to_model_order(fp8))
     if model.spec.fp8_metrics:
-      grad = fp8_metrics.value_and_grad(model.objective)
+      grad = fp8_metrics.value_and_grad(objective)
     else:
-      grad = jax.value_and_grad(model.objective, has_aux=True)
+      grad = jax.value_and_grad(objective, has_aux=True)
     (loss, metrics), grads = grad(flat, inputs, targets, segments)
-    return loss, layout.tree_to_pipeline(grads), metrics
+    if fp8 is not None:
+      grads, observed = grads
+      fp8 = fp8_delayed.updated(fp8, layout.tree_to_pipeline(observed))
+    return loss, layout.tree_to_pipeline(grads), metrics, fp8
 
   return raw_loss_and_grad
 
@@ -449,7 +521,8 @@ def _loss_and_grad_pipelined(cfg, mesh: Mesh, model, spec, layout, program):
     chunk_first=_chunk_first(spec, layout),
   )
 
-  def raw_loss_and_grad(params, inputs, targets, segments=None):
+  def raw_loss_and_grad(params, inputs, targets, segments=None, fp8=None):
+    assert fp8 is None  # config.py refuses model.fp8=delayed under the executor
     # Micro-batch j takes rows j, j+m, ...: each micro-batch spans every data shard.
     split = lambda a: jnp.swapaxes(a.reshape((mb, m) + a.shape[1:]), 0, 1)  # noqa: E731
     # The first and last stages' params in one tree: a weight both use (tied
@@ -460,7 +533,7 @@ def _loss_and_grad_pipelined(cfg, mesh: Mesh, model, spec, layout, program):
       params['layers'], edges, split(inputs), split(targets), *docs
     )
     loss, metrics = model.stage_objective(lm, *figures)
-    return loss, {**g_edges, 'layers': g_layers}, metrics
+    return loss, {**g_edges, 'layers': g_layers}, metrics, None
 
   return raw_loss_and_grad, run
 
@@ -525,7 +598,7 @@ def _train_step(cfg, optimizer, loss_and_grad, batch_args, opt_shardings):
     moved = (_in_memory(opt_shardings, 'device'), opt_shardings)
 
   def train_step(state: TrainState, batch: dict):
-    loss, grads, metrics = loss_and_grad(state.params, *batch_args(batch))
+    loss, grads, metrics, fp8 = loss_and_grad(state.params, *batch_args(batch), state.fp8)
     grad_norm = optimizer_lib.gradient_norm(grads)
     old = state.opt_state if moved is None else jax.device_put(state.opt_state, moved[0])
     updates, opt_state = optimizer.update(grads, old, state.params)
@@ -538,9 +611,10 @@ def _train_step(cfg, optimizer, loss_and_grad, batch_args, opt_shardings):
       keep = lambda new, old: jnp.where(ok, new, old)
       params = jax.tree.map(keep, params, state.params)
       opt_state = jax.tree.map(keep, opt_state, old)
+      fp8 = jax.tree.map(keep, fp8, state.fp8)
     if moved is not None:
       opt_state = jax.device_put(opt_state, moved[1])
-    new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state)
+    new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state, fp8=fp8)
     return new_state, {'loss': loss, 'grad_norm': grad_norm, **metrics}
 
   return train_step
