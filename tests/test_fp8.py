@@ -417,6 +417,41 @@ def test_fp8_metrics_report_each_kinds_amax_and_scales(layout):
   assert metrics['fp8_mlp_out_w_amax'] == float(jnp.max(jnp.abs(w_down)))
 
 
+@pytest.mark.parametrize('dispatch', ['capacity', 'dropless'])
+def test_fp8_metrics_report_the_routed_experts_alike_with_the_experts_split(dispatch):
+  """The experts' kinds (expert_in, expert_out: fp8_metrics.KINDS), recorded
+  inside the shard_maps that exchange the tokens and returned whole: the
+  same figures on one device and on data 4 x tensor 2, expert 2; the loss
+  and gradients those of the run without them."""
+  base = {'model.fp8': 'rowwise', 'model.moe_dispatch': dispatch}
+  figures = []
+  for layout in ({}, MOE_LAYOUT):
+    cfg = _mixtral(**base, **layout)
+    loss, grads = harness.loss_and_grads(cfg)
+    trainer = harness.make_trainer(_mixtral(**base, **layout, **{'model.fp8_metrics': True}))
+    params = harness.initial_params(trainer, 0)
+    with jax.set_mesh(trainer.mesh):
+      batch = jax.device_put(harness.random_batch(trainer.cfg), trainer.batch_sharding)
+      loss_m, grads_m, metrics = trainer.loss_and_grad(params, batch)
+    assert float(loss_m) == loss
+    model_order = trainer.layout.tree_to_model_order(grads_m)
+    assert harness.max_rel_err(grads, jax.tree.map(np.asarray, model_order)) == 0
+    metrics = {k: float(v) for k, v in metrics.items() if k.startswith('fp8_')}
+    assert metrics['fp8_overflow'] == 0 and metrics['fp8_grad_overflow'] == 0
+    for kind in ('expert_in', 'expert_out'):
+      for t in 'xw':
+        ratio = metrics[f'fp8_{kind}_{t}_amax'] / metrics[f'fp8_{kind}_{t}_scale']
+        assert 224 < ratio <= 448, (kind, t, ratio)
+    paths = jax.tree_util.tree_leaves_with_path(params)
+    (w_down,) = [v for p, v in paths if "['w_down']" in jax.tree_util.keystr(p)]
+    assert metrics['fp8_expert_out_w_amax'] == float(jnp.max(jnp.abs(w_down)))
+    figures.append(metrics)
+  one, split = figures
+  assert one.keys() == split.keys()
+  for key in one:  # the activations' amax from sums of fp32 products: 1e-5 apart at most
+    assert abs(one[key] - split[key]) <= 1e-5 * abs(one[key]), (key, one[key], split[key])
+
+
 def test_fp8_metrics_reach_metrics_jsonl(tmp_path):
   """The figures ride the step's metrics into every training record, as a MoE's router figures do."""
   workdir = tmp_path / 'w'

@@ -210,7 +210,9 @@ def ragged_dot(x, w, sizes, dtype, recipe: str = 'tensorwise', split=()):
   GEMMs, dx = ragged_dot(g, w^T) and dw = per expert x^T g (ragged_dot_general,
   the groups in the contracting rows); x and w kept as they arrive. `split`:
   (label, mesh axes) pairs for the labels 'n' (rows), 'e' (experts), 'k' and
-  'o', as `einsum`'s."""
+  'o', as `einsum`'s. With the experts split, a device's rows are its own
+  experts' (moe.py's exchange): a whole-tensor amax of x or g spans 'e''s
+  axes too, a per-expert one only 'n''s."""
   return _ragged(jnp.dtype(dtype), recipe, tuple(split), x, w, sizes)
 
 
@@ -244,7 +246,7 @@ def _ragged_product(x, w, sizes, groups, q_dtypes, recipe: str, labels: str, spl
     qw, sw = quantize(w, q_dtypes[1], (1,), _mesh(split, c))  # [E, 1, o]
     scale = sx * jnp.take(sw[:, 0], groups, axis=0, mode='clip')  # [n, o]
   else:
-    qx, sx = quantize(x, q_dtypes[0], None, _mesh(split, 'n' + c))
+    qx, sx = quantize(x, q_dtypes[0], None, _mesh(split, 'ne' + c))
     qw, sw = quantize(w, q_dtypes[1], None, _mesh(split, 'e' + c + o))
     scale = sx * sw
   out = jax.lax.ragged_dot(qx, qw, sizes, preferred_element_type=dtype)
@@ -265,8 +267,8 @@ def _ragged_weight_grad(x, g, sizes, groups, recipe: str, split, dtype):
     qg, sg = _per_group_rows(g, groups, sizes.shape[0], BACKWARD, rows)  # [E, o]
     scale = sx[:, :, None] * sg[:, None, :]
   else:
-    qx, sx = quantize(x, FORWARD, None, _mesh(split, 'nk'))
-    qg, sg = quantize(g, BACKWARD, None, _mesh(split, 'no'))
+    qx, sx = quantize(x, FORWARD, None, _mesh(split, 'nek'))
+    qg, sg = quantize(g, BACKWARD, None, _mesh(split, 'neo'))
     scale = sx * sg
   dw = jax.lax.ragged_dot_general(qx, qg, sizes, _PER_GROUP, preferred_element_type=dtype)
   return dw * scale.astype(dtype)

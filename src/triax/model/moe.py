@@ -33,7 +33,7 @@ from jax.sharding import PartitionSpec as P
 
 from triax import sharding
 from triax.model import fp8 as fp8_lib
-from triax.model import per_device
+from triax.model import fp8_metrics, per_device
 from triax.model.common import einsum_of, recast
 
 # Logical axes of a token tensor inside the MLP, of the experts' matrices.
@@ -45,6 +45,9 @@ BUFFERS = ('batch', None, None, None)
 # capacity's expert einsums: buffers [b, E, C, d] in, hidden [b, E, C, f] out.
 EXPERTS_IN = 'becd,edf->becf'
 EXPERTS_OUT = 'becf,efd->becd'
+# dropless's grouped matmuls as model.fp8_metrics names them (fp8_metrics.record).
+GROUPED_IN = 'td,edf->tf'
+GROUPED_OUT = 'tf,efd->td'
 
 
 @flax.struct.dataclass
@@ -125,9 +128,15 @@ def _swiglu_grouped(xs, sizes, w_gate, w_up, w_down, gemms: ExpertGemms):
     return _grouped(jax.nn.silu(gate) * up, w_down, sizes)
   common = (('n', gemms.rows), ('e', gemms.experts))
   split_in, split_out = common + (('o', gemms.hidden),), common + (('k', gemms.hidden),)
+  # The figures' einsum labels: t the rows (a device's are its experts'), d and f the widths.
+  labelled = (('t', gemms.rows + gemms.experts), ('e', gemms.experts), ('f', gemms.hidden))
+  for w in (w_gate, w_up):
+    fp8_metrics.record(GROUPED_IN, xs, w, gemms.fp8, labelled)
   gate = fp8_lib.ragged_dot(xs, w_gate, sizes, xs.dtype, gemms.fp8, split_in)
   up = fp8_lib.ragged_dot(xs, w_up, sizes, xs.dtype, gemms.fp8, split_in)
-  return fp8_lib.ragged_dot(jax.nn.silu(gate) * up, w_down, sizes, xs.dtype, gemms.fp8, split_out)
+  hidden = jax.nn.silu(gate) * up
+  fp8_metrics.record(GROUPED_OUT, hidden, w_down, gemms.fp8, labelled)
+  return fp8_lib.ragged_dot(hidden, w_down, sizes, xs.dtype, gemms.fp8, split_out)
 
 
 def _grouped(x, w, sizes):
@@ -241,18 +250,21 @@ def dropless(h, routing: Routing, w_gate, w_up, w_down, fp8: str = 'none') -> ja
   if mesh.manual_axes:
     specs = (token_spec, in_spec, out_spec)
     return _dropless_in_stage(h, routing, ws, specs, psum_axes, axis, gemms)
+  # model.fp8_metrics' figures leave the shard_map whole (fp8_metrics.with_figures).
   local = jax.shard_map(
-    _dropless_body(axis, psum_axes, gemms),
+    fp8_metrics.with_figures(_dropless_body(axis, psum_axes, gemms)),
     mesh=mesh,
     in_specs=(token_spec, token_spec, token_spec, in_spec, in_spec, out_spec),
-    out_specs=token_spec,
+    out_specs=(token_spec, P()),
     axis_names=set(mesh.axis_names) - set(mesh.manual_axes),
     # Tokens whole on each expert rank (sampling's one prompt): every rank
     # exchanges the same tokens and gets the same output, which the check
     # cannot see through the all-to-alls.
     check_vma=axis is None or axis in {a for e in token_spec for a in _axes(e)},
   )
-  return local(h, routing.experts, routing.weights, *ws)
+  out, figures = local(h, routing.experts, routing.weights, *ws)
+  fp8_metrics.merge(figures)
+  return out
 
 
 def _automatic(mesh, axes: tuple) -> tuple:
@@ -330,9 +342,12 @@ def _swiglu_buffers(x, w_gate, w_up, w_down, gemms: ExpertGemms):
     up = recast(einsum_of(EXPERTS_IN), x, w_up, x.dtype)
     return recast(einsum_of(EXPERTS_OUT), jax.nn.silu(gate) * up, w_down, x.dtype)
   split = (('b', gemms.rows), ('e', gemms.experts), ('f', gemms.hidden))
+  for w in (w_gate, w_up):
+    fp8_metrics.record(EXPERTS_IN, x, w, gemms.fp8, split)
   gate = fp8_lib.einsum(EXPERTS_IN, x, w_gate, x.dtype, gemms.fp8, split=split)
   up = fp8_lib.einsum(EXPERTS_IN, x, w_up, x.dtype, gemms.fp8, split=split)
   hidden = jax.nn.silu(gate) * up
+  fp8_metrics.record(EXPERTS_OUT, hidden, w_down, gemms.fp8, split)
   return fp8_lib.einsum(EXPERTS_OUT, hidden, w_down, x.dtype, gemms.fp8, split=split)
 
 
@@ -350,6 +365,7 @@ def _buffers_through_experts(x, w_gate, w_up, w_down, gemms: ExpertGemms):
   rows = tuple(a for a in _axes(buffer_spec[0]) if a != axis)
   gemms = gemms.local(_automatic(mesh, rows), _axes(axis), _automatic(mesh, psum_axes))
 
+  @fp8_metrics.with_figures
   def exchanged(x, w_gate, w_up, w_down):
     # [b, E, C, d] -> [ep * b, E/ep, C, d]: every group member's rows, this device's experts.
     x = jax.lax.all_to_all(x, axis, 1, 0, tiled=True)
@@ -358,13 +374,15 @@ def _buffers_through_experts(x, w_gate, w_up, w_down, gemms: ExpertGemms):
       y = jax.lax.psum(y, psum_axes)
     return jax.lax.all_to_all(y, axis, 0, 1, tiled=True)
 
-  return jax.shard_map(
+  y, figures = jax.shard_map(
     exchanged,
     mesh=mesh,
     in_specs=(buffer_spec, in_spec, in_spec, sharding.active_spec(OUT_AXES)),
-    out_specs=buffer_spec,
+    out_specs=(buffer_spec, P()),
     axis_names=set(mesh.axis_names) - set(mesh.manual_axes),
   )(x, w_gate, w_up, w_down)
+  fp8_metrics.merge(figures)  # model.fp8_metrics' (fp8_metrics.with_figures)
+  return y
 
 
 @flax.struct.dataclass
