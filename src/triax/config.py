@@ -114,7 +114,7 @@ def defaults() -> ml_collections.ConfigDict:
   # Weight matmuls in FP8 (model/fp8.py): none, tensorwise (current scaling, one power-of-two
   # scale per tensor from its amax each step; E4M3 operands forward, E5M2 gradients backward) or
   # rowwise (the same, one scale per row of each GEMM: the amax over its contracting axes).
-  # Attention's core, norms, router, routed experts and the head stay in model.dtype.
+  # Routed experts included; attention's core, norms, router and the head stay in model.dtype.
   c.model.fp8 = 'none'
   # Log each weight-matmul kind's FP8 amax and scales and the casts' overflow fractions
   # (model/fp8_metrics.py); needs model.fp8 and, for now, no pipeline or micro-batches.
