@@ -217,8 +217,13 @@ def ragged_dot(x, w, sizes, dtype, recipe: str = 'tensorwise', split=()):
 
 
 def _row_groups(sizes, n: int):
-  """Each of n rows' group [n] (int32): E for rows past the last group."""
-  return jnp.searchsorted(jnp.cumsum(sizes), jnp.arange(n, dtype=sizes.dtype), side='right')
+  """Each of n rows' group [n] (int32): E for rows past the last group. The
+  groups' ends a row is past, counted (jnp.searchsorted fails on the
+  pipeline executor's varying types in jax 0.10)."""
+  ends = jnp.cumsum(sizes)
+  return jnp.sum(
+    jnp.arange(n, dtype=sizes.dtype)[:, None] >= ends[None, :], axis=1, dtype=jnp.int32
+  )
 
 
 def _mesh(split, labels: str) -> tuple:
