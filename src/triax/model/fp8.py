@@ -17,6 +17,11 @@ towards E4M3's subnormals. Each backward GEMM scales along its own
 contracting axes: dx's g per token and w per input feature, dw's x and g per
 feature column.
 
+moe.py's routed experts run `einsum` with the expert axis as a batch label
+(capacity's 'becd,edf->becf': one GEMM per expert) and `ragged_dot`
+(dropless's grouped matmuls, with its own VJP); inside their shard_maps
+`split` names the mesh axes an amax must span.
+
 The weights, their gradients and the optimizer stay in param_dtype; only the
 GEMMs' operands are FP8. Quantizing is flax's (`flax.linen.fp8_ops`); the
 scales are powers of two, so dividing by one and multiplying back are exact

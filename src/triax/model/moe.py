@@ -17,6 +17,8 @@ room for every assignment (still nothing dropped), capacity each row's [E, C] bu
 Each expert's hidden units split over `tensor` as Llama's MLP, one psum after the down
 projection. Each layer reports `LayerStats`, from which the model's load-balancing loss
 (Switch's E * sum_e f_e P_e) and router z-loss (ST-MoE's) are made.
+Under model.fp8 the experts' matmuls are FP8 (`ExpertGemms`: fp8.einsum
+for capacity's, fp8.ragged_dot for dropless's); the router is not.
 The reasoning: docs/design/moe.md."""
 
 from __future__ import annotations
