@@ -218,8 +218,8 @@ def _doc(runs: dict, png: str) -> str:
     'ratio to bf16 is given only between runs of one invocation of the script. XLA:CPU '
     'converts FP8 operands up and multiplies in float32 (its optimised HLO), so here FP8 '
     "only adds the scaling and casts: its step time says nothing of a GPU's. model.fp8 "
-    'covers the dense weight matmuls: the routed experts, router, attention core and head '
-    "stay in bf16, so of mixtral_tiny's matmuls only attention's projections are FP8.",
+    "covers every weight matmul, mixtral_tiny's routed experts included; the router, "
+    'attention core and head stay in bf16.',
     '',
     "Both recipes' scales are powers of two, and multiplying by one changes no value's "
     "rounding to E4M3 or E5M2 except where it falls below the format's normal range "

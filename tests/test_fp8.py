@@ -15,7 +15,7 @@ import optax
 import pytest
 
 from triax import topology
-from triax.model import fp8
+from triax.model import fp8, moe
 from triax.training import metrics as metrics_lib
 
 PLUGIN = os.path.join(sys.prefix, 'xla-cuda', 'jax_plugins', 'xla_cuda12', 'xla_cuda_plugin.so')
@@ -36,6 +36,29 @@ WEIGHT_MATMULS = 7 * 2
 # Tensorwise's are left apart (measured; jax 0.10's XLA), and so are delayed's
 # (one scale per tensor too, from its site's history).
 MERGED = {'tensorwise': 0, 'rowwise': 3 * 2, 'delayed': 0}
+# SMALL_LLAMA as a Mixtral of 4 experts (d_ff 64), top-2, capacity's buffers
+# of C = 32 rows (capacity_factor 1: 64 tokens x 2 / 4), the
+# experts split over 2 of the 8 data-parallel devices (the all-to-alls and
+# the per-device einsums of mixtral_tiny's layout).
+SMALL_MIXTRAL = (
+  SMALL_LLAMA[:1]
+  + (
+    '--config.model.family=mixtral',
+    '--config.model.num_experts=4',
+    '--config.model.experts_per_token=2',
+    '--config.model.d_ff=64',
+    '--config.model.capacity_factor=1.0',
+    '--config.mesh.expert=2',
+  )
+  + SMALL_LLAMA[2:]
+)
+# Per layer q, k, v, o and the experts' gate, up and down (the router stays
+# bf16: its logits pick the experts), in 2 layers.
+MIXTRAL_WEIGHT_MATMULS = 7 * 2
+# The experts' gate and up matmuls read the same FP8 rows, in both recipes
+# and dispatches: XLA merges their forward GEMMs and their weight gradients'
+# (one fewer each a layer); rowwise merges q, k and v too, as SMALL_LLAMA's.
+MIXTRAL_MERGED = {'tensorwise': 2 * 2, 'rowwise': 2 * 2 + 2 * 2}
 # An FP8 product's relative error: each E4M3 operand is within 2^-4 of its value.
 E4M3_PRODUCT = 2 * 2.0**-4
 
@@ -87,6 +110,77 @@ def test_the_fp8_einsum_and_its_two_backward_gemms_follow_the_exact_ones(recipe)
   assert harness.max_rel_err(dw, dw8) <= 2.0**-3 + 2.0**-4
   with pytest.raises(ValueError, match="'n' must be in exactly two"):
     fp8.transposed('bsd,dn->bs')
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize('recipe', ['tensorwise', 'rowwise'])
+def test_the_experts_einsum_with_the_expert_axis_as_a_batch_label(recipe):
+  """capacity's 'becd,edf->becf': 'e' in all three terms, one GEMM per
+  expert; both backward GEMMs keep it (rowwise: a scale per expert and row)."""
+  kx, kw, kg = jax.random.split(jax.random.key(4), 3)
+  x = jax.random.normal(kx, (2, 4, 8, 32))
+  # Experts a hundredfold apart: rowwise scales each expert's columns apart.
+  w = jax.random.normal(kw, (4, 32, 16)) * 0.02 * 10.0 ** jnp.arange(-1, 3)[:, None, None]
+  g = jax.random.normal(kg, (2, 4, 8, 16))
+  equation = 'becd,edf->becf'
+  assert fp8.transposed(equation) == ('becf,edf->becd', 'becd,becf->edf')
+  exact, pull = jax.vjp(lambda x, w: jnp.einsum(equation, x, w), x, w)
+  out, pull8 = jax.vjp(lambda x, w: fp8.einsum(equation, x, w, jnp.float32, recipe), x, w)
+  assert harness.max_rel_err(exact, out) <= E4M3_PRODUCT
+  (dx, dw), (dx8, dw8) = pull(g), pull8(g)
+  assert harness.max_rel_err(dx, dx8) <= 2.0**-3 + 2.0**-4
+  for e in range(4):  # each expert's weight gradient, relative to its own
+    assert harness.max_rel_err(dw[e], dw8[e]) <= 2.0**-3 + 2.0**-4
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize('recipe', ['tensorwise', 'rowwise'])
+def test_the_fp8_ragged_dot_and_its_two_backward_gemms_follow_the_exact_ones(recipe):
+  """dropless's grouped matmul: groups of 10, 0, 17 and 9 rows of 40 (the
+  last 4 rows in no group: output 0, no gradient), experts' weights a
+  hundredfold apart; forward, dx = ragged_dot(g, w^T) and each expert's
+  dw = x^T g (ragged_dot_general) within the einsum's bounds."""
+  kx, kw, kg = jax.random.split(jax.random.key(5), 3)
+  x = jax.random.normal(kx, (40, 32))
+  w = jax.random.normal(kw, (4, 32, 16)) * 0.02 * 10.0 ** jnp.arange(-1, 3)[:, None, None]
+  g = jax.random.normal(kg, (40, 16))
+  sizes = jnp.array([10, 0, 17, 9], jnp.int32)
+  exact, pull = jax.vjp(lambda x, w: jax.lax.ragged_dot(x, w, sizes), x, w)
+  out, pull8 = jax.vjp(lambda x, w: fp8.ragged_dot(x, w, sizes, jnp.float32, recipe), x, w)
+  assert not np.any(np.asarray(out[36:]))
+  for rows in (slice(0, 10), slice(10, 27), slice(27, 36)):  # each group, relative to its own
+    assert harness.max_rel_err(exact[rows], out[rows]) <= E4M3_PRODUCT
+  (dx, dw), (dx8, dw8) = pull(g), pull8(g)
+  assert (dx8.dtype, dw8.dtype) == (x.dtype, w.dtype)
+  for rows in (slice(0, 10), slice(10, 27), slice(27, 36)):
+    assert harness.max_rel_err(dx[rows], dx8[rows]) <= 2.0**-3 + 2.0**-4
+  assert not np.any(np.asarray(dx8[36:])) and not np.any(np.asarray(dw8[1]))
+  for e in (0, 2, 3):
+    assert harness.max_rel_err(dw[e], dw8[e]) <= 2.0**-3 + 2.0**-4
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize('dispatch', ['capacity', 'dropless'])
+def test_the_routed_experts_run_their_matmuls_in_fp8(dispatch):
+  """moe.capacity and moe.dropless under fp8: not the exact output, within an FP8 product's error."""
+  keys = jax.random.split(jax.random.key(6), 5)
+  h = jax.random.normal(keys[0], (2, 16, 32))
+  router = jax.random.normal(keys[1], (32, 4)) * 0.1
+  w_gate, w_up = (jax.random.normal(k, (4, 32, 48)) * 0.2 for k in keys[2:4])
+  w_down = jax.random.normal(keys[4], (4, 48, 32)) * 0.2
+  routing = moe.route(h, router, 2)
+
+  def run(recipe):
+    if dispatch == 'capacity':
+      return moe.capacity(h, routing, w_gate, w_up, w_down, 2.0, recipe)[0]
+    return moe.dropless(h, routing, w_gate, w_up, w_down, recipe)
+
+  exact = run('none')
+  for recipe in ('tensorwise', 'rowwise'):
+    out = run(recipe)
+    err = harness.max_rel_err(exact, out)
+    # Two FP8 products in a row (gate and up, then down).
+    assert 0 < err <= 2 * E4M3_PRODUCT, (recipe, err)
 
 
 @pytest.mark.fast
@@ -169,21 +263,14 @@ def _fp8_gemms(hlo: str) -> dict[str, int]:
   return {'cublaslt': cublas, 'triton': triton}
 
 
-@pytest.mark.parametrize('recipe', ['tensorwise', 'rowwise', 'delayed'])
-def test_every_weight_matmul_is_three_fp8_gemms_on_h100(tmp_path, recipe):
-  """Forward, dx and dw of each of the 14 weight matmuls, FP8 x FP8 in XLA:GPU's
-  optimised train step for h100:8 (less the forward GEMMs merged, MERGED);
-  the head and the attention core are not. Rowwise's per-row scales stay
-  outside the GEMM (a multiply by the scales' outer product after it) and do
-  not turn its product back into bf16; nor do delayed's scales, read from
-  the train state's histories."""
+def _h100_fp8_gemms(tmp_path, flags: tuple) -> dict[str, int]:
+  """`_fp8_gemms` of the train step of `flags` compiled for h100:8."""
   if not os.path.isfile(PLUGIN):
     pytest.skip('jax CUDA plugin absent (scripts/env.sh test installs it)')
   dump = tmp_path / 'dump'
   result = harness.run_cli(
     'triax.cli.train',
-    *SMALL_LLAMA,
-    f'--config.model.fp8={recipe}',
+    *flags,
     f'--workdir={tmp_path / "w"}',
     '--compile_only',
     '--topology=h100:8',
@@ -192,9 +279,91 @@ def test_every_weight_matmul_is_three_fp8_gemms_on_h100(tmp_path, recipe):
   assert result.returncode == 0, result.stderr
   (path,) = glob.glob(str(dump / '*gpu_after_optimizations.txt'))
   with open(path) as f:
-    gemms = _fp8_gemms(f.read())
+    return _fp8_gemms(f.read())
+
+
+@pytest.mark.parametrize('recipe', ['tensorwise', 'rowwise', 'delayed'])
+def test_every_weight_matmul_is_three_fp8_gemms_on_h100(tmp_path, recipe):
+  """Forward, dx and dw of each of the 14 weight matmuls, FP8 x FP8 in XLA:GPU's
+  optimised train step for h100:8 (less the forward GEMMs merged, MERGED);
+  the head and the attention core are not. Rowwise's per-row scales stay
+  outside the GEMM (a multiply by the scales' outer product after it) and do
+  not turn its product back into bf16; nor do delayed's scales, read from
+  the train state's histories."""
+  gemms = _h100_fp8_gemms(tmp_path, SMALL_LLAMA + (f'--config.model.fp8={recipe}',))
   print(recipe, gemms)
   assert sum(gemms.values()) == 3 * WEIGHT_MATMULS - MERGED[recipe], gemms
+
+
+@pytest.mark.parametrize(
+  'dispatch,recipe',
+  # Each dispatch once (an XLA:GPU compile is about a minute of this machine's CPU):
+  # capacity with rowwise, which merges more, dropless with tensorwise.
+  [('capacity', 'rowwise'), ('dropless', 'tensorwise')],
+)
+def test_every_expert_matmul_is_three_fp8_gemms_on_h100_too(tmp_path, dispatch, recipe):
+  """SMALL_MIXTRAL's routed experts: each expert matmul runs forward, dx
+  and dw FP8 x FP8, as the attention's projections do, inside the
+  shard_map that exchanges the tokens. capacity: einsums whose expert axis
+  is a batch dimension (one GEMM per local expert); dropless: ragged_dots,
+  which XLA:GPU expands into dense dots over the local experts and keeps on
+  FP8 operands. The router, capacity's dispatch and combine einsums and the
+  head stay bf16."""
+  flags = (f'--config.model.fp8={recipe}', f'--config.model.moe_dispatch={dispatch}')
+  gemms = _h100_fp8_gemms(tmp_path, SMALL_MIXTRAL + flags)
+  print(recipe, gemms)
+  assert sum(gemms.values()) == 3 * MIXTRAL_WEIGHT_MATMULS - MIXTRAL_MERGED[recipe], gemms
+
+
+# A Mixtral under FP8 against fp32 and split against one device, as
+# FP8_VS_EXACT and FP8_LAYOUTS for Llama: capacity_factor 0.5 drops
+# assignments in every row, as tests/test_expert_parallel.py's.
+def _mixtral(**overrides):
+  return harness.tiny_mixtral_config(**{'mesh.data': 1, 'model.capacity_factor': 0.5, **overrides})
+
+
+# data 4 x tensor 2 with the experts over 2 of the 4: each expert's buffer
+# rows split over data, its hidden units over tensor, the experts over
+# expert, and every amax spanning them a max over their shards (the
+# ExpertGemms' axes). Measured over 4 steps: at most 6e-7 (losses).
+MOE_LAYOUT = {'mesh.data': 4, 'mesh.tensor': 2, 'mesh.expert': 2}
+
+
+# Each dispatch with the recipe whose scales it takes most apart: capacity's
+# rowwise ones per expert and row (its down projection's over the hidden
+# units split over tensor), dropless's tensorwise ones over rows that the
+# exchange spreads over data and expert. The other pairs: the metrics' and
+# the pipeline's tests below.
+@pytest.mark.parametrize('dispatch,recipe', [('capacity', 'rowwise'), ('dropless', 'tensorwise')])
+def test_a_mixtral_trains_in_fp8_as_in_fp32_and_alike_with_the_experts_split(dispatch, recipe):
+  steps = 4
+  base = {'model.moe_dispatch': dispatch}
+  exact = harness.train_losses(_mixtral(**base), steps)
+  one = harness.train_losses(_mixtral(**base, **{'model.fp8': recipe}), steps)
+  split = harness.train_losses(_mixtral(**base, **{'model.fp8': recipe}, **MOE_LAYOUT), steps)
+  print('fp32', exact, recipe, one, 'data 4 x tensor 2, expert 2', split)
+  assert one[-1] < one[0]
+  for a, b, c in zip(exact, one, split):
+    assert abs(b - a) <= FP8_VS_EXACT * abs(a), (exact, one)
+    assert abs(c - b) <= FP8_LAYOUTS * abs(b), (one, split)
+
+
+@pytest.mark.parametrize('dispatch', ['capacity', 'dropless'])
+def test_a_pipelined_mixtral_runs_its_experts_in_fp8_as_accumulation_does(dispatch):
+  """pipe 2 x tensor 2, 4 micro-batches, against the same 4 accumulated on
+  one device: the experts' FP8 matmuls inside the executor's stages (the
+  dropless ones per device, model/per_device.py), their amaxes per
+  micro-batch either way (measured 5e-7 apart: fp32 parity's 1e-5 holds)."""
+  base = {
+    'model.fp8': 'tensorwise',
+    'model.moe_dispatch': dispatch,
+    'model.router_aux_loss_scope': 'microbatch',
+    'pipeline.microbatches': 4,
+  }
+  loss, grads = harness.loss_and_grads(_mixtral(**base))
+  loss_p, grads_p = harness.loss_and_grads(_mixtral(**base, **{'mesh.pipe': 2, 'mesh.tensor': 2}))
+  assert abs(loss_p - loss) <= 1e-5 * abs(loss)
+  assert harness.max_rel_err(grads, grads_p) <= 1e-5
 
 
 @pytest.mark.parametrize(
@@ -202,9 +371,9 @@ def test_every_weight_matmul_is_three_fp8_gemms_on_h100(tmp_path, recipe):
   [harness.tiny_config, harness.tiny_mixtral_config, harness.tiny_deepseek_config],
   ids=['gpt', 'mixtral', 'deepseek'],
 )
-def test_every_family_runs_its_dense_matmuls_in_fp8(make):
+def test_every_family_runs_its_weight_matmuls_in_fp8(make):
   """The loss and gradients at initialisation, FP8 against fp32 (mixtral's
-  and deepseek's routed experts stay in model.dtype; their shared ones are FP8)."""
+  and deepseek's routed and shared experts FP8 too; their routers not)."""
   loss, grads = harness.loss_and_grads(make(**{'mesh.data': 1}))
   loss8, grads8 = harness.loss_and_grads(make(**{'mesh.data': 1, 'model.fp8': 'tensorwise'}))
   assert loss8 != loss and abs(loss8 - loss) <= FP8_VS_EXACT * abs(loss)
@@ -272,6 +441,41 @@ def test_fp8_metrics_report_each_kinds_amax_and_scales(layout):
   paths = jax.tree_util.tree_leaves_with_path(params)
   (w_down,) = [v for p, v in paths if 'w_down' in jax.tree_util.keystr(p)]
   assert metrics['fp8_mlp_out_w_amax'] == float(jnp.max(jnp.abs(w_down)))
+
+
+@pytest.mark.parametrize('dispatch', ['capacity', 'dropless'])
+def test_fp8_metrics_report_the_routed_experts_alike_with_the_experts_split(dispatch):
+  """The experts' kinds (expert_in, expert_out: fp8_metrics.KINDS), recorded
+  inside the shard_maps that exchange the tokens and returned whole: the
+  same figures on one device and on data 4 x tensor 2, expert 2; the loss
+  and gradients those of the run without them."""
+  base = {'model.fp8': 'rowwise', 'model.moe_dispatch': dispatch}
+  figures = []
+  for layout in ({}, MOE_LAYOUT):
+    cfg = _mixtral(**base, **layout)
+    loss, grads = harness.loss_and_grads(cfg)
+    trainer = harness.make_trainer(_mixtral(**base, **layout, **{'model.fp8_metrics': True}))
+    params = harness.initial_params(trainer, 0)
+    with jax.set_mesh(trainer.mesh):
+      batch = jax.device_put(harness.random_batch(trainer.cfg), trainer.batch_sharding)
+      loss_m, grads_m, metrics = trainer.loss_and_grad(params, batch)
+    assert float(loss_m) == loss
+    model_order = trainer.layout.tree_to_model_order(grads_m)
+    assert harness.max_rel_err(grads, jax.tree.map(np.asarray, model_order)) == 0
+    metrics = {k: float(v) for k, v in metrics.items() if k.startswith('fp8_')}
+    assert metrics['fp8_overflow'] == 0 and metrics['fp8_grad_overflow'] == 0
+    for kind in ('expert_in', 'expert_out'):
+      for t in 'xw':
+        ratio = metrics[f'fp8_{kind}_{t}_amax'] / metrics[f'fp8_{kind}_{t}_scale']
+        assert 224 < ratio <= 448, (kind, t, ratio)
+    paths = jax.tree_util.tree_leaves_with_path(params)
+    (w_down,) = [v for p, v in paths if "['w_down']" in jax.tree_util.keystr(p)]
+    assert metrics['fp8_expert_out_w_amax'] == float(jnp.max(jnp.abs(w_down)))
+    figures.append(metrics)
+  one, split = figures
+  assert one.keys() == split.keys()
+  for key in one:  # the activations' amax from sums of fp32 products: 1e-5 apart at most
+    assert abs(one[key] - split[key]) <= 1e-5 * abs(one[key]), (key, one[key], split[key])
 
 
 def test_fp8_metrics_reach_metrics_jsonl(tmp_path):

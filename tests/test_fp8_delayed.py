@@ -19,7 +19,7 @@ def _step(x, w, g, history):
   """One delayed einsum of `x` and `w` with cotangent `g`: (its output, the history updated)."""
 
   def run(x, w, history):
-    return fp8.einsum(EQUATION, x, w, jnp.float32, 'delayed', None, history)
+    return fp8.einsum(EQUATION, x, w, jnp.float32, 'delayed', None, history=history)
 
   out, pull = jax.vjp(run, x, w, history)
   observed = pull(g)[2]
@@ -62,7 +62,7 @@ def test_a_cotangent_beyond_its_history_counts_as_grad_overflow():
 
   def loss(probe, g, recipe='delayed'):
     past = history if recipe == 'delayed' else None
-    return jnp.sum(fp8.einsum(EQUATION, x, w, jnp.float32, recipe, probe, past) * g)
+    return jnp.sum(fp8.einsum(EQUATION, x, w, jnp.float32, recipe, probe, history=past) * g)
 
   for g, over in ((3.0, 0), (3e5, 128)):
     counts = jax.grad(loss)(jnp.zeros(2), jnp.full((4, 16), g))

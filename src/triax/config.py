@@ -116,8 +116,9 @@ def defaults() -> ml_collections.ConfigDict:
   # scale per tensor from its amax each step; E4M3 operands forward, E5M2 gradients backward) or
   # rowwise (the same, one scale per row of each GEMM: the amax over its contracting axes) or
   # delayed (Transformer Engine's: one scale per tensor from the max of the last
-  # model.fp8_amax_history steps' amax; model/fp8_delayed.py; not under the pipeline executor).
-  # Attention's core, norms, router, routed experts and the head stay in model.dtype.
+  # model.fp8_amax_history steps' amax; model/fp8_delayed.py; not under the pipeline executor;
+  # the routed experts scale as tensorwise). Routed experts included; attention's core,
+  # norms, router and the head stay in model.dtype.
   c.model.fp8 = 'none'
   # model.fp8=delayed's history length in steps (only with delayed): TE's and flax's default.
   c.model.fp8_amax_history = 1024

@@ -266,7 +266,7 @@ def matmul(equation: str, x, w, dtype, remat: str, fp8: str = 'none'):
   under delayed it reads its site's history (fp8_delayed.py)."""
   if fp8 != 'none':
     history = _fp8_history(equation, fp8)
-    fp8_metrics.record(equation, x, w, fp8, history)
+    fp8_metrics.record(equation, x, w, fp8, history=history)
     return _fp8_einsum(equation, x, w, dtype, fp8, history)
   if layer_checkpointed(remat):
     return jnp.einsum(equation, x, w.astype(dtype))
@@ -278,7 +278,7 @@ def _fp8_history(equation: str, fp8: str):
 
 
 def _fp8_einsum(equation: str, x, w, dtype, fp8: str, history=None):
-  return fp8_lib.einsum(equation, x, w, dtype, fp8, fp8_metrics.probe(), history)
+  return fp8_lib.einsum(equation, x, w, dtype, fp8, fp8_metrics.probe(), history=history)
 
 
 @functools.cache
@@ -337,7 +337,7 @@ def project(h, weights, equation: str, dtype, remat: str, fp8: str = 'none'):
     # here, and each site's history goes in as an argument.
     histories = [_fp8_history(equation, fp8) for _ in weights]
     for w, history in zip(weights, histories):
-      fp8_metrics.record(equation, h, w, fp8, history)
+      fp8_metrics.record(equation, h, w, fp8, history=history)
 
     def run(h, histories, *ws):
       return tuple(_fp8_einsum(equation, h, w, dtype, fp8, hist) for w, hist in zip(ws, histories))

@@ -279,9 +279,9 @@ class Block(DenseBlock):
       s.routed_scaling_factor,
     )
     if s.moe_dispatch == 'capacity':
-      out, dropped = moe.capacity(h, routing, w_gate, w_up, w_down, s.capacity_factor)
+      out, dropped = moe.capacity(h, routing, w_gate, w_up, w_down, s.capacity_factor, s.fp8)
     else:
-      out, dropped = moe.dropless(h, routing, w_gate, w_up, w_down), 0
+      out, dropped = moe.dropless(h, routing, w_gate, w_up, w_down, s.fp8), 0
     stats = moe.layer_stats(routing, dropped)
     self.sow('intermediates', 'router', stats)
     # The load reaches the bias as its gradient (loss-free balancing).

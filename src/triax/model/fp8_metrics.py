@@ -1,7 +1,8 @@
 """model.fp8_metrics: the FP8 weight matmuls' amax, scales and overflow, logged per step.
 
 Each weight-matmul kind (its einsum equation: attention's input and output
-projections, the MLP's input and output, MLA's and MTP's projections) gets
+projections, the MLP's input and output, the routed experts' input and
+output, MLA's and MTP's projections) gets
 the forward's x and w amax and their largest scales (under rowwise, the
 scale of the row holding the amax; the other rows' are smaller), maximised
 over its calls and layers, as fp8_{kind}_{x,w}_{amax,scale}. Overflow is
@@ -20,6 +21,10 @@ given; the layer scan gives each layer its own tape and returns it as a
 per-layer output (`taped`); the backward's counts come out as the gradient
 of a probe every FP8 einsum takes (fp8.einsum's `probe`). The pipeline
 executor's step does not carry them (config.py refuses fp8_metrics there).
+The routed experts' matmuls run inside moe.py's shard_maps: their figures
+are taken over the whole tensors there (`record`'s `split`) and leave as
+the shard_map's outputs (`with_figures`, `merge`); the probe does not enter
+those shard_maps, so fp8_grad_overflow counts the other matmuls' casts only.
 """
 
 from __future__ import annotations
@@ -41,6 +46,11 @@ KINDS = {
   'bsd,dr->bsr': 'mla_down',
   'bsr,rnk->bsnk': 'mla_up',
   'bse,ed->bsd': 'mtp_proj',
+  # The routed experts' (moe.py): capacity's einsums, dropless's grouped matmuls.
+  'becd,edf->becf': 'expert_in',
+  'becf,efd->becd': 'expert_out',
+  'td,edf->tf': 'expert_in',
+  'tf,efd->td': 'expert_out',
 }
 
 
@@ -95,26 +105,42 @@ def probe():
   return None if tape is None else tape.probe
 
 
-def record(equation: str, x, w, recipe: str, history=None) -> None:
-  """Adds the forward figures of einsum(equation, x, w) under `recipe` to
-  the open tape, if any; under delayed, with the scales its site's
-  `history` gives (fp8.delayed_scale)."""
+def record(equation: str, x, w, recipe: str, split=(), history=None) -> None:
+  """Adds the forward figures of einsum(equation, x, w) under `recipe` to the
+  open tape, if any; under delayed, with the scales its site's `history`
+  gives (fp8.delayed_scale). `split`, inside a shard_map: fp8.einsum's (label, mesh
+  axes) pairs; each figure is then the whole tensors' (a max or a sum over
+  the shards of the axes splitting them), so `with_figures` can return it
+  replicated. The routed experts' grouped matmuls record as the einsums
+  'td,edf->tf' and 'tf,efd->td': their figures are the same maxima as the
+  per-expert scales', w's overflow taken per column across experts."""
   tape = _TAPE.get()
   if tape is None:
     return
   x, w, history = jax.lax.stop_gradient((x, w, history))
   ins, out = equation.split('->')
-  figures = {'overflow': jnp.zeros((), jnp.float32), 'elements': jnp.float32(x.size + w.size)}
+  figures = {'overflow': jnp.zeros((), jnp.float32), 'elements': jnp.zeros((), jnp.float32)}
   for i, (name, t, labels) in enumerate(zip('xw', (x, w), ins.split(','))):
-    t_amax = fp8.amax(t, fp8.scaled_axes(labels, out, recipe))
+    axes = fp8.scaled_axes(labels, out, recipe)
+    t_amax = fp8.amax(t, axes, fp8.spanned_mesh_axes(labels, axes, split))
+    shards = fp8.spanned_mesh_axes(labels, None, split)  # every axis t is split over
+    figures[f'{name}_amax'] = _whole(jnp.max(t_amax), jax.lax.pmax, shards)
     if history is None:
       scale = fp8.scale_of(t_amax, fp8.FORWARD)
+      # The scale of the row holding the amax: the largest but those of rows of zeros (1).
+      figures[f'{name}_scale'] = fp8.scale_of(figures[f'{name}_amax'], fp8.FORWARD)
     else:
       scale = fp8.delayed_scale(history[i], t_amax, fp8.FORWARD)
-    figures[f'{name}_amax'] = jnp.max(t_amax)
-    figures[f'{name}_scale'] = jnp.max(scale)
-    figures['overflow'] = figures['overflow'] + fp8.overflow(t, scale, fp8.FORWARD)
+      figures[f'{name}_scale'] = scale
+    overflow = _whole(fp8.overflow(t, scale, fp8.FORWARD), jax.lax.psum, shards)
+    figures['overflow'] = figures['overflow'] + overflow
+    figures['elements'] = figures['elements'] + _whole(jnp.float32(t.size), jax.lax.psum, shards)
   tape.add(equation, figures)
+
+
+def _whole(value, op, axes: tuple):
+  """op(value, axes) (a pmax or psum over those shards), or value with no axes."""
+  return op(value, axes) if axes else value
 
 
 def taped(layer):
@@ -130,6 +156,30 @@ def taped(layer):
     return h, (out, tape.figures)
 
   return run
+
+
+def with_figures(fn):
+  """fn(*args) -> (its output, {equation: figures} its FP8 matmuls recorded)
+  on a tape of its own (a shard_map's body, whose values leave it only as
+  outputs; `record`'s `split` makes them the whole tensors'), the figures
+  {} with no tape open; `merge` adds them to the open tape outside."""
+  if not active():
+    return lambda *args: (fn(*args), {})
+
+  def run(*args):
+    with recording(None) as tape:
+      result = fn(*args)
+    return result, tape.figures
+
+  return run
+
+
+def merge(figures: dict) -> None:
+  """Adds {equation: figures} (`with_figures`') to the open tape, if any."""
+  tape = _TAPE.get()
+  if tape is not None:
+    for equation, f in figures.items():
+      tape.add(equation, f)
 
 
 def add_layers(figures: dict) -> None:

@@ -17,10 +17,13 @@ room for every assignment (still nothing dropped), capacity each row's [E, C] bu
 Each expert's hidden units split over `tensor` as Llama's MLP, one psum after the down
 projection. Each layer reports `LayerStats`, from which the model's load-balancing loss
 (Switch's E * sum_e f_e P_e) and router z-loss (ST-MoE's) are made.
+Under model.fp8 the experts' matmuls are FP8 (`ExpertGemms`: fp8.einsum
+for capacity's, fp8.ragged_dot for dropless's); the router is not.
 The reasoning: docs/design/moe.md."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -31,7 +34,8 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from triax import sharding
-from triax.model import per_device
+from triax.model import fp8 as fp8_lib
+from triax.model import fp8_metrics, per_device
 from triax.model.common import einsum_of, recast
 
 # Logical axes of a token tensor inside the MLP, of the experts' matrices.
@@ -40,6 +44,12 @@ IN_AXES = ('experts', None, 'mlp')  # w_gate, w_up [E, d, f]
 OUT_AXES = ('experts', 'mlp', None)  # w_down [E, f, d]
 # capacity's buffers [b, E, C, d]: each device's rows, every expert's slots.
 BUFFERS = ('batch', None, None, None)
+# capacity's expert einsums: buffers [b, E, C, d] in, hidden [b, E, C, f] out.
+EXPERTS_IN = 'becd,edf->becf'
+EXPERTS_OUT = 'becf,efd->becd'
+# dropless's grouped matmuls as model.fp8_metrics names them (fp8_metrics.record).
+GROUPED_IN = 'td,edf->tf'
+GROUPED_OUT = 'tf,efd->td'
 
 
 @flax.struct.dataclass
@@ -93,12 +103,42 @@ def route_biased(
   return Routing(logits, experts.astype(jnp.int32), weights * scale, probabilities)
 
 
-def _swiglu_grouped(xs, sizes, w_gate, w_up, w_down):
+@dataclasses.dataclass(frozen=True)
+class ExpertGemms:
+  """How the routed experts' matmuls run: `fp8`, model.fp8's recipe ('none':
+  in the compute dtype, weights cast where used) and, for an FP8 amax that
+  spans them, the manual mesh axes (inside a shard_map) splitting the rows
+  (tokens, or capacity's buffer rows), the experts and their hidden columns
+  (f), so that every layout quantizes as one device does (fp8.einsum's `split`)."""
+
+  fp8: str = 'none'
+  rows: tuple = ()
+  experts: tuple = ()
+  hidden: tuple = ()
+
+  def local(self, rows: tuple, experts: tuple, hidden: tuple) -> ExpertGemms:
+    return dataclasses.replace(self, rows=rows, experts=experts, hidden=hidden)
+
+
+def _swiglu_grouped(xs, sizes, w_gate, w_up, w_down, gemms: ExpertGemms):
   """Rows xs [n, d] sorted by expert, `sizes` [E] rows each: each group through
-  its expert (weights cast to xs's dtype where used, `_grouped`)."""
-  gate = _grouped(xs, w_gate, sizes)
-  up = _grouped(xs, w_up, sizes)
-  return _grouped(jax.nn.silu(gate) * up, w_down, sizes)
+  its expert (weights cast to xs's dtype where used, `_grouped`; with
+  gemms.fp8, FP8 grouped matmuls, fp8.ragged_dot)."""
+  if gemms.fp8 == 'none':
+    gate = _grouped(xs, w_gate, sizes)
+    up = _grouped(xs, w_up, sizes)
+    return _grouped(jax.nn.silu(gate) * up, w_down, sizes)
+  common = (('n', gemms.rows), ('e', gemms.experts))
+  split_in, split_out = common + (('o', gemms.hidden),), common + (('k', gemms.hidden),)
+  # The figures' einsum labels: t the rows (a device's are its experts'), d and f the widths.
+  labelled = (('t', gemms.rows + gemms.experts), ('e', gemms.experts), ('f', gemms.hidden))
+  for w in (w_gate, w_up):
+    fp8_metrics.record(GROUPED_IN, xs, w, gemms.fp8, labelled)
+  gate = fp8_lib.ragged_dot(xs, w_gate, sizes, xs.dtype, gemms.fp8, split_in)
+  up = fp8_lib.ragged_dot(xs, w_up, sizes, xs.dtype, gemms.fp8, split_in)
+  hidden = jax.nn.silu(gate) * up
+  fp8_metrics.record(GROUPED_OUT, hidden, w_down, gemms.fp8, labelled)
+  return fp8_lib.ragged_dot(hidden, w_down, sizes, xs.dtype, gemms.fp8, split_out)
 
 
 def _grouped(x, w, sizes):
@@ -109,14 +149,14 @@ def _grouped(x, w, sizes):
   return recast(jax.lax.ragged_dot, x, w, x.dtype, sizes)
 
 
-def _dropless_local(h, experts, weights, w_gate, w_up, w_down, psum_axes):
+def _dropless_local(h, experts, weights, w_gate, w_up, w_down, psum_axes, gemms=ExpertGemms()):
   """dropless on one device's tokens h [b, s, d] and its share of each expert's columns."""
   b, s, d = h.shape
   k, num_experts = experts.shape[-1], w_gate.shape[0]
   flat = experts.reshape(-1)  # assignment a = token * k + slot
   order = jnp.argsort(flat, stable=True)
   sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
-  y = _swiglu_grouped(_rows(h.reshape(b * s, d), order // k), sizes, w_gate, w_up, w_down)
+  y = _swiglu_grouped(_rows(h.reshape(b * s, d), order // k), sizes, w_gate, w_up, w_down, gemms)
   # Back to (token, slot) order by the inverse permutation: a gather, not a scatter-add.
   return _combine(_rows(y, jnp.argsort(order)), weights, psum_axes, h.shape)
 
@@ -139,7 +179,9 @@ def _combine(y, weights, psum_axes, shape):
   return out.reshape(b, s, d)
 
 
-def _dropless_exchanged(h, experts, weights, w_gate, w_up, w_down, psum_axes, axis):
+def _dropless_exchanged(
+  h, experts, weights, w_gate, w_up, w_down, psum_axes, axis, gemms=ExpertGemms()
+):
   """dropless with the experts split over mesh `axis` (this device holds w_* [E/ep, ...]).
 
   Each device sends every assignment to the device of its expert and gets
@@ -165,7 +207,8 @@ def _dropless_exchanged(h, experts, weights, w_gate, w_up, w_down, psum_axes, ax
   recv_expert = jax.lax.all_to_all(send_expert, axis, 0, 0).reshape(ep * n)
   regroup = jnp.argsort(recv_expert, stable=True)  # padding rows last: no group, output 0
   sizes = jnp.bincount(recv_expert, length=local + 1)[:local].astype(jnp.int32)
-  y = _swiglu_grouped(_rows(recv.reshape(ep * n, d), regroup), sizes, w_gate, w_up, w_down)
+  rows = _rows(recv.reshape(ep * n, d), regroup)
+  y = _swiglu_grouped(rows, sizes, w_gate, w_up, w_down, gemms)
   y = _rows(y, jnp.argsort(regroup)).reshape(ep, n, d)
   back = jax.lax.all_to_all(y, axis, 0, 0)  # back[j]: what device j computed of ours
   dest = expert_sorted // local
@@ -184,47 +227,62 @@ def _axes(entry) -> tuple:
   return () if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry))
 
 
-def dropless(h, routing: Routing, w_gate, w_up, w_down) -> jax.Array:
-  """The experts' output [b, s, d] of h [b, s, d]: every assignment computed."""
+def dropless(h, routing: Routing, w_gate, w_up, w_down, fp8: str = 'none') -> jax.Array:
+  """The experts' output [b, s, d] of h [b, s, d]: every assignment computed;
+  with `fp8` (model.fp8) other than none, each grouped matmul in FP8 (fp8.ragged_dot)."""
   # In their own dtype: each grouped matmul casts its weight (`_grouped`).
   ws = (w_gate, w_up, w_down)
   mesh = jax.sharding.get_abstract_mesh()
   in_spec = sharding.active_spec(IN_AXES)
+  gemms = ExpertGemms(fp8)
   if mesh.empty or in_spec is None:
-    return _dropless_local(h, routing.experts, routing.weights, *ws, ())
+    return _dropless_local(h, routing.experts, routing.weights, *ws, (), gemms)
   token_spec, out_spec = sharding.active_spec(TOKENS), sharding.active_spec(OUT_AXES)
   if not _splits(mesh, token_spec, in_spec, out_spec):
     # Nothing split over an automatic axis (a pipeline stage's one replica
     # of rows): the whole is this device's, and no shard_map nests in the
     # executor's (whose split backward cannot rebind a checked one).
-    return _dropless_local(h, routing.experts, routing.weights, *ws, ())
+    return _dropless_local(h, routing.experts, routing.weights, *ws, (), gemms)
   psum_axes = _axes(in_spec[2])
   axis = in_spec[0]
+  # The rows a device holds: its tokens' (batch and sequence axes), less the
+  # expert axis that the exchange gathers them over.
+  token_axes = tuple(a for entry in token_spec[:2] for a in _axes(entry) if a != axis)
+  gemms = gemms.local(_automatic(mesh, token_axes), _axes(axis), _automatic(mesh, psum_axes))
   if mesh.manual_axes:
-    return _dropless_in_stage(h, routing, ws, (token_spec, in_spec, out_spec), psum_axes, axis)
+    specs = (token_spec, in_spec, out_spec)
+    return _dropless_in_stage(h, routing, ws, specs, psum_axes, axis, gemms)
+  # model.fp8_metrics' figures leave the shard_map whole (fp8_metrics.with_figures).
   local = jax.shard_map(
-    _dropless_body(axis, psum_axes),
+    fp8_metrics.with_figures(_dropless_body(axis, psum_axes, gemms)),
     mesh=mesh,
     in_specs=(token_spec, token_spec, token_spec, in_spec, in_spec, out_spec),
-    out_specs=token_spec,
+    out_specs=(token_spec, P()),
     axis_names=set(mesh.axis_names) - set(mesh.manual_axes),
     # Tokens whole on each expert rank (sampling's one prompt): every rank
     # exchanges the same tokens and gets the same output, which the check
     # cannot see through the all-to-alls.
     check_vma=axis is None or axis in {a for e in token_spec for a in _axes(e)},
   )
-  return local(h, routing.experts, routing.weights, *ws)
+  out, figures = local(h, routing.experts, routing.weights, *ws)
+  fp8_metrics.merge(figures)
+  return out
 
 
-def _dropless_body(axis, psum_axes):
+def _automatic(mesh, axes: tuple) -> tuple:
+  """`axes` less the mesh's manual ones (a pipeline stage's: not split inside its shard_map)."""
+  return tuple(a for a in axes if a not in mesh.manual_axes)
+
+
+def _dropless_body(axis, psum_axes, gemms: ExpertGemms):
   """dropless on one device's tokens: its own experts, or with the experts
   split over mesh `axis`, theirs by all-to-all; `psum_axes` add the partial sums."""
   if axis is None:
-    return functools.partial(_dropless_local, psum_axes=psum_axes)
-  return functools.partial(_dropless_exchanged, psum_axes=psum_axes, axis=axis)
+    return functools.partial(_dropless_local, psum_axes=psum_axes, gemms=gemms)
+  return functools.partial(_dropless_exchanged, psum_axes=psum_axes, axis=axis, gemms=gemms)
 
 
-def _dropless_in_stage(h, routing: Routing, ws, specs, psum_axes, axis):
+def _dropless_in_stage(h, routing: Routing, ws, specs, psum_axes, axis, gemms: ExpertGemms):
   """dropless inside the pipeline executor's shard_map: per device by
   model/per_device.py (an unchecked shard_map with its own backward, which
   reruns the dispatch; the executor's split backward cannot rebind a checked
@@ -234,7 +292,7 @@ def _dropless_in_stage(h, routing: Routing, ws, specs, psum_axes, axis):
   outputs leave stacked on a leading axis split over `tensor`; GSPMD adds
   the partial outputs, and in the backward the copies' partial gradients."""
   token_spec, in_spec, out_spec = specs
-  body = _dropless_body(axis, ())
+  body = _dropless_body(axis, (), gemms)
   mesh = jax.sharding.get_abstract_mesh()
   ranks = math.prod(mesh.shape[a] for a in psum_axes)
   copies = lambda x: jnp.broadcast_to(x[None], (ranks,) + x.shape)  # noqa: E731
@@ -254,8 +312,10 @@ def capacity_of(seq_len: int, k: int, num_experts: int, factor: float) -> int:
   return max(1, math.ceil(factor * seq_len * k / num_experts))
 
 
-def capacity(h, routing: Routing, w_gate, w_up, w_down, factor: float):
-  """(the experts' output [b, s, d], assignments dropped) with capacity-bounded buffers."""
+def capacity(h, routing: Routing, w_gate, w_up, w_down, factor: float, fp8: str = 'none'):
+  """(the experts' output [b, s, d], assignments dropped) with capacity-bounded
+  buffers; with `fp8` (model.fp8) other than none, the experts' einsums in FP8
+  (fp8.einsum, the expert axis a batch label: one GEMM per expert)."""
   b, s, _ = h.shape
   num_experts, k = w_gate.shape[0], routing.experts.shape[-1]
   c = capacity_of(s, k, num_experts, factor)
@@ -271,44 +331,60 @@ def capacity(h, routing: Routing, w_gate, w_up, w_down, factor: float):
     'bkse,bksc,bks->bsec', onehot.astype(dt), slots, jnp.swapaxes(routing.weights, 1, 2).astype(dt)
   )
   x = jnp.einsum('bsec,bsd->becd', dispatch, h)
-  y = _buffers_through_experts(x, w_gate, w_up, w_down)
+  y = _buffers_through_experts(x, w_gate, w_up, w_down, ExpertGemms(fp8))
   return jnp.einsum('bsec,becd->bsd', combine, y), jnp.sum(~kept)
 
 
-def _swiglu_buffers(x, w_gate, w_up, w_down):
+def _swiglu_buffers(x, w_gate, w_up, w_down, gemms: ExpertGemms):
   """Buffers x [b, E, C, d] through their experts (w_* [E, ...], cast to x's
-  dtype where used and again in the backward: `recast`)."""
-  gate = recast(einsum_of('becd,edf->becf'), x, w_gate, x.dtype)
-  up = recast(einsum_of('becd,edf->becf'), x, w_up, x.dtype)
-  return recast(einsum_of('becf,efd->becd'), jax.nn.silu(gate) * up, w_down, x.dtype)
+  dtype where used and again in the backward: `recast`; with gemms.fp8, FP8
+  einsums, fp8.einsum)."""
+  if gemms.fp8 == 'none':
+    gate = recast(einsum_of(EXPERTS_IN), x, w_gate, x.dtype)
+    up = recast(einsum_of(EXPERTS_IN), x, w_up, x.dtype)
+    return recast(einsum_of(EXPERTS_OUT), jax.nn.silu(gate) * up, w_down, x.dtype)
+  split = (('b', gemms.rows), ('e', gemms.experts), ('f', gemms.hidden))
+  for w in (w_gate, w_up):
+    fp8_metrics.record(EXPERTS_IN, x, w, gemms.fp8, split)
+  gate = fp8_lib.einsum(EXPERTS_IN, x, w_gate, x.dtype, gemms.fp8, split=split)
+  up = fp8_lib.einsum(EXPERTS_IN, x, w_up, x.dtype, gemms.fp8, split=split)
+  hidden = jax.nn.silu(gate) * up
+  fp8_metrics.record(EXPERTS_OUT, hidden, w_down, gemms.fp8, split)
+  return fp8_lib.einsum(EXPERTS_OUT, hidden, w_down, x.dtype, gemms.fp8, split=split)
 
 
-def _buffers_through_experts(x, w_gate, w_up, w_down):
+def _buffers_through_experts(x, w_gate, w_up, w_down, gemms: ExpertGemms):
   """capacity's expert step. With the experts split over a mesh axis, GShard's:
   each device's rows' buffers go to their experts' devices by one all-to-all
   over that axis and come back by another; otherwise dense einsums left to GSPMD."""
   mesh = jax.sharding.get_abstract_mesh()
   in_spec = sharding.active_spec(IN_AXES)
   if mesh.empty or in_spec is None or in_spec[0] is None:
-    return _swiglu_buffers(x, w_gate, w_up, w_down)
+    return _swiglu_buffers(x, w_gate, w_up, w_down, gemms)
   axis, psum_axes = in_spec[0], _axes(in_spec[2])
+  buffer_spec = sharding.active_spec(BUFFERS)
+  # After the exchange a device's buffer rows are its expert group's: split over the batch's axes but `axis`.
+  rows = tuple(a for a in _axes(buffer_spec[0]) if a != axis)
+  gemms = gemms.local(_automatic(mesh, rows), _axes(axis), _automatic(mesh, psum_axes))
 
+  @fp8_metrics.with_figures
   def exchanged(x, w_gate, w_up, w_down):
     # [b, E, C, d] -> [ep * b, E/ep, C, d]: every group member's rows, this device's experts.
     x = jax.lax.all_to_all(x, axis, 1, 0, tiled=True)
-    y = _swiglu_buffers(x, w_gate, w_up, w_down)
+    y = _swiglu_buffers(x, w_gate, w_up, w_down, gemms)
     if psum_axes:
       y = jax.lax.psum(y, psum_axes)
     return jax.lax.all_to_all(y, axis, 0, 1, tiled=True)
 
-  buffer_spec = sharding.active_spec(BUFFERS)
-  return jax.shard_map(
+  y, figures = jax.shard_map(
     exchanged,
     mesh=mesh,
     in_specs=(buffer_spec, in_spec, in_spec, sharding.active_spec(OUT_AXES)),
-    out_specs=buffer_spec,
+    out_specs=(buffer_spec, P()),
     axis_names=set(mesh.axis_names) - set(mesh.manual_axes),
   )(x, w_gate, w_up, w_down)
+  fp8_metrics.merge(figures)  # model.fp8_metrics' (fp8_metrics.with_figures)
+  return y
 
 
 @flax.struct.dataclass

@@ -10,7 +10,7 @@ its other axes (an output projection), any other contracts its first axis (a pro
 from the stream, a latent or the MLP's hidden units); an 'experts' axis makes it a routed
 expert's, which a token runs k of; an attention's output projection is the weight of axes
 ('heads', 'kv', 'embed'), whose 'kv' is the value width. `gemms` turns weights into GEMM
-kernels (under model.fp8, a dense weight's on FP8 operands: `fp8_gemms`), `attention` prices
+kernels (under model.fp8, a weight's on FP8 operands, the routed experts' too: `fp8_gemms`), `attention` prices
 the attention core. Why: docs/design/planner_costs.md."""
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ OUTPUT_AXES = ('heads', 'kv', 'embed')
 # common.matmul, so in the compute dtype under model.fp8 too: a MoE's router
 # (its logits feed the top-k) and Qwen2-MoE's shared-expert gate. By name:
 # DeepSeek's router and its rope key's projection share their axes and width.
-# The routed experts (ragged_dot, capacity's batched einsums) stay in the
-# compute dtype as well (Weight.routed); every other weight of a block is FP8.
+# Every other weight of a block is FP8, the routed experts' included
+# (fp8.ragged_dot for dropless, fp8.einsum for capacity's batched einsums).
 PLAIN_EINSUM = ('router', 'shared_expert_gate')
 
 
@@ -207,7 +207,8 @@ class Gemms:
 
 def gemms(spec, shard, weights, every: int) -> Gemms:
   """The GEMM kernels of `weights` (`every` blocks' together) on a shard of
-  `spec`; under spec.fp8 a dense weight's (but PLAIN_EINSUM's) are `fp8_gemms`."""
+  `spec`; under spec.fp8 a weight's (but PLAIN_EINSUM's) are `fp8_gemms`, a
+  routed expert's as model/ runs it: one FP8 grouped GEMM over the experts."""
   import numpy as np
 
   e = np.dtype(spec.dtype).itemsize
@@ -228,8 +229,8 @@ def gemms(spec, shard, weights, every: int) -> Gemms:
       cut_kept += n + (0 if w.reads_stream else k)
       dots_kept += 0 if w.axes[-1] == 'embed' else n
       mlp_inputs += w.reads_stream and n == shard.d_ff
-    if fp8 and not w.routed and w.name not in PLAIN_EINSUM:
-      quantized = fp8_gemms(s, k, n, e, pe)
+    if fp8 and w.name not in PLAIN_EINSUM:
+      quantized = fp8_gemms(s, k, n, e, pe, rows, copies, w.routed)
       fwd += quantized[0]
       bwd += quantized[1]
       continue
@@ -252,7 +253,9 @@ def gemms(spec, shard, weights, every: int) -> Gemms:
   )
 
 
-def fp8_gemms(s: int, k: int, n: int, e: int, pe: int) -> tuple[list[Kernel], list[Kernel]]:
+def fp8_gemms(
+  s: int, k: int, n: int, e: int, pe: int, rows: int = 1, copies: int = 1, routed: bool = False
+) -> tuple[list[Kernel], list[Kernel]]:
   """(forward, backward) kernels of a [k, n] weight's matmul on FP8 operands
   (model/fp8.py), per sequence of s: x w forward, g w^T and x^T g backward,
   each at the FP8 peak and reading its operands at a byte an element; and the
@@ -260,26 +263,31 @@ def fp8_gemms(s: int, k: int, n: int, e: int, pe: int) -> tuple[list[Kernel], li
   compute dtype, e bytes; the weight as it arrives, in param_dtype, pe) and
   writing it in FP8: x and w forward, x, w and g (once for both GEMMs)
   backward. A cast's amax pass may read its input once more where XLA does not
-  fuse it into the producer; not counted."""
-  flops = 2.0 * s * k * n
-  x, g, w = s * k, s * n, k * n  # elements of the input, the output's gradient, the weight
+  fuse it into the producer; not counted. A routed expert's ([copies, k, n],
+  `routed`): each token's `rows` assignments through one grouped GEMM over
+  the copies, whose weight bytes mesh.expert splits (Kernel.expert_bytes)."""
+  flops = 2.0 * s * rows * k * n
+  # Elements of the input, the output's gradient, the weight.
+  x, g, w = s * rows * k, s * rows * n, copies * k * n
   fwd = [
-    Kernel(f'fp8 casts {k}x{n}', 0.0, x * (e + 1), w * (pe + 1)),
-    Kernel(f'fp8 gemm {k}x{n}', flops, x + g * e, w, fp8=True),
+    _gemm(f'fp8 casts {k}x{n}', 0.0, x * (e + 1), w * (pe + 1), routed),
+    _gemm(f'fp8 gemm {k}x{n}', flops, x + g * e, w, routed, fp8=True),
   ]
   bwd = [
-    Kernel(f'fp8 casts bwd {k}x{n}', 0.0, (x + g) * (e + 1), w * (pe + 1)),
-    Kernel(f'fp8 dgrad {k}x{n}', flops, g + x * e, w, fp8=True),
+    _gemm(f'fp8 casts bwd {k}x{n}', 0.0, (x + g) * (e + 1), w * (pe + 1), routed),
+    _gemm(f'fp8 dgrad {k}x{n}', flops, g + x * e, w, routed, fp8=True),
     # The weight gradient written in param_dtype, as the plain wgrad's.
-    Kernel(f'fp8 wgrad {k}x{n}', flops, x + g, 2 * w * pe, fp8=True),
+    _gemm(f'fp8 wgrad {k}x{n}', flops, x + g, 2 * w * pe, routed, fp8=True),
   ]
   return fwd, bwd
 
 
-def _gemm(name: str, flops: float, io: float, weights: float, routed: bool) -> Kernel:
+def _gemm(
+  name: str, flops: float, io: float, weights: float, routed: bool, fp8: bool = False
+) -> Kernel:
   if routed:
-    return Kernel(name, flops, io, expert_bytes=weights)
-  return Kernel(name, flops, io, weights)
+    return Kernel(name, flops, io, expert_bytes=weights, fp8=fp8)
+  return Kernel(name, flops, io, weights, fp8=fp8)
 
 
 def averaged(kernels: list[Kernel], n: int) -> list[Kernel]:
