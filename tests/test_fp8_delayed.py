@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_fp8 import _llama
 
 from triax.model import fp8, fp8_delayed
 from triax.training import checkpoint as ckpt_lib
@@ -69,23 +70,6 @@ def test_a_cotangent_beyond_its_history_counts_as_grad_overflow():
     assert counts.tolist() == [over, 128]
   counts = jax.grad(lambda p, g: loss(p, g, 'tensorwise'))(jnp.zeros(2), jnp.full((4, 16), 3e5))
   assert counts.tolist() == [0, 128]
-
-
-def _llama(**overrides):
-  """test_fp8's Llama: 4 layers, d 64, 8 heads over 2 K/V heads, SwiGLU, fp32."""
-  return harness.tiny_config(
-    **{
-      'model.family': 'llama',
-      'model.num_layers': 4,
-      'model.d_model': 64,
-      'model.num_kv_heads': 2,
-      'model.d_ff': 128,
-      'model.seq_len': 32,
-      'train.global_batch_size': 16,
-      'mesh.data': 1,
-      **overrides,
-    }
-  )
 
 
 @pytest.mark.fast
@@ -222,6 +206,30 @@ def test_a_checkpoint_of_another_recipe_or_length_resumes_with_empty_histories(t
   tensorwise = harness.make_trainer(runs['tensorwise'])
   back = ckpt_lib.Checkpointer(workdir, runs['tensorwise']).restore(tensorwise)
   assert int(back.step) == 2 and back.fp8 is None
+
+
+def test_reset_optimizer_keeps_the_params_and_histories_and_makes_another_optimizer(tmp_path):
+  """--reset_optimizer (Checkpointer(reset_optimizer=True)): an AdamW run's
+  checkpoint resumed under Lion keeps its step, parameters and delayed
+  histories as saved, with Lion's state afresh; the run goes on from there."""
+  delayed = {'model.fp8': 'delayed', 'model.fp8_amax_history': 3, 'mesh.data': 2}
+  adamw, lion = _llama(**delayed), _llama(**delayed, **{'train.optimizer': 'lion'})
+  trainer = harness.make_trainer(adamw)
+  state, _ = _run(trainer, adamw, harness.initial_state(trainer, 0), 0, 2)
+  ckpt = ckpt_lib.Checkpointer(str(tmp_path), adamw)
+  ckpt.save(trainer, state)
+  ckpt.close()
+  fresh = harness.make_trainer(lion)
+  back = ckpt_lib.Checkpointer(str(tmp_path), lion, reset_optimizer=True).restore(fresh)
+  assert int(back.step) == 2
+  for a, b in zip(
+    jax.tree.leaves((state.params, state.fp8)), jax.tree.leaves((back.params, back.fp8))
+  ):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  lion_state = jax.eval_shape(fresh.optimizer.init, back.params)
+  assert jax.tree.structure(back.opt_state) == jax.tree.structure(lion_state)
+  _, losses = _run(fresh, lion, back, 2, 1)
+  assert np.isfinite(losses[0])
 
 
 def _run(trainer, cfg, state, first: int, steps: int):

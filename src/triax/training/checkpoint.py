@@ -378,16 +378,21 @@ class Checkpointer:
     recipe). A fine-tune of an import, or a switch of recipe, so resumes."""
     abstract = trainer.abstract_canonical_state()
     target = {'step': abstract.step, 'params': abstract.params, 'opt_state': abstract.opt_state}
-    restore_args = jax.tree.map(lambda s: ocp.ArrayRestoreArgs(sharding=s.sharding), target)
-    try:
-      read = self._read(
-        step,
-        state=ocp.args.PyTreeRestore(item=target, restore_args=restore_args, partial_restore=True),
-      )['state']
-    except Exception as e:  # pylint: disable=broad-except
-      return None, f'unreadable ({_first_line(e)})'
+    read, error = self._read_part(step, target)
+    if error:
+      return None, error
     self.restored_progress = progress
     return TrainState(**read, fp8=self._fresh_histories(step, abstract, saved)), None
+
+  def _read_part(self, step: int, target: dict) -> tuple[dict | None, str | None]:
+    """(checkpoint `step`'s state leaves that `target` (abstract arrays, laid
+    out as wanted) names, None), or (None, why it is unreadable)."""
+    restore_args = jax.tree.map(lambda s: ocp.ArrayRestoreArgs(sharding=s.sharding), target)
+    restore = ocp.args.PyTreeRestore(item=target, restore_args=restore_args, partial_restore=True)
+    try:
+      return self._read(step, state=restore)['state'], None
+    except Exception as e:  # pylint: disable=broad-except  # anything unreadable is damage
+      return None, f'unreadable ({_first_line(e)})'
 
   def _fresh_histories(self, step: int, abstract: TrainState, saved: int):
     """Empty model.fp8=delayed histories in the checkpoint's layout (None
@@ -421,14 +426,9 @@ class Checkpointer:
     same_histories = abstract.fp8 is not None and saved == fp8_history(self.cfg)
     if same_histories:
       target['fp8'] = abstract.fp8
-    restore_args = jax.tree.map(lambda s: ocp.ArrayRestoreArgs(sharding=s.sharding), target)
-    try:
-      read = self._read(
-        step,
-        state=ocp.args.PyTreeRestore(item=target, restore_args=restore_args, partial_restore=True),
-      )['state']
-    except Exception as e:  # pylint: disable=broad-except
-      return None, f'unreadable ({_first_line(e)})'
+    read, error = self._read_part(step, target)
+    if error:
+      return None, error
     fresh = jax.jit(
       lambda params, at: optimizer_lib.at_step(trainer.optimizer.init(params), at),
       out_shardings=trainer.canonical_shardings.opt_state,
