@@ -17,7 +17,7 @@ from triax import checks
 from triax.data import checks as data_checks
 from triax.errors import ConfigError
 from triax.layout import CONTEXT_ATTENTION
-from triax.model import fp8_delayed, registry
+from triax.model import registry
 from triax.pipeline import schedule as sched
 from triax.pipeline.rounds import PACKINGS
 from triax.training import checks as train_checks
@@ -43,6 +43,12 @@ ATTENTION_IMPLS = ('xla', 'cudnn', 'splash')
 # model.fp8: the weight matmuls' operands as they are, or FP8 with one scale per tensor or per
 # row from the tensor's own amax, or per tensor from past steps' amax (delayed).
 FP8_RECIPES = ('none', 'tensorwise', 'rowwise', 'delayed')
+# Why the pipeline executor cannot run model.fp8=delayed: its step would need an amax over
+# micro-batches carried beside the gradients (ModelSpec.executor_refusal says it too).
+FP8_DELAYED_PIPELINE_REFUSAL = (
+  "delayed's amax histories are not carried by the pipeline executor; use tensorwise, or "
+  'mesh.pipe=1 and pipeline.microbatches=1'
+)
 
 
 def defaults() -> ml_collections.ConfigDict:
@@ -748,7 +754,7 @@ def _check_fp8(m, pipelined: bool) -> None:
       f'is read only with model.fp8=delayed (model.fp8={m.fp8}); set model.fp8=delayed or drop it',
     )
   if m.fp8 == 'delayed' and pipelined:
-    raise ConfigError('model.fp8', fp8_delayed.PIPELINE_REFUSAL)
+    raise ConfigError('model.fp8', FP8_DELAYED_PIPELINE_REFUSAL)
   checks.boolean('model.fp8_metrics', m.fp8_metrics)
   if m.fp8_metrics and m.fp8 == 'none':
     raise ConfigError(

@@ -20,6 +20,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from triax.config import FP8_DELAYED_PIPELINE_REFUSAL
 from triax.model import context as context_lib
 from triax.model import fp8 as fp8_lib
 from triax.model import fp8_delayed, fp8_metrics
@@ -180,7 +181,7 @@ class ModelSpec:
 
   def executor_refusal(self) -> str:
     """Why the pipeline executor cannot train this model ('' when it can)."""
-    return fp8_delayed.PIPELINE_REFUSAL if self.fp8 == 'delayed' else ''
+    return FP8_DELAYED_PIPELINE_REFUSAL if self.fp8 == 'delayed' else ''
 
   def tensor_shard(self, t: int) -> ModelSpec:
     """The spec of one of t tensor ranks' shards (Megatron's split: heads,

@@ -16,7 +16,7 @@ column and puts them in front: a step's scales depend only on the steps
 before it. Only the layer stack has sites (deepseek.py refuses delayed with
 its blocks outside it), and only a step with the state open (`with_state`)
 reads them; evaluation and sampling scale as tensorwise does. The pipeline
-executor does not carry them (PIPELINE_REFUSAL).
+executor does not carry them (config.FP8_DELAYED_PIPELINE_REFUSAL).
 """
 
 from __future__ import annotations
@@ -31,12 +31,6 @@ import jax.numpy as jnp
 
 from triax.model import fp8_metrics
 
-# Why the pipeline executor cannot run delayed scaling: its step would need an amax
-# over micro-batches carried beside the gradients (config.py, ModelSpec.executor_refusal).
-PIPELINE_REFUSAL = (
-  "delayed's amax histories are not carried by the pipeline executor; use tensorwise, or "
-  'mesh.pipe=1 and pipeline.microbatches=1'
-)
 # Rows of a site's history: the forward's operands and the backward's cotangent.
 ROWS = ('x', 'w', 'g')
 
