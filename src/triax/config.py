@@ -8,6 +8,7 @@ and downstream code reads fields directly (no `.get(key, default)` chains).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 
@@ -628,6 +629,14 @@ def _check_device_order(mesh_cfg, num_devices: int) -> None:
     )
 
 
+@functools.cache
+def _read_only_defaults() -> ml_collections.ConfigDict:
+  """defaults(), built once for validate's comparisons (a planner's search
+  validates thousands of layouts; building the defaults is most of each).
+  Read it, never change it."""
+  return defaults()
+
+
 def validate(cfg: ml_collections.ConfigDict, num_devices: int) -> ml_collections.ConfigDict:
   """Checks `cfg` against itself and the device count; returns it with the mesh resolved.
 
@@ -642,7 +651,7 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int) -> ml_collections
   _check_attention(cfg.model, cfg.data)
   _check_pipeline(cfg)
   _check_fp8(cfg.model, cfg.mesh.pipe > 1 or cfg.pipeline.microbatches > 1)
-  train_checks.validate_train(cfg, defaults().train)
+  train_checks.validate_train(cfg, _read_only_defaults().train)
   train_checks.validate_checkpoint(cfg)
   if cfg.hardware.peak_flops_per_device < 0:
     raise ConfigError('hardware.peak_flops_per_device', 'must be >= 0 (0 = look up)')
@@ -651,7 +660,7 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int) -> ml_collections
   _check_fsdp(cfg)
   registry.validate(
     cfg.model,
-    defaults().model,
+    _read_only_defaults().model,
     cfg.mesh,
     cfg.sharding.logical_axis_rules,
     pipelined=cfg.mesh.pipe > 1 or cfg.pipeline.microbatches > 1,
@@ -747,7 +756,7 @@ def _check_fp8(m, pipelined: bool) -> None:
       'attention or full',
     )
   checks.positive_int('model.fp8_amax_history', m.fp8_amax_history)
-  default = defaults().model.fp8_amax_history
+  default = _read_only_defaults().model.fp8_amax_history
   if m.fp8 != 'delayed' and m.fp8_amax_history != default:
     raise ConfigError(
       'model.fp8_amax_history',
