@@ -382,15 +382,7 @@ def _state_and_canonical_shardings(
   state = _state_shardings(optimizer, param_shardings, param_shapes, zero1, mesh, offload)
   if fp8_axes is not None:
     state = state.replace(fp8=sharding.tree_shardings(pipeline_axes(fp8_axes), mesh, rules))
-  canonical = _canonical_shardings(model, mesh, rules, optimizer, zero1)
-  if fp8_axes is not None:
-    shape = (model.spec.stack_depth, len(fp8_delayed.ROWS), model.spec.fp8_amax_history)
-    fp8 = sharding.tree_shardings(fp8_axes, mesh, rules)
-    fp8 = jax.tree.map(lambda s: split_over(s, shape, 'pipe', prefer=0), fp8)
-    if has_host_memory(mesh.devices.flat[0]):
-      fp8 = _in_memory(fp8, HOST)
-    canonical = canonical.replace(fp8=fp8)
-  return state, canonical
+  return state, _canonical_shardings(model, mesh, rules, optimizer, zero1, sites)
 
 
 def _state_shardings(
@@ -425,9 +417,10 @@ def _state_shardings(
   return TrainState(step=replicated, params=param_shardings, opt_state=opt_shardings)
 
 
-def _canonical_shardings(model, mesh: Mesh, rules, optimizer, zero1: bool):
+def _canonical_shardings(model, mesh: Mesh, rules, optimizer, zero1: bool, sites=None):
   """The checkpoint's layout (model layer order), split over `pipe` as well,
-  in host memory where the devices have it (HOST).
+  in host memory where the devices have it (HOST); model.fp8=delayed's
+  histories (`sites`, or None) as the layers' weights.
 
   The layer axis first: what every stage writes and reads is its share, not
   the whole state (replicated, pipe=8 made each device hold 7x the train
@@ -438,13 +431,24 @@ def _canonical_shardings(model, mesh: Mesh, rules, optimizer, zero1: bool):
   one leaf's conversion, not the state a second time. (Orbax copies a save
   to the host before writing it, and reads a restore there, either way.)
   """
+
+  def over_pipe(axes, shapes):
+    return jax.tree.map(
+      lambda s, a: split_over(s, a.shape, 'pipe', prefer=0),
+      sharding.tree_shardings(axes, mesh, rules),
+      shapes,
+    )
+
   shapes = shapes_from_key(model.init)
-  params = jax.tree.map(
-    lambda s, a: split_over(s, a.shape, 'pipe', prefer=0),
-    sharding.tree_shardings(model.logical_axes(), mesh, rules),
-    shapes,
+  shardings = _state_shardings(
+    optimizer, over_pipe(model.logical_axes(), shapes), shapes, zero1, mesh
   )
-  shardings = _state_shardings(optimizer, params, shapes, zero1, mesh)
+  if sites is not None:
+    spec = model.spec
+    histories = jax.eval_shape(
+      lambda: fp8_delayed.init(sites, spec.stack_depth, spec.fp8_amax_history)
+    )
+    shardings = shardings.replace(fp8=over_pipe(fp8_delayed.logical_axes(sites), histories))
   return _in_memory(shardings, HOST) if has_host_memory(mesh.devices.flat[0]) else shardings
 
 
