@@ -144,7 +144,7 @@ def test_greedy_sampling_on_a_mesh_with_split_experts_gives_one_devices_tokens()
   )
 
 
-@pytest.mark.fast
+# Not in the fast tier: two DeepSeek gradients with MTP (13 s on jax 0.12).
 def test_mtp_losses_made_a_loss_chunk_at_a_time_equal_them_made_at_once():
   """Two MTP depths (their last 1 and 2 positions count for nothing) with
   model.loss_chunk=4 of 16 positions: the same objective, figures and gradients."""

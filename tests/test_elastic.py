@@ -402,7 +402,7 @@ def _gone(pid_file, wait=10):
   return False
 
 
-@pytest.mark.fast
+# Not in the fast tier: 2.5 s of waiting for a grace period.
 def test_a_survivor_that_ignores_sigterm_is_killed_and_the_job_relaunched(tmp_path):
   status, _, err, launches, workdir = _supervise_fake(
     tmp_path, zero=f"trap '' TERM; {WAIT}", one='sleep 0.3; kill -9 $$'
@@ -497,7 +497,7 @@ def test_a_stuck_job_is_stopped_and_started_again_on_the_same_layout(tmp_path):
   ]
 
 
-@pytest.mark.fast
+# Not in the fast tier: 3 s of waiting on a heartbeat.
 def test_a_job_that_has_not_finished_a_step_is_never_stuck(tmp_path):
   # No beat yet (compiling, say): 3 s of silence is not a hang at --heartbeat_s=1.
   status, _, err, launches, workdir = _supervise_fake(

@@ -13,14 +13,12 @@ from triax import config, sharding
 from triax.errors import ConfigError
 from triax.model import registry
 
-# The fast tier (scripts/test.sh --fast): seconds per test, no pipeline program.
-pytestmark = pytest.mark.fast
-
 
 def _validated(**overrides):
   return config.validate(harness.tiny_config(**overrides), 8)
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize('kv,axis', [(8, 'tensor'), (2, 'tensor'), (1, None)])
 def test_kv_heads_split_over_tensor_when_enough_else_replicated(kv, axis):
   cfg = _validated(
@@ -33,6 +31,7 @@ def test_kv_heads_split_over_tensor_when_enough_else_replicated(kv, axis):
   assert sharding.logical_to_spec(wk, rules)[2] == axis
 
 
+@pytest.mark.fast
 def test_a_validated_config_holds_its_rules_as_given_and_resolves_on_any_mesh():
   # config.json is the validated config: an elastic re-plan onto a narrower
   # tensor axis must split the K/V heads that a wider one replicated.
@@ -47,6 +46,7 @@ def test_a_validated_config_holds_its_rules_as_given_and_resolves_on_any_mesh():
   assert rules['kv_heads'] == 'tensor' and rules['embed'] == 'data'
 
 
+@pytest.mark.fast
 def test_importing_the_config_loads_no_jax():
   code = 'import sys, triax.config; print(sorted(m for m in ("jax", "flax") if m in sys.modules))'
   env = dict(os.environ, PYTHONPATH=f'{harness.ROOT}/src')
@@ -54,6 +54,7 @@ def test_importing_the_config_loads_no_jax():
   assert out.stdout.decode().strip() == '[]'
 
 
+@pytest.mark.fast
 def test_kv_heads_that_do_not_divide_over_tensor_are_refused():
   with pytest.raises(ConfigError) as e:
     _validated(
@@ -69,6 +70,7 @@ def test_kv_heads_that_do_not_divide_over_tensor_are_refused():
   assert e.value.key == 'model.num_kv_heads'
 
 
+@pytest.mark.fast
 def test_a_model_key_no_family_knows_is_refused():
   cfg = harness.tiny_config()
   cfg.model.num_expertz = 4  # a config file can add keys (flags cannot)
@@ -77,6 +79,7 @@ def test_a_model_key_no_family_knows_is_refused():
   assert e.value.key == 'model.num_expertz'
 
 
+@pytest.mark.fast
 def test_qwen3_tiny_is_a_valid_qk_norm_pipeline_run_on_8_devices():
   path = f'{harness.ROOT}/experiments/qwen3_tiny.py'
   for arg in (None, 'smoke'):
@@ -87,6 +90,7 @@ def test_qwen3_tiny_is_a_valid_qk_norm_pipeline_run_on_8_devices():
     assert cfg.mesh.pipe > 1 and cfg.pipeline.schedule == 'interleaved_1f1b'
 
 
+@pytest.mark.fast
 def test_gemma3_tiny_is_a_valid_local_global_pipeline_run_on_8_devices():
   """Gemma 3's 5:1 pattern, one layer a chunk: chunks start all over the pattern."""
   path = f'{harness.ROOT}/experiments/gemma3_tiny.py'
@@ -100,6 +104,7 @@ def test_gemma3_tiny_is_a_valid_local_global_pipeline_run_on_8_devices():
     assert chunks == spec.num_layers and cfg.pipeline.schedule == 'interleaved_1f1b'
 
 
+@pytest.mark.fast
 def test_llama_tiny_is_a_valid_gqa_pipeline_run_on_8_devices():
   path = f'{harness.ROOT}/experiments/llama_tiny.py'
   for arg in (None, 'smoke'):
@@ -109,7 +114,8 @@ def test_llama_tiny_is_a_valid_gqa_pipeline_run_on_8_devices():
     assert cfg.mesh.pipe > 1 and cfg.pipeline.schedule == 'interleaved_1f1b'
 
 
-@pytest.mark.parametrize('family', ['llama', 'mixtral'])
+# Mixtral's case not in the fast tier (6 s of compiling).
+@pytest.mark.parametrize('family', [pytest.param('llama', marks=pytest.mark.fast), 'mixtral'])
 def test_unscanned_layers_are_loop_free_and_compute_the_same(family):
   """model.scan_layers=false unrolls the layer stack: no while loop left in
   the objective's gradient, and the same loss and gradients (fp32). Two

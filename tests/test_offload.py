@@ -105,7 +105,11 @@ def test_on_a_tpu_the_devices_hold_no_optimizer_state(tmp_path):
 
 
 # pipeline.offload_stash: the executor's residual sets in host memory between
-# their F and their B and W.
+# their F and their B and W. The same arithmetic, but XLA:CPU's loop
+# emitters that the tests compile with (conftest.py) fuse the two programs
+# apart, so a sum may round differently: measured 2e-7 of the largest
+# gradient, held to 1e-6, ten times under parity's 1e-5 (with jaxlib's
+# default emitters the two are the same bits).
 STASH_LAYOUTS = {
   '1f1b-pipe4': {'mesh.pipe': 4, 'pipeline.microbatches': 8},
   'zb_h1-2x2x2': {
@@ -134,9 +138,8 @@ def test_an_offloaded_stash_gives_the_devices_numbers(layout):
   )
   loss, grads = harness.loss_and_grads(make(**layout))
   off_loss, off_grads = harness.loss_and_grads(make(**layout, **{'pipeline.offload_stash': True}))
-  assert off_loss == loss
-  for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(off_grads), strict=True):
-    np.testing.assert_array_equal(a, b)
+  assert abs(off_loss - loss) <= 1e-6 * abs(loss), (off_loss, loss)
+  assert harness.max_rel_err(grads, off_grads) <= 1e-6
 
 
 def _stash_stats(tmp_path, offload: bool) -> dict:

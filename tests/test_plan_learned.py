@@ -19,9 +19,6 @@ from triax.plan.learned import policy as policy_lib
 from triax.plan.search import evaluate
 from triax.plan.search import layouts as layouts_lib
 
-# The fast tier (scripts/test.sh --fast): seconds per test, no pipeline program.
-pytestmark = pytest.mark.fast
-
 ROOT = os.path.join(os.path.dirname(__file__), '..')
 TESTBED = os.path.join(ROOT, 'experiments', 'clusters', 'heterog_testbed.yaml')
 SHIPPED = os.path.join(ROOT, 'experiments', 'policies', 'gpt_1b_b64.msgpack')
@@ -51,6 +48,7 @@ def trained():
   return cfg, policy, log
 
 
+@pytest.mark.fast
 def test_sampled_plans_are_valid_configs():
   cfg = small_config()
   cluster = cluster_lib.load(TESTBED)
@@ -67,6 +65,7 @@ def test_sampled_plans_are_valid_configs():
     assert evaluate.valid(cfg, plan, cluster.num_devices), plan.describe()
 
 
+# Not in the fast tier: the `trained` fixture's 5 s of policy training.
 def test_reinforce_improves_the_expected_reward(trained):
   _, _, log = trained
   # Steps alternate between the two problems: equal counts of each on both sides.
@@ -74,6 +73,7 @@ def test_reinforce_improves_the_expected_reward(trained):
   assert last > first + 0.1, (first, last)
 
 
+# Not in the fast tier: the `trained` fixture's 5 s of policy training.
 def test_save_load_round_trip_gives_the_same_plan(trained, tmp_path):
   cfg, policy, _ = trained
   path = str(tmp_path / 'policy.msgpack')
@@ -96,6 +96,7 @@ def _older_schema(dropped_schedule: str) -> features.Schema:
   return dataclasses.replace(now, candidate=tuple(reversed(space.one_hots())) + own, space=space)
 
 
+@pytest.mark.fast
 def test_a_policy_saved_before_a_schedule_existed_loads_by_name(tmp_path):
   cfg = small_config()
   newest = features.Schema.current().space.schedules[-1]
@@ -116,6 +117,7 @@ def test_a_policy_saved_before_a_schedule_existed_loads_by_name(tmp_path):
   assert found and all(e.plan.schedule != newest for e in found)
 
 
+@pytest.mark.fast
 def test_a_policy_whose_inputs_this_code_cannot_feed_is_refused(tmp_path):
   now = features.Schema.current()
   renamed = ('log_flops_v2',) + now.layer[1:]
@@ -127,6 +129,7 @@ def test_a_policy_whose_inputs_this_code_cannot_feed_is_refused(tmp_path):
   assert e.value.key == '--policy' and '\n' not in e.value.message
 
 
+@pytest.mark.fast
 def test_a_policy_file_without_a_schema_is_refused(tmp_path):
   policy = policy_lib.Policy.fresh(0)
   blob = {'params': serialization.to_state_dict(policy.params), 'hidden': 64, 'rounds': 3}
@@ -136,6 +139,7 @@ def test_a_policy_file_without_a_schema_is_refused(tmp_path):
     policy_lib.load(str(path))
 
 
+# Not in the fast tier: 15 samples of two planning problems (4 s).
 def test_the_shipped_policy_makes_the_decisions_it_made_before_schemas():
   """experiments/policies/gpt_1b_b64.msgpack (re-saved with the schema of
   its columns, and again with remat 'selective' renamed 'dots' in it: the
@@ -159,6 +163,7 @@ def test_the_shipped_policy_makes_the_decisions_it_made_before_schemas():
     assert training.infer(policy, prob, samples=15, seed=0)[0].plan.describe() == plan
 
 
+# Not in the fast tier: the `trained` fixture's 5 s of policy training.
 def test_plan_cli_library_with_search_learned(trained, tmp_path):
   cfg, policy, _ = trained
   path = str(tmp_path / 'policy.msgpack')
@@ -180,6 +185,7 @@ def test_plan_cli_library_with_search_learned(trained, tmp_path):
   assert '--search=learned' in open(tmp_path / 'plan.py').read()
 
 
+@pytest.mark.fast
 def test_learned_search_reports_the_shared_baselines(trained):
   cfg, policy, _ = trained
   cluster = cluster_lib.load(TESTBED)
@@ -188,6 +194,7 @@ def test_learned_search_reports_the_shared_baselines(trained):
   assert result.baselines['data_parallel'].plan.data == cluster.num_devices
 
 
+@pytest.mark.fast
 def test_training_is_deterministic_by_seed():
   cfg = small_config()
   runs = []
@@ -202,6 +209,7 @@ def test_training_is_deterministic_by_seed():
   assert all(jax.tree.leaves(same))
 
 
+@pytest.mark.fast
 def test_every_choice_has_the_values_its_features_need():
   """A remat policy or state sharding added to the search needs its context
   value here (how much it recomputes / splits), or decisions fail."""

@@ -22,8 +22,6 @@ from triax.plan.cost.simulator import simulate_plan
 from triax.plan.search import evaluate, exhaustive
 from triax.plan.search import layouts as layouts_lib
 
-pytestmark = pytest.mark.fast
-
 ROOT = os.path.join(os.path.dirname(__file__), '..')
 MIXTRAL_TINY = os.path.join(ROOT, 'experiments', 'mixtral_tiny.py')
 H100 = os.path.join(ROOT, 'experiments', 'clusters', 'h100_8x_nvlink.yaml')
@@ -57,6 +55,7 @@ def moe_profile(experts=EXPERTS, **kwargs):
   return profile.synthetic(tensors=(1, 2, 4), experts=experts, **kwargs)
 
 
+@pytest.mark.fast
 def test_all_to_all_bytes_and_seconds_by_hand():
   # Dropless at expert 4, 4 rows of 128 positions, top-2: 1024 assignments a
   # device, and a buffer with room for all of them for each of the 4
@@ -99,6 +98,7 @@ def two_nodes(inter='1 GB/s'):
   )
 
 
+@pytest.mark.fast
 def test_all_to_all_time_grows_with_the_expert_degree_across_a_slower_link():
   cluster = two_nodes()
   prof = moe_profile(layer_fwd=1e-3, layer_bwd=2e-3)
@@ -116,6 +116,7 @@ def test_all_to_all_time_grows_with_the_expert_degree_across_a_slower_link():
   assert flat < seconds[8] / 10
 
 
+@pytest.mark.fast
 def test_imbalance_slows_the_experts_only_where_they_are_split():
   shard = moe_profile().shards[1]
   # The busiest expert's device: (imbalance + g - 1) / g of a balanced share, g experts each.
@@ -134,6 +135,7 @@ def test_imbalance_slows_the_experts_only_where_they_are_split():
     Options(moe_imbalance=0.5)
 
 
+@pytest.mark.fast
 def test_profile_cache_keeps_the_experts():
   prof = moe_profile()
   assert profile_cache.from_dict(json.loads(json.dumps(profile_cache.to_dict(prof)))) == prof
@@ -148,6 +150,7 @@ def mixtral_config(**model):
   return cfg
 
 
+@pytest.mark.fast
 def test_state_per_device_matches_the_compiled_bytes_of_bench_moe():
   # docs/bench_moe.md: mixtral_tiny at data=8, its compiled parameter and
   # Adam bytes per device by expert degree (MiB).
@@ -168,6 +171,7 @@ def test_state_per_device_matches_the_compiled_bytes_of_bench_moe():
   assert memory.state(zero1, prof, params, experts)['moments'] == pytest.approx(moments)
 
 
+@pytest.mark.fast
 def test_analytic_profile_counts_the_active_experts():
   shard = analytic.build(mixtral_config().model, [1]).shards[1]
   s, d, f, k = 128, 128, 172, 2
@@ -177,6 +181,7 @@ def test_analytic_profile_counts_the_active_experts():
   assert shard.experts.param_bytes == 8 * 3 * d * f * 4
 
 
+@pytest.mark.fast
 def test_search_respects_the_familys_refusal_of_the_executor(monkeypatch):
   cfg = mixtral_config()
   found = list(layouts_lib.layouts(cfg, 8))
@@ -194,6 +199,7 @@ def test_search_respects_the_familys_refusal_of_the_executor(monkeypatch):
   assert {l.expert for l in layouts_lib.layouts(dense, 8)} == {1}
 
 
+@pytest.mark.fast
 def test_search_splits_the_experts_where_memory_forces_it_and_not_where_it_does_not_pay():
   cfg = mixtral_config()
   gb = 1e9
@@ -217,6 +223,7 @@ def test_search_splits_the_experts_where_memory_forces_it_and_not_where_it_does_
   assert result.top[0].plan.expert == 1
 
 
+@pytest.mark.fast
 def test_cli_plans_mixtral_tiny_end_to_end(tmp_path, capsys):
   out = tmp_path / 'plan.py'
   request = report.Request(
@@ -255,6 +262,7 @@ def dense_config():
   return cfg
 
 
+@pytest.mark.fast
 def test_groups_of_dense_and_moe_blocks_price_as_their_average_block():
   # moe_every=2: a group of a dense block and a MoE block, priced per block
   # as their mean, between the dense model and the all-MoE one.
@@ -299,6 +307,7 @@ def test_groups_of_dense_and_moe_blocks_price_as_their_average_block():
   assert experts_lib.seconds(moe_plan(data=8, expert=4), d, comm, 0) == (0.0, 0.0)
 
 
+# Not in the fast tier: the search prices some 2,300 plans (10 s).
 def test_groups_of_dense_and_moe_blocks_split_in_whole_groups():
   # 8 blocks in groups of 2 on a fast and a slow stage: balancing by block
   # would give the fast stage 5 (every block's cost equal to the slow
@@ -317,6 +326,7 @@ def test_groups_of_dense_and_moe_blocks_split_in_whole_groups():
     config.validate(evaluate.with_plan(cfg, plan), 8)
 
 
+# Not in the fast tier: a search of mixtral_tiny's layouts (3 s).
 def test_cli_plans_groups_of_dense_and_moe_blocks(tmp_path, capsys):
   cfg = grouped_config()
   out = tmp_path / 'plan.py'
@@ -349,6 +359,7 @@ def test_cli_plans_groups_of_dense_and_moe_blocks(tmp_path, capsys):
   assert replan.searched(cfg, 4, cluster_lib.load(H100))[1] == 'planner search'
 
 
+@pytest.mark.fast
 def test_the_learned_planner_takes_the_best_expert_degree_of_its_decisions():
   # The memory-bound case above: only split experts fit. The policy decides
   # no expert degree; pricing its decisions takes the best one accepted.

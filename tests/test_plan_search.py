@@ -13,10 +13,8 @@ from triax.plan.cost.simulator import Options, simulate_plan
 from triax.plan.search import baselines, emit, exhaustive, partition
 from triax.plan.search import layouts as layouts_lib
 
-# The fast tier (scripts/test.sh --fast): seconds per test, no pipeline program.
-pytestmark = pytest.mark.fast
 
-
+@pytest.mark.fast
 @pytest.mark.parametrize('seed', range(40))
 def test_partition_minimises_the_slowest_stage(seed):
   rng = random.Random(seed)
@@ -37,6 +35,7 @@ def test_partition_minimises_the_slowest_stage(seed):
     assert max(cost(s, n) for s, n in enumerate(split)) == pytest.approx(want)
 
 
+@pytest.mark.fast
 def test_partition_prefers_even_among_equals():
   assert partition.balance(8, 4, lambda s, n: n) == ((2, 2, 2, 2), 2)
   assert partition.balance(6, 2, lambda s, n: n * (1 if s == 0 else 2)) == ((4, 2), 4)
@@ -52,6 +51,7 @@ def small_config(layers=4, batch=8):
   return cfg
 
 
+# Not in the fast tier: three searches (3 s).
 def test_search_returns_valid_plans_and_baselines():
   cfg = small_config(layers=8, batch=16)
   prof = profile.synthetic(
@@ -82,6 +82,7 @@ def test_search_returns_valid_plans_and_baselines():
   assert result.evaluated > 10 and result.search_s > 0
 
 
+@pytest.mark.fast
 def test_search_gives_fast_devices_more_layers():
   cfg = small_config(layers=8, batch=8)
   prof = profile.synthetic(layer_fwd=1.0, layer_bwd=2.0, tensors=(1, 2))
@@ -100,6 +101,7 @@ def test_search_gives_fast_devices_more_layers():
   assert assumed.plan.even and result.speedup('homogeneous_slowest') > 1.3
 
 
+@pytest.mark.fast
 def test_search_uses_remat_only_when_memory_demands_it():
   cfg = small_config(layers=4, batch=8)
   prof = profile.synthetic(
@@ -125,6 +127,7 @@ def _load(path):
   return harness.load_file(path, 'plan_under_test')
 
 
+@pytest.mark.fast
 def test_plan_file_round_trips(tmp_path):
   base = tmp_path / 'experiments' / 'base.py'
   base.parent.mkdir()
@@ -153,6 +156,7 @@ def test_plan_file_round_trips(tmp_path):
   assert _load(str(out)).get_config('narrow').model.d_model == 32
 
 
+@pytest.mark.fast
 def test_uneven_plan_file_names_its_chunks(tmp_path):
   base = tmp_path / 'base.py'
   base.write_text(
@@ -172,6 +176,7 @@ def test_uneven_plan_file_names_its_chunks(tmp_path):
       module.get_config()
 
 
+@pytest.mark.fast
 def test_layouts_do_not_list_a_schedule_twice():
   # interleaved_zb at v = 1 builds zb_h1's orders (and interleaved_1f1b
   # 1f1b's): the same plan would fill two of the top rows.
@@ -184,6 +189,7 @@ def test_layouts_do_not_list_a_schedule_twice():
   assert any(l.schedule == 'zb_h1' for l in found)
 
 
+@pytest.mark.fast
 def test_layouts_respect_grouped_query_heads():
   cfg = small_config(layers=8, batch=8)
   cfg.model.family, cfg.model.num_heads, cfg.model.num_kv_heads = 'llama', 12, 6
@@ -193,6 +199,7 @@ def test_layouts_respect_grouped_query_heads():
   assert {l.tensor for l in layouts_lib.layouts(cfg, 8)} == {1, 2}
 
 
+@pytest.mark.fast
 def test_the_planner_prices_every_remat_policy_the_model_has():
   # One list of policies: config's (what a run may ask for) and the model's, which the
   # profile orders by recompute; the planner searches the profile's.

@@ -15,8 +15,6 @@ from jax._src.ad_checkpoint import saved_residuals
 
 from triax.model import common, context, gpt
 
-pytestmark = pytest.mark.fast
-
 B, S, D, F, N, H = 2, 8, 16, 32, 4, 8
 
 
@@ -34,6 +32,7 @@ def _x(shape, seed=0):
   return jax.random.normal(jax.random.key(seed), shape).astype(jnp.bfloat16)
 
 
+@pytest.mark.fast
 def test_a_bf16_layer_keeps_the_papers_residuals():
   scale = jnp.ones((D,), jnp.float32)
   assert _kept(lambda x, w: common.rms_norm(x, w, 1e-6), _x((B, S, D)), scale) == [
@@ -48,6 +47,7 @@ def test_a_bf16_layer_keeps_the_papers_residuals():
   assert _kept(gpt.gelu, _x((B, S, F))) == []
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize(
   'ours, autodiff',
   [
@@ -71,6 +71,7 @@ def test_each_backward_is_autodiffs(ours, autodiff):
   np.testing.assert_allclose(grad(ours), grad(autodiff), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.fast
 def test_attention_backward_is_autodiffs_of_xlas_attention():
   q, k, v = (jax.random.normal(jax.random.key(i), (B, S, N, H)) for i in range(3))
   pos = jnp.arange(S)
@@ -85,6 +86,7 @@ def test_attention_backward_is_autodiffs_of_xlas_attention():
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.fast
 def test_a_weights_matmul_keeps_no_cast_of_it_without_remat():
   x, w = _x((B, S, D)), jax.random.normal(jax.random.key(3), (D, F))  # an fp32 weight
 
@@ -103,7 +105,8 @@ def test_a_weights_matmul_keeps_no_cast_of_it_without_remat():
     np.testing.assert_array_equal(a, b)
 
 
-@pytest.mark.parametrize('family', ['gpt', 'llama'])
+# Llama's in the fast tier (GPT's is 2.5 s on jax 0.12).
+@pytest.mark.parametrize('family', ['gpt', pytest.param('llama', marks=pytest.mark.fast)])
 def test_a_bf16_layer_stack_keeps_no_copy_of_its_weights(family):
   import harness
 
@@ -117,6 +120,7 @@ def test_a_bf16_layer_stack_keeps_no_copy_of_its_weights(family):
   assert kept and not [k for k in kept if (k[1], k[0]) in weights]
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize('dispatch', ['dropless', 'capacity'])
 def test_experts_keep_no_cast_of_their_weights(dispatch):
   from triax.model import moe
@@ -147,6 +151,7 @@ def _layer_stack(family: str, remat: str, dtype: str = 'bfloat16'):
   )
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize('family', ['gpt', 'llama'])
 def test_attention_remat_keeps_all_but_the_attention_cores_scores(family):
   """model.remat=attention is Megatron's selective recomputation: a layer
@@ -172,7 +177,8 @@ def test_attention_remat_keeps_all_but_the_attention_cores_scores(family):
   assert len(kept['dots']) < len(kept['attention'])
 
 
-@pytest.mark.parametrize('family', ['gpt', 'llama'])
+# GPT's in the fast tier (each is 2 s on jax 0.12).
+@pytest.mark.parametrize('family', [pytest.param('gpt', marks=pytest.mark.fast), 'llama'])
 def test_attention_remat_gives_remat_nones_gradient(family):
   """A policy changes what is kept, not what is computed: fp32 loss and
   gradients of a layer stack equal remat=none's."""
@@ -189,6 +195,7 @@ def test_attention_remat_gives_remat_nones_gradient(family):
     np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.fast
 def test_gemmas_post_norms_keep_their_inputs_and_nothing_else_of_size():
   """A Gemma 3 layer keeps what a llama layer with q/k norms keeps, plus its
   post-norms' [b, s, d] inputs and reciprocal rms (under dots, the down

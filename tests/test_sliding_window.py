@@ -36,7 +36,7 @@ def _model(**fields):
   return registry.build(spec), spec
 
 
-@pytest.mark.fast
+# Not in the fast tier: a Gemma 3 stack compiled twice (2.5 s).
 def test_a_mixed_stack_is_one_scan_and_each_layer_sees_its_window():
   model, spec = _model()
   assert spec.local_layers() == (True, True, False, True, True, False, True, True)
@@ -52,7 +52,7 @@ def test_a_mixed_stack_is_one_scan_and_each_layer_sees_its_window():
   assert float(jnp.max(jnp.abs(whole.logits(params, tokens) - scanned))) > 1e-3
 
 
-@pytest.mark.fast
+# Not in the fast tier: two decodes past the window (3 s).
 def test_cached_greedy_tokens_past_the_window_equal_uncached_ones():
   model, spec = _model()
   params = jax.jit(model.init)(jax.random.key(0))

@@ -98,9 +98,9 @@ def test_never_above_a_named_schedule_that_meets_the_limit(p, m, v, costs):
   'p, m, v, k',
   [
     pytest.param(4, 8, 1, 2, marks=pytest.mark.fast),
-    pytest.param(4, 8, 2, 3, marks=pytest.mark.fast),
-    (8, 16, 2, 6),  # seconds: the whole suite's
-    pytest.param(3, 5, 3, 4, marks=pytest.mark.fast),
+    (4, 8, 2, 3),  # 2-3 s each: the whole suite's
+    (8, 16, 2, 6),
+    (3, 5, 3, 4),
   ],
 )
 def test_result_is_valid_within_the_limit_and_says_so(p, m, v, k):
@@ -117,8 +117,11 @@ def test_result_is_valid_within_the_limit_and_says_so(p, m, v, k):
   assert found.lower_bound <= found.async_time + 1e-9
 
 
-@pytest.mark.fast
-@pytest.mark.parametrize('v, least', [(1, 1), (2, 2), (3, 3)])
+# v = 2 not in the fast tier (2.5 s on jax 0.12).
+@pytest.mark.parametrize(
+  'v, least',
+  [pytest.param(1, 1, marks=pytest.mark.fast), (2, 2), pytest.param(3, 3, marks=pytest.mark.fast)],
+)
 def test_a_limit_below_the_least_names_it(v, least):
   assert synthesis.least_memory(4, 8, v) == least
   assert max(held(synthesis.synthesize(4, 8, v, least, time_limit_s=1))) == least
@@ -188,7 +191,7 @@ def test_the_time_limit_keeps_the_best_found_and_warns(caplog):
   assert found.lower_bound < found.async_time
 
 
-@pytest.mark.fast
+# Not in the fast tier: a synthesis (2.5 s).
 def test_json_round_trip_keeps_the_limit(tmp_path):
   s = synthesis.synthesize(4, 8, 2, 5, UNIT, time_limit_s=1)
   path = str(tmp_path / 'synth.json')
