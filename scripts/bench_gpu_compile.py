@@ -11,6 +11,13 @@ and 3.1 8B shapes, 8 sequences x 2048 tokens, bf16 compute, fp32 state.
 
   python scripts/bench_gpu_compile.py [--rows=fsdp8,tp8] [--out=docs/bench_gpu_compile.md]
 
+The FP8 rows (model.fp8, FP8_ROWS) are the same steps with FP8 weight matmuls, and
+say which matmuls of the optimised program run on two FP8 operands: their FLOPs as
+executed (compiled/hlo_work.py, every scanned layer counted) against the layers'
+weight matmuls' (model/flops.py: forward, both backward GEMMs, what remat
+recomputes), and how XLA:GPU runs them (cuBLASLt's FP8 GEMM custom calls or dots
+in its Triton GEMM fusions).
+
 Every figure is kept in exact bytes in docs/bench_gpu_compile.json; `--rows=''`
 rewrites the page from it, compiling nothing.
 """
@@ -60,12 +67,31 @@ ROWS = {
     (LLAMA_8B, {'mesh.data': 16, 'mesh.fsdp': True, 'train.global_batch_size': 16}),
   ),
 }
+# FP8 rows: name -> (the row it repeats, model.fp8 recipe).
+FP8_ROWS = {
+  'fsdp8_fp8': ('fsdp8', 'tensorwise'),
+  'fsdp8_fp8_rowwise': ('fsdp8', 'rowwise'),
+  'tp8_8b_fp8': ('tp8_8b', 'tensorwise'),
+}
+
+
+def row_spec(name: str) -> tuple[str, str, tuple[str, dict]]:
+  """(what, topology, (config, overrides)) of a row of ROWS or FP8_ROWS."""
+  if name in ROWS:
+    return ROWS[name]
+  if name not in FP8_ROWS:
+    raise SystemExit(f'error: --rows: no row {name!r}; rows: {", ".join([*ROWS, *FP8_ROWS])}')
+  base, recipe = FP8_ROWS[name]
+  what, topology, (config, overrides) = ROWS[base]
+  return f'{what}, fp8 {recipe}', topology, (config, {**overrides, 'model.fp8': recipe})
 
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument('--out', default=os.path.join(ROOT, 'docs', 'bench_gpu_compile.md'))
-  parser.add_argument('--rows', default=','.join(ROWS), help="rows to compile; '' for none")
+  parser.add_argument(
+    '--rows', default=','.join([*ROWS, *FP8_ROWS]), help="rows to compile; '' for none"
+  )
   args = parser.parse_args()
   plugin = os.environ.setdefault('TRIAX_XLA_CUDA_PLUGIN', PLUGIN)  # the rows' processes inherit it
   results_path = os.path.splitext(args.out)[0] + '.json'
@@ -75,8 +101,10 @@ def main():
       results = json.load(f)
   from triax.compiled import buffers
 
-  for name in filter(None, args.rows.split(',')):
-    what, topology, (config, overrides) = ROWS[name]
+  names = list(filter(None, args.rows.split(',')))
+  specs = {name: row_spec(name) for name in names}  # every name checked before compiling
+  for name in names:
+    what, topology, (config, overrides) = specs[name]
     row = f'gpu-{name}'
     stats = tpu.triax_row(row, topology, config, overrides, sys.executable)
     results[name] = {
@@ -87,12 +115,35 @@ def main():
       'device_kind': stats['device_kind'],
       'largest': stats['largest_buffers'][:3],
     }
+    if name in FP8_ROWS:
+      results[name].update(fp8_matmuls(tpu.dump_dir(row)))
     print(name, {k: v for k, v in results[name].items() if k != 'largest'}, flush=True)
   results['versions'] = versions(plugin)
   with open(results_path, 'w') as f:
     json.dump(results, f, indent=1)
     f.write('\n')
   write_doc(args.out, results)
+
+
+def fp8_matmuls(dump: str) -> dict:
+  """The train step's matmul FLOPs as executed, all and on FP8 operands, and its
+  FP8 GEMMs by how XLA:GPU runs them, from its optimised HLO in `dump`."""
+  from triax.compiled import gemms, hlo_work
+
+  with open(hlo_work.after_optimizations(dump)) as f:
+    hlo = f.read()
+  work = hlo_work.work(hlo)
+  return {'flops': work.flops, 'fp8_flops': work.fp8_flops, 'fp8_gemms': gemms.fp8_gemms(hlo)}
+
+
+def weight_matmul_flops(topology: str, config: str, overrides: dict) -> float:
+  """The layers' weight matmuls' FLOPs per device in the row's step (model/flops.py)."""
+  from triax.model import flops, registry
+
+  chips = tpu._chips(topology)
+  cfg = tpu.row_config(config, overrides, chips)
+  model = registry.build(registry.spec_from_config(cfg.model))
+  return flops.weight_matmul_flops(model, cfg.train.global_batch_size) / chips
 
 
 def versions(plugin: str) -> str:
@@ -130,7 +181,8 @@ def write_doc(path: str, results: dict) -> None:
     '|---|---|---|---|---|---|---|---|---|---|',
   ]
   within = within_live = priced = 0
-  for name, (what, topology, (config, overrides)) in ROWS.items():
+  for name in [*ROWS, *FP8_ROWS]:
+    what, topology, (config, overrides) = row_spec(name)
     r = results.get(name)
     if r is None:
       continue
@@ -149,10 +201,11 @@ def write_doc(path: str, results: dict) -> None:
     '',
     f'Within 10%: {within} of {priced} against XLA:GPU, {within_live} of {priced} against the live bytes.',
     '',
-    '## The largest buffers of each step',
-    '',
   ]
-  for name, (what, *_) in ROWS.items():
+  lines += fp8_table(results)
+  lines += ['## The largest buffers of each step', '']
+  for name in [*ROWS, *FP8_ROWS]:
+    what = row_spec(name)[0]
     if name in results:
       biggest = '; '.join(
         f'{b["shape"]} {b["bytes"] / GiB:.2f} GiB' for b in results[name]['largest']
@@ -161,6 +214,38 @@ def write_doc(path: str, results: dict) -> None:
   with open(path, 'w') as f:
     f.write('\n'.join(lines) + '\n')
   print('\n'.join(lines))
+
+
+def fp8_table(results: dict) -> list[str]:
+  """The FP8 rows' matmuls: what runs on FP8 operands against the weight matmuls."""
+  rows = [name for name in FP8_ROWS if name in results]
+  if not rows:
+    return []
+  lines = [
+    '## Which matmuls run in FP8 (model.fp8)',
+    '',
+    'Per device, TFLOP per step as executed (loops by their trips, compiled/hlo_work.py):',
+    "every matmul, those on two FP8 operands, and the layers' weight matmuls by the",
+    "model's shapes (model/flops.py: forward, dx and dw, and full remat's second",
+    "forward); then XLA:GPU's FP8 GEMMs in the program text (a scanned layer's once),",
+    "cuBLASLt's custom calls or dots in Triton GEMM fusions. FP8 / weight 1.000: every",
+    'weight matmul runs in FP8, and nothing else does (the attention core and the head',
+    'stay bf16).',
+    '',
+    '| layout | all matmuls | on FP8 operands | weight matmuls | FP8 / weight '
+    '| FP8 GEMMs: cuBLASLt | Triton |',
+    '|---|---|---|---|---|---|---|',
+  ]
+  for name in rows:
+    what, topology, (config, overrides) = row_spec(name)
+    r = results[name]
+    weights = weight_matmul_flops(topology, config, overrides)
+    lines.append(
+      f'| {what} | {r["flops"] / 1e12:.2f} | {r["fp8_flops"] / 1e12:.2f} | {weights / 1e12:.2f} '
+      f'| {r["fp8_flops"] / weights:.3f} | {r["fp8_gemms"]["cublaslt"]} '
+      f'| {r["fp8_gemms"]["triton"]} |'
+    )
+  return lines + ['']
 
 
 if __name__ == '__main__':

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from triax.compiled import hlo_work
+from triax.compiled import gemms, hlo_work
 from triax.model import flops as flops_lib
 from triax.pipeline import executor
 
@@ -232,3 +232,37 @@ def test_an_in_place_update_counts_the_slice_it_reads_and_writes_not_the_buffer(
   row = 64 * 4
   # The row read and written, the update read, the index.
   assert hlo_work.work(_IN_PLACE).bytes == 2 * row + row + 4
+
+
+# XLA:GPU's forms of an FP8 matmul: a dot on FP8 operands in a Triton GEMM
+# fusion, and cuBLASLt's FP8 GEMM; beside them a bf16 dot.
+_FP8_GEMMS = """HloModule m, entry_computation_layout={(f8e4m3fn[8,16]{1,0}, f8e4m3fn[16,32]{1,0}, bf16[8,16]{1,0}, bf16[16,32]{1,0})->(bf16[8,32]{1,0}, bf16[8,32]{1,0}, bf16[8,32]{1,0})}
+
+%triton_gemm (a: f8e4m3fn[8,16], b: f8e4m3fn[16,32]) -> bf16[8,32] {
+  %a = f8e4m3fn[8,16]{1,0} parameter(0)
+  %b = f8e4m3fn[16,32]{1,0} parameter(1)
+  ROOT %dot.1 = bf16[8,32]{1,0} dot(%a, %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+ENTRY %main (x8: f8e4m3fn[8,16], w8: f8e4m3fn[16,32], x: bf16[8,16], w: bf16[16,32]) -> (bf16[8,32], bf16[8,32], bf16[8,32]) {
+  %x8 = f8e4m3fn[8,16]{1,0} parameter(0)
+  %w8 = f8e4m3fn[16,32]{1,0} parameter(1)
+  %x = bf16[8,16]{1,0} parameter(2)
+  %w = bf16[16,32]{1,0} parameter(3)
+  %fusion.1 = bf16[8,32]{1,0} fusion(%x8, %w8), kind=kCustom, calls=%triton_gemm
+  %one = f32[] constant(1)
+  %cublas = (bf16[8,32]{1,0}, s8[1024]{0}) custom-call(%x8, %w8, %one, %one), custom_call_target="__cublas$lt$matmul$f8", backend_config={"gemm_backend_config":{"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["0"]}}}
+  %gte = bf16[8,32]{1,0} get-tuple-element(%cublas), index=0
+  %dot.2 = bf16[8,32]{1,0} dot(%x, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  ROOT %out = (bf16[8,32]{1,0}, bf16[8,32]{1,0}, bf16[8,32]{1,0}) tuple(%fusion.1, %gte, %dot.2)
+}
+"""
+
+
+@pytest.mark.fast
+def test_fp8_flops_are_the_matmuls_on_two_fp8_operands():
+  one = 2 * 8 * 16 * 32
+  w = hlo_work.work(_FP8_GEMMS)
+  assert (w.flops, w.fp8_flops) == (3 * one, 2 * one)
+  assert (2 * w).fp8_flops == 4 * one and (w + w).fp8_flops == 4 * one
+  assert gemms.fp8_gemms(_FP8_GEMMS) == {'cublaslt': 1, 'triton': 1}

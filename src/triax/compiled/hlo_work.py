@@ -100,6 +100,8 @@ class Work:
     opaque_calls: executed custom-calls whose FLOPs are unknown (each run).
     flops_by_op: the JAX operation (op_name metadata) -> its matmul FLOPs,
       for saying where the FLOPs are.
+    fp8_flops: of `flops`, those of matmuls on two FP8 operands (a dot's,
+      in a Triton GEMM fusion or not, or cuBLASLt's FP8 GEMM's): model.fp8's.
   """
 
   flops: float = 0.0
@@ -109,6 +111,7 @@ class Work:
   unweighted_conditionals: int = 0
   opaque_calls: float = 0.0
   flops_by_op: dict[str, float] = dataclasses.field(default_factory=dict)
+  fp8_flops: float = 0.0
 
   def __add__(self, other: Work) -> Work:
     out = Work()
@@ -119,6 +122,7 @@ class Work:
   def add(self, other: Work, runs: float = 1.0) -> None:
     """In place: `runs` runs of `other` added (its conditionals once)."""
     self.flops += other.flops * runs
+    self.fp8_flops += other.fp8_flops * runs
     self.bytes += other.bytes * runs
     for mine, theirs in (
       (self.collective_bytes, other.collective_bytes),
@@ -141,6 +145,7 @@ class Work:
       self.unweighted_conditionals,
       self.opaque_calls * k,
       scale(self.flops_by_op),
+      self.fp8_flops * k,
     )
 
   __rmul__ = __mul__
@@ -402,12 +407,17 @@ class _Module:
       if flops is None:
         work.opaque_calls = 1
       elif flops:
-        work.flops, work.flops_by_op = flops, {inst.op_name: flops}
+        work.add(self.matmul(inst, flops))
     else:
       flops = self.matmul_flops(inst)
       if flops:
-        work.flops, work.flops_by_op = flops, {inst.op_name: flops}
+        work.add(self.matmul(inst, flops))
     return work
+
+  def matmul(self, inst: _Inst, flops: float) -> Work:
+    """A matmul's Work: its FLOPs, by operation, and as FP8's where both operands are."""
+    fp8 = all(self.types.get(o, '').startswith('f8') for o in inst.operands[:2])
+    return Work(flops=flops, flops_by_op={inst.op_name: flops}, fp8_flops=flops if fp8 else 0.0)
 
   def in_place_excess(self, inst: _Inst, called: str) -> float:
     """The bytes a fusion's operands and output overstate where its root
@@ -453,7 +463,7 @@ class _Module:
           total.add(Work(collective_bytes={kind: _bytes(by)}, collective_counts={kind: 1}))
         flops = self.matmul_flops(inst)
         if flops:
-          total.add(Work(flops=flops, flops_by_op={inst.op_name: flops}))
+          total.add(self.matmul(inst, flops))
       self._fused[name] = total
     return self._fused[name]
 

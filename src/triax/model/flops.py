@@ -55,6 +55,14 @@ def step_flops(model, batch: int) -> dict[str, float]:
   return {'model': 3.0 * batch * forward, 'hardware': batch * (3.0 * forward + recomputed)}
 
 
+def weight_matmul_flops(model, batch: int) -> float:
+  """Of `step_flops`' hardware FLOPs, the layers' weight matmuls' (what
+  model.fp8 runs in FP8): forward, both backward GEMMs, and what remat
+  recomputes of them; not the attention core's or the head's."""
+  recomputed = _RECOMPUTED[model.spec.remat].get('layer_matmul', 0.0)
+  return batch * model.spec.num_layers * model.forward_flops()['layer_matmul'] * (3.0 + recomputed)
+
+
 def peak_flops(device_kind: str, configured: float = 0.0) -> float | None:
   """Peak FLOP/s of one device: the configured value, else a known kind, else None."""
   if configured > 0:
