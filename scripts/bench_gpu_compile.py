@@ -136,14 +136,17 @@ def fp8_matmuls(dump: str) -> dict:
   return {'flops': work.flops, 'fp8_flops': work.fp8_flops, 'fp8_gemms': gemms.fp8_gemms(hlo)}
 
 
-def weight_matmul_flops(topology: str, config: str, overrides: dict) -> float:
-  """The layers' weight matmuls' FLOPs per device in the row's step (model/flops.py)."""
+def model_matmul_flops(topology: str, config: str, overrides: dict) -> tuple[float, float]:
+  """(the layers' weight matmuls', the rest's: the attention core's and the head's)
+  FLOPs per device in the row's step, by model/flops.py's rules (hardware FLOPs)."""
   from triax.model import flops, registry
 
   chips = tpu._chips(topology)
   cfg = tpu.row_config(config, overrides, chips)
   model = registry.build(registry.spec_from_config(cfg.model))
-  return flops.weight_matmul_flops(model, cfg.train.global_batch_size) / chips
+  batch = cfg.train.global_batch_size
+  weights = flops.weight_matmul_flops(model, batch)
+  return weights / chips, (flops.step_flops(model, batch)['hardware'] - weights) / chips
 
 
 def versions(plugin: str) -> str:
@@ -217,7 +220,7 @@ def write_doc(path: str, results: dict) -> None:
 
 
 def fp8_table(results: dict) -> list[str]:
-  """The FP8 rows' matmuls: what runs on FP8 operands against the weight matmuls."""
+  """The FP8 rows' matmuls: what runs on FP8 operands, and what is left in bf16."""
   rows = [name for name in FP8_ROWS if name in results]
   if not rows:
     return []
@@ -225,25 +228,29 @@ def fp8_table(results: dict) -> list[str]:
     '## Which matmuls run in FP8 (model.fp8)',
     '',
     'Per device, TFLOP per step as executed (loops by their trips, compiled/hlo_work.py):',
-    "every matmul, those on two FP8 operands, and the layers' weight matmuls by the",
-    "model's shapes (model/flops.py: forward, dx and dw, and full remat's second",
-    "forward); then XLA:GPU's FP8 GEMMs in the program text (a scanned layer's once),",
-    "cuBLASLt's custom calls or dots in Triton GEMM fusions. FP8 / weight 1.000: every",
-    'weight matmul runs in FP8, and nothing else does (the attention core and the head',
-    'stay bf16).',
+    'every matmul, those on two FP8 operands, and those left in bf16; beside them, by the',
+    "model's shapes (model/flops.py's hardware FLOPs), the layers' weight matmuls (forward,",
+    "dx, dw and full remat's second forward) and the rest (the attention core and the",
+    "head, which model.fp8 leaves in bf16); then XLA:GPU's FP8 GEMMs in the program text",
+    "(a scanned layer's once): cuBLASLt's custom calls, dots in Triton GEMM fusions.",
+    'bf16 / rest 1.000: every matmul left in bf16 is the attention core or the head, so',
+    "every weight matmul runs in FP8. The FP8 FLOPs fall short of the weight matmuls' by",
+    "the down projection's second forward, which XLA drops as dead (the backward needs its",
+    "input, not its output): model/flops.py's full-remat figure counts it.",
     '',
-    '| layout | all matmuls | on FP8 operands | weight matmuls | FP8 / weight '
-    '| FP8 GEMMs: cuBLASLt | Triton |',
-    '|---|---|---|---|---|---|---|',
+    '| layout | all matmuls | on FP8 operands | weight matmuls (model) | left in bf16 '
+    '| rest (model) | bf16 / rest | FP8 GEMMs: cuBLASLt | Triton |',
+    '|---|---|---|---|---|---|---|---|---|',
   ]
   for name in rows:
     what, topology, (config, overrides) = row_spec(name)
     r = results[name]
-    weights = weight_matmul_flops(topology, config, overrides)
+    weights, rest = model_matmul_flops(topology, config, overrides)
+    bf16 = r['flops'] - r['fp8_flops']
     lines.append(
       f'| {what} | {r["flops"] / 1e12:.2f} | {r["fp8_flops"] / 1e12:.2f} | {weights / 1e12:.2f} '
-      f'| {r["fp8_flops"] / weights:.3f} | {r["fp8_gemms"]["cublaslt"]} '
-      f'| {r["fp8_gemms"]["triton"]} |'
+      f'| {bf16 / 1e12:.2f} | {rest / 1e12:.2f} | {bf16 / rest:.3f} '
+      f'| {r["fp8_gemms"]["cublaslt"]} | {r["fp8_gemms"]["triton"]} |'
     )
   return lines + ['']
 
