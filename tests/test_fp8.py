@@ -14,6 +14,7 @@ import optax
 import pytest
 
 from triax import config, topology
+from triax import layout as layout_lib
 from triax.compiled import gemms, hlo_work
 from triax.model import flops, fp8, moe, registry
 from triax.training import metrics as metrics_lib
@@ -23,13 +24,13 @@ PLUGIN = os.path.join(sys.prefix, 'xla-cuda', 'jax_plugins', 'xla_cuda12', 'xla_
 # so that the optimised program holds each layer's GEMMs once each. d_ff is a multiple
 # of 128 too: XLA:GPU pads an FP8 GEMM's contracting width to one (measured: d_ff 192
 # ran the down projection and gate and up's dx at K = 256, 8% more FLOPs).
-SMALL_LLAMA = (
-  '--config=experiments/llama_1b.py:smoke,attention=xla',
-  '--config.model.d_ff=256',
-  '--config.model.scan_layers=false',
-  '--config.mesh.data=8',
-  '--config.train.global_batch_size=8',
-)
+SMALL_LLAMA_CONFIG = 'experiments/llama_1b.py:smoke,attention=xla'
+SMALL_LLAMA_KEYS = {
+  'model.d_ff': 256,
+  'model.scan_layers': False,
+  'mesh.data': 8,
+  'train.global_batch_size': 8,
+}
 # Its weight matmuls: per layer q, k, v, o, gate, up and down, in 2 layers.
 WEIGHT_MATMULS = 7 * 2
 # FP8 products XLA:GPU merges away, per recipe. Rowwise quantizes a forward's x
@@ -38,28 +39,30 @@ WEIGHT_MATMULS = 7 * 2
 # Tensorwise's are left apart (measured; jax 0.10's XLA), and so are delayed's
 # (one scale per tensor too, from its site's history).
 MERGED = {'tensorwise': 0, 'rowwise': 3 * 2, 'delayed': 0}
-# SMALL_LLAMA as a Mixtral of 4 experts (d_ff 64), top-2, capacity's buffers
+# The small Llama as a Mixtral of 4 experts (d_ff 64), top-2, capacity's buffers
 # of C = 32 rows (capacity_factor 1: 64 tokens x 2 / 4), the
 # experts split over 2 of the 8 data-parallel devices (the all-to-alls and
 # the per-device einsums of mixtral_tiny's layout).
 SMALL_MIXTRAL = (
-  SMALL_LLAMA[:1]
-  + (
-    '--config.model.family=mixtral',
-    '--config.model.num_experts=4',
-    '--config.model.experts_per_token=2',
-    '--config.model.d_ff=64',
-    '--config.model.capacity_factor=1.0',
-    '--config.mesh.expert=2',
-  )
-  + SMALL_LLAMA[2:]
+  f'--config={SMALL_LLAMA_CONFIG}',
+  *layout_lib.flags(
+    {
+      **SMALL_LLAMA_KEYS,
+      'model.family': 'mixtral',
+      'model.num_experts': 4,
+      'model.experts_per_token': 2,
+      'model.d_ff': 64,
+      'model.capacity_factor': 1.0,
+      'mesh.expert': 2,
+    }
+  ),
 )
 # Per layer q, k, v, o and the experts' gate, up and down (the router stays
 # bf16: its logits pick the experts), in 2 layers.
 MIXTRAL_WEIGHT_MATMULS = 7 * 2
 # The experts' gate and up matmuls read the same FP8 rows, in both recipes
 # and dispatches: XLA merges their forward GEMMs and their weight gradients'
-# (one fewer each a layer); rowwise merges q, k and v too, as SMALL_LLAMA's.
+# (one fewer each a layer); rowwise merges q, k and v too, as the small Llama's.
 MIXTRAL_MERGED = {'tensorwise': 2 * 2, 'rowwise': 2 * 2 + 2 * 2}
 # An FP8 product's relative error: each E4M3 operand is within 2^-4 of its value.
 E4M3_PRODUCT = 2 * 2.0**-4
@@ -256,9 +259,8 @@ def test_fp8_trains_as_fp32_does_and_alike_on_every_layout(recipe):
     assert abs(c - b) <= FP8_LAYOUTS * abs(b), (one, split)
 
 
-def _h100_fp8_gemms(tmp_path, flags: tuple, work: bool = False):
-  """`gemms.fp8_gemms` of the train step of `flags` compiled for h100:8 (and,
-  with `work`, the program's hlo_work.Work)."""
+def _h100_hlo(tmp_path, flags: tuple) -> str:
+  """The optimised HLO text of the train step of `flags` compiled for h100:8."""
   if not os.path.isfile(PLUGIN):
     pytest.skip('jax CUDA plugin absent (scripts/env.sh test installs it)')
   dump = tmp_path / 'dump'
@@ -273,8 +275,7 @@ def _h100_fp8_gemms(tmp_path, flags: tuple, work: bool = False):
   assert result.returncode == 0, result.stderr
   (path,) = glob.glob(str(dump / '*gpu_after_optimizations.txt'))
   with open(path) as f:
-    hlo = f.read()
-  return (gemms.fp8_gemms(hlo), hlo_work.work(hlo)) if work else gemms.fp8_gemms(hlo)
+    return f.read()
 
 
 @pytest.mark.parametrize('recipe', ['tensorwise', 'rowwise', 'delayed'])
@@ -287,19 +288,19 @@ def test_every_weight_matmul_is_three_fp8_gemms_on_h100(tmp_path, recipe):
   the train state's histories. The matmul FLOPs on FP8 operands, as
   executed, are the weight matmuls' (model/flops.py) and no others: the
   measure docs/bench_gpu_compile.md's FP8 rows give for the 1B and 8B shapes."""
-  flags = SMALL_LLAMA + (f'--config.model.fp8={recipe}',)
-  found, work = _h100_fp8_gemms(tmp_path, flags, work=True)
+  keys = {**SMALL_LLAMA_KEYS, 'model.fp8': recipe}
+  hlo = _h100_hlo(tmp_path, (f'--config={SMALL_LLAMA_CONFIG}', *layout_lib.flags(keys)))
+  found = gemms.fp8_gemms(hlo)
   print(recipe, found)
   assert sum(found.values()) == 3 * WEIGHT_MATMULS - MERGED[recipe], found
-  path, arg = flags[0].removeprefix('--config=').split(':')
+  path, arg = SMALL_LLAMA_CONFIG.split(':')
   cfg = config.from_file(os.path.join(harness.ROOT, path), arg)
-  for flag in flags[1:]:  # the flags' values as the CLI reads them
-    key, value = flag.removeprefix('--config.').split('=')
-    value = {'true': True, 'false': False}.get(value, int(value) if value.isdigit() else value)
+  for key, value in keys.items():
     config.set_dotted(cfg, key, value)
   model = registry.build(registry.spec_from_config(config.validate(cfg, 8).model))
   weights = flops.weight_matmul_flops(model, cfg.train.global_batch_size) / 8
-  assert work.fp8_flops == pytest.approx(weights, rel=1e-9), (work.fp8_flops, weights)
+  fp8_flops = hlo_work.work(hlo).fp8_flops
+  assert fp8_flops == pytest.approx(weights, rel=1e-9), (fp8_flops, weights)
 
 
 @pytest.mark.parametrize(
@@ -317,7 +318,7 @@ def test_every_expert_matmul_is_three_fp8_gemms_on_h100_too(tmp_path, dispatch, 
   FP8 operands. The router, capacity's dispatch and combine einsums and the
   head stay bf16."""
   flags = (f'--config.model.fp8={recipe}', f'--config.model.moe_dispatch={dispatch}')
-  found = _h100_fp8_gemms(tmp_path, SMALL_MIXTRAL + flags)
+  found = gemms.fp8_gemms(_h100_hlo(tmp_path, SMALL_MIXTRAL + flags))
   print(recipe, found)
   assert sum(found.values()) == 3 * MIXTRAL_WEIGHT_MATMULS - MIXTRAL_MERGED[recipe], found
 
