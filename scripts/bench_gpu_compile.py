@@ -30,7 +30,7 @@ import os
 import sys
 
 import bench_tpu_compile as tpu  # its row compiler and the planner's peak
-from bench_harness import ROOT
+from bench_harness import ROOT, fail
 
 GiB = tpu.GiB
 LLAMA_1B = 'experiments/llama_1b.py:attention=xla,remat=full'
@@ -80,7 +80,7 @@ def row_spec(name: str) -> tuple[str, str, tuple[str, dict]]:
   if name in ROWS:
     return ROWS[name]
   if name not in FP8_ROWS:
-    raise SystemExit(f'error: --rows: no row {name!r}; rows: {", ".join([*ROWS, *FP8_ROWS])}')
+    fail('--rows', f'no row {name!r}; name rows of {", ".join([*ROWS, *FP8_ROWS])}')
   base, recipe = FP8_ROWS[name]
   what, topology, (config, overrides) = ROWS[base]
   return f'{what}, fp8 {recipe}', topology, (config, {**overrides, 'model.fp8': recipe})

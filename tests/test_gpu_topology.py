@@ -226,6 +226,31 @@ def test_planner_peak_within_ten_percent_of_xla_gpu(gpu_bench, gpu_rows, name):
 
 
 @pytest.mark.fast
+@pytest.mark.parametrize('name', ['fsdp8_fp8', 'fsdp8_fp8_rowwise', 'tp8_8b_fp8'])
+def test_under_fp8_the_bf16_matmuls_are_the_attention_core_and_the_head(gpu_bench, gpu_rows, name):
+  """The FP8 rows of docs/bench_gpu_compile.md: of the matmul FLOPs XLA:GPU's
+  step executes, those not on FP8 operands are model/flops.py's attention core
+  and head, so every weight matmul ran in FP8; all of them Triton's."""
+  row = gpu_rows[name]
+  _, topology_name, (config, overrides) = gpu_bench.row_spec(name)
+  weights, rest = gpu_bench.model_matmul_flops(topology_name, config, overrides)
+  assert row['flops'] - row['fp8_flops'] == pytest.approx(rest, rel=1e-6)
+  assert 0 < row['fp8_flops'] < weights  # short by the dead second forward of the down projection
+  assert row['fp8_gemms']['cublaslt'] == 0 and row['fp8_gemms']['triton'] > 0
+
+
+@pytest.mark.fast
+def test_a_row_the_gpu_bench_does_not_have_is_one_error_line(gpu_bench, tmp_path):
+  out = tmp_path / 'page.md'
+  done = harness.run_script('bench_gpu_compile.py', '--rows=nope', f'--out={out}')
+  rows = ', '.join([*gpu_bench.ROWS, *gpu_bench.FP8_ROWS])
+  assert done.returncode == 2 and not out.exists()
+  assert [line for line in done.stderr.splitlines() if line.startswith('error:')] == [
+    f"error: --rows: no row 'nope'; name rows of {rows}"
+  ]
+
+
+@pytest.mark.fast
 def test_xla_gpus_steps_use_their_arguments_and_part_of_their_heap(gpu_bench, gpu_rows):
   """The bytes in use at a step's worst point (buffers.live_peak) lie between
   its arguments and its arguments plus its heap: the rest of the heap is
