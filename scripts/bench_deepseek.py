@@ -74,7 +74,7 @@ def _train(rate: float, workdir: str) -> list[dict]:
     f'--config.train.eval_every={BALANCE_STEPS}',
     f'--config.checkpoint.every_steps={BALANCE_STEPS}',
   ]
-  run_python(['-m', 'triax', 'train', *flags], drop_xla_flags=True, check=True)
+  run_python(['-m', 'triax', 'train', *flags], drop_device_count=True, check=True)
   with open(os.path.join(workdir, 'metrics.jsonl')) as f:
     return [json.loads(line) for line in f]
 

@@ -60,7 +60,7 @@ def _run(name: str) -> str:
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     args = ['-m', 'triax', 'train', f'--config={path}', f'--workdir={workdir}']
-    run_python([*args, '--cpu_devices=8', '--progress=false'], drop_xla_flags=True, check=True)
+    run_python([*args, '--cpu_devices=8', '--progress=false'], drop_device_count=True, check=True)
     wall = time.perf_counter() - start
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)

@@ -158,7 +158,7 @@ def _train(name: str, recipe: str, steps: int, smoke: bool, workdir: str) -> dic
     '--progress=false',
     *(f'--config.{key}={value}' for key, value in overrides.items()),
   ]
-  done = run_python(args, drop_xla_flags=True)
+  done = run_python(args, drop_device_count=True)
   if done.returncode != 0:
     sys.exit(f'error: {name} with model.fp8={recipe} failed:\n{done.stderr[-4000:]}')
   records = metrics.read_metrics(workdir)

@@ -51,7 +51,7 @@ def run_python(
   *,
   python: str = sys.executable,
   env: dict[str, str] | None = None,
-  drop_xla_flags: bool = False,
+  drop_device_count: bool = False,
   cwd: str = ROOT,
   check: bool = False,
 ) -> subprocess.CompletedProcess[str]:
@@ -62,16 +62,21 @@ def run_python(
     this tree's triax through PYTHONPATH;
   - its environment: this process's, PYTHONPATH = SRC in place of ours, then
     `env` on top (which may name another tree's src);
-  - `drop_xla_flags`: no XLA_FLAGS inherited (a forced count of ours would
-    clash with the one the command sets itself, e.g. `--cpu_devices`);
+  - `drop_device_count`: XLA_FLAGS inherited without its forced device count (ours
+    would clash with the one the command sets itself, e.g. `--cpu_devices`);
+    the other flags stay (under pytest, the tests' compile flags: conftest.py);
   - in `cwd`, ROOT unless named (the commands' experiments/ paths are
     relative to it);
   - stdout and stderr captured as text; `check`: CalledProcessError on a
     nonzero exit, else the caller reads `returncode`.
   """
   inherited = dict(os.environ)
-  if drop_xla_flags:
-    inherited.pop('XLA_FLAGS', None)
+  if drop_device_count:
+    kept = [
+      f for f in inherited.pop('XLA_FLAGS', '').split() if not f.startswith(DEVICE_COUNT_FLAG)
+    ]
+    if kept:
+      inherited['XLA_FLAGS'] = ' '.join(kept)
   return subprocess.run(
     [python, *args],
     cwd=cwd,

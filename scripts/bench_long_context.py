@@ -214,7 +214,7 @@ def _sp_stats(topology: str, t: int, sp: bool, layers: int) -> dict[str, int]:
 
 def _run(args: list[str]) -> str:
   """`python -m ARGS...` on its own --cpu_devices or --topology: its stdout."""
-  result = run_python(['-m', *args], drop_xla_flags=True)
+  result = run_python(['-m', *args], drop_device_count=True)
   if result.returncode not in (0, 3):
     raise RuntimeError(f'{" ".join(args)} failed:\n{result.stderr[-3000:]}')
   return result.stdout

@@ -65,7 +65,7 @@ def _train(name: str, steps: int, workdir: str) -> dict:
     '--config.train.warmup_steps=10',  # llama_tiny's 30 is half of a minutes-long run
     *(f'--config.{key}={value}' for key, value in overrides.items()),
   ]
-  run_python(args, check=True, drop_xla_flags=True)
+  run_python(args, check=True, drop_device_count=True)
   with open(os.path.join(workdir, 'metrics.jsonl')) as f:
     records = [json.loads(line) for line in f]
   evals = [r['eval_loss'] for r in records if 'eval_loss' in r]

@@ -279,7 +279,7 @@ def _spawn(python: str, workdir: str, framework: str, args: list[str], **env) ->
     [RUNNER, os.path.join(workdir, 'compiles.json'), framework, *args],
     python=python,
     env=env,
-    drop_xla_flags=True,
+    drop_device_count=True,
   )
   return done.returncode, done.stdout + done.stderr
 

@@ -162,7 +162,7 @@ def measure(plan_file: str, workdir: str, steps: int) -> tuple[float | None, str
     f'--config.train.steps={steps}',
   ]
   # The trainer's --cpu_devices sets the count.
-  proc = run_python(args, drop_xla_flags=True)
+  proc = run_python(args, drop_device_count=True)
   if proc.returncode:
     tail = (proc.stderr.strip().splitlines() or ['?'])[-1]
     return None, f'exit {proc.returncode}: {tail[:200]}'

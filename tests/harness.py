@@ -114,16 +114,19 @@ def microbatch_reference(cfg, m: int):
   model = registry.build(registry.spec_from_config(config.validate(cfg, 1).model))
   params = jax.device_get(jax.jit(model.init)(jax.random.key(cfg.train.seed)))
   batch = random_batch(cfg)
+  # [m, rows / m, ...]: micro-batch j's rows j, j + m, ... (the trainer's split).
+  split = {k: np.swapaxes(v.reshape(-1, m, v.shape[-1]), 0, 1) for k, v in batch.items()}
 
   def objective(params):
-    total, figures = 0.0, []
-    for j in range(m):
-      loss, metrics = model.objective(params, batch['inputs'][j::m], batch['targets'][j::m])
-      total, figures = total + loss / m, figures + [metrics]
-    return total, figures
+    # A scan, not m unrolled copies of the model: one copy to compile.
+    def one(total, micro):
+      loss, metrics = model.objective(params, micro['inputs'], micro['targets'])
+      return total + loss / m, metrics
+
+    return jax.lax.scan(one, jnp.zeros((), jnp.float32), split)
 
   (loss, figures), grads = jax.jit(jax.value_and_grad(objective, has_aux=True))(params)
-  means = {k: float(np.mean([f[k] for f in figures])) for k in figures[0]}
+  means = {k: float(np.mean(v)) for k, v in figures.items()}
   return float(loss), jax.device_get(grads), means
 
 
@@ -188,7 +191,7 @@ def loss_and_grads(cfg, seed=0):
   with jax.set_mesh(trainer.mesh):
     batch = jax.device_put(random_batch(cfg, seed), trainer.batch_sharding)
     loss, grads, _ = trainer.loss_and_grad(params, batch)
-  return float(loss), jax.device_get(trainer.layout.tree_to_model_order(grads))
+  return float(loss), trainer.layout.tree_to_model_order(jax.device_get(grads))
 
 
 def initial_state(trainer, seed: int):

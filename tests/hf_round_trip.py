@@ -141,7 +141,7 @@ def check_loss_and_grad(model, workdir, tokens, layout, skip=(), overrides=None)
   m = trainer.cfg.model
   converter = hf_checkpoint._for_family(m.family, workdir)
   hf = converter.hf_config(m, _hf_config(workdir))
-  grads = jax.device_get(trainer.layout.tree_to_model_order(grads))
+  grads = trainer.layout.tree_to_model_order(jax.device_get(grads))
   ours = converter.params_to_hf(jax.tree.map(np.asarray, grads), m, hf)
   # In the names transformers writes (its experts are fused in memory, per expert on disk).
   from transformers.core_model_loading import revert_weight_conversion

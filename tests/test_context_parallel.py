@@ -108,7 +108,7 @@ def _masked_run(family, layout, kind='allgather', sp=False, extra=()):
   params = harness.initial_params(trainer, cfg.train.seed)
   with jax.set_mesh(trainer.mesh):
     loss, grads, _ = trainer.loss_and_grad(params, jax.device_put(batch, trainer.batch_sharding))
-  return float(loss), jax.device_get(trainer.layout.tree_to_model_order(grads))
+  return float(loss), trainer.layout.tree_to_model_order(jax.device_get(grads))
 
 
 _REFERENCE = {}

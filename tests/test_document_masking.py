@@ -52,7 +52,7 @@ def _masked(layout, extra=()):
   with jax.set_mesh(trainer.mesh):
     placed = jax.device_put(batch, trainer.batch_sharding)
     loss, grads, _ = trainer.loss_and_grad(params, placed)
-  return float(loss), jax.device_get(trainer.layout.tree_to_model_order(grads)), batch
+  return float(loss), trainer.layout.tree_to_model_order(jax.device_get(grads)), batch
 
 
 @pytest.mark.parametrize(

@@ -455,21 +455,24 @@ def test_fp8_metrics_report_each_kinds_amax_and_scales(layout):
 def test_fp8_metrics_report_the_routed_experts_alike_with_the_experts_split(dispatch):
   """The experts' kinds (expert_in, expert_out: fp8_metrics.KINDS), recorded
   inside the shard_maps that exchange the tokens and returned whole: the
-  same figures on one device and on data 4 x tensor 2, expert 2; the loss
-  and gradients those of the run without them."""
+  same figures on one device and on data 4 x tensor 2, expert 2; the split
+  run's loss and gradients those of the split run without them (where the
+  shard_maps are that the figures leave)."""
   base = {'model.fp8': 'rowwise', 'model.moe_dispatch': dispatch}
   figures = []
   for layout in ({}, MOE_LAYOUT):
-    cfg = _mixtral(**base, **layout)
-    loss, grads = harness.loss_and_grads(cfg)
     trainer = harness.make_trainer(_mixtral(**base, **layout, **{'model.fp8_metrics': True}))
     params = harness.initial_params(trainer, 0)
     with jax.set_mesh(trainer.mesh):
       batch = jax.device_put(harness.random_batch(trainer.cfg), trainer.batch_sharding)
       loss_m, grads_m, metrics = trainer.loss_and_grad(params, batch)
-    assert float(loss_m) == loss
-    model_order = trainer.layout.tree_to_model_order(grads_m)
-    assert harness.max_rel_err(grads, jax.tree.map(np.asarray, model_order)) == 0
+    # Three compiles, not four: the split program is the one whose figures cross
+    # devices, and one device's are held to its figures below.
+    if layout:
+      loss, grads = harness.loss_and_grads(_mixtral(**base, **layout))
+      assert float(loss_m) == loss
+      model_order = trainer.layout.tree_to_model_order(jax.device_get(grads_m))
+      assert harness.max_rel_err(grads, jax.tree.map(np.asarray, model_order)) == 0
     metrics = {k: float(v) for k, v in metrics.items() if k.startswith('fp8_')}
     assert metrics['fp8_overflow'] == 0 and metrics['fp8_grad_overflow'] == 0
     for kind in ('expert_in', 'expert_out'):

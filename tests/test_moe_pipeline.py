@@ -44,7 +44,7 @@ def _check(data, tensor, pipe, expert, m, schedule='1f1b', dispatch='dropless', 
   with jax.set_mesh(trainer.mesh):
     batch = jax.device_put(harness.random_batch(cfg), trainer.batch_sharding)
     loss, grads, metrics = trainer.loss_and_grad(params, batch)
-  grads = jax.device_get(trainer.layout.tree_to_model_order(grads))
+  grads = trainer.layout.tree_to_model_order(jax.device_get(grads))
   assert abs(float(loss) - ref_loss) <= 1e-5 * abs(ref_loss), (float(loss), ref_loss)
   for k, want in ref_figures.items():
     np.testing.assert_allclose(float(metrics[k]), want, rtol=1e-5, err_msg=k)

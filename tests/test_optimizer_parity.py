@@ -79,8 +79,7 @@ def _run(cfg):
     for _ in range(STEPS):
       state, out = trainer.train_step(state, batch)
       losses.append(float(out['loss']))
-    params = trainer.layout.tree_to_model_order(state.params)
-  return losses, jax.device_get(params)
+  return losses, trainer.layout.tree_to_model_order(jax.device_get(state.params))
 
 
 @functools.cache

@@ -640,7 +640,13 @@ class DecoderModel:
     }
 
   def logical_axes(self) -> Params:
-    """Same tree as `init`, with a tuple of logical axis names per leaf."""
+    """Same tree as `init`, with a tuple of logical axis names per leaf (one
+    tree per model: callers read it, never change it)."""
+    if '_logical_axes' not in self.__dict__:  # a trainer asks five times; each traces init
+      self._logical_axes = self._trace_logical_axes()
+    return self._logical_axes
+
+  def _trace_logical_axes(self) -> Params:
     tokens, x = self._dummy()
     key = jax.random.key(0)
     layer = _axes_tree(jax.eval_shape(self._block.init, key, x)['params'])
@@ -962,18 +968,22 @@ class DecoderModel:
     vocabulary-sized table), at the cost of holding the head's gradient
     from the forward on (it is made whole in the backward either way)."""
 
+    # targets is an argument, not a closed-over value: a custom_vjp may not
+    # close over a tracer of an enclosing transformation (a scan over
+    # micro-batches, say), and integer ids take no cotangent (None).
     @jax.custom_vjp
-    def head(head_params, x):
+    def head(head_params, x, targets):
       return self.head_loss(head_params, x, targets)
 
-    def forward(head_params, x):
+    def forward(head_params, x, targets):
       zeros = jax.tree.map(jnp.zeros_like, head_params)
       loss, g, dx = self._head_grad(lambda p: p, head_params, x, targets, zeros, 1.0)
       return loss, (g, dx)
 
     def backward(res, ct):
       g, dx = res
-      return jax.tree.map(lambda a: a * ct.astype(a.dtype), g), (dx * ct).astype(dx.dtype)
+      scaled = jax.tree.map(lambda a: a * ct.astype(a.dtype), g)
+      return scaled, (dx * ct).astype(dx.dtype), None
 
     head.defvjp(forward, backward)
-    return head(head_params, x)
+    return head(head_params, x, targets)

@@ -152,9 +152,11 @@ class StackLayout:
     return padded[self._index()]
 
   def to_model_order(self, stack: jax.Array) -> jax.Array:
-    """[p, v, Lmax, ...] -> [L, ...] in model order."""
+    """[p, v, Lmax, ...] -> [L, ...] in model order; a host (numpy) array stays
+    on the host, moved by numpy rather than by a device program."""
+    xp = np if isinstance(stack, np.ndarray) else jnp
     if self.even and self.interleaved:
-      return jnp.swapaxes(stack, 0, 1).reshape((self.num_layers,) + stack.shape[3:])
+      return xp.swapaxes(stack, 0, 1).reshape((self.num_layers,) + stack.shape[3:])
     flat = stack.reshape((-1,) + stack.shape[3:])
     index = self._index().reshape(-1)
     where = np.argsort(index, kind='stable')[: self.num_layers]  # slot of each model layer

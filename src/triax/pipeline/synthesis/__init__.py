@@ -210,7 +210,7 @@ def _solve(problem: Problem, time_limit_s: float, method: str) -> Synthesis:
   used, optimal, warning = 'heuristic', found <= bound + 1e-9, None
   small = problem.stages <= EXACT_STAGES and problem.microbatches <= EXACT_MICROBATCHES
   if not optimal and (method == 'milp' or (method == 'auto' and small)):
-    left = max(1.0, time_limit_s - (time.monotonic() - began))
+    left = max(0.0, time_limit_s - (time.monotonic() - began))  # the caller's limit, no floor
     exact = milp.solve(problem, orders, found, bound, left)
     if exact is not None:
       bound, optimal = max(bound, exact.bound), exact.optimal
