@@ -2,15 +2,18 @@
 docs/bench_fp8.png and docs/bench_fp8.json (issue 55's numerics on CPU).
 
     .venv/bin/python scripts/bench_fp8.py [--steps=200] [--experiments=llama_tiny,mixtral_tiny]
-        [--recipes=none,tensorwise,rowwise,delayed] [--smoke] [--out=docs/bench_fp8.md]
-        [--report_only]
+        [--recipes=none,tensorwise,rowwise,delayed] [--spread] [--smoke]
+        [--out=docs/bench_fp8.md] [--report_only]
 
 Each named experiment (experiments/NAME.py, its own mesh and schedule) trains once per
 model.fp8 recipe through `python -m triax train --cpu_devices=8`, each in a fresh
 workdir: bfloat16 compute over float32 parameters, the same seed, hence the same
 initial parameters and batches; `none` is the bf16 reference. A row is the last eval
 loss, its difference to bf16's relative to it (the issue's goal: within 2%), and the
-median logged step time. The figure draws each run's training loss, the recipes of an
+median logged step time. --spread adds bf16 once more on another layout of the same
+devices (`_other_layout`): the same arithmetic with its sums in another order, whose
+distance from bf16 is how far this experiment's eval loss moves under a perturbation
+that changes no precision, the yardstick an FP8 row is read against. The figure draws each run's training loss, the recipes of an
 experiment overlaid, and each FP8 curve's difference to bf16's beneath.
 
 The .json holds every row and its curve: rerunning some experiments or recipes keeps
@@ -46,8 +49,13 @@ COLORS = {
   'tensorwise': 'tab:orange',
   'rowwise': 'tab:blue',
   'delayed': 'tab:green',
+  'none, other layout': 'gray',
 }
+# The --spread run's key among an experiment's recipes: recipe none on another layout.
+SPREAD = 'none, other layout'
 DEFAULT_EXPERIMENTS = ('llama_tiny', 'mixtral_tiny')
+# The rows' order: bf16, its spread, then the FP8 recipes.
+ORDER = ('none', SPREAD, *config.FP8_RECIPES[1:])
 # The issue's bound on the FP8 eval loss's distance from bf16's, relative to bf16's.
 TOLERANCE = 0.02
 # Evaluations per run: eval_every is steps over this (50 at 200 steps).
@@ -61,6 +69,9 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
   parser.add_argument('--steps', type=int, default=None, help="200, or the :smoke config's")
   parser.add_argument('--experiments', default=','.join(DEFAULT_EXPERIMENTS))
   parser.add_argument('--recipes', default=','.join(config.FP8_RECIPES))
+  parser.add_argument(
+    '--spread', action='store_true', help='also bf16 on another layout: its distance from bf16'
+  )
   parser.add_argument('--smoke', action='store_true', help="the experiments' :smoke configs")
   parser.add_argument('--out', default=None, help='the report (.md; .png and .json beside it)')
   parser.add_argument(
@@ -82,8 +93,12 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
   for recipe in args.recipes:
     if recipe not in config.FP8_RECIPES:
       fail('--recipes', f'unknown recipe {recipe!r}; choose from {", ".join(config.FP8_RECIPES)}')
-  if not args.recipes:
-    fail('--recipes', 'name at least one, e.g. none,rowwise')
+  if not args.recipes and not args.spread:
+    fail('--recipes', 'name at least one, e.g. none,rowwise (or --spread alone)')
+  if args.spread:
+    for name in args.experiments:
+      if not _other_layout(_config(name, args.smoke)):
+        fail('--spread', f'{name} runs on one device: there is no other layout to compare')
   if args.out is None:
     folder = tempfile.mkdtemp(prefix='triax-bench-fp8-') if args.smoke else 'docs'
     args.out = os.path.join(ROOT, folder, 'bench_fp8.md')
@@ -132,10 +147,25 @@ def _layout(c, recipe: str) -> dict:
   }
 
 
+def _other_layout(c) -> dict:
+  """--spread's layout of the experiment's devices: a pipeline folded into data
+  (`_layout`'s), else the experts unsplit, else tensor folded into data; {} on one device."""
+  m = c.mesh
+  if m.pipe > 1:
+    return _layout(c, 'delayed')
+  if m.expert > 1:
+    return {'mesh.expert': 1}
+  if m.tensor > 1:
+    return {'mesh.data': m.data * m.tensor, 'mesh.tensor': 1}
+  return {}
+
+
 def _train(name: str, recipe: str, steps: int, smoke: bool, workdir: str) -> dict:
-  """One run's figures from its metrics.jsonl: the curves and the median step time."""
+  """One run's figures from its metrics.jsonl: the curves and the median step time.
+  `recipe` SPREAD: none on `_other_layout`."""
   c = _config(name, smoke)
-  layout = _layout(c, recipe)
+  layout = _other_layout(c) if recipe == SPREAD else _layout(c, recipe)
+  recipe = 'none' if recipe == SPREAD else recipe
   for key, value in layout.items():
     config.set_dotted(c, key, value)
   overrides = {
@@ -195,6 +225,7 @@ def _row(name: str, recipe: str, run: dict, ref: dict | None) -> str:
   else:
     rel = loss / ref['eval'][-1][1] - 1
     versus, verdict = f'{rel:+.2%}', 'PASS' if abs(rel) <= TOLERANCE else 'over'
+    verdict = '-' if recipe == SPREAD else verdict  # the yardstick, not a candidate
   # Seconds from different invocations met different loads: compare within one only.
   same = ref is not None and ref['invocation'] == run['invocation']
   ratio = f'{run["step_time_s"] / ref["step_time_s"]:.2f}x' if same else '-'
@@ -226,13 +257,18 @@ def _doc(runs: dict, png: str) -> str:
     '(in E4M3 about 2^-15 of the amax it is scaled by): rowwise and tensorwise differ '
     "only through such small values, so equal rows mean no operand's values spanned that "
     'much.',
+    '',
+    f'{SPREAD} (where present): bf16 again on another layout of the same devices, the same '
+    'arithmetic with its sums in another order. Its distance from bf16 is what a '
+    'perturbation that changes no precision does to this eval loss: an FP8 row no '
+    'further off is as close to bf16 as bf16 is to itself.',
   ]
   for name in sorted(runs):
     recipes = runs[name]['recipes']
     first = next(iter(recipes.values()))
     lines += ['', f'## {name}, {runs[name]["steps"]} steps', '', HEADER, '|---' * 8 + '|']
     evals = ', '.join(str(step) for step, _ in first['eval'])
-    for recipe in config.FP8_RECIPES:
+    for recipe in ORDER:
       if recipe in recipes:
         lines.append(_row(name, recipe, recipes[recipe], recipes.get('none')))
     lines += ['', f'Evaluated at steps {evals}.']
@@ -261,20 +297,20 @@ def _plot(runs: dict, path: str) -> None:
     recipes = runs[name]['recipes']
     ref = dict(map(tuple, recipes['none']['loss'])) if 'none' in recipes else {}
     top, bottom = axes[0][col], axes[1][col]
-    for recipe in config.FP8_RECIPES:
+    for recipe in ORDER:
       if recipe not in recipes:
         continue
       steps, losses = zip(*recipes[recipe]['loss'])
-      label = 'bf16' if recipe == 'none' else f'fp8 {recipe}'
+      label = {'none': 'bf16', SPREAD: 'bf16, other layout'}.get(recipe, f'fp8 {recipe}')
       top.plot(steps, losses, label=label, linewidth=1, color=COLORS[recipe])
-      if recipe != 'none' and ref:
+      if recipe != 'none' and ref:  # FP8's distance from bf16, and bf16's own (SPREAD)
         diff = [(s, v - ref[s]) for s, v in zip(steps, losses) if s in ref]
         bottom.plot(*zip(*diff), label=label, linewidth=1, color=COLORS[recipe])
     top.set_title(f'{name}: training loss')
     top.set_ylabel('loss (nats per byte)')
     top.legend()
     bottom.axhline(0, color='gray', linewidth=0.5)
-    bottom.set_ylabel('FP8 minus bf16')
+    bottom.set_ylabel('minus bf16')
     bottom.set_xlabel('step')
     bottom.xaxis.set_major_locator(ticker.MaxNLocator(integer=True))
   fig.tight_layout()
@@ -290,7 +326,7 @@ def main(argv: list[str] | None = None) -> None:
   invocation = time.strftime('%Y-%m-%dT%H:%M:%S')
   for name in [] if args.report_only else args.experiments:
     runs.setdefault(name, {'steps': steps[name], 'recipes': {}})
-    for recipe in args.recipes:
+    for recipe in args.recipes + [SPREAD] * args.spread:
       with tempfile.TemporaryDirectory() as tmp:
         run = _train(name, recipe, steps[name], args.smoke, os.path.join(tmp, 'w'))
       runs[name]['recipes'][recipe] = {**run, 'invocation': invocation}

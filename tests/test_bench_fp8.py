@@ -111,3 +111,41 @@ def test_delayed_runs_a_pipelined_experiment_with_its_pipe_folded_into_data():
   assert layout['mesh.data'] == 4 and layout['mesh.pipe'] == 1
   assert layout['pipeline.microbatches'] == 1
   assert bench._layout(bench._config('mixtral_tiny', True), 'delayed') == {}
+
+
+@pytest.mark.fast
+def test_the_spread_is_bf16_on_another_layout_and_no_candidate(tmp_path):
+  """--spread's run: llama_tiny's pipe folded into data, mixtral_tiny's experts
+  unsplit; its row gives its distance from bf16 and no verdict, the FP8 rows
+  keep theirs against 2%."""
+  bench = harness.load_script('bench_fp8')
+  llama = bench._other_layout(bench._config('llama_tiny', True))
+  assert (llama['mesh.data'], llama['mesh.pipe']) == (4, 1)
+  assert bench._other_layout(bench._config('mixtral_tiny', True)) == {'mesh.expert': 1}
+  one = bench._config('llama_tiny', True)
+  for axis in ('data', 'tensor', 'pipe', 'expert'):
+    one.mesh[axis] = 1
+  assert bench._other_layout(one) == {}
+  run = {'mesh': 'data 8', 'loss': [[1, 5.0]], 'step_time_s': 0.1, 'invocation': 'a'}
+  recipes = {
+    'none': {**run, 'eval': [[1, 4.0]]},
+    bench.SPREAD: {**run, 'eval': [[1, 4.1]]},
+    'tensorwise': {**run, 'eval': [[1, 4.04]]},
+  }
+  doc = bench._doc({'llama_tiny': {'steps': 200, 'recipes': recipes}}, str(tmp_path / 'f.png'))
+  rows = _rows(doc, 'llama_tiny')
+  assert list(rows) == ['none', bench.SPREAD, 'tensorwise']
+  assert rows[bench.SPREAD][4:6] == ['+2.50%', '-']
+  assert rows['tensorwise'][4:6] == ['+1.00%', 'PASS']
+
+
+@pytest.mark.fast
+def test_a_spread_without_another_layout_is_one_line_and_exit_2(monkeypatch, capsys):
+  bench = harness.load_script('bench_fp8')
+  monkeypatch.setattr(bench, '_other_layout', lambda c: {})
+  with pytest.raises(SystemExit) as e:
+    bench._args(['--spread', '--experiments=llama_tiny'])
+  assert e.value.code == 2
+  assert capsys.readouterr().err.strip() == (
+    'error: --spread: llama_tiny runs on one device: there is no other layout to compare'
+  )
