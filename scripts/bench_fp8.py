@@ -13,8 +13,9 @@ loss, its difference to bf16's relative to it (the issue's goal: within 2%), and
 median logged step time. --spread adds bf16 once more on another layout of the same
 devices (`_other_layout`): the same arithmetic with its sums in another order, whose
 distance from bf16 is how far this experiment's eval loss moves under a perturbation
-that changes no precision, the yardstick an FP8 row is read against. The figure draws each run's training loss, the recipes of an
-experiment overlaid, and each FP8 curve's difference to bf16's beneath.
+that changes no precision, the yardstick an FP8 row is read against. The figure draws
+each run's training loss, the recipes of an experiment overlaid, and each curve's
+difference to bf16's beneath.
 
 The .json holds every row and its curve: rerunning some experiments or recipes keeps
 the others, as long as --steps and --smoke match theirs (otherwise it starts over).
@@ -43,16 +44,16 @@ from bench_harness import ROOT, fail, run_python
 from triax import config
 from triax.training import metrics
 
+# The --spread run's key among an experiment's recipes: recipe none on another layout.
+SPREAD = 'none, other layout'
 # One colour per recipe in both panels of the figure.
 COLORS = {
   'none': 'black',
   'tensorwise': 'tab:orange',
   'rowwise': 'tab:blue',
   'delayed': 'tab:green',
-  'none, other layout': 'gray',
+  SPREAD: 'gray',
 }
-# The --spread run's key among an experiment's recipes: recipe none on another layout.
-SPREAD = 'none, other layout'
 DEFAULT_EXPERIMENTS = ('llama_tiny', 'mixtral_tiny')
 # The rows' order: bf16, its spread, then the FP8 recipes.
 ORDER = ('none', SPREAD, *config.FP8_RECIPES[1:])
@@ -133,11 +134,16 @@ def _mesh(c) -> str:
 
 def _layout(c, recipe: str) -> dict:
   """Mesh and pipeline overrides of a run: none, but for delayed (which the
-  pipeline executor refuses) on a pipelined experiment: its pipe folded into
-  data, one micro-batch, one chunk per stage."""
+  pipeline executor refuses) on a pipelined experiment (`_pipe_folded`)."""
   m = c.mesh
   if recipe != 'delayed' or (m.pipe == 1 and c.pipeline.microbatches == 1):
     return {}
+  return _pipe_folded(c)
+
+
+def _pipe_folded(c) -> dict:
+  """The experiment's pipe folded into data: one micro-batch, one chunk per stage."""
+  m = c.mesh
   return {
     'mesh.data': m.data * m.pipe,
     'mesh.pipe': 1,
@@ -149,10 +155,10 @@ def _layout(c, recipe: str) -> dict:
 
 def _other_layout(c) -> dict:
   """--spread's layout of the experiment's devices: a pipeline folded into data
-  (`_layout`'s), else the experts unsplit, else tensor folded into data; {} on one device."""
+  (`_pipe_folded`), else the experts unsplit, else tensor folded into data; {} on one device."""
   m = c.mesh
   if m.pipe > 1:
-    return _layout(c, 'delayed')
+    return _pipe_folded(c)
   if m.expert > 1:
     return {'mesh.expert': 1}
   if m.tensor > 1:
