@@ -2,7 +2,7 @@
 docs/bench_fp8.png and docs/bench_fp8.json (issue 55's numerics on CPU).
 
     .venv/bin/python scripts/bench_fp8.py [--steps=200] [--experiments=llama_tiny,mixtral_tiny]
-        [--recipes=none,tensorwise,rowwise,delayed] [--spread] [--smoke]
+        [--recipes=none,tensorwise,rowwise,delayed] [--fp8_grads=e5m2,e4m3] [--spread] [--smoke]
         [--out=docs/bench_fp8.md] [--report_only]
 
 Each named experiment (experiments/NAME.py, its own mesh and schedule) trains once per
@@ -10,7 +10,9 @@ model.fp8 recipe through `python -m triax train --cpu_devices=8`, each in a fres
 workdir: bfloat16 compute over float32 parameters, the same seed, hence the same
 initial parameters and batches; `none` is the bf16 reference. A row is the last eval
 loss, its difference to bf16's relative to it (the issue's goal: within 2%), and the
-median logged step time. --spread adds bf16 once more on another layout of the same
+median logged step time. --fp8_grads: the FP8 recipes' cotangent formats
+(model.fp8_grad), each FP8 recipe once per format; a run in e4m3 is its own row,
+`RECIPE, e4m3 grads`. --spread adds bf16 once more on another layout of the same
 devices (`_other_layout`): the same arithmetic with its sums in another order, whose
 distance from bf16 is how far this experiment's eval loss moves under a perturbation
 that changes no precision, the yardstick an FP8 row is read against. The figure draws
@@ -24,9 +26,7 @@ unless --out names one: a check of this script, not of FP8. --report_only trains
 nothing and writes the report and figure from the .json's runs.
 
 model.fp8_metrics stays off: it is refused under a pipeline (llama_tiny's pipe 2), and
-the losses are what the issue asks about. So is model.fp8=delayed: its runs fold a
-pipelined experiment's pipe into data (one micro-batch, `_layout`), as the mesh column
-says; the other recipes keep the experiment's own layout.
+the losses are what the issue asks about. Every recipe runs on the experiment's own layout.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ from triax.training import metrics
 
 # The --spread run's key among an experiment's recipes: recipe none on another layout.
 SPREAD = 'none, other layout'
-# One colour per recipe in both panels of the figure.
+# One colour per recipe in both panels of the figure; its e4m3-gradient run dashed.
 COLORS = {
   'none': 'black',
   'tensorwise': 'tab:orange',
@@ -55,8 +55,29 @@ COLORS = {
   SPREAD: 'gray',
 }
 DEFAULT_EXPERIMENTS = ('llama_tiny', 'mixtral_tiny')
-# The rows' order: bf16, its spread, then the FP8 recipes.
-ORDER = ('none', SPREAD, *config.FP8_RECIPES[1:])
+# model.fp8_grad's default: a run in it is keyed by its recipe alone.
+DEFAULT_GRAD = config.FP8_GRADS[0]
+
+
+def _key(recipe: str, grad: str) -> str:
+  """A run's key among an experiment's runs: its recipe, and the gradient format if not e5m2."""
+  return recipe if grad == DEFAULT_GRAD else f'{recipe}, {grad} grads'
+
+
+def _parse(key: str) -> tuple[str, str]:
+  """(model.fp8, model.fp8_grad) of a run's key (`_key`; SPREAD's is none's)."""
+  if key == SPREAD:
+    return 'none', DEFAULT_GRAD
+  recipe, _, grad = key.partition(', ')
+  return recipe, grad.removesuffix(' grads') or DEFAULT_GRAD
+
+
+# The rows' order: bf16, its spread, then the FP8 recipes, each in every gradient format.
+ORDER = (
+  'none',
+  SPREAD,
+  *(_key(r, g) for r in config.FP8_RECIPES[1:] for g in config.FP8_GRADS),
+)
 # The issue's bound on the FP8 eval loss's distance from bf16's, relative to bf16's.
 TOLERANCE = 0.02
 # Evaluations per run: eval_every is steps over this (50 at 200 steps).
@@ -70,6 +91,9 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
   parser.add_argument('--steps', type=int, default=None, help="200, or the :smoke config's")
   parser.add_argument('--experiments', default=','.join(DEFAULT_EXPERIMENTS))
   parser.add_argument('--recipes', default=','.join(config.FP8_RECIPES))
+  parser.add_argument(
+    '--fp8_grads', default=DEFAULT_GRAD, help="the FP8 recipes' model.fp8_grad, comma-separated"
+  )
   parser.add_argument(
     '--spread', action='store_true', help='also bf16 on another layout: its distance from bf16'
   )
@@ -96,6 +120,15 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
       fail('--recipes', f'unknown recipe {recipe!r}; choose from {", ".join(config.FP8_RECIPES)}')
   if not args.recipes and not args.spread:
     fail('--recipes', 'name at least one, e.g. none,rowwise (or --spread alone)')
+  args.fp8_grads = [g for g in args.fp8_grads.split(',') if g]
+  for grad in args.fp8_grads:
+    if grad not in config.FP8_GRADS:
+      fail('--fp8_grads', f'unknown format {grad!r}; choose from {", ".join(config.FP8_GRADS)}')
+  if not args.fp8_grads:
+    fail('--fp8_grads', 'name at least one, e.g. e5m2')
+  args.runs = [
+    _key(r, g) for r in args.recipes for g in ([DEFAULT_GRAD] if r == 'none' else args.fp8_grads)
+  ] + [SPREAD] * args.spread
   if args.spread:
     for name in args.experiments:
       if not _other_layout(_config(name, args.smoke)):
@@ -132,15 +165,6 @@ def _mesh(c) -> str:
   return text + (f', experts over {m.expert}' if m.expert > 1 else '')
 
 
-def _layout(c, recipe: str) -> dict:
-  """Mesh and pipeline overrides of a run: none, but for delayed (which the
-  pipeline executor refuses) on a pipelined experiment (`_pipe_folded`)."""
-  m = c.mesh
-  if recipe != 'delayed' or (m.pipe == 1 and c.pipeline.microbatches == 1):
-    return {}
-  return _pipe_folded(c)
-
-
 def _pipe_folded(c) -> dict:
   """The experiment's pipe folded into data: one micro-batch, one chunk per stage."""
   m = c.mesh
@@ -166,12 +190,12 @@ def _other_layout(c) -> dict:
   return {}
 
 
-def _train(name: str, recipe: str, steps: int, smoke: bool, workdir: str) -> dict:
+def _train(name: str, run: str, steps: int, smoke: bool, workdir: str) -> dict:
   """One run's figures from its metrics.jsonl: the curves and the median step time.
-  `recipe` SPREAD: none on `_other_layout`."""
+  `run`: a key of `_key`'s, or SPREAD (none on `_other_layout`)."""
   c = _config(name, smoke)
-  layout = _other_layout(c) if recipe == SPREAD else _layout(c, recipe)
-  recipe = 'none' if recipe == SPREAD else recipe
+  recipe, grad = _parse(run)
+  layout = _other_layout(c) if run == SPREAD else {}
   for key, value in layout.items():
     config.set_dotted(c, key, value)
   overrides = {
@@ -180,6 +204,7 @@ def _train(name: str, recipe: str, steps: int, smoke: bool, workdir: str) -> dic
     'model.dtype': 'bfloat16',
     'model.param_dtype': 'float32',
     'model.fp8': recipe,
+    **({} if grad == DEFAULT_GRAD else {'model.fp8_grad': grad}),
     'train.eval_every': max(1, steps // EVALS),
     'train.log_every': 1,  # every step's loss for the curves, and a step time each
     'checkpoint.every_steps': 0,  # one save at the end: not the numerics' business
@@ -196,7 +221,7 @@ def _train(name: str, recipe: str, steps: int, smoke: bool, workdir: str) -> dic
   ]
   done = run_python(args, drop_device_count=True)
   if done.returncode != 0:
-    sys.exit(f'error: {name} with model.fp8={recipe} failed:\n{done.stderr[-4000:]}')
+    sys.exit(f'error: {name} with {run} failed:\n{done.stderr[-4000:]}')
   records = metrics.read_metrics(workdir)
   logged = [r for r in records if 'step_time_s' in r]
   return {
@@ -268,6 +293,10 @@ def _doc(runs: dict, png: str) -> str:
     'arithmetic with its sums in another order. Its distance from bf16 is what a '
     'perturbation that changes no precision does to this eval loss: an FP8 row no '
     'further off is as close to bf16 as bf16 is to itself.',
+    '',
+    'RECIPE, e4m3 grads (where present): the same recipe with model.fp8_grad=e4m3, the '
+    "backward's cotangents in E4M3 (3 mantissa bits, max 448) rather than E5M2 (2 bits, max "
+    "57344) in both backward GEMMs: DeepSeek-V3's format for them. Dashed in the figure.",
   ]
   for name in sorted(runs):
     recipes = runs[name]['recipes']
@@ -308,10 +337,16 @@ def _plot(runs: dict, path: str) -> None:
         continue
       steps, losses = zip(*recipes[recipe]['loss'])
       label = {'none': 'bf16', SPREAD: 'bf16, other layout'}.get(recipe, f'fp8 {recipe}')
-      top.plot(steps, losses, label=label, linewidth=1, color=COLORS[recipe])
+      scaling, grad = _parse(recipe)
+      style = {
+        'linewidth': 1,
+        'color': COLORS[SPREAD if recipe == SPREAD else scaling],
+        'linestyle': '-' if grad == DEFAULT_GRAD else '--',
+      }
+      top.plot(steps, losses, label=label, **style)
       if recipe != 'none' and ref:  # FP8's distance from bf16, and bf16's own (SPREAD)
         diff = [(s, v - ref[s]) for s, v in zip(steps, losses) if s in ref]
-        bottom.plot(*zip(*diff), label=label, linewidth=1, color=COLORS[recipe])
+        bottom.plot(*zip(*diff), label=label, **style)
     top.set_title(f'{name}: training loss')
     top.set_ylabel('loss (nats per byte)')
     top.legend()
@@ -332,11 +367,11 @@ def main(argv: list[str] | None = None) -> None:
   invocation = time.strftime('%Y-%m-%dT%H:%M:%S')
   for name in [] if args.report_only else args.experiments:
     runs.setdefault(name, {'steps': steps[name], 'recipes': {}})
-    for recipe in args.recipes + [SPREAD] * args.spread:
+    for key in args.runs:
       with tempfile.TemporaryDirectory() as tmp:
-        run = _train(name, recipe, steps[name], args.smoke, os.path.join(tmp, 'w'))
-      runs[name]['recipes'][recipe] = {**run, 'invocation': invocation}
-      print(_row(name, recipe, runs[name]['recipes'][recipe], runs[name]['recipes'].get('none')))
+        run = _train(name, key, steps[name], args.smoke, os.path.join(tmp, 'w'))
+      runs[name]['recipes'][key] = {**run, 'invocation': invocation}
+      print(_row(name, key, runs[name]['recipes'][key], runs[name]['recipes'].get('none')))
       # Each finished run lands at once: the next may take minutes.
       with open(stem + '.json', 'w') as f:
         json.dump({'smoke': args.smoke, 'runs': runs}, f, indent=1)

@@ -201,8 +201,6 @@ CASES = [
   ('float16-without-loss-scaling', train('--config.model.dtype=float16'), 'model.dtype'),
   ('cudnn-in-float32', train('--config.model.attention=cudnn'), 'model.attention'),
   ('unknown-fp8-recipe', train('--config.model.fp8=blockwise'), 'model.fp8'),
-  # The pipeline executor does not carry delayed scaling's amax over micro-batches.
-  ('delayed-fp8-under-a-pipeline', train('--config.model.fp8=delayed'), 'model.fp8'),
   (
     'fp8-amax-history-zero',
     train('--config.model.fp8=delayed', '--config.model.fp8_amax_history=0'),
@@ -213,6 +211,13 @@ CASES = [
     train('--config.model.fp8=delayed', '--config.model.fp8_amax_history=2.5'),
     'model.fp8_amax_history',
   ),
+  (
+    'unknown-fp8-grad-format',
+    train('--config.model.fp8=tensorwise', '--config.model.fp8_grad=e3m4'),
+    'model.fp8_grad',
+  ),
+  # Read only under FP8: beside model.fp8=none it would be silently ignored.
+  ('fp8-grad-without-fp8', train('--config.model.fp8_grad=e4m3'), 'model.fp8_grad'),
   # Read only by delayed: set beside another recipe it would be silently ignored.
   (
     'fp8-amax-history-without-delayed',

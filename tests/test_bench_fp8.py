@@ -73,6 +73,10 @@ def test_a_rerun_keeps_the_rows_it_does_not_redo(tmp_path):
       'error: --experiments: no experiments/llama_huge.py; name ones that exist, comma-separated',
     ),
     (
+      '--fp8_grads=e5m2,e3m4',
+      "error: --fp8_grads: unknown format 'e3m4'; choose from e5m2, e4m3",
+    ),
+    (
       '--steps=1',
       'error: --steps: must be >= 2 (a first step compiles, the rest are timed), got 1',
     ),
@@ -101,16 +105,18 @@ def test_report_only_writes_the_stored_runs_and_trains_nothing(tmp_path, monkeyp
 
 
 @pytest.mark.fast
-def test_delayed_runs_a_pipelined_experiment_with_its_pipe_folded_into_data():
-  """The pipeline executor refuses model.fp8=delayed: llama_tiny (data 2 x tensor 2 x
-  pipe 2) runs it at data 4 x tensor 2, one micro-batch; the other recipes as it is."""
+def test_every_recipe_runs_on_the_experiments_own_layout(monkeypatch):
+  """delayed too (the pipeline executor carries its histories): llama_tiny's
+  pipe 2 stays; only --spread's run changes the layout."""
   bench = harness.load_script('bench_fp8')
-  c = bench._config('llama_tiny', True)
-  assert bench._layout(c, 'rowwise') == {}
-  layout = bench._layout(c, 'delayed')
-  assert layout['mesh.data'] == 4 and layout['mesh.pipe'] == 1
-  assert layout['pipeline.microbatches'] == 1
-  assert bench._layout(bench._config('mixtral_tiny', True), 'delayed') == {}
+  seen = []
+  monkeypatch.setattr(bench, 'run_python', lambda argv, **_: seen.append(argv) or _Failed())
+  for run in ('delayed', bench.SPREAD):
+    with pytest.raises(SystemExit):
+      bench._train('llama_tiny', run, 4, True, '/nonexistent')
+  assert not any(a.startswith('--config.mesh.') for a in seen[0])
+  assert '--config.model.fp8=delayed' in seen[0]
+  assert '--config.mesh.pipe=1' in seen[1] and '--config.model.fp8=none' in seen[1]
 
 
 @pytest.mark.fast
@@ -149,3 +155,29 @@ def test_a_spread_without_another_layout_is_one_line_and_exit_2(monkeypatch, cap
   assert capsys.readouterr().err.strip() == (
     'error: --spread: llama_tiny runs on one device: there is no other layout to compare'
   )
+
+
+@pytest.mark.fast
+def test_each_fp8_recipe_runs_once_per_gradient_format_and_bf16_once(monkeypatch):
+  """--fp8_grads=e5m2,e4m3: each FP8 recipe twice, its e4m3 run its own row
+  (model.fp8_grad=e4m3 in its overrides), bf16 once; the rows in ORDER."""
+  bench = harness.load_script('bench_fp8')
+  args = bench._args(['--recipes=none,rowwise', '--fp8_grads=e5m2,e4m3', '--smoke'])
+  assert args.runs == ['none', 'rowwise', 'rowwise, e4m3 grads']
+  assert [bench._parse(k) for k in args.runs] == [
+    ('none', 'e5m2'),
+    ('rowwise', 'e5m2'),
+    ('rowwise', 'e4m3'),
+  ]
+  assert bench._parse(bench.SPREAD) == ('none', 'e5m2')
+  assert all(k in bench.ORDER for k in args.runs)
+  seen = []
+  monkeypatch.setattr(bench, 'run_python', lambda argv, **_: seen.append(argv) or _Failed())
+  with pytest.raises(SystemExit, match='rowwise, e4m3 grads failed'):
+    bench._train('llama_tiny', 'rowwise, e4m3 grads', 4, True, '/nonexistent')
+  assert '--config.model.fp8=rowwise' in seen[0]
+  assert '--config.model.fp8_grad=e4m3' in seen[0]
+
+
+class _Failed:
+  returncode, stderr = 1, 'stopped by the test'

@@ -2,6 +2,7 @@
 numerics on this CPU and, compiled by XLA:GPU for H100s, FP8 GEMMs in the
 optimised program."""
 
+import functools
 import glob
 import os
 import sys
@@ -180,8 +181,8 @@ def test_the_routed_experts_run_their_matmuls_in_fp8(dispatch):
 
   def run(recipe):
     if dispatch == 'capacity':
-      return moe.capacity(h, routing, w_gate, w_up, w_down, 2.0, recipe)[0]
-    return moe.dropless(h, routing, w_gate, w_up, w_down, recipe)
+      return moe.capacity(h, routing, w_gate, w_up, w_down, 2.0, fp8.Recipe(recipe))[0]
+    return moe.dropless(h, routing, w_gate, w_up, w_down, fp8.Recipe(recipe))
 
   exact = run('none')
   for recipe in ('tensorwise', 'rowwise'):
@@ -189,6 +190,59 @@ def test_the_routed_experts_run_their_matmuls_in_fp8(dispatch):
     err = harness.max_rel_err(exact, out)
     # Two FP8 products in a row (gate and up, then down).
     assert 0 < err <= 2 * E4M3_PRODUCT, (recipe, err)
+
+
+def _cotangent_casts(fn, *args) -> set[str]:
+  """The FP8 formats fn's gradient (with respect to its arguments) casts to, by jaxpr name."""
+  text = str(jax.make_jaxpr(jax.grad(lambda *a: jnp.sum(fn(*a)), range(len(args))))(*args))
+  return {name for name in ('f8_e5m2', 'f8_e4m3fn') if name in text}
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize('recipe', ['tensorwise', 'rowwise'])
+def test_e4m3_cotangents_keep_three_mantissa_bits_in_both_backward_gemms(recipe):
+  """model.fp8_grad=e4m3: the cotangent is E4M3 in dx's and dw's GEMMs (no E5M2
+  cast anywhere), so each is within two E4M3 roundings of the exact one, and
+  closer than E5M2's (2 mantissa bits) on the same operands."""
+  kx, kw, kg = jax.random.split(jax.random.key(1), 3)
+  x = jax.random.normal(kx, (2, 8, 32))
+  w = jax.random.normal(kw, (32, 4, 16)) * 0.02
+  g = jax.random.normal(kg, (2, 8, 4, 16))
+  equation = 'bsd,dnk->bsnk'
+  exact = jax.vjp(lambda x, w: jnp.einsum(equation, x, w), x, w)[1](g)
+  errors = {}
+  for grad in fp8.GRAD_FORMATS:
+    fn = functools.partial(fp8.einsum, equation, dtype=jnp.float32, recipe=recipe, grad=grad)
+    assert _cotangent_casts(fn, x, w) == {'f8_e4m3fn', 'f8_e5m2'} - (
+      {'f8_e5m2'} if grad == 'e4m3' else set()
+    )
+    got = jax.vjp(fn, x, w)[1](g)
+    errors[grad] = [harness.max_rel_err(e, f) for e, f in zip(exact, got)]
+  assert max(errors['e4m3']) <= E4M3_PRODUCT, errors
+  assert all(a < b for a, b in zip(errors['e4m3'], errors['e5m2'])), errors
+  with pytest.raises(ValueError, match="fp8 gradient format 'e3m4'"):
+    fp8.einsum(equation, x, w, jnp.float32, recipe, grad='e3m4')
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize('dispatch', ['capacity', 'dropless'])
+def test_the_routed_experts_take_model_fp8_grad_too(dispatch):
+  """moe.capacity's einsums and dropless's grouped matmuls cast their
+  cotangents to the recipe's grad format: E4M3 only under e4m3."""
+  keys = jax.random.split(jax.random.key(6), 5)
+  h = jax.random.normal(keys[0], (2, 16, 32))
+  routing = moe.route(h, jax.random.normal(keys[1], (32, 4)) * 0.1, 2)
+  w_gate, w_up = (jax.random.normal(k, (4, 32, 48)) * 0.2 for k in keys[2:4])
+  w_down = jax.random.normal(keys[4], (4, 48, 32)) * 0.2
+
+  def experts(h, w_gate, w_up, w_down, recipe):
+    if dispatch == 'capacity':
+      return moe.capacity(h, routing, w_gate, w_up, w_down, 2.0, recipe)[0]
+    return moe.dropless(h, routing, w_gate, w_up, w_down, recipe)
+
+  for grad, casts in (('e5m2', {'f8_e4m3fn', 'f8_e5m2'}), ('e4m3', {'f8_e4m3fn'})):
+    fn = functools.partial(experts, recipe=fp8.Recipe('tensorwise', grad))
+    assert _cotangent_casts(fn, h, w_gate, w_up, w_down) == casts, grad
 
 
 @pytest.mark.fast
@@ -513,3 +567,19 @@ def test_fp8_metrics_reach_metrics_jsonl(tmp_path):
   for record in records:
     assert record['fp8_overflow'] == 0 and record['fp8_grad_overflow'] == 0
     assert record['fp8_mlp_out_x_amax'] > 0 and record['fp8_attn_in_w_scale'] > 0
+
+
+def test_model_fp8_grad_reaches_every_weight_matmuls_backward():
+  """--config.model.fp8_grad=e4m3 on a Mixtral (attention's projections and
+  the routed experts): the trainer's lowered gradient program casts to
+  E4M3 only, where e5m2's casts its cotangents to E5M2."""
+  found = {}
+  for grad in config.FP8_GRADS:
+    cfg = _mixtral(**{'model.fp8': 'tensorwise', 'model.fp8_grad': grad})
+    trainer = harness.make_trainer(cfg)
+    params = harness.initial_params(trainer, cfg.train.seed)
+    with jax.set_mesh(trainer.mesh):
+      batch = jax.device_put(harness.random_batch(cfg, 0), trainer.batch_sharding)
+      text = trainer.loss_and_grad.lower(params, batch).as_text()
+    found[grad] = {t for t in ('f8E4M3FN', 'f8E5M2') if t in text}
+  assert found == {'e5m2': {'f8E4M3FN', 'f8E5M2'}, 'e4m3': {'f8E4M3FN'}}, found

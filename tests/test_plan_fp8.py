@@ -294,14 +294,14 @@ def test_the_search_tries_no_remat_the_config_refuses_with_fp8():
   assert config.remat_policies(cfg.model) == ('none', 'attention', 'full')
 
 
-def test_delayed_is_priced_as_tensorwise_on_unpipelined_layouts_only():
+def test_delayed_is_priced_as_tensorwise_on_the_same_layouts():
   """model.fp8=delayed's GEMMs and casts are tensorwise's (its histories, 3 x
   model.fp8_amax_history fp32 per site and layer, 2.7 MiB for a 32-layer Llama at
-  1024, are not priced); the pipeline executor refuses it, so the search tries
-  no pipe or micro-batch layout."""
+  1024, are not priced), and the search tries the same layouts, pipelined
+  ones included (the executor carries the histories)."""
   from triax.plan.search import layouts as layouts_lib
 
   assert _cli('--config.model.fp8=delayed')['plan'] == _cli('--config.model.fp8=tensorwise')['plan']
   tried = list(layouts_lib.layouts(_llama('delayed'), 8))
-  assert tried and all(l.pipe == 1 and l.microbatches == 1 for l in tried)
-  assert any(l.pipe > 1 for l in layouts_lib.layouts(_llama('tensorwise'), 8))
+  assert tried == list(layouts_lib.layouts(_llama('tensorwise'), 8))
+  assert any(l.pipe > 1 for l in tried)

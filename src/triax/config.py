@@ -44,12 +44,8 @@ ATTENTION_IMPLS = ('xla', 'cudnn', 'splash')
 # model.fp8: the weight matmuls' operands as they are, or FP8 with one scale per tensor or per
 # row from the tensor's own amax, or per tensor from past steps' amax (delayed).
 FP8_RECIPES = ('none', 'tensorwise', 'rowwise', 'delayed')
-# Why the pipeline executor cannot run model.fp8=delayed: its step would need an amax over
-# micro-batches carried beside the gradients (ModelSpec.executor_refusal says it too).
-FP8_DELAYED_PIPELINE_REFUSAL = (
-  "delayed's amax histories are not carried by the pipeline executor; use tensorwise, or "
-  'mesh.pipe=1 and pipeline.microbatches=1'
-)
+# model.fp8_grad: the FP8 backward's cotangent format (model/fp8.py's GRAD_FORMATS).
+FP8_GRADS = ('e5m2', 'e4m3')
 
 
 def defaults() -> ml_collections.ConfigDict:
@@ -123,10 +119,14 @@ def defaults() -> ml_collections.ConfigDict:
   # scale per tensor from its amax each step; E4M3 operands forward, E5M2 gradients backward) or
   # rowwise (the same, one scale per row of each GEMM: the amax over its contracting axes) or
   # delayed (Transformer Engine's: one scale per tensor from the max of the last
-  # model.fp8_amax_history steps' amax; model/fp8_delayed.py; not under the pipeline executor;
-  # the routed experts scale as tensorwise). Routed experts included; attention's core,
+  # model.fp8_amax_history steps' amax; model/fp8_delayed.py; the routed experts scale as
+  # tensorwise). Routed experts included; attention's core,
   # norms, router and the head stay in model.dtype.
   c.model.fp8 = 'none'
+  # The FP8 backward's cotangents (only with model.fp8): e5m2 (2 mantissa bits, max 57344: the
+  # recipe of Transformer Engine's HYBRID and torchao's tensorwise) or e4m3 (3 bits, max 448:
+  # DeepSeek-V3's, and what mixtral_tiny's routed experts need, docs/bench_fp8.md).
+  c.model.fp8_grad = 'e5m2'
   # model.fp8=delayed's history length in steps (only with delayed): TE's and flax's default.
   c.model.fp8_amax_history = 1024
   # Log each weight-matmul kind's FP8 amax and scales and the casts' overflow fractions
@@ -743,10 +743,10 @@ def remat_policies(m) -> tuple[str, ...]:
 
 
 def _check_fp8(m, pipelined: bool) -> None:
-  """What model.fp8 composes with: `remat_policies`; its metrics and delayed
-  scaling's histories need, for now, no pipeline executor (mesh.pipe or
-  pipeline.microbatches > 1), whose step does not carry them (an amax over
-  micro-batches); model.fp8_amax_history only with delayed."""
+  """What model.fp8 composes with: `remat_policies`; its metrics need, for
+  now, no pipeline executor (mesh.pipe or pipeline.microbatches > 1), whose
+  step does not carry them; model.fp8_amax_history only with delayed,
+  model.fp8_grad only with FP8."""
   if m.remat not in remat_policies(m):
     # An FP8 matmul is a custom_vjp (its backward's E5M2 GEMMs), whose
     # product the dots policy cannot see to keep: the layer would be recomputed whole.
@@ -756,14 +756,20 @@ def _check_fp8(m, pipelined: bool) -> None:
       'attention or full',
     )
   checks.positive_int('model.fp8_amax_history', m.fp8_amax_history)
-  default = _read_only_defaults().model.fp8_amax_history
+  given = _read_only_defaults().model
+  checks.one_of('model.fp8_grad', m.fp8_grad, FP8_GRADS)
+  if m.fp8 == 'none' and m.fp8_grad != given.fp8_grad:
+    raise ConfigError(
+      'model.fp8_grad',
+      "is the FP8 backward's format, read only with model.fp8; set model.fp8=tensorwise, "
+      'rowwise or delayed, or drop it',
+    )
+  default = given.fp8_amax_history
   if m.fp8 != 'delayed' and m.fp8_amax_history != default:
     raise ConfigError(
       'model.fp8_amax_history',
       f'is read only with model.fp8=delayed (model.fp8={m.fp8}); set model.fp8=delayed or drop it',
     )
-  if m.fp8 == 'delayed' and pipelined:
-    raise ConfigError('model.fp8', FP8_DELAYED_PIPELINE_REFUSAL)
   checks.boolean('model.fp8_metrics', m.fp8_metrics)
   if m.fp8_metrics and m.fp8 == 'none':
     raise ConfigError(

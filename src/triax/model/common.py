@@ -20,7 +20,6 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from triax.config import FP8_DELAYED_PIPELINE_REFUSAL
 from triax.model import context as context_lib
 from triax.model import fp8 as fp8_lib
 from triax.model import fp8_delayed, fp8_metrics
@@ -90,6 +89,8 @@ class ModelSpec:
   # Weight matmuls' operands: none (dtype), or FP8 scaled tensorwise, rowwise (model/fp8.py)
   # or delayed (model/fp8_delayed.py).
   fp8: str = 'none'
+  # The FP8 backward's cotangent format: e5m2 (range) or e4m3 (precision); fp8.GRAD_FORMATS.
+  fp8_grad: str = 'e5m2'
   # Steps of amax each delayed-scaling history keeps (model.fp8=delayed).
   fp8_amax_history: int = 1024
   # Log the FP8 matmuls' amax, scales and overflow (model/fp8_metrics.py).
@@ -179,9 +180,14 @@ class ModelSpec:
     None: the family has no local layers."""
     return None
 
+  @property
+  def fp8_recipe(self) -> fp8_lib.Recipe:
+    """What the weight matmuls run on (`matmul`'s `fp8`): model.fp8 and model.fp8_grad."""
+    return fp8_lib.Recipe(self.fp8, self.fp8_grad)
+
   def executor_refusal(self) -> str:
     """Why the pipeline executor cannot train this model ('' when it can)."""
-    return FP8_DELAYED_PIPELINE_REFUSAL if self.fp8 == 'delayed' else ''
+    return ''
 
   def tensor_shard(self, t: int) -> ModelSpec:
     """The spec of one of t tensor ranks' shards (Megatron's split: heads,
@@ -254,9 +260,10 @@ def _rms_norm_bwd(eps: float, residuals, g):
 _rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
 
 
-def matmul(equation: str, x, w, dtype, remat: str, fp8: str = 'none'):
+def matmul(equation: str, x, w, dtype, remat: str, fp8: fp8_lib.Recipe = fp8_lib.NONE):
   """einsum(equation, x, w cast to `dtype`), a layer's weight w; with `fp8`
-  (model.fp8) other than none, on FP8 operands (model/fp8.py), under every remat.
+  on (model.fp8 and fp8_grad, `ModelSpec.fp8_recipe`), on FP8 operands
+  (model/fp8.py), under every remat.
 
   Without remat the backward casts w again instead of keeping its cast: kept,
   the cast is a residual, a copy of the layer's weights in every micro-batch
@@ -265,21 +272,22 @@ def matmul(equation: str, x, w, dtype, remat: str, fp8: str = 'none'):
   product from `dots`'s policy (config.py refuses fp8 with dots for that reason).
   Under model.fp8_metrics its figures go on the open tape (fp8_metrics.py);
   under delayed it reads its site's history (fp8_delayed.py)."""
-  if fp8 != 'none':
+  if fp8.on:
     history = _fp8_history(equation, fp8)
-    fp8_metrics.record(equation, x, w, fp8, history=history)
+    fp8_metrics.record(equation, x, w, fp8.scaling, history=history)
     return _fp8_einsum(equation, x, w, dtype, fp8, history)
   if layer_checkpointed(remat):
     return jnp.einsum(equation, x, w.astype(dtype))
   return recast(einsum_of(equation), x, w, dtype)
 
 
-def _fp8_history(equation: str, fp8: str):
-  return fp8_delayed.history(equation) if fp8 == 'delayed' else None
+def _fp8_history(equation: str, fp8: fp8_lib.Recipe):
+  return fp8_delayed.history(equation) if fp8.scaling == 'delayed' else None
 
 
-def _fp8_einsum(equation: str, x, w, dtype, fp8: str, history=None):
-  return fp8_lib.einsum(equation, x, w, dtype, fp8, fp8_metrics.probe(), history=history)
+def _fp8_einsum(equation: str, x, w, dtype, fp8: fp8_lib.Recipe, history=None):
+  probe = fp8_metrics.probe()
+  return fp8_lib.einsum(equation, x, w, dtype, fp8.scaling, probe, history=history, grad=fp8.grad)
 
 
 @functools.cache
@@ -315,7 +323,7 @@ def _recast_bwd(op, dtype, residuals, g):
 _recast.defvjp(_recast_fwd, _recast_bwd)
 
 
-def project(h, weights, equation: str, dtype, remat: str, fp8: str = 'none'):
+def project(h, weights, equation: str, dtype, remat: str, fp8: fp8_lib.Recipe = fp8_lib.NONE):
   """h times each weight (cast to `dtype`; `matmul`'s `fp8`), keeping h as
   it arrives for the backward.
 
@@ -333,12 +341,12 @@ def project(h, weights, equation: str, dtype, remat: str, fp8: str = 'none'):
 
   if remat == 'full' or not _sequence_split_over_tensor():
     return run(h, *weights)
-  if fp8 != 'none':
+  if fp8.on:
     # A checkpoint's values leave it only as outputs: the figures are taken
     # here, and each site's history goes in as an argument.
     histories = [_fp8_history(equation, fp8) for _ in weights]
     for w, history in zip(weights, histories):
-      fp8_metrics.record(equation, h, w, fp8, history=history)
+      fp8_metrics.record(equation, h, w, fp8.scaling, history=history)
 
     def run(h, histories, *ws):
       return tuple(_fp8_einsum(equation, h, w, dtype, fp8, hist) for w, hist in zip(ws, histories))

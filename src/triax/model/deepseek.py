@@ -182,13 +182,13 @@ class DenseBlock(llama.Block):
     if s.q_lora_rank:
       wq_a, q_a_norm, wq_b = w.q
       q_latent, latent, k_rope = project(
-        h, (wq_a, w.wkv_a, w.wk_rope), 'bsd,dr->bsr', dt, s.remat, s.fp8
+        h, (wq_a, w.wkv_a, w.wk_rope), 'bsd,dr->bsr', dt, s.remat, s.fp8_recipe
       )
       q_latent = head_norm(q_latent, q_a_norm, LATENT_EPS)
-      q = matmul('bsr,rnk->bsnk', q_latent, wq_b, dt, s.remat, s.fp8)
+      q = matmul('bsr,rnk->bsnk', q_latent, wq_b, dt, s.remat, s.fp8_recipe)
     else:
-      (q,) = project(h, w.q, 'bsd,dnk->bsnk', dt, s.remat, s.fp8)
-      latent, k_rope = project(h, (w.wkv_a, w.wk_rope), 'bsd,dr->bsr', dt, s.remat, s.fp8)
+      (q,) = project(h, w.q, 'bsd,dnk->bsnk', dt, s.remat, s.fp8_recipe)
+      latent, k_rope = project(h, (w.wkv_a, w.wk_rope), 'bsd,dr->bsr', dt, s.remat, s.fp8_recipe)
     latent = head_norm(latent, w.kv_a_norm, LATENT_EPS)
     if s.rope_scaling.softmax_factor != 1.0:
       # YaRN's factor on the softmax scale, put on the queries: every core
@@ -199,13 +199,13 @@ class DenseBlock(llama.Block):
     k_rope = llama.apply_rope(k_rope[:, :, None, :], cos, sin)  # one key for every head
     if decode is not None:
       return self.absorbed_attention(q_nope, q_rope, latent, k_rope[:, :, 0], w, decode)
-    k_nope = matmul('bsr,rnk->bsnk', latent, w.wk_b, dt, s.remat, s.fp8)
-    v = matmul('bsr,rnk->bsnk', latent, w.wv_b, dt, s.remat, s.fp8)
+    k_nope = matmul('bsr,rnk->bsnk', latent, w.wk_b, dt, s.remat, s.fp8_recipe)
+    v = matmul('bsr,rnk->bsnk', latent, w.wv_b, dt, s.remat, s.fp8_recipe)
     q = constrain(jnp.concatenate([q_nope, q_rope], -1), ('batch', 'seq', 'heads', 'kv'))
     k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope, k_nope.shape[:3] + k_rope.shape[3:])], -1)
     k, v = (constrain(t, ('batch', 'seq', 'heads', 'kv')) for t in (k, v))
     a = self._core(q, k, v, segments)
-    return matmul('bsnk,nkd->bsd', a, w.wo, dt, s.remat, s.fp8)
+    return matmul('bsnk,nkd->bsd', a, w.wo, dt, s.remat, s.fp8_recipe)
 
   def _core(self, q, k, v, segments):
     """Causal attention of q, k [b, s, n, qk] over v [b, s, n, v_head_dim].
@@ -249,7 +249,7 @@ class DenseBlock(llama.Block):
     probs = jax.nn.softmax(logits, axis=-1).astype(dt)
     out_latent = jnp.einsum('bnts,bsr->btnr', probs, c.astype(dt))
     a = jnp.einsum('btnr,rnk->btnk', out_latent, w.wv_b.astype(dt))
-    return matmul('bsnk,nkd->bsd', a, w.wo, dt, s.remat, s.fp8), (c, r)
+    return matmul('bsnk,nkd->bsd', a, w.wo, dt, s.remat, s.fp8_recipe), (c, r)
 
 
 class Block(DenseBlock):
@@ -279,9 +279,9 @@ class Block(DenseBlock):
       s.routed_scaling_factor,
     )
     if s.moe_dispatch == 'capacity':
-      out, dropped = moe.capacity(h, routing, w_gate, w_up, w_down, s.capacity_factor, s.fp8)
+      out, dropped = moe.capacity(h, routing, w_gate, w_up, w_down, s.capacity_factor, s.fp8_recipe)
     else:
-      out, dropped = moe.dropless(h, routing, w_gate, w_up, w_down, s.fp8), 0
+      out, dropped = moe.dropless(h, routing, w_gate, w_up, w_down, s.fp8_recipe), 0
     stats = moe.layer_stats(routing, dropped)
     self.sow('intermediates', 'router', stats)
     # The load reaches the bias as its gradient (loss-free balancing).
@@ -338,7 +338,7 @@ class MtpDepth(nn.Module):
     joined = jnp.concatenate(
       [rms_norm(embedded, enorm, s.norm_eps), rms_norm(h, hnorm, s.norm_eps)], -1
     )
-    h = constrain(matmul('bse,ed->bsd', joined, proj, dt, s.remat, s.fp8), RESIDUAL)
+    h = constrain(matmul('bse,ed->bsd', joined, proj, dt, s.remat, s.fp8_recipe), RESIDUAL)
     h = Block(s, name='block')(h)
     return h, rms_norm(h, norm, s.norm_eps)
 

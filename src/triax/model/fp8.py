@@ -5,7 +5,8 @@ fp8: both operands quantized to E4M3 with scales from their own amax this
 step, the product taken on the FP8 operands (`preferred_element_type` the
 compute dtype, so XLA:GPU emits an FP8 GEMM), the scales applied to the
 output. Its backward quantizes the cotangent to E5M2 (the range gradients
-need) for both GEMMs, dx = g w^T and dw = x^T g, each again FP8 x FP8.
+need; `grad`, model.fp8_grad: E4M3, the precision, as DeepSeek-V3 trains)
+for both GEMMs, dx = g w^T and dw = x^T g, each again FP8 x FP8.
 
 The recipe says what one scale covers. tensorwise: the whole operand (one
 scalar each). rowwise (torchtitan's float8 "rowwise"): one row of the GEMM,
@@ -34,6 +35,7 @@ which GSPMD inserts for `jnp.max`.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -45,10 +47,39 @@ from triax import sharding
 # Forward operands keep precision (3 mantissa bits, max 448); gradients range (2 bits, max 57344).
 FORWARD = jnp.float8_e4m3fn
 BACKWARD = jnp.float8_e5m2
+# model.fp8_grad: the cotangents' format in the backward's GEMMs, by name.
+GRAD_FORMATS = {'e5m2': BACKWARD, 'e4m3': FORWARD}
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+  """What a model's weight matmuls run on: `scaling`, model.fp8 ('none': the
+  compute dtype, no FP8), and `grad`, model.fp8_grad (the cotangents'
+  format, a GRAD_FORMATS name). What the layers pass to `einsum` and
+  `ragged_dot` as their `recipe` and `grad`."""
+
+  scaling: str = 'none'
+  grad: str = 'e5m2'
+
+  @property
+  def on(self) -> bool:
+    return self.scaling != 'none'
+
+
+# No FP8: the layers' default.
+NONE = Recipe()
 
 
 def einsum(
-  equation: str, x, w, dtype, recipe: str = 'tensorwise', probe=None, split=(), history=None
+  equation: str,
+  x,
+  w,
+  dtype,
+  recipe: str = 'tensorwise',
+  probe=None,
+  split=(),
+  history=None,
+  grad: str = 'e5m2',
 ):
   """einsum(equation, x, w) with FP8 operands, in `dtype`; gradients in x's and w's dtypes.
 
@@ -70,12 +101,20 @@ def einsum(
   (label, mesh axes) pairs, the manual axes each label's dimension is split
   over, so that an amax spanning it is a max over its shards too and every
   layout quantizes as one device does (outside one, GSPMD's `jnp.max` is
-  already whole)."""
+  already whole). `grad`: the cotangent's format (GRAD_FORMATS) in both
+  backward GEMMs, its casts' overflow counts and delayed's g row."""
   if history is not None and recipe != 'delayed':
     raise ValueError(f"a history is delayed scaling's; fp8 recipe {recipe!r} takes none")
   if history is None and recipe == 'delayed':
     recipe = 'tensorwise'
-  return _einsum(equation, jnp.dtype(dtype), recipe, tuple(split), x, w, probe, history)
+  g_dtype = _grad_dtype(grad)
+  return _einsum(equation, jnp.dtype(dtype), recipe, tuple(split), g_dtype, x, w, probe, history)
+
+
+def _grad_dtype(grad: str):
+  if grad not in GRAD_FORMATS:
+    raise ValueError(f'fp8 gradient format {grad!r}: one of {", ".join(GRAD_FORMATS)}')
+  return GRAD_FORMATS[grad]
 
 
 def quantize(t, q_dtype, axes: tuple[int, ...] | None = None, mesh_axes: tuple = ()):
@@ -179,9 +218,9 @@ def _gemm(equation: str, a, b, q_dtypes: tuple, recipe: str, dtype, split=(), sc
   return jnp.einsum(equation, *operands, preferred_element_type=dtype) * scale.astype(dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
-def _einsum(equation: str, dtype, recipe: str, split: tuple, x, w, probe, history):
-  del probe
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
+def _einsum(equation: str, dtype, recipe: str, split: tuple, g_dtype, x, w, probe, history):
+  del probe, g_dtype
   return _forward(equation, dtype, recipe, split, x, w, history)[0]
 
 
@@ -194,26 +233,27 @@ def _forward(equation: str, dtype, recipe: str, split: tuple, x, w, history):
   return _gemm(equation, x, w, (FORWARD, FORWARD), recipe, dtype, scales=scales), seen
 
 
-def _einsum_fwd(equation: str, dtype, recipe: str, split: tuple, x, w, probe, history):
+def _einsum_fwd(equation: str, dtype, recipe: str, split: tuple, g_dtype, x, w, probe, history):
+  del g_dtype
   out, seen = _forward(equation, dtype, recipe, split, x, w, history)
   return out, (x, w, probe, history, seen)
 
 
-def _einsum_bwd(equation: str, dtype, recipe: str, split: tuple, residuals, g):
+def _einsum_bwd(equation: str, dtype, recipe: str, split: tuple, g_dtype, residuals, g):
   x, w, probe, history, seen = residuals
   dx_equation, dw_equation = transposed(equation)
   if history is None:
-    dx = _gemm(dx_equation, g, w, (BACKWARD, FORWARD), recipe, dtype, split)
-    dw = _gemm(dw_equation, x, g, (FORWARD, BACKWARD), recipe, dtype, split)
-    casts = None if probe is None else _casts(equation, g, recipe)
+    dx = _gemm(dx_equation, g, w, (g_dtype, FORWARD), recipe, dtype, split)
+    dw = _gemm(dw_equation, x, g, (FORWARD, g_dtype), recipe, dtype, split)
+    casts = None if probe is None else _casts(equation, g, recipe, g_dtype)
     return _like(dx, x), _like(dw, w), casts, None
   # The forward's scales again (scalars of the same values), and g's from its own row.
   g_amax = amax(g)
   x_scale, w_scale = (delayed_scale(history[i], seen[i], FORWARD) for i in (0, 1))
-  g_scale = delayed_scale(history[2], g_amax, BACKWARD)
-  dx = _gemm(dx_equation, g, w, (BACKWARD, FORWARD), recipe, dtype, scales=(g_scale, w_scale))
-  dw = _gemm(dw_equation, x, g, (FORWARD, BACKWARD), recipe, dtype, scales=(x_scale, g_scale))
-  casts = None if probe is None else _casts(equation, g, recipe, g_scale)
+  g_scale = delayed_scale(history[2], g_amax, g_dtype)
+  dx = _gemm(dx_equation, g, w, (g_dtype, FORWARD), recipe, dtype, scales=(g_scale, w_scale))
+  dw = _gemm(dw_equation, x, g, (FORWARD, g_dtype), recipe, dtype, scales=(x_scale, g_scale))
+  casts = None if probe is None else _casts(equation, g, recipe, g_dtype, g_scale)
   return _like(dx, x), _like(dw, w), casts, observed(history, seen[0], seen[1], g_amax)
 
 
@@ -230,8 +270,8 @@ def observed(history, x_amax, w_amax, g_amax):
   return jnp.zeros_like(history).at[:, 0].set(jnp.stack([x_amax, w_amax, g_amax]))
 
 
-def _casts(equation: str, g, recipe: str, scale=None):
-  """(elements over E5M2's max, elements) of the cotangent's casts in the
+def _casts(equation: str, g, recipe: str, g_dtype, scale=None):
+  """(elements over g_dtype's max, elements) of the cotangent's casts in the
   backward's two GEMMs, each scaled along its own contracting axes (or by
   `scale`, delayed's, in both)."""
   ins, out = equation.split('->')
@@ -239,8 +279,8 @@ def _casts(equation: str, g, recipe: str, scale=None):
   for other in ins.split(','):
     # g's contracting axes in a backward GEMM: its labels not in that GEMM's output.
     axes = scaled_axes(out, other, recipe)
-    s = scale_of(amax(g, axes), BACKWARD) if scale is None else scale
-    counts = counts + overflow(g, s, BACKWARD)
+    s = scale_of(amax(g, axes), g_dtype) if scale is None else scale
+    counts = counts + overflow(g, s, g_dtype)
   return jnp.stack([counts, jnp.float32(2 * g.size)])
 
 
@@ -257,11 +297,11 @@ _einsum.defvjp(_einsum_fwd, _einsum_bwd)
 # each row's expert (`_row_groups`); rows past the groups give 0.
 
 
-def ragged_dot(x, w, sizes, dtype, recipe: str = 'tensorwise', split=()):
+def ragged_dot(x, w, sizes, dtype, recipe: str = 'tensorwise', split=(), grad: str = 'e5m2'):
   """jax.lax.ragged_dot(x [n, k], w [E, k, o], sizes [E]) with FP8 operands,
   in `dtype`; gradients in x's and w's dtypes, none for `sizes`.
 
-  As `einsum`: E4M3 operands forward, the cotangent E5M2 in both backward
+  As `einsum`: E4M3 operands forward, the cotangent in `grad` in both backward
   GEMMs, dx = ragged_dot(g, w^T) and dw = per expert x^T g (ragged_dot_general,
   the groups in the contracting rows); x and w kept as they arrive. `split`:
   (label, mesh axes) pairs for the labels 'n' (rows), 'e' (experts), 'k' and
@@ -271,7 +311,7 @@ def ragged_dot(x, w, sizes, dtype, recipe: str = 'tensorwise', split=()):
   experts keep no history (model/fp8_delayed.py's sites are the layer's
   dense matmuls)."""
   recipe = 'tensorwise' if recipe == 'delayed' else recipe
-  return _ragged(jnp.dtype(dtype), recipe, tuple(split), x, w, sizes)
+  return _ragged(jnp.dtype(dtype), recipe, tuple(split), _grad_dtype(grad), x, w, sizes)
 
 
 def _row_groups(sizes, n: int):
@@ -322,38 +362,39 @@ _PER_GROUP = jax.lax.RaggedDotDimensionNumbers(
 )
 
 
-def _ragged_weight_grad(x, g, sizes, groups, recipe: str, split, dtype):
-  """dw [E, k, o] = per group x^T g, x in E4M3 and g in E5M2."""
+def _ragged_weight_grad(x, g, sizes, groups, recipe: str, split, dtype, g_dtype):
+  """dw [E, k, o] = per group x^T g, x in E4M3 and g in `g_dtype`."""
   if recipe == 'rowwise':
     rows = _mesh(split, 'n')
     qx, sx = _per_group_rows(x, groups, sizes.shape[0], FORWARD, rows)  # [E, k]
-    qg, sg = _per_group_rows(g, groups, sizes.shape[0], BACKWARD, rows)  # [E, o]
+    qg, sg = _per_group_rows(g, groups, sizes.shape[0], g_dtype, rows)  # [E, o]
     scale = sx[:, :, None] * sg[:, None, :]
   else:
     qx, sx = quantize(x, FORWARD, None, _mesh(split, 'nek'))
-    qg, sg = quantize(g, BACKWARD, None, _mesh(split, 'neo'))
+    qg, sg = quantize(g, g_dtype, None, _mesh(split, 'neo'))
     scale = sx * sg
   dw = jax.lax.ragged_dot_general(qx, qg, sizes, _PER_GROUP, preferred_element_type=dtype)
   return dw * scale.astype(dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _ragged(dtype, recipe: str, split: tuple, x, w, sizes):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _ragged(dtype, recipe: str, split: tuple, g_dtype, x, w, sizes):
+  del g_dtype
   groups = _row_groups(sizes, x.shape[0])
   return _ragged_product(x, w, sizes, groups, (FORWARD, FORWARD), recipe, 'ko', split, dtype)
 
 
-def _ragged_fwd(dtype, recipe: str, split: tuple, x, w, sizes):
-  return _ragged(dtype, recipe, split, x, w, sizes), (x, w, sizes)
+def _ragged_fwd(dtype, recipe: str, split: tuple, g_dtype, x, w, sizes):
+  return _ragged(dtype, recipe, split, g_dtype, x, w, sizes), (x, w, sizes)
 
 
-def _ragged_bwd(dtype, recipe: str, split: tuple, residuals, g):
+def _ragged_bwd(dtype, recipe: str, split: tuple, g_dtype, residuals, g):
   x, w, sizes = residuals
   groups = _row_groups(sizes, x.shape[0])
   # g [n, o] through w^T [E, o, k]: its scales per row over o, w's per (expert, k).
   wt = jnp.swapaxes(w, 1, 2)
-  dx = _ragged_product(g, wt, sizes, groups, (BACKWARD, FORWARD), recipe, 'ok', split, dtype)
-  dw = _ragged_weight_grad(x, g, sizes, groups, recipe, split, dtype)
+  dx = _ragged_product(g, wt, sizes, groups, (g_dtype, FORWARD), recipe, 'ok', split, dtype)
+  dw = _ragged_weight_grad(x, g, sizes, groups, recipe, split, dtype, g_dtype)
   return _like(dx, x), _like(dw, w), None
 
 

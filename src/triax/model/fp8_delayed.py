@@ -5,7 +5,7 @@ A site is one FP8 einsum call in a layer, named by its kind
 attn_in_0, attn_in_1, attn_in_2 (q, k, v), attn_out_0, ... `sites` finds
 them by tracing the model once. Each keeps a history, fp32 [3, H] (H =
 model.fp8_amax_history): rows x and w (the forward's E4M3 operands) and g
-(the cotangent, E5M2), column 0 the newest step. The state is
+(the cotangent, in model.fp8_grad's format), column 0 the newest step. The state is
 {'layers': {site: [L, 3, H]}}, stacked over the layer stack as its weights
 are, so it lays out, shards and relayouts as they do (training/step.py).
 
@@ -15,8 +15,10 @@ the history's gradient (fp8.observed), and `updated` shifts each row one
 column and puts them in front: a step's scales depend only on the steps
 before it. Only the layer stack has sites (deepseek.py refuses delayed with
 its blocks outside it), and only a step with the state open (`with_state`)
-reads them; evaluation and sampling scale as tensorwise does. The pipeline
-executor does not carry them (config.FP8_DELAYED_PIPELINE_REFUSAL).
+reads them; evaluation and sampling scale as tensorwise does. Under the
+pipeline executor each chunk reads its own layers' histories (`staged`),
+and the executor keeps the max of what its micro-batches and replicas
+observed (its `observations`), which `updated` rolls in as here.
 """
 
 from __future__ import annotations
@@ -112,6 +114,19 @@ def with_state(objective):
     params, state = params_and_state
     with _set(_OPEN, _Open(state)):
       return objective(params, *args)
+
+  return run
+
+
+def staged(chunk):
+  """chunk(params, x, ...) -> chunk((params, histories), x, ...), its FP8
+  matmuls reading `histories` ({site: [layers, 3, H]}, the chunk's own
+  layers'): the pipeline executor's chunk function under delayed scaling."""
+
+  def run(params_and_histories, x, *args, **kwargs):
+    params, histories = params_and_histories
+    with _set(_OPEN, _Open({'layers': histories})):
+      return chunk(params, x, *args, **kwargs)
 
   return run
 

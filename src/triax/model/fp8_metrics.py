@@ -8,7 +8,7 @@ scale of the row holding the amax; the other rows' are smaller), maximised
 over its calls and layers, as fp8_{kind}_{x,w}_{amax,scale}. Overflow is
 the fraction of elements whose |value / scale| exceeds the FP8 format's max
 before `quantize` saturates them: fp8_overflow over the forward's E4M3
-operands, fp8_grad_overflow over the backward's E5M2 cotangents. Current
+operands, fp8_grad_overflow over the backward's cotangents (model.fp8_grad's format). Current
 scaling makes both 0 by construction (each scale comes from the very tensor
 it scales); they turn nonzero when a tensor holds an inf (the scale it
 shares falls back to 1: tensorwise, the whole tensor's; rowwise, its row's),

@@ -146,9 +146,9 @@ class Block(llama.Block):
     w_gate = param(self, 'w_gate', (d, f), ('embed', 'mlp'), 0.02, pdt)
     w_up = param(self, 'w_up', (d, f), ('embed', 'mlp'), 0.02, pdt)
     w_down = param(self, 'w_down', (f, d), ('mlp', 'embed'), llama.out_std(s), pdt)
-    gate, up = project(h, (w_gate, w_up), 'bsd,df->bsf', dt, s.remat, s.fp8)
+    gate, up = project(h, (w_gate, w_up), 'bsd,df->bsf', dt, s.remat, s.fp8_recipe)
     gate, up = (constrain(t, ('batch', 'seq', 'mlp')) for t in (gate, up))
-    return matmul('bsf,fd->bsd', geglu(gate, up), w_down, dt, s.remat, s.fp8)
+    return matmul('bsf,fd->bsd', geglu(gate, up), w_down, dt, s.remat, s.fp8_recipe)
 
 
 class Head(nn.Module):

@@ -83,7 +83,7 @@ class Block(nn.Module):
     w2 = param(self, 'w2', (s.d_ff, d), ('mlp', 'embed'), out_std, pdt)
 
     h = rms_norm(x, norm1, _NORM_EPS)
-    qkv = project(h, (wq, wk, wv), 'bsd,dnk->bsnk', dt, s.remat, s.fp8)
+    qkv = project(h, (wq, wk, wv), 'bsd,dnk->bsnk', dt, s.remat, s.fp8_recipe)
     q, k, v = (constrain(t, ('batch', 'seq', 'heads', 'kv')) for t in qkv)
     where = () if decode is not None else s.split_sequence(x.shape[1])
     a = causal_attention(
@@ -91,13 +91,13 @@ class Block(nn.Module):
     )
     if decode is not None:
       a, cache = a
-    x = x + constrain(matmul('bsnk,nkd->bsd', a, wo, dt, s.remat, s.fp8), RESIDUAL)
+    x = x + constrain(matmul('bsnk,nkd->bsd', a, wo, dt, s.remat, s.fp8_recipe), RESIDUAL)
 
     h = rms_norm(x, norm2, _NORM_EPS)
-    (u,) = project(h, (w1,), 'bsd,df->bsf', dt, s.remat, s.fp8)
+    (u,) = project(h, (w1,), 'bsd,df->bsf', dt, s.remat, s.fp8_recipe)
     u = constrain(u, ('batch', 'seq', 'mlp'))
     u = gelu(u)
-    x = x + constrain(matmul('bsf,fd->bsd', u, w2, dt, s.remat, s.fp8), RESIDUAL)
+    x = x + constrain(matmul('bsf,fd->bsd', u, w2, dt, s.remat, s.fp8_recipe), RESIDUAL)
     return x if decode is None else (x, cache)
 
 

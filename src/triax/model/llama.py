@@ -280,7 +280,7 @@ class Block(nn.Module):
     n, kv, hd = s.num_heads, s.kv_heads, s.head_dim
     wq, wk, wv, wo = weights
     cos, sin = self.rotary(s.positions(h.shape[1]) if decode is None else decode.positions, local)
-    q, k, v = project(h, (wq, wk, wv), 'bsd,dnk->bsnk', dt, s.remat, s.fp8)
+    q, k, v = project(h, (wq, wk, wv), 'bsd,dnk->bsnk', dt, s.remat, s.fp8_recipe)
     if s.qkv_bias:  # made after the block's other weights: a model without keeps its init values
       zeros = lambda name, shape, axes: self.param(  # noqa: E731
         name, nn.with_logical_partitioning(nn.initializers.zeros, axes), shape, pdt
@@ -310,7 +310,7 @@ class Block(nn.Module):
     cache = None
     if decode is not None:
       a, cache = a
-    out = matmul('bsnk,nkd->bsd', a, wo, dt, s.remat, s.fp8)
+    out = matmul('bsnk,nkd->bsd', a, wo, dt, s.remat, s.fp8_recipe)
     return out if decode is None else (out, cache)
 
   def rotary(self, positions, local):
@@ -342,9 +342,9 @@ class Block(nn.Module):
     w_gate = param(self, prefix + 'gate', (d, f), ('embed', 'mlp'), 0.02, pdt)
     w_up = param(self, prefix + 'up', (d, f), ('embed', 'mlp'), 0.02, pdt)
     w_down = param(self, prefix + 'down', (f, d), ('mlp', 'embed'), out_std(s), pdt)
-    gate, up = project(h, (w_gate, w_up), 'bsd,df->bsf', dt, s.remat, s.fp8)
+    gate, up = project(h, (w_gate, w_up), 'bsd,df->bsf', dt, s.remat, s.fp8_recipe)
     gate, up = (constrain(t, ('batch', 'seq', 'mlp')) for t in (gate, up))
-    return matmul('bsf,fd->bsd', swiglu(gate, up), w_down, dt, s.remat, s.fp8)
+    return matmul('bsf,fd->bsd', swiglu(gate, up), w_down, dt, s.remat, s.fp8_recipe)
 
 
 class Head(nn.Module):

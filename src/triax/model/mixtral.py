@@ -92,9 +92,9 @@ class Block(llama.Block):
     w_down = param(self, 'w_down', (e, f, d), ('experts', 'mlp', 'embed'), llama.out_std(s), pdt)
     routing = moe.route(h, router, s.experts_per_token, s.norm_topk_prob)
     if s.moe_dispatch == 'capacity':
-      out, dropped = moe.capacity(h, routing, w_gate, w_up, w_down, s.capacity_factor, s.fp8)
+      out, dropped = moe.capacity(h, routing, w_gate, w_up, w_down, s.capacity_factor, s.fp8_recipe)
     else:
-      out, dropped = moe.dropless(h, routing, w_gate, w_up, w_down, s.fp8), 0
+      out, dropped = moe.dropless(h, routing, w_gate, w_up, w_down, s.fp8_recipe), 0
     # Kept only when the caller asks for 'intermediates' (Mixtral.objective).
     self.sow('intermediates', 'router', moe.layer_stats(routing, dropped))
     if s.shared_experts:

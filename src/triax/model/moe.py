@@ -105,13 +105,13 @@ def route_biased(
 
 @dataclasses.dataclass(frozen=True)
 class ExpertGemms:
-  """How the routed experts' matmuls run: `fp8`, model.fp8's recipe ('none':
+  """How the routed experts' matmuls run: `fp8`, model.fp8's recipe (off:
   in the compute dtype, weights cast where used) and, for an FP8 amax that
   spans them, the manual mesh axes (inside a shard_map) splitting the rows
   (tokens, or capacity's buffer rows), the experts and their hidden columns
   (f), so that every layout quantizes as one device does (fp8.einsum's `split`)."""
 
-  fp8: str = 'none'
+  fp8: fp8_lib.Recipe = fp8_lib.NONE
   rows: tuple = ()
   experts: tuple = ()
   hidden: tuple = ()
@@ -124,7 +124,7 @@ def _swiglu_grouped(xs, sizes, w_gate, w_up, w_down, gemms: ExpertGemms):
   """Rows xs [n, d] sorted by expert, `sizes` [E] rows each: each group through
   its expert (weights cast to xs's dtype where used, `_grouped`; with
   gemms.fp8, FP8 grouped matmuls, fp8.ragged_dot)."""
-  if gemms.fp8 == 'none':
+  if not gemms.fp8.on:
     gate = _grouped(xs, w_gate, sizes)
     up = _grouped(xs, w_up, sizes)
     return _grouped(jax.nn.silu(gate) * up, w_down, sizes)
@@ -132,13 +132,14 @@ def _swiglu_grouped(xs, sizes, w_gate, w_up, w_down, gemms: ExpertGemms):
   split_in, split_out = common + (('o', gemms.hidden),), common + (('k', gemms.hidden),)
   # The figures' einsum labels: t the rows (a device's are its experts'), d and f the widths.
   labelled = (('t', gemms.rows + gemms.experts), ('e', gemms.experts), ('f', gemms.hidden))
+  scaling, grad = gemms.fp8.scaling, gemms.fp8.grad
   for w in (w_gate, w_up):
-    fp8_metrics.record(GROUPED_IN, xs, w, gemms.fp8, labelled)
-  gate = fp8_lib.ragged_dot(xs, w_gate, sizes, xs.dtype, gemms.fp8, split_in)
-  up = fp8_lib.ragged_dot(xs, w_up, sizes, xs.dtype, gemms.fp8, split_in)
+    fp8_metrics.record(GROUPED_IN, xs, w, scaling, labelled)
+  gate = fp8_lib.ragged_dot(xs, w_gate, sizes, xs.dtype, scaling, split_in, grad)
+  up = fp8_lib.ragged_dot(xs, w_up, sizes, xs.dtype, scaling, split_in, grad)
   hidden = jax.nn.silu(gate) * up
-  fp8_metrics.record(GROUPED_OUT, hidden, w_down, gemms.fp8, labelled)
-  return fp8_lib.ragged_dot(hidden, w_down, sizes, xs.dtype, gemms.fp8, split_out)
+  fp8_metrics.record(GROUPED_OUT, hidden, w_down, scaling, labelled)
+  return fp8_lib.ragged_dot(hidden, w_down, sizes, xs.dtype, scaling, split_out, grad)
 
 
 def _grouped(x, w, sizes):
@@ -227,9 +228,11 @@ def _axes(entry) -> tuple:
   return () if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry))
 
 
-def dropless(h, routing: Routing, w_gate, w_up, w_down, fp8: str = 'none') -> jax.Array:
+def dropless(
+  h, routing: Routing, w_gate, w_up, w_down, fp8: fp8_lib.Recipe = fp8_lib.NONE
+) -> jax.Array:
   """The experts' output [b, s, d] of h [b, s, d]: every assignment computed;
-  with `fp8` (model.fp8) other than none, each grouped matmul in FP8 (fp8.ragged_dot)."""
+  with `fp8` on (ModelSpec.fp8_recipe), each grouped matmul in FP8 (fp8.ragged_dot)."""
   # In their own dtype: each grouped matmul casts its weight (`_grouped`).
   ws = (w_gate, w_up, w_down)
   mesh = jax.sharding.get_abstract_mesh()
@@ -312,9 +315,11 @@ def capacity_of(seq_len: int, k: int, num_experts: int, factor: float) -> int:
   return max(1, math.ceil(factor * seq_len * k / num_experts))
 
 
-def capacity(h, routing: Routing, w_gate, w_up, w_down, factor: float, fp8: str = 'none'):
+def capacity(
+  h, routing: Routing, w_gate, w_up, w_down, factor: float, fp8: fp8_lib.Recipe = fp8_lib.NONE
+):
   """(the experts' output [b, s, d], assignments dropped) with capacity-bounded
-  buffers; with `fp8` (model.fp8) other than none, the experts' einsums in FP8
+  buffers; with `fp8` on (ModelSpec.fp8_recipe), the experts' einsums in FP8
   (fp8.einsum, the expert axis a batch label: one GEMM per expert)."""
   b, s, _ = h.shape
   num_experts, k = w_gate.shape[0], routing.experts.shape[-1]
@@ -339,18 +344,19 @@ def _swiglu_buffers(x, w_gate, w_up, w_down, gemms: ExpertGemms):
   """Buffers x [b, E, C, d] through their experts (w_* [E, ...], cast to x's
   dtype where used and again in the backward: `recast`; with gemms.fp8, FP8
   einsums, fp8.einsum)."""
-  if gemms.fp8 == 'none':
+  if not gemms.fp8.on:
     gate = recast(einsum_of(EXPERTS_IN), x, w_gate, x.dtype)
     up = recast(einsum_of(EXPERTS_IN), x, w_up, x.dtype)
     return recast(einsum_of(EXPERTS_OUT), jax.nn.silu(gate) * up, w_down, x.dtype)
   split = (('b', gemms.rows), ('e', gemms.experts), ('f', gemms.hidden))
+  scaling, grad = gemms.fp8.scaling, gemms.fp8.grad
   for w in (w_gate, w_up):
-    fp8_metrics.record(EXPERTS_IN, x, w, gemms.fp8, split)
-  gate = fp8_lib.einsum(EXPERTS_IN, x, w_gate, x.dtype, gemms.fp8, split=split)
-  up = fp8_lib.einsum(EXPERTS_IN, x, w_up, x.dtype, gemms.fp8, split=split)
+    fp8_metrics.record(EXPERTS_IN, x, w, scaling, split)
+  gate = fp8_lib.einsum(EXPERTS_IN, x, w_gate, x.dtype, scaling, split=split, grad=grad)
+  up = fp8_lib.einsum(EXPERTS_IN, x, w_up, x.dtype, scaling, split=split, grad=grad)
   hidden = jax.nn.silu(gate) * up
-  fp8_metrics.record(EXPERTS_OUT, hidden, w_down, gemms.fp8, split)
-  return fp8_lib.einsum(EXPERTS_OUT, hidden, w_down, x.dtype, gemms.fp8, split=split)
+  fp8_metrics.record(EXPERTS_OUT, hidden, w_down, scaling, split)
+  return fp8_lib.einsum(EXPERTS_OUT, hidden, w_down, x.dtype, scaling, split=split, grad=grad)
 
 
 def _buffers_through_experts(x, w_gate, w_up, w_down, gemms: ExpertGemms):

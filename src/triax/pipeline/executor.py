@@ -14,6 +14,8 @@ Invariants:
 - B and W together execute the fused backward's equations once each (split_backward.py);
 - with `data` manual, weight gradients accumulate unreduced and are summed over `data`
   once per step, after the scan;
+- with `observations`, what chunks observe (model.fp8=delayed's amaxes) is kept as the
+  max over micro-batches and replicas, never a sum;
 - with `offload_stash` the stash pool lives in host memory: an F's residual set is copied
   out at the end of its tick and copied back at the start of its B's and W's, at the
   tick's top level (not inside a `cond`), so the device holds about two sets.
@@ -194,11 +196,24 @@ def _all_reduce(x, axes: tuple[str, ...], sizes: dict[str, int], spec: P | None)
   split = lambda entry: math.prod(sizes[a] for a in ((entry,) if isinstance(entry, str) else entry))  # noqa: E731
   whole = spec is not None and all(entry is None or split(entry) == 1 for entry in spec)
   fits = [d for d in range(x.ndim) if x.shape[d] % (128 * n) == 0]
-  if n == 1 or not whole or not fits:
+  if n == 1:
+    return _invariant(x, axes)
+  if not whole or not fits:
     return jax.lax.psum(x, axes)
   dim = fits[-1]
   part = jax.lax.psum_scatter(x, axes, scatter_dimension=dim, tiled=True)
   return jax.lax.all_gather(part, axes, axis=dim, tiled=True, to='invarying')
+
+
+def _invariant(x, axes: tuple[str, ...]):
+  """x made invariant over manual `axes`, where every manual axis has one
+  device: nothing to sum, so an all-gather of one. A psum there, of a value
+  split over an automatic axis (a gradient split over `tensor` under
+  micro-batches alone), failed XLA's SPMD partitioner ('Cross-partition
+  allreduce must be in (partial) manual partitioning mode'; jax 0.10)."""
+  if not x.ndim:
+    return jax.lax.psum(x, axes)
+  return jax.lax.all_gather(x, axes, axis=0, tiled=True, to='invarying')
 
 
 def _scatter_rows(pool, mesh: Mesh):
@@ -247,6 +262,7 @@ def pipeline_loss_and_grad(
   edge_grads: str = 'auto',
   offload_stash: bool = False,
   chunk_first: tuple[int, ...] | None = None,
+  observations: bool = False,
 ):
   """Builds f(stage_params, edge_params, inputs, targets[, segments]).
 
@@ -283,6 +299,11 @@ def pipeline_loss_and_grad(
       between stages and waits in the message pool (Megatron's
       scatter/gather, e.g. P(None, None, 'tensor'): each tensor rank sends
       1/t of it, and the reader all-gathers it); None: as act_spec.
+    observations: stage_params is a pair (weights, observations), both laid
+      out alike and handed to the chunk function together; the second's
+      gradient is what a chunk observed (values >= 0, model.fp8=delayed's
+      amaxes: model/fp8_delayed.py), combined by max over the chunk's
+      micro-batches and over replicas rather than summed.
 
   Returns:
     f(stage_params, edge_params, inputs, targets) -> ((loss, (shares,
@@ -318,6 +339,7 @@ def pipeline_loss_and_grad(
     edge_specs=edge_specs,
     edge_grads=edge_grads,
     offload_stash=offload_stash,
+    observations=observations,
   )
   tables = _device_tables(program)
   info = {}
@@ -332,7 +354,7 @@ def pipeline_loss_and_grad(
     c, _ = jax.lax.scan(stage.tick, stage.initial_carry(), tables)
     if stage.after:
       c = stage.edge_gradients(c)
-    return _reduce_over_replicas(c, manual, mesh, edge_specs)
+    return _reduce_over_replicas(c, manual, mesh, edge_specs, observations)
 
   return PipelineStep(_per_stage(body, mesh, manual, data_axis, segments), info)
 
@@ -380,6 +402,7 @@ class _Setup:
   edge_specs: Any
   edge_grads: str
   offload_stash: bool
+  observations: bool
 
   def pin(self, x):
     return jax.lax.with_sharding_constraint(x, self.act_spec)
@@ -637,6 +660,11 @@ class _Stage:
     self.y_like = jax.ShapeDtypeStruct(y_probe.shape, y_probe.dtype)
     self.after = self._edge_grads_after_loop()
     self.host_stash = _HostStash(self.residuals.stash_shapes, setup.offload_stash)
+    # Per leaf of the stage's params, whether its gradient is an observation (a max).
+    self.maxed = [False] * len(jax.tree.leaves(local))
+    if setup.observations:
+      weights = len(jax.tree.leaves(local[0]))
+      self.maxed = [i >= weights for i in range(len(self.maxed))]
 
   def _edge_grads_after_loop(self) -> bool:
     s = self.setup
@@ -831,7 +859,7 @@ class _Stage:
     lane2 = dict(row, **row['lane2'])
     c, dx, cut = self.input_gradient(c, lane2)
     g_stage = self.residuals.split.w(
-      self.stashed_residuals(c, lane2), cut, acc=(c.g_stage, lane2['local'])
+      self.stashed_residuals(c, lane2), cut, (c.g_stage, lane2['local']), self.maxed
     )
     c, y, kept = self.forward_unstashed(dataclasses.replace(c, g_stage=g_stage), row)
     return c, (y, dx, kept)
@@ -988,7 +1016,7 @@ class _Stage:
     # Added into the stage's gradients as W makes them (layer by layer in
     # its scan): the chunk's gradients never exist on their own beside them.
     g_stage = self.residuals.split.w(
-      self.stashed_residuals(c, row), cut, acc=(c.g_stage, row['local'])
+      self.stashed_residuals(c, row), cut, (c.g_stage, row['local']), self.maxed
     )
     if self.setup.program.slots['cut'] == 1:
       # The one-slot pool handed back through W, ordered after it: XLA:TPU
@@ -1028,9 +1056,10 @@ class _Stage:
       return jax.lax.cond(row['move_recv'] >= 0, land, lambda c: c, c)
 
 
-def _reduce_over_replicas(c, manual, mesh: Mesh, edge_specs):
+def _reduce_over_replicas(c, manual, mesh: Mesh, edge_specs, observations: bool):
   """The step's only reductions: over every manual axis for the loss and the
-  replicated embedding/head, over `data` for the stage's own layers."""
+  replicated embedding/head, over `data` for the stage's own layers (a max
+  for their `observations`)."""
   replicas = manual[1:]
   loss = jax.lax.psum(c.loss, manual)
   sizes = dict(mesh.shape)
@@ -1047,7 +1076,11 @@ def _reduce_over_replicas(c, manual, mesh: Mesh, edge_specs):
     [_all_reduce(g, manual, sizes, spec) for g, spec in zip(leaves, specs, strict=True)]
   )
   g_stage = c.g_stage
-  if replicas:
+  if replicas and math.prod(sizes[a] for a in manual) == 1:
+    g_stage = jax.tree.map(lambda g: _invariant(g, replicas), g_stage)
+  elif replicas and observations:
+    g_stage = (jax.lax.psum(g_stage[0], replicas), jax.lax.pmax(g_stage[1], replicas))
+  elif replicas:
     g_stage = jax.lax.psum(g_stage, replicas)
   g_stage = jax.tree.map(lambda g: g[None], g_stage)
   shares, maxima = c.figures

@@ -265,11 +265,12 @@ def _run_b(plan: _Plan, invals: dict[int, Any]):
 def _run_w(plan: _Plan, invals: dict[int, Any], cuts, acc=None) -> dict[int, Any]:
   """Runs the W part from its inputs and B's cut: outputs need_w -> value.
 
-  With `acc` (outvar index -> (accumulator, index prefix)), those outputs are
-  added into their accumulators at `prefix` and the accumulators returned in
-  their place; where an output is a scan's stacked per-iteration values
-  (a layer stack's weight gradients), each iteration adds its own into the
-  accumulator inside the scan, so the stack never exists on its own.
+  With `acc` (outvar index -> (accumulator, index prefix, combine)), those
+  outputs are combined into their accumulators at `prefix` (`combine` 'add',
+  or 'max': `_combined`) and the accumulators returned in their place; where
+  an output is a scan's stacked per-iteration values (a layer stack's weight
+  gradients), each iteration combines its own into the accumulator inside
+  the scan, so the stack never exists on its own.
   """
   acc = acc or {}
   env = _env(plan, invals)
@@ -297,10 +298,16 @@ def _run_w(plan: _Plan, invals: dict[int, Any], cuts, acc=None) -> dict[int, Any
   for i in plan.need_w:
     value = _read(env, plan.jaxpr.outvars[i])
     if i in acc and i not in done:
-      total, prefix = acc[i]
-      value = total.at[prefix].add(value.astype(total.dtype))
+      total, prefix, combine = acc[i]
+      value = _combined(total, prefix, value, combine)
     out[i] = value
   return out
+
+
+def _combined(total, index: tuple, value, combine: str):
+  """total with `value` added into total[index] ('add') or taken where larger ('max')."""
+  at = total.at[index]
+  return (at.max if combine == 'max' else at.add)(value.astype(total.dtype))
 
 
 def _accumulated_in_scans(plan: _Plan, acc: dict) -> dict[tuple[int, int], int]:
@@ -453,8 +460,9 @@ class _Scan:
     return outs, (cuts, carried)
 
   def run_w(self, sub, eqn, invals, cuts, acc=None):
-    """The W scan; `acc` (output k -> (accumulator, prefix)): those stacked
-    outputs are added into accumulator[prefix + (iteration,)] as they are made."""
+    """The W scan; `acc` (output k -> (accumulator, prefix, combine)): those
+    stacked outputs are combined into accumulator[prefix + (iteration,)] as
+    they are made."""
     x, plan = sub.extra, sub.plans
     nc = _scan_counts(eqn)[0]
     consts = {i: invals[i] for i in x['consts_w']}
@@ -471,7 +479,7 @@ class _Scan:
       vals.update(zip(x['carries_cut'], carried))
       outs = _run_w(plan, vals, cut)
       totals = [
-        t.at[acc[k][1] + (index,)].add(outs[k].astype(t.dtype)) for k, t in zip(into, totals)
+        _combined(t, acc[k][1] + (index,), outs[k], acc[k][2]) for k, t in zip(into, totals)
       ]
       return ([outs[k] for k in x['kw']], totals), [outs[y] for y in stacked]
 
@@ -613,10 +621,12 @@ class SplitBackward:
       outs, cuts = _run_b(self._plan, invals)
     return outs[self._dx], (g if self._g_in_w else None, cuts)
 
-  def w(self, residuals, cut, acc=None):
+  def w(self, residuals, cut, acc=None, maxed=None):
     """The weight gradients; with acc = (gradient tree, index), added into
     the tree at `index` (its leaves are stacks of the weight gradients' shape
-    behind the index's dimensions) and the tree returned instead."""
+    behind the index's dimensions) and the tree returned instead. `maxed`:
+    per leaf of the tree, whether it keeps the larger of its value and the
+    gradient instead of their sum (None: none does)."""
     g, cuts = cut
     invals = {i: residuals[i] for i in self._plan.w_in if i < self._n_res}
     if self._g_in_w:
@@ -626,7 +636,8 @@ class SplitBackward:
       tree, index = acc
       prefix = tuple(index) if isinstance(index, tuple) else (index,)
       totals = jax.tree.leaves(tree)
-      acc = {i: (t, prefix) for i, t in enumerate(totals)}
+      maxed = maxed or [False] * len(totals)
+      acc = {i: (t, prefix, 'max' if m else 'add') for i, (t, m) in enumerate(zip(totals, maxed))}
     with cpu_dots.row_major(self._row_major):
       outs = _run_w(self._plan, invals, cuts, acc)
     leaves = [outs[i] for i in range(self._dx)]

@@ -495,11 +495,14 @@ def _loss_and_grad_pipelined(cfg, mesh: Mesh, model, spec, layout, program):
 
     return call
 
+  chunk = model.stage_chunk(m, (data_axis,) if data_axis else ())
+  delayed = spec.fp8 == 'delayed'
   fns = executor.StageFns(
     embed=inside(
       lambda edges, tokens, segments: model.embed(model.edge_params(edges)[0], tokens, segments)
     ),
-    chunk=inside(model.stage_chunk(m, (data_axis,) if data_axis else ())),
+    # Under delayed scaling a chunk's params come with its layers' amax histories.
+    chunk=inside(fp8_delayed.staged(chunk) if delayed else chunk),
     head_loss_and_grad=inside(model.head_loss_and_grad),
     loss_terms=model.head_loss_terms,
   )
@@ -523,21 +526,24 @@ def _loss_and_grad_pipelined(cfg, mesh: Mesh, model, spec, layout, program):
     edge_grads=cfg.pipeline.edge_grads,
     offload_stash=cfg.pipeline.offload_stash,
     chunk_first=_chunk_first(spec, layout),
+    observations=delayed,
   )
 
   def raw_loss_and_grad(params, inputs, targets, segments=None, fp8=None):
-    assert fp8 is None  # config.py refuses model.fp8=delayed under the executor
     # Micro-batch j takes rows j, j+m, ...: each micro-batch spans every data shard.
     split = lambda a: jnp.swapaxes(a.reshape((mb, m) + a.shape[1:]), 0, 1)  # noqa: E731
     # The first and last stages' params in one tree: a weight both use (tied
     # embeddings) has one gradient, both ends' contributions added into it.
     edges = {'embed': params['embed'], 'head': params['head']}
     docs = () if segments is None else (split(segments),)
-    (lm, figures), (g_layers, g_edges) = run(
-      params['layers'], edges, split(inputs), split(targets), *docs
-    )
+    stage = params['layers'] if fp8 is None else (params['layers'], fp8['layers'])
+    (lm, figures), (g_layers, g_edges) = run(stage, edges, split(inputs), split(targets), *docs)
+    if fp8 is not None:
+      # What every micro-batch and replica observed, its max (the executor's observations).
+      g_layers, observed = g_layers
+      fp8 = fp8_delayed.updated(fp8, {'layers': observed})
     loss, metrics = model.stage_objective(lm, *figures)
-    return loss, {**g_edges, 'layers': g_layers}, metrics, None
+    return loss, {**g_edges, 'layers': g_layers}, metrics, fp8
 
   return raw_loss_and_grad, run
 
