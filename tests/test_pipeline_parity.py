@@ -44,6 +44,9 @@ CASES += [
   # round (interleaved), and after it (zb_h1).
   ('interleaved_1f1b', (1, 1, 8), 2, 16, 'full', 16),
   ('zb_h1', (1, 1, 8), 1, 16, 'full', 8),
+  # Micro-batches on one stage, over tensor: every manual axis has one device
+  # (the reductions executor._invariant makes; a psum there failed to compile).
+  ('1f1b', (1, 2, 1), 1, 4, 'none', 4),
 ]
 # The fast tier's one pipelined program (both jax lines run it): the split
 # backward through the layer scan and remat, on the smallest pipe.
