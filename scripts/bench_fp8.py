@@ -2,7 +2,8 @@
 docs/bench_fp8.png and docs/bench_fp8.json (issue 55's numerics on CPU).
 
     .venv/bin/python scripts/bench_fp8.py [--steps=200] [--experiments=llama_tiny,mixtral_tiny]
-        [--recipes=none,tensorwise,rowwise,delayed] [--fp8_grads=e5m2,e4m3] [--spread] [--smoke]
+        [--recipes=none,tensorwise,rowwise,delayed] [--fp8_grads=e5m2,e4m3] [--spread] [--fp32]
+        [--smoke]
         [--out=docs/bench_fp8.md] [--report_only]
 
 Each named experiment (experiments/NAME.py, its own mesh and schedule) trains once per
@@ -15,7 +16,8 @@ median logged step time. --fp8_grads: the FP8 recipes' cotangent formats
 `RECIPE, e4m3 grads`. --spread adds bf16 once more on another layout of the same
 devices (`_other_layout`): the same arithmetic with its sums in another order, whose
 distance from bf16 is how far this experiment's eval loss moves under a perturbation
-that changes no precision, the yardstick an FP8 row is read against. The figure draws
+that changes no precision, the yardstick an FP8 row is read against. --fp32 adds recipe
+none with float32 compute: where bf16's own roundings take the loss. The figure draws
 each run's training loss, the recipes of an experiment overlaid, and each curve's
 difference to bf16's beneath.
 
@@ -46,6 +48,10 @@ from triax.training import metrics
 
 # The --spread run's key among an experiment's recipes: recipe none on another layout.
 SPREAD = 'none, other layout'
+# The --fp32 run's key: recipe none with float32 compute.
+FP32 = 'none, fp32 compute'
+# The rows an FP8 row is read against, with no verdict of their own.
+YARDSTICKS = (SPREAD, FP32)
 # One colour per recipe in both panels of the figure; its e4m3-gradient run dashed.
 COLORS = {
   'none': 'black',
@@ -53,6 +59,7 @@ COLORS = {
   'rowwise': 'tab:blue',
   'delayed': 'tab:green',
   SPREAD: 'gray',
+  FP32: 'tab:purple',
 }
 DEFAULT_EXPERIMENTS = ('llama_tiny', 'mixtral_tiny')
 # model.fp8_grad's default: a run in it is keyed by its recipe alone.
@@ -66,7 +73,7 @@ def _key(recipe: str, grad: str) -> str:
 
 def _parse(key: str) -> tuple[str, str]:
   """(model.fp8, model.fp8_grad) of a run's key (`_key`; SPREAD's is none's)."""
-  if key == SPREAD:
+  if key in YARDSTICKS:
     return 'none', DEFAULT_GRAD
   recipe, _, grad = key.partition(', ')
   return recipe, grad.removesuffix(' grads') or DEFAULT_GRAD
@@ -75,7 +82,7 @@ def _parse(key: str) -> tuple[str, str]:
 # The rows' order: bf16, its spread, then the FP8 recipes, each in every gradient format.
 ORDER = (
   'none',
-  SPREAD,
+  *YARDSTICKS,
   *(_key(r, g) for r in config.FP8_RECIPES[1:] for g in config.FP8_GRADS),
 )
 # The issue's bound on the FP8 eval loss's distance from bf16's, relative to bf16's.
@@ -96,6 +103,9 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
   )
   parser.add_argument(
     '--spread', action='store_true', help='also bf16 on another layout: its distance from bf16'
+  )
+  parser.add_argument(
+    '--fp32', action='store_true', help='also bf16 with float32 compute: where its roundings go'
   )
   parser.add_argument('--smoke', action='store_true', help="the experiments' :smoke configs")
   parser.add_argument('--out', default=None, help='the report (.md; .png and .json beside it)')
@@ -118,17 +128,19 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
   for recipe in args.recipes:
     if recipe not in config.FP8_RECIPES:
       fail('--recipes', f'unknown recipe {recipe!r}; choose from {", ".join(config.FP8_RECIPES)}')
-  if not args.recipes and not args.spread:
-    fail('--recipes', 'name at least one, e.g. none,rowwise (or --spread alone)')
+  if not args.recipes and not args.spread and not args.fp32:
+    fail('--recipes', 'name at least one, e.g. none,rowwise (or --spread or --fp32 alone)')
   args.fp8_grads = [g for g in args.fp8_grads.split(',') if g]
   for grad in args.fp8_grads:
     if grad not in config.FP8_GRADS:
       fail('--fp8_grads', f'unknown format {grad!r}; choose from {", ".join(config.FP8_GRADS)}')
   if not args.fp8_grads:
     fail('--fp8_grads', 'name at least one, e.g. e5m2')
-  args.runs = [
-    _key(r, g) for r in args.recipes for g in ([DEFAULT_GRAD] if r == 'none' else args.fp8_grads)
-  ] + [SPREAD] * args.spread
+  args.runs = (
+    [_key(r, g) for r in args.recipes for g in ([DEFAULT_GRAD] if r == 'none' else args.fp8_grads)]
+    + [SPREAD] * args.spread
+    + [FP32] * args.fp32
+  )
   if args.spread:
     for name in args.experiments:
       if not _other_layout(_config(name, args.smoke)):
@@ -192,7 +204,7 @@ def _other_layout(c) -> dict:
 
 def _train(name: str, run: str, steps: int, smoke: bool, workdir: str) -> dict:
   """One run's figures from its metrics.jsonl: the curves and the median step time.
-  `run`: a key of `_key`'s, or SPREAD (none on `_other_layout`)."""
+  `run`: a key of `_key`'s, SPREAD (none on `_other_layout`) or FP32."""
   c = _config(name, smoke)
   recipe, grad = _parse(run)
   layout = _other_layout(c) if run == SPREAD else {}
@@ -201,7 +213,7 @@ def _train(name: str, run: str, steps: int, smoke: bool, workdir: str) -> dict:
   overrides = {
     **layout,
     'train.steps': steps,
-    'model.dtype': 'bfloat16',
+    'model.dtype': 'float32' if run == FP32 else 'bfloat16',
     'model.param_dtype': 'float32',
     'model.fp8': recipe,
     **({} if grad == DEFAULT_GRAD else {'model.fp8_grad': grad}),
@@ -256,7 +268,7 @@ def _row(name: str, recipe: str, run: dict, ref: dict | None) -> str:
   else:
     rel = loss / ref['eval'][-1][1] - 1
     versus, verdict = f'{rel:+.2%}', 'PASS' if abs(rel) <= TOLERANCE else 'over'
-    verdict = '-' if recipe == SPREAD else verdict  # the yardstick, not a candidate
+    verdict = '-' if recipe in YARDSTICKS else verdict  # a yardstick, not a candidate
   # Seconds from different invocations met different loads: compare within one only.
   same = ref is not None and ref['invocation'] == run['invocation']
   ratio = f'{run["step_time_s"] / ref["step_time_s"]:.2f}x' if same else '-'
@@ -293,6 +305,10 @@ def _doc(runs: dict, png: str) -> str:
     'arithmetic with its sums in another order. Its distance from bf16 is what a '
     'perturbation that changes no precision does to this eval loss: an FP8 row no '
     'further off is as close to bf16 as bf16 is to itself.',
+    '',
+    f'{FP32} (where present): recipe none with model.dtype=float32, the same run without '
+    "bf16's roundings: which side of bf16 the exact arithmetic lies, for an FP8 row that "
+    'ends below it.',
     '',
     'RECIPE, e4m3 grads (where present): the same recipe with model.fp8_grad=e4m3, the '
     "backward's cotangents in E4M3 (3 mantissa bits, max 448) rather than E5M2 (2 bits, max "
@@ -336,15 +352,17 @@ def _plot(runs: dict, path: str) -> None:
       if recipe not in recipes:
         continue
       steps, losses = zip(*recipes[recipe]['loss'])
-      label = {'none': 'bf16', SPREAD: 'bf16, other layout'}.get(recipe, f'fp8 {recipe}')
+      label = {'none': 'bf16', SPREAD: 'bf16, other layout', FP32: 'fp32 compute'}.get(
+        recipe, f'fp8 {recipe}'
+      )
       scaling, grad = _parse(recipe)
       style = {
         'linewidth': 1,
-        'color': COLORS[SPREAD if recipe == SPREAD else scaling],
+        'color': COLORS[recipe if recipe in YARDSTICKS else scaling],
         'linestyle': '-' if grad == DEFAULT_GRAD else '--',
       }
       top.plot(steps, losses, label=label, **style)
-      if recipe != 'none' and ref:  # FP8's distance from bf16, and bf16's own (SPREAD)
+      if recipe != 'none' and ref:  # FP8's distance from bf16, and the yardsticks'
         diff = [(s, v - ref[s]) for s, v in zip(steps, losses) if s in ref]
         bottom.plot(*zip(*diff), label=label, **style)
     top.set_title(f'{name}: training loss')

@@ -179,5 +179,23 @@ def test_each_fp8_recipe_runs_once_per_gradient_format_and_bf16_once(monkeypatch
   assert '--config.model.fp8_grad=e4m3' in seen[0]
 
 
+@pytest.mark.fast
+def test_fp32_is_bf16s_run_in_float32_and_no_candidate(monkeypatch, tmp_path):
+  """--fp32's run: recipe none with model.dtype=float32 on the experiment's
+  own layout; its row gives its distance from bf16 and no verdict."""
+  bench = harness.load_script('bench_fp8')
+  assert bench._args(['--recipes=', '--fp32', '--smoke']).runs == [bench.FP32]
+  seen = []
+  monkeypatch.setattr(bench, 'run_python', lambda argv, **_: seen.append(argv) or _Failed())
+  with pytest.raises(SystemExit):
+    bench._train('llama_tiny', bench.FP32, 4, True, '/nonexistent')
+  assert '--config.model.dtype=float32' in seen[0] and '--config.model.fp8=none' in seen[0]
+  assert not any(a.startswith('--config.mesh.') for a in seen[0])
+  run = {'mesh': 'data 8', 'loss': [[1, 5.0]], 'step_time_s': 0.1, 'invocation': 'a'}
+  recipes = {'none': {**run, 'eval': [[1, 4.0]]}, bench.FP32: {**run, 'eval': [[1, 3.9]]}}
+  doc = bench._doc({'llama_tiny': {'steps': 200, 'recipes': recipes}}, str(tmp_path / 'f.png'))
+  assert _rows(doc, 'llama_tiny')[bench.FP32][4:6] == ['-2.50%', '-']
+
+
 class _Failed:
   returncode, stderr = 1, 'stopped by the test'
