@@ -125,7 +125,7 @@ def defaults() -> ml_collections.ConfigDict:
   c.model.fp8 = 'none'
   # The FP8 backward's cotangents (only with model.fp8): e5m2 (2 mantissa bits, max 57344: the
   # recipe of Transformer Engine's HYBRID and torchao's tensorwise) or e4m3 (3 bits, max 448:
-  # DeepSeek-V3's, and what mixtral_tiny's routed experts need, docs/bench_fp8.md).
+  # DeepSeek-V3's; mixtral_tiny's tensorwise run stays near bf16 with it, docs/bench_fp8.md).
   c.model.fp8_grad = 'e5m2'
   # model.fp8=delayed's history length in steps (only with delayed): TE's and flax's default.
   c.model.fp8_amax_history = 1024
