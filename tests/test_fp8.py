@@ -222,6 +222,8 @@ def test_e4m3_cotangents_keep_three_mantissa_bits_in_both_backward_gemms(recipe)
   assert all(a < b for a, b in zip(errors['e4m3'], errors['e5m2'])), errors
   with pytest.raises(ValueError, match="fp8 gradient format 'e3m4'"):
     fp8.einsum(equation, x, w, jnp.float32, recipe, grad='e3m4')
+  # config.py keeps its own list (it imports no JAX): the same names, the default first.
+  assert config.FP8_GRADS == tuple(fp8.GRAD_FORMATS)
 
 
 @pytest.mark.fast
