@@ -204,9 +204,12 @@ def test_dropless_on_gpus_is_priced_as_xla_gpu_runs_it():
 
 # The CUDA plugin the test extra installs (scripts/env.sh), as tests/test_gpu_topology.py's.
 PLUGIN = os.path.join(sys.prefix, 'xla-cuda', 'jax_plugins', 'xla_cuda12', 'xla_cuda_plugin.so')
-# DeepSeek-V2-Lite's shape with V3's routing cut to its dense block and three MoE blocks, 1024
+# DeepSeek-V2-Lite's shape with V3's routing cut to its dense block and three MoE blocks, 512
 # tokens: `triax plan --verify`'s compile of the whole shape takes 10 to 20 minutes here.
-VERIFY_ARG = 'lite,batch=8,attention=xla,layers=4,seq=1024'
+# (Measured alone: XLA:TPU's compile is 107 s at 512 tokens, 152 s at 1024, and the same
+# with 16 routed experts as with the 64; the planner / XLA ratios at 512: 1.010 on v5p,
+# 1.073 and 1.037 on h100:8.)
+VERIFY_ARG = 'lite,batch=8,attention=xla,layers=4,seq=512'
 VERIFY_LAYOUT = 'd8,e8,zero1,remat=full'
 
 
@@ -247,4 +250,5 @@ def test_the_planners_memory_is_within_ten_percent_of_xla(tmp_path, topology_nam
   state = parts['params'] + parts['moments']
   assert stats['argument_bytes'] == pytest.approx(state, rel=1e-3)
   compiled = stats['argument_bytes'] + stats['temp_heap_bytes']
+  print(topology_name, dispatch, parts['step'] / compiled)
   assert 0.9 <= parts['step'] / compiled <= 1.1, (parts['step'], compiled)
