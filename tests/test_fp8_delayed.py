@@ -135,14 +135,15 @@ def test_delayed_trains_as_fp32_does_and_alike_on_every_layout():
 # micro-batches: each chunk reads its layers' histories and the step keeps the
 # max of what its micro-batches and replicas saw. zb_v splits each backward into
 # B and W and runs two chunks a stage; data 2 is manual there, the max over it
-# a pmax. Tensor without grouped-query attention (kv heads = heads): with it,
-# tensorwise too ends its first backward 2.5% of a leaf's largest gradient away
-# from one device's under the executor and tensor 2 (4 layers; 5.0% at 8), with
-# the loss equal and whatever scale K's cotangent takes, so not the scales:
-# elements that land on the other side of an FP8 rounding (an E5M2 step is 25%)
-# after the layouts' fp32 sums, which that model's shapes make frequent. The first
-# step scales by each micro-batch's own amax (the histories are empty), so the
-# losses follow one device's within FP8_LAYOUTS (measured 6e-7 over 3 steps).
+# a pmax. Tensor without grouped-query attention (kv heads = heads): with one
+# K/V head per tensor shard (kv heads 2 over tensor 2) tensorwise too ends its
+# first backward 2.5% of a leaf's largest gradient away from one device's
+# accumulation of the same micro-batches, under the executor only (4 layers and
+# more; 1 and 2 are exact, as are 2 K/V heads a shard), in a third of some
+# leaves' elements and the last layer's down projection included, with the loss
+# equal: an open defect, not rounding. The first step scales by each
+# micro-batch's own amax (the histories are empty), so the losses follow one
+# device's within FP8_LAYOUTS (measured 6e-7 over 3 steps).
 PIPELINED = {
   'zbv-p2-d2': {
     'mesh.pipe': 2,
