@@ -135,15 +135,15 @@ def test_delayed_trains_as_fp32_does_and_alike_on_every_layout():
 # micro-batches: each chunk reads its layers' histories and the step keeps the
 # max of what its micro-batches and replicas saw. zb_v splits each backward into
 # B and W and runs two chunks a stage; data 2 is manual there, the max over it
-# a pmax. Tensor without grouped-query attention (kv heads = heads): with one
-# K/V head per tensor shard (kv heads 2 over tensor 2) tensorwise too ends its
-# first backward 2.5% of a leaf's largest gradient away from one device's
-# accumulation of the same micro-batches, under the executor only (4 layers and
-# more; 1 and 2 are exact, as are 2 K/V heads a shard), in a third of some
-# leaves' elements and the last layer's down projection included, with the loss
-# equal: an open defect, not rounding. The first step scales by each
-# micro-batch's own amax (the histories are empty), so the losses follow one
-# device's within FP8_LAYOUTS (measured 6e-7 over 3 steps).
+# a pmax. On tensor 2 each shard holds one of the two K/V heads (grouped-query
+# attention). The first step scales by each micro-batch's own amax (the histories
+# are empty), so the losses follow one device's within FP8_LAYOUTS (measured 6e-7
+# over 3 steps). That layout holds only under the suite's XLA:CPU flags
+# (conftest.TEST_XLA_FLAGS, LLVM -O0): compiled at XLA:CPU's default -O2, the
+# executor's FP8 gradients on it end 2.5% of a leaf's largest away from the same
+# micro-batches accumulated without the executor (a third of some leaves'
+# elements, 4 layers or more; -O0 4.5e-7; the same under Shardy and GSPMD, either
+# fusion emitter; 2 K/V heads a shard, or none of FP8, agree at -O2 too).
 PIPELINED = {
   'zbv-p2-d2': {
     'mesh.pipe': 2,
@@ -151,7 +151,7 @@ PIPELINED = {
     'pipeline.schedule': 'zb_v',
     'pipeline.virtual_stages': 2,
   },
-  'p2-t2-mha': {'mesh.pipe': 2, 'mesh.tensor': 2, 'model.num_kv_heads': 8},
+  'p2-t2': {'mesh.pipe': 2, 'mesh.tensor': 2},
 }
 
 
@@ -161,8 +161,7 @@ def test_delayed_under_the_pipeline_keeps_the_max_over_micro_batches():
   the rest to fp32's sums), not their sum; then training goes on as there."""
   delayed = {'model.fp8': 'delayed', 'model.fp8_amax_history': 4}
   for name, layout in PIPELINED.items():
-    heads = {'model.num_kv_heads': layout.get('model.num_kv_heads', 2)}
-    one, one_first = _trained(_llama(**delayed, **heads), 3)
+    one, one_first = _trained(_llama(**delayed), 3)
     split, split_first = _trained(_llama(**delayed, **layout, **{'pipeline.microbatches': 4}), 3)
     print(name, one, split)
     for a, b in zip(one, split):
